@@ -1,0 +1,53 @@
+"""eqx-zoo: Equinox models whose multi-device training step holds one gradient all-reduce.
+
+The path a model takes: annotate (`zoo.field`) → rules (`zoo.rules`) → place
+(`zoo.shard`) → `zoo.TrainStep` (reduced cast → scan over microbatches → one all-reduce
+→ optax update) → check the compiled step (`zoo.collectives`).
+"""
+
+from . import nn
+from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
+from ._batch import check_batch, split_microbatches
+from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
+from ._reduced import (
+    manual_specs,
+    pcast_unreduced,
+    pcast_varying,
+    reduce_unreduced,
+    reduced_cast,
+    unreduced_zeros,
+)
+from ._rules import LOGICAL_AXES, RULE_PRESETS, partition_specs, rules, shard, spec_for
+from ._step import TrainStep, partition_trainable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "LAYERS",
+    "LOGICAL_AXES",
+    "RULE_PRESETS",
+    "Collective",
+    "LogicalAxes",
+    "TrainStep",
+    "check_batch",
+    "collectives",
+    "count",
+    "field",
+    "logical_axes",
+    "manual_specs",
+    "nn",
+    "partition_specs",
+    "partition_trainable",
+    "pcast_unreduced",
+    "pcast_varying",
+    "reduce_unreduced",
+    "reduced_cast",
+    "report",
+    "rules",
+    "shard",
+    "spec_for",
+    "split_microbatches",
+    "stacked_field",
+    "unreduced_zeros",
+]

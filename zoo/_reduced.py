@@ -1,0 +1,149 @@
+"""Filtered transforms between plain, reduced and unreduced leaves.
+
+Explicit mode: `reduced_cast` (free) → gradients come out unreduced → `unreduced_zeros`
+starts the accumulator → `reduce_unreduced` is the one all-reduce.
+Manual mode (`jax.shard_map`): `manual_specs` for in/out specs, `pcast_varying` at the top
+of the body (free), `pcast_unreduced` on the way out (free).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+FilterSpec = bool | Callable[[Any], bool] | Any
+
+
+def _axes_set(axes: str | Iterable[str]) -> frozenset[str]:
+    return frozenset((axes,) if isinstance(axes, str) else axes)
+
+
+def _spec(x: jax.Array) -> P:
+    sharding = jax.typeof(x).sharding
+    return sharding.spec if sharding is not None else P()
+
+
+def plain_spec(x: jax.Array) -> P:
+    """`x`'s `PartitionSpec`, one entry per dimension, reduced/unreduced dropped."""
+    parts = tuple(_spec(x).partitions)
+    return P(*parts, *([None] * (x.ndim - len(parts))))
+
+
+def _map_selected(fn, tree: Any, filter_spec: FilterSpec) -> Any:
+    selected, rest = eqx.partition(tree, filter_spec)
+    selected = jax.tree.map(lambda x: fn(x) if eqx.is_array(x) else x, selected)
+    return eqx.combine(selected, rest)
+
+
+def reduced_cast(tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *, axes="data") -> Any:
+    """Cast the selected array leaves to *reduced* over mesh `axes` (no data moves).
+
+    **Arguments:**
+
+    - `tree`: a pytree of global arrays (a model or a partition of one).
+    - `filter_spec`: which leaves, as in `eqx.partition` (a bool pytree prefix or a
+      callable on leaves). Unselected leaves are returned unchanged.
+    - `axes`: the data-parallel mesh axis name(s).
+
+    **Returns:** the same pytree; selected leaves are typed `{R:axes}`, so `jax.grad`
+    returns their gradients *unreduced* (`{U:axes}`) instead of all-reducing them.
+    """
+    axes = _axes_set(axes)
+
+    def cast(x):
+        spec = _spec(x)
+        return jax.reshard(x, P(*plain_spec(x), reduced=set(spec.reduced) | axes))
+
+    return _map_selected(cast, tree, filter_spec)
+
+
+def unreduced_zeros(tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *, axes="data") -> Any:
+    """Zeros shaped like the selected leaves, typed *unreduced* over `axes`.
+
+    The starting value of a gradient accumulator: adding unreduced gradients to it keeps
+    it unreduced, so a `lax.scan` carry of it holds no all-reduce. Unselected leaves are
+    replaced by `None`.
+    """
+    axes = _axes_set(axes)
+    selected, _ = eqx.partition(tree, filter_spec)
+
+    def zeros(x):
+        return jax.reshard(jnp.zeros(x.shape, x.dtype), P(*plain_spec(x), unreduced=axes))
+
+    return jax.tree.map(lambda x: zeros(x) if eqx.is_array(x) else None, selected)
+
+
+def reduce_unreduced(tree: Any, out_specs: Any = None) -> Any:
+    """All-reduce every unreduced leaf of `tree` into a plain array: the one collective.
+
+    **Arguments:**
+
+    - `tree`: a pytree whose array leaves are typed unreduced.
+    - `out_specs`: optional pytree of target `PartitionSpec`s (e.g. sharded on `data` for a
+      ZeRO-style reduce-scatter). Defaults to each leaf's own spec without `unreduced`.
+
+    **Returns:** the reduced pytree. All leaves go through a single `jax.reshard`, which
+    XLA lowers to one (tuple) all-reduce.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    if out_specs is None:
+        specs = [plain_spec(x) for x in leaves]
+    else:
+        specs = jax.tree.leaves(out_specs, is_leaf=lambda s: isinstance(s, P))
+    return jax.tree.unflatten(treedef, jax.reshard(leaves, specs))
+
+
+def manual_specs(tree: Any, *, axes="data", state: str = "reduced") -> Any:
+    """`shard_map` in/out specs for the array leaves of `tree` over manual `axes`.
+
+    Each leaf's spec keeps the non-manual mesh axes of its annotation and adds
+    `reduced=axes` (for parameters going in) or `unreduced=axes` (for gradients coming out).
+    Leaves sharded *over* a manual axis cannot be reduced over it: that is an error.
+    """
+    axes = _axes_set(axes)
+    if state not in ("reduced", "unreduced"):
+        raise ValueError(f"state must be 'reduced' or 'unreduced', got {state!r}")
+
+    def one(x):
+        spec = plain_spec(x)
+        for entry in spec:
+            names = (entry,) if isinstance(entry, str) else (entry or ())
+            if axes & set(names):
+                raise ValueError(
+                    f"a leaf of shape {x.shape} is sharded over {sorted(axes & set(names))} "
+                    f"(spec {spec}); shard_map mode needs parameters replicated over the data "
+                    "axes. Use mode='explicit' for sharded (FSDP-style) parameters."
+                )
+        # Inside shard_map, only manual axes may appear in specs.
+        return P(*([None] * len(spec)), **{state: axes})
+
+    return jax.tree.map(one, tree)
+
+
+def pcast_varying(tree: Any, *, axes="data") -> Any:
+    """Inside `shard_map`: cast reduced (or invariant) leaves to varying over `axes` (free).
+
+    Needed before a reduced leaf enters a scan with varying values; its transpose is the
+    free varying→unreduced cast, so gradients w.r.t. the result need no psum.
+    """
+    axes = tuple(sorted(_axes_set(axes)))
+
+    def one(x):
+        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def pcast_unreduced(tree: Any, *, axes="data") -> Any:
+    """Inside `shard_map`: declare varying per-device partial sums unreduced (free)."""
+    axes = tuple(sorted(_axes_set(axes)))
+    return jax.tree.map(lambda x: lax.pcast(pcast_varying(x, axes=axes), axes, to="unreduced"), tree)

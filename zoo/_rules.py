@@ -1,0 +1,179 @@
+"""Rules that map logical axes to mesh axes, and placing a model on a mesh."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._axes import LogicalAxes, logical_axes, path_str
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = Mapping[str, MeshAxes]
+
+# Every logical axis name the zoo's own modules use. A preset maps each of them.
+LOGICAL_AXES = (
+    "batch",  # activations: the global batch
+    "seq",  # activations: sequence positions
+    "layers",  # leading axis of stacked (scanned) layers
+    "embed",  # model width
+    "mlp",  # hidden width of feed-forward / MLP layers
+    "vocab",  # vocabulary (embedding rows, output head columns)
+)
+
+_PRESETS: dict[str, dict[str, MeshAxes]] = {
+    # Pure data parallelism: every parameter replicated, the batch split over `data`.
+    "dp": {name: None for name in LOGICAL_AXES} | {"batch": "data"},
+}
+
+
+def rules(preset: str = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
+    """A copy of a named preset of sharding rules, optionally with some axes overridden.
+
+    **Arguments:**
+
+    - `preset`: one of `zoo.RULE_PRESETS` (`"dp"`: parameters replicated, batch on `data`).
+    - `overrides`: logical axis → mesh axis (or tuple of mesh axes, or `None`).
+
+    **Returns:** a plain `dict` a user can print, copy and edit.
+    """
+    if preset not in _PRESETS:
+        raise ValueError(
+            f"unknown rules preset {preset!r}; the presets are {sorted(_PRESETS)}. "
+            "Pass one of them, or build your own dict of logical axis -> mesh axis."
+        )
+    return dict(_PRESETS[preset]) | dict(overrides)
+
+
+RULE_PRESETS = tuple(_PRESETS)
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    if isinstance(mesh_axes, str):
+        return (mesh_axes,)
+    return tuple(mesh_axes)
+
+
+def spec_for(
+    names: tuple[str | None, ...],
+    rules: Rules,
+    *,
+    shape: tuple[int, ...] | None = None,
+    mesh: Any = None,
+    where: str = "array",
+) -> P:
+    """The `PartitionSpec` for one array with these logical axes under `rules`.
+
+    Checks (with errors that name `where` and the fix) that every logical axis has a
+    rule, that no mesh axis is used twice, and, when `mesh` is given, that every mesh axis
+    exists and divides its dimension.
+    """
+    entries: list[MeshAxes] = []
+    used: dict[str, str | None] = {}
+    for dim, name in enumerate(names):
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(
+                f"{where}: logical axis {name!r} has no sharding rule. Known logical axes in "
+                f"these rules: {sorted(rules)}. Add {name!r} to the rules, e.g. "
+                f"rules[{name!r}] = None to replicate it or = 'data' to shard it."
+            )
+        mesh_axes = _as_tuple(rules[name])
+        for ax in mesh_axes:
+            if ax in used:
+                raise ValueError(
+                    f"{where}: mesh axis {ax!r} is used by logical axes {used[ax]!r} and "
+                    f"{name!r} of the same array; a mesh axis can shard only one dimension. "
+                    f"Map one of them to None (or another mesh axis) in the rules."
+                )
+            used[ax] = name
+        if mesh is not None and mesh_axes:
+            missing = [ax for ax in mesh_axes if ax not in mesh.shape]
+            if missing:
+                raise ValueError(
+                    f"{where}: rules map logical axis {name!r} to mesh axes {missing} that the "
+                    f"mesh {dict(mesh.shape)} does not have. Build the mesh with those axes or "
+                    f"map {name!r} to one of {list(mesh.shape)} (or None)."
+                )
+            size = math.prod(mesh.shape[ax] for ax in mesh_axes)
+            if shape is not None and shape[dim] % size != 0:
+                raise ValueError(
+                    f"{where}: dimension {dim} ({name!r}) has size {shape[dim]}, which mesh "
+                    f"axes {mesh_axes} (size {size}) do not divide. Choose a size divisible by "
+                    f"{size}, or map {name!r} to None to replicate it."
+                )
+        entries.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return P(*entries)
+
+
+def partition_specs(model: Any, rules: Rules, mesh: Any = None) -> Any:
+    """The `PartitionSpec` of every array leaf of `model` under `rules`.
+
+    **Arguments:**
+
+    - `model`: a pytree whose array fields carry `zoo.field(axes=...)` annotations.
+    - `rules`: logical axis → mesh axes (see `zoo.rules`).
+    - `mesh`: if given (a `Mesh` or `AbstractMesh`), also check that the mesh has the axes
+      and that they divide the dimensions they shard.
+
+    **Returns:** a pytree like `model` with a `PartitionSpec` at each array leaf and `None`
+    elsewhere.
+    """
+    axes = logical_axes(model)
+
+    def one(path, leaf, names):
+        if names is None:
+            return None
+        return spec_for(names.names, rules, shape=leaf.shape, mesh=mesh, where=path_str(path))
+
+    return jax.tree_util.tree_map_with_path(
+        one, model, axes, is_leaf=lambda x: x is None or isinstance(x, LogicalAxes)
+    )
+
+
+def _concrete_mesh(mesh: Any) -> Any:
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+        raise ValueError(
+            "no mesh to place the model on: pass mesh=... or call this under "
+            "`with jax.set_mesh(mesh):`."
+        )
+    return mesh
+
+
+def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
+    """Place every array leaf of `model` on `mesh` with the sharding its annotations ask for.
+
+    **Arguments:**
+
+    - `model`: an annotated pytree (host arrays or arrays on any devices).
+    - `rules`: logical axis → mesh axes.
+    - `mesh`: a concrete `jax.sharding.Mesh`; defaults to the one set by `jax.set_mesh`.
+
+    **Returns:** the same pytree with each array a global `jax.Array` laid out on the mesh.
+    """
+    mesh = _concrete_mesh(mesh)
+    specs = partition_specs(model, rules, mesh)
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def put(x, spec):
+        return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+
+    placed = jax.tree.map(put, arrays, specs, is_leaf=lambda x: x is None)
+    return eqx.combine(placed, static)
+
+
+def batch_spec(ndim: int, data_axes: tuple[str, ...]) -> P:
+    """`PartitionSpec` of a batch-leading array: dim 0 on the data axes, the rest replicated."""
+    first = data_axes[0] if len(data_axes) == 1 else data_axes
+    return P(first, *([None] * (ndim - 1)))

@@ -1,0 +1,269 @@
+"""The training step: reduced cast → scan over microbatches → one all-reduce → optax."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ._batch import (
+    check_batch,
+    data_axes_tuple,
+    data_parallel_size,
+    require_explicit,
+    shard_batch,
+    split_local_microbatches,
+    split_microbatches,
+)
+from ._reduced import (
+    FilterSpec,
+    manual_specs,
+    pcast_unreduced,
+    pcast_varying,
+    reduce_unreduced,
+    reduced_cast,
+    unreduced_zeros,
+)
+from ._rules import batch_spec
+
+Mode = Literal["explicit", "shard_map"]
+LossFn = Callable[[Any, Any], Any]
+
+_LOSS_CONTRACT = (
+    "loss_fn(model, batch) must return per-example losses `[batch]` (the step averages them "
+    "over the global batch), or a pair `(loss_sums, weights)` of `[batch]` arrays (the step "
+    "returns sum(loss_sums) / sum(weights) over the global batch, e.g. token-weighted means)."
+)
+
+
+def partition_trainable(model: Any, trainable: FilterSpec) -> tuple[Any, Any]:
+    """Split `model` into (trainable float arrays, everything else), like `eqx.partition`.
+
+    Leaves the filter selects but that are not inexact arrays (integer buffers, static
+    values) go to the frozen side: they cannot have gradients.
+    """
+    selected, frozen = eqx.partition(model, trainable)
+    params, extra = eqx.partition(selected, eqx.is_inexact_array)
+    return params, eqx.combine(frozen, extra)
+
+
+def _per_example(loss_fn: LossFn, model: Any, microbatch: Any, size: int):
+    out = loss_fn(model, microbatch)
+    losses, weights = out if isinstance(out, tuple) else (out, None)
+    for name, arr in (("losses", losses), ("weights", weights)):
+        if arr is None:
+            continue
+        if not hasattr(arr, "shape") or arr.ndim < 1 or arr.shape[0] != size:
+            raise ValueError(
+                f"{_LOSS_CONTRACT} Got {name} of shape {getattr(arr, 'shape', type(arr))} for a "
+                f"microbatch of {size} examples."
+            )
+    return losses, weights
+
+
+def _sum(x: jax.Array | None, axes: tuple[str, ...] | None) -> jax.Array | None:
+    """Sum to a scalar; with `axes`, leave the cross-device part unreduced (no collective)."""
+    if x is None:
+        return None
+    x = x.astype(jnp.float32)
+    out_sharding = None if axes is None else P(unreduced=set(axes))
+    return lax.reduce_sum(x, tuple(range(x.ndim)), out_sharding=out_sharding)
+
+
+def _accumulate_body(objective, params):
+    """Scan body: add one microbatch's loss (and weight) and gradients to the carry."""
+
+    def body(carry, microbatch):
+        (loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(params, microbatch)
+        new = {"loss": carry["loss"] + loss, "grads": jax.tree.map(jnp.add, carry["grads"], grads)}
+        if "weight" in carry:
+            new["weight"] = carry["weight"] + weight
+        return new, None
+
+    return body
+
+
+class TrainStep:
+    """A compiled training step whose gradient all-reduce runs exactly once, after the loop.
+
+    The path: partition trainable/frozen → cast trainable leaves to reduced (free) →
+    `lax.scan` over microbatches accumulating unreduced gradients and loss → one reshard
+    (the all-reduce) → optax update on plain arrays. Parameters and optimizer state are
+    plain at rest. The loss and gradients are means over the global batch, so they do not
+    depend on the number of devices or microbatches.
+
+    Call it under `jax.set_mesh(mesh)` with a model placed by `zoo.shard`; without a mesh it
+    runs on one device with the same microbatching.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        *,
+        microbatches: int = 1,
+        trainable: FilterSpec = eqx.is_inexact_array,
+        mode: Mode = "explicit",
+        data_axes: str | tuple[str, ...] = "data",
+        donate: bool = False,
+    ):
+        """**Arguments:**
+
+        - `loss_fn`: `loss_fn(model, batch)` → per-example losses `[b]`, or a pair
+          `(loss_sums [b], weights [b])` for weighted means (e.g. masked tokens).
+        - `optimizer`: any `optax.GradientTransformation`.
+        - `microbatches`: M; the global batch is split into M microbatches per step.
+        - `trainable`: which leaves train, as in `eqx.partition` (bool pytree prefix or a
+          callable). Frozen leaves get no gradient computed and no communication.
+        - `mode`: `"explicit"` (global-view code under explicit sharding) or `"shard_map"`
+          (the microbatch loop runs per device inside `jax.shard_map`).
+        - `data_axes`: the mesh axis (or axes) the batch is split over.
+        - `donate`: donate the model and optimizer state buffers to the step.
+        """
+        if mode not in ("explicit", "shard_map"):
+            raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.microbatches = microbatches
+        self.trainable = trainable
+        self.mode = mode
+        self.data_axes = data_axes_tuple(data_axes)
+        self._grads = eqx.filter_jit(self._loss_and_grads)
+        self._step = eqx.filter_jit(self._train_step, donate="all-except-first" if donate else "none")
+
+    # -- public API -------------------------------------------------------------------
+    def partition(self, model: Any) -> tuple[Any, Any]:
+        """(trainable float leaves, frozen rest) of `model` under this step's filter."""
+        return partition_trainable(model, self.trainable)
+
+    def init(self, model: Any) -> optax.OptState:
+        """The optimizer state for `model`'s trainable leaves (plain arrays, like the params)."""
+        return self.optimizer.init(self.partition(model)[0])
+
+    def check(self, batch: Any) -> int:
+        """Raise a clear error unless the batch divides into devices × microbatches."""
+        mesh = jax.sharding.get_abstract_mesh()
+        return check_batch(batch, data_parallel_size(mesh, self.data_axes), self.microbatches)
+
+    def loss_and_grads(self, model: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """(mean loss, mean gradients of the trainable leaves; `None` for frozen leaves)."""
+        self.check(batch)
+        return self._grads(model, batch)
+
+    def __call__(self, model: Any, opt_state: optax.OptState, batch: Any):
+        """One optimizer step. Returns `(model, opt_state, loss)`."""
+        self.check(batch)
+        return self._step(model, opt_state, batch)
+
+    def lower(self, model: Any, opt_state: optax.OptState, batch: Any):
+        """The lowered step (`.compile()` it, or hand it to `zoo.collectives`)."""
+        self.check(batch)
+        return self._step.lower(model, opt_state, batch)
+
+    # -- traced -----------------------------------------------------------------------
+    def _train_step(self, model, opt_state, batch):
+        loss, grads = self._loss_and_grads(model, batch)
+        params, frozen = self.partition(model)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return eqx.combine(params, frozen), opt_state, loss
+
+    def _loss_and_grads(self, model, batch):
+        mesh = jax.sharding.get_abstract_mesh()
+        params, frozen = self.partition(model)
+        size = check_batch(batch, data_parallel_size(mesh, self.data_axes), self.microbatches)
+        if mesh.empty:
+            loss_sum, weight, grads = self._accumulate(params, frozen, batch, None, 1)
+        elif self.mode == "explicit":
+            require_explicit(mesh, self.data_axes)
+            n = data_parallel_size(mesh, self.data_axes)
+            loss_sum, weight, grads = self._accumulate(params, frozen, batch, self.data_axes, n)
+        else:
+            loss_sum, weight, grads = self._accumulate_shard_map(params, frozen, batch)
+        if weight is None:
+            weight = size
+        grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
+        return loss_sum / weight, grads
+
+    def _accumulate(self, params, frozen, batch, axes, n):
+        """Explicit mode (or no mesh when `axes` is None): sums over the global batch."""
+        m = self.microbatches
+        if axes is not None:
+            batch = shard_batch(batch, axes)
+            params_view = reduced_cast(params, axes=axes)
+            microbatches = split_microbatches(batch, m, n, axes)
+            zeros = unreduced_zeros(params, axes=axes)
+            scalar_zero = jax.reshard(jnp.zeros((), jnp.float32), P(unreduced=set(axes)))
+        else:
+            params_view = params
+            microbatches = split_local_microbatches(batch, m)
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            scalar_zero = jnp.zeros((), jnp.float32)
+        mb_size = jax.tree.leaves(microbatches)[0].shape[1]
+
+        def objective(p, mb):
+            losses, weights = _per_example(self.loss_fn, eqx.combine(p, frozen), mb, mb_size)
+            return _sum(losses, axes), _sum(weights, axes)
+
+        weighted = self._returns_weights(params, frozen, batch)
+
+        init = {"loss": scalar_zero, "grads": zeros}
+        if weighted:
+            init["weight"] = scalar_zero
+        carry, _ = lax.scan(_accumulate_body(objective, params_view), init, microbatches)
+        if axes is not None:
+            carry = reduce_unreduced(carry)  # the step's one gradient all-reduce
+        return carry["loss"], carry.get("weight"), carry["grads"]
+
+    def _accumulate_shard_map(self, params, frozen, batch):
+        """Manual mode: the loop runs per device; varying partial sums leave it unreduced."""
+        axes, m = self.data_axes, self.microbatches
+        batch = shard_batch(batch, axes)
+        params_view = reduced_cast(params, axes=axes)
+        frozen_arrays, frozen_static = eqx.partition(frozen, eqx.is_array)
+        weighted = self._returns_weights(params, frozen, batch)
+
+        def body_fn(p_reduced, frozen_arrays, local_batch):
+            p = pcast_varying(p_reduced, axes=axes)
+            fz = eqx.combine(frozen_arrays, frozen_static)
+            microbatches = split_local_microbatches(local_batch, m)
+            mb_size = jax.tree.leaves(microbatches)[0].shape[1]
+
+            def objective(p, mb):
+                losses, weights = _per_example(self.loss_fn, eqx.combine(p, fz), mb, mb_size)
+                return _sum(losses, None), _sum(weights, None)
+
+            zero = pcast_varying(jnp.zeros((), jnp.float32), axes=axes)
+            init = {"loss": zero, "grads": jax.tree.map(jnp.zeros_like, p)}
+            if weighted:
+                init["weight"] = zero
+            carry, _ = lax.scan(_accumulate_body(objective, p), init, microbatches)
+            return pcast_unreduced(carry, axes=axes)
+
+        unreduced = P(unreduced=set(axes))
+        out_specs = {"loss": unreduced, "grads": manual_specs(params, axes=axes, state="unreduced")}
+        if weighted:
+            out_specs["weight"] = unreduced
+        in_specs = (
+            manual_specs(params, axes=axes, state="reduced"),
+            jax.tree.map(lambda x: P(*([None] * x.ndim)), frozen_arrays),
+            jax.tree.map(lambda x: batch_spec(x.ndim, axes), batch),
+        )
+        mapped = jax.shard_map(body_fn, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes))
+        carry = reduce_unreduced(mapped(params_view, frozen_arrays, batch))  # the one all-reduce
+        return carry["loss"], carry.get("weight"), carry["grads"]
+
+    def _returns_weights(self, params, frozen, batch) -> bool:
+        """Whether `loss_fn` returns `(loss_sums, weights)` (decided by abstract evaluation)."""
+        rows = jax.tree.leaves(batch)[0].shape[0] // self.microbatches
+        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+        out = jax.eval_shape(lambda p, mb: self.loss_fn(eqx.combine(p, frozen), mb), params, example)
+        return isinstance(out, tuple)

@@ -1,0 +1,69 @@
+"""Linear layer on batched, global-view arrays."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._axes import field
+from ._broadcast import broadcast_like
+
+
+class Linear(eqx.Module):
+    """`y = x @ weight + bias` over the last axis of a batched input.
+
+    The weight is stored `[in, out]`. Its logical axes are hyperparameters (`in_axis`,
+    `out_axis`), so the same layer can be an embed→mlp projection in one place and
+    mlp→embed in another.
+    """
+
+    weight: Float[Array, "in_features out_features"] = field(
+        axes=lambda self: (self.in_axis, self.out_axis)
+    )
+    bias: Float[Array, " out_features"] | None = field(axes=lambda self: (self.out_axis,))
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    in_axis: str | None = eqx.field(static=True)
+    out_axis: str | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        in_axis: str | None = "embed",
+        out_axis: str | None = "mlp",
+        dtype: jnp.dtype = jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `in_features`, `out_features`: sizes of the input and output feature axes.
+        - `use_bias`: whether to add a learned bias.
+        - `in_axis`, `out_axis`: logical axis names of the weight's two dimensions.
+        - `dtype`: parameter dtype.
+        - `key`: PRNG key for the uniform(±1/√in) initialisation (as `eqx.nn.Linear`).
+        """
+        wkey, bkey = jr.split(key)
+        lim = 1 / math.sqrt(in_features)
+        self.weight = jr.uniform(wkey, (in_features, out_features), dtype, -lim, lim)
+        self.bias = jr.uniform(bkey, (out_features,), dtype, -lim, lim) if use_bias else None
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_axis = in_axis
+        self.out_axis = out_axis
+
+    def __call__(
+        self, x: Float[Array, "*batch in_features"]
+    ) -> Float[Array, "*batch out_features"]:
+        """Apply the layer to `x` (any leading batch dims); returns `[*batch, out]`."""
+        y = jnp.einsum("...i,io->...o", x, self.weight.astype(x.dtype))
+        if self.bias is not None:
+            y = y + broadcast_like(self.bias.astype(y.dtype), y)
+        return y
