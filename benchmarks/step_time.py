@@ -1,0 +1,316 @@
+"""Step time of `zoo.TrainStep` against the hand-written step and the replicated baseline.
+
+On the seed's toy (8 tanh layers of 512×512 stacked with `zoo.nn.Stacked`, 16 microbatches,
+2 examples per device per microbatch, loss = per-example sum of squares, SGD 0.01) this
+times, side by side in one run:
+
+- **zoo**: `zoo.TrainStep(loss_fn, optax.sgd(0.01), microbatches=16)`;
+- **hand-written**: the step of the JAX page "Autodiff and sharding" (example "microbatch
+  gradient accumulation"): reduced cast of the stacked weights, `lax.scan` over
+  microbatches with an unreduced gradient and loss accumulator, one reshard (the one
+  all-reduce), SGD update;
+- **replicated**: the same step with plain replicated weights, so each microbatch's
+  backward pass all-reduces its gradients inside the loop.
+
+Each device count runs in its own worker process (a process can simulate only one CPU
+device count), 2 and 8 by default. A worker compiles, checks the compiled programs'
+all-reduces (`zoo.collectives`: zoo and hand-written must hold 0 inside loops and 1
+outside; replicated must hold some inside), checks that zoo and hand-written give the same
+updated weights, then times the three steps interleaved round by round, so load on a
+shared machine hits all three alike. The report is a markdown table of median step times
+and ratios, the target verdicts (zoo ≥ 0.95× hand-written speed; zoo ≥ 2.5× faster than
+replicated at 8 devices) and a JSON summary.
+
+Run it (a few minutes on a 2-core machine):
+
+    make bench                      # = .venv/bin/python benchmarks/step_time.py
+    .venv/bin/python benchmarks/step_time.py --devices 8 --rounds 5 --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
+
+import zoo
+
+LAYERS = 8
+WIDTH = 512
+MICROBATCHES = 16
+PER_DEVICE = 2  # examples per device per microbatch
+LR = 0.01
+DEFAULT_ROUNDS = {2: 15, 8: 10}
+TARGET_VS_HAND = 0.95
+TARGET_VS_REPLICATED = 2.5  # at 8 devices
+VARIANTS = ("zoo", "hand", "replicated")
+
+
+class TanhLayer(eqx.Module):
+    """One toy layer, `tanh(x @ W)`, no bias (as in the reference page)."""
+
+    weight: Float[Array, "d d"] = zoo.field(axes=("embed", "mlp"))
+
+    def __init__(self, key: PRNGKeyArray):
+        self.weight = jr.normal(key, (WIDTH, WIDTH)) / np.sqrt(WIDTH)
+
+    def __call__(self, x: Float[Array, "b d"]) -> Float[Array, "b d"]:
+        return jnp.tanh(x @ self.weight)
+
+
+def zoo_loss(model: zoo.nn.Stacked, x: Float[Array, "b d"]) -> Float[Array, " b"]:
+    return jnp.sum(model(x) ** 2, axis=1)
+
+
+# -- the reference page's step, written by hand on the stacked weight array [L, d, d] ------
+
+
+def predict(ws, xs):
+    def apply_layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    out, _ = lax.scan(apply_layer, xs, ws)
+    return out
+
+
+def split_microbatches(x, n, m):
+    """[B@data, d] → [M, B/M @data, d] from each device's own rows (no all-to-all)."""
+    b = x.shape[0] // (n * m)
+    x = x.reshape(n, m, b, x.shape[1], out_sharding=P("data", None, None, None))
+    return x.swapaxes(0, 1).reshape(m, n * b, x.shape[-1], out_sharding=P(None, "data", None))
+
+
+def make_hand_step(n):
+    def loss(ws, xs):
+        per_example = jnp.sum(predict(ws, xs) ** 2, axis=1)
+        # Sum over this device's rows only: a plain jnp.sum would all-reduce per microbatch.
+        return lax.reduce_sum(per_example, (0,), out_sharding=P(unreduced={"data"}))
+
+    @jax.jit
+    def step(ws, x):  # ws plain at rest, like zoo's params
+        mbs = split_microbatches(x, n, MICROBATCHES)
+        ws_reduced = jax.reshard(ws, P(reduced={"data"}))  # free
+
+        def microbatch_step(acc, xs_mb):
+            loss_mb, grads = jax.value_and_grad(loss)(ws_reduced, xs_mb)
+            return (acc[0] + loss_mb, acc[1] + grads), None
+
+        acc = (
+            jax.reshard(jnp.zeros((), jnp.float32), P(unreduced={"data"})),
+            jax.reshard(jnp.zeros_like(ws), P(unreduced={"data"})),
+        )
+        (loss_sum, grads), _ = lax.scan(microbatch_step, acc, mbs)
+        loss_sum, grads = jax.reshard((loss_sum, grads), (P(), P()))  # the one all-reduce
+        size = x.shape[0]  # zoo's step takes means over the global batch; so does this one
+        return ws - LR * (grads / size), loss_sum / size
+
+    return step
+
+
+def make_replicated_step(n):
+    def loss(ws, xs):
+        return jnp.sum(jnp.sum(predict(ws, xs) ** 2, axis=1))
+
+    @jax.jit
+    def step(ws, x):
+        mbs = split_microbatches(x, n, MICROBATCHES)
+
+        def microbatch_step(acc, xs_mb):
+            loss_mb, grads = jax.value_and_grad(loss)(ws, xs_mb)  # all-reduces here, in the loop
+            return (acc[0] + loss_mb, acc[1] + grads), None
+
+        acc = (jnp.zeros((), jnp.float32), jnp.zeros_like(ws))
+        (loss_sum, grads), _ = lax.scan(microbatch_step, acc, mbs)
+        size = x.shape[0]
+        return ws - LR * (grads / size), loss_sum / size
+
+    return step
+
+
+# -- worker: one device count per process --------------------------------------------------
+
+
+def all_reduces(colls) -> dict:
+    other = sorted({c.kind for c in colls if c.kind != "all-reduce"})
+    return {
+        "in_loop": zoo.count(colls, "all-reduce", in_loop=True),
+        "outside": zoo.count(colls, "all-reduce", in_loop=False),
+        "other_collectives": other,
+    }
+
+
+def worker(n: int, rounds: int) -> dict:
+    jax.config.update("jax_num_cpu_devices", n)  # before anything touches the backend
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+    model_key, data_key = jr.split(jr.key(0))
+    with jax.set_mesh(mesh):
+        model = zoo.shard(zoo.nn.Stacked(TanhLayer, LAYERS, key=model_key), zoo.rules("dp"), mesh)
+        batch = jax.device_put(
+            jr.normal(data_key, (n * MICROBATCHES * PER_DEVICE, WIDTH)), NamedSharding(mesh, P("data", None))
+        )
+        zoo_step = zoo.TrainStep(zoo_loss, optax.sgd(LR), microbatches=MICROBATCHES)
+        hand_step, repl_step = make_hand_step(n), make_replicated_step(n)
+        state = {"zoo": (model, zoo_step.init(model)), "hand": model.layers.weight, "replicated": model.layers.weight}
+
+        def call(name):
+            """One step of variant `name` from its current state; returns (new weights, loss)."""
+            if name == "zoo":
+                m, opt_state, loss = zoo_step(*state["zoo"], batch)
+                state["zoo"] = (m, opt_state)
+                return jax.block_until_ready((m.layers.weight, loss))
+            fn = hand_step if name == "hand" else repl_step
+            ws, loss = jax.block_until_ready(fn(state[name], batch))
+            state[name] = ws
+            return ws, loss
+
+        hlo = {
+            "zoo": all_reduces(zoo.collectives(zoo_step.lower(*state["zoo"], batch))),
+            "hand": all_reduces(zoo.collectives(hand_step, state["hand"], batch)),
+            "replicated": all_reduces(zoo.collectives(repl_step, state["replicated"], batch)),
+        }
+        # The first call compiles and, from identical weights, gives comparable results.
+        first = {name: call(name) for name in VARIANTS}
+        match = {
+            name: bool(
+                np.allclose(first[name][0], first["zoo"][0], rtol=1e-4, atol=1e-6)
+                and np.allclose(first[name][1], first["zoo"][1], rtol=1e-4)
+            )
+            for name in ("hand", "replicated")
+        }
+        for name in VARIANTS:  # second warm-up call
+            call(name)
+
+        times = {name: [] for name in VARIANTS}
+        for r in range(rounds):
+            # Rotate the order too, so no variant always runs right after the same one.
+            for name in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
+                t0 = time.perf_counter()
+                call(name)
+                times[name].append(1e3 * (time.perf_counter() - t0))
+
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "devices": n,
+        "global_batch": n * MICROBATCHES * PER_DEVICE,
+        "rounds": rounds,
+        "median_ms": med,
+        "times_ms": times,
+        "zoo_vs_hand": med["hand"] / med["zoo"],
+        "zoo_vs_replicated": med["replicated"] / med["zoo"],
+        "hand_vs_replicated": med["replicated"] / med["hand"],
+        "all_reduces": hlo,
+        "matches_zoo": match,
+        "hlo_ok": all(hlo[v]["in_loop"] == 0 and hlo[v]["outside"] == 1 for v in ("zoo", "hand"))
+        and hlo["replicated"]["in_loop"] > 0,
+    }
+
+
+# -- driver: launch the workers, print the report ------------------------------------------
+
+
+def run_worker(n: int, rounds: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", str(n), "--rounds", str(rounds)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def verdicts(results: list[dict]) -> list[dict]:
+    out = [
+        {
+            "target": f"zoo >= {TARGET_VS_HAND}x hand-written speed ({r['devices']} devices)",
+            "value": r["zoo_vs_hand"],
+            "pass": r["zoo_vs_hand"] >= TARGET_VS_HAND,
+        }
+        for r in results
+    ]
+    out += [
+        {
+            "target": f"zoo >= {TARGET_VS_REPLICATED}x faster than replicated (8 devices)",
+            "value": r["zoo_vs_replicated"],
+            "pass": r["zoo_vs_replicated"] >= TARGET_VS_REPLICATED,
+        }
+        for r in results
+        if r["devices"] == 8
+    ]
+    return out
+
+
+def report(results: list[dict], command: str) -> str:
+    def ar(h):
+        return f"{h['in_loop']}/{h['outside']}"
+
+    lines = [
+        f"Step time, {LAYERS} tanh layers {WIDTH}x{WIDTH}, M={MICROBATCHES}, {PER_DEVICE} examples/device/microbatch "
+        f"(medians; rerun: `{command}`)",
+        "",
+        "| devices | zoo ms | hand-written ms | replicated ms | zoo/hand-written speed | zoo vs replicated "
+        "| hand-written vs replicated |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        m = r["median_ms"]
+        lines.append(
+            f"| {r['devices']} | {m['zoo']:.1f} | {m['hand']:.1f} | {m['replicated']:.1f} | {r['zoo_vs_hand']:.3f}x "
+            f"| {r['zoo_vs_replicated']:.2f}x | {r['hand_vs_replicated']:.2f}x |"
+        )
+    lines.append("")
+    for r in results:
+        h = r["all_reduces"]
+        lines.append(
+            f"- {r['devices']} devices, {r['rounds']} rounds: all-reduces in loops/outside: zoo {ar(h['zoo'])}, "
+            f"hand-written {ar(h['hand'])}, replicated {ar(h['replicated'])} "
+            f"({'OK' if r['hlo_ok'] else 'UNEXPECTED'}); other collectives: "
+            f"{ {v: h[v]['other_collectives'] for v in VARIANTS} }; "
+            f"updated weights and loss match zoo (rtol 1e-4): hand-written {r['matches_zoo']['hand']}, "
+            f"replicated {r['matches_zoo']['replicated']}"
+        )
+    for v in verdicts(results):
+        lines.append(f"- target {v['target']}: {v['value']:.3f} → {'PASS' if v['pass'] else 'MISS'}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, nargs="+", default=[2, 8], help="simulated CPU device counts")
+    parser.add_argument("--rounds", type=int, help=f"timed rounds per device count (default {DEFAULT_ROUNDS}, else 10)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    parser.add_argument("--worker", type=int, metavar="N", help=argparse.SUPPRESS)  # internal: one device count
+    args = parser.parse_args()
+
+    if args.worker is not None:
+        print(json.dumps(worker(args.worker, args.rounds)), flush=True)
+        return
+
+    results = []
+    for n in args.devices:
+        rounds = args.rounds or DEFAULT_ROUNDS.get(n, 10)
+        print(f"running {n} devices, {rounds} rounds ...", file=sys.stderr, flush=True)
+        results.append(run_worker(n, rounds))
+    command = shlex.join(["python", *sys.argv])
+    print(report(results, command))
+    summary = {"command": command, "results": results, "verdicts": verdicts(results)}
+    print(json.dumps({k: v for k, v in summary.items()} | {"results": [
+        {k: v for k, v in r.items() if k != "times_ms"} for r in results
+    ]}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

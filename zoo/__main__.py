@@ -1,0 +1,7 @@
+"""`python -m zoo`."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

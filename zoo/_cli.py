@@ -1,0 +1,272 @@
+"""`zoo` / `python -m zoo`: the demo, and the collective inspector of a compiled step.
+
+The library never imports this module; it only uses the public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class CLIError(Exception):
+    """A user mistake: printed as one line with the fix, no traceback."""
+
+
+# --- device set-up (must run before jax touches its backend) ------------------------
+
+
+def _init_devices(devices: int) -> None:
+    import jax
+
+    if devices < 1:
+        raise CLIError(f"--devices must be >= 1, got {devices}")
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:  # backend already up (e.g. called in-process): use what is there
+        pass
+    have = len(jax.devices())
+    if have < devices:
+        raise CLIError(
+            f"asked for {devices} devices but jax has {have} ({jax.default_backend()}); "
+            f"pass --devices {have} or fewer"
+        )
+
+
+def parse_mesh(text: str | None, devices: int) -> dict[str, int]:
+    """`"data=4,model=2"` → `{"data": 4, "model": 2}`; default: all devices on `data`."""
+    if not text:
+        return {"data": devices}
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = part.partition("=")
+        if not eq or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise CLIError(f"bad --mesh {text!r}: write it as name=size[,name=size], e.g. data=4,model=2")
+        if name.strip() in mesh:
+            raise CLIError(f"bad --mesh {text!r}: axis {name.strip()!r} appears twice")
+        mesh[name.strip()] = int(size)
+    total = math.prod(mesh.values())
+    if total > devices:
+        raise CLIError(f"--mesh {text} needs {total} devices but only {devices} were asked for; raise --devices")
+    return mesh
+
+
+# --- models the CLI knows -----------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """A model with its loss and a batch maker: what the CLI needs to build a step."""
+
+    model: Any
+    loss_fn: Callable[[Any, Any], Any]
+    make_batch: Callable[[int, Any], Any]  # (batch_size, key) -> batch
+
+
+def _mlp_task(key, *, scan: bool = True, norm: str | None = "layernorm") -> Task:
+    import jax.numpy as jnp
+    import jax.random as jr
+
+    import zoo
+
+    in_size, out_size = 16, 1
+    model = zoo.nn.MLP(in_size, out_size, 64, 4, activation=jnp.tanh, norm=norm, scan=scan, key=key)
+    teacher = jr.normal(jr.fold_in(key, 1), (2, in_size)) / math.sqrt(in_size)
+
+    def make_batch(batch_size, batch_key):
+        x = jr.normal(batch_key, (batch_size, in_size))
+        proj = x @ teacher.T
+        y = jnp.sin(2.0 * proj[:, :1]) * jnp.cos(proj[:, 1:])
+        return x, y
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return jnp.mean(jnp.square(model(x) - y), axis=-1)
+
+    return Task(model, loss_fn, make_batch)
+
+
+MODELS: dict[str, Callable[..., Task]] = {"mlp": _mlp_task}
+
+
+def _build(args) -> Task:
+    import jax.random as jr
+
+    if args.model not in MODELS:
+        raise CLIError(f"unknown model {args.model!r}; choose one of {sorted(MODELS)}")
+    return MODELS[args.model](jr.key(args.seed))
+
+
+def _mesh(shape: dict[str, int]):
+    import jax
+
+    n = math.prod(shape.values())
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=jax.devices()[:n])
+
+
+def _tree_bytes(tree) -> int:
+    import equinox as eqx
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+# --- commands -----------------------------------------------------------------------
+
+
+def cmd_inspect(args) -> int:
+    _init_devices(args.devices)
+    mesh_shape = parse_mesh(args.mesh, args.devices)
+    import jax
+    import optax
+
+    import zoo
+
+    if args.rules not in zoo.RULE_PRESETS:
+        raise CLIError(f"unknown --rules {args.rules!r}; choose one of {list(zoo.RULE_PRESETS)}")
+    task = _build(args)
+    mesh = _mesh(mesh_shape)
+    data = math.prod(mesh_shape.get(a, 1) for a in ("data",))
+    batch_size = args.batch_size or data * args.microbatches * 2
+    with jax.set_mesh(mesh):
+        try:
+            model = zoo.shard(task.model, zoo.rules(args.rules), mesh)
+        except ValueError as e:
+            raise CLIError(str(e)) from e
+        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=args.microbatches, mode=args.mode)
+        batch = task.make_batch(batch_size, jax.random.key(0))
+        try:
+            lowered = step.lower(model, step.init(model), batch)
+        except ValueError as e:
+            raise CLIError(str(e)) from e
+        colls = zoo.collectives(lowered, mesh=mesh)
+        trainable = step.partition(model)[0]
+    result = {
+        "model": args.model,
+        "devices": args.devices,
+        "microbatches": args.microbatches,
+        "mode": args.mode,
+        "rules": args.rules,
+        "mesh": mesh_shape,
+        "batch_size": batch_size,
+        "param_bytes": _tree_bytes(model),
+        "trainable_bytes": _tree_bytes(trainable),
+        "collectives": [c.to_json() for c in colls],
+        "summary": {
+            "all_reduce_in_loop": zoo.count(colls, "all-reduce", in_loop=True),
+            "all_reduce_outside": zoo.count(colls, "all-reduce", in_loop=False),
+            "collectives_in_loop": zoo.count(colls, None, in_loop=True),
+            "collectives_total": len(colls),
+        },
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{args.model}: {args.devices} devices, mesh {mesh_shape}, {args.microbatches} microbatches, "
+            f"mode {args.mode}, rules {args.rules}, batch {batch_size}"
+        )
+        print(f"params {result['param_bytes']:,} bytes, trainable {result['trainable_bytes']:,} bytes")
+        print(zoo.report(colls))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    _init_devices(args.devices)
+    import jax
+    import optax
+
+    import zoo
+
+    task = _build(args)
+    mesh = _mesh({"data": args.devices})
+    batch_size = args.devices * args.microbatches * args.per_device_batch
+    print(
+        f"zoo demo: MLP regression on {args.devices} simulated devices, {args.microbatches} microbatches, "
+        f"global batch {batch_size}, {args.steps} steps"
+    )
+    with jax.set_mesh(mesh):
+        model = zoo.shard(task.model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(task.loss_fn, optax.adamw(args.lr), microbatches=args.microbatches)
+        opt_state = step.init(model)
+        key = jax.random.key(args.seed + 1)
+        eval_batch = task.make_batch(1024, jax.random.fold_in(key, 10**6))
+        eval_fn = jax.jit(lambda m, b: task.loss_fn(m, b).mean())
+        first_eval = float(eval_fn(model, eval_batch))
+        print(f"held-out loss before training: {first_eval:.4f}")
+        losses = []
+        start = time.perf_counter()
+        for i in range(args.steps):
+            batch = task.make_batch(batch_size, jax.random.fold_in(key, i))
+            model, opt_state, loss = step(model, opt_state, batch)
+            losses.append(float(loss))
+            if i == 0:
+                compile_s = time.perf_counter() - start
+                start = time.perf_counter()
+            if (i + 1) % max(args.steps // 10, 1) == 0 or i == 0:
+                print(f"step {i + 1:4d}  loss {losses[-1]:.4f}")
+        run_s = time.perf_counter() - start
+        last_eval = float(eval_fn(model, eval_batch))
+        colls = zoo.collectives(step.lower(model, opt_state, batch), mesh=mesh)
+    print(f"held-out loss after training:  {last_eval:.4f} ({first_eval / max(last_eval, 1e-12):.1f}x lower)")
+    print(f"compile {compile_s:.1f} s, then {1000 * run_s / max(args.steps - 1, 1):.1f} ms/step")
+    print("\ncollectives in the compiled training step:")
+    print(zoo.report(colls))
+    fell = last_eval < first_eval
+    print(f"\nloss fell: {'yes' if fell else 'NO'}")
+    return 0 if fell else 1
+
+
+# --- parser -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `zoo` (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(prog="zoo", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ins = sub.add_parser("inspect", help="list the collectives of a model's compiled training step")
+    ins.add_argument("model", help=f"model name: {', '.join(MODELS)}")
+    ins.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    ins.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
+    ins.add_argument("--mesh", help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES)")
+    ins.add_argument("--rules", default="dp", help="sharding rules preset (default dp)")
+    ins.add_argument("--mode", choices=("explicit", "shard_map"), default="explicit", help="step mode")
+    ins.add_argument("--batch-size", type=int, help="global batch (default data x microbatches x 2)")
+    ins.add_argument("--seed", type=int, default=0, help="PRNG seed for the model")
+    ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ins.set_defaults(func=cmd_inspect)
+
+    demo = sub.add_parser("demo", help="train the zoo MLP on 8 simulated devices and show the collectives")
+    demo.add_argument("model", nargs="?", default="mlp", help="model name (default mlp)")
+    demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    demo.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
+    demo.add_argument("--per-device-batch", type=int, default=8, help="rows per device per microbatch")
+    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    demo.add_argument("--lr", type=float, default=3e-3, help="adamw learning rate")
+    demo.add_argument("--seed", type=int, default=0, help="PRNG seed")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `zoo` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CLIError as e:
+        if args.debug:
+            raise
+        print(f"zoo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
