@@ -23,6 +23,7 @@ LOGICAL_AXES = (
     "layers",  # leading axis of stacked (scanned) layers
     "embed",  # model width
     "mlp",  # hidden width of feed-forward / MLP layers
+    "mlp_in",  # input side of an MLP's width→width layers (so "mlp" is not used twice)
     "vocab",  # vocabulary (embedding rows, output head columns)
 )
 

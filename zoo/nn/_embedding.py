@@ -34,7 +34,7 @@ class Embedding(eqx.Module):
         self.num_embeddings = num_embeddings
         self.dim = dim
 
-    def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch dim"]:
+    def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch {self.dim}"]:
         """Look up `ids`; returns `[*batch, dim]` sharded like `ids` on its batch dims."""
         spec = sharding_spec(ids)
         # `weight[ids]` refuses to guess an output sharding under explicit meshes; the

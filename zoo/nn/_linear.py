@@ -60,8 +60,8 @@ class Linear(eqx.Module):
         self.out_axis = out_axis
 
     def __call__(
-        self, x: Float[Array, "*batch in_features"]
-    ) -> Float[Array, "*batch out_features"]:
+        self, x: Float[Array, "*batch {self.in_features}"]
+    ) -> Float[Array, "*batch {self.out_features}"]:
         """Apply the layer to `x` (any leading batch dims); returns `[*batch, out]`."""
         y = jnp.einsum("...i,io->...o", x, self.weight.astype(x.dtype))
         if self.bias is not None:

@@ -94,10 +94,10 @@ class MLP(eqx.Module):
         self.input_block = block(in_size, "embed", in_key)
         n_hidden = depth - 1
         if scan and n_hidden > 0:
-            self.hidden = Stacked(lambda k: block(width, "mlp", k), n_hidden, remat=remat, key=hidden_key)
+            self.hidden = Stacked(lambda k: block(width, "mlp_in", k), n_hidden, remat=remat, key=hidden_key)
         else:
             keys = jr.split(hidden_key, max(n_hidden, 1))[:n_hidden]
-            self.hidden = tuple(block(width, "mlp", k) for k in keys)
+            self.hidden = tuple(block(width, "mlp_in", k) for k in keys)
         self.output_layer = Linear(
             width, out_size, use_bias=use_bias, in_axis="mlp", out_axis="embed", key=out_key
         )
@@ -106,7 +106,7 @@ class MLP(eqx.Module):
         self.width = width
         self.depth = depth
 
-    def __call__(self, x: Float[Array, "*batch in_size"]) -> Float[Array, "*batch out_size"]:
+    def __call__(self, x: Float[Array, "*batch {self.in_size}"]) -> Float[Array, "*batch {self.out_size}"]:
         """Apply the MLP to `x` with any leading batch dims."""
         h = self.input_block(x)
         if isinstance(self.hidden, Stacked):

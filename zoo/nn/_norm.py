@@ -42,7 +42,7 @@ class LayerNorm(eqx.Module):
         self.eps = eps
         self.axis = axis
 
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+    def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
         """Normalise `x` over its last axis; returns the same shape and dtype."""
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
@@ -79,7 +79,7 @@ class RMSNorm(eqx.Module):
         self.eps = eps
         self.axis = axis
 
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+    def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
         """Normalise `x` over its last axis; returns the same shape and dtype."""
         x32 = x.astype(jnp.float32)
         y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)

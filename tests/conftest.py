@@ -1,0 +1,62 @@
+"""Shared set-up: 8 simulated CPU devices, meshes, tolerant tree comparison, test data.
+
+zoo is not imported at module level here, so jaxtyping's import hook
+(`--jaxtyping-packages=zoo,...` in pyproject) instruments the package when tests import it.
+"""
+
+import functools
+
+import jax
+
+# Must run before jax initialises its backend.
+jax.config.update("jax_num_cpu_devices", 8)
+
+import equinox as eqx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:
+    """Same structure and every array leaf close (None leaves must match)."""
+    a_arrays, a_static = eqx.partition(a, eqx.is_array)
+    b_arrays, b_static = eqx.partition(b, eqx.is_array)
+    if jax.tree.structure(a_arrays) != jax.tree.structure(b_arrays):
+        return False
+    return all(
+        np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+        for x, y in zip(jax.tree.leaves(a_arrays), jax.tree.leaves(b_arrays))
+    )
+
+
+def max_abs_diff(a, b) -> float:
+    """Largest elementwise difference between two trees of arrays."""
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)))
+    )
+
+
+@functools.cache
+def data_mesh(n: int):
+    """A 1-D explicit mesh `data=n` over the first n devices."""
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def regression_batch(key, size: int, in_size: int, out_size: int = 1):
+    """A deterministic regression batch `(x [size, in], y [size, out])`."""
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (size, in_size))
+    w = jax.random.normal(kw, (in_size, out_size)) / np.sqrt(in_size)
+    return x, jnp.sin(x @ w)
+
+
+def mse_per_example(model, batch):
+    """Per-example mean squared error: the loss_fn contract of zoo.TrainStep."""
+    x, y = batch
+    return jnp.mean(jnp.square(model(x) - y), axis=-1)
+
+
+@pytest.fixture
+def key():
+    return jax.random.key(0)

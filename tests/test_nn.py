@@ -1,0 +1,84 @@
+"""zoo.nn modules: reference math, unsharded use, jaxtyping checks, construction errors."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+
+import zoo
+
+
+def test_linear_matches_reference(key):
+    layer = zoo.nn.Linear(3, 5, key=key)
+    x = jax.random.normal(key, (2, 4, 3))
+    expect = np.asarray(x) @ np.asarray(layer.weight) + np.asarray(layer.bias)
+    np.testing.assert_allclose(layer(x), expect, rtol=1e-5, atol=1e-6)
+    no_bias = zoo.nn.Linear(3, 5, use_bias=False, key=key)
+    assert no_bias.bias is None
+    np.testing.assert_allclose(no_bias(x), np.asarray(x) @ np.asarray(no_bias.weight), rtol=1e-5, atol=1e-6)
+
+
+def test_layernorm_matches_equinox_per_example(key):
+    norm = zoo.nn.LayerNorm(6)
+    norm = eqx.tree_at(lambda n: (n.weight, n.bias), norm, (jnp.linspace(0.5, 2, 6), jnp.linspace(-1, 1, 6)))
+    ref = eqx.nn.LayerNorm(6, eps=1e-5)
+    ref = eqx.tree_at(lambda n: (n.weight, n.bias), ref, (norm.weight, norm.bias))
+    x = 3 * jax.random.normal(key, (4, 6)) + 1
+    np.testing.assert_allclose(norm(x), jax.vmap(ref)(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_matches_formula(key):
+    norm = eqx.tree_at(lambda n: n.weight, zoo.nn.RMSNorm(6), jnp.linspace(0.5, 2, 6))
+    x = np.asarray(jax.random.normal(key, (2, 3, 6)))
+    expect = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6) * np.asarray(norm.weight)
+    np.testing.assert_allclose(norm(jnp.asarray(x)), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_norm_keeps_low_precision_dtype(key):
+    x = jax.random.normal(key, (2, 6)).astype(jnp.bfloat16)
+    assert zoo.nn.LayerNorm(6)(x).dtype == jnp.bfloat16
+    assert zoo.nn.RMSNorm(6)(x).dtype == jnp.bfloat16
+
+
+def test_embedding_lookup(key):
+    emb = zoo.nn.Embedding(10, 4, key=key)
+    ids = jnp.array([[1, 2, 9], [0, 0, 3]])
+    np.testing.assert_array_equal(emb(ids), np.asarray(emb.weight)[np.asarray(ids)])
+
+
+def test_mlp_scan_equals_unrolled(key):
+    kwargs = dict(activation=jnp.tanh, norm="layernorm", key=key)
+    scanned = zoo.nn.MLP(4, 2, 8, 4, scan=True, **kwargs)
+    unrolled = zoo.nn.MLP(4, 2, 8, 4, scan=False, **kwargs)
+    # Same parameters: copy the unrolled hidden layers into the stacked ones.
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *unrolled.hidden)
+    scanned = eqx.tree_at(lambda m: m.hidden.layers, scanned, stacked)
+    scanned = eqx.tree_at(lambda m: (m.input_block, m.output_layer), scanned, (unrolled.input_block, unrolled.output_layer))
+    x = jax.random.normal(key, (5, 4))
+    np.testing.assert_allclose(scanned(x), unrolled(x), rtol=1e-5, atol=1e-6)
+    remat = eqx.tree_at(lambda m: m.hidden, scanned, zoo.nn.Stacked(lambda k: unrolled.hidden[0], 3, remat="dots_saveable", key=key))
+    remat = eqx.tree_at(lambda m: m.hidden.layers, remat, stacked)
+    np.testing.assert_allclose(
+        jax.grad(lambda m: m(x).sum())(remat).input_block.linear.weight,
+        jax.grad(lambda m: m(x).sum())(scanned).input_block.linear.weight,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_wrong_shape_is_a_readable_jaxtyping_error(key):
+    layer = zoo.nn.Linear(3, 5, key=key)
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter .x."):
+        layer(jnp.ones((2, 4)))
+
+
+def test_bad_construction_arguments(key):
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        zoo.nn.MLP(2, 2, 4, 0, key=key)
+    # Caught by the Literal annotation when type checks are on, by a ValueError otherwise.
+    with pytest.raises((ValueError, jaxtyping.TypeCheckError), match="batchnorm"):
+        zoo.nn.MLP(2, 2, 4, 1, norm="batchnorm", key=key)
+    with pytest.raises(ValueError, match="unknown remat policy"):
+        zoo.nn.Stacked(lambda k: zoo.nn.Linear(2, 2, key=k), 2, remat="sometimes", key=key)
