@@ -60,3 +60,27 @@ def mse_per_example(model, batch):
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+class TokenRegressor(eqx.Module):
+    """Test model touching every zoo module: Embedding → mean over tokens → MLP."""
+
+    embed: "zoo.nn.Embedding"
+    mlp: "zoo.nn.MLP"
+
+    def __init__(self, *, norm="layernorm", scan=True, vocab=11, dim=8, key):
+        import zoo
+
+        k1, k2 = jax.random.split(key)
+        self.embed = zoo.nn.Embedding(vocab, dim, init_std=0.5, key=k1)
+        self.mlp = zoo.nn.MLP(dim, 2, 16, 3, activation=jnp.tanh, norm=norm, scan=scan, key=k2)
+
+    def __call__(self, ids):
+        return self.mlp(self.embed(ids).mean(axis=1))
+
+
+def token_batch(key, size: int, seq: int = 5, vocab: int = 11):
+    """`(ids [size, seq], y [size, 2])`: a target that depends on the tokens."""
+    ids = jax.random.randint(key, (size, seq), 0, vocab)
+    y = jnp.stack([jnp.sin(ids.sum(1) / 7.0), jnp.cos(ids[:, 0] / 3.0)], axis=1)
+    return ids, y

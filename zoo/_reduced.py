@@ -35,6 +35,15 @@ def plain_spec(x: jax.Array) -> P:
     return P(*parts, *([None] * (x.ndim - len(parts))))
 
 
+def sharded_over(x: jax.Array, axes: frozenset[str]) -> bool:
+    """Whether any dimension of `x` is split over one of the mesh `axes`."""
+    for entry in plain_spec(x):
+        names = (entry,) if isinstance(entry, str) else (entry or ())
+        if axes & set(names):
+            return True
+    return False
+
+
 def _map_selected(fn, tree: Any, filter_spec: FilterSpec) -> Any:
     selected, rest = eqx.partition(tree, filter_spec)
     selected = jax.tree.map(lambda x: fn(x) if eqx.is_array(x) else x, selected)
@@ -53,10 +62,14 @@ def reduced_cast(tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *, a
 
     **Returns:** the same pytree; selected leaves are typed `{R:axes}`, so `jax.grad`
     returns their gradients *unreduced* (`{U:axes}`) instead of all-reducing them.
+    Leaves already sharded over `axes` (FSDP-style layouts) cannot be reduced over them
+    and are left as they are: their gradients come out sharded like them.
     """
     axes = _axes_set(axes)
 
     def cast(x):
+        if sharded_over(x, axes):
+            return x
         spec = _spec(x)
         return jax.reshard(x, P(*plain_spec(x), reduced=set(spec.reduced) | axes))
 
@@ -68,13 +81,15 @@ def unreduced_zeros(tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *
 
     The starting value of a gradient accumulator: adding unreduced gradients to it keeps
     it unreduced, so a `lax.scan` carry of it holds no all-reduce. Unselected leaves are
-    replaced by `None`.
+    replaced by `None`; leaves sharded over `axes` get plain zeros sharded like them (see
+    `reduced_cast`).
     """
     axes = _axes_set(axes)
     selected, _ = eqx.partition(tree, filter_spec)
 
     def zeros(x):
-        return jax.reshard(jnp.zeros(x.shape, x.dtype), P(*plain_spec(x), unreduced=axes))
+        unreduced = frozenset() if sharded_over(x, axes) else axes
+        return jax.reshard(jnp.zeros(x.shape, x.dtype), P(*plain_spec(x), unreduced=unreduced))
 
     return jax.tree.map(lambda x: zeros(x) if eqx.is_array(x) else None, selected)
 
@@ -114,14 +129,12 @@ def manual_specs(tree: Any, *, axes="data", state: str = "reduced") -> Any:
 
     def one(x):
         spec = plain_spec(x)
-        for entry in spec:
-            names = (entry,) if isinstance(entry, str) else (entry or ())
-            if axes & set(names):
-                raise ValueError(
-                    f"a leaf of shape {x.shape} is sharded over {sorted(axes & set(names))} "
-                    f"(spec {spec}); shard_map mode needs parameters replicated over the data "
-                    "axes. Use mode='explicit' for sharded (FSDP-style) parameters."
-                )
+        if sharded_over(x, axes):
+            raise ValueError(
+                f"a leaf of shape {x.shape} is sharded over the data axes {sorted(axes)} "
+                f"(spec {spec}); shard_map mode needs parameters replicated over the data "
+                "axes. Use mode='explicit' for sharded (FSDP-style) parameters."
+            )
         # Inside shard_map, only manual axes may appear in specs.
         return P(*([None] * len(spec)), **{state: axes})
 

@@ -182,7 +182,9 @@ class TrainStep:
         size = check_batch(batch, data_parallel_size(mesh, self.data_axes), self.microbatches)
         if mesh.empty:
             loss_sum, weight, grads = self._accumulate(params, frozen, batch, None, 1)
-        elif self.mode == "explicit":
+        elif self.mode == "explicit" or data_parallel_size(mesh, self.data_axes) == 1:
+            # One data shard leaves nothing to reduce; jax 0.10.2 also fails to lower
+            # unreduced shard_map outputs over a size-1 axis, so run the explicit path.
             require_explicit(mesh, self.data_axes)
             n = data_parallel_size(mesh, self.data_axes)
             loss_sum, weight, grads = self._accumulate(params, frozen, batch, self.data_axes, n)
@@ -226,6 +228,7 @@ class TrainStep:
     def _accumulate_shard_map(self, params, frozen, batch):
         """Manual mode: the loop runs per device; varying partial sums leave it unreduced."""
         axes, m = self.data_axes, self.microbatches
+        param_specs = manual_specs(params, axes=axes, state="reduced")  # checks the layout first
         batch = shard_batch(batch, axes)
         params_view = reduced_cast(params, axes=axes)
         frozen_arrays, frozen_static = eqx.partition(frozen, eqx.is_array)
@@ -253,7 +256,7 @@ class TrainStep:
         if weighted:
             out_specs["weight"] = unreduced
         in_specs = (
-            manual_specs(params, axes=axes, state="reduced"),
+            param_specs,
             jax.tree.map(lambda x: P(*([None] * x.ndim)), frozen_arrays),
             jax.tree.map(lambda x: batch_spec(x.ndim, axes), batch),
         )
