@@ -16,10 +16,12 @@ Each device count runs in its own worker process (a process can simulate only on
 device count), 2 and 8 by default. A worker compiles, checks the compiled programs'
 all-reduces (`zoo.collectives`: zoo and hand-written must hold 0 inside loops and 1
 outside; replicated must hold some inside), checks that the three give the same first
-weight update and loss, then times the three steps interleaved round by round, so load on a
-shared machine hits all three alike. The report is a markdown table of median step times
-and of per-round speed ratios (medians), the target verdicts (zoo ≥ 0.95× hand-written speed; zoo ≥ 2.5× faster than
-replicated at 8 devices) and a JSON summary.
+weight update and loss, then times the three steps interleaved round by round, so load on
+a shared machine hits all three alike. The report is a markdown table of median step
+times and of per-round speed ratios (medians), the target verdicts (zoo ≥ 0.95×
+hand-written speed; zoo ≥ 2.5× faster than replicated at 8 devices) and a JSON summary.
+Other processes' load shrinks both steps' speedup over replicated (the report prints the
+load average): time it on an otherwise idle machine.
 
 Run it (a few minutes on a 2-core machine):
 

@@ -111,6 +111,16 @@ def _type_bytes(type_str: str) -> int:
 
 
 def _parse_groups(line: str, num_devices: int | None) -> list[list[int]]:
+    # Named form: replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        names = [name for name, _ in sizes]
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2)) if a in names]
+        ids = np.arange(math.prod(size for _, size in sizes)).reshape([size for _, size in sizes])
+        rest = [k for k in range(len(sizes)) if k not in grouped]
+        group_size = math.prod(sizes[k][1] for k in grouped)
+        return ids.transpose(rest + grouped).reshape(-1, group_size).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if m:
         out_shape = [int(d) for d in m.group(1).split(",")]

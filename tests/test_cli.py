@@ -1,0 +1,69 @@
+"""`python -m zoo`: inspect's table and JSON, errors as one line, and the demo (slow)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_zoo(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def inspect_json():
+    proc = run_zoo("inspect", "mlp", "--devices", "8", "--microbatches", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_inspect_json_reports_one_all_reduce_outside(inspect_json):
+    out = inspect_json
+    for key in ("model", "devices", "microbatches", "mesh", "param_bytes", "trainable_bytes", "collectives"):
+        assert key in out
+    assert out["mesh"] == {"data": 8} and out["devices"] == 8 and out["microbatches"] == 4
+    (coll,) = out["collectives"]
+    assert set(coll) >= {"kind", "in_loop", "bytes", "mesh_axes", "op_name"}
+    assert coll["kind"] == "all-reduce" and coll["in_loop"] is False and coll["mesh_axes"] == ["data"]
+    assert coll["bytes"] == out["trainable_bytes"] + 4
+    assert out["summary"]["all_reduce_in_loop"] == 0 and out["summary"]["all_reduce_outside"] == 1
+
+
+def test_inspect_table_shard_map_and_custom_mesh():
+    proc = run_zoo("inspect", "mlp", "--devices", "4", "--mesh", "data=2", "--microbatches", "2", "--mode", "shard_map")
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh {'data': 2}" in proc.stdout
+    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["inspect", "mlp", "--devices", "2", "--mesh", "data=4"], "needs 4 devices but only 2"),
+        (["inspect", "mlp", "--devices", "2", "--mesh", "data4"], "write it as name=size"),
+        (["inspect", "transformerx", "--devices", "2"], "unknown model 'transformerx'"),
+        (["inspect", "mlp", "--devices", "2", "--rules", "zz"], "unknown --rules 'zz'"),
+        (["inspect", "mlp", "--devices", "2", "--batch-size", "6"], "not divisible by data-parallel size 2 x microbatches 4"),
+    ],
+)
+def test_bad_input_is_one_readable_line(args, message):
+    proc = run_zoo(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_the_flags():
+    proc = run_zoo("inspect", "--help")
+    for flag in ("--devices", "--microbatches", "--mesh", "--rules", "--mode", "--batch-size", "--json"):
+        assert flag in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_trains_and_shows_one_all_reduce():
+    """What `make demo` runs, end to end."""
+    proc = run_zoo("demo", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loss fell: yes" in proc.stdout
+    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout

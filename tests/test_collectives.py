@@ -1,0 +1,186 @@
+"""The promise, read off the compiled program: one gradient all-reduce, outside every loop.
+
+Each test compiles a real training step and counts collectives with zoo's inspector; the
+negative controls prove the inspector sees what it must catch.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch
+from jax.sharding import PartitionSpec as P
+
+import zoo
+
+N, M = 8, 4
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+@functools.cache
+def compiled_step_collectives(norm, scan, mode, trainable="all"):
+    """Collectives of the compiled zoo step (cached: several tests read the same program)."""
+    model = TokenRegressor(norm=norm, scan=scan, key=jax.random.key(0))
+    filter_spec = eqx.is_inexact_array
+    if trainable == "output_layer":
+        filter_spec = jax.tree.map(lambda _: False, model)
+        filter_spec = eqx.tree_at(lambda m: m.mlp.output_layer, filter_spec, replace_fn=lambda l: jax.tree.map(lambda _: True, l))
+    mesh = data_mesh(N)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(mse_per_example, optax.adamw(1e-3), microbatches=M, mode=mode, trainable=filter_spec)
+        colls = zoo.collectives(step.lower(sharded, step.init(sharded), token_batch(jax.random.key(1), 64)))
+        trainable_bytes = tree_bytes(step.partition(sharded)[0])
+    return colls, trainable_bytes
+
+
+@pytest.mark.parametrize("mode", ["explicit", "shard_map"])
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_exactly_one_all_reduce_outside_loops_and_nothing_else(norm, scan, mode):
+    colls, trainable_bytes = compiled_step_collectives(norm, scan, mode)
+    print(zoo.report(colls))
+    assert zoo.count(colls, "all-reduce", in_loop=True) == 0
+    assert zoo.count(colls, "all-reduce", in_loop=False) == 1
+    # Nothing else moves: no all-to-all / permute from the microbatch split, no gathers.
+    assert len(colls) == 1, zoo.report(colls)
+    (reduce,) = colls
+    assert reduce.mesh_axes == ("data",) and reduce.group_size == N
+    # It carries the gradients and the loss scalar, nothing more.
+    assert reduce.bytes == trainable_bytes + 4
+
+
+def test_frozen_leaves_add_no_communication():
+    colls, trainable_bytes = compiled_step_collectives("layernorm", True, "explicit", trainable="output_layer")
+    all_colls, all_bytes = compiled_step_collectives("layernorm", True, "explicit")
+    assert [c.kind for c in colls] == ["all-reduce"] and not colls[0].in_loop
+    assert colls[0].bytes == trainable_bytes + 4
+    assert trainable_bytes < all_bytes / 10
+
+
+def grads_step(model, batch, *, reduced: bool, naive_split: bool = False):
+    """A hand-written accumulation step for the controls (loss summed per microbatch)."""
+    params = zoo.reduced_cast(model) if reduced else model
+    if naive_split:  # the trap: microbatch m's rows end up on few devices
+        micro = jax.tree.map(
+            lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:], out_sharding=P(None, "data", *([None] * (x.ndim - 1)))),
+            batch,
+        )
+    else:
+        micro = zoo.split_microbatches(batch, M, N, ("data",))
+
+    def body(acc, mb):
+        grads = jax.grad(lambda m: jnp.sum(mse_per_example(m, mb)))(params)
+        return jax.tree.map(jnp.add, acc, grads), None
+
+    acc = zoo.unreduced_zeros(model) if reduced else jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    acc, _ = jax.lax.scan(body, acc, micro)
+    return zoo.reduce_unreduced(acc) if reduced else acc
+
+
+def control_collectives(**kwargs):
+    mesh = data_mesh(N)
+    with jax.set_mesh(mesh):
+        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
+        batch = jax.device_put(token_batch(jax.random.key(1), 64), P("data"))
+        fn = eqx.filter_jit(functools.partial(grads_step, **kwargs))
+        return zoo.collectives(fn, model, batch)
+
+
+def test_negative_control_replicated_params_reduce_inside_the_loop():
+    colls = control_collectives(reduced=False)
+    assert zoo.count(colls, "all-reduce", in_loop=True) >= 1, zoo.report(colls)
+    assert all(c.mesh_axes == ("data",) for c in colls if c.kind == "all-reduce")
+    # The same hand-written step with the reduced cast: back to one, outside.
+    fixed = control_collectives(reduced=True)
+    assert zoo.count(fixed, "all-reduce", in_loop=True) == 0
+    assert zoo.count(fixed, "all-reduce", in_loop=False) == 1
+
+
+def test_negative_control_naive_microbatch_split_moves_data():
+    colls = control_collectives(reduced=True, naive_split=True)
+    moves = [c for c in colls if c.kind != "all-reduce"]
+    assert moves, "a naive reshape split should compile to data movement the inspector sees"
+    assert {c.kind for c in moves} & {"all-to-all", "collective-permute", "all-gather"}
+
+
+def test_two_dimensional_mesh_reduces_over_data_only():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=2)
+        colls = zoo.collectives(step.lower(model, step.init(model), token_batch(jax.random.key(1), 32)))
+    reduces = [c for c in colls if c.kind == "all-reduce"]
+    assert len(reduces) == 1 and not reduces[0].in_loop
+    assert reduces[0].mesh_axes == ("data",) and reduces[0].group_size == 4
+
+
+# --- the parser on hand-written HLO (formats the CPU backend does not always emit) ---
+
+NESTED_HLO = """
+HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner_body (p: (s32[], f32[4,2])) -> (s32[], f32[4,2]) {
+  %p = (s32[], f32[4,2]) parameter(0)
+  %g = f32[4,2] get-tuple-element(%p), index=1
+  %ar = f32[4,2] all-reduce(%g), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true, to_apply=%add, metadata={op_name="inner/dot_general"}
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[4,2]) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[4,2])) -> pred[] {
+  %p = (s32[], f32[4,2]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %c = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%helper (x: (s32[], f32[4,2])) -> (s32[], f32[4,2]) {
+  %x = (s32[], f32[4,2]) parameter(0)
+  ROOT %w = (s32[], f32[4,2]) while(%x), condition=%cond, body=%inner_body
+}
+
+ENTRY %main (x: (s32[], f32[4,2]), y: bf16[8]) -> bf16[16] {
+  %x = (s32[], f32[4,2]) parameter(0)
+  %y = bf16[8] parameter(1)
+  %c = (s32[], f32[4,2]) call(%x), to_apply=%helper
+  %z = f32[2] constant({1, 2})
+  %ar2 = f32[2] all-reduce(%z), channel_id=4, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="named"}
+  %ag = bf16[16] all-gather(%y), channel_id=2, replica_groups=[4,2]<=[8], dimensions={0}, use_global_device_ids=true, metadata={op_name="gather"}
+  ROOT %cp = bf16[16] collective-permute(%ag), channel_id=3, source_target_pairs={{0,1},{1,0}}, metadata={op_name="permute"}
+}
+"""
+
+
+def test_parser_nesting_iota_groups_bytes_and_axes():
+    mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+    colls = zoo.collectives(NESTED_HLO, mesh=mesh)
+    assert [(c.kind, c.in_loop) for c in colls] == [
+        ("all-reduce", True),  # in a while body reached through a call
+        ("all-reduce", False),
+        ("all-gather", False),
+        ("collective-permute", False),
+    ]
+    ar, named, ag, cp = colls
+    assert named.mesh_axes == ("data",) and named.group_size == 4 and named.bytes == 8
+    assert ar.bytes == 32 and ar.mesh_axes == ("data",) and ar.group_size == 4 and ar.op_name == "inner/dot_general"
+    assert ag.bytes == 32 and ag.mesh_axes == ("model",) and ag.group_size == 2
+    assert cp.mesh_axes == ("model",)
+    assert "IN LOOP" in zoo.report(colls) and "1 inside loops, 1 outside" in zoo.report(colls)
+
+
+def test_inspector_rejects_what_it_cannot_read():
+    with pytest.raises(TypeError, match="jitted function with its arguments"):
+        zoo.collectives(object())
