@@ -67,3 +67,11 @@ def test_demo_trains_and_shows_one_all_reduce():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loss fell: yes" in proc.stdout
     assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+
+
+@pytest.mark.slow
+def test_readme_example_runs():
+    """examples/quickstart.py is the README's Python example, verbatim."""
+    proc = subprocess.run([sys.executable, "examples/quickstart.py"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
