@@ -188,3 +188,28 @@ def test_shard_map_mode_refuses_params_sharded_over_data(setup):
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), mode="shard_map")
         with pytest.raises(ValueError, match="shard_map mode needs parameters replicated over the data axes"):
             step.loss_and_grads(sharded, batch)
+
+
+class Scaled(eqx.Module):
+    """A model with a plain Python float leaf (not an array, not a static field)."""
+
+    inner: TokenRegressor
+    scale: float
+
+    def __call__(self, ids):
+        return self.scale * self.inner(ids)
+
+
+def test_donation_and_non_array_leaves(setup):
+    model, batch, _, _ = setup
+    mesh = data_mesh(2)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(Scaled(model, 0.5), zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), donate=True)
+        state = step.init(sharded)
+        new, new_state, loss = step(sharded, state, batch)
+    assert new.scale == 0.5 and isinstance(new.scale, float)
+    # Donated: the old parameter buffers are gone, the batch is untouched.
+    assert sharded.inner.embed.weight.is_deleted()
+    assert not new.inner.embed.weight.is_deleted() and not batch[0].is_deleted()
+    assert np.isfinite(float(loss))

@@ -76,6 +76,77 @@ def _sum(x: jax.Array | None, axes: tuple[str, ...] | None) -> jax.Array | None:
     return lax.reduce_sum(x, tuple(range(x.ndim)), out_sharding=out_sharding)
 
 
+class _Jit:
+    """`jax.jit` over a function of pytrees holding arrays and static leaves.
+
+    Like `eqx.filter_jit` (arrays traced, everything else static), but dispatch stays
+    asynchronous: equinox 0.13's `filter_jit` blocks until every call has finished, which
+    would stop a training loop from queueing the next step or loading data meanwhile.
+    """
+
+    def __init__(self, fn: Callable, *, donate: tuple[int, ...] = ()):
+        self._out_static: dict[Any, Any] = {}
+        
+        def run(static, *dynamic):
+            in_treedef, in_static_leaves = static
+            flat = [leaf for group in dynamic for leaf in group]
+            args = jax.tree.unflatten(in_treedef, _merge(flat, in_static_leaves))
+            out_leaves, out_treedef = jax.tree.flatten(fn(*args))
+            arrays, out_static_leaves = _split(out_leaves)
+            self._out_static[static] = (out_treedef, out_static_leaves)
+            return arrays
+
+        # The name shows in HLO op names: jit(train_step)/reshard.
+        run.__name__ = getattr(fn, "__name__", "step").lstrip("_")
+        self._jitted = jax.jit(run, static_argnums=(0,), donate_argnums=tuple(i + 1 for i in donate))
+
+    def _prepare(self, args):
+        leaves, treedef = jax.tree.flatten(args)
+        arrays, static_leaves = _split(leaves)
+        # One dynamic argument per top-level argument, so donation can pick them.
+        counts = [len(jax.tree.leaves(a)) for a in args]
+        groups, start = [], 0
+        for c in counts:
+            groups.append(arrays[start : start + c])
+            start += c
+        return (treedef, static_leaves), groups
+
+    def __call__(self, *args):
+        static, groups = self._prepare(args)
+        arrays = self._jitted(static, *groups)
+        out_treedef, out_static_leaves = self._out_static[static]
+        return jax.tree.unflatten(out_treedef, _merge(arrays, out_static_leaves))
+
+    def lower(self, *args):
+        static, groups = self._prepare(args)
+        return self._jitted.lower(static, *groups)
+
+
+class _Static:
+    """Marks a non-array leaf's slot; hashable so it can be part of a static argument."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and self.value == other.value
+
+
+def _split(leaves):
+    """Leaves → (array leaves with None in static slots, static leaves as a tuple)."""
+    arrays = [x if eqx.is_array(x) else None for x in leaves]
+    static = tuple(None if eqx.is_array(x) else _Static(x) for x in leaves)
+    return arrays, static
+
+
+def _merge(arrays, static):
+    """Inverse of `_split`."""
+    return [s.value if s is not None else a for a, s in zip(arrays, static)]
+
+
 def _accumulate_body(objective, params):
     """Scan body: add one microbatch's loss (and weight) and gradients to the carry."""
 
@@ -136,8 +207,8 @@ class TrainStep:
         self.trainable = trainable
         self.mode = mode
         self.data_axes = data_axes_tuple(data_axes)
-        self._grads = eqx.filter_jit(self._loss_and_grads)
-        self._step = eqx.filter_jit(self._train_step, donate="all-except-first" if donate else "none")
+        self._grads = _Jit(self._loss_and_grads)
+        self._step = _Jit(self._train_step, donate=(0, 1) if donate else ())
 
     # -- public API -------------------------------------------------------------------
     def partition(self, model: Any) -> tuple[Any, Any]:
