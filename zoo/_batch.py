@@ -32,7 +32,7 @@ def data_parallel_size(mesh: Any, data_axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in data_axes)
 
 
-def require_explicit(mesh: Any, data_axes: tuple[str, ...]) -> None:
+def require_explicit(mesh: Any) -> None:
     """Explicit-sharding mode needs the mesh's axes typed `AxisType.Explicit`."""
     for name, kind in zip(mesh.axis_names, mesh.axis_types):
         if kind != AxisType.Explicit:

@@ -256,7 +256,7 @@ class TrainStep:
         elif self.mode == "explicit" or data_parallel_size(mesh, self.data_axes) == 1:
             # One data shard leaves nothing to reduce; jax 0.10.2 also fails to lower
             # unreduced shard_map outputs over a size-1 axis, so run the explicit path.
-            require_explicit(mesh, self.data_axes)
+            require_explicit(mesh)
             n = data_parallel_size(mesh, self.data_axes)
             loss_sum, weight, grads = self._accumulate(params, frozen, batch, self.data_axes, n)
         else:
