@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch
+from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -110,12 +110,18 @@ def test_negative_control_naive_microbatch_split_moves_data():
     assert {c.kind for c in moves} & {"all-to-all", "collective-permute", "all-gather"}
 
 
-def test_two_dimensional_mesh_reduces_over_data_only():
+@pytest.mark.parametrize("mode", ["explicit", "shard_map"])
+def test_two_dimensional_mesh_reduces_over_data_only(mode):
     mesh = jax.make_mesh((4, 2), ("data", "model"))
+    batch = token_batch(jax.random.key(1), 32)
     with jax.set_mesh(mesh):
         model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
-        step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=2)
-        colls = zoo.collectives(step.lower(model, step.init(model), token_batch(jax.random.key(1), 32)))
+        step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=2, mode=mode)
+        colls = zoo.collectives(step.lower(model, step.init(model), batch))
+        _, grads = step.loss_and_grads(model, batch)
+    host_model = TokenRegressor(key=jax.random.key(0))
+    ref = eqx.filter_jit(jax.grad(lambda m: mse_per_example(m, batch).mean()))(host_model)
+    assert tree_allclose(grads, ref, rtol=1e-5, atol=1e-7)
     reduces = [c for c in colls if c.kind == "all-reduce"]
     assert len(reduces) == 1 and not reduces[0].in_loop
     assert reduces[0].mesh_axes == ("data",) and reduces[0].group_size == 4

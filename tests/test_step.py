@@ -204,7 +204,9 @@ def test_donation_and_non_array_leaves(setup):
     model, batch, _, _ = setup
     mesh = data_mesh(2)
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(Scaled(model, 0.5), zoo.rules("dp"), mesh)
+        # A private copy: placement may alias the fixture's buffers, and donation deletes them.
+        own = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model)
+        sharded = zoo.shard(Scaled(own, 0.5), zoo.rules("dp"), mesh)
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), donate=True)
         state = step.init(sharded)
         new, new_state, loss = step(sharded, state, batch)
@@ -213,3 +215,13 @@ def test_donation_and_non_array_leaves(setup):
     assert sharded.inner.embed.weight.is_deleted()
     assert not new.inner.embed.weight.is_deleted() and not batch[0].is_deleted()
     assert np.isfinite(float(loss))
+
+
+def test_shard_map_mode_refuses_params_sharded_over_other_axes(setup):
+    model, batch, _, _ = setup
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("dp", mlp="model"), mesh)
+        step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), mode="shard_map")
+        with pytest.raises(ValueError, match=r"sharded over mesh axes \['model'\]; shard_map mode runs manual over every"):
+            step.loss_and_grads(sharded, batch)

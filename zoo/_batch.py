@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from ._reduced import plain_spec
-from ._rules import batch_spec
+from ._rules import batch_spec, data_entry
 
 
 def data_axes_tuple(data_axes: str | tuple[str, ...]) -> tuple[str, ...]:
@@ -92,7 +92,7 @@ def split_microbatches(batch: Any, microbatches: int, data_size: int, data_axes:
     compiles to an all-to-all. Splitting each device's own rows instead
     (`[N, B/N]` → `[N, M, b]` → swap → `[M, N·b]`) moves nothing.
     """
-    first = data_axes[0] if len(data_axes) == 1 else data_axes
+    first = data_entry(data_axes)
 
     def one(x):
         rest = x.shape[1:]

@@ -131,7 +131,7 @@ def cmd_inspect(args) -> int:
         raise CLIError(f"unknown --rules {args.rules!r}; choose one of {list(zoo.RULE_PRESETS)}")
     task = _build(args)
     mesh = _mesh(mesh_shape)
-    data = math.prod(mesh_shape.get(a, 1) for a in ("data",))
+    data = mesh_shape.get("data", 1)
     batch_size = args.batch_size or data * args.microbatches * 2
     with jax.set_mesh(mesh):
         try:

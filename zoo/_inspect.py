@@ -8,6 +8,7 @@ import re
 from collections import deque
 from typing import Any
 
+import jax
 import numpy as np
 
 COLLECTIVE_KINDS = (
@@ -63,8 +64,6 @@ class Collective:
 
 
 def _hlo_text(obj: Any, args: tuple, kwargs: dict) -> str:
-    import jax
-
     if isinstance(obj, str):
         return obj
     if args or kwargs:
@@ -165,8 +164,6 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
     **Returns:** a list of `Collective`, in program order.
     """
     if mesh is None:
-        import jax
-
         mesh = jax.sharding.get_abstract_mesh()
         mesh = None if mesh.empty else mesh
     text = _hlo_text(obj, args, kwargs)

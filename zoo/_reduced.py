@@ -119,9 +119,10 @@ def reduce_unreduced(tree: Any, out_specs: Any = None) -> Any:
 def manual_specs(tree: Any, *, axes="data", state: str = "reduced") -> Any:
     """`shard_map` in/out specs for the array leaves of `tree` over manual `axes`.
 
-    Each leaf's spec keeps the non-manual mesh axes of its annotation and adds
-    `reduced=axes` (for parameters going in) or `unreduced=axes` (for gradients coming out).
-    Leaves sharded *over* a manual axis cannot be reduced over it: that is an error.
+    A spec inside `shard_map` may name only manual axes, so each leaf gets an all-`None`
+    spec plus `reduced=axes` (parameters going in) or `unreduced=axes` (gradients coming
+    out); a layout over other, non-manual mesh axes passes through untouched. Leaves
+    sharded *over* a manual axis cannot be reduced over it: that is an error.
     """
     axes = _axes_set(axes)
     if state not in ("reduced", "unreduced"):

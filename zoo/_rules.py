@@ -176,5 +176,9 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
 
 def batch_spec(ndim: int, data_axes: tuple[str, ...]) -> P:
     """`PartitionSpec` of a batch-leading array: dim 0 on the data axes, the rest replicated."""
-    first = data_axes[0] if len(data_axes) == 1 else data_axes
-    return P(first, *([None] * (ndim - 1)))
+    return P(data_entry(data_axes), *([None] * (ndim - 1)))
+
+
+def data_entry(data_axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    """The `PartitionSpec` entry that splits one dimension over the data axes."""
+    return data_axes[0] if len(data_axes) == 1 else data_axes

@@ -26,8 +26,10 @@ from ._reduced import (
     manual_specs,
     pcast_unreduced,
     pcast_varying,
+    plain_spec,
     reduce_unreduced,
     reduced_cast,
+    sharded_over,
     unreduced_zeros,
 )
 from ._rules import batch_spec
@@ -145,6 +147,21 @@ def _split(leaves):
 def _merge(arrays, static):
     """Inverse of `_split`."""
     return [s.value if s is not None else a for a, s in zip(arrays, static)]
+
+
+def _require_replicated_off_data(params, frozen, data_axes) -> None:
+    """shard_map mode is manual over every mesh axis, so no array may be split over one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    others = frozenset(mesh.axis_names) - set(data_axes)
+    for leaf in jax.tree.leaves(eqx.filter((params, frozen), eqx.is_array)):
+        if sharded_over(leaf, others):
+            raise ValueError(
+                f"a parameter of shape {leaf.shape} is sharded over mesh axes "
+                f"{sorted(others & set(jax.tree.leaves(tuple(plain_spec(leaf)))))}; shard_map mode runs "
+                "manual over every mesh axis (jax 0.10.2 takes reduced in_specs only in full "
+                "manual mode), so parameters must be replicated off the data axes. Use "
+                "mode='explicit' for tensor-parallel layouts."
+            )
 
 
 def _accumulate_body(objective, params):
@@ -300,6 +317,7 @@ class TrainStep:
         """Manual mode: the loop runs per device; varying partial sums leave it unreduced."""
         axes, m = self.data_axes, self.microbatches
         param_specs = manual_specs(params, axes=axes, state="reduced")  # checks the layout first
+        _require_replicated_off_data(params, frozen, axes)
         batch = shard_batch(batch, axes)
         params_view = reduced_cast(params, axes=axes)
         frozen_arrays, frozen_static = eqx.partition(frozen, eqx.is_array)
@@ -331,7 +349,8 @@ class TrainStep:
             jax.tree.map(lambda x: P(*([None] * x.ndim)), frozen_arrays),
             jax.tree.map(lambda x: batch_spec(x.ndim, axes), batch),
         )
-        mapped = jax.shard_map(body_fn, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes))
+        # Manual over every mesh axis: jax 0.10.2 accepts reduced in_specs only then.
+        mapped = jax.shard_map(body_fn, in_specs=in_specs, out_specs=out_specs)
         carry = reduce_unreduced(mapped(params_view, frozen_arrays, batch))  # the one all-reduce
         return carry["loss"], carry.get("weight"), carry["grads"]
 
