@@ -5,7 +5,7 @@ The path a model takes: annotate (`zoo.field`) → rules (`zoo.rules`) → place
 → optax update) → check the compiled step (`zoo.collectives`).
 """
 
-from . import nn
+from . import models, nn
 from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
 from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
@@ -17,7 +17,7 @@ from ._reduced import (
     reduced_cast,
     unreduced_zeros,
 )
-from ._rules import LOGICAL_AXES, RULE_PRESETS, partition_specs, rules, shard, spec_for
+from ._rules import LOGICAL_AXES, RULE_PRESETS, partition_specs, rules, shard, spec_for, step_options
 from ._step import TrainStep, partition_trainable
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "field",
     "logical_axes",
     "manual_specs",
+    "models",
     "nn",
     "partition_specs",
     "partition_trainable",
@@ -49,5 +50,6 @@ __all__ = [
     "spec_for",
     "split_microbatches",
     "stacked_field",
+    "step_options",
     "unreduced_zeros",
 ]

@@ -50,7 +50,9 @@ def _map_selected(fn, tree: Any, filter_spec: FilterSpec) -> Any:
     return eqx.combine(selected, rest)
 
 
-def reduced_cast(tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *, axes="data") -> Any:
+def reduced_cast(
+    tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *, axes="data", gather: bool = False
+) -> Any:
     """Cast the selected array leaves to *reduced* over mesh `axes` (no data moves).
 
     **Arguments:**
@@ -59,17 +61,25 @@ def reduced_cast(tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *, a
     - `filter_spec`: which leaves, as in `eqx.partition` (a bool pytree prefix or a
       callable on leaves). Unselected leaves are returned unchanged.
     - `axes`: the data-parallel mesh axis name(s).
+    - `gather`: also all-gather leaves split over `axes` (FSDP layouts) into a reduced
+      full copy. Without it such leaves are left as they are (their gradients come out
+      split like them); with it their gradients come out unreduced too, and reducing them
+      to the leaf's own layout (`reduce_unreduced(..., out_specs)`) is a reduce-scatter.
 
     **Returns:** the same pytree; selected leaves are typed `{R:axes}`, so `jax.grad`
     returns their gradients *unreduced* (`{U:axes}`) instead of all-reducing them.
-    Leaves already sharded over `axes` (FSDP-style layouts) cannot be reduced over them
-    and are left as they are: their gradients come out sharded like them.
     """
     axes = _axes_set(axes)
 
     def cast(x):
         if sharded_over(x, axes):
-            return x
+            if not gather:
+                return x
+            parts = []
+            for entry in plain_spec(x):
+                names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in axes)
+                parts.append(None if not names else names[0] if len(names) == 1 else names)
+            return jax.reshard(x, P(*parts, reduced=set(_spec(x).reduced) | axes))
         spec = _spec(x)
         return jax.reshard(x, P(*plain_spec(x), reduced=set(spec.reduced) | axes))
 
@@ -134,7 +144,8 @@ def manual_specs(tree: Any, *, axes="data", state: str = "reduced") -> Any:
             raise ValueError(
                 f"a leaf of shape {x.shape} is sharded over the data axes {sorted(axes)} "
                 f"(spec {spec}); shard_map mode needs parameters replicated over the data "
-                "axes. Use mode='explicit' for sharded (FSDP-style) parameters."
+                "axes. Gather them once per step (TrainStep(gather='once'), the 'fsdp-once' "
+                "preset) or use mode='explicit'."
             )
         # Inside shard_map, only manual axes may appear in specs.
         return P(*([None] * len(spec)), **{state: axes})

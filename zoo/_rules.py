@@ -25,12 +25,31 @@ LOGICAL_AXES = (
     "mlp",  # hidden width of feed-forward / MLP layers
     "mlp_in",  # input side of an MLP's width→width layers (so "mlp" is not used twice)
     "vocab",  # vocabulary (embedding rows, output head columns)
+    "heads",  # attention query heads (flattened heads × head_dim of projections)
+    "kv_heads",  # attention key/value heads (fewer than "heads" with grouped queries)
 )
+
+_DP: dict[str, MeshAxes] = {name: None for name in LOGICAL_AXES} | {"batch": "data"}
+_TP: dict[str, MeshAxes] = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 
 _PRESETS: dict[str, dict[str, MeshAxes]] = {
     # Pure data parallelism: every parameter replicated, the batch split over `data`.
-    "dp": {name: None for name in LOGICAL_AXES} | {"batch": "data"},
+    "dp": _DP,
+    # Fully sharded data parallelism: every parameter split over `data` along its embed
+    # axis; layers gather each weight when they use it, gradients are reduce-scattered.
+    "fsdp": _DP | {"embed": "data"},
+    # The same layout; the step gathers every parameter once per step into a reduced copy
+    # and reduce-scatters the accumulated gradients once (see `step_options`).
+    "fsdp-once": _DP | {"embed": "data"},
+    # Megatron tensor parallelism on a (data, model) mesh: heads, mlp width and vocab
+    # split over `model` (column-parallel in, row-parallel out), batch over `data`.
+    "tp": _DP | _TP,
+    # Both: embed over `data`, heads/mlp/vocab over `model`.
+    "fsdp+tp": _DP | _TP | {"embed": "data"},
 }
+
+# TrainStep keyword arguments a preset implies beyond its layout.
+_STEP_OPTIONS: dict[str, dict[str, Any]] = {"fsdp-once": {"gather": "once"}}
 
 
 def rules(preset: str = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
@@ -38,7 +57,10 @@ def rules(preset: str = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
 
     **Arguments:**
 
-    - `preset`: one of `zoo.RULE_PRESETS` (`"dp"`: parameters replicated, batch on `data`).
+    - `preset`: one of `zoo.RULE_PRESETS`: `"dp"` (parameters replicated, batch on
+      `data`), `"fsdp"` / `"fsdp-once"` (parameters split over `data` along their embed
+      axis; the two differ in the step, see `zoo.step_options`), `"tp"` (heads, mlp width
+      and vocab over `model`), `"fsdp+tp"`.
     - `overrides`: logical axis → mesh axis (or tuple of mesh axes, or `None`).
 
     **Returns:** a plain `dict` a user can print, copy and edit.
@@ -52,6 +74,16 @@ def rules(preset: str = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
 
 
 RULE_PRESETS = tuple(_PRESETS)
+
+
+def step_options(preset: str) -> dict[str, Any]:
+    """The `zoo.TrainStep` keyword arguments a rules preset implies beyond its layout.
+
+    `"fsdp-once"` → `{"gather": "once"}` (all-gather the parameters once per step,
+    accumulate unreduced gradients, reduce-scatter once); every other preset → `{}`.
+    """
+    rules(preset)  # validates the name
+    return dict(_STEP_OPTIONS.get(preset, {}))
 
 
 def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from ._reduced import (
 from ._rules import batch_spec
 
 Mode = Literal["explicit", "shard_map"]
+Gather = Literal["per_use", "once"]
 LossFn = Callable[[Any, Any], Any]
 
 _LOSS_CONTRACT = (
@@ -164,6 +165,14 @@ def _require_replicated_off_data(params, frozen, data_axes) -> None:
             )
 
 
+def _out_specs(carry: dict, params: Any) -> dict:
+    """Where the reduced carry lands: scalars replicated, gradients in their params' layout
+    (for parameters split over the data axes that reduction is a reduce-scatter)."""
+    out = {name: P() for name in carry if name != "grads"}
+    out["grads"] = jax.tree.map(plain_spec, params)
+    return out
+
+
 def _accumulate_body(objective, params):
     """Scan body: add one microbatch's loss (and weight) and gradients to the carry."""
 
@@ -199,6 +208,7 @@ class TrainStep:
         trainable: FilterSpec = eqx.is_inexact_array,
         mode: Mode = "explicit",
         data_axes: str | tuple[str, ...] = "data",
+        gather: Gather = "per_use",
         donate: bool = False,
     ):
         """**Arguments:**
@@ -212,10 +222,19 @@ class TrainStep:
         - `mode`: `"explicit"` (global-view code under explicit sharding) or `"shard_map"`
           (the microbatch loop runs per device inside `jax.shard_map`).
         - `data_axes`: the mesh axis (or axes) the batch is split over.
+        - `gather`: what happens to parameters split over the data axes (FSDP layouts).
+          `"per_use"`: each layer all-gathers its weight when it uses it and the gradient
+          is reduce-scattered per microbatch (least memory; communication in the loop).
+          `"once"`: all-gather every parameter once per step into a reduced copy,
+          accumulate unreduced gradients, reduce-scatter once after the loop (one full
+          copy of the parameters in memory for the step; no communication in the loop).
+          Parameters not split over the data axes are unaffected.
         - `donate`: donate the model and optimizer state buffers to the step.
         """
         if mode not in ("explicit", "shard_map"):
             raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
+        if gather not in ("per_use", "once"):
+            raise ValueError(f"gather must be 'per_use' or 'once', got {gather!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
         self.loss_fn = loss_fn
@@ -224,6 +243,7 @@ class TrainStep:
         self.trainable = trainable
         self.mode = mode
         self.data_axes = data_axes_tuple(data_axes)
+        self.gather = gather
         self._grads = _Jit(self._loss_and_grads)
         self._step = _Jit(self._train_step, donate=(0, 1) if donate else ())
 
@@ -288,9 +308,9 @@ class TrainStep:
         m = self.microbatches
         if axes is not None:
             batch = shard_batch(batch, axes)
-            params_view = reduced_cast(params, axes=axes)
+            params_view = reduced_cast(params, axes=axes, gather=self.gather == "once")
             microbatches = split_microbatches(batch, m, n, axes)
-            zeros = unreduced_zeros(params, axes=axes)
+            zeros = unreduced_zeros(params_view, axes=axes)
             scalar_zero = jax.reshard(jnp.zeros((), jnp.float32), P(unreduced=set(axes)))
         else:
             params_view = params
@@ -310,16 +330,16 @@ class TrainStep:
             init["weight"] = scalar_zero
         carry, _ = lax.scan(_accumulate_body(objective, params_view), init, microbatches)
         if axes is not None:
-            carry = reduce_unreduced(carry)  # the step's one gradient all-reduce
+            carry = reduce_unreduced(carry, _out_specs(carry, params))  # the one all-reduce
         return carry["loss"], carry.get("weight"), carry["grads"]
 
     def _accumulate_shard_map(self, params, frozen, batch):
         """Manual mode: the loop runs per device; varying partial sums leave it unreduced."""
         axes, m = self.data_axes, self.microbatches
-        param_specs = manual_specs(params, axes=axes, state="reduced")  # checks the layout first
-        _require_replicated_off_data(params, frozen, axes)
+        params_view = reduced_cast(params, axes=axes, gather=self.gather == "once")
+        param_specs = manual_specs(params_view, axes=axes, state="reduced")  # checks the layout
+        _require_replicated_off_data(params_view, frozen, axes)
         batch = shard_batch(batch, axes)
-        params_view = reduced_cast(params, axes=axes)
         frozen_arrays, frozen_static = eqx.partition(frozen, eqx.is_array)
         weighted = self._returns_weights(params, frozen, batch)
 
@@ -341,7 +361,7 @@ class TrainStep:
             return pcast_unreduced(carry, axes=axes)
 
         unreduced = P(unreduced=set(axes))
-        out_specs = {"loss": unreduced, "grads": manual_specs(params, axes=axes, state="unreduced")}
+        out_specs = {"loss": unreduced, "grads": manual_specs(params_view, axes=axes, state="unreduced")}
         if weighted:
             out_specs["weight"] = unreduced
         in_specs = (
@@ -351,12 +371,18 @@ class TrainStep:
         )
         # Manual over every mesh axis: jax 0.10.2 accepts reduced in_specs only then.
         mapped = jax.shard_map(body_fn, in_specs=in_specs, out_specs=out_specs)
-        carry = reduce_unreduced(mapped(params_view, frozen_arrays, batch))  # the one all-reduce
+        carry = mapped(params_view, frozen_arrays, batch)
+        carry = reduce_unreduced(carry, _out_specs(carry, params))  # the one all-reduce
         return carry["loss"], carry.get("weight"), carry["grads"]
 
     def _returns_weights(self, params, frozen, batch) -> bool:
         """Whether `loss_fn` returns `(loss_sums, weights)` (decided by abstract evaluation)."""
         rows = jax.tree.leaves(batch)[0].shape[0] // self.microbatches
-        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+
+        def like(x):
+            # A microbatch as the loop sees it: same dtype and sharding, fewer rows.
+            return jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=jax.typeof(x).sharding)
+
+        example = jax.tree.map(like, batch)
         out = jax.eval_shape(lambda p, mb: self.loss_fn(eqx.combine(p, frozen), mb), params, example)
         return isinstance(out, tuple)

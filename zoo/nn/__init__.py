@@ -1,21 +1,38 @@
 """Zoo modules: batched, global-view, annotated, and safe with reduced parameters."""
 
-from ._broadcast import broadcast_like, sharding_spec
+from ._attention import Attention
+from ._block import TransformerBlock
+from ._dropout import ExampleKeys, dropout, example_keys, fold_in
 from ._embedding import Embedding
+from ._feedforward import ACTIVATIONS, FeedForward
 from ._linear import Linear
 from ._mlp import MLP, MLPBlock
 from ._norm import LayerNorm, RMSNorm
+from ._rope import apply_rope, rope_tables
+from ._sharding import broadcast_like, contract_spec, for_use, sharding_spec
 from ._stacked import REMAT_POLICIES, Stacked
 
 __all__ = [
+    "ACTIVATIONS",
     "MLP",
     "REMAT_POLICIES",
+    "Attention",
     "Embedding",
+    "ExampleKeys",
+    "FeedForward",
     "LayerNorm",
     "Linear",
     "MLPBlock",
     "RMSNorm",
     "Stacked",
+    "TransformerBlock",
+    "apply_rope",
     "broadcast_like",
+    "contract_spec",
+    "dropout",
+    "example_keys",
+    "fold_in",
+    "for_use",
+    "rope_tables",
     "sharding_spec",
 ]

@@ -9,15 +9,16 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import field
-from ._broadcast import sharding_spec
+from ._sharding import contract_spec, entries, for_use, sharding_spec
 
 
 class Embedding(eqx.Module):
     """A `[vocab, dim]` table looked up by integer ids of any batch shape."""
 
-    weight: Float[Array, "vocab dim"] = field(axes=("vocab", "embed"))
+    weight: Float[Array, "vocab dim"] = field(axes=lambda self: (self.row_axis, "embed"))
     num_embeddings: int = eqx.field(static=True)
     dim: int = eqx.field(static=True)
+    row_axis: str | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -25,19 +26,34 @@ class Embedding(eqx.Module):
         dim: int,
         *,
         init_std: float = 1.0,
+        row_axis: str | None = "vocab",
         dtype: jnp.dtype = jnp.float32,
         key: PRNGKeyArray,
     ):
         """**Arguments:** vocabulary size `num_embeddings`, embedding size `dim`, the
-        normal initialisation's `init_std`, parameter `dtype`, PRNG `key`."""
+        normal initialisation's `init_std`, the logical axis of the rows (`"vocab"` for
+        tokens, `None` for small tables such as positions and token types that are never
+        split), parameter `dtype`, PRNG `key`."""
         self.weight = init_std * jr.normal(key, (num_embeddings, dim), dtype)
         self.num_embeddings = num_embeddings
         self.dim = dim
+        self.row_axis = row_axis
 
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch {self.dim}"]:
         """Look up `ids`; returns `[*batch, dim]` sharded like `ids` on its batch dims."""
         spec = sharding_spec(ids)
+        weight = for_use(self.weight, ids, lead_ndim=ids.ndim)
         # `weight[ids]` refuses to guess an output sharding under explicit meshes; the
         # rows follow the ids' sharding, the embedding dim is replicated.
         out_sharding = None if spec is None else P(*spec.partitions, None)
-        return self.weight.at[ids].get(out_sharding=out_sharding)
+        return weight.at[ids].get(out_sharding=out_sharding)
+
+    def attend(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.num_embeddings}"]:
+        """Scores of `x` against every row (`x @ weight.T`): a tied output head.
+
+        Returns `[*batch, vocab]` in `x`'s dtype, split over the mesh axes of the vocab
+        dim (tensor parallelism) like the table.
+        """
+        weight = for_use(self.weight, x, lead_ndim=x.ndim - 1)
+        out_sharding = contract_spec(x, (entries(weight)[0],), x.ndim - 1)
+        return jnp.einsum("...d,vd->...v", x, weight.astype(x.dtype), out_sharding=out_sharding)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import field
-from ._broadcast import broadcast_like
+from ._sharding import broadcast_like, contract_spec, entries, for_use
 
 
 class Linear(eqx.Module):
@@ -39,6 +38,7 @@ class Linear(eqx.Module):
         use_bias: bool = True,
         in_axis: str | None = "embed",
         out_axis: str | None = "mlp",
+        init_std: float | None = None,
         dtype: jnp.dtype = jnp.float32,
         key: PRNGKeyArray,
     ):
@@ -47,13 +47,20 @@ class Linear(eqx.Module):
         - `in_features`, `out_features`: sizes of the input and output feature axes.
         - `use_bias`: whether to add a learned bias.
         - `in_axis`, `out_axis`: logical axis names of the weight's two dimensions.
+        - `init_std`: `None` for the uniform(±1/√in) initialisation of `eqx.nn.Linear`; a
+          float for normal(0, init_std) weights and zero biases (as GPT-2 and BERT).
         - `dtype`: parameter dtype.
-        - `key`: PRNG key for the uniform(±1/√in) initialisation (as `eqx.nn.Linear`).
+        - `key`: PRNG key.
         """
         wkey, bkey = jr.split(key)
-        lim = 1 / math.sqrt(in_features)
-        self.weight = jr.uniform(wkey, (in_features, out_features), dtype, -lim, lim)
-        self.bias = jr.uniform(bkey, (out_features,), dtype, -lim, lim) if use_bias else None
+        shape = (in_features, out_features)
+        if init_std is None:
+            lim = 1 / math.sqrt(in_features)
+            self.weight = jr.uniform(wkey, shape, dtype, -lim, lim)
+            self.bias = jr.uniform(bkey, (out_features,), dtype, -lim, lim) if use_bias else None
+        else:
+            self.weight = init_std * jr.normal(wkey, shape, dtype)
+            self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
         self.in_features = in_features
         self.out_features = out_features
         self.in_axis = in_axis
@@ -63,7 +70,10 @@ class Linear(eqx.Module):
         self, x: Float[Array, "*batch {self.in_features}"]
     ) -> Float[Array, "*batch {self.out_features}"]:
         """Apply the layer to `x` (any leading batch dims); returns `[*batch, out]`."""
-        y = jnp.einsum("...i,io->...o", x, self.weight.astype(x.dtype))
+        weight = for_use(self.weight, x, lead_ndim=x.ndim - 1)
+        # Spelled out for row-parallel layers, whose contracted dim is split over `model`.
+        out_sharding = contract_spec(x, (entries(weight)[1],), x.ndim - 1)
+        y = jnp.einsum("...i,io->...o", x, weight.astype(x.dtype), out_sharding=out_sharding)
         if self.bias is not None:
             y = y + broadcast_like(self.bias.astype(y.dtype), y)
         return y

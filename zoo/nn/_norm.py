@@ -8,7 +8,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from .._axes import field
-from ._broadcast import broadcast_like
+from ._sharding import broadcast_like
 
 
 class LayerNorm(eqx.Module):

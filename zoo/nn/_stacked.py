@@ -7,11 +7,13 @@ from typing import Generic, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 from jax import lax
 from jaxtyping import PRNGKeyArray
 
 from .._axes import stacked_field
+from ._dropout import fold_in
 
 Layer = TypeVar("Layer", bound=eqx.Module)
 
@@ -59,17 +61,24 @@ class Stacked(eqx.Module, Generic[Layer]):
         self.num_layers = num_layers
         self.remat = remat
 
-    def __call__(self, x, *args, **kwargs):
-        """Run `x` through every layer in order; extra arguments go to each layer call."""
+    def __call__(self, x, *args, key=None, **kwargs):
+        """Run `x` through every layer in order; extra arguments go to each layer call.
+
+        `key` (optional): one PRNG key per example (`[batch]`); layer `i` gets those keys
+        folded with `i`, so every layer draws its own dropout masks.
+        """
         params, static = eqx.partition(self.layers, eqx.is_array)
 
-        def body(h, layer_params):
+        def body(h, xs):
+            layer_params, index = xs
             layer = eqx.combine(layer_params, static)
-            return layer(h, *args, **kwargs), None
+            if key is None:
+                return layer(h, *args, **kwargs), None
+            return layer(h, *args, key=fold_in(key, index), **kwargs), None
 
         if self.remat is not None:
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat])
-        out, _ = lax.scan(body, x, params)
+        out, _ = lax.scan(body, x, (params, jnp.arange(self.num_layers)))
         return out
 
 

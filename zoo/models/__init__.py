@@ -1,0 +1,19 @@
+"""Zoo models: a decoder-only transformer LM and a BERT-style encoder, built from `zoo.nn`."""
+
+from ._config import EncoderConfig, TransformerConfig
+from ._encoder import Encoder, EncoderClassifier, EncoderEmbeddings, mean_pool
+from ._loss import classification_loss, cross_entropy, next_token_loss
+from ._transformer import Transformer
+
+__all__ = [
+    "Encoder",
+    "EncoderClassifier",
+    "EncoderConfig",
+    "EncoderEmbeddings",
+    "Transformer",
+    "TransformerConfig",
+    "classification_loss",
+    "cross_entropy",
+    "mean_pool",
+    "next_token_loss",
+]

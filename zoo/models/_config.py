@@ -1,0 +1,126 @@
+"""Configs of the zoo's transformer models: frozen dataclasses, validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from ..nn import ACTIVATIONS, REMAT_POLICIES
+
+Norm = Literal["layernorm", "rmsnorm"]
+Positions = Literal["learned", "rope", "none"]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Common:
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    num_layers: int
+    mlp_dim: int | None = None  # default 4 * d_model
+    max_len: int = 512
+    num_kv_heads: int | None = None  # default num_heads
+    head_dim: int | None = None  # default d_model // num_heads
+    activation: str = "gelu"
+    norm_eps: float = 1e-5
+    use_bias: bool = True
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+    remat: str | None = None  # a jax.checkpoint policy name for the stacked layers
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field in ("vocab_size", "d_model", "num_heads", "num_layers", "max_len"):
+            _check(getattr(self, field) >= 1, f"{name}.{field} must be >= 1, got {getattr(self, field)}")
+        _check(
+            self.head_dim is not None or self.d_model % self.num_heads == 0,
+            f"{name}: d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}), "
+            "or set head_dim explicitly",
+        )
+        _check(
+            self.num_heads % self.kv_heads == 0,
+            f"{name}: num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})",
+        )
+        _check(self.activation in ACTIVATIONS, f"{name}.activation must be one of {list(ACTIVATIONS)}, got {self.activation!r}")
+        _check(0.0 <= self.dropout < 1.0 and 0.0 <= self.attention_dropout < 1.0, f"{name}: dropout rates must be in [0, 1)")
+        _check(self.dtype in ("float32", "bfloat16", "float16"), f"{name}.dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        _check(self.remat is None or self.remat in REMAT_POLICIES, f"{name}.remat must be None or one of {list(REMAT_POLICIES)}, got {self.remat!r}")
+
+    @property
+    def hidden_dim(self) -> int:
+        """The feed-forward width (`mlp_dim`, default `4 * d_model`)."""
+        return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (`num_kv_heads`, default `num_heads`)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def compute_dtype(self) -> Any:
+        """The activations' dtype as a numpy dtype."""
+        return jnp.dtype(self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        """Build a config from a dict, rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(_Common):
+    """A decoder-only (GPT-style) language model.
+
+    Sizes: `vocab_size`, `d_model`, `num_heads`, `num_layers`, `mlp_dim` (default
+    4·d_model), `max_len`, `num_kv_heads` (grouped-query attention), `head_dim`.
+    Choices: `norm` (`"layernorm"`/`"rmsnorm"`), `positions` (`"learned"`, `"rope"`,
+    `"none"`), `rope_theta`, `activation` (`"gelu"`, `"gelu_tanh"`, `"relu"`, `"swiglu"`),
+    `tie_embeddings` (the output head is the token embedding), `use_bias`, `pre_norm`
+    (post-LN when false), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
+    parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy).
+    """
+
+    activation: str = "gelu_tanh"
+    norm: Norm = "layernorm"
+    positions: Positions = "learned"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    pre_norm: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.norm in ("layernorm", "rmsnorm"), f"TransformerConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        _check(self.positions in ("learned", "rope", "none"), f"TransformerConfig.positions must be 'learned', 'rope' or 'none', got {self.positions!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig(_Common):
+    """A BERT-style encoder: post-LN, learned positions, token types, padding mask.
+
+    Field names follow Hugging Face's `BertConfig` where they differ only in spelling:
+    `d_model` = `hidden_size`, `num_heads` = `num_attention_heads`, `num_layers` =
+    `num_hidden_layers`, `mlp_dim` = `intermediate_size`, `max_len` =
+    `max_position_embeddings`, `type_vocab_size`, `norm_eps` = `layer_norm_eps`,
+    `pad_token_id`.
+    """
+
+    norm_eps: float = 1e-12
+    type_vocab_size: int = 2
+    pad_token_id: int = 0

@@ -1,0 +1,135 @@
+"""BERT-style encoder with mean pooling, laid out to hold Hugging Face BERT weights."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from ..nn import Embedding, LayerNorm, Linear, Stacked, TransformerBlock, broadcast_like, dropout, fold_in
+from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
+from ._config import EncoderConfig
+from ._transformer import make_block
+
+
+class EncoderEmbeddings(eqx.Module):
+    """Word + position + token-type embeddings, then LayerNorm (BERT's `embeddings`)."""
+
+    word_embeddings: Embedding
+    position_embeddings: Embedding
+    token_type_embeddings: Embedding
+    norm: LayerNorm
+
+    def __init__(self, config: EncoderConfig, *, key: PRNGKeyArray):
+        """**Arguments:** an `EncoderConfig` and a PRNG `key`."""
+        kw, kp, kt = jr.split(key, 3)
+        d, std = config.d_model, config.init_std
+        self.word_embeddings = Embedding(config.vocab_size, d, init_std=std, key=kw)
+        self.position_embeddings = Embedding(config.max_len, d, init_std=std, row_axis=None, key=kp)
+        self.token_type_embeddings = Embedding(config.type_vocab_size, d, init_std=std, row_axis=None, key=kt)
+        self.norm = LayerNorm(d, eps=config.norm_eps)
+
+    def __call__(
+        self, tokens: Int[Array, "batch seq"], token_types: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq embed"]:
+        """Sum the three embeddings of each position and normalise."""
+        seq = tokens.shape[1]
+        h = self.word_embeddings(tokens) + self.token_type_embeddings(token_types)
+        h = h + broadcast_like(self.position_embeddings.weight[:seq], h)
+        return self.norm(h)
+
+
+class Encoder(eqx.Module):
+    """A BERT-style encoder: tokens `[batch, seq]` → hidden states `[batch, seq, d_model]`.
+
+    Post-LN blocks with GELU, learned positions, token types, a padding mask; layers stacked
+    on a leading `"layers"` axis and run by `lax.scan`. Leaves map one-to-one onto HF
+    `BertModel` tensors (`embeddings.word_embeddings.weight` ↔
+    `embeddings.word_embeddings.weight`; `encoder.layer.{i}.attention.self.query.weight` ↔
+    `layers.layers.attention.q_proj.weight[i]` transposed; …; see docs/models.md).
+    """
+
+    embeddings: EncoderEmbeddings
+    layers: Stacked[TransformerBlock]
+    config: EncoderConfig = eqx.field(static=True)
+
+    def __init__(self, config: EncoderConfig, *, key: PRNGKeyArray):
+        """**Arguments:** an `EncoderConfig` and a PRNG `key`."""
+        ke, kl = jr.split(key)
+        self.embeddings = EncoderEmbeddings(config, key=ke)
+        self.layers = Stacked(
+            lambda k: make_block(config, causal=False, norm="layernorm", pre_norm=False, rope=False, key=k),
+            config.num_layers,
+            remat=config.remat,
+            key=kl,
+        )
+        self.config = config
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        mask: Bool[Array, "batch seq"] | None = None,
+        token_types: Int[Array, "batch seq"] | None = None,
+        key: ExampleKeys | None = None,
+    ) -> Float[Array, "batch seq {self.config.d_model}"]:
+        """Contextual embeddings of every position.
+
+        **Arguments:**
+
+        - `tokens`: `[batch, seq]` ids, `seq ≤ max_len`.
+        - `mask`: `[batch, seq]`, `True` at real tokens (default: `tokens != pad_token_id`).
+        - `token_types`: `[batch, seq]` segment ids (default zeros).
+        - `key`: one PRNG key per example for dropout, or `None`.
+
+        **Returns:** `[batch, seq, d_model]` hidden states in `config.dtype`.
+        """
+        seq = tokens.shape[1]
+        if seq > self.config.max_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_len}")
+        if mask is None:
+            mask = tokens != self.config.pad_token_id
+        if token_types is None:
+            token_types = jnp.zeros_like(tokens)
+        h = self.embeddings(tokens, token_types).astype(self.config.compute_dtype)
+        h = dropout(h, self.config.dropout, None if key is None else fold_in(key, EMBEDDING_STREAM))
+        return self.layers(h, mask=mask, key=key)
+
+
+def mean_pool(
+    hidden: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq"]
+) -> Float[Array, "batch embed"]:
+    """Average of the hidden states at real tokens (sentence-transformers' mean pooling), float32."""
+    weights = mask.astype(jnp.float32)
+    summed = jnp.einsum("bsd,bs->bd", hidden.astype(jnp.float32), weights)
+    return summed / jnp.maximum(jnp.sum(weights, axis=1), 1e-9)[:, None]
+
+
+class EncoderClassifier(eqx.Module):
+    """An `Encoder`, mean pooling, and a linear classification head (`head`)."""
+
+    encoder: Encoder
+    head: Linear
+    num_labels: int = eqx.field(static=True)
+
+    def __init__(self, encoder: Encoder, num_labels: int, *, key: PRNGKeyArray):
+        """**Arguments:** the `encoder`, the number of classes, a PRNG `key` for the head."""
+        d = encoder.config.d_model
+        self.encoder = encoder
+        self.head = Linear(d, num_labels, in_axis="embed", out_axis=None, init_std=encoder.config.init_std, key=key)
+        self.num_labels = num_labels
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        mask: Bool[Array, "batch seq"] | None = None,
+        token_types: Int[Array, "batch seq"] | None = None,
+        key: ExampleKeys | None = None,
+    ) -> Float[Array, "batch {self.num_labels}"]:
+        """Class logits `[batch, num_labels]` (float32)."""
+        if mask is None:
+            mask = tokens != self.encoder.config.pad_token_id
+        hidden = self.encoder(tokens, mask=mask, token_types=token_types, key=key)
+        return self.head(mean_pool(hidden, mask))

@@ -1,0 +1,57 @@
+"""Losses in the `zoo.TrainStep` contract (per-example sums and weights)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def cross_entropy(
+    logits: Float[Array, "*batch vocab"], targets: Int[Array, "*batch"]
+) -> Float[Array, "*batch"]:
+    """Negative log-likelihood of `targets` under `logits`, float32.
+
+    Written with a one-hot contraction rather than a gather, so it works unchanged when
+    the vocab axis is split over a mesh axis (tensor parallelism).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+    return -jnp.einsum("...v,...v->...", logp, onehot)
+
+
+def next_token_loss(model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
+    """Next-token cross-entropy of a language model, as `(loss_sums, token_counts)` per example.
+
+    **Arguments:**
+
+    - `model`: maps `tokens [batch, seq]` (and `mask=`, `key=`) to logits.
+    - `batch`: a dict with `"tokens"` `[batch, seq]`, optionally `"mask"` `[batch, seq]`
+      (`True`/1 at real tokens; a target counts when it is real) and `"dropout_key"`
+      (one PRNG key per example, turning dropout on).
+
+    **Returns:** per-example sums of token losses and the number of counted targets; the
+    step divides their global sums, so the loss is the mean over every real target token.
+    """
+    tokens = batch["tokens"]
+    mask = batch.get("mask")
+    logits = model(tokens, mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"))
+    nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
+    weights = jnp.ones_like(nll) if mask is None else mask[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
+
+
+def classification_loss(model: Any, batch: dict[str, Any]) -> Float[Array, " batch"]:
+    """Per-example cross-entropy of a classifier on `batch["tokens"]` → `batch["labels"]`.
+
+    Optional keys: `"mask"`, `"token_types"`, `"dropout_key"` (passed to the model).
+    """
+    logits = model(
+        batch["tokens"],
+        mask=None if batch.get("mask") is None else batch["mask"].astype(bool),
+        token_types=batch.get("token_types"),
+        key=batch.get("dropout_key"),
+    )
+    return cross_entropy(logits, batch["labels"])

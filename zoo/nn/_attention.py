@@ -1,0 +1,132 @@
+"""Multi-head attention with grouped key/value heads, causal and padding masks, RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from ._dropout import ExampleKeys, dropout, fold_in
+from ._linear import Linear
+from ._rope import apply_rope, rope_tables
+
+
+class Attention(eqx.Module):
+    """Multi-head self-attention on `[batch, seq, embed]` arrays.
+
+    Projections are plain `Linear` layers (`q_proj`, `k_proj`, `v_proj`, `o_proj`) whose
+    head dimension is flattened (`heads × head_dim`), so each maps one-to-one onto a
+    Hugging Face `nn.Linear`/`Conv1D` and LoRA can wrap any of them. Query head `h` reads
+    key/value head `h // (num_heads // num_kv_heads)` (grouped-query attention, as HF's
+    `repeat_kv`). Logical axes: `("embed", "heads")`, `("embed", "kv_heads")`,
+    `("heads", "embed")` — tensor parallelism splits heads over `model`.
+    """
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    rope_theta: float | None = eqx.field(static=True)
+    dropout_rate: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        causal: bool = False,
+        rope_theta: float | None = None,
+        dropout_rate: float = 0.0,
+        use_bias: bool = True,
+        init_std: float | None = 0.02,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `dim`: model width (input and output size).
+        - `num_heads`: query heads.
+        - `num_kv_heads`: key/value heads (default `num_heads`; fewer for grouped-query
+          attention; must divide `num_heads`).
+        - `head_dim`: size of each head (default `dim // num_heads`).
+        - `causal`: position `s` attends only to positions `≤ s`.
+        - `rope_theta`: apply rotary position embeddings with this base (`None`: none).
+        - `dropout_rate`: dropout on the attention probabilities.
+        - `use_bias`: biases on the four projections.
+        - `init_std`: normal init std of the projections (`None`: uniform ±1/√in).
+        - `key`: PRNG key.
+        """
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}): each group of "
+                "num_heads // num_kv_heads query heads shares one key/value head"
+            )
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(
+                    f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim explicitly"
+                )
+            head_dim = dim // num_heads
+        kq, kk, kv, ko = jr.split(key, 4)
+        common = dict(use_bias=use_bias, init_std=init_std)
+        self.q_proj = Linear(dim, num_heads * head_dim, in_axis="embed", out_axis="heads", key=kq, **common)
+        self.k_proj = Linear(dim, num_kv_heads * head_dim, in_axis="embed", out_axis="kv_heads", key=kk, **common)
+        self.v_proj = Linear(dim, num_kv_heads * head_dim, in_axis="embed", out_axis="kv_heads", key=kv, **common)
+        self.o_proj = Linear(num_heads * head_dim, dim, in_axis="heads", out_axis="embed", key=ko, **common)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.causal = causal
+        self.rope_theta = rope_theta
+        self.dropout_rate = dropout_rate
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        *,
+        mask: Bool[Array, "batch seq"] | None = None,
+        key: ExampleKeys | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        """Attend over `x`.
+
+        **Arguments:**
+
+        - `x`: `[batch, seq, embed]` activations.
+        - `mask`: `[batch, seq]`, `True` at real tokens; keys at `False` (padding) are
+          never attended to.
+        - `key`: one PRNG key per example (`[batch]`) for attention dropout, or `None`.
+
+        **Returns:** `[batch, seq, embed]`, in `x`'s dtype.
+        """
+        b, s, _ = x.shape
+        kvh, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, s, kvh, g, hd)
+        k = self.k_proj(x).reshape(b, s, kvh, hd)
+        v = self.v_proj(x).reshape(b, s, kvh, hd)
+        if self.rope_theta is not None:
+            cos, sin = rope_tables(s, hd, theta=self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(hd)
+        allowed = None
+        if self.causal:
+            allowed = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+        if mask is not None:
+            keys_ok = mask.astype(bool)[:, None, None, None, :]
+            allowed = keys_ok if allowed is None else allowed & keys_ok
+        if allowed is not None:
+            scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+        probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        probs = dropout(probs, self.dropout_rate, None if key is None else fold_in(key, 0))
+        out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(x.dtype), v)
+        return self.o_proj(out.reshape(b, s, self.num_heads * hd))

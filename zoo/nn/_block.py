@@ -1,0 +1,65 @@
+"""A transformer layer: attention and feed-forward, each with a residual and a norm."""
+
+from __future__ import annotations
+
+import equinox as eqx
+from jaxtyping import Array, Bool, Float
+
+from ._attention import Attention
+from ._dropout import ExampleKeys, dropout, fold_in
+from ._feedforward import FeedForward
+from ._norm import LayerNorm, RMSNorm
+
+
+class TransformerBlock(eqx.Module):
+    """One transformer layer, pre-LN (GPT-2, Llama) or post-LN (BERT).
+
+    Pre-LN: `h = x + attn(norm(x)); out = h + mlp(norm(h))`.
+    Post-LN: `h = norm(x + attn(x)); out = norm(h + mlp(h))`.
+    Dropout (`dropout_rate`) is applied to each sub-layer's output before the residual add.
+    """
+
+    attention: Attention
+    attention_norm: LayerNorm | RMSNorm
+    mlp: FeedForward
+    mlp_norm: LayerNorm | RMSNorm
+    pre_norm: bool = eqx.field(static=True)
+    dropout_rate: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        attention: Attention,
+        mlp: FeedForward,
+        attention_norm: LayerNorm | RMSNorm,
+        mlp_norm: LayerNorm | RMSNorm,
+        *,
+        pre_norm: bool = True,
+        dropout_rate: float = 0.0,
+    ):
+        """**Arguments:** the `attention` and `mlp` sub-layers, their norms, `pre_norm`
+        (else post-LN), residual `dropout_rate`."""
+        self.attention = attention
+        self.attention_norm = attention_norm
+        self.mlp = mlp
+        self.mlp_norm = mlp_norm
+        self.pre_norm = pre_norm
+        self.dropout_rate = dropout_rate
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        *,
+        mask: Bool[Array, "batch seq"] | None = None,
+        key: ExampleKeys | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        """Apply the layer. `mask`: `True` at real tokens; `key`: per-example keys or `None`."""
+        keys = [None] * 3 if key is None else [fold_in(key, i) for i in range(3)]
+
+        def drop(h, k):
+            return dropout(h, self.dropout_rate, k)
+
+        if self.pre_norm:
+            h = x + drop(self.attention(self.attention_norm(x), mask=mask, key=keys[0]), keys[1])
+            return h + drop(self.mlp(self.mlp_norm(h)), keys[2])
+        h = self.attention_norm(x + drop(self.attention(x, mask=mask, key=keys[0]), keys[1]))
+        return self.mlp_norm(h + drop(self.mlp(h), keys[2]))

@@ -1,0 +1,70 @@
+"""Position-wise feed-forward layers: GELU/ReLU two-layer, or gated SwiGLU."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.random as jr
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ._linear import Linear
+
+Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
+
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # BERT
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's "gelu_new"
+    "relu": jax.nn.relu,
+    "swiglu": jax.nn.silu,  # applied to the gate
+}
+
+ACTIVATIONS = tuple(_ACTIVATIONS)
+
+
+class FeedForward(eqx.Module):
+    """`down(act(up(x)))`, or with `"swiglu"` `down(silu(gate(x)) * up(x))`.
+
+    Logical axes: `up`/`gate` `("embed", "mlp")` (column-parallel under tensor
+    parallelism), `down` `("mlp", "embed")` (row-parallel).
+    """
+
+    up: Linear
+    gate: Linear | None
+    down: Linear
+    activation: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        *,
+        activation: Activation = "gelu",
+        use_bias: bool = True,
+        init_std: float | None = 0.02,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:** model width `dim`, `hidden_dim`, `activation` (one of
+        `zoo.nn.ACTIVATIONS`), `use_bias`, normal `init_std` (`None`: uniform), PRNG `key`."""
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {list(_ACTIVATIONS)}")
+        ku, kg, kd = jr.split(key, 3)
+        common = dict(use_bias=use_bias, init_std=init_std)
+        self.up = Linear(dim, hidden_dim, in_axis="embed", out_axis="mlp", key=ku, **common)
+        self.gate = (
+            Linear(dim, hidden_dim, in_axis="embed", out_axis="mlp", key=kg, **common)
+            if activation == "swiglu"
+            else None
+        )
+        self.down = Linear(hidden_dim, dim, in_axis="mlp", out_axis="embed", key=kd, **common)
+        self.activation = activation
+
+    def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
+        """Apply the feed-forward layer to the last axis of `x`."""
+        act = _ACTIVATIONS[self.activation]
+        if self.gate is not None:
+            h = act(self.gate(x)) * self.up(x)
+        else:
+            h = act(self.up(x))
+        return self.down(h)
