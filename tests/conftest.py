@@ -84,3 +84,57 @@ def token_batch(key, size: int, seq: int = 5, vocab: int = 11):
     ids = jax.random.randint(key, (size, seq), 0, vocab)
     y = jnp.stack([jnp.sin(ids.sum(1) / 7.0), jnp.cos(ids[:, 0] / 3.0)], axis=1)
     return ids, y
+
+
+def tree_bytes(tree) -> int:
+    """Bytes held by the array leaves of a pytree."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+@functools.cache
+def preset_mesh(preset: str, n: int):
+    """`data=n` for data-parallel presets; `data=n/2, model=2` for tensor-parallel ones."""
+    if "tp" in preset:
+        return jax.make_mesh((n // 2, 2), ("data", "model"), devices=jax.devices()[:n])
+    return data_mesh(n)
+
+
+def tiny_decoder(key, **overrides):
+    """A small decoder LM exercising GQA, RoPE, SwiGLU, RMSNorm and an untied head."""
+    import zoo
+
+    config = dict(
+        vocab_size=32, d_model=16, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=32, max_len=8,
+        positions="rope", activation="swiglu", norm="rmsnorm", tie_embeddings=False,
+    )
+    return zoo.models.Transformer(zoo.models.TransformerConfig(**(config | overrides)), key=key)
+
+
+def tiny_encoder_classifier(key, **overrides):
+    """A small BERT-style encoder (with dropout) plus a 3-way classification head."""
+    import zoo
+
+    config = dict(vocab_size=32, d_model=16, num_heads=4, num_layers=2, mlp_dim=32, max_len=8, dropout=0.1)
+    k1, k2 = jax.random.split(key)
+    encoder = zoo.models.Encoder(zoo.models.EncoderConfig(**(config | overrides)), key=k1)
+    return zoo.models.EncoderClassifier(encoder, 3, key=k2)
+
+
+def lm_batch(key, size: int, seq: int = 8, vocab: int = 32):
+    """`{"tokens", "mask"}` with some right-padding, for `zoo.models.next_token_loss`."""
+    tokens = jax.random.randint(key, (size, seq), 1, vocab)
+    lengths = seq - (jnp.arange(size) % 3)
+    mask = jnp.arange(seq)[None, :] < lengths[:, None]
+    return {"tokens": jnp.where(mask, tokens, 0), "mask": mask}
+
+
+def classification_batch(key, size: int, seq: int = 8, vocab: int = 32):
+    """`{"tokens", "labels", "dropout_key"}` with padding (id 0), for the encoder classifier."""
+    import zoo
+
+    k1, k2, k3 = jax.random.split(key, 3)
+    tokens = jax.random.randint(k1, (size, seq), 1, vocab)
+    lengths = seq - (jnp.arange(size) % 4)
+    tokens = jnp.where(jnp.arange(seq)[None, :] < lengths[:, None], tokens, 0)
+    labels = jax.random.randint(k2, (size,), 0, 3)
+    return {"tokens": tokens, "labels": labels, "dropout_key": zoo.nn.example_keys(k3, size)}

@@ -11,16 +11,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose
+from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose, tree_bytes
 from jax.sharding import PartitionSpec as P
 
 import zoo
 
 N, M = 8, 4
-
-
-def tree_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
 
 
 @functools.cache

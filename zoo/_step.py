@@ -124,6 +124,45 @@ class _Jit:
         static, groups = self._prepare(args)
         return self._jitted.lower(static, *groups)
 
+    def compile(self, *args) -> "Compiled":
+        static, groups = self._prepare(args)
+        return Compiled(self, static, self._jitted.lower(static, *groups).compile())
+
+
+class Compiled:
+    """A compiled step that can be both inspected and run, so the program whose collectives
+    and memory you read is the one that runs.
+
+    `compiled` is the `jax.stages.Compiled` (`zoo.collectives(this)` reads it; so do
+    `.as_text()`, `.memory_analysis()`, `.cost_analysis()`). Calling it runs the program on
+    arguments with the same structure, shapes and shardings as those it was compiled for.
+    """
+
+    def __init__(self, jit: "_Jit", static, compiled: jax.stages.Compiled):
+        self._jit, self._static, self.compiled = jit, static, compiled
+
+    def as_text(self) -> str:
+        """The optimised HLO text of the program."""
+        return self.compiled.as_text()
+
+    def memory_analysis(self) -> Any:
+        """XLA's memory analysis (argument, output and temporary bytes) of the program."""
+        return self.compiled.memory_analysis()
+
+    def cost_analysis(self) -> Any:
+        """XLA's cost analysis (flops, bytes accessed) of the program."""
+        return self.compiled.cost_analysis()
+
+    def __call__(self, *args):
+        static, groups = self._jit._prepare(args)
+        if static != self._static:
+            raise ValueError(
+                "these arguments differ in structure or static values from the ones the step was "
+                "compiled for; compile again for them (or call the TrainStep itself)"
+            )
+        out_treedef, out_static_leaves = self._jit._out_static[static]
+        return jax.tree.unflatten(out_treedef, _merge(self.compiled(*groups), out_static_leaves))
+
 
 class _Static:
     """Marks a non-array leaf's slot; hashable so it can be part of a static argument."""
@@ -275,6 +314,13 @@ class TrainStep:
         """The lowered step (`.compile()` it, or hand it to `zoo.collectives`)."""
         self.check(batch)
         return self._step.lower(model, opt_state, batch)
+
+    def compile(self, model: Any, opt_state: optax.OptState, batch: Any) -> Compiled:
+        """The compiled step for these arguments: inspect it (`zoo.collectives(compiled)`,
+        `.memory_analysis()`) and run it (`compiled(model, opt_state, batch)`) without
+        compiling twice."""
+        self.check(batch)
+        return self._step.compile(model, opt_state, batch)
 
     # -- traced -----------------------------------------------------------------------
     def _train_step(self, model, opt_state, batch):
