@@ -1,4 +1,4 @@
-"""`python -m zoo`: inspect's table and JSON, errors as one line, and the demo (slow)."""
+"""`python -m zoo`: inspect's table and JSON (mlp, transformer, encoder), errors as one line, and the demo (slow)."""
 
 import json
 import subprocess
@@ -45,6 +45,7 @@ def test_inspect_table_shard_map_and_custom_mesh():
         (["inspect", "transformerx", "--devices", "2"], "unknown model 'transformerx'"),
         (["inspect", "mlp", "--devices", "2", "--rules", "zz"], "unknown --rules 'zz'"),
         (["inspect", "mlp", "--devices", "2", "--batch-size", "6"], "not divisible by data-parallel size 2 x microbatches 4"),
+        (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], "lacks 'model'"),
     ],
 )
 def test_bad_input_is_one_readable_line(args, message):
@@ -58,6 +59,53 @@ def test_help_lists_the_flags():
     proc = run_zoo("inspect", "--help")
     for flag in ("--devices", "--microbatches", "--mesh", "--rules", "--mode", "--batch-size", "--json"):
         assert flag in proc.stdout
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    for choice in ("mlp", "transformer", "encoder", "dp", "fsdp", "fsdp-once", "tp", "fsdp+tp"):
+        assert choice in text
+
+
+# The transformer models compile in-process: the pytest process already has 8 CPU devices
+# (conftest) and the jax caches are shared, which keeps each test to one tiny step's compile.
+
+
+def inspect_in_process(capsys, *args):
+    from zoo._cli import main
+
+    rc = main(["inspect", *args, "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_inspect_transformer_tp_keeps_one_data_all_reduce(capsys):
+    """tp's in-loop all-reduces are its own, over `model`; the gradient's is the one over `data`."""
+    out = inspect_in_process(capsys, "transformer", "--mesh", "data=4,model=2", "--rules", "tp")
+    assert out["model"] == "transformer" and out["mesh"] == {"data": 4, "model": 2} and out["rules"] == "tp"
+    outside = [c for c in out["collectives"] if not c["in_loop"]]
+    inside = [c for c in out["collectives"] if c["in_loop"]]
+    assert [(c["kind"], c["mesh_axes"]) for c in outside] == [("all-reduce", ["data"])]
+    assert inside and all(c["mesh_axes"] == ["model"] for c in inside)
+    summary = out["summary"]
+    assert summary["all_reduce_outside"] == 1 and summary["in_loop_mesh_axes"] == ["model"]
+    assert summary["outside_mesh_axes"] == ["data"] and summary["collectives_in_loop"] == len(inside)
+
+
+def test_inspect_encoder_dp_reduces_trainable_bytes_once(capsys):
+    out = inspect_in_process(capsys, "encoder", "--rules", "dp")
+    assert out["mesh"] == {"data": 8} and out["param_bytes"] == out["trainable_bytes"] > 0
+    (coll,) = out["collectives"]
+    assert coll["kind"] == "all-reduce" and coll["in_loop"] is False and coll["mesh_axes"] == ["data"]
+    assert 0 < coll["bytes"] - out["trainable_bytes"] <= 8  # + the loss (and weight) scalars
+    assert out["summary"]["collectives_in_loop"] == 0 and out["summary"]["in_loop_mesh_axes"] == []
+
+
+def test_inspect_transformer_fsdp_once_gathers_outside_loops(capsys):
+    """`fsdp-once` brings `gather="once"`: every all-gather is hoisted out of the microbatch loop."""
+    out = inspect_in_process(capsys, "transformer", "--rules", "fsdp-once")
+    summary = out["summary"]
+    assert summary["collectives_in_loop"] == 0 and summary["in_loop_mesh_axes"] == []
+    assert summary["all_gather_outside"] > 0 and summary["all_gather_in_loop"] == 0
+    assert summary["all_reduce_outside"] == 1 and summary["outside_mesh_axes"] == ["data"]
 
 
 @pytest.mark.slow

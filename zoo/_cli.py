@@ -10,8 +10,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 class CLIError(Exception):
@@ -58,6 +59,10 @@ def parse_mesh(text: str | None, devices: int) -> dict[str, int]:
 
 # --- models the CLI knows -----------------------------------------------------------
 
+# XLA options for programs compiled once (inspected steps, initialisers): no LLVM
+# optimisation of the machine code. XLA's HLO passes, which place the collectives, still run.
+_INSPECT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 
 @dataclass
 class Task:
@@ -91,7 +96,103 @@ def _mlp_task(key, *, scan: bool = True, norm: str | None = "layernorm") -> Task
     return Task(model, loss_fn, make_batch)
 
 
-MODELS: dict[str, Callable[..., Task]] = {"mlp": _mlp_task}
+# Tiny but real transformer configs: every head count and width divides by 2 (tp on
+# `model=2`) and by 8 (fsdp on `data=8`, which splits the embed axis), and one step
+# compiles in seconds on CPU.
+_SEQ = 16
+_TRANSFORMER = {"vocab_size": 64, "d_model": 32, "num_heads": 4, "num_layers": 2, "mlp_dim": 64, "max_len": _SEQ}
+_NUM_LABELS = 4
+
+
+_INITIALISERS: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+
+def _init_compiled(name: str, build: Callable[[Any], Any], key) -> Any:
+    """`build(key)` as one jitted program compiled without LLVM's costly optimisations:
+    about half the CPU time of running the initialisers op by op, each compiled alone.
+    Same values as running it eagerly, up to float rounding. Compiled once per `name`."""
+    import equinox as eqx
+    import jax
+
+    if name not in _INITIALISERS:
+        static: dict[str, Any] = {}
+
+        def arrays_of(k):
+            arrays, static["tree"] = eqx.partition(build(k), eqx.is_array)
+            return arrays
+
+        compiled = jax.jit(arrays_of).lower(key).compile(compiler_options=_INSPECT_COMPILER_OPTIONS)
+        _INITIALISERS[name] = (compiled, static)
+    compiled, static = _INITIALISERS[name]
+    return eqx.combine(compiled(key), static["tree"])
+
+
+def _numpy_rng(key):
+    """A numpy generator seeded by a jax PRNG key: token batches without compiling jax ops."""
+    import jax
+    import numpy as np
+
+    return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+
+def _padded_tokens(rng, batch_size: int, vocab: int, seq: int = _SEQ):
+    """`(tokens int32 [B, S], mask bool [B, S])`: ids in [1, vocab), then padding id 0 at
+    the end of each row (every row keeps at least half its positions)."""
+    import numpy as np
+
+    tokens = rng.integers(1, vocab, (batch_size, seq), dtype=np.int32)
+    lengths = rng.integers(seq // 2, seq + 1, (batch_size, 1))
+    mask = np.arange(seq)[None, :] < lengths
+    return np.where(mask, tokens, 0).astype(np.int32), mask
+
+
+def _transformer_task(key) -> Task:
+    """Decoder-only LM (`zoo.models.Transformer`) with next-token loss on padded rows."""
+    import zoo
+
+    config = zoo.models.TransformerConfig(**_TRANSFORMER)
+    model = _init_compiled("transformer", lambda k: zoo.models.Transformer(config, key=k), key)
+
+    def make_batch(batch_size, batch_key):
+        import jax.numpy as jnp
+
+        tokens, mask = _padded_tokens(_numpy_rng(batch_key), batch_size, config.vocab_size)
+        return {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)}
+
+    return Task(model, zoo.models.next_token_loss, make_batch)
+
+
+def _encoder_task(key) -> Task:
+    """BERT-style `zoo.models.EncoderClassifier` with classification loss; the padding
+    mask comes from the tokens (`tokens != pad_token_id`)."""
+    import jax.numpy as jnp
+    import jax.random as jr
+    import numpy as np
+
+    import zoo
+
+    config = zoo.models.EncoderConfig(**_TRANSFORMER)
+
+    def build(k):
+        k_enc, k_head = jr.split(k)
+        return zoo.models.EncoderClassifier(zoo.models.Encoder(config, key=k_enc), _NUM_LABELS, key=k_head)
+
+    model = _init_compiled("encoder", build, key)
+
+    def make_batch(batch_size, batch_key):
+        rng = _numpy_rng(batch_key)
+        tokens, _ = _padded_tokens(rng, batch_size, config.vocab_size)
+        labels = rng.integers(0, _NUM_LABELS, (batch_size,), dtype=np.int32)
+        return {"tokens": jnp.asarray(tokens), "labels": jnp.asarray(labels)}
+
+    return Task(model, zoo.models.classification_loss, make_batch)
+
+
+MODELS: dict[str, Callable[..., Task]] = {
+    "mlp": _mlp_task,
+    "transformer": _transformer_task,
+    "encoder": _encoder_task,
+}
 
 
 def _build(args) -> Task:
@@ -129,22 +230,35 @@ def cmd_inspect(args) -> int:
 
     if args.rules not in zoo.RULE_PRESETS:
         raise CLIError(f"unknown --rules {args.rules!r}; choose one of {list(zoo.RULE_PRESETS)}")
-    task = _build(args)
-    mesh = _mesh(mesh_shape)
+    _check_rules_fit_mesh(args.rules, mesh_shape, args.devices)
     data = mesh_shape.get("data", 1)
     batch_size = args.batch_size or data * args.microbatches * 2
+    try:  # before building anything: the step would say the same after compiling the model
+        zoo.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, args.microbatches)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    task = _build(args)
+    mesh = _mesh(mesh_shape)
     with jax.set_mesh(mesh):
         try:
             model = zoo.shard(task.model, zoo.rules(args.rules), mesh)
         except ValueError as e:
             raise CLIError(str(e)) from e
-        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=args.microbatches, mode=args.mode)
+        step = zoo.TrainStep(
+            task.loss_fn,
+            optax.adamw(1e-3),
+            microbatches=args.microbatches,
+            mode=args.mode,
+            **zoo.step_options(args.rules),
+        )
         batch = task.make_batch(batch_size, jax.random.key(0))
         try:
             lowered = step.lower(model, step.init(model), batch)
         except ValueError as e:
             raise CLIError(str(e)) from e
-        colls = zoo.collectives(lowered, mesh=mesh)
+        # The step is only inspected, never run: skip LLVM's costly optimisations (about
+        # half the compile time on CPU); the collectives come out the same.
+        colls = zoo.collectives(lowered.compile(compiler_options=_INSPECT_COMPILER_OPTIONS), mesh=mesh)
         trainable = step.partition(model)[0]
     result = {
         "model": args.model,
@@ -157,12 +271,7 @@ def cmd_inspect(args) -> int:
         "param_bytes": _tree_bytes(model),
         "trainable_bytes": _tree_bytes(trainable),
         "collectives": [c.to_json() for c in colls],
-        "summary": {
-            "all_reduce_in_loop": zoo.count(colls, "all-reduce", in_loop=True),
-            "all_reduce_outside": zoo.count(colls, "all-reduce", in_loop=False),
-            "collectives_in_loop": zoo.count(colls, None, in_loop=True),
-            "collectives_total": len(colls),
-        },
+        "summary": _summary(colls),
     }
     if args.json:
         print(json.dumps(result))
@@ -173,7 +282,58 @@ def cmd_inspect(args) -> int:
         )
         print(f"params {result['param_bytes']:,} bytes, trainable {result['trainable_bytes']:,} bytes")
         print(zoo.report(colls))
+        summary = result["summary"]
+        print(
+            f"all-gathers: {summary['all_gather_in_loop']} inside loops, {summary['all_gather_outside']} outside; "
+            f"reduce-scatters: {summary['reduce_scatter_in_loop']} inside loops, "
+            f"{summary['reduce_scatter_outside']} outside"
+        )
+        inside = ",".join(summary["in_loop_mesh_axes"]) or "-"
+        outside = ",".join(summary["outside_mesh_axes"]) or "-"
+        print(f"mesh axes of collectives: inside loops {inside}, outside {outside}")
     return 0
+
+
+def _check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) -> None:
+    """Fail fast (before building a model) when a rules preset uses mesh axes the mesh lacks."""
+    import zoo
+
+    used: list[str] = []
+    for target in zoo.rules(preset).values():
+        for ax in (target,) if isinstance(target, str) else (target or ()):
+            if ax not in used:
+                used.append(ax)
+    missing = [ax for ax in used if ax not in mesh_shape]
+    if missing:
+        have = ",".join(f"{k}={v}" for k, v in mesh_shape.items())
+        model = 2 if "model" in used and devices % 2 == 0 else 1
+        example = {"data": devices // model, "model": model}
+        example_text = ",".join(f"{k}={v}" for k, v in example.items() if k in used)
+        raise CLIError(
+            f"--rules {preset} shards over mesh axes {used}, but the mesh {have} lacks "
+            f"{', '.join(map(repr, missing))}; pass a mesh with them, e.g. --mesh {example_text}"
+        )
+
+
+def _summary(colls) -> dict[str, Any]:
+    """Counts of the collectives by kind and place, and the mesh axes they span."""
+    import zoo
+
+    def axes(in_loop: bool) -> list[str]:
+        return sorted({a for c in colls if c.in_loop == in_loop for a in c.mesh_axes})
+
+    return {
+        "all_reduce_in_loop": zoo.count(colls, "all-reduce", in_loop=True),
+        "all_reduce_outside": zoo.count(colls, "all-reduce", in_loop=False),
+        "all_gather_in_loop": zoo.count(colls, "all-gather", in_loop=True),
+        "all_gather_outside": zoo.count(colls, "all-gather", in_loop=False),
+        "reduce_scatter_in_loop": zoo.count(colls, "reduce-scatter", in_loop=True),
+        "reduce_scatter_outside": zoo.count(colls, "reduce-scatter", in_loop=False),
+        "collectives_in_loop": sum(c.in_loop for c in colls),
+        "collectives_total": len(colls),
+        "in_loop_mesh_axes": axes(True),
+        "outside_mesh_axes": axes(False),
+    }
 
 
 def cmd_demo(args) -> int:
@@ -231,12 +391,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    ins = sub.add_parser("inspect", help="list the collectives of a model's compiled training step")
-    ins.add_argument("model", help=f"model name: {', '.join(MODELS)}")
+    from ._rules import RULE_PRESETS  # zoo's import leaves jax's backend alone
+
+    ins = sub.add_parser(
+        "inspect",
+        help="list the collectives of a model's compiled training step",
+        description="Compile one training step of a model on simulated CPU devices and list its "
+        "collectives (all-reduces, all-gathers, ...), inside or outside loops, with the mesh axes "
+        "they span.",
+        epilog="examples: zoo inspect mlp; zoo inspect transformer --rules fsdp-once --json; "
+        "zoo inspect encoder --mesh data=4,model=2 --rules tp",
+    )
+    ins.add_argument(
+        "model",
+        help="model name: mlp (a 4-layer MLP regressor), transformer (a tiny decoder-only LM, "
+        "next-token loss), encoder (a tiny BERT-style classifier, padded tokens)",
+    )
     ins.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     ins.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
     ins.add_argument("--mesh", help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES)")
-    ins.add_argument("--rules", default="dp", help="sharding rules preset (default dp)")
+    ins.add_argument(
+        "--rules",
+        default="dp",
+        help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp "
+        "need a 'model' mesh axis, e.g. --mesh data=4,model=2; fsdp-once also sets the step's "
+        "gather='once'",
+    )
     ins.add_argument("--mode", choices=("explicit", "shard_map"), default="explicit", help="step mode")
     ins.add_argument("--batch-size", type=int, help="global batch (default data x microbatches x 2)")
     ins.add_argument("--seed", type=int, default=0, help="PRNG seed for the model")

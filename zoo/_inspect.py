@@ -224,7 +224,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
     return out
 
 
-def count(colls: list[Collective], kind: str = "all-reduce", *, in_loop: bool | None = None) -> int:
+def count(colls: list[Collective], kind: str | None = "all-reduce", *, in_loop: bool | None = None) -> int:
     """How many collectives of `kind` (any kind if `kind` is None), optionally by location."""
     return sum(
         1
