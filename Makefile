@@ -25,6 +25,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_time.py
+	$(PY) benchmarks/lm_step_time.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -31,15 +31,7 @@ Run it (a few minutes on a 2-core machine):
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shlex
-import statistics
-import subprocess
-import sys
-import time
-
+import _harness  # benchmarks/_harness.py: this script's folder is on sys.path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -47,7 +39,7 @@ import jax.random as jr
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -62,6 +54,7 @@ DEFAULT_ROUNDS = {2: 48, 8: 30}  # multiples of 3: each variant goes first equal
 TARGET_VS_HAND = 0.95
 TARGET_VS_REPLICATED = 2.5  # at 8 devices
 VARIANTS = ("zoo", "hand", "replicated")
+LABELS = {"zoo": "zoo", "hand": "hand-written", "replicated": "replicated"}
 
 
 class TanhLayer(eqx.Module):
@@ -148,30 +141,8 @@ def make_replicated_step(n):
 # -- worker: one device count per process --------------------------------------------------
 
 
-def cpu_seconds() -> tuple[float, float, float] | None:
-    """(wall clock, busy CPU seconds of the whole machine, of this process); None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-    own = os.times()
-    return time.perf_counter(), busy, own.user + own.system
-
-
-def all_reduces(colls) -> dict:
-    other = sorted({c.kind for c in colls if c.kind != "all-reduce"})
-    return {
-        "in_loop": zoo.count(colls, "all-reduce", in_loop=True),
-        "outside": zoo.count(colls, "all-reduce", in_loop=False),
-        "other_collectives": other,
-    }
-
-
 def worker(n: int, rounds: int) -> dict:
-    jax.config.update("jax_num_cpu_devices", n)  # before anything touches the backend
-    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+    mesh = _harness.data_mesh(n)
     model_key, data_key = jr.split(jr.key(0))
     with jax.set_mesh(mesh):
         model = zoo.shard(zoo.nn.Stacked(TanhLayer, LAYERS, key=model_key), zoo.rules("dp"), mesh)
@@ -195,9 +166,9 @@ def worker(n: int, rounds: int) -> dict:
             return ws, loss
 
         hlo = {
-            "zoo": all_reduces(zoo.collectives(zoo_step.lower(*state["zoo"], batch))),
-            "hand": all_reduces(zoo.collectives(hand_step, state["hand"], batch)),
-            "replicated": all_reduces(zoo.collectives(repl_step, state["replicated"], batch)),
+            "zoo": _harness.all_reduces(zoo.collectives(zoo_step.lower(*state["zoo"], batch))),
+            "hand": _harness.all_reduces(zoo.collectives(hand_step, state["hand"], batch)),
+            "replicated": _harness.all_reduces(zoo.collectives(repl_step, state["replicated"], batch)),
         }
         # The first call compiles and, from identical weights, gives comparable results.
         # Compare the updates (new - old weights): the weights alone would agree to 1e-4
@@ -213,41 +184,18 @@ def worker(n: int, rounds: int) -> dict:
             )
             for name in ("hand", "replicated")
         }
-        for name in VARIANTS:  # second warm-up call
-            call(name)
-
-        times = {name: [] for name in VARIANTS}
-        cpu_before = cpu_seconds()
-        for r in range(rounds):
-            # Rotate the order too, so no variant always runs right after the same one.
-            for name in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-                t0 = time.perf_counter()
-                call(name)
-                times[name].append(1e3 * (time.perf_counter() - t0))
-        # Other processes' CPU use shrinks the speedups over replicated; record it with them.
-        cpu_after = cpu_seconds()
-        other_cpus = None
-        if cpu_before and cpu_after:
-            wall, busy, own = (a - b for a, b in zip(cpu_after, cpu_before))
-            other_cpus = max(busy - own, 0.0) / wall
-
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-
-    def ratio(slow, fast):
-        # Median of per-round ratios: the three calls of a round run back to back, so a
-        # change of load between rounds cancels out (a ratio of medians would not).
-        return statistics.median(s / f for s, f in zip(times[slow], times[fast]))
+        timing = _harness.time_rounds(call, VARIANTS, rounds)
 
     return {
         "devices": n,
         "global_batch": n * MICROBATCHES * PER_DEVICE,
         "rounds": rounds,
-        "other_processes_cpus": other_cpus,
-        "median_ms": med,
-        "times_ms": times,
-        "zoo_vs_hand": ratio("hand", "zoo"),
-        "zoo_vs_replicated": ratio("replicated", "zoo"),
-        "hand_vs_replicated": ratio("replicated", "hand"),
+        "other_processes_cpus": timing.other_cpus,
+        "median_ms": timing.medians(),
+        "times_ms": timing.times,
+        "zoo_vs_hand": timing.ratio("hand", "zoo"),
+        "zoo_vs_replicated": timing.ratio("replicated", "zoo"),
+        "hand_vs_replicated": timing.ratio("replicated", "hand"),
         "all_reduces": hlo,
         "matches_zoo": match,
         "hlo_ok": all(hlo[v]["in_loop"] == 0 and hlo[v]["outside"] == 1 for v in ("zoo", "hand"))
@@ -258,27 +206,21 @@ def worker(n: int, rounds: int) -> dict:
 # -- driver: launch the workers, print the report ------------------------------------------
 
 
-def run_worker(n: int, rounds: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", str(n), "--rounds", str(rounds)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def verdicts(results: list[dict]) -> list[dict]:
     out = [
-        {
-            "target": f"zoo >= {TARGET_VS_HAND}x hand-written speed ({r['devices']} devices)",
-            "value": r["zoo_vs_hand"],
-            "pass": r["zoo_vs_hand"] >= TARGET_VS_HAND,
-        }
+        _harness.verdict(
+            f"zoo >= {TARGET_VS_HAND}x hand-written speed ({r['devices']} devices)",
+            r["zoo_vs_hand"],
+            r["zoo_vs_hand"] >= TARGET_VS_HAND,
+        )
         for r in results
     ]
     out += [
-        {
-            "target": f"zoo >= {TARGET_VS_REPLICATED}x faster than replicated (8 devices)",
-            "value": r["zoo_vs_replicated"],
-            "pass": r["zoo_vs_replicated"] >= TARGET_VS_REPLICATED,
-        }
+        _harness.verdict(
+            f"zoo >= {TARGET_VS_REPLICATED}x faster than replicated (8 devices)",
+            r["zoo_vs_replicated"],
+            r["zoo_vs_replicated"] >= TARGET_VS_REPLICATED,
+        )
         for r in results
         if r["devices"] == 8
     ]
@@ -286,76 +228,43 @@ def verdicts(results: list[dict]) -> list[dict]:
 
 
 def report(results: list[dict], command: str) -> str:
-    def ar(h):
-        return f"{h['in_loop']}/{h['outside']}"
+    def note(r):
+        h, match = r["all_reduces"], r["matches_zoo"]
+        counts = ", ".join(f"{LABELS[v]} {_harness.in_loop_outside(h[v])}" for v in VARIANTS)
+        expected = "as expected" if r["hlo_ok"] else "UNEXPECTED"
+        return (
+            f"All-reduces in loops/outside: {counts} ({expected}); other collectives: "
+            f"{_harness.other_collectives(h, VARIANTS)}. Weight updates and loss match zoo (rtol 1e-4): "
+            f"hand-written {match['hand']}, replicated {match['replicated']}."
+        )
 
-    lines = [
+    title = (
         f"Step time, {LAYERS} tanh layers {WIDTH}x{WIDTH}, M={MICROBATCHES}, "
         f"{PER_DEVICE} examples/device/microbatch. Times: medians over rounds; ratios: medians of "
-        f"per-round ratios. Rerun: `{command}`",
-        "",
-        "| devices | zoo ms | hand-written ms | replicated ms | zoo/hand-written speed | zoo vs replicated "
-        "| hand-written vs replicated |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"per-round ratios. Rerun: `{command}`"
+    )
+    header = ["devices", "zoo ms", "hand-written ms", "replicated ms", "zoo/hand-written speed"]
+    header += ["zoo vs replicated", "hand-written vs replicated"]
+    rows = [
+        [str(r["devices"]), *(f"{r['median_ms'][v]:.1f}" for v in VARIANTS), f"{r['zoo_vs_hand']:.3f}x"]
+        + [f"{r['zoo_vs_replicated']:.2f}x", f"{r['hand_vs_replicated']:.2f}x"]
+        for r in results
     ]
-    for r in results:
-        m = r["median_ms"]
-        lines.append(
-            f"| {r['devices']} | {m['zoo']:.1f} | {m['hand']:.1f} | {m['replicated']:.1f} "
-            f"| {r['zoo_vs_hand']:.3f}x | {r['zoo_vs_replicated']:.2f}x | {r['hand_vs_replicated']:.2f}x |"
-        )
-    lines.append("")
-    for r in results:
-        h = r["all_reduces"]
-        colls = "; ".join(
-            f"{v}: {', '.join(h[v]['other_collectives'])}" for v in VARIANTS if h[v]["other_collectives"]
-        )
-        other = "?" if r["other_processes_cpus"] is None else f"{r['other_processes_cpus']:.2f}"
-        lines.append(
-            f"- {r['devices']} devices, {r['rounds']} rounds, other processes busy on {other} of "
-            f"{os.cpu_count()} CPUs while timing. "
-            f"All-reduces in loops/outside: zoo {ar(h['zoo'])}, "
-            f"hand-written {ar(h['hand'])}, replicated {ar(h['replicated'])} "
-            f"({'as expected' if r['hlo_ok'] else 'UNEXPECTED'}); other collectives: {colls or 'none'}. "
-            f"Weight updates and loss match zoo (rtol 1e-4): hand-written {r['matches_zoo']['hand']}, "
-            f"replicated {r['matches_zoo']['replicated']}."
-        )
-    for v in verdicts(results):
-        lines.append(f"- target {v['target']}: {v['value']:.3f} → {'PASS' if v['pass'] else 'MISS'}")
+    lines = _harness.report_lines(title, header, rows, results, note)
+    lines += _harness.verdict_lines(verdicts(results), miss="MISS")
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, nargs="+", default=[2, 8], help="simulated CPU device counts")
-    parser.add_argument(
-        "--rounds", type=int, help=f"timed rounds per device count (default {DEFAULT_ROUNDS}, else 10)"
-    )
-    parser.add_argument("--json", metavar="PATH", help="also write the results here")
-    # Internal: run one device count and print its results as a JSON line.
-    parser.add_argument("--worker", type=int, metavar="N", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-
-    def rounds(n):
-        return args.rounds or DEFAULT_ROUNDS.get(n, 10)
-
+    args = _harness.parse_args(__doc__, DEFAULT_ROUNDS)
     if args.worker is not None:
-        print(json.dumps(worker(args.worker, rounds(args.worker))), flush=True)
+        _harness.print_worker_result(worker(args.worker, args.rounds_for(args.worker)))
         return
 
-    results = []
-    for n in args.devices:
-        print(f"running {n} devices, {rounds(n)} rounds ...", file=sys.stderr, flush=True)
-        results.append(run_worker(n, rounds(n)))
-    command = shlex.join([sys.executable, *sys.argv])
+    results = [_harness.run_worker(__file__, n, args.rounds_for(n)) for n in args.devices]
+    command = _harness.command_line()
     print(report(results, command))
-    summary = {"command": command, "results": results, "verdicts": verdicts(results)}
-    # stdout gets the summary without per-round times; --json gets everything.
-    brief = [{k: v for k, v in r.items() if k != "times_ms"} for r in results]
-    print(json.dumps(summary | {"results": brief}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    _harness.write_summary({"command": command, "results": results, "verdicts": verdicts(results)}, args.json)
 
 
 if __name__ == "__main__":
