@@ -5,11 +5,24 @@ zoo is not imported at module level here, so jaxtyping's import hook
 """
 
 import functools
+import os
 
 import jax
 
 # Must run before jax initialises its backend.
 jax.config.update("jax_num_cpu_devices", 8)
+
+# Tests compile many small programs and run each a few times: skip LLVM's machine-code
+# optimisation (about half the compile time). XLA's HLO passes, which decide sharding and
+# place every collective, run unchanged. Only this process: subprocesses (the demo, the
+# examples) train for many steps and keep optimised code.
+# On a loaded CI machine one simulated device can lag the others for long: XLA's CPU
+# collectives abort the process after 40 s by default, so give them an hour (kept for
+# subprocesses too).
+_xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=3600"
+os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+jax.devices()  # initialise the backend with these flags
+os.environ["XLA_FLAGS"] = _xla_flags
 
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -150,3 +150,21 @@ def test_fsdp_once_holds_full_copy_only_for_the_step():
         assert leaf.sharding.spec == spec
     mu = opt_state[0].mu
     assert mu.token_embedding.weight.sharding.spec == specs.token_embedding.weight
+
+
+def test_bf16_compute_keeps_the_gradient_all_reduce_in_float32():
+    """Mixed precision: activations in bfloat16, but the one all-reduce carries float32
+    gradients (its bytes are the float32 parameter bytes plus the two loss scalars)."""
+    model = tiny_decoder(jax.random.key(0), dtype="bfloat16")
+    batch = lm_batch(jax.random.key(1), 8)
+    mesh = preset_mesh("dp", 4)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1), microbatches=2)
+        compiled = step.compile(sharded, step.init(sharded), batch)
+        new_model, _, loss = compiled(sharded, step.init(sharded), batch)
+    colls = zoo.collectives(compiled, mesh=mesh)
+    assert len(colls) == 1 and not colls[0].in_loop
+    assert colls[0].bytes == tree_bytes(model) + 8
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(eqx.filter(new_model, eqx.is_array)))
+    assert np.isfinite(loss)
