@@ -5,7 +5,7 @@ The path a model takes: annotate (`zoo.field`) → rules (`zoo.rules`) → place
 → optax update) → check the compiled step (`zoo.collectives`).
 """
 
-from . import models, nn
+from . import lora, models, nn
 from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
 from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
@@ -35,6 +35,7 @@ __all__ = [
     "count",
     "field",
     "logical_axes",
+    "lora",
     "manual_specs",
     "models",
     "nn",

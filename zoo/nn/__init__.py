@@ -5,7 +5,7 @@ from ._block import TransformerBlock
 from ._dropout import ExampleKeys, dropout, example_keys, fold_in
 from ._embedding import Embedding
 from ._feedforward import ACTIVATIONS, FeedForward
-from ._linear import Linear
+from ._linear import Linear, project
 from ._mlp import MLP, MLPBlock
 from ._norm import LayerNorm, RMSNorm
 from ._rope import apply_rope, rope_tables
@@ -32,6 +32,7 @@ __all__ = [
     "dropout",
     "example_keys",
     "fold_in",
+    "project",
     "for_use",
     "rope_tables",
     "sharding_spec",

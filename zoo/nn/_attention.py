@@ -109,9 +109,11 @@ class Attention(eqx.Module):
         """
         b, s, _ = x.shape
         kvh, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, s, kvh, g, hd)
-        k = self.k_proj(x).reshape(b, s, kvh, hd)
-        v = self.v_proj(x).reshape(b, s, kvh, hd)
+        # Streams 1-4 for the projections (dropout in LoRA branches), 0 for the probabilities.
+        keys = [None] * 5 if key is None else [fold_in(key, i) for i in range(5)]
+        q = self.q_proj(x, key=keys[1]).reshape(b, s, kvh, g, hd)
+        k = self.k_proj(x, key=keys[2]).reshape(b, s, kvh, hd)
+        v = self.v_proj(x, key=keys[3]).reshape(b, s, kvh, hd)
         if self.rope_theta is not None:
             cos, sin = rope_tables(s, hd, theta=self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -127,6 +129,6 @@ class Attention(eqx.Module):
             scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
         probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
         probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-        probs = dropout(probs, self.dropout_rate, None if key is None else fold_in(key, 0))
+        probs = dropout(probs, self.dropout_rate, keys[0])
         out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(x.dtype), v)
-        return self.o_proj(out.reshape(b, s, self.num_heads * hd))
+        return self.o_proj(out.reshape(b, s, self.num_heads * hd), key=keys[4])

@@ -53,13 +53,13 @@ class TransformerBlock(eqx.Module):
         key: ExampleKeys | None = None,
     ) -> Float[Array, "batch seq embed"]:
         """Apply the layer. `mask`: `True` at real tokens; `key`: per-example keys or `None`."""
-        keys = [None] * 3 if key is None else [fold_in(key, i) for i in range(3)]
+        keys = [None] * 4 if key is None else [fold_in(key, i) for i in range(4)]
 
         def drop(h, k):
             return dropout(h, self.dropout_rate, k)
 
         if self.pre_norm:
             h = x + drop(self.attention(self.attention_norm(x), mask=mask, key=keys[0]), keys[1])
-            return h + drop(self.mlp(self.mlp_norm(h)), keys[2])
+            return h + drop(self.mlp(self.mlp_norm(h), key=keys[3]), keys[2])
         h = self.attention_norm(x + drop(self.attention(x, mask=mask, key=keys[0]), keys[1]))
-        return self.mlp_norm(h + drop(self.mlp(h), keys[2]))
+        return self.mlp_norm(h + drop(self.mlp(h, key=keys[3]), keys[2]))

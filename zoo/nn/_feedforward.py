@@ -9,6 +9,7 @@ import jax
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._dropout import ExampleKeys, fold_in
 from ._linear import Linear
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
@@ -60,11 +61,15 @@ class FeedForward(eqx.Module):
         self.down = Linear(hidden_dim, dim, in_axis="mlp", out_axis="embed", key=kd, **common)
         self.activation = activation
 
-    def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
-        """Apply the feed-forward layer to the last axis of `x`."""
+    def __call__(
+        self, x: Float[Array, "*batch embed"], *, key: ExampleKeys | None = None
+    ) -> Float[Array, "*batch embed"]:
+        """Apply the feed-forward layer to the last axis of `x`. `key`: per-example keys
+        for dropout inside the projections (LoRA branches), or `None`."""
         act = _ACTIVATIONS[self.activation]
+        keys = [None] * 3 if key is None else [fold_in(key, i) for i in range(3)]
         if self.gate is not None:
-            h = act(self.gate(x)) * self.up(x)
+            h = act(self.gate(x, key=keys[0])) * self.up(x, key=keys[1])
         else:
-            h = act(self.up(x))
-        return self.down(h)
+            h = act(self.up(x, key=keys[1]))
+        return self.down(h, key=keys[2])

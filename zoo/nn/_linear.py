@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -67,13 +68,26 @@ class Linear(eqx.Module):
         self.out_axis = out_axis
 
     def __call__(
-        self, x: Float[Array, "*batch {self.in_features}"]
+        self, x: Float[Array, "*batch {self.in_features}"], *, key: Any = None
     ) -> Float[Array, "*batch {self.out_features}"]:
-        """Apply the layer to `x` (any leading batch dims); returns `[*batch, out]`."""
-        weight = for_use(self.weight, x, lead_ndim=x.ndim - 1)
-        # Spelled out for row-parallel layers, whose contracted dim is split over `model`.
-        out_sharding = contract_spec(x, (entries(weight)[1],), x.ndim - 1)
-        y = jnp.einsum("...i,io->...o", x, weight.astype(x.dtype), out_sharding=out_sharding)
+        """Apply the layer to `x` (any leading batch dims); returns `[*batch, out]`.
+
+        `key` is unused (the layer is deterministic); it is accepted so that wrappers with
+        dropout, such as LoRA branches, can stand in for a `Linear`.
+        """
+        y = project(x, self.weight)
         if self.bias is not None:
             y = y + broadcast_like(self.bias.astype(y.dtype), y)
         return y
+
+
+def project(x: Float[Array, "*batch i"], weight: Float[Array, "i o"]) -> Float[Array, "*batch o"]:
+    """`x @ weight` over `x`'s last axis, in `x`'s dtype, safe under every sharding preset.
+
+    A weight split over the mesh axis of `x`'s batch (FSDP) is gathered for the use
+    (`for_use`); the output sharding is spelled out because a row-parallel weight's
+    contracted dim is split over `model`, where jax will not guess.
+    """
+    weight = for_use(weight, x, lead_ndim=x.ndim - 1)
+    out_sharding = contract_spec(x, (entries(weight)[1],), x.ndim - 1)
+    return jnp.einsum("...i,io->...o", x, weight.astype(x.dtype), out_sharding=out_sharding)

@@ -18,9 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 
 def sharding_spec(x: jax.Array) -> P | None:
-    """The `PartitionSpec` in `x`'s type, or `None` when no mesh is in use."""
+    """The `PartitionSpec` in `x`'s type, or `None` when no mesh is in use.
+
+    Outside `jax.set_mesh` (arrays placed on a mesh, called without it) specs cannot be
+    passed to ops either, so this is `None` then too and jax places results by itself.
+    """
     sharding = jax.typeof(x).sharding
-    if sharding is None or sharding.mesh.empty:
+    if sharding is None or sharding.mesh.empty or jax.sharding.get_abstract_mesh().empty:
         return None
     return sharding.spec
 

@@ -1,0 +1,22 @@
+"""LoRA: low-rank adapter branches on any zoo model, trained and communicated alone.
+
+`add_lora(model, config, key=)` → `TrainStep(..., trainable=trainable(model, config))` →
+`merge` / `unmerge` / `unload`; `save_adapter` / `load_adapter` in peft's layout.
+"""
+
+from ._apply import OUTPUT_LAYERS, add_lora, merge, modules, target_names, trainable, unload, unmerge
+from ._config import LoraConfig
+from ._layer import LoraLinear
+
+__all__ = [
+    "OUTPUT_LAYERS",
+    "LoraConfig",
+    "LoraLinear",
+    "add_lora",
+    "merge",
+    "modules",
+    "target_names",
+    "trainable",
+    "unload",
+    "unmerge",
+]

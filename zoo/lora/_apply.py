@@ -1,0 +1,224 @@
+"""Adding LoRA branches to a zoo model by tree surgery; trainability; merging."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.tree_util import GetAttrKey, SequenceKey
+from jaxtyping import PRNGKeyArray
+
+from ..nn import Linear, Stacked
+from ._config import LoraConfig
+from ._layer import LoraLinear
+
+# `"all-linear"` leaves these out, as peft leaves out the output layer.
+OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
+
+
+def _name(path: tuple) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, SequenceKey):
+            parts.append(str(key.idx))
+        else:
+            parts.append(str(getattr(key, "key", key)))
+    return ".".join(parts)
+
+
+def _node(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = getattr(tree, key.name) if isinstance(key, GetAttrKey) else tree[key.idx if isinstance(key, SequenceKey) else key.key]
+    return tree
+
+
+def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
+    """Dotted name → (key path, number of `Stacked` levels above it) of every `kind` module.
+
+    Names are attribute paths, e.g. `layers.layers.attention.q_proj` (layers stacked for
+    `lax.scan` share one module, whose arrays carry a leading `layers` axis).
+    """
+    found: dict[str, tuple[tuple, int]] = {}
+
+    def walk(node: Any, path: tuple, stacked: int) -> None:
+        if isinstance(node, kind):
+            found[_name(path)] = (path, stacked)
+            return
+        if isinstance(node, Stacked):
+            stacked += 1
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        for key_path, child in children:
+            if isinstance(child, eqx.Module | list | tuple | dict):
+                walk(child, path + key_path, stacked)
+
+    walk(model, (), 0)
+    return found
+
+
+def _matches(name: str, patterns: tuple[str, ...] | str | None) -> bool:
+    if patterns is None:
+        return False
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith("." + p) for p in patterns)
+
+
+def target_names(model: Any, config: LoraConfig) -> list[str]:
+    """The names of the `Linear` layers `config` targets in `model` (errors if none)."""
+    linears = modules(model, Linear)
+    if config.target_modules == "all-linear":
+        chosen = [n for n in linears if n.split(".")[-1] not in OUTPUT_LAYERS]
+    else:
+        chosen = [n for n in linears if _matches(n, config.target_modules)]
+    chosen = [n for n in chosen if not _matches(n, config.exclude_modules)]
+    if not chosen:
+        raise ValueError(
+            f"LoRA target_modules={config.target_modules!r} (exclude_modules={config.exclude_modules!r}) "
+            f"match no Linear layer of this {type(model).__name__}. Its Linear layers are: "
+            f"{sorted(linears)}. Name them by suffix (e.g. 'q_proj'), by a regex over the whole "
+            "name, or use 'all-linear'."
+        )
+    return chosen
+
+
+def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
+    """`model` with a `LoraLinear` branch around every targeted `Linear`; base weights untouched.
+
+    Works on any zoo model, including layers stacked for `lax.scan` (their A and B gain the
+    same leading `layers` axis: `[L, in, r]`, `[L, r, out]`). Train only the branches (and
+    `config.modules_to_save`) with `zoo.TrainStep(..., trainable=zoo.lora.trainable(model, config))`.
+    """
+    found = modules(model, Linear)
+    names = target_names(model, config)
+    _check_modules_to_save(model, config)
+    new = []
+    for i, name in enumerate(names):
+        path, stacked = found[name]
+        base = _node(model, path)
+
+        def wrap(base, k):
+            return LoraLinear(
+                base, config.r, scaling=config.scaling, dropout_rate=config.lora_dropout,
+                init=config.init_lora_weights, key=k,
+            )
+
+        keys = jr.fold_in(key, i)
+        for _ in range(stacked):  # one key per stacked layer, built like the layers were
+            wrap = eqx.filter_vmap(wrap)
+        lead = base.weight.shape[:stacked]
+        keys = jr.split(keys, lead) if stacked else keys
+        new.append(wrap(base, keys))
+    paths = [found[n][0] for n in names]
+    return eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, replace=new)
+
+
+def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
+    if not config.modules_to_save:
+        return
+    names = _all_module_names(model)
+    for wanted in config.modules_to_save:
+        if not any(_matches(n, (wanted,)) for n in names):
+            raise ValueError(
+                f"LoRA modules_to_save entry {wanted!r} matches no module of this {type(model).__name__}; "
+                f"its modules are: {sorted(names)}"
+            )
+
+
+def _all_module_names(model: Any) -> list[str]:
+    names: list[str] = []
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, eqx.Module) and path:
+            names.append(_name(path))
+        if isinstance(node, eqx.Module | list | tuple | dict):
+            children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+            for key_path, child in children:
+                walk(child, path + key_path)
+
+    walk(model, ())
+    return names
+
+
+def trainable(model: Any, config: LoraConfig | None = None) -> Any:
+    """The trainable filter of a LoRA model: `True` at every `lora_A`/`lora_B` leaf and at
+    every leaf of `config.modules_to_save`, `False` elsewhere (a bool pytree for
+    `zoo.TrainStep(trainable=...)`). The frozen base gets no gradient and no communication."""
+    save = None if config is None else config.modules_to_save
+
+    def one(path, leaf):
+        if not eqx.is_array(leaf):
+            return False
+        name = _name(path)
+        last = name.split(".")[-1]
+        if last in ("lora_A", "lora_B"):
+            return True
+        prefix = name
+        while "." in prefix:
+            prefix = prefix.rsplit(".", 1)[0]
+            if _matches(prefix, save):
+                return True
+        return False
+
+    return jax.tree_util.tree_map_with_path(one, model)
+
+
+def _replace_lora(model: Any, fn) -> Any:
+    found = modules(model, LoraLinear)
+    if not found:
+        return model
+    paths = [p for p, _ in found.values()]
+    return eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, replace=[fn(_node(model, p)) for p in paths])
+
+
+def _with(layer: LoraLinear, **changes: Any) -> LoraLinear:
+    """A copy of `layer` with some fields (static ones too) replaced, without re-initialising."""
+    new = object.__new__(type(layer))
+    for f in dataclasses.fields(layer):
+        object.__setattr__(new, f.name, changes.get(f.name, getattr(layer, f.name)))
+    return new
+
+
+def _fold(layer: LoraLinear, sign: float) -> Linear:
+    weight = layer.base.weight
+    folded = (weight.astype(jnp.float32) + sign * layer.delta()).astype(weight.dtype)
+    return eqx.tree_at(lambda lin: lin.weight, layer.base, folded)
+
+
+def merge(model: Any, *, unload: bool = True) -> Any:
+    """Fold every branch into its base weight (`W + scaling · A B`, computed in float32, cast
+    back to W's dtype).
+
+    `unload=True` (peft's `merge_and_unload`) returns a plain model without branches;
+    `unload=False` (peft's `merge_adapter`) keeps them, marked merged, for `unmerge`.
+    """
+    def one(layer: LoraLinear):
+        if layer.merged:
+            return layer.base if unload else layer
+        base = _fold(layer, +1.0)
+        if unload:
+            return base
+        return _with(layer, base=base, merged=True)
+
+    return _replace_lora(model, one)
+
+
+def unmerge(model: Any) -> Any:
+    """Undo `merge(model, unload=False)`: subtract each branch from its base weight again."""
+    def one(layer: LoraLinear):
+        if not layer.merged:
+            return layer
+        return _with(layer, base=_fold(layer, -1.0), merged=False)
+
+    return _replace_lora(model, one)
+
+
+def unload(model: Any) -> Any:
+    """The base model: every branch dropped without merging (merged branches are subtracted first)."""
+    return _replace_lora(unmerge(model), lambda layer: layer.base)

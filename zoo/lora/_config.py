@@ -1,0 +1,94 @@
+"""The LoRA configuration, with peft's field names and meanings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """What to adapt and how, as `peft.LoraConfig` says it.
+
+    **Fields:**
+
+    - `r`: rank of the update `B·A` (> 0, at most min(in, out) of every target).
+    - `lora_alpha`: scale numerator: the branch adds `lora_alpha / r · x A B`
+      (`lora_alpha / √r` with `use_rslora`).
+    - `lora_dropout`: dropout on the branch's input (needs per-example keys, see
+      `zoo.nn.example_keys`).
+    - `target_modules`: which `Linear` layers get a branch: a list of names (a module
+      matches when its dotted path equals the name or ends with `.name`, e.g. `"q_proj"`),
+      a string regex matched against the whole path, or `"all-linear"` (every `Linear`
+      except output layers: `lm_head`, `head`, `output_layer`).
+    - `exclude_modules`: names or a regex, as `target_modules`, removed from the targets.
+    - `use_rslora`: rank-stabilised scaling `lora_alpha / √r`.
+    - `init_lora_weights`: `True` (A uniform ±1/√in as torch's kaiming-uniform(a=√5), B = 0:
+      the model's output is unchanged at init), `"gaussian"` (A normal(0, 1/r), B = 0), or
+      `False` (both random: for tests only; the output changes).
+    - `modules_to_save`: names (as `target_modules`) of modules trained in full besides
+      the adapters, e.g. a new classification `"head"`.
+    - `bias`: only `"none"` (biases stay frozen), as peft's default.
+    """
+
+    r: int = 8
+    lora_alpha: float | int = 8.0
+    lora_dropout: float | int = 0.0
+    target_modules: tuple[str, ...] | list[str] | str = ("q_proj", "v_proj")
+    exclude_modules: tuple[str, ...] | list[str] | str | None = None
+    use_rslora: bool = False
+    init_lora_weights: bool | Literal["gaussian"] = True
+    modules_to_save: tuple[str, ...] | list[str] | None = None
+    bias: Literal["none"] = "none"
+
+    def __post_init__(self):
+        # Lists (as peft takes them, or from JSON) become tuples: the config stays hashable.
+        for name in ("target_modules", "exclude_modules", "modules_to_save"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"LoraConfig.r must be a positive int, got {self.r!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.init_lora_weights not in (True, False, "gaussian"):
+            raise ValueError(
+                f"LoraConfig.init_lora_weights must be True, False or 'gaussian', got {self.init_lora_weights!r}"
+            )
+        if self.bias != "none":
+            raise ValueError(f"LoraConfig.bias: only 'none' is supported (biases stay frozen), got {self.bias!r}")
+        if not self.target_modules:
+            raise ValueError("LoraConfig.target_modules is empty; name the Linear layers to adapt, or 'all-linear'")
+
+    @property
+    def scaling(self) -> float:
+        """The branch's scale: `lora_alpha / r`, or `lora_alpha / √r` with `use_rslora`."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def to_peft_dict(self, target_names: list[str] | None = None) -> dict[str, Any]:
+        """The `adapter_config.json` contents peft writes for this config."""
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(target_names or self.target_modules)
+        return {
+            "peft_type": "LORA",
+            "task_type": None,
+            "r": self.r,
+            "lora_alpha": self.lora_alpha,
+            "lora_dropout": self.lora_dropout,
+            "target_modules": targets,
+            "exclude_modules": self.exclude_modules if isinstance(self.exclude_modules, str | None) else list(self.exclude_modules),
+            "use_rslora": self.use_rslora,
+            "init_lora_weights": self.init_lora_weights,
+            "modules_to_save": None if self.modules_to_save is None else list(self.modules_to_save),
+            "bias": self.bias,
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+        }
+
+    @classmethod
+    def from_peft_dict(cls, values: dict[str, Any]) -> LoraConfig:
+        """A config from `adapter_config.json` contents (keys zoo does not use are ignored)."""
+        if values.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"not a LoRA adapter: peft_type is {values.get('peft_type')!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in fields and v is not None})
