@@ -1,0 +1,200 @@
+"""LoRA branches: insertion, trainability, the one-all-reduce step carrying adapter bytes
+only, single-device equality, merging, and errors."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import (
+    classification_batch,
+    lm_batch,
+    max_abs_diff,
+    preset_mesh,
+    tiny_decoder,
+    tiny_encoder_classifier,
+    tree_allclose,
+    tree_bytes,
+)
+
+import zoo
+from zoo.lora import LoraConfig, LoraLinear, add_lora, merge, trainable, unload, unmerge
+
+CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down"), lora_dropout=0.1)
+BATCH = 12
+
+
+@functools.cache
+def lora_decoder():
+    return add_lora(tiny_decoder(jax.random.key(0)), CONFIG, key=jax.random.key(1))
+
+
+def forward(model, tokens):
+    return _forward(model, tokens)
+
+
+@eqx.filter_jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+def test_branches_wrap_the_targets_with_stacked_shapes_and_derived_axes():
+    model = lora_decoder()
+    q = model.layers.layers.attention.q_proj
+    assert isinstance(q, LoraLinear) and isinstance(model.layers.layers.attention.k_proj, zoo.nn.Linear)
+    assert q.lora_A.shape == (2, 16, 4) and q.lora_B.shape == (2, 4, 16)  # [L, in, r], [L, r, out]
+    axes = zoo.logical_axes(model).layers.layers
+    assert axes.attention.q_proj.lora_A.names == ("layers", "embed", None)
+    assert axes.attention.q_proj.lora_B.names == ("layers", None, "heads")
+    assert axes.mlp.down.lora_A.names == ("layers", "mlp", None)
+    assert axes.mlp.down.lora_B.names == ("layers", None, "embed")
+    # The base weight is the untouched original.
+    base = tiny_decoder(jax.random.key(0))
+    np.testing.assert_array_equal(q.base.weight, base.layers.layers.attention.q_proj.weight)
+
+
+def test_output_identical_to_the_base_at_init():
+    tokens = lm_batch(jax.random.key(2), 4)["tokens"]
+    np.testing.assert_array_equal(forward(lora_decoder(), tokens), forward(tiny_decoder(jax.random.key(0)), tokens))
+    gaussian = add_lora(tiny_decoder(jax.random.key(0)), LoraConfig(init_lora_weights="gaussian"), key=jax.random.key(1))
+    np.testing.assert_array_equal(forward(gaussian, tokens), forward(tiny_decoder(jax.random.key(0)), tokens))
+
+
+def test_scaling_follows_alpha_over_r_or_its_square_root():
+    assert LoraConfig(r=4, lora_alpha=8).scaling == 2.0
+    assert LoraConfig(r=4, lora_alpha=8, use_rslora=True).scaling == 4.0
+    layer = LoraLinear(zoo.nn.Linear(6, 5, key=jax.random.key(0)), 2, scaling=3.0, init=False, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (3, 6))
+    expected = x @ layer.base.weight + layer.base.bias + 3.0 * (x @ layer.lora_A @ layer.lora_B)
+    np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-6)
+
+
+@functools.cache
+def sharded_run(preset, n, m, steps=3):
+    """A few LoRA steps on a mesh (dropout on) and the compiled program's collectives."""
+    model = lora_decoder()
+    batch = lm_batch(jax.random.key(3), BATCH) | {"dropout_key": zoo.nn.example_keys(jax.random.key(4), BATCH)}
+    mesh = preset_mesh(preset, n)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules(preset), mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.5), microbatches=m,
+                             trainable=trainable(model, CONFIG), **zoo.step_options(preset))
+        opt_state = step.init(sharded)
+        compiled = step.compile(sharded, opt_state, batch)
+        new = sharded
+        losses = []
+        for _ in range(steps):
+            new, opt_state, loss = compiled(new, opt_state, batch)
+            losses.append(float(loss))
+    return new, losses, zoo.collectives(compiled, mesh=mesh), step.partition(sharded)[0]
+
+
+def single_device_run(steps=3):
+    model = lora_decoder()
+    batch = lm_batch(jax.random.key(3), BATCH) | {"dropout_key": zoo.nn.example_keys(jax.random.key(4), BATCH)}
+    params, frozen = zoo.partition_trainable(model, trainable(model, CONFIG))
+
+    @eqx.filter_jit
+    def update(params):
+        def mean_loss(p):
+            sums, counts = zoo.models.next_token_loss(eqx.combine(p, frozen), batch)
+            return sums.sum() / counts.sum()
+
+        loss, grads = jax.value_and_grad(mean_loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+    losses = []
+    for _ in range(steps):
+        params, loss = update(params)
+        losses.append(float(loss))
+    return eqx.combine(params, frozen), losses
+
+
+def test_lora_step_equals_single_device_with_dropout_on():
+    new, losses, _, _ = sharded_run("dp", 4, 3)
+    ref, ref_losses = single_device_run()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert tree_allclose(new, ref, rtol=1e-5, atol=1e-6), max_abs_diff(new, ref)
+
+
+def test_only_adapter_leaves_change_bit_for_bit():
+    new, losses, _, _ = sharded_run("dp", 4, 3)
+    assert losses[-1] < losses[0]
+    before = jax.tree_util.tree_flatten_with_path(eqx.filter(lora_decoder(), eqx.is_array))[0]
+    after = jax.tree.leaves(eqx.filter(new, eqx.is_array))
+    for (path, old), updated in zip(before, after):
+        name = zoo._axes.path_str(path)
+        if name.endswith(("lora_A", "lora_B")):
+            continue
+        np.testing.assert_array_equal(np.asarray(updated), np.asarray(old), err_msg=name)
+    assert not np.array_equal(new.layers.layers.mlp.down.lora_B, lora_decoder().layers.layers.mlp.down.lora_B)
+
+
+@pytest.mark.parametrize("preset, n", [("dp", 4), ("tp", 4)])
+def test_one_all_reduce_carries_the_adapter_bytes_only(preset, n):
+    _, _, colls, params = sharded_run(preset, n, 3)
+    print(zoo.report(colls))
+    data = [c for c in colls if "data" in c.mesh_axes]
+    assert len(data) == 1 and data[0].kind == "all-reduce" and not data[0].in_loop, zoo.report(colls)
+    lora_leaves = [
+        x for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(lora_decoder(), eqx.is_array))[0]
+        if zoo._axes.path_str(p).endswith(("lora_A", "lora_B"))
+    ]
+    assert tree_bytes(params) == sum(x.nbytes for x in lora_leaves)  # trainable = the adapter
+    # Collective bytes are per device: under tp, B of q/v and A of down are split over `model`.
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+    assert data[0].bytes == per_device + 8  # + the loss sum and the token count
+    assert tree_bytes(params) < tree_bytes(lora_decoder()) / 4
+    if preset == "tp":
+        assert all(c.mesh_axes == ("model",) for c in colls if c.in_loop)
+
+
+def test_modules_to_save_train_in_full():
+    config = LoraConfig(r=2, target_modules="all-linear", modules_to_save=("head",))
+    model = add_lora(tiny_encoder_classifier(jax.random.key(0), dropout=0.0), config, key=jax.random.key(1))
+    assert isinstance(model.head, zoo.nn.Linear)  # "all-linear" leaves the output layer out
+    assert isinstance(model.encoder.layers.layers.mlp.up, LoraLinear)
+    flags = trainable(model, config)
+    assert flags.head.weight and flags.head.bias
+    assert flags.encoder.layers.layers.attention.q_proj.lora_A
+    assert not flags.encoder.layers.layers.attention.q_proj.base.weight
+    assert not flags.encoder.embeddings.word_embeddings.weight
+    batch = classification_batch(jax.random.key(2), 8)
+    step = zoo.TrainStep(zoo.models.classification_loss, optax.sgd(0.1), trainable=flags)
+    loss, grads = step.loss_and_grads(model, batch)
+    assert grads.encoder.embeddings.word_embeddings.weight is None  # no gradient computed
+    assert float(jnp.max(jnp.abs(grads.head.weight))) > 0
+
+
+def test_merge_unmerge_round_trip_and_merged_output():
+    model = add_lora(tiny_decoder(jax.random.key(0)), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+                     key=jax.random.key(1))
+    tokens = lm_batch(jax.random.key(2), 4)["tokens"]
+    out = forward(model, tokens)
+    merged = merge(model)
+    assert not zoo.lora.modules(merged, LoraLinear)
+    np.testing.assert_allclose(forward(merged, tokens), out, rtol=1e-4, atol=1e-5)
+    kept = merge(model, unload=False)
+    assert kept.layers.layers.attention.q_proj.merged
+    np.testing.assert_allclose(forward(kept, tokens), out, rtol=1e-4, atol=1e-5)
+    back = unmerge(kept)
+    assert max_abs_diff(back, model) < 1e-6
+    base = unload(model)
+    np.testing.assert_array_equal(forward(base, tokens), forward(tiny_decoder(jax.random.key(0)), tokens))
+
+
+def test_bad_input_is_refused_with_the_fix():
+    base = tiny_decoder(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"match no Linear layer.*layers\.layers\.attention\.q_proj"):
+        add_lora(base, LoraConfig(target_modules=("query",)), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="r must be a positive int"):
+        LoraConfig(r=0)
+    with pytest.raises(ValueError, match=r"r=17 exceeds min\(in, out\) = 16"):
+        add_lora(base, LoraConfig(r=17), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="modules_to_save entry 'classifier' matches no module"):
+        add_lora(base, LoraConfig(modules_to_save=("classifier",)), key=jax.random.key(0))
+    regex = LoraConfig(target_modules=r".*attention\.(q|v)_proj", exclude_modules=("v_proj",))
+    assert zoo.lora.target_names(base, regex) == ["layers.layers.attention.q_proj"]
