@@ -57,7 +57,7 @@ def test_bad_input_is_one_readable_line(args, message):
 
 def test_help_lists_the_flags():
     proc = run_zoo("inspect", "--help")
-    for flag in ("--devices", "--microbatches", "--mesh", "--rules", "--mode", "--batch-size", "--json"):
+    for flag in ("--devices", "--microbatches", "--mesh", "--rules", "--mode", "--batch-size", "--lora", "--json"):
         assert flag in proc.stdout
     text = " ".join(proc.stdout.split())  # argparse wraps lines
     for choice in ("mlp", "transformer", "encoder", "dp", "fsdp", "fsdp-once", "tp", "fsdp+tp"):
@@ -106,6 +106,52 @@ def test_inspect_transformer_fsdp_once_gathers_outside_loops(capsys):
     assert summary["collectives_in_loop"] == 0 and summary["in_loop_mesh_axes"] == []
     assert summary["all_gather_outside"] > 0 and summary["all_gather_in_loop"] == 0
     assert summary["all_reduce_outside"] == 1 and summary["outside_mesh_axes"] == ["data"]
+
+
+def test_inspect_transformer_lora_reduces_only_the_adapters(capsys):
+    """`--lora`: the step's one all-reduce carries the LoRA A/B gradients (+ loss scalars),
+    whose bytes the test counts itself on an abstract model built the same way."""
+    import equinox as eqx
+    import jax
+    import jax.random as jr
+
+    import zoo
+    from zoo._cli import _TRANSFORMER
+
+    out = inspect_in_process(capsys, "transformer", "--lora", "r=4,alpha=8")
+    base = jax.eval_shape(lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**_TRANSFORMER), key=k), jr.key(0))
+    config = zoo.lora.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    lora_model = eqx.filter_eval_shape(zoo.lora.add_lora, base, config, key=jr.key(1))
+    leaves = jax.tree_util.tree_leaves_with_path(lora_model)
+    lora_bytes = sum(
+        x.size * x.dtype.itemsize for path, x in leaves if jax.tree_util.keystr(path).endswith(("lora_A", "lora_B"))
+    )
+    assert lora_bytes == 2 * 2 * (32 * 4 + 4 * 32) * 4  # 2 layers x (q, v) x (A + B) in float32
+    assert out["trainable_bytes"] == out["adapter_bytes"] == lora_bytes
+    assert out["param_bytes"] > 10 * lora_bytes
+    assert out["lora"]["r"] == 4 and out["lora"]["lora_alpha"] == 8 and out["lora"]["scaling"] == 2.0
+    assert [n.split(".")[-1] for n in out["lora"]["adapted_modules"]] == ["q_proj", "v_proj"]
+    (coll,) = out["collectives"]
+    assert coll["kind"] == "all-reduce" and coll["in_loop"] is False and coll["mesh_axes"] == ["data"]
+    assert 0 < coll["bytes"] - out["trainable_bytes"] <= 8  # + the loss (and weight) scalars
+    assert out["summary"]["all_reduce_outside"] == 1 and out["summary"]["all_reduce_in_loop"] == 0
+
+
+def test_bad_lora_is_one_readable_line(capsys):
+    """A bad key or value names the accepted keys; a target matching nothing gets zoo's
+    error, which lists the model's Linear layers. Exit 2, one line."""
+    from zoo._cli import main
+
+    for lora, message in [
+        ("r=4,beta=2", "unknown key 'beta'"),
+        ("r=four", "r must be a positive integer"),
+        ("r=4,targets=qproj", "match no Linear layer"),
+    ]:
+        assert main(["inspect", "transformer", "--lora", lora]) == 2, lora
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        listed = "layers.layers.attention.q_proj" if "match no" in message else "keys: r, alpha, dropout, targets"
+        assert listed in err, err
 
 
 @pytest.mark.slow

@@ -203,6 +203,137 @@ def _build(args) -> Task:
     return MODELS[args.model](jr.key(args.seed))
 
 
+# --- LoRA (`inspect --lora`) ----------------------------------------------------------
+
+# `--lora` key → (LoraConfig field, how the value reads). Keys the user leaves out take
+# LoraConfig's defaults (peft's: r=8, lora_alpha=8, lora_dropout=0), except the per-model
+# defaults below.
+_LORA_KEYS = {
+    "r": "r",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "targets": "target_modules",
+    "exclude": "exclude_modules",
+    "rslora": "use_rslora",
+    "save": "modules_to_save",
+}
+_LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
+# Targets when `targets=` is not given: the attention's query and value projections (peft's
+# default for LLaMA/BERT-style models); the MLP has no attention, so every hidden Linear.
+_LORA_DEFAULT_TARGETS: dict[str, Any] = {"mlp": "all-linear", "transformer": ("q_proj", "v_proj"), "encoder": ("q_proj", "v_proj")}
+# Modules trained in full besides the adapters when `save=` is not given: the encoder's
+# classification head is new for the task (peft's modules_to_save=["classifier"] for
+# sequence classification); `save=none` freezes it too.
+_LORA_DEFAULT_SAVE: dict[str, Any] = {"encoder": ("head",)}
+_LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
+
+
+def _lora_value(key: str, value: str) -> Any:
+    """One `--lora` value, read as its LoraConfig field wants it; ValueError if it cannot."""
+    if key == "r":
+        if not value.isdigit():
+            raise ValueError(f"r must be a positive integer, got {value!r}")
+        return int(value)
+    if key in ("alpha", "dropout"):
+        number = float(value)  # ValueError names the value
+        return int(number) if key == "alpha" and number.is_integer() and "." not in value else number
+    if key == "rslora":
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"rslora must be true or false, got {value!r}")
+        return value.lower() in ("true", "1", "yes")
+    names = tuple(n.strip() for n in value.split("+"))
+    if key == "targets" and value == "all-linear":
+        return value
+    if key == "save" and value.lower() == "none":
+        return None
+    if not all(names):
+        raise ValueError(f"{key} must be module names joined by '+', e.g. q_proj+v_proj, got {value!r}")
+    return names
+
+
+def parse_lora(text: str, model: str):
+    """`"r=8,alpha=16,targets=q_proj+v_proj"` → a `zoo.lora.LoraConfig`, with the model's
+    default targets (and, for the encoder, `modules_to_save`) where the text names none."""
+    import zoo
+
+    def bad(why: str) -> CLIError:
+        return CLIError(
+            f"bad --lora {text!r}: {why}; write key=value pairs joined by commas, e.g. {_LORA_EXAMPLE}; "
+            f"keys: {', '.join(_LORA_KEYS)}"
+        )
+
+    fields: dict[str, Any] = {"target_modules": _LORA_DEFAULT_TARGETS.get(model, "all-linear")}
+    if model in _LORA_DEFAULT_SAVE:
+        fields["modules_to_save"] = _LORA_DEFAULT_SAVE[model]
+    seen: set[str] = set()
+    for part in text.split(","):
+        key, eq, value = (s.strip() for s in part.partition("="))
+        if not eq or not key or not value:
+            raise bad(f"{part.strip()!r} is not key=value")
+        if key not in _LORA_KEYS:
+            raise bad(f"unknown key {key!r}")
+        if key in seen:
+            raise bad(f"key {key!r} appears twice")
+        seen.add(key)
+        try:
+            fields[_LORA_KEYS[key]] = _lora_value(key, value)
+        except ValueError as e:
+            raise bad(str(e)) from e
+    try:
+        return zoo.lora.LoraConfig(**fields)
+    except ValueError as e:
+        raise bad(str(e)) from e
+
+
+_LORA_WRAPPERS: dict[Any, tuple[Any, dict[str, Any]]] = {}
+
+
+def _add_lora(name: str, model: Any, config: Any, seed: int) -> Any:
+    """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled without
+    LLVM's costly optimisations (like `_init_compiled`), once per (model, config).
+    A target matching nothing, a rank too large, ... → CLIError with zoo's message."""
+    import equinox as eqx
+    import jax
+    import jax.random as jr
+
+    import zoo
+
+    key = jr.fold_in(jr.key(seed), _LORA_KEY_SALT)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    if (name, config) not in _LORA_WRAPPERS:
+        out: dict[str, Any] = {}
+
+        def wrap(arrays, k):
+            lora_arrays, out["tree"] = eqx.partition(
+                zoo.lora.add_lora(eqx.combine(arrays, static), config, key=k), eqx.is_array
+            )
+            return lora_arrays
+
+        try:
+            compiled = jax.jit(wrap).lower(arrays, key).compile(compiler_options=_INSPECT_COMPILER_OPTIONS)
+        except ValueError as e:
+            raise CLIError(f"--lora: {e}") from e
+        _LORA_WRAPPERS[(name, config)] = (compiled, out)
+    compiled, out = _LORA_WRAPPERS[(name, config)]
+    return eqx.combine(compiled(arrays, key), out["tree"])
+
+
+def _lora_json(model: Any, config: Any) -> dict[str, Any]:
+    """The config (peft's field names), its scaling, and the modules that got a branch."""
+    import dataclasses
+
+    import zoo
+
+    def plain(value):
+        return list(value) if isinstance(value, tuple) else value
+
+    fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    return fields | {
+        "scaling": config.scaling,
+        "adapted_modules": sorted(zoo.lora.modules(model, zoo.lora.LoraLinear)),
+    }
+
+
 def _mesh(shape: dict[str, int]):
     import jax
 
@@ -223,6 +354,7 @@ def _tree_bytes(tree) -> int:
 def cmd_inspect(args) -> int:
     _init_devices(args.devices)
     mesh_shape = parse_mesh(args.mesh, args.devices)
+    import equinox as eqx
     import jax
     import optax
 
@@ -231,6 +363,9 @@ def cmd_inspect(args) -> int:
     if args.rules not in zoo.RULE_PRESETS:
         raise CLIError(f"unknown --rules {args.rules!r}; choose one of {list(zoo.RULE_PRESETS)}")
     _check_rules_fit_mesh(args.rules, mesh_shape, args.devices)
+    lora = None if args.lora is None else parse_lora(args.lora, args.model)
+    if lora is not None and lora.lora_dropout and args.model == "mlp":
+        raise CLIError("--lora dropout needs per-example keys, which the mlp's loss does not take; drop dropout=")
     data = mesh_shape.get("data", 1)
     batch_size = args.batch_size or data * args.microbatches * 2
     try:  # before building anything: the step would say the same after compiling the model
@@ -238,20 +373,27 @@ def cmd_inspect(args) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from e
     task = _build(args)
+    if lora is not None:
+        task.model = _add_lora(args.model, task.model, lora, args.seed)
     mesh = _mesh(mesh_shape)
     with jax.set_mesh(mesh):
         try:
             model = zoo.shard(task.model, zoo.rules(args.rules), mesh)
         except ValueError as e:
             raise CLIError(str(e)) from e
+        options = zoo.step_options(args.rules)
+        if lora is not None:  # only the adapters (and modules_to_save) get gradients and all-reduces
+            options["trainable"] = zoo.lora.trainable(model, lora)
         step = zoo.TrainStep(
             task.loss_fn,
             optax.adamw(1e-3),
             microbatches=args.microbatches,
             mode=args.mode,
-            **zoo.step_options(args.rules),
+            **options,
         )
         batch = task.make_batch(batch_size, jax.random.key(0))
+        if lora is not None and lora.lora_dropout:  # per-example keys turn the branches' dropout on
+            batch = dict(batch, dropout_key=zoo.nn.example_keys(jax.random.key(1), batch_size))
         try:
             lowered = step.lower(model, step.init(model), batch)
         except ValueError as e:
@@ -270,6 +412,8 @@ def cmd_inspect(args) -> int:
         "batch_size": batch_size,
         "param_bytes": _tree_bytes(model),
         "trainable_bytes": _tree_bytes(trainable),
+        "lora": None if lora is None else _lora_json(model, lora),
+        "adapter_bytes": _tree_bytes(eqx.filter(model, zoo.lora.trainable(model))),
         "collectives": [c.to_json() for c in colls],
         "summary": _summary(colls),
     }
@@ -281,6 +425,16 @@ def cmd_inspect(args) -> int:
             f"mode {args.mode}, rules {args.rules}, batch {batch_size}"
         )
         print(f"params {result['param_bytes']:,} bytes, trainable {result['trainable_bytes']:,} bytes")
+        if lora is not None:
+            adapted = result["lora"]["adapted_modules"]
+            saved = result["trainable_bytes"] - result["adapter_bytes"]
+            print(
+                f"LoRA r={lora.r} alpha={lora.lora_alpha} on {len(adapted)} Linear layers "
+                f"({', '.join(sorted({n.split('.')[-1] for n in adapted}))}): adapters {result['adapter_bytes']:,} bytes"
+                + (f" + modules_to_save {saved:,} bytes" if lora.modules_to_save else "")
+                + f" = {result['trainable_bytes']:,} trainable of the model's {result['param_bytes']:,} "
+                f"({100 * result['trainable_bytes'] / result['param_bytes']:.1f}%)"
+            )
         print(zoo.report(colls))
         summary = result["summary"]
         print(
@@ -400,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
         "collectives (all-reduces, all-gathers, ...), inside or outside loops, with the mesh axes "
         "they span.",
         epilog="examples: zoo inspect mlp; zoo inspect transformer --rules fsdp-once --json; "
-        "zoo inspect encoder --mesh data=4,model=2 --rules tp",
+        "zoo inspect encoder --mesh data=4,model=2 --rules tp; "
+        f"zoo inspect transformer --lora {_LORA_EXAMPLE}",
     )
     ins.add_argument(
         "model",
@@ -420,6 +575,18 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--mode", choices=("explicit", "shard_map"), default="explicit", help="step mode")
     ins.add_argument("--batch-size", type=int, help="global batch (default data x microbatches x 2)")
     ins.add_argument("--seed", type=int, default=0, help="PRNG seed for the model")
+    ins.add_argument(
+        "--lora",
+        metavar="KEY=VALUE,...",
+        help="add LoRA adapters (zoo.lora.add_lora) and train only them: the gradient all-reduce "
+        "then carries the adapter bytes alone. Keys: r (rank, default 8), alpha (lora_alpha, "
+        "default 8), dropout (the branches' input dropout, with per-example keys in the batch; "
+        "transformer and encoder only), targets (Linear names joined by '+', e.g. q_proj+v_proj, or "
+        "all-linear; default q_proj+v_proj, all-linear for mlp), exclude (names joined by '+'), "
+        "rslora (true/false), save (modules_to_save, names joined by '+'; the encoder's default is "
+        "head, its new classification head trained in full; save=none freezes it). "
+        f"E.g. --lora {_LORA_EXAMPLE}",
+    )
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ins.set_defaults(func=cmd_inspect)
 
