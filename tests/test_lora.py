@@ -196,5 +196,9 @@ def test_bad_input_is_refused_with_the_fix():
         add_lora(base, LoraConfig(r=17), key=jax.random.key(0))
     with pytest.raises(ValueError, match="modules_to_save entry 'classifier' matches no module"):
         add_lora(base, LoraConfig(modules_to_save=("classifier",)), key=jax.random.key(0))
+    # Adding branches twice never wraps a branch's own base layer.
+    adapted = add_lora(base, LoraConfig(target_modules="all-linear"), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="already carry LoRA branches"):
+        add_lora(adapted, LoraConfig(target_modules="all-linear"), key=jax.random.key(1))
     regex = LoraConfig(target_modules=r".*attention\.(q|v)_proj", exclude_modules=("v_proj",))
     assert zoo.lora.target_names(base, regex) == ["layers.layers.attention.q_proj"]

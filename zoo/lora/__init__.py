@@ -6,15 +6,20 @@
 
 from ._apply import OUTPUT_LAYERS, add_lora, merge, modules, target_names, trainable, unload, unmerge
 from ._config import LoraConfig
+from ._io import BERT_NAMES, hf_module_name, load_adapter, save_adapter
 from ._layer import LoraLinear
 
 __all__ = [
+    "BERT_NAMES",
     "OUTPUT_LAYERS",
     "LoraConfig",
     "LoraLinear",
     "add_lora",
+    "hf_module_name",
+    "load_adapter",
     "merge",
     "modules",
+    "save_adapter",
     "target_names",
     "trainable",
     "unload",

@@ -51,6 +51,8 @@ def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) ->
         if isinstance(node, kind):
             found[_name(path)] = (path, stacked)
             return
+        if isinstance(node, LoraLinear):
+            return  # an adapted layer's `base` is not a target of its own
         if isinstance(node, Stacked):
             stacked += 1
         children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
@@ -79,11 +81,13 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
         chosen = [n for n in linears if _matches(n, config.target_modules)]
     chosen = [n for n in chosen if not _matches(n, config.exclude_modules)]
     if not chosen:
+        adapted = sorted(modules(model, LoraLinear))
+        already = f" These already carry LoRA branches: {adapted}." if adapted else ""
         raise ValueError(
             f"LoRA target_modules={config.target_modules!r} (exclude_modules={config.exclude_modules!r}) "
             f"match no Linear layer of this {type(model).__name__}. Its Linear layers are: "
-            f"{sorted(linears)}. Name them by suffix (e.g. 'q_proj'), by a regex over the whole "
-            "name, or use 'all-linear'."
+            f"{sorted(linears)}.{already} Name them by suffix (e.g. 'q_proj'), by a regex over the "
+            "whole name, or use 'all-linear'."
         )
     return chosen
 

@@ -1,0 +1,236 @@
+"""LoRA adapters on disk in peft's layout: round trips, key names, shape checks, atomic saves."""
+
+import functools
+import json
+import os
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from conftest import (
+    lm_batch,
+    preset_mesh,
+    tiny_decoder,
+    tiny_encoder_classifier,
+    tree_allclose,
+)
+
+import zoo
+from zoo.lora import (
+    LoraConfig,
+    add_lora,
+    hf_module_name,
+    load_adapter,
+    save_adapter,
+)
+
+DECODER = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down"), init_lora_weights=False)
+CLASSIFIER = LoraConfig(r=4, lora_alpha=16, target_modules=("q_proj", "v_proj"), init_lora_weights=False, modules_to_save=("head",))
+PREFIX = "base_model.model."
+
+
+@eqx.filter_jit
+def forward(models, tokens):
+    """Each model's output, in one compiled program."""
+    return [model(tokens) for model in models]
+
+
+def assert_same_outputs(a, b):
+    out_a, out_b = forward([a, b], lm_batch(jax.random.key(3), 4)["tokens"])
+    np.testing.assert_array_equal(out_a, out_b)
+
+
+@functools.cache
+def decoder_base():
+    return tiny_decoder(jax.random.key(0))
+
+
+@functools.cache
+def classifier_base():
+    return tiny_encoder_classifier(jax.random.key(0))
+
+
+@functools.cache
+def trained_classifier():
+    """The classifier with random (non-zero) branches and a head changed as training would."""
+    model = add_lora(classifier_base(), CLASSIFIER, key=jax.random.key(1))
+    head = model.head.weight
+    return eqx.tree_at(lambda m: m.head.weight, model, head + jax.random.normal(jax.random.key(2), head.shape))
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("adapter") / "classifier"
+    save_adapter(trained_classifier(), CLASSIFIER, directory)
+    return directory
+
+
+def test_decoder_adapter_round_trip_reproduces_outputs(tmp_path):
+    trained = add_lora(decoder_base(), DECODER, key=jax.random.key(1))
+    assert np.abs(np.asarray(trained.layers.layers.attention.q_proj.lora_B)).min() > 0
+    save_adapter(trained, DECODER, tmp_path / "dec")
+    assert sorted(os.listdir(tmp_path / "dec")) == ["adapter_config.json", "adapter_model.safetensors"]
+    loaded, config = load_adapter(decoder_base(), tmp_path / "dec", key=jax.random.key(7))
+    assert config == DECODER
+    assert tree_allclose(loaded, trained, rtol=0, atol=0)
+    assert_same_outputs(loaded, trained)
+
+
+def test_encoder_classifier_round_trip_with_saved_head(classifier_dir):
+    loaded, config = load_adapter(classifier_base(), classifier_dir)
+    assert config == CLASSIFIER
+    assert tree_allclose(loaded, trained_classifier(), rtol=0, atol=0)
+    assert_same_outputs(loaded, trained_classifier())
+    # Loading into a model that already carries branches (other values) sets them too.
+    other = add_lora(classifier_base(), CLASSIFIER, key=jax.random.key(9))
+    reloaded, _ = load_adapter(other, classifier_dir)
+    assert tree_allclose(reloaded, trained_classifier(), rtol=0, atol=0)
+
+
+def test_file_follows_peft_layout(classifier_dir):
+    tensors = safetensors.numpy.load_file(classifier_dir / "adapter_model.safetensors")
+    layer = [f"{PREFIX}bert.encoder.layer.{i}.attention.self.{p}.lora_{ab}.weight"
+             for i in range(2) for p in ("query", "value") for ab in "AB"]
+    assert sorted(tensors) == sorted(layer + [f"{PREFIX}classifier.weight", f"{PREFIX}classifier.bias"])
+    model = trained_classifier()
+    q = model.encoder.layers.layers.attention.q_proj
+    a, b = tensors[f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_A.weight"], tensors[
+        f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_B.weight"]
+    assert a.shape == (4, 16) and b.shape == (16, 4)  # [r, d_model], [d_model, r]
+    np.testing.assert_array_equal(a, np.asarray(q.lora_A[1]).T)
+    np.testing.assert_array_equal(b, np.asarray(q.lora_B[1]).T)
+    assert tensors[f"{PREFIX}classifier.weight"].shape == (3, 16)  # [num_labels, d_model]
+    np.testing.assert_array_equal(tensors[f"{PREFIX}classifier.weight"], np.asarray(model.head.weight).T)
+    config = json.loads((classifier_dir / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16
+    assert config["modules_to_save"] == ["classifier"]
+    assert sorted(config["target_modules"]) == sorted({k[len(PREFIX):].rsplit(".", 2)[0] for k in layer})
+
+
+def test_names_follow_bert_for_the_encoder_and_zoo_paths_elsewhere():
+    classifier, encoder = classifier_base(), classifier_base().encoder
+    assert hf_module_name(encoder, "layers.layers.attention.o_proj", (1,)) == "encoder.layer.1.attention.output.dense"
+    assert hf_module_name(encoder, "layers.layers.mlp.up", (0,)) == "encoder.layer.0.intermediate.dense"
+    assert hf_module_name(encoder, "layers.layers.mlp.down", (0,)) == "encoder.layer.0.output.dense"
+    assert hf_module_name(encoder, "layers.layers.attention.k_proj", (1,)) == "encoder.layer.1.attention.self.key"
+    assert hf_module_name(classifier, "encoder.embeddings.norm") == "bert.embeddings.LayerNorm"
+    assert hf_module_name(classifier, "head") == "classifier"
+    assert hf_module_name(decoder_base(), "layers.layers.attention.q_proj", (3,)) == "layers.3.attention.q_proj"
+    assert hf_module_name(decoder_base(), "lm_head") == "lm_head"
+    mlp = zoo.nn.MLP(2, 2, 4, 3, scan=True, key=jax.random.key(0))  # hidden: Stacked of 2
+    assert hf_module_name(mlp, "hidden.layers.linear", (1,)) == "hidden.1.linear"
+    assert hf_module_name(mlp, "output_layer") == "output_layer"
+    with pytest.raises(ValueError, match="Stacked levels"):
+        hf_module_name(decoder_base(), "layers.layers.attention.q_proj")
+
+
+def test_adapter_without_zoo_entry_loads_as_peft_wrote_it(classifier_dir, tmp_path):
+    """peft's own adapter_config.json has no "zoo" entry: targets come from the peft names."""
+    peft_dir = tmp_path / "peft"
+    peft_dir.mkdir()
+    config = json.loads((classifier_dir / "adapter_config.json").read_text())
+    del config["zoo"]
+    config["target_modules"], config["task_type"] = ["query", "value"], "SEQ_CLS"
+    (peft_dir / "adapter_config.json").write_text(json.dumps(config))
+    (peft_dir / "adapter_model.safetensors").write_bytes((classifier_dir / "adapter_model.safetensors").read_bytes())
+    loaded, loaded_config = load_adapter(classifier_base(), peft_dir)
+    assert tree_allclose(loaded, trained_classifier(), rtol=0, atol=0)
+    assert loaded_config.scaling == CLASSIFIER.scaling and loaded_config.modules_to_save == ("head",)
+    assert set(loaded_config.target_modules) == {"encoder.layers.layers.attention.q_proj", "encoder.layers.layers.attention.v_proj"}
+
+
+def test_loading_into_other_shapes_names_the_mismatched_tensors(classifier_dir):
+    wider = tiny_encoder_classifier(jax.random.key(0), d_model=32)
+    with pytest.raises(ValueError, match="mis-shaped") as err:
+        load_adapter(wider, classifier_dir)
+    message = str(err.value)
+    assert f"{PREFIX}bert.encoder.layer.0.attention.self.query.lora_A.weight: expected [4, 32], found [4, 16]" in message
+    assert f"{PREFIX}classifier.weight: expected [3, 32], found [3, 16]" in message
+    assert "d_model: saved 16, this model 32" in message
+    # A model already carrying rank-8 branches.
+    rank8 = add_lora(classifier_base(), LoraConfig(r=8, target_modules=("q_proj", "v_proj")), key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"lora_A.weight: expected \[8, 16\], found \[4, 16\]"):
+        load_adapter(rank8, classifier_dir)
+    # Branches on other modules: missing and unexpected keys, by name.
+    other = add_lora(classifier_base(), LoraConfig(r=4, target_modules=("k_proj", "v_proj")), key=jax.random.key(1))
+    with pytest.raises(ValueError, match="missing keys") as err:
+        load_adapter(other, classifier_dir)
+    assert "unexpected keys" in str(err.value) and "attention.self.key.lora_A.weight" in str(err.value)
+    # The wrong model class.
+    with pytest.raises(ValueError, match="saved from a zoo EncoderClassifier"):
+        load_adapter(decoder_base(), classifier_dir)
+
+
+def test_missing_or_foreign_adapters_fail_clearly(tmp_path, classifier_dir):
+    with pytest.raises(FileNotFoundError, match="no adapter directory"):
+        load_adapter(classifier_base(), tmp_path / "nowhere")
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "adapter_config.json").write_text((classifier_dir / "adapter_config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="missing adapter_model.safetensors"):
+        load_adapter(classifier_base(), half)
+    (half / "adapter_model.safetensors").write_bytes(b"")
+    (half / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    with pytest.raises(ValueError, match="only LoRA"):
+        load_adapter(classifier_base(), half)
+    with pytest.raises(ValueError, match="not the ones config targets"):
+        save_adapter(trained_classifier(), LoraConfig(r=4, target_modules=("q_proj",)), tmp_path / "bad")
+    with pytest.raises(ValueError, match="no LoRA branches"):
+        save_adapter(classifier_base(), CLASSIFIER, tmp_path / "bad")
+
+
+def test_interrupted_save_leaves_the_previous_adapter(tmp_path, monkeypatch):
+    directory = tmp_path / "adapter"
+    first = add_lora(decoder_base(), DECODER, key=jax.random.key(1))
+    second = add_lora(decoder_base(), DECODER, key=jax.random.key(2))
+    save_adapter(first, DECODER, directory)
+    files = sorted(os.listdir(directory))
+
+    def crash_midway(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x10\x00\x00\x00half a header")
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.numpy, "save_file", crash_midway)
+        with pytest.raises(OSError, match="disk full"):
+            save_adapter(second, DECODER, directory)
+    assert sorted(os.listdir(directory)) == files  # no temporary file left
+    loaded, _ = load_adapter(decoder_base(), directory)
+    assert tree_allclose(loaded, first, rtol=0, atol=0)
+
+    # A crash between the two renames (new weights, old config) does not load.
+    replace, calls = os.replace, []
+
+    def crash_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("power cut")
+        replace(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", crash_second)
+        with pytest.raises(OSError, match="power cut"):
+            save_adapter(second, DECODER, directory)
+    assert sorted(os.listdir(directory)) == files
+    with pytest.raises(ValueError, match="save was interrupted"):
+        load_adapter(decoder_base(), directory)
+
+
+def test_loaded_leaves_keep_the_sharding_of_the_leaves_they_replace(tmp_path):
+    mesh, rules = preset_mesh("fsdp+tp", 8), zoo.rules("fsdp+tp")
+    placed = zoo.shard(add_lora(decoder_base(), DECODER, key=jax.random.key(1)), rules, mesh)
+    save_adapter(placed, DECODER, tmp_path / "sharded")
+    fresh = zoo.shard(add_lora(decoder_base(), DECODER, key=jax.random.key(5)), rules, mesh)
+    loaded, _ = load_adapter(fresh, tmp_path / "sharded")
+    # Into the sharded base: the new branches take the layout their annotations give.
+    into_base, _ = load_adapter(zoo.shard(decoder_base(), rules, mesh), tmp_path / "sharded")
+    leaves = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    for new, old, base_loaded in zip(leaves(loaded), leaves(placed), leaves(into_base), strict=True):
+        assert new.sharding == old.sharding and base_loaded.sharding == old.sharding
+        np.testing.assert_array_equal(new, old)
+        np.testing.assert_array_equal(base_loaded, old)
+    q = loaded.layers.layers.attention.q_proj
+    assert not q.lora_A.sharding.is_fully_replicated and not q.lora_B.sharding.is_fully_replicated
