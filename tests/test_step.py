@@ -222,6 +222,25 @@ def test_donation_and_non_array_leaves(setup):
     assert np.isfinite(float(loss))
 
 
+def test_at_most_two_steps_in_flight(setup, monkeypatch):
+    """A loop that never reads the loss still waits for step k-1 when it queues step k+1."""
+    model, batch, _, _ = setup
+    waited = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+    mesh = data_mesh(2)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), donate=True)
+        state = step.init(jax.tree.map(lambda x: x, sharded))
+        current = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, sharded)
+        losses = []
+        for _ in range(3):
+            current, state, loss = step(current, state, batch)
+            losses.append(loss)
+    assert [w is l for w, l in zip(waited, losses[:2])] == [True, True] and len(waited) == 2
+
+
 def test_shard_map_mode_refuses_params_sharded_over_other_axes(setup):
     model, batch, _, _ = setup
     mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])

@@ -129,6 +129,14 @@ class _Jit:
         return Compiled(self, static, self._jitted.lower(static, *groups).compile())
 
 
+def _bounded_queue(owner: Any, latest: Any) -> None:
+    """Keep at most two dispatched steps of `owner` unfinished: wait for the older one."""
+    previous = getattr(owner, "_in_flight", None)
+    if previous is not None:
+        jax.block_until_ready(previous)
+    owner._in_flight = latest
+
+
 class Compiled:
     """A compiled step that can be both inspected and run, so the program whose collectives
     and memory you read is the one that runs.
@@ -154,6 +162,12 @@ class Compiled:
         return self.compiled.cost_analysis()
 
     def __call__(self, *args):
+        out = self._run(*args)
+        # Wait on the last output only (a step's loss): the others may be donated later.
+        _bounded_queue(self, jax.tree.leaves(out)[-1:])
+        return out
+
+    def _run(self, *args):
         static, groups = self._jit._prepare(args)
         if static != self._static:
             raise ValueError(
@@ -306,9 +320,17 @@ class TrainStep:
         return self._grads(model, batch)
 
     def __call__(self, model: Any, opt_state: optax.OptState, batch: Any):
-        """One optimizer step. Returns `(model, opt_state, loss)`."""
+        """One optimizer step. Returns `(model, opt_state, loss)`.
+
+        Dispatch is asynchronous, with at most two steps in flight: before queueing a
+        step, the one before the last is waited for. The next batch still loads while a
+        step runs, and a loop that never reads the loss cannot pile up an unbounded queue
+        of multi-device programs (a long queue of them once stalled XLA's CPU collectives).
+        """
         self.check(batch)
-        return self._step(model, opt_state, batch)
+        out = self._step(model, opt_state, batch)
+        _bounded_queue(self, out[2])
+        return out
 
     def lower(self, model: Any, opt_state: optax.OptState, batch: Any):
         """The lowered step (`.compile()` it, or hand it to `zoo.collectives`)."""
