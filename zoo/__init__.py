@@ -10,6 +10,7 @@ from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
 from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
 from ._reduced import (
+    gather_over,
     manual_specs,
     pcast_unreduced,
     pcast_varying,
@@ -34,6 +35,7 @@ __all__ = [
     "collectives",
     "count",
     "field",
+    "gather_over",
     "logical_axes",
     "lora",
     "manual_specs",

@@ -72,18 +72,36 @@ def reduced_cast(
     axes = _axes_set(axes)
 
     def cast(x):
-        if sharded_over(x, axes):
-            if not gather:
-                return x
-            parts = []
-            for entry in plain_spec(x):
-                names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in axes)
-                parts.append(None if not names else names[0] if len(names) == 1 else names)
-            return jax.reshard(x, P(*parts, reduced=set(_spec(x).reduced) | axes))
-        spec = _spec(x)
-        return jax.reshard(x, P(*plain_spec(x), reduced=set(spec.reduced) | axes))
+        if sharded_over(x, axes) and not gather:
+            return x
+        return jax.reshard(x, P(*_without(x, axes), reduced=set(_spec(x).reduced) | axes))
 
     return _map_selected(cast, tree, filter_spec)
+
+
+def _without(x: jax.Array, axes: frozenset[str]) -> list:
+    """`x`'s spec entries with the mesh `axes` taken out (those dims gathered)."""
+    parts = []
+    for entry in plain_spec(x):
+        names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in axes)
+        parts.append(None if not names else names[0] if len(names) == 1 else names)
+    return parts
+
+
+def gather_over(tree: Any, *, axes="data") -> Any:
+    """All-gather the array leaves of `tree` that are split over mesh `axes` (plain copies).
+
+    For frozen parameters under `gather="once"`: they need no gradient, so a plain
+    replicated copy gathered once before the loop serves every microbatch.
+    """
+    axes = _axes_set(axes)
+
+    def one(x):
+        if not eqx.is_array(x) or not sharded_over(x, axes):
+            return x
+        return jax.reshard(x, P(*_without(x, axes), reduced=set(_spec(x).reduced)))
+
+    return jax.tree.map(one, tree)
 
 
 def unreduced_zeros(tree: Any, filter_spec: FilterSpec = eqx.is_inexact_array, *, axes="data") -> Any:

@@ -23,6 +23,7 @@ from ._batch import (
 )
 from ._reduced import (
     FilterSpec,
+    gather_over,
     manual_specs,
     pcast_unreduced,
     pcast_varying,
@@ -377,6 +378,8 @@ class TrainStep:
         if axes is not None:
             batch = shard_batch(batch, axes)
             params_view = reduced_cast(params, axes=axes, gather=self.gather == "once")
+            if self.gather == "once":
+                frozen = gather_over(frozen, axes=axes)  # once, not per layer per microbatch
             microbatches = split_microbatches(batch, m, n, axes)
             zeros = unreduced_zeros(params_view, axes=axes)
             scalar_zero = jax.reshard(jnp.zeros((), jnp.float32), P(unreduced=set(axes)))
@@ -405,6 +408,8 @@ class TrainStep:
         """Manual mode: the loop runs per device; varying partial sums leave it unreduced."""
         axes, m = self.data_axes, self.microbatches
         params_view = reduced_cast(params, axes=axes, gather=self.gather == "once")
+        if self.gather == "once":
+            frozen = gather_over(frozen, axes=axes)
         param_specs = manual_specs(params_view, axes=axes, state="reduced")  # checks the layout
         _require_replicated_off_data(params_view, frozen, axes)
         batch = shard_batch(batch, axes)
