@@ -19,31 +19,24 @@ Run it (about two minutes on two idle CPU cores, longer on a busy machine):
 """
 
 import argparse
-import glob
-import math
-import os
 import sys
-import sysconfig
 import time
+
+import _lm_common as common
+from _lm_common import LN2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (the data axis)")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p = common.new_parser(__doc__)
+    common.add_flags(p, "devices", "microbatches")
     p.add_argument("--steps", type=int, default=600, help="training steps")
-    p.add_argument("--batch-size", type=int, default=128, help="global batch (multiple of devices x microbatches)")
-    p.add_argument("--seq-len", type=int, default=64, help="bytes per training window (also max_len)")
+    common.add_flags(p, "batch-size", "seq-len", batch_size=128)
     p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (warmup, then cosine decay)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, the batches and the sample")
-    p.add_argument("--d-model", type=int, default=64, help="model width")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    common.add_flags(p, "d-model", "layers", "heads")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--data-mb", type=float, default=4.0, help="at most this many MB of stdlib sources")
+    common.add_flags(p, "data-mb", data_mb=4.0)
     p.add_argument("--log-every", type=int, default=0, help="print train loss every k steps (0: steps/20)")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every k steps (0: start and end only)")
     p.add_argument("--eval-windows", type=int, default=256, help="validation windows (fixed, evenly spaced)")
@@ -56,58 +49,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 # Parsed first: the device count must be set before jax starts its backend, so before
 # anything (zoo included) can touch a device.
 args = parse_args()
-
-# The simulated devices share a few cores, so on a busy machine one device's thread can
-# reach the all-reduce long after the others; XLA's CPU runtime would abort the process
-# after 40 s of waiting. Let it wait instead.
-if "collective_call_terminate_timeout" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_call_terminate_timeout_seconds=3600"
-    ).strip()
-
-import jax
-
-jax.config.update("jax_num_cpu_devices", args.devices)
+common.use_cpu_devices(args.devices)
 
 import equinox as eqx
+import jax
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zoo
 
-LN2 = math.log(2.0)
-
-
 # --- data -----------------------------------------------------------------------------
 
 
 def load_stdlib_bytes(max_bytes: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(train bytes, validation bytes, number of files) from the stdlib's top-level sources.
-
-    Top-level files only: sub-folders hold the large, repetitive test suite and
-    site-packages (whatever happens to be installed). Sorted by name so the split is the
-    same on every run; every 10th file is validation, so the
-    validation text comes from modules the model never saw.
-    """
-    stdlib = sysconfig.get_paths()["stdlib"]
-    paths = sorted(glob.glob(os.path.join(stdlib, "*.py")))
-    train, val, total = [], [], 0
-    for i, path in enumerate(paths):
-        with open(path, "rb") as f:
-            data = f.read()
-        if total + len(data) > max_bytes and train:
-            break
-        (val if i % 10 == 9 else train).append(data)
-        total += len(data)
-    if not val:
-        raise SystemExit(f"too little text under {stdlib} for a validation split; raise --data-mb")
-
-    def as_array(parts):
-        return np.frombuffer(b"".join(parts), dtype=np.uint8)
-
-    return as_array(train), as_array(val), len(train) + len(val)
+    """(train bytes, validation bytes, number of files) from the stdlib's top-level sources
+    (`_lm_common.stdlib_sources`): every 10th file is validation, so the validation text
+    comes from modules the model never saw."""
+    parts = common.stdlib_sources(max_bytes, min_files=1)
+    if len(parts) < 10:
+        raise SystemExit(f"too little text under {common.STDLIB} for a validation split; raise --data-mb")
+    return (*common.split_files(parts), len(parts))
 
 
 def unigram_entropy_bits(data: np.ndarray) -> float:
@@ -117,31 +79,7 @@ def unigram_entropy_bits(data: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def random_windows(rng: np.random.Generator, data: np.ndarray, batch: int, seq: int) -> np.ndarray:
-    """`batch` windows of `seq` bytes at random offsets, as int32 tokens `[batch, seq]`."""
-    starts = rng.integers(0, len(data) - seq + 1, size=batch)
-    return data[starts[:, None] + np.arange(seq)].astype(np.int32)
-
-
-def fixed_windows(data: np.ndarray, count: int, seq: int) -> np.ndarray:
-    """`count` evenly spaced windows: the same validation set at every evaluation."""
-    starts = np.linspace(0, len(data) - seq, count).astype(np.int64)
-    return data[starts[:, None] + np.arange(seq)].astype(np.int32)
-
-
 # --- model helpers ----------------------------------------------------------------------
-
-
-@jax.jit
-def _loss_sums(model, tokens):
-    sums, counts = zoo.models.next_token_loss(model, {"tokens": tokens})
-    return sums.sum(), counts.sum()
-
-
-def evaluate(model, tokens) -> float:
-    """Mean next-token loss (nats) over `tokens`, forward only."""
-    sums, counts = _loss_sums(model, tokens)
-    return float(sums) / float(counts)
 
 
 @jax.jit
@@ -168,11 +106,7 @@ def sample(model, prompt: bytes, length: int, seq: int, temperature: float, key)
 
 
 def main() -> int:
-    n, m, bsz, seq = args.devices, args.microbatches, args.batch_size, args.seq_len
-    if bsz % (n * m):
-        raise SystemExit(f"--batch-size {bsz} must be a multiple of devices x microbatches = {n * m}")
-    if args.eval_windows % n:
-        raise SystemExit(f"--eval-windows {args.eval_windows} must be a multiple of --devices {n}")
+    n, m, bsz, seq = common.batch_layout(args)
     log_every = args.log_every or max(args.steps // 20, 1)
 
     train, val, files = load_stdlib_bytes(int(args.data_mb * 1e6))
@@ -196,12 +130,7 @@ def main() -> int:
     )
     print(f"training: {n} devices x {m} microbatches, batch {bsz} x {seq} bytes, {args.steps} steps, lr {args.lr:g}")
 
-    # Short warmup, then cosine decay: a small LM at a high peak rate stays stable and
-    # ends on the low rate that gives its best loss.
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(args.steps // 20, 1), decay_steps=args.steps, end_value=args.lr / 10
-    )
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=args.weight_decay))
+    optimizer = common.make_optimizer(args.lr, args.steps, args.weight_decay)
 
     rng = np.random.default_rng(args.seed)
     mesh = jax.make_mesh((n,), ("data",))
@@ -211,15 +140,22 @@ def main() -> int:
         opt_state = step.init(model)
 
         # Validation windows split over the data axis, so evaluation is data-parallel too.
-        val_tokens = jax.device_put(fixed_windows(val, args.eval_windows, seq), NamedSharding(mesh, P("data")))
-        val_before = evaluate(model, val_tokens)
+        val_tokens = jax.device_put(common.fixed_windows(val, args.eval_windows, seq), NamedSharding(mesh, P("data")))
+        val_before = common.evaluate(model, val_tokens)
         print(f"val loss before training: {val_before:.4f} nats = {val_before / LN2:.3f} bits/byte")
 
         start = time.perf_counter()
         timer, timed_tokens, compile_s, eval_s = start, 0, 0.0, 0.0
+        previous = None
         for i in range(1, args.steps + 1):
-            batch = {"tokens": random_windows(rng, train, bsz, seq)}
+            batch = {"tokens": common.random_windows(rng, train, bsz, seq)}
             model, opt_state, loss = step(model, opt_state, batch)
+            # At most two steps in flight: the next batch is prepared while a step runs, but
+            # the queue stays short. With many steps queued, XLA's CPU runtime (simulated
+            # devices on a few busy cores) was seen to hang for good in the all-reduce.
+            if previous is not None:
+                previous.block_until_ready()
+            previous = loss
             if i == 1:
                 # The first step compiles; leave it out of the throughput.
                 loss.block_until_ready()
@@ -235,14 +171,14 @@ def main() -> int:
                 timer, timed_tokens = time.perf_counter(), 0
             if args.eval_every and i % args.eval_every == 0 and i != args.steps:
                 t0 = time.perf_counter()
-                val_loss = evaluate(model, val_tokens)
+                val_loss = common.evaluate(model, val_tokens)
                 print(f"            val loss   {val_loss:.4f} nats  {val_loss / LN2:.3f} bits/byte")
                 eval_s += time.perf_counter() - t0
                 timer += time.perf_counter() - t0  # keep evaluation out of the throughput
         train_s = time.perf_counter() - start - eval_s
         steady_tokens_per_s = (args.steps - 1) * bsz * seq / max(train_s - compile_s, 1e-9)
 
-        val_after = evaluate(model, val_tokens)
+        val_after = common.evaluate(model, val_tokens)
         colls = zoo.collectives(step.lower(model, opt_state, batch), mesh=mesh)
 
     bits_after = val_after / LN2
