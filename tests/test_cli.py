@@ -169,3 +169,80 @@ def test_readme_example_runs():
     proc = subprocess.run([sys.executable, "examples/quickstart.py"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+
+
+# `zoo info`: the model's leaf table, in-process (builds and annotates the model, compiles no step).
+
+
+def info_in_process(capsys, *args):
+    from zoo._cli import main
+
+    rc = main(["info", *args, "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_info_transformer_leaves_axes_and_tp_bytes_per_device(capsys):
+    import math
+
+    out = info_in_process(capsys, "transformer")
+    leaves, totals = out["leaves"], out["totals"]
+    assert leaves and totals["leaves"] == len(leaves)
+    assert sum(leaf["bytes"] for leaf in leaves) == totals["bytes"] > 0
+    assert sum(leaf["parameters"] for leaf in leaves) == totals["parameters"]
+    for leaf in leaves:
+        assert len(leaf["logical_axes"]) == len(leaf["shape"]) == len(leaf["spec"]), leaf
+        assert leaf["bytes"] == math.prod(leaf["shape"]) * 4 and leaf["dtype"] == "float32"
+    assert all(leaf["trainable"] for leaf in leaves) and totals["trainable_bytes"] == totals["bytes"]
+    assert totals["bytes_per_device"] == totals["bytes"]  # dp: everything replicated
+
+    tp = info_in_process(capsys, "transformer", "--rules", "tp", "--mesh", "data=4,model=2")
+    assert tp["mesh"] == {"data": 4, "model": 2} and tp["rules"] == "tp"
+    (q,) = [leaf for leaf in tp["leaves"] if leaf["path"] == "model.layers.layers.attention.q_proj.weight"]
+    heads = q["logical_axes"].index("heads")
+    assert q["spec"][heads] == "model" and all(e is None for i, e in enumerate(q["spec"]) if i != heads)
+    assert q["bytes_per_device"] * 2 == q["bytes"]
+    assert tp["totals"]["bytes"] == totals["bytes"] > tp["totals"]["bytes_per_device"]
+    assert tp["totals"]["bytes_per_device"] == sum(leaf["bytes_per_device"] for leaf in tp["leaves"])
+
+
+def test_info_transformer_lora_trains_only_the_adapters(capsys):
+    import equinox as eqx
+    import jax
+    import jax.random as jr
+
+    import zoo
+    from zoo._cli import _TRANSFORMER
+
+    out = info_in_process(capsys, "transformer", "--lora", "r=4")
+    base = jax.eval_shape(lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**_TRANSFORMER), key=k), jr.key(0))
+    config = zoo.lora.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    lora_model = eqx.filter_eval_shape(zoo.lora.add_lora, base, config, key=jr.key(1))
+    expected = {
+        zoo._axes.path_str(path): x.size * x.dtype.itemsize
+        for path, x in jax.tree_util.tree_leaves_with_path(lora_model)
+        if jax.tree_util.keystr(path).endswith(("lora_A", "lora_B"))
+    }
+    assert sum(expected.values()) == 2 * 2 * (32 * 4 + 4 * 32) * 4  # 2 layers x (q, v) x (A + B) in float32
+    trainable = {leaf["path"]: leaf["bytes"] for leaf in out["leaves"] if leaf["trainable"]}
+    assert trainable == expected
+    assert all(p.endswith(("lora_A", "lora_B")) for p in trainable)
+    assert out["totals"]["trainable_bytes"] == sum(expected.values())
+    assert out["totals"]["trainable_parameters"] == sum(expected.values()) // 4
+    assert out["totals"]["bytes"] > 10 * out["totals"]["trainable_bytes"]
+    assert out["lora"]["r"] == 4
+
+
+def test_info_bad_input_is_one_readable_line(capsys):
+    from zoo._cli import main
+
+    for args, message in [
+        (["transformer", "--rules", "tp", "--mesh", "data=8"], "lacks 'model'"),
+        (["transformerx"], "unknown model 'transformerx'"),
+        (["mlp", "--mesh", "data4"], "write it as name=size"),
+        (["transformer", "--lora", "r=4,beta=2"], "unknown key 'beta'"),
+    ]:
+        assert main(["info", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

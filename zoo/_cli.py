@@ -1,4 +1,4 @@
-"""`zoo` / `python -m zoo`: the demo, and the collective inspector of a compiled step.
+"""`zoo` / `python -m zoo`: the demo, the collective inspector of a compiled step, and a model's leaf table.
 
 The library never imports this module; it only uses the public API.
 """
@@ -351,6 +351,16 @@ def _tree_bytes(tree) -> int:
 # --- commands -----------------------------------------------------------------------
 
 
+def _rules_and_lora(args, mesh_shape: dict[str, int]):
+    """Check `--rules` against the mesh and parse `--lora` (None without it)."""
+    import zoo
+
+    if args.rules not in zoo.RULE_PRESETS:
+        raise CLIError(f"unknown --rules {args.rules!r}; choose one of {list(zoo.RULE_PRESETS)}")
+    _check_rules_fit_mesh(args.rules, mesh_shape, args.devices)
+    return None if args.lora is None else parse_lora(args.lora, args.model)
+
+
 def cmd_inspect(args) -> int:
     _init_devices(args.devices)
     mesh_shape = parse_mesh(args.mesh, args.devices)
@@ -360,10 +370,7 @@ def cmd_inspect(args) -> int:
 
     import zoo
 
-    if args.rules not in zoo.RULE_PRESETS:
-        raise CLIError(f"unknown --rules {args.rules!r}; choose one of {list(zoo.RULE_PRESETS)}")
-    _check_rules_fit_mesh(args.rules, mesh_shape, args.devices)
-    lora = None if args.lora is None else parse_lora(args.lora, args.model)
+    lora = _rules_and_lora(args, mesh_shape)
     if lora is not None and lora.lora_dropout and args.model == "mlp":
         raise CLIError("--lora dropout needs per-example keys, which the mlp's loss does not take; drop dropout=")
     data = mesh_shape.get("data", 1)
@@ -490,6 +497,122 @@ def _summary(colls) -> dict[str, Any]:
     }
 
 
+def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per array leaf of `model`: path, shape, dtype, logical axes, spec, trainable,
+    bytes and bytes per device (each dimension over the product of the mesh axis sizes its
+    spec entry names; nothing is placed on devices)."""
+    import equinox as eqx
+    import jax
+
+    from ._axes import path_str
+
+    rows: list[dict[str, Any]] = []
+
+    def one(path, x, names, spec, train):
+        if not eqx.is_array(x):
+            return
+        entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+        per_device = [
+            dim if entry is None else math.ceil(dim / math.prod(mesh_shape[ax] for ax in _mesh_axes(entry)))
+            for dim, entry in zip(x.shape, entries, strict=True)
+        ]
+        rows.append(
+            {
+                "path": path_str(path),
+                "shape": list(x.shape),
+                "dtype": str(x.dtype),
+                "logical_axes": list(names.names),
+                "spec": [None if e is None else (e if isinstance(e, str) else list(e)) for e in entries],
+                "trainable": bool(train),
+                "parameters": int(x.size),
+                "bytes": int(x.size * x.dtype.itemsize),
+                "bytes_per_device": int(math.prod(per_device) * x.dtype.itemsize),
+            }
+        )
+
+    jax.tree_util.tree_map_with_path(one, model, axes, specs, trainable)
+    return rows
+
+
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def cmd_info(args) -> int:
+    _init_devices(args.devices)
+    mesh_shape = parse_mesh(args.mesh, args.devices)
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+
+    lora = _rules_and_lora(args, mesh_shape)
+    model = _build(args).model
+    if lora is not None:
+        model = _add_lora(args.model, model, lora, args.seed)
+    # An abstract mesh: the specs are checked against its axes and sizes, nothing is placed.
+    mesh = jax.sharding.AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
+    try:
+        axes = zoo.logical_axes(model)
+        specs = zoo.partition_specs(model, zoo.rules(args.rules), mesh)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    if lora is not None:
+        trainable = zoo.lora.trainable(model, lora)
+    else:
+        trainable = jax.tree.map(lambda x: eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact), model)
+    rows = _leaf_rows(model, axes, specs, trainable, mesh_shape)
+    totals = {
+        "leaves": len(rows),
+        "parameters": sum(r["parameters"] for r in rows),
+        "bytes": sum(r["bytes"] for r in rows),
+        "bytes_per_device": sum(r["bytes_per_device"] for r in rows),
+        "trainable_leaves": sum(r["trainable"] for r in rows),
+        "trainable_parameters": sum(r["parameters"] for r in rows if r["trainable"]),
+        "trainable_bytes": sum(r["bytes"] for r in rows if r["trainable"]),
+    }
+    if args.json:
+        result = {
+            "model": args.model,
+            "devices": args.devices,
+            "rules": args.rules,
+            "mesh": mesh_shape,
+            "lora": None if lora is None else _lora_json(model, lora),
+            "leaves": rows,
+            "totals": totals,
+        }
+        print(json.dumps(result))
+        return 0
+
+    def fmt(values) -> str:
+        return "(" + ", ".join("-" if v is None else (v if isinstance(v, str) else "+".join(v)) for v in values) + ")"
+
+    header = ("leaf", "shape", "dtype", "logical axes", "spec", "trainable", "bytes/device")
+    table = [
+        (
+            r["path"],
+            str(tuple(r["shape"])),
+            r["dtype"],
+            fmt(r["logical_axes"]),
+            fmt(r["spec"]),
+            "yes" if r["trainable"] else "no",
+            f"{r['bytes_per_device']:,}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in (header, *table)) for i in range(len(header))]
+    print(f"{args.model}: mesh {mesh_shape}, rules {args.rules}" + ("" if lora is None else f", LoRA r={lora.r}"))
+    for row in (header, *table):
+        print("  ".join(c.rjust(w) if i == len(row) - 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    print(
+        f"total: {totals['leaves']} leaves, {totals['parameters']:,} parameters, {totals['bytes']:,} bytes, "
+        f"{totals['bytes_per_device']:,} bytes per device; trainable: {totals['trainable_parameters']:,} "
+        f"parameters, {totals['trainable_bytes']:,} bytes"
+    )
+    return 0
+
+
 def cmd_demo(args) -> int:
     _init_devices(args.devices)
     import jax
@@ -539,6 +662,12 @@ def cmd_demo(args) -> int:
 # --- parser -------------------------------------------------------------------------
 
 
+_MODEL_HELP = (
+    "model name: mlp (a 4-layer MLP regressor), transformer (a tiny decoder-only LM, "
+    "next-token loss), encoder (a tiny BERT-style classifier, padded tokens)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `zoo` (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="zoo", description=__doc__.splitlines()[0])
@@ -557,11 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
         "zoo inspect encoder --mesh data=4,model=2 --rules tp; "
         f"zoo inspect transformer --lora {_LORA_EXAMPLE}",
     )
-    ins.add_argument(
-        "model",
-        help="model name: mlp (a 4-layer MLP regressor), transformer (a tiny decoder-only LM, "
-        "next-token loss), encoder (a tiny BERT-style classifier, padded tokens)",
-    )
+    ins.add_argument("model", help=_MODEL_HELP)
     ins.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     ins.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
     ins.add_argument("--mesh", help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES)")
@@ -589,6 +714,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ins.set_defaults(func=cmd_inspect)
+
+    info = sub.add_parser(
+        "info",
+        help="list a model's array leaves with their logical axes, sharding and bytes per device",
+        description="Build a model (no training step is compiled) and list every array leaf: path, "
+        "shape, dtype, logical axes (zoo.logical_axes), PartitionSpec under the rules "
+        "(zoo.partition_specs), whether it is trained, and its bytes per device (its bytes over the "
+        "product of the mesh axis sizes its spec splits it over); then the totals.",
+        epilog="examples: zoo info transformer; zoo info transformer --rules tp --mesh data=4,model=2; "
+        f"zoo info encoder --lora {_LORA_EXAMPLE} --json",
+    )
+    info.add_argument("model", help=_MODEL_HELP)
+    info.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    info.add_argument("--mesh", help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES)")
+    info.add_argument(
+        "--rules",
+        default="dp",
+        help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp "
+        "need a 'model' mesh axis, e.g. --mesh data=4,model=2",
+    )
+    info.add_argument("--seed", type=int, default=0, help="PRNG seed for the model")
+    info.add_argument(
+        "--lora",
+        metavar="KEY=VALUE,...",
+        help="add LoRA adapters (zoo.lora.add_lora): only they (and modules_to_save) are trainable; "
+        "without it every float leaf is. Same keys as inspect --lora, e.g. " + _LORA_EXAMPLE,
+    )
+    info.add_argument("--json", action="store_true", help="print one JSON object (leaves, totals) instead of a table")
+    info.set_defaults(func=cmd_info)
 
     demo = sub.add_parser("demo", help="train the zoo MLP on 8 simulated devices and show the collectives")
     demo.add_argument("model", nargs="?", default="mlp", help="model name (default mlp)")
