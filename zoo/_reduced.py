@@ -74,13 +74,13 @@ def reduced_cast(
     def cast(x):
         if sharded_over(x, axes) and not gather:
             return x
-        return jax.reshard(x, P(*_without(x, axes), reduced=set(_spec(x).reduced) | axes))
+        return jax.reshard(x, P(*without_axes(x, axes), reduced=set(_spec(x).reduced) | axes))
 
     return _map_selected(cast, tree, filter_spec)
 
 
-def _without(x: jax.Array, axes: frozenset[str]) -> list:
-    """`x`'s spec entries with the mesh `axes` taken out (those dims gathered)."""
+def without_axes(x: jax.Array, axes: frozenset[str]) -> list:
+    """`x`'s spec entries with the mesh `axes` taken out: the layout of `x` gathered over them."""
     parts = []
     for entry in plain_spec(x):
         names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in axes)
@@ -99,7 +99,7 @@ def gather_over(tree: Any, *, axes="data") -> Any:
     def one(x):
         if not eqx.is_array(x) or not sharded_over(x, axes):
             return x
-        return jax.reshard(x, P(*_without(x, axes), reduced=set(_spec(x).reduced)))
+        return jax.reshard(x, P(*without_axes(x, axes), reduced=set(_spec(x).reduced)))
 
     return jax.tree.map(one, tree)
 

@@ -165,16 +165,6 @@ def hf_module_name(model: Any, name: str, index: tuple[int, ...] = ()) -> str:
     return _generic_name(model, name, index)
 
 
-def _stacked_levels(model: Any, path: tuple) -> int:
-    """How many `Stacked` modules the key path `path` passes through."""
-    levels, node = 0, model
-    for key in path:
-        if isinstance(node, Stacked):
-            levels += 1
-        node = _node(node, (key,))
-    return levels
-
-
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     """One array leaf of the adapter and the file keys its stacked slices go to."""
@@ -226,9 +216,8 @@ def _module_path(model: Any, name: str) -> tuple:
     return tuple(path)
 
 
-def _lead(model: Any, name: str) -> tuple[int, ...]:
-    """The layer counts of the `Stacked` levels above module `name`."""
-    path = _module_path(model, name)
+def _lead_at(model: Any, path: tuple) -> tuple[int, ...]:
+    """The layer counts of the `Stacked` modules the key path `path` passes through."""
     lead: list[int] = []
     node = model
     for key in path:
@@ -236,6 +225,11 @@ def _lead(model: Any, name: str) -> tuple[int, ...]:
             lead.append(node.num_layers)
         node = _node(node, (key,))
     return tuple(lead)
+
+
+def _lead(model: Any, name: str) -> tuple[int, ...]:
+    """The layer counts of the `Stacked` levels above module `name`."""
+    return _lead_at(model, _module_path(model, name))
 
 
 def _save_entries(model: Any, config: LoraConfig) -> list[_Entry]:
@@ -254,7 +248,7 @@ def _save_entries(model: Any, config: LoraConfig) -> list[_Entry]:
                 continue
             full = path + leaf_path
             parent, param = _node(model, full[:-1]), _name(full[-1:])
-            stacked = _stacked_levels(model, full)
+            stacked = len(_lead_at(model, full))
             module_name = _name(full[:-1])
             keys = tuple(
                 f"{PREFIX}{hf_module_name(model, module_name, idx)}.{param}"

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import field
-from ._sharding import contract_spec, entries, for_use, sharding_spec
+from ._linear import project
+from ._sharding import for_use, sharding_spec
 
 
 class Embedding(eqx.Module):
@@ -54,6 +55,4 @@ class Embedding(eqx.Module):
         Returns `[*batch, vocab]` in `x`'s dtype, split over the mesh axes of the vocab
         dim (tensor parallelism) like the table.
         """
-        weight = for_use(self.weight, x, lead_ndim=x.ndim - 1)
-        out_sharding = contract_spec(x, (entries(weight)[0],), x.ndim - 1)
-        return jnp.einsum("...d,vd->...v", x, weight.astype(x.dtype), out_sharding=out_sharding)
+        return project(x, self.weight.T)

@@ -16,6 +16,8 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .._reduced import without_axes
+
 
 def sharding_spec(x: jax.Array) -> P | None:
     """The `PartitionSpec` in `x`'s type, or `None` when no mesh is in use.
@@ -73,12 +75,9 @@ def for_use(param: jax.Array, x: jax.Array, lead_ndim: int | None = None) -> jax
     clash = busy & mesh_axes_of(param)
     if not clash:
         return param
-    kept = []
-    for entry in entries(param):
-        axes = tuple(a for a in _entry_axes(entry) if a not in clash)
-        kept.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return jax.reshard(
-        param, P(*kept, reduced=set(pspec.reduced) | clash, unreduced=set(pspec.unreduced))
+        param,
+        P(*without_axes(param, clash), reduced=set(pspec.reduced) | clash, unreduced=set(pspec.unreduced)),
     )
 
 
