@@ -47,13 +47,10 @@ the previous adapter or one that fails to load, never a half-written one that lo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from jaxtyping import PRNGKeyArray
 
+from .._files import atomic_write, fsync_dir, to_host
 from ..models import Encoder, EncoderClassifier
 from ..nn import Linear, Stacked
 from ._apply import (
@@ -273,35 +271,6 @@ def _entries(model: Any, config: LoraConfig) -> list[_Entry]:
 # --------------------------------------------------------------------------- files
 
 
-def _to_host(x: Any) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
-
-
-def _atomic_write(target: Path, write: Callable[[str], None]) -> None:
-    """`write(tmp)` a temporary file next to `target`, flush it to disk, `os.replace` it.
-
-    The file ends with the usual permissions (0o666 less the umask), whatever `write`
-    creates it with (safetensors makes owner-only files)."""
-    tmp = str(target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies
-        mode = os.fstat(fd).st_mode & 0o777
-        os.close(fd)
-        write(tmp)
-        os.chmod(tmp, mode)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def _sha256(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -367,7 +336,7 @@ def save_adapter(model: Any, config: LoraConfig, directory: str | os.PathLike) -
 
     tensors: dict[str, np.ndarray] = {}
     for entry in entries:
-        leaf = _to_host(_node(model, entry.path))
+        leaf = to_host(_node(model, entry.path))
         for idx, key in zip(np.ndindex(leaf.shape[: entry.stacked]), entry.keys, strict=True):
             value = leaf[idx]
             tensors[key] = np.ascontiguousarray(value.T if entry.transpose else value)
@@ -389,7 +358,7 @@ def save_adapter(model: Any, config: LoraConfig, directory: str | os.PathLike) -
         safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
         digest["sha256"] = _sha256(tmp)
 
-    _atomic_write(directory / WEIGHTS_NAME, write_weights)
+    atomic_write(directory / WEIGHTS_NAME, write_weights)
     values["zoo"] = _describe(model) | {
         "target_modules": _plain(config.target_modules),
         "exclude_modules": _plain(config.exclude_modules),
@@ -397,13 +366,8 @@ def save_adapter(model: Any, config: LoraConfig, directory: str | os.PathLike) -
         "weights_sha256": digest["sha256"],
     }
     text = json.dumps(_json_safe(values), indent=2, sort_keys=True) + "\n"
-    _atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
-    with contextlib.suppress(OSError):  # make the renames durable (POSIX)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+    fsync_dir(directory)
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,0 +1,137 @@
+"""Where each zoo leaf lives in a Hugging Face checkpoint: the per-architecture name maps
+(`_bert.py`, `_gpt2.py`) fill in this description, loading and export read it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.tree_util import GetAttrKey
+
+from ..nn import Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The Hugging Face tensors one zoo leaf is made of.
+
+    - `names`: one checkpoint tensor name per stacked layer (one name for an unstacked leaf).
+    - `stacked`: the leaf has a leading layer axis (`[L, ...]`, layer `i` ← `names[i]`).
+    - `transpose`: the file holds the transpose of each layer's slice (torch `nn.Linear`
+      weights are `[out, in]`, zoo's `[in, out]`).
+    - `file_shape`: the full shape of each named tensor in the file.
+    - `part`: `(k, n)` when the leaf is the `k`-th of `n` equal blocks of the file tensor's
+      last axis (GPT-2's fused `c_attn`: q, k, v side by side), else `None`.
+    """
+
+    names: tuple[str, ...]
+    stacked: bool
+    transpose: bool
+    file_shape: tuple[int, ...]
+    part: tuple[int, int] | None = None
+
+    def file_index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
+        """The slice of one layer's file tensor that holds `index` of the leaf's core dims."""
+        index = index[::-1] if self.transpose else index
+        if self.part is not None:
+            k, n = self.part
+            width = self.file_shape[-1] // n
+            last = index[-1]
+            index = (*index[:-1], slice(last.start + k * width, last.stop + k * width))
+        return index
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one zoo model class maps onto one Hugging Face architecture.
+
+    - `model_type`: the `config.json` `model_type` (`"bert"`, `"gpt2"`).
+    - `model_class`: the zoo class (`Encoder`, `Transformer`).
+    - `prefix`: the base-model prefix task models put before every name (`"bert."`).
+    - `canonical_prefixed`: names in `source` carry the prefix (GPT-2: `GPT2LMHeadModel`
+      layout, `transformer.…` plus `lm_head.weight`) or not (BERT: `BertModel` layout).
+    - `config_from_hf`, `config_to_hf`: the config conversions.
+    - `source`: `(zoo module name, parameter name, module, leaf shape, config)` →
+      `Source`, or `None` for a leaf the architecture has no tensor for.
+    - `ignored`: `(canonical name, config)` → whether a checkpoint tensor is a known
+      non-parameter to skip (buffers, a pooler, a tied head).
+    """
+
+    model_type: str
+    model_class: type
+    prefix: str
+    canonical_prefixed: bool
+    config_from_hf: Callable[[dict[str, Any]], Any]
+    config_to_hf: Callable[[Any], dict[str, Any]]
+    source: Callable[[str, str, Any, tuple[int, ...], Any], Source | None]
+    ignored: Callable[[str, Any], bool]
+    head_names: tuple[str, ...] = ()  # names outside the prefix that are the model's own (GPT-2's lm_head)
+
+    def canonical_names(self, file_keys: list[str]) -> tuple[dict[str, str], list[str]]:
+        """Map checkpoint names onto this layout's names.
+
+        **Returns:** `(canonical name → file name, task-head names)`: files of task models
+        (`BertForSequenceClassification`, `GPT2LMHeadModel`, …) carry the base model under
+        `prefix`; their other tensors belong to a task head (a classifier, an MLM head),
+        returned separately. Names without the prefix are accepted as the base model's.
+        """
+        prefixed = any(k.startswith(self.prefix) for k in file_keys)
+        mapping: dict[str, str] = {}
+        heads: list[str] = []
+        for key in file_keys:
+            if prefixed and not key.startswith(self.prefix) and key not in self.head_names:
+                heads.append(key)
+                continue
+            if key in self.head_names:
+                name = key
+            elif self.canonical_prefixed:
+                name = key if key.startswith(self.prefix) else self.prefix + key
+            else:
+                name = key.removeprefix(self.prefix)
+            mapping[name] = key
+        return mapping, heads
+
+
+def module_name(path: tuple) -> str:
+    """The dotted attribute path of a key path (`layers.layers.attention.q_proj`)."""
+    return ".".join(k.name if isinstance(k, GetAttrKey) else str(getattr(k, "idx", getattr(k, "key", k))) for k in path)
+
+
+def _node(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = getattr(tree, key.name) if isinstance(key, GetAttrKey) else tree[getattr(key, "idx", getattr(key, "key", None))]
+    return tree
+
+
+def leaf_sources(layout: Layout, model: Any, config: Any) -> Iterator[tuple[tuple, Any, Source]]:
+    """`(key path, leaf, Source)` for every array leaf of `model` (arrays, shape structs or
+    zero-stride placeholders), in `jax.tree` order.
+
+    Raises a `ValueError` naming every leaf the layout has no tensor for (e.g. a LoRA
+    branch: merge it first).
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
+    out, unknown = [], []
+    for path, leaf in leaves:
+        if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+            continue
+        parent = _node(model, path[:-1])
+        source = layout.source(module_name(path[:-1]), module_name(path[-1:]), parent, tuple(leaf.shape), config)
+        if source is None:
+            unknown.append(module_name(path))
+        else:
+            out.append((path, leaf, source))
+    if unknown:
+        raise ValueError(
+            f"these leaves of the {layout.model_class.__name__} have no Hugging Face {layout.model_type} tensor: "
+            f"{unknown}. A model with LoRA branches must be merged first: zoo.lora.merge(model)."
+        )
+    return iter(out)
+
+
+def is_linear_weight(parent: Any, param: str) -> bool:
+    """Whether a leaf is the weight of a `zoo.nn.Linear` (stored `[in, out]`)."""
+    return isinstance(parent, Linear) and param == "weight"

@@ -1,0 +1,142 @@
+"""Loading Hugging Face BERT and GPT-2 checkpoints into zoo models, placed as annotated."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._rules import Rules, _concrete_mesh, partition_specs
+from .._rules import rules as preset_rules
+from ..models import Encoder, Transformer
+from ._bert import BERT
+from ._files import Checkpoint, read_config
+from ._gpt2 import GPT2
+from ._layout import Layout
+from ._place import place
+
+LAYOUTS: dict[str, Layout] = {"bert": BERT, "gpt2": GPT2}
+
+
+def _placeholders(skeleton: Any) -> Any:
+    """The skeleton with zero-stride numpy arrays (no memory) for its shape structs, so
+    annotation lookups that expect arrays can read it."""
+    return jax.tree.map(
+        lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape) if isinstance(s, jax.ShapeDtypeStruct) else s,
+        skeleton,
+    )
+
+
+def _load(
+    layout: Layout,
+    path: str | os.PathLike,
+    values: dict[str, Any],
+    *,
+    rules: Rules | None,
+    mesh: Any,
+    dtype: Any,
+    config_overrides: Mapping[str, Any] | None,
+) -> Any:
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype (the parameters' dtype), got {dtype!r}")
+    config = layout.config_from_hf(values, **dict(config_overrides or {}))
+    skeleton = eqx.filter_eval_shape(layout.model_class, config, key=jax.random.key(0))
+    specs, concrete = None, None
+    if rules is not None or mesh is not None:
+        concrete = _concrete_mesh(mesh)
+        specs = partition_specs(_placeholders(skeleton), preset_rules("dp") if rules is None else rules, concrete)
+    with Checkpoint(path) as checkpoint:
+        return place(layout, skeleton, config, checkpoint, specs=specs, mesh=concrete, dtype=dtype, where=str(path))
+
+
+_COMMON_DOC = """
+    **Arguments:**
+
+    - `path`: a Hugging Face model directory: `config.json` and `model.safetensors` (or a
+      sharded `model.safetensors.index.json` set), as `save_pretrained` writes them.
+    - `rules`: logical axis → mesh axes (`zoo.rules("fsdp")`, …). With `rules` (or
+      `mesh`), every leaf is created directly with the sharding its annotations ask for
+      (`zoo.partition_specs`), each device's shard read alone from the file; `mesh`
+      defaults to the one set by `jax.set_mesh`, `rules` to `zoo.rules("dp")`
+      (replicated). With neither: ordinary single-device arrays.
+    - `mesh`: a concrete `jax.sharding.Mesh`.
+    - `dtype`: the floating parameters' dtype (default float32; the compute dtype is the
+      config's `dtype` field, settable through `config_overrides`).
+    - `config_overrides`: zoo config fields to set on top of the converted config.json
+      (e.g. `{"dropout": 0.0, "remat": "dots_saveable"}`).
+
+    A `ValueError` lists every missing, unexpected and mis-shaped tensor, or names the
+    unsupported config option. Files of task models (`bert.` / `transformer.` prefixes)
+    load their base model; their head tensors are skipped with a warning.
+"""
+
+
+def load_bert(
+    path: str | os.PathLike,
+    *,
+    rules: Rules | None = None,
+    mesh: Any = None,
+    dtype: Any = jnp.float32,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> Encoder:
+    """A `zoo.models.Encoder` holding a Hugging Face BERT checkpoint (`BertModel`, or the
+    `bert.` part of `BertForSequenceClassification`, `BertForMaskedLM`, …).
+
+    Skipped on purpose: `embeddings.position_ids` (a buffer) and `pooler.*` (the zoo
+    encoder has no pooler; `zoo.hf.sentence_embeddings` mean-pools instead).
+    """
+    values = read_config(path)
+    if values.get("model_type", "bert") != "bert":
+        raise ValueError(f"{str(path)!r} holds a {values.get('model_type')!r} model, not BERT; try zoo.hf.from_pretrained")
+    return _load(BERT, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+
+
+def load_gpt2(
+    path: str | os.PathLike,
+    *,
+    rules: Rules | None = None,
+    mesh: Any = None,
+    dtype: Any = jnp.float32,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> Transformer:
+    """A `zoo.models.Transformer` holding a Hugging Face GPT-2 checkpoint
+    (`GPT2LMHeadModel`, or a bare `GPT2Model`).
+
+    Skipped on purpose: the `attn.bias` / `attn.masked_bias` buffers of older files and
+    `lm_head.weight` when the head is tied (it is the token embedding).
+    """
+    values = read_config(path)
+    if values.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{str(path)!r} holds a {values.get('model_type')!r} model, not GPT-2; try zoo.hf.from_pretrained")
+    return _load(GPT2, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    rules: Rules | None = None,
+    mesh: Any = None,
+    dtype: Any = jnp.float32,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> Encoder | Transformer:
+    """A zoo model holding a Hugging Face checkpoint, chosen by `config.json`'s `model_type`:
+    `"bert"` → `zoo.models.Encoder` (`load_bert`), `"gpt2"` → `zoo.models.Transformer`
+    (`load_gpt2`).
+    """
+    values = read_config(path)
+    model_type = values.get("model_type")
+    if model_type not in LAYOUTS:
+        raise ValueError(
+            f"{str(Path(path) / 'config.json')!r} has model_type {model_type!r}; zoo.hf loads {sorted(LAYOUTS)}"
+        )
+    return _load(LAYOUTS[model_type], path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+
+
+for _fn in (load_bert, load_gpt2, from_pretrained):
+    _fn.__doc__ = (_fn.__doc__ or "").rstrip() + "\n" + _COMMON_DOC

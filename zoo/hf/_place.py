@@ -1,0 +1,165 @@
+"""Placing checkpoint tensors straight into a model's leaves, each with its sharding.
+
+Every leaf is made by `jax.make_array_from_callback`: for each device's shard the
+callback reads only that shard's slice of the memory-mapped file (of the layers it holds,
+transposed and split as the leaf's `Source` says); devices holding the same shard share
+one read. A process holds on the host at most the shards of one leaf that its own devices
+hold, never the whole model, never a copy per device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from ._files import Checkpoint
+from ._layout import Layout, Source, leaf_sources, module_name
+
+
+def _shorten(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", … and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_tensors(
+    layout: Layout, sources: list[Source], checkpoint: Checkpoint, config: Any, where: str
+) -> dict[str, str]:
+    """Check the checkpoint holds exactly the tensors `sources` need, with their shapes.
+
+    **Returns:** canonical name → file name. Raises one `ValueError` listing every
+    missing, unexpected and mis-shaped tensor. Known non-parameters (`layout.ignored`)
+    are skipped silently; task-head tensors outside the base model's prefix are skipped
+    with a warning.
+    """
+    mapping, heads = layout.canonical_names(checkpoint.keys())
+    expected: dict[str, tuple[int, ...]] = {}
+    for source in sources:
+        for name in source.names:
+            expected[name] = source.file_shape
+    present = {n for n in mapping if not layout.ignored(n, config)}
+    missing = sorted(set(expected) - present, key=_natural)
+    unexpected = sorted(present - set(expected), key=_natural)
+    misshaped = []
+    for name in sorted(set(expected) & present, key=_natural):
+        found = checkpoint.shape(mapping[name])
+        if found != expected[name]:
+            misshaped.append(f"{mapping[name]}: expected {list(expected[name])}, found {list(found)}")
+    if missing or unexpected or misshaped:
+        lines = [f"the checkpoint in {where!r} does not fit a zoo {layout.model_class.__name__} with its config.json:"]
+        if missing:
+            lines.append(f"  missing tensors ({len(missing)}): {_shorten(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected tensors ({len(unexpected)}): {_shorten([mapping[n] for n in unexpected])}")
+        if misshaped:
+            lines.append(f"  mis-shaped tensors ({len(misshaped)}):")
+            lines.extend(f"    {m}" for m in misshaped[:20])
+            if len(misshaped) > 20:
+                lines.append(f"    … and {len(misshaped) - 20} more")
+        lines.append(
+            f"  (is it a {layout.model_type} checkpoint whose config.json matches its weights? "
+            "The names above are the file's.)"
+        )
+        raise ValueError("\n".join(lines))
+    if heads:
+        warnings.warn(
+            f"{where}: skipping {len(heads)} tensors of a task head the zoo "
+            f"{layout.model_class.__name__} does not have: {_shorten(sorted(heads), 8)}",
+            stacklevel=3,
+        )
+    return mapping
+
+
+def _natural(name: str) -> tuple:
+    """Sort key putting `layer.2` before `layer.10`."""
+    return tuple(int(p) if p.isdigit() else p for p in name.replace(".", " . ").split())
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`index` (a device's shard, as `make_array_from_callback` gives it) with one slice
+    per dimension and every start and stop filled in."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {s} is not supported")
+        out.append(slice(start, stop))
+    return tuple(out)
+
+
+def read_leaf(
+    checkpoint: Checkpoint, mapping: dict[str, str], source: Source, index: tuple[slice, ...], dtype: Any
+) -> np.ndarray:
+    """The part `index` (bounded slices, one per leaf dimension) of a leaf, read from the
+    checkpoint as `dtype`: only those layers, only that slice of each file tensor."""
+    if source.stacked:
+        layers, core = range(index[0].start, index[0].stop), index[1:]
+    else:
+        layers, core = range(1), index
+    file_index = source.file_index(core)
+    parts = []
+    for i in layers:
+        part = checkpoint.read(mapping[source.names[i]], file_index)
+        parts.append(part.T if source.transpose else part)
+    value = np.stack(parts) if source.stacked else parts[0]
+    return np.ascontiguousarray(value.astype(dtype, copy=False))
+
+
+def _target_dtype(leaf_dtype: Any, dtype: Any) -> Any:
+    return jnp.dtype(dtype) if jnp.issubdtype(leaf_dtype, jnp.floating) else jnp.dtype(leaf_dtype)
+
+
+def place(
+    layout: Layout,
+    skeleton: Any,
+    config: Any,
+    checkpoint: Checkpoint,
+    *,
+    specs: Any,
+    mesh: Any,
+    dtype: Any,
+    where: str,
+) -> Any:
+    """The model `skeleton` describes (leaves: `jax.ShapeDtypeStruct`), its leaves read
+    from `checkpoint`.
+
+    **Arguments:**
+
+    - `layout`: the architecture's name map.
+    - `skeleton`: the model from `eqx.filter_eval_shape`.
+    - `config`: its config (for `layout.ignored`).
+    - `checkpoint`: the open checkpoint.
+    - `specs`: a `PartitionSpec` per leaf (a pytree like `skeleton`), or `None` for
+      single-device arrays on the default device.
+    - `mesh`: the concrete mesh the specs refer to (unused without specs).
+    - `dtype`: the dtype of the floating leaves.
+    - `where`: the checkpoint's path, for messages.
+    """
+    entries = list(leaf_sources(layout, skeleton, config))
+    mapping = check_tensors(layout, [s for _, _, s in entries], checkpoint, config, where)
+    spec_leaves = {}
+    if specs is not None:
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+        spec_leaves = {module_name(p): s for p, s in flat}
+    single = SingleDeviceSharding(jax.local_devices()[0])
+    built: dict[str, jax.Array] = {}
+    for path, leaf, source in entries:
+        shape, target = tuple(leaf.shape), _target_dtype(leaf.dtype, dtype)
+        sharding = single if specs is None else NamedSharding(mesh, spec_leaves[module_name(path)])
+        cache: dict[tuple, np.ndarray] = {}
+
+        def callback(index, source=source, shape=shape, target=target, cache=cache):
+            bounds = _bounds(index, shape)
+            # Devices that hold the same shard (replicated over some mesh axes) share one read.
+            key = tuple((s.start, s.stop) for s in bounds)
+            if key not in cache:
+                cache[key] = read_leaf(checkpoint, mapping, source, bounds, target)
+            return cache[key]
+
+        built[module_name(path)] = jax.make_array_from_callback(shape, sharding, callback)
+    return jax.tree_util.tree_map_with_path(lambda p, x: built.get(module_name(p), x), skeleton)

@@ -1,0 +1,134 @@
+"""A Hugging Face fast tokenizer (`tokenizer.json`) producing the zoo's batch arrays."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+
+from ._files import read_json
+
+DEFAULT_MAX_LEN = 512
+
+
+class Tokenizer:
+    """Texts → `{"tokens", "mask", "token_types"}` numpy arrays `[batch, seq]` for zoo models.
+
+    Wraps `tokenizers.Tokenizer` (the Rust library behind transformers' fast tokenizers)
+    loaded from a model folder's `tokenizer.json`; no transformers, no torch. Special
+    tokens are added as the file's post-processor says (`[CLS] … [SEP]` for BERT), exactly
+    as `transformers.AutoTokenizer` and sentence-transformers do.
+
+    Attributes: `tokenizer` (the wrapped `tokenizers.Tokenizer`), `max_len` (default
+    truncation length), `pad_id`, `pad_type_id`.
+    """
+
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, *, max_len: int = DEFAULT_MAX_LEN, pad_id: int = 0, pad_type_id: int = 0
+    ):
+        """**Arguments:** a `tokenizers.Tokenizer` (its own padding and truncation settings
+        are switched off: this class pads and truncates), the default `max_len`, the
+        padding token id `pad_id` and segment id `pad_type_id`."""
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+        self.pad_id = pad_id
+        self.pad_type_id = pad_type_id
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, max_len: int | None = None) -> Tokenizer:
+        """The tokenizer of a model folder.
+
+        **Arguments:**
+
+        - `path`: a folder holding `tokenizer.json` (a Hugging Face or sentence-transformers
+          model folder, e.g. `zoo.hf.minilm_path()`).
+        - `max_len`: the default truncation length. Default: `max_seq_length` of
+          `sentence_bert_config.json` when present (the length sentence-transformers
+          truncates to), else `model_max_length` of `tokenizer_config.json` when it is a
+          real limit, else 512.
+
+        The padding id is the one `tokenizer.json`'s padding section names, else the id of
+        the `pad_token` of `tokenizer_config.json` / `special_tokens_map.json`, else 0
+        (the mask marks padding either way).
+        """
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{str(folder)!r} holds no tokenizer.json; zoo.hf.Tokenizer reads fast-tokenizer files only "
+                "(save one with transformers: AutoTokenizer.from_pretrained(d).save_pretrained(d))"
+            )
+        tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        padding = tokenizer.padding or {}
+        pad_id, pad_type_id = padding.get("pad_id"), padding.get("pad_type_id", 0)
+        tok_config = read_json(folder / "tokenizer_config.json") or {}
+        if pad_id is None:
+            pad_token = tok_config.get("pad_token") or (read_json(folder / "special_tokens_map.json") or {}).get("pad_token")
+            if isinstance(pad_token, dict):  # {"content": "[PAD]", ...}
+                pad_token = pad_token.get("content")
+            pad_id = tokenizer.token_to_id(pad_token) if isinstance(pad_token, str) else None
+        if max_len is None:
+            st_config = read_json(folder / "sentence_bert_config.json") or {}
+            model_max = tok_config.get("model_max_length")
+            if st_config.get("max_seq_length"):
+                max_len = int(st_config["max_seq_length"])
+            elif isinstance(model_max, int) and model_max <= 1_000_000:  # transformers writes 1e30 for "none"
+                max_len = model_max
+            else:
+                max_len = DEFAULT_MAX_LEN
+        return cls(tokenizer, max_len=max_len, pad_id=0 if pad_id is None else pad_id, pad_type_id=pad_type_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of ids, added tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(
+        self, texts: str | Sequence[str], *, max_len: int | None = None, pad_to: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """Tokenize a batch of texts.
+
+        **Arguments:**
+
+        - `texts`: a list of strings (or one string: a batch of one).
+        - `max_len`: truncate each text to this many tokens, special tokens included
+          (default `self.max_len`).
+        - `pad_to`: pad every row to this length (default: to the longest row). Must be
+          at least the longest row.
+
+        **Returns:** `{"tokens": int32, "mask": bool, "token_types": int32}`, each
+        `[batch, seq]`, right-padded with `pad_id` (mask `False`, token type
+        `pad_type_id`) — the keys `zoo.models.Encoder` and its losses read.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        max_len = self.max_len if max_len is None else max_len
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.tokenizer.enable_truncation(max_len)
+        encodings = self.tokenizer.encode_batch(list(texts))
+        longest = max((len(e.ids) for e in encodings), default=0)
+        seq = longest if pad_to is None else pad_to
+        if seq < longest:
+            raise ValueError(
+                f"pad_to={pad_to} is shorter than the longest tokenized text ({longest} tokens); "
+                f"pass max_len={pad_to} to truncate to it"
+            )
+        tokens = np.full((len(encodings), seq), self.pad_id, np.int32)
+        types = np.full((len(encodings), seq), self.pad_type_id, np.int32)
+        mask = np.zeros((len(encodings), seq), bool)
+        for row, e in enumerate(encodings):
+            n = len(e.ids)
+            tokens[row, :n] = e.ids
+            types[row, :n] = e.type_ids
+            mask[row, :n] = np.asarray(e.attention_mask, bool)
+        return {"tokens": tokens, "mask": mask, "token_types": types}
+
+    def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
+        """The text of one row of ids (special tokens, hence BERT's padding, dropped by default)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
