@@ -8,7 +8,6 @@ and the functions that need it import it when first called, after that.
 
 import argparse
 import functools
-import glob
 import math
 import os
 import sysconfig
@@ -85,46 +84,35 @@ def use_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-# --- data ----------------------------------------------------------------------------------
+# --- data (the corpora live in zoo.data; imported on first use, see the module's docstring) ---
 
 
 def stdlib_sources(max_bytes: int, min_files: int) -> list[bytes]:
-    """The standard library's top-level `.py` files, in name order, up to `max_bytes` in
-    all but at least `min_files` of them (where there are as many).
+    """The standard library's top-level `.py` files (`zoo.data.stdlib_source_files`)."""
+    from zoo.data import stdlib_source_files
 
-    Top-level files only: sub-folders hold the large, repetitive test suite and
-    site-packages (whatever happens to be installed). Sorted by name, so the text (and the
-    split of `split_files`) is the same on every run.
-    """
-    parts, total = [], 0
-    for path in sorted(glob.glob(os.path.join(STDLIB, "*.py"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        if total + len(data) > max_bytes and len(parts) >= min_files:
-            break
-        parts.append(data)
-        total += len(data)
-    return parts
+    return stdlib_source_files(max_bytes, min_files)
 
 
 def split_files(parts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) bytes: every 10th part is validation, the rest training, so the
-    validation text comes from files (modules, topics) the model never saw."""
-    train = b"".join(p for i, p in enumerate(parts) if i % 10 != 9)
-    val = b"".join(p for i, p in enumerate(parts) if i % 10 == 9)
-    return np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
+    """(train, validation) bytes, every 10th part validation (`zoo.data.split_files`)."""
+    from zoo.data import split_files
+
+    return split_files(parts)
 
 
 def random_windows(rng: np.random.Generator, data: np.ndarray, batch: int, seq: int) -> np.ndarray:
-    """`batch` windows of `seq` bytes at random offsets, as int32 tokens `[batch, seq]`."""
-    starts = rng.integers(0, len(data) - seq + 1, size=batch)
-    return data[starts[:, None] + np.arange(seq)].astype(np.int32)
+    """`batch` random windows of `seq` bytes, int32 (`zoo.data.random_windows`)."""
+    from zoo.data import random_windows
+
+    return random_windows(rng, data, batch, seq)
 
 
 def fixed_windows(data: np.ndarray, count: int, seq: int) -> np.ndarray:
-    """`count` evenly spaced windows: the same validation set at every evaluation."""
-    starts = np.linspace(0, len(data) - seq, count).astype(np.int64)
-    return data[starts[:, None] + np.arange(seq)].astype(np.int32)
+    """`count` evenly spaced windows of `seq` bytes (`zoo.data.fixed_windows`)."""
+    from zoo.data import fixed_windows
+
+    return fixed_windows(data, count, seq)
 
 
 # --- training and evaluation (these import jax when called) --------------------------------

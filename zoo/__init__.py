@@ -5,9 +5,10 @@ The path a model takes: annotate (`zoo.field`) → rules (`zoo.rules`) → place
 → optax update) → check the compiled step (`zoo.collectives`).
 """
 
-from . import lora, models, nn
+from . import data, hf, lora, models, nn
 from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
+from ._checkpoint import CheckpointError, Checkpointer
 from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
 from ._reduced import (
     gather_over,
@@ -28,6 +29,8 @@ __all__ = [
     "LAYERS",
     "LOGICAL_AXES",
     "RULE_PRESETS",
+    "CheckpointError",
+    "Checkpointer",
     "Collective",
     "LogicalAxes",
     "TrainStep",
@@ -36,6 +39,8 @@ __all__ = [
     "count",
     "field",
     "gather_over",
+    "data",
+    "hf",
     "logical_axes",
     "lora",
     "manual_specs",

@@ -1,0 +1,367 @@
+"""zoo.Checkpointer: round trips, other meshes, keep-last-k, killed saves, corruption,
+mismatched targets, and bit-exact resume in a fresh process."""
+
+import functools
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import data_mesh, preset_mesh, tiny_decoder
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from zoo import CheckpointError, Checkpointer
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_checkpoint_worker.py"
+TMP_GLOB = "{step}.orbax-checkpoint-tmp*"
+
+
+def _host(tree):
+    """Every leaf of a state on the host (keys as key data), by path."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out[jax.tree_util.keystr(path)] = np.asarray(leaf)
+    return out
+
+
+def _assert_same_bits(expected: dict, state) -> None:
+    got = _host(state)
+    assert got.keys() == expected.keys()
+    for path, value in expected.items():
+        assert got[path].dtype == value.dtype and np.array_equal(got[path], value), path
+
+
+@functools.cache
+def _shapes(d_model: int):
+    """The tiny decoder with zero-stride NumPy leaves: its structure, shapes, dtypes and
+    annotations, no memory and no initialisation to compile."""
+    abstract = jax.eval_shape(lambda: tiny_decoder(jax.random.key(0), d_model=d_model))
+    return jax.tree.map(lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape), abstract)
+
+
+def _make_state(preset: str, mesh, *, seed: int = 0, d_model: int = 16):
+    """A training state placed on `mesh` by `preset`'s rules: the tiny decoder and its
+    AdamW state (moments laid out like the parameters) filled with random values from
+    the host, a typed key, a Python int and a NumPy array."""
+    model = _shapes(d_model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    specs = zoo.partition_specs(params, zoo.rules(preset), mesh)
+    rng = np.random.default_rng(seed)
+
+    def fill(transform=lambda x: x):
+        def one(like, spec):
+            return jax.device_put(transform(rng.standard_normal(like.shape)).astype(like.dtype), NamedSharding(mesh, spec))
+
+        return jax.tree.map(one, params, specs)
+
+    adam, *rest = optax.adamw(1e-3).init(params)
+    adam = adam._replace(count=jax.device_put(np.int32(7 + seed), NamedSharding(mesh, P())), mu=fill(), nu=fill(np.square))
+    return {
+        "model": eqx.combine(fill(), model),
+        "opt_state": (adam, *rest),
+        "key": jax.random.key(seed + 100),
+        "epoch": 3 + seed,
+        "order": np.arange(5, dtype=np.int64) * (seed + 1),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint (step 10) of an fsdp state on 8 devices, and that state on the host."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    mesh = preset_mesh("fsdp", 8)
+    with jax.set_mesh(mesh):
+        state = _make_state("fsdp", mesh)
+    expected = _host(state)
+    shardings = {p: x.sharding for p, x in _leaves(state).items() if isinstance(x, jax.Array)}
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(10, state, metadata={"data_position": 1234, "run": "test"})
+        # `save` returns once the arrays are off the devices: deleting them (as a donating
+        # step would) must not disturb the write still in flight.
+        for leaf in jax.tree.leaves(state):
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+    return directory, expected, shardings
+
+
+def _leaves(tree) -> dict:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_round_trip_on_the_same_mesh(saved):
+    directory, expected, shardings = saved
+    mesh = preset_mesh("fsdp", 8)
+    with jax.set_mesh(mesh), Checkpointer(directory) as ckpt:
+        assert ckpt.steps() == [10] and ckpt.latest_step() == 10
+        like = _make_state("fsdp", mesh, seed=1)  # other values, same structure
+        step, state, metadata = ckpt.restore(like)
+    assert step == 10
+    assert metadata == {"data_position": 1234, "run": "test"}
+    with Checkpointer(directory) as ckpt:  # readable without touching the arrays
+        assert ckpt.metadata() == metadata and ckpt.manifest()["step"] == 10
+    _assert_same_bits(expected, state)
+    assert state["epoch"] == 3 and isinstance(state["epoch"], int)
+    assert isinstance(state["order"], np.ndarray)
+    assert jax.dtypes.issubdtype(state["key"].dtype, jax.dtypes.prng_key)
+    assert state["model"].config == like["model"].config
+    for path, leaf in _leaves(state).items():
+        if path in shardings:
+            assert leaf.sharding == shardings[path], path
+
+
+@pytest.mark.parametrize("preset,n", [("dp", 2), ("tp", 4)])
+def test_restore_onto_another_mesh(saved, preset, n):
+    """Saved from data=8 fsdp; restored onto data=2 (dp) or data=2,model=2 (tp)."""
+    directory, expected, _ = saved
+    mesh = preset_mesh(preset, n)
+    with jax.set_mesh(mesh), Checkpointer(directory) as ckpt:
+        # An abstract target: shapes and shardings, nothing allocated or computed.
+        like = jax.eval_shape(lambda: _make_state(preset, mesh))
+        _, state, _ = ckpt.restore(like)
+    _assert_same_bits(expected, state)
+    model = state["model"]
+    specs = zoo.partition_specs(model, zoo.rules(preset), mesh)
+    leaves, mus = jax.tree.leaves(model), jax.tree.leaves(state["opt_state"][0].mu)
+    assert len(leaves) == len(jax.tree.leaves(specs)) == len(mus)
+    for leaf, spec, mu in zip(leaves, jax.tree.leaves(specs), mus):
+        assert leaf.sharding == NamedSharding(mesh, spec)
+        assert mu.sharding == NamedSharding(mesh, spec)
+    if preset == "tp":  # not a vacuous check: some leaves are split over `model`
+        assert model.lm_head.weight.sharding.spec == P(None, "model")
+    assert set(state["key"].sharding.device_set) <= set(mesh.devices.flat)
+
+
+def test_keep_last_k(tmp_path):
+    with Checkpointer(tmp_path, keep=2) as ckpt:
+        for step in range(5):
+            ckpt.save(step, {"x": jnp.full((4,), step, jnp.int32)})
+        ckpt.wait()
+        assert ckpt.steps() == [3, 4]
+    assert sorted(os.listdir(tmp_path)) == ["3", "4"]  # older steps' files are gone
+    with Checkpointer(tmp_path, keep=2, async_save=False) as ckpt:  # a later run sees the same
+        assert ckpt.steps() == [3, 4]
+        with pytest.raises(CheckpointError, match="step 4 already exists"):
+            ckpt.save(4, {"x": jnp.zeros((4,), jnp.int32)})
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.steps() == [3, 4]
+        _, state, _ = ckpt.restore({"x": jnp.zeros((4,), jnp.int32)}, step=3)
+        with pytest.raises(CheckpointError, match="read_only"):
+            ckpt.save(5, state)
+    assert np.array_equal(state["x"], np.full((4,), 3))
+
+
+def _big(seed: int, megabytes: int):
+    sys.path.insert(0, str(HERE))
+    from _checkpoint_worker import big_state
+
+    return big_state(seed, megabytes)
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL a process while it saves step 2 — its array data on disk, the step not yet
+    committed — after step 1 was committed."""
+    for megabytes in (32, 128, 384):
+        directory = tmp_path / f"run{megabytes}"
+        log = tmp_path / f"run{megabytes}.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER), "kill", str(directory), str(megabytes)],
+                stdout=subprocess.PIPE, stderr=stderr, text=True,
+            )  # fmt: skip
+        try:
+            line = proc.stdout.readline()
+            assert line == "SAVED 1\n", f"{line!r}\n{log.read_text()}"
+            # Kill once array data of step 2 is on disk, before the step is committed.
+            data = str(directory / TMP_GLOB.format(step=2) / "state" / "ocdbt.process_*" / "d" / "*")
+            deadline, written = time.monotonic() + 120, []
+            while not written and proc.poll() is None and time.monotonic() < deadline:
+                written = glob.glob(data)
+                time.sleep(0.001)
+            if written:
+                proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        if (directory / "2").exists():
+            continue  # the write finished before the kill landed: try a longer one
+        assert written, f"step 2 was neither saved nor started\n{log.read_text()}"
+        break
+    else:
+        pytest.fail("every save of step 2 finished before it could be killed")
+    assert proc.returncode == -signal.SIGKILL
+    tmp = glob.glob(str(directory / TMP_GLOB.format(step=2)))
+    assert tmp and not (directory / "2").exists()
+
+    with Checkpointer(directory, read_only=True) as ckpt:
+        assert ckpt.steps() == [1]  # the half-written step is not a step
+    assert Path(tmp[0]).exists()  # and a reader leaves it alone
+    with Checkpointer(directory, keep=None) as ckpt:
+        assert ckpt.steps() == [1]
+        expected = _big(1, megabytes)
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), expected)
+        step, state, _ = ckpt.restore(like)
+        assert step == 1 and np.array_equal(state["w"], expected["w"])
+        second = _big(2, megabytes)
+        ckpt.save(2, second)  # saving the interrupted step again works
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+        assert np.array_equal(ckpt.restore(like).state["w"], second["w"])
+    assert not glob.glob(str(directory / "*.orbax-checkpoint-tmp*"))  # cleaned up
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path):
+    """Steps 1 and 2 of `{"w": 256x256 random bits on 8 devices, "b": [16]}`."""
+    mesh = data_mesh(8)
+    w = jax.random.bits(jax.random.key(0), (256, 256), jnp.uint32)
+    state = {"w": jax.device_put(w, NamedSharding(mesh, P("data"))), "b": jnp.arange(16.0)}
+    with Checkpointer(tmp_path, keep=None) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)
+    return tmp_path, state
+
+
+def _data_file(step_dir: Path) -> Path:
+    """The largest array data file of a checkpoint step (holding bytes of `w`)."""
+    files = [Path(f) for f in glob.glob(str(step_dir / "state" / "**" / "d" / "*"), recursive=True)]
+    return max(files, key=lambda f: f.stat().st_size)
+
+
+def test_changed_bytes_are_caught_and_name_the_leaf(small_checkpoint):
+    directory, state = small_checkpoint
+    data = _data_file(directory / "2")
+    assert data.stat().st_size > 64 * 1024  # part of `w`'s 256 KB: the only leaf that large
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one bit
+    data.write_bytes(bytes(raw))
+    with Checkpointer(directory, keep=None) as ckpt, pytest.raises(CheckpointError) as info:
+        ckpt.restore(state)
+    message = str(info.value)
+    assert "step 2" in message and "fingerprint mismatch" in message and "['w']" in message
+    assert "['b']" not in message  # only the damaged leaf
+    assert "the others here are [1]" in message  # what to do instead
+    with Checkpointer(directory, keep=None) as ckpt:  # the earlier step is fine
+        assert np.array_equal(ckpt.restore(state, step=1).state["w"], state["w"])
+
+
+# A failed read leaves orbax's other read coroutines un-awaited: noise, not a failure.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["delete", "truncate", "manifest"])
+def test_missing_or_garbled_files_raise_checkpoint_error(small_checkpoint, damage):
+    directory, state = small_checkpoint
+    if damage == "manifest":
+        (directory / "2" / "manifest" / "metadata").write_text('{"format": "zoo-checkpoint", "leav')
+    else:
+        data = _data_file(directory / "2")
+        if damage == "delete":
+            data.unlink()
+        else:
+            data.write_bytes(data.read_bytes()[:1000])
+    with Checkpointer(directory, keep=None) as ckpt, pytest.raises(CheckpointError) as info:
+        ckpt.restore(state)
+    message = str(info.value)
+    assert f"{directory / '2'} is damaged" in message and "the others here are [1]" in message, message
+    assert ("manifest" in message) == (damage == "manifest"), message
+    assert info.value.__cause__ is not None  # the underlying error stays chained
+    if damage == "delete":
+        # A `like` that does not match is reported as such, though the data is gone:
+        # the manifest is checked before any array is read.
+        with Checkpointer(directory, keep=None) as ckpt, pytest.raises(CheckpointError) as info:
+            ckpt.restore(state | {"extra": jnp.zeros(2)})
+        assert "does not match the `like` tree" in str(info.value) and "['extra']" in str(info.value)
+
+
+def test_mismatched_like_lists_every_difference(saved):
+    directory, _, _ = saved
+    mesh = preset_mesh("fsdp", 8)
+    with jax.set_mesh(mesh):  # another config: shapes differ (abstract: nothing computed)
+        other = jax.eval_shape(lambda: _make_state("fsdp", mesh, d_model=32))
+    like = {
+        "model": other["model"],  # mis-shaped leaves
+        # no "opt_state": unexpected leaves
+        "key": jax.random.key(0, impl="rbg"),  # another key type
+        "epoch": 1.5,  # float where an int was saved
+        "order": np.zeros(5, np.int32),  # another dtype
+        "extra": jnp.zeros(3),  # missing from the checkpoint
+    }
+    with Checkpointer(directory) as ckpt, pytest.raises(CheckpointError) as info:
+        ckpt.restore(like)
+    message = str(info.value)
+    assert "missing from the checkpoint (in `like` only) (1):\n    ['extra']" in message
+    assert "unexpected (in the checkpoint only) (" in message and "['opt_state'][0].count" in message
+    assert "['model'].lm_head.weight: checkpoint [16, 32], `like` [32, 32]" in message
+    assert "['key']: checkpoint key<fry>, `like` key<rbg>" in message
+    assert "['order']: checkpoint int64, `like` int32" in message
+    assert "['epoch']: checkpoint python int, `like` python float" in message
+    assert "['model'].config.d_model: checkpoint 16, `like` 32" in message
+    with Checkpointer(directory) as ckpt, pytest.raises(CheckpointError, match=r"no checkpoint for step 3 .*\[10\]"):
+        ckpt.restore(like, step=3)
+
+
+RESUME_TEST = "test_a_resumed_run_is_bit_exact"
+
+
+def _worker_train(directory: Path, out: Path, *args: str, log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:  # a file, not a pipe: nothing can block on a full pipe
+        return subprocess.Popen(
+            [sys.executable, str(WORKER), "train", str(directory), str(out), *args], stdout=f, stderr=subprocess.STDOUT
+        )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def first_run(request, tmp_path_factory):
+    """The resume test's first process, started with the module so that it runs (on the
+    second core) while the in-process tests do. Not started unless that test runs."""
+    if not any(item.name == RESUME_TEST for item in request.session.items):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("resume")
+    proc = _worker_train(root / "ckpt", root / "first.npz", "--steps", "6", "--save-at", "3", log=root / "first.log")
+    yield root, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _finished(proc: subprocess.Popen, log: Path) -> None:
+    try:
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{log.read_text()}"
+
+
+def test_a_resumed_run_is_bit_exact(first_run):
+    """6 steps straight (dropout on, AdamW, FSDP on 8 devices x 2 microbatches) against 3
+    steps, save, then a fresh process restoring and running 3 more: the same losses and
+    final state, bit for bit. The first process also repeats the run with the save in the
+    middle (its step donating the buffers the asynchronous save was just given)."""
+    root, proc = first_run
+    _finished(proc, root / "first.log")
+    _finished(_worker_train(root / "ckpt", root / "resumed.npz", "--steps", "6", "--resume", log=root / "resumed.log"),
+              root / "resumed.log")
+    first, resumed = np.load(root / "first.npz"), np.load(root / "resumed.npz")
+    straight = {k[len("straight/"):]: first[k] for k in first.files if k.startswith("straight/")}
+    assert len(straight) > 50 and straight["losses"].shape == (6,)
+    assert np.all(np.isfinite(straight["losses"]))
+    assert len(set(straight["losses"].tolist())) == 6  # it did train: every step differs
+    for run, data, rows in (("saving", first, slice(None)), ("resumed", resumed, slice(3, None))):
+        for name, value in straight.items():
+            got = data[f"{run}/{name}"]
+            want = value[rows] if name == "losses" else value
+            assert got.dtype == want.dtype and np.array_equal(got, want), (run, name)
