@@ -145,6 +145,23 @@ def test_restore_onto_another_mesh(saved, preset, n):
     assert set(state["key"].sharding.device_set) <= set(mesh.devices.flat)
 
 
+def test_abstract_model_from_zoo_shard_is_a_restore_target(saved):
+    """The recipe for a new mesh: `zoo.shard` of `eqx.filter_eval_shape(...)` gives
+    `ShapeDtypeStruct` leaves with the annotated shardings; restore fills them."""
+    directory, expected, _ = saved
+    mesh = preset_mesh("tp", 4)
+    with jax.set_mesh(mesh), Checkpointer(directory) as ckpt:
+        abstract = eqx.filter_eval_shape(lambda: tiny_decoder(jax.random.key(0), d_model=16))
+        model = zoo.shard(abstract, zoo.rules("tp"), mesh)
+        specs = zoo.partition_specs(abstract, zoo.rules("tp"), mesh)
+        for leaf, spec in zip(jax.tree.leaves(model), jax.tree.leaves(specs)):
+            assert isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding == NamedSharding(mesh, spec)
+        like = dict(jax.eval_shape(lambda: _make_state("tp", mesh)), model=model)
+        _, state, _ = ckpt.restore(like)
+    _assert_same_bits(expected, state)
+    assert state["model"].lm_head.weight.sharding == NamedSharding(mesh, P(None, "model"))
+
+
 def test_keep_last_k(tmp_path):
     with Checkpointer(tmp_path, keep=2) as ckpt:
         for step in range(5):

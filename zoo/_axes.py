@@ -114,6 +114,11 @@ def _axes_for_path(model: Any, path: tuple) -> tuple[tuple[str | None, ...] | No
     return declared, stacked
 
 
+def is_array_like(x: Any) -> bool:
+    """An array, or the shape-and-dtype of one (`jax.ShapeDtypeStruct`)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def logical_axes(model: Any) -> Any:
     """The logical axes of every array leaf of `model`.
 
@@ -123,14 +128,15 @@ def logical_axes(model: Any) -> Any:
 
     **Returns:**
 
-    A pytree with `model`'s structure whose array leaves are replaced by `LogicalAxes`
-    (non-array leaves by `None`). Arrays in fields without an annotation are treated as
+    A pytree with `model`'s structure whose array leaves (and `jax.ShapeDtypeStruct`
+    leaves, e.g. of `eqx.filter_eval_shape`) are replaced by `LogicalAxes` (other leaves
+    by `None`). Arrays in fields without an annotation are treated as
     replicated (every dimension `None`). Raises `ValueError` if an annotation does not
     have one name per dimension.
     """
 
     def one(path, leaf):
-        if not eqx.is_array(leaf):
+        if not is_array_like(leaf):
             return None
         declared, stacked = _axes_for_path(model, path)
         core_ndim = leaf.ndim - stacked

@@ -11,7 +11,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._axes import LogicalAxes, logical_axes, path_str
+from ._axes import LogicalAxes, is_array_like, logical_axes, path_str
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
@@ -189,18 +189,25 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
 
     **Arguments:**
 
-    - `model`: an annotated pytree (host arrays or arrays on any devices).
+    - `model`: an annotated pytree (host arrays or arrays on any devices), or its
+      abstract form (`eqx.filter_eval_shape(...)`, leaves `jax.ShapeDtypeStruct`).
     - `rules`: logical axis → mesh axes.
     - `mesh`: a concrete `jax.sharding.Mesh`; defaults to the one set by `jax.set_mesh`.
 
-    **Returns:** the same pytree with each array a global `jax.Array` laid out on the mesh.
+    **Returns:** the same pytree with each array a global `jax.Array` laid out on the mesh;
+    abstract leaves become `jax.ShapeDtypeStruct`s carrying that sharding (nothing is
+    allocated: e.g. the `like` of `zoo.Checkpointer.restore` on a new mesh).
     """
     mesh = _concrete_mesh(mesh)
     specs = partition_specs(model, rules, mesh)
-    arrays, static = eqx.partition(model, eqx.is_array)
+    arrays, static = eqx.partition(model, is_array_like)
 
     def put(x, spec):
-        return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+        if x is None:
+            return None
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+        return jax.device_put(x, NamedSharding(mesh, spec))
 
     placed = jax.tree.map(put, arrays, specs, is_leaf=lambda x: x is None)
     return eqx.combine(placed, static)
