@@ -1,25 +1,62 @@
-"""`python -m zoo`: inspect's table and JSON (mlp, transformer, encoder), errors as one line, and the demo (slow)."""
+"""The `zoo` command: inspect and info (collectives, leaves), train / finetune / demo (outputs,
+resume, config files), `--help`, and one-line errors; the demo end to end (slow).
 
+Commands run in-process (`main([...])`) where they can: the pytest process already has 8
+simulated CPU devices (conftest) and shares jax's caches, which keeps each test to a tiny
+model's compiles. Two tests run `python -m zoo` in a subprocess, for the entry point.
+"""
+
+import contextlib
+import io
 import json
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def run_zoo(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def inspect_json():
-    proc = run_zoo("inspect", "mlp", "--devices", "8", "--microbatches", "4", "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+def zoo_main(*args) -> tuple[int, str, str]:
+    """`zoo ARGS` in-process: (exit code, stdout, stderr); argparse's exits become codes."""
+    from zoo._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
 
 
-def test_inspect_json_reports_one_all_reduce_outside(inspect_json):
-    out = inspect_json
+def ok(*args) -> str:
+    rc, out, err = zoo_main(*args)
+    assert rc == 0, f"zoo {' '.join(map(str, args))} exited {rc}\n{out}\n{err}"
+    return out
+
+
+def one_line_error(rc: int, err: str, message: str) -> None:
+    assert rc == 2, (rc, err)
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+
+def inspect_json(*args) -> dict:
+    return json.loads(ok("inspect", *args, "--json"))
+
+
+def test_inspect_json_reports_one_all_reduce_outside():
+    out = inspect_json("mlp", "--devices", "8", "--microbatches", "4")
     for key in ("model", "devices", "microbatches", "mesh", "param_bytes", "trainable_bytes", "collectives"):
         assert key in out
     assert out["mesh"] == {"data": 8} and out["devices"] == 8 and out["microbatches"] == 4
@@ -31,55 +68,14 @@ def test_inspect_json_reports_one_all_reduce_outside(inspect_json):
 
 
 def test_inspect_table_shard_map_and_custom_mesh():
-    proc = run_zoo("inspect", "mlp", "--devices", "4", "--mesh", "data=2", "--microbatches", "2", "--mode", "shard_map")
-    assert proc.returncode == 0, proc.stderr
-    assert "mesh {'data': 2}" in proc.stdout
-    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+    out = ok("inspect", "mlp", "--devices", "4", "--mesh", "data=2", "--microbatches", "2", "--mode", "shard_map")
+    assert "mesh {'data': 2}" in out
+    assert "all-reduces: 0 inside loops, 1 outside" in out
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["inspect", "mlp", "--devices", "2", "--mesh", "data=4"], "needs 4 devices but only 2"),
-        (["inspect", "mlp", "--devices", "2", "--mesh", "data4"], "write it as name=size"),
-        (["inspect", "transformerx", "--devices", "2"], "unknown model 'transformerx'"),
-        (["inspect", "mlp", "--devices", "2", "--rules", "zz"], "unknown --rules 'zz'"),
-        (["inspect", "mlp", "--devices", "2", "--batch-size", "6"], "not divisible by data-parallel size 2 x microbatches 4"),
-        (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], "lacks 'model'"),
-    ],
-)
-def test_bad_input_is_one_readable_line(args, message):
-    proc = run_zoo(*args)
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-
-
-def test_help_lists_the_flags():
-    proc = run_zoo("inspect", "--help")
-    for flag in ("--devices", "--microbatches", "--mesh", "--rules", "--mode", "--batch-size", "--lora", "--json"):
-        assert flag in proc.stdout
-    text = " ".join(proc.stdout.split())  # argparse wraps lines
-    for choice in ("mlp", "transformer", "encoder", "dp", "fsdp", "fsdp-once", "tp", "fsdp+tp"):
-        assert choice in text
-
-
-# The transformer models compile in-process: the pytest process already has 8 CPU devices
-# (conftest) and the jax caches are shared, which keeps each test to one tiny step's compile.
-
-
-def inspect_in_process(capsys, *args):
-    from zoo._cli import main
-
-    rc = main(["inspect", *args, "--json"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    return json.loads(captured.out)
-
-
-def test_inspect_transformer_tp_keeps_one_data_all_reduce(capsys):
+def test_inspect_transformer_tp_keeps_one_data_all_reduce():
     """tp's in-loop all-reduces are its own, over `model`; the gradient's is the one over `data`."""
-    out = inspect_in_process(capsys, "transformer", "--mesh", "data=4,model=2", "--rules", "tp")
+    out = inspect_json("transformer", "--mesh", "data=4,model=2", "--rules", "tp")
     assert out["model"] == "transformer" and out["mesh"] == {"data": 4, "model": 2} and out["rules"] == "tp"
     outside = [c for c in out["collectives"] if not c["in_loop"]]
     inside = [c for c in out["collectives"] if c["in_loop"]]
@@ -90,8 +86,8 @@ def test_inspect_transformer_tp_keeps_one_data_all_reduce(capsys):
     assert summary["outside_mesh_axes"] == ["data"] and summary["collectives_in_loop"] == len(inside)
 
 
-def test_inspect_encoder_dp_reduces_trainable_bytes_once(capsys):
-    out = inspect_in_process(capsys, "encoder", "--rules", "dp")
+def test_inspect_encoder_dp_reduces_trainable_bytes_once():
+    out = inspect_json("encoder", "--rules", "dp")
     assert out["mesh"] == {"data": 8} and out["param_bytes"] == out["trainable_bytes"] > 0
     (coll,) = out["collectives"]
     assert coll["kind"] == "all-reduce" and coll["in_loop"] is False and coll["mesh_axes"] == ["data"]
@@ -99,18 +95,17 @@ def test_inspect_encoder_dp_reduces_trainable_bytes_once(capsys):
     assert out["summary"]["collectives_in_loop"] == 0 and out["summary"]["in_loop_mesh_axes"] == []
 
 
-def test_inspect_transformer_fsdp_once_gathers_outside_loops(capsys):
+def test_inspect_transformer_fsdp_once_gathers_outside_loops():
     """`fsdp-once` brings `gather="once"`: every all-gather is hoisted out of the microbatch loop."""
-    out = inspect_in_process(capsys, "transformer", "--rules", "fsdp-once")
+    out = inspect_json("transformer", "--rules", "fsdp-once")
     summary = out["summary"]
     assert summary["collectives_in_loop"] == 0 and summary["in_loop_mesh_axes"] == []
     assert summary["all_gather_outside"] > 0 and summary["all_gather_in_loop"] == 0
     assert summary["all_reduce_outside"] == 1 and summary["outside_mesh_axes"] == ["data"]
 
 
-def test_inspect_transformer_lora_reduces_only_the_adapters(capsys):
-    """`--lora`: the step's one all-reduce carries the LoRA A/B gradients (+ loss scalars),
-    whose bytes the test counts itself on an abstract model built the same way."""
+def _tiny_lora_bytes(config_kwargs) -> dict:
+    """Bytes of each LoRA A/B leaf of the tiny inspect transformer, counted on an abstract model."""
     import equinox as eqx
     import jax
     import jax.random as jr
@@ -118,14 +113,20 @@ def test_inspect_transformer_lora_reduces_only_the_adapters(capsys):
     import zoo
     from zoo._cli import _TRANSFORMER
 
-    out = inspect_in_process(capsys, "transformer", "--lora", "r=4,alpha=8")
     base = jax.eval_shape(lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**_TRANSFORMER), key=k), jr.key(0))
-    config = zoo.lora.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    lora_model = eqx.filter_eval_shape(zoo.lora.add_lora, base, config, key=jr.key(1))
-    leaves = jax.tree_util.tree_leaves_with_path(lora_model)
-    lora_bytes = sum(
-        x.size * x.dtype.itemsize for path, x in leaves if jax.tree_util.keystr(path).endswith(("lora_A", "lora_B"))
-    )
+    lora_model = eqx.filter_eval_shape(zoo.lora.add_lora, base, zoo.lora.LoraConfig(**config_kwargs), key=jr.key(1))
+    return {
+        zoo._axes.path_str(path): x.size * x.dtype.itemsize
+        for path, x in jax.tree_util.tree_leaves_with_path(lora_model)
+        if jax.tree_util.keystr(path).endswith(("lora_A", "lora_B"))
+    }
+
+
+def test_inspect_transformer_lora_reduces_only_the_adapters():
+    """`--lora`: the step's one all-reduce carries the LoRA A/B gradients (+ loss scalars),
+    whose bytes the test counts itself on an abstract model built the same way."""
+    out = inspect_json("transformer", "--lora", "r=4,alpha=8")
+    lora_bytes = sum(_tiny_lora_bytes(dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).values())
     assert lora_bytes == 2 * 2 * (32 * 4 + 4 * 32) * 4  # 2 layers x (q, v) x (A + B) in float32
     assert out["trainable_bytes"] == out["adapter_bytes"] == lora_bytes
     assert out["param_bytes"] > 10 * lora_bytes
@@ -137,56 +138,15 @@ def test_inspect_transformer_lora_reduces_only_the_adapters(capsys):
     assert out["summary"]["all_reduce_outside"] == 1 and out["summary"]["all_reduce_in_loop"] == 0
 
 
-def test_bad_lora_is_one_readable_line(capsys):
-    """A bad key or value names the accepted keys; a target matching nothing gets zoo's
-    error, which lists the model's Linear layers. Exit 2, one line."""
-    from zoo._cli import main
-
-    for lora, message in [
-        ("r=4,beta=2", "unknown key 'beta'"),
-        ("r=four", "r must be a positive integer"),
-        ("r=4,targets=qproj", "match no Linear layer"),
-    ]:
-        assert main(["inspect", "transformer", "--lora", lora]) == 2, lora
-        err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-        listed = "layers.layers.attention.q_proj" if "match no" in message else "keys: r, alpha, dropout, targets"
-        assert listed in err, err
+# --- info --------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_demo_trains_and_shows_one_all_reduce():
-    """What `make demo` runs, end to end."""
-    proc = run_zoo("demo", timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "loss fell: yes" in proc.stdout
-    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+def info_json(*args) -> dict:
+    return json.loads(ok("info", *args, "--json"))
 
 
-@pytest.mark.slow
-def test_readme_example_runs():
-    """examples/quickstart.py is the README's Python example, verbatim."""
-    proc = subprocess.run([sys.executable, "examples/quickstart.py"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
-
-
-# `zoo info`: the model's leaf table, in-process (builds and annotates the model, compiles no step).
-
-
-def info_in_process(capsys, *args):
-    from zoo._cli import main
-
-    rc = main(["info", *args, "--json"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    return json.loads(captured.out)
-
-
-def test_info_transformer_leaves_axes_and_tp_bytes_per_device(capsys):
-    import math
-
-    out = info_in_process(capsys, "transformer")
+def test_info_transformer_leaves_axes_and_tp_bytes_per_device():
+    out = info_json("transformer")
     leaves, totals = out["leaves"], out["totals"]
     assert leaves and totals["leaves"] == len(leaves)
     assert sum(leaf["bytes"] for leaf in leaves) == totals["bytes"] > 0
@@ -197,7 +157,7 @@ def test_info_transformer_leaves_axes_and_tp_bytes_per_device(capsys):
     assert all(leaf["trainable"] for leaf in leaves) and totals["trainable_bytes"] == totals["bytes"]
     assert totals["bytes_per_device"] == totals["bytes"]  # dp: everything replicated
 
-    tp = info_in_process(capsys, "transformer", "--rules", "tp", "--mesh", "data=4,model=2")
+    tp = info_json("transformer", "--rules", "tp", "--mesh", "data=4,model=2")
     assert tp["mesh"] == {"data": 4, "model": 2} and tp["rules"] == "tp"
     (q,) = [leaf for leaf in tp["leaves"] if leaf["path"] == "model.layers.layers.attention.q_proj.weight"]
     heads = q["logical_axes"].index("heads")
@@ -207,23 +167,9 @@ def test_info_transformer_leaves_axes_and_tp_bytes_per_device(capsys):
     assert tp["totals"]["bytes_per_device"] == sum(leaf["bytes_per_device"] for leaf in tp["leaves"])
 
 
-def test_info_transformer_lora_trains_only_the_adapters(capsys):
-    import equinox as eqx
-    import jax
-    import jax.random as jr
-
-    import zoo
-    from zoo._cli import _TRANSFORMER
-
-    out = info_in_process(capsys, "transformer", "--lora", "r=4")
-    base = jax.eval_shape(lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**_TRANSFORMER), key=k), jr.key(0))
-    config = zoo.lora.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    lora_model = eqx.filter_eval_shape(zoo.lora.add_lora, base, config, key=jr.key(1))
-    expected = {
-        zoo._axes.path_str(path): x.size * x.dtype.itemsize
-        for path, x in jax.tree_util.tree_leaves_with_path(lora_model)
-        if jax.tree_util.keystr(path).endswith(("lora_A", "lora_B"))
-    }
+def test_info_transformer_lora_trains_only_the_adapters():
+    out = info_json("transformer", "--lora", "r=4")
+    expected = _tiny_lora_bytes(dict(r=4, target_modules=["q_proj", "v_proj"]))
     assert sum(expected.values()) == 2 * 2 * (32 * 4 + 4 * 32) * 4  # 2 layers x (q, v) x (A + B) in float32
     trainable = {leaf["path"]: leaf["bytes"] for leaf in out["leaves"] if leaf["trainable"]}
     assert trainable == expected
@@ -234,15 +180,302 @@ def test_info_transformer_lora_trains_only_the_adapters(capsys):
     assert out["lora"]["r"] == 4
 
 
-def test_info_bad_input_is_one_readable_line(capsys):
-    from zoo._cli import main
+# --- train / finetune: outputs, resume, config files -----------------------------------------
 
-    for args, message in [
-        (["transformer", "--rules", "tp", "--mesh", "data=8"], "lacks 'model'"),
-        (["transformerx"], "unknown model 'transformerx'"),
-        (["mlp", "--mesh", "data4"], "write it as name=size"),
-        (["transformer", "--lora", "r=4,beta=2"], "unknown key 'beta'"),
+# A tiny mlp run: 8 devices x 2 microbatches, batch 32, checkpoints every 3 steps.
+MLP_FLAGS = ["--steps", "6", "--batch-size", "32", "--microbatches", "2", "--eval-size", "64",
+             "--checkpoint-every", "3", "--quiet"]  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "mlp"
+    text = ok("train", "mlp", *MLP_FLAGS, "--output", out)
+    assert "loss fell: yes" in text and "1 gradient all-reduce" in text, text
+    return out
+
+
+def test_train_writes_config_metrics_plot_summary_and_checkpoints(mlp_run):
+    names = {p.name for p in mlp_run.iterdir()}
+    assert {"config.json", "metrics.jsonl", "loss.png", "summary.json", "checkpoints"} <= names
+    assert (mlp_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    config = json.loads((mlp_run / "config.json").read_text())
+    assert config["model"] == "mlp" and config["steps"] == 6 and config["batch_size"] == 32
+    assert config["devices"] == 8 and config["mesh"] == "data=8" and config["rules"] == "dp"
+    assert config["lr"] == 3e-3 and config["optimizer"] == "adamw"  # resolved defaults
+
+    rows = read_jsonl(mlp_run / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert all(r["loss"] > 0 and r["examples_per_s"] > 0 and r["elapsed"] >= 0 for r in train)
+    assert [r["step"] for r in evals] == [0, 6] and all(r["eval_loss"] > 0 for r in evals)
+
+    summary = json.loads((mlp_run / "summary.json").read_text())
+    assert summary["loss_fell"] and summary["eval_after"]["loss"] < summary["eval_before"]["loss"]
+    colls = summary["collectives"]
+    assert colls["gradient_reductions"] == 1 and colls["all_reduce_outside"] == 1 and colls["all_reduce_in_loop"] == 0
+    assert colls["gradient_bytes"] == summary["trainable_bytes"] + 4  # + the loss scalar
+    assert summary["trainable_bytes"] == summary["model_bytes"] > 0
+
+    import zoo
+
+    assert zoo.Checkpointer(mlp_run / "checkpoints").steps() == [3, 6]
+
+
+def test_resume_from_config_json_continues_at_the_saved_step(mlp_run):
+    """The run's config.json, read back with --config (flags on the command line win),
+    resumes from the newest checkpoint: steps 7 and 8 only, the metrics continued."""
+    first = json.loads((mlp_run / "config.json").read_text())
+    assert first["output"] == str(mlp_run) and first["resume"] is False
+    ok("train", "--config", mlp_run / "config.json", "--steps", "8", "--resume")
+    again = json.loads((mlp_run / "config.json").read_text())
+    assert again == first | {"steps": 8, "resume": True}
+    summary = json.loads((mlp_run / "summary.json").read_text())
+    assert summary["resumed_from"] == 6 and summary["steps"] == 8
+    assert summary["stages"][0]["name"] == "resumed at step 6"
+    steps = [r["step"] for r in read_jsonl(mlp_run / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # the earlier rows kept, no step twice
+
+    import zoo
+
+    assert zoo.Checkpointer(mlp_run / "checkpoints").steps() == [3, 6, 8]
+    # Nothing left to do: the newest checkpoint is at --steps.
+    rc, _, err = zoo_main("train", "--config", mlp_run / "config.json", "--steps", "8")
+    one_line_error(rc, err, "raise --steps")
+    # Without --resume, a folder holding checkpoints is not overwritten.
+    rc, _, err = zoo_main("train", "--config", mlp_run / "config.json", "--no-resume")
+    one_line_error(rc, err, "already holds checkpoints (steps [3, 6, 8]); pass --resume")
+
+
+def _resolved(command: str, *args) -> dict:
+    """What `zoo COMMAND ARGS` would run with (flags and --config resolved), without running."""
+    from zoo._cli._config_file import config_defaults
+    from zoo._cli._main import build_parsers
+    from zoo._cli._train import resolve
+
+    parser, commands = build_parsers()
+    argv = [command, *map(str, args)]
+    parsed = parser.parse_args(argv)
+    if parsed.config:
+        commands[command].set_defaults(**config_defaults(parsed.config, commands[command], command))
+        parsed = parser.parse_args(argv)
+    return resolve(parsed, command)
+
+
+def test_config_files_toml_yaml_mirror_the_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'model = "minilm"\nsteps = 7\nbatch-size = 16\nlr = 1e-3\nmesh = { data = 4, model = 2 }\nrules = "tp"\n'
+        'lora = { r = 4, alpha = 8, targets = ["q_proj", "v_proj"] }\nquiet = true\n'
+    )
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(
+        "model: minilm\nsteps: 7\nbatch_size: 16\nlr: 0.001\nmesh: data=4,model=2\nrules: tp\n"
+        "lora: r=4,alpha=8,targets=q_proj+v_proj\nquiet: true\n"
+    )
+    from_toml = _resolved("finetune", "--config", toml)
+    from_yaml = _resolved("finetune", "--config", yaml)
+    assert from_toml == from_yaml
+    assert from_toml["steps"] == 7 and from_toml["batch_size"] == 16 and from_toml["lr"] == 1e-3
+    assert from_toml["mesh"] == "data=4,model=2" and from_toml["rules"] == "tp" and from_toml["quiet"] is True
+    assert from_toml["lora"].startswith("r=4,alpha=8,") and "targets=q_proj+v_proj" in from_toml["lora"]
+    assert from_toml["microbatches"] == 2 and from_toml["seq_len"] == 32  # minilm's finetune defaults
+    # The command line wins over the file.
+    assert _resolved("finetune", "--config", toml, "--steps", "3", "--lora", "r=2")["steps"] == 3
+    assert _resolved("finetune", "--config", yaml, "--lora", "r=2")["lora"].startswith("r=2,alpha=16,")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("steps = 3\nbatch_sise = 4\n", "unknown keys ['batch_sise'] for zoo train; valid keys: batch-size,"),
+        ("steps = 2.5\n", "steps must be an integer"),
+        ("optimizer = 'adagrad'\n", "optimizer must be one of"),
+        ("quiet = 'yes'\n", "quiet must be true or false"),
+        ("steps = [\n", "cannot parse it as TOML"),
+    ],
+)
+def test_bad_config_file_is_one_line(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    rc, _, err = zoo_main("train", "mlp", "--config", path)
+    one_line_error(rc, err, message)
+
+
+def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
+    """`zoo finetune transformer --init DIR` reads a GPT-2 folder (here a tiny random one,
+    as `zoo train transformer` leaves in its model/), adapts it on prose and saves the
+    adapter; the step's all-reduce carries the adapter and two loss scalars (sum and
+    token count)."""
+    import jax
+
+    import zoo
+    from zoo._cli._common import init_compiled
+
+    config = zoo.models.TransformerConfig(vocab_size=256, d_model=32, num_heads=4, num_layers=1, max_len=16)
+    gpt = init_compiled(("gpt", config), lambda k: zoo.models.Transformer(config, key=k), jax.random.key(0))
+    base = tmp_path / "base"
+    zoo.hf.save_pretrained(gpt, base / "model")
+    tiny = ["--seq-len", "16", "--batch-size", "16", "--microbatches", "2", "--steps", "2", "--eval-size", "16",
+            "--quiet"]  # fmt: skip
+    tuned = tmp_path / "tuned"
+    text = ok("finetune", "transformer", *tiny, "--init", base, "--lora", "r=4,alpha=8", "--output", tuned)
+    assert "1 gradient all-reduce" in text and "loss scalars 8" in text, text
+    assert {p.name for p in (tuned / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    adapter_config = json.loads((tuned / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8
+    summary = json.loads((tuned / "summary.json").read_text())
+    assert summary["data"].startswith("pydoc_data.topics prose") and summary["init"] == str(base / "model")
+    assert summary["lora"]["r"] == 4 and summary["lora"]["target_modules"] == "all-linear"
+    assert summary["trainable_bytes"] == summary["adapter_bytes"] < summary["model_bytes"] / 5
+    assert summary["collectives"]["gradient_reductions"] == 1
+    assert summary["collectives"]["gradient_bytes"] == summary["adapter_bytes"] + 8
+    assert summary["eval_after"]["accuracy"] is not None  # next-token accuracy
+    rows = read_jsonl(tuned / "metrics.jsonl")
+    assert all(r["tokens_per_s"] > 0 for r in rows if r["kind"] == "train")
+
+
+def test_train_encoder_classifier_with_probe(tmp_path):
+    """A BERT-style classifier from scratch (byte tokens) on the docstring task, with the
+    linear-probe baseline (the head fitted on frozen features); stages carry accuracies."""
+    out = tmp_path / "enc"
+    text = ok("train", "encoder", "--model-config", "d_model=16,num_layers=1,num_heads=2,mlp_dim=32",
+              "--seq-len", "32", "--batch-size", "16", "--steps", "2", "--probe", "20", "--output", out, "--quiet")  # fmt: skip
+    assert "frozen encoder + fitted head (linear probe)" in text, text
+    summary = json.loads((out / "summary.json").read_text())
+    names = [s["name"] for s in summary["stages"]]
+    assert names == ["pretrained encoder + new head", "frozen encoder + fitted head (linear probe)", "trained after 2 steps"]
+    assert all(0 <= s["accuracy"] <= 1 for s in summary["stages"])
+    assert summary["probe"] == summary["stages"][1] and summary["probe"]["train_accuracy"] > 0
+    assert summary["eval_before"] == {k: v for k, v in summary["stages"][0].items() if k != "name"}
+    assert (out / "model" / "config.json").is_file()  # the encoder in BERT's layout
+
+
+# --- help and errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["train", "finetune", "demo", "inspect", "info"])
+def test_help_lists_every_flag(command):
+    from zoo._cli._main import build_parsers
+
+    parser = build_parsers()[1][command]
+    text = parser.format_help()
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    assert len(flags) >= (7 if command in ("inspect", "info") else 30)
+    for flag in flags:
+        assert flag in text, flag
+    joined = " ".join(text.split())  # argparse wraps lines
+    for choice in ("mlp", "transformer", "encoder", "minilm", "dp", "fsdp", "fsdp-once", "tp", "fsdp+tp"):
+        assert choice in joined
+    if command in ("finetune", "demo"):
+        assert "--lora" in flags and "--init" in flags
+
+
+def test_entry_point_help_and_one_line_usage_error():
+    """`python -m zoo --help` lists the commands; a bad flag is one line naming the fix."""
+    proc = run_zoo("--help")
+    assert proc.returncode == 0 and all(c in proc.stdout for c in ("train", "finetune", "demo", "inspect", "info"))
+    rc, _, err = zoo_main("train", "mlp", "--stepz", "3")  # argparse's errors, in-process
+    one_line_error(rc, err, "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)")
+    rc, _, err = zoo_main("train", "mlp", "--steps", "x")
+    one_line_error(rc, err, "zoo train: error: argument --steps: invalid int value: 'x'")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["inspect", "mlp", "--devices", "2", "--mesh", "data=4"], "needs 4 devices but only 2"),
+        (["inspect", "mlp", "--devices", "2", "--mesh", "data4"], "write it as name=size"),
+        (["inspect", "transformerx", "--devices", "2"], "unknown model 'transformerx'"),
+        (["inspect", "mlp", "--devices", "2", "--rules", "zz"], "unknown --rules 'zz'"),
+        (["inspect", "mlp", "--devices", "2", "--batch-size", "6"], "not divisible by data-parallel size 2 x microbatches 4"),
+        (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], "lacks 'model'"),
+        (["info", "transformer", "--rules", "tp", "--mesh", "data=8"], "lacks 'model'"),
+        (["info", "mlp", "--mesh", "data4"], "write it as name=size"),
+        (["info", "transformer", "--lora", "r=4,beta=2"], "unknown key 'beta'"),
+        (["train", "mlpx"], "unknown model 'mlpx'; choose one of ['mlp', 'transformer', 'encoder', 'minilm']"),
+        (["train"], "no model given"),
+        (["train", "mlp", "--mesh", "data=16"], "--mesh data=16 needs 16 devices but only 8"),
+        (["train", "mlp", "--mesh", "data=two"], "bad --mesh 'data=two': write it as name=size"),
+        (["train", "mlp", "--mesh", "model=8"], "has no 'data' axis"),
+        (["train", "mlp", "--batch-size", "36"], "--batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32"),
+        (["train", "mlp", "--rules", "tp"], "lacks 'model'; pass a mesh with them, e.g. --mesh data=4,model=2"),
+        (["train", "mlp", "--devices", "99"], "asked for 99 devices"),
+        (["train", "mlp", "--steps", "0"], "--steps must be >= 1"),
+        (["train", "mlp", "--model-config", "width"], "is not key=value"),
+        (["train", "transformer", "--data", "docstrings"], "transformer trains on code or prose"),
+        (["train", "mlp", "--resume"], "--resume needs the earlier run's folder"),
+        (["finetune", "mlp"], "the mlp has no pretrained weights to adapt"),
+        (["finetune", "transformer"], "needs --init PATH"),
+        (["finetune", "minilm", "--lora", "r=4,beta=2"], "unknown key 'beta'"),
+        (["finetune", "minilm", "--model-config", "d_model=8"], "the pretrained MiniLM's shape is fixed"),
+        (["finetune", "transformer", "--init", "/nonexistent/run"], "--init /nonexistent/run: no such folder"),
+        (["train", "mlp", "--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),
+    ],
+)
+def test_bad_input_is_one_readable_line(args, message):
+    rc, _, err = zoo_main(*args)
+    one_line_error(rc, err, message)
+
+
+def test_bad_lora_is_one_readable_line():
+    """A bad key or value names the accepted keys; a target matching nothing gets zoo's
+    error, which lists the model's Linear layers. Exit 2, one line."""
+    for lora, message in [
+        ("r=4,beta=2", "unknown key 'beta'"),
+        ("r=four", "r must be a positive integer"),
+        ("r=4,targets=qproj", "match no Linear layer"),
     ]:
-        assert main(["info", *args]) == 2, args
-        err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        rc, _, err = zoo_main("inspect", "transformer", "--lora", lora)
+        one_line_error(rc, err, message)
+        listed = "layers.layers.attention.q_proj" if "match no" in message else "keys: r, alpha, dropout, targets"
+        assert listed in err, err
+
+
+def test_resume_without_a_checkpoint_is_one_line(tmp_path):
+    rc, _, err = zoo_main("train", "mlp", "--steps", "2", "--output", tmp_path / "none", "--resume")
+    one_line_error(rc, err, "--resume: no checkpoint in")
+
+
+# --- end to end (slow) --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
+    """What `make demo` runs: LoRA on the pretrained MiniLM over 8 simulated devices; the
+    summary says the loss fell, accuracy rose, and the step had one all-reduce of the
+    adapter's (and head's) bytes."""
+    import time
+
+    out = tmp_path / "demo"
+    start = time.perf_counter()
+    proc = run_zoo("demo", "--output", str(out), timeout=900)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loss fell: yes" in proc.stdout, proc.stdout
+    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_after"]["accuracy"] > summary["eval_before"]["accuracy"]
+    assert summary["eval_after"]["loss"] < summary["eval_before"]["loss"]
+    assert summary["collectives"]["gradient_reductions"] == 1
+    assert summary["collectives"]["gradient_bytes"] - summary["trainable_bytes"] in (4, 8)
+    for name in ("config.json", "metrics.jsonl", "loss.png", "summary.json"):
+        assert (out / name).is_file(), name
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert {p.name for p in (out / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    print(f"zoo demo took {seconds:.0f} s")
+
+
+@pytest.mark.slow
+def test_readme_example_runs():
+    """examples/quickstart.py is the README's Python example, verbatim."""
+    proc = subprocess.run([sys.executable, "examples/quickstart.py"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout

@@ -1,0 +1,157 @@
+"""`zoo info MODEL`: every array leaf of a model with its logical axes, sharding and bytes per
+device, without compiling a step."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ._common import CLIError, init_devices, parse_mesh
+from ._inspect import add_mesh_flags, rules_and_lora
+from ._lora_flag import LORA_EXAMPLE, add_lora, lora_json
+from ._tasks import build_inspect_task
+
+
+def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per array leaf of `model`: path, shape, dtype, logical axes, spec, trainable,
+    bytes and bytes per device (each dimension over the product of the mesh axis sizes its
+    spec entry names; nothing is placed on devices)."""
+    import equinox as eqx
+    import jax
+
+    from .._axes import path_str
+
+    rows: list[dict[str, Any]] = []
+
+    def one(path, x, names, spec, train):
+        if not eqx.is_array(x):
+            return
+        entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+        per_device = [
+            dim if entry is None else math.ceil(dim / math.prod(mesh_shape[ax] for ax in _mesh_axes(entry)))
+            for dim, entry in zip(x.shape, entries, strict=True)
+        ]
+        rows.append(
+            {
+                "path": path_str(path),
+                "shape": list(x.shape),
+                "dtype": str(x.dtype),
+                "logical_axes": list(names.names),
+                "spec": [None if e is None else (e if isinstance(e, str) else list(e)) for e in entries],
+                "trainable": bool(train),
+                "parameters": int(x.size),
+                "bytes": int(x.size * x.dtype.itemsize),
+                "bytes_per_device": int(math.prod(per_device) * x.dtype.itemsize),
+            }
+        )
+
+    jax.tree_util.tree_map_with_path(one, model, axes, specs, trainable)
+    return rows
+
+
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def cmd_info(args) -> int:
+    """Build `args.model` (no step) and print its leaf table (or JSON)."""
+    devices = init_devices(args.devices)
+    mesh_shape = parse_mesh(args.mesh, devices)
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+
+    lora = rules_and_lora(args, mesh_shape, devices)
+    model = build_inspect_task(args.model, args.seed).model
+    if lora is not None:
+        model = add_lora(model, lora, args.seed)
+    # An abstract mesh: the specs are checked against its axes and sizes, nothing is placed.
+    mesh = jax.sharding.AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
+    try:
+        axes = zoo.logical_axes(model)
+        specs = zoo.partition_specs(model, zoo.rules(args.rules), mesh)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    if lora is not None:
+        trainable = zoo.lora.trainable(model, lora)
+    else:
+        trainable = jax.tree.map(lambda x: eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact), model)
+    rows = _leaf_rows(model, axes, specs, trainable, mesh_shape)
+    totals = {
+        "leaves": len(rows),
+        "parameters": sum(r["parameters"] for r in rows),
+        "bytes": sum(r["bytes"] for r in rows),
+        "bytes_per_device": sum(r["bytes_per_device"] for r in rows),
+        "trainable_leaves": sum(r["trainable"] for r in rows),
+        "trainable_parameters": sum(r["parameters"] for r in rows if r["trainable"]),
+        "trainable_bytes": sum(r["bytes"] for r in rows if r["trainable"]),
+    }
+    if args.json:
+        result = {
+            "model": args.model,
+            "devices": devices,
+            "rules": args.rules,
+            "mesh": mesh_shape,
+            "lora": None if lora is None else lora_json(model, lora),
+            "leaves": rows,
+            "totals": totals,
+        }
+        print(json.dumps(result))
+        return 0
+
+    def fmt(values) -> str:
+        return "(" + ", ".join("-" if v is None else (v if isinstance(v, str) else "+".join(v)) for v in values) + ")"
+
+    header = ("leaf", "shape", "dtype", "logical axes", "spec", "trainable", "bytes/device")
+    table = [
+        (
+            r["path"],
+            str(tuple(r["shape"])),
+            r["dtype"],
+            fmt(r["logical_axes"]),
+            fmt(r["spec"]),
+            "yes" if r["trainable"] else "no",
+            f"{r['bytes_per_device']:,}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in (header, *table)) for i in range(len(header))]
+    print(f"{args.model}: mesh {mesh_shape}, rules {args.rules}" + ("" if lora is None else f", LoRA r={lora.r}"))
+    for row in (header, *table):
+        print("  ".join(c.rjust(w) if i == len(row) - 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    print(
+        f"total: {totals['leaves']} leaves, {totals['parameters']:,} parameters, {totals['bytes']:,} bytes, "
+        f"{totals['bytes_per_device']:,} bytes per device; trainable: {totals['trainable_parameters']:,} "
+        f"parameters, {totals['trainable_bytes']:,} bytes"
+    )
+
+
+def add_parser(sub):
+    """Register `zoo info` and its flags."""
+    from ._inspect import INSPECT_MODEL_HELP
+
+    info = sub.add_parser(
+        "info",
+        help="list a model's array leaves with their logical axes, sharding and bytes per device",
+        description="Build a model (no training step is compiled) and list every array leaf: path, "
+        "shape, dtype, logical axes (zoo.logical_axes), PartitionSpec under the rules "
+        "(zoo.partition_specs), whether it is trained, and its bytes per device (its bytes over the "
+        "product of the mesh axis sizes its spec splits it over); then the totals.",
+        epilog="examples: zoo info transformer; zoo info transformer --rules tp --mesh data=4,model=2; "
+        f"zoo info encoder --lora {LORA_EXAMPLE} --json; zoo info minilm --lora r=8,targets=all-linear",
+    )
+    info.add_argument("model", help=INSPECT_MODEL_HELP)
+    add_mesh_flags(info, step=False)
+    info.add_argument("--seed", type=int, default=0, help="PRNG seed for the model")
+    info.add_argument(
+        "--lora",
+        metavar="KEY=VALUE,...",
+        help="add LoRA adapters (zoo.lora.add_lora): only they (and modules_to_save) are trainable; "
+        "without it every float leaf is. Same keys and defaults as inspect --lora, e.g. " + LORA_EXAMPLE,
+    )
+    info.add_argument("--json", action="store_true", help="print one JSON object (leaves, totals) instead of a table")
+    info.set_defaults(func=cmd_info)
+    return info

