@@ -118,3 +118,29 @@ def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
 
     assert sorted(p.name for p in out_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert "OK: fine-tuning lowered the prose val loss" in out
+
+
+@pytest.mark.slow
+def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
+    """The pretrained all-MiniLM-L6-v2, LoRA on 8 devices x 2 microbatches, a few steps."""
+    flags = ["--steps", "8", "--probe-steps", "60", "--seq-len", "32", "--batch-size", "16", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "finetune_minilm.py"), *flags],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        timeout=600,
+    )
+    out = proc.stdout.decode("utf-8", errors="replace")
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr.decode(errors='replace')}"
+    majority = _number(r"majority-class test accuracy ([\d.]+)", out)
+    probe = _number(r"trained to convergence: test loss [\d.]+, accuracy ([\d.]+)", out)
+    lora = _number(r"LoRA r=8 \+ head: +test loss [\d.]+, accuracy ([\d.]+)", out)
+    # Real pretrained features: far above always guessing the largest class, even after
+    # 8 LoRA steps from a new head.
+    assert probe > majority + 0.4 and lora > majority + 0.2, (majority, probe, lora)
+    trained = _number(r"trained (\d+) bytes", out.replace(",", ""))
+    reduced = _number(r"gradient all-reduces outside loops: 1 (\d+) bytes", out.replace(",", ""))
+    assert reduced == trained + 4  # the adapters and head, and the loss sum: nothing else
+    assert "frozen base weights bit for bit unchanged: yes" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
