@@ -18,13 +18,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m zoo demo
 
-# The whole suite: fast tests, then the slow end-to-end ones.
+# The whole suite: fast tests, then the slow end-to-end ones. Two pytest workers (one
+# test file each at a time): compiling is mostly single-threaded, so two keep both cores
+# of a small machine busy (4.6 instead of 7.1 minutes for the fast tests on 2 cores).
+# The slow runs are few and long: hand them out one by one (--dist load).
+PYTEST := $(PY) -m pytest -q -n 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m 'not slow'
-	$(PY) -m pytest -q -m slow
+	$(PYTEST) --dist loadfile -m 'not slow'
+	$(PYTEST) --dist load -m slow
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m 'not slow'
+	$(PYTEST) --dist loadfile -m 'not slow'
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_time.py
