@@ -44,6 +44,7 @@ PRESET_MODES = [
     ("fsdp-once", "shard_map"),
     ("tp", "explicit"),
     ("fsdp+tp", "explicit"),
+    ("zero1", "explicit"),
 ]
 # (devices N, microbatches M): each case takes the next one, so every model meets every
 # N ∈ {2, 4, 8} and M ∈ {1, 3}, and every preset runs at M = 3 for one of the models.
@@ -132,6 +133,14 @@ def test_collectives_sit_where_the_preset_says(model_name, preset, mode, n, m):
             assert not data_colls  # one data shard: nothing to reduce
         else:
             assert len(data_colls) == 1 and data_colls[0].kind == "all-reduce" and not data_colls[0].in_loop
+    elif preset == "zero1":
+        # ZeRO-1: one reduction of the accumulator into the split layout after the loop
+        # (reduce-scatter; all-reduce + dynamic-slice on CPU), one all-gather per split
+        # parameter after the update; nothing in the loop.
+        assert not in_loop and {c.kind for c in outside} <= {"all-gather", "all-reduce", "reduce-scatter"}
+        assert len(grad_reductions) == 1, zoo.report(colls)
+        split = [x for x in jax.tree.leaves(trainable) if "data" in zoo.split_spec(x, "data", mesh.shape["data"])]
+        assert zoo.count(colls, "all-gather") == len(split) >= 1, zoo.report(colls)
     elif preset == "fsdp+tp":
         # Per-use FSDP over `data` plus tensor parallelism over `model`: no collective mixes
         # them, in-loop data traffic is FSDP's own (gathers and reductions), one reduction

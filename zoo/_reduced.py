@@ -14,6 +14,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -190,3 +191,41 @@ def pcast_unreduced(tree: Any, *, axes="data") -> Any:
     """Inside `shard_map`: declare varying per-device partial sums unreduced (free)."""
     axes = tuple(sorted(_axes_set(axes)))
     return jax.tree.map(lambda x: lax.pcast(pcast_varying(x, axes=axes), axes, to="unreduced"), tree)
+
+
+def split_spec(x: Any, axes="data", size: int | None = None) -> P:
+    """The ZeRO layout of one leaf: its own spec with one more dimension split over `axes`.
+
+    The dimension is the first one that is not already sharded (over any mesh axis) and
+    whose size `size` (the data-parallel size; the mesh's, when omitted) divides. A leaf
+    already split over `axes` keeps its spec (it is 1/N already); a leaf with no such
+    dimension (scalars, odd sizes) stays as it is, i.e. replicated over `axes`.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    if size is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        size = 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in axes]))
+    spec = plain_spec(x)
+    if size <= 1 or sharded_over(x, frozenset(axes)):
+        return spec
+    entry = axes[0] if len(axes) == 1 else axes
+    for dim, (part, length) in enumerate(zip(spec, x.shape)):
+        if part is None and length > 0 and length % size == 0:
+            return P(*spec[:dim], entry, *spec[dim + 1 :])
+    return spec
+
+
+def reshard_tree(tree: Any, specs: Any) -> Any:
+    """`jax.reshard` every array leaf of `tree` to the spec at the same place in `specs`
+    (a pytree with a `PartitionSpec` where `tree` has an array), in one call."""
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+    if len(spec_leaves) != len(arrays):
+        raise ValueError(f"{len(arrays)} array leaves but {len(spec_leaves)} specs")
+    if not arrays:
+        return tree
+    moved = jax.reshard([leaves[i] for i in arrays], spec_leaves)
+    for i, x in zip(arrays, moved):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)

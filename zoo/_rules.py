@@ -41,6 +41,10 @@ _PRESETS: dict[str, dict[str, MeshAxes]] = {
     # The same layout; the step gathers every parameter once per step into a reduced copy
     # and reduce-scatters the accumulated gradients once (see `step_options`).
     "fsdp-once": _DP | {"embed": "data"},
+    # ZeRO-1: parameters replicated as in "dp"; the step keeps the optimizer state split
+    # over `data`, reduce-scatters the gradients and all-gathers the updated parameters
+    # once per step (see `step_options`).
+    "zero1": _DP,
     # Megatron tensor parallelism on a (data, model) mesh: heads, mlp width and vocab
     # split over `model` (column-parallel in, row-parallel out), batch over `data`.
     "tp": _DP | _TP,
@@ -49,7 +53,7 @@ _PRESETS: dict[str, dict[str, MeshAxes]] = {
 }
 
 # TrainStep keyword arguments a preset implies beyond its layout.
-_STEP_OPTIONS: dict[str, dict[str, Any]] = {"fsdp-once": {"gather": "once"}}
+_STEP_OPTIONS: dict[str, dict[str, Any]] = {"fsdp-once": {"gather": "once"}, "zero1": {"shard_optimizer": True}}
 
 
 def rules(preset: str = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
@@ -59,7 +63,8 @@ def rules(preset: str = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
 
     - `preset`: one of `zoo.RULE_PRESETS`: `"dp"` (parameters replicated, batch on
       `data`), `"fsdp"` / `"fsdp-once"` (parameters split over `data` along their embed
-      axis; the two differ in the step, see `zoo.step_options`), `"tp"` (heads, mlp width
+      axis; the two differ in the step, see `zoo.step_options`), `"zero1"` (the "dp"
+      layout; the step shards the optimizer state over `data`), `"tp"` (heads, mlp width
       and vocab over `model`), `"fsdp+tp"`.
     - `overrides`: logical axis → mesh axis (or tuple of mesh axes, or `None`).
 
@@ -80,7 +85,10 @@ def step_options(preset: str) -> dict[str, Any]:
     """The `zoo.TrainStep` keyword arguments a rules preset implies beyond its layout.
 
     `"fsdp-once"` → `{"gather": "once"}` (all-gather the parameters once per step,
-    accumulate unreduced gradients, reduce-scatter once); every other preset → `{}`.
+    accumulate unreduced gradients, reduce-scatter once); `"zero1"` →
+    `{"shard_optimizer": True}` (optimizer state split over `data`: reduce-scatter the
+    gradients into it, update the shards, all-gather the parameters once); every other
+    preset → `{}`.
     """
     rules(preset)  # validates the name
     return dict(_STEP_OPTIONS.get(preset, {}))

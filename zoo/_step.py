@@ -30,7 +30,9 @@ from ._reduced import (
     plain_spec,
     reduce_unreduced,
     reduced_cast,
+    reshard_tree,
     sharded_over,
+    split_spec,
     unreduced_zeros,
 )
 from ._rules import batch_spec
@@ -219,12 +221,26 @@ def _require_replicated_off_data(params, frozen, data_axes) -> None:
             )
 
 
-def _out_specs(carry: dict, params: Any) -> dict:
+def _out_specs(carry: dict, params: Any, grad_specs: Any = None) -> dict:
     """Where the reduced carry lands: scalars replicated, gradients in their params' layout
-    (for parameters split over the data axes that reduction is a reduce-scatter)."""
+    or in `grad_specs` (for a layout split over the data axes that reduction is a
+    reduce-scatter: FSDP parameters, or the optimizer-state shards of `shard_optimizer`)."""
     out = {name: P() for name in carry if name != "grads"}
-    out["grads"] = jax.tree.map(plain_spec, params)
+    out["grads"] = jax.tree.map(plain_spec, params) if grad_specs is None else grad_specs
     return out
+
+
+def _array_specs(tree: Any) -> Any:
+    """The plain `PartitionSpec` of each array leaf of `tree` (arrays or shape structs)."""
+
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            spec = sharding.spec if sharding is not None else P()
+            return P(*spec, *([None] * (x.ndim - len(spec))))
+        return plain_spec(x)
+
+    return jax.tree.map(one, eqx.filter(tree, lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)))
 
 
 def _accumulate_body(objective, params):
@@ -263,6 +279,7 @@ class TrainStep:
         mode: Mode = "explicit",
         data_axes: str | tuple[str, ...] = "data",
         gather: Gather = "per_use",
+        shard_optimizer: bool = False,
         donate: bool = False,
     ):
         """**Arguments:**
@@ -283,12 +300,31 @@ class TrainStep:
           accumulate unreduced gradients, reduce-scatter once after the loop (one full
           copy of the parameters in memory for the step; no communication in the loop).
           Parameters not split over the data axes are unaffected.
+        - `shard_optimizer`: ZeRO-1 (the `"zero1"` preset). The optimizer state is kept
+          split over the data axes: each trainable leaf's moments are split along the
+          first dimension that is not already sharded and that the data-parallel size N
+          divides (`zoo.split_spec`); leaves with no such dimension, and scalars such as
+          Adam's count, stay replicated. `init` places the state that way. In the step,
+          after the microbatch loop, the accumulated gradients are reduced straight into
+          that layout (one reduce-scatter; XLA's CPU backend emits it as all-reduce +
+          dynamic-slice), the parameters are sliced to the same layout (local, free),
+          `optimizer.update` and `apply_updates` run on the shards, and the updated
+          parameters are all-gathered once back to their own layout. Optimizer-state
+          memory per device falls about N-fold; no collective enters the loop. The
+          optimizer sees global-view arrays, so any optax transformation gives the
+          unsharded result: a global norm (`optax.clip_by_global_norm`) adds an
+          all-reduce of per-device partial sums of squares, outside the loop (XLA may
+          merge those scalars into the gradient reductions; see docs/design.md). Parameters
+          already split over the data axes (FSDP) keep their layout. No effect without a
+          mesh or with one data shard. Works in both modes.
         - `donate`: donate the model and optimizer state buffers to the step.
         """
         if mode not in ("explicit", "shard_map"):
             raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
         if gather not in ("per_use", "once"):
             raise ValueError(f"gather must be 'per_use' or 'once', got {gather!r}")
+        if not isinstance(shard_optimizer, bool):
+            raise ValueError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
         self.loss_fn = loss_fn
@@ -298,7 +334,9 @@ class TrainStep:
         self.mode = mode
         self.data_axes = data_axes_tuple(data_axes)
         self.gather = gather
+        self.shard_optimizer = shard_optimizer
         self._grads = _Jit(self._loss_and_grads)
+        self._init = _Jit(self._sharded_init)
         self._step = _Jit(self._train_step, donate=(0, 1) if donate else ())
 
     # -- public API -------------------------------------------------------------------
@@ -307,8 +345,19 @@ class TrainStep:
         return partition_trainable(model, self.trainable)
 
     def init(self, model: Any) -> optax.OptState:
-        """The optimizer state for `model`'s trainable leaves (plain arrays, like the params)."""
-        return self.optimizer.init(self.partition(model)[0])
+        """The optimizer state for `model`'s trainable leaves (plain arrays, like the params).
+
+        With `shard_optimizer=True` (under a mesh with more than one data shard) each leaf
+        is split over the data axes as described in `__init__`; call it under the mesh.
+        """
+        params = self.partition(model)[0]
+        if not self._zero():
+            return self.optimizer.init(params)
+        return self._init(params)
+
+    def _sharded_init(self, params):
+        # Moments built from the sliced parameters (`zeros_like`) inherit their layout.
+        return self.optimizer.init(reshard_tree(params, self._shard_specs(params)))
 
     def check(self, batch: Any) -> int:
         """Raise a clear error unless the batch divides into devices × microbatches."""
@@ -346,14 +395,40 @@ class TrainStep:
         return self._step.compile(model, opt_state, batch)
 
     # -- traced -----------------------------------------------------------------------
+    def _zero(self) -> bool:
+        """Whether the optimizer state is sharded here (option on, more than one data shard)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        return self.shard_optimizer and not mesh.empty and data_parallel_size(mesh, self.data_axes) > 1
+
+    def _shard_specs(self, params):
+        """The ZeRO layout of each trainable leaf (and so of its optimizer moments)."""
+        n = data_parallel_size(jax.sharding.get_abstract_mesh(), self.data_axes)
+        return jax.tree.map(lambda x: split_spec(x, self.data_axes, n), params)
+
     def _train_step(self, model, opt_state, batch):
+        if self._zero():
+            return self._sharded_train_step(model, opt_state, batch)
         loss, grads = self._loss_and_grads(model, batch)
         params, frozen = self.partition(model)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return eqx.combine(params, frozen), opt_state, loss
 
-    def _loss_and_grads(self, model, batch):
+    def _sharded_train_step(self, model, opt_state, batch):
+        """ZeRO-1: reduce-scatter the gradients, update the shards, all-gather the params."""
+        params, frozen = self.partition(model)
+        shard_specs = self._shard_specs(params)
+        # The loop, then one reduction of the accumulator straight into the shards' layout.
+        loss, grads = self._loss_and_grads(model, batch, grad_specs=shard_specs)
+        shards = reshard_tree(params, shard_specs)  # replicated → split: a local slice
+        state_specs = _array_specs(jax.eval_shape(self.optimizer.init, shards))
+        opt_state = reshard_tree(opt_state, state_specs)  # no-op for a state from `init`
+        updates, opt_state = self.optimizer.update(grads, opt_state, shards)
+        shards = optax.apply_updates(shards, updates)
+        params = reshard_tree(shards, jax.tree.map(plain_spec, params))  # the all-gather
+        return eqx.combine(params, frozen), reshard_tree(opt_state, state_specs), loss
+
+    def _loss_and_grads(self, model, batch, grad_specs=None):
         mesh = jax.sharding.get_abstract_mesh()
         params, frozen = self.partition(model)
         size = check_batch(batch, data_parallel_size(mesh, self.data_axes), self.microbatches)
@@ -364,15 +439,15 @@ class TrainStep:
             # unreduced shard_map outputs over a size-1 axis, so run the explicit path.
             require_explicit(mesh)
             n = data_parallel_size(mesh, self.data_axes)
-            loss_sum, weight, grads = self._accumulate(params, frozen, batch, self.data_axes, n)
+            loss_sum, weight, grads = self._accumulate(params, frozen, batch, self.data_axes, n, grad_specs)
         else:
-            loss_sum, weight, grads = self._accumulate_shard_map(params, frozen, batch)
+            loss_sum, weight, grads = self._accumulate_shard_map(params, frozen, batch, grad_specs)
         if weight is None:
             weight = size
         grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
         return loss_sum / weight, grads
 
-    def _accumulate(self, params, frozen, batch, axes, n):
+    def _accumulate(self, params, frozen, batch, axes, n, grad_specs=None):
         """Explicit mode (or no mesh when `axes` is None): sums over the global batch."""
         m = self.microbatches
         if axes is not None:
@@ -401,10 +476,10 @@ class TrainStep:
             init["weight"] = scalar_zero
         carry, _ = lax.scan(_accumulate_body(objective, params_view), init, microbatches)
         if axes is not None:
-            carry = reduce_unreduced(carry, _out_specs(carry, params))  # the one all-reduce
+            carry = reduce_unreduced(carry, _out_specs(carry, params, grad_specs))  # the one all-reduce
         return carry["loss"], carry.get("weight"), carry["grads"]
 
-    def _accumulate_shard_map(self, params, frozen, batch):
+    def _accumulate_shard_map(self, params, frozen, batch, grad_specs=None):
         """Manual mode: the loop runs per device; varying partial sums leave it unreduced."""
         axes, m = self.data_axes, self.microbatches
         params_view = reduced_cast(params, axes=axes, gather=self.gather == "once")
@@ -445,7 +520,7 @@ class TrainStep:
         # Manual over every mesh axis: jax 0.10.2 accepts reduced in_specs only then.
         mapped = jax.shard_map(body_fn, in_specs=in_specs, out_specs=out_specs)
         carry = mapped(params_view, frozen_arrays, batch)
-        carry = reduce_unreduced(carry, _out_specs(carry, params))  # the one all-reduce
+        carry = reduce_unreduced(carry, _out_specs(carry, params, grad_specs))  # the one all-reduce
         return carry["loss"], carry.get("weight"), carry["grads"]
 
     def _returns_weights(self, params, frozen, batch) -> bool:

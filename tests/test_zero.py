@@ -1,0 +1,210 @@
+"""ZeRO-1 (`TrainStep(shard_optimizer=True)`, the "zero1" preset): the optimizer state lives
+split over `data`; the step reduce-scatters the gradients into it, updates the shards and
+all-gathers the parameters once. Same numbers as the unsharded step, 1/N of the state per
+device, no collective inside the microbatch loop.
+
+Each case compiles the unsharded and the sharded step once (module cache) and runs three
+adamw steps with global-norm clipping; every test reads those programs and results.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import optax
+import pytest
+from conftest import data_mesh, lm_batch, max_abs_diff, tiny_decoder, tree_allclose, tree_bytes
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from zoo.lora import LoraConfig, add_lora, trainable
+
+BATCH = 24
+STEPS = 3
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down"))
+
+# case → (devices N, microbatches M, LoRA?, mode of the sharded step)
+CASES = {
+    "N4-M2": (4, 2, False, "explicit"),
+    "N8-M3": (8, 3, False, "explicit"),
+    "lora-N4-M3": (4, 3, True, "explicit"),
+    "shard_map-N8-M3": (8, 3, False, "shard_map"),
+}
+
+
+def optimizer():
+    # Clipping makes the update depend on the global norm over all (sharded) gradients.
+    return optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1))
+
+
+@functools.cache
+def model_and_filter(lora: bool):
+    model = tiny_decoder(jax.random.key(0))
+    if not lora:
+        return model, eqx.is_inexact_array
+    model = add_lora(model, LORA, key=jax.random.key(1))
+    return model, trainable(model, LORA)
+
+
+@functools.cache
+def run(n, m, lora, mode, shard_optimizer, opt=optimizer):
+    """Three compiled steps: (model, opt state, losses, collectives, memory, trainable params)."""
+    model, filter_spec = model_and_filter(lora)
+    batch = lm_batch(jax.random.key(2), BATCH)
+    mesh = data_mesh(n)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("zero1" if shard_optimizer else "dp"), mesh)
+        step = zoo.TrainStep(
+            zoo.models.next_token_loss, opt(), microbatches=m, trainable=filter_spec, mode=mode,
+            shard_optimizer=shard_optimizer,
+        )
+        state = step.init(sharded)
+        compiled = step.compile(sharded, state, batch)
+        memory = compiled.memory_analysis()
+        new, losses = sharded, []
+        for _ in range(STEPS):
+            new, state, loss = compiled(new, state, batch)
+            losses.append(float(loss))
+        colls = zoo.collectives(compiled, mesh=mesh)
+    return new, state, losses, colls, memory, step.partition(sharded)[0]
+
+
+def pair(case):
+    n, m, lora, mode = CASES[case]
+    return run(n, m, lora, "explicit", False), run(n, m, lora, mode, True)
+
+
+def expected_split(shape, n):
+    """The documented rule: the first dimension N divides (nothing else is sharded here)."""
+    for dim, size in enumerate(shape):
+        if size % n == 0:
+            return P(*([None] * dim), "data", *([None] * (len(shape) - dim - 1)))
+    return P(*([None] * len(shape)))
+
+
+def moments(state):
+    """(mu, nu) of the adamw part of the chain, and its count."""
+    adam = state[1][0]
+    return adam.mu, adam.nu, adam.count
+
+
+def per_device_bytes(tree):
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_results_equal_the_unsharded_step(case):
+    (ref_model, ref_state, ref_losses, *_), (model, state, losses, *_) = pair(case)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert tree_allclose(model, ref_model, rtol=1e-5, atol=1e-7), max_abs_diff(model, ref_model)
+    assert tree_allclose(state, ref_state, rtol=1e-5, atol=1e-9), max_abs_diff(state, ref_state)
+    assert losses[-1] < losses[0]
+    # The parameters moved (so equality is not vacuous) and came back in their own layout.
+    start = model_and_filter(CASES[case][2])[0]
+    assert max_abs_diff(model, start) > 1e-4
+    for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
+        assert leaf.sharding.spec == P(*([None] * leaf.ndim))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_optimizer_state_is_split_over_data(case):
+    n = CASES[case][0]
+    (_, ref_state, *_), (_, state, _, _, _, params) = pair(case)
+    mu, nu, count = moments(state)
+    dims_used = set()
+    for p, a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mu), jax.tree.leaves(nu)):
+        want = expected_split(p.shape, n)
+        assert a.sharding.spec == want and b.sharding.spec == want, (p.shape, a.sharding.spec, want)
+        assert a.addressable_shards[0].data.size == a.size // n
+        dims_used.add(list(want).index("data"))
+    if not CASES[case][2]:  # the embedding splits its dim 0, stacked [layers=2, ...] leaves dim 1
+        assert dims_used == {0, 1}
+    assert count.sharding.spec == P() and moments(ref_state)[2].sharding.spec == P()
+    for leaf in jax.tree.leaves(ref_state):  # the unsharded step keeps everything replicated
+        assert leaf.sharding.spec == P(*([None] * leaf.ndim))
+
+
+def test_split_spec_rule():
+    with jax.set_mesh(data_mesh(4)):
+        assert zoo.split_spec(jnp.zeros((2, 8, 4))) == P(None, "data", None)
+        assert zoo.split_spec(jnp.zeros((3, 5))) == P(None, None)  # nothing divides: replicated
+        assert zoo.split_spec(jnp.zeros(())) == P()  # scalars (counts) stay replicated
+        fsdp = jax.device_put(jnp.zeros((8, 8)), P(None, "data"))
+        assert zoo.split_spec(fsdp) == P(None, "data")  # already 1/N: kept
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        tp = jax.device_put(jnp.zeros((4, 6)), P("model", None))
+        assert zoo.split_spec(tp) == P("model", "data")  # a dimension split over `model` is skipped
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_collectives_all_outside_loops(case):
+    """In the loop: nothing. After it: the gradient reduction(s) into the shards, a scalar
+    all-reduce for the global norm, and one all-gather per split parameter."""
+    n = CASES[case][0]
+    (*_, ref_colls, _, _), (*_, colls, _, params) = pair(case)
+    print(zoo.report(colls))
+    assert not [c for c in colls if c.in_loop], zoo.report(colls)
+    assert all(c.mesh_axes == ("data",) and c.group_size == n for c in colls), zoo.report(colls)
+    assert {c.kind for c in colls} <= {"all-reduce", "reduce-scatter", "all-gather"}
+    # One all-gather per trainable leaf (each split, see the state test), carrying exactly
+    # the full updated parameters: gathered once, not per microbatch.
+    gathers = [c for c in colls if c.kind == "all-gather"]
+    assert len(gathers) == len(jax.tree.leaves(params))
+    assert sum(c.bytes for c in gathers) == tree_bytes(params)
+    # The reductions carry every gradient once (the CPU backend's reduce-scatter is an
+    # all-reduce of the full leaf + a local dynamic-slice), plus 4-byte scalars: loss sum,
+    # token count, and one sum-of-squares partial per leaf for clip_by_global_norm.
+    reductions = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
+    scalars = sum(c.bytes for c in reductions) - tree_bytes(params)
+    assert scalars == 4 * (2 + len(jax.tree.leaves(params))), zoo.report(colls)
+    # XLA's CPU all-reduce combiner pairs each leaf's gradient reduction with another
+    # leaf's norm partial, so there are at most one reduction per leaf plus one.
+    assert 1 <= len(reductions) <= len(jax.tree.leaves(params)) + 1
+    # The unsharded step: one all-reduce, no gathers.
+    assert [c.kind for c in ref_colls] == ["all-reduce"]
+
+
+def test_without_global_norm_the_gradients_reduce_in_one_collective():
+    """adamw alone: the whole accumulator (gradients + loss + token count) is reduced into
+    the split layout by ONE collective, and the parameters come back by all-gathers."""
+    _, _, _, colls, _, params = run(4, 2, False, "explicit", True, opt=lambda: optax.adamw(1e-2))
+    print(zoo.report(colls))
+    assert not [c for c in colls if c.in_loop]
+    (reduction,) = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
+    assert reduction.bytes in (tree_bytes(params) + 8, tree_bytes(params) // 4 + 8)
+    assert zoo.count(colls, "all-gather") == len(jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_optimizer_state_memory_falls_n_fold(case):
+    n = CASES[case][0]
+    (_, ref_state, _, _, ref_memory, _), (_, state, _, _, memory, _) = pair(case)
+    mu, nu, count = moments(state)
+    full = tree_bytes(ref_state)
+    replicated = tree_bytes(count) + tree_bytes(moments(ref_state)[2])  # the counts
+    per_device = per_device_bytes(state)
+    print(f"{case}: optimizer state {full} B unsharded, {per_device} B per device sharded")
+    assert per_device_bytes(ref_state) == full
+    assert per_device <= 1.2 * full / n + replicated
+    # The compiled program agrees: its per-device argument bytes shrink by the state's
+    # (N-1)/N (the parameters and the batch are the same in both programs).
+    saved = ref_memory.argument_size_in_bytes - memory.argument_size_in_bytes
+    print(f"{case}: arguments {ref_memory.argument_size_in_bytes} -> {memory.argument_size_in_bytes} B")
+    assert saved == full - per_device
+    assert ref_memory.output_size_in_bytes - memory.output_size_in_bytes == full - per_device
+
+
+def test_preset_and_no_op_settings():
+    assert zoo.step_options("zero1") == {"shard_optimizer": True}
+    assert zoo.rules("zero1") == zoo.rules("dp")
+    model, _ = model_and_filter(False)
+    step = zoo.TrainStep(zoo.models.next_token_loss, optimizer(), shard_optimizer=True)
+    # Without a mesh (or with one data shard) there is nothing to split: plain optax state.
+    for leaf, ref in zip(jax.tree.leaves(step.init(model)), jax.tree.leaves(optimizer().init(step.partition(model)[0]))):
+        np.testing.assert_array_equal(leaf, ref)
+    with pytest.raises((ValueError, jaxtyping.TypeCheckError), match="shard_optimizer"):
+        zoo.TrainStep(zoo.models.next_token_loss, optimizer(), shard_optimizer="data")
