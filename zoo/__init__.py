@@ -9,6 +9,7 @@ from . import data, hf, lora, models, nn
 from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
 from ._checkpoint import CheckpointError, Checkpointer
+from ._distributed import distributed_init, global_batch, is_main_process, local_rows
 from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
 from ._reduced import (
     gather_over,
@@ -17,6 +18,7 @@ from ._reduced import (
     pcast_varying,
     reduce_unreduced,
     reduced_cast,
+    split_spec,
     unreduced_zeros,
 )
 from ._rules import LOGICAL_AXES, RULE_PRESETS, partition_specs, rules, shard, spec_for, step_options
@@ -39,9 +41,13 @@ __all__ = [
     "count",
     "field",
     "gather_over",
+    "global_batch",
+    "is_main_process",
     "data",
+    "distributed_init",
     "hf",
     "logical_axes",
+    "local_rows",
     "lora",
     "manual_specs",
     "models",
@@ -57,6 +63,7 @@ __all__ = [
     "shard",
     "spec_for",
     "split_microbatches",
+    "split_spec",
     "stacked_field",
     "step_options",
     "unreduced_zeros",

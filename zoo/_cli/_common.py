@@ -28,6 +28,16 @@ DEFAULT_CPU_DEVICES = 8
 # --- devices and meshes --------------------------------------------------------------------
 
 
+def init_devices_env() -> None:
+    """XLA flags every command sets before jax's backend starts."""
+    # Simulated devices share a few cores: on a busy machine one device's thread can reach
+    # a collective long after the others, and XLA's CPU runtime aborts after 40 s of
+    # waiting by default. Let it wait (read when the backend starts; harmless elsewhere).
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "collective_call_terminate_timeout" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_call_terminate_timeout_seconds=3600".strip()
+
+
 def init_devices(devices: int | None) -> int:
     """Set up jax's devices and return how many the command uses.
 
@@ -39,12 +49,7 @@ def init_devices(devices: int | None) -> int:
 
     if devices is not None and devices < 1:
         raise CLIError(f"--devices must be >= 1, got {devices}")
-    # Simulated devices share a few cores: on a busy machine one device's thread can reach
-    # a collective long after the others, and XLA's CPU runtime aborts after 40 s of
-    # waiting by default. Let it wait (read when the backend starts; harmless elsewhere).
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "collective_call_terminate_timeout" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_call_terminate_timeout_seconds=3600".strip()
+    init_devices_env()
     wanted = DEFAULT_CPU_DEVICES if devices is None else devices
     try:
         jax.config.update("jax_num_cpu_devices", wanted)

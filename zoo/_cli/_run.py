@@ -104,7 +104,6 @@ class Evaluator:
     def __call__(self, model, data: dict, *, features: bool = False) -> dict[str, Any]:
         """`{"loss", "accuracy" (None for regression), "examples", "features" (numpy, in
         the rows' order, when asked)}` over every row of `data`."""
-        import jax
         import numpy as np
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -125,7 +124,7 @@ class Evaluator:
             if m < self.rows:  # pad with copies of the first row, weighted 0
                 chunk = {k: np.concatenate([v, np.repeat(v[:1], self.rows - m, axis=0)]) for k, v in chunk.items()}
             chunk["weight"] = (np.arange(self.rows) < m).astype(np.float32)
-            out = self._fn(model, jax.device_put(chunk, sharding))
+            out = self._fn(model, put_rows(chunk, sharding))
             outs.append({k: v.sum() for k, v in out.items() if k != "features"})
             if features:
                 feats.append(np.asarray(out["features"])[:m])
@@ -181,6 +180,30 @@ def fit_head(features, labels, weight, bias, *, steps: int, lr: float = 1e-2, l2
 
 
 # --- the run ---------------------------------------------------------------------------------
+
+
+def put_rows(batch: dict, sharding) -> dict:
+    """A whole numpy batch (the same in every process) on the devices of `sharding`, dim 0
+    split over its data axis. In a multi-process run each process hands over only the rows
+    its own devices hold (`zoo.local_rows`), so no process copies rows it does not keep."""
+    import jax
+
+    import zoo
+
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    rows = zoo.local_rows(len(next(iter(batch.values()))), sharding.mesh)
+    return zoo.global_batch({k: v[rows] for k, v in batch.items()}, sharding.mesh)
+
+
+class _NoMetrics:
+    """metrics.jsonl in processes other than 0: they train, process 0 writes."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -258,10 +281,13 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
     import zoo
 
     t_start = time.perf_counter()
-    quiet = s["quiet"]
+    # Every process trains; only process 0 prints and writes metrics, plots and summaries.
+    main = zoo.is_main_process()
+    quiet = s["quiet"] or not main
 
     def say(text: str = "") -> None:
-        print(text, flush=True)
+        if main:
+            print(text, flush=True)
 
     mesh = make_mesh(mesh_shape)
     rules = zoo.rules(s["rules"])
@@ -289,7 +315,8 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         except ValueError as e:
             raise CLIError(str(e).splitlines()[0]) from e
         output.mkdir(parents=True, exist_ok=True)
-        write_json(output / "config.json", config)
+        if main:
+            write_json(output / "config.json", config)
         trainable = zoo.lora.trainable(model, lcfg) if lcfg is not None else eqx.is_inexact_array
         optimizer, lr_at = make_optimizer(
             s["optimizer"], s["lr"], steps, warmup=s["warmup"], schedule=s["schedule"],
@@ -305,10 +332,14 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             lcfg is None and bool((task.config or {}).get("dropout") or (task.config or {}).get("attention_dropout"))
         )
 
+        own_rows = zoo.local_rows(bsz, mesh) if jax.process_count() > 1 else None
+
         def batch_of(i: int) -> dict:
             batch = task.train_batch(i, bsz)
             if dropout:  # one key per example: the masks do not depend on the device split
                 batch["dropout_key"] = zoo.nn.example_keys(jax.random.fold_in(key, i), bsz)
+            if own_rows is not None:  # every process builds the same global batch and keeps its rows
+                batch = zoo.global_batch({k: v[own_rows] for k, v in batch.items()}, mesh)
             return batch
 
         # -- resume -------------------------------------------------------------------------------
@@ -376,7 +407,9 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
 
         # -- train ----------------------------------------------------------------------------
         metrics_path = output / "metrics.jsonl"
-        if start:  # a resumed run keeps the rows up to its checkpoint
+        if not main:
+            metrics = _NoMetrics()
+        elif start:  # a resumed run keeps the rows up to its checkpoint
             kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= start]
             metrics = Metrics(metrics_path)
             for row in kept:
@@ -444,12 +477,13 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
                        + f" after {steps} steps", **after})  # fmt: skip
         saved_files: dict[str, Any] = {}
         if lcfg is not None:
+            # Every process calls the savers (sharded leaves are gathered); process 0 writes.
             zoo.lora.save_adapter(model, lcfg, output / "adapter")
             saved_files["adapter"] = str(output / "adapter")
         elif task.hf_part is not None:
             try:
                 zoo.hf.save_pretrained(task.hf_part(model), output / "model")
-                if task.tokenizer_dir is not None:
+                if task.tokenizer_dir is not None and main:
                     for name in _TOKENIZER_FILES:
                         if (task.tokenizer_dir / name).is_file():
                             shutil.copy(task.tokenizer_dir / name, output / "model" / name)
@@ -479,6 +513,7 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         "data": task.data,
         "init": task.init,
         "devices": devices,
+        "processes": jax.process_count(),
         "backend": jax.default_backend(),
         "mesh": mesh_shape,
         "rules": s["rules"],
@@ -522,10 +557,11 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         },
         "outputs": saved_files,
     }
-    baselines = {f"{st['name']}, eval": st["loss"] for st in stages if st.get("baseline")}
-    plot_losses(read_metrics(metrics_path), output / "loss.png", title, baselines)
-    write_json(output / "summary.json", summary)
-    _print_summary(say, summary, task, colls, output, lcfg)
+    if main:
+        baselines = {f"{st['name']}, eval": st["loss"] for st in stages if st.get("baseline")}
+        plot_losses(read_metrics(metrics_path), output / "loss.png", title, baselines)
+        write_json(output / "summary.json", summary)
+        _print_summary(say, summary, task, colls, output, lcfg)
     return RunResult(summary, output)
 
 
@@ -551,6 +587,8 @@ def _print_header(say, s, task, title, devices, mesh_shape, lcfg, model, base_pa
     say(f"data: {task.data}")
     if task.label_names:
         say(f"classes: {', '.join(task.label_names)}")
+    procs = jax.process_count()
+    where += f" in {procs} processes" if procs > 1 else ""
     say(f"devices: {devices} {where}, mesh {mesh_text(mesh_shape)}, rules {s['rules']}, mode {s['mode']}")
     say(
         f"steps: {s['steps']} of global batch {s['batch_size']} in {s['microbatches']} microbatches, {s['optimizer']} "

@@ -13,7 +13,16 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from ._common import CLIError, init_devices, mesh_text, parse_mesh, parse_pairs, parse_scalar
+from ._common import (
+    DEFAULT_CPU_DEVICES,
+    CLIError,
+    init_devices,
+    init_devices_env,
+    mesh_text,
+    parse_mesh,
+    parse_pairs,
+    parse_scalar,
+)
 from ._lora_flag import LORA_HELP, finetune_defaults, lora_text, parse_lora
 from ._run import OPTIMIZERS, check_checkpoints, check_layout, run
 from ._tasks import DATA_HELP, DATASETS, MODEL_HELP, MODEL_NAMES, check_model, minilm_available
@@ -44,7 +53,7 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 # Defaults shared by every model.
 _COMMON = dict(
-    devices=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
+    devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
     schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=0, eval_size=0,
     output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, init=None, data=None, quiet=False,
     debug=False,
@@ -134,7 +143,8 @@ def _output_dir(s: dict[str, Any], command: str) -> Path:
 
 def _config_json(s: dict[str, Any]) -> dict[str, Any]:
     """The flags as `--config` reads them back (internal values left out)."""
-    return {k: v for k, v in s.items() if k != "model_config_values"}
+    # The process flags belong to one launch, not to the run: --config must not replay them.
+    return {k: v for k, v in s.items() if k not in ("model_config_values", *_PROCESS_FLAGS)}
 
 
 def _title(command: str, s: dict[str, Any]) -> str:
@@ -145,9 +155,50 @@ def _title(command: str, s: dict[str, Any]) -> str:
     )
 
 
+_PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
+
+
+def _multi_process(s: dict[str, Any]) -> bool:
+    """Whether the flags or the environment ask for more than one process."""
+    import os
+
+    if s["num_processes"] is not None:
+        return s["num_processes"] > 1
+    if s["coordinator"] or s["process_id"] is not None:
+        return True
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (os.environ.get("JAX_NUM_PROCESSES") or "1").strip() != "1"
+
+
+def init_processes(s: dict[str, Any]) -> int:
+    """Start the multi-process runtime when asked (before anything touches the devices),
+    then the devices: returns the number of devices the mesh spans (every process's)."""
+    if not _multi_process(s):
+        return init_devices(s["devices"])
+    import jax
+
+    import zoo
+
+    if s["probe"]:
+        raise CLIError("--probe runs in one process only; drop --probe or --num-processes")
+    if not s["output"]:
+        raise CLIError("multi-process runs need --output DIR (the same folder in every process: shared storage)")
+    init_devices_env()
+    local = s["devices"] if s["devices"] is not None else DEFAULT_CPU_DEVICES
+    try:
+        zoo.distributed_init(s["coordinator"], s["num_processes"], s["process_id"], local_device_count=local)
+    except (ValueError, RuntimeError) as e:
+        raise CLIError(str(e).splitlines()[0]) from e
+    have = jax.local_device_count()
+    if s["devices"] is not None and have < s["devices"]:
+        raise CLIError(f"asked for {s['devices']} devices per process but this one has {have}; pass --devices {have}")
+    if s["devices"] is not None and have != s["devices"]:
+        raise CLIError(f"--devices counts this process's devices; a multi-process mesh uses all {have}: drop --devices")
+    return jax.device_count()
+
+
 def execute(s: dict[str, Any], command: str, *, title: str | None = None):
     """Devices, mesh and batch checks, the output folder with config.json, then the run."""
-    devices = init_devices(s["devices"])
+    devices = init_processes(s)
     mesh_shape = parse_mesh(s["mesh"], devices)
     s["devices"], s["mesh"] = devices, mesh_text(mesh_shape)
     check_layout(s, mesh_shape, devices)
@@ -234,6 +285,15 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
                    help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp need a "
                    "'model' mesh axis; fsdp-once also sets the step's gather='once' (zoo.step_options)")
     g.add_argument("--mode", choices=("explicit", "shard_map"), help="step mode (default explicit)")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-process training: process 0's coordinator address, the same in every process "
+                   "(default $JAX_COORDINATOR_ADDRESS); --devices then counts this process's devices, the mesh "
+                   "spans every process's, only process 0 prints and writes metrics (docs/scaling.md)")
+    g.add_argument("--num-processes", type=int, metavar="N",
+                   help="multi-process training: how many processes take part (default $JAX_NUM_PROCESSES, else 1 "
+                   "or what jax.distributed detects)")
+    g.add_argument("--process-id", type=int, metavar="I",
+                   help="multi-process training: this process's index in [0, N) (default $JAX_PROCESS_ID)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps ({per_model})")
     g.add_argument("--batch-size", type=int, metavar="B",

@@ -1,0 +1,101 @@
+"""One process of tests/test_distributed.py: train a tiny decoder on a 4-device global mesh.
+
+    python tests/_distributed_worker.py OUT.npz --devices 4
+    python tests/_distributed_worker.py OUT.npz --devices 2 --coordinator 127.0.0.1:PORT \\
+        --num-processes 2 --process-id I
+
+The first is the reference (1 process × 4 CPU devices); the second is one of 2 processes ×
+2 devices joined by `zoo.distributed_init` (gloo CPU collectives). Both train the same
+global batches (each process builds them whole and keeps its rows) and write the per-step
+losses, the final parameters and the collective counts of the compiled step to OUT.npz.
+conftest is not imported: it would start jax's backend with 8 devices.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+# The XLA flags of the test process (conftest), so every worker compiles the same programs.
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=600 "
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+STEPS, BATCH, MICROBATCHES, SEQ, VOCAB = 4, 16, 2, 8, 32
+
+
+def lm_batch(step: int) -> dict:
+    """The global batch of a step, from the step number alone (numpy: no device needed)."""
+    rng = np.random.default_rng([7, step])
+    tokens = rng.integers(1, VOCAB, (BATCH, SEQ))
+    lengths = SEQ - (np.arange(BATCH) % 3)
+    mask = np.arange(SEQ)[None, :] < lengths[:, None]
+    return {"tokens": np.where(mask, tokens, 0).astype(np.int32), "mask": mask}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--coordinator")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
+    args = p.parse_args()
+
+    import zoo
+
+    if args.num_processes > 1:
+        zoo.distributed_init(args.coordinator, args.num_processes, args.process_id, local_device_count=args.devices)
+    else:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    import equinox as eqx
+    import optax
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("data",))
+    config = zoo.models.TransformerConfig(
+        vocab_size=VOCAB, d_model=16, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=32, max_len=SEQ,
+        positions="rope", activation="swiglu", norm="rmsnorm", tie_embeddings=False,
+    )  # fmt: skip
+    step = zoo.TrainStep(zoo.models.next_token_loss, optax.adamw(1e-2), microbatches=MICROBATCHES)
+    with jax.set_mesh(mesh):
+        # Every process initialises the same model from the same key (one program, so the
+        # same bits), then places it: replicated under the dp rules.
+        model = eqx.filter_jit(lambda k: zoo.models.Transformer(config, key=k))(jax.random.key(0))
+        model = zoo.shard(model, zoo.rules("dp"), mesh)
+        opt_state = step.init(model)
+        rows = zoo.local_rows(BATCH)
+
+        def batch_of(i):
+            return zoo.global_batch({k: v[rows] for k, v in lm_batch(i).items()})
+
+        compiled = step.compile(model, opt_state, batch_of(1))
+        colls = zoo.collectives(compiled, mesh=mesh)
+        losses = []
+        for i in range(1, STEPS + 1):
+            model, opt_state, loss = compiled(model, opt_state, batch_of(i))
+            losses.append(float(loss))
+    counts = {}
+    for c in colls:
+        key = f"{c.kind}/{'loop' if c.in_loop else 'outside'}"
+        counts[key] = counts.get(key, 0) + 1
+    params = eqx.filter(model, eqx.is_inexact_array)
+    arrays = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    np.savez(
+        args.out,
+        losses=np.array(losses, np.float64),
+        counts=json.dumps(counts, sort_keys=True),
+        rows=np.array([rows.start, rows.stop]),
+        processes=jax.process_count(),
+        devices=n,
+        **{f"param{k}": v for k, v in arrays.items()},
+    )
+    print(f"DONE process {jax.process_index()}/{jax.process_count()} rows {rows} counts {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

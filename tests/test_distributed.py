@@ -1,0 +1,179 @@
+"""Multi-process training on loopback: 2 processes × 2 CPU devices (gloo collectives) train
+exactly like 1 process × 4 devices, through the library API and through `zoo train`.
+
+Every child runs with a timeout and is killed and reaped by PID whatever happens; the
+coordinator's port is picked by binding port 0, and a launch that lost its port to
+another program is retried on a fresh one.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import data_mesh
+
+import zoo
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_distributed_worker.py"
+TIMEOUT = 300  # seconds for a whole launch (a loaded CI machine compiles slowly)
+ATTEMPTS = 3
+TOL = 1e-6
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    # Neither the test process's flags nor a cluster's variables leak into the children.
+    for name in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(name, None)
+    return env
+
+
+def _run_all(commands: list[list[str]], logs: Path, timeout: float = TIMEOUT) -> list[tuple[int, str]]:
+    """Start every command at once, wait for all (at most `timeout` seconds in all), and
+    return each one's `(returncode, output)`. A child still running at the deadline, or
+    when anything goes wrong, is killed by PID and reaped."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        for i, cmd in enumerate(commands):
+            log = logs / f"child{i}.log"
+            with open(log, "w") as f:
+                procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=HERE.parent), log))
+        deadline = time.monotonic() + timeout
+        for proc, _ in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        return [(proc.returncode, log.read_text()) for proc, log in procs]
+    except subprocess.TimeoutExpired:
+        outputs = "\n".join(f"--- child {i}\n{log.read_text()[-2000:]}" for i, (_, log) in enumerate(procs))
+        pytest.fail(f"multi-process run still going after {timeout} s:\n{outputs}")
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _port_lost(output: str) -> bool:
+    text = output.lower()
+    return "address already in use" in text or "failed to bind" in text or "bind address" in text
+
+
+def _launch(make_commands, logs: Path) -> list[tuple[int, str]]:
+    """`make_commands(port)` run together; retried on a new port if the coordinator's was taken."""
+    for attempt in range(ATTEMPTS):
+        results = _run_all(make_commands(_free_port()), logs / f"attempt{attempt}")
+        if all(rc == 0 for rc, _ in results) or not any(_port_lost(out) for _, out in results):
+            return results
+    return results
+
+
+def _check_ok(results: list[tuple[int, str]]) -> None:
+    for i, (rc, out) in enumerate(results):
+        assert rc == 0, f"child {i} exited {rc}:\n{out[-4000:]}"
+
+
+# --- in-process: the helpers on one process -------------------------------------------------
+
+
+def test_global_batch_on_one_process_is_the_batch_split_over_data():
+    mesh = data_mesh(4)
+    batch = {"x": np.arange(32, dtype=np.float32).reshape(8, 4), "y": np.arange(8)}
+    with jax.set_mesh(mesh):
+        assert zoo.local_rows(8) == slice(0, 8)
+        out = zoo.global_batch(batch)
+        zoo.check_batch(out, 4, 2)
+    assert out["x"].shape == (8, 4) and out["x"].sharding.spec[0] == "data"
+    np.testing.assert_array_equal(np.asarray(out["x"]), batch["x"])
+    keys = zoo.global_batch({"k": jax.random.split(jax.random.key(0), 8)}, mesh)["k"]
+    assert jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) and keys.shape == (8,)
+    assert zoo.is_main_process()
+
+
+def test_global_batch_and_init_errors_name_the_fix():
+    with pytest.raises(ValueError, match="multiple of 4 rows"):
+        zoo.global_batch({"x": np.zeros((6, 2))}, data_mesh(4))
+    with pytest.raises(ValueError, match="disagree"):
+        zoo.global_batch({"x": np.zeros((8, 2)), "y": np.zeros(4)}, data_mesh(4))
+    with pytest.raises(ValueError, match="no mesh"):
+        zoo.global_batch({"x": np.zeros((8, 2))})
+    with pytest.raises(ValueError, match=r"process_id must be in \[0, 2\)"):
+        zoo.distributed_init("127.0.0.1:1234", 2, 5)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        zoo.distributed_init("127.0.0.1", 2, 0)
+
+
+# --- 2 processes x 2 devices vs 1 process x 4 devices ----------------------------------------
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """The tiny decoder (dp rules, 2 microbatches, AdamW, 4 steps): same losses (≤ 1e-6),
+    same final parameters, one all-reduce outside the loop in every process's step."""
+    py = sys.executable
+
+    def commands(port):
+        pair = [
+            [py, str(WORKER), str(tmp_path / f"p{i}.npz"), "--devices", "2", "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", "2", "--process-id", str(i)]
+            for i in range(2)
+        ]  # fmt: skip
+        return [*pair, [py, str(WORKER), str(tmp_path / "ref.npz"), "--devices", "4"]]
+
+    _check_ok(_launch(commands, tmp_path / "logs"))
+    ref, *procs = (np.load(tmp_path / f"{name}.npz") for name in ("ref", "p0", "p1"))
+    assert int(ref["processes"]) == 1 and int(ref["devices"]) == 4
+    params = [k for k in ref.files if k.startswith("param")]
+    assert params
+    for i, got in enumerate(procs):
+        assert int(got["processes"]) == 2 and int(got["devices"]) == 4
+        assert got["rows"].tolist() == [8 * i, 8 * i + 8]  # process i holds the i-th block of rows
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0, atol=TOL)
+        for k in params:
+            np.testing.assert_allclose(got[k], ref[k], rtol=TOL, atol=TOL, err_msg=k)
+        assert json.loads(str(got["counts"])) == json.loads(str(ref["counts"])) == {"all-reduce/outside": 1}
+
+
+@pytest.mark.slow
+def test_zoo_train_on_two_processes(tmp_path):
+    """`zoo train mlp` on 2 processes × 2 devices: only process 0 prints and writes metrics;
+    the losses equal those of one process with --devices 4; the checkpoint is written by
+    both."""
+    py = sys.executable
+    common = ["train", "mlp", "--steps", "5", "--quiet"]
+
+    def commands(port):
+        return [
+            [py, "-m", "zoo", *common, "--devices", "2", "--num-processes", "2", "--process-id", str(i),
+             "--coordinator", f"127.0.0.1:{port}", "--output", str(tmp_path / "two")]
+            for i in range(2)
+        ] + [[py, "-m", "zoo", *common, "--devices", "4", "--output", str(tmp_path / "one")]]  # fmt: skip
+
+    results = _launch(commands, tmp_path / "logs")
+    _check_ok(results)
+    assert "loss fell" in results[0][1] and "loss fell" not in results[1][1]
+
+    def losses(folder):
+        rows = [json.loads(line) for line in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()]
+        return np.array([r["loss"] for r in rows if r["kind"] == "train"])
+
+    np.testing.assert_allclose(losses("two"), losses("one"), rtol=0, atol=TOL)
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 4
+    assert summary["collectives"]["all_reduce_outside"] == 1 and summary["collectives"]["collectives_in_loop"] == 0
+    assert zoo.Checkpointer(tmp_path / "two" / "checkpoints").steps() == [5]
