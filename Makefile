@@ -34,6 +34,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/step_time.py
 	$(PY) benchmarks/lm_step_time.py
+	$(PY) benchmarks/suite.py --out build/bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
