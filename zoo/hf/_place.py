@@ -17,13 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from .._mismatch import mismatch_lines, shorten
 from ._files import Checkpoint
 from ._layout import Layout, Source, leaf_sources, module_name
-
-
-def _shorten(items: list[str], limit: int = 20) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", … and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def check_tensors(
@@ -50,16 +46,8 @@ def check_tensors(
         if found != expected[name]:
             misshaped.append(f"{mapping[name]}: expected {list(expected[name])}, found {list(found)}")
     if missing or unexpected or misshaped:
-        lines = [f"the checkpoint in {where!r} does not fit a zoo {layout.model_class.__name__} with its config.json:"]
-        if missing:
-            lines.append(f"  missing tensors ({len(missing)}): {_shorten(missing)}")
-        if unexpected:
-            lines.append(f"  unexpected tensors ({len(unexpected)}): {_shorten([mapping[n] for n in unexpected])}")
-        if misshaped:
-            lines.append(f"  mis-shaped tensors ({len(misshaped)}):")
-            lines.extend(f"    {m}" for m in misshaped[:20])
-            if len(misshaped) > 20:
-                lines.append(f"    … and {len(misshaped) - 20} more")
+        lines = [f"the checkpoint in {str(where)!r} does not fit a zoo {layout.model_class.__name__} with its config.json:"]
+        lines += mismatch_lines("tensors", missing, [mapping[n] for n in unexpected], misshaped)
         lines.append(
             f"  (is it a {layout.model_type} checkpoint whose config.json matches its weights? "
             "The names above are the file's.)"
@@ -68,7 +56,7 @@ def check_tensors(
     if heads:
         warnings.warn(
             f"{where}: skipping {len(heads)} tensors of a task head the zoo "
-            f"{layout.model_class.__name__} does not have: {_shorten(sorted(heads), 8)}",
+            f"{layout.model_class.__name__} does not have: {shorten(sorted(heads), 8)}",
             stacklevel=3,
         )
     return mapping

@@ -65,6 +65,7 @@ from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from jaxtyping import PRNGKeyArray
 
 from .._files import atomic_write, fsync_dir, to_host
+from .._mismatch import mismatch_lines
 from ..models import Encoder, EncoderClassifier
 from ..nn import Linear, Stacked
 from ._apply import (
@@ -474,11 +475,6 @@ def _lora_config(model: Any, values: dict[str, Any]) -> LoraConfig:
     return LoraConfig.from_peft_dict(fields)
 
 
-def _shorten(items: list[str], limit: int = 20) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", … and {len(items) - limit} more" if len(items) > limit else "")
-
-
 def _config_diff(model: Any, zoo_entry: Any) -> str:
     if not isinstance(zoo_entry, dict):
         return ""
@@ -567,15 +563,7 @@ def load_adapter(
             misshaped.append(f"{k}: expected {list(want)}, found {list(tensors[k].shape)}")
     if missing or unexpected or misshaped:
         lines = [f"the adapter in {str(directory)!r} does not fit this {type(model).__name__}:"]
-        if missing:
-            lines.append(f"  missing keys ({len(missing)}): {_shorten(missing)}")
-        if unexpected:
-            lines.append(f"  unexpected keys ({len(unexpected)}): {_shorten(unexpected)}")
-        if misshaped:
-            lines.append(f"  mis-shaped tensors ({len(misshaped)}):")
-            lines.extend(f"    {m}" for m in misshaped[:20])
-            if len(misshaped) > 20:
-                lines.append(f"    … and {len(misshaped) - 20} more")
+        lines += mismatch_lines("keys", missing, unexpected, misshaped)
         raise ValueError("\n".join(lines) + _config_diff(model, zoo_entry))
 
     new = []
