@@ -141,50 +141,72 @@ def make_replicated_step(n):
 # -- worker: one device count per process --------------------------------------------------
 
 
-def worker(n: int, rounds: int) -> dict:
-    mesh = _harness.data_mesh(n)
+def seed_variants(n: int) -> tuple[jax.Array, jax.Array, dict, dict]:
+    """Under `jax.set_mesh` of `n` devices: the seed toy's global batch, its initial stacked
+    weights, and the zoo, hand-written and replicated steps on it, as
+    `(batch, initial weights, calls, all_reduces)`: `calls[name]()`
+    runs one step of that variant from its own state and returns `(new weights, loss)`;
+    `all_reduces[name]` counts its compiled step's all-reduces in and out of loops."""
     model_key, data_key = jr.split(jr.key(0))
-    with jax.set_mesh(mesh):
-        model = zoo.shard(zoo.nn.Stacked(TanhLayer, LAYERS, key=model_key), zoo.rules("dp"), mesh)
-        batch = jax.device_put(
-            jr.normal(data_key, (n * MICROBATCHES * PER_DEVICE, WIDTH)), NamedSharding(mesh, P("data", None))
-        )
-        zoo_step = zoo.TrainStep(zoo_loss, optax.sgd(LR), microbatches=MICROBATCHES)
-        hand_step, repl_step = make_hand_step(n), make_replicated_step(n)
-        w = model.layers.weight
-        state = {"zoo": (model, zoo_step.init(model)), "hand": w, "replicated": w}
+    mesh = jax.sharding.get_mesh()
+    model = zoo.shard(zoo.nn.Stacked(TanhLayer, LAYERS, key=model_key), zoo.rules("dp"), mesh)
+    batch = jax.device_put(
+        jr.normal(data_key, (n * MICROBATCHES * PER_DEVICE, WIDTH)), NamedSharding(mesh, P("data", None))
+    )
+    zoo_step = zoo.TrainStep(zoo_loss, optax.sgd(LR), microbatches=MICROBATCHES)
+    hand_step, repl_step = make_hand_step(n), make_replicated_step(n)
+    w = model.layers.weight
+    state = {"zoo": (model, zoo_step.init(model)), "hand": w, "replicated": w}
 
-        def call(name):
-            """One step of variant `name` from its current state; returns (new weights, loss)."""
-            if name == "zoo":
-                m, opt_state, loss = zoo_step(*state["zoo"], batch)
-                state["zoo"] = (m, opt_state)
-                return jax.block_until_ready((m.layers.weight, loss))
-            fn = hand_step if name == "hand" else repl_step
+    def zoo_call():
+        m, opt_state, loss = zoo_step(*state["zoo"], batch)
+        state["zoo"] = (m, opt_state)
+        return jax.block_until_ready((m.layers.weight, loss))
+
+    def plain_call(name, fn):
+        def call():
             ws, loss = jax.block_until_ready(fn(state[name], batch))
             state[name] = ws
             return ws, loss
 
-        hlo = {
-            "zoo": _harness.all_reduces(zoo.collectives(zoo_step.lower(*state["zoo"], batch))),
-            "hand": _harness.all_reduces(zoo.collectives(hand_step, state["hand"], batch)),
-            "replicated": _harness.all_reduces(zoo.collectives(repl_step, state["replicated"], batch)),
-        }
-        # The first call compiles and, from identical weights, gives comparable results.
-        # Compare the updates (new - old weights): the weights alone would agree to 1e-4
-        # whatever the gradients, the update being ~1e-3 of them.
-        w0 = np.asarray(model.layers.weight)
-        first = {name: call(name) for name in VARIANTS}
-        zoo_update = np.asarray(first["zoo"][0]) - w0
-        atol = 1e-4 * np.abs(zoo_update).max()
-        match = {
-            name: bool(
-                np.allclose(np.asarray(first[name][0]) - w0, zoo_update, rtol=1e-4, atol=atol)
-                and np.allclose(first[name][1], first["zoo"][1], rtol=1e-4)
-            )
-            for name in ("hand", "replicated")
-        }
-        timing = _harness.time_rounds(call, VARIANTS, rounds)
+        return call
+
+    calls = {"zoo": zoo_call, "hand": plain_call("hand", hand_step), "replicated": plain_call("replicated", repl_step)}
+    all_reduces = {
+        "zoo": _harness.all_reduces(zoo.collectives(zoo_step.lower(*state["zoo"], batch))),
+        "hand": _harness.all_reduces(zoo.collectives(hand_step, w, batch)),
+        "replicated": _harness.all_reduces(zoo.collectives(repl_step, w, batch)),
+    }
+    return batch, w, calls, all_reduces
+
+
+def compare_and_time(calls: dict, w0: jax.Array, rounds: int) -> tuple[dict, _harness.Timing]:
+    """The first call of every variant (it compiles), all from the weights `w0`, compared
+    with zoo's; then `rounds` interleaved timed rounds. Returns `(whether each other variant
+    matches zoo, timing)`.
+
+    The updates (new - old weights) are compared: the weights alone would agree to 1e-4
+    whatever the gradients, the update being ~1e-3 of them."""
+    w0 = np.asarray(w0)
+    first = {name: call() for name, call in calls.items()}
+    zoo_update = np.asarray(first["zoo"][0]) - w0
+    atol = 1e-4 * np.abs(zoo_update).max()
+    match = {
+        name: bool(
+            np.allclose(np.asarray(first[name][0]) - w0, zoo_update, rtol=1e-4, atol=atol)
+            and np.allclose(first[name][1], first["zoo"][1], rtol=1e-4)
+        )
+        for name in calls
+        if name != "zoo"
+    }
+    return match, _harness.time_rounds(lambda name: calls[name](), tuple(calls), rounds)
+
+
+def worker(n: int, rounds: int) -> dict:
+    mesh = _harness.data_mesh(n)
+    with jax.set_mesh(mesh):
+        _, w0, calls, hlo = seed_variants(n)
+        match, timing = compare_and_time(calls, w0, rounds)
 
     return {
         "devices": n,

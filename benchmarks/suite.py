@@ -180,69 +180,32 @@ def make_multisteps(n: int, m: int, lr: float):
 def steps_worker(n: int, rounds: int) -> dict:
     mesh = _harness.data_mesh(n)
     import jax
-    import jax.random as jr
-    import numpy as np
-    import optax
     import step_time
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import zoo
 
     m = step_time.MICROBATCHES
-    model_key, data_key = jr.split(jr.key(0))
     with jax.set_mesh(mesh):
-        model = zoo.shard(
-            zoo.nn.Stacked(step_time.TanhLayer, step_time.LAYERS, key=model_key), zoo.rules("dp"), mesh
-        )
-        batch = jax.device_put(
-            jr.normal(data_key, (n * m * step_time.PER_DEVICE, step_time.WIDTH)), NamedSharding(mesh, P("data", None))
-        )
-        zoo_step = zoo.TrainStep(step_time.zoo_loss, optax.sgd(step_time.LR), microbatches=m)
-        hand, repl = step_time.make_hand_step(n), step_time.make_replicated_step(n)
+        # zoo, hand-written and replicated as step_time.py runs them, plus MultiSteps.
+        batch, w0, calls, hlo = step_time.seed_variants(n)
         ms_opt, ms_micro, ms_split = make_multisteps(n, m, step_time.LR)
-        w = model.layers.weight
         mbs = ms_split(batch)  # split once, outside the timed steps
-        state = {"zoo": (model, zoo_step.init(model)), "hand": w, "replicated": w, "multisteps": (w, ms_opt.init(w))}
+        ms_state = [w0, ms_opt.init(w0)]
 
-        def call(name):
-            if name == "zoo":
-                mod, opt_state, loss = zoo_step(*state["zoo"], batch)
-                state["zoo"] = (mod, opt_state)
-                return jax.block_until_ready((mod.layers.weight, loss))
-            if name == "multisteps":
-                ws, opt_state = state["multisteps"]
-                losses = []
-                for mb in mbs:
-                    ws, opt_state, loss = ms_micro(ws, opt_state, mb)
-                    losses.append(loss)
-                state["multisteps"] = (ws, opt_state)
-                return jax.block_until_ready((ws, sum(losses) / m))
-            fn = hand if name == "hand" else repl
-            ws, loss = jax.block_until_ready(fn(state[name], batch))
-            state[name] = ws
-            return ws, loss
+        def multisteps():
+            ws, opt_state = ms_state
+            losses = []
+            for mb in mbs:
+                ws, opt_state, loss = ms_micro(ws, opt_state, mb)
+                losses.append(loss)
+            ms_state[:] = [ws, opt_state]
+            return jax.block_until_ready((ws, sum(losses) / m))
 
-        hlo = {
-            "zoo": _harness.all_reduces(zoo.collectives(zoo_step.lower(*state["zoo"], batch))),
-            "hand": _harness.all_reduces(zoo.collectives(hand, w, batch)),
-            "replicated": _harness.all_reduces(zoo.collectives(repl, w, batch)),
-            "multisteps": _harness.all_reduces(
-                zoo.collectives(ms_micro.lower(*state["multisteps"], mbs[0]).compile()), calls=m
-            ),
-        }
-        w0 = np.asarray(w)
-        first = {name: call(name) for name in STEP_VARIANTS}
-        zoo_update = np.asarray(first["zoo"][0]) - w0
-        atol = 1e-4 * np.abs(zoo_update).max()
-        match = {
-            name: bool(
-                np.allclose(np.asarray(first[name][0]) - w0, zoo_update, rtol=1e-4, atol=atol)
-                and np.allclose(first[name][1], first["zoo"][1], rtol=1e-4)
-            )
-            for name in STEP_VARIANTS[1:]
-        }
-        timing = _harness.time_rounds(call, STEP_VARIANTS, rounds)
+        hlo["multisteps"] = _harness.all_reduces(
+            zoo.collectives(ms_micro.lower(*ms_state, mbs[0]).compile()), calls=m
+        )
+        calls["multisteps"] = multisteps
+        match, timing = step_time.compare_and_time(calls, w0, rounds)
     return {
         "devices": n,
         "rounds": rounds,
