@@ -27,6 +27,20 @@ TRAIN_LM_FLAGS = [
 ]  # fmt: skip
 
 
+def _run_example(script: str, *flags: str, timeout: int) -> str:
+    """Run `examples/<script>` with `flags`; assert it exits 0; return its stdout."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *flags],
+        cwd=ROOT,
+        check=False,  # the exit code is asserted here, with the output
+        capture_output=True,
+        timeout=timeout,  # generous: a loaded machine compiles slowly
+    )
+    out = proc.stdout.decode("utf-8", errors="replace")
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr.decode(errors='replace')}"
+    return out
+
+
 def _number(pattern: str, text: str) -> float:
     match = re.search(pattern, text)
     assert match, f"no line matching {pattern!r} in the output:\n{text}"
@@ -35,15 +49,7 @@ def _number(pattern: str, text: str) -> float:
 
 @pytest.mark.slow
 def test_train_lm_learns_below_unigram_entropy():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_lm.py"), *TRAIN_LM_FLAGS],
-        cwd=ROOT,
-        check=False,  # the exit code is asserted below, with the output
-        capture_output=True,
-        timeout=300,  # generous: a loaded machine compiles slowly
-    )
-    out = proc.stdout.decode("utf-8", errors="replace")
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr.decode(errors='replace')}"
+    out = _run_example("train_lm.py", *TRAIN_LM_FLAGS, timeout=300)
 
     unigram = _number(r"unigram entropy of the training bytes: ([\d.]+) bits/byte", out)
     before = _number(r"val loss before training: [\d.]+ nats = ([\d.]+) bits/byte", out)
@@ -85,15 +91,7 @@ LORA_FLAGS = [
 @pytest.mark.slow
 def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     out_dir = tmp_path / "adapter"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "lora_finetune.py"), *LORA_FLAGS, "--out", str(out_dir)],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        timeout=300,
-    )
-    out = proc.stdout.decode("utf-8", errors="replace")
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr.decode(errors='replace')}"
+    out = _run_example("lora_finetune.py", *LORA_FLAGS, "--out", str(out_dir), timeout=300)
 
     before = _number(r"val loss before fine-tuning: ([\d.]+) nats", out)
     after = _number(r"val loss after fine-tuning: +([\d.]+) nats", out)
@@ -124,15 +122,7 @@ def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
 def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     """The pretrained all-MiniLM-L6-v2, LoRA on 8 devices x 2 microbatches, a few steps."""
     flags = ["--steps", "8", "--probe-steps", "60", "--seq-len", "32", "--batch-size", "16", "--out", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "finetune_minilm.py"), *flags],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        timeout=600,
-    )
-    out = proc.stdout.decode("utf-8", errors="replace")
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}\n{proc.stderr.decode(errors='replace')}"
+    out = _run_example("finetune_minilm.py", *flags, timeout=600)
     majority = _number(r"majority-class test accuracy ([\d.]+)", out)
     probe = _number(r"trained to convergence: test loss [\d.]+, accuracy ([\d.]+)", out)
     lora = _number(r"LoRA r=8 \+ head: +test loss [\d.]+, accuracy ([\d.]+)", out)
