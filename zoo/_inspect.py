@@ -46,7 +46,8 @@ class Collective:
       `all-to-all`, ... (async `-start` forms are reported under their base kind).
     - `in_loop`: whether it sits in a `while` body or condition, at any depth of calls.
     - `bytes`: size of its result (for an all-reduce: the bytes reduced).
-    - `mesh_axes`: mesh axes its replica groups span (empty if it spans none / unknown mesh).
+    - `mesh_axes`: the mesh axes along which the devices of one of its groups differ, in
+      mesh order (empty when no mesh is known: HLO text given without `mesh=`).
     - `op_name`: the JAX source op from the HLO metadata.
     - `group_size`: devices per replica group (0 if not stated).
     """
@@ -63,12 +64,19 @@ class Collective:
         return dataclasses.asdict(self) | {"mesh_axes": list(self.mesh_axes)}
 
 
-def _hlo_text(obj: Any, args: tuple, kwargs: dict) -> str:
+def _program(obj: Any, args: tuple, kwargs: dict) -> tuple[str, jax.stages.Compiled | None]:
+    """The HLO text of `obj`, and the compiled program it came from (None for text)."""
     if isinstance(obj, str):
-        return obj
+        if not re.search(r"^\s*HloModule\s", obj, re.MULTILINE):
+            shown = obj if len(obj) <= 40 else obj[:40] + "..."
+            raise ValueError(
+                f"collectives() got a string that is not an HLO module (no 'HloModule' line): {shown!r}. "
+                "Pass the compiled program itself, or its text: `compiled.as_text()`."
+            )
+        return obj, None
     if args or kwargs:
         obj = obj.lower(*args, **kwargs)
-    # Equinox's stage objects wrap jax's.
+    # Equinox's stage objects wrap jax's; zoo's compiled step holds jax's as `.compiled`.
     obj = getattr(obj, "lowered", obj)
     obj = getattr(obj, "compiled", obj)
     if isinstance(obj, jax.stages.Lowered):
@@ -78,7 +86,7 @@ def _hlo_text(obj: Any, args: tuple, kwargs: dict) -> str:
             "collectives() takes a jitted function with its arguments, a Lowered/Compiled "
             f"object or HLO text; got {type(obj).__name__}"
         )
-    return obj.as_text()
+    return obj.as_text(), obj
 
 
 def _split_top(type_str: str) -> list[str]:
@@ -109,46 +117,146 @@ def _type_bytes(type_str: str) -> int:
     return int(total)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d.strip()]
+
+
+def _iota(dims: list[int], reshape: list[int], perm: list[int] | None) -> np.ndarray:
+    """XLA's iota tile assignment `[dims]<=[reshape]T(perm)`."""
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if perm:
+        ids = ids.transpose(perm)
+    return ids.reshape(dims)
+
+
+def _mesh_groups(sizes: list[tuple[str, int]], device_ids: str | None, axes: str) -> list[list[int]]:
+    """Replica groups of XLA's named-mesh form `mesh[a=2,b=4], device_ids=(...) {a, b:(1)2}`."""
+    dims = [size for _, size in sizes]
+    names = [name for name, _ in sizes]
+    if device_ids is None:
+        ids = np.arange(math.prod(dims)).reshape(dims)
+    else:
+        m = re.fullmatch(r"\s*(?:\[([\d,]+)\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", device_ids)
+        if m:  # iota form; `[reshape]T(perm)` when the dims are the mesh's own
+            ids = _iota(dims, _ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        else:
+            ids = np.array(_ints(re.sub(r"[\[\]{}]", ",", device_ids))).reshape(dims)
+    # Each grouped axis (or sub-axis `name:(pre)size`) becomes one dim of a finer reshape.
+    refs = []
+    for name, pre, size in re.findall(r"'?([^',:{}()\s]+)'?(?::\((\d+)\)(\d+))?", axes):
+        if name not in names:
+            raise ValueError(f"replica groups name mesh axis {name!r}, which is not in mesh {names}")
+        refs.append((names.index(name), int(pre) if pre else None, int(size) if size else None))
+    fine_dims, grouped, offset = [], [], 0
+    for k, full in enumerate(dims):
+        subs = sorted((pre, size, i) for i, (axis, pre, size) in enumerate(refs) if axis == k)
+        if not subs:
+            fine_dims.append(full)
+            continue
+        if subs[0][0] is None:  # the whole axis
+            grouped.append((subs[0][2], len(fine_dims)))
+            fine_dims.append(full)
+            continue
+        done = 1
+        for pre, size, i in subs:
+            if pre != done:
+                fine_dims.append(pre // done)
+                done = pre
+            grouped.append((i, len(fine_dims)))
+            fine_dims.append(size)
+            done *= size
+        if done != full:
+            fine_dims.append(full // done)
+    order = [dim for _, dim in sorted(grouped)]
+    rest = [d for d in range(len(fine_dims)) if d not in order]
+    group_size = math.prod(fine_dims[d] for d in order)
+    return ids.reshape(fine_dims).transpose(rest + order).reshape(-1, group_size).tolist()
+
+
+def _components(pairs: list[list[int]]) -> list[list[int]]:
+    """Devices linked by collective-permute pairs, as groups (a ring over an axis → its groups)."""
+    parent: dict[int, int] = {}
+
+    def root(i: int) -> int:
+        while parent.setdefault(i, i) != i:
+            i = parent[i]
+        return i
+
+    for pair in pairs:
+        for j in pair[1:]:
+            parent[root(j)] = root(pair[0])
+    groups: dict[int, list[int]] = {}
+    for i in sorted(parent):
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
+
+
 def _parse_groups(line: str, num_devices: int | None) -> list[list[int]]:
-    # Named form: replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    """The device groups of one collective, in the logical device ids of the program."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*(?:\([^)]*\))?[^)]*)\))?\s*\{([^}]*)\}", line)
     if m:
-        sizes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-        names = [name for name, _ in sizes]
-        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2)) if a in names]
-        ids = np.arange(math.prod(size for _, size in sizes)).reshape([size for _, size in sizes])
-        rest = [k for k in range(len(sizes)) if k not in grouped]
-        group_size = math.prod(sizes[k][1] for k in grouped)
-        return ids.transpose(rest + grouped).reshape(-1, group_size).tolist()
+        sizes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?=(\d+)", m.group(1))]
+        return _mesh_groups(sizes, m.group(2), m.group(3))
+    if re.search(r"replica_groups=maximal_mesh\[", line):
+        return []
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if m:
-        out_shape = [int(d) for d in m.group(1).split(",")]
-        ids = np.arange(math.prod(int(d) for d in m.group(2).split(",")))
-        ids = ids.reshape([int(d) for d in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-        return ids.reshape(out_shape).tolist()
-    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(.*?)\}\}", line)
+        return _iota(_ints(m.group(1)), _ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None).tolist()
+    m = re.search(r"source_target_pairs=\{((?:\{[\d,]*\},?)*)\}", line)
     if m:
-        return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)", m.group(1) + "}")]
-    if re.search(r"replica_groups=\{\}", line) and num_devices:
-        return [list(range(num_devices))]
+        return _components([_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))])
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        if not groups and num_devices:  # `{}`: one group of every device
+            return [list(range(num_devices))]
+        return groups
     return []
 
 
-def _mesh_axes(groups: list[list[int]], mesh: Any) -> tuple[str, ...]:
+def _mesh_axes(groups: list[list[int]], mesh: Any, devices: list[Any] | None) -> tuple[str, ...]:
+    """The mesh axes along which the devices of some group differ.
+
+    Group entries are the program's logical device ids: id `i` is `devices[i]` of the
+    compiled program (else position `i` of the mesh's device array).
+    """
     if mesh is None or not groups:
         return ()
     shape = tuple(mesh.shape.values())
     names = tuple(mesh.shape.keys())
     size = math.prod(shape)
+    coords_of = {i: np.unravel_index(i, shape) for i in range(size)}
+    mesh_devices = getattr(mesh, "devices", None)
+    if devices is not None and isinstance(mesh_devices, np.ndarray):
+        position = {d: np.unravel_index(k, shape) for k, d in enumerate(mesh_devices.flat)}
+        if all(d in position for d in devices):  # else: a mesh of other devices, read by position
+            coords_of = {i: position[d] for i, d in enumerate(devices)}
     spanned = set()
     for group in groups:
-        if any(i >= size for i in group):
-            return ()
-        coords = np.array([np.unravel_index(i, shape) for i in group])
+        if any(i not in coords_of for i in group):
+            raise ValueError(
+                f"a collective's replica groups name device {max(group)}, outside the {size} devices of "
+                f"mesh {dict(mesh.shape)}; pass the mesh the program was compiled for (mesh=...)"
+            )
+        coords = np.array([coords_of[i] for i in group])
         spanned |= {names[k] for k in range(len(names)) if len(set(coords[:, k])) > 1}
     return tuple(n for n in names if n in spanned)
+
+
+def _program_mesh(compiled: jax.stages.Compiled) -> tuple[Any, list[Any] | None]:
+    """The mesh of a compiled program's input/output shardings, and its device order."""
+    devices = None
+    unloaded = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+    if getattr(unloaded, "device_list", None) is not None:
+        devices = list(unloaded.device_list)
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    meshes = [s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
+    meshes = [m for m in meshes if isinstance(m, jax.sharding.Mesh)]
+    if devices is not None:  # the mesh that spans the program's devices
+        meshes = [m for m in meshes if m.devices.size == len(devices)] or meshes
+    # Prefer the mesh with the most axes (a program may also hold 1-D meshes' arrays).
+    mesh = max(meshes, key=lambda m: len(m.shape), default=None)
+    return mesh, devices
 
 
 def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[Collective]:
@@ -157,17 +265,22 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
     **Arguments:**
 
     - `obj`: a jitted function (then `args`/`kwargs` are its arguments), a `Lowered` or
-      `Compiled` object (jax or equinox), or HLO text.
-    - `mesh`: the mesh the program runs on, to name the axes each collective spans;
-      defaults to the mesh set by `jax.set_mesh`.
+      `Compiled` object (jax, equinox or `zoo.TrainStep.compile`'s), or HLO text (the
+      text of `compiled.as_text()`; anything else raises `ValueError`).
+    - `mesh`: the mesh whose axis names `Collective.mesh_axes` uses. By default the mesh of
+      the compiled program's own input/output shardings, wherever it is called (inside
+      `jax.set_mesh` or not); HLO text carries no mesh, so pass it there to name axes.
 
     **Returns:** a list of `Collective`, in program order.
     """
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        mesh = None if mesh.empty else mesh
-    text = _hlo_text(obj, args, kwargs)
-    num_devices = None if mesh is None else math.prod(mesh.shape.values())
+    text, compiled = _program(obj, args, kwargs)
+    devices = None
+    if compiled is not None:
+        program_mesh, devices = _program_mesh(compiled)
+        mesh = program_mesh if mesh is None else mesh
+    num_devices = len(devices) if devices is not None else None
+    if num_devices is None and mesh is not None:
+        num_devices = math.prod(mesh.shape.values())
 
     calls: dict[str, set[str]] = {}
     loop_roots: set[str] = set()
@@ -216,7 +329,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
                 kind=kind,
                 in_loop=comp in in_loop,
                 bytes=_type_bytes(type_str),
-                mesh_axes=_mesh_axes(groups, mesh),
+                mesh_axes=_mesh_axes(groups, mesh, devices),
                 op_name=op_name.group(1) if op_name else "",
                 group_size=len(groups[0]) if groups else 0,
             )
