@@ -5,10 +5,12 @@ negative controls prove the inspector sees what it must catch.
 """
 
 import functools
+import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose, tree_bytes
@@ -186,3 +188,140 @@ def test_parser_nesting_iota_groups_bytes_and_axes():
 def test_inspector_rejects_what_it_cannot_read():
     with pytest.raises(TypeError, match="jitted function with its arguments"):
         zoo.collectives(object())
+    with pytest.raises(ValueError, match="outside the 4 devices"):
+        zoo.collectives(NESTED_HLO, mesh=jax.sharding.AbstractMesh((2, 2), ("data", "model")))
+
+
+# --- ground truth: programs that reduce over a known mesh axis, on every 2-D mesh ---
+
+MESHES_2D = [((2, 2), ("data", "model")), ((2, 4), ("data", "model")), ((4, 2), ("data", "model")),
+             ((2, 4), ("model", "data")), ((4, 2), ("model", "data"))]  # fmt: skip
+
+
+def known_axis_programs(mesh, axis):
+    """Compiled programs whose one collective is over `axis`: (kind, compiled) pairs."""
+    n = mesh.devices.size
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((2 * n, 3)), P(axis))
+        psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, axis), in_specs=P(axis), out_specs=P()))
+        unreduced = jax.jit(lambda x: jax.reshard(jax.lax.reduce_sum(x, (0,), out_sharding=P(unreduced={axis})), P()))
+        gather = jax.jit(lambda x: jax.reshard(x, P()))
+        return [(kind, fn.lower(x).compile()) for kind, fn in
+                [("all-reduce", psum), ("all-reduce", unreduced), ("all-gather", gather)]]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape, names", MESHES_2D, ids=[f"{n[0]}={s[0]},{n[1]}={s[1]}" for s, n in MESHES_2D])
+@pytest.mark.parametrize("device_order", ["iota", "shuffled"])
+def test_collectives_name_the_axis_they_reduce_over(shape, names, device_order):
+    devices = np.array(jax.devices()[: math.prod(shape)])
+    if device_order == "shuffled":
+        devices = devices[np.random.default_rng(0).permutation(devices.size)]
+    mesh = jax.sharding.Mesh(devices.reshape(shape), names, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    for axis in names:
+        for kind, compiled in known_axis_programs(mesh, axis):
+            expected = [(kind, (axis,), mesh.shape[axis])]
+            inside = zoo.collectives(compiled)
+            with jax.set_mesh(mesh):  # the mesh comes from the program, not the context
+                outside = zoo.collectives(compiled)
+            got = [(c.kind, c.mesh_axes, c.group_size) for c in inside]
+            assert got == expected, (axis, compiled.as_text())
+            assert [(c.kind, c.mesh_axes, c.group_size) for c in outside] == expected
+            # HLO text (logical ids = positions in the mesh): named by the mesh passed, or not at all.
+            text = zoo.collectives(compiled.as_text(), mesh=mesh)
+            assert [(c.kind, c.mesh_axes, c.group_size) for c in text] == expected
+            assert [(c.mesh_axes, c.group_size) for c in zoo.collectives(compiled.as_text())] == [((), mesh.shape[axis])]
+
+
+def test_shard_map_collectives_over_several_axes_and_permutes():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+    def body(x):
+        ring = jax.lax.ppermute(x, "data", [(i, (i + 1) % 4) for i in range(4)])
+        both = jax.lax.psum(ring, ("model", "data"))
+        gathered = jax.lax.all_gather(x, "model")
+        moved = jax.lax.all_to_all(x.reshape(4, -1), "data", 0, 0, tiled=True)
+        return both + gathered.sum() + moved.sum()
+
+    x = jax.device_put(jnp.ones((64,)), jax.NamedSharding(mesh, P(("data", "model"))))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("data", "model")), out_specs=P(("data", "model"))))
+    got = sorted((c.kind, c.mesh_axes, c.group_size) for c in zoo.collectives(fn, x))
+    assert got == [
+        ("all-gather", ("model",), 2),
+        ("all-reduce", ("data", "model"), 8),
+        ("all-to-all", ("data",), 4),
+        ("collective-permute", ("data",), 4),  # a ring over `data`: its devices form the groups
+    ]
+
+
+def test_tensor_parallel_step_names_its_in_loop_reductions_outside_set_mesh():
+    """The TP decoder step's in-loop embedding all-reduces print their groups as a named
+    mesh (`replica_groups=mesh[...] {...}`); read with no mesh set, every op still names its
+    axis."""
+    from conftest import lm_batch, tiny_decoder
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        model = zoo.shard(tiny_decoder(jax.random.key(0)), zoo.rules("tp"), mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1), microbatches=2)
+        compiled = step.compile(model, step.init(model), lm_batch(jax.random.key(1), 8))
+        inside = zoo.collectives(compiled)
+    assert "replica_groups=mesh[" in compiled.as_text()  # the format this test is about
+    outside = zoo.collectives(compiled)
+    assert outside == inside
+    assert all(c.mesh_axes == ("model",) and c.group_size == 2 for c in outside if c.in_loop), zoo.report(outside)
+    data = [c for c in outside if "data" in c.mesh_axes]
+    assert [(c.kind, c.in_loop, c.mesh_axes, c.group_size) for c in data] == [("all-reduce", False, ("data",), 4)]
+    assert all(c.mesh_axes for c in outside), zoo.report(outside)
+
+
+@pytest.mark.parametrize("text", ["hello", "", "ENTRY %main () -> f32[] {\n}", "jit_step"])
+def test_text_that_is_not_an_hlo_module_raises(text):
+    with pytest.raises(ValueError, match="not an HLO module"):
+        zoo.collectives(text)
+
+
+# --- the parser on literal HLO lines of each replica-group form XLA prints ---
+
+LINE = "  %x = f32[8]{0} all-reduce(%p), channel_id=1, GROUPS, use_global_device_ids=true, to_apply=%add"
+MESH_42 = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+
+
+@pytest.mark.parametrize(
+    "groups, axes, size",
+    [
+        ("replica_groups={{0,2,4,6},{1,3,5,7}}", ("data",), 4),
+        ("replica_groups={{0,1},{2,3},{4,5},{6,7}}", ("model",), 2),
+        ("replica_groups={}", ("data", "model"), 8),
+        ("replica_groups=[2,4]<=[4,2]T(1,0)", ("data",), 4),
+        ("replica_groups=[4,2]<=[8]", ("model",), 2),
+        ("replica_groups=[1,8]<=[8]", ("data", "model"), 8),
+        # jax 0.10.2's named mesh: its own axis names, a size-1 filler axis, grouped axes.
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}", ("data",), 4),
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_0'}", ("model",), 2),
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([4,2]T(1,0)) {'axis_1'}", ("data",), 2),
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", ("data", "model"), 8),
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {}", (), 1),
+        # an explicit device list, and the unquoted names of newer XLA
+        ("replica_groups=mesh['a'=2,'b'=4], device_ids=(0,2,4,6,1,3,5,7) {'a'}", ("model",), 2),
+        ("replica_groups=mesh[a=8] {a}", ("data", "model"), 8),
+        # sub-axes `name:(pre_size)size`: the major 2 of an 8-axis is `data`'s upper half
+        ("replica_groups=mesh['a'=8] {'a':(1)2}", ("data",), 2),
+        ("replica_groups=mesh['a'=8] {'a':(4)2}", ("model",), 2),
+        ("replica_groups=mesh['a'=8] {'a':(2)4}", ("data", "model"), 4),
+        ("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}", ("data", "model"), 4),
+    ],
+)
+def test_parser_reads_every_replica_group_form(groups, axes, size):
+    text = f"HloModule m\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n  %p = f32[8]{{0}} parameter(0)\n{LINE.replace('GROUPS', groups)}\n}}\n"
+    (c,) = zoo.collectives(text, mesh=MESH_42)
+    assert (c.kind, c.mesh_axes, c.group_size, c.bytes) == ("all-reduce", axes, size, 32)
+
+
+def test_parser_groups_match_xla_semantics():
+    from zoo._inspect import _parse_groups
+
+    assert _parse_groups("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}", 8) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert _parse_groups("replica_groups=mesh['a'=8] {'a':(1)2}", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _parse_groups("replica_groups=mesh['x'=2,'y'=2], device_ids=([2,2]T(1,0)) {'x'}", 4) == [[0, 1], [2, 3]]
+    assert _parse_groups("replica_groups=mesh['x'=2,'y'=2] {'y','x'}", 4) == [[0, 2, 1, 3]]
+    assert _parse_groups("source_target_pairs={{0,1},{1,0},{2,3},{3,2}}", 4) == [[0, 1], [2, 3]]

@@ -226,8 +226,8 @@ def _mesh_axes(groups: list[list[int]], mesh: Any, devices: list[Any] | None) ->
     names = tuple(mesh.shape.keys())
     size = math.prod(shape)
     coords_of = {i: np.unravel_index(i, shape) for i in range(size)}
-    mesh_devices = getattr(mesh, "devices", None)
-    if devices is not None and isinstance(mesh_devices, np.ndarray):
+    mesh_devices = mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None
+    if devices is not None and mesh_devices is not None:
         position = {d: np.unravel_index(k, shape) for k, d in enumerate(mesh_devices.flat)}
         if all(d in position for d in devices):  # else: a mesh of other devices, read by position
             coords_of = {i: position[d] for i, d in enumerate(devices)}
