@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose, tree_bytes
+from conftest import (
+    TokenRegressor,
+    data_mesh,
+    mse_per_example,
+    token_batch,
+    tree_allclose,
+    tree_bytes,
+)
 from jax.sharding import PartitionSpec as P
 
 import zoo

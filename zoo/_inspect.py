@@ -147,7 +147,7 @@ def _mesh_groups(sizes: list[tuple[str, int]], device_ids: str | None, axes: str
         if name not in names:
             raise ValueError(f"replica groups name mesh axis {name!r}, which is not in mesh {names}")
         refs.append((names.index(name), int(pre) if pre else None, int(size) if size else None))
-    fine_dims, grouped, offset = [], [], 0
+    fine_dims, grouped = [], []
     for k, full in enumerate(dims):
         subs = sorted((pre, size, i) for i, (axis, pre, size) in enumerate(refs) if axis == k)
         if not subs:
@@ -304,7 +304,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
         opcode = op.group(1)
         if opcode == "while":
             loop_roots.update(_WHILE_PARTS.findall(rhs))
-        base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+        base = opcode.removesuffix("-start")
         if base in COLLECTIVE_KINDS:
             found.append((current, base, rhs[: op.start()], line))
 
