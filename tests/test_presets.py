@@ -37,7 +37,7 @@ import zoo
 N, M = 4, 2  # 4 devices: data=4, or data=2 × model=2 for the tensor-parallel presets
 BATCH = 16  # divisible by every data size × M
 LR = 0.5
-LORA = dict(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down"))
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ("q_proj", "v_proj", "down")}
 
 
 def tiny_mlp(key):
@@ -366,7 +366,7 @@ def test_update_equals_single_device(model_name, preset, mode):
 
 @pytest.mark.parametrize("model_name, preset, mode", CASES, ids=[case_id(*c) for c in CASES])
 def test_collectives_are_pinned(model_name, preset, mode):
-    _, _, colls, trainable, mesh = run(model_name, preset, mode)
+    _, _, colls, _, mesh = run(model_name, preset, mode)
     assert mesh.shape["data"] >= 2 and M >= 2  # else "outside the loop" could not fail
     assert signature(colls) == EXPECTED[case_id(model_name, preset, "explicit")], zoo.report(colls)
 
@@ -374,7 +374,7 @@ def test_collectives_are_pinned(model_name, preset, mode):
 @pytest.mark.parametrize("model_name, preset, mode", CASES, ids=[case_id(*c) for c in CASES])
 def test_collectives_sit_where_the_preset_says(model_name, preset, mode):
     """What each preset promises, stated without bytes (the pin above holds those)."""
-    _, _, colls, trainable, mesh = run(model_name, preset, mode)
+    _, _, colls, trainable, _ = run(model_name, preset, mode)
     in_loop = [c for c in colls if c.in_loop]
     on_data = [c for c in colls if "data" in c.mesh_axes]
     reductions = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
