@@ -446,6 +446,7 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path):
 # --- end to end (slow) --------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     """What `make demo` runs: LoRA on the pretrained MiniLM over 8 simulated devices; the
@@ -472,6 +473,7 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     print(f"zoo demo took {seconds:.0f} s")
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.slow
 def test_readme_example_runs():
     """examples/quickstart.py is the README's Python example, verbatim."""

@@ -47,6 +47,7 @@ def _number(pattern: str, text: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_train_lm_learns_below_unigram_entropy():
     out = _run_example("train_lm.py", *TRAIN_LM_FLAGS, timeout=300)
@@ -88,6 +89,7 @@ LORA_FLAGS = [
 ]  # fmt: skip
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     out_dir = tmp_path / "adapter"
@@ -118,6 +120,7 @@ def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     assert "OK: fine-tuning lowered the prose val loss" in out
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.slow
 def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     """The pretrained all-MiniLM-L6-v2, LoRA on 8 devices x 2 microbatches, a few steps."""
