@@ -26,7 +26,7 @@ def _mse(model, batch):
 
 
 def _decoder(**overrides):
-    config = dict(vocab_size=32, d_model=16, num_heads=4, num_layers=1, max_len=8) | overrides
+    config = {"vocab_size": 32, "d_model": 16, "num_heads": 4, "num_layers": 1, "max_len": 8} | overrides
     return zoo.models.Transformer(zoo.models.TransformerConfig(**config), key=jax.random.key(0))
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     for name, case in CASES.items():
         try:
             case()
-        except Exception as e:  # the type is part of the result: a TypeCheckError here is a failure
+        except Exception as e:  # noqa: BLE001 (the type is the result: a TypeCheckError here is a failure)
             results[name] = [f"{type(e).__module__}.{type(e).__qualname__}", str(e)]
         else:
             results[name] = ["no error", ""]

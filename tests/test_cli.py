@@ -467,8 +467,8 @@ def test_errors_in_fresh_processes(tmp_path):
     (tmp_path / "a_file").write_text("")
     one_line = {  # name: (args, exit code, the line)
         "batch": (["train", "mlp", "--batch-size", "36"], 2,
-                  "zoo: error: --batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32; "
-                  "use a multiple of 32, e.g. 32"),
+                  ("zoo: error: --batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32; "
+                   "use a multiple of 32, e.g. 32")),
         "flag": (["train", "mlp", "--stepz", "3"], 2,
                  "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)"),
         "model": (["train", "mlpx"], 2,
@@ -479,12 +479,12 @@ def test_errors_in_fresh_processes(tmp_path):
         "config": (["train", "mlp", "--config", "bad.toml"], 2,
                    "zoo: error: --config bad.toml: unknown keys ['batch_sise'] for zoo train; valid keys: batch-size,"),
         "rules": (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], 2,
-                  "zoo: error: --rules tp shards over mesh axes ['data', 'model'], but the mesh data=8 lacks 'model'; "
-                  "pass a mesh with them, e.g. --mesh data=4,model=2"),
+                  ("zoo: error: --rules tp shards over mesh axes ['data', 'model'], but the mesh data=8 lacks 'model'; "
+                   "pass a mesh with them, e.g. --mesh data=4,model=2")),
         "devices": (["train", "mlp", "--devices", "0"], 2, "zoo: error: --devices must be >= 1, got 0"),
         "unexpected": (["train", "mlp", "--steps", "1", "--quiet", "--output", "a_file/run"], 1,
-                       "zoo: error: NotADirectoryError: [Errno 20] Not a directory: 'a_file/run' "
-                       "(rerun with --debug for the traceback)"),
+                       ("zoo: error: NotADirectoryError: [Errno 20] Not a directory: 'a_file/run' "
+                        "(rerun with --debug for the traceback)")),
     }  # fmt: skip
     debug = {"debug_before": ["--debug", "train", "mlp", "--mesh", "data4"],
              "debug_after": ["train", "mlp", "--mesh", "data4", "--debug"]}  # fmt: skip

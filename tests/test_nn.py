@@ -94,7 +94,7 @@ def test_activation_matches_its_formula(name):
     one, zero = jnp.ones((1, 1)), jnp.zeros((1,))
     for layer in ("up", "gate", "down"):
         if getattr(ff, layer) is not None:
-            ff = eqx.tree_at(lambda f: (getattr(f, layer).weight, getattr(f, layer).bias), ff, (one, zero))
+            ff = eqx.tree_at(lambda f, name=layer: (getattr(f, name).weight, getattr(f, name).bias), ff, (one, zero))
     x = np.linspace(-6, 6, 481)
     got = np.asarray(ff(jnp.asarray(x, jnp.float32)[:, None]))[:, 0]
     np.testing.assert_allclose(got, REFERENCE_ACTIVATIONS[name](x), rtol=1e-6, atol=1e-6)
