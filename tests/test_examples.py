@@ -153,3 +153,15 @@ def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     assert reduced == trained + 4  # the adapters and head, and the loss sum: nothing else
     assert "frozen base weights bit for bit unchanged: yes" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # The files, read here: rank 8; they hold exactly the trained bytes (adapters + head),
+    # and every B moved off peft's zero init.
+    import json
+
+    import numpy as np
+    import safetensors.numpy
+
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["r"] == 8
+    tensors = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert sum(t.nbytes for t in tensors.values()) == trained
+    b = [v for k, v in tensors.items() if "lora_B" in k]
+    assert len(b) >= 36 and all(np.abs(v).max() > 0 for v in b)  # 6 layers x 6 Linear layers
