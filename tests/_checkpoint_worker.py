@@ -6,7 +6,7 @@ devices and the same XLA flags (so the same compiled programs, bit for bit).
 
     python tests/_checkpoint_worker.py train DIR OUT.npz --steps N [--save-at K] [--resume]
         [--preset fsdp] [--devices 8]
-    python tests/_checkpoint_worker.py kill DIR MB
+    python tests/_checkpoint_worker.py kill DIR MB   (dies by SIGKILL when committing step 2)
 """
 
 import argparse
@@ -39,14 +39,31 @@ def big_state(seed: int, megabytes: int) -> dict:
 
 
 def kill_target(directory: str, megabytes: int) -> None:
-    """Save step 1 and wait for it, then save step 2 (the test kills us meanwhile)."""
+    """Save step 1 and wait for it, then save step 2 and SIGKILL this process at the
+    commit point of that save: every file of step 2 written into its temporary
+    directory, the rename that makes it a step not yet done. (Deterministic fault
+    injection: orbax's `atomicity.on_commit_callback` is the one place that commits a
+    step, whether the save is synchronous or asynchronous.)"""
+    import signal
+
+    from orbax.checkpoint._src.path import atomicity
+
+    commit = atomicity.on_commit_callback
+
+    async def commit_or_die(tmp_dir, **kwargs):
+        if os.path.basename(str(tmp_dir.get_final())) == "2":
+            print(f"COMMITTING 2 {tmp_dir.get()}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await commit(tmp_dir, **kwargs)
+
+    atomicity.on_commit_callback = commit_or_die
     with zoo.Checkpointer(directory, keep=None) as ckpt:
         ckpt.save(1, big_state(1, megabytes))
         ckpt.wait()
         print("SAVED 1", flush=True)
         ckpt.save(2, big_state(2, megabytes))
         ckpt.wait()
-        print("SAVED 2", flush=True)
+        print("SAVED 2", flush=True)  # never reached: the commit point kills us
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import sys
 
 # The XLA flags of the test process (conftest), so every worker compiles the same programs.
 os.environ["XLA_FLAGS"] = (
-    f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=600 "
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=300 "
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 )
 

@@ -17,9 +17,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 # place every collective, run unchanged. Only this process: subprocesses (the demo, the
 # examples) train for many steps and keep optimised code.
 # On a loaded CI machine one simulated device can lag the others for long: XLA's CPU
-# collectives abort the process after 40 s by default, so give them an hour (kept for
-# subprocesses too).
-_xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=3600"
+# collectives abort the process after 40 s by default. 300 s tolerates a loaded machine,
+# and a real deadlock still ends the process in 5 minutes, not an hour (kept for
+# subprocesses too; pytest-timeout's limit in pyproject is the second net).
+_xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 jax.devices()  # initialise the backend with these flags
 os.environ["XLA_FLAGS"] = _xla_flags

@@ -3,15 +3,21 @@ resume, config files), `--help`, and one-line errors; the demo end to end (slow)
 
 Commands run in-process (`main([...])`) where they can: the pytest process already has 8
 simulated CPU devices (conftest) and shares jax's caches, which keeps each test to a tiny
-model's compiles. Two tests run `python -m zoo` in a subprocess, for the entry point.
+model's compiles. What a user sees of an error (exit code, exactly one line on stderr, no
+traceback; `--debug`'s traceback; exit 1 and 130) is checked through `python -m zoo` in
+fresh processes, which also carry everything the in-process redirect hides (warnings,
+absl's and XLA's output on file descriptor 2).
 """
 
 import contextlib
 import io
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -406,7 +412,6 @@ def test_entry_point_help_and_one_line_usage_error():
         (["train", "mlp", "--mesh", "model=8"], "has no 'data' axis"),
         (["train", "mlp", "--batch-size", "36"], "--batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32"),
         (["train", "mlp", "--rules", "tp"], "lacks 'model'; pass a mesh with them, e.g. --mesh data=4,model=2"),
-        (["train", "mlp", "--devices", "99"], "asked for 99 devices"),
         (["train", "mlp", "--steps", "0"], "--steps must be >= 1"),
         (["train", "mlp", "--model-config", "width"], "is not key=value"),
         (["train", "transformer", "--data", "docstrings"], "transformer trains on code or prose"),
@@ -422,6 +427,107 @@ def test_entry_point_help_and_one_line_usage_error():
 def test_bad_input_is_one_readable_line(args, message):
     rc, _, err = zoo_main(*args)
     one_line_error(rc, err, message)
+
+
+def test_more_devices_than_a_started_backend_has_is_one_line():
+    """In a process whose jax backend is already up (this one has 8 CPU devices, as a
+    notebook or an accelerator host would have its own), more is one line. (A fresh
+    process simulates as many CPU devices as asked: see the fresh-process test below.)"""
+    rc, _, err = zoo_main("train", "mlp", "--devices", "99")
+    one_line_error(rc, err, "asked for 99 devices but jax has 8 (cpu); pass --devices 8 or fewer")
+
+
+def _start(args, folder: Path, name: str) -> subprocess.Popen:
+    """`python -m zoo ARGS` in a fresh process, stdout/stderr to files (no pipe to fill)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("XLA_FLAGS", None)  # a user's environment, not this process's
+    with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "zoo", *map(str, args)], stdout=out, stderr=err, cwd=folder, env=env)
+
+
+def _finish(procs: dict, timeout: float = 300) -> None:
+    """Wait for every process (at most `timeout` s in all); kill and reap any left."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def test_errors_in_fresh_processes(tmp_path):
+    """`python -m zoo` as a user runs it, a dozen mistakes at once (each fails before jax
+    compiles anything): the exit code, exactly one line on stderr, no traceback; an
+    unexpected error is exit 1 naming its type and --debug; `--debug` (before or after the
+    command) shows the traceback instead; a fresh process simulates the devices asked for."""
+    (tmp_path / "bad.toml").write_text("steps = 3\nbatch_sise = 4\n")
+    (tmp_path / "a_file").write_text("")
+    one_line = {  # name: (args, exit code, the line)
+        "batch": (["train", "mlp", "--batch-size", "36"], 2,
+                  ("zoo: error: --batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32; "
+                   "use a multiple of 32, e.g. 32")),
+        "flag": (["train", "mlp", "--stepz", "3"], 2,
+                 "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)"),
+        "model": (["train", "mlpx"], 2,
+                  "zoo: error: unknown model 'mlpx'; choose one of ['mlp', 'transformer', 'encoder', 'minilm']"),
+        "mesh": (["train", "mlp", "--mesh", "data4"], 2,
+                 "zoo: error: bad --mesh 'data4': write it as name=size[,name=size], e.g. data=4,model=2"),
+        "init": (["finetune", "transformer"], 2, "zoo: error: zoo finetune transformer needs --init PATH"),
+        "config": (["train", "mlp", "--config", "bad.toml"], 2,
+                   "zoo: error: --config bad.toml: unknown keys ['batch_sise'] for zoo train; valid keys: batch-size,"),
+        "rules": (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], 2,
+                  ("zoo: error: --rules tp shards over mesh axes ['data', 'model'], but the mesh data=8 lacks 'model'; "
+                   "pass a mesh with them, e.g. --mesh data=4,model=2")),
+        "devices": (["train", "mlp", "--devices", "0"], 2, "zoo: error: --devices must be >= 1, got 0"),
+        "unexpected": (["train", "mlp", "--steps", "1", "--quiet", "--output", "a_file/run"], 1,
+                       ("zoo: error: NotADirectoryError: [Errno 20] Not a directory: 'a_file/run' "
+                        "(rerun with --debug for the traceback)")),
+    }  # fmt: skip
+    debug = {"debug_before": ["--debug", "train", "mlp", "--mesh", "data4"],
+             "debug_after": ["train", "mlp", "--mesh", "data4", "--debug"]}  # fmt: skip
+    procs = {name: _start(args, tmp_path, name) for name, (args, _, _) in one_line.items()}
+    procs |= {name: _start(args, tmp_path, name) for name, args in debug.items()}
+    procs["info"] = _start(["info", "mlp", "--devices", "3", "--json"], tmp_path, "info")
+    _finish(procs)
+
+    def err(name):
+        return (tmp_path / f"{name}.err").read_text()
+
+    for name, (args, code, line) in one_line.items():
+        lines = err(name).strip().splitlines()
+        assert procs[name].returncode == code and len(lines) == 1 and lines[0].startswith(line), (name, code, err(name))
+    for name in debug:
+        assert procs[name].returncode == 1, (name, err(name))
+        text = err(name)
+        assert text.startswith("Traceback (most recent call last):"), text
+        assert text.strip().splitlines()[-1] == (
+            "zoo._cli._common.CLIError: bad --mesh 'data4': write it as name=size[,name=size], e.g. data=4,model=2"
+        ), text
+    assert procs["info"].returncode == 0, err("info")
+    info = json.loads((tmp_path / "info.out").read_text())
+    assert info["devices"] == 3 and info["mesh"] == {"data": 3}
+
+
+def test_interrupt_exits_130_in_one_line(tmp_path):
+    """SIGINT (Ctrl-C) during training: exit 130, `zoo: interrupted`, no traceback."""
+    proc = _start(["train", "mlp", "--steps", "100000", "--quiet", "--output", "run"], tmp_path, "run")
+    metrics = tmp_path / "run" / "metrics.jsonl"  # one row per step, flushed as written
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.err").read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # in the training loop now: a step is done
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    err = (tmp_path / "run.err").read_text()
+    assert proc.returncode == 130 and err.strip() == "zoo: interrupted", (proc.returncode, err)
 
 
 def test_bad_lora_is_one_readable_line():
@@ -446,6 +552,7 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path):
 # --- end to end (slow) --------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.slow
 def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     """What `make demo` runs: LoRA on the pretrained MiniLM over 8 simulated devices; the
@@ -472,6 +579,21 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     print(f"zoo demo took {seconds:.0f} s")
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_demo_exits_1_when_the_loss_does_not_fall(tmp_path):
+    """A learning rate of 100 blows the loss up: the demo says so and exits 1."""
+    flags = ["--steps", "2", "--lr", "100", "--batch-size", "16", "--microbatches", "2", "--eval-size", "32",
+             "--probe", "0", "--seq-len", "16", "--quiet", "--output", "demo"]  # fmt: skip
+    proc = _start(["demo", *flags], tmp_path, "demo")
+    _finish({"demo": proc}, timeout=500)
+    out = (tmp_path / "demo.out").read_text()
+    assert proc.returncode == 1, (proc.returncode, out, (tmp_path / "demo.err").read_text())
+    assert "loss fell: NO" in out
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text())["loss_fell"] is False
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.slow
 def test_readme_example_runs():
     """examples/quickstart.py is the README's Python example, verbatim."""

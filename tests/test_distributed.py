@@ -122,6 +122,7 @@ def test_global_batch_and_init_errors_name_the_fix():
 # --- 2 processes x 2 devices vs 1 process x 4 devices ----------------------------------------
 
 
+@pytest.mark.timeout(ATTEMPTS * TIMEOUT + 60)  # each launch has its own deadline
 def test_two_processes_train_like_one(tmp_path):
     """The tiny decoder (dp rules, 2 microbatches, AdamW, 4 steps): same losses (≤ 1e-6),
     same final parameters, one all-reduce outside the loop in every process's step."""
@@ -149,6 +150,7 @@ def test_two_processes_train_like_one(tmp_path):
         assert json.loads(str(got["counts"])) == json.loads(str(ref["counts"])) == {"all-reduce/outside": 1}
 
 
+@pytest.mark.timeout(ATTEMPTS * TIMEOUT + 60)
 @pytest.mark.slow
 def test_zoo_train_on_two_processes(tmp_path):
     """`zoo train mlp` on 2 processes × 2 devices: only process 0 prints and writes metrics;

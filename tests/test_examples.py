@@ -47,6 +47,7 @@ def _number(pattern: str, text: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_train_lm_learns_below_unigram_entropy():
     out = _run_example("train_lm.py", *TRAIN_LM_FLAGS, timeout=300)
@@ -88,6 +89,7 @@ LORA_FLAGS = [
 ]  # fmt: skip
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     out_dir = tmp_path / "adapter"
@@ -98,9 +100,11 @@ def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     assert after < before - 0.05, (before, after)  # the adapter learned the new domain
 
     assert "base weights bit-for-bit unchanged: True" in out, out
-    merged = _number(r"merged model val loss: ([\d.]+) nats", out)
-    reloaded = _number(r"reloaded onto the base: val loss ([\d.]+) nats", out)
-    assert abs(merged - after) < 1e-3 and abs(reloaded - after) < 1e-3, (after, merged, reloaded)
+    # docs/lora.md: the merged model's loss differs from the adapted model's by float32
+    # rounding (2.4e-7 measured), the reloaded adapter's not at all.
+    merged_gap = _number(r"\|merged - adapter\| = ([\d.e+-]+)\)", out)
+    reloaded_gap = _number(r"\|reloaded - adapter\| = ([\d.e+-]+)\)", out)
+    assert merged_gap <= 2e-6 and reloaded_gap == 0.0, (merged_gap, reloaded_gap)
 
     # One all-reduce, outside the loop, carrying the adapter's bytes plus two f32 scalars
     # (the loss sum and the token count), and nothing of the frozen base.
@@ -115,9 +119,24 @@ def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     assert reduced - adapter_bytes == 8, (reduced, adapter_bytes)
 
     assert sorted(p.name for p in out_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert "OK: fine-tuning lowered the prose val loss" in out
+    # The files, read here (not the example's word): rank 4, every A and B of 1 layer x
+    # (q, k, v, o, up, down) trained off peft's init (B starts at zero), adapter_bytes in all.
+    import json
+
+    import numpy as np
+    import safetensors.numpy
+
+    config = json.loads((out_dir / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    tensors = safetensors.numpy.load_file(str(out_dir / "adapter_model.safetensors"))
+    assert sum(t.nbytes for t in tensors.values()) == adapter_bytes
+    a = {k: v for k, v in tensors.items() if "lora_A" in k}
+    b = {k: v for k, v in tensors.items() if "lora_B" in k}
+    assert len(a) == len(b) >= 4 and all(v.shape[0] == 4 for v in a.values()) and all(v.shape[1] == 4 for v in b.values())
+    assert all(np.abs(v).max() > 0 for v in b.values())  # trained: peft's B starts at 0
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.slow
 def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     """The pretrained all-MiniLM-L6-v2, LoRA on 8 devices x 2 microbatches, a few steps."""
@@ -134,3 +153,15 @@ def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     assert reduced == trained + 4  # the adapters and head, and the loss sum: nothing else
     assert "frozen base weights bit for bit unchanged: yes" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # The files, read here: rank 8; they hold exactly the trained bytes (adapters + head),
+    # and every B moved off peft's zero init.
+    import json
+
+    import numpy as np
+    import safetensors.numpy
+
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["r"] == 8
+    tensors = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert sum(t.nbytes for t in tensors.values()) == trained
+    b = [v for k, v in tensors.items() if "lora_B" in k]
+    assert len(b) >= 36 and all(np.abs(v).max() > 0 for v in b)  # 6 layers x 6 Linear layers

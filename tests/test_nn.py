@@ -1,5 +1,7 @@
 """zoo.nn modules: reference math, unsharded use, jaxtyping checks, construction errors."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,36 @@ def test_mlp_scan_equals_unrolled(key):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def _np_erf(x):
+    return np.vectorize(math.erf)(x)
+
+
+# Each activation a model can name, written independently of jax (float64 NumPy / math);
+# "swiglu" is silu(gate) * up, here with gate = up = identity.
+REFERENCE_ACTIVATIONS = {
+    "gelu": lambda x: 0.5 * x * (1 + _np_erf(x / math.sqrt(2))),  # BERT's exact (erf) GELU
+    "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),  # GPT-2's
+    "relu": lambda x: np.maximum(x, 0.0),
+    "swiglu": lambda x: x / (1 + np.exp(-x)) * x,
+}
+
+
+@pytest.mark.parametrize("name", zoo.nn.ACTIVATIONS)
+def test_activation_matches_its_formula(name):
+    """FeedForward(1, 1) with identity projections is its activation, on [-6, 6]: the
+    tolerance (float32 rounding) is far below the 1e-4-level gaps between formulas (erf
+    vs tanh GELU differ by 2.3e-4 at |x| = 2)."""
+    assert set(zoo.nn.ACTIVATIONS) <= set(REFERENCE_ACTIVATIONS)  # a new one needs its formula here
+    ff = zoo.nn.FeedForward(1, 1, activation=name, key=jax.random.key(0))
+    one, zero = jnp.ones((1, 1)), jnp.zeros((1,))
+    for layer in ("up", "gate", "down"):
+        if getattr(ff, layer) is not None:
+            ff = eqx.tree_at(lambda f, name=layer: (getattr(f, name).weight, getattr(f, name).bias), ff, (one, zero))
+    x = np.linspace(-6, 6, 481)
+    got = np.asarray(ff(jnp.asarray(x, jnp.float32)[:, None]))[:, 0]
+    np.testing.assert_allclose(got, REFERENCE_ACTIVATIONS[name](x), rtol=1e-6, atol=1e-6)
 
 
 def test_wrong_shape_is_a_readable_jaxtyping_error(key):

@@ -148,13 +148,36 @@ def test_dropout_follows_each_examples_key():
     full = forward(batch["tokens"], keys)
     half = forward(batch["tokens"][3:], keys[3:])
     np.testing.assert_allclose(full[3:], half, rtol=1e-5, atol=1e-6)
-    # Dropout is on with keys, off without.
-    inference = jax.jit(lambda t: model(t))
-    assert not np.allclose(full, inference(batch["tokens"]))
-    np.testing.assert_array_equal(inference(batch["tokens"]), inference(batch["tokens"]))
-    # A wrong number of keys is refused (by jaxtyping here; by the function's own check without it).
-    with pytest.raises((ValueError, jaxtyping.TypeCheckError)):
+    # Other keys, other masks: the output follows the keys (not one fixed mask).
+    other = forward(batch["tokens"], zoo.nn.example_keys(jax.random.key(3), 6))
+    assert not np.allclose(full, other)
+    # Without keys dropout is off: the same weights with rates 0 (an independent model,
+    # in which dropout cannot act) give the same outputs, and differ from training's.
+    inference = jax.jit(lambda t: model(t))(batch["tokens"])
+    no_dropout = tiny_encoder_classifier(jax.random.key(0), dropout=0.0, attention_dropout=0.0)
+    assert max_abs_diff(no_dropout, model) == 0  # the rates are static: the weights are the same
+    np.testing.assert_allclose(inference, jax.jit(lambda t: no_dropout(t))(batch["tokens"]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(inference, jax.jit(lambda t, k: no_dropout(t, key=k))(batch["tokens"], keys), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(full, inference)
+    # A wrong number of keys is refused: by jaxtyping here; the library's own message
+    # (without runtime type checks) is tests/test_errors.py's.
+    with pytest.raises(jaxtyping.TypeCheckError):
         zoo.nn.dropout(jnp.ones((4, 3)), 0.5, keys[:2])
+
+
+def test_dropout_zeroes_a_fraction_and_rescales_the_rest():
+    """`dropout(x, 0.25, keys)`: each element is 0 or x / 0.75, about a quarter zeros, an
+    independent mask per example and per key."""
+    x = jnp.ones((64, 256))
+    keys = zoo.nn.example_keys(jax.random.key(0), 64)
+    out = np.asarray(jax.jit(zoo.nn.dropout, static_argnums=1)(x, 0.25, keys))
+    assert set(np.unique(out).tolist()) <= {0.0, np.float32(1 / 0.75)}
+    dropped = (out == 0).mean()
+    assert 0.23 < dropped < 0.27, dropped  # 16,384 draws: 0.25 ± 0.02 is 6 standard deviations
+    assert len({row.tobytes() for row in out}) == 64  # no two examples share a mask
+    again = np.asarray(zoo.nn.dropout(x, 0.25, zoo.nn.example_keys(jax.random.key(1), 64)))
+    assert (again != out).mean() > 0.25  # another key, another mask
+    np.testing.assert_array_equal(zoo.nn.dropout(x, 0.25, None), x)
 
 
 def test_tied_head_is_the_embedding_and_remat_changes_nothing():

@@ -1,0 +1,90 @@
+"""A fresh process for tests/test_errors.py: zoo as a user imports it, without jaxtyping's
+import hook, so the library's own argument checks are what raises.
+
+    python tests/_errors_worker.py          # one JSON object on stdout: case -> [type, text]
+
+Every case fails before anything is compiled (the process stays cheap). conftest is not
+imported: the pytest process's hook and XLA flags stay out.
+"""
+
+import json
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import zoo  # noqa: E402
+
+
+def _mse(model, batch):
+    x, y = batch
+    return jnp.mean(jnp.square(model(x) - y), axis=-1)
+
+
+def _decoder(**overrides):
+    config = {"vocab_size": 32, "d_model": 16, "num_heads": 4, "num_layers": 1, "max_len": 8} | overrides
+    return zoo.models.Transformer(zoo.models.TransformerConfig(**config), key=jax.random.key(0))
+
+
+def _step_on_indivisible_batch():
+    mesh = jax.make_mesh((8,), ("data",))
+    model = zoo.nn.MLP(3, 1, 4, 1, key=jax.random.key(0))
+    step = zoo.TrainStep(_mse, optax.sgd(0.1), microbatches=4)
+    with jax.set_mesh(mesh):
+        model = zoo.shard(model, zoo.rules("dp"), mesh)
+        step.check((jnp.ones((40, 3)), jnp.ones((40, 1))))
+
+
+def _per_batch_loss():
+    model = zoo.nn.MLP(3, 1, 4, 1, key=jax.random.key(0))
+    step = zoo.TrainStep(lambda m, b: _mse(m, b).mean(), optax.sgd(0.1))
+    step.loss_and_grads(model, (jnp.ones((4, 3)), jnp.ones((4, 1))))
+
+
+KEYS = zoo.nn.example_keys(jax.random.key(0), 2)
+
+# Each case: a call that must fail. Most of these arguments are also refused by an
+# annotation (a Literal, an array shape), so with runtime type checks on, beartype raises
+# first and the library's own check never runs; here it does.
+CASES = {
+    "dropout_keys": lambda: zoo.nn.dropout(jnp.ones((4, 3)), 0.5, KEYS),
+    "dropout_rate": lambda: zoo.nn.dropout(jnp.ones((2, 3)), 1.0, KEYS),
+    "step_mode": lambda: zoo.TrainStep(_mse, optax.sgd(0.1), mode="pmap"),
+    "step_gather": lambda: zoo.TrainStep(_mse, optax.sgd(0.1), gather="twice"),
+    "step_shard_optimizer": lambda: zoo.TrainStep(_mse, optax.sgd(0.1), shard_optimizer="data"),
+    "step_microbatches": lambda: zoo.TrainStep(_mse, optax.sgd(0.1), microbatches=0),
+    "step_batch": _step_on_indivisible_batch,
+    "step_loss_shape": _per_batch_loss,
+    "mlp_norm": lambda: zoo.nn.MLP(2, 2, 4, 1, norm="batchnorm", key=jax.random.key(0)),
+    "mlp_depth": lambda: zoo.nn.MLP(2, 2, 4, 0, key=jax.random.key(0)),
+    "feedforward_activation": lambda: zoo.nn.FeedForward(8, 16, activation="tanh", key=jax.random.key(0)),
+    "stacked_remat": lambda: zoo.nn.Stacked(lambda k: zoo.nn.Linear(2, 2, key=k), 2, remat="sometimes", key=jax.random.key(0)),
+    "attention_kv_heads": lambda: zoo.nn.Attention(16, 4, num_kv_heads=3, key=jax.random.key(0)),
+    "rope_odd": lambda: zoo.nn.rope_tables(4, 7),
+    "config_activation": lambda: zoo.models.TransformerConfig(vocab_size=8, d_model=16, num_heads=4, num_layers=1, activation="tanh"),
+    "config_dtype": lambda: zoo.models.TransformerConfig(vocab_size=8, d_model=16, num_heads=4, num_layers=1, dtype="int8"),
+    "decoder_too_long": lambda: _decoder()(jnp.zeros((1, 9), jnp.int32)),
+    "lora_bias": lambda: zoo.lora.LoraConfig(r=4, bias="all"),
+    "lora_init": lambda: zoo.lora.LoraConfig(r=4, init_lora_weights="pissa"),
+    "lora_r": lambda: zoo.lora.LoraConfig(r=0),
+}
+
+
+def main() -> None:
+    results = {}
+    for name, case in CASES.items():
+        try:
+            case()
+        except Exception as e:  # noqa: BLE001 (the type is the result: a TypeCheckError here is a failure)
+            results[name] = [f"{type(e).__module__}.{type(e).__qualname__}", str(e)]
+        else:
+            results[name] = ["no error", ""]
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
