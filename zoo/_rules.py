@@ -220,12 +220,3 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
     placed = jax.tree.map(put, arrays, specs, is_leaf=lambda x: x is None)
     return eqx.combine(placed, static)
 
-
-def batch_spec(ndim: int, data_axes: tuple[str, ...]) -> P:
-    """`PartitionSpec` of a batch-leading array: dim 0 on the data axes, the rest replicated."""
-    return P(data_entry(data_axes), *([None] * (ndim - 1)))
-
-
-def data_entry(data_axes: tuple[str, ...]) -> str | tuple[str, ...]:
-    """The `PartitionSpec` entry that splits one dimension over the data axes."""
-    return data_axes[0] if len(data_axes) == 1 else data_axes
