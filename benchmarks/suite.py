@@ -87,10 +87,10 @@ def collective_row(model: str, preset: str, n: int) -> dict:
     row = {"model": model, "preset": preset, "mesh": shape}
     with jax.set_mesh(mesh):
         placed = zoo.shard(task.model, zoo.rules(preset), mesh)
-        options = zoo.step_options(preset)
+        options = {}
         if trainable is not None:
             options["trainable"] = trainable(placed)
-        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=COLL_MICROBATCHES, **options)
+        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=COLL_MICROBATCHES, preset=preset, **options)
         batch = task.make_batch(shape["data"] * COLL_MICROBATCHES * 2, jax.random.key(0))
         t0 = time.perf_counter()
         compiled = step.lower(placed, step.init(placed), batch).compile(compiler_options=INSPECT_COMPILER_OPTIONS)

@@ -60,7 +60,7 @@ def init_state(preset: str, mesh) -> tuple[zoo.TrainStep, Callable[[], dict]]:
         optax.adamw(1e-2),
         microbatches=MICROBATCHES,
         donate=True,
-        **zoo.step_options(preset),
+        preset=preset,
     )
 
     @eqx.filter_jit

@@ -199,7 +199,7 @@ def test_optimizer_state_memory_falls_n_fold(case):
 
 
 def test_preset_and_no_op_settings():
-    assert zoo.step_options("zero1") == {"shard_optimizer": True}
+    assert zoo.preset("zero1").step_options == {"shard_optimizer": True}
     assert zoo.rules("zero1") == zoo.rules("dp")
     model, _ = model_and_filter(False)
     step = zoo.TrainStep(zoo.models.next_token_loss, optimizer(), shard_optimizer=True)

@@ -5,7 +5,7 @@ The path a model takes: annotate (`zoo.field`) → rules (`zoo.rules`) → place
 → optax update) → check the compiled step (`zoo.collectives`).
 """
 
-from . import data, hf, lora, models, nn
+from . import data, hf, lora, models, nn, presets
 from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
 from ._checkpoint import CheckpointError, Checkpointer
@@ -21,7 +21,8 @@ from ._reduced import (
     split_spec,
     unreduced_zeros,
 )
-from ._rules import LOGICAL_AXES, RULE_PRESETS, partition_specs, rules, shard, spec_for, step_options
+from ._presets import RULE_PRESETS, Preset, preset, rules, step_options
+from ._rules import LOGICAL_AXES, partition_specs, shard, spec_for
 from ._step import TrainStep, partition_trainable
 
 __version__ = "0.1.0"

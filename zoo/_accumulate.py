@@ -138,8 +138,16 @@ def accumulate(
         weighted = _returns_weights(per_example, params, frozen, batch, microbatches)
         zero = jnp.zeros((), jnp.float32)
         mbs = split_local_microbatches(batch, microbatches)
-        carry = _scan(per_example, params, frozen, mbs, weighted=weighted, zero=zero,
-                      grad_zeros=jax.tree.map(jnp.zeros_like, params), sum_axes=None)
+        carry = _scan(
+            per_example,
+            params,
+            frozen,
+            mbs,
+            weighted=weighted,
+            zero=zero,
+            grad_zeros=jax.tree.map(jnp.zeros_like, params),
+            sum_axes=None,
+        )
         return carry["loss"], carry.get("weight"), carry["grads"]
 
     batch = shard_batch(batch, axes)
@@ -150,8 +158,16 @@ def accumulate(
     if mode == "explicit":
         zero = jax.reshard(jnp.zeros((), jnp.float32), P(unreduced=set(axes)))
         mbs = split_microbatches(batch, microbatches, data_size, axes)
-        carry = _scan(per_example, view, frozen, mbs, weighted=weighted, zero=zero,
-                      grad_zeros=unreduced_zeros(view, axes=axes), sum_axes=axes)
+        carry = _scan(
+            per_example,
+            view,
+            frozen,
+            mbs,
+            weighted=weighted,
+            zero=zero,
+            grad_zeros=unreduced_zeros(view, axes=axes),
+            sum_axes=axes,
+        )
     else:
         carry = _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weighted)
     carry = reduce_unreduced(carry, _out_specs(carry, params, grad_specs))  # the one all-reduce
@@ -168,8 +184,16 @@ def _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weigh
         p = pcast_varying(p_reduced, axes=axes)
         mbs = split_local_microbatches(local_batch, microbatches)
         zero = pcast_varying(jnp.zeros((), jnp.float32), axes=axes)
-        carry = _scan(per_example, p, eqx.combine(frozen_arrays, frozen_static), mbs, weighted=weighted,
-                      zero=zero, grad_zeros=jax.tree.map(jnp.zeros_like, p), sum_axes=None)
+        carry = _scan(
+            per_example,
+            p,
+            eqx.combine(frozen_arrays, frozen_static),
+            mbs,
+            weighted=weighted,
+            zero=zero,
+            grad_zeros=jax.tree.map(jnp.zeros_like, p),
+            sum_axes=None,
+        )
         return pcast_unreduced(carry, axes=axes)
 
     unreduced = P(unreduced=set(axes))

@@ -12,11 +12,12 @@ import optax
 from ._accumulate import accumulate
 from ._batch import check_batch, data_axes_tuple, data_parallel_size, require_explicit
 from ._jit import Compiled, Jit, bounded_queue
+from ._presets import Gather, Preset
+from ._presets import preset as _preset
 from ._reduced import FilterSpec
 from ._zero import shard_specs, sharded_init, sharded_update, zero_active
 
 Mode = Literal["explicit", "shard_map"]
-Gather = Literal["per_use", "once"]
 LossFn = Callable[[Any, Any], Any]
 
 LOSS_CONTRACT = (
@@ -80,8 +81,9 @@ class TrainStep:
         trainable: FilterSpec = eqx.is_inexact_array,
         mode: Mode = "explicit",
         data_axes: str | tuple[str, ...] = "data",
-        gather: Gather = "per_use",
-        shard_optimizer: bool = False,
+        gather: Gather | None = None,
+        shard_optimizer: bool | None = None,
+        preset: str | Preset | None = None,
         donate: bool = False,
     ):
         """**Arguments:**
@@ -119,10 +121,17 @@ class TrainStep:
           merge those scalars into the gradient reductions; see docs/design.md). Parameters
           already split over the data axes (FSDP) keep their layout. No effect without a
           mesh or with one data shard. Works in both modes.
+        - `preset`: a `zoo.Preset` or its name: sets `gather` and `shard_optimizer` to the
+          preset's (`"fsdp-once"` → `gather="once"`, `"zero1"` → `shard_optimizer=True`).
+          `gather=` / `shard_optimizer=` given explicitly win. The model must be placed
+          with the preset's rules (`zoo.shard(model, zoo.rules(preset))`).
         - `donate`: donate the model and optimizer state buffers to the step.
         """
         if mode not in ("explicit", "shard_map"):
             raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
+        options = _preset(preset).step_options if preset is not None else {}
+        gather = options.get("gather", "per_use") if gather is None else gather
+        shard_optimizer = options.get("shard_optimizer", False) if shard_optimizer is None else shard_optimizer
         if gather not in ("per_use", "once"):
             raise ValueError(f"gather must be 'per_use' or 'once', got {gather!r}")
         if not isinstance(shard_optimizer, bool):

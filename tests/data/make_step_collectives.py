@@ -53,10 +53,10 @@ def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> li
     mesh = jax.make_mesh(tuple(mesh_shape.values()), tuple(mesh_shape), axis_types=axis_types)
     with jax.set_mesh(mesh):
         placed = zoo.shard(task.model, zoo.rules(preset), mesh)
-        options = zoo.step_options(preset)
+        options = {}
         if lora is not None:
             options["trainable"] = zoo.lora.trainable(placed, lora)
-        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, **options)
+        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, preset=preset, **options)
         batch = task.make_batch(mesh_shape["data"] * MICROBATCHES * 2, jax.random.key(0))
         lowered = step.lower(placed, step.init(placed), batch)
         colls = zoo.collectives(lowered.compile(compiler_options=INSPECT_COMPILER_OPTIONS), mesh=mesh)
