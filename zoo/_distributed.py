@@ -35,7 +35,9 @@ def _env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer; set it to one, or unset it")
+        raise ValueError(
+            f"environment variable {name}={value!r} is not an integer; set it to one, or unset it"
+        ) from None
 
 
 def distributed_init(
