@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose, tree_bytes
+from helpers import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose, tree_bytes
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -62,22 +62,22 @@ def test_frozen_leaves_add_no_communication():
 
 def grads_step(model, batch, *, reduced: bool, naive_split: bool = False):
     """A hand-written accumulation step for the controls (loss summed per microbatch)."""
-    params = zoo.reduced_cast(model) if reduced else model
+    params = zoo.internal.reduced_cast(model) if reduced else model
     if naive_split:  # the trap: microbatch m's rows end up on few devices
         micro = jax.tree.map(
             lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:], out_sharding=P(None, "data", *([None] * (x.ndim - 1)))),
             batch,
         )
     else:
-        micro = zoo.split_microbatches(batch, M, N, ("data",))
+        micro = zoo.internal.split_microbatches(batch, M, N, ("data",))
 
     def body(acc, mb):
         grads = jax.grad(lambda m: jnp.sum(mse_per_example(m, mb)))(params)
         return jax.tree.map(jnp.add, acc, grads), None
 
-    acc = zoo.unreduced_zeros(model) if reduced else jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    acc = zoo.internal.unreduced_zeros(model) if reduced else jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
     acc, _ = jax.lax.scan(body, acc, micro)
-    return zoo.reduce_unreduced(acc) if reduced else acc
+    return zoo.internal.reduce_unreduced(acc) if reduced else acc
 
 
 def control_collectives(**kwargs):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from helpers import (
     classification_batch,
     lm_batch,
     max_abs_diff,
@@ -139,7 +139,7 @@ def test_collectives_sit_where_the_preset_says(model_name, preset, mode, n, m):
         # parameter after the update; nothing in the loop.
         assert not in_loop and {c.kind for c in outside} <= {"all-gather", "all-reduce", "reduce-scatter"}
         assert len(grad_reductions) == 1, zoo.report(colls)
-        split = [x for x in jax.tree.leaves(trainable) if "data" in zoo.split_spec(x, "data", mesh.shape["data"])]
+        split = [x for x in jax.tree.leaves(trainable) if "data" in zoo.internal.split_spec(x, "data", mesh.shape["data"])]
         assert zoo.count(colls, "all-gather") == len(split) >= 1, zoo.report(colls)
     elif preset == "fsdp+tp":
         # Per-use FSDP over `data` plus tensor parallelism over `model`: no collective mixes

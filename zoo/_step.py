@@ -107,7 +107,7 @@ class TrainStep:
         - `shard_optimizer`: ZeRO-1 (the `"zero1"` preset). The optimizer state is kept
           split over the data axes: each trainable leaf's moments are split along the
           first dimension that is not already sharded and that the data-parallel size N
-          divides (`zoo.split_spec`); leaves with no such dimension, and scalars such as
+          divides (`zoo.internal.split_spec`); leaves with no such dimension, and scalars such as
           Adam's count, stay replicated. `init` places the state that way. In the step,
           after the microbatch loop, the accumulated gradients are reduced straight into
           that layout (one reduce-scatter; XLA's CPU backend emits it as all-reduce +

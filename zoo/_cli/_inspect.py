@@ -48,7 +48,7 @@ def cmd_inspect(args) -> int:
     data = mesh_shape.get("data", 1)
     batch_size = args.batch_size or data * args.microbatches * 2
     try:  # before building anything: the step would say the same after compiling the model
-        zoo.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, args.microbatches)
+        zoo.internal.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, args.microbatches)
     except ValueError as e:
         raise CLIError(str(e)) from e
     task = build_inspect_task(args.model, args.seed)
