@@ -144,7 +144,7 @@ def collectives_worker(n: int) -> dict:
         for preset in PRESETS:
             try:
                 rows.append(collective_row(model, preset, n))
-            except Exception as e:  # noqa: BLE001 - one failing case should not sink the table
+            except Exception as e:  # one failing case should not sink the table
                 rows.append({"model": model, "preset": preset, "error": f"{type(e).__name__}: {e}"[:300]})
             _harness.log(f"  {model} {preset}: {rows[-1].get('compile_s', float('nan')):.1f}s")
     return {"devices": n, "collectives": rows, "memory": memory_rows(n)}
