@@ -9,7 +9,7 @@ import jaxtyping
 import numpy as np
 import optax
 import pytest
-from conftest import TokenRegressor, data_mesh, max_abs_diff, mse_per_example, token_batch, tree_allclose
+from helpers import TokenRegressor, data_mesh, max_abs_diff, mse_per_example, token_batch, tree_allclose
 from jax.sharding import AxisType
 
 import zoo

@@ -56,12 +56,20 @@ def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> li
         options = {}
         if lora is not None:
             options["trainable"] = zoo.lora.trainable(placed, lora)
-        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, preset=preset, **options)
+        step = zoo.TrainStep(
+            task.loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, preset=preset, **options
+        )
         batch = task.make_batch(mesh_shape["data"] * MICROBATCHES * 2, jax.random.key(0))
         lowered = step.lower(placed, step.init(placed), batch)
         colls = zoo.collectives(lowered.compile(compiler_options=INSPECT_COMPILER_OPTIONS), mesh=mesh)
     rows = [
-        {"kind": c.kind, "in_loop": c.in_loop, "bytes": c.bytes, "mesh_axes": list(c.mesh_axes), "group_size": c.group_size}
+        {
+            "kind": c.kind,
+            "in_loop": c.in_loop,
+            "bytes": c.bytes,
+            "mesh_axes": list(c.mesh_axes),
+            "group_size": c.group_size,
+        }
         for c in colls
     ]
     return sorted(rows, key=lambda r: (r["kind"], r["in_loop"], r["bytes"], r["mesh_axes"], r["group_size"]))
