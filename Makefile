@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow bench clean
+.PHONY: demo test test-fast test-slow lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,16 @@ demo: $(STAMP)
 # The slow runs are few and long: hand them out one by one (--dist load).
 PYTEST := $(PY) -m pytest -q -n 2
 
-test: $(STAMP)
+# Lint and format check first: they take a second and fail fast.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+test: lint
 	$(PYTEST) --dist loadfile -m 'not slow'
 	$(PYTEST) --dist load -m slow
 

@@ -12,7 +12,7 @@ can simulate only one CPU device count), side by side in one run:
   parameters, `lax.scan` over microbatches accumulating unreduced gradients, one all-reduce
   after the loop, AdamW;
 - **replicated**: a hand-written jitted step on the same plain replicated parameters:
-  `lax.scan` over the same microbatches (`zoo.split_microbatches`), plain
+  `lax.scan` over the same microbatches (`zoo.internal.split_microbatches`), plain
   `jax.value_and_grad` in the body, so every microbatch's backward pass all-reduces its
   gradients (and loss sums) inside the loop; then the same AdamW update. The step of
   `benchmarks/step_time.py`'s replicated baseline, for the LM.
@@ -114,7 +114,7 @@ def make_replicated_step(n: int, m: int, optimizer, static):
 
     @jax.jit
     def replicated_step(params, opt_state, batch):
-        mbs = zoo.split_microbatches(batch, m, n, ("data",))  # same rows per device as zoo
+        mbs = zoo.internal.split_microbatches(batch, m, n, ("data",))  # same rows per device as zoo
 
         def body(acc, mb):
             (loss, count), grads = jax.value_and_grad(objective, has_aux=True)(params, mb)

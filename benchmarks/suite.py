@@ -87,10 +87,10 @@ def collective_row(model: str, preset: str, n: int) -> dict:
     row = {"model": model, "preset": preset, "mesh": shape}
     with jax.set_mesh(mesh):
         placed = zoo.shard(task.model, zoo.rules(preset), mesh)
-        options = zoo.step_options(preset)
+        options = {}
         if trainable is not None:
             options["trainable"] = trainable(placed)
-        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=COLL_MICROBATCHES, **options)
+        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=COLL_MICROBATCHES, preset=preset, **options)
         batch = task.make_batch(shape["data"] * COLL_MICROBATCHES * 2, jax.random.key(0))
         t0 = time.perf_counter()
         compiled = step.lower(placed, step.init(placed), batch).compile(compiler_options=INSPECT_COMPILER_OPTIONS)
@@ -144,7 +144,7 @@ def collectives_worker(n: int) -> dict:
         for preset in PRESETS:
             try:
                 rows.append(collective_row(model, preset, n))
-            except Exception as e:  # noqa: BLE001 - one failing case should not sink the table
+            except Exception as e:  # one failing case should not sink the table
                 rows.append({"model": model, "preset": preset, "error": f"{type(e).__name__}: {e}"[:300]})
             _harness.log(f"  {model} {preset}: {rows[-1].get('compile_s', float('nan')):.1f}s")
     return {"devices": n, "collectives": rows, "memory": memory_rows(n)}

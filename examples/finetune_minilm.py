@@ -185,7 +185,7 @@ def main(argv=None) -> int:
             optax.adamw(schedule, weight_decay=0.01),
             microbatches=args.microbatches,
             trainable=trainable,
-            **zoo.step_options(args.rules),
+            preset=args.rules,
         )
         opt_state = step.init(model)
 

@@ -17,15 +17,16 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import conftest  # noqa: E402  (8 devices, XLA flags: before jax's backend starts)
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import conftest  # noqa: F401  (its side effects: 8 devices, XLA flags, before jax's backend starts)
+import equinox as eqx
+import helpers
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import zoo  # noqa: E402
+import zoo
 
 BATCH, MICROBATCHES = 16, 2
 
@@ -35,7 +36,7 @@ def big_state(seed: int, megabytes: int) -> dict:
     (incompressible, so writing it takes time in proportion to its size)."""
     rows = megabytes * 256
     bits = np.frombuffer(np.random.default_rng(seed).bytes(rows * 1024 * 4), np.uint32).reshape(rows, 1024)
-    return {"w": jax.device_put(bits, NamedSharding(conftest.data_mesh(8), P("data", None)))}
+    return {"w": jax.device_put(bits, NamedSharding(helpers.data_mesh(8), P("data", None)))}
 
 
 def kill_target(directory: str, megabytes: int) -> None:
@@ -77,12 +78,12 @@ def init_state(preset: str, mesh) -> tuple[zoo.TrainStep, Callable[[], dict]]:
         optax.adamw(1e-2),
         microbatches=MICROBATCHES,
         donate=True,
-        **zoo.step_options(preset),
+        preset=preset,
     )
 
     @eqx.filter_jit
     def make():
-        model = conftest.tiny_decoder(jax.random.key(0), dropout=0.1, attention_dropout=0.1)
+        model = helpers.tiny_decoder(jax.random.key(0), dropout=0.1, attention_dropout=0.1)
         model = zoo.shard(model, zoo.rules(preset), mesh)
         return {"model": model, "opt_state": step.init(model), "key": jax.random.key(42)}
 
@@ -97,7 +98,7 @@ def run(step: zoo.TrainStep, state: dict, first: int, last: int, ckpt=None, save
     losses = []
     for i in range(first, last + 1):
         key, sub = jax.random.split(state["key"])
-        batch = conftest.lm_batch(jax.random.fold_in(jax.random.key(7), i), BATCH)
+        batch = helpers.lm_batch(jax.random.fold_in(jax.random.key(7), i), BATCH)
         batch["dropout_key"] = zoo.nn.example_keys(sub, BATCH)
         model, opt_state, loss = step(state["model"], state["opt_state"], batch)
         state = {"model": model, "opt_state": opt_state, "key": key}
@@ -122,7 +123,7 @@ def train(directory: str, out: str, steps: int, save_at: int | None, resume: boo
     fresh initial state, saving after step `save_at` (run "saving"). With `resume`:
     restore the newest checkpoint in a fresh process and train on to `steps` (run
     "resumed"). Writes each run's losses and final leaves to `out`."""
-    mesh = conftest.preset_mesh(preset, devices)
+    mesh = helpers.preset_mesh(preset, devices)
     results = {}
     with jax.set_mesh(mesh), zoo.Checkpointer(directory, keep=None) as ckpt:
         step, make = init_state(preset, mesh)

@@ -22,8 +22,8 @@ os.environ["XLA_FLAGS"] = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 )
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 STEPS, BATCH, MICROBATCHES, SEQ, VOCAB = 4, 16, 2, 8, 32
 

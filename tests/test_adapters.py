@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import (
+from helpers import (
     lm_batch,
     preset_mesh,
     tiny_decoder,

@@ -4,7 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import data_mesh
+from helpers import data_mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import data_mesh, preset_mesh, tiny_decoder
+from helpers import data_mesh, preset_mesh, tiny_decoder
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

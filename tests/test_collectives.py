@@ -13,14 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
-    TokenRegressor,
-    data_mesh,
-    mse_per_example,
-    token_batch,
-    tree_allclose,
-    tree_bytes,
-)
+from helpers import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose, tree_bytes
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -71,22 +64,22 @@ def test_frozen_leaves_add_no_communication():
 
 def grads_step(model, batch, *, reduced: bool, naive_split: bool = False):
     """A hand-written accumulation step for the controls (loss summed per microbatch)."""
-    params = zoo.reduced_cast(model) if reduced else model
+    params = zoo.internal.reduced_cast(model) if reduced else model
     if naive_split:  # the trap: microbatch m's rows end up on few devices
         micro = jax.tree.map(
             lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:], out_sharding=P(None, "data", *([None] * (x.ndim - 1)))),
             batch,
         )
     else:
-        micro = zoo.split_microbatches(batch, M, N, ("data",))
+        micro = zoo.internal.split_microbatches(batch, M, N, ("data",))
 
     def body(acc, mb):
         grads = jax.grad(lambda m: jnp.sum(mse_per_example(m, mb)))(params)
         return jax.tree.map(jnp.add, acc, grads), None
 
-    acc = zoo.unreduced_zeros(model) if reduced else jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    acc = zoo.internal.unreduced_zeros(model) if reduced else jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
     acc, _ = jax.lax.scan(body, acc, micro)
-    return zoo.reduce_unreduced(acc) if reduced else acc
+    return zoo.internal.reduce_unreduced(acc) if reduced else acc
 
 
 def control_collectives(**kwargs):
@@ -264,7 +257,7 @@ def test_tensor_parallel_step_names_its_in_loop_reductions_outside_set_mesh():
     """The TP decoder step's in-loop embedding all-reduces print their groups as a named
     mesh (`replica_groups=mesh[...] {...}`); read with no mesh set, every op still names its
     axis."""
-    from conftest import lm_batch, tiny_decoder
+    from helpers import lm_batch, tiny_decoder
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     with jax.set_mesh(mesh):

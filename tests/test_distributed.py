@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import data_mesh
+from helpers import data_mesh
 
 import zoo
 
@@ -98,7 +98,7 @@ def test_global_batch_on_one_process_is_the_batch_split_over_data():
     with jax.set_mesh(mesh):
         assert zoo.local_rows(8) == slice(0, 8)
         out = zoo.global_batch(batch)
-        zoo.check_batch(out, 4, 2)
+        zoo.internal.check_batch(out, 4, 2)
     assert out["x"].shape == (8, 4) and out["x"].sharding.spec[0] == "data"
     np.testing.assert_array_equal(np.asarray(out["x"]), batch["x"])
     keys = zoo.global_batch({"k": jax.random.split(jax.random.key(0), 8)}, mesh)["k"]

@@ -15,7 +15,7 @@ import safetensors.numpy
 import sentence_transformers
 import torch
 import transformers
-from conftest import data_mesh, preset_mesh, tiny_decoder
+from helpers import data_mesh, preset_mesh, tiny_decoder
 from jax.sharding import NamedSharding
 
 import zoo

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from helpers import (
     classification_batch,
     lm_batch,
     max_abs_diff,
@@ -95,7 +95,7 @@ def sharded_run(preset, n, m, steps=3):
 def single_device_run(steps=3):
     model = lora_decoder()
     batch = lm_batch(jax.random.key(3), BATCH) | {"dropout_key": zoo.nn.example_keys(jax.random.key(4), BATCH)}
-    params, frozen = zoo.partition_trainable(model, trainable(model, CONFIG))
+    params, frozen = zoo.internal.partition_trainable(model, trainable(model, CONFIG))
 
     @eqx.filter_jit
     def update(params):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from helpers import (
     classification_batch,
     lm_batch,
     max_abs_diff,
@@ -114,7 +114,7 @@ def run(model_name, preset, mode, compiler_options=None):
     model, batch, _, _ = reference(model_name)
     _, _, loss_fn, trainable = MODELS[model_name]
     mesh = preset_mesh(preset, N)
-    options = zoo.step_options(preset)
+    options = zoo.preset(preset).step_options
     if trainable is not None:
         options["trainable"] = trainable(model)
     with jax.set_mesh(mesh):

@@ -1,5 +1,7 @@
 """TrainStep: gradients and updates equal single-device ones for any N, M and mode."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import jaxtyping
 import numpy as np
 import optax
 import pytest
-from conftest import TokenRegressor, data_mesh, max_abs_diff, mse_per_example, token_batch, tree_allclose
+from helpers import TokenRegressor, data_mesh, max_abs_diff, mse_per_example, token_batch, tree_allclose
 from jax.sharding import AxisType
 
 import zoo
@@ -249,3 +251,34 @@ def test_shard_map_mode_refuses_params_sharded_over_other_axes(setup):
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), mode="shard_map")
         with pytest.raises(ValueError, match=r"sharded over mesh axes \['model'\]; shard_map mode runs manual over every"):
             step.loss_and_grads(sharded, batch)
+
+
+def test_presets_are_objects_with_layout_and_step_options():
+    once = zoo.preset("fsdp-once")
+    assert once is zoo.presets.FSDP_ONCE and zoo.preset(once) is once
+    assert once.step_options == {"gather": "once"} and zoo.presets.ZERO1.step_options == {"shard_optimizer": True}
+    assert zoo.presets.DP.step_options == {} and zoo.presets.TP.step_options == {}
+    # fsdp-once and zero1 share their layouts with fsdp and dp; only the step differs.
+    assert zoo.rules(once) == zoo.rules("fsdp") and zoo.rules("zero1") == zoo.rules("dp")
+    assert zoo.rules("tp", vocab=None)["vocab"] is None and zoo.rules("tp")["vocab"] == "model"
+    assert tuple(zoo.presets.PRESETS) == zoo.RULE_PRESETS
+    with pytest.raises(TypeError):
+        once.layout["embed"] = None  # a preset cannot be edited by accident; rules() copies
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        once.gather = "per_use"
+    with pytest.raises(ValueError, match=r"unknown rules preset 'zero3'.*'fsdp-once'"):
+        zoo.preset("zero3")
+    with pytest.raises(ValueError, match=r"maps no mesh axes for logical axes \['seq', 'layers'.*to None to replicate"):
+        zoo.Preset("mine", {"batch": "data"})
+
+
+def test_train_step_takes_a_preset():
+    loss = mse_per_example
+    assert zoo.TrainStep(loss, optax.sgd(0.1), preset="fsdp-once").gather == "once"
+    assert zoo.TrainStep(loss, optax.sgd(0.1), preset=zoo.presets.ZERO1).shard_optimizer is True
+    plain = zoo.TrainStep(loss, optax.sgd(0.1), preset="fsdp")
+    assert (plain.gather, plain.shard_optimizer) == ("per_use", False)
+    # An explicit option wins over the preset's.
+    assert zoo.TrainStep(loss, optax.sgd(0.1), preset="fsdp-once", gather="per_use").gather == "per_use"
+    with pytest.raises(ValueError, match="unknown rules preset"):
+        zoo.TrainStep(loss, optax.sgd(0.1), preset="fsdp_once")

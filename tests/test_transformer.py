@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
-from conftest import lm_batch, max_abs_diff, tiny_decoder, tiny_encoder_classifier
+from helpers import lm_batch, max_abs_diff, tiny_decoder, tiny_encoder_classifier
 
 import zoo
 from zoo.models import Encoder, EncoderConfig, Transformer, TransformerConfig

@@ -16,7 +16,7 @@ import jaxtyping
 import numpy as np
 import optax
 import pytest
-from conftest import data_mesh, lm_batch, max_abs_diff, tiny_decoder, tree_allclose, tree_bytes
+from helpers import data_mesh, lm_batch, max_abs_diff, tiny_decoder, tree_allclose, tree_bytes
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -129,15 +129,15 @@ def test_optimizer_state_is_split_over_data(case):
 
 def test_split_spec_rule():
     with jax.set_mesh(data_mesh(4)):
-        assert zoo.split_spec(jnp.zeros((2, 8, 4))) == P(None, "data", None)
-        assert zoo.split_spec(jnp.zeros((3, 5))) == P(None, None)  # nothing divides: replicated
-        assert zoo.split_spec(jnp.zeros(())) == P()  # scalars (counts) stay replicated
+        assert zoo.internal.split_spec(jnp.zeros((2, 8, 4))) == P(None, "data", None)
+        assert zoo.internal.split_spec(jnp.zeros((3, 5))) == P(None, None)  # nothing divides: replicated
+        assert zoo.internal.split_spec(jnp.zeros(())) == P()  # scalars (counts) stay replicated
         fsdp = jax.device_put(jnp.zeros((8, 8)), P(None, "data"))
-        assert zoo.split_spec(fsdp) == P(None, "data")  # already 1/N: kept
+        assert zoo.internal.split_spec(fsdp) == P(None, "data")  # already 1/N: kept
     mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
         tp = jax.device_put(jnp.zeros((4, 6)), P("model", None))
-        assert zoo.split_spec(tp) == P("model", "data")  # a dimension split over `model` is skipped
+        assert zoo.internal.split_spec(tp) == P("model", "data")  # a dimension split over `model` is skipped
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -199,7 +199,7 @@ def test_optimizer_state_memory_falls_n_fold(case):
 
 
 def test_preset_and_no_op_settings():
-    assert zoo.step_options("zero1") == {"shard_optimizer": True}
+    assert zoo.preset("zero1").step_options == {"shard_optimizer": True}
     assert zoo.rules("zero1") == zoo.rules("dp")
     model, _ = model_and_filter(False)
     step = zoo.TrainStep(zoo.models.next_token_loss, optimizer(), shard_optimizer=True)

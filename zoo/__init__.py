@@ -1,30 +1,44 @@
 """eqx-zoo: Equinox models whose multi-device training step holds one gradient all-reduce.
 
-The path a model takes: annotate (`zoo.field`) → rules (`zoo.rules`) → place
-(`zoo.shard`) → `zoo.TrainStep` (reduced cast → scan over microbatches → one all-reduce
-→ optax update) → check the compiled step (`zoo.collectives`).
+The path a model takes: annotate (`zoo.field`) → rules (`zoo.rules`, `zoo.presets`) →
+place (`zoo.shard`) → `zoo.TrainStep` (reduced cast → scan over microbatches → one
+all-reduce → optax update) → check the compiled step (`zoo.collectives`). The low-level
+transforms the step is built from live in `zoo.internal`.
 """
 
-from . import data, hf, lora, models, nn
-from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
-from ._batch import check_batch, split_microbatches
-from ._checkpoint import CheckpointError, Checkpointer
-from ._distributed import distributed_init, global_batch, is_main_process, local_rows
-from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
-from ._reduced import (
-    gather_over,
-    manual_specs,
-    pcast_unreduced,
-    pcast_varying,
-    reduce_unreduced,
-    reduced_cast,
-    split_spec,
-    unreduced_zeros,
-)
-from ._rules import LOGICAL_AXES, RULE_PRESETS, partition_specs, rules, shard, spec_for, step_options
-from ._step import TrainStep, partition_trainable
+import importlib.metadata
 
-__version__ = "0.1.0"
+from . import data, hf, internal, lora, models, nn, presets
+from ._axes import LAYERS as LAYERS
+from ._axes import LogicalAxes as LogicalAxes
+from ._axes import field as field
+from ._axes import logical_axes as logical_axes
+from ._axes import stacked_field as stacked_field
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import CheckpointError as CheckpointError
+from ._distributed import distributed_init as distributed_init
+from ._distributed import global_batch as global_batch
+from ._distributed import is_main_process as is_main_process
+from ._distributed import local_rows as local_rows
+from ._inspect import COLLECTIVE_KINDS as COLLECTIVE_KINDS
+from ._inspect import Collective as Collective
+from ._inspect import collectives as collectives
+from ._inspect import count as count
+from ._inspect import report as report
+from ._presets import RULE_PRESETS as RULE_PRESETS
+from ._presets import Preset as Preset
+from ._presets import preset as preset
+from ._presets import rules as rules
+from ._presets import step_options as step_options
+from ._rules import LOGICAL_AXES as LOGICAL_AXES
+from ._rules import partition_specs as partition_specs
+from ._rules import shard as shard
+from ._step import TrainStep as TrainStep
+
+try:
+    __version__ = importlib.metadata.version("eqx-zoo")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -35,36 +49,28 @@ __all__ = [
     "Checkpointer",
     "Collective",
     "LogicalAxes",
+    "Preset",
     "TrainStep",
-    "check_batch",
     "collectives",
     "count",
-    "field",
-    "gather_over",
-    "global_batch",
-    "is_main_process",
     "data",
     "distributed_init",
+    "field",
+    "global_batch",
     "hf",
-    "logical_axes",
+    "internal",
+    "is_main_process",
     "local_rows",
+    "logical_axes",
     "lora",
-    "manual_specs",
     "models",
     "nn",
     "partition_specs",
-    "partition_trainable",
-    "pcast_unreduced",
-    "pcast_varying",
-    "reduce_unreduced",
-    "reduced_cast",
+    "preset",
+    "presets",
     "report",
     "rules",
     "shard",
-    "spec_for",
-    "split_microbatches",
-    "split_spec",
     "stacked_field",
     "step_options",
-    "unreduced_zeros",
 ]

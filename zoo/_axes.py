@@ -8,7 +8,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+from jax.tree_util import GetAttrKey
+
+from ._tree import child, path_str
 
 _AXES = "zoo_axes"
 _STACKED = "zoo_stacked"
@@ -64,34 +66,6 @@ class LogicalAxes:
         return len(self.names)
 
 
-def path_str(path: tuple) -> str:
-    """`model.layers[0].weight`-style text for a pytree key path."""
-    out = "model"
-    for key in path:
-        if isinstance(key, GetAttrKey):
-            out += f".{key.name}"
-        elif isinstance(key, SequenceKey):
-            out += f"[{key.idx}]"
-        elif isinstance(key, DictKey):
-            out += f"[{key.key!r}]"
-        elif isinstance(key, FlattenedIndexKey):
-            out += f"[{key.key}]"
-        else:
-            out += str(key)
-    return out
-
-
-def _child(node: Any, key: Any) -> Any:
-    if isinstance(key, GetAttrKey):
-        return getattr(node, key.name)
-    if isinstance(key, SequenceKey):
-        return node[key.idx]
-    if isinstance(key, DictKey):
-        return node[key.key]
-    # Other containers: no metadata can hide below them, so stop descending.
-    return None
-
-
 def _axes_for_path(model: Any, path: tuple) -> tuple[tuple[str | None, ...] | None, int]:
     """(declared axes of the field that holds this leaf, number of stacking levels above it)."""
     node = model
@@ -108,7 +82,7 @@ def _axes_for_path(model: Any, path: tuple) -> tuple[tuple[str | None, ...] | No
                 if f.metadata.get(_STACKED):
                     stacked += 1
                     declared = None
-        node = _child(node, key)
+        node = child(node, key, None)  # other containers: no metadata below them
         if node is None:
             break
     return declared, stacked

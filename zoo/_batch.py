@@ -10,12 +10,21 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from ._reduced import plain_spec
-from ._rules import batch_spec, data_entry
 
 
 def data_axes_tuple(data_axes: str | tuple[str, ...]) -> tuple[str, ...]:
     """Normalise a data-axis argument to a tuple of mesh axis names."""
     return (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+
+
+def batch_spec(ndim: int, data_axes: tuple[str, ...]) -> P:
+    """`PartitionSpec` of a batch-leading array: dim 0 on the data axes, the rest replicated."""
+    return P(data_entry(data_axes), *([None] * (ndim - 1)))
+
+
+def data_entry(data_axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    """The `PartitionSpec` entry that splits one dimension over the data axes."""
+    return data_axes[0] if len(data_axes) == 1 else data_axes
 
 
 def data_parallel_size(mesh: Any, data_axes: tuple[str, ...]) -> int:

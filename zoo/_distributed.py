@@ -19,8 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batch import data_axes_tuple, data_parallel_size
-from ._rules import batch_spec, data_entry
+from ._batch import batch_spec, data_axes_tuple, data_entry, data_parallel_size
 
 _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -36,7 +35,9 @@ def _env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer; set it to one, or unset it")
+        raise ValueError(
+            f"environment variable {name}={value!r} is not an integer; set it to one, or unset it"
+        ) from None
 
 
 def distributed_init(

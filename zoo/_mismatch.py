@@ -10,6 +10,19 @@ def shorten(items: list[str], limit: int = 20) -> str:
     return shown + (f", … and {len(items) - limit} more" if len(items) > limit else "")
 
 
+def listed(items: list[str], limit: int = 20) -> list[str]:
+    """One indented line per item, the first `limit` of them and a count of the rest."""
+    lines = [f"    {item}" for item in items[:limit]]
+    if len(items) > limit:
+        lines.append(f"    … and {len(items) - limit} more")
+    return lines
+
+
+def section(title: str, items: list[str], limit: int = 20) -> list[str]:
+    """`  title (n):` and `listed(items)` under it; empty when there are no items."""
+    return [f"  {title} ({len(items)}):", *listed(items, limit)] if items else []
+
+
 def mismatch_lines(noun: str, missing: list[str], unexpected: list[str], misshaped: list[str]) -> list[str]:
     """The indented lines listing what does not fit (`noun`: "keys", "tensors", ...);
     empty when everything fits."""
@@ -18,9 +31,4 @@ def mismatch_lines(noun: str, missing: list[str], unexpected: list[str], misshap
         lines.append(f"  missing {noun} ({len(missing)}): {shorten(missing)}")
     if unexpected:
         lines.append(f"  unexpected {noun} ({len(unexpected)}): {shorten(unexpected)}")
-    if misshaped:
-        lines.append(f"  mis-shaped tensors ({len(misshaped)}):")
-        lines.extend(f"    {m}" for m in misshaped[:20])
-        if len(misshaped) > 20:
-            lines.append(f"    … and {len(misshaped) - 20} more")
-    return lines
+    return lines + section("mis-shaped tensors", misshaped)

@@ -11,7 +11,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._axes import LogicalAxes, is_array_like, logical_axes, path_str
+from ._axes import LogicalAxes, is_array_like, logical_axes
+from ._tree import path_str
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
@@ -28,70 +29,6 @@ LOGICAL_AXES = (
     "heads",  # attention query heads (flattened heads × head_dim of projections)
     "kv_heads",  # attention key/value heads (fewer than "heads" with grouped queries)
 )
-
-_DP: dict[str, MeshAxes] = {name: None for name in LOGICAL_AXES} | {"batch": "data"}
-_TP: dict[str, MeshAxes] = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
-
-_PRESETS: dict[str, dict[str, MeshAxes]] = {
-    # Pure data parallelism: every parameter replicated, the batch split over `data`.
-    "dp": _DP,
-    # Fully sharded data parallelism: every parameter split over `data` along its embed
-    # axis; layers gather each weight when they use it, gradients are reduce-scattered.
-    "fsdp": _DP | {"embed": "data"},
-    # The same layout; the step gathers every parameter once per step into a reduced copy
-    # and reduce-scatters the accumulated gradients once (see `step_options`).
-    "fsdp-once": _DP | {"embed": "data"},
-    # ZeRO-1: parameters replicated as in "dp"; the step keeps the optimizer state split
-    # over `data`, reduce-scatters the gradients and all-gathers the updated parameters
-    # once per step (see `step_options`).
-    "zero1": _DP,
-    # Megatron tensor parallelism on a (data, model) mesh: heads, mlp width and vocab
-    # split over `model` (column-parallel in, row-parallel out), batch over `data`.
-    "tp": _DP | _TP,
-    # Both: embed over `data`, heads/mlp/vocab over `model`.
-    "fsdp+tp": _DP | _TP | {"embed": "data"},
-}
-
-# TrainStep keyword arguments a preset implies beyond its layout.
-_STEP_OPTIONS: dict[str, dict[str, Any]] = {"fsdp-once": {"gather": "once"}, "zero1": {"shard_optimizer": True}}
-
-
-def rules(preset: str = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
-    """A copy of a named preset of sharding rules, optionally with some axes overridden.
-
-    **Arguments:**
-
-    - `preset`: one of `zoo.RULE_PRESETS`: `"dp"` (parameters replicated, batch on
-      `data`), `"fsdp"` / `"fsdp-once"` (parameters split over `data` along their embed
-      axis; the two differ in the step, see `zoo.step_options`), `"zero1"` (the "dp"
-      layout; the step shards the optimizer state over `data`), `"tp"` (heads, mlp width
-      and vocab over `model`), `"fsdp+tp"`.
-    - `overrides`: logical axis → mesh axis (or tuple of mesh axes, or `None`).
-
-    **Returns:** a plain `dict` a user can print, copy and edit.
-    """
-    if preset not in _PRESETS:
-        raise ValueError(
-            f"unknown rules preset {preset!r}; the presets are {sorted(_PRESETS)}. "
-            "Pass one of them, or build your own dict of logical axis -> mesh axis."
-        )
-    return dict(_PRESETS[preset]) | dict(overrides)
-
-
-RULE_PRESETS = tuple(_PRESETS)
-
-
-def step_options(preset: str) -> dict[str, Any]:
-    """The `zoo.TrainStep` keyword arguments a rules preset implies beyond its layout.
-
-    `"fsdp-once"` → `{"gather": "once"}` (all-gather the parameters once per step,
-    accumulate unreduced gradients, reduce-scatter once); `"zero1"` →
-    `{"shard_optimizer": True}` (optimizer state split over `data`: reduce-scatter the
-    gradients into it, update the shards, all-gather the parameters once); every other
-    preset → `{}`.
-    """
-    rules(preset)  # validates the name
-    return dict(_STEP_OPTIONS.get(preset, {}))
 
 
 def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
@@ -220,12 +157,3 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
     placed = jax.tree.map(put, arrays, specs, is_leaf=lambda x: x is None)
     return eqx.combine(placed, static)
 
-
-def batch_spec(ndim: int, data_axes: tuple[str, ...]) -> P:
-    """`PartitionSpec` of a batch-leading array: dim 0 on the data axes, the rest replicated."""
-    return P(data_entry(data_axes), *([None] * (ndim - 1)))
-
-
-def data_entry(data_axes: tuple[str, ...]) -> str | tuple[str, ...]:
-    """The `PartitionSpec` entry that splits one dimension over the data axes."""
-    return data_axes[0] if len(data_axes) == 1 else data_axes

@@ -20,7 +20,7 @@ def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: di
     import equinox as eqx
     import jax
 
-    from .._axes import path_str
+    from .._tree import path_str
 
     rows: list[dict[str, Any]] = []
 

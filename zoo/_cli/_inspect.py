@@ -48,7 +48,7 @@ def cmd_inspect(args) -> int:
     data = mesh_shape.get("data", 1)
     batch_size = args.batch_size or data * args.microbatches * 2
     try:  # before building anything: the step would say the same after compiling the model
-        zoo.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, args.microbatches)
+        zoo.internal.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, args.microbatches)
     except ValueError as e:
         raise CLIError(str(e)) from e
     task = build_inspect_task(args.model, args.seed)
@@ -60,10 +60,10 @@ def cmd_inspect(args) -> int:
             model = zoo.shard(task.model, zoo.rules(args.rules), mesh)
         except ValueError as e:
             raise CLIError(str(e)) from e
-        options = zoo.step_options(args.rules)
+        options = {}
         if lora is not None:  # only the adapters (and modules_to_save) get gradients and all-reduces
             options["trainable"] = zoo.lora.trainable(model, lora)
-        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=args.microbatches, mode=args.mode, **options)
+        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=args.microbatches, mode=args.mode, preset=args.rules, **options)
         batch = task.make_batch(batch_size, jax.random.key(0))
         if lora is not None and lora.lora_dropout:  # per-example keys turn the branches' dropout on
             batch = dict(batch, dropout_key=zoo.nn.example_keys(jax.random.key(1), batch_size))
@@ -122,8 +122,8 @@ def cmd_inspect(args) -> int:
 
 
 def add_mesh_flags(parser: argparse.ArgumentParser, *, step: bool) -> None:
-    """--devices, --mesh, --rules (and, for a step, what `step_options` adds)."""
-    from .._rules import RULE_PRESETS  # zoo's import leaves jax's backend alone
+    """--devices, --mesh, --rules (and, for a step, the preset's step options)."""
+    from .._presets import RULE_PRESETS  # zoo's import leaves jax's backend alone
 
     parser.add_argument("--devices", type=int, metavar="N",
                         help="devices: simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)")

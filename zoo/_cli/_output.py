@@ -1,6 +1,6 @@
 """What a run shows and leaves behind: the progress bar, metrics.jsonl, loss.png, JSON files.
 
-Every file is written atomically (a temporary file next to the target, then `os.replace`),
+Every file is written atomically (a temporary file next to the target, fsync, `os.replace`),
 so a run stopped half-way leaves whole files or none; metrics.jsonl is appended line by
 line and flushed, so it always parses up to its last line.
 """
@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 
 def atomic_write(target: Path, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)`, then move the file onto `target` in one step."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(str(tmp))
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """The library's atomic write (temporary file, fsync, rename: `zoo._files`), imported
+    when first used so that `zoo --help` does not import jax."""
+    from .._files import atomic_write as library_atomic_write
+
+    library_atomic_write(target, write)
 
 
 def _json_default(value: Any) -> Any:

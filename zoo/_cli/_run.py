@@ -323,7 +323,7 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             weight_decay=s["weight_decay"], clip=s["clip"],
         )  # fmt: skip
         step = zoo.TrainStep(
-            task.loss_fn, optimizer, microbatches=m, trainable=trainable, mode=s["mode"], **zoo.step_options(s["rules"])
+            task.loss_fn, optimizer, microbatches=m, trainable=trainable, mode=s["mode"], preset=s["rules"]
         )
         params, frozen = step.partition(model)
         opt_state = step.init(model)

@@ -271,7 +271,7 @@ def _table(command: str) -> str:
 
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The flags of train / finetune / demo (demo: every default set for the demo)."""
-    from .._rules import RULE_PRESETS
+    from .._presets import RULE_PRESETS
 
     per_model = "default: per model, see below"
     p.add_argument("model", nargs="?", help=MODEL_HELP + (" (default: minilm if installed, else transformer)"
@@ -283,7 +283,7 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
                    help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES); needs a data axis")
     g.add_argument("--rules", metavar="PRESET",
                    help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp need a "
-                   "'model' mesh axis; fsdp-once also sets the step's gather='once' (zoo.step_options)")
+                   "'model' mesh axis; fsdp-once also sets the step's gather='once' (zoo.preset(name).step_options)")
     g.add_argument("--mode", choices=("explicit", "shard_map"), help="step mode (default explicit)")
     g.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-process training: process 0's coordinator address, the same in every process "

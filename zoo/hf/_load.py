@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, partition_specs
-from .._rules import rules as preset_rules
 from ..models import Encoder, Transformer
 from ._bert import BERT
 from ._files import Checkpoint, read_config

@@ -10,9 +10,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jax.tree_util import GetAttrKey, SequenceKey
 from jaxtyping import PRNGKeyArray
 
+from .._tree import dotted_name, node_at
 from ..nn import Linear, Stacked
 from ._config import LoraConfig
 from ._layer import LoraLinear
@@ -20,23 +20,8 @@ from ._layer import LoraLinear
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
 
-
-def _name(path: tuple) -> str:
-    parts = []
-    for key in path:
-        if isinstance(key, GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, SequenceKey):
-            parts.append(str(key.idx))
-        else:
-            parts.append(str(getattr(key, "key", key)))
-    return ".".join(parts)
-
-
-def _node(tree: Any, path: tuple) -> Any:
-    for key in path:
-        tree = getattr(tree, key.name) if isinstance(key, GetAttrKey) else tree[key.idx if isinstance(key, SequenceKey) else key.key]
-    return tree
+# Old names `zoo/lora/_io.py` imports; it moves to `zoo._tree` at merge, then these go.
+_name, _node = dotted_name, node_at
 
 
 def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
@@ -49,7 +34,7 @@ def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) ->
 
     def walk(node: Any, path: tuple, stacked: int) -> None:
         if isinstance(node, kind):
-            found[_name(path)] = (path, stacked)
+            found[dotted_name(path)] = (path, stacked)
             return
         if isinstance(node, LoraLinear):
             return  # an adapted layer's `base` is not a target of its own
@@ -105,7 +90,7 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
     new = []
     for i, name in enumerate(names):
         path, stacked = found[name]
-        base = _node(model, path)
+        base = node_at(model, path)
 
         def wrap(base, k):
             return LoraLinear(
@@ -120,7 +105,7 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
         keys = jr.split(keys, lead) if stacked else keys
         new.append(wrap(base, keys))
     paths = [found[n][0] for n in names]
-    return eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, replace=new)
+    return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
 
 
 def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
@@ -140,7 +125,7 @@ def _all_module_names(model: Any) -> list[str]:
 
     def walk(node: Any, path: tuple) -> None:
         if isinstance(node, eqx.Module) and path:
-            names.append(_name(path))
+            names.append(dotted_name(path))
         if isinstance(node, eqx.Module | list | tuple | dict):
             children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
             for key_path, child in children:
@@ -159,7 +144,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
     def one(path, leaf):
         if not eqx.is_array(leaf):
             return False
-        name = _name(path)
+        name = dotted_name(path)
         last = name.split(".")[-1]
         if last in ("lora_A", "lora_B"):
             return True
@@ -178,7 +163,7 @@ def _replace_lora(model: Any, fn) -> Any:
     if not found:
         return model
     paths = [p for p, _ in found.values()]
-    return eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, replace=[fn(_node(model, p)) for p in paths])
+    return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=[fn(node_at(model, p)) for p in paths])
 
 
 def _with(layer: LoraLinear, **changes: Any) -> LoraLinear:

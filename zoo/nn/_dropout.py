@@ -29,8 +29,8 @@ def fold_in(keys: ExampleKeys, data: int | jax.Array) -> ExampleKeys:
 
 
 def dropout(
-    x: Float[Array, "batch *rest"], rate: float, keys: Key[Array, " batch"] | None
-) -> Float[Array, "batch *rest"]:
+    x: Float[Array, " batch *rest"], rate: float, keys: Key[Array, " batch"] | None
+) -> Float[Array, " batch *rest"]:
     """Zero each element of `x` with probability `rate` and scale the rest by `1/(1-rate)`.
 
     **Arguments:**

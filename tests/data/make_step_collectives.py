@@ -1,0 +1,92 @@
+"""Compile the training steps of the `zoo inspect` models and record their collectives.
+
+The fixture `step_collectives.json` beside this file pins what every compiled step
+communicates (kind, inside or outside loops, bytes, mesh axes, group size of each
+collective); `tests/test_refactor.py` recompiles the same steps and compares. Regenerate it
+(only when a change to the compiled steps is intended) with one command:
+
+    python tests/data/make_step_collectives.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FIXTURE = Path(__file__).with_name("step_collectives.json")
+MICROBATCHES = 2
+
+# (model, preset, mesh, mode): each zoo inspect model under every preset that fits it, on 8
+# devices (the mlp's 1-wide output cannot split its embed axis: no fsdp layouts).
+_TP_MESH = {"data": 4, "model": 2}
+_DP_MESH = {"data": 8}
+CASES = [
+    (model, preset, _TP_MESH if "tp" in preset else _DP_MESH, "explicit")
+    for model in ("mlp", "transformer", "encoder", "transformer+lora")
+    for preset in ("dp", "fsdp", "fsdp-once", "tp", "fsdp+tp", "zero1")
+    if not (model == "mlp" and "fsdp" in preset)
+] + [(model, preset, _DP_MESH, "shard_map") for model in ("mlp", "transformer") for preset in ("dp", "zero1")]
+
+
+def case_name(model: str, preset: str, mesh: dict, mode: str) -> str:
+    return f"{model}/{preset}/{','.join(f'{k}={v}' for k, v in mesh.items())}/{mode}"
+
+
+def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> list[dict]:
+    """The sorted collectives of one compiled step (as JSON-ready dicts, no op names)."""
+    import jax
+    import optax
+
+    import zoo
+    from zoo._cli._common import INSPECT_COMPILER_OPTIONS
+    from zoo._cli._lora_flag import add_lora, inspect_defaults, parse_lora
+    from zoo._cli._tasks import build_inspect_task
+
+    base = model.removesuffix("+lora")
+    task = build_inspect_task(base, 0)
+    lora = None
+    if model.endswith("+lora"):
+        lora = parse_lora("", inspect_defaults(base))
+        task.model = add_lora(task.model, lora, 0)
+    axis_types = (jax.sharding.AxisType.Explicit,) * len(mesh_shape)
+    mesh = jax.make_mesh(tuple(mesh_shape.values()), tuple(mesh_shape), axis_types=axis_types)
+    with jax.set_mesh(mesh):
+        placed = zoo.shard(task.model, zoo.rules(preset), mesh)
+        options = {}
+        if lora is not None:
+            options["trainable"] = zoo.lora.trainable(placed, lora)
+        step = zoo.TrainStep(
+            task.loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, preset=preset, **options
+        )
+        batch = task.make_batch(mesh_shape["data"] * MICROBATCHES * 2, jax.random.key(0))
+        lowered = step.lower(placed, step.init(placed), batch)
+        colls = zoo.collectives(lowered.compile(compiler_options=INSPECT_COMPILER_OPTIONS), mesh=mesh)
+    rows = [
+        {
+            "kind": c.kind,
+            "in_loop": c.in_loop,
+            "bytes": c.bytes,
+            "mesh_axes": list(c.mesh_axes),
+            "group_size": c.group_size,
+        }
+        for c in colls
+    ]
+    return sorted(rows, key=lambda r: (r["kind"], r["in_loop"], r["bytes"], r["mesh_axes"], r["group_size"]))
+
+
+def main() -> int:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    out = {}
+    for case in CASES:
+        out[case_name(*case)] = step_collectives(*case)
+        print(case_name(*case), len(out[case_name(*case)]), "collectives", file=sys.stderr)
+    FIXTURE.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {FIXTURE} ({len(out)} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Every compiled training step communicates what the fixture recorded.
+
+`tests/data/step_collectives.json` holds the collectives (kind, inside/outside loops,
+bytes, mesh axes, group size) of the `zoo inspect` models' steps under every preset; a
+change to zoo's code that is not meant to change any compiled step must keep them equal.
+Regenerate the fixture (only for an intended change) with
+`python tests/data/make_step_collectives.py`.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "make_step_collectives", Path(__file__).parent / "data" / "make_step_collectives.py"
+)
+make = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(make)
+
+EXPECTED = json.loads(make.FIXTURE.read_text())
+
+# A fast subset that still covers every preset, both modes and a LoRA step; the rest are slow.
+_FAST = {
+    "transformer/dp/data=8/explicit",
+    "transformer/fsdp/data=8/explicit",
+    "transformer/fsdp-once/data=8/explicit",
+    "encoder/fsdp+tp/data=4,model=2/explicit",
+    "transformer/zero1/data=8/explicit",
+    "transformer+lora/tp/data=4,model=2/explicit",
+    "mlp/dp/data=8/shard_map",
+    "mlp/zero1/data=8/shard_map",
+}
+
+
+def _params():
+    for case in make.CASES:
+        name = make.case_name(*case)
+        marks = () if name in _FAST else (pytest.mark.slow,)
+        yield pytest.param(case, id=name, marks=marks)
+
+
+def test_fixture_covers_every_case():
+    assert sorted(EXPECTED) == sorted(make.case_name(*c) for c in make.CASES)
+    assert _FAST <= set(EXPECTED)
+
+
+@pytest.mark.parametrize("case", list(_params()))
+def test_step_collectives_unchanged(case):
+    got = make.step_collectives(*case)
+    want = EXPECTED[make.case_name(*case)]
+    assert got == want, (
+        f"{make.case_name(*case)}: the compiled step's collectives changed.\n got: {got}\nwant: {want}\n"
+        "If the change is intended, regenerate: python tests/data/make_step_collectives.py"
+    )

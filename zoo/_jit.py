@@ -1,0 +1,142 @@
+"""An asynchronous filtered `jax.jit`, and a compiled step that can be inspected and run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+
+class _Static:
+    """Marks a non-array leaf's slot; hashable so it can be part of a static argument."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and self.value == other.value
+
+
+def _split(leaves):
+    """Leaves → (array leaves with None in static slots, static leaves as a tuple)."""
+    arrays = [x if eqx.is_array(x) else None for x in leaves]
+    static = tuple(None if eqx.is_array(x) else _Static(x) for x in leaves)
+    return arrays, static
+
+
+def _merge(arrays, static):
+    """Inverse of `_split`."""
+    return [s.value if s is not None else a for a, s in zip(arrays, static)]
+
+
+def bounded_queue(owner: Any, latest: Any) -> None:
+    """Keep at most two dispatched steps of `owner` unfinished: wait for the older one."""
+    previous = getattr(owner, "_in_flight", None)
+    if previous is not None:
+        jax.block_until_ready(previous)
+    owner._in_flight = latest
+
+
+class Jit:
+    """`jax.jit` over a function of pytrees holding arrays and static leaves.
+
+    Like `eqx.filter_jit` (arrays traced, everything else static), but dispatch stays
+    asynchronous: equinox 0.13's `filter_jit` blocks until every call has finished, which
+    would stop a training loop from queueing the next step or loading data meanwhile.
+
+    **Arguments:**
+
+    - `fn`: the function; its arguments and result are pytrees.
+    - `donate`: positions of the arguments whose array buffers are donated.
+    """
+
+    def __init__(self, fn: Callable, *, donate: tuple[int, ...] = ()):
+        self._out_static: dict[Any, Any] = {}
+
+        def run(static, *dynamic):
+            in_treedef, in_static_leaves = static
+            flat = [leaf for group in dynamic for leaf in group]
+            args = jax.tree.unflatten(in_treedef, _merge(flat, in_static_leaves))
+            out_leaves, out_treedef = jax.tree.flatten(fn(*args))
+            arrays, out_static_leaves = _split(out_leaves)
+            self._out_static[static] = (out_treedef, out_static_leaves)
+            return arrays
+
+        # The name shows in HLO op names: jit(train_step)/reshard.
+        run.__name__ = getattr(fn, "__name__", "step").lstrip("_")
+        donate_argnums = tuple(i + 1 for i in donate)
+        self._jitted = jax.jit(run, static_argnums=(0,), donate_argnums=donate_argnums)
+
+    def _prepare(self, args):
+        leaves, treedef = jax.tree.flatten(args)
+        arrays, static_leaves = _split(leaves)
+        # One dynamic argument per top-level argument, so donation can pick them.
+        counts = [len(jax.tree.leaves(a)) for a in args]
+        groups, start = [], 0
+        for c in counts:
+            groups.append(arrays[start : start + c])
+            start += c
+        return (treedef, static_leaves), groups
+
+    def _unflatten(self, static, arrays):
+        out_treedef, out_static_leaves = self._out_static[static]
+        return jax.tree.unflatten(out_treedef, _merge(arrays, out_static_leaves))
+
+    def __call__(self, *args):
+        static, groups = self._prepare(args)
+        return self._unflatten(static, self._jitted(static, *groups))
+
+    def lower(self, *args):
+        """The lowered program for these arguments (a `jax.stages.Lowered`)."""
+        static, groups = self._prepare(args)
+        return self._jitted.lower(static, *groups)
+
+    def compile(self, *args) -> Compiled:
+        """The compiled program for these arguments, runnable (see `Compiled`)."""
+        static, groups = self._prepare(args)
+        return Compiled(self, static, self._jitted.lower(static, *groups).compile())
+
+
+class Compiled:
+    """A compiled step that can be both inspected and run, so the program whose collectives
+    and memory you read is the one that runs.
+
+    `compiled` is the `jax.stages.Compiled` (`zoo.collectives(this)` reads it; so do
+    `.as_text()`, `.memory_analysis()`, `.cost_analysis()`). Calling it runs the program on
+    arguments with the same structure, shapes and shardings as those it was compiled for.
+    """
+
+    def __init__(self, jit: Jit, static, compiled: jax.stages.Compiled):
+        self._jit, self._static, self.compiled = jit, static, compiled
+
+    def as_text(self) -> str:
+        """The optimised HLO text of the program."""
+        return self.compiled.as_text()
+
+    def memory_analysis(self) -> Any:
+        """XLA's memory analysis (argument, output and temporary bytes) of the program."""
+        return self.compiled.memory_analysis()
+
+    def cost_analysis(self) -> Any:
+        """XLA's cost analysis (flops, bytes accessed) of the program."""
+        return self.compiled.cost_analysis()
+
+    def __call__(self, *args):
+        out = self._run(*args)
+        # Wait on the last output only (a step's loss): the others may be donated later.
+        bounded_queue(self, jax.tree.leaves(out)[-1:])
+        return out
+
+    def _run(self, *args):
+        static, groups = self._jit._prepare(args)
+        if static != self._static:
+            raise ValueError(
+                "these arguments differ in structure or static values from the ones the step was "
+                "compiled for; compile again for them (or call the TrainStep itself)"
+            )
+        return self._jit._unflatten(static, self.compiled(*groups))

@@ -1,0 +1,150 @@
+"""Named sharding presets: a layout (rules) plus the training-step options it implies."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from ._rules import LOGICAL_AXES, MeshAxes
+
+Gather = Literal["per_use", "once"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named sharding preset: the rules that lay parameters out on the mesh, and the
+    `zoo.TrainStep` options that go with that layout.
+
+    **Arguments:**
+
+    - `name`: the preset's name (`zoo.preset(name)` returns it).
+    - `layout`: logical axis → mesh axes (or `None` to replicate), for every axis in
+      `zoo.LOGICAL_AXES`.
+    - `gather`: the step's `gather` option (`"per_use"` or `"once"`).
+    - `shard_optimizer`: the step's `shard_optimizer` option (ZeRO-1).
+    - `description`: one line on what the preset does.
+
+    Pass it to `zoo.rules(preset, **overrides)` for an editable dict of rules, and to
+    `zoo.TrainStep(..., preset=preset)` (or `**preset.step_options`) for its step options.
+    """
+
+    name: str
+    layout: Mapping[str, MeshAxes]
+    gather: Gather = "per_use"
+    shard_optimizer: bool = False
+    description: str = ""
+
+    def __post_init__(self):
+        missing = [axis for axis in LOGICAL_AXES if axis not in self.layout]
+        if missing:
+            raise ValueError(
+                f"preset {self.name!r} maps no mesh axes for logical axes {missing}; map each of "
+                "them, to None to replicate it (e.g. start from zoo.rules('dp', ...))"
+            )
+        # Read-only, so a preset cannot be edited by accident; `rules()` hands out copies.
+        object.__setattr__(self, "layout", types.MappingProxyType(dict(self.layout)))
+
+    def __hash__(self):
+        return hash((self.name, tuple(self.layout.items()), self.gather, self.shard_optimizer))
+
+    @property
+    def step_options(self) -> dict[str, Any]:
+        """The `zoo.TrainStep` keyword arguments this preset sets beyond their defaults."""
+        options: dict[str, Any] = {}
+        if self.gather != "per_use":
+            options["gather"] = self.gather
+        if self.shard_optimizer:
+            options["shard_optimizer"] = True
+        return options
+
+    def rules(self, **overrides: MeshAxes) -> dict[str, MeshAxes]:
+        """A plain `dict` copy of the layout with some logical axes overridden."""
+        return dict(self.layout) | dict(overrides)
+
+
+_DP: dict[str, MeshAxes] = {name: None for name in LOGICAL_AXES} | {"batch": "data"}
+_TP: dict[str, MeshAxes] = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+_FSDP = _DP | {"embed": "data"}
+
+DP = Preset("dp", _DP, description="every parameter replicated, the batch split over `data`")
+FSDP = Preset(
+    "fsdp",
+    _FSDP,
+    description="every parameter split over `data` along its embed axis; layers gather each "
+    "weight when they use it, gradients are reduce-scattered per microbatch",
+)
+FSDP_ONCE = Preset(
+    "fsdp-once",
+    _FSDP,
+    gather="once",
+    description="the fsdp layout; the step gathers every parameter once per step into a reduced "
+    "copy and reduce-scatters the accumulated gradients once",
+)
+TP = Preset(
+    "tp",
+    _DP | _TP,
+    description="Megatron tensor parallelism on a (data, model) mesh: heads, mlp width and vocab "
+    "split over `model`, the batch over `data`",
+)
+FSDP_TP = Preset("fsdp+tp", _FSDP | _TP, description="both: embed over `data`, heads/mlp/vocab over `model`")
+ZERO1 = Preset(
+    "zero1",
+    _DP,
+    shard_optimizer=True,
+    description="the dp layout; the step keeps the optimizer state split over `data`, "
+    "reduce-scatters the gradients and all-gathers the updated parameters once per step",
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (DP, FSDP, FSDP_ONCE, ZERO1, TP, FSDP_TP)}
+RULE_PRESETS = tuple(PRESETS)
+
+
+def preset(name: str | Preset) -> Preset:
+    """The named sharding preset (a `Preset` is returned as it is).
+
+    **Arguments:**
+
+    - `name`: one of `zoo.RULE_PRESETS`: `"dp"`, `"fsdp"`, `"fsdp-once"`, `"zero1"`, `"tp"`,
+      `"fsdp+tp"`.
+
+    **Returns:** the frozen `zoo.Preset`.
+    """
+    if isinstance(name, Preset):
+        return name
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown rules preset {name!r}; the presets are {sorted(PRESETS)}. "
+            "Pass one of them, or build your own dict of logical axis -> mesh axis."
+        )
+    return PRESETS[name]
+
+
+def rules(preset: str | Preset = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
+    """A copy of a preset's sharding rules, optionally with some axes overridden.
+
+    **Arguments:**
+
+    - `preset`: a `zoo.Preset` or one of `zoo.RULE_PRESETS`: `"dp"` (parameters
+      replicated, batch on `data`), `"fsdp"` / `"fsdp-once"` (parameters split over `data`
+      along their embed axis; the two differ in the step), `"zero1"` (the "dp" layout; the
+      step shards the optimizer state over `data`), `"tp"` (heads, mlp width and vocab over
+      `model`), `"fsdp+tp"`.
+    - `overrides`: logical axis → mesh axis (or tuple of mesh axes, or `None`).
+
+    **Returns:** a plain `dict` a user can print, copy and edit.
+    """
+    return _lookup(preset).rules(**overrides)
+
+
+_lookup = preset
+
+
+def step_options(preset: str | Preset) -> dict[str, Any]:
+    """The `zoo.TrainStep` keyword arguments a preset implies beyond its layout.
+
+    Kept for older code: prefer `zoo.TrainStep(..., preset=name)` or
+    `zoo.preset(name).step_options`.
+    """
+    return _lookup(preset).step_options

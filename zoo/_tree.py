@@ -1,0 +1,79 @@
+"""Key paths of pytrees: their names (via `jax.tree_util.keystr`) and walking them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+KeyPath = tuple[Any, ...]
+
+_MISSING = object()
+
+
+def path_str(path: KeyPath, root: str = "model") -> str:
+    """`model.layers[0].weight`-style text of a key path, for error messages.
+
+    **Arguments:**
+
+    - `path`: a key path (from `jax.tree_util.tree_flatten_with_path` and friends).
+    - `root`: the name the path starts from.
+
+    **Returns:** `root` followed by `jax.tree_util.keystr(path)`.
+    """
+    return root + jax.tree_util.keystr(path)
+
+
+def dotted_name(path: KeyPath) -> str:
+    """The dotted name of a key path: `layers.0.attention.q_proj` (attribute names, list
+    indices and dict keys joined by dots), as module names are written."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def child(node: Any, key: Any, default: Any = _MISSING) -> Any:
+    """The child of `node` at one path key (`GetAttrKey`, `SequenceKey` or `DictKey`).
+
+    Other keys (e.g. `FlattenedIndexKey` of a custom pytree node) have no way back to the
+    child: they return `default`, or raise `TypeError` without one.
+    """
+    if isinstance(key, GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, SequenceKey):
+        return node[key.idx]
+    if isinstance(key, DictKey):
+        return node[key.key]
+    if default is _MISSING:
+        raise TypeError(f"cannot follow path key {key!r} of a {type(node).__name__}")
+    return default
+
+
+def node_at(tree: Any, path: KeyPath) -> Any:
+    """The subtree of `tree` at key path `path`."""
+    for key in path:
+        tree = child(tree, key)
+    return tree
+
+
+def child_named(node: Any, part: str) -> Any:
+    """The child of `node` named by one part of a dotted name (list index, dict key or attribute)."""
+    if isinstance(node, list | tuple):
+        return node[int(part)]
+    if isinstance(node, dict):
+        return node[part]
+    return getattr(node, part)
+
+
+def key_path(tree: Any, name: str) -> KeyPath:
+    """The key path of the subtree with dotted name `name` (inverse of `dotted_name`)."""
+    path: list = []
+    node = tree
+    for part in name.split(".") if name else []:
+        if isinstance(node, list | tuple):
+            path.append(SequenceKey(int(part)))
+        elif isinstance(node, dict):
+            path.append(DictKey(part))
+        else:
+            path.append(GetAttrKey(part))
+        node = child_named(node, part)
+    return tuple(path)
