@@ -16,6 +16,7 @@ from ._bert import encoder_config_from_hf, encoder_config_to_hf
 from ._export import hf_tensors, save_pretrained
 from ._files import minilm_path
 from ._gpt2 import transformer_config_from_hf, transformer_config_to_hf
+from ._classifier import load_bert_classifier
 from ._load import from_pretrained, load_bert, load_gpt2
 from ._sentence import load_minilm, sentence_embeddings
 from ._tokenizer import Tokenizer
@@ -27,6 +28,7 @@ __all__ = [
     "from_pretrained",
     "hf_tensors",
     "load_bert",
+    "load_bert_classifier",
     "load_gpt2",
     "load_minilm",
     "minilm_path",

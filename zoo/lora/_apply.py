@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import equinox as eqx
@@ -16,6 +15,7 @@ from jaxtyping import PRNGKeyArray
 from ..nn import Linear, Stacked
 from ._config import LoraConfig
 from ._layer import LoraLinear
+from ._names import matches, select
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
@@ -65,29 +65,34 @@ def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) ->
 
 
 def _matches(name: str, patterns: tuple[str, ...] | str | None) -> bool:
-    if patterns is None:
-        return False
-    if isinstance(patterns, str):
-        return re.fullmatch(patterns, name) is not None
-    return any(name == p or name.endswith("." + p) for p in patterns)
+    return matches(name, patterns)
 
 
 def target_names(model: Any, config: LoraConfig) -> list[str]:
-    """The names of the `Linear` layers `config` targets in `model` (errors if none)."""
+    """The names of the `Linear` layers `config` targets in `model` (errors if none).
+
+    `target_modules` and `exclude_modules` match zoo names (`q_proj`,
+    `layers.layers.mlp.up`) or, for models of a `zoo.hf` family, the Hugging Face / peft
+    names of the module at every layer (`query`, `c_attn`, `gate_proj`,
+    `model.layers.0.self_attn.q_proj`): a fused HF module (GPT-2's `c_attn`) picks each of
+    its zoo parts (`q_proj`, `k_proj`, `v_proj`).
+    """
     linears = modules(model, Linear)
     if config.target_modules == "all-linear":
         chosen = [n for n in linears if n.split(".")[-1] not in OUTPUT_LAYERS]
     else:
-        chosen = [n for n in linears if _matches(n, config.target_modules)]
-    chosen = [n for n in chosen if not _matches(n, config.exclude_modules)]
+        chosen = select(model, list(linears), config.target_modules, "LoRA target_modules")
+    if config.exclude_modules is not None:
+        excluded = set(select(model, chosen, config.exclude_modules, "LoRA exclude_modules"))
+        chosen = [n for n in chosen if n not in excluded]
     if not chosen:
         adapted = sorted(modules(model, LoraLinear))
         already = f" These already carry LoRA branches: {adapted}." if adapted else ""
         raise ValueError(
             f"LoRA target_modules={config.target_modules!r} (exclude_modules={config.exclude_modules!r}) "
             f"match no Linear layer of this {type(model).__name__}. Its Linear layers are: "
-            f"{sorted(linears)}.{already} Name them by suffix (e.g. 'q_proj'), by a regex over the "
-            "whole name, or use 'all-linear'."
+            f"{sorted(linears)}.{already} Name them by suffix (e.g. 'q_proj', or the Hugging Face name "
+            "such as 'query' or 'c_attn'), by a regex over the whole name, or use 'all-linear'."
         )
     return chosen
 
