@@ -379,3 +379,34 @@ def test_registry_tables_name_every_projection(name):
     if name in CASES:  # config both ways is the identity
         config = family.config_from_hf(CASES[name][0](**SMALL).to_dict())
         assert family.config_from_hf(family.config_to_hf(config)) == config
+
+
+def test_shard_refuses_heads_the_model_axis_cannot_split():
+    config = TransformerConfig(vocab_size=16, d_model=24, num_heads=3, num_layers=1)
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"3 attention heads.*rules\['heads'\] = None"):
+        zoo.shard(abstract, zoo.rules("tp"), preset_mesh("tp", 8))
+    zoo.shard(abstract, zoo.rules("fsdp"), preset_mesh("fsdp", 8))  # no head split: fine
+
+
+def test_cli_finetunes_a_llama_from_the_cache(tmp_path, monkeypatch):
+    """`zoo finetune transformer --init ORG/NAME` with a Llama in the local cache."""
+    import contextlib
+    import io
+
+    from zoo._cli import main
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SMALL | {"vocab_size": 256, "num_hidden_layers": 1})
+    snapshot = tmp_path / "hub" / "models--org--cli-llama" / "snapshots" / "abc"
+    transformers.LlamaForCausalLM(config).save_pretrained(snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = ["finetune", "transformer", "--init", "org/cli-llama", "--seq-len", "16", "--batch-size", "16", "--microbatches", "2",
+            "--steps", "1", "--eval-size", "8", "--quiet", "--lora", "r=2", "--output", str(tmp_path / "out")]  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(args)
+    assert rc == 0, err.getvalue()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["init"] == str(snapshot)
+    assert "1 gradient all-reduce" in out.getvalue()
