@@ -315,7 +315,12 @@ def resolve_init(path: str) -> Path:
             if "model_type" in json.loads((candidate / "config.json").read_text()):
                 return candidate
     if not folder.exists():
-        raise CLIError(f"--init {path}: no such folder")
+        import zoo
+
+        try:  # a model id already in the local Hugging Face cache
+            return resolve_init(str(zoo.hf.resolve_model_dir(path)))
+        except FileNotFoundError as e:
+            raise CLIError(f"--init {path}: no such folder, and {str(e).split(': ', 1)[-1]}") from None
     raise CLIError(
         f"--init {path}: neither a Hugging Face model folder (config.json with model_type + model.safetensors) "
         "nor a `zoo train` output folder holding one in model/ (the mlp's runs have none)"
@@ -330,7 +335,7 @@ def _load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rul
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(f"--init {folder}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, kind):
-        want = "a GPT-2 (decoder)" if kind is zoo.models.Transformer else "a BERT (encoder)"
+        want = "a decoder (GPT-2, Llama, Mistral, Qwen2)" if kind is zoo.models.Transformer else "a BERT (encoder)"
         raise CLIError(f"--init {folder} holds a {type(model).__name__}, but this model needs {want} checkpoint")
     return model
 
