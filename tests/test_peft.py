@@ -284,19 +284,37 @@ def test_decoder_families_both_ways(family, root, tmp_path):
 def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_path):
     folder = hf_folder("gpt2", root)
     base = zoo.hf.load_gpt2(folder)
-    config = LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False)
+    # q and v only: a rank-2r c_attn branch whose k rows are zero.
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = add_lora(base, config, key=jax.random.key(1))
     save_adapter(model, config, tmp_path)
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path)
+    assert_close(zoo_outputs(model), hf_outputs(auto), "GPT-2 q/v only, zoo → peft")
     weights = tmp_path / "adapter_model.safetensors"
     before = weights.read_bytes()
     tensors = safetensors.torch.load_file(weights)
+    safetensors.torch.save_file(tensors, tmp_path.parent / "kept.safetensors")
     # peft's way of writing: other key order, other metadata: other bytes, same tensors.
     safetensors.torch.save_file(dict(reversed(list(tensors.items()))), weights, metadata={"format": "pt", "by": "peft"})
     assert weights.read_bytes() != before
     loaded, _ = load_adapter(base, tmp_path)
     assert tree_allclose(loaded, model, rtol=0, atol=0)
-    key = next(k for k in tensors if k.endswith("lora_B.weight"))
-    tensors[key] = tensors[key] * 1.01
+    # Changed tensors (as after training on in peft) are refused while zoo_adapter.json vouches for others.
+    key = "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][:16, 2:] = 0.5  # q's rows now read v's rank columns: no longer block-diagonal
     safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"not the ones .*zoo_adapter.json records.*delete zoo_adapter.json"):
         load_adapter(base, tmp_path)
+    # Without it, it is a peft adapter: one rank-4 c_attn branch that no rank-2 zoo branches hold exactly.
+    (tmp_path / "zoo_adapter.json").unlink()
+    with pytest.raises(ValueError, match=r"neither block-structured rank-2 branches \(.*\) nor one rank-2 branch"):
+        load_adapter(base, tmp_path)
+    # The unchanged tensors without zoo_adapter.json (peft re-saved it elsewhere): q, k, v
+    # branches (k's B zero), the same outputs.
+    tensors[key] = safetensors.torch.load_file(tmp_path.parent / "kept.safetensors")[key]
+    safetensors.torch.save_file(tensors, weights)
+    resaved, resaved_config = load_adapter(base, tmp_path)
+    assert len(resaved_config.target_modules) == 3 and not np.any(resaved.layers.layers.attention.k_proj.lora_B)
+    np.testing.assert_array_equal(resaved.layers.layers.attention.v_proj.lora_B, model.layers.layers.attention.v_proj.lora_B)
+    assert_close(zoo_outputs(resaved), zoo_outputs(model), "GPT-2 q/v re-saved by peft, reloaded")

@@ -6,9 +6,10 @@ family's task model for its `auto_class` (a `Transformer` is `GPT2LMHeadModel`,
 `LlamaForCausalLM`, …: the family tables already carry those names; an `Encoder` is
 `BertModel`), and a zoo task model wrapping one is described here
 (`EncoderClassifier` is `BertForSequenceClassification`: the encoder under the family's
-`prefix`, `pooler` → `bert.pooler.dense`, `head` → `classifier`). The module tables
-themselves live in the family files (`zoo/hf/_families/*.py`); `zoo.lora` asks only
-`adapter_names(model)`.
+`prefix`, its own modules named by the family's `lora_task_modules`: `pooler` →
+`bert.pooler.dense`, `head` → `classifier`). The name tables live in the family files
+(`zoo/hf/_families/*.py`: `module_names`, `fused`, `lora_task_modules`, `lora_absent`);
+`zoo.lora` asks only `adapter_names(model)`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ _TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModel": "FEATURE_EXTRAC
 
 @dataclasses.dataclass(frozen=True)
 class _Wrapper:
-    """A zoo task model around a family model: where the family model sits, what the
-    wrapper's own modules are called, its peft task type and its HF class."""
+    """A zoo task model around a family model: where the family model sits, its peft task
+    type and its HF class. Its own modules' HF names are the family's `lora_task_modules`."""
 
     inner: str  # the attribute holding the family model
-    own: Mapping[str, str]  # the wrapper's own modules → HF module names
     task_type: str
     architecture: str
 
@@ -38,23 +38,7 @@ class _Wrapper:
 # `EncoderClassifier` ↔ `BertForSequenceClassification`. Only a CLS-pooling classifier
 # computes what BertForSequenceClassification computes; `adapter_names` records which.
 _WRAPPERS: dict[type, _Wrapper] = {
-    EncoderClassifier: _Wrapper(
-        inner="encoder",
-        own={"pooler": "bert.pooler.dense", "head": "classifier"},
-        task_type="SEQ_CLS",
-        architecture="BertForSequenceClassification",
-    ),
-}
-
-# Modules of a family's own HF model that its zoo model does not have, and why skipping
-# their adapter branches changes nothing the zoo model computes.
-_NOT_IN_ZOO: dict[str, dict[str, str]] = {
-    "bert": {
-        "pooler.dense": (
-            "BertModel's pooler.dense only computes pooler_output (the tanh of the [CLS] state), which "
-            "zoo's Encoder does not compute; its hidden states (last_hidden_state) are unaffected"
-        )
-    },
+    EncoderClassifier: _Wrapper(inner="encoder", task_type="SEQ_CLS", architecture="BertForSequenceClassification"),
 }
 
 
@@ -140,7 +124,7 @@ def adapter_names(model: Any) -> AdapterNames | None:
             family=family,
             task_type=_TASK_TYPES.get(family.auto_class),
             architecture=family.architecture,
-            not_in_zoo=_NOT_IN_ZOO.get(family.name, {}),
+            not_in_zoo=getattr(family, "lora_absent", {}),
         )
     return AdapterNames(
         family=family,
@@ -148,7 +132,7 @@ def adapter_names(model: Any) -> AdapterNames | None:
         architecture=wrapper.architecture,
         inner=wrapper.inner,
         prefix=family.prefix,
-        own=wrapper.own,
+        own=getattr(family, "lora_task_modules", {}),
         cls_pooling=getattr(model, "pooling", "cls") == "cls",
     )
 

@@ -24,7 +24,8 @@ opens peft's. GPT-2 fuses q, k and v into one `c_attn` (`Conv1D`, outputs q | k 
 zoo's rank-r branches on `q_proj`, `k_proj`, `v_proj` are written as one rank-3r branch
 on `c_attn` (A the three A's stacked, B block-diagonal), with `rank_pattern` 3r and
 `alpha_pattern` chosen so peft's scaling equals zoo's; a peft `c_attn` branch of rank r
-loads as three rank-r zoo branches sharing A (B split in three), exactly.
+loads as three rank-r zoo branches sharing A (B split in three), exactly; a block-structured
+one (as zoo writes it, also after peft re-saved it without `zoo_adapter.json`) splits back.
 
 Writes are atomic per file (a temporary file next to the target, then `os.replace`):
 the weights first, then `adapter_config.json`, then `zoo_adapter.json`; `load_adapter`
@@ -211,29 +212,49 @@ def _unfuse(
     a: np.ndarray, b: np.ndarray, blocks: list[int], n: int, r: int, where: str
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Zoo rank-`r` branches on `blocks` (of `n`) from one fused branch (A `[R, in]`, B
-    `[n·out, R]`), exactly: a block-diagonal rank-`len(blocks)·r` branch (as `_fuse`
-    writes) splits into its blocks; a rank-`r` branch (as peft trains) gives every block
-    the whole A and its rows of B. Blocks without a zoo branch must have zero rows of B."""
+    `[n·out, R]`), exactly.
+
+    - `R == r` (a branch peft trained): every block gets the whole A and its rows of B.
+    - `R == m·r`, B block-structured (each block's rows use one group of r rank columns,
+      no two blocks the same group; as `_fuse` writes): each block gets its group's rows
+      of A and its block of B. A block whose rows are all zero gets the group at its
+      position among `blocks` (or a free one) and a zero B.
+
+    Blocks without a zoo branch must have zero rows of B. Anything else raises.
+    """
     rank, out = a.shape[0], b.shape[0] // n
     rows = {k: b[k * out:(k + 1) * out] for k in range(n)}
-    absent = [k for k in range(n) if k not in blocks]
-    if any(np.any(rows[k]) for k in absent):
+    absent = [k for k in range(n) if k not in blocks and np.any(rows[k])]
+    if absent:
         raise ValueError(
             f"{where}: the branch changes outputs of blocks {absent} of the fused module, which this zoo model "
             f"has no branch for; load it into a model with branches on all {n} (e.g. target_modules=['c_attn'])"
         )
-    p = len(blocks)
-    if rank == p * r:
-        block_diagonal = all(
-            not np.any(np.delete(rows[k], np.s_[j * r:(j + 1) * r], axis=1)) for j, k in enumerate(blocks)
-        )
-        if block_diagonal:
-            return {k: (a[j * r:(j + 1) * r], rows[k][:, j * r:(j + 1) * r]) for j, k in enumerate(blocks)}
     if rank == r:
         return {k: (a, rows[k]) for k in blocks}
+    groups = rank // r if rank % r == 0 else 0
+    assigned: dict[int, int] = {}
+    for k in blocks:
+        used = {c // r for c in np.flatnonzero(np.any(rows[k], axis=0))}
+        if len(used) > 1:
+            break
+        if used:
+            assigned[k] = used.pop()
+    else:
+        if groups and len(set(assigned.values())) == len(assigned):
+            for j, k in enumerate(blocks):
+                if k not in assigned:  # B is zero here: any A is exact; keep zoo's own order where free
+                    taken = set(assigned.values())
+                    options = [g for g in [j, *range(groups)] if g < groups and g not in taken]
+                    assigned[k] = options[0] if options else 0
+            return {
+                k: (a[g * r:(g + 1) * r], rows[k][:, g * r:(g + 1) * r]) for k, g in ((k, assigned[k]) for k in blocks)
+            }
     raise ValueError(
-        f"{where}: a fused branch of rank {rank} is neither {p} block-diagonal rank-{r} branches nor one rank-{r} "
-        f"branch, so zoo's rank-{r} branches on its {p} parts cannot hold it exactly (zoo gives every module one rank)"
+        f"{where}: a fused branch of rank {rank} is neither block-structured rank-{r} branches (each block's outputs "
+        f"reading its own {r} rank columns) nor one rank-{r} branch, so zoo's rank-{r} branches on its {len(blocks)} "
+        "parts cannot hold it exactly (zoo gives every module one rank). Was it trained further in peft after zoo "
+        "wrote it? Load it into peft, or re-train it with one rank."
     )
 
 
@@ -625,14 +646,12 @@ def load_adapter(
             if entry.part is None:
                 expected[k] = [shape]
             else:
-                # A fused branch: rank p·r (zoo's blocks) or r (one peft branch), outputs n blocks.
+                # A fused branch: rank m·r (zoo's blocks, m ≤ n) or r (one peft branch), outputs n blocks.
                 n = entry.part[1]
-                blocks = sum(1 for e in entries if e.part is not None and k in e.keys)
                 if k.endswith("lora_A.weight"):
-                    expected[k] = [(blocks * shape[0], shape[1]), shape] if blocks > 1 else [shape]
+                    expected[k] = [(m * shape[0], shape[1]) for m in range(1, n + 1)]
                 else:
-                    wide = (n * shape[0], shape[1])
-                    expected[k] = [(n * shape[0], blocks * shape[1]), wide] if blocks > 1 else [wide]
+                    expected[k] = [(n * shape[0], m * shape[1]) for m in range(1, n + 1)]
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     misshaped = []

@@ -161,6 +161,16 @@ class Bert(Family):
     module_names = BERT_NAMES
     lora_names = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "o_proj": "dense", "up": "dense", "down": "dense"}
     vocab_axes = {"embeddings.word_embeddings.weight": 0}
+    # peft adapters (zoo/hf/_peft.py): BertModel modules zoo's Encoder lacks, and why their
+    # branches may be skipped; BertForSequenceClassification's own modules around the
+    # encoder, as zoo.models.EncoderClassifier names them.
+    lora_absent = {
+        "pooler.dense": (
+            "BertModel's pooler.dense only computes pooler_output (the tanh of the [CLS] state), which "
+            "zoo's Encoder does not compute; its hidden states (last_hidden_state) are unaffected"
+        )
+    }
+    lora_task_modules = {"pooler": "bert.pooler.dense", "head": "classifier"}
 
     def config_from_hf(self, values, **overrides):
         return encoder_config_from_hf(values, **overrides)
