@@ -179,8 +179,10 @@ def test_seq_cls_both_ways(root, tmp_path):
 
     # zoo → peft: AutoPeftModelForSequenceClassification opens it from the adapter folder alone.
     base = zoo.hf.load_bert_classifier(folder)
-    config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", modules_to_save=["head"], init_lora_weights=False)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", modules_to_save=["classifier"],
+                        init_lora_weights=False)  # HF's name for the head
     model = add_lora(base, config, key=jax.random.key(3))
+    assert zoo.lora.trainable(model, config).head.weight is True
     model = eqx.tree_at(lambda m: m.head.bias, model, model.head.bias + 0.5)
     save_adapter(model, config, tmp_path / "z")
     values = json.loads((tmp_path / "z/adapter_config.json").read_text())
@@ -203,6 +205,9 @@ def test_seq_cls_both_ways(root, tmp_path):
 def test_gpt2_zoo_qkv_branches_open_in_peft_as_one_c_attn_branch(root, tmp_path):
     folder = hf_folder("gpt2", root)
     base = zoo.hf.load_gpt2(folder)
+    assert zoo.lora.target_names(base, LoraConfig(target_modules=["c_attn"])) == [
+        f"layers.layers.attention.{p}_proj" for p in "qkv"
+    ]
     config = LoraConfig(r=2, lora_alpha=5, use_rslora=True, target_modules=("q_proj", "k_proj", "v_proj", "up"),
                         modules_to_save=("final_norm",), init_lora_weights=False)
     model = add_lora(base, config, key=jax.random.key(1))

@@ -15,7 +15,7 @@ from jaxtyping import PRNGKeyArray
 from ..nn import Linear, Stacked
 from ._config import LoraConfig
 from ._layer import LoraLinear
-from ._names import matches, select
+from ._names import select
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
@@ -62,10 +62,6 @@ def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) ->
 
     walk(model, (), 0)
     return found
-
-
-def _matches(name: str, patterns: tuple[str, ...] | str | None) -> bool:
-    return matches(name, patterns)
 
 
 def target_names(model: Any, config: LoraConfig) -> list[str]:
@@ -133,11 +129,20 @@ def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
         return
     names = _all_module_names(model)
     for wanted in config.modules_to_save:
-        if not any(_matches(n, (wanted,)) for n in names):
+        if not select(model, names, (wanted,), "LoRA modules_to_save"):
             raise ValueError(
                 f"LoRA modules_to_save entry {wanted!r} matches no module of this {type(model).__name__}; "
                 f"its modules are: {sorted(names)}"
             )
+
+
+def saved_modules(model: Any, config: LoraConfig | None) -> list[str]:
+    """Zoo names of the outermost modules `config.modules_to_save` picks, by zoo name or
+    (for models of a `zoo.hf` family) by Hugging Face name (`"classifier"`, `"model.norm"`)."""
+    if config is None or not config.modules_to_save:
+        return []
+    picked = select(model, _all_module_names(model), config.modules_to_save, "LoRA modules_to_save")
+    return [n for n in picked if not any(n.startswith(p + ".") for p in picked)]
 
 
 def _all_module_names(model: Any) -> list[str]:
@@ -159,7 +164,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
     """The trainable filter of a LoRA model: `True` at every `lora_A`/`lora_B` leaf and at
     every leaf of `config.modules_to_save`, `False` elsewhere (a bool pytree for
     `zoo.TrainStep(trainable=...)`). The frozen base gets no gradient and no communication."""
-    save = None if config is None else config.modules_to_save
+    saved = set(saved_modules(model, config))
 
     def one(path, leaf):
         if not eqx.is_array(leaf):
@@ -171,7 +176,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
         prefix = name
         while "." in prefix:
             prefix = prefix.rsplit(".", 1)[0]
-            if _matches(prefix, save):
+            if prefix in saved:
                 return True
         return False
 

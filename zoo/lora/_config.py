@@ -29,8 +29,9 @@ class LoraConfig:
     - `init_lora_weights`: `True` (A uniform ±1/√in as torch's kaiming-uniform(a=√5), B = 0:
       the model's output is unchanged at init), `"gaussian"` (A normal(0, 1/r), B = 0), or
       `False` (both random: for tests only; the output changes).
-    - `modules_to_save`: names (as `target_modules`) of modules trained in full besides
-      the adapters, e.g. a new classification `"head"`.
+    - `modules_to_save`: names (as `target_modules`, zoo or Hugging Face names) of modules
+      trained in full besides the adapters, e.g. a new classification `"head"`
+      (`"classifier"` in BERT's names).
     - `bias`: only `"none"` (biases stay frozen), as peft's default.
     """
 

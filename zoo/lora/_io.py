@@ -70,6 +70,7 @@ from ._apply import (
     _with,
     add_lora,
     modules,
+    saved_modules,
     target_names,
 )
 from ._config import LoraConfig
@@ -79,7 +80,6 @@ from ._names import (
     hf_module_name,
     lead,
     lead_at,
-    matches,
     module_path,
     select,
 )
@@ -126,13 +126,7 @@ def _lora_entries(model: Any, names: Any) -> list[_Entry]:
 
 def _saved_modules(model: Any, config: LoraConfig) -> list[str]:
     """Zoo names of the outermost modules `config.modules_to_save` matches."""
-    if not config.modules_to_save:
-        return []
-    chosen: list[str] = []
-    for name in _all_module_names(model):
-        if matches(name, config.modules_to_save) and not any(name.startswith(c + ".") for c in chosen):
-            chosen.append(name)
-    return chosen
+    return saved_modules(model, config)
 
 
 def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
