@@ -30,6 +30,10 @@ SMALL = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
+LLAMA3 = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}  # fmt: skip
 CASES = {
     # Llama 3-style: GQA, untied head, rope_theta.
     "llama": (transformers.LlamaConfig, SMALL | {"rope_theta": 500000.0}),
@@ -41,14 +45,8 @@ CASES = {
     # Llama 3.1 frequency rescaling (a short original context so every band is hit).
     "llama3_scaled": (
         transformers.LlamaConfig,
-        SMALL
-        | {
-            "rope_scaling": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            }
-        },
-    ),  # fmt: skip
+        SMALL | {"rope_scaling": LLAMA3},
+    ),
     # Mistral with a window shorter than the sequence.
     "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
@@ -191,7 +189,7 @@ def test_scratch_llama_is_exported_by_shape(tmp_path, tokens):
         vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=48, max_len=32,
         positions="rope", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False, norm_eps=1e-6,
     )  # fmt: skip
-    perturb = lambda m: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), m)  # noqa: E731
+    perturb = lambda m: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), m)
     model = eqx.filter_jit(lambda k: perturb(Transformer(config, key=k)))(jax.random.key(3))
     assert zoo.hf.family_of(model).name == "llama"
     zoo.hf.save_pretrained(model, tmp_path)
@@ -232,7 +230,7 @@ def test_sharded_loads_equal_unsharded(preset, devices, hf_dirs, loaded, tokens)
         assert (got[..., VOCAB:] == np.finfo(np.float32).min).all()
         assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
         targets = jnp.asarray(tokens)
-        loss = lambda logits: zoo.models.cross_entropy(jnp.asarray(logits), targets)  # noqa: E731
+        loss = lambda logits: zoo.models.cross_entropy(jnp.asarray(logits), targets)
         np.testing.assert_allclose(loss(got), loss(want), rtol=1e-6)
 
 
