@@ -408,3 +408,29 @@ def test_cli_finetunes_a_llama_from_the_cache(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["init"] == str(snapshot)
     assert "1 gradient all-reduce" in out.getvalue()
+
+
+def _zoo(*args):
+    import contextlib
+    import io
+
+    from zoo._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    assert rc == 0, err.getvalue()
+    return out.getvalue()
+
+
+def test_cli_info_and_inspect_take_a_family_folder(hf_dirs):
+    """`zoo info DIR` / `zoo inspect DIR` under tp: the odd vocabulary padded, one
+    gradient all-reduce."""
+    mesh = ["--devices", "8", "--mesh", "data=4,model=2", "--rules", "tp"]
+    info = json.loads(_zoo("info", hf_dirs["qwen2"], *mesh, "--json"))
+    embedding = next(r for r in info["leaves"] if "token_embedding" in r["path"])
+    assert embedding["shape"] == [62, 32] and embedding["spec"][0] == "model"
+    report = json.loads(_zoo("inspect", hf_dirs["llama"], *mesh, "--microbatches", "2", "--json"))
+    summary = report["summary"]  # the gradient all-reduce over data once; in loops only model-axis ones
+    assert summary["all_reduce_outside"] == 1 and summary["outside_mesh_axes"] == ["data"]
+    assert summary["in_loop_mesh_axes"] == ["model"]
