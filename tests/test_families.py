@@ -387,6 +387,7 @@ def test_shard_refuses_heads_the_model_axis_cannot_split():
     zoo.shard(abstract, zoo.rules("fsdp"), preset_mesh("fsdp", 8))  # no head split: fine
 
 
+@pytest.mark.slow
 def test_cli_finetunes_a_llama_from_the_cache(tmp_path, monkeypatch):
     """`zoo finetune transformer --init ORG/NAME` with a Llama in the local cache."""
     import contextlib
