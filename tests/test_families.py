@@ -30,6 +30,10 @@ SMALL = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
+LLAMA3 = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}  # fmt: skip
 CASES = {
     # Llama 3-style: GQA, untied head, rope_theta.
     "llama": (transformers.LlamaConfig, SMALL | {"rope_theta": 500000.0}),
@@ -41,14 +45,8 @@ CASES = {
     # Llama 3.1 frequency rescaling (a short original context so every band is hit).
     "llama3_scaled": (
         transformers.LlamaConfig,
-        SMALL
-        | {
-            "rope_scaling": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            }
-        },
-    ),  # fmt: skip
+        SMALL | {"rope_scaling": LLAMA3},
+    ),
     # Mistral with a window shorter than the sequence.
     "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
@@ -191,7 +189,7 @@ def test_scratch_llama_is_exported_by_shape(tmp_path, tokens):
         vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=48, max_len=32,
         positions="rope", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False, norm_eps=1e-6,
     )  # fmt: skip
-    perturb = lambda m: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), m)  # noqa: E731
+    perturb = lambda m: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), m)
     model = eqx.filter_jit(lambda k: perturb(Transformer(config, key=k)))(jax.random.key(3))
     assert zoo.hf.family_of(model).name == "llama"
     zoo.hf.save_pretrained(model, tmp_path)
@@ -232,7 +230,7 @@ def test_sharded_loads_equal_unsharded(preset, devices, hf_dirs, loaded, tokens)
         assert (got[..., VOCAB:] == np.finfo(np.float32).min).all()
         assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
         targets = jnp.asarray(tokens)
-        loss = lambda logits: zoo.models.cross_entropy(jnp.asarray(logits), targets)  # noqa: E731
+        loss = lambda logits: zoo.models.cross_entropy(jnp.asarray(logits), targets)
         np.testing.assert_allclose(loss(got), loss(want), rtol=1e-6)
 
 
@@ -389,6 +387,7 @@ def test_shard_refuses_heads_the_model_axis_cannot_split():
     zoo.shard(abstract, zoo.rules("fsdp"), preset_mesh("fsdp", 8))  # no head split: fine
 
 
+@pytest.mark.slow
 def test_cli_finetunes_a_llama_from_the_cache(tmp_path, monkeypatch):
     """`zoo finetune transformer --init ORG/NAME` with a Llama in the local cache."""
     import contextlib
@@ -410,3 +409,55 @@ def test_cli_finetunes_a_llama_from_the_cache(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["init"] == str(snapshot)
     assert "1 gradient all-reduce" in out.getvalue()
+
+
+def _zoo(*args):
+    import contextlib
+    import io
+
+    from zoo._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    assert rc == 0, err.getvalue()
+    return out.getvalue()
+
+
+def test_cli_info_and_inspect_take_a_family_folder(hf_dirs):
+    """`zoo info DIR` / `zoo inspect DIR` under tp: the odd vocabulary padded, one
+    gradient all-reduce."""
+    mesh = ["--devices", "8", "--mesh", "data=4,model=2", "--rules", "tp"]
+    info = json.loads(_zoo("info", hf_dirs["qwen2"], *mesh, "--json"))
+    embedding = next(r for r in info["leaves"] if "token_embedding" in r["path"])
+    assert embedding["shape"] == [62, 32] and embedding["spec"][0] == "model"
+    report = json.loads(_zoo("inspect", hf_dirs["llama"], *mesh, "--microbatches", "2", "--json"))
+    summary = report["summary"]  # the gradient all-reduce over data once; in loops only model-axis ones
+    assert summary["all_reduce_outside"] == 1 and summary["outside_mesh_axes"] == ["data"]
+    assert summary["in_loop_mesh_axes"] == ["model"]
+
+
+def test_padded_vocab_gradients_equal_unpadded(hf_dirs, loaded, tokens):
+    """Under tp the padded model's next-token gradients are the unpadded ones on the real
+    rows and zero on the padding rows."""
+    mesh = preset_mesh("tp", 8)
+    padded = zoo.hf.from_pretrained(hf_dirs["llama"], rules=zoo.rules("tp"), mesh=mesh)
+
+    @eqx.filter_jit
+    def grads(model, tokens, mask):
+        def loss(m):
+            sums, counts = zoo.models.next_token_loss(m, {"tokens": tokens, "mask": mask})
+            return jnp.sum(sums) / jnp.sum(counts)
+
+        return eqx.filter_grad(loss)(model)
+
+    t, mask = _rows8(tokens), _rows8(_masks()["right"])
+    with jax.set_mesh(mesh):
+        got = grads(padded, *_placed(mesh, t, mask))
+    want = grads(loaded["llama"], t, mask)
+    emb, head = np.asarray(got.token_embedding.weight), np.asarray(got.lm_head.weight)
+    np.testing.assert_allclose(emb[:VOCAB], np.asarray(want.token_embedding.weight), atol=1e-6)
+    np.testing.assert_allclose(head[:, :VOCAB], np.asarray(want.lm_head.weight), atol=1e-6)
+    assert not emb[VOCAB:].any() and not head[:, VOCAB:].any() and np.abs(head).max() > 1e-3
+    for a, b in zip(jax.tree.leaves(got.layers), jax.tree.leaves(want.layers), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -226,7 +226,10 @@ def check_head_split(model: Any, rules: Rules, mesh: Any) -> None:
     """Refuse (naming the fix) attention whose query or key/value head count the mesh axes
     of `rules["heads"]` / `rules["kv_heads"]` cannot split: the flattened projections
     would split, but the per-head reshape of the first forward would not."""
-    is_attention = lambda x: hasattr(x, "num_kv_heads") and hasattr(x, "q_proj")  # noqa: E731
+
+    def is_attention(x: Any) -> bool:
+        return hasattr(x, "num_kv_heads") and hasattr(x, "q_proj")
+
     for node in jax.tree.leaves(model, is_leaf=is_attention):
         if not is_attention(node):
             continue
