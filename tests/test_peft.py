@@ -93,6 +93,7 @@ def zoo_outputs(model):
 
 
 def assert_close(zoo_value, hf_value, what):
+    zoo_value = zoo_value[..., : hf_value.shape[-1]]  # a vocabulary padded for tensor parallelism
     diff = float(np.max(np.abs(zoo_value - hf_value)))
     assert diff <= TOL, f"{what}: max |zoo - peft| = {diff:.2e} > {TOL}"
     return diff
@@ -260,15 +261,19 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
 @pytest.mark.parametrize("family", sorted(CAUSAL_LM))
 def test_decoder_families_both_ways(family, root, tmp_path):
     folder = hf_folder(family, root)
-    base = zoo.hf.from_pretrained(folder)
+    # Llama with its vocabulary padded (as for tensor parallelism): a saved lm_head holds the real rows.
+    padded = {"vocab_multiple": 48} if family == "llama" else {}
+    base = zoo.hf.from_pretrained(folder, config_overrides=padded)
     # zoo → peft, targets named the HF way and the zoo way at once.
     config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "gate_proj", "down"],
-                        modules_to_save=["final_norm"], init_lora_weights=False)
+                        modules_to_save=["final_norm", "lm_head"], init_lora_weights=False)
     model = add_lora(base, config, key=jax.random.key(1))
-    model = eqx.tree_at(lambda m: m.final_norm.weight, model, model.final_norm.weight * 1.5)
+    model = eqx.tree_at(lambda m: (m.final_norm.weight, m.lm_head.weight), model,
+                        (model.final_norm.weight * 1.5, model.lm_head.weight * 1.5))
     save_adapter(model, config, tmp_path / "z")
     values = json.loads((tmp_path / "z/adapter_config.json").read_text())
-    assert "model.layers.1.mlp.gate_proj" in values["target_modules"] and values["modules_to_save"] == ["model.norm"]
+    assert "model.layers.1.mlp.gate_proj" in values["target_modules"]
+    assert values["modules_to_save"] == ["lm_head", "model.norm"]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z")
@@ -277,9 +282,10 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     # peft → zoo: all-linear (every projection, not lm_head).
     hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
     opened = peft_adapter(hf, peft.LoraConfig(r=2, lora_alpha=8, target_modules="all-linear", use_rslora=True,
-                                              task_type="CAUSAL_LM"), tmp_path / "p")
+                                              modules_to_save=["lm_head"], task_type="CAUSAL_LM"), tmp_path / "p")
     loaded, loaded_config = load_adapter(base, tmp_path / "p")
     assert len(zoo.lora.modules(loaded, zoo.lora.LoraLinear)) == 7 and loaded_config.use_rslora
+    assert loaded.lm_head.weight.shape[1] == (48 if padded else VOCAB) and not np.any(loaded.lm_head.weight[:, VOCAB:])
     assert_close(zoo_outputs(loaded), hf_outputs(opened), f"{family} all-linear rsLoRA, peft → zoo")
 
 

@@ -66,6 +66,7 @@ class AdapterNames:
     own: Mapping[str, str] = dataclasses.field(default_factory=dict)
     not_in_zoo: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cls_pooling: bool = True
+    vocab_size: int | None = None
 
     def _split(self, name: str) -> tuple[str, str | None]:
         """`(HF prefix, name inside the family model)`, or `(HF name, None)` for the
@@ -101,6 +102,12 @@ class AdapterNames:
             return False
         return not self.family.transposed(inner, "weight", node)
 
+    def vocab_axis(self, name: str, param: str) -> int | None:
+        """The vocabulary axis of leaf `param` of zoo module `name` (zoo orientation, no
+        layer axes), if the family lists it: `vocab_size` rows are real, the rest padding."""
+        _, inner = self._split(name)
+        return None if inner is None else self.family.vocab_axes.get(f"{inner}.{param}")
+
     def skipped(self, hf_name: str) -> str | None:
         """Why an HF module name the zoo model lacks may be skipped, or `None`."""
         if not hf_name.startswith(self.prefix):
@@ -125,6 +132,7 @@ def adapter_names(model: Any) -> AdapterNames | None:
             task_type=_TASK_TYPES.get(family.auto_class),
             architecture=family.architecture,
             not_in_zoo=getattr(family, "lora_absent", {}),
+            vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
         )
     return AdapterNames(
         family=family,
@@ -134,6 +142,7 @@ def adapter_names(model: Any) -> AdapterNames | None:
         prefix=family.prefix,
         own=getattr(family, "lora_task_modules", {}),
         cls_pooling=getattr(model, "pooling", "cls") == "cls",
+        vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
     )
 
 

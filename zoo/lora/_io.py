@@ -106,10 +106,27 @@ class _Entry:
     transpose: bool  # zoo [.., a, b] ↔ file [b, a]
     keys: tuple[str, ...]  # file keys, one per layer index in np.ndindex order
     part: tuple[int, int] | None = None  # (k, n): a branch on block k of n of a fused HF module
+    vocab: tuple[int, int] | None = None  # (axis, size): only `size` rows of a vocab-padded axis are real
 
     def file_shape(self, leaf: Any) -> tuple[int, ...]:
-        shape = tuple(leaf.shape[self.stacked:])
-        return shape[::-1] if self.transpose else shape
+        shape = list(leaf.shape[self.stacked:])
+        if self.vocab is not None:
+            shape[self.vocab[0]] = self.vocab[1]
+        return tuple(shape[::-1] if self.transpose else shape)
+
+    def to_file(self, value: np.ndarray) -> np.ndarray:
+        """One layer's slice of the leaf as the file holds it (padding rows dropped)."""
+        if self.vocab is not None:
+            value = np.take(value, np.arange(self.vocab[1]), axis=self.vocab[0])
+        return np.ascontiguousarray(value.T if self.transpose else value)
+
+    def from_file(self, value: np.ndarray, core: tuple[int, ...]) -> np.ndarray:
+        """The file's tensor as one layer's slice of the leaf (`core` its shape; padding rows zero)."""
+        value = value.T if self.transpose else value
+        if self.vocab is not None and value.shape != core:
+            pad = [(0, c - v) for v, c in zip(value.shape, core, strict=True)]
+            value = np.pad(value, pad)
+        return value
 
 
 def _lora_entries(model: Any, names: Any) -> list[_Entry]:
@@ -158,7 +175,9 @@ def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
             )
             conv1d = names is not None and isinstance(parent, Linear) and names.conv1d(module_name, parent)
             transpose = isinstance(parent, Linear) and param == "weight" and not conv1d
-            entries.append(_Entry(full, stacked, transpose, keys))
+            axis = None if names is None else names.vocab_axis(module_name, param)
+            vocab = None if axis is None or names.vocab_size is None else (axis, names.vocab_size)
+            entries.append(_Entry(full, stacked, transpose, keys, vocab=vocab))
     return entries
 
 
@@ -352,8 +371,7 @@ def save_adapter(
     for entry in entries:
         leaf = to_host(_node(model, entry.path))
         for idx, key in zip(np.ndindex(leaf.shape[: entry.stacked]), entry.keys, strict=True):
-            value = leaf[idx]
-            value = np.ascontiguousarray(value.T if entry.transpose else value)
+            value = entry.to_file(leaf[idx])
             if entry.part is None:
                 tensors[key] = value
             else:
@@ -696,7 +714,7 @@ def load_adapter(
         else:
             which = 0 if entry.path[-1] == GetAttrKey("lora_A") else 1
             parts = [split[(_module_of(k), i)][entry.part[0]][which] for i, k in enumerate(entry.keys)]
-        parts = [p.T if entry.transpose else p for p in parts]
+        parts = [entry.from_file(p, tuple(old.shape[entry.stacked:])) for p in parts]
         value = np.stack(parts).reshape(old.shape) if entry.stacked else parts[0]
         value = np.asarray(value).astype(old.dtype)
         sharding = _branch_sharding(model, entry) if added else None
