@@ -160,8 +160,15 @@ def test_bert_classifier_loads_with_cls_pooling(root):
     assert classifier.pooling == "cls" and classifier.num_labels == 3
     hf = transformers.BertForSequenceClassification.from_pretrained(folder)
     assert_close(zoo_outputs(classifier), hf_outputs(hf), "BertForSequenceClassification, no adapter")
-    with pytest.raises(ValueError, match="not a BertForSequenceClassification"):
-        zoo.hf.load_bert_classifier(hf_folder("bert", folder.rsplit("/", 1)[0]))
+    # A BertModel folder: its pooler, a new head (as BertForSequenceClassification.from_pretrained does).
+    bert = hf_folder("bert", folder.rsplit("/", 1)[0])
+    with pytest.raises(ValueError, match="no classifier.* head .*pass num_labels="):
+        zoo.hf.load_bert_classifier(bert)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    fresh = zoo.hf.load_bert_classifier(bert, num_labels=5, rules=zoo.rules("fsdp"), mesh=mesh)
+    pooler = transformers.BertModel.from_pretrained(bert).pooler.dense
+    np.testing.assert_array_equal(np.asarray(fresh.pooler.weight), pooler.weight.detach().numpy().T)
+    assert fresh.head.weight.shape == (16, 5) and fresh.head.weight.sharding.mesh == mesh
 
 
 def test_seq_cls_both_ways(root, tmp_path):

@@ -326,9 +326,9 @@ def save_adapter(
     - `directory`: created if needed; `adapter_config.json`, `adapter_model.safetensors`
       and `zoo_adapter.json` in it are replaced atomically, other files are left alone.
     - `base_model_name_or_path`: what peft's `AutoPeftModel*.from_pretrained(directory)`
-      loads the base model from. Default: the folder `zoo.hf` loaded `model` from (while
-      its base weights are the arrays it loaded), else none (peft's `PeftModel` still opens
-      the adapter on a model you pass; AutoPeftModel then cannot).
+      loads the base model from. Default: the folder `zoo.hf` loaded `model` from (its
+      config's `source_dir`), else none (peft's `PeftModel` still opens the adapter on a
+      model you pass; AutoPeftModel then cannot).
 
     Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; GPT-2's q/k/v
     fused into `c_attn`) and the leaves of `config.modules_to_save` are written; see the
