@@ -246,14 +246,16 @@ def test_gpt2_zoo_qkv_branches_open_in_peft_as_one_c_attn_branch(root, tmp_path)
 def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp_path):
     folder = hf_folder("gpt2", root)
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], modules_to_save=["ln_f"],
+    # all-linear: c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (peft leaves out lm_head).
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["ln_f"],
                              task_type="CAUSAL_LM")
     opened = peft_adapter(hf, config, tmp_path / "p")
     model, loaded = load_adapter(zoo.hf.load_gpt2(folder), tmp_path / "p")
     attention = model.layers.layers.attention
     assert loaded.r == 4 and loaded.modules_to_save == ("final_norm",)
+    assert len(zoo.lora.modules(model, zoo.lora.LoraLinear)) == 6  # q, k, v, o, up, down
     np.testing.assert_array_equal(attention.q_proj.lora_A, attention.v_proj.lora_A)  # shared A
-    assert_close(zoo_outputs(model), hf_outputs(opened), "GPT-2 c_attn + c_proj + ln_f, peft → zoo")
+    assert_close(zoo_outputs(model), hf_outputs(opened), "GPT-2 all-linear + ln_f, peft → zoo")
     # A c_attn branch of another rank than zoo's one rank is refused, not mangled.
     values = json.loads((tmp_path / "p/adapter_config.json").read_text())
     values["r"] = 2
