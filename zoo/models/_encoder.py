@@ -9,16 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..nn import (
-    Embedding,
-    LayerNorm,
-    Linear,
-    Stacked,
-    TransformerBlock,
-    broadcast_like,
-    dropout,
-    fold_in,
-)
+from ..nn import Embedding, LayerNorm, Linear, Stacked, TransformerBlock, broadcast_like, dropout, fold_in
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
 from ._config import EncoderConfig
 from ._transformer import make_block
