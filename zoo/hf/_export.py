@@ -113,8 +113,8 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
       `zoo.models.Encoder` is written as `BertModel` (no pooler: loading it into
       `BertModel` leaves the pooler freshly initialised, `last_hidden_state` is exact), a
       `zoo.models.Transformer` with learned positions as `GPT2LMHeadModel`, one with RoPE,
-      RMSNorm and SwiGLU as `LlamaForCausalLM` (Mistral, Qwen2, Gemma by their shape or when loaded as those).
-      Configs the architecture cannot express raise a `ValueError` naming them. May be
+      RMSNorm and SwiGLU as `LlamaForCausalLM` (as Mistral with a sliding window, Qwen2
+      with q/k/v-only biases, Gemma with GeGLU, or as the family it was loaded as). Configs the architecture cannot express raise a `ValueError` naming them. May be
       sharded; LoRA branches must be merged first (`zoo.lora.merge`).
     - `directory`: created if needed. `model.safetensors`, `config.json` and
       `generation_config.json` in it are replaced atomically (a temporary file next to
