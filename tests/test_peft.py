@@ -34,7 +34,10 @@ GPT2 = {"vocab_size": VOCAB, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positio
 DECODER = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 0}
-CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "gemma": "GemmaForCausalLM"}
+# Gemma: its own head size, the head tied to the embedding (no lm_head to save).
+GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
 
 
 def perturb(module, seed, which=lambda name: True, scale=0.1):
@@ -63,7 +66,8 @@ def hf_folder(kind, root):
     elif kind == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
     else:
-        model = getattr(transformers, CAUSAL_LM[kind])(transformers.AutoConfig.for_model(kind, **DECODER))
+        extra = GEMMA if kind == "gemma" else {}
+        model = getattr(transformers, CAUSAL_LM[kind])(transformers.AutoConfig.for_model(kind, **DECODER | extra))
     folder = f"{root}/{kind}"
     perturb(model, 1).save_pretrained(folder)
     return folder
@@ -274,15 +278,17 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     padded = {"vocab_multiple": 48} if family == "llama" else {}
     base = zoo.hf.from_pretrained(folder, config_overrides=padded)
     # zoo → peft, targets named the HF way and the zoo way at once.
+    head = [] if family == "gemma" else ["lm_head"]  # Gemma's head is the tied embedding
     config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "gate_proj", "down"],
-                        modules_to_save=["final_norm", "lm_head"], init_lora_weights=False)
+                        modules_to_save=["final_norm", *head], init_lora_weights=False)
     model = add_lora(base, config, key=jax.random.key(1))
-    model = eqx.tree_at(lambda m: (m.final_norm.weight, m.lm_head.weight), model,
-                        (model.final_norm.weight * 1.5, model.lm_head.weight * 1.5))
+    model = eqx.tree_at(lambda m: m.final_norm.weight, model, model.final_norm.weight * 1.5)
+    if head:
+        model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight * 1.5)
     save_adapter(model, config, tmp_path / "z")
     values = json.loads((tmp_path / "z/adapter_config.json").read_text())
     assert "model.layers.1.mlp.gate_proj" in values["target_modules"]
-    assert values["modules_to_save"] == ["lm_head", "model.norm"]
+    assert values["modules_to_save"] == [*head, "model.norm"]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z")
@@ -291,10 +297,12 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     # peft → zoo: all-linear (every projection, not lm_head).
     hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
     opened = peft_adapter(hf, peft.LoraConfig(r=2, lora_alpha=8, target_modules="all-linear", use_rslora=True,
-                                              modules_to_save=["lm_head"], task_type="CAUSAL_LM"), tmp_path / "p")
+                                              modules_to_save=head or None, task_type="CAUSAL_LM"), tmp_path / "p")
     loaded, loaded_config = load_adapter(base, tmp_path / "p")
     assert len(zoo.lora.modules(loaded, zoo.lora.LoraLinear)) == 7 and loaded_config.use_rslora
-    assert loaded.lm_head.weight.shape[1] == (48 if padded else VOCAB) and not np.any(loaded.lm_head.weight[:, VOCAB:])
+    if head:
+        assert loaded.lm_head.weight.shape[1] == (48 if padded else VOCAB)
+        assert not np.any(loaded.lm_head.weight[:, VOCAB:])
     assert_close(zoo_outputs(loaded), hf_outputs(opened), f"{family} all-linear rsLoRA, peft → zoo")
 
 

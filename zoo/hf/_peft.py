@@ -67,6 +67,7 @@ class AdapterNames:
     not_in_zoo: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cls_pooling: bool = True
     vocab_size: int | None = None
+    config: Any = None  # the family model's config
 
     def _split(self, name: str) -> tuple[str, str | None]:
         """`(HF prefix, name inside the family model)`, or `(HF name, None)` for the
@@ -108,6 +109,15 @@ class AdapterNames:
         _, inner = self._split(name)
         return None if inner is None else self.family.vocab_axes.get(f"{inner}.{param}")
 
+    def offset(self, name: str, param: str, parent: Any, shape: tuple[int, ...]) -> float:
+        """What the family adds to a file tensor to get zoo's leaf (Gemma's RMSNorm weights
+        are stored as `w`, held as `1 + w`), `0.0` for most."""
+        _, inner = self._split(name)
+        if inner is None or self.config is None:
+            return 0.0
+        source = self.family.source(inner, param, parent, shape, self.config)
+        return float(getattr(source, "offset", 0.0) or 0.0) if source is not None else 0.0
+
     def skipped(self, hf_name: str) -> str | None:
         """Why an HF module name the zoo model lacks may be skipped, or `None`."""
         if not hf_name.startswith(self.prefix):
@@ -133,6 +143,7 @@ def adapter_names(model: Any) -> AdapterNames | None:
             architecture=family.architecture,
             not_in_zoo=getattr(family, "lora_absent", {}),
             vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
+            config=getattr(inner, "config", None),
         )
     return AdapterNames(
         family=family,
@@ -143,6 +154,7 @@ def adapter_names(model: Any) -> AdapterNames | None:
         own=getattr(family, "lora_task_modules", {}),
         cls_pooling=getattr(model, "pooling", "cls") == "cls",
         vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
+        config=getattr(inner, "config", None),
     )
 
 

@@ -107,6 +107,7 @@ class _Entry:
     keys: tuple[str, ...]  # file keys, one per layer index in np.ndindex order
     part: tuple[int, int] | None = None  # (k, n): a branch on block k of n of a fused HF module
     vocab: tuple[int, int] | None = None  # (axis, size): only `size` rows of a vocab-padded axis are real
+    offset: float = 0.0  # zoo's leaf = file tensor + offset (Gemma's RMSNorm weights)
 
     def file_shape(self, leaf: Any) -> tuple[int, ...]:
         shape = list(leaf.shape[self.stacked:])
@@ -118,11 +119,15 @@ class _Entry:
         """One layer's slice of the leaf as the file holds it (padding rows dropped)."""
         if self.vocab is not None:
             value = np.take(value, np.arange(self.vocab[1]), axis=self.vocab[0])
+        if self.offset:
+            value = value - np.asarray(self.offset, value.dtype)
         return np.ascontiguousarray(value.T if self.transpose else value)
 
     def from_file(self, value: np.ndarray, core: tuple[int, ...]) -> np.ndarray:
         """The file's tensor as one layer's slice of the leaf (`core` its shape; padding rows zero)."""
         value = value.T if self.transpose else value
+        if self.offset:
+            value = value + np.asarray(self.offset, value.dtype)
         if self.vocab is not None and value.shape != core:
             pad = [(0, c - v) for v, c in zip(value.shape, core, strict=True)]
             value = np.pad(value, pad)
@@ -177,7 +182,8 @@ def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
             transpose = isinstance(parent, Linear) and param == "weight" and not conv1d
             axis = None if names is None else names.vocab_axis(module_name, param)
             vocab = None if axis is None or names.vocab_size is None else (axis, names.vocab_size)
-            entries.append(_Entry(full, stacked, transpose, keys, vocab=vocab))
+            offset = 0.0 if names is None else names.offset(module_name, param, parent, tuple(leaf.shape))
+            entries.append(_Entry(full, stacked, transpose, keys, vocab=vocab, offset=offset))
     return entries
 
 
