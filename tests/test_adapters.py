@@ -71,7 +71,7 @@ def test_decoder_adapter_round_trip_reproduces_outputs(tmp_path):
     trained = add_lora(decoder_base(), DECODER, key=jax.random.key(1))
     assert np.abs(np.asarray(trained.layers.layers.attention.q_proj.lora_B)).min() > 0
     save_adapter(trained, DECODER, tmp_path / "dec")
-    assert sorted(os.listdir(tmp_path / "dec")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "dec")) == ["adapter_config.json", "adapter_model.safetensors", "zoo_adapter.json"]
     loaded, config = load_adapter(decoder_base(), tmp_path / "dec", key=jax.random.key(7))
     assert config == DECODER
     assert tree_allclose(loaded, trained, rtol=0, atol=0)
@@ -117,7 +117,9 @@ def test_names_follow_bert_for_the_encoder_and_zoo_paths_elsewhere():
     assert hf_module_name(encoder, "layers.layers.attention.k_proj", (1,)) == "encoder.layer.1.attention.self.key"
     assert hf_module_name(classifier, "encoder.embeddings.norm") == "bert.embeddings.LayerNorm"
     assert hf_module_name(classifier, "head") == "classifier"
-    assert hf_module_name(decoder_base(), "layers.layers.attention.q_proj", (3,)) == "layers.3.attention.q_proj"
+    # The tiny decoder (RoPE, RMSNorm, SwiGLU, untied head) is Llama-shaped: Llama's names.
+    assert hf_module_name(decoder_base(), "layers.layers.attention.q_proj", (3,)) == "model.layers.3.self_attn.q_proj"
+    assert hf_module_name(decoder_base(), "layers.layers.mlp.gate", (0,)) == "model.layers.0.mlp.gate_proj"
     assert hf_module_name(decoder_base(), "lm_head") == "lm_head"
     mlp = zoo.nn.MLP(2, 2, 4, 3, scan=True, key=jax.random.key(0))  # hidden: Stacked of 2
     assert hf_module_name(mlp, "hidden.layers.linear", (1,)) == "hidden.1.linear"
@@ -127,12 +129,12 @@ def test_names_follow_bert_for_the_encoder_and_zoo_paths_elsewhere():
 
 
 def test_adapter_without_zoo_entry_loads_as_peft_wrote_it(classifier_dir, tmp_path):
-    """peft's own adapter_config.json has no "zoo" entry: targets come from the peft names."""
+    """peft writes no zoo_adapter.json: targets come from the peft names."""
     peft_dir = tmp_path / "peft"
     peft_dir.mkdir()
     config = json.loads((classifier_dir / "adapter_config.json").read_text())
-    del config["zoo"]
-    config["target_modules"], config["task_type"] = ["query", "value"], "SEQ_CLS"
+    # (task_type None: a peft SEQ_CLS adapter is refused by a mean-pooling classifier, see test_peft.py)
+    config["target_modules"], config["task_type"] = ["query", "value"], None
     (peft_dir / "adapter_config.json").write_text(json.dumps(config))
     (peft_dir / "adapter_model.safetensors").write_bytes((classifier_dir / "adapter_model.safetensors").read_bytes())
     loaded, loaded_config = load_adapter(classifier_base(), peft_dir)

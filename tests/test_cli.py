@@ -333,7 +333,7 @@ def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
     tuned = tmp_path / "tuned"
     text = ok("finetune", "transformer", *tiny, "--init", base, "--lora", "r=4,alpha=8", "--output", tuned)
     assert "1 gradient all-reduce" in text and "loss scalars 8" in text, text
-    assert {p.name for p in (tuned / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in (tuned / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "zoo_adapter.json"}
     adapter_config = json.loads((tuned / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8
     summary = json.loads((tuned / "summary.json").read_text())

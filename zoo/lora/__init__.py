@@ -1,16 +1,25 @@
 """LoRA: low-rank adapter branches on any zoo model, trained and communicated alone.
 
 `add_lora(model, config, key=)` → `TrainStep(..., trainable=trainable(model, config))` →
-`merge` / `unmerge` / `unload`; `save_adapter` / `load_adapter` in peft's layout.
+`merge` / `unmerge` / `unload`; `save_adapter` / `load_adapter` in peft's layout, with Hugging Face module names.
 """
 
-from ._apply import OUTPUT_LAYERS, add_lora, merge, modules, target_names, trainable, unload, unmerge
+from ._apply import (
+    OUTPUT_LAYERS,
+    add_lora,
+    merge,
+    modules,
+    target_names,
+    trainable,
+    unload,
+    unmerge,
+)
 from ._config import LoraConfig
-from ._io import BERT_NAMES, hf_module_name, load_adapter, save_adapter
+from ._io import load_adapter, save_adapter, tensors_sha256
 from ._layer import LoraLinear
+from ._names import hf_module_name
 
 __all__ = [
-    "BERT_NAMES",
     "OUTPUT_LAYERS",
     "LoraConfig",
     "LoraLinear",
@@ -21,6 +30,7 @@ __all__ = [
     "modules",
     "save_adapter",
     "target_names",
+    "tensors_sha256",
     "trainable",
     "unload",
     "unmerge",

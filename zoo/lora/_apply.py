@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import equinox as eqx
@@ -16,13 +15,10 @@ from .._tree import dotted_name, node_at
 from ..nn import Linear, Stacked
 from ._config import LoraConfig
 from ._layer import LoraLinear
+from ._names import select
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
-
-# Old names `zoo/lora/_io.py` imports; it moves to `zoo._tree` at merge, then these go.
-_name, _node = dotted_name, node_at
-
 
 def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
     """Dotted name → (key path, number of `Stacked` levels above it) of every `kind` module.
@@ -49,30 +45,31 @@ def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) ->
     return found
 
 
-def _matches(name: str, patterns: tuple[str, ...] | str | None) -> bool:
-    if patterns is None:
-        return False
-    if isinstance(patterns, str):
-        return re.fullmatch(patterns, name) is not None
-    return any(name == p or name.endswith("." + p) for p in patterns)
-
-
 def target_names(model: Any, config: LoraConfig) -> list[str]:
-    """The names of the `Linear` layers `config` targets in `model` (errors if none)."""
+    """The names of the `Linear` layers `config` targets in `model` (errors if none).
+
+    `target_modules` and `exclude_modules` match zoo names (`q_proj`,
+    `layers.layers.mlp.up`) or, for models of a `zoo.hf` family, the Hugging Face / peft
+    names of the module at every layer (`query`, `c_attn`, `gate_proj`,
+    `model.layers.0.self_attn.q_proj`): a fused HF module (GPT-2's `c_attn`) picks each of
+    its zoo parts (`q_proj`, `k_proj`, `v_proj`).
+    """
     linears = modules(model, Linear)
     if config.target_modules == "all-linear":
         chosen = [n for n in linears if n.split(".")[-1] not in OUTPUT_LAYERS]
     else:
-        chosen = [n for n in linears if _matches(n, config.target_modules)]
-    chosen = [n for n in chosen if not _matches(n, config.exclude_modules)]
+        chosen = select(model, list(linears), config.target_modules, "LoRA target_modules")
+    if config.exclude_modules is not None:
+        excluded = set(select(model, chosen, config.exclude_modules, "LoRA exclude_modules"))
+        chosen = [n for n in chosen if n not in excluded]
     if not chosen:
         adapted = sorted(modules(model, LoraLinear))
         already = f" These already carry LoRA branches: {adapted}." if adapted else ""
         raise ValueError(
             f"LoRA target_modules={config.target_modules!r} (exclude_modules={config.exclude_modules!r}) "
             f"match no Linear layer of this {type(model).__name__}. Its Linear layers are: "
-            f"{sorted(linears)}.{already} Name them by suffix (e.g. 'q_proj'), by a regex over the "
-            "whole name, or use 'all-linear'."
+            f"{sorted(linears)}.{already} Name them by suffix (e.g. 'q_proj', or the Hugging Face name "
+            "such as 'query' or 'c_attn'), by a regex over the whole name, or use 'all-linear'."
         )
     return chosen
 
@@ -113,11 +110,20 @@ def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
         return
     names = _all_module_names(model)
     for wanted in config.modules_to_save:
-        if not any(_matches(n, (wanted,)) for n in names):
+        if not select(model, names, (wanted,), "LoRA modules_to_save"):
             raise ValueError(
                 f"LoRA modules_to_save entry {wanted!r} matches no module of this {type(model).__name__}; "
                 f"its modules are: {sorted(names)}"
             )
+
+
+def saved_modules(model: Any, config: LoraConfig | None) -> list[str]:
+    """Zoo names of the outermost modules `config.modules_to_save` picks, by zoo name or
+    (for models of a `zoo.hf` family) by Hugging Face name (`"classifier"`, `"model.norm"`)."""
+    if config is None or not config.modules_to_save:
+        return []
+    picked = select(model, _all_module_names(model), config.modules_to_save, "LoRA modules_to_save")
+    return [n for n in picked if not any(n.startswith(p + ".") for p in picked)]
 
 
 def _all_module_names(model: Any) -> list[str]:
@@ -139,7 +145,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
     """The trainable filter of a LoRA model: `True` at every `lora_A`/`lora_B` leaf and at
     every leaf of `config.modules_to_save`, `False` elsewhere (a bool pytree for
     `zoo.TrainStep(trainable=...)`). The frozen base gets no gradient and no communication."""
-    save = None if config is None else config.modules_to_save
+    saved = set(saved_modules(model, config))
 
     def one(path, leaf):
         if not eqx.is_array(leaf):
@@ -151,7 +157,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
         prefix = name
         while "." in prefix:
             prefix = prefix.rsplit(".", 1)[0]
-            if _matches(prefix, save):
+            if prefix in saved:
                 return True
         return False
 

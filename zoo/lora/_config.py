@@ -21,14 +21,17 @@ class LoraConfig:
     - `target_modules`: which `Linear` layers get a branch: a list of names (a module
       matches when its dotted path equals the name or ends with `.name`, e.g. `"q_proj"`),
       a string regex matched against the whole path, or `"all-linear"` (every `Linear`
-      except output layers: `lm_head`, `head`, `output_layer`).
+      except output layers: `lm_head`, `head`, `output_layer`). For models of a `zoo.hf`
+      family the Hugging Face / peft names match too (`"query"`, `"gate_proj"`,
+      `"c_attn"`: GPT-2's fused q/k/v picks `q_proj`, `k_proj` and `v_proj`).
     - `exclude_modules`: names or a regex, as `target_modules`, removed from the targets.
     - `use_rslora`: rank-stabilised scaling `lora_alpha / √r`.
     - `init_lora_weights`: `True` (A uniform ±1/√in as torch's kaiming-uniform(a=√5), B = 0:
       the model's output is unchanged at init), `"gaussian"` (A normal(0, 1/r), B = 0), or
       `False` (both random: for tests only; the output changes).
-    - `modules_to_save`: names (as `target_modules`) of modules trained in full besides
-      the adapters, e.g. a new classification `"head"`.
+    - `modules_to_save`: names (as `target_modules`, zoo or Hugging Face names) of modules
+      trained in full besides the adapters, e.g. a new classification `"head"`
+      (`"classifier"` in BERT's names).
     - `bias`: only `"none"` (biases stay frozen), as peft's default.
     """
 

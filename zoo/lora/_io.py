@@ -1,48 +1,38 @@
-"""Saving and loading LoRA adapters in peft's on-disk layout, without torch.
+"""Saving and loading LoRA adapters as peft does, without torch.
 
-An adapter directory holds what `peft.PeftModel.save_pretrained` writes:
+An adapter directory holds what `peft.PeftModel.save_pretrained` writes, plus zoo's own
+metadata in a file of its own (peft ignores it):
 
-- `adapter_config.json`: `LoraConfig.to_peft_dict`, with `target_modules` the full peft
-  names of the adapted modules (one per stacked layer) and `modules_to_save` peft names
-  too, plus a `"zoo"` entry (the zoo model's class and config, the zoo-side
-  `target_modules` / `exclude_modules` / `modules_to_save`, and the SHA-256 of the weights
-  file, which ties the two files together).
-- `adapter_model.safetensors`: only the adapter, as numpy arrays:
-  `base_model.model.<module>.lora_A.weight` `[r, in]` and `...lora_B.weight` `[out, r]`
-  (zoo's `[in, r]` / `[r, out]` transposed), one pair per stacked layer, and every leaf of
-  the `modules_to_save` modules as `base_model.model.<module>.<param>` (a `Linear`'s
-  `weight` transposed to torch's `[out, in]`, everything else as is).
+- `adapter_config.json`: `LoraConfig.to_peft_dict`, with `target_modules` and
+  `modules_to_save` the full Hugging Face / peft names of the modules, `task_type`
+  (`CAUSAL_LM` for a `Transformer`, `FEATURE_EXTRACTION` for an `Encoder`, `SEQ_CLS` for
+  an `EncoderClassifier`), `base_model_name_or_path` (the folder the model was loaded
+  from by `zoo.hf`, or the argument), `fan_in_fan_out` (GPT-2's `Conv1D`s), and, for
+  GPT-2's fused `c_attn`, `rank_pattern` / `alpha_pattern` (below).
+- `adapter_model.safetensors`: only the adapter: `base_model.model.<module>.lora_A.weight`
+  `[r, in]` and `...lora_B.weight` `[out, r]` (zoo's `[in, r]` / `[r, out]` transposed),
+  one pair per stacked layer, and every leaf of the `modules_to_save` modules as
+  `base_model.model.<module>.<param>` (a `Linear`'s `weight` as torch's `[out, in]`, a
+  `Conv1D`'s as is, everything else as is).
+- `zoo_adapter.json`: the zoo model's class and config, the zoo-side `target_modules` /
+  `exclude_modules` / `modules_to_save`, and a SHA-256 of the tensors' contents (names,
+  dtypes, shapes, bytes) that ties the two other files together.
 
-Module names (`hf_module_name(model, name, index)`; `name` is the zoo attribute path
-`modules()` reports, `index` one layer number per `Stacked` above the module):
+Module names are those of the Hugging Face model the zoo model stands for
+(`hf_module_name`, from the `zoo.hf` family registry), so peft opens zoo adapters and zoo
+opens peft's. GPT-2 fuses q, k and v into one `c_attn` (`Conv1D`, outputs q | k | v):
+zoo's rank-r branches on `q_proj`, `k_proj`, `v_proj` are written as one rank-3r branch
+on `c_attn` (A the three A's stacked, B block-diagonal), with `rank_pattern` 3r and
+`alpha_pattern` chosen so peft's scaling equals zoo's; a peft `c_attn` branch of rank r
+loads as three rank-r zoo branches sharing A (B split in three), exactly; a block-structured
+one (as zoo writes it, also after peft re-saved it without `zoo_adapter.json`) splits back.
 
-- `Encoder` follows Hugging Face `BertModel`, `EncoderClassifier` follows
-  `BertForSequenceClassification` (`encoder.` → `bert.`, `head` → `classifier`):
-
-  | zoo `Encoder` module, layer `i` | HF BERT module |
-  |---|---|
-  | `embeddings`, `embeddings.word_embeddings` / `position_embeddings` / `token_type_embeddings` | same |
-  | `embeddings.norm` | `embeddings.LayerNorm` |
-  | `layers` / `layers.layers` / `layers.layers.attention` | `encoder.layer` / `encoder.layer.{i}` / `encoder.layer.{i}.attention` |
-  | `layers.layers.attention.q_proj` / `k_proj` / `v_proj` | `encoder.layer.{i}.attention.self.query` / `key` / `value` |
-  | `layers.layers.attention.o_proj` | `encoder.layer.{i}.attention.output.dense` |
-  | `layers.layers.attention_norm` | `encoder.layer.{i}.attention.output.LayerNorm` |
-  | `layers.layers.mlp.up` | `encoder.layer.{i}.intermediate.dense` |
-  | `layers.layers.mlp.down` | `encoder.layer.{i}.output.dense` |
-  | `layers.layers.mlp_norm` | `encoder.layer.{i}.output.LayerNorm` |
-
-- Every other module (of any other model, or not in the table) keeps its zoo name with
-  each `Stacked`'s `layers` attribute replaced by the layer number:
-  `layers.layers.attention.q_proj`, layer 3 → `layers.3.attention.q_proj`;
-  `hidden.layers.linear`, layer 0 → `hidden.0.linear`; unstacked modules keep their name.
-
-Parameter names are the zoo leaf names (`weight`, `bias`), which are HF's for `Linear`,
-`LayerNorm` and `Embedding`; only a `Linear`'s `weight` is transposed.
-
-Writes are atomic per file (a temporary file next to the target, then `os.replace`);
-the weights are replaced first and the config last, and `load_adapter` rejects weights
-whose hash differs from the one the config records, so an interrupted save leaves either
-the previous adapter or one that fails to load, never a half-written one that loads.
+Writes are atomic per file (a temporary file next to the target, then `os.replace`):
+the weights first, then `adapter_config.json`, then `zoo_adapter.json`; `load_adapter`
+rejects tensors whose contents differ from the ones `zoo_adapter.json` records, so an
+interrupted save leaves either the previous adapter or one that fails to load, never a
+half-written one that loads. A file rewritten with the same tensors (as peft tools do)
+still loads.
 """
 
 from __future__ import annotations
@@ -50,118 +40,60 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (lets safetensors' numpy reader return bfloat16 tensors)
 import numpy as np
 import safetensors.numpy
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+from jax.tree_util import GetAttrKey
 from jaxtyping import PRNGKeyArray
 
 from .._files import atomic_write, fsync_dir, to_host
-from .._mismatch import mismatch_lines
-from ..models import Encoder, EncoderClassifier
-from ..nn import Linear, Stacked
+from .._tree import dotted_name, node_at
+from .._mismatch import mismatch_lines, shorten
+from ..nn import Linear
 from ._apply import (
     _all_module_names,
     _check_modules_to_save,
-    _matches,
-    _name,
-    _node,
     _replace_lora,
     _with,
     add_lora,
     modules,
+    saved_modules,
     target_names,
 )
 from ._config import LoraConfig
 from ._layer import LoraLinear
+from ._names import (
+    adapter_names,
+    hf_module_name,
+    lead,
+    lead_at,
+    module_path,
+    select,
+)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+ZOO_NAME = "zoo_adapter.json"
 PREFIX = "base_model.model."
 
-_BERT_LAYER = {
-    "attention.q_proj": "attention.self.query",
-    "attention.k_proj": "attention.self.key",
-    "attention.v_proj": "attention.self.value",
-    "attention.o_proj": "attention.output.dense",
-    "attention_norm": "attention.output.LayerNorm",
-    "mlp.up": "intermediate.dense",
-    "mlp.down": "output.dense",
-    "mlp_norm": "output.LayerNorm",
-}
-
-# zoo `Encoder` module name → HF `BertModel` module name (`{0}`: the layer number).
-BERT_NAMES: dict[str, str] = {
-    "embeddings": "embeddings",
-    "embeddings.word_embeddings": "embeddings.word_embeddings",
-    "embeddings.position_embeddings": "embeddings.position_embeddings",
-    "embeddings.token_type_embeddings": "embeddings.token_type_embeddings",
-    "embeddings.norm": "embeddings.LayerNorm",
-    "layers": "encoder.layer",
-    "layers.layers": "encoder.layer.{0}",
-    "layers.layers.attention": "encoder.layer.{0}.attention",
-    **{f"layers.layers.{zoo}": f"encoder.layer.{{0}}.{hf}" for zoo, hf in _BERT_LAYER.items()},
-}
-
 # peft features zoo's LoRA does not have: refused on load rather than silently ignored.
-_UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform", "layer_replication", "lora_bias")
+# (`rank_pattern` / `alpha_pattern` are checked module by module: zoo reads the ones it writes.)
+_UNSUPPORTED = ("use_dora", "layers_to_transform", "layer_replication", "lora_bias", "trainable_token_indices")
 
 
-# --------------------------------------------------------------------------- names
-
-
-def _child(node: Any, part: str) -> Any:
-    if isinstance(node, list | tuple):
-        return node[int(part)]
-    if isinstance(node, dict):
-        return node[part]
-    return getattr(node, part)
-
-
-def _generic_name(model: Any, name: str, index: tuple[int, ...]) -> str:
-    """The zoo name with each `Stacked`'s `layers` attribute replaced by its layer number."""
-    parts: list[str] = []
-    node, rest = model, list(index)
-    for part in name.split(".") if name else []:
-        if isinstance(node, Stacked) and part == "layers":
-            if not rest:
-                raise ValueError(f"module {name!r} lies under more Stacked levels than index {index} gives")
-            parts.append(str(int(rest.pop(0))))
-        else:
-            parts.append(part)
-        node = _child(node, part)
-    if rest:
-        raise ValueError(f"module {name!r} lies under fewer Stacked levels than index {index} gives")
-    return ".".join(parts)
-
-
-def hf_module_name(model: Any, name: str, index: tuple[int, ...] = ()) -> str:
-    """The Hugging Face / peft name of zoo module `name` (layer `index` if stacked) of `model`.
-
-    `name` is a dotted zoo path as `zoo.lora.modules` reports it (e.g.
-    `layers.layers.attention.q_proj`); `index` holds one layer number per `Stacked` above
-    the module. `Encoder` and `EncoderClassifier` follow HF BERT (see the module
-    docstring's table); other models get the zoo name with the layer numbers in place of
-    the `Stacked`'s `layers` attribute.
-    """
-    if isinstance(model, EncoderClassifier):
-        if name == "head" or name.startswith("head."):
-            return "classifier" + name[len("head"):]
-        if name == "encoder":
-            return "bert"
-        if name.startswith("encoder."):
-            return "bert." + hf_module_name(model.encoder, name[len("encoder."):], index)
-    elif isinstance(model, Encoder) and name in BERT_NAMES:
-        return BERT_NAMES[name].format(*index)
-    return _generic_name(model, name, index)
+# --------------------------------------------------------------------------- entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,70 +104,57 @@ class _Entry:
     stacked: int  # leading layer axes
     transpose: bool  # zoo [.., a, b] ↔ file [b, a]
     keys: tuple[str, ...]  # file keys, one per layer index in np.ndindex order
+    part: tuple[int, int] | None = None  # (k, n): a branch on block k of n of a fused HF module
+    vocab: tuple[int, int] | None = None  # (axis, size): only `size` rows of a vocab-padded axis are real
+    offset: float = 0.0  # zoo's leaf = file tensor + offset (Gemma's RMSNorm weights)
 
     def file_shape(self, leaf: Any) -> tuple[int, ...]:
-        shape = tuple(leaf.shape[self.stacked:])
-        return shape[::-1] if self.transpose else shape
+        shape = list(leaf.shape[self.stacked:])
+        if self.vocab is not None:
+            shape[self.vocab[0]] = self.vocab[1]
+        return tuple(shape[::-1] if self.transpose else shape)
+
+    def to_file(self, value: np.ndarray) -> np.ndarray:
+        """One layer's slice of the leaf as the file holds it (padding rows dropped)."""
+        if self.vocab is not None:
+            value = np.take(value, np.arange(self.vocab[1]), axis=self.vocab[0])
+        if self.offset:
+            value = value - np.asarray(self.offset, value.dtype)
+        return np.ascontiguousarray(value.T if self.transpose else value)
+
+    def from_file(self, value: np.ndarray, core: tuple[int, ...]) -> np.ndarray:
+        """The file's tensor as one layer's slice of the leaf (`core` its shape; padding rows zero)."""
+        value = value.T if self.transpose else value
+        if self.offset:
+            value = value + np.asarray(self.offset, value.dtype)
+        if self.vocab is not None and value.shape != core:
+            pad = [(0, c - v) for v, c in zip(value.shape, core, strict=True)]
+            value = np.pad(value, pad)
+        return value
 
 
-def _lora_entries(model: Any) -> list[_Entry]:
+def _lora_entries(model: Any, names: Any) -> list[_Entry]:
     entries = []
     for name, (path, stacked) in modules(model, LoraLinear).items():
-        layer = _node(model, path)
-        lead = layer.lora_A.shape[:stacked]
+        layer = node_at(model, path)
+        lead_shape = layer.lora_A.shape[:stacked]
+        part = None if names is None else names.fused(name)
         for leaf in ("lora_A", "lora_B"):
-            keys = tuple(f"{PREFIX}{hf_module_name(model, name, idx)}.{leaf}.weight" for idx in np.ndindex(lead))
-            entries.append(_Entry(path + (GetAttrKey(leaf),), stacked, True, keys))
+            keys = tuple(f"{PREFIX}{hf_module_name(model, name, idx)}.{leaf}.weight" for idx in np.ndindex(lead_shape))
+            entries.append(_Entry(path + (GetAttrKey(leaf),), stacked, True, keys, part))
     return entries
 
 
 def _saved_modules(model: Any, config: LoraConfig) -> list[str]:
     """Zoo names of the outermost modules `config.modules_to_save` matches."""
-    if not config.modules_to_save:
-        return []
-    chosen: list[str] = []
-    for name in _all_module_names(model):
-        if _matches(name, config.modules_to_save) and not any(name.startswith(c + ".") for c in chosen):
-            chosen.append(name)
-    return chosen
+    return saved_modules(model, config)
 
 
-def _module_path(model: Any, name: str) -> tuple:
-    """The key path of the module with dotted zoo name `name`."""
-    path: list = []
-    node = model
-    for part in name.split(".") if name else []:
-        if isinstance(node, list | tuple):
-            path.append(SequenceKey(int(part)))
-        elif isinstance(node, dict):
-            path.append(DictKey(part))
-        else:
-            path.append(GetAttrKey(part))
-        node = _child(node, part)
-    return tuple(path)
-
-
-def _lead_at(model: Any, path: tuple) -> tuple[int, ...]:
-    """The layer counts of the `Stacked` modules the key path `path` passes through."""
-    lead: list[int] = []
-    node = model
-    for key in path:
-        if isinstance(node, Stacked):
-            lead.append(node.num_layers)
-        node = _node(node, (key,))
-    return tuple(lead)
-
-
-def _lead(model: Any, name: str) -> tuple[int, ...]:
-    """The layer counts of the `Stacked` levels above module `name`."""
-    return _lead_at(model, _module_path(model, name))
-
-
-def _save_entries(model: Any, config: LoraConfig) -> list[_Entry]:
+def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
     entries = []
     for name in _saved_modules(model, config):
-        path = _module_path(model, name)
-        module = _node(model, path)
+        path = module_path(model, name)
+        module = node_at(model, path)
         if modules(module, LoraLinear):
             raise ValueError(
                 f"modules_to_save module {name!r} contains LoRA branches; peft does not allow a "
@@ -246,22 +165,33 @@ def _save_entries(model: Any, config: LoraConfig) -> list[_Entry]:
             if not eqx.is_array(leaf):
                 continue
             full = path + leaf_path
-            parent, param = _node(model, full[:-1]), _name(full[-1:])
-            stacked = len(_lead_at(model, full))
-            module_name = _name(full[:-1])
+            parent, param, module_name = node_at(model, full[:-1]), dotted_name(full[-1:]), dotted_name(full[:-1])
+            if names is not None and names.fused(module_name) is not None:
+                raise ValueError(
+                    f"modules_to_save module {name!r} holds {module_name!r}, which Hugging Face fuses with other "
+                    f"modules into {hf_module_name(model, module_name, (0,) * len(lead(model, module_name)))}; "
+                    "zoo cannot save part of a fused module: choose modules that are whole in the HF model"
+                )
+            stacked = len(lead_at(model, full))
             keys = tuple(
                 f"{PREFIX}{hf_module_name(model, module_name, idx)}.{param}"
                 for idx in np.ndindex(leaf.shape[:stacked])
             )
-            transpose = isinstance(parent, Linear) and param == "weight"
-            entries.append(_Entry(full, stacked, transpose, keys))
+            conv1d = names is not None and isinstance(parent, Linear) and names.conv1d(module_name, parent)
+            transpose = isinstance(parent, Linear) and param == "weight" and not conv1d
+            axis = None if names is None else names.vocab_axis(module_name, param)
+            vocab = None if axis is None or names.vocab_size is None else (axis, names.vocab_size)
+            offset = 0.0 if names is None else names.offset(module_name, param, parent, tuple(leaf.shape))
+            entries.append(_Entry(full, stacked, transpose, keys, vocab=vocab, offset=offset))
     return entries
 
 
-def _entries(model: Any, config: LoraConfig) -> list[_Entry]:
-    entries = _lora_entries(model) + _save_entries(model, config)
+def _entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
+    entries = _lora_entries(model, names) + _save_entries(model, config, names)
     seen: dict[str, tuple] = {}
     for entry in entries:
+        if entry.part is not None:
+            continue  # fused parts share their HF module's keys on purpose
         for k in entry.keys:
             if k in seen:
                 raise ValueError(f"two leaves of this {type(model).__name__} map to the adapter key {k!r}")
@@ -269,14 +199,96 @@ def _entries(model: Any, config: LoraConfig) -> list[_Entry]:
     return entries
 
 
+def _module_of(key: str) -> str:
+    """The HF module name of an adapter file key (`base_model.model.X.lora_A.weight` → `X`)."""
+    name = key.removeprefix(PREFIX)
+    match = re.fullmatch(r"(.*)\.lora_[AB](\.[^.]+)?\.weight", name)
+    return match.group(1) if match else name.rsplit(".", 1)[0]
+
+
+# --------------------------------------------------------------------------- fused modules
+
+
+def _fuse(parts: dict[int, tuple[np.ndarray, np.ndarray]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """One branch on a fused HF module from the zoo branches on some of its `n` blocks.
+
+    `parts`: block `k` → (A `[r, in]`, B `[out, r]`), file orientation. **Returns:** A
+    `[p·r, in]` (the A's stacked in block order) and B `[n·out, p·r]` (block-diagonal:
+    block `k`'s rows hold its B in its own rank columns, absent blocks' rows are zero).
+    """
+    order = sorted(parts)
+    r = parts[order[0]][0].shape[0]
+    out = parts[order[0]][1].shape[0]
+    a = np.concatenate([parts[k][0] for k in order], axis=0)
+    b = np.zeros((n * out, len(order) * r), dtype=parts[order[0]][1].dtype)
+    for j, k in enumerate(order):
+        b[k * out:(k + 1) * out, j * r:(j + 1) * r] = parts[k][1]
+    return a, b
+
+
+def _unfuse(
+    a: np.ndarray, b: np.ndarray, blocks: list[int], n: int, r: int, where: str
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Zoo rank-`r` branches on `blocks` (of `n`) from one fused branch (A `[R, in]`, B
+    `[n·out, R]`), exactly.
+
+    - `R == r` (a branch peft trained): every block gets the whole A and its rows of B.
+    - `R == m·r`, B block-structured (each block's rows use one group of r rank columns,
+      no two blocks the same group; as `_fuse` writes): each block gets its group's rows
+      of A and its block of B. A block whose rows are all zero gets the group at its
+      position among `blocks` (or a free one) and a zero B.
+
+    Blocks without a zoo branch must have zero rows of B. Anything else raises.
+    """
+    rank, out = a.shape[0], b.shape[0] // n
+    rows = {k: b[k * out:(k + 1) * out] for k in range(n)}
+    absent = [k for k in range(n) if k not in blocks and np.any(rows[k])]
+    if absent:
+        raise ValueError(
+            f"{where}: the branch changes outputs of blocks {absent} of the fused module, which this zoo model "
+            f"has no branch for; load it into a model with branches on all {n} (e.g. target_modules=['c_attn'])"
+        )
+    if rank == r:
+        return {k: (a, rows[k]) for k in blocks}
+    groups = rank // r if rank % r == 0 else 0
+    assigned: dict[int, int] = {}
+    for k in blocks:
+        used = {c // r for c in np.flatnonzero(np.any(rows[k], axis=0))}
+        if len(used) > 1:
+            break
+        if used:
+            assigned[k] = used.pop()
+    else:
+        if groups and len(set(assigned.values())) == len(assigned):
+            for j, k in enumerate(blocks):
+                if k not in assigned:  # B is zero here: any A is exact; keep zoo's own order where free
+                    taken = set(assigned.values())
+                    options = [g for g in [j, *range(groups)] if g < groups and g not in taken]
+                    assigned[k] = options[0] if options else 0
+            return {
+                k: (a[g * r:(g + 1) * r], rows[k][:, g * r:(g + 1) * r]) for k, g in ((k, assigned[k]) for k in blocks)
+            }
+    raise ValueError(
+        f"{where}: a fused branch of rank {rank} is neither block-structured rank-{r} branches (each block's outputs "
+        f"reading its own {r} rank columns) nor one rank-{r} branch, so zoo's rank-{r} branches on its {len(blocks)} "
+        "parts cannot hold it exactly (zoo gives every module one rank). Was it trained further in peft after zoo "
+        "wrote it? Load it into peft, or re-train it with one rank."
+    )
+
+
 # --------------------------------------------------------------------------- files
 
 
-def _sha256(path: str | Path) -> str:
+def tensors_sha256(tensors: dict[str, np.ndarray]) -> str:
+    """A SHA-256 of the tensors' contents: each name, dtype, shape and bytes, by name.
+
+    Unlike a hash of the file, it does not change when a tool rewrites the file with the
+    same tensors (another header order, other metadata, other padding)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for name in sorted(tensors):
+        value = np.ascontiguousarray(tensors[name])
+        digest.update(json.dumps([name, str(value.dtype), list(value.shape)]).encode())
+        digest.update(value.tobytes())
     return digest.hexdigest()
 
 
@@ -288,9 +300,10 @@ def _describe(model: Any) -> dict[str, Any]:
     """The zoo model's class and config, recorded for load-time checks and messages."""
     out: dict[str, Any] = {"model": type(model).__name__}
     config = getattr(model, "config", None)
-    if config is None and isinstance(model, EncoderClassifier):
+    if config is None and hasattr(model, "encoder"):
         config = model.encoder.config
-        out["num_labels"] = model.num_labels
+        out["num_labels"] = getattr(model, "num_labels", None)
+        out["pooling"] = getattr(model, "pooling", None)
     if dataclasses.is_dataclass(config):
         out["model_config"] = _json_safe(dataclasses.asdict(config))
     return out
@@ -300,20 +313,34 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def save_adapter(model: Any, config: LoraConfig, directory: str | os.PathLike) -> None:
+def _source_folder(model: Any) -> str | None:
+    from ..hf._peft import source_of  # zoo.hf imports zoo.models; imported late
+
+    return source_of(model)
+
+
+def save_adapter(
+    model: Any, config: LoraConfig, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None
+) -> None:
     """Write `model`'s LoRA adapter to `directory` as peft does (no torch needed).
 
     **Arguments:**
 
     - `model`: a zoo model carrying LoRA branches (`add_lora`), possibly sharded.
     - `config`: the `LoraConfig` the branches were added with.
-    - `directory`: created if needed; `adapter_config.json` and `adapter_model.safetensors`
-      in it are replaced atomically, other files are left alone.
+    - `directory`: created if needed; `adapter_config.json`, `adapter_model.safetensors`
+      and `zoo_adapter.json` in it are replaced atomically, other files are left alone.
+    - `base_model_name_or_path`: what peft's `AutoPeftModel*.from_pretrained(directory)`
+      loads the base model from. Default: the folder `zoo.hf` loaded `model` from (its
+      config's `source_dir`), else none (peft's `PeftModel` still opens the adapter on a
+      model you pass; AutoPeftModel then cannot).
 
-    Only the branches (`lora_A`/`lora_B`, per stacked layer, transposed to peft's
-    `[r, in]`/`[out, r]`) and the leaves of `config.modules_to_save` are written; see the
-    module docstring for the key names. In a multi-process run every process must call
-    it (arrays are gathered); process 0 writes.
+    Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; GPT-2's q/k/v
+    fused into `c_attn`) and the leaves of `config.modules_to_save` are written; see the
+    module docstring. An `EncoderClassifier` that mean-pools is written with a warning:
+    `BertForSequenceClassification` (what peft opens a `SEQ_CLS` adapter on) reads the
+    `[CLS]` pooler and so computes other logits. In a multi-process run every process must
+    call it (arrays are gathered); process 0 writes.
     """
     found = modules(model, LoraLinear)
     if not found:
@@ -326,55 +353,96 @@ def save_adapter(model: Any, config: LoraConfig, directory: str | os.PathLike) -
             "pass the LoraConfig the branches were added with"
         )
     for name, (path, _) in found.items():
-        layer = _node(model, path)
+        layer = node_at(model, path)
         if layer.r != config.r or layer.scaling != config.scaling:
             raise ValueError(
                 f"LoRA branch {name!r} has r={layer.r}, scaling={layer.scaling}, but config has "
                 f"r={config.r}, scaling={config.scaling}: pass the LoraConfig the branches were added with"
             )
     _check_modules_to_save(model, config)
-    entries = _entries(model, config)
+    names = adapter_names(base)
+    if names is not None and not names.cls_pooling:
+        warnings.warn(
+            f"this {type(model).__name__} mean-pools, but peft opens a {names.task_type} adapter on "
+            f"{names.architecture}, which classifies the [CLS] token through BERT's pooler: peft will compute "
+            "other logits than zoo. Build the classifier with pooling='cls' (zoo.hf.load_bert_classifier) to "
+            "match it; zoo.lora.load_adapter reads this adapter back exactly either way.",
+            stacklevel=2,
+        )
+    entries = _entries(model, config, names)
 
     tensors: dict[str, np.ndarray] = {}
+    fused: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     for entry in entries:
-        leaf = to_host(_node(model, entry.path))
+        leaf = to_host(node_at(model, entry.path))
         for idx, key in zip(np.ndindex(leaf.shape[: entry.stacked]), entry.keys, strict=True):
-            value = leaf[idx]
-            tensors[key] = np.ascontiguousarray(value.T if entry.transpose else value)
+            value = entry.to_file(leaf[idx])
+            if entry.part is None:
+                tensors[key] = value
+            else:
+                module, which = _module_of(key), entry.path[-1].name
+                slot = fused.setdefault((module, str(entry.part[1])), {}).setdefault(entry.part[0], [None, None])
+                slot[0 if which == "lora_A" else 1] = value
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, float] = {}
+    for (module, n), parts in fused.items():
+        a, b = _fuse({k: (v[0], v[1]) for k, v in parts.items()}, int(n))
+        tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
+        rank = a.shape[0]
+        if rank != config.r:
+            # peft scales the fused branch by alpha / rank (or / √rank): choose its alpha so
+            # that the product is zoo's scaling.
+            rank_pattern[module] = rank
+            alpha_pattern[module] = config.scaling * (math.sqrt(rank) if config.use_rslora else rank)
     if jax.process_index() != 0:
         return
 
-    peft_targets = sorted({k[len(PREFIX):].rsplit(".", 2)[0] for e in _lora_entries(model) for k in e.keys})
+    peft_targets = sorted({_module_of(k) for k in tensors if ".lora_" in k})
     saved = _saved_modules(model, config)
-    peft_saved = sorted({hf_module_name(model, n, idx) for n in saved
-                         for idx in np.ndindex(_lead(model, n))}) or None
+    peft_saved = sorted({hf_module_name(model, n, idx) for n in saved for idx in np.ndindex(lead(model, n))}) or None
     values = config.to_peft_dict(peft_targets)
-    values.update(target_modules=peft_targets, exclude_modules=None, modules_to_save=peft_saved)
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    digest: dict[str, str] = {}
-
-    def write_weights(tmp: str) -> None:
-        safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
-        digest["sha256"] = _sha256(tmp)
-
-    atomic_write(directory / WEIGHTS_NAME, write_weights)
-    values["zoo"] = _describe(model) | {
+    values.update(
+        target_modules=peft_targets,
+        exclude_modules=None,
+        modules_to_save=peft_saved,
+        task_type=None if names is None else names.task_type,
+        base_model_name_or_path=base_model_name_or_path or _source_folder(base),
+        # peft's one flag for Conv1D targets ([in, out] weights); it corrects it per module.
+        fan_in_fan_out=names is not None and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in found.items()),
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+    )
+    meta = _describe(model) | {
+        "format": "zoo LoRA adapter",
         "target_modules": _plain(config.target_modules),
         "exclude_modules": _plain(config.exclude_modules),
         "modules_to_save": _plain(config.modules_to_save),
-        "weights_sha256": digest["sha256"],
+        "tensors_sha256": tensors_sha256(tensors),
     }
-    text = json.dumps(_json_safe(values), indent=2, sort_keys=True) + "\n"
-    atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / WEIGHTS_NAME, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"}))
+    for file, contents in ((CONFIG_NAME, values), (ZOO_NAME, meta)):
+        text = json.dumps(_json_safe(contents), indent=2, sort_keys=True) + "\n"
+        atomic_write(directory / file, lambda tmp, text=text: Path(tmp).write_text(text))
     fsync_dir(directory)
 
 
 # --------------------------------------------------------------------------- loading
 
 
-def _read_config(directory: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} does not hold a JSON object")  # noqa: TRY004
+    return values
+
+
+def _read_config(directory: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if not directory.is_dir():
         raise FileNotFoundError(f"no adapter directory at {str(directory)!r}")
     missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (directory / n).is_file()]
@@ -383,12 +451,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
             f"{str(directory)!r} is not a complete LoRA adapter: missing {', '.join(missing)} "
             f"(an adapter holds {CONFIG_NAME} and {WEIGHTS_NAME})"
         )
-    try:
-        values = json.loads((directory / CONFIG_NAME).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{directory / CONFIG_NAME} is not valid JSON: {e}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{directory / CONFIG_NAME} does not hold a JSON object")  # noqa: TRY004
+    values = _read_json(directory / CONFIG_NAME)
     if values.get("peft_type", "LORA") != "LORA":
         raise ValueError(
             f"{directory} holds a {values.get('peft_type')!r} adapter; zoo.lora loads only LoRA (peft_type 'LORA')"
@@ -399,39 +462,26 @@ def _read_config(directory: Path) -> dict[str, Any]:
             f"{directory / CONFIG_NAME} uses peft features zoo.lora does not support: "
             + ", ".join(f"{k}={values[k]!r}" for k in unsupported)
         )
-    return values
-
-
-def _candidates(model: Any) -> dict[str, tuple[tuple, int]]:
-    return modules(model, (Linear, LoraLinear))
+    meta = _read_json(directory / ZOO_NAME) if (directory / ZOO_NAME).is_file() else None
+    return values, meta
 
 
 def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
     """Zoo `target_modules` and `modules_to_save` for an adapter peft (not zoo) wrote:
     each zoo module is chosen when the peft names of all its layers match."""
-
-    def chosen(names: list[str], patterns: Any, exclude: Any, what: str) -> list[str]:
-        out = []
-        for name in names:
-            hf = [hf_module_name(model, name, idx) for idx in np.ndindex(_lead(model, name))]
-            hits = [_matches(n, patterns) and not _matches(n, exclude) for n in hf]
-            if all(hits):
-                out.append(name)
-            elif any(hits):
-                raise ValueError(
-                    f"the adapter's {what} {patterns!r} match only some layers of the stacked module "
-                    f"{name!r} ({[n for n, h in zip(hf, hits, strict=True) if h]}); zoo adapts all layers of a stack"
-                )
-        return out
-
     targets = values.get("target_modules")
-    if targets == "all-linear":
+    if isinstance(targets, str) and targets.lower() == "all-linear":
         zoo_targets: Any = "all-linear"
     else:
         patterns = tuple(targets) if isinstance(targets, list) else targets
         exclude = values.get("exclude_modules")
         exclude = tuple(exclude) if isinstance(exclude, list) else exclude
-        zoo_targets = tuple(chosen(list(_candidates(model)), patterns, exclude, "target_modules"))
+        candidates = list(modules(model, (Linear, LoraLinear)))
+        picked = select(model, candidates, patterns, "the adapter's target_modules")
+        if exclude is not None:
+            dropped = set(select(model, picked, exclude, "the adapter's exclude_modules"))
+            picked = [n for n in picked if n not in dropped]
+        zoo_targets = tuple(picked)
         if not zoo_targets:
             raise ValueError(
                 f"the adapter's target_modules {targets!r} match no Linear layer of this {type(model).__name__}; "
@@ -441,7 +491,7 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
     zoo_save = None
     if save:
         names = [n for n in _all_module_names(model) if not n.endswith(".base")]
-        picked = chosen(names, tuple(save), None, "modules_to_save")
+        picked = select(model, names, tuple(save), "the adapter's modules_to_save")
         zoo_save = tuple(n for n in picked if not any(n.startswith(p + ".") for p in picked))
         if not zoo_save:
             raise ValueError(f"the adapter's modules_to_save {save!r} match no module of this {type(model).__name__}")
@@ -449,41 +499,64 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _example_names(model: Any) -> list[str]:
-    names = []
-    for name in list(_candidates(model))[:8]:
-        names.append(hf_module_name(model, name, tuple(0 for _ in _lead(model, name))))
-    return names
+    return [hf_module_name(model, n, (0,) * len(lead(model, n))) for n in list(modules(model, (Linear, LoraLinear)))[:8]]
 
 
-def _lora_config(model: Any, values: dict[str, Any]) -> LoraConfig:
-    zoo_entry = values.get("zoo")
+def _lora_config(base: Any, values: dict[str, Any], meta: dict[str, Any] | None) -> LoraConfig:
     fields = dict(values)
     if fields.get("init_lora_weights") not in (True, False, "gaussian"):
         fields["init_lora_weights"] = True  # peft's other inits (pissa, loftq, …): the file holds the result
-    if isinstance(zoo_entry, dict) and "target_modules" in zoo_entry:
-        recorded = zoo_entry.get("model")
-        if recorded is not None and recorded != type(model).__name__:
-            raise ValueError(
-                f"this adapter was saved from a zoo {recorded}; it cannot be loaded into a {type(model).__name__}"
-            )
+    if meta is not None and "target_modules" in meta:
         for k in ("target_modules", "exclude_modules", "modules_to_save"):
-            fields[k] = zoo_entry.get(k)
+            fields[k] = meta.get(k)
     else:
-        base = _replace_lora(model, lambda layer: layer.base)
         fields["target_modules"], fields["modules_to_save"] = _from_peft_names(base, values)
         fields["exclude_modules"] = None
     return LoraConfig.from_peft_dict(fields)
 
 
-def _config_diff(model: Any, zoo_entry: Any) -> str:
-    if not isinstance(zoo_entry, dict):
+def _check_meta(model: Any, meta: dict[str, Any] | None, values: dict[str, Any], names: Any, where: Path) -> None:
+    """Refuse adapters whose outputs this model would silently compute differently."""
+    if meta is not None:
+        recorded = meta.get("model")
+        if recorded is not None and recorded != type(model).__name__:
+            raise ValueError(
+                f"this adapter was saved from a zoo {recorded}; it cannot be loaded into a {type(model).__name__}"
+            )
+        pooling = getattr(model, "pooling", None)
+        if meta.get("pooling") is not None and pooling is not None and meta["pooling"] != pooling:
+            raise ValueError(
+                f"this adapter was saved from an {recorded} with pooling={meta['pooling']!r}; this one has "
+                f"pooling={pooling!r}, so its head would see other features: build it with pooling={meta['pooling']!r}"
+            )
+    elif names is not None and values.get("task_type") == "SEQ_CLS" and not names.cls_pooling:
+        raise ValueError(
+            f"{where} is a peft SEQ_CLS adapter: peft trained it on {names.architecture}, which classifies the "
+            f"[CLS] token through BERT's pooler (dense + tanh), but this {type(model).__name__} mean-pools and would "
+            "give other logits. Load the classifier with zoo.hf.load_bert_classifier (pooling='cls'), or build "
+            "it with EncoderClassifier(..., pooling='cls')."
+        )
+
+
+def _peft_scaling(values: dict[str, Any], module: str, rank: int) -> float:
+    """peft's scaling of the branch on HF module `module` whose A has `rank` rows."""
+    alpha = values.get("lora_alpha", 8)
+    for key, value in (values.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            alpha = value
+            break
+    return alpha / (math.sqrt(rank) if values.get("use_rslora") else rank)
+
+
+def _config_diff(model: Any, meta: Any) -> str:
+    if not isinstance(meta, dict):
         return ""
     mine = _describe(model)
-    saved_cfg, my_cfg = zoo_entry.get("model_config") or {}, mine.get("model_config") or {}
+    saved_cfg, my_cfg = meta.get("model_config") or {}, mine.get("model_config") or {}
     diffs = [f"{k}: saved {saved_cfg.get(k)!r}, this model {my_cfg.get(k)!r}"
              for k in sorted(set(saved_cfg) | set(my_cfg)) if saved_cfg.get(k) != my_cfg.get(k)]
-    if zoo_entry.get("num_labels") != mine.get("num_labels"):
-        diffs.append(f"num_labels: saved {zoo_entry.get('num_labels')!r}, this model {mine.get('num_labels')!r}")
+    if meta.get("num_labels") != mine.get("num_labels"):
+        diffs.append(f"num_labels: saved {meta.get('num_labels')!r}, this model {mine.get('num_labels')!r}")
     return ("\n  the model configs differ: " + "; ".join(diffs)) if diffs else ""
 
 
@@ -494,13 +567,32 @@ def _branch_sharding(model: Any, entry: _Entry) -> NamedSharding | None:
     leaf = entry.path[-1]
     if not (isinstance(leaf, GetAttrKey) and leaf.name in ("lora_A", "lora_B")):
         return None
-    weight = _node(model, entry.path[:-1]).base.weight
+    weight = node_at(model, entry.path[:-1]).base.weight
     sharding = getattr(weight, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return None
     spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
-    lead, (into, out) = spec[: entry.stacked], spec[entry.stacked:]
-    return NamedSharding(sharding.mesh, P(*lead, into, None) if leaf.name == "lora_A" else P(*lead, None, out))
+    lead_spec, (into, out) = spec[: entry.stacked], spec[entry.stacked:]
+    return NamedSharding(sharding.mesh, P(*lead_spec, into, None) if leaf.name == "lora_A" else P(*lead_spec, None, out))
+
+
+def _skip_absent(tensors: dict[str, np.ndarray], names: Any, where: Path) -> dict[str, np.ndarray]:
+    """Drop (with a warning saying why) the branches on HF modules the zoo model lacks
+    and that change nothing it computes (BertModel's pooler)."""
+    if names is None:
+        return tensors
+    skipped: dict[str, str] = {}
+    for key in tensors:
+        reason = names.skipped(_module_of(key))
+        if reason is not None:
+            skipped[_module_of(key)] = reason
+    if skipped:
+        warnings.warn(
+            f"{where}: skipping the adapter's tensors for {sorted(skipped)}: "
+            + "; ".join(sorted(set(skipped.values()))),
+            stacklevel=3,
+        )
+    return {k: v for k, v in tensors.items() if _module_of(k) not in skipped}
 
 
 def load_adapter(
@@ -514,17 +606,41 @@ def load_adapter(
       default `jax.random.key(0)`; the values are then overwritten), or a model that
       already carries LoRA branches of the right shapes (their scaling and dropout become
       the file's). Never modified in place.
-    - `directory`: holding `adapter_config.json` and `adapter_model.safetensors`.
+    - `directory`: holding `adapter_config.json` and `adapter_model.safetensors` (and
+      `zoo_adapter.json` when zoo wrote it).
 
     Every key and shape is checked before anything is set: a `ValueError` lists missing
     keys, unexpected keys and mis-shaped tensors. Loaded leaves take the dtype and (on a
     mesh) the sharding of the leaves they replace; branches added here to a model on a
     mesh take their base weight's layout (A its input axis, B its output axis).
+
+    peft adapters load with their Hugging Face names: a `target_modules="all-linear"`
+    adapter of `BertModel` holds a branch on `pooler.dense`, which zoo's `Encoder` lacks:
+    it is skipped with a warning (it only changes `pooler_output`; the hidden states are
+    exact). A `SEQ_CLS` adapter is refused by a mean-pooling `EncoderClassifier` (its
+    logits would differ). Per-module `rank_pattern` / `alpha_pattern` are accepted where
+    zoo's one rank and scaling hold them exactly (GPT-2's fused `c_attn`).
     """
     directory = Path(directory)
-    values = _read_config(directory)
-    config = _lora_config(model, values)
-    zoo_entry = values.get("zoo")
+    values, meta = _read_config(directory)
+    weights = directory / WEIGHTS_NAME
+    try:
+        tensors = safetensors.numpy.load_file(str(weights))
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"cannot read {weights}: {e}") from e
+    recorded = None if meta is None else meta.get("tensors_sha256")
+    if recorded is not None and tensors_sha256(tensors) != recorded:
+        raise ValueError(
+            f"the tensors in {weights} are not the ones {directory / ZOO_NAME} records (their contents' SHA-256 "
+            "differs): the adapter was changed or its save was interrupted; save it again. If you changed the "
+            f"weights on purpose (e.g. trained further with peft), delete {ZOO_NAME} to load it as a peft adapter."
+        )
+
+    base = _replace_lora(model, lambda layer: layer.base)
+    names = adapter_names(base)
+    _check_meta(model, meta, values, names, directory)
+    tensors = _skip_absent(tensors, names, directory)
+    config = _lora_config(base, values, meta)
 
     added = not modules(model, LoraLinear)
     if added:
@@ -539,37 +655,71 @@ def load_adapter(
 
         model = _replace_lora(model, adopt)
 
-    weights = directory / WEIGHTS_NAME
-    recorded = zoo_entry.get("weights_sha256") if isinstance(zoo_entry, dict) else None
-    if recorded is not None and _sha256(weights) != recorded:
-        raise ValueError(
-            f"{weights} does not match {directory / CONFIG_NAME} (its SHA-256 differs from the one "
-            "the config records): the adapter was changed or its save was interrupted; save it again"
-        )
-    try:
-        tensors = safetensors.numpy.load_file(str(weights))
-    except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"cannot read {weights}: {e}") from e
-
-    entries = _entries(model, config)
-    expected = {k: (entry, i) for entry in entries for i, k in enumerate(entry.keys)}
+    entries = _entries(model, config, names)
+    expected: dict[str, list[tuple[int, ...]]] = {}
+    for entry in entries:
+        shape = entry.file_shape(node_at(model, entry.path))
+        for k in entry.keys:
+            if entry.part is None:
+                expected[k] = [shape]
+            else:
+                # A fused branch: rank m·r (zoo's blocks, m ≤ n) or r (one peft branch), outputs n blocks.
+                n = entry.part[1]
+                if k.endswith("lora_A.weight"):
+                    expected[k] = [(m * shape[0], shape[1]) for m in range(1, n + 1)]
+                else:
+                    expected[k] = [(n * shape[0], m * shape[1]) for m in range(1, n + 1)]
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     misshaped = []
     for k in sorted(set(expected) & set(tensors)):
-        entry, _ = expected[k]
-        want = entry.file_shape(_node(model, entry.path))
-        if tuple(tensors[k].shape) != want:
-            misshaped.append(f"{k}: expected {list(want)}, found {list(tensors[k].shape)}")
+        if tuple(tensors[k].shape) not in expected[k]:
+            want = " or ".join(str(list(s)) for s in expected[k])
+            misshaped.append(f"{k}: expected {want}, found {list(tensors[k].shape)}")
     if missing or unexpected or misshaped:
         lines = [f"the adapter in {str(directory)!r} does not fit this {type(model).__name__}:"]
         lines += mismatch_lines("keys", missing, unexpected, misshaped)
-        raise ValueError("\n".join(lines) + _config_diff(model, zoo_entry))
+        raise ValueError("\n".join(lines) + _config_diff(model, meta))
+
+    # peft's scaling of every branch in the file must be zoo's one scaling.
+    wrong = []
+    for k, value in tensors.items():
+        if k.endswith(".lora_A.weight"):
+            module = _module_of(k)
+            scaling = _peft_scaling(values, module, value.shape[0])
+            rank = value.shape[0]
+            if not math.isclose(scaling, config.scaling, rel_tol=1e-9):
+                wrong.append(f"{module} (rank {rank}, scaling {scaling})")
+    if wrong:
+        raise ValueError(
+            f"zoo gives every LoRA branch one scaling, {config.scaling} (lora_alpha {config.lora_alpha}, r {config.r}"
+            f"{', rsLoRA' if config.use_rslora else ''}), but {directory / CONFIG_NAME}'s rank_pattern / alpha_pattern "
+            f"give these modules another: {shorten(sorted(wrong), 8)}"
+        )
+
+    # The fused modules' branches, split once per HF module.
+    split: dict[tuple[str, int], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    fused_entries = [e for e in entries if e.part is not None and e.path[-1] == GetAttrKey("lora_A")]
+    for entry in fused_entries:
+        for i, k in enumerate(entry.keys):
+            module = _module_of(k)
+            if (module, i) in split:
+                continue
+            blocks = sorted(e.part[0] for e in fused_entries if k in e.keys)
+            split[(module, i)] = _unfuse(
+                tensors[k], tensors[f"{PREFIX}{module}.lora_B.weight"], blocks, entry.part[1], config.r,
+                f"{directory}: {module}",
+            )
 
     new = []
     for entry in entries:
-        old = _node(model, entry.path)
-        parts = [tensors[k].T if entry.transpose else tensors[k] for k in entry.keys]
+        old = node_at(model, entry.path)
+        if entry.part is None:
+            parts = [tensors[k] for k in entry.keys]
+        else:
+            which = 0 if entry.path[-1] == GetAttrKey("lora_A") else 1
+            parts = [split[(_module_of(k), i)][entry.part[0]][which] for i, k in enumerate(entry.keys)]
+        parts = [entry.from_file(p, tuple(old.shape[entry.stacked:])) for p in parts]
         value = np.stack(parts).reshape(old.shape) if entry.stacked else parts[0]
         value = np.asarray(value).astype(old.dtype)
         sharding = _branch_sharding(model, entry) if added else None
@@ -577,8 +727,8 @@ def load_adapter(
             sharding = old.sharding
         new.append(jnp.asarray(value) if sharding is None else jax.device_put(value, sharding))
     paths = [entry.path for entry in entries]
-    model = eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, replace=new)
+    model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
     return model, config
 
 
-__all__ = ["BERT_NAMES", "hf_module_name", "load_adapter", "save_adapter"]
+__all__ = ["hf_module_name", "load_adapter", "save_adapter", "tensors_sha256"]

@@ -1,6 +1,8 @@
-"""BERT-style encoder with mean pooling, laid out to hold Hugging Face BERT weights."""
+"""BERT-style encoder with mean or CLS pooling, laid out to hold Hugging Face BERT weights."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -11,6 +13,9 @@ from ..nn import Embedding, LayerNorm, Linear, Stacked, TransformerBlock, broadc
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
 from ._config import EncoderConfig
 from ._transformer import make_block
+
+# A dropout stream of its own for the pooled vector (the layers use theirs).
+_POOLER_STREAM = EMBEDDING_STREAM - 1
 
 
 class EncoderEmbeddings(eqx.Module):
@@ -25,7 +30,7 @@ class EncoderEmbeddings(eqx.Module):
         """**Arguments:** an `EncoderConfig` and a PRNG `key`."""
         kw, kp, kt = jr.split(key, 3)
         d, std = config.d_model, config.init_std
-        self.word_embeddings = Embedding(config.vocab_size, d, init_std=std, key=kw)
+        self.word_embeddings = Embedding(config.padded_vocab, d, init_std=std, key=kw)
         self.position_embeddings = Embedding(config.max_len, d, init_std=std, row_axis=None, key=kp)
         self.token_type_embeddings = Embedding(config.type_vocab_size, d, init_std=std, row_axis=None, key=kt)
         self.norm = LayerNorm(d, eps=config.norm_eps)
@@ -107,18 +112,37 @@ def mean_pool(
 
 
 class EncoderClassifier(eqx.Module):
-    """An `Encoder`, mean pooling, and a linear classification head (`head`)."""
+    """An `Encoder`, a pooling of its hidden states, and a linear classification head (`head`).
+
+    `pooling="mean"` (the default) averages the hidden states at real tokens
+    (sentence-transformers' way). `pooling="cls"` is Hugging Face
+    `BertForSequenceClassification`: the first (`[CLS]`) token's hidden state through
+    `pooler` (a dense layer, then tanh: BERT's `bert.pooler.dense`), then the head
+    (`classifier`). `zoo.hf.load_bert_classifier` loads such a checkpoint.
+    """
 
     encoder: Encoder
+    pooler: Linear | None
     head: Linear
     num_labels: int = eqx.field(static=True)
+    pooling: Literal["mean", "cls"] = eqx.field(static=True)
 
-    def __init__(self, encoder: Encoder, num_labels: int, *, key: PRNGKeyArray):
-        """**Arguments:** the `encoder`, the number of classes, a PRNG `key` for the head."""
-        d = encoder.config.d_model
+    def __init__(
+        self, encoder: Encoder, num_labels: int, *, pooling: Literal["mean", "cls"] = "mean", key: PRNGKeyArray
+    ):
+        """**Arguments:** the `encoder`, the number of classes, `pooling` (`"mean"` or
+        `"cls"`, see above), a PRNG `key` for the head (and the pooler)."""
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"EncoderClassifier pooling must be 'mean' or 'cls', got {pooling!r}")
+        d, std = encoder.config.d_model, encoder.config.init_std
         self.encoder = encoder
-        self.head = Linear(d, num_labels, in_axis="embed", out_axis=None, init_std=encoder.config.init_std, key=key)
+        # The pooler's key is folded off, so the head of a mean-pooling classifier is what it always was.
+        self.pooler = (
+            Linear(d, d, in_axis="embed", out_axis=None, init_std=std, key=jr.fold_in(key, 1)) if pooling == "cls" else None
+        )
+        self.head = Linear(d, num_labels, in_axis="embed", out_axis=None, init_std=std, key=key)
         self.num_labels = num_labels
+        self.pooling = pooling
 
     def __call__(
         self,
@@ -132,4 +156,10 @@ class EncoderClassifier(eqx.Module):
         if mask is None:
             mask = tokens != self.encoder.config.pad_token_id
         hidden = self.encoder(tokens, mask=mask, token_types=token_types, key=key)
-        return self.head(mean_pool(hidden, mask))
+        if self.pooler is None:
+            pooled = mean_pool(hidden, mask)
+        else:
+            pooled = jnp.tanh(self.pooler(hidden[:, 0].astype(jnp.float32)))
+            # BertForSequenceClassification's dropout sits between the pooler and the head.
+            pooled = dropout(pooled, self.encoder.config.dropout, None if key is None else fold_in(key, _POOLER_STREAM))
+        return self.head(pooled)

@@ -1,0 +1,348 @@
+"""LoRA adapters both ways with peft: zoo adapters open in peft (PeftModel, AutoPeftModel)
+with zoo's outputs, peft adapters load into zoo with peft's outputs, for every Hugging Face
+family; GPT-2's fused c_attn, rsLoRA, modules_to_save, SEQ_CLS, all-linear, integrity."""
+
+import functools
+import json
+import warnings
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from helpers import tree_allclose
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+import safetensors.torch
+
+import zoo
+from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
+
+TOL = 1e-5
+VOCAB, SEQ, BATCH = 32, 8, 2
+TOKENS = np.random.default_rng(0).integers(1, VOCAB, (BATCH, SEQ))  # no padding id 0
+
+BERT = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 32, "max_position_embeddings": SEQ, "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0}
+GPT2 = {"vocab_size": VOCAB, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": SEQ, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1, "eos_token_id": 1}
+# Llama-style decoders: grouped-query attention, an untied head.
+DECODER = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
+           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 0}
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "gemma": "GemmaForCausalLM"}
+# Gemma: its own head size, the head tied to the embedding (no lm_head to save).
+GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
+
+
+def perturb(module, seed, which=lambda name: True, scale=0.1):
+    """Add noise to the parameters `which` selects (LayerNorms, biases, B = 0 branches: all
+    non-trivial), in place."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if which(name):
+                p.add_(scale * torch.randn(p.shape, generator=generator))
+    return module
+
+
+def is_adapter(name):
+    return "lora_" in name or "modules_to_save" in name
+
+
+@functools.cache
+def hf_folder(kind, root):
+    """A tiny random (perturbed) Hugging Face model saved under `root`, by kind."""
+    torch.manual_seed(0)
+    if kind == "bert":
+        model = transformers.BertModel(transformers.BertConfig(**BERT))
+    elif kind == "bert-cls":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(**BERT, num_labels=3))
+    elif kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+    else:
+        extra = GEMMA if kind == "gemma" else {}
+        model = getattr(transformers, CAUSAL_LM[kind])(transformers.AutoConfig.for_model(kind, **DECODER | extra))
+    folder = f"{root}/{kind}"
+    perturb(model, 1).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf"))
+
+
+def hf_outputs(model):
+    """What the HF (or peft) model computes on TOKENS: hidden states or logits, numpy."""
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(TOKENS), attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long))
+    value = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    return value.numpy()
+
+
+@eqx.filter_jit
+def _zoo_forward(model, tokens):
+    return model(tokens)
+
+
+def zoo_outputs(model):
+    return np.asarray(_zoo_forward(model, jax.numpy.asarray(TOKENS)))
+
+
+def assert_close(zoo_value, hf_value, what):
+    zoo_value = zoo_value[..., : hf_value.shape[-1]]  # a vocabulary padded for tensor parallelism
+    diff = float(np.max(np.abs(zoo_value - hf_value)))
+    assert diff <= TOL, f"{what}: max |zoo - peft| = {diff:.2e} > {TOL}"
+    return diff
+
+
+def no_peft_warnings(record):
+    peft_warnings = [str(w.message) for w in record if "peft" in w.filename]
+    assert not peft_warnings, peft_warnings
+
+
+def peft_adapter(hf_model, config, folder, seed=2):
+    """A peft adapter made with get_peft_model, its branches (and saved modules) non-zero."""
+    torch.manual_seed(seed)  # peft draws A from torch's global generator
+    model = peft.get_peft_model(hf_model, config)
+    perturb(model, seed, is_adapter)
+    model.save_pretrained(folder)
+    return model
+
+
+# --------------------------------------------------------------------------- BERT
+
+
+def test_bert_zoo_adapter_opens_in_peft_with_hf_target_names(root, tmp_path):
+    folder = hf_folder("bert", root)
+    encoder = zoo.hf.load_bert(folder)
+    # HF names in target_modules: "query"/"value" and every "dense" (attention output, MLP).
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "dense"], init_lora_weights=False)
+    model = add_lora(encoder, config, key=jax.random.key(1))
+    assert set(zoo.lora.target_names(encoder, config)) == {
+        f"layers.layers.{m}" for m in ("attention.q_proj", "attention.v_proj", "attention.o_proj", "mlp.up", "mlp.down")
+    }
+    save_adapter(model, config, tmp_path / "a")
+    values = json.loads((tmp_path / "a/adapter_config.json").read_text())
+    assert values["task_type"] == "FEATURE_EXTRACTION" and "zoo" not in values
+    assert values["base_model_name_or_path"] == str(Path(folder).resolve())
+    ours = zoo_outputs(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opened = peft.PeftModel.from_pretrained(transformers.BertModel.from_pretrained(folder), tmp_path / "a")
+        auto = peft.AutoPeftModelForFeatureExtraction.from_pretrained(tmp_path / "a")
+    no_peft_warnings(record)
+    assert_close(ours, hf_outputs(opened), "BertModel, PeftModel")
+    assert_close(ours, hf_outputs(auto), "BertModel, AutoPeftModel")
+    assert not np.allclose(ours, zoo_outputs(encoder), atol=1e-3)  # the adapter does something
+
+
+def test_bert_all_linear_peft_adapter_loads_skipping_the_pooler(root, tmp_path):
+    folder = hf_folder("bert", root)
+    hf = transformers.BertModel.from_pretrained(folder)
+    opened = peft_adapter(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), tmp_path / "p")
+    assert "pooler.dense" in json.loads((tmp_path / "p/adapter_config.json").read_text())["target_modules"]
+    with pytest.warns(UserWarning, match=r"skipping the adapter's tensors for \['pooler.dense'\].*pooler_output"):
+        model, _ = load_adapter(zoo.hf.load_bert(folder), tmp_path / "p")
+    assert len(zoo.lora.modules(model, zoo.lora.LoraLinear)) == 6
+    assert_close(zoo_outputs(model), hf_outputs(opened), "BertModel all-linear, peft → zoo")
+
+
+# --------------------------------------------------------------------------- SEQ_CLS
+
+
+def test_bert_classifier_loads_with_cls_pooling(root):
+    folder = hf_folder("bert-cls", root)
+    classifier = zoo.hf.load_bert_classifier(folder)
+    assert classifier.pooling == "cls" and classifier.num_labels == 3
+    hf = transformers.BertForSequenceClassification.from_pretrained(folder)
+    assert_close(zoo_outputs(classifier), hf_outputs(hf), "BertForSequenceClassification, no adapter")
+    # A BertModel folder: its pooler, a new head (as BertForSequenceClassification.from_pretrained does).
+    bert = hf_folder("bert", folder.rsplit("/", 1)[0])
+    with pytest.raises(ValueError, match="no classifier.* head .*pass num_labels="):
+        zoo.hf.load_bert_classifier(bert)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    fresh = zoo.hf.load_bert_classifier(bert, num_labels=5, rules=zoo.rules("fsdp"), mesh=mesh)
+    pooler = transformers.BertModel.from_pretrained(bert).pooler.dense
+    np.testing.assert_array_equal(np.asarray(fresh.pooler.weight), pooler.weight.detach().numpy().T)
+    assert fresh.head.weight.shape == (16, 5) and fresh.head.weight.sharding.mesh == mesh
+
+
+def test_seq_cls_both_ways(root, tmp_path):
+    folder = hf_folder("bert-cls", root)
+    # peft → zoo: all-linear on BertForSequenceClassification adapts bert.pooler.dense, not the classifier.
+    hf = transformers.BertForSequenceClassification.from_pretrained(folder)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="SEQ_CLS")
+    opened = peft_adapter(hf, config, tmp_path / "p")
+    model, loaded = load_adapter(zoo.hf.load_bert_classifier(folder), tmp_path / "p")
+    assert "pooler" in loaded.target_modules and loaded.modules_to_save == ("head",)
+    assert_close(zoo_outputs(model), hf_outputs(opened), "SEQ_CLS peft → zoo")
+    # A mean-pooling classifier would compute other logits: refused, with the reason.
+    mean = zoo.models.EncoderClassifier(zoo.hf.load_bert(folder), 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"SEQ_CLS.*\[CLS\].*mean-pools"):
+        load_adapter(mean, tmp_path / "p")
+
+    # zoo → peft: AutoPeftModelForSequenceClassification opens it from the adapter folder alone.
+    base = zoo.hf.load_bert_classifier(folder)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", modules_to_save=["classifier"],
+                        init_lora_weights=False)  # HF's name for the head
+    model = add_lora(base, config, key=jax.random.key(3))
+    assert zoo.lora.trainable(model, config).head.weight is True
+    model = eqx.tree_at(lambda m: m.head.bias, model, model.head.bias + 0.5)
+    save_adapter(model, config, tmp_path / "z")
+    values = json.loads((tmp_path / "z/adapter_config.json").read_text())
+    assert values["task_type"] == "SEQ_CLS" and values["modules_to_save"] == ["classifier"]
+    assert "bert.pooler.dense" in values["target_modules"]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        auto = peft.AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "z")
+    no_peft_warnings(record)
+    assert_close(zoo_outputs(model), hf_outputs(auto), "SEQ_CLS zoo → peft")
+    # A mean-pooling classifier's adapter is written with a warning (peft's logits differ).
+    mean_model = add_lora(mean, LoraConfig(r=2, target_modules=["query"]), key=jax.random.key(4))
+    with pytest.warns(UserWarning, match="mean-pools"):
+        save_adapter(mean_model, LoraConfig(r=2, target_modules=["query"]), tmp_path / "m")
+
+
+# --------------------------------------------------------------------------- GPT-2
+
+
+def test_gpt2_zoo_qkv_branches_open_in_peft_as_one_c_attn_branch(root, tmp_path):
+    folder = hf_folder("gpt2", root)
+    base = zoo.hf.load_gpt2(folder)
+    assert zoo.lora.target_names(base, LoraConfig(target_modules=["c_attn"])) == [
+        f"layers.layers.attention.{p}_proj" for p in "qkv"
+    ]
+    config = LoraConfig(r=2, lora_alpha=5, use_rslora=True, target_modules=("q_proj", "k_proj", "v_proj", "up"),
+                        modules_to_save=("final_norm",), init_lora_weights=False)
+    model = add_lora(base, config, key=jax.random.key(1))
+    model = eqx.tree_at(lambda m: m.final_norm.weight, model, model.final_norm.weight * 1.5)
+    save_adapter(model, config, tmp_path / "z")
+    values = json.loads((tmp_path / "z/adapter_config.json").read_text())
+    c_attn = [f"transformer.h.{i}.attn.c_attn" for i in range(2)]
+    assert sorted(values["target_modules"]) == sorted(c_attn + [f"transformer.h.{i}.mlp.c_fc" for i in range(2)])
+    assert values["rank_pattern"] == {m: 6 for m in c_attn} and values["fan_in_fan_out"] is True
+    assert values["modules_to_save"] == ["transformer.ln_f"] and values["task_type"] == "CAUSAL_LM"
+    tensors = safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")
+    a, b = tensors[f"base_model.model.{c_attn[1]}.lora_A.weight"], tensors[f"base_model.model.{c_attn[1]}.lora_B.weight"]
+    assert a.shape == (6, 16) and b.shape == (48, 6)
+    k = model.layers.layers.attention.k_proj
+    np.testing.assert_array_equal(a[2:4].numpy(), np.asarray(k.lora_A[1]).T)
+    np.testing.assert_array_equal(b[16:32, 2:4].numpy(), np.asarray(k.lora_B[1]).T)
+    assert not b[16:32, :2].any() and not b[:16, 2:].any()  # block-diagonal
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z")
+    no_peft_warnings(record)
+    assert_close(zoo_outputs(model), hf_outputs(auto), "GPT-2 q/k/v + rsLoRA + modules_to_save, zoo → peft")
+    # And back into zoo: the blocks split out exactly.
+    loaded, loaded_config = load_adapter(base, tmp_path / "z")
+    assert loaded_config == config and tree_allclose(loaded, model, rtol=0, atol=0)
+
+
+def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp_path):
+    folder = hf_folder("gpt2", root)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    # all-linear: c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (peft leaves out lm_head).
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["ln_f"],
+                             task_type="CAUSAL_LM")
+    opened = peft_adapter(hf, config, tmp_path / "p")
+    model, loaded = load_adapter(zoo.hf.load_gpt2(folder), tmp_path / "p")
+    attention = model.layers.layers.attention
+    assert loaded.r == 4 and loaded.modules_to_save == ("final_norm",)
+    assert len(zoo.lora.modules(model, zoo.lora.LoraLinear)) == 6  # q, k, v, o, up, down
+    np.testing.assert_array_equal(attention.q_proj.lora_A, attention.v_proj.lora_A)  # shared A
+    assert_close(zoo_outputs(model), hf_outputs(opened), "GPT-2 all-linear + ln_f, peft → zoo")
+    # A c_attn branch of another rank than zoo's one rank is refused, not mangled.
+    values = json.loads((tmp_path / "p/adapter_config.json").read_text())
+    values["r"] = 2
+    (tmp_path / "p/adapter_config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match="mis-shaped"):
+        load_adapter(zoo.hf.load_gpt2(folder), tmp_path / "p")
+
+
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2
+
+
+@pytest.mark.parametrize("family", sorted(CAUSAL_LM))
+def test_decoder_families_both_ways(family, root, tmp_path):
+    folder = hf_folder(family, root)
+    # Llama with its vocabulary padded (as for tensor parallelism): a saved lm_head holds the real rows.
+    padded = {"vocab_multiple": 48} if family == "llama" else {}
+    base = zoo.hf.from_pretrained(folder, config_overrides=padded)
+    # zoo → peft, targets named the HF way and the zoo way at once.
+    head = [] if family == "gemma" else ["lm_head"]  # Gemma's head is the tied embedding
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "gate_proj", "down"],
+                        modules_to_save=["final_norm", *head], init_lora_weights=False)
+    model = add_lora(base, config, key=jax.random.key(1))
+    model = eqx.tree_at(lambda m: m.final_norm.weight, model, model.final_norm.weight * 1.5)
+    if head:
+        model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight * 1.5)
+    save_adapter(model, config, tmp_path / "z")
+    values = json.loads((tmp_path / "z/adapter_config.json").read_text())
+    assert "model.layers.1.mlp.gate_proj" in values["target_modules"]
+    assert values["modules_to_save"] == [*head, "model.norm"]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z")
+    no_peft_warnings(record)
+    assert_close(zoo_outputs(model), hf_outputs(auto), f"{family} zoo → peft")
+    # peft → zoo: all-linear (every projection, not lm_head).
+    hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
+    opened = peft_adapter(hf, peft.LoraConfig(r=2, lora_alpha=8, target_modules="all-linear", use_rslora=True,
+                                              modules_to_save=head or None, task_type="CAUSAL_LM"), tmp_path / "p")
+    loaded, loaded_config = load_adapter(base, tmp_path / "p")
+    assert len(zoo.lora.modules(loaded, zoo.lora.LoraLinear)) == 7 and loaded_config.use_rslora
+    if head:
+        assert loaded.lm_head.weight.shape[1] == (48 if padded else VOCAB)
+        assert not np.any(loaded.lm_head.weight[:, VOCAB:])
+    assert_close(zoo_outputs(loaded), hf_outputs(opened), f"{family} all-linear rsLoRA, peft → zoo")
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_path):
+    folder = hf_folder("gpt2", root)
+    base = zoo.hf.load_gpt2(folder)
+    # q and v only: a rank-2r c_attn branch whose k rows are zero.
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = add_lora(base, config, key=jax.random.key(1))
+    save_adapter(model, config, tmp_path)
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path)
+    assert_close(zoo_outputs(model), hf_outputs(auto), "GPT-2 q/v only, zoo → peft")
+    weights = tmp_path / "adapter_model.safetensors"
+    before = weights.read_bytes()
+    tensors = safetensors.torch.load_file(weights)
+    safetensors.torch.save_file(tensors, tmp_path.parent / "kept.safetensors")
+    # peft's way of writing: other key order, other metadata: other bytes, same tensors.
+    safetensors.torch.save_file(dict(reversed(list(tensors.items()))), weights, metadata={"format": "pt", "by": "peft"})
+    assert weights.read_bytes() != before
+    loaded, _ = load_adapter(base, tmp_path)
+    assert tree_allclose(loaded, model, rtol=0, atol=0)
+    # Changed tensors (as after training on in peft) are refused while zoo_adapter.json vouches for others.
+    key = "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][:16, 2:] = 0.5  # q's rows now read v's rank columns: no longer block-diagonal
+    safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"not the ones .*zoo_adapter.json records.*delete zoo_adapter.json"):
+        load_adapter(base, tmp_path)
+    # Without it, it is a peft adapter: one rank-4 c_attn branch that no rank-2 zoo branches hold exactly.
+    (tmp_path / "zoo_adapter.json").unlink()
+    with pytest.raises(ValueError, match=r"neither block-structured rank-2 branches \(.*\) nor one rank-2 branch"):
+        load_adapter(base, tmp_path)
+    # The unchanged tensors without zoo_adapter.json (peft re-saved it elsewhere): q, k, v
+    # branches (k's B zero), the same outputs.
+    tensors[key] = safetensors.torch.load_file(tmp_path.parent / "kept.safetensors")[key]
+    safetensors.torch.save_file(tensors, weights)
+    resaved, resaved_config = load_adapter(base, tmp_path)
+    assert len(resaved_config.target_modules) == 3 and not np.any(resaved.layers.layers.attention.k_proj.lora_B)
+    np.testing.assert_array_equal(resaved.layers.layers.attention.v_proj.lora_B, model.layers.layers.attention.v_proj.lora_B)
+    assert_close(zoo_outputs(resaved), zoo_outputs(model), "GPT-2 q/v re-saved by peft, reloaded")

@@ -1,0 +1,169 @@
+"""The Hugging Face / peft names of a zoo model's modules, for LoRA adapters.
+
+A peft adapter names each adapted module as the Hugging Face model it was made on names
+it. Which model that is follows from the zoo model: a family's own model class is the
+family's task model for its `auto_class` (a `Transformer` is `GPT2LMHeadModel`,
+`LlamaForCausalLM`, …: the family tables already carry those names; an `Encoder` is
+`BertModel`), and a zoo task model wrapping one is described here
+(`EncoderClassifier` is `BertForSequenceClassification`: the encoder under the family's
+`prefix`, its own modules named by the family's `lora_task_modules`: `pooler` →
+`bert.pooler.dense`, `head` → `classifier`). The name tables live in the family files
+(`zoo/hf/_families/*.py`: `module_names`, `fused`, `lora_task_modules`, `lora_absent`);
+`zoo.lora` asks only `adapter_names(model)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ..models import EncoderClassifier
+from ._family import Family, family_of
+
+# transformers Auto class of a family's own model → peft `task_type`.
+_TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModel": "FEATURE_EXTRACTION"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wrapper:
+    """A zoo task model around a family model: where the family model sits, its peft task
+    type and its HF class. Its own modules' HF names are the family's `lora_task_modules`."""
+
+    inner: str  # the attribute holding the family model
+    task_type: str
+    architecture: str
+
+
+# `EncoderClassifier` ↔ `BertForSequenceClassification`. Only a CLS-pooling classifier
+# computes what BertForSequenceClassification computes; `adapter_names` records which.
+_WRAPPERS: dict[type, _Wrapper] = {
+    EncoderClassifier: _Wrapper(inner="encoder", task_type="SEQ_CLS", architecture="BertForSequenceClassification"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterNames:
+    """The peft names of one zoo model's modules.
+
+    - `family`: the `zoo.hf` family of the (inner) model.
+    - `task_type`: peft's `task_type` for the HF model these names belong to
+      (`"CAUSAL_LM"`, `"FEATURE_EXTRACTION"`, `"SEQ_CLS"`).
+    - `architecture`: that HF model's class (`"GPT2LMHeadModel"`).
+    - `inner`: the zoo attribute holding the family model (`"encoder"`), or `""`.
+    - `prefix`: the HF prefix of the family model's names inside the task model (`"bert."`).
+    - `own`: the task model's own modules → HF names (`"head"` → `"classifier"`).
+    - `not_in_zoo`: HF module names (inside the family model) the zoo model lacks → why
+      their branches can be skipped.
+    - `cls_pooling`: for a classifier, whether it pools as the HF model does.
+    """
+
+    family: Family
+    task_type: str | None
+    architecture: str
+    inner: str = ""
+    prefix: str = ""
+    own: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    not_in_zoo: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cls_pooling: bool = True
+    vocab_size: int | None = None
+    config: Any = None  # the family model's config
+
+    def _split(self, name: str) -> tuple[str, str | None]:
+        """`(HF prefix, name inside the family model)`, or `(HF name, None)` for the
+        wrapper's own modules."""
+        if not self.inner:
+            return "", name
+        for zoo_name, hf in self.own.items():
+            if name == zoo_name or name.startswith(zoo_name + "."):
+                return hf + name[len(zoo_name):], None
+        if name == self.inner:
+            return self.prefix.rstrip("."), None
+        if name.startswith(self.inner + "."):
+            return self.prefix, name[len(self.inner) + 1:]
+        return name, None
+
+    def module(self, name: str, index: tuple[int, ...] = ()) -> str | None:
+        """The HF module name of zoo module `name` at layer numbers `index`, or `None`."""
+        prefix, inner = self._split(name)
+        if inner is None:
+            return prefix
+        hf = self.family.hf_module_name(inner, index)
+        return None if hf is None else prefix + hf
+
+    def fused(self, name: str) -> tuple[int, int] | None:
+        """`(k, n)` when zoo module `name` is block `k` of `n` of its HF module's outputs."""
+        _, inner = self._split(name)
+        return None if inner is None else self.family.fused.get(inner)
+
+    def conv1d(self, name: str, node: Any) -> bool:
+        """Whether zoo `Linear` `name` is a `Conv1D` in HF (weights `[in, out]`, as zoo's)."""
+        _, inner = self._split(name)
+        if inner is None:
+            return False
+        return not self.family.transposed(inner, "weight", node)
+
+    def vocab_axis(self, name: str, param: str) -> int | None:
+        """The vocabulary axis of leaf `param` of zoo module `name` (zoo orientation, no
+        layer axes), if the family lists it: `vocab_size` rows are real, the rest padding."""
+        _, inner = self._split(name)
+        return None if inner is None else self.family.vocab_axes.get(f"{inner}.{param}")
+
+    def offset(self, name: str, param: str, parent: Any, shape: tuple[int, ...]) -> float:
+        """What the family adds to a file tensor to get zoo's leaf (Gemma's RMSNorm weights
+        are stored as `w`, held as `1 + w`), `0.0` for most."""
+        _, inner = self._split(name)
+        if inner is None or self.config is None:
+            return 0.0
+        source = self.family.source(inner, param, parent, shape, self.config)
+        return float(getattr(source, "offset", 0.0) or 0.0) if source is not None else 0.0
+
+    def skipped(self, hf_name: str) -> str | None:
+        """Why an HF module name the zoo model lacks may be skipped, or `None`."""
+        if not hf_name.startswith(self.prefix):
+            return None
+        return self.not_in_zoo.get(hf_name[len(self.prefix):])
+
+
+def adapter_names(model: Any) -> AdapterNames | None:
+    """The peft names of `model`'s modules, or `None` when no Hugging Face family writes
+    it (its adapters then keep zoo names, which peft cannot open)."""
+    wrapper = _WRAPPERS.get(type(model))
+    inner = getattr(model, wrapper.inner) if wrapper else model
+    try:
+        family = family_of(inner)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(inner, family.model_class):
+        return None
+    if wrapper is None:
+        return AdapterNames(
+            family=family,
+            task_type=_TASK_TYPES.get(family.auto_class),
+            architecture=family.architecture,
+            not_in_zoo=getattr(family, "lora_absent", {}),
+            vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
+            config=getattr(inner, "config", None),
+        )
+    return AdapterNames(
+        family=family,
+        task_type=wrapper.task_type,
+        architecture=wrapper.architecture,
+        inner=wrapper.inner,
+        prefix=family.prefix,
+        own=getattr(family, "lora_task_modules", {}),
+        cls_pooling=getattr(model, "pooling", "cls") == "cls",
+        vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
+        config=getattr(inner, "config", None),
+    )
+
+
+def source_of(model: Any) -> str | None:
+    """The folder `zoo.hf` loaded `model` (or the family model inside it) from: its
+    config's `source_dir`, or `None`."""
+    wrapper = _WRAPPERS.get(type(model))
+    inner = getattr(model, wrapper.inner) if wrapper else model
+    return getattr(getattr(inner, "config", None), "source_dir", None)
+
+
+__all__ = ["AdapterNames", "adapter_names", "source_of"]
