@@ -59,8 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from jaxtyping import PRNGKeyArray
 
@@ -487,22 +485,6 @@ def _config_diff(model: Any, zoo_entry: Any) -> str:
     return ("\n  the model configs differ: " + "; ".join(diffs)) if diffs else ""
 
 
-def _branch_sharding(model: Any, entry: _Entry) -> NamedSharding | None:
-    """For a branch `load_adapter` just added to a model on a mesh: the layout its
-    annotations give under the rules that placed the base weight (A keeps the base
-    weight's input-axis sharding, B its output-axis sharding, the rank axis is whole)."""
-    leaf = entry.path[-1]
-    if not (isinstance(leaf, GetAttrKey) and leaf.name in ("lora_A", "lora_B")):
-        return None
-    weight = _node(model, entry.path[:-1]).base.weight
-    sharding = getattr(weight, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        return None
-    spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
-    lead, (into, out) = spec[: entry.stacked], spec[entry.stacked:]
-    return NamedSharding(sharding.mesh, P(*lead, into, None) if leaf.name == "lora_A" else P(*lead, None, out))
-
-
 def load_adapter(
     model: Any, directory: str | os.PathLike, *, key: PRNGKeyArray | None = None
 ) -> tuple[Any, LoraConfig]:
@@ -572,9 +554,8 @@ def load_adapter(
         parts = [tensors[k].T if entry.transpose else tensors[k] for k in entry.keys]
         value = np.stack(parts).reshape(old.shape) if entry.stacked else parts[0]
         value = np.asarray(value).astype(old.dtype)
-        sharding = _branch_sharding(model, entry) if added else None
-        if sharding is None and isinstance(old, jax.Array):
-            sharding = old.sharding
+        # Like the leaf it replaces (`add_lora` places new branches like their base weight).
+        sharding = old.sharding if isinstance(old, jax.Array) else None
         new.append(jnp.asarray(value) if sharding is None else jax.device_put(value, sharding))
     paths = [entry.path for entry in entries]
     model = eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, replace=new)

@@ -9,6 +9,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..nn import Embedding, LayerNorm, Linear, Stacked, TransformerBlock, broadcast_like, dropout, fold_in
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
+from ..nn._inputs import place_inputs
 from ._config import EncoderConfig
 from ._transformer import make_block
 
@@ -66,6 +67,7 @@ class Encoder(eqx.Module):
         )
         self.config = config
 
+    @place_inputs
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],
@@ -120,6 +122,7 @@ class EncoderClassifier(eqx.Module):
         self.head = Linear(d, num_labels, in_axis="embed", out_axis=None, init_std=encoder.config.init_std, key=key)
         self.num_labels = num_labels
 
+    @place_inputs
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],
