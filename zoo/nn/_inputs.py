@@ -171,7 +171,12 @@ def place_inputs(call: Call) -> Call:
         mesh = model_mesh(model)
         if mesh is None:
             args, kwargs = _on_device(model, args, kwargs)
-            return call(model, *args, **kwargs)
+            if jax.sharding.get_abstract_mesh().empty or _tracing():
+                return call(model, *args, **kwargs)
+            # A mesh is set but the model lies on one device: run it off the mesh, where
+            # its arrays are (eager ops would otherwise be dispatched to the mesh's devices).
+            with jax.set_mesh(None):
+                return call(model, *args, **kwargs)
         if not jax.sharding.get_abstract_mesh().empty:
             return _call_on_mesh(call, model, args, kwargs)
         if isinstance(mesh, jax.sharding.Mesh) and not _tracing():
