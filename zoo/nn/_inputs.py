@@ -158,7 +158,8 @@ def place_inputs(call: Call) -> Call:
     `"data"`; a batch that `"data"` does not divide is first padded with copies of its
     last row, and the padded rows are dropped from the outputs. Arguments already split
     (a training step's microbatches) pass unchanged, and nothing is done inside
-    `jax.shard_map`. For a model on one device, host numpy arguments become `jnp` arrays.
+    `jax.shard_map`. A model on one device gets its concrete inputs on that device (host
+    numpy included) and runs off any mesh that is set.
 
     **Arguments:** `call`, a method `(model, *inputs, **inputs)` whose array arguments
     all lead with the batch dimension.
