@@ -31,7 +31,7 @@ DEVICES = 8
 BATCH = 8  # divides the data axis of every preset mesh (data=8, or data=4 with model=2)
 ODD = 6  # divides neither
 SEQ = 8
-TOL = dict(rtol=1e-5, atol=2e-5)
+TOL = {"rtol": 1e-5, "atol": 2e-5}
 LORA = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
 
 
@@ -120,11 +120,11 @@ def test_classifier_with_mask_token_types_and_dropout_keys(preset, context):
     token types, per-example dropout keys; the dropout masks follow the examples."""
     model, mesh = placed("classifier", preset), preset_mesh(preset, DEVICES)
     tokens = host_inputs("classifier", ODD)
-    kwargs = dict(
-        mask=tokens != 0,
-        token_types=(np.arange(SEQ)[None, :] >= SEQ // 2).astype(np.int32).repeat(ODD, 0),
-        key=zoo.nn.example_keys(jax.random.key(3), ODD),
-    )
+    kwargs = {
+        "mask": tokens != 0,
+        "token_types": (np.arange(SEQ)[None, :] >= SEQ // 2).astype(np.int32).repeat(ODD, 0),
+        "key": zoo.nn.example_keys(jax.random.key(3), ODD),
+    }
     want = reference("classifier")(jnp.asarray(tokens), **{k: jnp.asarray(v) for k, v in kwargs.items()})
     if context == "inside":
         with jax.set_mesh(mesh):
