@@ -9,6 +9,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from .._tree import dotted_name, node_at
@@ -100,9 +102,37 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
             wrap = eqx.filter_vmap(wrap)
         lead = base.weight.shape[:stacked]
         keys = jr.split(keys, lead) if stacked else keys
-        new.append(wrap(base, keys))
+        new.append(_place_branch(eqx.tree_at(lambda layer: layer.base, wrap(base, keys), base), stacked))
     paths = [found[n][0] for n in names]
     return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
+
+
+def branch_shardings(weight: jax.Array, stacked: int) -> tuple[Any, Any]:
+    """Where the branch of a base `weight` `[*layers, in, out]` belongs: `(A's, B's)` sharding.
+
+    On a mesh, A `[*layers, in, r]` keeps the weight's layer and input-axis sharding and B
+    `[*layers, r, out]` its layer and output-axis sharding (the rank axis is whole), as
+    the annotations give under the rules that placed the weight; on one device, that
+    device. `(None, None)` for a traced weight.
+    """
+    if isinstance(weight, jax.core.Tracer):
+        return None, None
+    sharding = weight.sharding
+    if not isinstance(sharding, NamedSharding):
+        return sharding, sharding
+    spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
+    lead, (into, out) = spec[:stacked], spec[stacked:]
+    return NamedSharding(sharding.mesh, P(*lead, into, None)), NamedSharding(sharding.mesh, P(*lead, None, out))
+
+
+def _place_branch(layer: LoraLinear, stacked: int) -> LoraLinear:
+    """The new branch on its base weight's devices (random keys make it wherever the
+    default device or an active mesh puts new arrays)."""
+    a_sharding, b_sharding = branch_shardings(layer.base.weight, stacked)
+    if a_sharding is None:
+        return layer
+    placed = (jax.device_put(layer.lora_A, a_sharding), jax.device_put(layer.lora_B, b_sharding))
+    return eqx.tree_at(lambda l: (l.lora_A, l.lora_B), layer, placed)
 
 
 def _check_modules_to_save(model: Any, config: LoraConfig) -> None:

@@ -53,8 +53,6 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (lets safetensors' numpy reader return bfloat16 tensors)
 import numpy as np
 import safetensors.numpy
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from jax.tree_util import GetAttrKey
 from jaxtyping import PRNGKeyArray
 
@@ -560,22 +558,6 @@ def _config_diff(model: Any, meta: Any) -> str:
     return ("\n  the model configs differ: " + "; ".join(diffs)) if diffs else ""
 
 
-def _branch_sharding(model: Any, entry: _Entry) -> NamedSharding | None:
-    """For a branch `load_adapter` just added to a model on a mesh: the layout its
-    annotations give under the rules that placed the base weight (A keeps the base
-    weight's input-axis sharding, B its output-axis sharding, the rank axis is whole)."""
-    leaf = entry.path[-1]
-    if not (isinstance(leaf, GetAttrKey) and leaf.name in ("lora_A", "lora_B")):
-        return None
-    weight = node_at(model, entry.path[:-1]).base.weight
-    sharding = getattr(weight, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        return None
-    spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
-    lead_spec, (into, out) = spec[: entry.stacked], spec[entry.stacked:]
-    return NamedSharding(sharding.mesh, P(*lead_spec, into, None) if leaf.name == "lora_A" else P(*lead_spec, None, out))
-
-
 def _skip_absent(tensors: dict[str, np.ndarray], names: Any, where: Path) -> dict[str, np.ndarray]:
     """Drop (with a warning saying why) the branches on HF modules the zoo model lacks
     and that change nothing it computes (BertModel's pooler)."""
@@ -722,9 +704,8 @@ def load_adapter(
         parts = [entry.from_file(p, tuple(old.shape[entry.stacked:])) for p in parts]
         value = np.stack(parts).reshape(old.shape) if entry.stacked else parts[0]
         value = np.asarray(value).astype(old.dtype)
-        sharding = _branch_sharding(model, entry) if added else None
-        if sharding is None and isinstance(old, jax.Array):
-            sharding = old.sharding
+        # Like the leaf it replaces (`add_lora` places new branches like their base weight).
+        sharding = old.sharding if isinstance(old, jax.Array) else None
         new.append(jnp.asarray(value) if sharding is None else jax.device_put(value, sharding))
     paths = [entry.path for entry in entries]
     model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)

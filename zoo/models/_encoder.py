@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..nn import Embedding, LayerNorm, Linear, Stacked, TransformerBlock, broadcast_like, dropout, fold_in
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
+from ..nn._inputs import place_inputs
 from ._config import EncoderConfig
 from ._transformer import make_block
 
@@ -71,6 +72,7 @@ class Encoder(eqx.Module):
         )
         self.config = config
 
+    @place_inputs
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],
@@ -144,6 +146,7 @@ class EncoderClassifier(eqx.Module):
         self.num_labels = num_labels
         self.pooling = pooling
 
+    @place_inputs
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],

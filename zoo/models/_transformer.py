@@ -21,6 +21,7 @@ from ..nn import (
     fold_in,
 )
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
+from ..nn._inputs import place_inputs
 from ._config import TransformerConfig
 
 
@@ -129,6 +130,7 @@ class Transformer(eqx.Module):
         )
         self.config = config
 
+    @place_inputs
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],

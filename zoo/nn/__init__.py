@@ -5,6 +5,7 @@ from ._block import TransformerBlock
 from ._dropout import ExampleKeys, dropout, example_keys, fold_in
 from ._embedding import Embedding
 from ._feedforward import ACTIVATIONS, FeedForward
+from ._inputs import place_inputs
 from ._linear import Linear, project
 from ._mlp import MLP, MLPBlock
 from ._norm import LayerNorm, RMSNorm
@@ -34,6 +35,7 @@ __all__ = [
     "fold_in",
     "project",
     "for_use",
+    "place_inputs",
     "rope_frequencies",
     "rope_tables",
     "sharding_spec",

@@ -8,8 +8,9 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.random as jr
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
+from ._inputs import place_inputs
 from ._linear import Linear
 from ._norm import LayerNorm, RMSNorm
 from ._stacked import Stacked
@@ -106,8 +107,14 @@ class MLP(eqx.Module):
         self.width = width
         self.depth = depth
 
-    def __call__(self, x: Float[Array, "*batch {self.in_size}"]) -> Float[Array, "*batch {self.out_size}"]:
-        """Apply the MLP to `x` with any leading batch dims."""
+    def __call__(self, x: Float[ArrayLike, "*batch {self.in_size}"]) -> Float[Array, "*batch {self.out_size}"]:
+        """Apply the MLP to `x` with any leading batch dims (none: one example)."""
+        if x.ndim == 1:  # one example is a batch of one, so a placed MLP can take it too
+            return self._batched(x[None])[0]
+        return self._batched(x)
+
+    @place_inputs
+    def _batched(self, x: Float[Array, "batch *rest {self.in_size}"]) -> Float[Array, "batch *rest {self.out_size}"]:
         h = self.input_block(x)
         if isinstance(self.hidden, Stacked):
             h = self.hidden(h)

@@ -1,0 +1,264 @@
+"""Calling placed models however their inputs arrive.
+
+A model placed by `zoo.shard` under every preset (dp, fsdp, tp, fsdp+tp) is called on host
+numpy, `jnp`, batch-split (`P("data")`) and replicated (`P()`) inputs, inside and outside
+`jax.set_mesh`, eager and under `jax.jit`, with batch sizes the data axis does and does not
+divide; every answer must equal the single-device model's. LoRA branches added to (or
+loaded into) single-device and placed models, in either context, must sit on their base
+weight's devices and give the single-device answer.
+
+Each placed model is built once per module; after the boundary places the inputs, every
+input kind meets the same shardings, so the eager calls share their compiled ops.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import preset_mesh, tiny_decoder, tiny_encoder_classifier
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zoo
+
+PRESETS = ("dp", "fsdp", "tp", "fsdp+tp")
+KINDS = ("numpy", "jnp", "data", "replicated")
+CONTEXTS = ("inside", "outside")
+DEVICES = 8
+BATCH = 8  # divides the data axis of every preset mesh (data=8, or data=4 with model=2)
+ODD = 6  # divides neither
+SEQ = 8
+TOL = {"rtol": 1e-5, "atol": 2e-5}
+LORA = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+
+
+@functools.cache
+def reference(name):
+    """The single-device model."""
+    key = jax.random.key(0)
+    if name == "decoder":
+        return tiny_decoder(key)
+    if name == "encoder":
+        return tiny_encoder_classifier(key).encoder
+    if name == "classifier":
+        return tiny_encoder_classifier(key)
+    if name == "mlp":
+        # Sizes divisible by every mesh axis: in/out are "embed" (fsdp), width "mlp" (tp).
+        return zoo.nn.MLP(8, 8, 16, 3, activation=jnp.tanh, norm="layernorm", scan=True, key=key)
+    if name == "lora-decoder":
+        return zoo.lora.add_lora(reference("decoder"), LORA, key=jax.random.key(1))
+    raise KeyError(name)
+
+
+@functools.cache
+def placed(name, preset):
+    return zoo.shard(reference(name), zoo.rules(preset), preset_mesh(preset, DEVICES))
+
+
+def host_inputs(name, size):
+    """The model's input as host numpy: token ids (pad id 0 at the ends) or features."""
+    rng = np.random.default_rng(size)
+    if name == "mlp":
+        return rng.normal(size=(size, 8)).astype(np.float32)
+    tokens = rng.integers(1, 32, (size, SEQ)).astype(np.int32)
+    tokens[::2, -2:] = 0  # padding: the encoder masks it
+    return tokens
+
+
+@functools.cache
+def expected(name, size):
+    return np.asarray(reference(name)(jnp.asarray(host_inputs(name, size))))
+
+
+def arrive(kind, x, mesh):
+    """`x` as the input kind says."""
+    if kind == "numpy":
+        return x
+    if kind == "jnp":
+        return jnp.asarray(x)
+    spec = P("data") if kind == "data" else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def call(model, x, context, mesh):
+    if context == "inside":
+        with jax.set_mesh(mesh):
+            return model(x)
+    return model(x)
+
+
+def sizes(name, kind):
+    """Batch sizes to try: an odd one wherever the input is not already split (the padding
+    path); the LoRA decoder meets odd batches in the add_lora tests below."""
+    if kind == "data" or name == "lora-decoder" or (kind == "jnp" and name != "mlp"):
+        return (BATCH,)
+    return (BATCH, ODD)
+
+
+# --------------------------------------------------------------------------- the call matrix
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", ["decoder", "encoder", "mlp", "lora-decoder"])
+def test_placed_model_gives_the_single_device_answer(name, preset, context, kind):
+    model, mesh = placed(name, preset), preset_mesh(preset, DEVICES)
+    for size in sizes(name, kind):
+        out = call(model, arrive(kind, host_inputs(name, size), mesh), context, mesh)
+        assert out.shape == expected(name, size).shape
+        np.testing.assert_allclose(np.asarray(out), expected(name, size), **TOL, err_msg=f"batch {size}")
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_classifier_with_mask_token_types_and_dropout_keys(preset, context):
+    """Every keyword input is placed with the tokens (and padded with them): mask,
+    token types, per-example dropout keys; the dropout masks follow the examples."""
+    model, mesh = placed("classifier", preset), preset_mesh(preset, DEVICES)
+    tokens = host_inputs("classifier", ODD)
+    kwargs = {
+        "mask": tokens != 0,
+        "token_types": (np.arange(SEQ)[None, :] >= SEQ // 2).astype(np.int32).repeat(ODD, 0),
+        "key": zoo.nn.example_keys(jax.random.key(3), ODD),
+    }
+    want = reference("classifier")(jnp.asarray(tokens), **{k: jnp.asarray(v) for k, v in kwargs.items()})
+    if context == "inside":
+        with jax.set_mesh(mesh):
+            out = model(tokens, **kwargs)
+    else:
+        out = model(tokens, **kwargs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOL)
+
+
+@functools.cache
+def _jitted():
+    return eqx.filter_jit(lambda model, x: model(x))
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_jitted_call_on_host_inputs(preset, context):
+    """Under `jax.jit` the boundary reshards traced inputs (and enters the parameters'
+    abstract mesh when no mesh is set)."""
+    model, mesh = placed("decoder", preset), preset_mesh(preset, DEVICES)
+    for size in (BATCH, ODD):
+        out = call(lambda x: _jitted()(model, x), host_inputs("decoder", size), context, mesh)
+        np.testing.assert_allclose(np.asarray(out), expected("decoder", size), **TOL)
+
+
+def test_split_inputs_pass_unchanged_into_the_call():
+    """Inputs already split over a mesh axis (a training step's microbatches) reach the
+    model as they came: the boundary adds no reshard."""
+    mesh = preset_mesh("fsdp", DEVICES)
+    model = placed("decoder", "fsdp")
+    tokens = jax.device_put(host_inputs("decoder", BATCH), NamedSharding(mesh, P("data")))
+
+    def lowered_text(fn):
+        with jax.set_mesh(mesh):
+            return jax.jit(fn).lower(eqx.filter(model, eqx.is_array), tokens).as_text()
+
+    def through_boundary(params, x):
+        return eqx.combine(params, model)(x)
+
+    def past_boundary(params, x):
+        return type(model).__call__.__wrapped__(eqx.combine(params, model), x)
+
+    def ops(text):  # the program without its source locations
+        return [line.split(" loc(")[0] for line in text.splitlines() if "=" in line and "loc(" in line]
+
+    assert ops(lowered_text(through_boundary)) == ops(lowered_text(past_boundary))
+
+
+def test_one_example_to_a_placed_mlp():
+    """An MLP input without batch dims (one example) works placed too."""
+    mesh = preset_mesh("fsdp", DEVICES)
+    x = host_inputs("mlp", 1)[0]
+    out = placed("mlp", "fsdp")(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference("mlp")(jnp.asarray(x))), **TOL)
+    with jax.set_mesh(mesh):
+        out = placed("mlp", "fsdp")(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference("mlp")(jnp.asarray(x))), **TOL)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_single_device_model_under_any_context(context):
+    """A model on one device keeps working inside a mesh context, on any input kind."""
+    model, mesh = reference("decoder"), preset_mesh("dp", DEVICES)
+    for kind in KINDS:
+        out = call(model, arrive(kind, host_inputs("decoder", BATCH), mesh), context, mesh)
+        np.testing.assert_allclose(np.asarray(out), expected("decoder", BATCH), **TOL, err_msg=kind)
+
+
+# --------------------------------------------------------------------------- LoRA on placed models
+
+
+def _check_branches(model, base_model):
+    """Each branch on its base weight's devices: on a mesh, A split like the weight's input
+    axis and B like its output axis (as `zoo.shard` would place them); base leaves untouched."""
+    layers = zoo.lora.modules(model, zoo.lora.LoraLinear)
+    assert layers
+    for name, (path, stacked) in layers.items():
+        layer = model
+        for key in path:
+            layer = getattr(layer, key.name)
+        weight = layer.base.weight
+        if isinstance(weight.sharding, NamedSharding):
+            spec = tuple(weight.sharding.spec) + (None,) * (weight.ndim - len(weight.sharding.spec))
+            lead, (into, out) = spec[:stacked], spec[stacked:]
+            assert layer.lora_A.sharding == NamedSharding(weight.sharding.mesh, P(*lead, into, None)), name
+            assert layer.lora_B.sharding == NamedSharding(weight.sharding.mesh, P(*lead, None, out)), name
+        else:
+            assert layer.lora_A.sharding == layer.lora_B.sharding == weight.sharding, name
+    for old, new in zip(jax.tree.leaves(base_model), jax.tree.leaves(zoo.lora.unload(model)), strict=True):
+        assert new.sharding == old.sharding
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("adapter")
+    zoo.lora.save_adapter(reference("lora-decoder"), LORA, directory)
+    return directory
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("preset", ["single-device", *PRESETS])
+def test_add_lora_and_load_adapter_place_branches_like_their_base(preset, context, adapter):
+    if preset == "single-device":
+        base, mesh = reference("decoder"), preset_mesh("fsdp+tp", DEVICES)
+    else:
+        base, mesh = placed("decoder", preset), preset_mesh(preset, DEVICES)
+    tokens = host_inputs("decoder", ODD)
+
+    def build_and_call():
+        added = zoo.lora.add_lora(base, LORA, key=jax.random.key(1))
+        loaded, _ = zoo.lora.load_adapter(base, adapter)
+        return added, loaded, added(tokens), loaded(tokens)
+
+    if context == "inside":
+        with jax.set_mesh(mesh):
+            added, loaded, out_added, out_loaded = build_and_call()
+    else:
+        added, loaded, out_added, out_loaded = build_and_call()
+    want = expected("lora-decoder", ODD)
+    for model, out in ((added, out_added), (loaded, out_loaded)):
+        _check_branches(model, base)
+        np.testing.assert_allclose(np.asarray(out), want, **TOL)
+
+
+# --------------------------------------------------------------------------- the README's lines
+
+
+def test_readme_sharded_minilm_lines():
+    """README: `load_minilm(rules=zoo.rules("fsdp"), mesh=mesh)`, then
+    `zoo.hf.sentence_embeddings(encoder, **tokenizer([...]))` without `jax.set_mesh`."""
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    encoder, tokenizer = zoo.hf.load_minilm(rules=zoo.rules("fsdp"), mesh=mesh)
+    vectors = zoo.hf.sentence_embeddings(encoder, **tokenizer(["a sentence", "another"]))
+    single, _ = zoo.hf.load_minilm()
+    want = zoo.hf.sentence_embeddings(single, **tokenizer(["a sentence", "another"]))
+    assert vectors.shape == (2, 384)
+    np.testing.assert_allclose(np.asarray(vectors), np.asarray(want), rtol=1e-5, atol=1e-6)
