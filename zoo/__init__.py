@@ -10,6 +10,7 @@ from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
 from ._checkpoint import CheckpointError, Checkpointer
 from ._distributed import distributed_init, global_batch, is_main_process, local_rows
+from ._generate import generate
 from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
 from ._reduced import (
     gather_over,
@@ -40,6 +41,7 @@ __all__ = [
     "collectives",
     "count",
     "field",
+    "generate",
     "gather_over",
     "global_batch",
     "is_main_process",
