@@ -1,6 +1,7 @@
 """zoo.hf: Hugging Face checkpoints in and out, tokenizers and sentence embeddings, judged
 against the reference implementations (transformers, sentence-transformers, torch)."""
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -247,12 +248,15 @@ def test_untied_head_is_written_and_read_as_its_own_tensor(tmp_path):
 
 
 def test_export_refuses_what_gpt2_cannot_express(tmp_path):
-    llama = eqx.filter_eval_shape(tiny_decoder, jax.random.key(0))  # rope, rmsnorm, GQA, swiglu; no arrays needed
+    # rope, rmsnorm, GQA, swiglu; no arrays needed. Chosen by shape it is written as Llama
+    # (tests/test_families.py); as GPT-2 it is refused.
+    llama = eqx.filter_eval_shape(tiny_decoder, jax.random.key(0), family="gpt2")
     with pytest.raises(ValueError, match="cannot be written as a GPT-2") as info:
         save_pretrained(llama, tmp_path / "llama")
     for option in ("positions='rope'", "norm='rmsnorm'", "num_kv_heads=2", "activation='swiglu'"):
         assert option in str(info.value)
     config = TransformerConfig(vocab_size=11, d_model=8, num_heads=2, num_layers=1, use_bias=False, pre_norm=False)
+    config = dataclasses.replace(config, family="gpt2")
     with pytest.raises(ValueError, match="use_bias=False.*pre_norm=False"):
         save_pretrained(eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0)), tmp_path / "post")
     assert not (tmp_path / "llama").exists() and not (tmp_path / "post").exists()
@@ -431,10 +435,10 @@ def test_unsupported_config_options_are_named(convert, values, option):
 
 
 def test_unsupported_checkpoints_fail_clearly(bert_dir, tmp_path):
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="model_type 'llama'"):
-        from_pretrained(tmp_path / "llama")
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ValueError, match="model_type 't5' is not a registered family.*'llama'"):
+        from_pretrained(tmp_path / "t5")
     (tmp_path / "relative").mkdir()
     (tmp_path / "relative" / "config.json").write_text(json.dumps(BERT_HF | {"position_embedding_type": "relative_key"}))
     with pytest.raises(ValueError, match="position_embedding_type"):

@@ -1,4 +1,5 @@
-"""Hugging Face interop without torch: load BERT and GPT-2 checkpoints into zoo models,
+"""Hugging Face interop without torch: load BERT, GPT-2, Llama, Mistral and Qwen2
+checkpoints into zoo models,
 placed straight onto a mesh; write zoo models back as checkpoints transformers loads;
 fast tokenizers; sentence-transformers embeddings (all-MiniLM-L6-v2 ships packaged).
 
@@ -9,19 +10,31 @@ encoder, tokenizer = zoo.hf.load_minilm()
 vectors = zoo.hf.sentence_embeddings(encoder, **tokenizer(["a sentence", "another one"]))
 ```
 
-See docs/models.md, "Loading Hugging Face weights".
+Every architecture is one `zoo.hf.Family` in its own file under `zoo/hf/_families/`
+(the interface: `zoo/hf/_family.py`); `zoo.hf.families()` lists them.
+
+See docs/models.md, "Loading Hugging Face weights" and "Adding a family".
 """
 
-from ._bert import encoder_config_from_hf, encoder_config_to_hf
 from ._export import hf_tensors, save_pretrained
-from ._files import minilm_path
-from ._gpt2 import transformer_config_from_hf, transformer_config_to_hf
-from ._load import from_pretrained, load_bert, load_gpt2
+from ._families.bert import encoder_config_from_hf, encoder_config_to_hf
+from ._families.gpt2 import transformer_config_from_hf, transformer_config_to_hf
+from ._family import Family, families, family_of, get_family, register
+from ._files import hub_cache, minilm_path, resolve_model_dir
+from ._load import fit_to_mesh, from_pretrained, load_bert, load_gpt2
 from ._sentence import load_minilm, sentence_embeddings
 from ._tokenizer import Tokenizer
 
 __all__ = [
+    "Family",
     "Tokenizer",
+    "families",
+    "family_of",
+    "fit_to_mesh",
+    "get_family",
+    "hub_cache",
+    "register",
+    "resolve_model_dir",
     "encoder_config_from_hf",
     "encoder_config_to_hf",
     "from_pretrained",

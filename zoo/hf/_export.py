@@ -13,39 +13,79 @@ import safetensors.numpy
 
 from .._files import atomic_write, fsync_dir, to_host
 from ..models import Encoder, Transformer
-from ._bert import BERT
-from ._files import CONFIG_NAME, WEIGHTS_NAME
-from ._gpt2 import GPT2
-from ._layout import Layout, leaf_sources
+from . import _families  # noqa: F401  (registers the families)
+from ._family import families, family_of
+from ._files import CONFIG_NAME, WEIGHTS_NAME, read_json
+from ._layout import leaf_sources
+
+GENERATION_NAME = "generation_config.json"
+# Files of the source folder that travel with the weights (tokenizers of every family).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+# Keys of a source config.json that describe the zoo model, never copied over.
+_NOT_KEPT = ("architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "auto_map")
 
 
-def _layout_of(model: Any) -> Layout:
-    if isinstance(model, Encoder):
-        return BERT
-    if isinstance(model, Transformer):
-        return GPT2
-    raise TypeError(
-        f"save_pretrained writes a zoo.models.Encoder (as BERT) or a zoo.models.Transformer (as GPT-2), "
-        f"got a {type(model).__name__}"
-    )
+def _source_config(config: Any, family: Any) -> tuple[Path | None, dict[str, Any] | None]:
+    """The folder the model was loaded from and its config.json, when both still exist
+    and are this family's."""
+    folder = getattr(config, "source_dir", None)
+    if folder is None or not Path(folder).is_dir():
+        return None, None
+    values = read_json(Path(folder) / CONFIG_NAME)
+    if values is None or values.get("model_type") != family.name:
+        return Path(folder), None
+    return Path(folder), values
+
+
+def _family(model: Any) -> Any:
+    family = family_of(model)
+    if not isinstance(model, family.model_class):
+        classes = sorted({f.model_class.__name__ for f in families().values()})
+        raise TypeError(
+            f"save_pretrained writes the zoo model classes of the registered families ({', '.join(classes)}: "
+            f"Encoder as BERT, Transformer as GPT-2 / Llama / Mistral / Qwen2), got a {type(model).__name__}"
+            + (" (write its .encoder)" if hasattr(model, "encoder") else "")
+        )
+    return family
+
+
+def _hf_config(model: Any) -> tuple[Any, dict[str, Any], Path | None, dict[str, Any] | None]:
+    family = _family(model)
+    folder, base = _source_config(model.config, family)
+    values = family.config_to_hf(model.config, base)
+    if base is not None:  # keep what the zoo does not model (token ids, names, …)
+        values = {k: v for k, v in base.items() if k not in _NOT_KEPT} | values
+    return family, values, folder, base
 
 
 def hf_tensors(model: Encoder | Transformer) -> dict[str, np.ndarray]:
     """The Hugging Face tensors of `model`, by name, as host numpy arrays.
 
-    Stacked leaves are split into one tensor per layer, `Linear` weights transposed to
-    torch's `[out, in]` (BERT, GPT-2's untied `lm_head`), GPT-2's q/k/v fused into
-    `c_attn`. Sharded leaves are gathered (every process must call this in a
+    The model's family (`zoo.hf.family_of`) names them. Stacked leaves are split into one
+    tensor per layer, `Linear` weights transposed to torch's `[out, in]`, GPT-2's q/k/v
+    fused into `c_attn`, a padded vocabulary cut back to `vocab_size`. Sharded leaves are gathered (every process must call this in a
     multi-process run).
     """
-    layout = _layout_of(model)
-    layout.config_to_hf(model.config)  # refuses configs the architecture cannot express
+    family = _family(model)
+    family.config_to_hf(model.config)  # refuses configs the architecture cannot express
     blocks: dict[str, dict[int, np.ndarray]] = {}
     tensors: dict[str, np.ndarray] = {}
-    for _, leaf, source in leaf_sources(layout, model, model.config):
+    for _, leaf, source in leaf_sources(family, model, model.config):
         host = to_host(leaf)
         for i, name in enumerate(source.names):
             value = host[i] if source.stacked else host
+            if source.valid is not None:  # drop the vocabulary padding
+                value = value[tuple(slice(0, v) for v in source.valid)]
             value = value.T if source.transpose else value
             if source.part is None:
                 tensors[name] = np.ascontiguousarray(value)
@@ -66,22 +106,28 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
 
     **Arguments:**
 
-    - `model`: a `zoo.models.Encoder`, written as `BertModel` (no pooler: loading it into
-      `BertModel` leaves the pooler freshly initialised, `last_hidden_state` is exact), or
-      a GPT-2-shaped `zoo.models.Transformer`, written as `GPT2LMHeadModel`. Configs the
-      architecture cannot express (RoPE, RMSNorm, grouped-query attention, SwiGLU, no
-      biases, post-norm for GPT-2) raise a `ValueError` naming them. May be sharded; LoRA
-      branches must be merged first (`zoo.lora.merge`).
-    - `directory`: created if needed. `model.safetensors` and `config.json` in it are
-      replaced atomically (a temporary file next to each, then `os.replace`; weights
-      first, config last); other files are left alone.
+    - `model`: a zoo model of a registered family: the one it was loaded as
+      (`config.family`), else chosen by shape (`zoo.hf.family_of`): a
+      `zoo.models.Encoder` is written as `BertModel` (no pooler: loading it into
+      `BertModel` leaves the pooler freshly initialised, `last_hidden_state` is exact), a
+      `zoo.models.Transformer` with learned positions as `GPT2LMHeadModel`, one with RoPE,
+      RMSNorm and SwiGLU as `LlamaForCausalLM` (Mistral, Qwen2 when loaded as those).
+      Configs the architecture cannot express raise a `ValueError` naming them. May be
+      sharded; LoRA branches must be merged first (`zoo.lora.merge`).
+    - `directory`: created if needed. `model.safetensors`, `config.json` and
+      `generation_config.json` in it are replaced atomically (a temporary file next to
+      each, then `os.replace`; weights first, config last); other files are left alone.
+
+    A model loaded from a folder (`config.source_dir`) keeps that folder's config.json
+    keys the zoo does not model (token ids, activation spellings) and gets its tokenizer
+    files and `generation_config.json` copied; otherwise `generation_config.json` is made
+    from the config. `max_position_embeddings` is the model's `max_len`.
 
     Tensors keep the leaves' dtype. In a multi-process run every process must call it
     (sharded leaves are gathered); process 0 writes. `zoo.hf.from_pretrained` of the
     result gives back `model`'s leaves bit for bit.
     """
-    layout = _layout_of(model)
-    values = layout.config_to_hf(model.config)
+    family, values, folder, base = _hf_config(model)
     tensors = hf_tensors(model)
     if jax.process_index() != 0:
         return
@@ -92,6 +138,17 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
         directory / WEIGHTS_NAME,
         lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"}),
     )
+    same = folder is not None and folder.resolve() == directory.resolve()
+    if folder is not None and not same:
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                data = (folder / name).read_bytes()
+                atomic_write(directory / name, lambda tmp, data=data: Path(tmp).write_bytes(data))
+    generation = read_json(folder / GENERATION_NAME) if folder is not None else None
+    if generation is None:
+        generation = family.generation_config(values)
+    gen_text = json.dumps(generation, indent=2, sort_keys=True) + "\n"
+    atomic_write(directory / GENERATION_NAME, lambda tmp: Path(tmp).write_text(gen_text))
     text = json.dumps(values, indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
     fsync_dir(directory)

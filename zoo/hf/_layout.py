@@ -1,10 +1,11 @@
-"""Where each zoo leaf lives in a Hugging Face checkpoint: the per-architecture name maps
-(`_bert.py`, `_gpt2.py`) fill in this description, loading and export read it."""
+"""Where each zoo leaf lives in a Hugging Face checkpoint: the families
+(`zoo/hf/_families/*.py`, see `_family.py`) fill in this description, loading and export
+read it."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
@@ -25,6 +26,9 @@ class Source:
     - `file_shape`: the full shape of each named tensor in the file.
     - `part`: `(k, n)` when the leaf is the `k`-th of `n` equal blocks of the file tensor's
       last axis (GPT-2's fused `c_attn`: q, k, v side by side), else `None`.
+    - `valid`: the part of each layer's leaf core (zoo orientation, from index 0) the file
+      holds, when the leaf is larger (a vocabulary padded for tensor parallelism: the
+      padding rows read as zeros and are not written); `None`: all of it.
     """
 
     names: tuple[str, ...]
@@ -32,6 +36,7 @@ class Source:
     transpose: bool
     file_shape: tuple[int, ...]
     part: tuple[int, int] | None = None
+    valid: tuple[int, ...] | None = None
 
     def file_index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
         """The slice of one layer's file tensor that holds `index` of the leaf's core dims."""
@@ -42,57 +47,6 @@ class Source:
             last = index[-1]
             index = (*index[:-1], slice(last.start + k * width, last.stop + k * width))
         return index
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How one zoo model class maps onto one Hugging Face architecture.
-
-    - `model_type`: the `config.json` `model_type` (`"bert"`, `"gpt2"`).
-    - `model_class`: the zoo class (`Encoder`, `Transformer`).
-    - `prefix`: the base-model prefix task models put before every name (`"bert."`).
-    - `canonical_prefixed`: names in `source` carry the prefix (GPT-2: `GPT2LMHeadModel`
-      layout, `transformer.…` plus `lm_head.weight`) or not (BERT: `BertModel` layout).
-    - `config_from_hf`, `config_to_hf`: the config conversions.
-    - `source`: `(zoo module name, parameter name, module, leaf shape, config)` →
-      `Source`, or `None` for a leaf the architecture has no tensor for.
-    - `ignored`: `(canonical name, config)` → whether a checkpoint tensor is a known
-      non-parameter to skip (buffers, a pooler, a tied head).
-    """
-
-    model_type: str
-    model_class: type
-    prefix: str
-    canonical_prefixed: bool
-    config_from_hf: Callable[[dict[str, Any]], Any]
-    config_to_hf: Callable[[Any], dict[str, Any]]
-    source: Callable[[str, str, Any, tuple[int, ...], Any], Source | None]
-    ignored: Callable[[str, Any], bool]
-    head_names: tuple[str, ...] = ()  # names outside the prefix that are the model's own (GPT-2's lm_head)
-
-    def canonical_names(self, file_keys: list[str]) -> tuple[dict[str, str], list[str]]:
-        """Map checkpoint names onto this layout's names.
-
-        **Returns:** `(canonical name → file name, task-head names)`: files of task models
-        (`BertForSequenceClassification`, `GPT2LMHeadModel`, …) carry the base model under
-        `prefix`; their other tensors belong to a task head (a classifier, an MLM head),
-        returned separately. Names without the prefix are accepted as the base model's.
-        """
-        prefixed = any(k.startswith(self.prefix) for k in file_keys)
-        mapping: dict[str, str] = {}
-        heads: list[str] = []
-        for key in file_keys:
-            if prefixed and not key.startswith(self.prefix) and key not in self.head_names:
-                heads.append(key)
-                continue
-            if key in self.head_names:
-                name = key
-            elif self.canonical_prefixed:
-                name = key if key.startswith(self.prefix) else self.prefix + key
-            else:
-                name = key.removeprefix(self.prefix)
-            mapping[name] = key
-        return mapping, heads
 
 
 def module_name(path: tuple) -> str:
@@ -106,7 +60,7 @@ def _node(tree: Any, path: tuple) -> Any:
     return tree
 
 
-def leaf_sources(layout: Layout, model: Any, config: Any) -> Iterator[tuple[tuple, Any, Source]]:
+def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, Any, Source]]:
     """`(key path, leaf, Source)` for every array leaf of `model` (arrays, shape structs or
     zero-stride placeholders), in `jax.tree` order.
 
@@ -119,14 +73,14 @@ def leaf_sources(layout: Layout, model: Any, config: Any) -> Iterator[tuple[tupl
         if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
             continue
         parent = _node(model, path[:-1])
-        source = layout.source(module_name(path[:-1]), module_name(path[-1:]), parent, tuple(leaf.shape), config)
+        source = family.source(module_name(path[:-1]), module_name(path[-1:]), parent, tuple(leaf.shape), config)
         if source is None:
             unknown.append(module_name(path))
         else:
             out.append((path, leaf, source))
     if unknown:
         raise ValueError(
-            f"these leaves of the {layout.model_class.__name__} have no Hugging Face {layout.model_type} tensor: "
+            f"these leaves of the {type(model).__name__} have no Hugging Face {family.name} tensor: "
             f"{unknown}. A model with LoRA branches must be merged first: zoo.lora.merge(model)."
         )
     return iter(out)

@@ -1,7 +1,9 @@
-"""Loading Hugging Face BERT and GPT-2 checkpoints into zoo models, placed as annotated."""
+"""Loading Hugging Face checkpoints of every registered family into zoo models, placed as
+annotated."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,16 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._rules import Rules, _concrete_mesh, partition_specs
+from .._rules import Rules, _as_tuple, _concrete_mesh, partition_specs
 from .._rules import rules as preset_rules
 from ..models import Encoder, Transformer
-from ._bert import BERT
-from ._files import Checkpoint, read_config
-from ._gpt2 import GPT2
-from ._layout import Layout
+from . import _families  # noqa: F401  (registers the families)
+from ._family import Family, get_family
+from ._files import Checkpoint, read_config, resolve_model_dir
 from ._place import place
-
-LAYOUTS: dict[str, Layout] = {"bert": BERT, "gpt2": GPT2}
 
 
 def _placeholders(skeleton: Any) -> Any:
@@ -33,8 +32,33 @@ def _placeholders(skeleton: Any) -> Any:
     )
 
 
+def _axis_size(rules: Rules, name: str, mesh: Any) -> tuple[int, tuple[str, ...]]:
+    axes = _as_tuple(rules.get(name))
+    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape], dtype=int)), axes
+
+
+def fit_to_mesh(config: Any, rules: Rules, mesh: Any, where: str) -> Any:
+    """`config` with its vocabulary padded (`vocab_multiple`) to split over the mesh axes
+    `rules["vocab"]` maps to; a `ValueError` naming the fix when those of `"heads"` /
+    `"kv_heads"` cannot split the (key/value) head count."""
+    for name, count in (("heads", config.num_heads), ("kv_heads", config.kv_heads)):
+        size, axes = _axis_size(rules, name, mesh)
+        if size > 1 and count % size:
+            what = "attention heads" if name == "heads" else "key/value heads"
+            raise ValueError(
+                f"{where}: the model has {count} {what}, which the mesh axes {list(axes)} (size {size}) that "
+                f"rules[{name!r}] names cannot split evenly. Use a model axis whose size divides {count}, or "
+                f"rules without tensor parallelism for heads (e.g. zoo.rules('fsdp'), or rules[{name!r}] = None)."
+            )
+    size, _ = _axis_size(rules, "vocab", mesh)
+    if size > 1 and config.vocab_size % size:
+        multiple = int(np.lcm(size, config.vocab_multiple))
+        config = dataclasses.replace(config, vocab_multiple=multiple)
+    return config
+
+
 def _load(
-    layout: Layout,
+    layout: Family,
     path: str | os.PathLike,
     values: dict[str, Any],
     *,
@@ -45,12 +69,16 @@ def _load(
 ) -> Any:
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating dtype (the parameters' dtype), got {dtype!r}")
-    config = layout.config_from_hf(values, **dict(config_overrides or {}))
-    skeleton = eqx.filter_eval_shape(layout.model_class, config, key=jax.random.key(0))
+    overrides = {"family": layout.name, "source_dir": str(Path(path).resolve())} | dict(config_overrides or {})
+    config = layout.config_from_hf(values, **overrides)
     specs, concrete = None, None
     if rules is not None or mesh is not None:
         concrete = _concrete_mesh(mesh)
-        specs = partition_specs(_placeholders(skeleton), preset_rules("dp") if rules is None else rules, concrete)
+        rules = preset_rules("dp") if rules is None else rules
+        config = fit_to_mesh(config, rules, concrete, str(path))
+    skeleton = eqx.filter_eval_shape(layout.model_class, config, key=jax.random.key(0))
+    if concrete is not None:
+        specs = partition_specs(_placeholders(skeleton), rules, concrete)
     with Checkpoint(path) as checkpoint:
         return place(layout, skeleton, config, checkpoint, specs=specs, mesh=concrete, dtype=dtype, where=str(path))
 
@@ -59,12 +87,17 @@ _COMMON_DOC = """
     **Arguments:**
 
     - `path`: a Hugging Face model directory: `config.json` and `model.safetensors` (or a
-      sharded `model.safetensors.index.json` set), as `save_pretrained` writes them.
+      sharded `model.safetensors.index.json` set), as `save_pretrained` writes them; or
+      a model id (`"org/name"`) already in the local Hugging Face hub cache (never
+      downloaded).
     - `rules`: logical axis → mesh axes (`zoo.rules("fsdp")`, …). With `rules` (or
       `mesh`), every leaf is created directly with the sharding its annotations ask for
       (`zoo.partition_specs`), each device's shard read alone from the file; `mesh`
       defaults to the one set by `jax.set_mesh`, `rules` to `zoo.rules("dp")`
-      (replicated). With neither: ordinary single-device arrays.
+      (replicated). With neither: ordinary single-device arrays. A vocabulary the mesh
+      axes of `rules["vocab"]` cannot split is padded (`config.vocab_multiple`; padded
+      logits are masked, export writes the real rows); a head count they cannot split
+      is refused.
     - `mesh`: a concrete `jax.sharding.Mesh`.
     - `dtype`: the floating parameters' dtype (default float32; the compute dtype is the
       config's `dtype` field, settable through `config_overrides`).
@@ -91,10 +124,11 @@ def load_bert(
     Skipped on purpose: `embeddings.position_ids` (a buffer) and `pooler.*` (the zoo
     encoder has no pooler; `zoo.hf.sentence_embeddings` mean-pools instead).
     """
+    path = resolve_model_dir(path)
     values = read_config(path)
     if values.get("model_type", "bert") != "bert":
         raise ValueError(f"{str(path)!r} holds a {values.get('model_type')!r} model, not BERT; try zoo.hf.from_pretrained")
-    return _load(BERT, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+    return _load(get_family("bert"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
 
 
 def load_gpt2(
@@ -111,10 +145,11 @@ def load_gpt2(
     Skipped on purpose: the `attn.bias` / `attn.masked_bias` buffers of older files and
     `lm_head.weight` when the head is tied (it is the token embedding).
     """
+    path = resolve_model_dir(path)
     values = read_config(path)
     if values.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"{str(path)!r} holds a {values.get('model_type')!r} model, not GPT-2; try zoo.hf.from_pretrained")
-    return _load(GPT2, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+    return _load(get_family("gpt2"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
 
 
 def from_pretrained(
@@ -125,17 +160,17 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     config_overrides: Mapping[str, Any] | None = None,
 ) -> Encoder | Transformer:
-    """A zoo model holding a Hugging Face checkpoint, chosen by `config.json`'s `model_type`:
-    `"bert"` → `zoo.models.Encoder` (`load_bert`), `"gpt2"` → `zoo.models.Transformer`
-    (`load_gpt2`).
+    """A zoo model holding a Hugging Face checkpoint, its family chosen by `config.json`'s
+    `model_type` from the registry (`zoo.hf.families()`): `"bert"` → `zoo.models.Encoder`;
+    `"gpt2"`, `"llama"`, `"mistral"`, `"qwen2"` → `zoo.models.Transformer`. The model's
+    config records the family and the folder (`config.family`, `config.source_dir`), which
+    `save_pretrained` and `zoo.lora.save_adapter` use.
     """
+    path = resolve_model_dir(path)
     values = read_config(path)
     model_type = values.get("model_type")
-    if model_type not in LAYOUTS:
-        raise ValueError(
-            f"{str(Path(path) / 'config.json')!r} has model_type {model_type!r}; zoo.hf loads {sorted(LAYOUTS)}"
-        )
-    return _load(LAYOUTS[model_type], path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+    family = get_family(model_type, str(Path(path) / "config.json"))
+    return _load(family, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
 
 
 for _fn in (load_bert, load_gpt2, from_pretrained):

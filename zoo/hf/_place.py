@@ -19,25 +19,26 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._mismatch import mismatch_lines, shorten
 from ._files import Checkpoint
-from ._layout import Layout, Source, leaf_sources, module_name
+from ._family import Family
+from ._layout import Source, leaf_sources, module_name
 
 
 def check_tensors(
-    layout: Layout, sources: list[Source], checkpoint: Checkpoint, config: Any, where: str
+    family: Family, sources: list[Source], checkpoint: Checkpoint, config: Any, where: str
 ) -> dict[str, str]:
     """Check the checkpoint holds exactly the tensors `sources` need, with their shapes.
 
     **Returns:** canonical name → file name. Raises one `ValueError` listing every
-    missing, unexpected and mis-shaped tensor. Known non-parameters (`layout.ignored`)
+    missing, unexpected and mis-shaped tensor. Known non-parameters (`family.ignored`)
     are skipped silently; task-head tensors outside the base model's prefix are skipped
     with a warning.
     """
-    mapping, heads = layout.canonical_names(checkpoint.keys())
+    mapping, heads = family.canonical_names(checkpoint.keys())
     expected: dict[str, tuple[int, ...]] = {}
     for source in sources:
         for name in source.names:
             expected[name] = source.file_shape
-    present = {n for n in mapping if not layout.ignored(n, config)}
+    present = {n for n in mapping if not family.ignored(n, config)}
     missing = sorted(set(expected) - present, key=_natural)
     unexpected = sorted(present - set(expected), key=_natural)
     misshaped = []
@@ -46,17 +47,17 @@ def check_tensors(
         if found != expected[name]:
             misshaped.append(f"{mapping[name]}: expected {list(expected[name])}, found {list(found)}")
     if missing or unexpected or misshaped:
-        lines = [f"the checkpoint in {str(where)!r} does not fit a zoo {layout.model_class.__name__} with its config.json:"]
+        lines = [f"the checkpoint in {str(where)!r} does not fit a zoo {family.model_class.__name__} with its config.json:"]
         lines += mismatch_lines("tensors", missing, [mapping[n] for n in unexpected], misshaped)
         lines.append(
-            f"  (is it a {layout.model_type} checkpoint whose config.json matches its weights? "
+            f"  (is it a {family.name} checkpoint whose config.json matches its weights? "
             "The names above are the file's.)"
         )
         raise ValueError("\n".join(lines))
     if heads:
         warnings.warn(
             f"{where}: skipping {len(heads)} tensors of a task head the zoo "
-            f"{layout.model_class.__name__} does not have: {shorten(sorted(heads), 8)}",
+            f"{family.model_class.__name__} does not have: {shorten(sorted(heads), 8)}",
             stacklevel=3,
         )
     return mapping
@@ -89,11 +90,17 @@ def read_leaf(
         layers, core = range(index[0].start, index[0].stop), index[1:]
     else:
         layers, core = range(1), index
+    pads = None
+    if source.valid is not None:  # a padded vocabulary: read what the file has, zeros after
+        clipped = tuple(slice(min(s.start, v), min(s.stop, v)) for s, v in zip(core, source.valid, strict=True))
+        pads = [(0, (s.stop - s.start) - (c.stop - c.start)) for s, c in zip(core, clipped, strict=True)]
+        core = clipped
     file_index = source.file_index(core)
     parts = []
     for i in layers:
         part = checkpoint.read(mapping[source.names[i]], file_index)
-        parts.append(part.T if source.transpose else part)
+        part = part.T if source.transpose else part
+        parts.append(part if pads is None else np.pad(part, pads))
     value = np.stack(parts) if source.stacked else parts[0]
     return np.ascontiguousarray(value.astype(dtype, copy=False))
 
@@ -103,7 +110,7 @@ def _target_dtype(leaf_dtype: Any, dtype: Any) -> Any:
 
 
 def place(
-    layout: Layout,
+    family: Family,
     skeleton: Any,
     config: Any,
     checkpoint: Checkpoint,
@@ -118,9 +125,9 @@ def place(
 
     **Arguments:**
 
-    - `layout`: the architecture's name map.
+    - `family`: the architecture (its tensor-name table).
     - `skeleton`: the model from `eqx.filter_eval_shape`.
-    - `config`: its config (for `layout.ignored`).
+    - `config`: its config (for `family.ignored`).
     - `checkpoint`: the open checkpoint.
     - `specs`: a `PartitionSpec` per leaf (a pytree like `skeleton`), or `None` for
       single-device arrays on the default device.
@@ -128,8 +135,8 @@ def place(
     - `dtype`: the dtype of the floating leaves.
     - `where`: the checkpoint's path, for messages.
     """
-    entries = list(leaf_sources(layout, skeleton, config))
-    mapping = check_tensors(layout, [s for _, _, s in entries], checkpoint, config, where)
+    entries = list(leaf_sources(family, skeleton, config))
+    mapping = check_tensors(family, [s for _, _, s in entries], checkpoint, config, where)
     spec_leaves = {}
     if specs is not None:
         flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]

@@ -66,6 +66,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._files import atomic_write, fsync_dir, to_host
 from .._mismatch import mismatch_lines
+from ..hf._family import get_family
 from ..models import Encoder, EncoderClassifier
 from ..nn import Linear, Stacked
 from ._apply import (
@@ -87,29 +88,8 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
-_BERT_LAYER = {
-    "attention.q_proj": "attention.self.query",
-    "attention.k_proj": "attention.self.key",
-    "attention.v_proj": "attention.self.value",
-    "attention.o_proj": "attention.output.dense",
-    "attention_norm": "attention.output.LayerNorm",
-    "mlp.up": "intermediate.dense",
-    "mlp.down": "output.dense",
-    "mlp_norm": "output.LayerNorm",
-}
-
-# zoo `Encoder` module name → HF `BertModel` module name (`{0}`: the layer number).
-BERT_NAMES: dict[str, str] = {
-    "embeddings": "embeddings",
-    "embeddings.word_embeddings": "embeddings.word_embeddings",
-    "embeddings.position_embeddings": "embeddings.position_embeddings",
-    "embeddings.token_type_embeddings": "embeddings.token_type_embeddings",
-    "embeddings.norm": "embeddings.LayerNorm",
-    "layers": "encoder.layer",
-    "layers.layers": "encoder.layer.{0}",
-    "layers.layers.attention": "encoder.layer.{0}.attention",
-    **{f"layers.layers.{zoo}": f"encoder.layer.{{0}}.{hf}" for zoo, hf in _BERT_LAYER.items()},
-}
+# zoo `Encoder` module name → HF `BertModel` module name: the BERT family's table.
+BERT_NAMES = get_family("bert").module_names
 
 # peft features zoo's LoRA does not have: refused on load rather than silently ignored.
 _UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform", "layer_replication", "lora_bias")

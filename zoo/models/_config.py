@@ -36,6 +36,9 @@ class _Common:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters stay float32
     remat: str | None = None  # a jax.checkpoint policy name for the stacked layers
+    vocab_multiple: int = 1  # embedding rows (and logits) padded to a multiple of this
+    family: str | None = None  # the Hugging Face architecture (model_type) it reads/writes
+    source_dir: str | None = None  # the Hugging Face folder it was loaded from
 
     def __post_init__(self):
         name = type(self).__name__
@@ -53,12 +56,20 @@ class _Common:
         _check(self.activation in ACTIVATIONS, f"{name}.activation must be one of {list(ACTIVATIONS)}, got {self.activation!r}")
         _check(0.0 <= self.dropout < 1.0 and 0.0 <= self.attention_dropout < 1.0, f"{name}: dropout rates must be in [0, 1)")
         _check(self.dtype in ("float32", "bfloat16", "float16"), f"{name}.dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        _check(self.vocab_multiple >= 1, f"{name}.vocab_multiple must be >= 1, got {self.vocab_multiple}")
         _check(self.remat is None or self.remat in REMAT_POLICIES, f"{name}.remat must be None or one of {list(REMAT_POLICIES)}, got {self.remat!r}")
 
     @property
     def hidden_dim(self) -> int:
         """The feed-forward width (`mlp_dim`, default `4 * d_model`)."""
         return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding (and logits): `vocab_size` rounded up to a multiple of
+        `vocab_multiple`, so the vocabulary splits evenly over a model axis."""
+        m = self.vocab_multiple
+        return -(-self.vocab_size // m) * m
 
     @property
     def kv_heads(self) -> int:
@@ -92,9 +103,15 @@ class TransformerConfig(_Common):
     4·d_model), `max_len`, `num_kv_heads` (grouped-query attention), `head_dim`.
     Choices: `norm` (`"layernorm"`/`"rmsnorm"`), `positions` (`"learned"`, `"rope"`,
     `"none"`), `rope_theta`, `activation` (`"gelu"`, `"gelu_tanh"`, `"relu"`, `"swiglu"`),
-    `tie_embeddings` (the output head is the token embedding), `use_bias`, `pre_norm`
+    `tie_embeddings` (the output head is the token embedding), `use_bias` (with
+    `qkv_bias`, `o_bias`, `mlp_bias` overriding it per projection group), `sliding_window`
+    (banded causal attention), `rope_scaling="llama3"` with `rope_factor`,
+    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, `pre_norm`
     (post-LN when false), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
-    parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy).
+    parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
+    `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
+    the float32 minimum, so softmax, loss and argmax equal the unpadded model's), `family`
+    and `source_dir` (the Hugging Face architecture and folder, set by `zoo.hf`).
     """
 
     activation: str = "gelu_tanh"
@@ -103,9 +120,20 @@ class TransformerConfig(_Common):
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     pre_norm: bool = True
+    qkv_bias: bool | None = None  # biases on q/k/v (default use_bias)
+    o_bias: bool | None = None  # bias on the attention output (default use_bias)
+    mlp_bias: bool | None = None  # biases in the feed-forward (default use_bias)
+    sliding_window: int | None = None  # banded causal attention (Mistral)
+    rope_scaling: str | None = None  # None, or "llama3" with the four fields below
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
 
     def __post_init__(self):
         super().__post_init__()
+        _check(self.sliding_window is None or self.sliding_window >= 1, f"TransformerConfig.sliding_window must be None or >= 1, got {self.sliding_window}")
+        _check(self.rope_scaling in (None, "llama3"), f"TransformerConfig.rope_scaling must be None or 'llama3', got {self.rope_scaling!r}")
         _check(self.norm in ("layernorm", "rmsnorm"), f"TransformerConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
         _check(self.positions in ("learned", "rope", "none"), f"TransformerConfig.positions must be 'learned', 'rope' or 'none', got {self.positions!r}")
 

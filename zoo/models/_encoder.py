@@ -25,7 +25,7 @@ class EncoderEmbeddings(eqx.Module):
         """**Arguments:** an `EncoderConfig` and a PRNG `key`."""
         kw, kp, kt = jr.split(key, 3)
         d, std = config.d_model, config.init_std
-        self.word_embeddings = Embedding(config.vocab_size, d, init_std=std, key=kw)
+        self.word_embeddings = Embedding(config.padded_vocab, d, init_std=std, key=kw)
         self.position_embeddings = Embedding(config.max_len, d, init_std=std, row_axis=None, key=kp)
         self.token_type_embeddings = Embedding(config.type_vocab_size, d, init_std=std, row_axis=None, key=kt)
         self.norm = LayerNorm(d, eps=config.norm_eps)

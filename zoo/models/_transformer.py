@@ -29,6 +29,17 @@ def make_norm(kind: str, dim: int, eps: float) -> LayerNorm | RMSNorm:
     return LayerNorm(dim, eps=eps) if kind == "layernorm" else RMSNorm(dim, eps=eps)
 
 
+def _bias(config, name: str) -> bool:
+    value = getattr(config, name, None)
+    return config.use_bias if value is None else value
+
+
+def _llama3(config) -> tuple[float, float, float, int] | None:
+    if getattr(config, "rope_scaling", None) != "llama3":
+        return None
+    return (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_max_len)
+
+
 def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, key: PRNGKeyArray) -> TransformerBlock:
     """One `TransformerBlock` as a config describes it."""
     ka, km = jr.split(key)
@@ -42,16 +53,26 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         dropout_rate=config.attention_dropout,
         use_bias=config.use_bias,
         init_std=config.init_std,
+        rope_llama3=_llama3(config) if rope else None,
+        sliding_window=getattr(config, "sliding_window", None),
         key=ka,
     )
     mlp = FeedForward(
         config.d_model,
         config.hidden_dim,
         activation=config.activation,
-        use_bias=config.use_bias,
+        use_bias=_bias(config, "mlp_bias"),
         init_std=config.init_std,
         key=km,
     )
+    # Per-group biases (Qwen2: q/k/v only): drop the ones the config turns off.
+    for name, projections in (("qkv_bias", ("q_proj", "k_proj", "v_proj")), ("o_bias", ("o_proj",))):
+        if config.use_bias and not _bias(config, name):
+            attention = eqx.tree_at(lambda a: [getattr(a, p).bias for p in projections], attention, [None] * len(projections))
+        elif not config.use_bias and _bias(config, name):
+            for p in projections:
+                out = getattr(attention, p).out_features
+                attention = eqx.tree_at(lambda a: getattr(a, p).bias, attention, jnp.zeros((out,)), is_leaf=lambda x: x is None)
     return TransformerBlock(
         attention,
         mlp,
@@ -82,7 +103,7 @@ class Transformer(eqx.Module):
         """**Arguments:** a `TransformerConfig` and a PRNG `key`."""
         kt, kp, kl, kh = jr.split(key, 4)
         d = config.d_model
-        self.token_embedding = Embedding(config.vocab_size, d, init_std=config.init_std, key=kt)
+        self.token_embedding = Embedding(config.padded_vocab, d, init_std=config.init_std, key=kt)
         self.position_embedding = (
             Embedding(config.max_len, d, init_std=config.init_std, row_axis=None, key=kp)
             if config.positions == "learned"
@@ -100,7 +121,7 @@ class Transformer(eqx.Module):
         self.lm_head = (
             None
             if config.tie_embeddings
-            else Linear(d, config.vocab_size, use_bias=False, in_axis="embed", out_axis="vocab", init_std=config.init_std, key=kh)
+            else Linear(d, config.padded_vocab, use_bias=False, in_axis="embed", out_axis="vocab", init_std=config.init_std, key=kh)
         )
         self.config = config
 
@@ -110,7 +131,7 @@ class Transformer(eqx.Module):
         *,
         mask: Bool[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
-    ) -> Float[Array, "batch seq {self.config.vocab_size}"]:
+    ) -> Float[Array, "batch seq {self.config.padded_vocab}"]:
         """Next-token logits.
 
         **Arguments:**
@@ -120,7 +141,9 @@ class Transformer(eqx.Module):
         - `key`: one PRNG key per example (`[batch]`, see `zoo.nn.example_keys`) to turn
           dropout on; `None` for inference.
 
-        **Returns:** float32 logits `[batch, seq, vocab]`.
+        **Returns:** float32 logits `[batch, seq, padded_vocab]` (`padded_vocab` =
+        `vocab_size` unless `config.vocab_multiple` pads it; padded entries are the float32
+        minimum, so softmax, cross-entropy and argmax equal the unpadded model's).
         """
         seq = tokens.shape[1]
         if seq > self.config.max_len:
@@ -133,4 +156,8 @@ class Transformer(eqx.Module):
         h = self.layers(h, mask=mask, key=key)
         h = self.final_norm(h)
         logits = self.token_embedding.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if self.config.padded_vocab != self.config.vocab_size:
+            real = jnp.arange(self.config.padded_vocab) < self.config.vocab_size
+            logits = jnp.where(real, logits, jnp.finfo(jnp.float32).min)
+        return logits

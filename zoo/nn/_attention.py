@@ -35,6 +35,8 @@ class Attention(eqx.Module):
     causal: bool = eqx.field(static=True)
     rope_theta: float | None = eqx.field(static=True)
     dropout_rate: float = eqx.field(static=True)
+    rope_llama3: tuple[float, float, float, int] | None = eqx.field(static=True, default=None)
+    sliding_window: int | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -48,6 +50,8 @@ class Attention(eqx.Module):
         dropout_rate: float = 0.0,
         use_bias: bool = True,
         init_std: float | None = 0.02,
+        rope_llama3: tuple[float, float, float, int] | None = None,
+        sliding_window: int | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -62,6 +66,10 @@ class Attention(eqx.Module):
         - `dropout_rate`: dropout on the attention probabilities.
         - `use_bias`: biases on the four projections.
         - `init_std`: normal init std of the projections (`None`: uniform ±1/√in).
+        - `rope_llama3`: Llama 3.1's rescaling of the RoPE frequencies, `(factor,
+          low_freq_factor, high_freq_factor, original_max_len)` (see `zoo.nn.rope_frequencies`).
+        - `sliding_window`: with `causal`, position `s` attends only to positions `t` with
+          `s - window < t ≤ s` (Mistral's banded mask); `None`: every earlier position.
         - `key`: PRNG key.
         """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -88,6 +96,8 @@ class Attention(eqx.Module):
         self.causal = causal
         self.rope_theta = rope_theta
         self.dropout_rate = dropout_rate
+        self.rope_llama3 = rope_llama3
+        self.sliding_window = sliding_window
 
     def __call__(
         self,
@@ -115,13 +125,15 @@ class Attention(eqx.Module):
         k = self.k_proj(x, key=keys[2]).reshape(b, s, kvh, hd)
         v = self.v_proj(x, key=keys[3]).reshape(b, s, kvh, hd)
         if self.rope_theta is not None:
-            cos, sin = rope_tables(s, hd, theta=self.rope_theta)
+            cos, sin = rope_tables(s, hd, theta=self.rope_theta, llama3=self.rope_llama3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(hd)
         allowed = None
         if self.causal:
             allowed = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+            if self.sliding_window is not None:
+                allowed = allowed & (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < self.sliding_window)
         if mask is not None:
             keys_ok = mask.astype(bool)[:, None, None, None, :]
             allowed = keys_ok if allowed is None else allowed & keys_ok

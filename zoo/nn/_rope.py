@@ -2,17 +2,42 @@
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 
-def rope_tables(
-    seq_len: int, head_dim: int, *, theta: float = 10000.0
-) -> tuple[Float[Array, "seq half"], Float[Array, "seq half"]]:
-    """`(cos, sin)` of the rotation angles `p · theta^(-2i/head_dim)`, `[seq, head_dim/2]`."""
+def rope_frequencies(
+    head_dim: int, *, theta: float = 10000.0, llama3: tuple[float, float, float, int] | None = None
+) -> Float[Array, " half"]:
+    """The inverse frequencies `theta^(-2i/head_dim)`, `[head_dim/2]`.
+
+    `llama3`: `(factor, low_freq_factor, high_freq_factor, original_max_len)` rescales them
+    as Llama 3.1 does (`rope_type: "llama3"`, transformers' `_compute_llama3_parameters`):
+    wavelengths longer than `original_max_len / low_freq_factor` are divided by `factor`,
+    those shorter than `original_max_len / high_freq_factor` kept, those between blended.
+    """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = llama3
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, *, theta: float = 10000.0, llama3: tuple[float, float, float, int] | None = None
+) -> tuple[Float[Array, "seq half"], Float[Array, "seq half"]]:
+    """`(cos, sin)` of the rotation angles `p · theta^(-2i/head_dim)`, `[seq, head_dim/2]`
+    (`llama3`: the frequencies rescaled, see `rope_frequencies`)."""
+    inv_freq = rope_frequencies(head_dim, theta=theta, llama3=llama3)
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 

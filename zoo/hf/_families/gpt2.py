@@ -25,8 +25,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..models import Transformer, TransformerConfig
-from ._layout import Layout, Source
+from ...models import Transformer, TransformerConfig
+from .._family import Family, register
 
 _ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -44,8 +44,16 @@ GPT2_NAMES: dict[str, str] = {
     "layers.layers.mlp.down": "transformer.h.{0}.mlp.c_proj",
     "final_norm": "transformer.ln_f",
     "lm_head": "lm_head",
+    # containers peft may name, and the fused q/k/v (blocks 0, 1, 2 of c_attn's last axis)
+    "layers": "transformer.h",
+    "layers.layers": "transformer.h.{0}",
+    "layers.layers.attention": "transformer.h.{0}.attn",
+    "layers.layers.mlp": "transformer.h.{0}.mlp",
+    "layers.layers.attention.q_proj": "transformer.h.{0}.attn.c_attn",
+    "layers.layers.attention.k_proj": "transformer.h.{0}.attn.c_attn",
+    "layers.layers.attention.v_proj": "transformer.h.{0}.attn.c_attn",
 }
-_FUSED = {"layers.layers.attention.q_proj": 0, "layers.layers.attention.k_proj": 1, "layers.layers.attention.v_proj": 2}
+_FUSED = {"layers.layers.attention.q_proj": (0, 3), "layers.layers.attention.k_proj": (1, 3), "layers.layers.attention.v_proj": (2, 3)}
 _BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
 
 
@@ -135,6 +143,11 @@ def transformer_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
         problems.append("use_bias=False (GPT-2's projections have biases)")
     if not config.pre_norm:
         problems.append("pre_norm=False (GPT-2 is pre-LN)")
+    for name in ("qkv_bias", "o_bias", "mlp_bias"):
+        if getattr(config, name) is False:
+            problems.append(f"{name}=False (GPT-2's projections have biases)")
+    if config.sliding_window is not None:
+        problems.append(f"sliding_window={config.sliding_window} (GPT-2 attends to every earlier position)")
     if problems:
         raise ValueError("this TransformerConfig cannot be written as a GPT-2 config: " + "; ".join(problems))
     return {
@@ -159,37 +172,39 @@ def transformer_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
     }
 
 
-def _source(module: str, param: str, parent: Any, shape: tuple[int, ...], config: TransformerConfig) -> Source | None:
-    if param not in ("weight", "bias"):
-        return None
-    if module in _FUSED:
-        layers, core = shape[0], shape[1:]
-        file_shape = (*core[:-1], 3 * core[-1])
-        names = tuple(f"transformer.h.{i}.attn.c_attn.{param}" for i in range(layers))
-        return Source(names, True, False, file_shape, part=(_FUSED[module], 3))
-    hf_module = GPT2_NAMES.get(module)
-    if hf_module is None:
-        return None
-    stacked = "{0}" in hf_module
-    transpose = module == "lm_head" and param == "weight"  # nn.Linear; the rest are Conv1D
-    core = shape[1:] if stacked else shape
-    file_shape = core[::-1] if transpose else core
-    names = tuple(f"{hf_module.format(i)}.{param}" for i in range(shape[0])) if stacked else (f"{hf_module}.{param}",)
-    return Source(names, stacked, transpose, tuple(file_shape))
+@register
+class GPT2(Family):
+    """GPT-2 (`GPT2LMHeadModel`, bare `GPT2Model`) ↔ a GPT-2-shaped `zoo.models.Transformer`.
 
+    Projections are `Conv1D` (`[in, out]`, no transpose) except the untied `lm_head`.
+    """
 
-def _ignored(name: str, config: TransformerConfig) -> bool:
-    return bool(_BUFFER.fullmatch(name)) or (name == "lm_head.weight" and config.tie_embeddings)
+    name = "gpt2"
+    model_class = Transformer
+    config_class = TransformerConfig
+    architecture = "GPT2LMHeadModel"
+    prefix = PREFIX
+    canonical_prefixed = True
+    head_names = ("lm_head.weight",)
+    module_names = GPT2_NAMES
+    fused = _FUSED
+    lora_names = {"q_proj": "c_attn", "k_proj": "c_attn", "v_proj": "c_attn", "o_proj": "c_proj", "up": "c_fc", "down": "c_proj"}
+    vocab_axes = {"token_embedding.weight": 0, "lm_head.weight": 1}
 
+    def config_from_hf(self, values, **overrides):
+        return transformer_config_from_hf(values, **overrides)
 
-GPT2 = Layout(
-    model_type="gpt2",
-    model_class=Transformer,
-    prefix=PREFIX,
-    canonical_prefixed=True,
-    config_from_hf=transformer_config_from_hf,
-    config_to_hf=transformer_config_to_hf,
-    source=_source,
-    ignored=_ignored,
-    head_names=("lm_head.weight",),
-)
+    def config_to_hf(self, config, base=None):
+        out = transformer_config_to_hf(config)
+        if base and _ACT_FROM_HF.get(base.get("activation_function")) == config.activation:
+            out["activation_function"] = base["activation_function"]  # keep the file's spelling
+        return out
+
+    def claims(self, config):
+        return isinstance(config, TransformerConfig) and config.positions == "learned"
+
+    def transposed(self, module, param, parent):
+        return module == "lm_head" and param == "weight"  # nn.Linear; the rest are Conv1D
+
+    def ignored(self, name, config):
+        return bool(_BUFFER.fullmatch(name)) or (name == "lm_head.weight" and config.tie_embeddings)

@@ -1,18 +1,53 @@
 """Hugging Face BERT ↔ `zoo.models.Encoder`: the config conversion and the tensor names.
 
-The names are `zoo.lora.BERT_NAMES` (the one BERT table of the package) plus the
-parameter name; a `Linear`'s weight is transposed (torch `[out, in]`). A BERT checkpoint's
-`embeddings.position_ids` (a buffer) and `pooler.*` (the zoo encoder has no pooler:
-sentence embeddings mean-pool instead) are skipped.
+The names are `BERT_NAMES` (the one BERT table of the package, also peft's module names)
+plus the parameter name; a `Linear`'s weight is transposed (torch `[out, in]`). A BERT
+checkpoint's `embeddings.position_ids` (a buffer) and `pooler.*` (the zoo encoder has no
+pooler: sentence embeddings mean-pool instead) are skipped.
+
+| zoo `Encoder` module, layer `i` | HF BERT module |
+|---|---|
+| `embeddings`, `embeddings.word_embeddings` / `position_embeddings` / `token_type_embeddings` | same |
+| `embeddings.norm` | `embeddings.LayerNorm` |
+| `layers` / `layers.layers` / `layers.layers.attention` | `encoder.layer` / `encoder.layer.{i}` / `encoder.layer.{i}.attention` |
+| `layers.layers.attention.q_proj` / `k_proj` / `v_proj` | `encoder.layer.{i}.attention.self.query` / `key` / `value` |
+| `layers.layers.attention.o_proj` | `encoder.layer.{i}.attention.output.dense` |
+| `layers.layers.attention_norm` | `encoder.layer.{i}.attention.output.LayerNorm` |
+| `layers.layers.mlp.up` | `encoder.layer.{i}.intermediate.dense` |
+| `layers.layers.mlp.down` | `encoder.layer.{i}.output.dense` |
+| `layers.layers.mlp_norm` | `encoder.layer.{i}.output.LayerNorm` |
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..lora._io import BERT_NAMES
-from ..models import Encoder, EncoderConfig
-from ._layout import Layout, Source, is_linear_weight
+from ...models import Encoder, EncoderConfig
+from .._family import Family, register
+
+_BERT_LAYER = {
+    "attention.q_proj": "attention.self.query",
+    "attention.k_proj": "attention.self.key",
+    "attention.v_proj": "attention.self.value",
+    "attention.o_proj": "attention.output.dense",
+    "attention_norm": "attention.output.LayerNorm",
+    "mlp.up": "intermediate.dense",
+    "mlp.down": "output.dense",
+    "mlp_norm": "output.LayerNorm",
+}
+
+# zoo `Encoder` module name → HF `BertModel` module name (`{0}`: the layer number).
+BERT_NAMES: dict[str, str] = {
+    "embeddings": "embeddings",
+    "embeddings.word_embeddings": "embeddings.word_embeddings",
+    "embeddings.position_embeddings": "embeddings.position_embeddings",
+    "embeddings.token_type_embeddings": "embeddings.token_type_embeddings",
+    "embeddings.norm": "embeddings.LayerNorm",
+    "layers": "encoder.layer",
+    "layers.layers": "encoder.layer.{0}",
+    "layers.layers.attention": "encoder.layer.{0}.attention",
+    **{f"layers.layers.{zoo}": f"encoder.layer.{{0}}.{hf}" for zoo, hf in _BERT_LAYER.items()},
+}
 
 # Hugging Face `hidden_act` ↔ zoo activation (the same function, not an approximation).
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -112,29 +147,32 @@ def encoder_config_to_hf(config: EncoderConfig) -> dict[str, Any]:
     }
 
 
-def _source(module: str, param: str, parent: Any, shape: tuple[int, ...], config: EncoderConfig) -> Source | None:
-    hf_module = BERT_NAMES.get(module)
-    if hf_module is None or param not in ("weight", "bias"):
-        return None
-    stacked = "{0}" in hf_module
-    transpose = is_linear_weight(parent, param)
-    core = shape[1:] if stacked else shape
-    file_shape = core[::-1] if transpose else core
-    names = tuple(f"{hf_module.format(i)}.{param}" for i in range(shape[0])) if stacked else (f"{hf_module}.{param}",)
-    return Source(names, stacked, transpose, tuple(file_shape))
+@register
+class Bert(Family):
+    """BERT (`BertModel`; the `bert.` part of task models) ↔ `zoo.models.Encoder`."""
 
+    name = "bert"
+    model_class = Encoder
+    config_class = EncoderConfig
+    architecture = "BertModel"
+    auto_class = "AutoModel"
+    prefix = "bert."
+    canonical_prefixed = False
+    module_names = BERT_NAMES
+    lora_names = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "o_proj": "dense", "up": "dense", "down": "dense"}
+    vocab_axes = {"embeddings.word_embeddings.weight": 0}
 
-def _ignored(name: str, config: EncoderConfig) -> bool:
-    return name == "embeddings.position_ids" or name.startswith("pooler.")
+    def config_from_hf(self, values, **overrides):
+        return encoder_config_from_hf(values, **overrides)
 
+    def config_to_hf(self, config, base=None):
+        out = encoder_config_to_hf(config)
+        if base and _ACT_FROM_HF.get(base.get("hidden_act")) == config.activation:
+            out["hidden_act"] = base["hidden_act"]  # keep the file's spelling (gelu_pytorch_tanh)
+        return out
 
-BERT = Layout(
-    model_type="bert",
-    model_class=Encoder,
-    prefix="bert.",
-    canonical_prefixed=False,
-    config_from_hf=encoder_config_from_hf,
-    config_to_hf=encoder_config_to_hf,
-    source=_source,
-    ignored=_ignored,
-)
+    def claims(self, config):
+        return isinstance(config, EncoderConfig)
+
+    def ignored(self, name, config):
+        return name == "embeddings.position_ids" or name.startswith("pooler.")
