@@ -117,6 +117,37 @@ def test_greedy_equals_transformers_gpt2_left_padded(gpt2):
     np.testing.assert_array_equal(out, expected)
 
 
+def _saved(tmp_path_factory, cls, config_cls, **fields):
+    torch.manual_seed(2)
+    common = dict(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False, bos_token_id=39,
+        eos_token_id=39, pad_token_id=0,
+    )  # fmt: skip
+    hf = cls(config_cls(**(common | fields))).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    directory = tmp_path_factory.mktemp(cls.__name__)
+    hf.save_pretrained(directory)
+    return hf, zoo.hf.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
+    if family == "llama":
+        hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
+    else:  # a window of 3 columns bites within the prompts and the new tokens
+        hf, model = _saved(tmp_path_factory, transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=3)
+        assert model.config.sliding_window == 3
+    np.testing.assert_array_equal(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), _hf_greedy(hf, TOKENS, MASK, NEW))
+
+
+def test_sliding_window_cached_logits_equal_full_forward():
+    model = tiny_decoder(jax.random.key(8), max_len=12, sliding_window=3)
+    _check_cached_logits(model, TOKENS, MASK, NEW, 1e-4)
+
+
 def test_greedy_equals_transformers_llama_left_padded(llama):
     hf, model = llama
     with torch.no_grad():  # the copied weights give transformers' logits

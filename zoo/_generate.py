@@ -55,7 +55,11 @@ def _layers(model: Transformer, h, cache: KVCache, positions, allowed):
 def _head(model: Transformer, h) -> Float[Array, "batch seq vocab"]:
     h = model.final_norm(h)
     logits = model.token_embedding.attend(h) if model.lm_head is None else model.lm_head(h)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    vocab = model.config.vocab_size
+    if logits.shape[-1] != vocab:  # rows padded to `vocab_multiple` are never chosen
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, jnp.finfo(jnp.float32).min)
+    return logits
 
 
 def prefill(
@@ -228,7 +232,7 @@ def generate(
     followed by the new tokens.
     """
     if not isinstance(model, Transformer):
-        raise ValueError(
+        raise TypeError(
             f"generate needs a decoder (zoo.models.Transformer), got {type(model).__name__}; encoders do not generate text"
         )
     tokens_np = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)

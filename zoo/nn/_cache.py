@@ -19,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._attention import Attention
 from ._block import TransformerBlock
+from ._rope import rope_frequencies
 from ._sharding import entries, sharding_spec
 
 
@@ -85,11 +86,11 @@ def empty_cache(
     )
 
 
-def _rotate(x: Float[Array, "batch seq *heads head_dim"], positions: Int[Array, "batch seq"], theta: float):
+def _rotate(x: Float[Array, "batch seq *heads head_dim"], positions: Int[Array, "batch seq"], attention: Attention):
     """RoPE at per-row `positions` (`zoo.nn.apply_rope`'s half-split layout and arithmetic)."""
     hd = x.shape[-1]
     half = hd // 2
-    inv_freq = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    inv_freq = rope_frequencies(hd, theta=attention.rope_theta, llama3=getattr(attention, "rope_llama3", None))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, half]
     shape = x.shape[:2] + (1,) * (x.ndim - 3) + (half,)
     c, s = jnp.cos(angles).reshape(shape), jnp.sin(angles).reshape(shape)
@@ -112,7 +113,9 @@ def cached_attention(
     """`attention` over `x` (columns `index … index+seq`) and every cached column.
 
     Writes the new keys and values into layer `layer` of the stacked `keys`/`values` at
-    column `index`, then attends from each new query to the columns `allowed` marks.
+    column `index`, then attends from each new query to the columns `allowed` marks (and,
+    with a `sliding_window`, only to the last `window` columns up to its own: the cache
+    keeps every column, the band is a mask).
     Same arithmetic as `Attention.__call__` (scores in float32, the same softmax), so a
     cached step equals the full forward pass on the prefix.
 
@@ -124,7 +127,7 @@ def cached_attention(
     k = attention.k_proj(x).reshape(b, s, kvh, hd)
     v = attention.v_proj(x).reshape(b, s, kvh, hd)
     if attention.rope_theta is not None:
-        q, k = _rotate(q, positions, attention.rope_theta), _rotate(k, positions, attention.rope_theta)
+        q, k = _rotate(q, positions, attention), _rotate(k, positions, attention)
     zero = jnp.zeros((), jnp.int32)
     start = (layer, zero, index, zero, zero)
     keys = lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), start)
@@ -133,6 +136,10 @@ def cached_attention(
     v_all = lax.dynamic_index_in_dim(values, layer, 0, keepdims=False).astype(x.dtype)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k_all, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(hd)
+    window = getattr(attention, "sliding_window", None)
+    if window is not None:  # Mistral's band: a query sees the `window` columns up to its own
+        query_columns = index + jnp.arange(s)
+        allowed = allowed & (query_columns[:, None] - jnp.arange(keys.shape[2])[None, :] < window)[None]
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
