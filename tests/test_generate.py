@@ -331,3 +331,92 @@ def test_stream_sees_every_new_token_in_order(decoder):
     out = zoo.generate(decoder, TOKENS[:1], max_new_tokens=NEW, stream=lambda t: seen.append(np.asarray(t).copy()))
     jax.effects_barrier()
     np.testing.assert_array_equal(np.concatenate(seen), np.asarray(out)[0, 6:])
+
+
+# --- the command ------------------------------------------------------------------------------
+
+WORDS = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(38)]
+
+
+@pytest.fixture(scope="module")
+def gpt2_with_tokenizer(gpt2, tmp_path_factory):
+    """The tiny GPT-2 saved again with a word-level tokenizer.json over its 40 ids."""
+    import tokenizers
+
+    hf, _ = gpt2
+    directory = tmp_path_factory.mktemp("gpt2_tok")
+    hf.save_pretrained(directory)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    tok.save(str(directory / "tokenizer.json"))
+    return directory, zoo.hf.from_pretrained(directory), zoo.hf.Tokenizer.from_pretrained(directory)
+
+
+def _zoo(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "zoo", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def _left_padded(tokenizer, texts):
+    rows = [tokenizer.tokenizer.encode(t).ids for t in texts]
+    width = max(map(len, rows))
+    tokens = np.array([[0] * (width - len(r)) + r for r in rows], np.int32)
+    return tokens, tokens != 0
+
+
+def test_cli_streams_one_prompt_as_the_library_generates_it(gpt2_with_tokenizer):
+    directory, model, tokenizer = gpt2_with_tokenizer
+    prompt = "w3 w14 w7 w22"
+    done = _zoo("generate", directory, "--prompt", prompt, "--max-new-tokens", 8)
+    assert done.returncode == 0, done.stderr
+    tokens, _ = _left_padded(tokenizer, [prompt])
+    ids = np.asarray(zoo.generate(model, tokens, max_new_tokens=8))[0, 4:]
+    ids = ids[: list(ids).index(39)] if 39 in ids else ids  # config.json's eos ends the text
+    assert done.stdout == prompt + tokenizer.decode(ids) + "\n"
+    assert "greedy" in done.stderr and "tokenizer.json" in done.stderr
+
+
+def test_cli_samples_a_left_padded_batch_like_the_library(gpt2_with_tokenizer):
+    directory, model, tokenizer = gpt2_with_tokenizer
+    prompts = ["w3 w14 w7 w22", "w9"]
+    args = ["--max-new-tokens", 6, "--temperature", 0.9, "--top-k", 12, "--top-p", 0.95, "--seed", 4]
+    done = _zoo("generate", directory, *sum((["--prompt", p] for p in prompts), []), *args, "--json",
+                "--devices", 2, "--mesh", "data=2")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tokens, mask = _left_padded(tokenizer, prompts)
+    out = np.asarray(zoo.generate(model, tokens, mask=mask, max_new_tokens=6, temperature=0.9, top_k=12, top_p=0.95,
+                                  eos_token_id=39, key=jax.random.key(4)))  # fmt: skip
+    expected = []
+    for p, row in zip(prompts, out):
+        ids = [int(i) for i in row[4:]]
+        expected.append({"prompt": p, "completion": tokenizer.decode(ids[: ids.index(39)] if 39 in ids else ids)})
+    import json
+
+    assert json.loads(done.stdout) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-new-tokens", 20], "--max-new-tokens 20: the longest prompt has 2 tokens and the model's max_len is 16; use --max-new-tokens 14 or less"),
+        (["--temperature", 1, "--top-p", 2], "top_p must be in (0, 1]"),
+        (["--adapter", "/nonexistent"], "--adapter /nonexistent: no adapter_config.json there"),
+    ],
+)
+def test_cli_errors_are_one_line(gpt2_with_tokenizer, extra, message):
+    from test_cli import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("generate", gpt2_with_tokenizer[0], "--prompt", "w1 w2", *extra)
+    one_line_error(rc, err, message)
+
+
+def test_cli_refuses_what_is_not_a_decoder_source(tmp_path):
+    from test_cli import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("generate", tmp_path, "--prompt", "x")
+    one_line_error(rc, err, "neither a Hugging Face model folder")

@@ -170,8 +170,14 @@ def cmd_generate(args) -> int:
     devices = init_devices(args.devices if args.devices is not None else 1)
     mesh_shape = parse_mesh(args.mesh, devices)
     check_rules_fit_mesh(args.rules, mesh_shape, devices)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from .._sampling import check_sampling
+
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise CLIError(f"{e} (--temperature, --top-k, --top-p)") from e
     import jax
 
     import zoo
@@ -184,7 +190,7 @@ def cmd_generate(args) -> int:
         room = model.config.max_len - tokens.shape[1]
         if room < 1:
             raise CLIError(f"--prompt: {tokens.shape[1]} tokens fill the model's max_len {model.config.max_len}; shorten it")
-        new = args.max_new_tokens
+        new = min(DEFAULT_NEW_TOKENS, room) if args.max_new_tokens is None else args.max_new_tokens
         if new > room:
             raise CLIError(
                 f"--max-new-tokens {new}: the longest prompt has {tokens.shape[1]} tokens and the model's max_len is "
@@ -243,8 +249,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("source", metavar="SOURCE", help="a Hugging Face folder, or a zoo train / finetune output folder")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
-                   help=f"tokens to add to each prompt (default {DEFAULT_NEW_TOKENS}; prompt + N <= the model's max_len)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to add to each prompt; prompt + N <= the model's max_len (default {DEFAULT_NEW_TOKENS}, "
+                   "or what the model's max_len leaves room for)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); > 0: sampling")
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
     p.add_argument("--top-p", type=float, default=None, metavar="P",
