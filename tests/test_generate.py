@@ -326,11 +326,12 @@ def test_bad_input_is_one_line_naming_the_fix(decoder, kwargs, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_stream_sees_every_new_token_in_order(decoder):
+@pytest.mark.parametrize("preset", [None, "tp"])
+def test_stream_sees_every_new_token_in_order(decoder, preset):
     seen = []
-    out = zoo.generate(decoder, TOKENS[:1], max_new_tokens=NEW, stream=lambda t: seen.append(np.asarray(t).copy()))
-    jax.effects_barrier()
-    np.testing.assert_array_equal(np.concatenate(seen), np.asarray(out)[0, 6:])
+    model = decoder if preset is None else zoo.shard(decoder, zoo.rules(preset), preset_mesh(preset, 8))
+    out = zoo.generate(model, TOKENS[:2], mask=MASK[:2], max_new_tokens=NEW, stream=lambda t: seen.append(t.copy()))
+    np.testing.assert_array_equal(np.stack(seen, axis=1), np.asarray(out)[:, 6:])
 
 
 # --- the command ------------------------------------------------------------------------------

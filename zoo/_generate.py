@@ -9,6 +9,7 @@ compiled program.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -127,8 +128,8 @@ def _generate_program(model, tokens, mask, key, settings, stream):
     def pick(logits, step):
         step_key = None if key is None else jax.random.fold_in(key, step)
         tok = next_token(_replicate_vocab(logits), step_key, temperature=temperature, top_k=top_k, top_p=top_p)
-        if stream is not None:
-            jax.debug.callback(stream, tok, ordered=True)
+        if stream is not None:  # ordered effects need one device: the host puts steps in order
+            jax.debug.callback(functools.partial(_deliver, id(stream)), step, tok)
         return tok
 
     def write(out, done, tok, step):
@@ -157,6 +158,27 @@ def _generate_program(model, tokens, mask, key, settings, stream):
     state = (jnp.asarray(1, jnp.int32), tok, cache, out, done)
     _, _, _, out, _ = lax.while_loop(cond, body, state)
     return out
+
+
+class _InOrder:
+    """Hands `stream` each step's tokens in step order, whatever order callbacks arrive in."""
+
+    def __init__(self, stream: Callable[[np.ndarray], Any]):
+        self.stream, self.next, self.pending = stream, 0, {}
+
+    def __call__(self, step, tokens) -> None:
+        self.pending[int(step)] = np.asarray(tokens)
+        while self.next in self.pending:
+            self.stream(self.pending.pop(self.next))
+            self.next += 1
+
+
+# The compiled loop knows its `stream` by id; each call registers a fresh `_InOrder` for it.
+_STREAMS: dict[int, _InOrder] = {}
+
+
+def _deliver(stream_id: int, step, tokens) -> None:
+    _STREAMS[stream_id](step, tokens)
 
 
 def _model_mesh(model) -> Any:
@@ -219,7 +241,8 @@ def generate(
     - `pad_token_id`: what finished rows continue with (default `eos_token_id`).
     - `key`: a PRNG key, needed when sampling; the same key gives the same tokens.
     - `stream`: called from the compiled loop (a host callback) with each step's new
-      tokens, a numpy `[batch]` array, as they are chosen.
+      tokens, a numpy `[batch]` array, in order, as they are chosen; every call has been
+      made when `generate` returns.
 
     Compiled once per batch size, prompt length, `max_new_tokens` and sampling settings
     (a repeated call with the same shapes compiles nothing). On a mesh (under
@@ -284,7 +307,15 @@ def generate(
             data = mesh.shape.get("data", 1)
             spec = P("data") if data > 1 and b % data == 0 else P()
             toks, msk = jax.device_put(toks, spec), jax.device_put(msk, spec)
-        return _generate_program(model, toks, msk, key, settings, stream)
+        if stream is None:
+            return _generate_program(model, toks, msk, key, settings, None)
+        _STREAMS[id(stream)] = _InOrder(stream)
+        try:
+            out = _generate_program(model, toks, msk, key, settings, stream)
+            jax.effects_barrier()  # every token handed over before returning
+        finally:
+            _STREAMS.pop(id(stream), None)
+        return out
 
     if jax.sharding.get_abstract_mesh().empty and (mesh := _model_mesh(model)) is not None:
         with jax.set_mesh(mesh):
