@@ -51,7 +51,7 @@ torch.set_num_threads(2)
 
 def recompute_program(model, tokens, new: int):
     """Greedy decoding without a cache: the full forward pass over every column, each step."""
-    b, s = tokens.shape
+    s = tokens.shape[1]
     buffer = jnp.pad(tokens, ((0, 0), (0, new)))
 
     def step(i, buffer):

@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._common import CLIError, check_rules_fit_mesh, init_devices, make_mesh, mesh_text, parse_mesh
+from ._common import (
+    CLIError,
+    check_rules_fit_mesh,
+    init_devices,
+    make_mesh,
+    mesh_text,
+    parse_mesh,
+)
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -73,8 +80,8 @@ class Printer:
         if token == self.eos:
             self.done = True
             return
-        if self.text.tokenizer is None:
-            piece = self.bytes.decode(bytes([token % 256]))
+        if self.text.tokenizer is None:  # ids past the 256 bytes have no text (as `Text.decode`)
+            piece = self.bytes.decode(bytes([token])) if token < 256 else ""
         else:
             self.ids.append(token)
             full = self.text.decode(self.ids)
@@ -216,8 +223,8 @@ def cmd_generate(args) -> int:
         rows = first_row(out)
         jax.effects_barrier()
     completions = []
-    for row, m in zip(rows, mask):
-        ids = list(row[tokens.shape[1] :])
+    for row in rows:
+        ids = [int(i) for i in row[tokens.shape[1] :]]
         if eos is not None and eos in ids:
             ids = ids[: ids.index(eos)]
         completions.append(text.decode(ids))
