@@ -207,6 +207,7 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
     allocated: e.g. the `like` of `zoo.Checkpointer.restore` on a new mesh).
     """
     mesh = _concrete_mesh(mesh)
+    check_head_split(model, rules, mesh)
     specs = partition_specs(model, rules, mesh)
     arrays, static = eqx.partition(model, is_array_like)
 
@@ -219,6 +220,30 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
 
     placed = jax.tree.map(put, arrays, specs, is_leaf=lambda x: x is None)
     return eqx.combine(placed, static)
+
+
+def check_head_split(model: Any, rules: Rules, mesh: Any) -> None:
+    """Refuse (naming the fix) attention whose query or key/value head count the mesh axes
+    of `rules["heads"]` / `rules["kv_heads"]` cannot split: the flattened projections
+    would split, but the per-head reshape of the first forward would not."""
+
+    def is_attention(x: Any) -> bool:
+        return hasattr(x, "num_kv_heads") and hasattr(x, "q_proj")
+
+    for node in jax.tree.leaves(model, is_leaf=is_attention):
+        if not is_attention(node):
+            continue
+        for name, count in (("heads", node.num_heads), ("kv_heads", node.num_kv_heads)):
+            axes = _as_tuple(rules.get(name))
+            size = math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+            if size > 1 and count % size:
+                what = "attention heads" if name == "heads" else "key/value heads"
+                raise ValueError(
+                    f"the model has {count} {what}, which the mesh axes {list(axes)} (size {size}) that "
+                    f"rules[{name!r}] names cannot split evenly. Use a model axis whose size divides {count}, "
+                    f"or rules without tensor parallelism for heads (e.g. zoo.rules('fsdp'), or rules[{name!r}] = None)."
+                )
+        return  # every layer of a model shares its head counts
 
 
 def batch_spec(ndim: int, data_axes: tuple[str, ...]) -> P:

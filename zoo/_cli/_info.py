@@ -10,7 +10,7 @@ from typing import Any
 from ._common import CLIError, init_devices, parse_mesh
 from ._inspect import add_mesh_flags, rules_and_lora
 from ._lora_flag import LORA_EXAMPLE, add_lora, lora_json
-from ._tasks import build_inspect_task
+from ._tasks import build_inspect_task, vocab_multiple
 
 
 def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: dict[str, int]) -> list[dict[str, Any]]:
@@ -65,7 +65,7 @@ def cmd_info(args) -> int:
     import zoo
 
     lora = rules_and_lora(args, mesh_shape, devices)
-    model = build_inspect_task(args.model, args.seed).model
+    model = build_inspect_task(args.model, args.seed, vocab_multiple=vocab_multiple(args.rules, mesh_shape)).model
     if lora is not None:
         model = add_lora(model, lora, args.seed)
     # An abstract mesh: the specs are checked against its axes and sizes, nothing is placed.

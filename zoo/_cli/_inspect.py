@@ -16,20 +16,21 @@ from ._common import (
     tree_bytes,
 )
 from ._lora_flag import LORA_EXAMPLE, LORA_HELP, add_lora, inspect_defaults, lora_json, parse_lora
-from ._tasks import build_inspect_task, check_model
+from ._tasks import build_inspect_task, inspect_model_kind, vocab_multiple
 
 INSPECT_MODEL_HELP = (
     "model name: mlp (a 4-layer MLP regressor), transformer (a tiny decoder-only LM, next-token "
     "loss), encoder (a tiny BERT-style classifier, padded tokens), minilm (the pretrained "
-    "all-MiniLM-L6-v2 encoder with a 4-way head)"
+    "all-MiniLM-L6-v2 encoder with a 4-way head), or a Hugging Face folder / cached model id of any "
+    "registered family (zoo.hf.families(): bert, gpt2, llama, mistral, qwen2)"
 )
 
 
 def rules_and_lora(args, mesh_shape: dict[str, int], devices: int):
     """Check `--rules` against the mesh and parse `--lora` (None without it)."""
-    check_model(args.model, ("mlp", "transformer", "encoder", "minilm"))
+    kind = inspect_model_kind(args.model)
     check_rules_fit_mesh(args.rules, mesh_shape, devices)
-    return None if args.lora is None else parse_lora(args.lora, inspect_defaults(args.model))
+    return None if args.lora is None else parse_lora(args.lora, inspect_defaults(kind))
 
 
 def cmd_inspect(args) -> int:
@@ -51,7 +52,7 @@ def cmd_inspect(args) -> int:
         zoo.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, args.microbatches)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    task = build_inspect_task(args.model, args.seed)
+    task = build_inspect_task(args.model, args.seed, vocab_multiple=vocab_multiple(args.rules, mesh_shape))
     if lora is not None:
         task.model = add_lora(task.model, lora, args.seed)
     mesh = make_mesh(mesh_shape)

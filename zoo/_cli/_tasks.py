@@ -13,6 +13,7 @@ Two registries:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -181,11 +182,69 @@ INSPECT_MODELS: dict[str, Callable[[Any], InspectTask]] = {
 }
 
 
-def build_inspect_task(name: str, seed: int) -> InspectTask:
-    """The tiny `inspect`/`info` model `name` (CLIError if unknown)."""
+def _is_path(name: str | None) -> bool:
+    return name is not None and name not in INSPECT_MODELS and ("/" in name or Path(name).expanduser().exists())
+
+
+def inspect_model_kind(name: str | None) -> str:
+    """`name` if it is a built-in `inspect`/`info` model; for a Hugging Face folder (or a
+    model id in the local cache) of a registered family, `"transformer"` or `"encoder"`;
+    else a CLIError."""
+    if not _is_path(name):
+        return check_model(name, tuple(INSPECT_MODELS))
+    import zoo
+
+    folder = resolve_init(name)
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    try:
+        family = zoo.hf.get_family(model_type, str(folder))
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    return "encoder" if family.model_class is zoo.models.Encoder else "transformer"
+
+
+def _inspect_pretrained(folder: Path, key, vocab_multiple: int) -> InspectTask:
+    """A Hugging Face model of any registered family: a decoder with next-token loss, an
+    encoder with a new 4-way head; random token batches of 16 positions."""
+    import zoo
+
+    try:
+        model = zoo.hf.from_pretrained(folder, config_overrides={"vocab_multiple": vocab_multiple})
+    except (ValueError, FileNotFoundError) as e:
+        raise CLIError(f"{folder}: {str(e).splitlines()[0]}") from e
+    vocab = model.config.vocab_size
+    if isinstance(model, zoo.models.Encoder):
+        classifier = zoo.models.EncoderClassifier(model, _NUM_LABELS, key=key)
+        return InspectTask(classifier, zoo.models.classification_loss, _classifier_batches(vocab))
+    seq = min(_SEQ, model.config.max_len)
+
+    def make_batch(batch_size, batch_key):
+        import jax.numpy as jnp
+
+        tokens, mask = _padded_tokens(numpy_rng(batch_key), batch_size, vocab, seq)
+        return {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)}
+
+    return InspectTask(model, zoo.models.next_token_loss, make_batch)
+
+
+def build_inspect_task(name: str, seed: int, *, vocab_multiple: int = 1) -> InspectTask:
+    """The tiny `inspect`/`info` model `name` (CLIError if unknown), or the Hugging Face
+    model in the folder / cached model id `name` (its vocabulary padded to a multiple of
+    `vocab_multiple`, the size of the mesh axes the rules split it over)."""
     import jax.random as jr
 
+    if _is_path(name):
+        return _inspect_pretrained(resolve_init(name), jr.key(seed), vocab_multiple)
     return INSPECT_MODELS[check_model(name, tuple(INSPECT_MODELS))](jr.key(seed))
+
+
+def vocab_multiple(rules: str, mesh_shape: dict[str, int]) -> int:
+    """The size of the mesh axes preset `rules` splits the vocabulary over."""
+    import zoo
+
+    axes = zoo.rules(rules).get("vocab")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
 # --- training tasks ----------------------------------------------------------------------------
@@ -315,7 +374,12 @@ def resolve_init(path: str) -> Path:
             if "model_type" in json.loads((candidate / "config.json").read_text()):
                 return candidate
     if not folder.exists():
-        raise CLIError(f"--init {path}: no such folder")
+        import zoo
+
+        try:  # a model id already in the local Hugging Face cache
+            return resolve_init(str(zoo.hf.resolve_model_dir(path)))
+        except FileNotFoundError as e:
+            raise CLIError(f"--init {path}: no such folder, and {str(e).split(': ', 1)[-1]}") from None
     raise CLIError(
         f"--init {path}: neither a Hugging Face model folder (config.json with model_type + model.safetensors) "
         "nor a `zoo train` output folder holding one in model/ (the mlp's runs have none)"
@@ -330,7 +394,7 @@ def _load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rul
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(f"--init {folder}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, kind):
-        want = "a GPT-2 (decoder)" if kind is zoo.models.Transformer else "a BERT (encoder)"
+        want = "a decoder (GPT-2, Llama, Mistral, Qwen2)" if kind is zoo.models.Transformer else "a BERT (encoder)"
         raise CLIError(f"--init {folder} holds a {type(model).__name__}, but this model needs {want} checkpoint")
     return model
 

@@ -127,7 +127,7 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
     (sharded leaves are gathered); process 0 writes. `zoo.hf.from_pretrained` of the
     result gives back `model`'s leaves bit for bit.
     """
-    family, values, folder, base = _hf_config(model)
+    family, values, folder, _ = _hf_config(model)
     tensors = hf_tensors(model)
     if jax.process_index() != 0:
         return

@@ -18,8 +18,8 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._mismatch import mismatch_lines, shorten
-from ._files import Checkpoint
 from ._family import Family
+from ._files import Checkpoint
 from ._layout import Source, leaf_sources, module_name
 
 

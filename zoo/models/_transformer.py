@@ -65,14 +65,18 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         init_std=config.init_std,
         key=km,
     )
-    # Per-group biases (Qwen2: q/k/v only): drop the ones the config turns off.
+    # Per-group biases (Qwen2: q/k/v only): drop the ones the config turns off, add the
+    # ones it turns on.
     for name, projections in (("qkv_bias", ("q_proj", "k_proj", "v_proj")), ("o_bias", ("o_proj",))):
-        if config.use_bias and not _bias(config, name):
-            attention = eqx.tree_at(lambda a: [getattr(a, p).bias for p in projections], attention, [None] * len(projections))
-        elif not config.use_bias and _bias(config, name):
-            for p in projections:
-                out = getattr(attention, p).out_features
-                attention = eqx.tree_at(lambda a: getattr(a, p).bias, attention, jnp.zeros((out,)), is_leaf=lambda x: x is None)
+        want = _bias(config, name)
+        if want == config.use_bias:
+            continue
+
+        def where(a, ps=projections):
+            return [getattr(a, p).bias for p in ps]
+
+        biases = [jnp.zeros((getattr(attention, p).out_features,)) if want else None for p in projections]
+        attention = eqx.tree_at(where, attention, biases, is_leaf=lambda x: x is None)
     return TransformerBlock(
         attention,
         mlp,

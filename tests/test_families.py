@@ -1,0 +1,437 @@
+"""The zoo.hf architecture registry: Llama, Mistral, Qwen2 (and GPT-2, BERT) both ways
+against transformers, sharded loads, vocabulary padding, cache ids, refusals."""
+
+import json
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from conftest import preset_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from zoo.models import Transformer, TransformerConfig
+
+# Measured maxima are printed with -s (`MAX DIFF`); docs/models.md quotes them.
+TOL = 1e-5
+SEQ = 8
+VOCAB = 61  # odd: does not split over a model axis of 2
+RIGHT = np.array([8, 6, 3])  # real tokens per row (right padding)
+LEFT = np.array([0, 2, 5])  # pad tokens per row (left padding)
+
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+LLAMA3 = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}  # fmt: skip
+CASES = {
+    # Llama 3-style: GQA, untied head, rope_theta.
+    "llama": (transformers.LlamaConfig, SMALL | {"rope_theta": 500000.0}),
+    # Llama with attention/mlp biases, a tied head and an explicit head_dim ≠ hidden/heads.
+    "llama_bias_tied": (
+        transformers.LlamaConfig,
+        SMALL | {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True, "head_dim": 16},
+    ),
+    # Llama 3.1 frequency rescaling (a short original context so every band is hit).
+    "llama3_scaled": (
+        transformers.LlamaConfig,
+        SMALL | {"rope_scaling": LLAMA3},
+    ),
+    # Mistral with a window shorter than the sequence.
+    "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
+    "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
+}
+
+
+def _torch(x):
+    return torch.from_numpy(np.asarray(x).astype(np.int64))
+
+
+@eqx.filter_jit
+def forward(model, tokens, mask):
+    return model(tokens, mask=mask)
+
+
+def _masks():
+    pos = np.arange(SEQ)[None, :]
+    return {"right": pos < RIGHT[:, None], "left": pos >= LEFT[:, None]}
+
+
+def _hf_logits(hf, tokens, mask):
+    with torch.no_grad():
+        return hf(_torch(tokens), attention_mask=_torch(mask)).logits.numpy()
+
+
+def _diff(zoo_logits, hf_logits, mask):
+    """Max |difference| over real (unpadded) positions and the real vocabulary."""
+    z = np.asarray(zoo_logits)[..., : hf_logits.shape[-1]]
+    return float(np.abs(z - hf_logits)[mask].max())
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(3, VOCAB, (3, SEQ)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Each case as a tiny random transformers model on disk (weights perturbed: biases ≠ 0,
+    norms ≠ 1), with tokenizer files next to it."""
+    out = {}
+    for i, (name, (cls, values)) in enumerate(CASES.items()):
+        torch.manual_seed(i)
+        config = cls(**values, attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        directory = tmp_path_factory.mktemp(name)
+        model.save_pretrained(directory)
+        (directory / "tokenizer.json").write_text('{"fake": "tokenizer ' + name + '"}')
+        (directory / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+        out[name] = directory
+    return out
+
+
+def _placed(mesh, *arrays):
+    """Arrays with rows split over `data` (sharded models take placed inputs)."""
+    sharding = NamedSharding(mesh, P("data"))
+    return [jax.device_put(np.asarray(a), sharding) for a in arrays]
+
+
+def _rows8(x):
+    return np.concatenate([x, x, x[:2]])
+
+
+def _open_hf(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_dirs):
+    return {name: zoo.hf.from_pretrained(d) for name, d in hf_dirs.items()}
+
+
+# --------------------------------------------------------------------------- both directions
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_load_and_export_match_transformers(name, hf_dirs, loaded, tokens, tmp_path):
+    model = loaded[name]
+    assert model.config.family == CASES[name][1].get("model_type", CASES[name][0].model_type)
+    hf = _open_hf(hf_dirs[name])
+    zoo.hf.save_pretrained(model, tmp_path)
+    exported = _open_hf(tmp_path)
+    assert type(exported) is type(hf)
+    for kind, mask in _masks().items():
+        t = np.where(mask, tokens, 0).astype(np.int32)
+        expected = _hf_logits(hf, t, mask)
+        got = forward(model, jnp.asarray(t), jnp.asarray(mask))
+        load_diff = _diff(got, expected, mask)
+        export_diff = _diff(got, _hf_logits(exported, t, mask), mask)
+        print(f"MAX DIFF {name} {kind}: load {load_diff:.2e} export {export_diff:.2e}")
+        assert load_diff <= TOL and export_diff <= TOL
+    # The export is the source's tensors again, bit for bit.
+    source = safetensors.numpy.load_file(str(hf_dirs[name] / "model.safetensors"))
+    written = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(written) == sorted(k for k in source if not k.endswith("inv_freq"))
+    for k in written:
+        np.testing.assert_array_equal(written[k], source[k])
+
+
+def test_mistral_window_is_applied(hf_dirs, loaded, tokens):
+    """Past its window Mistral's logits differ from full attention's: the band matters."""
+    model = loaded["mistral"]
+    full = zoo.hf.from_pretrained(hf_dirs["mistral"], config_overrides={"sliding_window": None})
+    mask = np.ones((3, SEQ), bool)
+    a, b = forward(model, tokens, mask), forward(full, tokens, mask)
+    assert np.allclose(a[:, :3], b[:, :3], atol=1e-6)  # within the window: the same
+    assert np.abs(np.asarray(a[:, 3:]) - np.asarray(b[:, 3:])).max() > 1e-3
+
+
+def test_llama3_scaling_changes_the_frequencies():
+    base = zoo.nn.rope_frequencies(16, theta=10000.0)
+    scaled = zoo.nn.rope_frequencies(16, theta=10000.0, llama3=(8.0, 1.0, 4.0, 16))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(**CASES["llama3_scaled"][1] | {"rope_theta": 10000.0, "head_dim": 16})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    np.testing.assert_allclose(np.asarray(scaled), expected.numpy(), rtol=1e-6)
+    assert not np.allclose(base, scaled)
+
+
+def test_export_keeps_source_config_and_copies_tokenizer(hf_dirs, loaded, tmp_path):
+    zoo.hf.save_pretrained(loaded["llama"], tmp_path)
+    source = json.loads((hf_dirs["llama"] / "config.json").read_text())
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["max_position_embeddings"] == source["max_position_embeddings"] == 64
+    assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / name).read_bytes() == (hf_dirs["llama"] / name).read_bytes()
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path)
+    assert generation.eos_token_id == 2
+
+
+def test_scratch_llama_is_exported_by_shape(tmp_path, tokens):
+    """A Llama-shaped zoo model built from scratch (no family) is written as Llama, with a
+    generation_config.json transformers reads."""
+    config = TransformerConfig(
+        vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=48, max_len=32,
+        positions="rope", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False, norm_eps=1e-6,
+    )  # fmt: skip
+    perturb = lambda m: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), m)
+    model = eqx.filter_jit(lambda k: perturb(Transformer(config, key=k)))(jax.random.key(3))
+    assert zoo.hf.family_of(model).name == "llama"
+    zoo.hf.save_pretrained(model, tmp_path)
+    hf = _open_hf(tmp_path)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    mask = _masks()["right"]
+    d = _diff(forward(model, tokens, mask), _hf_logits(hf, tokens, mask), mask)
+    print(f"MAX DIFF scratch llama export: {d:.2e}")
+    assert d <= TOL
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"_from_model_config": True}
+
+
+def test_activation_spelling_round_trips(tmp_path):
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=31, n_positions=16,
+                                     activation_function="gelu_pytorch_tanh")  # fmt: skip
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "src")
+    zoo.hf.save_pretrained(zoo.hf.from_pretrained(tmp_path / "src"), tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["activation_function"] == "gelu_pytorch_tanh"
+
+
+# --------------------------------------------------------------------------- meshes
+
+
+@pytest.mark.parametrize(("preset", "devices"), [("fsdp", 8), ("tp", 8), ("fsdp+tp", 4)])
+def test_sharded_loads_equal_unsharded(preset, devices, hf_dirs, loaded, tokens):
+    """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62)."""
+    mesh = preset_mesh(preset, devices)
+    model = zoo.hf.from_pretrained(hf_dirs["qwen2"], rules=zoo.rules(preset), mesh=mesh)
+    padded = "tp" in preset
+    assert model.config.padded_vocab == (62 if padded else VOCAB)
+    assert isinstance(model.token_embedding.weight.sharding, NamedSharding)
+    tokens, mask = _rows8(tokens), _rows8(_masks()["left"])
+    with jax.set_mesh(mesh):
+        got = np.asarray(forward(model, *_placed(mesh, tokens, mask)))
+    want = np.asarray(forward(loaded["qwen2"], tokens, mask))
+    np.testing.assert_allclose(got[..., :VOCAB], want, atol=1e-5)
+    if padded:
+        assert (got[..., VOCAB:] == np.finfo(np.float32).min).all()
+        assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
+        targets = jnp.asarray(tokens)
+        loss = lambda logits: zoo.models.cross_entropy(jnp.asarray(logits), targets)
+        np.testing.assert_allclose(loss(got), loss(want), rtol=1e-6)
+
+
+def test_padded_vocab_exports_the_real_rows(hf_dirs, tmp_path):
+    mesh = preset_mesh("tp", 8)
+    model = zoo.hf.from_pretrained(hf_dirs["llama"], rules=zoo.rules("tp"), mesh=mesh)
+    assert model.token_embedding.weight.shape[0] == 62 and model.lm_head.weight.shape[1] == 62
+    assert not np.asarray(model.token_embedding.weight)[VOCAB:].any()  # padding rows are zero
+    tensors = zoo.hf.hf_tensors(model)
+    source = safetensors.numpy.load_file(str(hf_dirs["llama"] / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        np.testing.assert_array_equal(tensors[name], source[name])
+    zoo.hf.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == VOCAB
+
+
+def test_gpt2_and_bert_odd_vocabularies_load_under_tp(tmp_path):
+    """The README's `from_pretrained(gpt2_dir, rules=zoo.rules("tp"))` with an odd
+    vocabulary; BERT's over a model axis of 4."""
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=4, vocab_size=51, n_positions=16))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    bert = transformers.BertModel(transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                                          intermediate_size=32, vocab_size=50, max_position_embeddings=16))  # fmt: skip
+    bert.save_pretrained(tmp_path / "bert")
+    tokens = np.random.default_rng(1).integers(0, 50, (4, 6)).astype(np.int32)
+    mesh = preset_mesh("tp", 8)
+    model = zoo.hf.from_pretrained(tmp_path / "gpt2", rules=zoo.rules("tp"), mesh=mesh)
+    with torch.no_grad():
+        expected = gpt2.eval()(_torch(tokens)).logits.numpy()
+    with jax.set_mesh(mesh):
+        got = np.asarray(eqx.filter_jit(lambda m, t: m(t))(model, *_placed(mesh, tokens)))
+    assert got.shape[-1] == 52 and np.abs(got[..., :51] - expected).max() <= TOL
+    mesh4 = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    encoder = zoo.hf.from_pretrained(tmp_path / "bert", rules=zoo.rules("tp"), mesh=mesh4)
+    assert encoder.embeddings.word_embeddings.weight.shape[0] == 52
+    with torch.no_grad():
+        expected = bert.eval()(_torch(tokens)).last_hidden_state.numpy()
+    with jax.set_mesh(mesh4):
+        got = np.asarray(eqx.filter_jit(lambda m, t: m(t))(encoder, *_placed(mesh4, tokens)))
+    assert np.abs(got - expected).max() <= TOL
+
+
+def _config_only(tmp_path, name, **values):
+    directory = tmp_path / name
+    directory.mkdir()
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[values.pop("kind", "llama")]
+    cls(**(SMALL | values)).save_pretrained(directory)
+    return directory
+
+
+def test_heads_the_model_axis_cannot_split_are_refused(tmp_path):
+    mesh = preset_mesh("tp", 8)
+    three = _config_only(tmp_path, "three", hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"3 attention heads.*\['model'\].*zoo.rules\('fsdp'\)"):
+        zoo.hf.from_pretrained(three, rules=zoo.rules("tp"), mesh=mesh)
+    one_kv = _config_only(tmp_path, "one_kv", num_key_value_heads=1)
+    with pytest.raises(ValueError, match="1 key/value heads"):
+        zoo.hf.from_pretrained(one_kv, rules=zoo.rules("fsdp+tp"), mesh=mesh)
+
+
+# --------------------------------------------------------------------------- cache ids
+
+
+def test_model_ids_load_from_the_local_cache_only(hf_dirs, loaded, tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "0123abc"
+    shutil.copytree(hf_dirs["llama"], snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = zoo.hf.from_pretrained("tiny-org/tiny-llama")
+    assert model.config.source_dir == str(snapshot.resolve())
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(loaded["llama"]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # $HF_HOME/hub
+    assert zoo.hf.resolve_model_dir("tiny-org/tiny-llama") == snapshot
+    with pytest.raises(FileNotFoundError, match="never downloads.*huggingface-cli download tiny-org/absent"):
+        zoo.hf.from_pretrained("tiny-org/absent")
+    (snapshot.parent / "4567def").mkdir()
+    (snapshot.parent.parent / "refs" / "main").unlink()
+    with pytest.raises(FileNotFoundError, match="2 snapshots"):
+        zoo.hf.from_pretrained("tiny-org/tiny-llama")
+    with pytest.raises(FileNotFoundError, match="no model directory"):
+        zoo.hf.from_pretrained(tmp_path / "no" / "such" / "dir")
+
+
+# --------------------------------------------------------------------------- refusals and registry
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling of type 'linear'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'.*SwiGLU"),
+        ({"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "only some layers"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        zoo.hf.from_pretrained(_config_only(tmp_path, "refused", **values))
+
+
+def test_gemma_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma"}))
+    with pytest.raises(ValueError, match="'gemma' is not supported.*1 \\+ weight.*sqrt"):
+        zoo.hf.from_pretrained(tmp_path)
+
+
+def test_qwen2_sliding_window_on_every_layer_loads(tmp_path):
+    values = {"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
+    config = zoo.hf.get_family("qwen2").config_from_hf(json.loads((_config_only(tmp_path, "q", **values) / "config.json").read_text()))
+    assert config.sliding_window == 4 and config.qkv_bias and not config.o_bias
+    off = zoo.hf.get_family("qwen2").config_from_hf(transformers.Qwen2Config(**SMALL, sliding_window=4).to_dict())
+    assert off.sliding_window is None  # use_sliding_window defaults to false
+
+
+def test_export_refuses_what_the_family_cannot_express():
+    base = dict(vocab_size=11, d_model=16, num_heads=2, num_layers=1, positions="rope", norm="rmsnorm", activation="swiglu")
+    llama = zoo.hf.get_family("llama")
+    with pytest.raises(ValueError, match="sliding_window=4.*Mistral"):
+        llama.config_to_hf(TransformerConfig(**base, sliding_window=4, use_bias=False))
+    with pytest.raises(ValueError, match="qkv_bias=True with o_bias=False"):
+        llama.config_to_hf(TransformerConfig(**base, use_bias=False, qkv_bias=True))
+    with pytest.raises(ValueError, match="norm='layernorm'.*activation='gelu'"):
+        llama.config_to_hf(TransformerConfig(**base | {"norm": "layernorm", "activation": "gelu"}))
+    with pytest.raises(ValueError, match="Qwen2 has biases on q, k and v only"):
+        zoo.hf.get_family("qwen2").config_to_hf(TransformerConfig(**base, use_bias=False))
+    # Chosen by shape: a window → Mistral, q/k/v-only biases → Qwen2.
+    assert zoo.hf.family_of(TransformerConfig(**base, sliding_window=4, use_bias=False)).name == "mistral"
+    assert zoo.hf.family_of(TransformerConfig(**base, use_bias=False, qkv_bias=True)).name == "qwen2"
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "mistral", "qwen2"])
+def test_registry_tables_name_every_projection(name):
+    family = zoo.hf.get_family(name)
+    assert family.name == name and zoo.hf.families()[name] is family
+    for zoo_name in ("q_proj", "k_proj", "v_proj", "o_proj", "up", "down"):
+        short = family.lora_names[zoo_name]
+        module = ("layers.layers.mlp." if zoo_name in ("up", "down") else "layers.layers.attention.") + zoo_name
+        hf_name = family.hf_module_name(module, (3,))
+        assert hf_name.endswith("." + short) and ".3." in hf_name
+    if name in CASES:  # config both ways is the identity
+        config = family.config_from_hf(CASES[name][0](**SMALL).to_dict())
+        assert family.config_from_hf(family.config_to_hf(config)) == config
+
+
+def test_shard_refuses_heads_the_model_axis_cannot_split():
+    config = TransformerConfig(vocab_size=16, d_model=24, num_heads=3, num_layers=1)
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"3 attention heads.*rules\['heads'\] = None"):
+        zoo.shard(abstract, zoo.rules("tp"), preset_mesh("tp", 8))
+    zoo.shard(abstract, zoo.rules("fsdp"), preset_mesh("fsdp", 8))  # no head split: fine
+
+
+@pytest.mark.slow
+def test_cli_finetunes_a_llama_from_the_cache(tmp_path, monkeypatch):
+    """`zoo finetune transformer --init ORG/NAME` with a Llama in the local cache."""
+    import contextlib
+    import io
+
+    from zoo._cli import main
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SMALL | {"vocab_size": 256, "num_hidden_layers": 1})
+    snapshot = tmp_path / "hub" / "models--org--cli-llama" / "snapshots" / "abc"
+    transformers.LlamaForCausalLM(config).save_pretrained(snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = ["finetune", "transformer", "--init", "org/cli-llama", "--seq-len", "16", "--batch-size", "16", "--microbatches", "2",
+            "--steps", "1", "--eval-size", "8", "--quiet", "--lora", "r=2", "--output", str(tmp_path / "out")]  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(args)
+    assert rc == 0, err.getvalue()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["init"] == str(snapshot)
+    assert "1 gradient all-reduce" in out.getvalue()
+
+
+def _zoo(*args):
+    import contextlib
+    import io
+
+    from zoo._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    assert rc == 0, err.getvalue()
+    return out.getvalue()
+
+
+def test_cli_info_and_inspect_take_a_family_folder(hf_dirs):
+    """`zoo info DIR` / `zoo inspect DIR` under tp: the odd vocabulary padded, one
+    gradient all-reduce."""
+    mesh = ["--devices", "8", "--mesh", "data=4,model=2", "--rules", "tp"]
+    info = json.loads(_zoo("info", hf_dirs["qwen2"], *mesh, "--json"))
+    embedding = next(r for r in info["leaves"] if "token_embedding" in r["path"])
+    assert embedding["shape"] == [62, 32] and embedding["spec"][0] == "model"
+    report = json.loads(_zoo("inspect", hf_dirs["llama"], *mesh, "--microbatches", "2", "--json"))
+    summary = report["summary"]  # the gradient all-reduce over data once; in loops only model-axis ones
+    assert summary["all_reduce_outside"] == 1 and summary["outside_mesh_axes"] == ["data"]
+    assert summary["in_loop_mesh_axes"] == ["model"]
