@@ -160,23 +160,34 @@ def test_greedy_equals_transformers_llama_left_padded(llama):
 
 @functools.cache
 def _jitted():
-    return eqx.filter_jit(prefill), eqx.filter_jit(decode_step), eqx.filter_jit(lambda m, t: m(t))
+    return eqx.filter_jit(prefill), eqx.filter_jit(decode_step), eqx.filter_jit(lambda m, t, k: m(t, mask=k))
 
 
 def _check_cached_logits(model, tokens, mask, steps, tol):
-    """Every cached step's logits against the full forward over each row's real tokens."""
+    """Every cached step's logits against the full forward over each row's real tokens.
+
+    The reference is one forward pass over the rows right-padded (positions then count
+    from each row's first token, as the cache's do): its logits at a row's column `c`
+    are those of the prefix ending there.
+    """
     pre, step, full = _jitted()
     logits, cache = pre(model, jnp.asarray(tokens), jnp.asarray(mask), tokens.shape[1] + steps)
     rows = [list(t[m]) for t, m in zip(tokens, mask)]
-    worst = 0.0
+    cached = []
     for _ in range(steps):
-        for r, row in enumerate(rows):
-            ref = np.asarray(full(model, jnp.asarray([row], jnp.int32)))[0, -1]
-            worst = max(worst, float(np.abs(np.asarray(logits[r]) - ref).max()))
+        cached.append(np.asarray(logits))
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         for row, t in zip(rows, np.asarray(nxt)):
             row.append(int(t))
         logits, cache = step(model, nxt, cache)
+    width = tokens.shape[1] + steps
+    padded = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
+    ref = np.asarray(full(model, jnp.asarray(padded), jnp.asarray(np.arange(width)[None] < np.array([len(r) for r in rows])[:, None])))
+    worst = 0.0
+    for r, m in enumerate(mask):
+        first = int(m.sum()) - 1  # the column of the prompt's last token
+        for t in range(steps):
+            worst = max(worst, float(np.abs(cached[t][r] - ref[r, first + t]).max()))
     assert worst <= tol, worst
     return cache
 
