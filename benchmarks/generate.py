@@ -46,9 +46,6 @@ from jax import lax
 import zoo
 from zoo._generate import _generate_program
 
-torch.set_num_threads(2)
-
-
 def recompute_program(model, tokens, new: int):
     """Greedy decoding without a cache: the full forward pass over every column, each step."""
     s = tokens.shape[1]
@@ -80,8 +77,10 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    torch.set_num_threads(args.torch_threads)
 
     torch.manual_seed(0)
     columns = args.prompt + args.new
