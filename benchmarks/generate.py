@@ -46,6 +46,7 @@ from jax import lax
 import zoo
 from zoo._generate import _generate_program
 
+
 def recompute_program(model, tokens, new: int):
     """Greedy decoding without a cache: the full forward pass over every column, each step."""
     s = tokens.shape[1]
