@@ -106,7 +106,12 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
     """`(Hugging Face folder, adapter folder or None, what it is in words)` of SOURCE."""
     folder = Path(source).expanduser()
     if not folder.exists():
-        raise CLIError(f"SOURCE {source}: no such folder")
+        import zoo
+
+        try:  # a model id already in the local Hugging Face cache
+            folder = zoo.hf.resolve_model_dir(source)
+        except FileNotFoundError as e:
+            raise CLIError(f"SOURCE {source}: no such folder, and {str(e).split(': ', 1)[-1]}") from None
     adapter_dir = Path(adapter).expanduser() if adapter else None
     if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
         raise CLIError(f"--adapter {adapter}: no adapter_config.json there (a `zoo finetune` run's adapter/ folder, or peft's)")
@@ -254,7 +259,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="Examples: zoo generate runs/lm --prompt 'def ' ; zoo generate path/to/gpt2 --prompt 'Hello' "
         "--prompt 'The' --temperature 0.8 --top-p 0.9 --seed 1; zoo generate runs/tuned --max-new-tokens 32",
     )
-    p.add_argument("source", metavar="SOURCE", help="a Hugging Face folder, or a zoo train / finetune output folder")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a Hugging Face folder (or a model id in the local Hugging Face cache), or a zoo train / "
+                   "finetune output folder")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"tokens to add to each prompt; prompt + N <= the model's max_len (default {DEFAULT_NEW_TOKENS}, "
