@@ -432,3 +432,14 @@ def test_cli_refuses_what_is_not_a_decoder_source(tmp_path):
 
     rc, _, err = zoo_main("generate", tmp_path, "--prompt", "x")
     one_line_error(rc, err, "neither a Hugging Face model folder")
+
+
+def test_cli_help_lists_every_flag():
+    from zoo._cli._main import build_parsers
+
+    parser = build_parsers()[1]["generate"]
+    text = " ".join(parser.format_help().split())
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    assert {"--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--adapter", "--devices",
+            "--mesh", "--rules"} <= set(flags)  # fmt: skip
+    assert all(flag in text for flag in flags) and "generate" in " ".join(build_parsers()[0].format_help().split())
