@@ -435,3 +435,29 @@ def test_cli_info_and_inspect_take_a_family_folder(hf_dirs):
     summary = report["summary"]  # the gradient all-reduce over data once; in loops only model-axis ones
     assert summary["all_reduce_outside"] == 1 and summary["outside_mesh_axes"] == ["data"]
     assert summary["in_loop_mesh_axes"] == ["model"]
+
+
+def test_padded_vocab_gradients_equal_unpadded(hf_dirs, loaded, tokens):
+    """Under tp the padded model's next-token gradients are the unpadded ones on the real
+    rows and zero on the padding rows."""
+    mesh = preset_mesh("tp", 8)
+    padded = zoo.hf.from_pretrained(hf_dirs["llama"], rules=zoo.rules("tp"), mesh=mesh)
+
+    @eqx.filter_jit
+    def grads(model, tokens, mask):
+        def loss(m):
+            sums, counts = zoo.models.next_token_loss(m, {"tokens": tokens, "mask": mask})
+            return jnp.sum(sums) / jnp.sum(counts)
+
+        return eqx.filter_grad(loss)(model)
+
+    t, mask = _rows8(tokens), _rows8(_masks()["right"])
+    with jax.set_mesh(mesh):
+        got = grads(padded, *_placed(mesh, t, mask))
+    want = grads(loaded["llama"], t, mask)
+    emb, head = np.asarray(got.token_embedding.weight), np.asarray(got.lm_head.weight)
+    np.testing.assert_allclose(emb[:VOCAB], np.asarray(want.token_embedding.weight), atol=1e-6)
+    np.testing.assert_allclose(head[:, :VOCAB], np.asarray(want.lm_head.weight), atol=1e-6)
+    assert not emb[VOCAB:].any() and not head[:, VOCAB:].any() and np.abs(head).max() > 1e-3
+    for a, b in zip(jax.tree.leaves(got.layers), jax.tree.leaves(want.layers), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

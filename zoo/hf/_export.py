@@ -73,8 +73,8 @@ def hf_tensors(model: Encoder | Transformer) -> dict[str, np.ndarray]:
 
     The model's family (`zoo.hf.family_of`) names them. Stacked leaves are split into one
     tensor per layer, `Linear` weights transposed to torch's `[out, in]`, GPT-2's q/k/v
-    fused into `c_attn`, a padded vocabulary cut back to `vocab_size`. Sharded leaves are gathered (every process must call this in a
-    multi-process run).
+    fused into `c_attn`, a padded vocabulary cut back to `vocab_size`. Sharded leaves are
+    gathered (every process must call this in a multi-process run).
     """
     family = _family(model)
     family.config_to_hf(model.config)  # refuses configs the architecture cannot express
