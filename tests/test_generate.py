@@ -443,3 +443,13 @@ def test_cli_help_lists_every_flag():
     assert {"--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--adapter", "--devices",
             "--mesh", "--rules"} <= set(flags)  # fmt: skip
     assert all(flag in text for flag in flags) and "generate" in " ".join(build_parsers()[0].format_help().split())
+
+
+def test_padded_vocabulary_rows_are_never_generated():
+    model = tiny_decoder(jax.random.key(9), max_len=12, vocab_multiple=12)  # 32 ids in 36 rows
+    assert model.lm_head.weight.shape[1] == 36
+    # Padding columns that would win every argmax and draw if they were not masked.
+    model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight.at[:, 32:].set(10.0))
+    greedy = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW))
+    sampled = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW, temperature=2.0, key=jax.random.key(0)))
+    assert greedy[:, 6:].max() < 32 and sampled[:, 6:].max() < 32
