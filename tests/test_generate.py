@@ -243,10 +243,15 @@ def test_sharded_generation_equals_one_device(decoder, preset):
         assert out.sharding.spec[0] == "data"  # the batch stays split over data
         out = zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW, temperature=1.0, top_k=10, key=key)
         np.testing.assert_array_equal(out, sampled)
+        toks, msk = jax.device_put(jnp.asarray(tokens), P("data")), jax.device_put(jnp.asarray(mask), P("data"))
         if preset == "tp":  # the cache is split like the heads: kv_heads over model, batch over data
-            toks = jax.device_put(jnp.asarray(tokens), P("data"))
-            _, cache = _jitted()[0](placed, toks, jax.device_put(jnp.asarray(mask), P("data")), 12)
+            _, cache = _jitted()[0](placed, toks, msk, 12)
             assert cache.keys.sharding.spec == P(None, "data", None, "model", None)
+        if preset == "fsdp":  # gathered once for decoding: no all-gather inside the decode loop
+            from zoo._generate import _generate_program
+
+            colls = zoo.collectives(_generate_program.lower(placed, toks, msk, None, (NEW, 0.0, None, None, None, 0), None))
+            assert zoo.count(colls, "all-gather", in_loop=True) == 0 < zoo.count(colls, "all-gather", in_loop=False)
     # Outside set_mesh, a placed model decodes on its own mesh.
     np.testing.assert_array_equal(zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW), greedy)
 
