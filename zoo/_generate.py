@@ -127,16 +127,15 @@ def _generate_program(model, tokens, mask, key, settings, stream):
 
     def pick(logits, step):
         step_key = None if key is None else jax.random.fold_in(key, step)
-        tok = next_token(_replicate_vocab(logits), step_key, temperature=temperature, top_k=top_k, top_p=top_p)
-        if stream is not None:  # ordered effects need one device: the host puts steps in order
-            jax.debug.callback(functools.partial(_deliver, id(stream)), step, tok)
-        return tok
+        return next_token(_replicate_vocab(logits), step_key, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def write(out, done, tok, step):
-        if eos is not None:
+        if eos is not None:  # finished rows continue with padding
             tok = jnp.where(done, pad, tok)
             done = done | (tok == eos)
         out = jnp.where(jnp.arange(columns)[None, :] == s + step, tok[:, None], out)
+        if stream is not None:  # ordered effects need one device: the host puts steps in order
+            jax.debug.callback(functools.partial(_deliver, id(stream)), step, tok)
         return out, done, tok
 
     logits, cache = prefill(model, tokens, mask, columns)
@@ -241,8 +240,8 @@ def generate(
     - `pad_token_id`: what finished rows continue with (default `eos_token_id`).
     - `key`: a PRNG key, needed when sampling; the same key gives the same tokens.
     - `stream`: called from the compiled loop (a host callback) with each step's new
-      tokens, a numpy `[batch]` array, in order, as they are chosen; every call has been
-      made when `generate` returns.
+      tokens (those the output gets: padding after a row's eos), a numpy `[batch]` array,
+      in order, as they are chosen; every call has been made when `generate` returns.
 
     Compiled once per batch size, prompt length, `max_new_tokens` and sampling settings
     (a repeated call with the same shapes compiles nothing). On a mesh (under
