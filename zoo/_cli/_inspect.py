@@ -22,7 +22,7 @@ INSPECT_MODEL_HELP = (
     "model name: mlp (a 4-layer MLP regressor), transformer (a tiny decoder-only LM, next-token "
     "loss), encoder (a tiny BERT-style classifier, padded tokens), minilm (the pretrained "
     "all-MiniLM-L6-v2 encoder with a 4-way head), or a Hugging Face folder / cached model id of any "
-    "registered family (zoo.hf.families(): bert, gpt2, llama, mistral, qwen2)"
+    "registered family (zoo.hf.families(): bert, gpt2, llama, mistral, qwen2, gemma)"
 )
 
 

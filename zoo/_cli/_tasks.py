@@ -394,7 +394,7 @@ def _load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rul
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(f"--init {folder}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, kind):
-        want = "a decoder (GPT-2, Llama, Mistral, Qwen2)" if kind is zoo.models.Transformer else "a BERT (encoder)"
+        want = "a decoder (GPT-2, Llama, Mistral, Qwen2, Gemma)" if kind is zoo.models.Transformer else "a BERT (encoder)"
         raise CLIError(f"--init {folder} holds a {type(model).__name__}, but this model needs {want} checkpoint")
     return model
 

@@ -318,7 +318,7 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
                    "EncoderConfig fields; mlp: width, depth; pretrained models: dropout, attention_dropout, remat)")
     g.add_argument("--init", metavar="PATH",
                    help="start from pretrained weights: a Hugging Face folder or a model id in the local "
-                   "Hugging Face cache (BERT for encoder; GPT-2, Llama, Mistral or Qwen2 for transformer; its tokenizer.json is used when present, else byte tokens) or a `zoo train` "
+                   "Hugging Face cache (BERT for encoder; GPT-2, Llama, Mistral, Qwen2 or Gemma for transformer; its tokenizer.json is used when present, else byte tokens) or a `zoo train` "
                    "output folder; minilm's default is the packaged all-MiniLM-L6-v2")
     if command != "train":
         g.add_argument("--lora", metavar="KEY=VALUE,...",
@@ -375,7 +375,7 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         help="LoRA-fine-tune a pretrained model (only the adapters are trained and all-reduced)",
         description="Add LoRA adapters to a pretrained model and train only them (and a classifier's new "
         "head): minilm (all-MiniLM-L6-v2 from its package) on the stdlib-docstring task, transformer "
-        "(--init a GPT-2, Llama, Mistral or Qwen2 folder or a `zoo train transformer` run) on English prose, encoder (--init a BERT "
+        "(--init a GPT-2, Llama, Mistral, Qwen2 or Gemma folder or a `zoo train transformer` run) on English prose, encoder (--init a BERT "
         "folder or a `zoo train encoder` run). Writes the adapter in peft's layout (zoo.lora.save_adapter).",
         epilog=f"defaults per model: {_table('finetune')}. Examples: zoo finetune minilm; "
         "zoo finetune minilm --lora r=16,alpha=32,targets=q_proj+v_proj --probe 300; "

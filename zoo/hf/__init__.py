@@ -1,4 +1,4 @@
-"""Hugging Face interop without torch: load BERT, GPT-2, Llama, Mistral and Qwen2
+"""Hugging Face interop without torch: load BERT, GPT-2, Llama, Mistral, Qwen2 and Gemma
 checkpoints into zoo models,
 placed straight onto a mesh; write zoo models back as checkpoints transformers loads;
 fast tokenizers; sentence-transformers embeddings (all-MiniLM-L6-v2 ships packaged).

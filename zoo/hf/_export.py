@@ -53,7 +53,7 @@ def _family(model: Any) -> Any:
         classes = sorted({f.model_class.__name__ for f in families().values()})
         raise TypeError(
             f"save_pretrained writes the zoo model classes of the registered families ({', '.join(classes)}: "
-            f"Encoder as BERT, Transformer as GPT-2 / Llama / Mistral / Qwen2), got a {type(model).__name__}"
+            f"Encoder as BERT, Transformer as GPT-2 / Llama / Mistral / Qwen2 / Gemma), got a {type(model).__name__}"
             + (" (write its .encoder)" if hasattr(model, "encoder") else "")
         )
     return family
@@ -87,6 +87,8 @@ def hf_tensors(model: Encoder | Transformer) -> dict[str, np.ndarray]:
             if source.valid is not None:  # drop the vocabulary padding
                 value = value[tuple(slice(0, v) for v in source.valid)]
             value = value.T if source.transpose else value
+            if source.offset:
+                value = value - np.asarray(source.offset, value.dtype)
             if source.part is None:
                 tensors[name] = np.ascontiguousarray(value)
             else:
@@ -111,8 +113,8 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
       `zoo.models.Encoder` is written as `BertModel` (no pooler: loading it into
       `BertModel` leaves the pooler freshly initialised, `last_hidden_state` is exact), a
       `zoo.models.Transformer` with learned positions as `GPT2LMHeadModel`, one with RoPE,
-      RMSNorm and SwiGLU as `LlamaForCausalLM` (Mistral, Qwen2 when loaded as those).
-      Configs the architecture cannot express raise a `ValueError` naming them. May be
+      RMSNorm and SwiGLU as `LlamaForCausalLM` (as Mistral with a sliding window, Qwen2
+      with q/k/v-only biases, Gemma with GeGLU, or as the family it was loaded as). Configs the architecture cannot express raise a `ValueError` naming them. May be
       sharded; LoRA branches must be merged first (`zoo.lora.merge`).
     - `directory`: created if needed. `model.safetensors`, `config.json` and
       `generation_config.json` in it are replaced atomically (a temporary file next to

@@ -79,15 +79,21 @@ class Family:
     # -- config --
 
     def config_from_hf(self, values: dict[str, Any], **overrides: Any) -> Any:
+        """The zoo config of a `config.json` dict (`overrides`: zoo fields on top);
+        refuses, naming each, the options the zoo cannot reproduce."""
         raise NotImplementedError
 
     def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The `config.json` dict of a zoo config (`base`: the source folder's, for
+        spellings to keep); refuses, naming each, the fields it cannot express."""
         raise NotImplementedError
 
     def claims(self, config: Any) -> bool:
+        """Whether a config without `family` has this architecture's shape."""
         return False
 
     def generation_config(self, values: dict[str, Any]) -> dict[str, Any]:
+        """`generation_config.json` for a model without one: its token ids."""
         out: dict[str, Any] = {"_from_model_config": True}
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if values.get(key) is not None:
@@ -97,6 +103,8 @@ class Family:
     # -- tensors --
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
+        """The file tensors of leaf `param` of zoo module `module` (`parent`, leaf `shape`),
+        or `None` when the family has none."""
         if param not in ("weight", "bias"):
             return None
         hf_module = self.module_names.get(module)
@@ -121,9 +129,11 @@ class Family:
         return is_linear_weight(parent, param)
 
     def ignored(self, name: str, config: Any) -> bool:
+        """Whether file tensor `name` is a known non-parameter, skipped on load."""
         return False
 
     def hf_module_name(self, module: str, index: tuple[int, ...] = ()) -> str | None:
+        """The HF (peft) name of zoo module `module` at layer numbers `index`, or `None`."""
         hf = self.module_names.get(module)
         return None if hf is None else hf.format(*index)
 

@@ -29,6 +29,8 @@ class Source:
     - `valid`: the part of each layer's leaf core (zoo orientation, from index 0) the file
       holds, when the leaf is larger (a vocabulary padded for tensor parallelism: the
       padding rows read as zeros and are not written); `None`: all of it.
+    - `offset`: added on reading, subtracted on writing (Gemma's RMSNorm scales by
+      `1 + weight`: the zoo leaf holds `1 + weight`).
     """
 
     names: tuple[str, ...]
@@ -37,6 +39,7 @@ class Source:
     file_shape: tuple[int, ...]
     part: tuple[int, int] | None = None
     valid: tuple[int, ...] | None = None
+    offset: float = 0.0
 
     def file_index(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
         """The slice of one layer's file tensor that holds `index` of the leaf's core dims."""

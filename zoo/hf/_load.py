@@ -162,7 +162,7 @@ def from_pretrained(
 ) -> Encoder | Transformer:
     """A zoo model holding a Hugging Face checkpoint, its family chosen by `config.json`'s
     `model_type` from the registry (`zoo.hf.families()`): `"bert"` → `zoo.models.Encoder`;
-    `"gpt2"`, `"llama"`, `"mistral"`, `"qwen2"` → `zoo.models.Transformer`. The model's
+    `"gpt2"`, `"llama"`, `"mistral"`, `"qwen2"`, `"gemma"` → `zoo.models.Transformer`. The model's
     config records the family and the folder (`config.family`, `config.source_dir`), which
     `save_pretrained` and `zoo.lora.save_adapter` use.
     """

@@ -102,6 +102,8 @@ def read_leaf(
         part = part.T if source.transpose else part
         parts.append(part if pads is None else np.pad(part, pads))
     value = np.stack(parts) if source.stacked else parts[0]
+    if source.offset:
+        value = value.astype(dtype, copy=False) + np.asarray(source.offset, dtype)
     return np.ascontiguousarray(value.astype(dtype, copy=False))
 
 

@@ -102,11 +102,12 @@ class TransformerConfig(_Common):
     Sizes: `vocab_size`, `d_model`, `num_heads`, `num_layers`, `mlp_dim` (default
     4·d_model), `max_len`, `num_kv_heads` (grouped-query attention), `head_dim`.
     Choices: `norm` (`"layernorm"`/`"rmsnorm"`), `positions` (`"learned"`, `"rope"`,
-    `"none"`), `rope_theta`, `activation` (`"gelu"`, `"gelu_tanh"`, `"relu"`, `"swiglu"`),
+    `"none"`), `rope_theta`, `activation` (`"gelu"`, `"gelu_tanh"`, `"relu"`, `"swiglu"`, `"geglu"`),
     `tie_embeddings` (the output head is the token embedding), `use_bias` (with
     `qkv_bias`, `o_bias`, `mlp_bias` overriding it per projection group), `sliding_window`
     (banded causal attention), `rope_scaling="llama3"` with `rope_factor`,
-    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, `pre_norm`
+    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, `embed_scale`
+    (the token embeddings' multiplier, Gemma's `sqrt(d_model)`), `pre_norm`
     (post-LN when false), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
     parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
     `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
@@ -129,6 +130,7 @@ class TransformerConfig(_Common):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    embed_scale: float = 1.0  # token embeddings multiplied by this (Gemma: sqrt(d_model))
 
     def __post_init__(self):
         super().__post_init__()

@@ -154,6 +154,8 @@ class Transformer(eqx.Module):
             raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_len}")
         dtype = self.config.compute_dtype
         h = self.token_embedding(tokens).astype(dtype)
+        if self.config.embed_scale != 1.0:
+            h = h * jnp.asarray(self.config.embed_scale, dtype)
         if self.position_embedding is not None:
             h = h + broadcast_like(self.position_embedding.weight[:seq].astype(dtype), h)
         h = dropout(h, self.config.dropout, None if key is None else fold_in(key, EMBEDDING_STREAM))

@@ -12,20 +12,22 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from ._dropout import ExampleKeys, fold_in
 from ._linear import Linear
 
-Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
+Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu", "geglu"]
 
 _ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # BERT
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's "gelu_new"
     "relu": jax.nn.relu,
     "swiglu": jax.nn.silu,  # applied to the gate
+    "geglu": lambda x: jax.nn.gelu(x, approximate=True),  # applied to the gate (Gemma)
 }
 
 ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
 class FeedForward(eqx.Module):
-    """`down(act(up(x)))`, or with `"swiglu"` `down(silu(gate(x)) * up(x))`.
+    """`down(act(up(x)))`, or with `"swiglu"` `down(silu(gate(x)) * up(x))` (`"geglu"`:
+    tanh-GELU on the gate).
 
     Logical axes: `up`/`gate` `("embed", "mlp")` (column-parallel under tensor
     parallelism), `down` `("mlp", "embed")` (row-parallel).
@@ -55,7 +57,7 @@ class FeedForward(eqx.Module):
         self.up = Linear(dim, hidden_dim, in_axis="embed", out_axis="mlp", key=ku, **common)
         self.gate = (
             Linear(dim, hidden_dim, in_axis="embed", out_axis="mlp", key=kg, **common)
-            if activation == "swiglu"
+            if activation in ("swiglu", "geglu")
             else None
         )
         self.down = Linear(hidden_dim, dim, in_axis="mlp", out_axis="embed", key=kd, **common)

@@ -1,21 +1,85 @@
-"""Gemma (`gemma`, `gemma2`, `gemma3_text`): refused, with the reason.
+"""Hugging Face Gemma ↔ `zoo.models.Transformer`: Llama with three changes; Gemma 2 and 3
+refused, with the reason.
 
-Gemma's config cannot be expressed by `zoo.models.Transformer`: its RMSNorm scales by
-`1 + weight`, the token embedding is multiplied by `sqrt(hidden_size)` before the first
-layer, and its gated feed-forward is GeGLU (`gelu_pytorch_tanh` on the gate) where the
-zoo's gate is SiLU only; Gemma 2 and 3 also soft-cap attention scores and logits and
-alternate sliding-window and global layers, which the zoo's scanned layers (one shared
-attention pattern) cannot.
+Gemma (1) is `llama.py` with: the token embeddings multiplied by `sqrt(hidden_size)`
+(`TransformerConfig.embed_scale`), RMSNorm scaling by `1 + weight` (the zoo leaf holds
+`1 + weight`: `Source.offset` adds 1 on reading and subtracts it on writing), and a GeGLU
+feed-forward (`hidden_act: "gelu_pytorch_tanh"` on the gate: activation `"geglu"`); the
+head is tied by default. Tensor names are Llama's.
+
+Gemma 2 and 3 also soft-cap attention scores and logits and alternate sliding-window and
+global layers (Gemma 3 with two RoPE bases), which the zoo's scanned layers (one shared
+attention pattern) cannot: they are refused.
 """
 
 from __future__ import annotations
 
-from .._family import refuse
+import math
+from typing import Any
+
+from ...models import TransformerConfig
+from .._family import refuse, register
+from .._layout import Source
+from .llama import Llama, _bias
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+_NORMS = ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm")
+
+
+@register
+class Gemma(Llama):
+    """Gemma (`GemmaForCausalLM`) ↔ a `zoo.models.Transformer` with `embed_scale`, `geglu`."""
+
+    name = "gemma"
+    architecture = "GemmaForCausalLM"
+    tie_default = True
+
+    def _act(self, values: dict[str, Any]) -> str:
+        return values.get("hidden_activation") or values.get("hidden_act", "gelu_pytorch_tanh")
+
+    def unsupported(self, values: dict[str, Any]) -> list[str]:
+        problems = []
+        act = self._act(values)
+        if act not in _GELU_TANH:
+            problems.append(f"hidden_act={act!r} (zoo's GeGLU gate is the tanh GELU: {list(_GELU_TANH)})")
+        if values.get("use_bidirectional_attention"):
+            problems.append("use_bidirectional_attention=True (zoo's Transformer is causal)")
+        return problems
+
+    def fields(self, values: dict[str, Any]) -> dict[str, Any]:
+        fields = super().fields(values)
+        return fields | {"activation": "geglu", "embed_scale": float(math.sqrt(fields["d_model"])), "mlp_bias": None}
+
+    def export_problems(self, config: TransformerConfig) -> list[str]:
+        problems = [p for p in super().export_problems(config) if not p.startswith(("activation=", "embed_scale="))]
+        if config.activation != "geglu":
+            problems.append(f"activation={config.activation!r} (Gemma's feed-forward is GeGLU: 'geglu')")
+        if config.embed_scale != math.sqrt(config.d_model):
+            problems.append(f"embed_scale={config.embed_scale} (Gemma's is sqrt(d_model) = {math.sqrt(config.d_model)})")
+        if _bias(config, "mlp_bias"):
+            problems.append("mlp_bias=True (Gemma's feed-forward has no biases)")
+        return problems
+
+    def config_to_hf(self, config: TransformerConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = super().config_to_hf(config, base)
+        del out["mlp_bias"]
+        act = self._act(base) if base else "gelu_pytorch_tanh"
+        return out | {"hidden_act": act if act in _GELU_TANH else "gelu_pytorch_tanh"}
+
+    def claims(self, config: Any) -> bool:
+        return isinstance(config, TransformerConfig) and config.positions == "rope" and config.activation == "geglu"
+
+    def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
+        source = super().source(module, param, parent, shape, config)
+        if source is not None and module in _NORMS:
+            source = Source(source.names, source.stacked, source.transpose, source.file_shape, offset=1.0)
+        return source
+
 
 _WHY = (
-    "zoo.models.Transformer cannot express Gemma: RMSNorm scaled by (1 + weight), embeddings multiplied by "
-    "sqrt(hidden_size), and a GeGLU feed-forward (zoo's gated feed-forward is SwiGLU only)"
+    "zoo.models.Transformer cannot express it: attention-score and logit soft-capping, and alternating "
+    "sliding-window / global layers (zoo's scanned layers share one attention pattern)"
 )
-refuse("gemma", _WHY)
-refuse("gemma2", _WHY + "; also attention/logit soft-capping and alternating local/global layers")
-refuse("gemma3_text", _WHY + "; also alternating local/global layers with two RoPE bases")
+refuse("gemma2", _WHY)
+refuse("gemma3_text", _WHY + "; also two RoPE bases (local and global layers)")
+refuse("gemma3", _WHY + "; also a vision tower (zoo loads text decoders)")

@@ -148,6 +148,8 @@ def transformer_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
             problems.append(f"{name}=False (GPT-2's projections have biases)")
     if config.sliding_window is not None:
         problems.append(f"sliding_window={config.sliding_window} (GPT-2 attends to every earlier position)")
+    if config.embed_scale != 1.0:
+        problems.append(f"embed_scale={config.embed_scale} (GPT-2 does not scale its embeddings)")
     if problems:
         raise ValueError("this TransformerConfig cannot be written as a GPT-2 config: " + "; ".join(problems))
     return {

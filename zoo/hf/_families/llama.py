@@ -195,6 +195,8 @@ class Llama(Family):
             problems.append(f"norm={config.norm!r} ({self.name} uses RMSNorm)")
         if config.activation != "swiglu":
             problems.append(f"activation={config.activation!r} ({self.name}'s feed-forward is SwiGLU)")
+        if config.embed_scale != 1.0:
+            problems.append(f"embed_scale={config.embed_scale} ({self.name} does not scale its embeddings)")
         if not config.pre_norm:
             problems.append(f"pre_norm=False ({self.name} is pre-norm)")
         qkv, o = _bias(config, "qkv_bias"), _bias(config, "o_bias")
@@ -235,6 +237,7 @@ class Llama(Family):
         return (
             isinstance(config, TransformerConfig)
             and config.positions == "rope"
+            and config.activation == "swiglu"
             and config.sliding_window is None
             and _bias(config, "qkv_bias") == _bias(config, "o_bias")
         )

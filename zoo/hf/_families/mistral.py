@@ -38,4 +38,9 @@ class Mistral(Llama):
         return out | {"sliding_window": config.sliding_window}
 
     def claims(self, config: Any) -> bool:
-        return isinstance(config, TransformerConfig) and config.positions == "rope" and config.sliding_window is not None
+        return (
+            isinstance(config, TransformerConfig)
+            and config.positions == "rope"
+            and config.activation == "swiglu"
+            and config.sliding_window is not None
+        )

@@ -74,6 +74,7 @@ class Qwen2(Llama):
         return (
             isinstance(config, TransformerConfig)
             and config.positions == "rope"
+            and config.activation == "swiglu"
             and _bias(config, "qkv_bias")
             and not _bias(config, "o_bias")
         )
