@@ -192,9 +192,11 @@ def _check_cached_logits(model, tokens, mask, steps, tol):
     return cache
 
 
-@pytest.mark.parametrize("positions", ["learned", "rope"])
-def test_cached_logits_equal_full_forward_at_every_step(positions):
-    model = tiny_decoder(jax.random.key(2), max_len=12, positions=positions)
+@pytest.mark.parametrize(
+    "overrides", [{"positions": "learned"}, {"positions": "rope"}, {"embed_scale": 4.0, "activation": "geglu"}]
+)
+def test_cached_logits_equal_full_forward_at_every_step(overrides):
+    model = tiny_decoder(jax.random.key(2), max_len=12, **overrides)
     _check_cached_logits(model, TOKENS, MASK, NEW, 1e-4)
 
 

@@ -32,6 +32,9 @@ from .nn._sharding import entries, mesh_axes_of, sharding_spec
 def _embed(model: Transformer, tokens: Int[Array, "batch seq"], positions: Int[Array, "batch seq"]):
     dtype = model.config.compute_dtype
     h = model.token_embedding(tokens).astype(dtype)
+    scale = getattr(model.config, "embed_scale", 1.0)
+    if scale != 1.0:  # Gemma's sqrt(d_model), as the model's own forward
+        h = h * jnp.asarray(scale, dtype)
     if model.position_embedding is not None:
         h = h + model.position_embedding(positions).astype(dtype)
     return h
