@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import preset_mesh, tiny_decoder, tiny_encoder_classifier
+from helpers import preset_mesh, tiny_decoder, tiny_encoder_classifier
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -343,6 +343,9 @@ def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
     assert summary["collectives"]["gradient_reductions"] == 1
     assert summary["collectives"]["gradient_bytes"] == summary["adapter_bytes"] + 8
     assert summary["eval_after"]["accuracy"] is not None  # next-token accuracy
+    # A decoder's run ends with a greedy sample (zoo.generate) after the start of a validation window.
+    assert summary["sample"]["new_tokens"] == 8 and len(summary["sample"]["prompt"].encode()) >= 8
+    assert f"{summary['sample']['completion']!r}" in text
     rows = read_jsonl(tuned / "metrics.jsonl")
     assert all(r["tokens_per_s"] > 0 for r in rows if r["kind"] == "train")
 

@@ -20,6 +20,7 @@ from ._distributed import distributed_init as distributed_init
 from ._distributed import global_batch as global_batch
 from ._distributed import is_main_process as is_main_process
 from ._distributed import local_rows as local_rows
+from ._generate import generate as generate
 from ._inspect import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from ._inspect import Collective as Collective
 from ._inspect import collectives as collectives
@@ -56,6 +57,7 @@ __all__ = [
     "data",
     "distributed_init",
     "field",
+    "generate",
     "global_batch",
     "hf",
     "internal",

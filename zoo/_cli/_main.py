@@ -8,8 +8,8 @@ import sys
 from ._common import CLIError
 
 DESCRIPTION = (
-    "eqx-zoo's command line: train and LoRA-fine-tune zoo models on simulated or real devices, and "
-    "inspect the collectives and leaves of their training steps."
+    "eqx-zoo's command line: train and LoRA-fine-tune zoo models on simulated or real devices, "
+    "inspect the collectives and leaves of their training steps, and generate text with decoders."
 )
 
 
@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `zoo` parser and its commands' parsers by name."""
-    from . import _info, _inspect, _train
+    from . import _generate, _info, _inspect, _train
 
     parser = _Parser(
         prog="zoo",
@@ -34,6 +34,7 @@ def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     commands = dict(_train.add_parsers(sub))
     commands["inspect"] = _inspect.add_parser(sub)
     commands["info"] = _info.add_parser(sub)
+    commands["generate"] = _generate.add_parser(sub)
     return parser, commands
 
 

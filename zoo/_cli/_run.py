@@ -468,8 +468,13 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         progress.close()
         train_s = time.perf_counter() - train_t0
 
-        # -- evaluate, save ---------------------------------------------------------------------
+        # -- evaluate, sample, save ---------------------------------------------------------------
         after = _plain(evaluate(model, task.eval_data))
+        text_sample = None
+        if task.kind == "lm":  # a decoder shows what it learned: a greedy continuation
+            from ._generate import sample
+
+            text_sample = sample(model, task)
         metrics.write({"kind": "eval", "step": steps, "eval_loss": after["loss"], "eval_accuracy": after["accuracy"],
                        "elapsed": time.perf_counter() - elapsed0})  # fmt: skip
         metrics.close()
@@ -556,6 +561,7 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
                if task.unit == "tokens" else {}),  # fmt: skip
         },
         "outputs": saved_files,
+        "sample": text_sample,
     }
     if main:
         baselines = {f"{st['name']}, eval": st["loss"] for st in stages if st.get("baseline")}
@@ -671,5 +677,9 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say(f"outputs in {output}/: {', '.join(files)}")
     if "model_not_saved" in summary["outputs"]:
         say(f"  (no Hugging Face model/ folder: {summary['outputs']['model_not_saved']})")
+    if summary.get("sample"):
+        smp = summary["sample"]
+        say(f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation window): "
+            f"{smp['prompt']!r} -> {smp['completion']!r}")  # fmt: skip
     b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
     say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {b:.4f} -> {a:.4f})")

@@ -1,0 +1,466 @@
+"""zoo.generate: the KV-cached decoder against transformers' generate and the full forward.
+
+References: transformers' GPT-2 (loaded through zoo.hf) and Llama (weights copied by hand
+into a Llama-shaped zoo decoder: RoPE, GQA, RMSNorm, SwiGLU, untied head) with
+left-padded batches; the model's own full forward pass on every prefix; transformers'
+top-k / top-p warpers; the merged LoRA model; one device against dp and tp meshes.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import preset_mesh, tiny_decoder
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from zoo._generate import decode_step, prefill
+from zoo._sampling import filter_logits
+
+# Left-padded prompts of lengths 6, 4, 2 and 5.
+TOKENS = np.array(
+    [[5, 9, 3, 17, 2, 11], [0, 0, 21, 4, 8, 30], [0, 0, 0, 0, 12, 6], [0, 7, 7, 19, 1, 25]], np.int32
+)
+MASK = TOKENS != 0
+NEW = 6
+
+
+def _torch(x):
+    return torch.from_numpy(np.asarray(x).astype(np.int64))
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A tiny random GPT2LMHeadModel and the same model loaded by zoo.hf."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=40, n_positions=16, bos_token_id=39, eos_token_id=39
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    directory = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(directory)
+    return model, zoo.hf.from_pretrained(directory)
+
+
+def _llama_pair(**zoo_overrides):
+    """A tiny random LlamaForCausalLM and a zoo decoder holding its weights."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, attention_bias=False, bos_token_id=39, eos_token_id=39, pad_token_id=0,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    zconfig = zoo.models.TransformerConfig(
+        vocab_size=40, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=48, max_len=16,
+        positions="rope", rope_theta=10000.0, activation="swiglu", norm="rmsnorm", norm_eps=1e-6,
+        tie_embeddings=False, use_bias=False, **zoo_overrides,
+    )  # fmt: skip
+    model = zoo.models.Transformer(zconfig, key=jax.random.key(0))
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    layers = range(config.num_hidden_layers)
+
+    def stack(name, transpose=True):
+        return jnp.stack([sd[f"model.layers.{i}.{name}"].T if transpose else sd[f"model.layers.{i}.{name}"] for i in layers])
+
+    blk = model.layers.layers
+    model = eqx.tree_at(
+        lambda m: (
+            m.token_embedding.weight, m.lm_head.weight, m.final_norm.weight,
+            m.layers.layers.attention.q_proj.weight, m.layers.layers.attention.k_proj.weight,
+            m.layers.layers.attention.v_proj.weight, m.layers.layers.attention.o_proj.weight,
+            m.layers.layers.mlp.gate.weight, m.layers.layers.mlp.up.weight, m.layers.layers.mlp.down.weight,
+            m.layers.layers.attention_norm.weight, m.layers.layers.mlp_norm.weight,
+        ),
+        model,
+        (
+            jnp.asarray(sd["model.embed_tokens.weight"]), jnp.asarray(sd["lm_head.weight"].T),
+            jnp.asarray(sd["model.norm.weight"]),
+            stack("self_attn.q_proj.weight"), stack("self_attn.k_proj.weight"), stack("self_attn.v_proj.weight"),
+            stack("self_attn.o_proj.weight"), stack("mlp.gate_proj.weight"), stack("mlp.up_proj.weight"),
+            stack("mlp.down_proj.weight"), stack("input_layernorm.weight", False),
+            stack("post_attention_layernorm.weight", False),
+        ),
+    )  # fmt: skip
+    assert blk.attention.q_proj.weight.shape == model.layers.layers.attention.q_proj.weight.shape
+    return hf, model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama_pair()
+
+
+def _hf_greedy(hf, tokens, mask, new):
+    hf.generation_config.eos_token_id = None  # no early stop: every row gets `new` tokens
+    with torch.no_grad():
+        out = hf.generate(_torch(tokens), attention_mask=_torch(mask), do_sample=False, max_new_tokens=new, pad_token_id=0)
+    return out.numpy()
+
+
+def test_greedy_equals_transformers_gpt2_left_padded(gpt2):
+    hf, model = gpt2
+    expected = _hf_greedy(hf, TOKENS, MASK, NEW)
+    out = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW))
+    assert out.shape == (4, 6 + NEW) and out.dtype == np.int32
+    np.testing.assert_array_equal(out, expected)
+
+
+def _saved(tmp_path_factory, cls, config_cls, **fields):
+    torch.manual_seed(2)
+    common = dict(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False, bos_token_id=39,
+        eos_token_id=39, pad_token_id=0,
+    )  # fmt: skip
+    hf = cls(config_cls(**(common | fields))).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    directory = tmp_path_factory.mktemp(cls.__name__)
+    hf.save_pretrained(directory)
+    return hf, zoo.hf.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
+    if family == "llama":
+        hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
+    else:  # a window of 3 columns bites within the prompts and the new tokens
+        hf, model = _saved(tmp_path_factory, transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=3)
+        assert model.config.sliding_window == 3
+    np.testing.assert_array_equal(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), _hf_greedy(hf, TOKENS, MASK, NEW))
+
+
+def test_sliding_window_cached_logits_equal_full_forward():
+    model = tiny_decoder(jax.random.key(8), max_len=12, sliding_window=3)
+    _check_cached_logits(model, TOKENS, MASK, NEW, 1e-4)
+
+
+def test_greedy_equals_transformers_llama_left_padded(llama):
+    hf, model = llama
+    with torch.no_grad():  # the copied weights give transformers' logits
+        ref = hf(_torch(TOKENS[:1])).logits.numpy()
+    assert np.abs(np.asarray(model(jnp.asarray(TOKENS[:1]))) - ref).max() < 1e-4
+    expected = _hf_greedy(hf, TOKENS, MASK, NEW)
+    out = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW))
+    np.testing.assert_array_equal(out, expected)
+
+
+@functools.cache
+def _jitted():
+    return eqx.filter_jit(prefill), eqx.filter_jit(decode_step), eqx.filter_jit(lambda m, t, k: m(t, mask=k))
+
+
+def _check_cached_logits(model, tokens, mask, steps, tol):
+    """Every cached step's logits against the full forward over each row's real tokens.
+
+    The reference is one forward pass over the rows right-padded (positions then count
+    from each row's first token, as the cache's do): its logits at a row's column `c`
+    are those of the prefix ending there.
+    """
+    pre, step, full = _jitted()
+    logits, cache = pre(model, jnp.asarray(tokens), jnp.asarray(mask), tokens.shape[1] + steps)
+    rows = [list(t[m]) for t, m in zip(tokens, mask)]
+    cached = []
+    for _ in range(steps):
+        cached.append(np.asarray(logits))
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        for row, t in zip(rows, np.asarray(nxt)):
+            row.append(int(t))
+        logits, cache = step(model, nxt, cache)
+    width = tokens.shape[1] + steps
+    padded = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
+    ref = np.asarray(full(model, jnp.asarray(padded), jnp.asarray(np.arange(width)[None] < np.array([len(r) for r in rows])[:, None])))
+    worst = 0.0
+    for r, m in enumerate(mask):
+        first = int(m.sum()) - 1  # the column of the prompt's last token
+        for t in range(steps):
+            worst = max(worst, float(np.abs(cached[t][r] - ref[r, first + t]).max()))
+    assert worst <= tol, worst
+    return cache
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"positions": "learned"}, {"positions": "rope"}, {"embed_scale": 4.0, "activation": "geglu"}]
+)
+def test_cached_logits_equal_full_forward_at_every_step(overrides):
+    model = tiny_decoder(jax.random.key(2), max_len=12, **overrides)
+    _check_cached_logits(model, TOKENS, MASK, NEW, 1e-4)
+
+
+def test_bf16_compute_caches_in_bf16_and_follows_the_full_forward():
+    model = tiny_decoder(jax.random.key(3), max_len=12, dtype="bfloat16")
+    cache = _check_cached_logits(model, TOKENS[:2], MASK[:2], 3, 0.05)
+    assert cache.keys.dtype == jnp.bfloat16 and cache.values.dtype == jnp.bfloat16
+    out = zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW)
+    assert out.shape == (4, 12)
+
+
+def test_lora_unmerged_equals_merged():
+    base = tiny_decoder(jax.random.key(4), max_len=12)
+    config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    adapted = zoo.lora.add_lora(base, config, key=jax.random.key(5))
+    merged = zoo.lora.merge(adapted)
+    out = zoo.generate(adapted, TOKENS, mask=MASK, max_new_tokens=NEW)
+    np.testing.assert_array_equal(out, zoo.generate(merged, TOKENS, mask=MASK, max_new_tokens=NEW))
+    assert not np.array_equal(out, zoo.generate(base, TOKENS, mask=MASK, max_new_tokens=NEW))  # the branches matter
+    pre = _jitted()[0]
+    a, _ = pre(adapted, jnp.asarray(TOKENS), jnp.asarray(MASK), 12)
+    b, _ = pre(merged, jnp.asarray(TOKENS), jnp.asarray(MASK), 12)
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return tiny_decoder(jax.random.key(6), max_len=12)
+
+
+def _batch8():
+    return np.concatenate([TOKENS, TOKENS[::-1]]), np.concatenate([MASK, MASK[::-1]])
+
+
+@pytest.mark.parametrize("preset", ["dp", "tp", "fsdp"])
+def test_sharded_generation_equals_one_device(decoder, preset):
+    tokens, mask = _batch8()
+    key = jax.random.key(7)
+    greedy = zoo.generate(decoder, tokens, mask=mask, max_new_tokens=NEW)
+    sampled = zoo.generate(decoder, tokens, mask=mask, max_new_tokens=NEW, temperature=1.0, top_k=10, key=key)
+    mesh = preset_mesh(preset, 8)
+    with jax.set_mesh(mesh):
+        placed = zoo.shard(decoder, zoo.rules(preset), mesh)
+        out = zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW)
+        np.testing.assert_array_equal(out, greedy)
+        assert out.sharding.spec[0] == "data"  # the batch stays split over data
+        out = zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW, temperature=1.0, top_k=10, key=key)
+        np.testing.assert_array_equal(out, sampled)
+        toks, msk = jax.device_put(jnp.asarray(tokens), P("data")), jax.device_put(jnp.asarray(mask), P("data"))
+        if preset == "tp":  # the cache is split like the heads: kv_heads over model, batch over data
+            _, cache = _jitted()[0](placed, toks, msk, 12)
+            assert cache.keys.sharding.spec == P(None, "data", None, "model", None)
+        if preset == "fsdp":  # gathered once for decoding: no all-gather inside the decode loop
+            from zoo._generate import _generate_program
+
+            colls = zoo.collectives(_generate_program.lower(placed, toks, msk, None, (NEW, 0.0, None, None, None, 0), None))
+            assert zoo.count(colls, "all-gather", in_loop=True) == 0 < zoo.count(colls, "all-gather", in_loop=False)
+    # Outside set_mesh, a placed model decodes on its own mesh.
+    np.testing.assert_array_equal(zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW), greedy)
+
+
+def test_seeded_sampling_is_deterministic_and_top_k_1_is_greedy(decoder):
+    kw = dict(mask=MASK, max_new_tokens=NEW, temperature=1.0)
+    a = zoo.generate(decoder, TOKENS, key=jax.random.key(1), **kw)
+    np.testing.assert_array_equal(a, zoo.generate(decoder, TOKENS, key=jax.random.key(1), **kw))
+    assert not np.array_equal(a, zoo.generate(decoder, TOKENS, key=jax.random.key(2), **kw))
+    greedy = zoo.generate(decoder, TOKENS, mask=MASK, max_new_tokens=NEW)
+    np.testing.assert_array_equal(zoo.generate(decoder, TOKENS, key=jax.random.key(1), top_k=1, **kw), greedy)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(3, None), (None, 0.8), (None, 0.3), (5, 0.6), (1, None)])
+def test_top_k_top_p_keep_the_tokens_transformers_keeps(top_k, top_p):
+    logits = np.random.default_rng(0).normal(size=(6, 12)).astype(np.float32) * 2
+    warpers = [transformers.TemperatureLogitsWarper(0.7)]
+    if top_k is not None:
+        warpers.append(transformers.TopKLogitsWarper(top_k))
+    if top_p is not None:
+        warpers.append(transformers.TopPLogitsWarper(top_p))
+    ref = torch.from_numpy(logits)
+    for w in warpers:
+        ref = w(None, ref)
+    ours = np.asarray(filter_logits(jnp.asarray(logits), temperature=0.7, top_k=top_k, top_p=top_p))
+    np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref.numpy()))
+    kept = np.isfinite(ours)
+    np.testing.assert_allclose(ours[kept], ref.numpy()[kept], rtol=1e-6)
+    if top_k == 1:
+        assert (kept.sum(axis=1) == 1).all()
+    # Hand-checked on 4 tokens of probability 0.5, 0.25, 0.15, 0.1.
+    small = jnp.log(jnp.asarray([[0.1, 0.5, 0.15, 0.25]]))
+    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=None, top_p=0.7)).tolist() == [[False, True, False, True]]
+    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=None, top_p=0.8)).tolist() == [[False, True, True, True]]
+    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=2, top_p=None)).tolist() == [[False, True, False, True]]
+
+
+def test_eos_rows_continue_with_padding(decoder):
+    plain = np.asarray(zoo.generate(decoder, TOKENS, mask=MASK, max_new_tokens=NEW))
+    eos = int(plain[0, 7])  # row 0's second new token
+    out = np.asarray(zoo.generate(decoder, TOKENS, mask=MASK, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=31))
+    for row, ref in zip(out, plain):
+        new, ref_new = row[6:], ref[6:]
+        hits = np.flatnonzero(ref_new == eos)
+        end = hits[0] + 1 if hits.size else NEW
+        np.testing.assert_array_equal(new[:end], ref_new[:end])
+        assert (new[end:] == 31).all()
+    assert (out[0, 8:] == 31).all()
+
+
+def test_compiles_once_per_shape_and_never_on_a_repeat(decoder):
+    names = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name", ""))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        kw = dict(mask=MASK[:, 2:], max_new_tokens=5)
+        zoo.generate(decoder, TOKENS[:, 2:], **kw)
+        first = sum("_generate_program" in n for n in names)
+        zoo.generate(decoder, TOKENS[:, 2:] + 1, **kw)  # new values, same shapes
+        zoo.generate(decoder, TOKENS[::-1, 2:], **kw)
+        repeat = sum("_generate_program" in n for n in names) - first
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert first == 1 and repeat == 0, names
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(max_new_tokens=7), "exceeds the model's max_len 12; lower max_new_tokens to at most 6"),
+        (dict(max_new_tokens=2, mask=MASK[:, 1:]), "mask has shape (4, 5) but tokens have (4, 6)"),
+        (dict(max_new_tokens=2, temperature=-1.0), "temperature must be >= 0"),
+        (dict(max_new_tokens=2, temperature=1.0, top_p=0.0, key=jax.random.key(0)), "top_p must be in (0, 1]"),
+        (dict(max_new_tokens=2, temperature=1.0, top_p=1.5, key=jax.random.key(0)), "top_p must be in (0, 1]"),
+        (dict(max_new_tokens=2, temperature=1.0), "needs a PRNG key: pass key=jax.random.key(seed)"),
+        (dict(max_new_tokens=2, mask=MASK[:, ::-1]), "padded on the left"),  # right-padded
+        (dict(max_new_tokens=2, mask=np.zeros((4, 6), bool)), "mask row 0 has no real token"),
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_fix(decoder, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        zoo.generate(decoder, TOKENS, **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("preset", [None, "tp"])
+def test_stream_sees_every_new_token_in_order(decoder, preset):
+    seen = []
+    model = decoder if preset is None else zoo.shard(decoder, zoo.rules(preset), preset_mesh(preset, 8))
+    out = zoo.generate(model, TOKENS[:2], mask=MASK[:2], max_new_tokens=NEW, stream=lambda t: seen.append(t.copy()))
+    np.testing.assert_array_equal(np.stack(seen, axis=1), np.asarray(out)[:, 6:])
+
+
+# --- the command ------------------------------------------------------------------------------
+
+WORDS = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(38)]
+
+
+@pytest.fixture(scope="module")
+def gpt2_with_tokenizer(gpt2, tmp_path_factory):
+    """The tiny GPT-2 saved again with a word-level tokenizer.json over its 40 ids."""
+    import tokenizers
+
+    hf, _ = gpt2
+    directory = tmp_path_factory.mktemp("gpt2_tok")
+    hf.save_pretrained(directory)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    tok.save(str(directory / "tokenizer.json"))
+    return directory, zoo.hf.from_pretrained(directory), zoo.hf.Tokenizer.from_pretrained(directory)
+
+
+def _zoo(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "zoo", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=root, check=False)
+
+
+def _left_padded(tokenizer, texts):
+    rows = [tokenizer.tokenizer.encode(t).ids for t in texts]
+    width = max(map(len, rows))
+    tokens = np.array([[0] * (width - len(r)) + r for r in rows], np.int32)
+    return tokens, tokens != 0
+
+
+def test_cli_streams_one_prompt_as_the_library_generates_it(gpt2_with_tokenizer):
+    directory, model, tokenizer = gpt2_with_tokenizer
+    prompt = "w3 w14 w7 w22"
+    done = _zoo("generate", directory, "--prompt", prompt, "--max-new-tokens", 8)
+    assert done.returncode == 0, done.stderr
+    tokens, _ = _left_padded(tokenizer, [prompt])
+    ids = np.asarray(zoo.generate(model, tokens, max_new_tokens=8))[0, 4:]
+    ids = ids[: list(ids).index(39)] if 39 in ids else ids  # config.json's eos ends the text
+    assert done.stdout == prompt + tokenizer.decode(ids) + "\n"
+    assert "greedy" in done.stderr and "tokenizer.json" in done.stderr
+
+
+def test_cli_samples_a_left_padded_batch_like_the_library(gpt2_with_tokenizer):
+    directory, model, tokenizer = gpt2_with_tokenizer
+    prompts = ["w3 w14 w7 w22", "w9"]
+    args = ["--max-new-tokens", 6, "--temperature", 0.9, "--top-k", 12, "--top-p", 0.95, "--seed", 4]
+    done = _zoo("generate", directory, "--prompt", prompts[0], "--prompt", prompts[1], *args, "--json",
+                "--devices", 2, "--mesh", "data=2")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tokens, mask = _left_padded(tokenizer, prompts)
+    out = np.asarray(zoo.generate(model, tokens, mask=mask, max_new_tokens=6, temperature=0.9, top_k=12, top_p=0.95,
+                                  eos_token_id=39, key=jax.random.key(4)))  # fmt: skip
+    expected = []
+    for p, row in zip(prompts, out):
+        ids = [int(i) for i in row[4:]]
+        expected.append({"prompt": p, "completion": tokenizer.decode(ids[: ids.index(39)] if 39 in ids else ids)})
+    import json
+
+    assert json.loads(done.stdout) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-new-tokens", 20], "--max-new-tokens 20: the longest prompt has 2 tokens and the model's max_len is 16; use --max-new-tokens 14 or less"),
+        (["--temperature", 1, "--top-p", 2], "top_p must be in (0, 1]"),
+        (["--adapter", "/nonexistent"], "--adapter /nonexistent: no adapter_config.json there"),
+    ],
+)
+def test_cli_errors_are_one_line(gpt2_with_tokenizer, extra, message):
+    from test_cli import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("generate", gpt2_with_tokenizer[0], "--prompt", "w1 w2", *extra)
+    one_line_error(rc, err, message)
+
+
+def test_cli_refuses_what_is_not_a_decoder_source(tmp_path):
+    from test_cli import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("generate", tmp_path, "--prompt", "x")
+    one_line_error(rc, err, "neither a Hugging Face model folder")
+
+
+def test_cli_help_lists_every_flag():
+    from zoo._cli._main import build_parsers
+
+    parser = build_parsers()[1]["generate"]
+    text = " ".join(parser.format_help().split())
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    assert {"--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--adapter", "--devices",
+            "--mesh", "--rules"} <= set(flags)  # fmt: skip
+    assert all(flag in text for flag in flags) and "generate" in " ".join(build_parsers()[0].format_help().split())
+
+
+def test_padded_vocabulary_rows_are_never_generated():
+    model = tiny_decoder(jax.random.key(9), max_len=12, vocab_multiple=12)  # 32 ids in 36 rows
+    assert model.lm_head.weight.shape[1] == 36
+    # Padding columns that would win every argmax and draw if they were not masked.
+    model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight.at[:, 32:].set(10.0))
+    greedy = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW))
+    sampled = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW, temperature=2.0, key=jax.random.key(0)))
+    assert greedy[:, 6:].max() < 32 and sampled[:, 6:].max() < 32
+    from zoo._generate import _head
+
+    logits = np.asarray(_head(model, jax.random.normal(jax.random.key(1), (2, 1, 16))))
+    assert (logits[..., 32:] == np.finfo(np.float32).min).all() and np.isfinite(logits[..., :32]).all()

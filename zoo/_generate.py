@@ -1,0 +1,325 @@
+"""Text generation with a key/value cache: one prefill, then a compiled decode loop.
+
+`generate(model, tokens, ...)` compiles one program per (batch, prompt length,
+`max_new_tokens`, sampling settings): the prompt's forward pass fills the cache
+(`prefill`), then a `lax.while_loop` runs one cached step per new token (`decode_step`)
+and picks it (`zoo._sampling.next_token`). Repeated calls with the same shapes reuse the
+compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+
+from ._reduced import gather_over
+from ._sampling import check_sampling, next_token
+from .models import Transformer
+from .nn._cache import KVCache, cached_block, empty_cache
+from .nn._sharding import entries, mesh_axes_of, sharding_spec
+
+
+def _embed(model: Transformer, tokens: Int[Array, "batch seq"], positions: Int[Array, "batch seq"]):
+    dtype = model.config.compute_dtype
+    h = model.token_embedding(tokens).astype(dtype)
+    scale = getattr(model.config, "embed_scale", 1.0)
+    if scale != 1.0:  # Gemma's sqrt(d_model), as the model's own forward
+        h = h * jnp.asarray(scale, dtype)
+    if model.position_embedding is not None:
+        h = h + model.position_embedding(positions).astype(dtype)
+    return h
+
+
+def _layers(model: Transformer, h, cache: KVCache, positions, allowed):
+    params, static = eqx.partition(model.layers.layers, eqx.is_array)
+
+    def body(carry, xs):
+        h, keys, values = carry
+        layer_params, layer = xs
+        block = eqx.combine(layer_params, static)
+        h, keys, values = cached_block(
+            block, h, keys, values, layer=layer, positions=positions, index=cache.index, allowed=allowed
+        )
+        return (h, keys, values), None
+
+    (h, keys, values), _ = lax.scan(body, (h, cache.keys, cache.values), (params, jnp.arange(model.config.num_layers)))
+    return h, keys, values
+
+
+def _head(model: Transformer, h) -> Float[Array, "batch seq vocab"]:
+    h = model.final_norm(h)
+    logits = model.token_embedding.attend(h) if model.lm_head is None else model.lm_head(h)
+    logits = logits.astype(jnp.float32)
+    vocab = model.config.vocab_size
+    if logits.shape[-1] != vocab:  # rows padded to `vocab_multiple` are never chosen
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, jnp.finfo(jnp.float32).min)
+    return logits
+
+
+def prefill(
+    model: Transformer, tokens: Int[Array, "batch prompt"], mask: Bool[Array, "batch prompt"], columns: int
+) -> tuple[Float[Array, "batch vocab"], KVCache]:
+    """Run the left-padded prompt through `model`, filling a cache of `columns` columns.
+
+    **Arguments:** the decoder, `tokens` and `mask` (`True` at real tokens, padding on the
+    left), the cache length `columns` (prompt + new tokens).
+
+    **Returns:** `(logits of the next token [batch, vocab] (float32), cache)`.
+    """
+    b, s = tokens.shape
+    attention = model.layers.layers.attention
+    cache = empty_cache(attention, model.config.num_layers, b, columns, model.config.compute_dtype, tokens)
+    mask = mask.astype(bool)
+    # As transformers: a row's positions count its real tokens (padding sits at 0, masked).
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+    column_mask = jnp.pad(mask, ((0, 0), (0, columns - s)))
+    causal = jnp.arange(columns)[None, :] <= jnp.arange(s)[:, None]
+    allowed = causal[None] & column_mask[:, None, :]
+    h = _embed(model, tokens, positions)
+    h, keys, values = _layers(model, h, cache, positions, allowed)
+    logits = _head(model, h[:, -1:])[:, 0]
+    count = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    return logits, KVCache(keys, values, column_mask, count, jnp.asarray(s, jnp.int32))
+
+
+def decode_step(
+    model: Transformer, token: Int[Array, " batch"], cache: KVCache
+) -> tuple[Float[Array, "batch vocab"], KVCache]:
+    """One new token per row through `model`, attending to the cache.
+
+    **Returns:** `(logits of the token after it [batch, vocab] (float32), updated cache)`.
+    """
+    columns = jnp.arange(cache.columns)
+    mask = cache.mask | (columns == cache.index)[None, :]
+    allowed = ((columns <= cache.index)[None, :] & mask)[:, None, :]
+    positions = cache.positions[:, None]
+    h = _embed(model, token[:, None], positions)
+    h, keys, values = _layers(model, h, cache, positions, allowed)
+    logits = _head(model, h)[:, 0]
+    return logits, KVCache(keys, values, mask, cache.positions + 1, cache.index + 1)
+
+
+def _replicate_vocab(logits):
+    """Logits with the vocab dimension whole on every device (sorting and argmax need it)."""
+    if sharding_spec(logits) is None:
+        return logits
+    return jax.reshard(logits, P(entries(logits)[0], None))
+
+
+@eqx.filter_jit
+def _generate_program(model, tokens, mask, key, settings, stream):
+    max_new, temperature, top_k, top_p, eos, pad = settings
+    b, s = tokens.shape
+    columns = s + max_new
+    # FSDP: parameters split over the axes the batch uses are gathered once, for the loop.
+    batch_axes = mesh_axes_of(tokens, (0,)) if sharding_spec(tokens) is not None else frozenset()
+    mesh = jax.sharding.get_abstract_mesh()
+    data_axes = frozenset(a for a in ("data",) if not mesh.empty and a in mesh.axis_names)
+    if batch_axes | data_axes:
+        model = gather_over(model, axes=tuple(batch_axes | data_axes))
+
+    def pick(logits, step):
+        step_key = None if key is None else jax.random.fold_in(key, step)
+        return next_token(_replicate_vocab(logits), step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def write(out, done, tok, step):
+        if eos is not None:  # finished rows continue with padding
+            tok = jnp.where(done, pad, tok)
+            done = done | (tok == eos)
+        out = jnp.where(jnp.arange(columns)[None, :] == s + step, tok[:, None], out)
+        if stream is not None:  # ordered effects need one device: the host puts steps in order
+            jax.debug.callback(functools.partial(_deliver, id(stream)), step, tok)
+        return out, done, tok
+
+    logits, cache = prefill(model, tokens, mask, columns)
+    out = jnp.pad(tokens, ((0, 0), (0, max_new)), constant_values=pad)
+    done = jnp.zeros((b,), bool, out_sharding=None if sharding_spec(tokens) is None else P(entries(tokens)[0]))
+    out, done, tok = write(out, done, pick(logits, 0), 0)
+
+    def cond(state):
+        step, _, _, _, done = state
+        more = step < max_new
+        return more if eos is None else more & ~jnp.all(done)
+
+    def body(state):
+        step, tok, cache, out, done = state
+        logits, cache = decode_step(model, tok, cache)
+        out, done, tok = write(out, done, pick(logits, step), step)
+        return step + 1, tok, cache, out, done
+
+    state = (jnp.asarray(1, jnp.int32), tok, cache, out, done)
+    _, _, _, out, _ = lax.while_loop(cond, body, state)
+    return out
+
+
+class _InOrder:
+    """Hands `stream` each step's tokens in step order, whatever order callbacks arrive in."""
+
+    def __init__(self, stream: Callable[[np.ndarray], Any]):
+        self.stream, self.next, self.pending = stream, 0, {}
+
+    def __call__(self, step, tokens) -> None:
+        self.pending[int(step)] = np.asarray(tokens)
+        while self.next in self.pending:
+            self.stream(self.pending.pop(self.next))
+            self.next += 1
+
+
+# The compiled loop knows its `stream` by id; each call registers a fresh `_InOrder` for it.
+_STREAMS: dict[int, _InOrder] = {}
+
+
+def _deliver(stream_id: int, step, tokens) -> None:
+    _STREAMS[stream_id](step, tokens)
+
+
+def _model_mesh(model) -> Any:
+    for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
+def _check_left_padded(mask: np.ndarray) -> None:
+    """Each row: padding (False) first, then only real tokens (True), at least one."""
+    if not mask.any(axis=1).all():
+        row = int(np.flatnonzero(~mask.any(axis=1))[0])
+        raise ValueError(f"mask row {row} has no real token (all False); every prompt needs at least one token")
+    first = mask.argmax(axis=1)
+    cols = np.arange(mask.shape[1])[None, :]
+    bad = np.flatnonzero(((cols >= first[:, None]) & ~mask).any(axis=1))
+    if bad.size:
+        raise ValueError(
+            f"mask row {int(bad[0])} has padding (False) after its first real token; generate needs prompts "
+            "padded on the left (padding first, then the prompt), as transformers' generate does"
+        )
+
+
+def generate(
+    model: Transformer,
+    tokens: Int[ArrayLike, "batch prompt"],
+    *,
+    mask: Bool[ArrayLike, "mask_batch mask_prompt"] | None = None,  # checked against tokens below
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    key: PRNGKeyArray | None = None,
+    stream: Callable[[np.ndarray], Any] | None = None,
+) -> Int[Array, "batch total"]:
+    """Continue every prompt by `max_new_tokens` tokens with a decoder and a key/value cache.
+
+    **Arguments:**
+
+    - `model`: a `zoo.models.Transformer` (learned or rotary positions, grouped-query
+      attention, LoRA branches merged or not, any compute dtype), on one device or placed
+      on a mesh (see below).
+    - `tokens`: `[batch, prompt]` integer ids; prompts of different lengths padded on the
+      **left**.
+    - `mask`: `[batch, prompt]`, `True` at real tokens, `False` on the left padding
+      (default: all real). Each row's positions count from its first real token, as
+      transformers' `generate` does.
+    - `max_new_tokens`: how many tokens to add; `prompt + max_new_tokens` must not exceed
+      the model's `max_len`.
+    - `temperature`: `0` (default) is greedy decoding; above 0, tokens are drawn from
+      `softmax(logits / temperature)` after `top_k` / `top_p` filtering.
+    - `top_k`: keep only the `top_k` most likely tokens (sampling only).
+    - `top_p`: keep the most likely tokens up to total probability `top_p`, in (0, 1].
+    - `eos_token_id`: a row that produced it continues with `pad_token_id`; the loop stops
+      early once every row has.
+    - `pad_token_id`: what finished rows continue with (default `eos_token_id`).
+    - `key`: a PRNG key, needed when sampling; the same key gives the same tokens.
+    - `stream`: called from the compiled loop (a host callback) with each step's new
+      tokens (those the output gets: padding after a row's eos), a numpy `[batch]` array,
+      in order, as they are chosen; every call has been made when `generate` returns.
+
+    Compiled once per batch size, prompt length, `max_new_tokens` and sampling settings
+    (a repeated call with the same shapes compiles nothing). On a mesh (under
+    `jax.set_mesh`, or a model placed by `zoo.shard`), the batch is split over `data`
+    when its size divides, attention heads and the cache over `model` as the parameters'
+    layout says (tensor parallelism); parameters split over `data` (FSDP presets) are
+    gathered once, before the loop, so each device holds the whole model while decoding.
+
+    **Returns:** int32 `[batch, prompt + max_new_tokens]`, the prompts (padding included)
+    followed by the new tokens.
+    """
+    if not isinstance(model, Transformer):
+        raise TypeError(
+            f"generate needs a decoder (zoo.models.Transformer), got {type(model).__name__}; encoders do not generate text"
+        )
+    tokens_np = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
+    if tokens_np.ndim != 2:
+        raise ValueError(f"tokens must be [batch, prompt], got shape {tuple(tokens_np.shape)}; add a batch axis with tokens[None]")
+    if not jnp.issubdtype(tokens_np.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {tokens_np.dtype}")
+    b, s = tokens_np.shape
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    max_len = model.config.max_len
+    if s + max_new_tokens > max_len:
+        raise ValueError(
+            f"prompt length {s} + max_new_tokens {max_new_tokens} = {s + max_new_tokens} exceeds the model's max_len "
+            f"{max_len}; lower max_new_tokens to at most {max(max_len - s, 0)} or shorten the prompts"
+        )
+    if mask is None:
+        mask_np = np.ones((b, s), bool)
+    else:
+        mask_np = mask if isinstance(mask, jax.Array) else np.asarray(mask)
+        if tuple(mask_np.shape) != (b, s):
+            raise ValueError(
+                f"mask has shape {tuple(mask_np.shape)} but tokens have {(b, s)}; pass one bool per token "
+                "(True at real tokens, False on the left padding)"
+            )
+    if not isinstance(mask_np, jax.core.Tracer):
+        _check_left_padded(np.asarray(mask_np).astype(bool))
+    temperature = float(temperature)
+    check_sampling(temperature, top_k, top_p)
+    if temperature > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs a PRNG key: pass key=jax.random.key(seed)")
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if eos_token_id is not None else 0
+    settings = (
+        max_new_tokens,
+        temperature,
+        None if temperature == 0 else top_k,
+        None if temperature == 0 or top_p == 1 else top_p,
+        None if eos_token_id is None else int(eos_token_id),
+        int(pad_token_id),
+    )
+    key = None if temperature == 0 else key
+
+    def run():
+        mesh = jax.sharding.get_abstract_mesh()
+        toks, msk = jnp.asarray(tokens_np, jnp.int32), jnp.asarray(mask_np, bool)
+        if not mesh.empty:
+            data = mesh.shape.get("data", 1)
+            spec = P("data") if data > 1 and b % data == 0 else P()
+            toks, msk = jax.device_put(toks, spec), jax.device_put(msk, spec)
+        if stream is None:
+            return _generate_program(model, toks, msk, key, settings, None)
+        _STREAMS[id(stream)] = _InOrder(stream)
+        try:
+            out = _generate_program(model, toks, msk, key, settings, stream)
+            jax.effects_barrier()  # every token handed over before returning
+        finally:
+            _STREAMS.pop(id(stream), None)
+        return out
+
+    if jax.sharding.get_abstract_mesh().empty and (mesh := _model_mesh(model)) is not None:
+        with jax.set_mesh(mesh):
+            return run()
+    return run()

@@ -1,0 +1,161 @@
+"""A key/value cache for autoregressive decoding, and the layers' cached forward pass.
+
+The cache holds every layer's keys and values for a fixed number of columns
+(`prompt + new tokens`), stacked on a leading `"layers"` axis like `Stacked`'s
+parameters, so one `lax.scan` over layers reads and writes it. Column `c` of the cache is
+column `c` of the token buffer; a column's *position* (for RoPE and learned positions) is
+its row's count of real tokens before it, so left-padded prompts decode as if unpadded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from ._attention import Attention
+from ._block import TransformerBlock
+from ._rope import rope_frequencies
+from ._sharding import entries, sharding_spec
+
+
+class KVCache(eqx.Module):
+    """Keys and values of every layer, `[layers, batch, columns, kv_heads, head_dim]`.
+
+    - `keys`, `values`: rotated keys (RoPE applied) and values, in the compute dtype.
+    - `mask`: `[batch, columns]`, `True` where a column holds a real token (written and
+      not padding).
+    - `positions`: `[batch]`, the position of each row's next token.
+    - `index`: the next column to write (the same for every row: prompts are left-padded).
+
+    Under a mesh the batch dimension follows the tokens (`data`) and `kv_heads` follows
+    the key projection's output (`model` under tensor parallelism).
+    """
+
+    keys: Float[Array, "layers batch columns kv_heads head_dim"]
+    values: Float[Array, "layers batch columns kv_heads head_dim"]
+    mask: Bool[Array, "batch columns"]
+    positions: Int[Array, " batch"]
+    index: Int[Array, ""]
+
+    @property
+    def columns(self) -> int:
+        """How many columns the cache holds (prompt + new tokens)."""
+        return self.keys.shape[2]
+
+
+def _weight(linear) -> jax.Array:
+    """The weight of a `Linear`, or of the base of a LoRA-wrapped one."""
+    return linear.base.weight if hasattr(linear, "base") else linear.weight
+
+
+def empty_cache(
+    attention: Attention, num_layers: int, batch: int, columns: int, dtype, tokens: Int[Array, "batch seq"]
+) -> KVCache:
+    """A zero cache for `num_layers` layers shaped like `attention` (the stacked module).
+
+    Its batch dimension takes the sharding of `tokens`' batch, its `kv_heads` dimension
+    the sharding of the key projection's output dimension (unless the batch already uses
+    that mesh axis), so writing the projected keys into it moves no data.
+    """
+    shape = (num_layers, batch, columns, attention.num_kv_heads, attention.head_dim)
+    spec = sharding_spec(tokens)
+    if spec is None:
+        cache_spec = mask_spec = None
+    else:
+        batch_entry = entries(tokens)[0]
+        kv_entry = entries(_weight(attention.k_proj))[-1]
+        busy = set((batch_entry,) if isinstance(batch_entry, str) else (batch_entry or ()))
+        kv_axes = set((kv_entry,) if isinstance(kv_entry, str) else (kv_entry or ()))
+        kv_size = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in kv_axes)
+        if busy & kv_axes or attention.num_kv_heads % kv_size:
+            kv_entry = None
+        cache_spec = jax.P(None, batch_entry, None, kv_entry, None)
+        mask_spec = jax.P(batch_entry, None)
+    zeros = jnp.zeros(shape, dtype, out_sharding=cache_spec)
+    return KVCache(
+        keys=zeros,
+        values=zeros,
+        mask=jnp.zeros((batch, columns), bool, out_sharding=mask_spec),
+        positions=jnp.zeros((batch,), jnp.int32, out_sharding=None if spec is None else jax.P(entries(tokens)[0])),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def _rotate(x: Float[Array, "batch seq *heads head_dim"], positions: Int[Array, "batch seq"], attention: Attention):
+    """RoPE at per-row `positions` (`zoo.nn.apply_rope`'s half-split layout and arithmetic)."""
+    hd = x.shape[-1]
+    half = hd // 2
+    inv_freq = rope_frequencies(hd, theta=attention.rope_theta, llama3=getattr(attention, "rope_llama3", None))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, half]
+    shape = x.shape[:2] + (1,) * (x.ndim - 3) + (half,)
+    c, s = jnp.cos(angles).reshape(shape), jnp.sin(angles).reshape(shape)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def cached_attention(
+    attention: Attention,
+    x: Float[Array, "batch seq embed"],
+    keys: Float[Array, "layers batch columns kv_heads head_dim"],
+    values: Float[Array, "layers batch columns kv_heads head_dim"],
+    *,
+    layer: Int[Array, ""],
+    positions: Int[Array, "batch seq"],
+    index: Int[Array, ""],
+    allowed: Bool[Array, "batch seq columns"],
+):
+    """`attention` over `x` (columns `index … index+seq`) and every cached column.
+
+    Writes the new keys and values into layer `layer` of the stacked `keys`/`values` at
+    column `index`, then attends from each new query to the columns `allowed` marks (and,
+    with a `sliding_window`, only to the last `window` columns up to its own: the cache
+    keeps every column, the band is a mask).
+    Same arithmetic as `Attention.__call__` (scores in float32, the same softmax), so a
+    cached step equals the full forward pass on the prefix.
+
+    **Returns:** `(output [batch, seq, embed], keys, values)`.
+    """
+    b, s, _ = x.shape
+    kvh, g, hd = attention.num_kv_heads, attention.num_heads // attention.num_kv_heads, attention.head_dim
+    q = attention.q_proj(x).reshape(b, s, kvh, g, hd)
+    k = attention.k_proj(x).reshape(b, s, kvh, hd)
+    v = attention.v_proj(x).reshape(b, s, kvh, hd)
+    if attention.rope_theta is not None:
+        q, k = _rotate(q, positions, attention), _rotate(k, positions, attention)
+    zero = jnp.zeros((), jnp.int32)
+    start = (layer, zero, index, zero, zero)
+    keys = lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), start)
+    values = lax.dynamic_update_slice(values, v[None].astype(values.dtype), start)
+    k_all = lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False).astype(x.dtype)
+    v_all = lax.dynamic_index_in_dim(values, layer, 0, keepdims=False).astype(x.dtype)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k_all, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(hd)
+    window = getattr(attention, "sliding_window", None)
+    if window is not None:  # Mistral's band: a query sees the `window` columns up to its own
+        query_columns = index + jnp.arange(s)
+        allowed = allowed & (query_columns[:, None] - jnp.arange(keys.shape[2])[None, :] < window)[None]
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(x.dtype), v_all)
+    return attention.o_proj(out.reshape(b, s, attention.num_heads * hd)), keys, values
+
+
+def cached_block(block: TransformerBlock, x: Float[Array, "batch seq embed"], keys, values, **kwargs):
+    """`TransformerBlock.__call__` (inference: no dropout) with `cached_attention`.
+
+    **Returns:** `(output, keys, values)`.
+    """
+    if block.pre_norm:
+        a, keys, values = cached_attention(block.attention, block.attention_norm(x), keys, values, **kwargs)
+        h = x + a
+        return h + block.mlp(block.mlp_norm(h)), keys, values
+    a, keys, values = cached_attention(block.attention, x, keys, values, **kwargs)
+    h = block.attention_norm(x + a)
+    return block.mlp_norm(h + block.mlp(h)), keys, values
