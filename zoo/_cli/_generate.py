@@ -245,7 +245,7 @@ def cmd_generate(args) -> int:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .._rules import RULE_PRESETS
+    from .._presets import RULE_PRESETS
 
     p = sub.add_parser(
         "generate",
