@@ -8,7 +8,7 @@ from ._feedforward import ACTIVATIONS, FeedForward
 from ._linear import Linear, project
 from ._mlp import MLP, MLPBlock
 from ._norm import LayerNorm, RMSNorm
-from ._rope import apply_rope, rope_frequencies, rope_tables
+from ._rope import apply_rope, rope_angles, rope_frequencies, rope_tables
 from ._sharding import broadcast_like, contract_spec, for_use, sharding_spec
 from ._stacked import REMAT_POLICIES, Stacked
 
@@ -34,6 +34,7 @@ __all__ = [
     "fold_in",
     "project",
     "for_use",
+    "rope_angles",
     "rope_frequencies",
     "rope_tables",
     "sharding_spec",
