@@ -70,11 +70,18 @@ def write_jsonl(path, records):
 
 
 def one_step(model, loss_fn, batch):
-    """The loss of one TrainStep step on 2 devices (finite)."""
+    """The loss of one TrainStep step on 2 devices (finite), whose compiled program holds
+    one all-reduce, outside the microbatch loop."""
+    rows = len(batch["tokens"])
     with jax.set_mesh(data_mesh(2)):
         sharded = zoo.shard(model, zoo.rules("dp"), data_mesh(2))
-        step = zoo.TrainStep(loss_fn, optax.sgd(0.1))
-        _, _, loss = step(sharded, step.init(sharded), batch)
+        step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=2 if rows % 4 == 0 else 1)
+        opt_state = step.init(sharded)
+        compiled = step.compile(sharded, opt_state, batch)
+        colls = zoo.collectives(compiled)
+        assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)
+        assert zoo.count(colls, "all-reduce", in_loop=False) == 1, zoo.report(colls)
+        _, _, loss = compiled(sharded, opt_state, batch)
     assert np.isfinite(float(loss))
     return float(loss)
 
@@ -102,7 +109,7 @@ def test_txt_is_cut_into_rows_and_trains(tmp_path, key):
     w = train.arrays["weights"]
     assert np.all(w[:, 0] == 0) and np.array_equal(w[:, 1:] == 1, train.arrays["mask"][:, 1:])
     batch = next(train.batches(4, seed=0))
-    model = tiny_decoder(key, vocab_size=32, max_len=8)
+    model = tiny_decoder(key, vocab_size=32, max_len=8, positions="learned")
     loss = one_step(model, zoo.models.next_token_loss, batch)
     np.testing.assert_allclose(loss, reference_lm_loss(model, batch), rtol=1e-5)
 
@@ -137,7 +144,7 @@ def test_prompt_completion_weights_exactly_the_completion(tmp_path, key):
         {"prompt": "hello", "completion": "hi"},
         {"prompt": "is the mat red", "completion": "no the mat is blue"},
         {"prompt": "good bad", "completion": "good"},
-    ]
+    ] * 2
     path = write_jsonl(tmp_path / "sft.jsonl", records)
     train, _ = zoo.data.load(path, make_tokenizer(tmp_path / "model"), seq_len=16)
     rows = train.arrays
@@ -152,8 +159,8 @@ def test_prompt_completion_weights_exactly_the_completion(tmp_path, key):
             where = rows["segment_ids"][r] == s
             got.append((rows["tokens"][r][where].tolist(), rows["weights"][r][where].tolist()))
     assert got == expected, (got, expected)
-    assert train.arrays["tokens"].shape[1] == 16 and len(train) == 2  # packed: 4 docs in 2 rows
-    batch = next(train.batches(2, shuffle=False))
+    assert train.arrays["tokens"].shape[1] == 16 and len(train) == 4  # packed: 8 docs in 4 rows
+    batch = next(train.batches(4, shuffle=False))
     model = tiny_decoder(key, vocab_size=32, max_len=16)
     loss = one_step(model, zoo.models.next_token_loss, batch)
     # The loss is the mean over completion tokens of each document run alone.
