@@ -174,7 +174,8 @@ def test_prompt_completion_weights_exactly_the_completion(tmp_path, key):
 
 
 def test_chat_template_and_assistant_mask_match_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     folder = make_tokenizer(tmp_path / "gen", GENERATION_TEMPLATE)
     reference = transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
     template = zoo.data.ChatTemplate.from_pretrained(folder)
@@ -228,6 +229,7 @@ def test_classification_labels_and_step(tmp_path, key, suffix):
         names, labels = ("0", "1", "2"), [codes[lab] for _, lab in examples]
     train, _ = zoo.data.load(path, make_tokenizer(tmp_path / "model"), seq_len=8)
     assert train.kind == "classification" and train.label_names == names and train.num_labels == 3
+    assert zoo.data.describe(train) == f"classification: 8 rows, 3 labels {list(names)}"
     np.testing.assert_array_equal(train.arrays["labels"], labels)
     np.testing.assert_array_equal(train.arrays["tokens"][0, :4], ids("the cat sat"))
     batch = next(train.batches(4, seed=0))
@@ -284,3 +286,39 @@ def test_bad_files_get_one_line_errors(tmp_path):
         with pytest.raises(zoo.data.DataFormatError) as info:
             zoo.data.load(tmp_path / name, folder, seq_len=8)
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_packed_chat_loss_on_a_hugging_face_llama_equals_transformers(tmp_path):
+    """The path of docs/data.md on a model folder: a tiny random Llama saved by transformers
+    with the tokenizer beside it, chat data packed for it, the step's loss on 2 devices =
+    transformers' loss on the assistant tokens of each conversation run alone."""
+    import torch
+    import transformers
+
+    folder = make_tokenizer(tmp_path / "llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(folder)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS * 2])
+    train, _ = zoo.data.load(path, folder, seq_len=40)
+    assert int(train.arrays["segment_ids"].max()) >= 2  # conversations share rows
+    batch = next(train.batches(2, shuffle=False))
+    with jax.set_mesh(data_mesh(2)):
+        model = zoo.hf.from_pretrained(folder, rules=zoo.rules("dp"), mesh=data_mesh(2))
+        loss, _ = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1)).loss_and_grads(model, batch)
+    total, count = 0.0, 0.0
+    for r in range(2):
+        for s in range(1, batch["segment_ids"][r].max() + 1):
+            where = batch["segment_ids"][r] == s
+            tokens = torch.from_numpy(batch["tokens"][r][where].astype(np.int64))[None]
+            weights = torch.from_numpy(batch["weights"][r][where])[1:]
+            with torch.no_grad():
+                logits = hf(tokens).logits[0, :-1]
+            nll = torch.nn.functional.cross_entropy(logits, tokens[0, 1:], reduction="none")
+            total += float((nll * weights).sum())
+            count += float(weights.sum())
+    np.testing.assert_allclose(float(loss), total / count, rtol=1e-5)
