@@ -110,12 +110,13 @@ def _labels(records: list[dict[str, Any]]) -> tuple[np.ndarray, tuple[str, ...]]
     them) are their own ids, named `"0"…`; other labels get ids in sorted name order."""
     raw = [r["label"] for r in records]
     if all(
-        isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and re.fullmatch(r"\d+", v) for v in raw
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 or isinstance(v, str) and re.fullmatch(r"\d+", v)
+        for v in raw
     ):
         ids = np.asarray([int(v) for v in raw], np.int32)
         return ids, tuple(str(i) for i in range(int(ids.max()) + 1))
     if not all(isinstance(v, str) for v in raw):
-        bad = next(v for v in raw if not isinstance(v, str | int) or isinstance(v, bool))
+        bad = next(v for v in raw if not isinstance(v, str))
         raise DataFormatError(f"labels must be strings or non-negative integers, found {bad!r}")
     names = tuple(sorted(set(raw)))
     index = {name: i for i, name in enumerate(names)}
