@@ -117,7 +117,7 @@ def _labels(records: list[dict[str, Any]]) -> tuple[np.ndarray, tuple[str, ...]]
         return ids, tuple(str(i) for i in range(int(ids.max()) + 1))
     if not all(isinstance(v, str) for v in raw):
         bad = next(v for v in raw if not isinstance(v, str))
-        raise DataFormatError(f"labels must be strings or non-negative integers, found {bad!r}")
+        raise DataFormatError(f"labels must be all strings or all non-negative integers, found {bad!r}")
     names = tuple(sorted(set(raw)))
     index = {name: i for i, name in enumerate(names)}
     return np.asarray([index[v] for v in raw], np.int32), names
