@@ -280,7 +280,10 @@ def test_bad_files_get_one_line_errors(tmp_path):
         "cols.csv": ("sentence,label\nx,1\n", "needs a header with 'text' and 'label'"),
         "chat.jsonl": ('{"messages": [{"role": "user", "content": "hi"}]}\n', "has no chat template"),
         "bad.jsonl": ("{not json\n", "bad.jsonl line 1 is not valid JSON"),
-        "labels.jsonl": ('{"text": "a", "label": -1}\n', "labels must be all strings or all non-negative integers, found -1"),
+        "labels.jsonl": (
+            '{"text": "a", "label": -1}\n',
+            "labels must be all strings or all non-negative integers, found -1",
+        ),
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_text(content)
