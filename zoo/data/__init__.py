@@ -1,4 +1,6 @@
-"""Datasets made from real text that ships with Python: nothing is downloaded."""
+"""Data for training: a user's own files (`load`: `.txt`, `.jsonl`, `.csv`, tokenised with
+the model's tokenizer, packed, split and batched) and datasets made from real text that
+ships with Python (nothing is downloaded)."""
 
 from ._bytes import (
     ByteCorpus,
@@ -11,17 +13,28 @@ from ._bytes import (
     stdlib_code,
     stdlib_source_files,
 )
+from ._chat import ChatTemplate
+from ._dataset import Dataset, describe, load
 from ._docstrings import DOCSTRING_PACKAGES, TextClassification, stdlib_docstrings
+from ._packing import pack
+from ._records import DataFormatError, read_records
 
 __all__ = [
     "DOCSTRING_PACKAGES",
     "ByteCorpus",
+    "ChatTemplate",
+    "DataFormatError",
+    "Dataset",
     "TextClassification",
     "byte_tokens",
+    "describe",
     "english_prose",
     "fixed_windows",
+    "load",
+    "pack",
     "pydoc_topic_texts",
     "random_windows",
+    "read_records",
     "split_files",
     "stdlib_code",
     "stdlib_docstrings",

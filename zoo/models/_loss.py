@@ -27,19 +27,29 @@ def next_token_loss(model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " b
 
     **Arguments:**
 
-    - `model`: maps `tokens [batch, seq]` (and `mask=`, `key=`) to logits.
-    - `batch`: a dict with `"tokens"` `[batch, seq]`, optionally `"mask"` `[batch, seq]`
-      (`True`/1 at real tokens; a target counts when it is real) and `"dropout_key"`
-      (one PRNG key per example, turning dropout on).
+    - `model`: maps `tokens [batch, seq]` (and `mask=`, `key=`; `segment_ids=`,
+      `positions=` when the batch has them) to logits.
+    - `batch`: a dict with `"tokens"` `[batch, seq]` and optionally:
+      `"mask"` `[batch, seq]` (`True`/1 at real tokens; a target counts when it is real),
+      `"weights"` `[batch, seq]` (the weight of token `t` as a target, predicted from
+      `t - 1`; overrides `"mask"` for the loss: 0 on prompts, padding and the first token
+      of each packed document, as `zoo.data` batches hold them),
+      `"segment_ids"`, `"positions"` `[batch, seq]` (packed documents, passed to the model)
+      and `"dropout_key"` (one PRNG key per example, turning dropout on).
 
-    **Returns:** per-example sums of token losses and the number of counted targets; the
-    step divides their global sums, so the loss is the mean over every real target token.
+    **Returns:** per-example sums of weighted token losses and the sums of the weights;
+    the step divides their global sums, so the loss is the mean over every counted target
+    token.
     """
     tokens = batch["tokens"]
     mask = batch.get("mask")
-    logits = model(tokens, mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"))
+    packing = {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
+    logits = model(tokens, mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"), **packing)
     nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
-    weights = jnp.ones_like(nll) if mask is None else mask[:, 1:].astype(jnp.float32)
+    if "weights" in batch:
+        weights = batch["weights"][:, 1:].astype(jnp.float32)
+    else:
+        weights = jnp.ones_like(nll) if mask is None else mask[:, 1:].astype(jnp.float32)
     return jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
 
 

@@ -136,6 +136,8 @@ class Transformer(eqx.Module):
         tokens: Int[Array, "batch seq"],
         *,
         mask: Bool[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
     ) -> Float[Array, "batch seq {self.config.padded_vocab}"]:
         """Next-token logits.
@@ -144,8 +146,14 @@ class Transformer(eqx.Module):
 
         - `tokens`: `[batch, seq]` integer ids, `seq ≤ max_len`.
         - `mask`: optional `[batch, seq]`, `True` at real tokens (padded keys are ignored).
+        - `segment_ids`: optional `[batch, seq]` ids of the documents packed into each row
+          (`zoo.data.pack`): attention never crosses from one segment to another.
+        - `positions`: optional `[batch, seq]` positions (restarting at 0 at each packed
+          document), for RoPE or the learned position table; default `0..seq-1`.
         - `key`: one PRNG key per example (`[batch]`, see `zoo.nn.example_keys`) to turn
           dropout on; `None` for inference.
+
+        A packed row's logits equal those of each of its documents run alone.
 
         **Returns:** float32 logits `[batch, seq, padded_vocab]` (`padded_vocab` =
         `vocab_size` unless `config.vocab_multiple` pads it; padded entries are the float32
@@ -158,10 +166,13 @@ class Transformer(eqx.Module):
         h = self.token_embedding(tokens).astype(dtype)
         if self.config.embed_scale != 1.0:
             h = h * jnp.asarray(self.config.embed_scale, dtype)
-        if self.position_embedding is not None:
+        if self.position_embedding is not None and positions is not None:
+            h = h + self.position_embedding(positions).astype(dtype)
+        elif self.position_embedding is not None:
             h = h + broadcast_like(self.position_embedding.weight[:seq].astype(dtype), h)
         h = dropout(h, self.config.dropout, None if key is None else fold_in(key, EMBEDDING_STREAM))
-        h = self.layers(h, mask=mask, key=key)
+        packing = {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        h = self.layers(h, mask=mask, key=key, **packing)
         h = self.final_norm(h)
         logits = self.token_embedding.attend(h) if self.lm_head is None else self.lm_head(h)
         logits = logits.astype(jnp.float32)

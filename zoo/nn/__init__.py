@@ -9,7 +9,7 @@ from ._inputs import place_inputs
 from ._linear import Linear, project
 from ._mlp import MLP, MLPBlock
 from ._norm import LayerNorm, RMSNorm
-from ._rope import apply_rope, rope_frequencies, rope_tables
+from ._rope import apply_rope, rope_angles, rope_frequencies, rope_tables
 from ._sharding import broadcast_like, contract_spec, for_use, sharding_spec
 from ._stacked import REMAT_POLICIES, Stacked
 
@@ -36,6 +36,7 @@ __all__ = [
     "project",
     "for_use",
     "place_inputs",
+    "rope_angles",
     "rope_frequencies",
     "rope_tables",
     "sharding_spec",

@@ -7,11 +7,11 @@ import math
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._dropout import ExampleKeys, dropout, fold_in
 from ._linear import Linear
-from ._rope import apply_rope, rope_tables
+from ._rope import apply_rope, rope_angles, rope_tables
 
 
 class Attention(eqx.Module):
@@ -104,6 +104,8 @@ class Attention(eqx.Module):
         x: Float[Array, "batch seq embed"],
         *,
         mask: Bool[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
     ) -> Float[Array, "batch seq embed"]:
         """Attend over `x`.
@@ -113,6 +115,10 @@ class Attention(eqx.Module):
         - `x`: `[batch, seq, embed]` activations.
         - `mask`: `[batch, seq]`, `True` at real tokens; keys at `False` (padding) are
           never attended to.
+        - `segment_ids`: `[batch, seq]` document ids of packed rows: a query attends only
+          to keys of its own segment (`None`: one segment per row).
+        - `positions`: `[batch, seq]` RoPE positions (restarting at each packed document);
+          `None`: `0..seq-1`.
         - `key`: one PRNG key per example (`[batch]`) for attention dropout, or `None`.
 
         **Returns:** `[batch, seq, embed]`, in `x`'s dtype.
@@ -125,7 +131,10 @@ class Attention(eqx.Module):
         k = self.k_proj(x, key=keys[2]).reshape(b, s, kvh, hd)
         v = self.v_proj(x, key=keys[3]).reshape(b, s, kvh, hd)
         if self.rope_theta is not None:
-            cos, sin = rope_tables(s, hd, theta=self.rope_theta, llama3=self.rope_llama3)
+            if positions is None:
+                cos, sin = rope_tables(s, hd, theta=self.rope_theta, llama3=self.rope_llama3)
+            else:
+                cos, sin = rope_angles(positions, hd, theta=self.rope_theta, llama3=self.rope_llama3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(hd)
@@ -134,6 +143,9 @@ class Attention(eqx.Module):
             allowed = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
             if self.sliding_window is not None:
                 allowed = allowed & (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < self.sliding_window)
+        if segment_ids is not None:
+            same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+            allowed = same if allowed is None else allowed & same
         if mask is not None:
             keys_ok = mask.astype(bool)[:, None, None, None, :]
             allowed = keys_ok if allowed is None else allowed & keys_ok

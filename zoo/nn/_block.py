@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import equinox as eqx
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from ._attention import Attention
 from ._dropout import ExampleKeys, dropout, fold_in
@@ -50,16 +50,20 @@ class TransformerBlock(eqx.Module):
         x: Float[Array, "batch seq embed"],
         *,
         mask: Bool[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
     ) -> Float[Array, "batch seq embed"]:
-        """Apply the layer. `mask`: `True` at real tokens; `key`: per-example keys or `None`."""
+        """Apply the layer. `mask`: `True` at real tokens; `segment_ids`, `positions`: packed
+        documents (see `Attention`); `key`: per-example keys or `None`."""
+        packing = {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
         keys = [None] * 4 if key is None else [fold_in(key, i) for i in range(4)]
 
         def drop(h, k):
             return dropout(h, self.dropout_rate, k)
 
         if self.pre_norm:
-            h = x + drop(self.attention(self.attention_norm(x), mask=mask, key=keys[0]), keys[1])
+            h = x + drop(self.attention(self.attention_norm(x), mask=mask, key=keys[0], **packing), keys[1])
             return h + drop(self.mlp(self.mlp_norm(h), key=keys[3]), keys[2])
-        h = self.attention_norm(x + drop(self.attention(x, mask=mask, key=keys[0]), keys[1]))
+        h = self.attention_norm(x + drop(self.attention(x, mask=mask, key=keys[0], **packing), keys[1]))
         return self.mlp_norm(h + drop(self.mlp(h, key=keys[3]), keys[2]))

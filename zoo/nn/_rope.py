@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 
 def rope_frequencies(
@@ -42,18 +42,35 @@ def rope_tables(
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def rope_angles(
+    positions: Int[Array, "batch seq"],
+    head_dim: int,
+    *,
+    theta: float = 10000.0,
+    llama3: tuple[float, float, float, int] | None = None,
+) -> tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]:
+    """`(cos, sin)` as `rope_tables`, at given per-row `positions` `[batch, seq]` (packed
+    documents whose positions restart at 0)."""
+    inv_freq = rope_frequencies(head_dim, theta=theta, llama3=llama3)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(
     x: Float[Array, "batch seq *heads head_dim"],
-    cos: Float[Array, "seq half"],
-    sin: Float[Array, "seq half"],
+    cos: Float[Array, "*rows seq half"],
+    sin: Float[Array, "*rows seq half"],
 ) -> Float[Array, "batch seq *heads head_dim"]:
     """Rotate each pair `(x[i], x[i + head_dim/2])` of every head by its position's angle.
+
+    `cos`/`sin`: `[seq, half]` (every row at positions `0..seq-1`) or `[batch, seq, half]`
+    (per-row positions, `rope_angles`).
 
     Computed in float32, returned in `x`'s dtype.
     """
     half = x.shape[-1] // 2
     extra = x.ndim - 3  # head dims between seq and head_dim
-    shape = (1, x.shape[1]) + (1,) * extra + (half,)
+    shape = (x.shape[0] if cos.ndim == 3 else 1, x.shape[1]) + (1,) * extra + (half,)
     c, s = cos.reshape(shape), sin.reshape(shape)
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]

@@ -1,0 +1,247 @@
+"""A user's data file as batches for `zoo.TrainStep`: tokenised with the model's own
+tokenizer, packed, split, shuffled by seed, each process reading only its rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._distributed import local_rows
+from ..hf._files import read_json
+from ..hf._tokenizer import Tokenizer
+from ._chat import ChatTemplate
+from ._packing import Document, pack
+from ._records import DataFormatError, Kind, read_records
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Rows of one data file, ready to batch.
+
+    **Fields:**
+
+    - `arrays`: numpy arrays with one leading row per example. Language modelling
+      (`kind` `"text"`, `"prompt_completion"`, `"chat"`): `"tokens"`, `"mask"`,
+      `"segment_ids"`, `"positions"`, `"weights"` `[rows, seq_len]` (what
+      `zoo.models.next_token_loss` reads). Classification: `"tokens"`, `"mask"`,
+      `"token_types"` `[rows, seq_len]` and `"labels"` `[rows]` (what
+      `zoo.models.classification_loss` reads).
+    - `kind`: the file's format.
+    - `label_names`: classification only: the name of each label id.
+    - `truncated`: how many documents were longer than `seq_len` and cut (prompt /
+      completion and chat are truncated, plain text is split into pieces).
+    """
+
+    arrays: dict[str, np.ndarray]
+    kind: Kind
+    label_names: tuple[str, ...] | None = None
+    truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    @property
+    def num_labels(self) -> int | None:
+        """Classification: the number of labels; else `None`."""
+        return None if self.label_names is None else len(self.label_names)
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        mesh: jax.sharding.Mesh | None = None,
+        data_axes: str | tuple[str, ...] = "data",
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """One epoch of batches: dicts of numpy arrays, this process's rows only.
+
+        **Arguments:**
+
+        - `batch_size`: the global batch size (rows over every process).
+        - `seed`, `epoch`: the shuffle is a permutation drawn from `(seed, epoch)`, the
+          same on every process and every run.
+        - `shuffle`: `False` keeps the file's order.
+        - `mesh`, `data_axes`: with several processes, which rows of each global batch
+          this process holds (`zoo.local_rows`; default: the mesh set by `jax.set_mesh`).
+
+        **Returns:** an iterator of `len(self) // batch_size` batches (the last partial
+        batch is dropped: the step compiles for one shape). Pass each to
+        `zoo.global_batch` (several processes) or straight to `zoo.TrainStep`.
+        """
+        if batch_size < 1 or batch_size > len(self):
+            raise ValueError(f"batch_size must be between 1 and the {len(self)} rows of the dataset, got {batch_size}")
+        order = np.random.default_rng([seed, epoch]).permutation(len(self)) if shuffle else np.arange(len(self))
+        mine = local_rows(batch_size, mesh, data_axes) if jax.process_count() > 1 else slice(0, batch_size)
+        for b in range(len(self) // batch_size):
+            rows = order[b * batch_size : (b + 1) * batch_size][mine]
+            yield {name: array[rows] for name, array in self.arrays.items()}
+
+
+def _held_out(keys: list[bytes], fraction: float) -> np.ndarray:
+    """Which documents are held out: the `round(fraction * n)` (at least 1 when
+    `fraction > 0` and there are 2 or more) with the smallest content hashes, so the split
+    depends only on the documents, not on their order or a seed."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"validation must be a fraction in [0, 1), got {fraction}")
+    n = len(keys)
+    count = round(fraction * n)
+    if fraction > 0 and n >= 2:
+        count = min(max(count, 1), n - 1)
+    ranks = np.argsort([hashlib.sha256(k).digest() for k in keys], kind="stable")
+    held = np.zeros(n, bool)
+    held[ranks[:count]] = True
+    return held
+
+
+def _labels(records: list[dict[str, Any]]) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Label ids and names: integer labels (ints, or strings of digits as a `.csv` holds
+    them) are their own ids, named `"0"…`; other labels get ids in sorted name order."""
+    raw = [r["label"] for r in records]
+    if all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 or isinstance(v, str) and re.fullmatch(r"\d+", v)
+        for v in raw
+    ):
+        ids = np.asarray([int(v) for v in raw], np.int32)
+        return ids, tuple(str(i) for i in range(int(ids.max()) + 1))
+    if not all(isinstance(v, str) for v in raw):
+        bad = next(v for v in raw if not isinstance(v, str))
+        raise DataFormatError(f"labels must be all strings or all non-negative integers, found {bad!r}")
+    names = tuple(sorted(set(raw)))
+    index = {name: i for i, name in enumerate(names)}
+    return np.asarray([index[v] for v in raw], np.int32), names
+
+
+def _special_id(tokenizer: Tokenizer, folder: Path | None, name: str) -> int | None:
+    if folder is None:
+        return None
+    value = (read_json(folder / "tokenizer_config.json") or {}).get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return tokenizer.tokenizer.token_to_id(value) if isinstance(value, str) else None
+
+
+def load(
+    path: str | os.PathLike,
+    tokenizer: Tokenizer | str | os.PathLike,
+    *,
+    seq_len: int,
+    packed: bool = True,
+    validation: float = 0.0,
+    chat_template: ChatTemplate | None = None,
+    eos_id: int | None = None,
+) -> tuple[Dataset, Dataset]:
+    """A data file as `(train, validation)` datasets, tokenised with a model's tokenizer.
+
+    **Arguments:**
+
+    - `path`: the data file: `.txt` (the whole text, cut into rows), `.jsonl` with
+      `"text"`, `"prompt"`/`"completion"`, `"messages"` (chat) or `"text"`/`"label"`, or
+      `.csv` with `text`/`label` columns (see docs/data.md).
+    - `tokenizer`: a model folder (its `tokenizer.json`, `tokenizer_config.json`,
+      `chat_template.jinja`) or a `zoo.hf.Tokenizer`.
+    - `seq_len`: tokens per row.
+    - `packed`: pack several short documents into each row (segment ids keep them
+      apart); `False`: one document per row.
+    - `validation`: the fraction of documents held out, chosen by content hash.
+    - `chat_template`: overrides the folder's template (needed for chat data when
+      `tokenizer` is a `Tokenizer`).
+    - `eos_id`: the end-of-sequence id appended to each completion (default: the
+      folder's `eos_token`; none when unknown).
+
+    **Returns:** `(train, validation)`; `validation` has no rows when `validation=0`.
+    Raises `DataFormatError` for a file zoo cannot read.
+    """
+    folder = None
+    if not isinstance(tokenizer, Tokenizer):
+        folder = Path(tokenizer)
+        tokenizer = Tokenizer.from_pretrained(folder)
+        if chat_template is None:
+            chat_template = ChatTemplate.from_pretrained(folder)
+    if eos_id is None:
+        eos_id = _special_id(tokenizer, folder, "eos_token")
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2 (a token and its successor), got {seq_len}")
+    kind, records = read_records(path)
+    if kind == "classification":
+        ids, names = _labels(records)
+        held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
+        arrays = tokenizer([str(r["text"]) for r in records], max_len=seq_len, pad_to=seq_len)
+        arrays["labels"] = ids
+        return tuple(
+            Dataset({k: v[rows] for k, v in arrays.items()}, kind, label_names=names) for rows in (~held, held)
+        )
+    rust = tokenizer.tokenizer
+    rust.no_truncation()  # `Tokenizer.__call__` leaves its last truncation switched on
+    documents: list[Document] = []
+    keys: list[bytes] = []
+    truncated = 0
+    if kind == "text":
+        for r in records:
+            ids = np.asarray(rust.encode(str(r["text"])).ids, np.int32)
+            # A long text is cut into pieces of seq_len (a .txt is one long text).
+            for start in range(0, len(ids), seq_len):
+                piece = ids[start : start + seq_len]
+                documents.append((piece, np.ones(len(piece), np.float32)))
+                keys.append(piece.tobytes())
+    for r in records if kind != "text" else ():
+        if kind == "prompt_completion":
+            prompt = rust.encode(str(r["prompt"])).ids
+            completion = rust.encode(str(r["completion"]), add_special_tokens=False).ids
+            completion += [] if eos_id is None else [eos_id]
+            ids = np.asarray(prompt + completion, np.int32)
+            weights = np.concatenate([np.zeros(len(prompt), np.float32), np.ones(len(completion), np.float32)])
+        else:
+            if chat_template is None:
+                raise DataFormatError(
+                    f"{str(path)!r} holds chat messages but the tokenizer has no chat template; pass a model folder whose "
+                    "tokenizer_config.json has chat_template (or chat_template.jinja), or chat_template="
+                )
+            text, spans = chat_template.assistant_spans(r["messages"])
+            encoding = rust.encode(text, add_special_tokens=False)
+            ids = np.asarray(encoding.ids, np.int32)
+            weights = np.zeros(len(ids), np.float32)
+            # Every token overlapping an assistant span (transformers' return_assistant_tokens_mask
+            # marks the tokens of a span's first and last characters and those between:
+            # the same tokens, also when a span starts or ends on whitespace no token holds).
+            offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+            for start, end in spans:
+                weights[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1.0
+        if len(ids) > seq_len:
+            truncated += 1
+            ids, weights = ids[:seq_len], weights[:seq_len]
+        documents.append((ids, weights))
+        keys.append(json.dumps(r, sort_keys=True).encode())
+    held = _held_out(keys, validation)
+    return tuple(
+        Dataset(
+            pack([d for d, h in zip(documents, held) if h == side], seq_len, pad_id=tokenizer.pad_id, packed=packed),
+            kind,
+            truncated=truncated,
+        )
+        for side in (False, True)
+    )
+
+
+def describe(dataset: Dataset) -> str:
+    """One line about a dataset: its format, rows and (language modelling) how many
+    tokens carry loss, or (classification) its labels."""
+    if dataset.label_names is not None:
+        return f"{dataset.kind}: {len(dataset)} rows, {dataset.num_labels} labels {list(dataset.label_names)}"
+    weights = dataset.arrays["weights"]
+    fill = dataset.arrays["mask"].mean() if len(dataset) else 0.0
+    return (
+        f"{dataset.kind}: {len(dataset)} rows, {int(weights.sum())} target tokens, {math.floor(100 * fill)}% of row "
+        f"tokens real, {dataset.truncated} truncated"
+    )
