@@ -81,6 +81,7 @@ REFERENCE_ACTIVATIONS = {
     "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),  # GPT-2's
     "relu": lambda x: np.maximum(x, 0.0),
     "swiglu": lambda x: x / (1 + np.exp(-x)) * x,
+    "geglu": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))) * x,  # Gemma's
 }
 
 
