@@ -244,13 +244,21 @@ def checkpoint_dir(s: dict[str, Any], output: Path) -> Path:
 
 def check_checkpoints(s: dict[str, Any], output: Path) -> None:
     """--resume needs a checkpoint before --steps; a run without it must not write into a
-    folder of checkpoints (it would mix two runs). Checked before anything is written."""
+    folder of checkpoints or of another run's outputs (it would mix two runs), unless
+    --overwrite. Checked (read-only) once the folder's lock is held, before anything is
+    written."""
+    from ._lock import previous_outputs, remove_outputs
+
     folder = checkpoint_dir(s, output)
     saved = []
     if folder.is_dir():
         import zoo
 
-        saved = zoo.Checkpointer(folder).steps()
+        # Read-only: opening it for writing would delete the temporary folders of saves in flight.
+        saved = zoo.Checkpointer(folder, read_only=True).steps()
+    if s.get("overwrite") and not s["resume"]:
+        remove_outputs(output, folder)
+        return
     if s["resume"]:
         if not saved:
             raise CLIError(
@@ -265,7 +273,12 @@ def check_checkpoints(s: dict[str, Any], output: Path) -> None:
     elif saved:
         raise CLIError(
             f"{folder} already holds checkpoints (steps {saved}); pass --resume to continue from them, "
-            "or choose another --output or --checkpoint-dir"
+            "--overwrite to replace that run, or choose another --output or --checkpoint-dir"
+        )
+    elif previous_outputs(output):
+        raise CLIError(
+            f"--output {output} already holds another run's outputs ({', '.join(previous_outputs(output))}); "
+            "pass --overwrite to replace them, or choose another --output"
         )
 
 

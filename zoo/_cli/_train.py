@@ -55,7 +55,7 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 _COMMON = dict(
     devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
     schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=0, eval_size=0,
-    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, init=None, data=None, quiet=False,
+    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, overwrite=False, init=None, data=None, quiet=False,
     debug=False,
 )  # fmt: skip
 _FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
@@ -144,7 +144,8 @@ def _output_dir(s: dict[str, Any], command: str) -> Path:
 def _config_json(s: dict[str, Any]) -> dict[str, Any]:
     """The flags as `--config` reads them back (internal values left out)."""
     # The process flags belong to one launch, not to the run: --config must not replay them.
-    return {k: v for k, v in s.items() if k not in ("model_config_values", *_PROCESS_FLAGS)}
+    # --overwrite too: replaying a run's config.json must not delete that run.
+    return {k: v for k, v in s.items() if k not in ("model_config_values", "overwrite", *_PROCESS_FLAGS)}
 
 
 def _title(command: str, s: dict[str, Any]) -> str:
@@ -203,10 +204,17 @@ def execute(s: dict[str, Any], command: str, *, title: str | None = None):
     s["devices"], s["mesh"] = devices, mesh_text(mesh_shape)
     check_layout(s, mesh_shape, devices)
     output = _output_dir(s, command)
-    check_checkpoints(s, output)
-    # config.json is written once the model is built: a run that fails before leaves no folder.
-    return run(s, command=command, devices=devices, mesh_shape=mesh_shape, output=output,
-               title=title or _title(command, s), config=_config_json(s))  # fmt: skip
+    import zoo
+
+    from ._lock import run_lock
+    from ._run import checkpoint_dir
+
+    # One run per folder, held before anything is read or written there. config.json is
+    # written once the model is built: a run that fails before leaves no folder.
+    with run_lock(output, checkpoint_dir(s, output), main=zoo.is_main_process()):
+        check_checkpoints(s, output)
+        return run(s, command=command, devices=devices, mesh_shape=mesh_shape, output=output,
+                   title=title or _title(command, s), config=_config_json(s))  # fmt: skip
 
 
 def cmd_train(args) -> int:
@@ -344,6 +352,9 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to --steps "
                    "(default no)")
+    g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
+                   help="replace the outputs and checkpoints of an earlier run in --output (default no: such a "
+                   "folder is refused; --resume continues it instead)")
     g.add_argument("--config", metavar="FILE",
                    help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
                    "batch_size; model for the model); flags on the command line win. A run's config.json is one")

@@ -1,0 +1,136 @@
+"""Run safety: what a new user's mistakes do to `zoo train` (docs/reliability.md).
+
+One folder, one run (an OS lock; a folder holding another run refused without --resume or
+--overwrite); numbers checked before any work; a diverging run stopped with its last good
+checkpoint kept. Most cases call the CLI's `main` in-process (cheap: this process already
+has jax and its caches); a subprocess only where a fresh process matters (two live runs).
+"""
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
+TINY = ["--devices", "2", "--steps", "3", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--quiet"]
+
+
+def zoo_main(*args) -> tuple[int, str, str]:
+    """`zoo ARGS` in-process: (exit code, stdout, stderr); argparse's exits become codes."""
+    from zoo._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def one_line_error(rc: int, err: str, message: str, code: int = 2) -> None:
+    assert rc == code, (rc, err)
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def train_rows(folder: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "train"]
+
+
+# --- one run per folder ----------------------------------------------------------------------
+
+
+def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
+    """Two real `python -m zoo train` into one folder: the second (even with --overwrite)
+    is refused with one line while the first trains, and the first ends intact."""
+    out = tmp_path / "run"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    first_flags = ["--devices", "2", "--steps", "600", "--batch-size", "8", "--microbatches", "1",
+                   "--eval-size", "16", "--checkpoint-every", "200", "--quiet", "--output", str(out)]  # fmt: skip
+    first = subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *first_flags], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / ".zoo.lock").exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        assert (out / ".zoo.lock").exists(), first.communicate()
+        second = subprocess.run(
+            [sys.executable, "-m", "zoo", "train", "mlp", *TINY, "--output", str(out), "--overwrite"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert first.poll() is None, "the first run ended before the second tried: the test proved nothing"
+        one_line_error(second.returncode, second.stderr, f"--output {out} is in use by another zoo run (pid {first.pid}")
+        stdout, stderr = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr
+    assert "loss fell" in stdout
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 601))
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [200, 400, 600]
+    assert json.loads((out / "config.json").read_text())["steps"] == 600
+
+
+def test_a_held_lock_refuses_in_process_and_is_released_after_a_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".zoo.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+        one_line_error(rc, err, "is in use by another zoo run")
+    assert not (out / "config.json").exists()
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    assert rc == 0, err
+    with open(out / ".zoo.lock") as f:  # the finished run let go of it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_folder_with_outputs_is_refused_without_overwrite(tmp_path):
+    """A folder with another run's outputs but no checkpoints is not silently replaced;
+    --overwrite replaces it (the old files gone), --resume needs checkpoints."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text('{"model": "someone else\'s"}')
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    one_line_error(rc, err, f"--output {out} already holds another run's outputs (config.json, metrics.jsonl); "
+                   "pass --overwrite")  # fmt: skip
+    assert "someone else" in (out / "config.json").read_text()
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--overwrite")
+    assert rc == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"] == "mlp" and "overwrite" not in config  # replaying config.json never deletes
+    assert [r["step"] for r in train_rows(out)] == [1, 2, 3]
+
+
+def test_a_failed_start_leaves_no_folder(tmp_path):
+    out = tmp_path / "never"
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--model-config", "depth=2,colour=3")
+    one_line_error(rc, err, "unknown mlp keys ['colour']")
+    assert not out.exists()
+
+
+def test_probing_a_checkpoint_folder_is_read_only(tmp_path):
+    """A refused run must not touch the folder it probes: an in-flight save's temporary
+    folder (what another process is writing) survives."""
+    out = tmp_path / "run"
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    assert rc == 0, err
+    in_flight = out / "checkpoints" / "5.orbax-checkpoint-tmp-1234"
+    in_flight.mkdir()
+    (in_flight / "data").write_text("half written")
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    one_line_error(rc, err, "already holds checkpoints (steps [3]); pass --resume to continue from them, --overwrite")
+    assert (in_flight / "data").read_text() == "half written"
