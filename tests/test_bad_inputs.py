@@ -134,3 +134,106 @@ def test_probing_a_checkpoint_folder_is_read_only(tmp_path):
     rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
     one_line_error(rc, err, "already holds checkpoints (steps [3]); pass --resume to continue from them, --overwrite")
     assert (in_flight / "data").read_text() == "half written"
+
+
+# --- numbers checked before any work -----------------------------------------------------------
+
+# (flags after `zoo train mlp`, the one line's text). Each fails before devices start.
+BAD_NUMBERS = [
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-0.1"], "--lr must be a finite number > 0, got -0.1"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0, got -1.0"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
+    (["--clip", "-1"], "--clip must be a finite number >= 0, got -1.0"),
+    (["--clip", "nan"], "--clip must be a finite number >= 0, got nan"),
+    (["--clip", "inf"], "--clip must be a finite number >= 0, got inf"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--steps", "-3"], "--steps must be >= 1, got -3"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+    (["--keep", "0"], "--keep must be >= 1, got 0"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0, got -1"),
+    (["--checkpoint-every", "-2"], "--checkpoint-every must be >= 0, got -2"),
+    (["--warmup", "5", "--steps", "5"], "--warmup must be in [0, --steps 5), got 5"),
+    (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+    (["--process-id", "-1"], "--process-id must be >= 0, got -1"),
+    (["--devices", "0"], "--devices must be >= 1, got 0"),
+    (["--model-config", "width=0"], "--model-config width=0: width must be an integer >= 1, e.g. width=64"),
+    (["--model-config", "width=abc"], "--model-config width=abc: width must be an integer >= 1"),
+    (["--model-config", "depth=-5"], "--model-config depth=-5: depth must be an integer >= 1"),
+    (["--model-config", "width=2.5"], "--model-config width=2.5: width must be an integer >= 1"),
+    (["--model-config", "width=true"], "--model-config width=True: width must be an integer >= 1"),
+    (["--model-config", "width=64,width=32"], "key 'width' appears twice"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_NUMBERS, ids=[" ".join(f) for f, _ in BAD_NUMBERS])
+def test_bad_numbers_are_one_line_before_any_work(tmp_path, flags, message):
+    rc, out, err = zoo_main("train", "mlp", *flags, "--output", tmp_path / "run")
+    one_line_error(rc, err, message)
+    assert not (tmp_path / "run").exists() and out == ""
+
+
+BAD_TRANSFORMER_CONFIGS = [
+    ("dropout=1.5", "dropout is a probability in [0, 1)"),
+    ("dropout=nan", "dropout must be a finite number"),
+    ("attention_dropout=-0.1", "attention_dropout is a probability in [0, 1)"),
+    ("d_model=0", "d_model must be an integer >= 1"),
+    ("num_heads=two", "num_heads must be an integer >= 1"),
+    ("norm_eps=0", "norm_eps must be > 0"),
+    ("init_std=inf", "init_std must be a finite number"),
+    ("max_len=-1", "max_len must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("config, message", BAD_TRANSFORMER_CONFIGS, ids=[c for c, _ in BAD_TRANSFORMER_CONFIGS])
+def test_bad_model_config_values_name_the_key(config, message):
+    rc, _, err = zoo_main("train", "transformer", "--devices", "2", "--model-config", config)
+    one_line_error(rc, err, f"--model-config {config.split('=')[0]}=")
+    assert message in err, err
+
+
+def test_bad_numbers_in_a_config_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text('{"model": "mlp", "lr": NaN}')  # Python's json reads NaN
+    rc, _, err = zoo_main("train", "--config", path)
+    one_line_error(rc, err, "--lr must be a finite number > 0, got nan")
+
+
+# --- a diverging run ---------------------------------------------------------------------------
+
+# sgd at lr 1e30 without clipping: step 1's loss is finite, step 2's is inf.
+DIVERGE = ["--devices", "2", "--steps", "5", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+           "--quiet", "--optimizer", "sgd", "--clip", "0", "--lr", "1e30", "--warmup", "0", "--schedule", "constant",
+           "--checkpoint-every", "1"]  # fmt: skip
+
+
+def test_a_diverging_run_stops_with_exit_3_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = zoo_main("train", "mlp", *DIVERGE, "--output", out)
+    one_line_error(rc, err, f"step 2: the training loss is inf: training stopped, nothing saved from it; the last "
+                   f"good checkpoint is step 1 in {out / 'checkpoints'}", code=3)  # fmt: skip
+    assert "--skip-nonfinite" in err
+    import zoo
+
+    ckpt = zoo.Checkpointer(out / "checkpoints", read_only=True)
+    assert ckpt.steps() == [1]  # the in-flight save of step 1 finished; nothing after it
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] > 0 and rows[1]["loss"] is None
+    assert not (out / "summary.json").exists()
+
+
+def test_skip_nonfinite_skips_and_counts_the_steps(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = zoo_main("train", "mlp", *DIVERGE, "--output", out, "--skip-nonfinite")
+    assert rc == 0, err
+    rows = train_rows(out)
+    assert [r["skipped"] for r in rows] == [0, 1, 2, 3, 4]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_nonfinite_steps"] == 4
+    assert json.loads((out / "config.json").read_text())["skip_nonfinite"] is True

@@ -13,7 +13,16 @@ from typing import Any
 
 
 class CLIError(Exception):
-    """A user mistake: printed as one line with the fix, no traceback."""
+    """A user mistake: printed as one line with the fix, no traceback; exit code 2."""
+
+    exit_code = 2
+
+
+class RunStopped(CLIError):
+    """A run that stopped itself (its loss or weights went non-finite): one line, exit
+    code 3, the last good checkpoint kept."""
+
+    exit_code = 3
 
 
 # XLA options for programs compiled once and run once (inspected steps, initialisers): no

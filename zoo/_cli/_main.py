@@ -53,7 +53,8 @@ def _parse(parser, commands, argv) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zoo` console script: exit 0 on success, 2 on a usage error
-    (one line on stderr), 1 when the demo's loss did not fall, 130 when interrupted."""
+    (one line on stderr), 1 when the demo's loss did not fall, 3 when a run stopped because
+    its loss or weights went non-finite, 130 when interrupted."""
     parser, commands = build_parsers()
     args = _parse(parser, commands, argv)
     debug = bool(getattr(args, "debug", False))
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"zoo: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         if debug:
             raise

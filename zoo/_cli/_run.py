@@ -17,6 +17,7 @@ from typing import Any
 
 from ._common import (
     CLIError,
+    RunStopped,
     check_rules_fit_mesh,
     collective_summary,
     make_mesh,
@@ -335,6 +336,11 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             s["optimizer"], s["lr"], steps, warmup=s["warmup"], schedule=s["schedule"],
             weight_decay=s["weight_decay"], clip=s["clip"],
         )  # fmt: skip
+        if s.get("skip_nonfinite"):
+            import optax
+
+            # A step whose gradients hold a NaN/inf leaves the weights and moments as they were.
+            optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=steps + 1)
         step = zoo.TrainStep(
             task.loss_fn, optimizer, microbatches=m, trainable=trainable, mode=s["mode"], preset=s["rules"]
         )
@@ -440,19 +446,48 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         last = time.perf_counter()
         train_t0 = last
         pending: tuple[int, Any] | None = None
+        skip = bool(s.get("skip_nonfinite"))
+        skipped = 0
+        last_saved = start or None  # the last good checkpoint: a resumed run's own
+
+        def stop(why: str) -> RunStopped:
+            metrics.close()
+            progress.close()
+            if checkpointer is not None:  # the last good save may still be in flight
+                checkpointer.wait()
+                checkpointer.close()
+            kept = (f"the last good checkpoint is step {last_saved} in {ckpt_dir}" if last_saved
+                    else "no checkpoint was saved")  # fmt: skip
+            return RunStopped(
+                f"{why}: training stopped, nothing saved from it; {kept}. Lower --lr (now {s['lr']:g}), "
+                "keep --clip > 0, or pass --skip-nonfinite to skip such steps"
+            )
+
+        def check_weights(i: int) -> None:
+            """Before a save: a non-finite gradient can leave NaN weights under a finite loss."""
+            if not _all_finite(step.partition(model)[0]):
+                raise stop(f"step {i}: the weights hold NaN or inf")
 
         def record(i: int, loss) -> None:
-            nonlocal last
+            nonlocal last, skipped
             value = float(loss)  # waits for step i
             now = time.perf_counter()
             rate_ex = bsz / max(now - last, 1e-9)
             last = now
-            losses.append(value)
+            finite = math.isfinite(value)
+            if finite:
+                losses.append(value)
+            elif skip:
+                skipped += 1
             row = {"kind": "train", "step": i, "loss": value, "examples_per_s": rate_ex}
             if task.unit == "tokens":
                 row["tokens_per_s"] = rate_ex * unit_per_example
             row |= {"lr": lr_at(i - 1), "elapsed": now - elapsed0}
+            if skip:
+                row["skipped"] = skipped  # steps skipped so far
             metrics.write(row)
+            if not finite and not skip:
+                raise stop(f"step {i}: the training loss is {value}")
             progress.update(i, value, rate_ex * unit_per_example)
 
         evals: list[dict[str, Any]] = []
@@ -474,10 +509,13 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
                 progress.note(f"step {i}: eval loss {ev['loss']:.4f}" + _acc_text(ev))
                 last = time.perf_counter()  # evaluation time is not training throughput
             if due_ckpt and i != steps:
+                check_weights(i)
                 checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
                                   metadata={"step": i, "model": s["model"]})  # fmt: skip
+                last_saved = i
         if pending is not None:
             record(*pending)
+        check_weights(steps)
         progress.close()
         train_s = time.perf_counter() - train_t0
 
@@ -542,6 +580,7 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         "loss_fell": fell,
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
+        "skipped_nonfinite_steps": skipped if skip else None,
         "parameters": base_params,
         "model_bytes": base_bytes,
         "trainable_parameters": tree_size(step.partition(model)[0]),
@@ -576,6 +615,16 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         write_json(output / "summary.json", summary)
         _print_summary(say, summary, task, colls, output, lcfg)
     return RunResult(summary, output)
+
+
+def _all_finite(tree) -> bool:
+    """Whether every float leaf of `tree` is free of NaN and inf (one device reduction)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
+    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs])))(leaves))
 
 
 def _plain(ev: dict[str, Any]) -> dict[str, Any]:

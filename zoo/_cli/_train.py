@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 _COMMON = dict(
     devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
     schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=0, eval_size=0,
-    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, overwrite=False, init=None, data=None, quiet=False,
+    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False,
     debug=False,
 )  # fmt: skip
 _FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
@@ -93,8 +94,7 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for name in ("probe", "eval_every", "eval_size", "checkpoint_every"):
         if s[name] < 0:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 0, got {s[name]}")
-    if not s["lr"] > 0:
-        raise CLIError(f"--lr must be > 0, got {s['lr']}")
+    _check_numbers(s)
     if s["seq_len"] is not None and s["seq_len"] < 2:
         raise CLIError(f"--seq-len must be >= 2, got {s['seq_len']}")
     if s["warmup"] is None:
@@ -103,6 +103,7 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
         raise CLIError(f"--warmup must be in [0, --steps {s['steps']}), got {s['warmup']}")
     pairs = parse_pairs(s["model_config"], "--model-config", "d_model=64,num_layers=2") if s["model_config"] else {}
     s["model_config_values"] = {k: parse_scalar(v) for k, v in pairs.items()}
+    check_model_config(model, s["model_config_values"])
     if model == "minilm" and s["init"] is None and s["model_config_values"].keys() - {"dropout", "attention_dropout", "remat", "dtype"}:
         raise CLIError(
             "--model-config: the pretrained MiniLM's shape is fixed; only dropout, attention_dropout and remat "
@@ -127,6 +128,56 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     if model == "mlp" and s["dtype"] != "float32":
         raise CLIError("--dtype: the mlp computes in float32 only; drop --dtype")
     return s
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_numbers(s: dict[str, Any]) -> None:
+    """Every float flag finite and in range, the seed and process flags non-negative: a NaN
+    or infinite rate trains to NaN weights without a word."""
+    for name, low, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("clip", 0.0, False)):
+        value = s[name]
+        if not (math.isfinite(value) and (value > low if strict else value >= low)):
+            bound = "> 0" if strict else ">= 0"
+            raise CLIError(f"{_flag(name)} must be a finite number {bound}, got {value}")
+    if s["seed"] < 0:
+        raise CLIError(f"--seed must be >= 0, got {s['seed']}")
+    if s["num_processes"] is not None and s["num_processes"] < 1:
+        raise CLIError(f"--num-processes must be >= 1, got {s['num_processes']}")
+    if s["process_id"] is not None and s["process_id"] < 0:
+        raise CLIError(f"--process-id must be >= 0, got {s['process_id']}")
+
+
+# --model-config keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1),
+# positive floats; other keys are left to the config class.
+_SIZES = ("width", "depth", "vocab_size", "d_model", "num_heads", "num_layers", "mlp_dim", "max_len", "num_kv_heads",
+          "head_dim", "type_vocab_size")  # fmt: skip
+_IDS = ("pad_token_id",)
+_PROBABILITIES = ("dropout", "attention_dropout")
+_POSITIVE = ("norm_eps", "init_std", "rope_theta")
+
+
+def check_model_config(model: str, values: dict[str, Any]) -> None:
+    """Each --model-config value of the right kind and range, named in one line."""
+    for key, value in values.items():
+        where = f"--model-config {key}={value}"
+        nullable = key in ("mlp_dim", "num_kv_heads", "head_dim") and value is None
+        if key in _SIZES + _IDS and not nullable:
+            low = 1 if key in _SIZES else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise CLIError(f"{where}: {key} must be an integer >= {low}, e.g. {key}=64"
+                               if key in _SIZES else f"{where}: {key} must be an integer >= 0")  # fmt: skip
+        elif key in _PROBABILITIES + _POSITIVE:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise CLIError(f"{where}: {key} must be a finite number")
+            if key in _PROBABILITIES and not 0 <= value < 1:
+                raise CLIError(f"{where}: {key} is a probability in [0, 1)")
+            if key in _POSITIVE and not value > 0:
+                raise CLIError(f"{where}: {key} must be > 0")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise CLIError(f"{where}: must be finite")
 
 
 def _output_dir(s: dict[str, Any], command: str) -> Path:
@@ -318,6 +369,10 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--clip", type=float, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="compute dtype; parameters, gradients and their all-reduce stay float32 (default float32)")
+    g.add_argument("--skip-nonfinite", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip a step whose loss or gradients are NaN/inf (weights and optimizer state unchanged; "
+                   "counted as `skipped` in metrics.jsonl) instead of stopping the run with exit code 3 "
+                   "(default no)")
     g.add_argument("--seed", type=int, help="seed of the model, head, adapters and batches (default 0)")
     g = p.add_argument_group("model and data")
     g.add_argument("--data", choices=sorted({d for ds in DATASETS.values() for d in ds}), help=DATA_HELP)
