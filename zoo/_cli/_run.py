@@ -256,7 +256,8 @@ def check_checkpoints(s: dict[str, Any], output: Path) -> None:
         import zoo
 
         # Read-only: opening it for writing would delete the temporary folders of saves in flight.
-        saved = zoo.Checkpointer(folder, read_only=True).steps()
+        # An empty step folder (a save that never started writing) is no step.
+        saved = [n for n in zoo.Checkpointer(folder, read_only=True).steps() if any((folder / str(n)).iterdir())]
     if s.get("overwrite") and not s["resume"]:
         remove_outputs(output, folder)
         return
@@ -266,7 +267,21 @@ def check_checkpoints(s: dict[str, Any], output: Path) -> None:
                 f"--resume: no checkpoint in {folder}; run without --resume, or point --checkpoint-dir "
                 "(or --output) at the earlier run's"
             )
-        if saved[-1] >= s["steps"]:
+        n = s.get("resume_step")
+        if n is not None:
+            if n not in saved:
+                raise CLIError(f"--resume-step {n}: no such checkpoint in {folder}; its steps are {saved}")
+            if n >= s["steps"]:
+                raise CLIError(f"--resume-step {n} is not before --steps {s['steps']}; raise --steps")
+            later = [k for k in saved if k > n]
+            if later and not s.get("overwrite"):
+                raise CLIError(
+                    f"--resume-step {n}: {folder} also holds the later steps {later}, which this run would "
+                    "replace; pass --overwrite to delete them, or resume from the newest"
+                )
+            for k in later:
+                shutil.rmtree(folder / str(k))
+        elif saved[-1] >= s["steps"]:
             raise CLIError(
                 f"--resume: the checkpoint in {folder} is at step {saved[-1]}, not before --steps {s['steps']}; "
                 "raise --steps to train further"
@@ -368,10 +383,10 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             checkpointer = zoo.Checkpointer(ckpt_dir, keep=s["keep"])
             if s["resume"]:  # check_checkpoints made sure there is one, before --steps
                 like = {"params": params, "opt_state": opt_state, "key": key}
-                try:
-                    start, state, _ = checkpointer.restore(like)
-                except zoo.CheckpointError as e:
-                    raise CLIError(f"--resume: {str(e).splitlines()[0]} (was it saved with other flags?)") from e
+                start, state, removed = _restore(checkpointer, like, s.get("resume_step"), ckpt_dir)
+                if removed:  # the manager lists the steps it saw when opened
+                    checkpointer.close()
+                    checkpointer = zoo.Checkpointer(ckpt_dir, keep=s["keep"])
                 model = eqx.combine(state["params"], frozen)
                 opt_state, key = state["opt_state"], state["key"]
 
@@ -615,6 +630,44 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         write_json(output / "summary.json", summary)
         _print_summary(say, summary, task, colls, output, lcfg)
     return RunResult(summary, output)
+
+
+def _restore(checkpointer, like, step: int | None, folder: Path) -> tuple[int, Any, bool]:
+    """`(step, state, removed)` of checkpoint `step`, or of the newest intact one: a
+    damaged newer step (unreadable, truncated, an empty folder) is skipped with a one-line
+    warning, and removed (it cannot be restored, and the run's next saves would collide
+    with it)."""
+    import logging
+    import sys
+
+    import zoo
+
+    candidates = [step] if step is not None else sorted(checkpointer.steps(), reverse=True)
+    skipped: list[tuple[int, str]] = []
+    absl = logging.getLogger("absl")
+    for n in candidates:
+        level = absl.level
+        absl.setLevel(max(level, logging.ERROR))  # orbax's own warnings about the damage: ours names it
+        try:
+            start, state, _ = checkpointer.restore(like, step=n)
+        except zoo.CheckpointError as e:
+            first = str(e).splitlines()[0]
+            if " is damaged: " not in first or step is not None:
+                raise CLIError(f"--resume: {first}" + ("" if " is damaged: " in first else
+                               " (was it saved with other flags?)")) from e  # fmt: skip
+            skipped.append((n, first.split(" is damaged: ")[1]))
+            continue
+        finally:
+            absl.setLevel(level)
+        if skipped:
+            what = "; ".join(f"step {k}: {why}" for k, why in skipped)
+            print(f"zoo: warning: --resume skipped damaged checkpoints ({what}); they are removed, resuming from "
+                  f"step {start}", file=sys.stderr, flush=True)  # fmt: skip
+            for k, _ in skipped:
+                shutil.rmtree(folder / str(k), ignore_errors=True)
+        return start, state, bool(skipped)
+    what = "; ".join(f"step {k}: {why}" for k, why in skipped)
+    raise CLIError(f"--resume: every checkpoint in {folder} is damaged ({what}); start a new run (--overwrite)")
 
 
 def _all_finite(tree) -> bool:

@@ -56,7 +56,7 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 _COMMON = dict(
     devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
     schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=0, eval_size=0,
-    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False,
+    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, resume_step=None, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False,
     debug=False,
 )  # fmt: skip
 _FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
@@ -80,8 +80,15 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Every flag's value: given, else the model's default for the command. Checks what
     needs no devices: the model, numbers, choices, --model-config, --lora, --init."""
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
+    if values.get("resume_step") is not None:
+        values["resume"] = True
+    saved = _saved_config(values) if values.get("resume") else None
+    if saved is not None and values.get("model") is None:
+        values["model"] = saved.get("model")
     model = values["model"] = check_model(values.get("model"))
     defaults = _defaults(command, model)
+    if saved is not None:  # a resumed run continues with its own flags unless told otherwise
+        defaults |= {k: v for k, v in saved.items() if k in defaults and k not in _NOT_INHERITED}
     s = {k: (values[k] if values.get(k) is not None else v) for k, v in defaults.items()}
     s["model"] = model
     s["debug"] = bool(getattr(args, "debug", False))
@@ -123,11 +130,66 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
         raise CLIError("--init: the mlp has no pretrained weights; drop --init")
     if s["resume"] and not (s["output"] or s["checkpoint_dir"]):
         raise CLIError("--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)")
+    if s["resume_step"] is not None and s["resume_step"] < 1:
+        raise CLIError(f"--resume-step must be >= 1, got {s['resume_step']}")
+    if saved is not None:
+        _check_resume_flags(s, saved)
     if s["dtype"] not in ("float32", "bfloat16"):
         raise CLIError(f"--dtype must be float32 or bfloat16, got {s['dtype']!r}")
     if model == "mlp" and s["dtype"] != "float32":
         raise CLIError("--dtype: the mlp computes in float32 only; drop --dtype")
     return s
+
+
+# What --resume may change: how long, where and how the run is laid out, evaluated, saved
+# and shown. Every other flag changes what is trained (refused), and is taken from the run's
+# config.json when not given.
+RESUME_SAFE = ("steps", "devices", "mesh", "rules", "mode", "microbatches", "coordinator", "num_processes",
+               "process_id", "eval_every", "eval_size", "checkpoint_every", "keep", "quiet", "debug", "output",
+               "checkpoint_dir", "resume", "resume_step", "overwrite", "probe")  # fmt: skip
+# Not taken from config.json: the layout follows this launch's devices.
+_NOT_INHERITED = ("devices", "mesh", "coordinator", "num_processes", "process_id", "resume", "resume_step", "overwrite")
+
+
+def _saved_config(values: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json of the run --resume continues (None without --output or the file)."""
+    import json
+
+    if not values.get("output"):
+        return None
+    path = Path(values["output"]).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CLIError(f"--resume: cannot read {path}: {e}; fix or remove it") from e
+    if not isinstance(saved, dict):
+        raise CLIError(f"--resume: {path} is not a run's config.json (not a JSON object); fix or remove it")
+    return saved
+
+
+def _normal(key: str, value: Any) -> Any:
+    import json
+
+    if key == "model_config":
+        return parse_pairs(value, "--model-config", "width=64") if value else {}
+    return json.loads(json.dumps(value, default=str))
+
+
+def _check_resume_flags(s: dict[str, Any], saved: dict[str, Any]) -> None:
+    """--resume continues the run of config.json: refuse every flag that would change it."""
+    changed = [
+        f"{_flag(k)} {s[k]} (was {saved[k]})"
+        for k in sorted(s)
+        if k in saved and k not in RESUME_SAFE and _normal(k, s[k]) != _normal(k, saved[k])
+    ]
+    if changed:
+        raise CLIError(
+            f"--resume: {', '.join(changed)} would change the run saved in {s['output']}; drop "
+            f"{'them' if len(changed) > 1 else 'it'} to continue that run, or start a new one (another --output, "
+            "or --overwrite without --resume)"
+        )
 
 
 def _flag(name: str) -> str:
@@ -195,8 +257,9 @@ def _output_dir(s: dict[str, Any], command: str) -> Path:
 def _config_json(s: dict[str, Any]) -> dict[str, Any]:
     """The flags as `--config` reads them back (internal values left out)."""
     # The process flags belong to one launch, not to the run: --config must not replay them.
-    # --overwrite too: replaying a run's config.json must not delete that run.
-    return {k: v for k, v in s.items() if k not in ("model_config_values", "overwrite", *_PROCESS_FLAGS)}
+    # --overwrite and --resume-step too: replaying a run's config.json must not delete that run.
+    drop = ("model_config_values", "overwrite", "resume_step", *_PROCESS_FLAGS)
+    return {k: v for k, v in s.items() if k not in drop}
 
 
 def _title(command: str, s: dict[str, Any]) -> str:
@@ -407,6 +470,9 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to --steps "
                    "(default no)")
+    g.add_argument("--resume-step", type=int, metavar="N",
+                   help="resume from checkpoint step N instead of the newest (implies --resume; later steps are "
+                   "refused unless --overwrite deletes them)")
     g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
                    help="replace the outputs and checkpoints of an earlier run in --output (default no: such a "
                    "folder is refused; --resume continues it instead)")
