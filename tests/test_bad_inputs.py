@@ -69,7 +69,9 @@ def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert first.poll() is None, "the first run ended before the second tried: the test proved nothing"
-        one_line_error(second.returncode, second.stderr, f"--output {out} is in use by another zoo run (pid {first.pid}")
+        one_line_error(
+            second.returncode, second.stderr, f"--output {out} is in use by another zoo run (pid {first.pid}"
+        )
         stdout, stderr = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
@@ -309,3 +311,92 @@ def test_resume_step(run4):
     assert rc == 0, err
     assert json.loads((run4 / "summary.json").read_text())["resumed_from"] == 2
     assert "resume_step" not in json.loads((run4 / "config.json").read_text())
+
+
+# --- signals and full disks (fresh processes) ---------------------------------------------------
+
+LONG = ["--devices", "2", "--steps", "2000", "--warmup", "1", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+        "--quiet"]  # fmt: skip
+
+
+def _start(out: Path, *extra) -> subprocess.Popen:
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *LONG, "--output", str(out), *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _wait_for_training(proc: subprocess.Popen, out: Path, rows: int = 3) -> None:
+    """Until metrics.jsonl holds `rows` training rows (the loop is running)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.exists() and path.read_text().count('"kind": "train"') >= rows:
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"the run never reached its training loop: {proc.communicate()}")
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+    import signal
+
+    out = tmp_path / "run"
+    proc = _start(out)
+    _wait_for_training(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    one_line_error(proc.returncode, err, "zoo: stopped: SIGTERM: stopped after step ", code=143)
+    assert f"checkpoint saved in {out / 'checkpoints'}; continue with the same command and --resume" in err
+    import zoo
+
+    steps = zoo.Checkpointer(out / "checkpoints", read_only=True).steps()
+    assert len(steps) == 1 and 3 <= steps[0] < 2000
+    assert train_rows(out)[-1]["step"] == steps[0]  # every step up to the checkpoint recorded
+    # ... and the run continues from it.
+    rc, _, err = zoo_main("train", "mlp", *LONG[:2], "--steps", str(steps[0] + 2), "--output", out, "--resume")
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["resumed_from"] == steps[0]
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    import signal
+
+    out = tmp_path / "run"
+    proc = _start(out, "--checkpoint-every", "5")
+    _wait_for_training(proc, out, rows=7)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert err.strip() == "zoo: interrupted", err
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps()  # the saves before it are whole
+
+
+# A run whose writes fail with ENOSPC once `after` bytes went to metrics.jsonl, then on every write.
+_FULL_DISK = """
+import errno, sys
+import zoo._cli._output as output
+
+real = output.Metrics.write
+def write(self, row):
+    if row.get("step", 0) >= 2:
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+    real(self, row)
+output.Metrics.write = write
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_ends_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK, "train", "mlp", *TINY, "--checkpoint-every", "1",
+                           "--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    one_line_error(proc.returncode, proc.stderr, f"zoo: error: no space left on the device writing {out}/metrics.jsonl; "
+                   "free some space", code=1)  # fmt: skip
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]  # its save in flight finished

@@ -16,6 +16,15 @@ class CLIError(Exception):
     """A user mistake: printed as one line with the fix, no traceback; exit code 2."""
 
     exit_code = 2
+    prefix = "error"
+
+
+class Preempted(CLIError):
+    """SIGTERM: the run saved a checkpoint and stopped; one line, exit code 143 (128 +
+    SIGTERM, as a shell reports a process the signal ended), so a scheduler requeues it."""
+
+    exit_code = 143
+    prefix = "stopped"
 
 
 class RunStopped(CLIError):

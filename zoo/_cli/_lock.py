@@ -46,7 +46,7 @@ def _flock(path: Path, flag: str) -> Iterator[None]:
                 f"{flag} {path.parent} is in use by another zoo run{_holder(path)}; wait for it to end, "
                 "or choose another folder"
             ) from None
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}, started {stamp}\n".encode(), 0)
         try:

@@ -8,6 +8,7 @@ or the model → loss.png, summary.json, and the summary on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -17,6 +18,7 @@ from typing import Any
 
 from ._common import (
     CLIError,
+    Preempted,
     RunStopped,
     check_rules_fit_mesh,
     collective_summary,
@@ -506,28 +508,54 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             progress.update(i, value, rate_ex * unit_per_example)
 
         evals: list[dict[str, Any]] = []
-        for i in range(start + 1, steps + 1):
-            model, opt_state, loss = compiled(model, opt_state, batch_of(i))
-            if pending is not None:
-                record(*pending)
-            pending = (i, loss)
-            due_eval = s["eval_every"] and i % s["eval_every"] == 0 and i != steps
-            due_ckpt = checkpointer is not None and s["checkpoint_every"] and i % s["checkpoint_every"] == 0
-            if due_eval or due_ckpt:
-                record(*pending)
-                pending = None
-            if due_eval:
-                ev = _plain(evaluate(model, task.eval_data))
-                evals.append({"step": i, **ev})
-                metrics.write({"kind": "eval", "step": i, "eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"],
-                               "elapsed": time.perf_counter() - elapsed0})  # fmt: skip
-                progress.note(f"step {i}: eval loss {ev['loss']:.4f}" + _acc_text(ev))
-                last = time.perf_counter()  # evaluation time is not training throughput
-            if due_ckpt and i != steps:
-                check_weights(i)
-                checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
-                                  metadata={"step": i, "model": s["model"]})  # fmt: skip
-                last_saved = i
+        preemption = _Preemption(enabled=jax.process_count() == 1)
+        try:
+            for i in range(start + 1, steps + 1):
+                model, opt_state, loss = compiled(model, opt_state, batch_of(i))
+                if pending is not None:
+                    record(*pending)
+                pending = (i, loss)
+                due_eval = s["eval_every"] and i % s["eval_every"] == 0 and i != steps
+                due_ckpt = checkpointer is not None and s["checkpoint_every"] and i % s["checkpoint_every"] == 0
+                if due_eval or due_ckpt:
+                    record(*pending)
+                    pending = None
+                if due_eval:
+                    ev = _plain(evaluate(model, task.eval_data))
+                    evals.append({"step": i, **ev})
+                    metrics.write({"kind": "eval", "step": i, "eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"],
+                                   "elapsed": time.perf_counter() - elapsed0})  # fmt: skip
+                    progress.note(f"step {i}: eval loss {ev['loss']:.4f}" + _acc_text(ev))
+                    last = time.perf_counter()  # evaluation time is not training throughput
+                if due_ckpt and i != steps:
+                    check_weights(i)
+                    checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
+                                      metadata={"step": i, "model": s["model"]})  # fmt: skip
+                    last_saved = i
+                if preemption.requested and i != steps:
+                    if pending is not None:
+                        record(*pending)
+                        pending = None
+                    check_weights(i)
+                    if checkpointer is None:
+                        checkpointer = zoo.Checkpointer(ckpt_dir, keep=s["keep"])
+                    if last_saved != i:
+                        checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state,
+                                              "key": key}, metadata={"step": i, "model": s["model"]})  # fmt: skip
+                    checkpointer.wait()
+                    checkpointer.close()
+                    metrics.close()
+                    progress.close()
+                    raise Preempted(f"SIGTERM: stopped after step {i} of {steps}, checkpoint saved in {ckpt_dir}; "
+                                    "continue with the same command and --resume")  # fmt: skip
+        except BaseException:
+            # Ctrl-C, a full disk, a stopped run: a save in flight finishes (or fails) first.
+            if checkpointer is not None:
+                with contextlib.suppress(Exception):
+                    checkpointer.wait()
+            raise
+        finally:
+            preemption.restore()
         if pending is not None:
             record(*pending)
         check_weights(steps)
@@ -668,6 +696,30 @@ def _restore(checkpointer, like, step: int | None, folder: Path) -> tuple[int, A
         return start, state, bool(skipped)
     what = "; ".join(f"step {k}: {why}" for k, why in skipped)
     raise CLIError(f"--resume: every checkpoint in {folder} is damaged ({what}); start a new run (--overwrite)")
+
+
+class _Preemption:
+    """SIGTERM (a scheduler's preemption) noted instead of killing the process: the loop
+    saves a checkpoint after the step in progress and stops (exit 143). One process only:
+    in a multi-process run each process would see the signal at another step."""
+
+    def __init__(self, *, enabled: bool):
+        import signal
+        import threading
+
+        self.requested = False
+        self._previous = None
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _all_finite(tree) -> bool:
