@@ -400,3 +400,75 @@ def test_a_full_disk_ends_with_one_line(tmp_path):
     import zoo
 
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]  # its save in flight finished
+
+
+# --- strict rules, meshes, config files ------------------------------------------------------
+
+BAD_RULES = [
+    (dict(embedd="data"), ValueError, "'embedd' is not a logical axis of the zoo's modules; did you mean 'embed'?"),
+    (dict(colour=None), ValueError, "add it to the dict: rules = zoo.rules('dp'); rules['colour'] = ..."),
+    (dict(embed=123), TypeError, "a rule maps a logical axis to a mesh axis name (embed='data')"),
+    (dict(embed=""), TypeError, "got str ''"),
+    (dict(embed=("data", "data")), TypeError, "a tuple of distinct names"),
+    (dict(mlp=("data", 2)), TypeError, "got tuple ('data', 2)"),
+    (dict(heads=True), TypeError, "got bool True"),
+]
+
+
+@pytest.mark.parametrize("overrides, kind, message", BAD_RULES, ids=[str(o) for o, _, _ in BAD_RULES])
+def test_bad_rule_overrides_name_the_fix(overrides, kind, message):
+    import zoo
+
+    with pytest.raises(kind) as e:
+        zoo.rules("dp", **overrides)
+    assert message in str(e.value)
+
+
+def test_good_rule_overrides_and_own_axes():
+    import zoo
+
+    r = zoo.rules("dp", mlp=["data"], embed=None)
+    assert r["mlp"] == ("data",) and r["embed"] is None
+    r["my_axis"] = "data"  # a logical axis of the user's own modules: added to the dict
+    assert zoo.rules("dp")["batch"] == "data"
+
+
+BAD_LAYOUTS = [
+    (["--mesh", "data=4,foo=2"], "--mesh data=4,foo=2: no rule of --rules dp uses mesh axes ['foo'], so their "
+     "devices would repeat the same work; drop them or give them size 1 (e.g. --mesh data=4)"),
+    (["--mesh", "data=2,model=4"], "no rule of --rules dp uses mesh axes ['model']"),
+    (["--mesh", "data=2,model=2,x=2", "--rules", "tp"], "no rule of --rules tp uses mesh axes ['x']"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_LAYOUTS, ids=[" ".join(f) for f, _ in BAD_LAYOUTS])
+def test_idle_mesh_axes_are_refused(flags, message):
+    rc, _, err = zoo_main("train", "mlp", "--devices", "8", *flags)
+    one_line_error(rc, err, message)
+
+
+def test_an_unused_axis_of_size_1_is_fine():
+    rc, out, err = zoo_main("inspect", "mlp", "--devices", "2", "--mesh", "data=2,foo=1", "--microbatches", "1",
+                            "--batch-size", "4", "--json")  # fmt: skip
+    assert rc == 0, err
+
+
+BAD_FILES = [
+    ("run.json", '{"model": "mlp", "lr": 0.1, "lr": 0.2}', "cannot parse it as JSON: key 'lr' appears twice"),
+    ("run.json", '{"model": "mlp", "mesh": {"data": 2, "data": 4}}', "key 'data' appears twice"),
+    ("run.toml", 'model = "mlp"\nlr = 0.1\nlr = 0.2\n', "cannot parse it as TOML"),
+    ("run.json", '{"model": "mlp", "lr": Infinity}', "--lr must be a finite number > 0, got inf"),
+    ("run.json", '{"model": "mlp", "clip": -1}', "--clip must be a finite number >= 0, got -1"),
+    ("run.json", '{"model": "mlp", "seed": -4}', "--seed must be >= 0, got -4"),
+    ("run.json", '{"model": "mlp", "model_config": {"width": 0}}', "--model-config width=0: width must be"),
+    ("run.json", '{"model": "mlp", "steps": "many"}', "steps must be an integer, got 'many'"),
+    ("run.json", "[1, 2]", "the file must hold a table of flag = value, got a list"),
+]
+
+
+@pytest.mark.parametrize("name, text, message", BAD_FILES, ids=[t for _, t, _ in BAD_FILES])
+def test_bad_config_files_are_one_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    rc, _, err = zoo_main("train", "--config", path, "--devices", "2")
+    one_line_error(rc, err, message)

@@ -127,6 +127,13 @@ def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) 
         for ax in (target,) if isinstance(target, str) else (target or ()):
             if ax not in used:
                 used.append(ax)
+    idle = [ax for ax, size in mesh_shape.items() if ax not in used and size > 1]
+    if idle:
+        raise CLIError(
+            f"--mesh {mesh_text(mesh_shape)}: no rule of --rules {preset} uses mesh axes {idle}, so their devices "
+            f"would repeat the same work; drop them or give them size 1 (e.g. --mesh "
+            f"{mesh_text({k: v for k, v in mesh_shape.items() if k not in idle})}), or pick rules that use them"
+        )
     missing = [ax for ax in used if ax not in mesh_shape]
     if missing:
         model = 2 if "model" in used and devices % 2 == 0 else 1

@@ -23,6 +23,20 @@ IGNORED_KEYS = ("command",)
 _NOT_IN_FILES = ("config", "help")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are distinct (json keeps the last of a repeated key silently)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(f"key {key!r} appears twice; keep one")
+        seen[key] = value
+    return seen
+
+
 def read_config_file(path: str) -> dict[str, Any]:
     """The top-level table of a .toml, .yaml/.yml or .json file (CLIError if unreadable)."""
     file = Path(path).expanduser()
@@ -40,7 +54,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 
             values = yaml.safe_load(file.read_text()) or {}
         elif suffix == ".json":
-            values = json.loads(file.read_text())
+            values = json.loads(file.read_text(), object_pairs_hook=_no_duplicates)
         else:
             raise CLIError(f"--config {path}: unknown file type {suffix or '(none)'!r}; use .toml, .yaml, .yml or .json")
     except CLIError:
