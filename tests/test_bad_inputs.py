@@ -434,8 +434,11 @@ def test_good_rule_overrides_and_own_axes():
 
 
 BAD_LAYOUTS = [
-    (["--mesh", "data=4,foo=2"], "--mesh data=4,foo=2: no rule of --rules dp uses mesh axes ['foo'], so their "
-     "devices would repeat the same work; drop them or give them size 1 (e.g. --mesh data=4)"),
+    (
+        ["--mesh", "data=4,foo=2"],
+        "--mesh data=4,foo=2: no rule of --rules dp uses mesh axes ['foo'], so their "
+        "devices would repeat the same work; drop them or give them size 1 (e.g. --mesh data=4)",
+    ),
     (["--mesh", "data=2,model=4"], "no rule of --rules dp uses mesh axes ['model']"),
     (["--mesh", "data=2,model=2,x=2", "--rules", "tp"], "no rule of --rules tp uses mesh axes ['x']"),
 ]
@@ -472,3 +475,77 @@ def test_bad_config_files_are_one_line(tmp_path, name, text, message):
     path.write_text(text)
     rc, _, err = zoo_main("train", "--config", path, "--devices", "2")
     one_line_error(rc, err, message)
+
+
+# --- shapes and dtypes at model boundaries -----------------------------------------------------
+
+# In a fresh process without jaxtyping's hook (the test session has it on): what a user gets
+# by default, then with ZOO_RUNTIME_CHECKS=1.
+_BOUNDARIES = """
+import json
+import equinox as eqx, jax, jax.numpy as jnp, optax, zoo
+
+def error(f):
+    try:
+        f()
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e).splitlines()[0]
+    return None
+
+mlp = zoo.nn.MLP(4, 1, 8, 2, key=jax.random.key(0))
+lm = zoo.models.Transformer(zoo.models.TransformerConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1,
+                                                         max_len=8), key=jax.random.key(0))
+enc = zoo.models.Encoder(zoo.models.EncoderConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1,
+                                                  max_len=8), key=jax.random.key(0))
+emb = zoo.nn.Embedding(10, 4, key=jax.random.key(0))
+mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+step = zoo.TrainStep(lambda m, b: (m(b["x"]) - b["y"]) ** 2, optax.sgd(0.1))
+int_loss = zoo.TrainStep(lambda m, b: (m(b["x"])[:, 0] > 0).astype(jnp.int32), optax.sgd(0.1))
+batch = {"x": jnp.ones((4, 4)), "y": jnp.ones((4, 1))}
+with jax.set_mesh(mesh):
+    placed = zoo.shard(mlp, zoo.rules("dp"), mesh)
+    out = {
+        "mlp_int": error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4), jnp.int32))),
+        "mlp_width": error(lambda: mlp(jnp.ones((3, 5)))),
+        "lm_float": error(lambda: lm(jnp.ones((2, 4)))),
+        "lm_rank": error(lambda: lm(jnp.ones((4,), jnp.int32))),
+        "encoder_float": error(lambda: enc(jnp.ones((2, 4)))),
+        "embedding_float": error(lambda: emb(jnp.ones((3,)))),
+        "loss_2d": error(lambda: step(placed, step.init(placed), batch)),
+        "loss_int": error(lambda: int_loss(placed, int_loss.init(placed), batch)),
+        "linear_width": error(lambda: zoo.nn.Linear(4, 3, key=jax.random.key(0))(jnp.ones((2, 5)))),
+        "ok": error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4)))),
+    }
+print(json.dumps(out))
+"""
+
+
+def _boundaries(**env) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _BOUNDARIES], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"} | env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_model_entry_points_check_rank_and_dtype_by_default():
+    out = _boundaries(ZOO_RUNTIME_CHECKS="0")
+    assert out["ok"] is None
+    assert out["mlp_int"] == ("TypeError: MLP: x must be a float array, got int32 of shape (3, 4); cast it with "
+                              ".astype(jnp.float32)")  # fmt: skip
+    assert out["mlp_width"] == "ValueError: MLP: x must end with a dimension of size 4, got shape (3, 5)"
+    assert out["lm_float"].startswith("TypeError: Transformer: tokens must be an int array, got float32")
+    assert out["lm_rank"] == "ValueError: Transformer: tokens must have 2 dimensions, got shape (4,)"
+    assert out["encoder_float"].startswith("TypeError: Encoder: tokens must be an int array")
+    assert out["embedding_float"].startswith("TypeError: Embedding: ids must be an int array")
+    assert out["loss_2d"].startswith("ValueError: loss_fn(model, batch) must return per-example losses `[batch]`")
+    assert "Got losses of shape (4, 1) for a microbatch of 4 examples (reduce the other axes first" in out["loss_2d"]
+    assert "Got losses of dtype int32: cast them to float32" in out["loss_int"]
+    # Without the runtime checks a Linear's width mismatch is jnp's own error.
+    assert out["linear_width"].startswith("ValueError") and "TypeCheckError" not in out["linear_width"]
+
+
+def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
+    out = _boundaries(ZOO_RUNTIME_CHECKS="1")
+    assert out["ok"] is None
+    assert out["linear_width"].startswith("TypeCheckError: Type-check error whilst checking the parameters of "
+                                          "zoo.nn._linear.Linear.__call__")  # fmt: skip

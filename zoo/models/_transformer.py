@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._checks import check_array
 from ..nn import (
     Attention,
     Embedding,
@@ -122,6 +123,7 @@ class Transformer(eqx.Module):
 
         **Returns:** float32 logits `[batch, seq, vocab]`.
         """
+        check_array(tokens, where="Transformer", name="tokens", kind="int", ndim=2)
         seq = tokens.shape[1]
         if seq > self.config.max_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_len}")

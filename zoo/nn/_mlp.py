@@ -10,6 +10,7 @@ import jax
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._checks import check_array
 from ._linear import Linear
 from ._norm import LayerNorm, RMSNorm
 from ._stacked import Stacked
@@ -108,6 +109,7 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch {self.in_size}"]) -> Float[Array, "*batch {self.out_size}"]:
         """Apply the MLP to `x` with any leading batch dims."""
+        check_array(x, where="MLP", name="x", kind="float", min_ndim=1, last=self.in_size)
         h = self.input_block(x)
         if isinstance(self.hidden, Stacked):
             h = self.hidden(h)
