@@ -549,3 +549,42 @@ def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
     assert out["ok"] is None
     assert out["linear_width"].startswith("TypeCheckError: Type-check error whilst checking the parameters of "
                                           "zoo.nn._linear.Linear.__call__")  # fmt: skip
+
+
+# --- the rest of the sweep: folders, choices, resume inputs ----------------------------------
+
+
+def _sweep(tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "afile").write_text("")
+    (tmp / "broken").mkdir()
+    (tmp / "broken" / "config.json").write_text("{bad")
+    return [
+        (["--output", tmp / "afile"], f"--output {tmp / 'afile'} is a file, not a folder"),
+        (["--checkpoint-dir", tmp / "afile"], f"--checkpoint-dir {tmp / 'afile'} is a file, not a folder"),
+        (["--output", tmp / "broken", "--resume"], f"--resume: cannot read {tmp / 'broken' / 'config.json'}"),
+        (["--output", tmp / "none", "--resume-step", "2"], "--resume: no checkpoint in"),
+        (["--resume-step", "0", "--output", tmp / "x"], "--resume-step must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be in [0, --steps 3), got -1"),
+        (["--seq-len", "1"], "--seq-len must be >= 2, got 1"),
+        (["--eval-size", "-1"], "--eval-size must be >= 0, got -1"),
+        (["--probe", "-1"], "--probe must be >= 0, got -1"),
+        (["--mode", "foo"], "argument --mode: invalid choice: 'foo'"),
+        (["--optimizer", "foo"], "argument --optimizer: invalid choice: 'foo'"),
+        (["--mesh", "data=0"], "bad --mesh 'data=0': write it as name=size"),
+        (["--mesh", "data=2,data=2"], "axis 'data' appears twice"),
+        (["--model-config", "width=1e400"], "--model-config width=inf: width must be an integer >= 1"),
+        (["--keep", "-1"], "--keep must be >= 1, got -1"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+        (["--init", tmp / "nowhere"], "--init: the mlp has no pretrained weights; drop --init"),
+    ]
+
+
+def test_sweep_of_bad_inputs_is_one_line_each(tmp_path):
+    failures = []
+    for flags, message in _sweep(tmp_path):
+        rc, _, err = zoo_main("train", "mlp", *TINY, *flags)
+        lines = err.strip().splitlines()
+        if rc != 2 or message not in err or len(lines) != 1 or "Traceback" in err:
+            failures.append((flags, rc, err))
+    assert not failures, failures
+    assert (tmp_path / "afile").read_text() == ""

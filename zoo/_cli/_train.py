@@ -323,6 +323,9 @@ def execute(s: dict[str, Any], command: str, *, title: str | None = None):
     from ._lock import run_lock
     from ._run import checkpoint_dir
 
+    for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoint_dir(s, output))):
+        if folder.exists() and not folder.is_dir():
+            raise CLIError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
     # One run per folder, held before anything is read or written there. config.json is
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(output, checkpoint_dir(s, output), main=zoo.is_main_process()):
