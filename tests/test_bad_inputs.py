@@ -460,6 +460,8 @@ BAD_FILES = [
     ("run.json", '{"model": "mlp", "lr": 0.1, "lr": 0.2}', "cannot parse it as JSON: key 'lr' appears twice"),
     ("run.json", '{"model": "mlp", "mesh": {"data": 2, "data": 4}}', "key 'data' appears twice"),
     ("run.toml", 'model = "mlp"\nlr = 0.1\nlr = 0.2\n', "cannot parse it as TOML"),
+    ("run.yaml", "model: mlp\nlr: 0.1\nlr: 0.2\n", "cannot parse it as YAML: key 'lr' appears twice"),
+    ("run.yaml", "model: mlp\nmesh: {data: 2, data: 4}\n", "key 'data' appears twice"),
     ("run.json", '{"model": "mlp", "lr": Infinity}', "--lr must be a finite number > 0, got inf"),
     ("run.json", '{"model": "mlp", "clip": -1}', "--clip must be a finite number >= 0, got -1"),
     ("run.json", '{"model": "mlp", "seed": -4}', "--seed must be >= 0, got -4"),
