@@ -55,8 +55,8 @@ def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
     is refused with one line while the first trains, and the first ends intact."""
     out = tmp_path / "run"
     env = os.environ | {"PYTHONPATH": str(ROOT)}
-    first_flags = ["--devices", "2", "--steps", "600", "--batch-size", "8", "--microbatches", "1",
-                   "--eval-size", "16", "--checkpoint-every", "200", "--quiet", "--output", str(out)]  # fmt: skip
+    first_flags = ["--devices", "2", "--steps", "2000", "--batch-size", "8", "--microbatches", "1",
+                   "--eval-size", "16", "--checkpoint-every", "1000", "--quiet", "--output", str(out)]  # fmt: skip
     first = subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *first_flags], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -78,11 +78,11 @@ def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
             first.kill()
     assert first.returncode == 0, stderr
     assert "loss fell" in stdout
-    assert [r["step"] for r in train_rows(out)] == list(range(1, 601))
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 2001))
     import zoo
 
-    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [200, 400, 600]
-    assert json.loads((out / "config.json").read_text())["steps"] == 600
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1000, 2000]
+    assert json.loads((out / "config.json").read_text())["steps"] == 2000
 
 
 def test_a_held_lock_refuses_in_process_and_is_released_after_a_run(tmp_path):
