@@ -7,6 +7,19 @@ transforms the step is built from live in `zoo.internal`.
 """
 
 import importlib.metadata
+import os as _os
+
+# ZOO_RUNTIME_CHECKS=1: every jaxtyping-annotated function and module of the package checks
+# its arguments' shapes and dtypes with beartype when called (as the test suite runs). The
+# import hook must be in place before the submodules below are imported.
+if _os.environ.get("ZOO_RUNTIME_CHECKS", "").strip().lower() not in ("", "0", "false", "no"):
+    try:
+        import beartype as _beartype  # noqa: F401
+    except ImportError as _e:
+        raise ImportError("ZOO_RUNTIME_CHECKS=1 needs beartype: pip install beartype (or unset it)") from _e
+    import jaxtyping as _jaxtyping
+
+    _jaxtyping.install_import_hook("zoo", "beartype.beartype")
 
 from . import data, hf, internal, lora, models, nn, presets
 from ._axes import LAYERS as LAYERS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -59,9 +60,39 @@ class Preset:
             options["shard_optimizer"] = True
         return options
 
-    def rules(self, **overrides: MeshAxes) -> dict[str, MeshAxes]:
-        """A plain `dict` copy of the layout with some logical axes overridden."""
-        return dict(self.layout) | dict(overrides)
+    def rules(self, **overrides: Any) -> dict[str, MeshAxes]:  # values checked below, naming the fix
+        """A plain `dict` copy of the layout with some logical axes overridden.
+
+        **Raises:** `ValueError` for an override of a logical axis the layout does not have
+        (a typo: `embedd=`; a logical axis of your own modules is added to the returned
+        dict instead), `TypeError` for a value that is not a mesh axis name, a tuple of
+        them, or `None`.
+        """
+        for name, value in overrides.items():
+            if name not in self.layout:
+                close = difflib.get_close_matches(name, list(self.layout), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"zoo.rules({self.name!r}, {name}=...): {name!r} is not a logical axis of the zoo's modules; "
+                    f"{hint}the zoo's are {list(self.layout)}. For a logical axis of your own modules, add it to "
+                    f"the dict: rules = zoo.rules({self.name!r}); rules[{name!r}] = ..."
+                )
+            _check_mesh_axes(name, value)
+        return dict(self.layout) | {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+
+
+def _check_mesh_axes(name: str, value: Any) -> None:
+    """A rule's value: a mesh axis name, a tuple of distinct names, or None."""
+    ok = value is None or (isinstance(value, str) and value) or (
+        isinstance(value, tuple | list) and all(isinstance(v, str) and v for v in value) and
+        len(set(value)) == len(value)
+    )  # fmt: skip
+    if not ok:
+        raise TypeError(
+            f"zoo.rules(..., {name}={value!r}): a rule maps a logical axis to a mesh axis name ({name}='data'), "
+            f"a tuple of distinct names ({name}=('data', 'model')), or None to replicate it; "
+            f"got {type(value).__name__} {value!r}"
+        )
 
 
 _DP: dict[str, MeshAxes] = {name: None for name in LOGICAL_AXES} | {"batch": "data"}
@@ -121,7 +152,7 @@ def preset(name: str | Preset) -> Preset:
     return PRESETS[name]
 
 
-def rules(preset: str | Preset = "dp", **overrides: MeshAxes) -> dict[str, MeshAxes]:
+def rules(preset: str | Preset = "dp", **overrides: Any) -> dict[str, MeshAxes]:  # values checked below, naming the fix
     """A copy of a preset's sharding rules, optionally with some axes overridden.
 
     **Arguments:**

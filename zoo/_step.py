@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 
 from ._accumulate import accumulate
@@ -38,11 +39,14 @@ def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any]]:
         for name, arr in (("losses", losses), ("weights", weights)):
             if arr is None:
                 continue
-            if not hasattr(arr, "shape") or arr.ndim < 1 or arr.shape[0] != size:
+            if not hasattr(arr, "shape") or arr.ndim != 1 or arr.shape[0] != size:
+                extra = " (reduce the other axes first, e.g. .mean(axis=-1))" if getattr(arr, "ndim", 0) > 1 else ""
                 raise ValueError(
                     f"{LOSS_CONTRACT} Got {name} of shape {getattr(arr, 'shape', type(arr))} for a "
-                    f"microbatch of {size} examples."
+                    f"microbatch of {size} examples{extra}."
                 )
+            if name == "losses" and not jnp.issubdtype(arr.dtype, jnp.floating):
+                raise TypeError(f"{LOSS_CONTRACT} Got {name} of dtype {arr.dtype}: cast them to float32.")
         return losses, weights
 
     return checked

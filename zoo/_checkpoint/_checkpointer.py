@@ -87,7 +87,9 @@ class Checkpointer:
         path = os.fspath(directory)
         self.directory = path if "://" in path else os.path.abspath(path)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            # Read-only: orbax warns about a max_to_keep or save interval it then ignores.
+            max_to_keep=None if read_only else keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
             read_only=read_only,
             create=not read_only,
@@ -95,7 +97,16 @@ class Checkpointer:
             # steps, removed (by process 0) when a Checkpointer opens the directory.
             cleanup_tmp_directories=not read_only,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+        import logging
+
+        absl = logging.getLogger("absl")
+        level = absl.level
+        if read_only:  # orbax's "Given directory is read only" warning says what the caller asked for
+            absl.setLevel(max(level, logging.ERROR))
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+        finally:
+            absl.setLevel(level)
         self._pending: int | None = None  # the step of the last save started
 
     # -- context manager ----------------------------------------------------------------

@@ -13,7 +13,25 @@ from typing import Any
 
 
 class CLIError(Exception):
-    """A user mistake: printed as one line with the fix, no traceback."""
+    """A user mistake: printed as one line with the fix, no traceback; exit code 2."""
+
+    exit_code = 2
+    prefix = "error"
+
+
+class Preempted(CLIError):
+    """SIGTERM: the run saved a checkpoint and stopped; one line, exit code 143 (128 +
+    SIGTERM, as a shell reports a process the signal ended), so a scheduler requeues it."""
+
+    exit_code = 143
+    prefix = "stopped"
+
+
+class RunStopped(CLIError):
+    """A run that stopped itself (its loss or weights went non-finite): one line, exit
+    code 3, the last good checkpoint kept."""
+
+    exit_code = 3
 
 
 # XLA options for programs compiled once and run once (inspected steps, initialisers): no
@@ -109,6 +127,13 @@ def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) 
         for ax in (target,) if isinstance(target, str) else (target or ()):
             if ax not in used:
                 used.append(ax)
+    idle = [ax for ax, size in mesh_shape.items() if ax not in used and size > 1]
+    if idle:
+        raise CLIError(
+            f"--mesh {mesh_text(mesh_shape)}: no rule of --rules {preset} uses mesh axes {idle}, so their devices "
+            f"would repeat the same work; drop them or give them size 1 (e.g. --mesh "
+            f"{mesh_text({k: v for k, v in mesh_shape.items() if k not in idle})}), or pick rules that use them"
+        )
     missing = [ax for ax in used if ax not in mesh_shape]
     if missing:
         model = 2 if "model" in used and devices % 2 == 0 else 1

@@ -23,6 +23,38 @@ IGNORED_KEYS = ("command",)
 _NOT_IN_FILES = ("config", "help")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are distinct (json keeps the last of a repeated key silently)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(f"key {key!r} appears twice; keep one")
+        seen[key] = value
+    return seen
+
+
+def _strict_yaml_loader():
+    """yaml's SafeLoader, refusing a mapping with a key twice (it keeps the last silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+        for i, key in enumerate(keys):
+            if key in keys[:i]:
+                raise _DuplicateKey(f"key {key!r} appears twice; keep one")
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
+
+
 def read_config_file(path: str) -> dict[str, Any]:
     """The top-level table of a .toml, .yaml/.yml or .json file (CLIError if unreadable)."""
     file = Path(path).expanduser()
@@ -38,9 +70,9 @@ def read_config_file(path: str) -> dict[str, Any]:
         elif suffix in (".yaml", ".yml"):
             import yaml
 
-            values = yaml.safe_load(file.read_text()) or {}
+            values = yaml.load(file.read_text(), Loader=_strict_yaml_loader()) or {}
         elif suffix == ".json":
-            values = json.loads(file.read_text())
+            values = json.loads(file.read_text(), object_pairs_hook=_no_duplicates)
         else:
             raise CLIError(f"--config {path}: unknown file type {suffix or '(none)'!r}; use .toml, .yaml, .yml or .json")
     except CLIError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from ._common import CLIError
@@ -54,7 +55,9 @@ def _parse(parser, commands, argv) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zoo` console script: exit 0 on success, 2 on a usage error
-    (one line on stderr), 1 when the demo's loss did not fall, 130 when interrupted."""
+    (one line on stderr), 1 when the demo's loss did not fall, 3 when a run stopped because
+    its loss or weights went non-finite, 130 when interrupted (Ctrl-C), 143 when stopped by
+    SIGTERM after saving a checkpoint."""
     parser, commands = build_parsers()
     args = _parse(parser, commands, argv)
     debug = bool(getattr(args, "debug", False))
@@ -69,13 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         if debug:
             raise
-        print(f"zoo: error: {e}", file=sys.stderr)
-        return 2
+        print(f"zoo: {e.prefix}: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         if debug:
             raise
         print("\nzoo: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if debug:
+            raise
+        if e.errno == errno.ENOSPC:
+            where = f" writing {e.filename}" if e.filename else ""
+            print(f"zoo: error: no space left on the device{where}; free some space or choose another --output / "
+                  "--checkpoint-dir (saved checkpoints are whole: continue with --resume)", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"zoo: error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
     except Exception as e:  # a bug or an environment problem: still one line, unless --debug
         if debug:
             raise

@@ -72,7 +72,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl (for the plot of a resumed run, and for tests)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:  # a last line cut off by a crash mid-write: dropped
+                break
+            raise
+    return rows
 
 
 def plot_losses(rows: list[dict[str, Any]], target: Path, title: str, baselines: dict[str, float] | None = None) -> None:

@@ -8,6 +8,7 @@ or the model → loss.png, summary.json, and the summary on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -17,6 +18,8 @@ from typing import Any
 
 from ._common import (
     CLIError,
+    Preempted,
+    RunStopped,
     check_rules_fit_mesh,
     collective_summary,
     make_mesh,
@@ -244,20 +247,43 @@ def checkpoint_dir(s: dict[str, Any], output: Path) -> Path:
 
 def check_checkpoints(s: dict[str, Any], output: Path) -> None:
     """--resume needs a checkpoint before --steps; a run without it must not write into a
-    folder of checkpoints (it would mix two runs). Checked before anything is written."""
+    folder of checkpoints or of another run's outputs (it would mix two runs), unless
+    --overwrite. Checked (read-only) once the folder's lock is held, before anything is
+    written."""
+    from ._lock import previous_outputs, remove_outputs
+
     folder = checkpoint_dir(s, output)
     saved = []
     if folder.is_dir():
         import zoo
 
-        saved = zoo.Checkpointer(folder).steps()
+        # Read-only: opening it for writing would delete the temporary folders of saves in flight.
+        # An empty step folder (a save that never started writing) is no step.
+        saved = [n for n in zoo.Checkpointer(folder, read_only=True).steps() if any((folder / str(n)).iterdir())]
+    if s.get("overwrite") and not s["resume"]:
+        remove_outputs(output, folder)
+        return
     if s["resume"]:
         if not saved:
             raise CLIError(
                 f"--resume: no checkpoint in {folder}; run without --resume, or point --checkpoint-dir "
                 "(or --output) at the earlier run's"
             )
-        if saved[-1] >= s["steps"]:
+        n = s.get("resume_step")
+        if n is not None:
+            if n not in saved:
+                raise CLIError(f"--resume-step {n}: no such checkpoint in {folder}; its steps are {saved}")
+            if n >= s["steps"]:
+                raise CLIError(f"--resume-step {n} is not before --steps {s['steps']}; raise --steps")
+            later = [k for k in saved if k > n]
+            if later and not s.get("overwrite"):
+                raise CLIError(
+                    f"--resume-step {n}: {folder} also holds the later steps {later}, which this run would "
+                    "replace; pass --overwrite to delete them, or resume from the newest"
+                )
+            for k in later:
+                shutil.rmtree(folder / str(k))
+        elif saved[-1] >= s["steps"]:
             raise CLIError(
                 f"--resume: the checkpoint in {folder} is at step {saved[-1]}, not before --steps {s['steps']}; "
                 "raise --steps to train further"
@@ -265,7 +291,12 @@ def check_checkpoints(s: dict[str, Any], output: Path) -> None:
     elif saved:
         raise CLIError(
             f"{folder} already holds checkpoints (steps {saved}); pass --resume to continue from them, "
-            "or choose another --output or --checkpoint-dir"
+            "--overwrite to replace that run, or choose another --output or --checkpoint-dir"
+        )
+    elif previous_outputs(output):
+        raise CLIError(
+            f"--output {output} already holds another run's outputs ({', '.join(previous_outputs(output))}); "
+            "pass --overwrite to replace them, or choose another --output"
         )
 
 
@@ -322,6 +353,11 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             s["optimizer"], s["lr"], steps, warmup=s["warmup"], schedule=s["schedule"],
             weight_decay=s["weight_decay"], clip=s["clip"],
         )  # fmt: skip
+        if s.get("skip_nonfinite"):
+            import optax
+
+            # A step whose gradients hold a NaN/inf leaves the weights and moments as they were.
+            optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=steps + 1)
         step = zoo.TrainStep(
             task.loss_fn, optimizer, microbatches=m, trainable=trainable, mode=s["mode"], preset=s["rules"]
         )
@@ -349,10 +385,10 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             checkpointer = zoo.Checkpointer(ckpt_dir, keep=s["keep"])
             if s["resume"]:  # check_checkpoints made sure there is one, before --steps
                 like = {"params": params, "opt_state": opt_state, "key": key}
-                try:
-                    start, state, _ = checkpointer.restore(like)
-                except zoo.CheckpointError as e:
-                    raise CLIError(f"--resume: {str(e).splitlines()[0]} (was it saved with other flags?)") from e
+                start, state, removed = _restore(checkpointer, like, s.get("resume_step"), ckpt_dir)
+                if removed:  # the manager lists the steps it saw when opened
+                    checkpointer.close()
+                    checkpointer = zoo.Checkpointer(ckpt_dir, keep=s["keep"])
                 model = eqx.combine(state["params"], frozen)
                 opt_state, key = state["opt_state"], state["key"]
 
@@ -427,44 +463,102 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         last = time.perf_counter()
         train_t0 = last
         pending: tuple[int, Any] | None = None
+        skip = bool(s.get("skip_nonfinite"))
+        skipped = 0
+        last_saved = start or None  # the last good checkpoint: a resumed run's own
+
+        def stop(why: str) -> RunStopped:
+            metrics.close()
+            progress.close()
+            if checkpointer is not None:  # the last good save may still be in flight
+                checkpointer.wait()
+                checkpointer.close()
+            kept = (f"the last good checkpoint is step {last_saved} in {ckpt_dir}" if last_saved
+                    else "no checkpoint was saved")  # fmt: skip
+            return RunStopped(
+                f"{why}: training stopped, nothing saved from it; {kept}. Lower --lr (now {s['lr']:g}), "
+                "keep --clip > 0, or pass --skip-nonfinite to skip such steps"
+            )
+
+        def check_weights(i: int) -> None:
+            """Before a save: a non-finite gradient can leave NaN weights under a finite loss."""
+            if not _all_finite(step.partition(model)[0]):
+                raise stop(f"step {i}: the weights hold NaN or inf")
 
         def record(i: int, loss) -> None:
-            nonlocal last
+            nonlocal last, skipped
             value = float(loss)  # waits for step i
             now = time.perf_counter()
             rate_ex = bsz / max(now - last, 1e-9)
             last = now
-            losses.append(value)
+            finite = math.isfinite(value)
+            if finite:
+                losses.append(value)
+            elif skip:
+                skipped += 1
             row = {"kind": "train", "step": i, "loss": value, "examples_per_s": rate_ex}
             if task.unit == "tokens":
                 row["tokens_per_s"] = rate_ex * unit_per_example
             row |= {"lr": lr_at(i - 1), "elapsed": now - elapsed0}
+            if skip:
+                row["skipped"] = skipped  # steps skipped so far
             metrics.write(row)
+            if not finite and not skip:
+                raise stop(f"step {i}: the training loss is {value}")
             progress.update(i, value, rate_ex * unit_per_example)
 
         evals: list[dict[str, Any]] = []
-        for i in range(start + 1, steps + 1):
-            model, opt_state, loss = compiled(model, opt_state, batch_of(i))
-            if pending is not None:
-                record(*pending)
-            pending = (i, loss)
-            due_eval = s["eval_every"] and i % s["eval_every"] == 0 and i != steps
-            due_ckpt = checkpointer is not None and s["checkpoint_every"] and i % s["checkpoint_every"] == 0
-            if due_eval or due_ckpt:
-                record(*pending)
-                pending = None
-            if due_eval:
-                ev = _plain(evaluate(model, task.eval_data))
-                evals.append({"step": i, **ev})
-                metrics.write({"kind": "eval", "step": i, "eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"],
-                               "elapsed": time.perf_counter() - elapsed0})  # fmt: skip
-                progress.note(f"step {i}: eval loss {ev['loss']:.4f}" + _acc_text(ev))
-                last = time.perf_counter()  # evaluation time is not training throughput
-            if due_ckpt and i != steps:
-                checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
-                                  metadata={"step": i, "model": s["model"]})  # fmt: skip
+        preemption = _Preemption(enabled=jax.process_count() == 1)
+        try:
+            for i in range(start + 1, steps + 1):
+                model, opt_state, loss = compiled(model, opt_state, batch_of(i))
+                if pending is not None:
+                    record(*pending)
+                pending = (i, loss)
+                due_eval = s["eval_every"] and i % s["eval_every"] == 0 and i != steps
+                due_ckpt = checkpointer is not None and s["checkpoint_every"] and i % s["checkpoint_every"] == 0
+                if due_eval or due_ckpt:
+                    record(*pending)
+                    pending = None
+                if due_eval:
+                    ev = _plain(evaluate(model, task.eval_data))
+                    evals.append({"step": i, **ev})
+                    metrics.write({"kind": "eval", "step": i, "eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"],
+                                   "elapsed": time.perf_counter() - elapsed0})  # fmt: skip
+                    progress.note(f"step {i}: eval loss {ev['loss']:.4f}" + _acc_text(ev))
+                    last = time.perf_counter()  # evaluation time is not training throughput
+                if due_ckpt and i != steps:
+                    check_weights(i)
+                    checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
+                                      metadata={"step": i, "model": s["model"]})  # fmt: skip
+                    last_saved = i
+                if preemption.requested and i != steps:
+                    if pending is not None:
+                        record(*pending)
+                        pending = None
+                    check_weights(i)
+                    if checkpointer is None:
+                        checkpointer = zoo.Checkpointer(ckpt_dir, keep=s["keep"])
+                    if last_saved != i:
+                        checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state,
+                                              "key": key}, metadata={"step": i, "model": s["model"]})  # fmt: skip
+                    checkpointer.wait()
+                    checkpointer.close()
+                    metrics.close()
+                    progress.close()
+                    raise Preempted(f"SIGTERM: stopped after step {i} of {steps}, checkpoint saved in {ckpt_dir}; "
+                                    "continue with the same command and --resume")  # fmt: skip
+        except BaseException:
+            # Ctrl-C, a full disk, a stopped run: a save in flight finishes (or fails) first.
+            if checkpointer is not None:
+                with contextlib.suppress(Exception):
+                    checkpointer.wait()
+            raise
+        finally:
+            preemption.restore()
         if pending is not None:
             record(*pending)
+        check_weights(steps)
         progress.close()
         train_s = time.perf_counter() - train_t0
 
@@ -534,6 +628,7 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         "loss_fell": fell,
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
+        "skipped_nonfinite_steps": skipped if skip else None,
         "parameters": base_params,
         "model_bytes": base_bytes,
         "trainable_parameters": tree_size(step.partition(model)[0]),
@@ -569,6 +664,78 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         write_json(output / "summary.json", summary)
         _print_summary(say, summary, task, colls, output, lcfg)
     return RunResult(summary, output)
+
+
+def _restore(checkpointer, like, step: int | None, folder: Path) -> tuple[int, Any, bool]:
+    """`(step, state, removed)` of checkpoint `step`, or of the newest intact one: a
+    damaged newer step (unreadable, truncated, an empty folder) is skipped with a one-line
+    warning, and removed (it cannot be restored, and the run's next saves would collide
+    with it)."""
+    import logging
+    import sys
+
+    import zoo
+
+    candidates = [step] if step is not None else sorted(checkpointer.steps(), reverse=True)
+    skipped: list[tuple[int, str]] = []
+    absl = logging.getLogger("absl")
+    for n in candidates:
+        level = absl.level
+        absl.setLevel(max(level, logging.ERROR))  # orbax's own warnings about the damage: ours names it
+        try:
+            start, state, _ = checkpointer.restore(like, step=n)
+        except zoo.CheckpointError as e:
+            first = str(e).splitlines()[0]
+            if " is damaged: " not in first or step is not None:
+                raise CLIError(f"--resume: {first}" + ("" if " is damaged: " in first else
+                               " (was it saved with other flags?)")) from e  # fmt: skip
+            skipped.append((n, first.split(" is damaged: ")[1]))
+            continue
+        finally:
+            absl.setLevel(level)
+        if skipped:
+            what = "; ".join(f"step {k}: {why}" for k, why in skipped)
+            print(f"zoo: warning: --resume skipped damaged checkpoints ({what}); they are removed, resuming from "
+                  f"step {start}", file=sys.stderr, flush=True)  # fmt: skip
+            for k, _ in skipped:
+                shutil.rmtree(folder / str(k), ignore_errors=True)
+        return start, state, bool(skipped)
+    what = "; ".join(f"step {k}: {why}" for k, why in skipped)
+    raise CLIError(f"--resume: every checkpoint in {folder} is damaged ({what}); start a new run (--overwrite)")
+
+
+class _Preemption:
+    """SIGTERM (a scheduler's preemption) noted instead of killing the process: the loop
+    saves a checkpoint after the step in progress and stops (exit 143). One process only:
+    in a multi-process run each process would see the signal at another step."""
+
+    def __init__(self, *, enabled: bool):
+        import signal
+        import threading
+
+        self.requested = False
+        self._previous = None
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _all_finite(tree) -> bool:
+    """Whether every float leaf of `tree` is free of NaN and inf (one device reduction)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
+    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs])))(leaves))
 
 
 def _plain(ev: dict[str, Any]) -> dict[str, Any]:

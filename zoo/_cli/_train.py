@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 _COMMON = dict(
     devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
     schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=0, eval_size=0,
-    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, init=None, data=None, quiet=False,
+    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, resume_step=None, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False,
     debug=False,
 )  # fmt: skip
 _FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
@@ -79,8 +80,15 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Every flag's value: given, else the model's default for the command. Checks what
     needs no devices: the model, numbers, choices, --model-config, --lora, --init."""
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
+    if values.get("resume_step") is not None:
+        values["resume"] = True
+    saved = _saved_config(values) if values.get("resume") else None
+    if saved is not None and values.get("model") is None:
+        values["model"] = saved.get("model")
     model = values["model"] = check_model(values.get("model"))
     defaults = _defaults(command, model)
+    if saved is not None:  # a resumed run continues with its own flags unless told otherwise
+        defaults |= {k: v for k, v in saved.items() if k in defaults and k not in _NOT_INHERITED}
     s = {k: (values[k] if values.get(k) is not None else v) for k, v in defaults.items()}
     s["model"] = model
     s["debug"] = bool(getattr(args, "debug", False))
@@ -93,8 +101,7 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for name in ("probe", "eval_every", "eval_size", "checkpoint_every"):
         if s[name] < 0:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 0, got {s[name]}")
-    if not s["lr"] > 0:
-        raise CLIError(f"--lr must be > 0, got {s['lr']}")
+    _check_numbers(s)
     if s["seq_len"] is not None and s["seq_len"] < 2:
         raise CLIError(f"--seq-len must be >= 2, got {s['seq_len']}")
     if s["warmup"] is None:
@@ -103,6 +110,7 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
         raise CLIError(f"--warmup must be in [0, --steps {s['steps']}), got {s['warmup']}")
     pairs = parse_pairs(s["model_config"], "--model-config", "d_model=64,num_layers=2") if s["model_config"] else {}
     s["model_config_values"] = {k: parse_scalar(v) for k, v in pairs.items()}
+    check_model_config(model, s["model_config_values"])
     if model == "minilm" and s["init"] is None and s["model_config_values"].keys() - {"dropout", "attention_dropout", "remat", "dtype"}:
         raise CLIError(
             "--model-config: the pretrained MiniLM's shape is fixed; only dropout, attention_dropout and remat "
@@ -122,11 +130,116 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
         raise CLIError("--init: the mlp has no pretrained weights; drop --init")
     if s["resume"] and not (s["output"] or s["checkpoint_dir"]):
         raise CLIError("--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)")
+    if s["resume_step"] is not None and s["resume_step"] < 1:
+        raise CLIError(f"--resume-step must be >= 1, got {s['resume_step']}")
+    if saved is not None:
+        _check_resume_flags(s, saved)
     if s["dtype"] not in ("float32", "bfloat16"):
         raise CLIError(f"--dtype must be float32 or bfloat16, got {s['dtype']!r}")
     if model == "mlp" and s["dtype"] != "float32":
         raise CLIError("--dtype: the mlp computes in float32 only; drop --dtype")
     return s
+
+
+# What --resume may change: how long, where and how the run is laid out, evaluated, saved
+# and shown. Every other flag changes what is trained (refused), and is taken from the run's
+# config.json when not given.
+RESUME_SAFE = ("steps", "devices", "mesh", "rules", "mode", "microbatches", "coordinator", "num_processes",
+               "process_id", "eval_every", "eval_size", "checkpoint_every", "keep", "quiet", "debug", "output",
+               "checkpoint_dir", "resume", "resume_step", "overwrite", "probe")  # fmt: skip
+# Not taken from config.json: the layout follows this launch's devices.
+_NOT_INHERITED = ("devices", "mesh", "coordinator", "num_processes", "process_id", "resume", "resume_step", "overwrite")
+
+
+def _saved_config(values: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json of the run --resume continues (None without --output or the file)."""
+    import json
+
+    if not values.get("output"):
+        return None
+    path = Path(values["output"]).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CLIError(f"--resume: cannot read {path}: {e}; fix or remove it") from e
+    if not isinstance(saved, dict):
+        raise CLIError(f"--resume: {path} is not a run's config.json (not a JSON object); fix or remove it")
+    return saved
+
+
+def _normal(key: str, value: Any) -> Any:
+    import json
+
+    if key == "model_config":
+        return parse_pairs(value, "--model-config", "width=64") if value else {}
+    return json.loads(json.dumps(value, default=str))
+
+
+def _check_resume_flags(s: dict[str, Any], saved: dict[str, Any]) -> None:
+    """--resume continues the run of config.json: refuse every flag that would change it."""
+    changed = [
+        f"{_flag(k)} {s[k]} (was {saved[k]})"
+        for k in sorted(s)
+        if k in saved and k not in RESUME_SAFE and _normal(k, s[k]) != _normal(k, saved[k])
+    ]
+    if changed:
+        raise CLIError(
+            f"--resume: {', '.join(changed)} would change the run saved in {s['output']}; drop "
+            f"{'them' if len(changed) > 1 else 'it'} to continue that run, or start a new one (another --output, "
+            "or --overwrite without --resume)"
+        )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_numbers(s: dict[str, Any]) -> None:
+    """Every float flag finite and in range, the seed and process flags non-negative: a NaN
+    or infinite rate trains to NaN weights without a word."""
+    for name, low, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("clip", 0.0, False)):
+        value = s[name]
+        if not (math.isfinite(value) and (value > low if strict else value >= low)):
+            bound = "> 0" if strict else ">= 0"
+            raise CLIError(f"{_flag(name)} must be a finite number {bound}, got {value}")
+    if s["seed"] < 0:
+        raise CLIError(f"--seed must be >= 0, got {s['seed']}")
+    if s["num_processes"] is not None and s["num_processes"] < 1:
+        raise CLIError(f"--num-processes must be >= 1, got {s['num_processes']}")
+    if s["process_id"] is not None and s["process_id"] < 0:
+        raise CLIError(f"--process-id must be >= 0, got {s['process_id']}")
+
+
+# --model-config keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1),
+# positive floats; other keys are left to the config class.
+_SIZES = ("width", "depth", "vocab_size", "d_model", "num_heads", "num_layers", "mlp_dim", "max_len", "num_kv_heads",
+          "head_dim", "type_vocab_size")  # fmt: skip
+_IDS = ("pad_token_id",)
+_PROBABILITIES = ("dropout", "attention_dropout")
+_POSITIVE = ("norm_eps", "init_std", "rope_theta")
+
+
+def check_model_config(model: str, values: dict[str, Any]) -> None:
+    """Each --model-config value of the right kind and range, named in one line."""
+    for key, value in values.items():
+        where = f"--model-config {key}={value}"
+        nullable = key in ("mlp_dim", "num_kv_heads", "head_dim") and value is None
+        if key in _SIZES + _IDS and not nullable:
+            low = 1 if key in _SIZES else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise CLIError(f"{where}: {key} must be an integer >= {low}, e.g. {key}=64"
+                               if key in _SIZES else f"{where}: {key} must be an integer >= 0")  # fmt: skip
+        elif key in _PROBABILITIES + _POSITIVE:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise CLIError(f"{where}: {key} must be a finite number")
+            if key in _PROBABILITIES and not 0 <= value < 1:
+                raise CLIError(f"{where}: {key} is a probability in [0, 1)")
+            if key in _POSITIVE and not value > 0:
+                raise CLIError(f"{where}: {key} must be > 0")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise CLIError(f"{where}: must be finite")
 
 
 def _output_dir(s: dict[str, Any], command: str) -> Path:
@@ -144,7 +257,9 @@ def _output_dir(s: dict[str, Any], command: str) -> Path:
 def _config_json(s: dict[str, Any]) -> dict[str, Any]:
     """The flags as `--config` reads them back (internal values left out)."""
     # The process flags belong to one launch, not to the run: --config must not replay them.
-    return {k: v for k, v in s.items() if k not in ("model_config_values", *_PROCESS_FLAGS)}
+    # --overwrite and --resume-step too: replaying a run's config.json must not delete that run.
+    drop = ("model_config_values", "overwrite", "resume_step", *_PROCESS_FLAGS)
+    return {k: v for k, v in s.items() if k not in drop}
 
 
 def _title(command: str, s: dict[str, Any]) -> str:
@@ -203,10 +318,20 @@ def execute(s: dict[str, Any], command: str, *, title: str | None = None):
     s["devices"], s["mesh"] = devices, mesh_text(mesh_shape)
     check_layout(s, mesh_shape, devices)
     output = _output_dir(s, command)
-    check_checkpoints(s, output)
-    # config.json is written once the model is built: a run that fails before leaves no folder.
-    return run(s, command=command, devices=devices, mesh_shape=mesh_shape, output=output,
-               title=title or _title(command, s), config=_config_json(s))  # fmt: skip
+    import zoo
+
+    from ._lock import run_lock
+    from ._run import checkpoint_dir
+
+    for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoint_dir(s, output))):
+        if folder.exists() and not folder.is_dir():
+            raise CLIError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
+    # One run per folder, held before anything is read or written there. config.json is
+    # written once the model is built: a run that fails before leaves no folder.
+    with run_lock(output, checkpoint_dir(s, output), main=zoo.is_main_process()):
+        check_checkpoints(s, output)
+        return run(s, command=command, devices=devices, mesh_shape=mesh_shape, output=output,
+                   title=title or _title(command, s), config=_config_json(s))  # fmt: skip
 
 
 def cmd_train(args) -> int:
@@ -310,6 +435,10 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--clip", type=float, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="compute dtype; parameters, gradients and their all-reduce stay float32 (default float32)")
+    g.add_argument("--skip-nonfinite", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip a step whose loss or gradients are NaN/inf (weights and optimizer state unchanged; "
+                   "counted as `skipped` in metrics.jsonl) instead of stopping the run with exit code 3 "
+                   "(default no)")
     g.add_argument("--seed", type=int, help="seed of the model, head, adapters and batches (default 0)")
     g = p.add_argument_group("model and data")
     g.add_argument("--data", choices=sorted({d for ds in DATASETS.values() for d in ds}), help=DATA_HELP)
@@ -344,6 +473,12 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to --steps "
                    "(default no)")
+    g.add_argument("--resume-step", type=int, metavar="N",
+                   help="resume from checkpoint step N instead of the newest (implies --resume; later steps are "
+                   "refused unless --overwrite deletes them)")
+    g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
+                   help="replace the outputs and checkpoints of an earlier run in --output (default no: such a "
+                   "folder is refused; --resume continues it instead)")
     g.add_argument("--config", metavar="FILE",
                    help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
                    "batch_size; model for the model); flags on the command line win. A run's config.json is one")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._checks import check_array
 from ..nn import Embedding, LayerNorm, Linear, Stacked, TransformerBlock, broadcast_like, dropout, fold_in
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
 from ..nn._inputs import place_inputs
@@ -92,6 +93,7 @@ class Encoder(eqx.Module):
 
         **Returns:** `[batch, seq, d_model]` hidden states in `config.dtype`.
         """
+        check_array(tokens, where="Encoder", name="tokens", kind="int", ndim=2)
         seq = tokens.shape[1]
         if seq > self.config.max_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_len}")

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._checks import check_array
 from ..nn import (
     Attention,
     Embedding,
@@ -159,6 +160,7 @@ class Transformer(eqx.Module):
         `vocab_size` unless `config.vocab_multiple` pads it; padded entries are the float32
         minimum, so softmax, cross-entropy and argmax equal the unpadded model's).
         """
+        check_array(tokens, where="Transformer", name="tokens", kind="int", ndim=2)
         seq = tokens.shape[1]
         if seq > self.config.max_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_len}")

@@ -10,6 +10,7 @@ import jax
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
+from .._checks import check_array
 from ._inputs import place_inputs
 from ._linear import Linear
 from ._norm import LayerNorm, RMSNorm
@@ -109,6 +110,7 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Float[ArrayLike, "*batch {self.in_size}"]) -> Float[Array, "*batch {self.out_size}"]:
         """Apply the MLP to `x` with any leading batch dims (none: one example)."""
+        check_array(x, where="MLP", name="x", kind="float", min_ndim=1, last=self.in_size)
         if x.ndim == 1:  # one example is a batch of one, so a placed MLP can take it too
             return self._batched(x[None])[0]
         return self._batched(x)

@@ -1,0 +1,592 @@
+"""Run safety: what a new user's mistakes do to `zoo train` (docs/reliability.md).
+
+One folder, one run (an OS lock; a folder holding another run refused without --resume or
+--overwrite); numbers checked before any work; a diverging run stopped with its last good
+checkpoint kept. Most cases call the CLI's `main` in-process (cheap: this process already
+has jax and its caches); a subprocess only where a fresh process matters (two live runs).
+"""
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
+TINY = ["--devices", "2", "--steps", "3", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--quiet"]
+
+
+def zoo_main(*args) -> tuple[int, str, str]:
+    """`zoo ARGS` in-process: (exit code, stdout, stderr); argparse's exits become codes."""
+    from zoo._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def one_line_error(rc: int, err: str, message: str, code: int = 2) -> None:
+    assert rc == code, (rc, err)
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def train_rows(folder: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "train"]
+
+
+# --- one run per folder ----------------------------------------------------------------------
+
+
+def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
+    """Two real `python -m zoo train` into one folder: the second (even with --overwrite)
+    is refused with one line while the first trains, and the first ends intact."""
+    out = tmp_path / "run"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    first_flags = ["--devices", "2", "--steps", "2000", "--batch-size", "8", "--microbatches", "1",
+                   "--eval-size", "16", "--checkpoint-every", "1000", "--quiet", "--output", str(out)]  # fmt: skip
+    first = subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *first_flags], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / ".zoo.lock").exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        assert (out / ".zoo.lock").exists(), first.communicate()
+        second = subprocess.run(
+            [sys.executable, "-m", "zoo", "train", "mlp", *TINY, "--output", str(out), "--overwrite"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert first.poll() is None, "the first run ended before the second tried: the test proved nothing"
+        one_line_error(
+            second.returncode, second.stderr, f"--output {out} is in use by another zoo run (pid {first.pid}"
+        )
+        stdout, stderr = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr
+    assert "loss fell" in stdout
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 2001))
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1000, 2000]
+    assert json.loads((out / "config.json").read_text())["steps"] == 2000
+
+
+def test_a_held_lock_refuses_in_process_and_is_released_after_a_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".zoo.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+        one_line_error(rc, err, "is in use by another zoo run")
+    assert not (out / "config.json").exists()
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    assert rc == 0, err
+    with open(out / ".zoo.lock") as f:  # the finished run let go of it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_folder_with_outputs_is_refused_without_overwrite(tmp_path):
+    """A folder with another run's outputs but no checkpoints is not silently replaced;
+    --overwrite replaces it (the old files gone), --resume needs checkpoints."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text('{"model": "someone else\'s"}')
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    one_line_error(rc, err, f"--output {out} already holds another run's outputs (config.json, metrics.jsonl); "
+                   "pass --overwrite")  # fmt: skip
+    assert "someone else" in (out / "config.json").read_text()
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--overwrite")
+    assert rc == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"] == "mlp" and "overwrite" not in config  # replaying config.json never deletes
+    assert [r["step"] for r in train_rows(out)] == [1, 2, 3]
+
+
+def test_a_failed_start_leaves_no_folder(tmp_path):
+    out = tmp_path / "never"
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--model-config", "depth=2,colour=3")
+    one_line_error(rc, err, "unknown mlp keys ['colour']")
+    assert not out.exists()
+
+
+def test_probing_a_checkpoint_folder_is_read_only(tmp_path):
+    """A refused run must not touch the folder it probes: an in-flight save's temporary
+    folder (what another process is writing) survives."""
+    out = tmp_path / "run"
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    assert rc == 0, err
+    in_flight = out / "checkpoints" / "5.orbax-checkpoint-tmp-1234"
+    in_flight.mkdir()
+    (in_flight / "data").write_text("half written")
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    one_line_error(rc, err, "already holds checkpoints (steps [3]); pass --resume to continue from them, --overwrite")
+    assert (in_flight / "data").read_text() == "half written"
+
+
+# --- numbers checked before any work -----------------------------------------------------------
+
+# (flags after `zoo train mlp`, the one line's text). Each fails before devices start.
+BAD_NUMBERS = [
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-0.1"], "--lr must be a finite number > 0, got -0.1"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0, got -1.0"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
+    (["--clip", "-1"], "--clip must be a finite number >= 0, got -1.0"),
+    (["--clip", "nan"], "--clip must be a finite number >= 0, got nan"),
+    (["--clip", "inf"], "--clip must be a finite number >= 0, got inf"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--steps", "-3"], "--steps must be >= 1, got -3"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+    (["--keep", "0"], "--keep must be >= 1, got 0"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0, got -1"),
+    (["--checkpoint-every", "-2"], "--checkpoint-every must be >= 0, got -2"),
+    (["--warmup", "5", "--steps", "5"], "--warmup must be in [0, --steps 5), got 5"),
+    (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+    (["--process-id", "-1"], "--process-id must be >= 0, got -1"),
+    (["--devices", "0"], "--devices must be >= 1, got 0"),
+    (["--model-config", "width=0"], "--model-config width=0: width must be an integer >= 1, e.g. width=64"),
+    (["--model-config", "width=abc"], "--model-config width=abc: width must be an integer >= 1"),
+    (["--model-config", "depth=-5"], "--model-config depth=-5: depth must be an integer >= 1"),
+    (["--model-config", "width=2.5"], "--model-config width=2.5: width must be an integer >= 1"),
+    (["--model-config", "width=true"], "--model-config width=True: width must be an integer >= 1"),
+    (["--model-config", "width=64,width=32"], "key 'width' appears twice"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_NUMBERS, ids=[" ".join(f) for f, _ in BAD_NUMBERS])
+def test_bad_numbers_are_one_line_before_any_work(tmp_path, flags, message):
+    rc, out, err = zoo_main("train", "mlp", *flags, "--output", tmp_path / "run")
+    one_line_error(rc, err, message)
+    assert not (tmp_path / "run").exists() and out == ""
+
+
+BAD_TRANSFORMER_CONFIGS = [
+    ("dropout=1.5", "dropout is a probability in [0, 1)"),
+    ("dropout=nan", "dropout must be a finite number"),
+    ("attention_dropout=-0.1", "attention_dropout is a probability in [0, 1)"),
+    ("d_model=0", "d_model must be an integer >= 1"),
+    ("num_heads=two", "num_heads must be an integer >= 1"),
+    ("norm_eps=0", "norm_eps must be > 0"),
+    ("init_std=inf", "init_std must be a finite number"),
+    ("max_len=-1", "max_len must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("config, message", BAD_TRANSFORMER_CONFIGS, ids=[c for c, _ in BAD_TRANSFORMER_CONFIGS])
+def test_bad_model_config_values_name_the_key(config, message):
+    rc, _, err = zoo_main("train", "transformer", "--devices", "2", "--model-config", config)
+    one_line_error(rc, err, f"--model-config {config.split('=')[0]}=")
+    assert message in err, err
+
+
+def test_bad_numbers_in_a_config_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text('{"model": "mlp", "lr": NaN}')  # Python's json reads NaN
+    rc, _, err = zoo_main("train", "--config", path)
+    one_line_error(rc, err, "--lr must be a finite number > 0, got nan")
+
+
+# --- a diverging run ---------------------------------------------------------------------------
+
+# sgd at lr 1e30 without clipping: step 1's loss is finite, step 2's is inf.
+DIVERGE = ["--devices", "2", "--steps", "5", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+           "--quiet", "--optimizer", "sgd", "--clip", "0", "--lr", "1e30", "--warmup", "0", "--schedule", "constant",
+           "--checkpoint-every", "1"]  # fmt: skip
+
+
+def test_a_diverging_run_stops_with_exit_3_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = zoo_main("train", "mlp", *DIVERGE, "--output", out)
+    one_line_error(rc, err, f"step 2: the training loss is inf: training stopped, nothing saved from it; the last "
+                   f"good checkpoint is step 1 in {out / 'checkpoints'}", code=3)  # fmt: skip
+    assert "--skip-nonfinite" in err
+    import zoo
+
+    ckpt = zoo.Checkpointer(out / "checkpoints", read_only=True)
+    assert ckpt.steps() == [1]  # the in-flight save of step 1 finished; nothing after it
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] > 0 and rows[1]["loss"] is None
+    assert not (out / "summary.json").exists()
+
+
+def test_skip_nonfinite_skips_and_counts_the_steps(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = zoo_main("train", "mlp", *DIVERGE, "--output", out, "--skip-nonfinite")
+    assert rc == 0, err
+    rows = train_rows(out)
+    assert [r["skipped"] for r in rows] == [0, 1, 2, 3, 4]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_nonfinite_steps"] == 4
+    assert json.loads((out / "config.json").read_text())["skip_nonfinite"] is True
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+BASE = ["--devices", "2", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--quiet"]
+
+
+@pytest.fixture
+def run4(tmp_path) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4, lr and seed not the defaults."""
+    out = tmp_path / "run"
+    rc, _, err = zoo_main("train", "mlp", *BASE, "--steps", "4", "--checkpoint-every", "2", "--lr", "0.01",
+                          "--seed", "3", "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
+    assert rc == 0, err
+    return out
+
+
+def test_resume_refuses_every_flag_that_changes_the_run(run4):
+    before = (run4 / "config.json").read_text()
+    rc, _, err = zoo_main("train", "mlp", *BASE, "--output", run4, "--resume", "--steps", "6", "--seed", "1",
+                          "--lr", "0.1", "--batch-size", "16", "--model-config", "width=32,depth=2")  # fmt: skip
+    one_line_error(rc, err, "--resume: --batch-size 16 (was 8), --lr 0.1 (was 0.01), --model-config width=32,depth=2 "
+                   "(was width=16,depth=2), --seed 1 (was 3) would change the run saved in")  # fmt: skip
+    assert "drop them to continue that run" in err
+    assert (run4 / "config.json").read_text() == before
+
+
+def test_resume_takes_the_runs_own_flags_and_safe_changes(run4):
+    """Unset flags come from config.json (lr, seed, model config); --steps, evaluation and
+    checkpoint frequency, --quiet may change; the same model config spelled in another
+    order is no change."""
+    rc, _, err = zoo_main("train", *BASE, "--output", run4, "--resume", "--steps", "6", "--eval-every", "1",
+                          "--checkpoint-every", "3", "--model-config", "depth=2,width=16")  # fmt: skip
+    assert rc == 0, err
+    config = json.loads((run4 / "config.json").read_text())
+    assert (config["lr"], config["seed"], config["steps"], config["eval_every"]) == (0.01, 3, 6, 1)
+    assert [r["step"] for r in train_rows(run4)] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((run4 / "summary.json").read_text())["resumed_from"] == 4
+
+
+def test_resume_falls_back_past_a_damaged_and_an_empty_step(run4):
+    import shutil
+
+    shutil.rmtree(run4 / "checkpoints" / "4" / "state")  # step 4's arrays gone
+    (run4 / "checkpoints" / "5").mkdir()  # a step folder with nothing in it
+    with open(run4 / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')  # a line cut off by a crash
+    rc, _, err = zoo_main("train", "mlp", *BASE, "--output", run4, "--resume", "--steps", "6")
+    assert rc == 0, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("zoo: warning: --resume skipped damaged checkpoints (step 5: its manifest cannot be read; "
+                          "step 4: "), err  # fmt: skip
+    assert "resuming from step 2" in err
+    assert json.loads((run4 / "summary.json").read_text())["resumed_from"] == 2
+    assert [r["step"] for r in train_rows(run4)] == [1, 2, 3, 4, 5, 6]
+    import zoo
+
+    assert zoo.Checkpointer(run4 / "checkpoints", read_only=True).steps() == [2, 4, 6]  # 4 saved anew
+
+
+def test_resume_step(run4):
+    rc, _, err = zoo_main("train", "mlp", *BASE, "--output", run4, "--resume-step", "3", "--steps", "6")
+    one_line_error(rc, err, "--resume-step 3: no such checkpoint in")
+    rc, _, err = zoo_main("train", "mlp", *BASE, "--output", run4, "--resume-step", "2", "--steps", "6")
+    one_line_error(rc, err, "--resume-step 2: ")
+    assert "also holds the later steps [4], which this run would replace; pass --overwrite" in err
+    rc, _, err = zoo_main("train", "mlp", *BASE, "--output", run4, "--resume-step", "2", "--steps", "2")
+    one_line_error(rc, err, "--resume-step 2 is not before --steps 2")
+    rc, _, err = zoo_main("train", "mlp", *BASE, "--output", run4, "--resume-step", "2", "--steps", "5", "--overwrite")
+    assert rc == 0, err
+    assert json.loads((run4 / "summary.json").read_text())["resumed_from"] == 2
+    assert "resume_step" not in json.loads((run4 / "config.json").read_text())
+
+
+# --- signals and full disks (fresh processes) ---------------------------------------------------
+
+LONG = ["--devices", "2", "--steps", "2000", "--warmup", "1", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+        "--quiet"]  # fmt: skip
+
+
+def _start(out: Path, *extra) -> subprocess.Popen:
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *LONG, "--output", str(out), *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _wait_for_training(proc: subprocess.Popen, out: Path, rows: int = 3) -> None:
+    """Until metrics.jsonl holds `rows` training rows (the loop is running)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.exists() and path.read_text().count('"kind": "train"') >= rows:
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"the run never reached its training loop: {proc.communicate()}")
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+    import signal
+
+    out = tmp_path / "run"
+    proc = _start(out)
+    _wait_for_training(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    one_line_error(proc.returncode, err, "zoo: stopped: SIGTERM: stopped after step ", code=143)
+    assert f"checkpoint saved in {out / 'checkpoints'}; continue with the same command and --resume" in err
+    import zoo
+
+    steps = zoo.Checkpointer(out / "checkpoints", read_only=True).steps()
+    assert len(steps) == 1 and 3 <= steps[0] < 2000
+    assert train_rows(out)[-1]["step"] == steps[0]  # every step up to the checkpoint recorded
+    # ... and the run continues from it.
+    rc, _, err = zoo_main("train", "mlp", *LONG[:2], "--steps", str(steps[0] + 2), "--output", out, "--resume")
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["resumed_from"] == steps[0]
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    import signal
+
+    out = tmp_path / "run"
+    proc = _start(out, "--checkpoint-every", "5")
+    _wait_for_training(proc, out, rows=7)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert err.strip() == "zoo: interrupted", err
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps()  # the saves before it are whole
+
+
+# A run whose writes fail with ENOSPC once `after` bytes went to metrics.jsonl, then on every write.
+_FULL_DISK = """
+import errno, sys
+import zoo._cli._output as output
+
+real = output.Metrics.write
+def write(self, row):
+    if row.get("step", 0) >= 2:
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+    real(self, row)
+output.Metrics.write = write
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_ends_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK, "train", "mlp", *TINY, "--checkpoint-every", "1",
+                           "--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    one_line_error(proc.returncode, proc.stderr, f"zoo: error: no space left on the device writing {out}/metrics.jsonl; "
+                   "free some space", code=1)  # fmt: skip
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]  # its save in flight finished
+
+
+# --- strict rules, meshes, config files ------------------------------------------------------
+
+BAD_RULES = [
+    (dict(embedd="data"), ValueError, "'embedd' is not a logical axis of the zoo's modules; did you mean 'embed'?"),
+    (dict(colour=None), ValueError, "add it to the dict: rules = zoo.rules('dp'); rules['colour'] = ..."),
+    (dict(embed=123), TypeError, "a rule maps a logical axis to a mesh axis name (embed='data')"),
+    (dict(embed=""), TypeError, "got str ''"),
+    (dict(embed=("data", "data")), TypeError, "a tuple of distinct names"),
+    (dict(mlp=("data", 2)), TypeError, "got tuple ('data', 2)"),
+    (dict(heads=True), TypeError, "got bool True"),
+]
+
+
+@pytest.mark.parametrize("overrides, kind, message", BAD_RULES, ids=[str(o) for o, _, _ in BAD_RULES])
+def test_bad_rule_overrides_name_the_fix(overrides, kind, message):
+    import zoo
+
+    with pytest.raises(kind) as e:
+        zoo.rules("dp", **overrides)
+    assert message in str(e.value)
+
+
+def test_good_rule_overrides_and_own_axes():
+    import zoo
+
+    r = zoo.rules("dp", mlp=["data"], embed=None)
+    assert r["mlp"] == ("data",) and r["embed"] is None
+    r["my_axis"] = "data"  # a logical axis of the user's own modules: added to the dict
+    assert zoo.rules("dp")["batch"] == "data"
+
+
+BAD_LAYOUTS = [
+    (
+        ["--mesh", "data=4,foo=2"],
+        "--mesh data=4,foo=2: no rule of --rules dp uses mesh axes ['foo'], so their "
+        "devices would repeat the same work; drop them or give them size 1 (e.g. --mesh data=4)",
+    ),
+    (["--mesh", "data=2,model=4"], "no rule of --rules dp uses mesh axes ['model']"),
+    (["--mesh", "data=2,model=2,x=2", "--rules", "tp"], "no rule of --rules tp uses mesh axes ['x']"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_LAYOUTS, ids=[" ".join(f) for f, _ in BAD_LAYOUTS])
+def test_idle_mesh_axes_are_refused(flags, message):
+    rc, _, err = zoo_main("train", "mlp", "--devices", "8", *flags)
+    one_line_error(rc, err, message)
+
+
+def test_an_unused_axis_of_size_1_is_fine():
+    rc, out, err = zoo_main("inspect", "mlp", "--devices", "2", "--mesh", "data=2,foo=1", "--microbatches", "1",
+                            "--batch-size", "4", "--json")  # fmt: skip
+    assert rc == 0, err
+
+
+BAD_FILES = [
+    ("run.json", '{"model": "mlp", "lr": 0.1, "lr": 0.2}', "cannot parse it as JSON: key 'lr' appears twice"),
+    ("run.json", '{"model": "mlp", "mesh": {"data": 2, "data": 4}}', "key 'data' appears twice"),
+    ("run.toml", 'model = "mlp"\nlr = 0.1\nlr = 0.2\n', "cannot parse it as TOML"),
+    ("run.yaml", "model: mlp\nlr: 0.1\nlr: 0.2\n", "cannot parse it as YAML: key 'lr' appears twice"),
+    ("run.yaml", "model: mlp\nmesh: {data: 2, data: 4}\n", "key 'data' appears twice"),
+    ("run.json", '{"model": "mlp", "lr": Infinity}', "--lr must be a finite number > 0, got inf"),
+    ("run.json", '{"model": "mlp", "clip": -1}', "--clip must be a finite number >= 0, got -1"),
+    ("run.json", '{"model": "mlp", "seed": -4}', "--seed must be >= 0, got -4"),
+    ("run.json", '{"model": "mlp", "model_config": {"width": 0}}', "--model-config width=0: width must be"),
+    ("run.json", '{"model": "mlp", "steps": "many"}', "steps must be an integer, got 'many'"),
+    ("run.json", "[1, 2]", "the file must hold a table of flag = value, got a list"),
+]
+
+
+@pytest.mark.parametrize("name, text, message", BAD_FILES, ids=[t for _, t, _ in BAD_FILES])
+def test_bad_config_files_are_one_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    rc, _, err = zoo_main("train", "--config", path, "--devices", "2")
+    one_line_error(rc, err, message)
+
+
+# --- shapes and dtypes at model boundaries -----------------------------------------------------
+
+# In a fresh process without jaxtyping's hook (the test session has it on): what a user gets
+# by default, then with ZOO_RUNTIME_CHECKS=1.
+_BOUNDARIES = """
+import json
+import equinox as eqx, jax, jax.numpy as jnp, optax, zoo
+
+def error(f):
+    try:
+        f()
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e).splitlines()[0]
+    return None
+
+mlp = zoo.nn.MLP(4, 1, 8, 2, key=jax.random.key(0))
+lm = zoo.models.Transformer(zoo.models.TransformerConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1,
+                                                         max_len=8), key=jax.random.key(0))
+enc = zoo.models.Encoder(zoo.models.EncoderConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1,
+                                                  max_len=8), key=jax.random.key(0))
+emb = zoo.nn.Embedding(10, 4, key=jax.random.key(0))
+mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+step = zoo.TrainStep(lambda m, b: (m(b["x"]) - b["y"]) ** 2, optax.sgd(0.1))
+int_loss = zoo.TrainStep(lambda m, b: (m(b["x"])[:, 0] > 0).astype(jnp.int32), optax.sgd(0.1))
+batch = {"x": jnp.ones((4, 4)), "y": jnp.ones((4, 1))}
+with jax.set_mesh(mesh):
+    placed = zoo.shard(mlp, zoo.rules("dp"), mesh)
+    out = {
+        "mlp_int": error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4), jnp.int32))),
+        "mlp_width": error(lambda: mlp(jnp.ones((3, 5)))),
+        "lm_float": error(lambda: lm(jnp.ones((2, 4)))),
+        "lm_rank": error(lambda: lm(jnp.ones((4,), jnp.int32))),
+        "encoder_float": error(lambda: enc(jnp.ones((2, 4)))),
+        "embedding_float": error(lambda: emb(jnp.ones((3,)))),
+        "loss_2d": error(lambda: step(placed, step.init(placed), batch)),
+        "loss_int": error(lambda: int_loss(placed, int_loss.init(placed), batch)),
+        "linear_width": error(lambda: zoo.nn.Linear(4, 3, key=jax.random.key(0))(jnp.ones((2, 5)))),
+        "ok": error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4)))),
+    }
+print(json.dumps(out))
+"""
+
+
+def _boundaries(**env) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _BOUNDARIES], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"} | env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_model_entry_points_check_rank_and_dtype_by_default():
+    out = _boundaries(ZOO_RUNTIME_CHECKS="0")
+    assert out["ok"] is None
+    assert out["mlp_int"] == ("TypeError: MLP: x must be a float array, got int32 of shape (3, 4); cast it with "
+                              ".astype(jnp.float32)")  # fmt: skip
+    assert out["mlp_width"] == "ValueError: MLP: x must end with a dimension of size 4, got shape (3, 5)"
+    assert out["lm_float"].startswith("TypeError: Transformer: tokens must be an int array, got float32")
+    assert out["lm_rank"] == "ValueError: Transformer: tokens must have 2 dimensions, got shape (4,)"
+    assert out["encoder_float"].startswith("TypeError: Encoder: tokens must be an int array")
+    assert out["embedding_float"].startswith("TypeError: Embedding: ids must be an int array")
+    assert out["loss_2d"].startswith("ValueError: loss_fn(model, batch) must return per-example losses `[batch]`")
+    assert "Got losses of shape (4, 1) for a microbatch of 4 examples (reduce the other axes first" in out["loss_2d"]
+    assert "Got losses of dtype int32: cast them to float32" in out["loss_int"]
+    # Without the runtime checks a Linear's width mismatch is jnp's own error.
+    assert out["linear_width"].startswith("ValueError") and "TypeCheckError" not in out["linear_width"]
+
+
+def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
+    out = _boundaries(ZOO_RUNTIME_CHECKS="1")
+    assert out["ok"] is None
+    assert out["linear_width"].startswith("TypeCheckError: Type-check error whilst checking the parameters of "
+                                          "zoo.nn._linear.Linear.__call__")  # fmt: skip
+
+
+# --- the rest of the sweep: folders, choices, resume inputs ----------------------------------
+
+
+def _sweep(tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "afile").write_text("")
+    (tmp / "broken").mkdir()
+    (tmp / "broken" / "config.json").write_text("{bad")
+    return [
+        (["--output", tmp / "afile"], f"--output {tmp / 'afile'} is a file, not a folder"),
+        (["--checkpoint-dir", tmp / "afile"], f"--checkpoint-dir {tmp / 'afile'} is a file, not a folder"),
+        (["--output", tmp / "broken", "--resume"], f"--resume: cannot read {tmp / 'broken' / 'config.json'}"),
+        (["--output", tmp / "none", "--resume-step", "2"], "--resume: no checkpoint in"),
+        (["--resume-step", "0", "--output", tmp / "x"], "--resume-step must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be in [0, --steps 3), got -1"),
+        (["--seq-len", "1"], "--seq-len must be >= 2, got 1"),
+        (["--eval-size", "-1"], "--eval-size must be >= 0, got -1"),
+        (["--probe", "-1"], "--probe must be >= 0, got -1"),
+        (["--mode", "foo"], "argument --mode: invalid choice: 'foo'"),
+        (["--optimizer", "foo"], "argument --optimizer: invalid choice: 'foo'"),
+        (["--mesh", "data=0"], "bad --mesh 'data=0': write it as name=size"),
+        (["--mesh", "data=2,data=2"], "axis 'data' appears twice"),
+        (["--model-config", "width=1e400"], "--model-config width=inf: width must be an integer >= 1"),
+        (["--keep", "-1"], "--keep must be >= 1, got -1"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+        (["--init", tmp / "nowhere"], "--init: the mlp has no pretrained weights; drop --init"),
+    ]
+
+
+def test_sweep_of_bad_inputs_is_one_line_each(tmp_path):
+    failures = []
+    for flags, message in _sweep(tmp_path):
+        rc, _, err = zoo_main("train", "mlp", *TINY, *flags)
+        lines = err.strip().splitlines()
+        if rc != 2 or message not in err or len(lines) != 1 or "Traceback" in err:
+            failures.append((flags, rc, err))
+    assert not failures, failures
+    assert (tmp_path / "afile").read_text() == ""

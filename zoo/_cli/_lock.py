@@ -1,0 +1,96 @@
+"""One run per output folder: an exclusive lock held by the operating system, and the check
+that a folder holding another run's outputs is not silently replaced.
+
+The lock is `fcntl.flock` on `OUTPUT/.zoo.lock`, taken before the run writes anything and
+held until it ends; the kernel releases it when the process dies (killed, crashed, the
+machine's power aside), so a lock is never stale. The file keeps the holder's pid and start
+time, for the error another run prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from ._common import CLIError
+
+LOCK_NAME = ".zoo.lock"
+# What a run leaves in its output folder (the checkpoints folder is checked on its own).
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "model", "adapter")
+
+
+def _holder(path: Path) -> str:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return ""
+    return f" ({text})" if text else ""
+
+
+@contextlib.contextmanager
+def _flock(path: Path, flag: str) -> Iterator[None]:
+    import fcntl
+
+    created = not path.parent.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CLIError(
+                f"{flag} {path.parent} is in use by another zoo run{_holder(path)}; wait for it to end, "
+                "or choose another folder"
+            ) from None
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, started {stamp}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            # A run that failed before writing anything leaves no folder behind.
+            if created and {p.name for p in path.parent.iterdir()} == {path.name}:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    path.parent.rmdir()
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def run_lock(output: Path, checkpoints: Path, *, main: bool) -> Iterator[None]:
+    """Hold the output folder (and a --checkpoint-dir outside it) for one run; CLIError
+    if another process holds it. Only process 0 of a multi-process run locks (the others
+    write into the same shared folder under its lock)."""
+    if not main:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_flock(output / LOCK_NAME, "--output"))
+        if not checkpoints.resolve().is_relative_to(output.resolve()):
+            # Next to the folder, not in it: the checkpoint folder holds numbered steps only.
+            stack.enter_context(_flock(checkpoints.parent / f".{checkpoints.name}{LOCK_NAME}", "--checkpoint-dir"))
+        yield
+
+
+def previous_outputs(output: Path) -> list[str]:
+    """The outputs of an earlier run in `output` (names, sorted)."""
+    if not output.is_dir():
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if p.name in RUN_OUTPUTS)
+
+
+def remove_outputs(output: Path, checkpoints: Path) -> None:
+    """--overwrite: delete the earlier run's outputs and checkpoints (the lock is held)."""
+    for name in RUN_OUTPUTS:
+        path = output / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    if checkpoints.is_dir():
+        shutil.rmtree(checkpoints)
