@@ -9,6 +9,7 @@ from . import data, hf, lora, models, nn
 from ._axes import LAYERS, LogicalAxes, field, logical_axes, stacked_field
 from ._batch import check_batch, split_microbatches
 from ._checkpoint import CheckpointError, Checkpointer
+from ._compile_cache import default_cache_dir, enable_compilation_cache
 from ._distributed import distributed_init, global_batch, is_main_process, local_rows
 from ._inspect import COLLECTIVE_KINDS, Collective, collectives, count, report
 from ._reduced import (
@@ -44,7 +45,9 @@ __all__ = [
     "global_batch",
     "is_main_process",
     "data",
+    "default_cache_dir",
     "distributed_init",
+    "enable_compilation_cache",
     "hf",
     "logical_axes",
     "local_rows",

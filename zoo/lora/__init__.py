@@ -5,6 +5,7 @@
 """
 
 from ._apply import OUTPUT_LAYERS, add_lora, merge, modules, target_names, trainable, unload, unmerge
+from ._cast import cast_frozen
 from ._config import LoraConfig
 from ._io import BERT_NAMES, hf_module_name, load_adapter, save_adapter
 from ._layer import LoraLinear
@@ -15,6 +16,7 @@ __all__ = [
     "LoraConfig",
     "LoraLinear",
     "add_lora",
+    "cast_frozen",
     "hf_module_name",
     "load_adapter",
     "merge",
