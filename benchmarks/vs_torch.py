@@ -167,8 +167,9 @@ def torch_workload(name: str, zoo_model, batch):
     import zoo
 
     if name.startswith("minilm"):
-        bert = transformers.BertModel.from_pretrained(str(zoo.hf.minilm_path()), add_pooling_layer=False)
-        bert.config.hidden_dropout_prob = bert.config.attention_probs_dropout_prob = 0.0
+        bert = transformers.BertModel.from_pretrained(  # no dropout, as zoo's step without dropout keys
+            str(zoo.hf.minilm_path()), add_pooling_layer=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        )
         head = torch.nn.Linear(384, 8)
         base_head = zoo_model.head.base if hasattr(zoo_model.head, "base") else zoo_model.head
         _linear_from(base_head, head)
