@@ -44,7 +44,7 @@ import numpy as np
 
 WORKLOADS = ("minilm-lora", "llama-lora", "minilm-full")
 LR, WD = 1e-4, 0.01
-LLAMA = dict(vocab_size=8192, d_model=512, num_heads=8, num_kv_heads=2, num_layers=8, mlp_dim=1408)
+LLAMA = {"vocab_size": 8192, "d_model": 512, "num_heads": 8, "num_kv_heads": 2, "num_layers": 8, "mlp_dim": 1408}
 LLAMA_BATCH, LLAMA_SEQ = 8, 128
 
 
@@ -66,12 +66,12 @@ def minilm_batch():
     mask = np.ones((b, s), bool)
     mask[b // 2 :, s // 2 :] = False
     tokens[~mask] = 0
-    return dict(tokens=tokens, mask=mask, labels=rng.integers(0, 8, b).astype(np.int32))
+    return {"tokens": tokens, "mask": mask, "labels": rng.integers(0, 8, b).astype(np.int32)}
 
 
 def llama_batch():
     rng = np.random.default_rng(1)
-    return dict(tokens=rng.integers(0, LLAMA["vocab_size"], (LLAMA_BATCH, LLAMA_SEQ)).astype(np.int32))
+    return {"tokens": rng.integers(0, LLAMA["vocab_size"], (LLAMA_BATCH, LLAMA_SEQ)).astype(np.int32)}
 
 
 def zoo_workload(name: str):
@@ -81,7 +81,13 @@ def zoo_workload(name: str):
     import optax
 
     import zoo
-    from zoo.models import EncoderClassifier, Transformer, TransformerConfig, classification_loss, next_token_loss
+    from zoo.models import (
+        EncoderClassifier,
+        Transformer,
+        TransformerConfig,
+        classification_loss,
+        next_token_loss,
+    )
 
     opt = optax.adamw(LR, weight_decay=WD)
     if name.startswith("minilm"):
@@ -254,7 +260,7 @@ def _llama_from(zoo_model, llama):
     m.norm.weight.data.copy_(_t(zoo_model.final_norm.weight))
     llama.lm_head.weight.data.copy_(_t(zoo_model.lm_head.weight).T)
     zl = zoo_model.layers.layers
-    base = lambda lin: lin.base if hasattr(lin, "base") else lin  # noqa: E731
+    base = lambda lin: lin.base if hasattr(lin, "base") else lin
     with torch.no_grad():
         for i in range(LLAMA["num_layers"]):
             layer = m.layers[i]
@@ -276,7 +282,6 @@ def bench(name: str, rounds: int, threads: int) -> dict:
     import jax.numpy as jnp
     import torch
 
-    import zoo
 
     torch.set_num_threads(threads)
     model, step, batch = zoo_workload(name)
@@ -306,10 +311,10 @@ def bench(name: str, rounds: int, threads: int) -> dict:
         f"{timing.other_cpus if timing.other_cpus is None else round(timing.other_cpus, 2)} CPUs)"
     )
     print(line, flush=True)
-    return dict(
-        workload=name, zoo_ms=med["zoo"], torch_ms=med["torch"], zoo_over_torch=1 / ratio,
-        loss_zoo=float(zoo_loss), loss_torch=ref, loadavg=loadavg(), other_cpus=timing.other_cpus,
-    )
+    return {
+        "workload": name, "zoo_ms": med["zoo"], "torch_ms": med["torch"], "zoo_over_torch": 1 / ratio,
+        "loss_zoo": float(zoo_loss), "loss_torch": ref, "loadavg": loadavg(), "other_cpus": timing.other_cpus,
+    }
 
 
 def eqx_arrays(model):
@@ -345,7 +350,7 @@ def check(names) -> None:
             f"{r['other_collectives'] or 'none'}; max |grad(2 devices) - grad(1 device)| {diff:.2e}",
             flush=True,
         )
-        print("JSON " + json.dumps(dict(workload=name, **r)), flush=True)
+        print("JSON " + json.dumps({"workload": name, **r}), flush=True)
 
 
 def main() -> None:
@@ -376,7 +381,7 @@ def main() -> None:
     for r in results:
         print(f"  {r['workload']:12s} zoo/torch {r['zoo_over_torch']:.3f}")
     if args.json:
-        _harness.write_summary(dict(results=results, checks=checks), args.json)
+        _harness.write_summary({"results": results, "checks": checks}, args.json)
 
 
 if __name__ == "__main__":
