@@ -304,15 +304,15 @@ def bench(name: str, rounds: int, threads: int) -> dict:
 
     timing = _harness.time_rounds(call, ("zoo", "torch"), rounds)
     med = timing.medians()
-    ratio = timing.ratio("zoo", "torch")  # zoo time / torch time, per round
+    ratio = timing.ratio("zoo", "torch")  # median over rounds of zoo time / torch time
     line = (
-        f"{name}: zoo {med['zoo']:.0f} ms, torch {med['torch']:.0f} ms, zoo/torch {1 / ratio:.3f} "
+        f"{name}: zoo {med['zoo']:.0f} ms, torch {med['torch']:.0f} ms, zoo/torch {ratio:.3f} "
         f"(median of {rounds} interleaved rounds; loadavg {loadavg()}, other processes busy on "
         f"{timing.other_cpus if timing.other_cpus is None else round(timing.other_cpus, 2)} CPUs)"
     )
     print(line, flush=True)
     return {
-        "workload": name, "zoo_ms": med["zoo"], "torch_ms": med["torch"], "zoo_over_torch": 1 / ratio,
+        "workload": name, "zoo_ms": med["zoo"], "torch_ms": med["torch"], "zoo_over_torch": ratio,
         "loss_zoo": float(zoo_loss), "loss_torch": ref, "loadavg": loadavg(), "other_cpus": timing.other_cpus,
     }
 
