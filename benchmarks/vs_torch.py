@@ -8,7 +8,7 @@ no dropout:
   `transformers.BertModel` from the same files) with rank-8 LoRA (alpha 16) on every linear
   layer (peft: `query`, `key`, `value`, `dense`) and a new 8-way head on mean pooling,
   trained in full; batch 32 × 48 tokens, half the rows padded to 24.
-- **llama-lora**: a Llama-shaped decoder of ~30M parameters (RoPE, RMSNorm, SwiGLU,
+- **llama-lora**: a Llama-shaped decoder of ~31M parameters (RoPE, RMSNorm, SwiGLU,
   grouped-query attention, untied head): zoo's `zoo.models.Transformer` and a
   `transformers.LlamaForCausalLM` of the same shape holding the same weights (copied from
   zoo); LoRA r=8 on q/k/v/o and the three MLP projections; next-token loss, batch 8 × 128.
