@@ -61,6 +61,21 @@ def test_project_keeps_the_sharding_under_a_mesh(preset):
     np.testing.assert_allclose(y, _einsum_project(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_exact_gelu_values_and_derivatives_are_jax_nn_gelu():
+    """The exact GELU with its one-residual derivative: same values as
+    `jax.nn.gelu(approximate=False)`, same first and second derivatives up to rounding."""
+    from zoo.nn._feedforward import gelu_exact
+
+    x = jnp.linspace(-6.0, 6.0, 101)
+    ref = lambda x: jax.nn.gelu(x, approximate=False)
+    np.testing.assert_array_equal(gelu_exact(x), ref(x))
+    for order in (1, 2):
+        got, want = gelu_exact, ref
+        for _ in range(order):
+            got, want = jax.grad(lambda x, f=got: jnp.sum(f(x))), jax.grad(lambda x, f=want: jnp.sum(f(x)))
+        np.testing.assert_allclose(got(x), want(x), rtol=1e-5, atol=1e-6)
+
+
 def _lora_model():
     return add_lora(tiny_decoder(jax.random.key(0)), CONFIG, key=jax.random.key(1))
 
