@@ -57,6 +57,25 @@ def add_flags(parser: argparse.ArgumentParser, *names: str, **defaults) -> None:
         raise TypeError(f"add_flags: defaults for flags not added: {', '.join(sorted(defaults))}")
 
 
+def add_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """`--no-compile-cache`: the examples keep their compiled steps in zoo's persistent cache."""
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use the persistent compilation cache (zoo.enable_compilation_cache; "
+        "ZOO_NO_COMPILE_CACHE=1 also turns it off)",
+    )
+
+
+def use_compile_cache(args: argparse.Namespace) -> None:
+    """Turn on zoo's persistent compilation cache unless `--no-compile-cache` was given:
+    a second identical run loads its compiled programs instead of compiling them."""
+    if not args.no_compile_cache:
+        import zoo
+
+        zoo.enable_compilation_cache()
+
+
 def batch_layout(args: argparse.Namespace) -> tuple[int, int, int, int]:
     """(devices, microbatches, batch size, window length), once the batch is checked to
     split over devices x microbatches and the validation windows over the devices."""

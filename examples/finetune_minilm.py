@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rules", default="dp", help="sharding rules preset (dp, fsdp, fsdp-once, ...)")
     p.add_argument("--seed", type=int, default=0, help="seed for the head, adapters and batch order")
     p.add_argument("--out", default=None, help="directory for the adapter files (None: a new temp dir)")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not use zoo's persistent compilation cache")
     args = p.parse_args(argv)
     if args.batch_size % (args.devices * args.microbatches):
         p.error(f"--batch-size {args.batch_size} must be a multiple of devices x microbatches")
@@ -79,6 +80,10 @@ def use_cpu_devices(count: int) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     use_cpu_devices(args.devices)
+    if not args.no_compile_cache:  # a second identical run loads the compiled step from disk
+        import zoo
+
+        zoo.enable_compilation_cache()
 
     import equinox as eqx
     import jax

@@ -58,12 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=0, help="print train loss every k steps (0: steps/10)")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, adapters and batches")
     p.add_argument("--out", default=None, help="directory for the adapter files (None: a new temp dir)")
+    common.add_cache_flag(p)
     return p.parse_args(argv)
 
 
 # Parsed first: the device count must be set before jax starts its backend.
 args = parse_args()
 common.use_cpu_devices(args.devices)
+common.use_compile_cache(args)
 
 import equinox as eqx
 import jax

@@ -43,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default="def ", help="start of the generated sample")
     p.add_argument("--sample-bytes", type=int, default=200, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    common.add_cache_flag(p)
     return p.parse_args(argv)
 
 
@@ -50,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # anything (zoo included) can touch a device.
 args = parse_args()
 common.use_cpu_devices(args.devices)
+common.use_compile_cache(args)
 
 import equinox as eqx
 import jax

@@ -22,6 +22,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 _xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 jax.devices()  # initialise the backend with these flags
+# The CLI and examples turn on zoo's persistent compilation cache; tests keep it off (in
+# process and in subprocesses) so they neither read nor fill the user's cache. The cache's
+# own test turns it on with a temporary folder.
+os.environ["ZOO_NO_COMPILE_CACHE"] = "1"
 os.environ["XLA_FLAGS"] = _xla_flags
 
 import pytest

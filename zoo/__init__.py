@@ -29,6 +29,8 @@ from ._axes import logical_axes as logical_axes
 from ._axes import stacked_field as stacked_field
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import CheckpointError as CheckpointError
+from ._compile_cache import default_cache_dir as default_cache_dir
+from ._compile_cache import enable_compilation_cache as enable_compilation_cache
 from ._distributed import distributed_init as distributed_init
 from ._distributed import global_batch as global_batch
 from ._distributed import is_main_process as is_main_process
@@ -68,10 +70,12 @@ __all__ = [
     "collectives",
     "count",
     "data",
+    "default_cache_dir",
     "distributed_init",
     "field",
     "generate",
     "global_batch",
+    "enable_compilation_cache",
     "hf",
     "internal",
     "is_main_process",

@@ -14,6 +14,13 @@ DESCRIPTION = (
 )
 
 
+NO_CACHE_HELP = (
+    "do not use the persistent compilation cache (default: compiled programs are kept in "
+    "$ZOO_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/zoo/jax or ~/.cache/zoo/jax, so a second identical "
+    "run skips compiling; ZOO_NO_COMPILE_CACHE=1 also turns it off)"
+)
+
+
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the fix (`--help`), not a usage block."""
 
@@ -36,6 +43,9 @@ def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     commands["inspect"] = _inspect.add_parser(sub)
     commands["info"] = _info.add_parser(sub)
     commands["generate"] = _generate.add_parser(sub)
+    parser.add_argument("--no-compile-cache", action="store_true", help=NO_CACHE_HELP)
+    for command in commands.values():  # also accepted after the command
+        command.add_argument("--no-compile-cache", action="store_true", default=argparse.SUPPRESS, help=NO_CACHE_HELP)
     return parser, commands
 
 
@@ -68,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             commands[args.command].set_defaults(**config_defaults(args.config, commands[args.command], args.command))
             args = _parse(parser, commands, argv)
             debug = bool(getattr(args, "debug", False))
+        if not getattr(args, "no_compile_cache", False):
+            import zoo
+
+            zoo.enable_compilation_cache()
         return args.func(args)
     except CLIError as e:
         if debug:

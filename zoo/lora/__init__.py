@@ -14,6 +14,7 @@ from ._apply import (
     unload,
     unmerge,
 )
+from ._cast import cast_frozen
 from ._config import LoraConfig
 from ._io import load_adapter, save_adapter, tensors_sha256
 from ._layer import LoraLinear
@@ -24,6 +25,7 @@ __all__ = [
     "LoraConfig",
     "LoraLinear",
     "add_lora",
+    "cast_frozen",
     "hf_module_name",
     "load_adapter",
     "merge",

@@ -42,8 +42,11 @@ class EncoderEmbeddings(eqx.Module):
     ) -> Float[Array, "batch seq embed"]:
         """Sum the three embeddings of each position and normalise."""
         seq = tokens.shape[1]
-        h = self.word_embeddings(tokens) + self.token_type_embeddings(token_types)
-        h = h + broadcast_like(self.position_embeddings.weight[:seq], h)
+        # Summed in float32 (at least) so tables stored in bfloat16 (`zoo.lora.cast_frozen`)
+        # are rounded once, not again in the sum and the norm's output.
+        dtype = jnp.promote_types(self.word_embeddings.weight.dtype, jnp.float32)
+        h = self.word_embeddings(tokens).astype(dtype) + self.token_type_embeddings(token_types).astype(dtype)
+        h = h + broadcast_like(self.position_embeddings.weight[:seq].astype(dtype), h)
         return self.norm(h)
 
 

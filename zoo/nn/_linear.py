@@ -6,12 +6,14 @@ import math
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import field
-from ._sharding import broadcast_like, contract_spec, entries, for_use
+from ._sharding import broadcast_like, contract_spec, entries, for_use, sharding_spec
 
 
 class Linear(eqx.Module):
@@ -87,7 +89,26 @@ def project(x: Float[Array, "*batch i"], weight: Float[Array, "i o"]) -> Float[A
     A weight split over the mesh axis of `x`'s batch (FSDP) is gathered for the use
     (`for_use`); the output sharding is spelled out because a row-parallel weight's
     contracted dim is split over `model`, where jax will not guess.
+
+    The leading dims are flattened into one before the matmul (and restored after) when
+    only the first of them is split: the same product, but the gradient of the weight is
+    then one plain 2-D `x.T @ dy`. With several batch dims XLA's CPU backend transposes
+    the large operand (often fused into the elementwise backward before it, at cache-miss
+    speed) — for rank-8 LoRA factors that cost more than all the matmuls
+    (docs/performance.md, "Where the LoRA backward time went").
     """
     weight = for_use(weight, x, lead_ndim=x.ndim - 1)
+    lead = x.shape[:-1]
+    parts = entries(x)
+    if x.ndim > 2 and all(e is None for e in parts[1:-1]):
+        flat = x.reshape(math.prod(lead), x.shape[-1], out_sharding=_spec_or_none(x, (parts[0], parts[-1])))
+        out_sharding = contract_spec(flat, (entries(weight)[1],), 1)
+        y = jnp.einsum("ni,io->no", flat, weight.astype(x.dtype), out_sharding=out_sharding)
+        out = None if out_sharding is None else P(*parts[:-1], out_sharding[1])
+        return y.reshape(*lead, y.shape[-1], out_sharding=out)
     out_sharding = contract_spec(x, (entries(weight)[1],), x.ndim - 1)
     return jnp.einsum("...i,io->...o", x, weight.astype(x.dtype), out_sharding=out_sharding)
+
+
+def _spec_or_none(x: jax.Array, partitions: tuple) -> P | None:
+    return None if sharding_spec(x) is None else P(*partitions)

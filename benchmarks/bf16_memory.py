@@ -1,0 +1,86 @@
+"""Memory and accuracy of a bfloat16 frozen base (`zoo.lora.cast_frozen`) against float32.
+
+For `vs_torch.py`'s two LoRA workloads (all-MiniLM-L6-v2 with r=8 on every linear layer and
+a trained 8-way head; the ~30M Llama-shaped decoder with r=8 on q/k/v/o and the MLP), the
+zoo LoRA step is compiled on one CPU device with the frozen base in float32 and in
+bfloat16 (LoRA A/B and the head stay float32; compute is float32, the weights are upcast
+where used). Printed per variant: resident parameter bytes, the compiled step's
+`memory_analysis()` (arguments = parameters + optimizer state + batch, outputs, peak
+temporaries), the step time (interleaved rounds), and the output difference against
+float32 (MiniLM: the mean-pooled sentence embeddings, max |diff| and the lowest cosine
+similarity; decoder: max |logit diff| and the loss).
+
+    python benchmarks/bf16_memory.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _harness
+import vs_torch
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+    from zoo.models import mean_pool
+
+    rows = []
+    for name in ("minilm-lora", "llama-lora"):
+        model, step, batch = vs_torch.zoo_workload(name)
+        jbatch = jax.tree.map(jnp.asarray, batch)
+        config = None if name == "llama-lora" else zoo.lora.LoraConfig(modules_to_save=("head",))
+        variants = {"float32": model, "bfloat16": zoo.lora.cast_frozen(model, jnp.bfloat16, config=config)}
+        compiled, outputs = {}, {}
+        for dtype, m in variants.items():
+            opt_state = step.init(m)
+            compiled[dtype] = (step.compile(m, opt_state, jbatch), m, opt_state)
+            if name == "minilm-lora":
+                mask = jbatch["mask"]
+                hidden = eqx.filter_jit(lambda m, t, k: m.encoder(t, mask=k))(m, jbatch["tokens"], mask)
+                outputs[dtype] = mean_pool(hidden, mask)
+            else:
+                outputs[dtype] = eqx.filter_jit(lambda m, t: m(t))(m, jbatch["tokens"])
+        def call(v, compiled=compiled, jbatch=jbatch):
+            jax.block_until_ready(compiled[v][0](*compiled[v][1:], jbatch))
+
+        timing = _harness.time_rounds(call, tuple(variants), args.rounds)
+        ref = outputs["float32"]
+        for dtype, (c, m, _) in compiled.items():
+            mem = c.memory_analysis()
+            out = outputs[dtype]
+            if name == "minilm-lora":
+                cos = jnp.sum(out * ref, -1) / (jnp.linalg.norm(out, axis=-1) * jnp.linalg.norm(ref, axis=-1))
+                diff = f"max |emb diff| {float(jnp.max(jnp.abs(out - ref))):.2e}, min cosine {float(jnp.min(cos)):.6f}"
+            else:
+                diff = f"max |logit diff| {float(jnp.max(jnp.abs(out - ref))):.2e} (logits up to {float(jnp.max(jnp.abs(ref))):.1f})"
+            loss = float(step.loss_and_grads(m, jbatch)[0])
+            rows.append(
+                [
+                    name, dtype, mib(sum(x.nbytes for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))),
+                    mib(mem.argument_size_in_bytes), mib(mem.output_size_in_bytes), mib(mem.temp_size_in_bytes),
+                    f"{timing.medians()[dtype]:.0f}", f"{loss:.6f}", "-" if dtype == "float32" else diff,
+                ]
+            )
+            print(" | ".join(rows[-1]), flush=True)
+    header = ["workload", "frozen base", "params MiB", "step args MiB", "step outputs MiB", "step temp MiB",
+              "step ms", "loss", "output vs float32"]
+    print()
+    print("\n".join(_harness.table(header, rows, left=2)))
+    print(f"loadavg {vs_torch.loadavg()}")
+
+
+if __name__ == "__main__":
+    main()
