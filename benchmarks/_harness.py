@@ -122,9 +122,7 @@ def parse_args(
     """
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 8], help="simulated CPU device counts")
-    parser.add_argument(
-        "--rounds", type=int, help=f"timed rounds per device count (default {default_rounds}, else 10)"
-    )
+    parser.add_argument("--rounds", type=int, help=f"timed rounds per device count (default {default_rounds}, else 10)")
     if add_arguments:
         add_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -188,9 +186,7 @@ def in_loop_outside(h: dict) -> str:
 
 def other_collectives(hlo: dict, variants: Sequence[str]) -> str:
     """The collectives other than all-reduces in each variant's step, or 'none'."""
-    colls = "; ".join(
-        f"{v}: {', '.join(hlo[v]['other_collectives'])}" for v in variants if hlo[v]["other_collectives"]
-    )
+    colls = "; ".join(f"{v}: {', '.join(hlo[v]['other_collectives'])}" for v in variants if hlo[v]["other_collectives"])
     return colls or "none"
 
 

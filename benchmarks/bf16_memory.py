@@ -53,6 +53,7 @@ def main() -> None:
                 outputs[dtype] = mean_pool(hidden, mask)
             else:
                 outputs[dtype] = eqx.filter_jit(lambda m, t: m(t))(m, jbatch["tokens"])
+
         def call(v, compiled=compiled, jbatch=jbatch):
             jax.block_until_ready(compiled[v][0](*compiled[v][1:], jbatch))
 
@@ -69,14 +70,29 @@ def main() -> None:
             loss = float(step.loss_and_grads(m, jbatch)[0])
             rows.append(
                 [
-                    name, dtype, mib(sum(x.nbytes for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))),
-                    mib(mem.argument_size_in_bytes), mib(mem.output_size_in_bytes), mib(mem.temp_size_in_bytes),
-                    f"{timing.medians()[dtype]:.0f}", f"{loss:.6f}", "-" if dtype == "float32" else diff,
+                    name,
+                    dtype,
+                    mib(sum(x.nbytes for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))),
+                    mib(mem.argument_size_in_bytes),
+                    mib(mem.output_size_in_bytes),
+                    mib(mem.temp_size_in_bytes),
+                    f"{timing.medians()[dtype]:.0f}",
+                    f"{loss:.6f}",
+                    "-" if dtype == "float32" else diff,
                 ]
             )
             print(" | ".join(rows[-1]), flush=True)
-    header = ["workload", "frozen base", "params MiB", "step args MiB", "step outputs MiB", "step temp MiB",
-              "step ms", "loss", "output vs float32"]
+    header = [
+        "workload",
+        "frozen base",
+        "params MiB",
+        "step args MiB",
+        "step outputs MiB",
+        "step temp MiB",
+        "step ms",
+        "loss",
+        "output vs float32",
+    ]
     print()
     print("\n".join(_harness.table(header, rows, left=2)))
     print(f"loadavg {vs_torch.loadavg()}")

@@ -44,23 +44,36 @@ def main() -> None:
         folder = os.path.join(tmp, "lib")
         for run in ("first", "second"):
             out = subprocess.run(
-                [sys.executable, "-c", _LIBRARY.format(here=HERE), folder], env=env, capture_output=True, text=True, check=False
+                [sys.executable, "-c", _LIBRARY.format(here=HERE), folder],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if out.returncode:
                 raise SystemExit(out.stderr)
             seconds, hits = out.stdout.split()[-2:]
             files = sum(len(f) for _, _, f in os.walk(folder))
-            print(f"library, {run} run: MiniLM LoRA step.compile {seconds} s, cache hits {hits}, files in cache {files}", flush=True)
+            print(
+                f"library, {run} run: MiniLM LoRA step.compile {seconds} s, cache hits {hits}, files in cache {files}",
+                flush=True,
+            )
         cli_env = env | {"ZOO_COMPILE_CACHE_DIR": os.path.join(tmp, "cli")}
         for run in ("first", "second"):
             t = time.perf_counter()
             out = subprocess.run(
                 [sys.executable, "-m", "zoo", "inspect", "minilm", "--lora", "r=8,targets=all-linear"],
-                env=cli_env, capture_output=True, text=True, check=False,
+                env=cli_env,
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if out.returncode:
                 raise SystemExit(out.stderr)
-            print(f"CLI, {run} run: zoo inspect minilm --lora r=8,targets=all-linear: {time.perf_counter() - t:.1f} s wall", flush=True)
+            print(
+                f"CLI, {run} run: zoo inspect minilm --lora r=8,targets=all-linear: {time.perf_counter() - t:.1f} s wall",
+                flush=True,
+            )
     with open("/proc/loadavg") as f:
         print("loadavg", " ".join(f.read().split()[:3]))
 

@@ -163,7 +163,9 @@ def main() -> None:
           f"{args.vocab} ({result['model']['parameters']:,} parameters), batch {args.batch}, prompt {args.prompt}, "
           f"{args.new} new tokens, greedy, 1 CPU device; torch threads {torch.get_num_threads()}; "
           f"{args.rounds} rounds interleaved")  # fmt: skip
-    print(f"load average {load_before:.2f} -> {load_after:.2f} on {os.cpu_count()} CPUs; same tokens from all three: {same}")
+    print(
+        f"load average {load_before:.2f} -> {load_after:.2f} on {os.cpu_count()} CPUs; same tokens from all three: {same}"
+    )
     for name in runs:
         print(f"  {name:<14} {result['median_s'][name]:8.3f} s  {result['tokens_per_s'][name]:10.1f} tokens/s")
     print(f"cached / recompute speed: {result['cached_over_recompute']:.1f}x (goal >= 10x)")

@@ -145,9 +145,7 @@ def all_reduces(compiled, mesh) -> dict:
     return _harness.all_reduces(
         colls,
         bytes_as_compiled=[c.bytes for c in ars],
-        bytes_per_step=sum(
-            c.bytes * trips.get(c.op_name.count("while/body") if c.in_loop else 0, 0) for c in ars
-        ),
+        bytes_per_step=sum(c.bytes * trips.get(c.op_name.count("while/body") if c.in_loop else 0, 0) for c in ars),
     )
 
 
@@ -245,9 +243,7 @@ def worker(n: int, rounds: int, with_memory: bool) -> dict:
         "all_reduces": hlo,
         "step_memory": step_memory,
         "matches_zoo": match,
-        "hlo_ok": hlo["zoo"]["in_loop"] == 0
-        and hlo["zoo"]["outside"] == 1
-        and hlo["replicated"]["in_loop"] > 0,
+        "hlo_ok": hlo["zoo"]["in_loop"] == 0 and hlo["zoo"]["outside"] == 1 and hlo["replicated"]["in_loop"] > 0,
         "memory": mem,
     }
 
@@ -279,9 +275,7 @@ def verdicts(results: list[dict]) -> list[dict]:
         for r in results
         if r["memory"] and (None, 4) in MEM_CASES
     ]
-    out += [
-        _harness.verdict(f"collectives as expected ({r['devices']} devices)", None, r["hlo_ok"]) for r in results
-    ]
+    out += [_harness.verdict(f"collectives as expected ({r['devices']} devices)", None, r["hlo_ok"]) for r in results]
     out += [
         _harness.verdict(f"first loss and gradients match ({r['devices']} devices)", None, r["matches_zoo"])
         for r in results

@@ -54,10 +54,9 @@ QUICK_ROUNDS = {2: 4, 8: 4}
 
 def _inspect_task(model: str):
     """(InspectTask, trainable filter or None) of the CLI's tiny model `model`."""
+    import zoo
     from zoo._cli._lora_flag import add_lora, inspect_defaults, parse_lora
     from zoo._cli._tasks import build_inspect_task
-
-    import zoo
 
     if model == "decoder+lora":
         task = build_inspect_task("transformer", 0)
@@ -77,9 +76,9 @@ def _per_device_bytes(tree) -> int:
 def collective_row(model: str, preset: str, n: int) -> dict:
     import jax
     import optax
-    from zoo._cli._common import INSPECT_COMPILER_OPTIONS, tree_bytes
 
     import zoo
+    from zoo._cli._common import INSPECT_COMPILER_OPTIONS, tree_bytes
 
     shape = {"data": n // 2, "model": 2} if preset == "tp" else {"data": n}
     mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
@@ -118,9 +117,9 @@ def memory_rows(n: int) -> list[dict]:
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from zoo._cli._tasks import TINY_TRANSFORMER
 
     import zoo
+    from zoo._cli._tasks import TINY_TRANSFORMER
 
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     config = zoo.models.TransformerConfig(**(TINY_TRANSFORMER | {"max_len": MEM_SEQ}))
@@ -201,9 +200,7 @@ def steps_worker(n: int, rounds: int) -> dict:
             ms_state[:] = [ws, opt_state]
             return jax.block_until_ready((ws, sum(losses) / m))
 
-        hlo["multisteps"] = _harness.all_reduces(
-            zoo.collectives(ms_micro.lower(*ms_state, mbs[0]).compile()), calls=m
-        )
+        hlo["multisteps"] = _harness.all_reduces(zoo.collectives(ms_micro.lower(*ms_state, mbs[0]).compile()), calls=m)
         calls["multisteps"] = multisteps
         match, timing = step_time.compare_and_time(calls, w0, rounds)
     return {
@@ -252,12 +249,21 @@ def collective_table(res: dict) -> list[str]:
             rows.append([r["model"], r["preset"], "", f"not placed: {why}", *[""] * 7])
             continue
         other = pair(r["other"]) + (f" ({', '.join(r['other_kinds'])})" if r["other_kinds"] else "")
-        rows.append([
-            r["model"], r["preset"], ",".join(f"{k}={v}" for k, v in r["mesh"].items()),
-            pair(r["all_reduce"]), pair(r["all_gather"]), other,
-            kib(r["grad_reduce_bytes"]), kib(r["trainable_bytes"]), kib(r["trainable_bytes_per_device"]),
-            f"{r['grad_reduce_bytes'] / r['trainable_bytes_per_device']:.2f}", f"{r['compile_s']:.1f}",
-        ])
+        rows.append(
+            [
+                r["model"],
+                r["preset"],
+                ",".join(f"{k}={v}" for k, v in r["mesh"].items()),
+                pair(r["all_reduce"]),
+                pair(r["all_gather"]),
+                other,
+                kib(r["grad_reduce_bytes"]),
+                kib(r["trainable_bytes"]),
+                kib(r["trainable_bytes_per_device"]),
+                f"{r['grad_reduce_bytes'] / r['trainable_bytes_per_device']:.2f}",
+                f"{r['compile_s']:.1f}",
+            ]
+        )
     return _harness.table(header, rows, left=3)
 
 

@@ -99,8 +99,15 @@ def zoo_workload(name: str):
     else:
         model = Transformer(
             TransformerConfig(
-                **LLAMA, max_len=LLAMA_SEQ, activation="swiglu", norm="rmsnorm", positions="rope",
-                rope_theta=10000.0, tie_embeddings=False, use_bias=False, norm_eps=1e-6,
+                **LLAMA,
+                max_len=LLAMA_SEQ,
+                activation="swiglu",
+                norm="rmsnorm",
+                positions="rope",
+                rope_theta=10000.0,
+                tie_embeddings=False,
+                use_bias=False,
+                norm_eps=1e-6,
             ),
             key=jr.key(1),
         )
@@ -110,8 +117,10 @@ def zoo_workload(name: str):
     model = zoo.lora.add_lora(model, config, key=jr.key(2))
     model = _nonzero_lora_b(model)
     loss = classification_loss if name.startswith("minilm") else next_token_loss
-    return model, zoo.TrainStep(loss, opt, trainable=zoo.lora.trainable(model, config)), (
-        minilm_batch() if name.startswith("minilm") else llama_batch()
+    return (
+        model,
+        zoo.TrainStep(loss, opt, trainable=zoo.lora.trainable(model, config)),
+        (minilm_batch() if name.startswith("minilm") else llama_batch()),
     )
 
 
@@ -174,14 +183,20 @@ def torch_workload(name: str, zoo_model, batch):
 
     if name.startswith("minilm"):
         bert = transformers.BertModel.from_pretrained(  # no dropout, as zoo's step without dropout keys
-            str(zoo.hf.minilm_path()), add_pooling_layer=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+            str(zoo.hf.minilm_path()),
+            add_pooling_layer=False,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
         head = torch.nn.Linear(384, 8)
         base_head = zoo_model.head.base if hasattr(zoo_model.head, "base") else zoo_model.head
         _linear_from(base_head, head)
         if name == "minilm-lora":
             bert = peft.get_peft_model(
-                bert, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["query", "key", "value", "dense"])
+                bert,
+                peft.LoraConfig(
+                    r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["query", "key", "value", "dense"]
+                ),
             )
             layers = zoo_model.encoder.layers.layers
             names = {
@@ -209,17 +224,27 @@ def torch_workload(name: str, zoo_model, batch):
             return torch.nn.functional.cross_entropy(head(pooled), labels)
     else:
         cfg = transformers.LlamaConfig(
-            vocab_size=LLAMA["vocab_size"], hidden_size=LLAMA["d_model"], intermediate_size=LLAMA["mlp_dim"],
-            num_hidden_layers=LLAMA["num_layers"], num_attention_heads=LLAMA["num_heads"],
-            num_key_value_heads=LLAMA["num_kv_heads"], max_position_embeddings=LLAMA_SEQ, rms_norm_eps=1e-6,
-            rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+            vocab_size=LLAMA["vocab_size"],
+            hidden_size=LLAMA["d_model"],
+            intermediate_size=LLAMA["mlp_dim"],
+            num_hidden_layers=LLAMA["num_layers"],
+            num_attention_heads=LLAMA["num_heads"],
+            num_key_value_heads=LLAMA["num_kv_heads"],
+            max_position_embeddings=LLAMA_SEQ,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
         )
         llama = transformers.LlamaForCausalLM(cfg)
         _llama_from(zoo_model, llama)
         llama = peft.get_peft_model(
             llama,
             peft.LoraConfig(
-                r=8, lora_alpha=16, lora_dropout=0.0,
+                r=8,
+                lora_alpha=16,
+                lora_dropout=0.0,
                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
             ),
         )
@@ -227,9 +252,13 @@ def torch_workload(name: str, zoo_model, batch):
         for i in range(LLAMA["num_layers"]):
             hf_layer = llama.base_model.model.model.layers[i]
             for sub, proj, hf in [
-                ("attention", "q_proj", "self_attn.q_proj"), ("attention", "k_proj", "self_attn.k_proj"),
-                ("attention", "v_proj", "self_attn.v_proj"), ("attention", "o_proj", "self_attn.o_proj"),
-                ("mlp", "gate", "mlp.gate_proj"), ("mlp", "up", "mlp.up_proj"), ("mlp", "down", "mlp.down_proj"),
+                ("attention", "q_proj", "self_attn.q_proj"),
+                ("attention", "k_proj", "self_attn.k_proj"),
+                ("attention", "v_proj", "self_attn.v_proj"),
+                ("attention", "o_proj", "self_attn.o_proj"),
+                ("mlp", "gate", "mlp.gate_proj"),
+                ("mlp", "up", "mlp.up_proj"),
+                ("mlp", "down", "mlp.down_proj"),
             ]:
                 _lora_from(_layer(getattr(getattr(zl, sub), proj), i), hf_layer.get_submodule(hf))
         llama.train()
@@ -265,9 +294,13 @@ def _llama_from(zoo_model, llama):
         for i in range(LLAMA["num_layers"]):
             layer = m.layers[i]
             for zoo_lin, hf in [
-                (zl.attention.q_proj, layer.self_attn.q_proj), (zl.attention.k_proj, layer.self_attn.k_proj),
-                (zl.attention.v_proj, layer.self_attn.v_proj), (zl.attention.o_proj, layer.self_attn.o_proj),
-                (zl.mlp.gate, layer.mlp.gate_proj), (zl.mlp.up, layer.mlp.up_proj), (zl.mlp.down, layer.mlp.down_proj),
+                (zl.attention.q_proj, layer.self_attn.q_proj),
+                (zl.attention.k_proj, layer.self_attn.k_proj),
+                (zl.attention.v_proj, layer.self_attn.v_proj),
+                (zl.attention.o_proj, layer.self_attn.o_proj),
+                (zl.mlp.gate, layer.mlp.gate_proj),
+                (zl.mlp.up, layer.mlp.up_proj),
+                (zl.mlp.down, layer.mlp.down_proj),
             ]:
                 _linear_from(_layer(base(zoo_lin), i), hf)
             layer.input_layernorm.weight.copy_(_t(zl.attention_norm.weight[i]))
@@ -282,7 +315,6 @@ def bench(name: str, rounds: int, threads: int) -> dict:
     import jax.numpy as jnp
     import torch
 
-
     torch.set_num_threads(threads)
     model, step, batch = zoo_workload(name)
     jbatch = jax.tree.map(jnp.asarray, batch)
@@ -294,7 +326,10 @@ def bench(name: str, rounds: int, threads: int) -> dict:
         ref = float(torch_loss())
     n_params = sum(x.size for x in jax.tree.leaves(eqx_arrays(model)))
     n_train = sum(x.size for x in jax.tree.leaves(step.partition(model)[0]))
-    print(f"{name}: {n_params / 1e6:.1f}M parameters, {n_train / 1e6:.2f}M trained; first loss zoo {float(zoo_loss):.6f} torch {ref:.6f}", flush=True)
+    print(
+        f"{name}: {n_params / 1e6:.1f}M parameters, {n_train / 1e6:.2f}M trained; first loss zoo {float(zoo_loss):.6f} torch {ref:.6f}",
+        flush=True,
+    )
 
     def call(variant):
         if variant == "zoo":
@@ -312,8 +347,14 @@ def bench(name: str, rounds: int, threads: int) -> dict:
     )
     print(line, flush=True)
     return {
-        "workload": name, "zoo_ms": med["zoo"], "torch_ms": med["torch"], "zoo_over_torch": ratio,
-        "loss_zoo": float(zoo_loss), "loss_torch": ref, "loadavg": loadavg(), "other_cpus": timing.other_cpus,
+        "workload": name,
+        "zoo_ms": med["zoo"],
+        "torch_ms": med["torch"],
+        "zoo_over_torch": ratio,
+        "loss_zoo": float(zoo_loss),
+        "loss_torch": ref,
+        "loadavg": loadavg(),
+        "other_cpus": timing.other_cpus,
     }
 
 
@@ -342,7 +383,8 @@ def check(names) -> None:
             colls = zoo.collectives(step.compile(placed, opt_state, sbatch))
             _, grads = step.loss_and_grads(placed, sbatch)
         diff = max(
-            float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref))
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref))
         )
         r = _harness.all_reduces(colls, max_grad_diff=diff)
         print(

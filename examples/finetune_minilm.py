@@ -107,7 +107,9 @@ def main(argv=None) -> int:
         encoder, tokenizer = zoo.hf.load_minilm(rules=rules, mesh=mesh)
         train = tokenizer(data.train_texts, max_len=args.seq_len, pad_to=args.seq_len)
         test = tokenizer(data.test_texts, max_len=args.seq_len, pad_to=args.seq_len)
-        print(f"loaded all-MiniLM-L6-v2 onto {args.devices} devices ({args.rules}) in {time.perf_counter() - start:.1f} s")
+        print(
+            f"loaded all-MiniLM-L6-v2 onto {args.devices} devices ({args.rules}) in {time.perf_counter() - start:.1f} s"
+        )
 
         # 1. Frozen encoder + head: the features are computed once, the head trained on them.
         def put(x, rows):
@@ -167,7 +169,11 @@ def main(argv=None) -> int:
         def test_metrics(m):
             n = len(data.test_labels)
             loss, acc = evaluate(
-                m, put(test["tokens"], n), put(test["mask"], n), put(data.test_labels, n), put(np.ones(n, np.float32), n)
+                m,
+                put(test["tokens"], n),
+                put(test["mask"], n),
+                put(data.test_labels, n),
+                put(np.ones(n, np.float32), n),
             )
             return float(loss), float(acc)
 
@@ -222,7 +228,9 @@ def main(argv=None) -> int:
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(zoo.lora.unload(model), eqx.is_array)))
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, zoo.lora.trainable(model))))
     trained_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, trainable)))
-    print(f"LoRA r={args.rank} + head:     test loss {lora_loss:.3f}, accuracy {lora_acc:.3f} ({1000 * step_s:.0f} ms/step)")
+    print(
+        f"LoRA r={args.rank} + head:     test loss {lora_loss:.3f}, accuracy {lora_acc:.3f} ({1000 * step_s:.0f} ms/step)"
+    )
     print(
         f"\ntrained {trained_bytes:,} bytes (adapters {adapter_bytes:,} + head {trained_bytes - adapter_bytes:,}) "
         f"of the model's {model_bytes:,} ({100 * trained_bytes / model_bytes:.2f}%)"

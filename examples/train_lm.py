@@ -189,9 +189,7 @@ def main() -> int:
         f"time: {train_s:.1f} s training ({compile_s:.1f} s of it compiling), "
         f"{steady_tokens_per_s:,.0f} tokens/s after compiling"
     )
-    print(
-        f"final val / unigram entropy: {bits_after:.3f} / {unigram:.3f} bits/byte = {bits_after / unigram:.2f}"
-    )
+    print(f"final val / unigram entropy: {bits_after:.3f} / {unigram:.3f} bits/byte = {bits_after / unigram:.2f}")
 
     # Sampling runs batch 1, which cannot split over the data axis: move the (replicated)
     # parameters to a one-device mesh rather than run the same forward on every device.

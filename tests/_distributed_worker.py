@@ -84,7 +84,9 @@ def main() -> None:
         key = f"{c.kind}/{'loop' if c.in_loop else 'outside'}"
         counts[key] = counts.get(key, 0) + 1
     params = eqx.filter(model, eqx.is_inexact_array)
-    arrays = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    arrays = {
+        jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
     np.savez(
         args.out,
         losses=np.array(losses, np.float64),

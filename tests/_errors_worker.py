@@ -62,11 +62,17 @@ CASES = {
     "mlp_norm": lambda: zoo.nn.MLP(2, 2, 4, 1, norm="batchnorm", key=jax.random.key(0)),
     "mlp_depth": lambda: zoo.nn.MLP(2, 2, 4, 0, key=jax.random.key(0)),
     "feedforward_activation": lambda: zoo.nn.FeedForward(8, 16, activation="tanh", key=jax.random.key(0)),
-    "stacked_remat": lambda: zoo.nn.Stacked(lambda k: zoo.nn.Linear(2, 2, key=k), 2, remat="sometimes", key=jax.random.key(0)),
+    "stacked_remat": lambda: zoo.nn.Stacked(
+        lambda k: zoo.nn.Linear(2, 2, key=k), 2, remat="sometimes", key=jax.random.key(0)
+    ),
     "attention_kv_heads": lambda: zoo.nn.Attention(16, 4, num_kv_heads=3, key=jax.random.key(0)),
     "rope_odd": lambda: zoo.nn.rope_tables(4, 7),
-    "config_activation": lambda: zoo.models.TransformerConfig(vocab_size=8, d_model=16, num_heads=4, num_layers=1, activation="tanh"),
-    "config_dtype": lambda: zoo.models.TransformerConfig(vocab_size=8, d_model=16, num_heads=4, num_layers=1, dtype="int8"),
+    "config_activation": lambda: zoo.models.TransformerConfig(
+        vocab_size=8, d_model=16, num_heads=4, num_layers=1, activation="tanh"
+    ),
+    "config_dtype": lambda: zoo.models.TransformerConfig(
+        vocab_size=8, d_model=16, num_heads=4, num_layers=1, dtype="int8"
+    ),
     "decoder_too_long": lambda: _decoder()(jnp.zeros((1, 9), jnp.int32)),
     "lora_bias": lambda: zoo.lora.LoraConfig(r=4, bias="all"),
     "lora_init": lambda: zoo.lora.LoraConfig(r=4, init_lora_weights="pissa"),

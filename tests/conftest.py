@@ -30,24 +30,6 @@ os.environ["XLA_FLAGS"] = _xla_flags
 
 import pytest
 
-# Until every test imports its helpers from helpers.py (new tests of parallel branches still
-# say `from conftest import ...`): the same objects, re-exported.
-from helpers import (  # noqa: F401
-    TokenRegressor,
-    classification_batch,
-    data_mesh,
-    lm_batch,
-    max_abs_diff,
-    mse_per_example,
-    preset_mesh,
-    regression_batch,
-    tiny_decoder,
-    tiny_encoder_classifier,
-    token_batch,
-    tree_allclose,
-    tree_bytes,
-)
-
 
 @pytest.fixture
 def key():

@@ -1,8 +1,8 @@
 """Helpers the tests share: tolerant tree comparison, meshes, tiny models and batches.
 
 Imported by test modules (`from helpers import ...`); fixtures live in `conftest.py`.
-`zoo` is imported inside the functions, not here: `conftest.py` re-exports these names
-and is loaded before jaxtyping's import hook is installed, which must see zoo's first import.
+`zoo` is imported inside the functions, not here: jaxtyping's import hook (installed by
+pytest's `--jaxtyping-packages`) must see zoo's first import.
 """
 
 from __future__ import annotations

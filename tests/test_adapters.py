@@ -27,7 +27,9 @@ from zoo.lora import (
 )
 
 DECODER = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down"), init_lora_weights=False)
-CLASSIFIER = LoraConfig(r=4, lora_alpha=16, target_modules=("q_proj", "v_proj"), init_lora_weights=False, modules_to_save=("head",))
+CLASSIFIER = LoraConfig(
+    r=4, lora_alpha=16, target_modules=("q_proj", "v_proj"), init_lora_weights=False, modules_to_save=("head",)
+)
 PREFIX = "base_model.model."
 
 
@@ -71,7 +73,11 @@ def test_decoder_adapter_round_trip_reproduces_outputs(tmp_path):
     trained = add_lora(decoder_base(), DECODER, key=jax.random.key(1))
     assert np.abs(np.asarray(trained.layers.layers.attention.q_proj.lora_B)).min() > 0
     save_adapter(trained, DECODER, tmp_path / "dec")
-    assert sorted(os.listdir(tmp_path / "dec")) == ["adapter_config.json", "adapter_model.safetensors", "zoo_adapter.json"]
+    assert sorted(os.listdir(tmp_path / "dec")) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "zoo_adapter.json",
+    ]
     loaded, config = load_adapter(decoder_base(), tmp_path / "dec", key=jax.random.key(7))
     assert config == DECODER
     assert tree_allclose(loaded, trained, rtol=0, atol=0)
@@ -91,13 +97,19 @@ def test_encoder_classifier_round_trip_with_saved_head(classifier_dir):
 
 def test_file_follows_peft_layout(classifier_dir):
     tensors = safetensors.numpy.load_file(classifier_dir / "adapter_model.safetensors")
-    layer = [f"{PREFIX}bert.encoder.layer.{i}.attention.self.{p}.lora_{ab}.weight"
-             for i in range(2) for p in ("query", "value") for ab in "AB"]
+    layer = [
+        f"{PREFIX}bert.encoder.layer.{i}.attention.self.{p}.lora_{ab}.weight"
+        for i in range(2)
+        for p in ("query", "value")
+        for ab in "AB"
+    ]
     assert sorted(tensors) == sorted(layer + [f"{PREFIX}classifier.weight", f"{PREFIX}classifier.bias"])
     model = trained_classifier()
     q = model.encoder.layers.layers.attention.q_proj
-    a, b = tensors[f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_A.weight"], tensors[
-        f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_B.weight"]
+    a, b = (
+        tensors[f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_A.weight"],
+        tensors[f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_B.weight"],
+    )
     assert a.shape == (4, 16) and b.shape == (16, 4)  # [r, d_model], [d_model, r]
     np.testing.assert_array_equal(a, np.asarray(q.lora_A[1]).T)
     np.testing.assert_array_equal(b, np.asarray(q.lora_B[1]).T)
@@ -106,7 +118,7 @@ def test_file_follows_peft_layout(classifier_dir):
     config = json.loads((classifier_dir / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16
     assert config["modules_to_save"] == ["classifier"]
-    assert sorted(config["target_modules"]) == sorted({k[len(PREFIX):].rsplit(".", 2)[0] for k in layer})
+    assert sorted(config["target_modules"]) == sorted({k[len(PREFIX) :].rsplit(".", 2)[0] for k in layer})
 
 
 def test_names_follow_bert_for_the_encoder_and_zoo_paths_elsewhere():
@@ -140,7 +152,10 @@ def test_adapter_without_zoo_entry_loads_as_peft_wrote_it(classifier_dir, tmp_pa
     loaded, loaded_config = load_adapter(classifier_base(), peft_dir)
     assert tree_allclose(loaded, trained_classifier(), rtol=0, atol=0)
     assert loaded_config.scaling == CLASSIFIER.scaling and loaded_config.modules_to_save == ("head",)
-    assert set(loaded_config.target_modules) == {"encoder.layers.layers.attention.q_proj", "encoder.layers.layers.attention.v_proj"}
+    assert set(loaded_config.target_modules) == {
+        "encoder.layers.layers.attention.q_proj",
+        "encoder.layers.layers.attention.v_proj",
+    }
 
 
 def test_loading_into_other_shapes_names_the_mismatched_tensors(classifier_dir):
@@ -148,7 +163,9 @@ def test_loading_into_other_shapes_names_the_mismatched_tensors(classifier_dir):
     with pytest.raises(ValueError, match="mis-shaped") as err:
         load_adapter(wider, classifier_dir)
     message = str(err.value)
-    assert f"{PREFIX}bert.encoder.layer.0.attention.self.query.lora_A.weight: expected [4, 32], found [4, 16]" in message
+    assert (
+        f"{PREFIX}bert.encoder.layer.0.attention.self.query.lora_A.weight: expected [4, 32], found [4, 16]" in message
+    )
     assert f"{PREFIX}classifier.weight: expected [3, 32], found [3, 16]" in message
     assert "d_model: saved 16, this model 32" in message
     # A model already carrying rank-8 branches.

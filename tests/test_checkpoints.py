@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from zoo import CheckpointError, Checkpointer
+from zoo import Checkpointer, CheckpointError
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_checkpoint_worker.py"
@@ -64,12 +64,16 @@ def _make_state(preset: str, mesh, *, seed: int = 0, d_model: int = 16):
 
     def fill(transform=lambda x: x):
         def one(like, spec):
-            return jax.device_put(transform(rng.standard_normal(like.shape)).astype(like.dtype), NamedSharding(mesh, spec))
+            return jax.device_put(
+                transform(rng.standard_normal(like.shape)).astype(like.dtype), NamedSharding(mesh, spec)
+            )
 
         return jax.tree.map(one, params, specs)
 
     adam, *rest = optax.adamw(1e-3).init(params)
-    adam = adam._replace(count=jax.device_put(np.int32(7 + seed), NamedSharding(mesh, P())), mu=fill(), nu=fill(np.square))
+    adam = adam._replace(
+        count=jax.device_put(np.int32(7 + seed), NamedSharding(mesh, P())), mu=fill(), nu=fill(np.square)
+    )
     return {
         "model": eqx.combine(fill(), model),
         "opt_state": (adam, *rest),
@@ -368,10 +372,12 @@ def test_a_resumed_run_is_bit_exact(first_run):
     middle (its step donating the buffers the asynchronous save was just given)."""
     root, proc = first_run
     _finished(proc, root / "first.log")
-    _finished(_worker_train(root / "ckpt", root / "resumed.npz", "--steps", "6", "--resume", log=root / "resumed.log"),
-              root / "resumed.log")
+    _finished(
+        _worker_train(root / "ckpt", root / "resumed.npz", "--steps", "6", "--resume", log=root / "resumed.log"),
+        root / "resumed.log",
+    )
     first, resumed = np.load(root / "first.npz"), np.load(root / "resumed.npz")
-    straight = {k[len("straight/"):]: first[k] for k in first.files if k.startswith("straight/")}
+    straight = {k[len("straight/") :]: first[k] for k in first.files if k.startswith("straight/")}
     assert len(straight) > 50 and straight["losses"].shape == (6,)
     assert np.all(np.isfinite(straight["losses"]))
     assert len(set(straight["losses"].tolist())) == 6  # it did train: every step differs

@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_zoo(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def zoo_main(*args) -> tuple[int, str, str]:
@@ -119,7 +121,9 @@ def _tiny_lora_bytes(config_kwargs) -> dict:
     import zoo
     from zoo._cli import _TRANSFORMER
 
-    base = jax.eval_shape(lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**_TRANSFORMER), key=k), jr.key(0))
+    base = jax.eval_shape(
+        lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**_TRANSFORMER), key=k), jr.key(0)
+    )
     lora_model = eqx.filter_eval_shape(zoo.lora.add_lora, base, zoo.lora.LoraConfig(**config_kwargs), key=jr.key(1))
     return {
         zoo._axes.path_str(path): x.size * x.dtype.itemsize
@@ -333,7 +337,11 @@ def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
     tuned = tmp_path / "tuned"
     text = ok("finetune", "transformer", *tiny, "--init", base, "--lora", "r=4,alpha=8", "--output", tuned)
     assert "1 gradient all-reduce" in text and "loss scalars 8" in text, text
-    assert {p.name for p in (tuned / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "zoo_adapter.json"}
+    assert {p.name for p in (tuned / "adapter").iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "zoo_adapter.json",
+    }
     adapter_config = json.loads((tuned / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8
     summary = json.loads((tuned / "summary.json").read_text())
@@ -359,7 +367,11 @@ def test_train_encoder_classifier_with_probe(tmp_path):
     assert "frozen encoder + fitted head (linear probe)" in text, text
     summary = json.loads((out / "summary.json").read_text())
     names = [s["name"] for s in summary["stages"]]
-    assert names == ["pretrained encoder + new head", "frozen encoder + fitted head (linear probe)", "trained after 2 steps"]
+    assert names == [
+        "pretrained encoder + new head",
+        "frozen encoder + fitted head (linear probe)",
+        "trained after 2 steps",
+    ]
     assert all(0 <= s["accuracy"] <= 1 for s in summary["stages"])
     assert summary["probe"] == summary["stages"][1] and summary["probe"]["train_accuracy"] > 0
     assert summary["eval_before"] == {k: v for k, v in summary["stages"][0].items() if k != "name"}
@@ -403,7 +415,10 @@ def test_entry_point_help_and_one_line_usage_error():
         (["inspect", "mlp", "--devices", "2", "--mesh", "data4"], "write it as name=size"),
         (["inspect", "transformerx", "--devices", "2"], "unknown model 'transformerx'"),
         (["inspect", "mlp", "--devices", "2", "--rules", "zz"], "unknown --rules 'zz'"),
-        (["inspect", "mlp", "--devices", "2", "--batch-size", "6"], "not divisible by data-parallel size 2 x microbatches 4"),
+        (
+            ["inspect", "mlp", "--devices", "2", "--batch-size", "6"],
+            "not divisible by data-parallel size 2 x microbatches 4",
+        ),
         (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], "lacks 'model'"),
         (["info", "transformer", "--rules", "tp", "--mesh", "data=8"], "lacks 'model'"),
         (["info", "mlp", "--mesh", "data4"], "write it as name=size"),
@@ -413,7 +428,10 @@ def test_entry_point_help_and_one_line_usage_error():
         (["train", "mlp", "--mesh", "data=16"], "--mesh data=16 needs 16 devices but only 8"),
         (["train", "mlp", "--mesh", "data=two"], "bad --mesh 'data=two': write it as name=size"),
         (["train", "mlp", "--mesh", "model=8"], "has no 'data' axis"),
-        (["train", "mlp", "--batch-size", "36"], "--batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32"),
+        (
+            ["train", "mlp", "--batch-size", "36"],
+            "--batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32",
+        ),
         (["train", "mlp", "--rules", "tp"], "lacks 'model'; pass a mesh with them, e.g. --mesh data=4,model=2"),
         (["train", "mlp", "--steps", "0"], "--steps must be >= 1"),
         (["train", "mlp", "--model-config", "width"], "is not key=value"),
@@ -442,10 +460,16 @@ def test_more_devices_than_a_started_backend_has_is_one_line():
 
 def _start(args, folder: Path, name: str) -> subprocess.Popen:
     """`python -m zoo ARGS` in a fresh process, stdout/stderr to files (no pipe to fill)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     env.pop("XLA_FLAGS", None)  # a user's environment, not this process's
     with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "zoo", *map(str, args)], stdout=out, stderr=err, cwd=folder, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "zoo", *map(str, args)], stdout=out, stderr=err, cwd=folder, env=env
+        )
 
 
 def _finish(procs: dict, timeout: float = 300) -> None:
@@ -499,7 +523,7 @@ def test_errors_in_fresh_processes(tmp_path):
     def err(name):
         return (tmp_path / f"{name}.err").read_text()
 
-    for name, (args, code, line) in one_line.items():
+    for name, (_args, code, line) in one_line.items():
         lines = err(name).strip().splitlines()
         assert procs[name].returncode == code and len(lines) == 1 and lines[0].startswith(line), (name, code, err(name))
     for name in debug:

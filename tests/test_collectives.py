@@ -28,7 +28,9 @@ def compiled_step_collectives(norm, scan, mode, trainable="all"):
     filter_spec = eqx.is_inexact_array
     if trainable == "output_layer":
         filter_spec = jax.tree.map(lambda _: False, model)
-        filter_spec = eqx.tree_at(lambda m: m.mlp.output_layer, filter_spec, replace_fn=lambda l: jax.tree.map(lambda _: True, l))
+        filter_spec = eqx.tree_at(
+            lambda m: m.mlp.output_layer, filter_spec, replace_fn=lambda l: jax.tree.map(lambda _: True, l)
+        )
     mesh = data_mesh(N)
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp"), mesh)
@@ -67,7 +69,9 @@ def grads_step(model, batch, *, reduced: bool, naive_split: bool = False):
     params = zoo.internal.reduced_cast(model) if reduced else model
     if naive_split:  # the trap: microbatch m's rows end up on few devices
         micro = jax.tree.map(
-            lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:], out_sharding=P(None, "data", *([None] * (x.ndim - 1)))),
+            lambda x: x.reshape(
+                M, x.shape[0] // M, *x.shape[1:], out_sharding=P(None, "data", *([None] * (x.ndim - 1)))
+            ),
             batch,
         )
     else:
@@ -77,7 +81,11 @@ def grads_step(model, batch, *, reduced: bool, naive_split: bool = False):
         grads = jax.grad(lambda m: jnp.sum(mse_per_example(m, mb)))(params)
         return jax.tree.map(jnp.add, acc, grads), None
 
-    acc = zoo.internal.unreduced_zeros(model) if reduced else jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    acc = (
+        zoo.internal.unreduced_zeros(model)
+        if reduced
+        else jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    )
     acc, _ = jax.lax.scan(body, acc, micro)
     return zoo.internal.reduce_unreduced(acc) if reduced else acc
 
@@ -229,7 +237,9 @@ def test_collectives_name_the_axis_they_reduce_over(shape, names, device_order):
             # HLO text (logical ids = positions in the mesh): named by the mesh passed, or not at all.
             text = zoo.collectives(compiled.as_text(), mesh=mesh)
             assert [(c.kind, c.mesh_axes, c.group_size) for c in text] == expected
-            assert [(c.mesh_axes, c.group_size) for c in zoo.collectives(compiled.as_text())] == [((), mesh.shape[axis])]
+            assert [(c.mesh_axes, c.group_size) for c in zoo.collectives(compiled.as_text())] == [
+                ((), mesh.shape[axis])
+            ]
 
 
 def test_shard_map_collectives_over_several_axes_and_permutes():

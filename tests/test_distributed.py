@@ -55,7 +55,9 @@ def _run_all(commands: list[list[str]], logs: Path, timeout: float = TIMEOUT) ->
         for i, cmd in enumerate(commands):
             log = logs / f"child{i}.log"
             with open(log, "w") as f:
-                procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=HERE.parent), log))
+                procs.append(
+                    (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=HERE.parent), log)
+                )
         deadline = time.monotonic() + timeout
         for proc, _ in procs:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))

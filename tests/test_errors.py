@@ -48,7 +48,11 @@ def unchecked():
     """Each case's `[exception type, message]`, from a process without the jaxtyping hook."""
     proc = subprocess.run(
         [sys.executable, str(HERE / "_errors_worker.py")],
-        capture_output=True, text=True, timeout=300, cwd=HERE.parent, check=False,  # the code is asserted below
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE.parent,
+        check=False,  # the code is asserted below
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

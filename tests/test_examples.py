@@ -118,7 +118,11 @@ def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     reduced = _number(r"all-reduce bytes: (\d+) = adapter", plain)
     assert reduced - adapter_bytes == 8, (reduced, adapter_bytes)
 
-    assert sorted(p.name for p in out_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "zoo_adapter.json"]
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "zoo_adapter.json",
+    ]
     # The files, read here (not the example's word): rank 4, every A and B of 1 layer x
     # (q, k, v, o, up, down) trained off peft's init (B starts at zero), adapter_bytes in all.
     import json
@@ -132,7 +136,9 @@ def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     assert sum(t.nbytes for t in tensors.values()) == adapter_bytes
     a = {k: v for k, v in tensors.items() if "lora_A" in k}
     b = {k: v for k, v in tensors.items() if "lora_B" in k}
-    assert len(a) == len(b) >= 4 and all(v.shape[0] == 4 for v in a.values()) and all(v.shape[1] == 4 for v in b.values())
+    assert (
+        len(a) == len(b) >= 4 and all(v.shape[0] == 4 for v in a.values()) and all(v.shape[1] == 4 for v in b.values())
+    )
     assert all(np.abs(v).max() > 0 for v in b.values())  # trained: peft's B starts at 0
 
 
@@ -152,7 +158,11 @@ def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     reduced = _number(r"gradient all-reduces outside loops: 1 (\d+) bytes", out.replace(",", ""))
     assert reduced == trained + 4  # the adapters and head, and the loss sum: nothing else
     assert "frozen base weights bit for bit unchanged: yes" in out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "zoo_adapter.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "zoo_adapter.json",
+    ]
     # The files, read here: rank 8; they hold exactly the trained bytes (adapters + head),
     # and every B moved off peft's zero init.
     import json

@@ -253,7 +253,9 @@ def test_gpt2_and_bert_odd_vocabularies_load_under_tp(tmp_path):
     """The README's `from_pretrained(gpt2_dir, rules=zoo.rules("tp"))` with an odd
     vocabulary; BERT's over a model axis of 4."""
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=4, vocab_size=51, n_positions=16))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=16, n_layer=1, n_head=4, vocab_size=51, n_positions=16)
+    )
     gpt2.save_pretrained(tmp_path / "gpt2")
     bert = transformers.BertModel(transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
                                                           intermediate_size=32, vocab_size=50, max_position_embeddings=16))  # fmt: skip
@@ -329,7 +331,10 @@ def test_model_ids_load_from_the_local_cache_only(hf_dirs, loaded, tmp_path, mon
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling of type 'linear'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'.*SwiGLU"),
-        ({"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "only some layers"),
+        (
+            {"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+            "only some layers",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):
@@ -345,14 +350,18 @@ def test_gemma2_is_refused_with_the_reason(tmp_path):
 
 def test_qwen2_sliding_window_on_every_layer_loads(tmp_path):
     values = {"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
-    config = zoo.hf.get_family("qwen2").config_from_hf(json.loads((_config_only(tmp_path, "q", **values) / "config.json").read_text()))
+    config = zoo.hf.get_family("qwen2").config_from_hf(
+        json.loads((_config_only(tmp_path, "q", **values) / "config.json").read_text())
+    )
     assert config.sliding_window == 4 and config.qkv_bias and not config.o_bias
     off = zoo.hf.get_family("qwen2").config_from_hf(transformers.Qwen2Config(**SMALL, sliding_window=4).to_dict())
     assert off.sliding_window is None  # use_sliding_window defaults to false
 
 
 def test_export_refuses_what_the_family_cannot_express():
-    base = dict(vocab_size=11, d_model=16, num_heads=2, num_layers=1, positions="rope", norm="rmsnorm", activation="swiglu")
+    base = dict(
+        vocab_size=11, d_model=16, num_heads=2, num_layers=1, positions="rope", norm="rmsnorm", activation="swiglu"
+    )
     llama = zoo.hf.get_family("llama")
     with pytest.raises(ValueError, match="sliding_window=4.*Mistral"):
         llama.config_to_hf(TransformerConfig(**base, sliding_window=4, use_bias=False))

@@ -23,9 +23,7 @@ from zoo._generate import decode_step, prefill
 from zoo._sampling import filter_logits
 
 # Left-padded prompts of lengths 6, 4, 2 and 5.
-TOKENS = np.array(
-    [[5, 9, 3, 17, 2, 11], [0, 0, 21, 4, 8, 30], [0, 0, 0, 0, 12, 6], [0, 7, 7, 19, 1, 25]], np.int32
-)
+TOKENS = np.array([[5, 9, 3, 17, 2, 11], [0, 0, 21, 4, 8, 30], [0, 0, 0, 0, 12, 6], [0, 7, 7, 19, 1, 25]], np.int32)
 MASK = TOKENS != 0
 NEW = 6
 
@@ -72,7 +70,9 @@ def _llama_pair(**zoo_overrides):
     layers = range(config.num_hidden_layers)
 
     def stack(name, transpose=True):
-        return jnp.stack([sd[f"model.layers.{i}.{name}"].T if transpose else sd[f"model.layers.{i}.{name}"] for i in layers])
+        return jnp.stack(
+            [sd[f"model.layers.{i}.{name}"].T if transpose else sd[f"model.layers.{i}.{name}"] for i in layers]
+        )
 
     blk = model.layers.layers
     model = eqx.tree_at(
@@ -105,7 +105,9 @@ def llama():
 def _hf_greedy(hf, tokens, mask, new):
     hf.generation_config.eos_token_id = None  # no early stop: every row gets `new` tokens
     with torch.no_grad():
-        out = hf.generate(_torch(tokens), attention_mask=_torch(mask), do_sample=False, max_new_tokens=new, pad_token_id=0)
+        out = hf.generate(
+            _torch(tokens), attention_mask=_torch(mask), do_sample=False, max_new_tokens=new, pad_token_id=0
+        )
     return out.numpy()
 
 
@@ -138,9 +140,13 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
     if family == "llama":
         hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
     else:  # a window of 3 columns bites within the prompts and the new tokens
-        hf, model = _saved(tmp_path_factory, transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=3)
+        hf, model = _saved(
+            tmp_path_factory, transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=3
+        )
         assert model.config.sliding_window == 3
-    np.testing.assert_array_equal(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), _hf_greedy(hf, TOKENS, MASK, NEW))
+    np.testing.assert_array_equal(
+        zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), _hf_greedy(hf, TOKENS, MASK, NEW)
+    )
 
 
 def test_sliding_window_cached_logits_equal_full_forward():
@@ -182,7 +188,11 @@ def _check_cached_logits(model, tokens, mask, steps, tol):
         logits, cache = step(model, nxt, cache)
     width = tokens.shape[1] + steps
     padded = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
-    ref = np.asarray(full(model, jnp.asarray(padded), jnp.asarray(np.arange(width)[None] < np.array([len(r) for r in rows])[:, None])))
+    ref = np.asarray(
+        full(
+            model, jnp.asarray(padded), jnp.asarray(np.arange(width)[None] < np.array([len(r) for r in rows])[:, None])
+        )
+    )
     worst = 0.0
     for r, m in enumerate(mask):
         first = int(m.sum()) - 1  # the column of the prompt's last token
@@ -252,7 +262,9 @@ def test_sharded_generation_equals_one_device(decoder, preset):
         if preset == "fsdp":  # gathered once for decoding: no all-gather inside the decode loop
             from zoo._generate import _generate_program
 
-            colls = zoo.collectives(_generate_program.lower(placed, toks, msk, None, (NEW, 0.0, None, None, None, 0), None))
+            colls = zoo.collectives(
+                _generate_program.lower(placed, toks, msk, None, (NEW, 0.0, None, None, None, 0), None)
+            )
             assert zoo.count(colls, "all-gather", in_loop=True) == 0 < zoo.count(colls, "all-gather", in_loop=False)
     # Outside set_mesh, a placed model decodes on its own mesh.
     np.testing.assert_array_equal(zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW), greedy)
@@ -286,9 +298,15 @@ def test_top_k_top_p_keep_the_tokens_transformers_keeps(top_k, top_p):
         assert (kept.sum(axis=1) == 1).all()
     # Hand-checked on 4 tokens of probability 0.5, 0.25, 0.15, 0.1.
     small = jnp.log(jnp.asarray([[0.1, 0.5, 0.15, 0.25]]))
-    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=None, top_p=0.7)).tolist() == [[False, True, False, True]]
-    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=None, top_p=0.8)).tolist() == [[False, True, True, True]]
-    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=2, top_p=None)).tolist() == [[False, True, False, True]]
+    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=None, top_p=0.7)).tolist() == [
+        [False, True, False, True]
+    ]
+    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=None, top_p=0.8)).tolist() == [
+        [False, True, True, True]
+    ]
+    assert np.isfinite(filter_logits(small, temperature=1.0, top_k=2, top_p=None)).tolist() == [
+        [False, True, False, True]
+    ]
 
 
 def test_eos_rows_continue_with_padding(decoder):
@@ -378,7 +396,14 @@ def _zoo(*args):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    return subprocess.run([sys.executable, "-m", "zoo", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=root, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "zoo", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        check=False,
+    )
 
 
 def _left_padded(tokenizer, texts):
@@ -422,7 +447,10 @@ def test_cli_samples_a_left_padded_batch_like_the_library(gpt2_with_tokenizer):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--max-new-tokens", 20], "--max-new-tokens 20: the longest prompt has 2 tokens and the model's max_len is 16; use --max-new-tokens 14 or less"),
+        (
+            ["--max-new-tokens", 20],
+            "--max-new-tokens 20: the longest prompt has 2 tokens and the model's max_len is 16; use --max-new-tokens 14 or less",
+        ),
         (["--temperature", 1, "--top-p", 2], "top_p must be in (0, 1]"),
         (["--adapter", "/nonexistent"], "--adapter /nonexistent: no adapter_config.json there"),
     ],
@@ -458,7 +486,9 @@ def test_padded_vocabulary_rows_are_never_generated():
     # Padding columns that would win every argmax and draw if they were not masked.
     model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight.at[:, 32:].set(10.0))
     greedy = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW))
-    sampled = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW, temperature=2.0, key=jax.random.key(0)))
+    sampled = np.asarray(
+        zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW, temperature=2.0, key=jax.random.key(0))
+    )
     assert greedy[:, 6:].max() < 32 and sampled[:, 6:].max() < 32
     from zoo._generate import _head
 

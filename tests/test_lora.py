@@ -59,7 +59,9 @@ def test_branches_wrap_the_targets_with_stacked_shapes_and_derived_axes():
 def test_output_identical_to_the_base_at_init():
     tokens = lm_batch(jax.random.key(2), 4)["tokens"]
     np.testing.assert_array_equal(forward(lora_decoder(), tokens), forward(tiny_decoder(jax.random.key(0)), tokens))
-    gaussian = add_lora(tiny_decoder(jax.random.key(0)), LoraConfig(init_lora_weights="gaussian"), key=jax.random.key(1))
+    gaussian = add_lora(
+        tiny_decoder(jax.random.key(0)), LoraConfig(init_lora_weights="gaussian"), key=jax.random.key(1)
+    )
     np.testing.assert_array_equal(forward(gaussian, tokens), forward(tiny_decoder(jax.random.key(0)), tokens))
 
 
@@ -80,8 +82,13 @@ def sharded_run(preset, n, m, steps=3):
     mesh = preset_mesh(preset, n)
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules(preset), mesh)
-        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.5), microbatches=m,
-                             trainable=trainable(model, CONFIG), **zoo.step_options(preset))
+        step = zoo.TrainStep(
+            zoo.models.next_token_loss,
+            optax.sgd(0.5),
+            microbatches=m,
+            trainable=trainable(model, CONFIG),
+            **zoo.step_options(preset),
+        )
         opt_state = step.init(sharded)
         compiled = step.compile(sharded, opt_state, batch)
         new = sharded
@@ -147,7 +154,8 @@ def test_one_all_reduce_carries_the_adapter_bytes_only(preset, n):
     data = [c for c in colls if "data" in c.mesh_axes]
     assert len(data) == 1 and data[0].kind == "all-reduce" and not data[0].in_loop, zoo.report(colls)
     lora_leaves = [
-        x for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(lora_decoder(), eqx.is_array))[0]
+        x
+        for p, x in jax.tree_util.tree_flatten_with_path(eqx.filter(lora_decoder(), eqx.is_array))[0]
         if zoo._axes.path_str(p).endswith(("lora_A", "lora_B"))
     ]
     assert tree_bytes(params) == sum(x.nbytes for x in lora_leaves)  # trainable = the adapter
@@ -177,8 +185,11 @@ def test_modules_to_save_train_in_full():
 
 
 def test_merge_unmerge_round_trip_and_merged_output():
-    model = add_lora(tiny_decoder(jax.random.key(0)), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
-                     key=jax.random.key(1))
+    model = add_lora(
+        tiny_decoder(jax.random.key(0)),
+        LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+        key=jax.random.key(1),
+    )
     tokens = lm_batch(jax.random.key(2), 4)["tokens"]
     out = forward(model, tokens)
     merged = merge(model)

@@ -57,10 +57,14 @@ def test_mlp_scan_equals_unrolled(key):
     # Same parameters: copy the unrolled hidden layers into the stacked ones.
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *unrolled.hidden)
     scanned = eqx.tree_at(lambda m: m.hidden.layers, scanned, stacked)
-    scanned = eqx.tree_at(lambda m: (m.input_block, m.output_layer), scanned, (unrolled.input_block, unrolled.output_layer))
+    scanned = eqx.tree_at(
+        lambda m: (m.input_block, m.output_layer), scanned, (unrolled.input_block, unrolled.output_layer)
+    )
     x = jax.random.normal(key, (5, 4))
     np.testing.assert_allclose(scanned(x), unrolled(x), rtol=1e-5, atol=1e-6)
-    remat = eqx.tree_at(lambda m: m.hidden, scanned, zoo.nn.Stacked(lambda k: unrolled.hidden[0], 3, remat="dots_saveable", key=key))
+    remat = eqx.tree_at(
+        lambda m: m.hidden, scanned, zoo.nn.Stacked(lambda k: unrolled.hidden[0], 3, remat="dots_saveable", key=key)
+    )
     remat = eqx.tree_at(lambda m: m.hidden.layers, remat, stacked)
     np.testing.assert_allclose(
         jax.grad(lambda m: m(x).sum())(remat).input_block.linear.weight,

@@ -10,13 +10,12 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
+import peft
 import pytest
-from helpers import tree_allclose
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 import safetensors.torch
+import torch
+import transformers
+from helpers import tree_allclose
 
 import zoo
 from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
@@ -25,17 +24,48 @@ TOL = 1e-5
 VOCAB, SEQ, BATCH = 32, 8, 2
 TOKENS = np.random.default_rng(0).integers(1, VOCAB, (BATCH, SEQ))  # no padding id 0
 
-BERT = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "intermediate_size": 32, "max_position_embeddings": SEQ, "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0}
-GPT2 = {"vocab_size": VOCAB, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": SEQ, "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1, "eos_token_id": 1}
+BERT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 32,
+    "max_position_embeddings": SEQ,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+GPT2 = {
+    "vocab_size": VOCAB,
+    "n_embd": 16,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": SEQ,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+}
 # Llama-style decoders: grouped-query attention, an untied head.
-DECODER = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
-           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 0}
-CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "gemma": "GemmaForCausalLM"}
+DECODER = {
+    "vocab_size": VOCAB,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": SEQ,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+CAUSAL_LM = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+}
 # Gemma: its own head size, the head tied to the embedding (no lm_head to save).
 GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
 
@@ -191,8 +221,9 @@ def test_seq_cls_both_ways(root, tmp_path):
 
     # zoo → peft: AutoPeftModelForSequenceClassification opens it from the adapter folder alone.
     base = zoo.hf.load_bert_classifier(folder)
-    config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", modules_to_save=["classifier"],
-                        init_lora_weights=False)  # HF's name for the head
+    config = LoraConfig(
+        r=2, lora_alpha=4, target_modules="all-linear", modules_to_save=["classifier"], init_lora_weights=False
+    )  # HF's name for the head
     model = add_lora(base, config, key=jax.random.key(3))
     assert zoo.lora.trainable(model, config).head.weight is True
     model = eqx.tree_at(lambda m: m.head.bias, model, model.head.bias + 0.5)
@@ -220,8 +251,14 @@ def test_gpt2_zoo_qkv_branches_open_in_peft_as_one_c_attn_branch(root, tmp_path)
     assert zoo.lora.target_names(base, LoraConfig(target_modules=["c_attn"])) == [
         f"layers.layers.attention.{p}_proj" for p in "qkv"
     ]
-    config = LoraConfig(r=2, lora_alpha=5, use_rslora=True, target_modules=("q_proj", "k_proj", "v_proj", "up"),
-                        modules_to_save=("final_norm",), init_lora_weights=False)
+    config = LoraConfig(
+        r=2,
+        lora_alpha=5,
+        use_rslora=True,
+        target_modules=("q_proj", "k_proj", "v_proj", "up"),
+        modules_to_save=("final_norm",),
+        init_lora_weights=False,
+    )
     model = add_lora(base, config, key=jax.random.key(1))
     model = eqx.tree_at(lambda m: m.final_norm.weight, model, model.final_norm.weight * 1.5)
     save_adapter(model, config, tmp_path / "z")
@@ -231,7 +268,10 @@ def test_gpt2_zoo_qkv_branches_open_in_peft_as_one_c_attn_branch(root, tmp_path)
     assert values["rank_pattern"] == {m: 6 for m in c_attn} and values["fan_in_fan_out"] is True
     assert values["modules_to_save"] == ["transformer.ln_f"] and values["task_type"] == "CAUSAL_LM"
     tensors = safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")
-    a, b = tensors[f"base_model.model.{c_attn[1]}.lora_A.weight"], tensors[f"base_model.model.{c_attn[1]}.lora_B.weight"]
+    a, b = (
+        tensors[f"base_model.model.{c_attn[1]}.lora_A.weight"],
+        tensors[f"base_model.model.{c_attn[1]}.lora_B.weight"],
+    )
     assert a.shape == (6, 16) and b.shape == (48, 6)
     k = model.layers.layers.attention.k_proj
     np.testing.assert_array_equal(a[2:4].numpy(), np.asarray(k.lora_A[1]).T)
@@ -251,8 +291,9 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
     folder = hf_folder("gpt2", root)
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder)
     # all-linear: c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (peft leaves out lm_head).
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["ln_f"],
-                             task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["ln_f"], task_type="CAUSAL_LM"
+    )
     opened = peft_adapter(hf, config, tmp_path / "p")
     model, loaded = load_adapter(zoo.hf.load_gpt2(folder), tmp_path / "p")
     attention = model.layers.layers.attention
@@ -279,8 +320,13 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     base = zoo.hf.from_pretrained(folder, config_overrides=padded)
     # zoo → peft, targets named the HF way and the zoo way at once.
     head = [] if family == "gemma" else ["lm_head"]  # Gemma's head is the tied embedding
-    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "gate_proj", "down"],
-                        modules_to_save=["final_norm", *head], init_lora_weights=False)
+    config = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        target_modules=["q_proj", "v_proj", "gate_proj", "down"],
+        modules_to_save=["final_norm", *head],
+        init_lora_weights=False,
+    )
     model = add_lora(base, config, key=jax.random.key(1))
     model = eqx.tree_at(lambda m: m.final_norm.weight, model, model.final_norm.weight * 1.5)
     if head:
@@ -296,8 +342,18 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     assert_close(zoo_outputs(model), hf_outputs(auto), f"{family} zoo → peft")
     # peft → zoo: all-linear (every projection, not lm_head).
     hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
-    opened = peft_adapter(hf, peft.LoraConfig(r=2, lora_alpha=8, target_modules="all-linear", use_rslora=True,
-                                              modules_to_save=head or None, task_type="CAUSAL_LM"), tmp_path / "p")
+    opened = peft_adapter(
+        hf,
+        peft.LoraConfig(
+            r=2,
+            lora_alpha=8,
+            target_modules="all-linear",
+            use_rslora=True,
+            modules_to_save=head or None,
+            task_type="CAUSAL_LM",
+        ),
+        tmp_path / "p",
+    )
     loaded, loaded_config = load_adapter(base, tmp_path / "p")
     assert len(zoo.lora.modules(loaded, zoo.lora.LoraLinear)) == 7 and loaded_config.use_rslora
     if head:
@@ -344,5 +400,7 @@ def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_p
     safetensors.torch.save_file(tensors, weights)
     resaved, resaved_config = load_adapter(base, tmp_path)
     assert len(resaved_config.target_modules) == 3 and not np.any(resaved.layers.layers.attention.k_proj.lora_B)
-    np.testing.assert_array_equal(resaved.layers.layers.attention.v_proj.lora_B, model.layers.layers.attention.v_proj.lora_B)
+    np.testing.assert_array_equal(
+        resaved.layers.layers.attention.v_proj.lora_B, model.layers.layers.attention.v_proj.lora_B
+    )
     assert_close(zoo_outputs(resaved), zoo_outputs(model), "GPT-2 q/v re-saved by peft, reloaded")

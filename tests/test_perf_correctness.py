@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import lm_batch, preset_mesh, tiny_decoder, tree_bytes
+from helpers import lm_batch, preset_mesh, tiny_decoder, tree_bytes
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -160,7 +160,11 @@ def test_compilation_cache_second_run_hits(tmp_path):
     def run(extra_env=None):
         out = subprocess.run(
             [sys.executable, "-c", _CACHE_SCRIPT, str(folder)],
-            env=env | (extra_env or {}), capture_output=True, text=True, timeout=300, check=False,
+            env=env | (extra_env or {}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
         return out
 

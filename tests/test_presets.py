@@ -455,7 +455,9 @@ def test_bf16_compute_keeps_the_gradient_all_reduce_in_float32():
 # --- docs/models.md's table is this data ---
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "models.md"
-TABLE_START = "<!-- collectives table: generated from tests/test_presets.py EXPECTED (python tests/test_presets.py --docs) -->"
+TABLE_START = (
+    "<!-- collectives table: generated from tests/test_presets.py EXPECTED (python tests/test_presets.py --docs) -->"
+)
 TABLE_END = "<!-- end collectives table -->"
 
 
@@ -470,9 +472,13 @@ def docs_table() -> str:
             if at == where:
                 groups[(kind, axes)][0] += int(n[1:])
                 groups[(kind, axes)][1] += int(n[1:]) * int(size)
-        return "; ".join(
-            f"{n} {kind}{'s' if n > 1 else ''} `{axes}` ({size:,} B)" for (kind, axes), (n, size) in sorted(groups.items())
-        ) or "—"
+        return (
+            "; ".join(
+                f"{n} {kind}{'s' if n > 1 else ''} `{axes}` ({size:,} B)"
+                for (kind, axes), (n, size) in sorted(groups.items())
+            )
+            or "—"
+        )
 
     lines = ["| model | preset | mesh | in loops | outside loops |", "|---|---|---|---|---|"]
     for name, rows in EXPECTED.items():

@@ -30,7 +30,11 @@ def setup():
 # Explicit mode at every N × M; shard_map mode (the same accumulation written per device)
 # at settings that still meet every N and M, to keep the suite's compile time in budget.
 GRID = [(n, m, "explicit") for n in (1, 2, 4, 8) for m in (1, 2, 4)] + [
-    (1, 2, "shard_map"), (2, 4, "shard_map"), (4, 1, "shard_map"), (8, 2, "shard_map"), (8, 4, "shard_map")
+    (1, 2, "shard_map"),
+    (2, 4, "shard_map"),
+    (4, 1, "shard_map"),
+    (8, 2, "shard_map"),
+    (8, 4, "shard_map"),
 ]
 
 
@@ -53,7 +57,9 @@ def test_loss_and_grads_equal_single_device(setup, mode):
     model, batch, ref_loss, ref_grads = setup
     with jax.set_mesh(data_mesh(8)):
         sharded = zoo.shard(model, zoo.rules("dp"), data_mesh(8))
-        loss, grads = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=4, mode=mode).loss_and_grads(sharded, batch)
+        loss, grads = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=4, mode=mode).loss_and_grads(
+            sharded, batch
+        )
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert tree_allclose(grads, eqx.filter(ref_grads, eqx.is_inexact_array), rtol=1e-5, atol=1e-7)
     assert jax.typeof(grads.mlp.output_layer.weight).sharding.spec.unreduced == frozenset()
@@ -77,6 +83,7 @@ def test_no_mesh_runs_on_one_device_with_microbatches(setup):
 )
 def test_any_optax_optimizer_matches_single_device(setup, optimizer):
     model, batch, _, _ = setup
+
     # Reference: optax on one device, full batch, three steps.
     @eqx.filter_jit
     def ref_step(model, state):
@@ -113,7 +120,9 @@ def test_frozen_leaves_get_no_gradient_and_never_change(setup, mode):
     mesh = data_mesh(4)
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp"), mesh)
-        step = zoo.TrainStep(mse_per_example, optax.adam(1e-2), microbatches=2, trainable=only_output_layer(model), mode=mode)
+        step = zoo.TrainStep(
+            mse_per_example, optax.adam(1e-2), microbatches=2, trainable=only_output_layer(model), mode=mode
+        )
         loss, grads = step.loss_and_grads(sharded, batch)
         state = step.init(sharded)
         new = sharded
@@ -145,7 +154,9 @@ def test_weighted_loss_is_the_global_weighted_mean(setup, mode):
     mesh = data_mesh(8)
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp"), mesh)
-        loss, grads = zoo.TrainStep(masked_loss, optax.sgd(0.1), microbatches=2, mode=mode).loss_and_grads(sharded, batch)
+        loss, grads = zoo.TrainStep(masked_loss, optax.sgd(0.1), microbatches=2, mode=mode).loss_and_grads(
+            sharded, batch
+        )
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert tree_allclose(grads, ref_grads, rtol=1e-5, atol=1e-7)
 
@@ -156,7 +167,10 @@ def test_batch_not_divisible_is_a_clear_error_before_tracing(setup):
     step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=4)
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp"), mesh)
-        with pytest.raises(ValueError, match=r"global batch size 40 is not divisible by data-parallel size 8 x microbatches 4 = 32.*\(e\.g\. 32 or 64\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"global batch size 40 is not divisible by data-parallel size 8 x microbatches 4 = 32.*\(e\.g\. 32 or 64\)",
+        ):
             step(sharded, step.init(sharded), (ids[:40], y[:40]))
     with pytest.raises(ValueError, match="disagree on the batch size"):
         step.check((ids[:32], y[:16]))
@@ -249,7 +263,9 @@ def test_shard_map_mode_refuses_params_sharded_over_other_axes(setup):
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp", mlp="model"), mesh)
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), mode="shard_map")
-        with pytest.raises(ValueError, match=r"sharded over mesh axes \['model'\]; shard_map mode runs manual over every"):
+        with pytest.raises(
+            ValueError, match=r"sharded over mesh axes \['model'\]; shard_map mode runs manual over every"
+        ):
             step.loss_and_grads(sharded, batch)
 
 

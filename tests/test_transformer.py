@@ -99,7 +99,9 @@ def test_decoder_is_causal(positions):
 
 
 def test_encoder_ignores_padding():
-    encoder = Encoder(EncoderConfig(vocab_size=32, d_model=16, num_heads=4, num_layers=2, max_len=10), key=jax.random.key(0))
+    encoder = Encoder(
+        EncoderConfig(vocab_size=32, d_model=16, num_heads=4, num_layers=2, max_len=10), key=jax.random.key(0)
+    )
     tokens = jnp.array([[5, 6, 7, 8, 0, 0, 0, 0], [9, 3, 4, 2, 11, 12, 0, 0]])
     mask = tokens != 0
     forward = jax.jit(lambda t, m: encoder(t, mask=m))
@@ -107,7 +109,9 @@ def test_encoder_ignores_padding():
     # Other ids at padded positions (still masked) change nothing at real positions.
     noisy = jnp.where(mask, tokens, 17)
     hidden_noisy = forward(noisy, mask)
-    np.testing.assert_allclose(np.asarray(hidden_noisy)[np.asarray(mask)], np.asarray(hidden)[np.asarray(mask)], atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(hidden_noisy)[np.asarray(mask)], np.asarray(hidden)[np.asarray(mask)], atol=1e-6
+    )
     # Mean pooling sees only real tokens: more padding, same sentence embedding.
     longer = jnp.pad(tokens, ((0, 0), (0, 2)))
     pooled = zoo.models.mean_pool(hidden, mask)
@@ -126,7 +130,9 @@ def test_feedforward_and_blocks_match_formulas():
     swiglu = lin(ff.down, jax.nn.silu(lin(ff.gate, x)) * lin(ff.up, x))
     np.testing.assert_allclose(ff(x), swiglu, rtol=1e-5, atol=1e-6)
     ff_gelu = zoo.nn.FeedForward(8, 16, activation="gelu", init_std=0.3, key=key)
-    np.testing.assert_allclose(ff_gelu(x), lin(ff_gelu.down, jax.nn.gelu(lin(ff_gelu.up, x), approximate=False)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        ff_gelu(x), lin(ff_gelu.down, jax.nn.gelu(lin(ff_gelu.up, x), approximate=False)), rtol=1e-5, atol=1e-6
+    )
 
     attn = zoo.nn.Attention(8, 2, init_std=0.3, key=key)
     ln1, ln2 = zoo.nn.LayerNorm(8), zoo.nn.LayerNorm(8)
@@ -157,7 +163,9 @@ def test_dropout_follows_each_examples_key():
     no_dropout = tiny_encoder_classifier(jax.random.key(0), dropout=0.0, attention_dropout=0.0)
     assert max_abs_diff(no_dropout, model) == 0  # the rates are static: the weights are the same
     np.testing.assert_allclose(inference, jax.jit(lambda t: no_dropout(t))(batch["tokens"]), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(inference, jax.jit(lambda t, k: no_dropout(t, key=k))(batch["tokens"], keys), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        inference, jax.jit(lambda t, k: no_dropout(t, key=k))(batch["tokens"], keys), rtol=1e-6, atol=1e-6
+    )
     assert not np.allclose(full, inference)
     # A wrong number of keys is refused: by jaxtyping here; the library's own message
     # (without runtime type checks) is tests/test_errors.py's.
@@ -184,7 +192,9 @@ def test_tied_head_is_the_embedding_and_remat_changes_nothing():
     tied = tiny_decoder(jax.random.key(0), tie_embeddings=True)
     assert tied.lm_head is None
     h = jnp.ones((1, 1, 16))
-    np.testing.assert_allclose(tied.token_embedding.attend(h)[0, 0], tied.token_embedding.weight @ jnp.ones(16), rtol=1e-5)
+    np.testing.assert_allclose(
+        tied.token_embedding.attend(h)[0, 0], tied.token_embedding.weight @ jnp.ones(16), rtol=1e-5
+    )
     batch = lm_batch(jax.random.key(1), 4)
 
     def grads(model):

@@ -58,7 +58,11 @@ def run(n, m, lora, mode, shard_optimizer, opt=optimizer):
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("zero1" if shard_optimizer else "dp"), mesh)
         step = zoo.TrainStep(
-            zoo.models.next_token_loss, opt(), microbatches=m, trainable=filter_spec, mode=mode,
+            zoo.models.next_token_loss,
+            opt(),
+            microbatches=m,
+            trainable=filter_spec,
+            mode=mode,
             shard_optimizer=shard_optimizer,
         )
         state = step.init(sharded)
@@ -204,7 +208,9 @@ def test_preset_and_no_op_settings():
     model, _ = model_and_filter(False)
     step = zoo.TrainStep(zoo.models.next_token_loss, optimizer(), shard_optimizer=True)
     # Without a mesh (or with one data shard) there is nothing to split: plain optax state.
-    for leaf, ref in zip(jax.tree.leaves(step.init(model)), jax.tree.leaves(optimizer().init(step.partition(model)[0]))):
+    for leaf, ref in zip(
+        jax.tree.leaves(step.init(model)), jax.tree.leaves(optimizer().init(step.partition(model)[0]))
+    ):
         np.testing.assert_array_equal(leaf, ref)
     with pytest.raises((ValueError, jaxtyping.TypeCheckError), match="shard_optimizer"):
         zoo.TrainStep(zoo.models.next_token_loss, optimizer(), shard_optimizer="data")

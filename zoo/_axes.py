@@ -34,9 +34,7 @@ def field(*, axes: AxesDecl, **kwargs: Any) -> Any:
 
     Layers stacked by `zoo.nn.Stacked` gain a leading `"layers"` axis automatically.
     """
-    if not callable(axes) and (
-        not isinstance(axes, tuple) or not all(a is None or isinstance(a, str) for a in axes)
-    ):
+    if not callable(axes) and (not isinstance(axes, tuple) or not all(a is None or isinstance(a, str) for a in axes)):
         raise TypeError(f"axes must be a tuple of str or None (or a callable), got {axes!r}")
     metadata = dict(kwargs.pop("metadata", {}))
     metadata[_AXES] = axes

@@ -23,7 +23,9 @@ def default_cache_dir() -> Path:
     return Path(base) / "zoo" / "jax"
 
 
-def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compile_time_secs: float = MIN_COMPILE_TIME_SECS) -> Path | None:
+def enable_compilation_cache(
+    path: str | os.PathLike | None = None, *, min_compile_time_secs: float = MIN_COMPILE_TIME_SECS
+) -> Path | None:
     """Turn on JAX's persistent compilation cache, so a second identical run loads its
     compiled programs from disk instead of compiling them again.
 

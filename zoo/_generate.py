@@ -262,7 +262,9 @@ def generate(
         )
     tokens_np = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     if tokens_np.ndim != 2:
-        raise ValueError(f"tokens must be [batch, prompt], got shape {tuple(tokens_np.shape)}; add a batch axis with tokens[None]")
+        raise ValueError(
+            f"tokens must be [batch, prompt], got shape {tuple(tokens_np.shape)}; add a batch axis with tokens[None]"
+        )
     if not jnp.issubdtype(tokens_np.dtype, jnp.integer):
         raise ValueError(f"tokens must be integer ids, got dtype {tokens_np.dtype}")
     b, s = tokens_np.shape

@@ -193,7 +193,9 @@ def _components(pairs: list[list[int]]) -> list[list[int]]:
 
 def _parse_groups(line: str, num_devices: int | None) -> list[list[int]]:
     """The device groups of one collective, in the logical device ids of the program."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*(?:\([^)]*\))?[^)]*)\))?\s*\{([^}]*)\}", line)
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*(?:\([^)]*\))?[^)]*)\))?\s*\{([^}]*)\}", line
+    )
     if m:
         sizes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?=(\d+)", m.group(1))]
         return _mesh_groups(sizes, m.group(2), m.group(3))
@@ -339,11 +341,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
 
 def count(colls: list[Collective], kind: str | None = "all-reduce", *, in_loop: bool | None = None) -> int:
     """How many collectives of `kind` (any kind if `kind` is None), optionally by location."""
-    return sum(
-        1
-        for c in colls
-        if (kind is None or c.kind == kind) and (in_loop is None or c.in_loop == in_loop)
-    )
+    return sum(1 for c in colls if (kind is None or c.kind == kind) and (in_loop is None or c.in_loop == in_loop))
 
 
 def report(colls: list[Collective]) -> str:

@@ -113,19 +113,14 @@ def partition_specs(model: Any, rules: Rules, mesh: Any = None) -> Any:
             return None
         return spec_for(names.names, rules, shape=leaf.shape, mesh=mesh, where=path_str(path))
 
-    return jax.tree_util.tree_map_with_path(
-        one, model, axes, is_leaf=lambda x: x is None or isinstance(x, LogicalAxes)
-    )
+    return jax.tree_util.tree_map_with_path(one, model, axes, is_leaf=lambda x: x is None or isinstance(x, LogicalAxes))
 
 
 def _concrete_mesh(mesh: Any) -> Any:
     if mesh is None:
         mesh = jax.sharding.get_mesh()
     if mesh is None or mesh.empty:
-        raise ValueError(
-            "no mesh to place the model on: pass mesh=... or call this under "
-            "`with jax.set_mesh(mesh):`."
-        )
+        raise ValueError("no mesh to place the model on: pass mesh=... or call this under `with jax.set_mesh(mesh):`.")
     return mesh
 
 
@@ -181,4 +176,3 @@ def check_head_split(model: Any, rules: Rules, mesh: Any) -> None:
                     f"or rules without tensor parallelism for heads (e.g. zoo.rules('fsdp'), or rules[{name!r}] = None)."
                 )
         return  # every layer of a model shares its head counts
-

@@ -78,8 +78,7 @@ def init_devices(devices: int | None) -> int:
         return have if jax.default_backend() != "cpu" else min(have, wanted)
     if have < devices:
         raise CLIError(
-            f"asked for {devices} devices but jax has {have} ({jax.default_backend()}); "
-            f"pass --devices {have} or fewer"
+            f"asked for {devices} devices but jax has {have} ({jax.default_backend()}); pass --devices {have} or fewer"
         )
     return devices
 

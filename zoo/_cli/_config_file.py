@@ -74,7 +74,9 @@ def read_config_file(path: str) -> dict[str, Any]:
         elif suffix == ".json":
             values = json.loads(file.read_text(), object_pairs_hook=_no_duplicates)
         else:
-            raise CLIError(f"--config {path}: unknown file type {suffix or '(none)'!r}; use .toml, .yaml, .yml or .json")
+            raise CLIError(
+                f"--config {path}: unknown file type {suffix or '(none)'!r}; use .toml, .yaml, .yml or .json"
+            )
     except CLIError:
         raise
     except Exception as e:  # tomllib / yaml / json each raise their own error types

@@ -114,7 +114,9 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
             raise CLIError(f"SOURCE {source}: no such folder, and {str(e).split(': ', 1)[-1]}") from None
     adapter_dir = Path(adapter).expanduser() if adapter else None
     if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
-        raise CLIError(f"--adapter {adapter}: no adapter_config.json there (a `zoo finetune` run's adapter/ folder, or peft's)")
+        raise CLIError(
+            f"--adapter {adapter}: no adapter_config.json there (a `zoo finetune` run's adapter/ folder, or peft's)"
+        )
     if _hf_folder(folder):
         return folder, adapter_dir, f"the Hugging Face folder {folder}"
     if _hf_folder(folder / "model"):
@@ -150,11 +152,15 @@ def load(source: str, adapter: str | None, *, rules, mesh):
 
     folder, adapter_dir, where = resolve_source(source, adapter)
     try:
-        model = zoo.hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides={"dropout": 0.0, "attention_dropout": 0.0})
+        model = zoo.hf.from_pretrained(
+            folder, rules=rules, mesh=mesh, config_overrides={"dropout": 0.0, "attention_dropout": 0.0}
+        )
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(f"SOURCE {source}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, zoo.models.Transformer):
-        raise CLIError(f"SOURCE {source} holds a {type(model).__name__}; zoo generate needs a decoder (GPT-2, Llama, ...)")
+        raise CLIError(
+            f"SOURCE {source} holds a {type(model).__name__}; zoo generate needs a decoder (GPT-2, Llama, ...)"
+        )
     if adapter_dir is not None:
         try:
             model, _ = zoo.lora.load_adapter(model, adapter_dir)
@@ -163,7 +169,9 @@ def load(source: str, adapter: str | None, *, rules, mesh):
         where += f" with the adapter {adapter_dir}"
     tokenizer = zoo.hf.Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
     if tokenizer is None and model.config.vocab_size < 256:
-        raise CLIError(f"SOURCE {source}: no tokenizer.json and a vocabulary of {model.config.vocab_size} ids (bytes need 256)")
+        raise CLIError(
+            f"SOURCE {source}: no tokenizer.json and a vocabulary of {model.config.vocab_size} ids (bytes need 256)"
+        )
     eos = (_read_json(folder / "config.json") or {}).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     eos = eos if isinstance(eos, int) and eos < model.config.vocab_size else None
@@ -201,7 +209,9 @@ def cmd_generate(args) -> int:
         tokens, mask = text.encode(args.prompt, pad)
         room = model.config.max_len - tokens.shape[1]
         if room < 1:
-            raise CLIError(f"--prompt: {tokens.shape[1]} tokens fill the model's max_len {model.config.max_len}; shorten it")
+            raise CLIError(
+                f"--prompt: {tokens.shape[1]} tokens fill the model's max_len {model.config.max_len}; shorten it"
+            )
         new = min(DEFAULT_NEW_TOKENS, room) if args.max_new_tokens is None else args.max_new_tokens
         if new > room:
             raise CLIError(
@@ -211,8 +221,13 @@ def cmd_generate(args) -> int:
         single = len(args.prompt) == 1
         printer = Printer(text, eos) if single and not args.json else None
         if not args.json:
-            how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}" + (
-                f", top-k {args.top_k}" if args.top_k else "") + (f", top-p {args.top_p:g}" if args.top_p else "")
+            how = (
+                "greedy"
+                if args.temperature == 0
+                else f"temperature {args.temperature:g}"
+                + (f", top-k {args.top_k}" if args.top_k else "")
+                + (f", top-p {args.top_p:g}" if args.top_p else "")
+            )
             print(f"zoo generate: {where} ({text.kind}), {how}, up to {new} new tokens, mesh {mesh_text(mesh_shape)} "
                   f"rules {args.rules}", file=sys.stderr, flush=True)  # fmt: skip
         if printer is not None:
@@ -259,24 +274,41 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="Examples: zoo generate runs/lm --prompt 'def ' ; zoo generate path/to/gpt2 --prompt 'Hello' "
         "--prompt 'The' --temperature 0.8 --top-p 0.9 --seed 1; zoo generate runs/tuned --max-new-tokens 32",
     )
-    p.add_argument("source", metavar="SOURCE",
-                   help="a Hugging Face folder (or a model id in the local Hugging Face cache), or a zoo train / "
-                   "finetune output folder")
+    p.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a Hugging Face folder (or a model id in the local Hugging Face cache), or a zoo train / "
+        "finetune output folder",
+    )
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                   help=f"tokens to add to each prompt; prompt + N <= the model's max_len (default {DEFAULT_NEW_TOKENS}, "
-                   "or what the model's max_len leaves room for)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"tokens to add to each prompt; prompt + N <= the model's max_len (default {DEFAULT_NEW_TOKENS}, "
+        "or what the model's max_len leaves room for)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); > 0: sampling")
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="sample among the most likely tokens up to total probability P, in (0, 1]")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="sample among the most likely tokens up to total probability P, in (0, 1]",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (peft's layout) to load onto the model")
     p.add_argument("--devices", type=int, metavar="N", help="devices (default 1; simulated CPU devices on CPU)")
     p.add_argument("--mesh", metavar="AXIS=SIZE,...", help="mesh shape, e.g. data=2,model=2 (default data=DEVICES)")
-    p.add_argument("--rules", default="dp", metavar="PRESET",
-                   help=f"how the model is placed: {', '.join(RULE_PRESETS)} (default dp: replicated); the batch is "
-                   "split over data when it divides, heads over model under tp; fsdp presets are gathered for decoding")
+    p.add_argument(
+        "--rules",
+        default="dp",
+        metavar="PRESET",
+        help=f"how the model is placed: {', '.join(RULE_PRESETS)} (default dp: replicated); the batch is "
+        "split over data when it divides, heads over model under tp; fsdp presets are gathered for decoding",
+    )
     p.add_argument("--json", action="store_true", help="print [{prompt, completion}] as JSON, nothing streamed")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     p.set_defaults(func=cmd_generate)

@@ -121,7 +121,11 @@ def cmd_info(args) -> int:
     widths = [max(len(row[i]) for row in (header, *table)) for i in range(len(header))]
     print(f"{args.model}: mesh {mesh_shape}, rules {args.rules}" + ("" if lora is None else f", LoRA r={lora.r}"))
     for row in (header, *table):
-        print("  ".join(c.rjust(w) if i == len(row) - 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        print(
+            "  ".join(
+                c.rjust(w) if i == len(row) - 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
     print(
         f"total: {totals['leaves']} leaves, {totals['parameters']:,} parameters, {totals['bytes']:,} bytes, "
         f"{totals['bytes_per_device']:,} bytes per device; trainable: {totals['trainable_parameters']:,} "

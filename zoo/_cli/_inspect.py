@@ -64,7 +64,14 @@ def cmd_inspect(args) -> int:
         options = {}
         if lora is not None:  # only the adapters (and modules_to_save) get gradients and all-reduces
             options["trainable"] = zoo.lora.trainable(model, lora)
-        step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=args.microbatches, mode=args.mode, preset=args.rules, **options)
+        step = zoo.TrainStep(
+            task.loss_fn,
+            optax.adamw(1e-3),
+            microbatches=args.microbatches,
+            mode=args.mode,
+            preset=args.rules,
+            **options,
+        )
         batch = task.make_batch(batch_size, jax.random.key(0))
         if lora is not None and lora.lora_dropout:  # per-example keys turn the branches' dropout on
             batch = dict(batch, dropout_key=zoo.nn.example_keys(jax.random.key(1), batch_size))
@@ -126,8 +133,12 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, step: bool) -> None:
     """--devices, --mesh, --rules (and, for a step, the preset's step options)."""
     from .._presets import RULE_PRESETS  # zoo's import leaves jax's backend alone
 
-    parser.add_argument("--devices", type=int, metavar="N",
-                        help="devices: simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="devices: simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)",
+    )
     parser.add_argument("--mesh", help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES)")
     parser.add_argument(
         "--rules",

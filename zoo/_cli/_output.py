@@ -84,7 +84,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_losses(rows: list[dict[str, Any]], target: Path, title: str, baselines: dict[str, float] | None = None) -> None:
+def plot_losses(
+    rows: list[dict[str, Any]], target: Path, title: str, baselines: dict[str, float] | None = None
+) -> None:
     """loss.png: the training loss per step (and its running mean), the evaluation loss
     at the steps it was measured, and `baselines` (label → held-out loss) as dashed
     lines. Matplotlib's Agg backend: no display needed."""
@@ -158,7 +160,9 @@ class Progress:
         if self.tty:
             filled = int(24 * done)
             bar = "#" * filled + "." * (24 - filled)
-            text = f"{self.label} [{bar}] {step}/{self.total}  loss {loss:.4f}  {speed}  {_clock(elapsed)}<{_clock(eta)}"
+            text = (
+                f"{self.label} [{bar}] {step}/{self.total}  loss {loss:.4f}  {speed}  {_clock(elapsed)}<{_clock(eta)}"
+            )
             pad = max(self._width - len(text), 0)
             self._width = len(text)
             self.stream.write("\r" + text + " " * pad)

@@ -652,8 +652,11 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         },
         "throughput": {
             "examples_per_s": (steps - start) * bsz / max(train_s, 1e-9),
-            **({"tokens_per_s": (steps - start) * bsz * task.tokens_per_example / max(train_s, 1e-9)}
-               if task.unit == "tokens" else {}),  # fmt: skip
+            **(
+                {"tokens_per_s": (steps - start) * bsz * task.tokens_per_example / max(train_s, 1e-9)}
+                if task.unit == "tokens"
+                else {}
+            ),  # fmt: skip
         },
         "outputs": saved_files,
         "sample": text_sample,
@@ -815,7 +818,9 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         say(f"trained: {human_bytes(trainable)} of the model's {human_bytes(model_bytes)}")
     c = summary["collectives"]
     kinds = "/".join(c["gradient_reduction_kinds"]) or "all-reduce"
-    what = "adapter" + ("+head" if lcfg.modules_to_save and task.classifier else "") if lcfg is not None else "trainable"
+    what = (
+        "adapter" + ("+head" if lcfg.modules_to_save and task.classifier else "") if lcfg is not None else "trainable"
+    )
     per_device = summary["trainable_bytes_per_device"]
     scalars = c["gradient_bytes"] - per_device
     split = "" if per_device == trainable else " per device"
@@ -834,7 +839,9 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say(zoo.report(colls))
     secs = summary["seconds"]
     thr = summary["throughput"]
-    rate = f"{thr['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in thr else f"{thr['examples_per_s']:,.1f} examples/s"
+    rate = (
+        f"{thr['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in thr else f"{thr['examples_per_s']:,.1f} examples/s"
+    )
     say(
         f"time: load + first eval {secs['load'] + secs['evaluate_before']:.1f} s, compile {secs['compile']:.1f} s, "
         f"{summary['steps'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "

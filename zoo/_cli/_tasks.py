@@ -394,7 +394,9 @@ def _load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rul
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(f"--init {folder}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, kind):
-        want = "a decoder (GPT-2, Llama, Mistral, Qwen2, Gemma)" if kind is zoo.models.Transformer else "a BERT (encoder)"
+        want = (
+            "a decoder (GPT-2, Llama, Mistral, Qwen2, Gemma)" if kind is zoo.models.Transformer else "a BERT (encoder)"
+        )
         raise CLIError(f"--init {folder} holds a {type(model).__name__}, but this model needs {want} checkpoint")
     return model
 
@@ -515,8 +517,12 @@ def _lm_task(s: TaskSettings, *, rules, mesh) -> Task:
     overrides = dict(s.model_config) | ({"dtype": s.dtype} if s.dtype != "float32" else {})
     folder = resolve_init(s.init) if s.init else None
     if folder is None:
-        config = _config(zoo.models.TransformerConfig, SCRATCH_CONFIGS["transformer"] | {"max_len": s.seq_len} | overrides)
-        model = init_compiled(("transformer", config), lambda k: zoo.models.Transformer(config, key=k), jax.random.key(s.seed))
+        config = _config(
+            zoo.models.TransformerConfig, SCRATCH_CONFIGS["transformer"] | {"max_len": s.seq_len} | overrides
+        )
+        model = init_compiled(
+            ("transformer", config), lambda k: zoo.models.Transformer(config, key=k), jax.random.key(s.seed)
+        )
     else:
         model = _load_pretrained(folder, zoo.models.Transformer, overrides, rules=rules, mesh=mesh)
         config = model.config

@@ -111,7 +111,11 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     pairs = parse_pairs(s["model_config"], "--model-config", "d_model=64,num_layers=2") if s["model_config"] else {}
     s["model_config_values"] = {k: parse_scalar(v) for k, v in pairs.items()}
     check_model_config(model, s["model_config_values"])
-    if model == "minilm" and s["init"] is None and s["model_config_values"].keys() - {"dropout", "attention_dropout", "remat", "dtype"}:
+    if (
+        model == "minilm"
+        and s["init"] is None
+        and s["model_config_values"].keys() - {"dropout", "attention_dropout", "remat", "dtype"}
+    ):
         raise CLIError(
             "--model-config: the pretrained MiniLM's shape is fixed; only dropout, attention_dropout and remat "
             "can change"
@@ -129,7 +133,9 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     if s["init"] and model == "mlp":
         raise CLIError("--init: the mlp has no pretrained weights; drop --init")
     if s["resume"] and not (s["output"] or s["checkpoint_dir"]):
-        raise CLIError("--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)")
+        raise CLIError(
+            "--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)"
+        )
     if s["resume_step"] is not None and s["resume_step"] < 1:
         raise CLIError(f"--resume-step must be >= 1, got {s['resume_step']}")
     if saved is not None:
@@ -245,7 +251,7 @@ def check_model_config(model: str, values: dict[str, Any]) -> None:
 def _output_dir(s: dict[str, Any], command: str) -> Path:
     if s["output"]:
         return Path(s["output"]).expanduser()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     base = Path("runs") / f"{command}-{s['model']}-{stamp}"
     folder, n = base, 1
     while folder.exists():
@@ -264,9 +270,13 @@ def _config_json(s: dict[str, Any]) -> dict[str, Any]:
 
 def _title(command: str, s: dict[str, Any]) -> str:
     what = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}[command]
-    return f"{command} {s['model']} ({what} of {s['model']} on {s['data']})" if command != "demo" else (
-        f"{what} of {'the pretrained all-MiniLM-L6-v2' if s['model'] == 'minilm' else 'a pretrained byte LM'} "
-        f"on {s['data']}"
+    return (
+        f"{command} {s['model']} ({what} of {s['model']} on {s['data']})"
+        if command != "demo"
+        else (
+            f"{what} of {'the pretrained all-MiniLM-L6-v2' if s['model'] == 'minilm' else 'a pretrained byte LM'} "
+            f"on {s['data']}"
+        )
     )
 
 
@@ -281,7 +291,9 @@ def _multi_process(s: dict[str, Any]) -> bool:
         return s["num_processes"] > 1
     if s["coordinator"] or s["process_id"] is not None:
         return True
-    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (os.environ.get("JAX_NUM_PROCESSES") or "1").strip() != "1"
+    return (
+        bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (os.environ.get("JAX_NUM_PROCESSES") or "1").strip() != "1"
+    )
 
 
 def init_processes(s: dict[str, Any]) -> int:
@@ -402,90 +414,177 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP + (" (default: minilm if installed, else transformer)"
                                                           if command == "demo" else ""))  # fmt: skip
     g = p.add_argument_group("devices and sharding")
-    g.add_argument("--devices", type=int, metavar="N",
-                   help="devices: simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)")
-    g.add_argument("--mesh", metavar="AXIS=SIZE,...",
-                   help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES); needs a data axis")
-    g.add_argument("--rules", metavar="PRESET",
-                   help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp need a "
-                   "'model' mesh axis; fsdp-once also sets the step's gather='once' (zoo.preset(name).step_options)")
+    g.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="devices: simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)",
+    )
+    g.add_argument(
+        "--mesh",
+        metavar="AXIS=SIZE,...",
+        help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES); needs a data axis",
+    )
+    g.add_argument(
+        "--rules",
+        metavar="PRESET",
+        help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp need a "
+        "'model' mesh axis; fsdp-once also sets the step's gather='once' (zoo.preset(name).step_options)",
+    )
     g.add_argument("--mode", choices=("explicit", "shard_map"), help="step mode (default explicit)")
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="multi-process training: process 0's coordinator address, the same in every process "
-                   "(default $JAX_COORDINATOR_ADDRESS); --devices then counts this process's devices, the mesh "
-                   "spans every process's, only process 0 prints and writes metrics (docs/scaling.md)")
-    g.add_argument("--num-processes", type=int, metavar="N",
-                   help="multi-process training: how many processes take part (default $JAX_NUM_PROCESSES, else 1 "
-                   "or what jax.distributed detects)")
-    g.add_argument("--process-id", type=int, metavar="I",
-                   help="multi-process training: this process's index in [0, N) (default $JAX_PROCESS_ID)")
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="multi-process training: process 0's coordinator address, the same in every process "
+        "(default $JAX_COORDINATOR_ADDRESS); --devices then counts this process's devices, the mesh "
+        "spans every process's, only process 0 prints and writes metrics (docs/scaling.md)",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=int,
+        metavar="N",
+        help="multi-process training: how many processes take part (default $JAX_NUM_PROCESSES, else 1 "
+        "or what jax.distributed detects)",
+    )
+    g.add_argument(
+        "--process-id",
+        type=int,
+        metavar="I",
+        help="multi-process training: this process's index in [0, N) (default $JAX_PROCESS_ID)",
+    )
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps ({per_model})")
-    g.add_argument("--batch-size", type=int, metavar="B",
-                   help=f"global batch, a multiple of data axis x microbatches ({per_model})")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help=f"global batch, a multiple of data axis x microbatches ({per_model})",
+    )
     g.add_argument("--microbatches", type=int, metavar="M", help=f"microbatches per step ({per_model})")
     g.add_argument("--seq-len", type=int, metavar="L", help=f"tokens per example, padded or cut ({per_model})")
     g.add_argument("--lr", type=float, metavar="LR", help=f"peak learning rate ({per_model})")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default adamw)")
-    g.add_argument("--weight-decay", type=float, metavar="WD",
-                   help="weight decay of adamw/lion/sgd (default 0.01 for train, 0 for finetune)")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        metavar="WD",
+        help="weight decay of adamw/lion/sgd (default 0.01 for train, 0 for finetune)",
+    )
     g.add_argument("--warmup", type=int, metavar="STEPS", help="linear warmup steps (default steps/20)")
-    g.add_argument("--schedule", choices=("cosine", "constant"),
-                   help="after the warmup: cosine decay to lr/10, or constant (default cosine)")
-    g.add_argument("--clip", type=float, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help="compute dtype; parameters, gradients and their all-reduce stay float32 (default float32)")
-    g.add_argument("--skip-nonfinite", action=argparse.BooleanOptionalAction, default=None,
-                   help="skip a step whose loss or gradients are NaN/inf (weights and optimizer state unchanged; "
-                   "counted as `skipped` in metrics.jsonl) instead of stopping the run with exit code 3 "
-                   "(default no)")
+    g.add_argument(
+        "--schedule",
+        choices=("cosine", "constant"),
+        help="after the warmup: cosine decay to lr/10, or constant (default cosine)",
+    )
+    g.add_argument(
+        "--clip", type=float, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)"
+    )
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="compute dtype; parameters, gradients and their all-reduce stay float32 (default float32)",
+    )
+    g.add_argument(
+        "--skip-nonfinite",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="skip a step whose loss or gradients are NaN/inf (weights and optimizer state unchanged; "
+        "counted as `skipped` in metrics.jsonl) instead of stopping the run with exit code 3 "
+        "(default no)",
+    )
     g.add_argument("--seed", type=int, help="seed of the model, head, adapters and batches (default 0)")
     g = p.add_argument_group("model and data")
     g.add_argument("--data", choices=sorted({d for ds in DATASETS.values() for d in ds}), help=DATA_HELP)
-    g.add_argument("--model-config", metavar="KEY=VALUE,...",
-                   help="model config fields to change, e.g. d_model=128,num_layers=4 (TransformerConfig / "
-                   "EncoderConfig fields; mlp: width, depth; pretrained models: dropout, attention_dropout, remat)")
-    g.add_argument("--init", metavar="PATH",
-                   help="start from pretrained weights: a Hugging Face folder or a model id in the local "
-                   "Hugging Face cache (BERT for encoder; GPT-2, Llama, Mistral, Qwen2 or Gemma for transformer; its tokenizer.json is used when present, else byte tokens) or a `zoo train` "
-                   "output folder; minilm's default is the packaged all-MiniLM-L6-v2")
+    g.add_argument(
+        "--model-config",
+        metavar="KEY=VALUE,...",
+        help="model config fields to change, e.g. d_model=128,num_layers=4 (TransformerConfig / "
+        "EncoderConfig fields; mlp: width, depth; pretrained models: dropout, attention_dropout, remat)",
+    )
+    g.add_argument(
+        "--init",
+        metavar="PATH",
+        help="start from pretrained weights: a Hugging Face folder or a model id in the local "
+        "Hugging Face cache (BERT for encoder; GPT-2, Llama, Mistral, Qwen2 or Gemma for transformer; its tokenizer.json is used when present, else byte tokens) or a `zoo train` "
+        "output folder; minilm's default is the packaged all-MiniLM-L6-v2",
+    )
     if command != "train":
-        g.add_argument("--lora", metavar="KEY=VALUE,...",
-                       help="LoRA adapters; only they (and modules_to_save) train. Default r=8,alpha=16,"
-                       f"targets=all-linear (+ save=head for classifiers). {LORA_HELP}")
-    g.add_argument("--probe", type=int, metavar="STEPS",
-                   help="classifiers: also fit the new head alone on frozen-encoder features (a linear probe: "
-                   "full-batch Adam, this many steps) and report it as a baseline; training starts from the new "
-                   f"head either way (default 0: off{', demo 300' if command == 'demo' else ''})")
+        g.add_argument(
+            "--lora",
+            metavar="KEY=VALUE,...",
+            help="LoRA adapters; only they (and modules_to_save) train. Default r=8,alpha=16,"
+            f"targets=all-linear (+ save=head for classifiers). {LORA_HELP}",
+        )
+    g.add_argument(
+        "--probe",
+        type=int,
+        metavar="STEPS",
+        help="classifiers: also fit the new head alone on frozen-encoder features (a linear probe: "
+        "full-batch Adam, this many steps) and report it as a baseline; training starts from the new "
+        f"head either way (default 0: off{', demo 300' if command == 'demo' else ''})",
+    )
     g = p.add_argument_group("evaluation and outputs")
     g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (default 0: before and after)")
-    g.add_argument("--eval-size", type=int, metavar="N",
-                   help="held-out examples evaluated (default: all test texts; 256 LM windows; 1024 mlp examples)")
-    g.add_argument("--output", metavar="DIR",
-                   help=f"output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, loss.png, "
-                   "summary.json, " + ("adapter/" if command != "train" else "model/ (Hugging Face layout)")
-                   + ", checkpoints/")
+    g.add_argument(
+        "--eval-size",
+        type=int,
+        metavar="N",
+        help="held-out examples evaluated (default: all test texts; 256 LM windows; 1024 mlp examples)",
+    )
+    g.add_argument(
+        "--output",
+        metavar="DIR",
+        help=f"output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, loss.png, "
+        "summary.json, " + ("adapter/" if command != "train" else "model/ (Hugging Face layout)") + ", checkpoints/",
+    )
     g.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoints folder (default OUTPUT/checkpoints)")
-    g.add_argument("--checkpoint-every", type=int, metavar="N",
-                   help="save the trained leaves, optimizer state and key every N steps and at the end (default 0: "
-                   "none; a train run without a Hugging Face model/ folder, e.g. the mlp's, saves its end anyway)")
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="save the trained leaves, optimizer state and key every N steps and at the end (default 0: "
+        "none; a train run without a Hugging Face model/ folder, e.g. the mlp's, saves its end anyway)",
+    )
     g.add_argument("--keep", type=int, metavar="K", help="checkpoints kept, newest first (default 3)")
-    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
-                   help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to --steps "
-                   "(default no)")
-    g.add_argument("--resume-step", type=int, metavar="N",
-                   help="resume from checkpoint step N instead of the newest (implies --resume; later steps are "
-                   "refused unless --overwrite deletes them)")
-    g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
-                   help="replace the outputs and checkpoints of an earlier run in --output (default no: such a "
-                   "folder is refused; --resume continues it instead)")
-    g.add_argument("--config", metavar="FILE",
-                   help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
-                   "batch_size; model for the model); flags on the command line win. A run's config.json is one")
-    g.add_argument("--quiet", action=argparse.BooleanOptionalAction, default=None,
-                   help="no progress bar and header, only the summary (default no)")
-    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help="show full tracebacks instead of one-line errors")
+    g.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to --steps "
+        "(default no)",
+    )
+    g.add_argument(
+        "--resume-step",
+        type=int,
+        metavar="N",
+        help="resume from checkpoint step N instead of the newest (implies --resume; later steps are "
+        "refused unless --overwrite deletes them)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replace the outputs and checkpoints of an earlier run in --output (default no: such a "
+        "folder is refused; --resume continues it instead)",
+    )
+    g.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
+        "batch_size; model for the model); flags on the command line win. A run's config.json is one",
+    )
+    g.add_argument(
+        "--quiet",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no progress bar and header, only the summary (default no)",
+    )
+    g.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show full tracebacks instead of one-line errors",
+    )
 
 
 def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:

@@ -16,8 +16,8 @@ Every architecture is one `zoo.hf.Family` in its own file under `zoo/hf/_familie
 See docs/models.md, "Loading Hugging Face weights" and "Adding a family".
 """
 
-from ._export import hf_tensors, save_pretrained
 from ._classifier import load_bert_classifier
+from ._export import hf_tensors, save_pretrained
 from ._families.bert import encoder_config_from_hf, encoder_config_to_hf
 from ._families.gpt2 import transformer_config_from_hf, transformer_config_to_hf
 from ._family import Family, families, family_of, get_family, register

@@ -14,14 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
-from .._rules import Rules, _concrete_mesh, partition_specs
 from .._presets import rules as preset_rules
+from .._rules import Rules, _concrete_mesh, partition_specs
 from ..models import EncoderClassifier
 from ._files import Checkpoint, resolve_model_dir
 from ._load import load_bert
 
 # classifier leaf → checkpoint tensor names (task-model file, bare BertModel file), transposed
-_POOLER = {"weight": ("bert.pooler.dense.weight", "pooler.dense.weight"), "bias": ("bert.pooler.dense.bias", "pooler.dense.bias")}
+_POOLER = {
+    "weight": ("bert.pooler.dense.weight", "pooler.dense.weight"),
+    "bias": ("bert.pooler.dense.bias", "pooler.dense.bias"),
+}
 _HEAD = {"weight": "classifier.weight", "bias": "classifier.bias"}
 
 
@@ -106,5 +109,6 @@ def load_bert_classifier(
             spec = getattr(getattr(specs, module), param)
             new.append(jax.device_put(value, jax.sharding.NamedSharding(concrete, spec)))
     return eqx.tree_at(lambda m: [getattr(getattr(m, mod), p) for mod, p in values], model, replace=new)
+
 
 __all__ = ["load_bert_classifier"]

@@ -121,7 +121,9 @@ class Family:
         part = self.fused.get(module)
         if part is not None:
             file_shape = (*file_shape[:-1], part[1] * file_shape[-1])
-        names = tuple(f"{hf_module.format(i)}.{param}" for i in range(shape[0])) if stacked else (f"{hf_module}.{param}",)
+        names = (
+            tuple(f"{hf_module.format(i)}.{param}" for i in range(shape[0])) if stacked else (f"{hf_module}.{param}",)
+        )
         return Source(names, stacked, transpose, tuple(file_shape), part=part, valid=None if valid == core else valid)
 
     def transposed(self, module: str, param: str, parent: Any) -> bool:

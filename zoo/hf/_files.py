@@ -139,7 +139,9 @@ class Checkpoint:
             weight_map = read_json(index)["weight_map"]
             files = {name: directory / name for name in sorted(set(weight_map.values()))}
         else:
-            others = [n for n in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack") if (directory / n).is_file()]
+            others = [
+                n for n in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack") if (directory / n).is_file()
+            ]
             hint = (
                 f" It holds {others[0]}: convert it once with transformers, "
                 "`AutoModel.from_pretrained(d).save_pretrained(d, safe_serialization=True)`."

@@ -127,8 +127,12 @@ def load_bert(
     path = resolve_model_dir(path)
     values = read_config(path)
     if values.get("model_type", "bert") != "bert":
-        raise ValueError(f"{str(path)!r} holds a {values.get('model_type')!r} model, not BERT; try zoo.hf.from_pretrained")
-    return _load(get_family("bert"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+        raise ValueError(
+            f"{str(path)!r} holds a {values.get('model_type')!r} model, not BERT; try zoo.hf.from_pretrained"
+        )
+    return _load(
+        get_family("bert"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides
+    )
 
 
 def load_gpt2(
@@ -148,8 +152,12 @@ def load_gpt2(
     path = resolve_model_dir(path)
     values = read_config(path)
     if values.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{str(path)!r} holds a {values.get('model_type')!r} model, not GPT-2; try zoo.hf.from_pretrained")
-    return _load(get_family("gpt2"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+        raise ValueError(
+            f"{str(path)!r} holds a {values.get('model_type')!r} model, not GPT-2; try zoo.hf.from_pretrained"
+        )
+    return _load(
+        get_family("gpt2"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides
+    )
 
 
 def from_pretrained(

@@ -76,11 +76,11 @@ class AdapterNames:
             return "", name
         for zoo_name, hf in self.own.items():
             if name == zoo_name or name.startswith(zoo_name + "."):
-                return hf + name[len(zoo_name):], None
+                return hf + name[len(zoo_name) :], None
         if name == self.inner:
             return self.prefix.rstrip("."), None
         if name.startswith(self.inner + "."):
-            return self.prefix, name[len(self.inner) + 1:]
+            return self.prefix, name[len(self.inner) + 1 :]
         return name, None
 
     def module(self, name: str, index: tuple[int, ...] = ()) -> str | None:
@@ -122,7 +122,7 @@ class AdapterNames:
         """Why an HF module name the zoo model lacks may be skipped, or `None`."""
         if not hf_name.startswith(self.prefix):
             return None
-        return self.not_in_zoo.get(hf_name[len(self.prefix):])
+        return self.not_in_zoo.get(hf_name[len(self.prefix) :])
 
 
 def adapter_names(model: Any) -> AdapterNames | None:

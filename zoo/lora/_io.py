@@ -57,8 +57,8 @@ from jax.tree_util import GetAttrKey
 from jaxtyping import PRNGKeyArray
 
 from .._files import atomic_write, fsync_dir, to_host
-from .._tree import dotted_name, node_at
 from .._mismatch import mismatch_lines, shorten
+from .._tree import dotted_name, node_at
 from ..nn import Linear
 from ._apply import (
     _all_module_names,
@@ -107,7 +107,7 @@ class _Entry:
     offset: float = 0.0  # zoo's leaf = file tensor + offset (Gemma's RMSNorm weights)
 
     def file_shape(self, leaf: Any) -> tuple[int, ...]:
-        shape = list(leaf.shape[self.stacked:])
+        shape = list(leaf.shape[self.stacked :])
         if self.vocab is not None:
             shape[self.vocab[0]] = self.vocab[1]
         return tuple(shape[::-1] if self.transpose else shape)
@@ -172,8 +172,7 @@ def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
                 )
             stacked = len(lead_at(model, full))
             keys = tuple(
-                f"{PREFIX}{hf_module_name(model, module_name, idx)}.{param}"
-                for idx in np.ndindex(leaf.shape[:stacked])
+                f"{PREFIX}{hf_module_name(model, module_name, idx)}.{param}" for idx in np.ndindex(leaf.shape[:stacked])
             )
             conv1d = names is not None and isinstance(parent, Linear) and names.conv1d(module_name, parent)
             transpose = isinstance(parent, Linear) and param == "weight" and not conv1d
@@ -220,7 +219,7 @@ def _fuse(parts: dict[int, tuple[np.ndarray, np.ndarray]], n: int) -> tuple[np.n
     a = np.concatenate([parts[k][0] for k in order], axis=0)
     b = np.zeros((n * out, len(order) * r), dtype=parts[order[0]][1].dtype)
     for j, k in enumerate(order):
-        b[k * out:(k + 1) * out, j * r:(j + 1) * r] = parts[k][1]
+        b[k * out : (k + 1) * out, j * r : (j + 1) * r] = parts[k][1]
     return a, b
 
 
@@ -239,7 +238,7 @@ def _unfuse(
     Blocks without a zoo branch must have zero rows of B. Anything else raises.
     """
     rank, out = a.shape[0], b.shape[0] // n
-    rows = {k: b[k * out:(k + 1) * out] for k in range(n)}
+    rows = {k: b[k * out : (k + 1) * out] for k in range(n)}
     absent = [k for k in range(n) if k not in blocks and np.any(rows[k])]
     if absent:
         raise ValueError(
@@ -264,7 +263,8 @@ def _unfuse(
                     options = [g for g in [j, *range(groups)] if g < groups and g not in taken]
                     assigned[k] = options[0] if options else 0
             return {
-                k: (a[g * r:(g + 1) * r], rows[k][:, g * r:(g + 1) * r]) for k, g in ((k, assigned[k]) for k in blocks)
+                k: (a[g * r : (g + 1) * r], rows[k][:, g * r : (g + 1) * r])
+                for k, g in ((k, assigned[k]) for k in blocks)
             }
     raise ValueError(
         f"{where}: a fused branch of rank {rank} is neither block-structured rank-{r} branches (each block's outputs "
@@ -406,7 +406,8 @@ def save_adapter(
         task_type=None if names is None else names.task_type,
         base_model_name_or_path=base_model_name_or_path or _source_folder(base),
         # peft's one flag for Conv1D targets ([in, out] weights); it corrects it per module.
-        fan_in_fan_out=names is not None and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in found.items()),
+        fan_in_fan_out=names is not None
+        and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in found.items()),
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
     )
@@ -420,7 +421,9 @@ def save_adapter(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / WEIGHTS_NAME, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write(
+        directory / WEIGHTS_NAME, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
+    )
     for file, contents in ((CONFIG_NAME, values), (ZOO_NAME, meta)):
         text = json.dumps(_json_safe(contents), indent=2, sort_keys=True) + "\n"
         atomic_write(directory / file, lambda tmp, text=text: Path(tmp).write_text(text))
@@ -497,7 +500,9 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _example_names(model: Any) -> list[str]:
-    return [hf_module_name(model, n, (0,) * len(lead(model, n))) for n in list(modules(model, (Linear, LoraLinear)))[:8]]
+    return [
+        hf_module_name(model, n, (0,) * len(lead(model, n))) for n in list(modules(model, (Linear, LoraLinear)))[:8]
+    ]
 
 
 def _lora_config(base: Any, values: dict[str, Any], meta: dict[str, Any] | None) -> LoraConfig:
@@ -551,8 +556,11 @@ def _config_diff(model: Any, meta: Any) -> str:
         return ""
     mine = _describe(model)
     saved_cfg, my_cfg = meta.get("model_config") or {}, mine.get("model_config") or {}
-    diffs = [f"{k}: saved {saved_cfg.get(k)!r}, this model {my_cfg.get(k)!r}"
-             for k in sorted(set(saved_cfg) | set(my_cfg)) if saved_cfg.get(k) != my_cfg.get(k)]
+    diffs = [
+        f"{k}: saved {saved_cfg.get(k)!r}, this model {my_cfg.get(k)!r}"
+        for k in sorted(set(saved_cfg) | set(my_cfg))
+        if saved_cfg.get(k) != my_cfg.get(k)
+    ]
     if meta.get("num_labels") != mine.get("num_labels"):
         diffs.append(f"num_labels: saved {meta.get('num_labels')!r}, this model {mine.get('num_labels')!r}")
     return ("\n  the model configs differ: " + "; ".join(diffs)) if diffs else ""
@@ -689,7 +697,11 @@ def load_adapter(
                 continue
             blocks = sorted(e.part[0] for e in fused_entries if k in e.keys)
             split[(module, i)] = _unfuse(
-                tensors[k], tensors[f"{PREFIX}{module}.lora_B.weight"], blocks, entry.part[1], config.r,
+                tensors[k],
+                tensors[f"{PREFIX}{module}.lora_B.weight"],
+                blocks,
+                entry.part[1],
+                config.r,
                 f"{directory}: {module}",
             )
 
@@ -701,7 +713,7 @@ def load_adapter(
         else:
             which = 0 if entry.path[-1] == GetAttrKey("lora_A") else 1
             parts = [split[(_module_of(k), i)][entry.part[0]][which] for i, k in enumerate(entry.keys)]
-        parts = [entry.from_file(p, tuple(old.shape[entry.stacked:])) for p in parts]
+        parts = [entry.from_file(p, tuple(old.shape[entry.stacked :])) for p in parts]
         value = np.stack(parts).reshape(old.shape) if entry.stacked else parts[0]
         value = np.asarray(value).astype(old.dtype)
         # Like the leaf it replaces (`add_lora` places new branches like their base weight).

@@ -53,11 +53,23 @@ class _Common:
             self.num_heads % self.kv_heads == 0,
             f"{name}: num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})",
         )
-        _check(self.activation in ACTIVATIONS, f"{name}.activation must be one of {list(ACTIVATIONS)}, got {self.activation!r}")
-        _check(0.0 <= self.dropout < 1.0 and 0.0 <= self.attention_dropout < 1.0, f"{name}: dropout rates must be in [0, 1)")
-        _check(self.dtype in ("float32", "bfloat16", "float16"), f"{name}.dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        _check(
+            self.activation in ACTIVATIONS,
+            f"{name}.activation must be one of {list(ACTIVATIONS)}, got {self.activation!r}",
+        )
+        _check(
+            0.0 <= self.dropout < 1.0 and 0.0 <= self.attention_dropout < 1.0,
+            f"{name}: dropout rates must be in [0, 1)",
+        )
+        _check(
+            self.dtype in ("float32", "bfloat16", "float16"),
+            f"{name}.dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
+        )
         _check(self.vocab_multiple >= 1, f"{name}.vocab_multiple must be >= 1, got {self.vocab_multiple}")
-        _check(self.remat is None or self.remat in REMAT_POLICIES, f"{name}.remat must be None or one of {list(REMAT_POLICIES)}, got {self.remat!r}")
+        _check(
+            self.remat is None or self.remat in REMAT_POLICIES,
+            f"{name}.remat must be None or one of {list(REMAT_POLICIES)}, got {self.remat!r}",
+        )
 
     @property
     def hidden_dim(self) -> int:
@@ -134,10 +146,22 @@ class TransformerConfig(_Common):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(self.sliding_window is None or self.sliding_window >= 1, f"TransformerConfig.sliding_window must be None or >= 1, got {self.sliding_window}")
-        _check(self.rope_scaling in (None, "llama3"), f"TransformerConfig.rope_scaling must be None or 'llama3', got {self.rope_scaling!r}")
-        _check(self.norm in ("layernorm", "rmsnorm"), f"TransformerConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
-        _check(self.positions in ("learned", "rope", "none"), f"TransformerConfig.positions must be 'learned', 'rope' or 'none', got {self.positions!r}")
+        _check(
+            self.sliding_window is None or self.sliding_window >= 1,
+            f"TransformerConfig.sliding_window must be None or >= 1, got {self.sliding_window}",
+        )
+        _check(
+            self.rope_scaling in (None, "llama3"),
+            f"TransformerConfig.rope_scaling must be None or 'llama3', got {self.rope_scaling!r}",
+        )
+        _check(
+            self.norm in ("layernorm", "rmsnorm"),
+            f"TransformerConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}",
+        )
+        _check(
+            self.positions in ("learned", "rope", "none"),
+            f"TransformerConfig.positions must be 'learned', 'rope' or 'none', got {self.positions!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

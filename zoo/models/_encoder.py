@@ -109,9 +109,7 @@ class Encoder(eqx.Module):
         return self.layers(h, mask=mask, key=key)
 
 
-def mean_pool(
-    hidden: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq"]
-) -> Float[Array, "batch embed"]:
+def mean_pool(hidden: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq"]) -> Float[Array, "batch embed"]:
     """Average of the hidden states at real tokens (sentence-transformers' mean pooling), float32."""
     weights = mask.astype(jnp.float32)
     summed = jnp.einsum("bsd,bs->bd", hidden.astype(jnp.float32), weights)
@@ -145,7 +143,9 @@ class EncoderClassifier(eqx.Module):
         self.encoder = encoder
         # The pooler's key is folded off, so the head of a mean-pooling classifier is what it always was.
         self.pooler = (
-            Linear(d, d, in_axis="embed", out_axis=None, init_std=std, key=jr.fold_in(key, 1)) if pooling == "cls" else None
+            Linear(d, d, in_axis="embed", out_axis=None, init_std=std, key=jr.fold_in(key, 1))
+            if pooling == "cls"
+            else None
         )
         self.head = Linear(d, num_labels, in_axis="embed", out_axis=None, init_std=std, key=key)
         self.num_labels = num_labels

@@ -9,9 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def cross_entropy(
-    logits: Float[Array, "*batch vocab"], targets: Int[Array, "*batch"]
-) -> Float[Array, "*batch"]:
+def cross_entropy(logits: Float[Array, "*batch vocab"], targets: Int[Array, "*batch"]) -> Float[Array, "*batch"]:
     """Negative log-likelihood of `targets` under `logits`, float32.
 
     Written with a one-hot contraction rather than a gather, so it works unchanged when

@@ -127,7 +127,15 @@ class Transformer(eqx.Module):
         self.lm_head = (
             None
             if config.tie_embeddings
-            else Linear(d, config.padded_vocab, use_bias=False, in_axis="embed", out_axis="vocab", init_std=config.init_std, key=kh)
+            else Linear(
+                d,
+                config.padded_vocab,
+                use_bias=False,
+                in_axis="embed",
+                out_axis="vocab",
+                init_std=config.init_std,
+                key=kh,
+            )
         )
         self.config = config
 
@@ -173,7 +181,9 @@ class Transformer(eqx.Module):
         elif self.position_embedding is not None:
             h = h + broadcast_like(self.position_embedding.weight[:seq].astype(dtype), h)
         h = dropout(h, self.config.dropout, None if key is None else fold_in(key, EMBEDDING_STREAM))
-        packing = {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        packing = (
+            {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        )
         h = self.layers(h, mask=mask, key=key, **packing)
         h = self.final_norm(h)
         logits = self.token_embedding.attend(h) if self.lm_head is None else self.lm_head(h)

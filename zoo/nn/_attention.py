@@ -80,9 +80,7 @@ class Attention(eqx.Module):
             )
         if head_dim is None:
             if dim % num_heads:
-                raise ValueError(
-                    f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim explicitly"
-                )
+                raise ValueError(f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim explicitly")
             head_dim = dim // num_heads
         kq, kk, kv, ko = jr.split(key, 4)
         common = dict(use_bias=use_bias, init_std=init_std)

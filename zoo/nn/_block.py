@@ -56,7 +56,9 @@ class TransformerBlock(eqx.Module):
     ) -> Float[Array, "batch seq embed"]:
         """Apply the layer. `mask`: `True` at real tokens; `segment_ids`, `positions`: packed
         documents (see `Attention`); `key`: per-example keys or `None`."""
-        packing = {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        packing = (
+            {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        )
         keys = [None] * 4 if key is None else [fold_in(key, i) for i in range(4)]
 
         def drop(h, k):

@@ -24,9 +24,7 @@ class Linear(eqx.Module):
     mlp→embed in another.
     """
 
-    weight: Float[Array, "in_features out_features"] = field(
-        axes=lambda self: (self.in_axis, self.out_axis)
-    )
+    weight: Float[Array, "in_features out_features"] = field(axes=lambda self: (self.in_axis, self.out_axis))
     bias: Float[Array, " out_features"] | None = field(axes=lambda self: (self.out_axis,))
     in_features: int = eqx.field(static=True)
     out_features: int = eqx.field(static=True)

@@ -100,9 +100,7 @@ class MLP(eqx.Module):
         else:
             keys = jr.split(hidden_key, max(n_hidden, 1))[:n_hidden]
             self.hidden = tuple(block(width, "mlp_in", k) for k in keys)
-        self.output_layer = Linear(
-            width, out_size, use_bias=use_bias, in_axis="mlp", out_axis="embed", key=out_key
-        )
+        self.output_layer = Linear(width, out_size, use_bias=use_bias, in_axis="mlp", out_axis="embed", key=out_key)
         self.in_size = in_size
         self.out_size = out_size
         self.width = width
@@ -124,6 +122,3 @@ class MLP(eqx.Module):
             for layer in self.hidden:
                 h = layer(h)
         return self.output_layer(h)
-
-
-

@@ -77,7 +77,9 @@ def encoder_config_from_hf(values: dict[str, Any], **overrides: Any) -> EncoderC
     """
     model_type = values.get("model_type", "bert")
     if model_type != "bert":
-        raise ValueError(f"encoder_config_from_hf reads BERT configs (model_type 'bert'), got model_type {model_type!r}")
+        raise ValueError(
+            f"encoder_config_from_hf reads BERT configs (model_type 'bert'), got model_type {model_type!r}"
+        )
     unsupported = []
     position = values.get("position_embedding_type", "absolute")
     if position != "absolute":
@@ -120,7 +122,9 @@ def encoder_config_to_hf(config: EncoderConfig) -> dict[str, Any]:
     if config.kv_heads != config.num_heads:
         problems.append(f"num_kv_heads={config.num_kv_heads} (BERT has as many key/value heads as query heads)")
     if config.head_dim is not None and config.head_dim * config.num_heads != config.d_model:
-        problems.append(f"head_dim={config.head_dim} (BERT's is d_model // num_heads = {config.d_model // config.num_heads})")
+        problems.append(
+            f"head_dim={config.head_dim} (BERT's is d_model // num_heads = {config.d_model // config.num_heads})"
+        )
     if not config.use_bias:
         problems.append("use_bias=False (BERT's projections have biases)")
     if config.activation not in _ACT_TO_HF:
@@ -159,7 +163,14 @@ class Bert(Family):
     prefix = "bert."
     canonical_prefixed = False
     module_names = BERT_NAMES
-    lora_names = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "o_proj": "dense", "up": "dense", "down": "dense"}
+    lora_names = {
+        "q_proj": "query",
+        "k_proj": "key",
+        "v_proj": "value",
+        "o_proj": "dense",
+        "up": "dense",
+        "down": "dense",
+    }
     vocab_axes = {"embeddings.word_embeddings.weight": 0}
     # peft adapters (zoo/hf/_peft.py): BertModel modules zoo's Encoder lacks, and why their
     # branches may be skipped; BertForSequenceClassification's own modules around the

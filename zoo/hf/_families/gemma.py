@@ -55,7 +55,9 @@ class Gemma(Llama):
         if config.activation != "geglu":
             problems.append(f"activation={config.activation!r} (Gemma's feed-forward is GeGLU: 'geglu')")
         if config.embed_scale != math.sqrt(config.d_model):
-            problems.append(f"embed_scale={config.embed_scale} (Gemma's is sqrt(d_model) = {math.sqrt(config.d_model)})")
+            problems.append(
+                f"embed_scale={config.embed_scale} (Gemma's is sqrt(d_model) = {math.sqrt(config.d_model)})"
+            )
         if _bias(config, "mlp_bias"):
             problems.append("mlp_bias=True (Gemma's feed-forward has no biases)")
         return problems

@@ -53,7 +53,11 @@ GPT2_NAMES: dict[str, str] = {
     "layers.layers.attention.k_proj": "transformer.h.{0}.attn.c_attn",
     "layers.layers.attention.v_proj": "transformer.h.{0}.attn.c_attn",
 }
-_FUSED = {"layers.layers.attention.q_proj": (0, 3), "layers.layers.attention.k_proj": (1, 3), "layers.layers.attention.v_proj": (2, 3)}
+_FUSED = {
+    "layers.layers.attention.q_proj": (0, 3),
+    "layers.layers.attention.k_proj": (1, 3),
+    "layers.layers.attention.v_proj": (2, 3),
+}
 _BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
 
 
@@ -75,7 +79,9 @@ def transformer_config_from_hf(values: dict[str, Any], **overrides: Any) -> Tran
     """
     model_type = values.get("model_type", "gpt2")
     if model_type != "gpt2":
-        raise ValueError(f"transformer_config_from_hf reads GPT-2 configs (model_type 'gpt2'), got model_type {model_type!r}")
+        raise ValueError(
+            f"transformer_config_from_hf reads GPT-2 configs (model_type 'gpt2'), got model_type {model_type!r}"
+        )
     unsupported = []
     if not values.get("scale_attn_weights", True):
         unsupported.append("scale_attn_weights=False (zoo always scales attention scores by 1/sqrt(head_dim))")
@@ -136,7 +142,9 @@ def transformer_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
     if config.kv_heads != config.num_heads:
         problems.append(f"num_kv_heads={config.num_kv_heads} (GPT-2 has no grouped-query attention)")
     if config.head_dim is not None and config.head_dim * config.num_heads != config.d_model:
-        problems.append(f"head_dim={config.head_dim} (GPT-2's is d_model // num_heads = {config.d_model // config.num_heads})")
+        problems.append(
+            f"head_dim={config.head_dim} (GPT-2's is d_model // num_heads = {config.d_model // config.num_heads})"
+        )
     if config.activation not in _ACT_TO_HF:
         problems.append(f"activation={config.activation!r} (GPT-2 supports {sorted(_ACT_TO_HF)})")
     if not config.use_bias:
@@ -190,7 +198,14 @@ class GPT2(Family):
     head_names = ("lm_head.weight",)
     module_names = GPT2_NAMES
     fused = _FUSED
-    lora_names = {"q_proj": "c_attn", "k_proj": "c_attn", "v_proj": "c_attn", "o_proj": "c_proj", "up": "c_fc", "down": "c_proj"}
+    lora_names = {
+        "q_proj": "c_attn",
+        "k_proj": "c_attn",
+        "v_proj": "c_attn",
+        "o_proj": "c_proj",
+        "up": "c_fc",
+        "down": "c_proj",
+    }
     vocab_axes = {"token_embedding.weight": 0, "lm_head.weight": 1}
 
     def config_from_hf(self, values, **overrides):

@@ -181,7 +181,9 @@ class Llama(Family):
         problems = self.unsupported(values)
         rope = rope_fields(values, self.name, problems)
         if problems:
-            raise ValueError(f"this {self.name} config uses options zoo's Transformer does not support: " + "; ".join(problems))
+            raise ValueError(
+                f"this {self.name} config uses options zoo's Transformer does not support: " + "; ".join(problems)
+            )
         return TransformerConfig(**(self.fields(values) | rope | overrides))
 
     # -- zoo → config.json --
@@ -211,7 +213,9 @@ class Llama(Family):
         `ValueError` naming each."""
         problems = self.export_problems(config)
         if problems:
-            raise ValueError(f"this TransformerConfig cannot be written as a {self.name} config: " + "; ".join(problems))
+            raise ValueError(
+                f"this TransformerConfig cannot be written as a {self.name} config: " + "; ".join(problems)
+            )
         return {
             "architectures": [self.architecture],
             "model_type": self.name,

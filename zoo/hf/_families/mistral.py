@@ -23,7 +23,12 @@ class Mistral(Llama):
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
         fields = super().fields(values)
-        return fields | {"qkv_bias": None, "o_bias": None, "mlp_bias": None, "sliding_window": values.get("sliding_window")}
+        return fields | {
+            "qkv_bias": None,
+            "o_bias": None,
+            "mlp_bias": None,
+            "sliding_window": values.get("sliding_window"),
+        }
 
     def export_problems(self, config: Any) -> list[str]:
         problems = [p for p in super().export_problems(config) if not p.startswith("sliding_window")]
