@@ -7,7 +7,9 @@ pytest's `--jaxtyping-packages`) must see zoo's first import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -144,3 +146,16 @@ def classification_batch(key, size: int, seq: int = 8, vocab: int = 32):
     tokens = jnp.where(jnp.arange(seq)[None, :] < lengths[:, None], tokens, 0)
     labels = jax.random.randint(k2, (size,), 0, 3)
     return {"tokens": tokens, "labels": labels, "dropout_key": zoo.nn.example_keys(k3, size)}
+
+
+def zoo_main(*args) -> tuple[int, str, str]:
+    """`zoo ARGS` in-process: (exit code, stdout, stderr); argparse's exits become codes."""
+    from zoo._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()

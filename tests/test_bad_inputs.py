@@ -6,9 +6,7 @@ checkpoint kept. Most cases call the CLI's `main` in-process (cheap: this proces
 has jax and its caches); a subprocess only where a fresh process matters (two live runs).
 """
 
-import contextlib
 import fcntl
-import io
 import json
 import os
 import subprocess
@@ -17,23 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import zoo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
 TINY = ["--devices", "2", "--steps", "3", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--quiet"]
-
-
-def zoo_main(*args) -> tuple[int, str, str]:
-    """`zoo ARGS` in-process: (exit code, stdout, stderr); argparse's exits become codes."""
-    from zoo._cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main([str(a) for a in args])
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def one_line_error(rc: int, err: str, message: str, code: int = 2) -> None:

@@ -9,8 +9,6 @@ fresh processes, which also carry everything the in-process redirect hides (warn
 absl's and XLA's output on file descriptor 2).
 """
 
-import contextlib
-import io
 import json
 import math
 import os
@@ -21,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import zoo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,19 +28,6 @@ def run_zoo(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
-
-
-def zoo_main(*args) -> tuple[int, str, str]:
-    """`zoo ARGS` in-process: (exit code, stdout, stderr); argparse's exits become codes."""
-    from zoo._cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main([str(a) for a in args])
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def ok(*args) -> str:

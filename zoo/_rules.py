@@ -154,25 +154,35 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
     return eqx.combine(placed, static)
 
 
+def axis_size(rules: Rules, name: str, mesh: Any) -> tuple[int, tuple[str, ...]]:
+    """How many devices the mesh axes `rules[name]` maps to span, and those axes."""
+    axes = _as_tuple(rules.get(name))
+    return math.prod(mesh.shape[a] for a in axes if a in mesh.shape), axes
+
+
+def check_head_counts(num_heads: int, kv_heads: int, rules: Rules, mesh: Any, where: str = "") -> None:
+    """Refuse (naming the fix) query or key/value head counts that the mesh axes of
+    `rules["heads"]` / `rules["kv_heads"]` cannot split: the flattened projections would
+    split, but the per-head reshape of the first forward would not."""
+    for name, count in (("heads", num_heads), ("kv_heads", kv_heads)):
+        size, axes = axis_size(rules, name, mesh)
+        if size > 1 and count % size:
+            what = "attention heads" if name == "heads" else "key/value heads"
+            raise ValueError(
+                f"{where}{': ' if where else ''}the model has {count} {what}, which the mesh axes {list(axes)} "
+                f"(size {size}) that rules[{name!r}] names cannot split evenly. Use a model axis whose size "
+                f"divides {count}, or rules without tensor parallelism for heads (e.g. zoo.rules('fsdp'), or "
+                f"rules[{name!r}] = None)."
+            )
+
+
 def check_head_split(model: Any, rules: Rules, mesh: Any) -> None:
-    """Refuse (naming the fix) attention whose query or key/value head count the mesh axes
-    of `rules["heads"]` / `rules["kv_heads"]` cannot split: the flattened projections
-    would split, but the per-head reshape of the first forward would not."""
+    """`check_head_counts` for the attention layers of `model` (they share their head counts)."""
 
     def is_attention(x: Any) -> bool:
         return hasattr(x, "num_kv_heads") and hasattr(x, "q_proj")
 
     for node in jax.tree.leaves(model, is_leaf=is_attention):
-        if not is_attention(node):
-            continue
-        for name, count in (("heads", node.num_heads), ("kv_heads", node.num_kv_heads)):
-            axes = _as_tuple(rules.get(name))
-            size = math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
-            if size > 1 and count % size:
-                what = "attention heads" if name == "heads" else "key/value heads"
-                raise ValueError(
-                    f"the model has {count} {what}, which the mesh axes {list(axes)} (size {size}) that "
-                    f"rules[{name!r}] names cannot split evenly. Use a model axis whose size divides {count}, "
-                    f"or rules without tensor parallelism for heads (e.g. zoo.rules('fsdp'), or rules[{name!r}] = None)."
-                )
-        return  # every layer of a model shares its head counts
+        if is_attention(node):
+            check_head_counts(node.num_heads, node.num_kv_heads, rules, mesh)
+            return

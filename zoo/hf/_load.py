@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._presets import rules as preset_rules
-from .._rules import Rules, _as_tuple, _concrete_mesh, partition_specs
+from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partition_specs
 from ..models import Encoder, Transformer
 from . import _families  # noqa: F401  (registers the families)
 from ._family import Family, get_family
@@ -32,25 +32,12 @@ def _placeholders(skeleton: Any) -> Any:
     )
 
 
-def _axis_size(rules: Rules, name: str, mesh: Any) -> tuple[int, tuple[str, ...]]:
-    axes = _as_tuple(rules.get(name))
-    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape], dtype=int)), axes
-
-
 def fit_to_mesh(config: Any, rules: Rules, mesh: Any, where: str) -> Any:
     """`config` with its vocabulary padded (`vocab_multiple`) to split over the mesh axes
     `rules["vocab"]` maps to; a `ValueError` naming the fix when those of `"heads"` /
     `"kv_heads"` cannot split the (key/value) head count."""
-    for name, count in (("heads", config.num_heads), ("kv_heads", config.kv_heads)):
-        size, axes = _axis_size(rules, name, mesh)
-        if size > 1 and count % size:
-            what = "attention heads" if name == "heads" else "key/value heads"
-            raise ValueError(
-                f"{where}: the model has {count} {what}, which the mesh axes {list(axes)} (size {size}) that "
-                f"rules[{name!r}] names cannot split evenly. Use a model axis whose size divides {count}, or "
-                f"rules without tensor parallelism for heads (e.g. zoo.rules('fsdp'), or rules[{name!r}] = None)."
-            )
-    size, _ = _axis_size(rules, "vocab", mesh)
+    check_head_counts(config.num_heads, config.kv_heads, rules, mesh, where)
+    size, _ = axis_size(rules, "vocab", mesh)
     if size > 1 and config.vocab_size % size:
         multiple = int(np.lcm(size, config.vocab_multiple))
         config = dataclasses.replace(config, vocab_multiple=multiple)
