@@ -177,3 +177,66 @@ def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     assert sum(t.nbytes for t in tensors.values()) == trained
     b = [v for k, v in tensors.items() if "lora_B" in k]
     assert len(b) >= 36 and all(np.abs(v).max() > 0 for v in b)  # 6 layers x 6 Linear layers
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_finetune_your_data_writes_an_adapter_peft_opens_with_zoos_logits(tmp_path):
+    """A tiny random Llama saved by transformers with a word-level tokenizer beside it, a
+    prompt/completion `.jsonl`: the example trains LoRA on it (the loss falls) and its
+    adapter, opened by peft on the transformers model, gives zoo's logits."""
+    import json
+
+    import numpy as np
+    import peft
+    import tokenizers
+    import torch
+    import transformers
+
+    import zoo
+
+    words = "the a cat dog sat ran on under mat log red blue big small".split()
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(special + words)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(special)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    records = []
+    for _ in range(64):  # the completion names the prompt's animal's place: learnable
+        animal, place = rng.choice(["cat", "dog"]), rng.choice(["mat", "log"])
+        records.append({"prompt": f"the {animal} sat on the {place}", "completion": f"{place} {animal}"})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    out = _run_example(
+        "finetune_your_data.py", str(folder), str(data), "--out", str(tmp_path / "adapter"),
+        "--steps", "30", "--seq-len", "32", "--batch-size", "8", "--lr", "1e-2", timeout=500,
+    )  # fmt: skip
+    first = _number(r"step 1: train loss ([\d.]+)", out)
+    last = _number(r"step 30: train loss ([\d.]+)", out)
+    assert last < first - 0.3, (first, last)
+
+    tokens = np.array([[1, 4, 6, 8, 9, 4, 12]], np.int32)  # <s> the cat sat on the mat
+    model = zoo.hf.from_pretrained(folder)
+    model, _ = zoo.lora.load_adapter(model, tmp_path / "adapter")
+    ours = np.asarray(model(tokens))[..., : len(vocab)]
+    with torch.no_grad():  # before peft wraps `hf` in place
+        base = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-5 * max(1.0, np.abs(theirs).max()), np.abs(ours - theirs).max()
+    assert np.abs(theirs - base).max() > 1e-3  # the adapter changed the model
