@@ -31,7 +31,10 @@ import optax
 
 import zoo
 
-train, val = zoo.data.load(args.data, args.model, seq_len=args.seq_len, validation=0.1)
+try:
+    train, val = zoo.data.load(args.data, args.model, seq_len=args.seq_len, validation=0.1)
+except (ValueError, OSError) as e:  # DataFormatError, no tokenizer: one line naming the fix
+    raise SystemExit(f"error: {e}") from None
 print(zoo.data.describe(train))
 if len(train) < args.batch_size:
     raise SystemExit(f"{args.data} gives {len(train)} rows of {args.seq_len} tokens: lower --batch-size or --seq-len")

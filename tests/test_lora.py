@@ -87,7 +87,7 @@ def sharded_run(preset, n, m, steps=3):
             optax.sgd(0.5),
             microbatches=m,
             trainable=trainable(model, CONFIG),
-            **zoo.step_options(preset),
+            preset=preset,
         )
         opt_state = step.init(sharded)
         compiled = step.compile(sharded, opt_state, batch)

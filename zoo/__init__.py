@@ -45,7 +45,6 @@ from ._presets import RULE_PRESETS as RULE_PRESETS
 from ._presets import Preset as Preset
 from ._presets import preset as preset
 from ._presets import rules as rules
-from ._presets import step_options as step_options
 from ._rules import LOGICAL_AXES as LOGICAL_AXES
 from ._rules import partition_specs as partition_specs
 from ._rules import shard as shard
@@ -91,5 +90,4 @@ __all__ = [
     "rules",
     "shard",
     "stacked_field",
-    "step_options",
 ]

@@ -170,12 +170,3 @@ def rules(preset: str | Preset = "dp", **overrides: Any) -> dict[str, MeshAxes]:
 
 
 _lookup = preset
-
-
-def step_options(preset: str | Preset) -> dict[str, Any]:
-    """The `zoo.TrainStep` keyword arguments a preset implies beyond its layout.
-
-    Kept for older code: prefer `zoo.TrainStep(..., preset=name)` or
-    `zoo.preset(name).step_options`.
-    """
-    return _lookup(preset).step_options

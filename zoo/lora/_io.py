@@ -58,7 +58,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._files import atomic_write, fsync_dir, to_host
 from .._mismatch import mismatch_lines, shorten
-from .._tree import dotted_name, node_at
+from .._tree import dotted_name, key_path, node_at
 from ..nn import Linear
 from ._apply import (
     _all_module_names,
@@ -77,7 +77,6 @@ from ._names import (
     hf_module_name,
     lead,
     lead_at,
-    module_path,
     select,
 )
 
@@ -151,7 +150,7 @@ def _saved_modules(model: Any, config: LoraConfig) -> list[str]:
 def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
     entries = []
     for name in _saved_modules(model, config):
-        path = module_path(model, name)
+        path = key_path(model, name)
         module = node_at(model, path)
         if modules(module, LoraLinear):
             raise ValueError(

@@ -11,8 +11,6 @@ import numpy as np
 from .._tree import child, child_named, key_path
 from ..nn import Stacked
 
-module_path = key_path  # the key path of the module with dotted zoo name `name`
-
 
 def lead_at(model: Any, path: tuple) -> tuple[int, ...]:
     """The layer counts of the `Stacked` modules the key path `path` passes through."""
@@ -27,7 +25,7 @@ def lead_at(model: Any, path: tuple) -> tuple[int, ...]:
 
 def lead(model: Any, name: str) -> tuple[int, ...]:
     """The layer counts of the `Stacked` levels above module `name`."""
-    return lead_at(model, module_path(model, name))
+    return lead_at(model, key_path(model, name))
 
 
 def generic_name(model: Any, name: str, index: tuple[int, ...]) -> str:
