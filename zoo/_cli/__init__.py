@@ -1,7 +1,7 @@
 """`zoo` / `python -m zoo`: train, finetune, demo, inspect, info.
 
 A private package of one module per concept: `_common` (errors, devices, the mesh flag),
-`_tasks` (models, data, metrics), `_lora_flag` (`--lora`), `_inspect`, `_info`,
+`_tasks` (the fixed tiny models of the collectives fixture; models are built by `zoo.train`), `_lora_flag` (`--lora`), `_inspect`, `_info`,
 `_train` (flags and defaults of train/finetune/demo), `_run` (their one training loop),
 `_output` (progress bar, metrics.jsonl, loss.png), `_config_file` (`--config`), `_main`
 (parser and entry point). The library never imports it; it uses the public API only.
@@ -10,6 +10,5 @@ A private package of one module per concept: `_common` (errors, devices, the mes
 from ._common import CLIError, parse_mesh
 from ._lora_flag import parse_lora
 from ._main import build_parser, main
-from ._tasks import TINY_TRANSFORMER as _TRANSFORMER  # noqa: F401 (the tests build the same model)
 
 __all__ = ["CLIError", "build_parser", "main", "parse_lora", "parse_mesh"]

@@ -1,4 +1,5 @@
-"""`zoo info MODEL`: every array leaf of a model with its logical axes, sharding and bytes per
+"""`zoo info MODEL`: every array leaf of the model `zoo train` (with `--lora`, `zoo
+finetune`) would build from the same flags, with its logical axes, sharding and bytes per
 device, without compiling a step."""
 
 from __future__ import annotations
@@ -8,9 +9,8 @@ import math
 from typing import Any
 
 from ._common import CLIError, init_devices, parse_mesh
-from ._inspect import add_mesh_flags, rules_and_lora
-from ._lora_flag import LORA_EXAMPLE, add_lora, lora_json
-from ._tasks import build_inspect_task, vocab_multiple
+from ._inspect import add_mesh_flags, add_model_flags, build_model, model_help
+from ._lora_flag import LORA_EXAMPLE, lora_json
 
 
 def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: dict[str, int]) -> list[dict[str, Any]]:
@@ -64,11 +64,10 @@ def cmd_info(args) -> int:
 
     import zoo
 
-    lora = rules_and_lora(args, mesh_shape, devices)
-    model = build_inspect_task(args.model, args.seed, vocab_multiple=vocab_multiple(args.rules, mesh_shape)).model
-    if lora is not None:
-        model = add_lora(model, lora, args.seed)
-    # An abstract mesh: the specs are checked against its axes and sizes, nothing is placed.
+    built = build_model(args, mesh_shape, devices)
+    model, lora = built.task.model, built.lora
+    # The specs are checked against an abstract mesh of the same axes and sizes (only a
+    # pretrained model's weights were read onto devices, as zoo train reads them).
     mesh = jax.sharding.AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
     try:
         axes = zoo.logical_axes(model)
@@ -92,6 +91,11 @@ def cmd_info(args) -> int:
     if args.json:
         result = {
             "model": args.model,
+            "command": built.command,
+            "seq_len": built.settings.seq_len,
+            "config": built.task.config,
+            "init": built.task.init,
+            "parameters": built.parameters,
             "devices": devices,
             "rules": args.rules,
             "mesh": mesh_shape,
@@ -119,7 +123,11 @@ def cmd_info(args) -> int:
         for r in rows
     ]
     widths = [max(len(row[i]) for row in (header, *table)) for i in range(len(header))]
-    print(f"{args.model}: mesh {mesh_shape}, rules {args.rules}" + ("" if lora is None else f", LoRA r={lora.r}"))
+    seq = "" if built.settings.seq_len is None else f", seq-len {built.settings.seq_len}"
+    print(
+        f"{args.model} (as zoo {built.command} builds it{seq}): mesh {mesh_shape}, rules {args.rules}"
+        + ("" if lora is None else f", LoRA r={lora.r}")
+    )
     for row in (header, *table):
         print(
             "  ".join(
@@ -135,27 +143,20 @@ def cmd_info(args) -> int:
 
 def add_parser(sub):
     """Register `zoo info` and its flags."""
-    from ._inspect import INSPECT_MODEL_HELP
-
     info = sub.add_parser(
         "info",
         help="list a model's array leaves with their logical axes, sharding and bytes per device",
-        description="Build a model (no training step is compiled) and list every array leaf: path, "
+        description="Build the model zoo train builds from the same flags (with --lora: zoo finetune's), "
+        "without compiling a step, and list every array leaf: path, "
         "shape, dtype, logical axes (zoo.logical_axes), PartitionSpec under the rules "
         "(zoo.partition_specs), whether it is trained, and its bytes per device (its bytes over the "
         "product of the mesh axis sizes its spec splits it over); then the totals.",
         epilog="examples: zoo info transformer; zoo info transformer --rules tp --mesh data=4,model=2; "
         f"zoo info encoder --lora {LORA_EXAMPLE} --json; zoo info minilm --lora r=8,targets=all-linear",
     )
-    info.add_argument("model", help=INSPECT_MODEL_HELP)
+    info.add_argument("model", help=model_help())
     add_mesh_flags(info, step=False)
-    info.add_argument("--seed", type=int, default=0, help="PRNG seed for the model")
-    info.add_argument(
-        "--lora",
-        metavar="KEY=VALUE,...",
-        help="add LoRA adapters (zoo.lora.add_lora): only they (and modules_to_save) are trainable; "
-        "without it every float leaf is. Same keys and defaults as inspect --lora, e.g. " + LORA_EXAMPLE,
-    )
+    add_model_flags(info)
     info.add_argument("--json", action="store_true", help="print one JSON object (leaves, totals) instead of a table")
     info.set_defaults(func=cmd_info)
     return info

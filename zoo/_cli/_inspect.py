@@ -1,9 +1,13 @@
-"""`zoo inspect MODEL`: compile one training step and list its collectives."""
+"""`zoo inspect MODEL`: compile one training step of the model `zoo train` (with `--lora`,
+`zoo finetune`) would build from the same flags, and list its collectives."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
+from typing import Any
 
 from ._common import (
     INSPECT_COMPILER_OPTIONS,
@@ -13,24 +17,112 @@ from ._common import (
     init_devices,
     make_mesh,
     parse_mesh,
+    parse_pairs,
+    parse_scalar,
     tree_bytes,
+    tree_size,
 )
-from ._lora_flag import LORA_EXAMPLE, LORA_HELP, add_lora, inspect_defaults, lora_json, parse_lora
-from ._tasks import build_inspect_task, inspect_model_kind, vocab_multiple
-
-INSPECT_MODEL_HELP = (
-    "model name: mlp (a 4-layer MLP regressor), transformer (a tiny decoder-only LM, next-token "
-    "loss), encoder (a tiny BERT-style classifier, padded tokens), minilm (the pretrained "
-    "all-MiniLM-L6-v2 encoder with a 4-way head), or a Hugging Face folder / cached model id of any "
-    "registered family (zoo.hf.families(): bert, gpt2, llama, mistral, qwen2, gemma)"
-)
+from ._lora_flag import LORA_EXAMPLE, LORA_HELP, add_lora, finetune_defaults, lora_json, parse_lora
 
 
-def rules_and_lora(args, mesh_shape: dict[str, int], devices: int):
-    """Check `--rules` against the mesh and parse `--lora` (None without it)."""
-    kind = inspect_model_kind(args.model)
+def model_help() -> str:
+    """The help of `inspect`/`info`'s model argument: the registered models, or a folder."""
+    from ..train import _registry
+
+    names = ", ".join(f"{n} ({_registry.model_spec(n).help})" for n in _registry.model_names())
+    return (
+        f"model name: {names}; or a Hugging Face folder / cached model id of any registered family "
+        "(zoo.hf.families()), built as the model whose --init takes it"
+    )
+
+
+@dataclasses.dataclass
+class Built:
+    """The model `zoo train` (or, with `--lora`, `zoo finetune`) would build from the
+    same flags: its task (`zoo.train.build_task`, no data: random batches of the real
+    shapes), the LoRA config, and what it was built from."""
+
+    task: Any
+    lora: Any
+    command: str
+    spec: Any
+    settings: Any
+    defaults: dict[str, Any]
+    parameters: int  # the model's before LoRA: what zoo train's summary.json reports
+
+
+def _is_path(name: str) -> bool:
+    from ..train import _registry
+
+    return name not in _registry.model_names() and ("/" in name or Path(name).expanduser().exists())
+
+
+def resolve_model(args) -> tuple[Any, str | None, str, dict[str, Any]]:
+    """`(spec, init, command, defaults)` of `args.model`: a registered name, or a
+    checkpoint folder (the spec whose --init takes it, with `init` the folder). `command`
+    is `finetune` with `--lora` (when the model has finetune defaults), else `train`:
+    its defaults (`seq_len`, `batch_size`, `microbatches`) fill the flags not given."""
+    from ..train import _registry
+    from ..train._task import resolve_init
+
+    init = args.init
+    if _is_path(args.model):
+        if init:
+            raise CLIError(f"give the checkpoint once: zoo {args.command} MODEL --init {init}, or zoo {args.command} "
+                           f"{args.model} alone")  # fmt: skip
+        spec, init = _registry.spec_for_init(resolve_init(args.model)), args.model
+    else:
+        spec = _registry.model_spec(args.model)
+    command = "finetune" if args.lora is not None and "finetune" in spec.defaults else "train"
+    return spec, init, command, spec.defaults_for(command)
+
+
+def settings_of(args, spec, init, defaults):
+    """The `zoo.train.TaskSettings` of the flags (no data), checked as `zoo train` checks
+    them."""
+    from ..train import TaskSettings
+    from ..train._builtin import PRETRAINED_KEYS
+    from ._train import check_model_config
+
+    seq_len = args.seq_len if args.seq_len is not None else defaults["seq_len"]
+    if seq_len is not None and seq_len < 2:
+        raise CLIError(f"--seq-len must be >= 2, got {seq_len}")
+    if args.seq_len is not None and defaults["seq_len"] is None:
+        raise CLIError(f"--seq-len: the {spec.name} has no sequences; drop --seq-len")
+    pairs = parse_pairs(args.model_config, "--model-config", "d_model=64,num_layers=2") if args.model_config else {}
+    values = {k: parse_scalar(v) for k, v in pairs.items()}
+    check_model_config(spec.name, values)
+    if spec.pretrained is not None and init is None and values.keys() - set(PRETRAINED_KEYS):
+        raise CLIError(
+            f"--model-config: the pretrained {spec.name}'s shape is fixed; only dropout, attention_dropout and "
+            "remat can change"
+        )
+    return TaskSettings(name=spec.name, data=None, seq_len=seq_len, seed=args.seed, dtype=args.dtype or "float32",
+                        model_config=values, init=init, eval_size=0)  # fmt: skip
+
+
+def build_model(args, mesh_shape: dict[str, int], devices: int) -> Built:
+    """Check `--rules` against the mesh, then build the model `zoo train` / `zoo
+    finetune` would from these flags (through `zoo.train.build_task`, on a mesh of
+    `mesh_shape`: pretrained weights are read onto it), with its LoRA adapters."""
+    import jax
+
+    import zoo
+
+    spec, init, command, defaults = resolve_model(args)
     check_rules_fit_mesh(args.rules, mesh_shape, devices)
-    return None if args.lora is None else parse_lora(args.lora, inspect_defaults(kind))
+    lora = None if args.lora is None else parse_lora(args.lora, finetune_defaults(spec.classifier))
+    if lora is not None and lora.lora_dropout and spec.kind == "regression":
+        raise CLIError(
+            f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="
+        )
+    settings = settings_of(args, spec, init, defaults)
+    with jax.set_mesh(make_mesh(mesh_shape)):
+        task = zoo.train.build_task(settings, rules=zoo.rules(args.rules), mesh=make_mesh(mesh_shape))
+    parameters = tree_size(task.model)
+    if lora is not None:
+        task.model = add_lora(task.model, lora, args.seed)
+    return Built(task, lora, command, spec, settings, defaults, parameters)
 
 
 def cmd_inspect(args) -> int:
@@ -43,37 +135,37 @@ def cmd_inspect(args) -> int:
 
     import zoo
 
-    lora = rules_and_lora(args, mesh_shape, devices)
-    if lora is not None and lora.lora_dropout and args.model == "mlp":
-        raise CLIError("--lora dropout needs per-example keys, which the mlp's loss does not take; drop dropout=")
+    spec, _, _, defaults = resolve_model(args)
+    microbatches = args.microbatches or defaults["microbatches"]
+    batch_size = args.batch_size or defaults["batch_size"]
     data = mesh_shape.get("data", 1)
-    batch_size = args.batch_size or data * args.microbatches * 2
+    for flag, value in (("--batch-size", batch_size), ("--microbatches", microbatches)):
+        if value < 1:
+            raise CLIError(f"{flag} must be >= 1, got {value}")
     try:  # before building anything: the step would say the same after compiling the model
-        zoo.internal.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, args.microbatches)
+        zoo.internal.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, microbatches)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    task = build_inspect_task(args.model, args.seed, vocab_multiple=vocab_multiple(args.rules, mesh_shape))
-    if lora is not None:
-        task.model = add_lora(task.model, lora, args.seed)
+    built = build_model(args, mesh_shape, devices)
+    task, lora = built.task, built.lora
     mesh = make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
         try:
             model = zoo.shard(task.model, zoo.rules(args.rules), mesh)
         except ValueError as e:
             raise CLIError(str(e)) from e
-        options = {}
-        if lora is not None:  # only the adapters (and modules_to_save) get gradients and all-reduces
-            options["trainable"] = zoo.lora.trainable(model, lora)
+        # The trainable leaves and batch of the run: the adapters (and modules_to_save)
+        # under LoRA, every float leaf else; dropout keys where the run passes them.
+        trainable = zoo.lora.trainable(model, lora) if lora is not None else eqx.is_inexact_array
         step = zoo.TrainStep(
-            task.loss_fn,
-            optax.adamw(1e-3),
-            microbatches=args.microbatches,
-            mode=args.mode,
-            preset=args.rules,
-            **options,
-        )
-        batch = task.make_batch(batch_size, jax.random.key(0))
-        if lora is not None and lora.lora_dropout:  # per-example keys turn the branches' dropout on
+            task.loss_fn, optax.adamw(1e-3), microbatches=microbatches, mode=args.mode, preset=args.rules,
+            trainable=trainable,
+        )  # fmt: skip
+        batch = task.train_batch(1, batch_size)
+        config = task.config or {}
+        if (lora is not None and lora.lora_dropout) or (
+            lora is None and (config.get("dropout") or config.get("attention_dropout"))
+        ):
             batch = dict(batch, dropout_key=zoo.nn.example_keys(jax.random.key(1), batch_size))
         try:
             lowered = step.lower(model, step.init(model), batch)
@@ -82,17 +174,22 @@ def cmd_inspect(args) -> int:
         # The step is only inspected, never run: skip LLVM's costly optimisations (about
         # half the compile time on CPU); the collectives come out the same.
         colls = zoo.collectives(lowered.compile(compiler_options=INSPECT_COMPILER_OPTIONS), mesh=mesh)
-        trainable = step.partition(model)[0]
+        trained = step.partition(model)[0]
     result = {
         "model": args.model,
+        "command": built.command,
         "devices": devices,
-        "microbatches": args.microbatches,
+        "microbatches": microbatches,
         "mode": args.mode,
         "rules": args.rules,
         "mesh": mesh_shape,
         "batch_size": batch_size,
+        "seq_len": built.settings.seq_len,
+        "config": task.config,
+        "init": task.init,
+        "parameters": built.parameters,
         "param_bytes": tree_bytes(model),
-        "trainable_bytes": tree_bytes(trainable),
+        "trainable_bytes": tree_bytes(trained),
         "lora": None if lora is None else lora_json(model, lora),
         "adapter_bytes": tree_bytes(eqx.filter(model, zoo.lora.trainable(model))),
         "collectives": [c.to_json() for c in colls],
@@ -101,9 +198,10 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
+    seq = "" if built.settings.seq_len is None else f", seq-len {built.settings.seq_len}"
     print(
-        f"{args.model}: {devices} devices, mesh {mesh_shape}, {args.microbatches} microbatches, "
-        f"mode {args.mode}, rules {args.rules}, batch {batch_size}"
+        f"{args.model} (as zoo {built.command} builds it): {devices} devices, mesh {mesh_shape}, "
+        f"{microbatches} microbatches, mode {args.mode}, rules {args.rules}, batch {batch_size}{seq}"
     )
     print(f"params {result['param_bytes']:,} bytes, trainable {result['trainable_bytes']:,} bytes")
     if lora is not None:
@@ -127,6 +225,41 @@ def cmd_inspect(args) -> int:
     outside = ",".join(summary["outside_mesh_axes"]) or "-"
     print(f"mesh axes of collectives: inside loops {inside}, outside {outside}")
     return 0
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """--init, --model-config, --dtype, --seq-len, --seed, --lora: the flags of `zoo train`
+    / `zoo finetune` that choose the model, with the same meaning and defaults."""
+    parser.add_argument(
+        "--init",
+        metavar="PATH",
+        help="pretrained weights, as zoo train/finetune --init: a Hugging Face folder, a cached model id or a "
+        "`zoo train` output folder (default: the model's own, e.g. built from scratch)",
+    )
+    parser.add_argument(
+        "--model-config",
+        metavar="KEY=VALUE,...",
+        help="model config fields to change, as zoo train --model-config, e.g. d_model=32,num_layers=2",
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="compute dtype, as zoo train --dtype (default float32)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="L",
+        help="tokens per example (default: the model's zoo train default, zoo finetune's with --lora); a "
+        "model built from scratch takes it as its max_len, as zoo train does",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="PRNG seed for the model (default 0)")
+    parser.add_argument(
+        "--lora",
+        metavar="KEY=VALUE,...",
+        help="the model zoo finetune trains: LoRA adapters (zoo.lora.add_lora), only they (and modules_to_save) "
+        "trainable; finetune's defaults (r=8, alpha=16, targets all-linear, save=head for classifiers) and "
+        f"its per-model defaults of --seq-len, --batch-size, --microbatches. {LORA_HELP}. E.g. --lora "
+        f"{LORA_EXAMPLE}",
+    )
 
 
 def add_mesh_flags(parser: argparse.ArgumentParser, *, step: bool) -> None:
@@ -154,27 +287,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ins = sub.add_parser(
         "inspect",
         help="list the collectives of a model's compiled training step",
-        description="Compile one training step of a model on simulated CPU devices and list its "
+        description="Compile one training step of the model zoo train builds from the same flags (with "
+        "--lora: zoo finetune's step) on random batches of its shapes, on simulated CPU devices, and list its "
         "collectives (all-reduces, all-gathers, ...), inside or outside loops, with the mesh axes "
         "they span.",
         epilog="examples: zoo inspect mlp; zoo inspect transformer --rules fsdp-once --json; "
         "zoo inspect encoder --mesh data=4,model=2 --rules tp; "
+        "zoo inspect transformer --model-config d_model=32,num_layers=2 --seq-len 16 --batch-size 16; "
         f"zoo inspect transformer --lora {LORA_EXAMPLE}",
     )
-    ins.add_argument("model", help=INSPECT_MODEL_HELP)
+    ins.add_argument("model", help=model_help())
     add_mesh_flags(ins, step=True)
-    ins.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
-    ins.add_argument("--mode", choices=("explicit", "shard_map"), default="explicit", help="step mode")
-    ins.add_argument("--batch-size", type=int, help="global batch (default data x microbatches x 2)")
-    ins.add_argument("--seed", type=int, default=0, help="PRNG seed for the model")
     ins.add_argument(
-        "--lora",
-        metavar="KEY=VALUE,...",
-        help="add LoRA adapters (zoo.lora.add_lora) and train only them: the gradient all-reduce "
-        "then carries the adapter bytes alone. Defaults: r=8, alpha=8, targets q_proj+v_proj (mlp: "
-        f"all-linear), save=head for classifiers. {LORA_HELP}. Dropout needs per-example keys: "
-        f"transformer, encoder and minilm only. E.g. --lora {LORA_EXAMPLE}",
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="microbatches per step (default: the model's zoo train/finetune default)",
     )
+    ins.add_argument("--mode", choices=("explicit", "shard_map"), default="explicit", help="step mode")
+    ins.add_argument(
+        "--batch-size", type=int, metavar="B", help="global batch (default: the model's zoo train/finetune default)"
+    )
+    add_model_flags(ins)
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ins.set_defaults(func=cmd_inspect)
     return ins

@@ -6,6 +6,7 @@ import argparse
 import errno
 import sys
 
+from ..train._errors import ConfigError
 from ._common import CLIError
 
 DESCRIPTION = (
@@ -83,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
 
             zoo.enable_compilation_cache()
         return args.func(args)
-    except CLIError as e:
+    except (CLIError, ConfigError) as e:  # a ConfigError is the library's CLIError
         if debug:
             raise
-        print(f"zoo: {e.prefix}: {e}", file=sys.stderr)
-        return e.exit_code
+        print(f"zoo: {getattr(e, 'prefix', 'error')}: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         if debug:
             raise

