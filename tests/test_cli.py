@@ -45,6 +45,10 @@ def one_line_error(rc: int, err: str, message: str) -> None:
 # --- inspect ---------------------------------------------------------------------------------
 
 
+# A small transformer (or encoder) as zoo train builds it: the registry's scratch config with these changes.
+SMALL_LM = ["--model-config", "d_model=32", "--seq-len", "16"]
+
+
 def inspect_json(*args) -> dict:
     return json.loads(ok("inspect", *args, "--json"))
 
@@ -69,7 +73,7 @@ def test_inspect_table_shard_map_and_custom_mesh():
 
 def test_inspect_transformer_tp_keeps_one_data_all_reduce():
     """tp's in-loop all-reduces are its own, over `model`; the gradient's is the one over `data`."""
-    out = inspect_json("transformer", "--mesh", "data=4,model=2", "--rules", "tp")
+    out = inspect_json("transformer", *SMALL_LM, "--mesh", "data=4,model=2", "--rules", "tp")
     assert out["model"] == "transformer" and out["mesh"] == {"data": 4, "model": 2} and out["rules"] == "tp"
     outside = [c for c in out["collectives"] if not c["in_loop"]]
     inside = [c for c in out["collectives"] if c["in_loop"]]
@@ -81,7 +85,7 @@ def test_inspect_transformer_tp_keeps_one_data_all_reduce():
 
 
 def test_inspect_encoder_dp_reduces_trainable_bytes_once():
-    out = inspect_json("encoder", "--rules", "dp")
+    out = inspect_json("encoder", *SMALL_LM, "--rules", "dp")
     assert out["mesh"] == {"data": 8} and out["param_bytes"] == out["trainable_bytes"] > 0
     (coll,) = out["collectives"]
     assert coll["kind"] == "all-reduce" and coll["in_loop"] is False and coll["mesh_axes"] == ["data"]
@@ -91,7 +95,7 @@ def test_inspect_encoder_dp_reduces_trainable_bytes_once():
 
 def test_inspect_transformer_fsdp_once_gathers_outside_loops():
     """`fsdp-once` brings `gather="once"`: every all-gather is hoisted out of the microbatch loop."""
-    out = inspect_json("transformer", "--rules", "fsdp-once")
+    out = inspect_json("transformer", *SMALL_LM, "--rules", "fsdp-once")
     summary = out["summary"]
     assert summary["collectives_in_loop"] == 0 and summary["in_loop_mesh_axes"] == []
     assert summary["all_gather_outside"] > 0 and summary["all_gather_in_loop"] == 0
@@ -99,17 +103,16 @@ def test_inspect_transformer_fsdp_once_gathers_outside_loops():
 
 
 def _tiny_lora_bytes(config_kwargs) -> dict:
-    """Bytes of each LoRA A/B leaf of the tiny inspect transformer, counted on an abstract model."""
+    """Bytes of each LoRA A/B leaf of the `SMALL_LM` transformer, counted on an abstract model
+    built from the registry's scratch config."""
     import equinox as eqx
     import jax
     import jax.random as jr
 
     import zoo
-    from zoo._cli import _TRANSFORMER
 
-    base = jax.eval_shape(
-        lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**_TRANSFORMER), key=k), jr.key(0)
-    )
+    values = dict(zoo.train.model_spec("transformer").scratch_config) | {"d_model": 32, "max_len": 16}
+    base = jax.eval_shape(lambda k: zoo.models.Transformer(zoo.models.TransformerConfig(**values), key=k), jr.key(0))
     lora_model = eqx.filter_eval_shape(zoo.lora.add_lora, base, zoo.lora.LoraConfig(**config_kwargs), key=jr.key(1))
     return {
         zoo._axes.path_str(path): x.size * x.dtype.itemsize
@@ -121,7 +124,8 @@ def _tiny_lora_bytes(config_kwargs) -> dict:
 def test_inspect_transformer_lora_reduces_only_the_adapters():
     """`--lora`: the step's one all-reduce carries the LoRA A/B gradients (+ loss scalars),
     whose bytes the test counts itself on an abstract model built the same way."""
-    out = inspect_json("transformer", "--lora", "r=4,alpha=8")
+    out = inspect_json("transformer", *SMALL_LM, "--lora", "r=4,alpha=8,targets=q_proj+v_proj")
+    assert out["command"] == "finetune" and out["seq_len"] == 16 and out["config"]["d_model"] == 32
     lora_bytes = sum(_tiny_lora_bytes(dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).values())
     assert lora_bytes == 2 * 2 * (32 * 4 + 4 * 32) * 4  # 2 layers x (q, v) x (A + B) in float32
     assert out["trainable_bytes"] == out["adapter_bytes"] == lora_bytes
@@ -164,7 +168,7 @@ def test_info_transformer_leaves_axes_and_tp_bytes_per_device():
 
 
 def test_info_transformer_lora_trains_only_the_adapters():
-    out = info_json("transformer", "--lora", "r=4")
+    out = info_json("transformer", *SMALL_LM, "--lora", "r=4,targets=q_proj+v_proj")
     expected = _tiny_lora_bytes(dict(r=4, target_modules=["q_proj", "v_proj"]))
     assert sum(expected.values()) == 2 * 2 * (32 * 4 + 4 * 32) * 4  # 2 layers x (q, v) x (A + B) in float32
     trainable = {leaf["path"]: leaf["bytes"] for leaf in out["leaves"] if leaf["trainable"]}
@@ -426,7 +430,7 @@ def test_entry_point_help_and_one_line_usage_error():
         (["finetune", "mlp"], "the mlp has no pretrained weights to adapt"),
         (["finetune", "transformer"], "needs --init PATH"),
         (["finetune", "minilm", "--lora", "r=4,beta=2"], "unknown key 'beta'"),
-        (["finetune", "minilm", "--model-config", "d_model=8"], "the pretrained MiniLM's shape is fixed"),
+        (["finetune", "minilm", "--model-config", "d_model=8"], "the pretrained minilm's shape is fixed"),
         (["finetune", "transformer", "--init", "/nonexistent/run"], "--init /nonexistent/run: no such folder"),
         (["train", "mlp", "--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),
     ],
