@@ -217,7 +217,6 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
         config = encoder.config
         model = models.EncoderClassifier(encoder, num_labels, key=key_head)
     _check_seq_len(s.seq_len, config.max_len)
-    tokenizer = tokenizer_of(folder)
     seq = s.seq_len
     common = dict(
         model=model,
@@ -232,16 +231,18 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
         init="the pretrained all-MiniLM-L6-v2" if spec_pretrained else (None if folder is None else str(folder)),
     )
     if s.data is None:  # the model only: random padded rows, random labels
+        has_tokenizer = folder is not None and (folder / "tokenizer.json").is_file()
 
         def random_batch(step: int, n: int) -> dict:
             rng = numpy_rng(s.seed, 1, step)
             tokens, mask = random_tokens(rng, n, seq, config.vocab_size, pad_id=config.pad_token_id)
             batch = {"tokens": tokens, "mask": mask, "labels": rng.integers(0, num_labels, (n,), dtype=np.int32)}
-            if tokenizer is not None:  # a tokenizer's rows carry token types too
+            if has_tokenizer:  # a tokenizer's rows carry token types too
                 batch["token_types"] = np.zeros_like(tokens)
             return batch
 
         return Task(train_batch=random_batch, eval_data={}, train_data=None, data="random padded rows", **common)
+    tokenizer = tokenizer_of(folder)
     check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
 
     def encode(texts: list[str]) -> dict[str, np.ndarray]:

@@ -1,0 +1,285 @@
+"""The model registry (`zoo.train.ModelSpec`, `register_model`, `model_spec`,
+`model_names`, `build_task`): the built-ins, a model a user registers, `--init` checked
+against the Hugging Face architecture registry, and `zoo info` / `zoo inspect` / `zoo
+train` building the same model from the same flags.
+
+Commands run in-process (`zoo_main`) on the 8 simulated CPU devices of conftest, on small
+models (`--model-config d_model=32 --seq-len 16`).
+"""
+
+import json
+import math
+
+import pytest
+from helpers import zoo_main
+
+# A small transformer as zoo train builds it from the registry's scratch config.
+SMALL_LM = ["--model-config", "d_model=32", "--seq-len", "16"]
+
+
+def ok(*args) -> str:
+    rc, out, err = zoo_main(*args)
+    assert rc == 0, f"zoo {' '.join(map(str, args))} exited {rc}\n{out}\n{err}"
+    return out
+
+
+def one_line_error(args, message: str) -> str:
+    rc, _, err = zoo_main(*args)
+    assert rc == 2, (rc, err)
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+# --- the registry -------------------------------------------------------------------------------
+
+
+def test_builtins_are_registered_with_their_defaults():
+    import zoo
+
+    assert zoo.train.model_names() == ["mlp", "transformer", "encoder", "minilm"]
+    assert zoo.train.model_names("finetune") == ["transformer", "encoder", "minilm"]
+    lm = zoo.train.model_spec("transformer")
+    assert lm.kind == "lm" and lm.init_class is zoo.models.Transformer and lm.finetune_needs_init
+    assert lm.defaults["train"]["seq_len"] == lm.defaults_for("train")["seq_len"] == 64
+    assert (
+        list(lm.datasets) == ["code", "prose"] and lm.data_for("train") == "code" and lm.data_for("finetune") == "prose"
+    )
+    assert zoo.train.model_spec("minilm").pretrained is not None and zoo.train.model_spec("encoder").classifier
+    assert zoo.train.model_spec("mlp").dtypes == ("float32",) and zoo.train.model_spec("mlp").init_class is None
+    with pytest.raises(TypeError):  # the tables are read-only: every command shares them
+        lm.defaults["train"]["steps"] = 1
+
+
+def test_unknown_model_is_a_config_error_listing_the_names():
+    import zoo
+
+    with pytest.raises(zoo.train.ConfigError, match=r"unknown model 'gpt9'; choose one of \['mlp', 'transformer'"):
+        zoo.train.model_spec("gpt9")
+    assert issubclass(zoo.train.ConfigError, ValueError)
+    with pytest.raises(zoo.train.ConfigError, match="zoo finetune does not take 'mlp'.*zoo train mlp"):
+        zoo.train.model_spec("mlp").defaults_for("finetune")
+    # The CLI prints it as it prints its own errors: one line, exit 2.
+    one_line_error(["info", "gpt9"], "unknown model 'gpt9'")
+    one_line_error(["train", "gpt9", "--steps", "1"], "unknown model 'gpt9'")
+
+
+def test_build_task_checks_the_settings_against_the_spec():
+    import zoo
+
+    def settings(**changes):
+        values = dict(name="mlp", data="teacher", seq_len=None, seed=0, dtype="float32", model_config={},
+                      init=None, eval_size=8)  # fmt: skip
+        return zoo.train.TaskSettings(**(values | changes))
+
+    task = zoo.train.build_task(settings(), rules=None, mesh=None)
+    assert task.kind == "regression" and task.config == {"in_size": 16, "out_size": 1, "width": 64, "depth": 4}
+    assert task.train_batch(1, 4)["x"].shape == (4, 16) and task.eval_data["y"].shape == (8, 1)
+    for changes, message in [
+        (dict(data="prose"), "--data 'prose': mlp trains on teacher"),
+        (dict(dtype="bfloat16"), "the mlp computes in float32 only"),
+        (dict(init="somewhere"), "the mlp has no pretrained weights"),
+        (dict(model_config={"height": 3}), "unknown mlp keys ['height']"),
+    ]:
+        with pytest.raises(zoo.train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            zoo.train.build_task(settings(**changes), rules=None, mesh=None)
+
+
+def test_cli_help_and_choices_come_from_the_registry():
+    import zoo
+    from zoo._cli._inspect import model_help as inspect_help
+    from zoo._cli._train import DEFAULTS, data_choices, data_help, model_help
+
+    for name in zoo.train.model_names():
+        spec = zoo.train.model_spec(name)
+        assert f"{name} ({spec.help})" in model_help() and f"{name} ({spec.help})" in inspect_help()
+        for command, values in spec.defaults.items():
+            assert DEFAULTS[command][name] == dict(values)
+    assert list(DEFAULTS["finetune"]) == zoo.train.model_names("finetune")
+    assert data_choices() == ["code", "docstrings", "prose", "teacher"]
+    assert "prose (transformer: pydoc_data.topics" in data_help()
+
+
+# --- a model a user registers ---------------------------------------------------------------------
+
+
+def _user_spec():
+    """A 2-output MLP regressor (one hidden layer) of 8 inputs on its own synthetic data, built from the public
+    pieces: `zoo.train.Task` and the regression loss and metrics."""
+    import jax
+    import numpy as np
+
+    import zoo
+
+    def build(s, *, rules, mesh):
+        width = int(s.model_config.get("width", 32))
+        model = zoo.nn.MLP(8, 2, width, 1, key=jax.random.key(s.seed))  # one hidden layer
+        target = np.random.default_rng(s.seed).normal(size=(8, 2)).astype(np.float32)
+
+        def examples(step, n):
+            x = np.random.default_rng([s.seed, step]).normal(size=(n, 8)).astype(np.float32)
+            return {"x": x, "y": np.tanh(x @ target)}
+
+        return zoo.train.Task(
+            model=model,
+            kind="regression",
+            loss_fn=zoo.train.regression_loss,
+            metrics_fn=zoo.train.regression_metrics,
+            train_batch=examples,
+            eval_data=examples(0, s.eval_size or 64),
+            train_data=None,
+            data="tanh of a random linear map of 8 inputs",
+            unit="examples",
+            tokens_per_example=1,
+            config={"width": width},
+        )
+
+    return zoo.train.ModelSpec(
+        name="tiny-regressor",
+        help="an MLP with one hidden layer and 2 outputs",
+        kind="regression",
+        build=build,
+        defaults={"train": dict(steps=20, batch_size=32, microbatches=2, lr=1e-2, seq_len=None)},
+        datasets={"tanh": "tanh of a random linear map of 8 inputs"},
+        dtypes=("float32",),
+    )
+
+
+@pytest.fixture
+def user_model(monkeypatch):
+    """`tiny-regressor` registered for the test (the registry restored after it)."""
+    import zoo
+    from zoo.train import _registry
+
+    monkeypatch.setattr(_registry, "_REGISTRY", dict(_registry._REGISTRY))
+    return zoo.train.register_model(_user_spec())
+
+
+def test_a_registered_model_builds_through_build_task_and_the_cli(user_model, tmp_path):
+    import zoo
+
+    assert "tiny-regressor" in zoo.train.model_names() and zoo.train.model_spec("tiny-regressor") is user_model
+    settings = zoo.train.TaskSettings(name="tiny-regressor", data="tanh", seq_len=None, seed=0, dtype="float32",
+                                      model_config={"width": 16}, init=None, eval_size=0)  # fmt: skip
+    task = zoo.train.build_task(settings, rules=None, mesh=None)
+    assert task.config == {"width": 16} and task.train_batch(1, 4)["y"].shape == (4, 2)
+
+    info = json.loads(ok("info", "tiny-regressor", "--model-config", "width=16", "--json"))
+    assert info["command"] == "train" and info["config"] == {"width": 16}
+    shapes = {leaf["path"]: leaf["shape"] for leaf in info["leaves"]}
+    assert [8, 16] in shapes.values() or [16, 8] in shapes.values(), shapes
+    assert info["totals"]["parameters"] == (8 * 16 + 16) + (16 * 2 + 2)
+
+    report = json.loads(ok("inspect", "tiny-regressor", "--json"))
+    assert report["batch_size"] == 32 and report["microbatches"] == 2  # the spec's train defaults
+    assert report["summary"]["all_reduce_outside"] == 1 and report["summary"]["all_reduce_in_loop"] == 0
+
+    out = tmp_path / "run"
+    ok("train", "tiny-regressor", "--steps", "2", "--eval-size", "32", "--quiet", "--output", out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parameters"] == (8 * 32 + 32) + (32 * 2 + 2) and summary["steps"] == 2
+    assert json.loads((out / "config.json").read_text())["data"] == "tanh"
+    one_line_error(["finetune", "tiny-regressor"], "zoo finetune does not take 'tiny-regressor'")
+
+
+def test_register_model_refuses_a_bad_spec(user_model):
+    import dataclasses
+
+    import zoo
+
+    with pytest.raises(zoo.train.ConfigError, match="already registered; pass replace=True"):
+        zoo.train.register_model(user_model)
+    assert zoo.train.register_model(user_model, replace=True) is user_model
+    for changes, message in [
+        (dict(name="a/b"), "without '/'"),
+        (dict(kind="ranking"), "kind 'ranking' is not one of"),
+        (dict(defaults={"finetune": user_model.defaults["train"]}), "needs a 'train' entry"),
+        (dict(defaults={"train": {"steps": 1}}), "the train defaults lack"),
+        (dict(datasets={}), "datasets is empty"),
+    ]:
+        with pytest.raises(zoo.train.ConfigError, match=message):
+            zoo.train.register_model(dataclasses.replace(user_model, **changes), replace=True)
+
+
+# --- --init and the architecture registry ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint (transformers), no tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    directory = tmp_path_factory.mktemp("llama")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def test_init_is_taken_by_the_spec_whose_class_the_family_builds(llama_dir):
+    import zoo
+
+    encoder_families = zoo.train.init_families(zoo.models.Encoder)
+    decoder_families = zoo.train.init_families(zoo.models.Transformer)
+    assert "bert" in encoder_families and "llama" in decoder_families
+    assert set(encoder_families) | set(decoder_families) == set(zoo.hf.families())
+    err = one_line_error(["info", "encoder", "--init", llama_dir], "holds a llama checkpoint")
+    assert f"encoder takes {' / '.join(encoder_families)} checkpoints" in err and "transformer takes this one" in err
+    one_line_error(["finetune", "encoder", "--init", llama_dir, "--steps", "1"], "holds a llama checkpoint")
+
+    info = json.loads(ok("info", "transformer", "--init", llama_dir, "--seq-len", "16", "--json"))
+    assert info["init"] == str(llama_dir) and info["config"]["family"] == "llama"
+    assert info["config"]["vocab_size"] == 256 and info["config"]["d_model"] == 32
+    # The folder alone names the same model (the spec whose --init takes a llama).
+    alone = json.loads(ok("info", llama_dir, "--seq-len", "16", "--json"))
+    assert alone["leaves"] == info["leaves"] and alone["config"] == info["config"]
+
+
+# --- info, inspect and train agree -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model, flags",
+    [
+        ("transformer", SMALL_LM),
+        pytest.param("encoder", SMALL_LM, marks=pytest.mark.slow),
+        ("mlp", ["--model-config", "width=32,depth=3"]),
+    ],
+)
+def test_info_inspect_and_train_build_the_same_model(model, flags, tmp_path):
+    """The same flags: `zoo info`'s leaf table, `zoo inspect`'s parameter count and the
+    model `zoo train` trained (summary.json; for the Hugging Face models, the saved
+    model/ folder read back) hold the same leaves."""
+    import equinox as eqx
+    import jax
+
+    import zoo
+    from zoo._tree import path_str
+
+    info = json.loads(ok("info", model, *flags, "--json"))
+    report = json.loads(ok("inspect", model, *flags, "--batch-size", "16", "--microbatches", "1", "--json"))
+    out = tmp_path / "run"
+    run_flags = ["--steps", "1", "--batch-size", "16", "--microbatches", "1", "--eval-size", "16", "--quiet"]
+    ok("train", model, *flags, *run_flags, "--output", out)
+    summary = json.loads((out / "summary.json").read_text())
+
+    assert info["parameters"] == info["totals"]["parameters"] == report["parameters"] == summary["parameters"]
+    assert info["config"] == report["config"]
+    assert sum(math.prod(leaf["shape"]) for leaf in info["leaves"]) == summary["parameters"]
+    if model == "mlp":
+        assert info["config"]["width"] == 32 and info["config"]["depth"] == 3
+        return
+    assert info["config"]["d_model"] == 32 and info["config"]["max_len"] == 16
+    saved = zoo.hf.from_pretrained(out / "model")  # what train wrote, read back
+    shapes = {
+        path_str(path): list(x.shape)
+        for path, x in jax.tree_util.tree_leaves_with_path(eqx.filter(saved, eqx.is_array))
+    }
+    info_shapes = {
+        leaf["path"].replace("model.encoder.", "model.", 1): leaf["shape"]
+        for leaf in info["leaves"]
+        if not leaf["path"].startswith("model.head.")  # the classifier's new head is not in model/
+    }
+    assert info_shapes == shapes
