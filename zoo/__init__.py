@@ -90,4 +90,5 @@ __all__ = [
     "rules",
     "shard",
     "stacked_field",
+    "train",
 ]
