@@ -117,8 +117,9 @@ def build_model(args, mesh_shape: dict[str, int], devices: int) -> Built:
             f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="
         )
     settings = settings_of(args, spec, init, defaults)
-    with jax.set_mesh(make_mesh(mesh_shape)):
-        task = zoo.train.build_task(settings, rules=zoo.rules(args.rules), mesh=make_mesh(mesh_shape))
+    mesh = make_mesh(mesh_shape)
+    with jax.set_mesh(mesh):
+        task = zoo.train.build_task(settings, rules=zoo.rules(args.rules), mesh=mesh)
     parameters = tree_size(task.model)
     if lora is not None:
         task.model = add_lora(task.model, lora, args.seed)

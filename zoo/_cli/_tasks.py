@@ -11,10 +11,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from ..train import _task
 from ..train._builtin import minilm_available
-from ..train._task import Task, TaskSettings, build_task, init_compiled, numpy_rng, resolve_init
+from ..train._errors import ConfigError
+from ..train._task import Task, TaskSettings, build_task, init_compiled, numpy_rng
+from ._common import CLIError
+
+
+def resolve_init(path: str) -> Path:
+    """`zoo.train`'s `resolve_init`, its `ConfigError` raised as the CLI's `CLIError`
+    (which the CLI's callers catch to prefix it)."""
+    try:
+        return _task.resolve_init(path)
+    except ConfigError as e:
+        raise CLIError(str(e)) from e
+
 
 # --- the fixed tiny models ---------------------------------------------------------------------
 
