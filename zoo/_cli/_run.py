@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..train import Task, TaskSettings, build_task
 from ._common import (
     CLIError,
     Preempted,
@@ -29,7 +30,6 @@ from ._common import (
 )
 from ._lora_flag import add_lora, finetune_defaults, lora_json, parse_lora
 from ._output import Metrics, Progress, human_bytes, plot_losses, read_metrics, write_json
-from ..train import Task, TaskSettings, build_task
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
 # What the tokenizer of a saved model needs next to its weights.
