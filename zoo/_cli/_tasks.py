@@ -6,8 +6,9 @@ Two registries:
   compile (or only build) one step to read its collectives and leaves.
 - `build_task`: real models on real data for `zoo train` / `finetune` / `demo`: `mlp`
   (a synthetic teacher), `transformer` (a byte-level LM on Python code or English prose),
-  `encoder` (a BERT-style classifier from scratch on the stdlib-docstring task, byte
-  tokens), `minilm` (the pretrained all-MiniLM-L6-v2 encoder with a new head, same task).
+  `encoder` (a BERT-style classifier from scratch on the stdlib-docstring tasks: which
+  package, or were a sentence's halves swapped; byte tokens), `minilm` (the pretrained
+  all-MiniLM-L6-v2 encoder with a new head, same tasks).
 """
 
 from __future__ import annotations
@@ -254,14 +255,16 @@ def vocab_multiple(rules: str, mesh_shape: dict[str, int]) -> int:
 DATASETS: dict[str, tuple[str, ...]] = {
     "mlp": ("teacher",),
     "transformer": ("code", "prose"),
-    "encoder": ("docstrings",),
-    "minilm": ("docstrings",),
+    "encoder": ("docstrings", "swapped-halves"),
+    "minilm": ("docstrings", "swapped-halves"),
 }
 DATA_HELP = (
     "what to train on: teacher (mlp: a fixed random function of 16 inputs), code (transformer: the "
     "standard library's .py sources), prose (transformer: pydoc_data.topics, the language "
     "reference's English), docstrings (encoder/minilm: which of 8 stdlib packages a docstring comes "
-    "from). Default: code for train, prose for finetune"
+    "from), swapped-halves (encoder/minilm: is a docstring sentence as written, or cut at a word and "
+    "its halves swapped). Default: the first for train (code, docstrings), the last for finetune and "
+    "demo (prose, swapped-halves)"
 )
 
 # Model configs of models built from scratch: small enough to train in a minute on CPU.
@@ -563,7 +566,11 @@ def _classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
 
     overrides = dict(s.model_config) | ({"dtype": s.dtype} if s.dtype != "float32" else {})
     folder = resolve_init(s.init) if s.init else (_minilm_path() if s.name == "minilm" else None)
-    data = zoo.data.stdlib_docstrings()
+    if s.data == "docstrings":
+        data, what = zoo.data.stdlib_docstrings(), "stdlib docstrings labelled by package"
+    else:
+        data = zoo.data.docstring_word_order("swap-halves")
+        what = "stdlib docstring sentences, half cut in two and the halves swapped"
     num_labels = data.num_labels
     key_encoder, key_head = jax.random.split(jax.random.key(s.seed))
     if folder is None:
@@ -615,7 +622,7 @@ def _classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
         eval_data=test,
         train_data=train,
         data=(
-            f"stdlib docstrings labelled by package, {num_labels} classes, {n_train} train / "
+            f"{what}, {num_labels} classes, {n_train} train / "
             f"{len(test['labels'])} test texts, {'byte' if tokenizer is None else 'WordPiece'} tokens cut at {s.seq_len}"
         ),
         unit="examples",
