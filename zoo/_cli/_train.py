@@ -47,7 +47,7 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "finetune": _FINETUNE,
     # The demo: 60 LoRA steps of the pretrained MiniLM on swapped-halves (its finetune
     # data), a word-order task a linear probe on the frozen encoder barely solves (~63%
-    # vs ~91%), with that probe as the baseline; about two and a half minutes on two CPU cores.
+    # vs ~91%), with that probe as the baseline; about two minutes on two CPU cores.
     "demo": {
         "minilm": _FINETUNE["minilm"] | dict(probe=300),
         "transformer": _FINETUNE["transformer"] | dict(steps=150, batch_size=32),
