@@ -365,6 +365,8 @@ def test_train_encoder_classifier_with_probe(tmp_path):
     assert all(0 <= s["accuracy"] <= 1 for s in summary["stages"])
     assert summary["probe"] == summary["stages"][1] and summary["probe"]["train_accuracy"] > 0
     assert summary["eval_before"] == {k: v for k, v in summary["stages"][0].items() if k != "name"}
+    margin = 100 * (summary["stages"][2]["accuracy"] - summary["probe"]["accuracy"])
+    assert f"trained vs the linear probe: {margin:+.1f} points of test accuracy" in text, text
     assert (out / "model" / "config.json").is_file()  # the encoder in BERT's layout
 
 
@@ -572,9 +574,10 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path):
 @pytest.mark.timeout(1200)
 @pytest.mark.slow
 def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
-    """What `make demo` runs: LoRA on the pretrained MiniLM over 8 simulated devices; the
-    summary says the loss fell, accuracy rose, and the step had one all-reduce of the
-    adapter's (and head's) bytes."""
+    """What `make demo` runs: LoRA on the pretrained MiniLM over 8 simulated devices, on
+    the swapped-halves word-order task; the summary says the loss fell, LoRA beat the
+    linear probe on the frozen encoder by 10 points or more (and says by how much), and
+    the step had one all-reduce of the adapter's (and head's) bytes."""
     import time
 
     out = tmp_path / "demo"
@@ -587,6 +590,11 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_after"]["accuracy"] > summary["eval_before"]["accuracy"]
     assert summary["eval_after"]["loss"] < summary["eval_before"]["loss"]
+    assert "on swapped-halves" in proc.stdout and "classes: original, swapped" in proc.stdout
+    # Why LoRA: word order is what mean-pooled sentence features leave out.
+    margin = 100 * (summary["eval_after"]["accuracy"] - summary["probe"]["accuracy"])
+    assert f"LoRA + head vs the linear probe: {margin:+.1f} points of test accuracy" in proc.stdout, proc.stdout
+    assert margin >= 10, proc.stdout
     assert summary["collectives"]["gradient_reductions"] == 1
     assert summary["collectives"]["gradient_bytes"] - summary["trainable_bytes"] in (4, 8)
     for name in ("config.json", "metrics.jsonl", "loss.png", "summary.json"):

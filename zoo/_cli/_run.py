@@ -805,6 +805,10 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     for st in summary["stages"]:
         acc = f"{100 * st['accuracy']:17.1f}%" if has_acc and st.get("accuracy") is not None else ""
         say(f"  {st['name']:<{width - 2}}{st['loss']:8.4f}{acc}")
+    probe, last = summary["probe"], summary["stages"][-1]
+    if probe is not None and has_acc and last is not probe:  # what training the encoder bought
+        margin = 100 * (last["accuracy"] - probe["accuracy"])
+        say(f"{last['name'].split(' after ')[0]} vs the linear probe: {margin:+.1f} points of {ev_name} accuracy")
     model_bytes, trainable = summary["model_bytes"], summary["trainable_bytes"]
     if lcfg is not None:
         adapter = summary["adapter_bytes"]

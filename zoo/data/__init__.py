@@ -18,9 +18,11 @@ from ._dataset import Dataset, describe, load
 from ._docstrings import DOCSTRING_PACKAGES, TextClassification, stdlib_docstrings
 from ._packing import pack
 from ._records import DataFormatError, read_records
+from ._word_order import WORD_ORDER_CORRUPTIONS, docstring_word_order
 
 __all__ = [
     "DOCSTRING_PACKAGES",
+    "WORD_ORDER_CORRUPTIONS",
     "ByteCorpus",
     "ChatTemplate",
     "DataFormatError",
@@ -28,6 +30,7 @@ __all__ = [
     "TextClassification",
     "byte_tokens",
     "describe",
+    "docstring_word_order",
     "english_prose",
     "fixed_windows",
     "load",

@@ -201,7 +201,11 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
 
     spec_pretrained = s.init is None and s.name == "minilm"
     folder = init_folder(s)
-    docstrings = data.stdlib_docstrings()
+    if s.data == "swapped-halves":
+        docstrings = data.docstring_word_order("swap-halves")
+        what = "stdlib docstring sentences, half cut in two and the halves swapped"
+    else:  # "docstrings", or the model only (s.data None)
+        docstrings, what = data.stdlib_docstrings(), "stdlib docstrings labelled by package"
     num_labels = docstrings.num_labels
     _, key_head = jax.random.split(jax.random.key(s.seed))
     if folder is None:
@@ -272,7 +276,7 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
         eval_data=test,
         train_data=train,
         data=(
-            f"stdlib docstrings labelled by package, {num_labels} classes, {n_train} train / "
+            f"{what}, {num_labels} classes, {n_train} train / "
             f"{len(test['labels'])} test texts, {'byte' if tokenizer is None else 'WordPiece'} tokens cut at {seq}"
         ),
         tokenizer_dir=folder if tokenizer is not None else None,
@@ -318,7 +322,11 @@ def _register_builtins() -> None:
         ),
         replace=True,
     )
-    docstrings = {"docstrings": "which of 8 stdlib packages a docstring comes from"}
+    # The first is train's default, the last finetune's and the demo's.
+    docstrings = {
+        "docstrings": "which of 8 stdlib packages a docstring comes from",
+        "swapped-halves": "is a docstring sentence as written, or cut at a word and its halves swapped",
+    }
     register_model(
         ModelSpec(
             name="encoder",
@@ -336,8 +344,8 @@ def _register_builtins() -> None:
         ),
         replace=True,
     )
-    # 32 WordPiece tokens hold 88% of the docstrings whole (the median is 15): a step costs
-    # two thirds of one at 48, for the same accuracy.
+    # 32 WordPiece tokens hold 88% of the docstrings whole (the median is 15) and 99.8% of
+    # the swapped-halves sentences: a step costs two thirds of one at 48.
     minilm_finetune = dict(steps=60, batch_size=32, microbatches=2, lr=3e-3, seq_len=32)
     register_model(
         ModelSpec(
@@ -348,8 +356,9 @@ def _register_builtins() -> None:
             defaults={
                 "train": dict(steps=60, batch_size=32, microbatches=2, lr=5e-5, seq_len=64),
                 "finetune": minilm_finetune,
-                # The demo: 60 LoRA steps of the pretrained MiniLM, with the linear probe as a
-                # baseline; about two minutes on two CPU cores.
+                # The demo: 60 LoRA steps of the pretrained MiniLM on swapped-halves (its
+                # finetune data), a word-order task a linear probe on the frozen encoder barely
+                # solves (~63% vs ~91%), with that probe as the baseline; ~2 min on 2 CPU cores.
                 "demo": minilm_finetune | dict(probe=300),
             },
             datasets=docstrings,
