@@ -435,11 +435,20 @@ class TaskSettings:
     model_config: dict[str, Any]
     init: str | None
     eval_size: int
+    # A data file (`s.data` a path): the held-out fraction, packing, a chat template file.
+    validation: float = 0.1
+    packed: bool = True
+    chat_template: str | None = None
 
 
 def build_task(s: TaskSettings, *, rules, mesh) -> Task:
-    """The training task of model `s.name` on data `s.data`; pretrained weights are read
-    straight onto `mesh` under `rules`."""
+    """The training task of model `s.name` on data `s.data` (a built-in data set or a
+    user's file); pretrained weights are read straight onto `mesh` under `rules`."""
+    if s.data not in DATASETS.get(s.name, ()):  # a user's file, checked by the CLI
+        from ..train._user_data import user_data_task
+
+        return user_data_task(s, rules=rules, mesh=mesh, validation=s.validation, packed=s.packed,
+                              chat_template=s.chat_template)  # fmt: skip
     if s.name == "mlp":
         return _mlp_task(s)
     if s.name == "transformer":
