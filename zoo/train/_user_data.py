@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+# zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
 # Not yet `zoo.train.ConfigError` (another branch): the CLI prints this as one line, exit 2.
 from .._cli._common import CLIError, init_compiled
 from .._cli._tasks import (
@@ -46,16 +47,12 @@ DATA_FILE_HELP = (
 )
 
 
-def is_data_file(data: str, builtin: tuple[str, ...]) -> bool:
-    """Whether `--data` names a file rather than a built-in data set."""
-    return data not in builtin
-
-
 def check_data_file(data: str, model: str, *, validation: float, chat_template: str | None) -> str:
     """The absolute path of `--data FILE` once it is readable and fits `model` (its
     records are read and checked here, before any device is touched); else a one-line
     error naming the file (and line) and the fix."""
     import zoo
+    from zoo.data._records import FORMATS
 
     path = Path(data).expanduser()
     if path.suffix.lower() not in SUFFIXES:
@@ -64,9 +61,7 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
                 f"--data {data}: neither a built-in data set of {model} nor a file; pass a .txt, .jsonl or .csv "
                 "file (docs/data.md)"
             )
-        raise CLIError(
-            f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {zoo.data._records.FORMATS}"
-        )
+        raise CLIError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
     if not path.is_file():
         raise CLIError(f"--data {data}: no such file; check the path")
     if not 0 <= validation < 1:
@@ -133,6 +128,7 @@ def _chat_template(file: str | None, folder: Path | None):
     """`--chat-template FILE` with the special tokens of `folder`'s tokenizer_config.json
     (None without the flag: the folder's own template, if any)."""
     import zoo
+    from zoo.data._chat import SPECIAL_TOKEN_NAMES
 
     if file is None:
         return None
@@ -140,7 +136,7 @@ def _chat_template(file: str | None, folder: Path | None):
     if folder is not None and (folder / "tokenizer_config.json").is_file():
         config = json.loads((folder / "tokenizer_config.json").read_text())
     special = {}
-    for name in zoo.data._chat.SPECIAL_TOKEN_NAMES:
+    for name in SPECIAL_TOKEN_NAMES:
         value = config.get(name)
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
