@@ -108,14 +108,14 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
     return files
 
 
-def _task(name: str, data: Path, init: Path | None, **options):
+def _task(name: str, data: Path, init: Path | None, seq_len: int = SEQ, **options):
     """The task `zoo train/finetune NAME --data DATA` builds, on a data=2 mesh."""
     import jax
 
     import zoo
     from zoo._cli._tasks import TaskSettings, build_task
 
-    settings = TaskSettings(name=name, data=str(data), seq_len=SEQ, seed=0, dtype="float32", model_config={},
+    settings = TaskSettings(name=name, data=str(data), seq_len=seq_len, seed=0, dtype="float32", model_config={},
                             init=None if init is None else str(init), eval_size=0, **options)  # fmt: skip
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     with jax.set_mesh(mesh):
@@ -166,6 +166,22 @@ def test_chat_weights_are_exactly_the_assistant_tokens(llama_dir, data_files):
                 role = None
         assert weights.tolist() == expected
         assert sum(expected) == sum(len(m["content"].split()) + 1 for m in r["messages"] if m["role"] == "assistant")
+
+
+def test_chat_template_flag_gives_byte_tokens_their_turns(tmp_path, data_files):
+    """`--chat-template FILE` for a model without a tokenizer (byte tokens): the weighted
+    bytes are exactly each assistant reply and the ` </s> ` closing it."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    task = _task("transformer", data_files["chat"], None, seq_len=128, validation=0.0, chat_template=str(template))
+    assert task.data.endswith(
+        "0 truncated; no validation split (evaluated on the training rows); byte tokens, rows of 128"
+    )
+    arrays = task.eval_data
+    weighted = bytes(arrays["tokens"][arrays["weights"] > 0].astype(np.uint8)).decode()
+    replies = [m["content"] + " </s> " for r in read_jsonl(data_files["chat"]) for m in r["messages"]
+               if m["role"] == "assistant"]  # fmt: skip
+    assert weighted == "".join(replies)
 
 
 def test_train_batches_are_the_datasets_epochs_and_a_function_of_the_step(llama_dir, data_files):
@@ -348,3 +364,8 @@ def test_bad_data_files_are_one_line(tmp_path, args, make, message):
         path.write_text(make[1])
     rc, _, err = zoo_main(*args, "--data", path, "--output", tmp_path / "out")
     one_line_error(rc, err, message)
+
+
+def test_a_name_neither_built_in_nor_a_file_is_one_line():
+    rc, _, err = zoo_main("train", "encoder", "--data", "prose")
+    one_line_error(rc, err, "--data 'prose': encoder trains on docstrings, or on your own .txt, .jsonl or .csv file")

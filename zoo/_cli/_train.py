@@ -95,7 +95,8 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     s["debug"] = bool(getattr(args, "debug", False))
     s["data"] = s["data"] or (DATASETS[model][0] if command == "train" else DATASETS[model][-1])
     if s["data"] not in DATASETS[model]:  # a user's file: readable, and of the model's kind
-        s["data"] = check_data_file(s["data"], model, validation=s["validation"], chat_template=s["chat_template"])
+        s["data"] = check_data_file(s["data"], model, builtin=DATASETS[model], validation=s["validation"],
+                                    chat_template=s["chat_template"])  # fmt: skip
     for name in ("steps", "batch_size", "microbatches", "keep"):
         if s[name] < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")

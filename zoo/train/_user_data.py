@@ -47,10 +47,12 @@ DATA_FILE_HELP = (
 )
 
 
-def check_data_file(data: str, model: str, *, validation: float, chat_template: str | None) -> str:
+def check_data_file(
+    data: str, model: str, *, builtin: tuple[str, ...], validation: float, chat_template: str | None
+) -> str:
     """The absolute path of `--data FILE` once it is readable and fits `model` (its
     records are read and checked here, before any device is touched); else a one-line
-    error naming the file (and line) and the fix."""
+    error naming the file (and line) and the fix. `builtin`: the model's own data sets."""
     import zoo
     from zoo.data._records import FORMATS
 
@@ -58,7 +60,7 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise CLIError(
-                f"--data {data}: neither a built-in data set of {model} nor a file; pass a .txt, .jsonl or .csv "
+                f"--data {data!r}: {model} trains on {' or '.join(builtin)}, or on your own .txt, .jsonl or .csv "
                 "file (docs/data.md)"
             )
         raise CLIError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
