@@ -143,8 +143,10 @@ def test_prompt_completion_weights_are_exactly_the_completion_tokens(llama_dir, 
         prompt = ["<s>", *r["prompt"].split()]
         assert words == prompt + r["completion"].split() + ["</s>"]
         assert weights.tolist() == [0.0] * len(prompt) + [1.0] * (len(words) - len(prompt))
-    batch = task.train_batch(1, 4)
+    batch = task.train_batch(1, 4)  # the rows a step trains on: the same documents, weighted alike
     assert set(batch) == {"tokens", "mask", "segment_ids", "positions", "weights"}
+    known = {(tuple(w), tuple(x.tolist())) for w, x in docs}
+    assert all((tuple(w), tuple(x.tolist())) in known for row in range(4) for w, x in _segments(batch, row))
     assert task.loss_fn.__name__ == "next_token_loss" and task.kind == "lm"
 
 
@@ -225,7 +227,7 @@ def test_train_transformer_on_a_txt_file_from_scratch_with_byte_tokens(tmp_path,
     record per step, a GPT-2 folder written."""
     out = tmp_path / "txt"
     text = ok("train", "transformer", "--data", data_files["txt"], *TINY, "--steps", "3", "--model-config",
-              "d_model=32", "--output", out)  # fmt: skip
+              "d_model=32,num_layers=1", "--output", out)  # fmt: skip
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
@@ -328,7 +330,7 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
     assert set(batch) == {"tokens", "mask", "token_types", "labels"} and batch["tokens"].max() < 256
     out = tmp_path / "encoder"
     text = ok("train", "encoder", "--data", data_files["csv"], *TINY[:-1], "--steps", "2", "--model-config",
-              "d_model=32", "--output", out)  # fmt: skip
+              "d_model=32,num_layers=1", "--output", out)  # fmt: skip
     assert "classes: 0, 1" in text, text
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
     assert json.loads((out / "summary.json").read_text())["data"].startswith("labels.csv, 2 classes")
