@@ -66,6 +66,11 @@ def check_data_file(
         raise CLIError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
     if not path.is_file():
         raise CLIError(f"--data {data}: no such file; check the path")
+    if model not in DECODERS + CLASSIFIERS:
+        raise CLIError(
+            f"--data {data}: the {model} trains on its synthetic teacher only; a data file trains transformer "
+            "(text) or encoder / minilm (text + label)"
+        )
     if not 0 <= validation < 1:
         raise CLIError(f"--validation must be a fraction in [0, 1), got {validation}")
     if chat_template is not None and not Path(chat_template).expanduser().is_file():
@@ -76,11 +81,6 @@ def check_data_file(
         raise CLIError(f"--data: {e}") from None
     except UnicodeDecodeError as e:
         raise CLIError(f"--data {data} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    if model not in DECODERS + CLASSIFIERS:
-        raise CLIError(
-            f"--data {data}: the {model} trains on its synthetic teacher only; a data file trains transformer "
-            "(text) or encoder / minilm (text + label)"
-        )
     if kind in LM_KINDS and model in CLASSIFIERS:
         raise CLIError(
             f"--data {data} holds {kind.replace('_', '/')} records (language modelling), but {model} is a "
@@ -224,7 +224,7 @@ def user_data_task(
         raise CLIError(f"--data {path}: no training rows are left after holding out --validation {validation}")
     tokens_kind = "byte" if tokenizer is None else "tokenizer"
     if train.kind == "classification":
-        return _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, validation)
+        return _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind)
     eval_data = dict(val.arrays if len(val) else train.arrays)
     if s.eval_size:
         eval_data = {k: v[: s.eval_size] for k, v in eval_data.items()}
@@ -310,7 +310,7 @@ def _encoder_parts(s: TaskSettings, *, rules, mesh):
     return encoder, config, folder, tokenizer
 
 
-def _classifier(s, encoder, config, folder, tokenizer, train, val, tokens_kind, validation) -> Task:
+def _classifier(s, encoder, config, folder, tokenizer, train, val, tokens_kind: str) -> Task:
     import jax
 
     import zoo
