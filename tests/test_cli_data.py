@@ -212,6 +212,26 @@ def test_train_batches_are_the_datasets_epochs_and_a_function_of_the_step(llama_
     assert float(out["correct"].sum()) <= float(out["weight"].sum())
 
 
+def test_the_runs_evaluator_weighs_packed_held_out_rows_as_the_training_loss(llama_dir, data_files):
+    """The run's Evaluator (chunks padded with weight-0 rows, columns cut past the longest
+    row's mask) on the packed prompt/completion rows: the loss is next_token_loss's
+    weighted mean over every row, at once."""
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+    from zoo._cli._run import Evaluator
+
+    task = _task("transformer", data_files["pc"], llama_dir, validation=0.0)
+    data = task.eval_data
+    assert len(data["tokens"]) % 4 != 0  # the last chunk is padded
+    sums, weights = zoo.models.next_token_loss(task.model, {k: jnp.asarray(v) for k, v in data.items()})
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        loss = Evaluator(task, mesh, 4)(task.model, data)["loss"]
+    assert abs(loss - float(sums.sum() / weights.sum())) < 1e-5 * loss
+
+
 def test_byte_tokenizer_ids_are_the_utf8_bytes():
     from zoo.train._user_data import byte_tokenizer
 
