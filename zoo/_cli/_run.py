@@ -332,6 +332,7 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         settings = TaskSettings(
             name=s["model"], data=s["data"], seq_len=s["seq_len"], seed=s["seed"], dtype=s["dtype"],
             model_config=s["model_config_values"], init=s["init"], eval_size=s["eval_size"],
+            **{k: s[k] for k in ("validation", "packed", "chat_template") if k in s},
         )  # fmt: skip
         task = build_task(settings, rules=rules, mesh=mesh)
         lcfg = parse_lora(s["lora"], finetune_defaults(task.classifier)) if finetune else None

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..train import _registry
 from ..train._builtin import PRETRAINED_KEYS, minilm_available
+from ..train._user_data import DATA_FILE_HELP, DATA_FLAG_DEFAULTS, check_data_file
 from ._common import (
     DEFAULT_CPU_DEVICES,
     CLIError,
@@ -127,15 +128,16 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
         values["model"] = saved.get("model")
     model = values["model"] = _check_model(values.get("model"))
     spec = _registry.model_spec(model)
-    defaults = _defaults(command, model)
+    defaults = _defaults(command, model) | DATA_FLAG_DEFAULTS
     if saved is not None:  # a resumed run continues with its own flags unless told otherwise
         defaults |= {k: v for k, v in saved.items() if k in defaults and k not in _NOT_INHERITED}
     s = {k: (values[k] if values.get(k) is not None else v) for k, v in defaults.items()}
     s["model"] = model
     s["debug"] = bool(getattr(args, "debug", False))
     s["data"] = s["data"] or spec.data_for(command)
-    if s["data"] not in spec.datasets:
-        raise CLIError(f"--data {s['data']!r}: {model} trains on {' or '.join(spec.datasets)}")
+    if s["data"] not in spec.datasets:  # a user's file: readable, and of the model's kind
+        s["data"] = check_data_file(s["data"], model, builtin=tuple(spec.datasets), validation=s["validation"],
+                                    chat_template=s["chat_template"])  # fmt: skip
     for name in ("steps", "batch_size", "microbatches", "keep"):
         if s[name] < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
@@ -531,7 +533,13 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     )
     g.add_argument("--seed", type=int, help="seed of the model, head, adapters and batches (default 0)")
     g = p.add_argument_group("model and data")
-    g.add_argument("--data", choices=data_choices(), help=data_help())
+    g.add_argument("--data", metavar="NAME|FILE", help=data_help() + DATA_FILE_HELP)
+    g.add_argument("--validation", type=float, metavar="FRACTION",
+                   help="--data FILE: the fraction of its documents held out for evaluation (default 0.1)")  # fmt: skip
+    g.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None,
+                   help="--data FILE (language modelling): pack short documents into each row (default yes)")  # fmt: skip
+    g.add_argument("--chat-template", metavar="FILE",
+                   help="--data FILE of chat messages: a jinja2 chat template (default: the tokenizer's)")  # fmt: skip
     g.add_argument(
         "--model-config",
         metavar="KEY=VALUE,...",

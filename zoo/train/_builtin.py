@@ -129,13 +129,13 @@ def _check_seq_len(seq_len: int, max_len: int) -> None:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {max_len}; lower --seq-len")
 
 
-def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
-    """A decoder-only `zoo.models.Transformer` with next-token loss: built from
-    `_SCRATCH_LM` (`max_len` = `s.seq_len`) or loaded from `--init` (its tokenizer.json
-    used when present, else byte tokens); windows of `s.seq_len` tokens of the corpus."""
+def decoder_model(s: TaskSettings, *, rules, mesh):
+    """`(model, config, folder)`: the decoder-only `zoo.models.Transformer` of `s`, built
+    from `_SCRATCH_LM` (`max_len` = `s.seq_len`) or loaded from `--init` (`folder`, None
+    when built from scratch)."""
     import jax
 
-    from .. import data, models
+    from .. import models
 
     folder = init_folder(s)
     if folder is None:
@@ -147,6 +147,16 @@ def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
         model = load_pretrained(folder, models.Transformer, _overrides(s), rules=rules, mesh=mesh)
         config = model.config
     _check_seq_len(s.seq_len, config.max_len)
+    return model, config, folder
+
+
+def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
+    """A decoder-only `zoo.models.Transformer` with next-token loss (`decoder_model`; its
+    tokenizer.json used when present, else byte tokens); windows of `s.seq_len` tokens of
+    the corpus."""
+    from .. import data, models
+
+    model, config, folder = decoder_model(s, rules=rules, mesh=mesh)
     seq = s.seq_len
     common = dict(
         model=model,
@@ -189,24 +199,15 @@ def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
 # -- encoder / minilm --
 
 
-def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
-    """A `zoo.models.EncoderClassifier` (mean-pooled encoder + a new linear head) with
-    classification loss on the stdlib-docstring task: the encoder built from the
-    `_SCRATCH_LM` shape (`max_len` = `s.seq_len`) or loaded from `--init` / the spec's
-    pretrained folder (its WordPiece tokenizer used when present, else byte tokens)."""
+def classifier_model(s: TaskSettings, num_labels: int, *, rules, mesh):
+    """`(model, config, folder)`: a `zoo.models.EncoderClassifier` of `s` with a new
+    `num_labels`-way head, its encoder built from the `_SCRATCH_LM` shape (`max_len` =
+    `s.seq_len`) or loaded from `--init` / the spec's pretrained folder (`folder`)."""
     import jax
-    import numpy as np
 
-    from .. import data, models
+    from .. import models
 
-    spec_pretrained = s.init is None and s.name == "minilm"
     folder = init_folder(s)
-    if s.data == "swapped-halves":
-        docstrings = data.docstring_word_order("swap-halves")
-        what = "stdlib docstring sentences, half cut in two and the halves swapped"
-    else:  # "docstrings", or the model only (s.data None)
-        docstrings, what = data.stdlib_docstrings(), "stdlib docstrings labelled by package"
-    num_labels = docstrings.num_labels
     _, key_head = jax.random.split(jax.random.key(s.seed))
     if folder is None:
         config = config_from(models.EncoderConfig, _SCRATCH_LM | {"max_len": s.seq_len} | _overrides(s))
@@ -221,6 +222,32 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
         config = encoder.config
         model = models.EncoderClassifier(encoder, num_labels, key=key_head)
     _check_seq_len(s.seq_len, config.max_len)
+    return model, config, folder
+
+
+def init_name(s: TaskSettings, folder: Path | None) -> str | None:
+    """Where a model's pretrained weights came from, in words (None: from scratch)."""
+    if s.init is None and s.name == "minilm":
+        return "the pretrained all-MiniLM-L6-v2"
+    return None if folder is None else str(folder)
+
+
+def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
+    """A `zoo.models.EncoderClassifier` (mean-pooled encoder + a new linear head) with
+    classification loss on the stdlib-docstring task: the encoder built from the
+    `_SCRATCH_LM` shape (`max_len` = `s.seq_len`) or loaded from `--init` / the spec's
+    pretrained folder (its WordPiece tokenizer used when present, else byte tokens)."""
+    import numpy as np
+
+    from .. import data, models
+
+    if s.data == "swapped-halves":
+        docstrings = data.docstring_word_order("swap-halves")
+        what = "stdlib docstring sentences, half cut in two and the halves swapped"
+    else:  # "docstrings", or the model only (s.data None)
+        docstrings, what = data.stdlib_docstrings(), "stdlib docstrings labelled by package"
+    num_labels = docstrings.num_labels
+    model, config, folder = classifier_model(s, num_labels, rules=rules, mesh=mesh)
     seq = s.seq_len
     common = dict(
         model=model,
@@ -232,7 +259,7 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
         label_names=docstrings.label_names,
         hf_part=lambda m: m.encoder,
         config=config.to_dict() | {"num_labels": num_labels},
-        init="the pretrained all-MiniLM-L6-v2" if spec_pretrained else (None if folder is None else str(folder)),
+        init=init_name(s, folder),
     )
     if s.data is None:  # the model only: random padded rows, random labels
         has_tokenizer = folder is not None and (folder / "tokenizer.json").is_file()

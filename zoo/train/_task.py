@@ -133,6 +133,9 @@ class TaskSettings:
     - `model_config`: config fields to change (`--model-config`), parsed values.
     - `init`: a Hugging Face folder, cached model id or `zoo train` output folder to load.
     - `eval_size`: held-out examples (0: the task's default).
+    - `validation`, `packed`, `chat_template`: a user's data file (`data` a path to a
+      `.txt`, `.jsonl` or `.csv`): the fraction of its documents held out, whether short
+      documents are packed into rows, a jinja2 chat template file (`zoo.data.load`).
     """
 
     name: str
@@ -143,6 +146,9 @@ class TaskSettings:
     model_config: dict[str, Any]
     init: str | None
     eval_size: int
+    validation: float = 0.1
+    packed: bool = True
+    chat_template: str | None = None
 
 
 def build_task(s: TaskSettings, *, rules, mesh) -> Task:
@@ -158,9 +164,15 @@ def build_task(s: TaskSettings, *, rules, mesh) -> Task:
     not take (an unknown name or data set, `--init` for a model without pretrained
     weights or of another architecture, a dtype it does not compute in).
     """
+    from ._user_data import SUFFIXES, user_data_task
+
     spec = model_spec(s.name)
-    if s.data is not None and s.data not in spec.datasets:
-        raise ConfigError(f"--data {s.data!r}: {spec.name} trains on {' or '.join(spec.datasets)}")
+    user_file = s.data is not None and s.data not in spec.datasets and Path(s.data).suffix in SUFFIXES
+    if s.data is not None and s.data not in spec.datasets and not user_file:
+        raise ConfigError(
+            f"--data {s.data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
+            + (" or a .txt/.jsonl/.csv file" if spec.kind in ("lm", "classification") else "")
+        )
     if s.dtype not in spec.dtypes:
         raise ConfigError(
             f"--dtype: the {spec.name} computes in float32 only; drop --dtype"
@@ -169,6 +181,9 @@ def build_task(s: TaskSettings, *, rules, mesh) -> Task:
         )
     if s.init and spec.init_class is None:
         raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
+    if user_file:
+        return user_data_task(s, rules=rules, mesh=mesh, validation=s.validation, packed=s.packed,
+                              chat_template=s.chat_template)  # fmt: skip
     return spec.build(s, rules=rules, mesh=mesh)
 
 

@@ -1,0 +1,393 @@
+"""`--data FILE`: `zoo train` / `zoo finetune` on a user's own `.txt`, `.jsonl` or `.csv`
+(zoo.data.load with the model's tokenizer): the batches the task builds (completion and
+assistant weights exactly), the peft contract of the adapter, resuming mid-epoch with the
+same batches, classification with labels from the file, and one-line errors for bad files."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import zoo_main
+
+WORDS = "the a cat dog sat ran on under mat log red blue big small".split()
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>"]
+VOCAB = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+# No generation blocks: the assistant turns are found by rendering prefixes.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<' + m['role'] + '> ' + m['content'] + ' </s> ' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}"
+)
+SEQ = 32
+# 2 devices, 1 microbatch, batch 4: the smallest runs that still split the batch.
+TINY = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", str(SEQ), "--quiet"]
+
+
+def ok(*args) -> str:
+    rc, out, err = zoo_main(*args)
+    assert rc == 0, f"zoo {' '.join(map(str, args))} exited {rc}\n{out}\n{err}"
+    return out
+
+
+def one_line_error(rc: int, err: str, message: str) -> None:
+    assert rc == 2, (rc, err)
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama saved by transformers, a word-level tokenizer (BOS added to
+    each text, EOS `</s>`) and a chat template beside it."""
+    import tokenizers
+    import torch
+    import transformers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(VOCAB, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIAL)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
+    return folder
+
+
+def _sentence(rng, n: int) -> str:
+    return " ".join(rng.choice(WORDS, n))
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory) -> dict[str, Path]:
+    rng = np.random.default_rng(0)
+    folder = tmp_path_factory.mktemp("data")
+    files = {}
+    files["txt"] = folder / "notes.txt"
+    files["txt"].write_text("def f(x):\n    return x + 1  # héllo\n" * 40)
+    files["text"] = write_jsonl(folder / "text.jsonl", [{"text": _sentence(rng, 6)} for _ in range(40)])
+    pc = []
+    for _ in range(40):  # the completion names the prompt's animal's place: learnable
+        animal, place = rng.choice(["cat", "dog"]), rng.choice(["mat", "log"])
+        pc.append({"prompt": f"the {animal} sat on the {place}", "completion": f"{place} {animal}"})
+    files["pc"] = write_jsonl(folder / "pc.jsonl", pc)
+    chats = []
+    for _ in range(30):
+        turns = [{"role": "user", "content": _sentence(rng, 3)}, {"role": "assistant", "content": _sentence(rng, 2)}]
+        if rng.random() < 0.5:
+            turns += [
+                {"role": "user", "content": _sentence(rng, 2)},
+                {"role": "assistant", "content": _sentence(rng, 3)},
+            ]
+        chats.append({"messages": turns})
+    files["chat"] = write_jsonl(folder / "chat.jsonl", chats)
+    labelled = [("the cat sat on the mat", "cats"), ("a dog ran under a log", "dogs"), ("red blue big", "colours")]
+    files["labels"] = write_jsonl(
+        folder / "labels.jsonl",
+        [{"text": f"{t} {_sentence(rng, 2)}", "label": label} for _ in range(8) for t, label in labelled],
+    )
+    rows = [f'"{t} {_sentence(rng, 2)}",{i}' for _ in range(12) for i, (t, _) in enumerate(labelled[:2])]
+    files["csv"] = folder / "labels.csv"
+    files["csv"].write_text("text,label\n" + "\n".join(rows) + "\n")
+    return files
+
+
+def _task(name: str, data: Path, init: Path | None, seq_len: int = SEQ, **options):
+    """The task `zoo train/finetune NAME --data DATA` builds, on a data=2 mesh."""
+    import jax
+
+    import zoo
+    from zoo.train import TaskSettings, build_task
+
+    settings = TaskSettings(name=name, data=str(data), seq_len=seq_len, seed=0, dtype="float32", model_config={},
+                            init=None if init is None else str(init), eval_size=0, **options)  # fmt: skip
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        return build_task(settings, rules=zoo.rules("dp"), mesh=mesh)
+
+
+def _segments(batch: dict, row: int):
+    """The (token words, weights) of each packed document of a row."""
+    words = {i: t for t, i in VOCAB.items()}
+    seg = batch["segment_ids"][row]
+    for s in range(1, int(seg.max()) + 1):
+        at = seg == s
+        yield [words[int(t)] for t in batch["tokens"][row][at]], batch["weights"][row][at]
+
+
+def test_prompt_completion_weights_are_exactly_the_completion_tokens(llama_dir, data_files):
+    """Packed prompt/completion rows: weight 1 on the completion's words and the EOS, 0 on
+    `<s>` + the prompt; documents in file order (no validation split here)."""
+    task = _task("transformer", data_files["pc"], llama_dir, validation=0.0)
+    records = read_jsonl(data_files["pc"])
+    arrays = task.eval_data  # no split: the evaluation rows are the training rows, in file order
+    docs = [d for row in range(len(arrays["tokens"])) for d in _segments(arrays, row)]
+    assert len(docs) == len(records)
+    for (words, weights), r in zip(docs, records):
+        prompt = ["<s>", *r["prompt"].split()]
+        assert words == prompt + r["completion"].split() + ["</s>"]
+        assert weights.tolist() == [0.0] * len(prompt) + [1.0] * (len(words) - len(prompt))
+    batch = task.train_batch(1, 4)  # the rows a step trains on: the same documents, weighted alike
+    assert set(batch) == {"tokens", "mask", "segment_ids", "positions", "weights"}
+    known = {(tuple(w), tuple(x.tolist())) for w, x in docs}
+    assert all((tuple(w), tuple(x.tolist())) in known for row in range(4) for w, x in _segments(batch, row))
+    assert task.loss_fn.__name__ == "next_token_loss" and task.kind == "lm"
+
+
+def test_chat_weights_are_exactly_the_assistant_tokens(llama_dir, data_files):
+    """Chat rows rendered with the folder's template: weight 1 on each assistant reply's
+    words and the `</s>` closing it, 0 on user turns and role headers."""
+    task = _task("transformer", data_files["chat"], llama_dir, validation=0.0)
+    arrays = task.eval_data
+    records = read_jsonl(data_files["chat"])
+    docs = [d for row in range(len(arrays["tokens"])) for d in _segments(arrays, row)]
+    assert len(docs) == len(records)
+    for (words, weights), r in zip(docs, records):
+        expected, role = [], None
+        for w in words:  # independent of zoo: weighted from after <assistant> through its </s>
+            expected.append(1.0 if role == "assistant" and w not in ("<assistant>", "<user>") else 0.0)
+            if w in ("<user>", "<assistant>"):
+                role = w[1:-1]
+            elif w == "</s>":
+                role = None
+        assert weights.tolist() == expected
+        assert sum(expected) == sum(len(m["content"].split()) + 1 for m in r["messages"] if m["role"] == "assistant")
+
+
+def test_chat_template_flag_gives_byte_tokens_their_turns(tmp_path, data_files):
+    """`--chat-template FILE` for a model without a tokenizer (byte tokens): the weighted
+    bytes are exactly each assistant reply and the ` </s> ` closing it."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    task = _task("transformer", data_files["chat"], None, seq_len=128, validation=0.0, chat_template=str(template))
+    assert task.data.endswith(
+        "0 truncated; no validation split (evaluated on the training rows); byte tokens, rows of 128"
+    )
+    arrays = task.eval_data
+    weighted = bytes(arrays["tokens"][arrays["weights"] > 0].astype(np.uint8)).decode()
+    replies = [m["content"] + " </s> " for r in read_jsonl(data_files["chat"]) for m in r["messages"]
+               if m["role"] == "assistant"]  # fmt: skip
+    assert weighted == "".join(replies)
+
+
+def test_train_batches_are_the_datasets_epochs_and_a_function_of_the_step(llama_dir, data_files):
+    """Step k's batch is batch k of `Dataset.batches` run one epoch after another (the
+    partial batch dropped), the same however often it is asked for; the metrics weigh the
+    loss exactly as `zoo.models.next_token_loss`."""
+    import jax.numpy as jnp
+
+    import zoo
+    from zoo.train._user_data import lm_metrics
+
+    train, _ = zoo.data.load(data_files["text"], llama_dir, seq_len=SEQ, validation=0.1)
+    task = _task("transformer", data_files["text"], llama_dir)
+    per_epoch = len(train) // 4
+    expected = [b for epoch in range(3) for b in train.batches(4, seed=0, epoch=epoch)]
+    for step in (1, 2, per_epoch, per_epoch + 1, 2 * per_epoch + 1):
+        got = task.train_batch(step, 4)
+        assert all(np.array_equal(got[k], expected[step - 1][k]) for k in got)
+    assert np.array_equal(task.train_batch(3, 4)["tokens"], task.train_batch(3, 4)["tokens"])
+    # Metrics: next_token_loss's sums and weights, scaled by the evaluator's row weight.
+    batch = {k: jnp.asarray(v) for k, v in task.train_batch(1, 4).items()}
+    sums, weights = zoo.models.next_token_loss(task.model, batch)
+    row = jnp.asarray([1.0, 1.0, 0.0, 1.0])
+    out = lm_metrics(task.model, batch | {"weight": row})
+    assert np.allclose(out["loss"], sums * row, rtol=1e-6) and np.allclose(out["weight"], weights * row)
+    assert float(out["correct"].sum()) <= float(out["weight"].sum())
+
+
+def test_the_runs_evaluator_weighs_packed_held_out_rows_as_the_training_loss(llama_dir, data_files):
+    """The run's Evaluator (chunks padded with weight-0 rows, columns cut past the longest
+    row's mask) on the packed prompt/completion rows: the loss is next_token_loss's
+    weighted mean over every row, at once."""
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+    from zoo._cli._run import Evaluator
+
+    task = _task("transformer", data_files["pc"], llama_dir, validation=0.0)
+    data = task.eval_data
+    assert len(data["tokens"]) % 4 != 0  # the last chunk is padded
+    sums, weights = zoo.models.next_token_loss(task.model, {k: jnp.asarray(v) for k, v in data.items()})
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        loss = Evaluator(task, mesh, 4)(task.model, data)["loss"]
+    assert abs(loss - float(sums.sum() / weights.sum())) < 1e-5 * loss
+
+
+def test_byte_tokenizer_ids_are_the_utf8_bytes():
+    from zoo.train._user_data import byte_tokenizer
+
+    text = "def f(x):\n\treturn 'héllo' \x01"
+    tok = byte_tokenizer()
+    encoding = tok.tokenizer.encode(text)
+    assert encoding.ids == list(text.encode("utf-8")) and tok.vocab_size == 256
+    assert tok.decode(encoding.ids) == text
+
+
+def test_train_transformer_on_a_txt_file_from_scratch_with_byte_tokens(tmp_path, data_files):
+    """(a) `zoo train transformer --data notes.txt`: byte tokens, one `"kind": "train"`
+    record per step, a GPT-2 folder written."""
+    out = tmp_path / "txt"
+    text = ok("train", "transformer", "--data", data_files["txt"], *TINY, "--steps", "3", "--model-config",
+              "d_model=32,num_layers=1", "--output", out)  # fmt: skip
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"].startswith("notes.txt, text:") and "byte tokens" in summary["data"], summary["data"]
+    assert (out / "model" / "config.json").is_file(), text
+    config = json.loads((out / "config.json").read_text())
+    assert config["data"] == str(data_files["txt"].resolve()) and config["packed"] is True
+
+
+def test_train_transformer_on_jsonl_text_with_the_init_tokenizer(tmp_path, llama_dir, data_files):
+    """(b) `zoo train transformer --init HF_DIR --data text.jsonl --no-packed`: the
+    folder's tokenizer, one document per row, the tokenizer copied next to the model."""
+    out = tmp_path / "text"
+    ok("train", "transformer", "--init", llama_dir, "--data", data_files["text"], "--no-packed", *TINY,
+       "--steps", "2", "--output", out)  # fmt: skip
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert "text: 36 rows" in summary["data"] and "tokenizer tokens" in summary["data"], summary["data"]
+    assert (out / "model" / "tokenizer.json").is_file()
+
+
+def _finetune(llama_dir, data, out, *extra):
+    return ok("finetune", "transformer", "--init", llama_dir, "--data", data, "--lora", "r=4,alpha=8", *TINY,
+              "--lr", "1e-2", "--output", out, *extra)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_finetune_contract_peft_opens_the_adapter_with_zoos_logits(tmp_path, llama_dir, data_files):
+    """(f) `zoo finetune transformer --init HF_DIR --data pc.jsonl --lora r=4,alpha=8
+    --output OUT`: OUT/adapter opened by peft on the transformers model gives zoo's
+    logits; metrics.jsonl holds one train record per step."""
+    import peft
+    import torch
+    import transformers
+
+    import zoo
+
+    out = tmp_path / "sft"
+    _finetune(llama_dir, data_files["pc"], out, "--steps", "6")
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == list(range(1, 7))
+    tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)  # <s> the cat sat on the mat
+    model, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(llama_dir), out / "adapter")
+    ours = np.asarray(model(tokens))[..., : len(VOCAB)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    with torch.no_grad():
+        base = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    peft_model = peft.PeftModel.from_pretrained(hf, out / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-5 * max(1.0, np.abs(theirs).max()), np.abs(ours - theirs).max()
+    assert np.abs(theirs - base).max() > 1e-3  # the adapter changed the model
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_sees_the_same_batches(tmp_path, llama_dir, data_files):
+    """(g) 5 steps at once vs 2 steps then --resume to 5 (the chat file packs into 15
+    training rows: epochs of 3 batches of 4, so the resume is mid-epoch and the run then
+    crosses an epoch end): the same train losses and the same adapter."""
+    import safetensors.numpy
+
+    import zoo
+
+    train, _ = zoo.data.load(data_files["chat"], llama_dir, seq_len=SEQ, validation=0.1)
+    assert len(train) // 4 == 3
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    # A constant rate after one warmup step: the schedule of 2 steps is that of 5.
+    same = ["--checkpoint-every", "2", "--schedule", "constant", "--warmup", "1"]
+    _finetune(llama_dir, data_files["chat"], whole, "--steps", "5", *same)
+    _finetune(llama_dir, data_files["chat"], parts, "--steps", "2", *same)
+    _finetune(llama_dir, data_files["chat"], parts, "--steps", "5", *same, "--resume")
+    losses = [{r["step"]: r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"}
+              for d in (whole, parts)]  # fmt: skip
+    assert sorted(losses[1]) == list(range(1, 6))
+    assert all(abs(losses[0][i] - losses[1][i]) <= 1e-6 * abs(losses[0][i]) for i in range(1, 6)), losses
+    a = safetensors.numpy.load_file(whole / "adapter" / "adapter_model.safetensors")
+    b = safetensors.numpy.load_file(parts / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(np.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a)
+
+
+@pytest.mark.slow
+def test_finetune_minilm_on_string_labels(tmp_path, data_files):
+    """(e) `zoo finetune minilm --data labels.jsonl`: 3 classes from the file's string
+    labels, named in sorted order and printed."""
+    out = tmp_path / "minilm"
+    text = ok("finetune", "minilm", "--data", data_files["labels"], *TINY[:-3], "--seq-len", "16", "--steps", "2",
+              "--output", out)  # fmt: skip
+    assert "classes: cats, colours, dogs" in text, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"].startswith("labels.jsonl, 3 classes"), summary["data"]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
+    assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
+    """(e) `zoo train encoder --data labels.csv`: integer labels, 2 classes, byte tokens."""
+    task = _task("encoder", data_files["csv"], None)
+    assert task.label_names == ("0", "1") and task.kind == "classification"
+    assert task.model.head.weight.shape[-1] == 2  # the head has as many outputs as the file has labels
+    batch = task.train_batch(1, 4)
+    assert set(batch) == {"tokens", "mask", "token_types", "labels"} and batch["tokens"].max() < 256
+    out = tmp_path / "encoder"
+    text = ok("train", "encoder", "--data", data_files["csv"], *TINY[:-1], "--steps", "2", "--model-config",
+              "d_model=32,num_layers=1", "--output", out)  # fmt: skip
+    assert "classes: 0, 1" in text, text
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["data"].startswith("labels.csv, 2 classes")
+
+
+@pytest.mark.parametrize(
+    ("args", "make", "message"),
+    [
+        (["train", "transformer"], None, "no such file"),
+        (["train", "transformer"], ("d.parquet", "x"), "unknown extension '.parquet'"),
+        (["train", "transformer"], ("d.jsonl", '{"text": "a"}\n{"text": \n'), "d.jsonl line 2 is not valid JSON"),
+        (["train", "transformer"], ("d.jsonl", '{"text": "a"}\n{"prompt": "a", "completion": "b"}\n'),
+         "mixes formats"),
+        (["train", "transformer"], ("d.jsonl", '{"body": "a"}\n'), "none of the known keys"),
+        (["train", "transformer"], ("d.csv", "text,label\na,x\nb,y\n"),
+         "(classification), but transformer is a language model; train a classifier on it: zoo finetune minilm"),
+        (["train", "encoder"], ("d.jsonl", '{"text": "a"}\n'),
+         "(language modelling), but encoder is a classifier; train a decoder on it: zoo finetune transformer"),
+        (["train", "mlp"], ("d.txt", "abc"), "the mlp trains on its synthetic teacher only"),
+        (["train", "encoder"], ("d.csv", "words,label\na,1\n"), "needs a header with 'text' and 'label'"),
+        (["train", "transformer", "--validation", "1.5"], ("d.txt", "abc"), "--validation must be a fraction"),
+        (["train", "transformer", "--steps", "1", "--devices", "2", "--model-config", "d_model=32"],
+         ("d.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n'), "pass --chat-template FILE"),
+        (["train", "transformer", "--steps", "1", "--devices", "2", "--batch-size", "8", "--model-config",
+          "d_model=32", "--validation", "0"], ("d.jsonl", '{"text": "a b c"}\n' * 3),
+         "--batch-size 8 is more than the training rows of d.jsonl (1)"),
+    ],
+)  # fmt: skip
+def test_bad_data_files_are_one_line(tmp_path, args, make, message):
+    path = tmp_path / "missing.jsonl"
+    if make is not None:
+        path = tmp_path / make[0]
+        path.write_text(make[1])
+    rc, _, err = zoo_main(*args, "--data", path, "--output", tmp_path / "out")
+    one_line_error(rc, err, message)
+
+
+def test_a_name_neither_built_in_nor_a_file_is_one_line():
+    rc, _, err = zoo_main("train", "encoder", "--data", "prose")
+    one_line_error(rc, err, "--data 'prose': encoder trains on docstrings, or on your own .txt, .jsonl or .csv file")

@@ -1,0 +1,293 @@
+"""A training task from a user's own data file (`--data FILE`): the model built as for the
+built-in data, the file read by `zoo.data.load` with the model's tokenizer.
+
+Language modelling (`.txt`, `.jsonl` with `text`, `prompt`/`completion` or `messages`)
+trains a decoder (`transformer`) with `zoo.models.next_token_loss` on the weights the file
+gives (every token, the completions, the assistant turns); classification (`.jsonl` /
+`.csv` with `text`/`label`) trains an encoder (`encoder`, `minilm`) with
+`zoo.models.classification_loss`, as many labels as the file holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
+from ._errors import ConfigError
+from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, tokenizer_of
+
+SUFFIXES = (".txt", ".jsonl", ".csv")
+LM_KINDS = ("text", "prompt_completion", "chat")
+DECODERS = ("transformer",)
+CLASSIFIERS = ("encoder", "minilm")
+
+# The flags a data file adds, and their defaults.
+DATA_FLAG_DEFAULTS: dict[str, Any] = {"validation": 0.1, "packed": True, "chat_template": None}
+
+DATA_FILE_HELP = (
+    "; or your own file: .txt or .jsonl with text, prompt+completion or messages (chat) for transformer, "
+    ".jsonl or .csv with text+label for encoder/minilm (docs/data.md)"
+)
+
+
+def check_data_file(
+    data: str, model: str, *, builtin: tuple[str, ...], validation: float, chat_template: str | None
+) -> str:
+    """The absolute path of `--data FILE` once it is readable and fits `model` (its
+    records are read and checked here, before any device is touched); else a one-line
+    error naming the file (and line) and the fix. `builtin`: the model's own data sets."""
+    import zoo
+    from zoo.data._records import FORMATS
+
+    path = Path(data).expanduser()
+    if path.suffix.lower() not in SUFFIXES:
+        if not path.exists():
+            raise ConfigError(
+                f"--data {data!r}: {model} trains on {' or '.join(builtin)}, or on your own .txt, .jsonl or .csv "
+                "file (docs/data.md)"
+            )
+        raise ConfigError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
+    if not path.is_file():
+        raise ConfigError(f"--data {data}: no such file; check the path")
+    if model not in DECODERS + CLASSIFIERS:
+        raise ConfigError(
+            f"--data {data}: the {model} trains on its synthetic teacher only; a data file trains transformer "
+            "(text) or encoder / minilm (text + label)"
+        )
+    if not 0 <= validation < 1:
+        raise ConfigError(f"--validation must be a fraction in [0, 1), got {validation}")
+    if chat_template is not None and not Path(chat_template).expanduser().is_file():
+        raise ConfigError(f"--chat-template {chat_template}: no such file; pass a jinja2 chat template file")
+    try:
+        kind, _ = zoo.data.read_records(path)
+    except zoo.data.DataFormatError as e:
+        raise ConfigError(f"--data: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--data {data} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    if kind in LM_KINDS and model in CLASSIFIERS:
+        raise ConfigError(
+            f"--data {data} holds {kind.replace('_', '/')} records (language modelling), but {model} is a "
+            "classifier; train a decoder on it: zoo finetune transformer --init HF_DIR --data FILE (or zoo train "
+            "transformer --data FILE)"
+        )
+    if kind == "classification" and model in DECODERS:
+        raise ConfigError(
+            f"--data {data} holds text/label records (classification), but transformer is a language model; "
+            "train a classifier on it: zoo finetune minilm --data FILE (or zoo train encoder --data FILE)"
+        )
+    return str(path.resolve())
+
+
+# --- tokenizers ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters (what the `ByteLevel`
+    pre-tokenizer produces)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    for b in range(256):  # the other 68 bytes (controls, space, ...) go to 256, 257, ...
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def byte_tokenizer():
+    """A `zoo.hf.Tokenizer` whose ids are the text's UTF-8 bytes (0…255, as
+    `zoo.data.byte_tokens`), with character offsets (chat data needs them), no special
+    tokens, padding id 0."""
+    import tokenizers
+
+    import zoo
+
+    chars = _byte_to_char()
+    rust = tokenizers.Tokenizer(tokenizers.models.BPE({chars[b]: b for b in range(256)}, []))
+    rust.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    rust.decoder = tokenizers.decoders.ByteLevel()
+    return zoo.hf.Tokenizer(rust, pad_id=0)
+
+
+def _chat_template(file: str | None, folder: Path | None):
+    """`--chat-template FILE` with the special tokens of `folder`'s tokenizer_config.json
+    (None without the flag: the folder's own template, if any)."""
+    import zoo
+    from zoo.data._chat import SPECIAL_TOKEN_NAMES
+
+    if file is None:
+        return None
+    config = {}
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    special = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    return zoo.data.ChatTemplate(Path(file).expanduser().read_text(encoding="utf-8"), special)
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+
+def epoch_order(rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The row order of epoch `epoch`: the permutation `zoo.data.Dataset.batches(seed=,
+    epoch=)` draws (tested equal), here for the whole global batch (the run keeps each
+    process's rows itself)."""
+    return np.random.default_rng([seed, epoch]).permutation(rows)
+
+
+def step_batch(arrays: dict[str, np.ndarray], step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+    """The global batch of step `step` (from 1): the batches of `Dataset.batches` one
+    epoch after another (each `rows // batch_size` long, the last partial batch dropped),
+    so a function of the step alone: a resumed run sees the batches it would have seen."""
+    rows = len(next(iter(arrays.values())))
+    epoch, index = divmod(step - 1, rows // batch_size)
+    picked = epoch_order(rows, seed, epoch)[index * batch_size : (index + 1) * batch_size]
+    return {name: array[picked] for name, array in arrays.items()}
+
+
+# --- metrics (traced) ----------------------------------------------------------------------------
+
+
+def lm_metrics(model, batch):
+    """Per-row `loss` sums, target `weight`s and `correct` next-token counts, each row
+    scaled by its `weight` (0 on the evaluator's padding rows): the loss is
+    `zoo.models.next_token_loss` itself, so held-out tokens weigh as in training (only
+    completions / assistant turns, packed documents apart)."""
+    import jax.numpy as jnp
+
+    import zoo
+
+    row = batch["weight"]
+    seen = []
+
+    def forward(tokens, **kwargs):  # the loss's own logits, kept for the accuracy: one forward pass
+        seen.append(model(tokens, **kwargs))
+        return seen[-1]
+
+    sums, weights = zoo.models.next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
+    tokens = batch["tokens"]
+    targets = batch["weights"][:, 1:].astype(jnp.float32) * row[:, None]
+    correct = (jnp.argmax(seen[0][:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * targets
+    return {"loss": sums * row, "weight": weights * row, "correct": jnp.sum(correct, axis=1)}
+
+
+# --- the task ------------------------------------------------------------------------------------
+
+
+def user_data_task(
+    s: TaskSettings, *, rules, mesh, validation: float = 0.1, packed: bool = True, chat_template: str | None = None
+) -> Task:
+    """The task of model `s.name` (`transformer`, `encoder`, `minilm`) on the data file
+    `s.data` (checked by `check_data_file`): `validation` of its documents held out,
+    language-modelling documents `packed` into rows, `chat_template` a jinja2 file for
+    chat data when the tokenizer has none."""
+    import zoo
+
+    from ._builtin import classifier_model, decoder_model, init_name
+
+    folder = init_folder(s)
+    tokenizer = tokenizer_of(folder)
+    path = Path(s.data)
+    source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
+    template = _chat_template(chat_template, folder)
+    try:
+        train, val = zoo.data.load(
+            path, source, seq_len=s.seq_len, packed=packed, validation=validation, chat_template=template
+        )
+    except zoo.data.DataFormatError as e:
+        hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
+        raise ConfigError(f"--data: {str(e).splitlines()[0]}{hint}") from None
+    except ValueError as e:  # a template that cannot find the assistant turns
+        raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
+    if len(train) == 0:
+        raise ConfigError(f"--data {path}: no training rows are left after holding out --validation {validation}")
+    tokens_kind = "byte" if tokenizer is None else "tokenizer"
+    if train.kind == "classification":
+        if train.num_labels < 2:
+            raise ConfigError(
+                f"--data {s.data}: every example has the label {train.label_names[0]!r}; a classifier needs 2 or more"
+            )
+        model, config, folder = classifier_model(s, train.num_labels, rules=rules, mesh=mesh)
+        _check_tokenizer(config, tokenizer, folder)
+        return _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, init_name(s, folder))
+    model, config, folder = decoder_model(s, rules=rules, mesh=mesh)
+    _check_tokenizer(config, tokenizer, folder)
+    eval_data = dict(val.arrays if len(val) else train.arrays)
+    if s.eval_size:
+        eval_data = {k: v[: s.eval_size] for k, v in eval_data.items()}
+    held = f"{len(val)} validation rows" if len(val) else "no validation split (evaluated on the training rows)"
+    return Task(
+        model=model,
+        kind="lm",
+        loss_fn=zoo.models.next_token_loss,
+        metrics_fn=lm_metrics,
+        train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
+        eval_data=eval_data,
+        train_data=None,
+        data=f"{path.name}, {zoo.data.describe(train)}; {held}; {tokens_kind} tokens, rows of {s.seq_len}",
+        unit="tokens",
+        tokens_per_example=s.seq_len,
+        hf_part=lambda m: m,
+        tokenizer_dir=folder if tokenizer is not None else None,
+        config=config.to_dict(),
+        init=None if folder is None else str(folder),
+    )
+
+
+def _checked_batch(dataset, step: int, n: int, seed: int, path: Path) -> dict[str, np.ndarray]:
+    if n > len(dataset):
+        raise ConfigError(
+            f"--batch-size {n} is more than the training rows of {path.name} ({len(dataset)}); lower --batch-size "
+            "(or --seq-len: shorter rows are more rows)"
+        )
+    return step_batch(dataset.arrays, step, n, seed)
+
+
+def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
+    check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"--init {folder}: its tokenizer has {tokenizer.vocab_size} ids but the model only "
+            f"{config.vocab_size}; use the tokenizer the model was trained with"
+        )
+
+
+def _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind: str, init: str | None) -> Task:
+    import zoo
+
+    num_labels = train.num_labels
+    train_arrays = dict(train.arrays)
+    eval_data = dict(val.arrays if len(val) else train.arrays)
+    if s.eval_size:
+        eval_data = {k: v[: s.eval_size] for k, v in eval_data.items()}
+    path = Path(s.data)
+    held = f"{len(val)} test texts" if len(val) else "no test split (evaluated on the training texts)"
+    return Task(
+        model=model,
+        kind="classification",
+        loss_fn=zoo.models.classification_loss,
+        metrics_fn=classifier_metrics,
+        train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
+        eval_data=eval_data,
+        train_data=train_arrays,
+        data=(
+            f"{path.name}, {num_labels} classes, {len(train)} train texts / {held}, {tokens_kind} tokens cut at "
+            f"{s.seq_len}"
+        ),
+        unit="examples",
+        tokens_per_example=s.seq_len,
+        label_names=train.label_names,
+        hf_part=lambda m: m.encoder,
+        tokenizer_dir=folder if tokenizer is not None else None,
+        config=config.to_dict() | {"num_labels": num_labels},
+        init=init,
+    )
