@@ -390,4 +390,4 @@ def test_bad_data_files_are_one_line(tmp_path, args, make, message):
 
 def test_a_name_neither_built_in_nor_a_file_is_one_line():
     rc, _, err = zoo_main("train", "encoder", "--data", "prose")
-    one_line_error(rc, err, "--data 'prose': encoder trains on docstrings, or on your own .txt, .jsonl or .csv file")
+    one_line_error(rc, err, "--data 'prose': encoder trains on docstrings or swapped-halves, or on your own .txt, .jsonl or .csv file")
