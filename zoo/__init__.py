@@ -21,7 +21,7 @@ if _os.environ.get("ZOO_RUNTIME_CHECKS", "").strip().lower() not in ("", "0", "f
 
     _jaxtyping.install_import_hook("zoo", "beartype.beartype")
 
-from . import data, hf, internal, lora, models, nn, presets
+from . import data, hf, internal, lora, models, nn, presets, train
 from ._axes import LAYERS as LAYERS
 from ._axes import LogicalAxes as LogicalAxes
 from ._axes import field as field
@@ -90,4 +90,5 @@ __all__ = [
     "rules",
     "shard",
     "stacked_field",
+    "train",
 ]
