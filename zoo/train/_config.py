@@ -30,7 +30,7 @@ class DataConfig:
     seq_len: int | None = None
     eval_size: int = 0
     packed: bool | None = None
-    validation: float | None = None
+    validation: float | int | None = None
     chat_template: str | None = None
 
     def __post_init__(self):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
 
 from ._errors import ConfigError
 
@@ -30,13 +29,14 @@ class OptimizerConfig:
     - `end_lr_fraction`: where the cosine and linear schedules end, as a fraction of `lr`.
     """
 
-    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = "adamw"
-    lr: float = 1e-3
-    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    # Plain `str`s, checked in __post_init__: a bad name is a ConfigError listing the choices.
+    name: str = "adamw"
+    lr: float | int = 1e-3
+    schedule: str = "cosine"
     warmup: int | None = None
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    end_lr_fraction: float = 0.1
+    weight_decay: float | int = 0.0
+    clip: float | int = 1.0
+    end_lr_fraction: float | int = 0.1
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:

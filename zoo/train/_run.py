@@ -15,6 +15,7 @@ import datetime
 import math
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,8 @@ def check_checkpoints(config: RunConfig, output: Path) -> None:
         )
 
 
-def run(config: RunConfig, *, command: str | None = None, title: str | None = None) -> RunResult:
+def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = None,
+        title: str | None = None) -> RunResult:  # fmt: skip
     """Train `config.model` (every weight, or LoRA adapters when `config.lora` is set) on
     the devices jax has, writing into `config.output`: config.json (`config.to_dict()`),
     metrics.jsonl, loss.png, summary.json, checkpoints/, and adapter/ or model/ (a
@@ -166,6 +168,8 @@ def run(config: RunConfig, *, command: str | None = None, title: str | None = No
     **Arguments:**
 
     - `config`: the `RunConfig`.
+    - `hooks`: more hooks for the `Trainer` (fired after the run's own: metrics.jsonl,
+      TensorBoard, progress, evaluation, checkpoints, samples).
     - `command`, `title`: how the run names itself in its outputs (default `"train"`,
       or `"finetune"` with LoRA, and a title made from them).
 
@@ -196,11 +200,12 @@ def run(config: RunConfig, *, command: str | None = None, title: str | None = No
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(output, ckpt, main=zoo.is_main_process()):
         check_checkpoints(config, output)
-        return _run(config, command=command, devices=devices, mesh_shape=mesh_shape, output=output, title=title)
+        return _run(config, command=command, devices=devices, mesh_shape=mesh_shape, output=output, title=title,
+                    hooks=hooks)  # fmt: skip
 
 
 def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str, int], output: Path,
-         title: str) -> RunResult:  # fmt: skip
+         title: str, hooks: Sequence[Any]) -> RunResult:  # fmt: skip
     import equinox as eqx
     import jax
     import numpy as np
@@ -338,19 +343,20 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
         saver = Checkpoint(ckpt_dir, every=config.checkpoint_every, keep=config.keep, at_end=checkpointed,
                            extra={"key": key}, metadata={"model": config.model}, checkpointer=checkpointer,
                            last_saved=start or None)  # fmt: skip
-        hooks: list[Any] = [MetricsLog(output / "metrics.jsonl")]
+        run_hooks: list[Any] = [MetricsLog(output / "metrics.jsonl")]
         if config.tensorboard:
-            hooks.append(TensorBoard(config.tensorboard))
+            run_hooks.append(TensorBoard(config.tensorboard))
         if not quiet:
-            hooks.append(Progress(unit="tok" if task.unit == "tokens" else "ex",
+            run_hooks.append(Progress(unit="tok" if task.unit == "tokens" else "ex",
                                   label="finetune" if finetune else "train"))  # fmt: skip
-        hooks += [evaluator, saver]
+        run_hooks += [evaluator, saver]
         sampler = None
         if task.kind == "lm":  # a decoder shows what it learned: a greedy continuation
             sampler = _sampler(model, task)
-            hooks.append(sampler)
+            run_hooks.append(sampler)
+        run_hooks += list(hooks)
         trainer = Trainer(
-            step, batch_at, steps=steps, hooks=hooks, lr=lambda i: rates[i - 1],
+            step, batch_at, steps=steps, hooks=run_hooks, lr=lambda i: rates[i - 1],
             tokens_per_example=task.tokens_per_example if task.unit == "tokens" else None,
             skip_nonfinite=config.skip_nonfinite,
             advice=f"Lower --lr (now {opt.lr:g}), keep --clip > 0, or pass --skip-nonfinite to skip such steps",
