@@ -32,10 +32,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def _tasks():
-    """`(TaskSettings, build_task)`: the one place the trainer imports the task builders."""
-    from .._cli._tasks import TaskSettings, build_task
+    """`(TaskSettings, build_task, DATASETS)`: the one place the trainer imports the task
+    builders (and each model's data sets, the first its default)."""
+    from .._cli._tasks import DATASETS, TaskSettings, build_task
 
-    return TaskSettings, build_task
+    return TaskSettings, build_task, DATASETS
 
 
 @dataclasses.dataclass
@@ -238,9 +239,7 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
     steps, bsz, m = config.steps, config.batch_size, config.microbatches
     opt = config.optimizer
     warmup = opt.warmup_steps(steps)
-    TaskSettings, build_task = _tasks()
-    from .._cli._tasks import DATASETS
-
+    TaskSettings, build_task, DATASETS = _tasks()
     source = config.data.source or DATASETS.get(config.model, (None,))[0]
 
     with jax.set_mesh(mesh):
@@ -385,7 +384,8 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
                           trainable_bytes, adapter_bytes, compile_s, start, warmup)  # fmt: skip
 
         # -- train ----------------------------------------------------------------------------
-        phase(f"training steps {start + 1} to {steps}" + (f", evaluating every {every}" if every else "") + "...")
+        cadence = "" if not every else ", evaluating after every step" if every == 1 else f", evaluating every {every}"
+        phase(f"training steps {start + 1} to {steps}{cadence}...")
         model, opt_state = trainer.run(model, opt_state, start=start)
         train_s = trainer.train_seconds
         losses, skipped = trainer.losses, trainer.skipped
@@ -512,10 +512,14 @@ def _sampler(model, task, *, prompt_len: int = 16, new_tokens: int = 32) -> Samp
     prompt_len = min(prompt_len, max_len // 2)
     new_tokens = min(new_tokens, max_len - prompt_len)
     tokens = np.asarray(task.eval_data["tokens"][:1, :prompt_len], np.int32)
-    from .._cli._generate import Text
-
     tokenizer = zoo.hf.Tokenizer.from_pretrained(task.tokenizer_dir) if task.tokenizer_dir is not None else None
-    decode = Text(tokenizer).decode
+
+    def decode(ids) -> str:
+        ids = [int(i) for i in ids]
+        if tokenizer is None:  # byte tokens
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return tokenizer.decode(ids)
+
     return Sample(tokens, new_tokens=new_tokens, decode=decode)
 
 
