@@ -1,9 +1,9 @@
 """`zoo train MODEL`, `zoo finetune MODEL --lora ...`, `zoo demo`: flags, defaults, checks.
 
 The three commands take the same flags (finetune and demo add `--lora`); each turns them
-into a `zoo.train.RunConfig` and calls `zoo.train.run`, which holds the loop. A flag left unset takes the model's default for the command
-(`DEFAULTS`), resolved before anything is built; `config.json` in the output folder records
-every resolved value.
+into a `zoo.train.RunConfig` and calls `zoo.train.run`, which holds the loop. A flag left
+unset takes the model's default for the command (`DEFAULTS`), resolved before anything is
+built; `config.json` in the output folder records every resolved value.
 """
 
 from __future__ import annotations
@@ -323,8 +323,10 @@ def execute(s: dict[str, Any], command: str, *, title: str | None = None):
     devices = init_processes(s)
     mesh_shape = parse_mesh(s["mesh"], devices)
     s["devices"], s["mesh"] = devices, mesh_text(mesh_shape)
-    s["output"] = str(_output_dir(s, command))
     import zoo
+
+    # No --output: config.json records none (replaying it makes a new folder); zoo.train.run
+    # names the folder as _output_dir does.
 
     config = zoo.train.RunConfig.from_dict({k: v for k, v in s.items() if k not in _PROCESS_FLAGS})
     return zoo.train.run(config, command=command, title=title or _title(command, s))

@@ -479,7 +479,8 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
             "load": load_s,
             "evaluate_before": eval_s,
             "compile": compile_s,
-            "train": train_s,
+            "train": train_s,  # the steps alone
+            "hooks": trainer.hook_seconds,  # evaluations and saves between steps
             "total": time.perf_counter() - t_start,
         },
         "throughput": {
@@ -661,6 +662,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say(
         f"time: load + first eval {secs['load'] + secs['evaluate_before']:.1f} s, compile {secs['compile']:.1f} s, "
         f"{summary['steps'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "
+        f"evaluations and saves between them {secs['hooks']:.1f} s, "
         f"total {secs['total']:.1f} s"
     )
     files = sorted(p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if not p.name.startswith("."))

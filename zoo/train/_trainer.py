@@ -42,7 +42,8 @@ class Trainer:
     naming the last good checkpoint; nothing after it is saved.
 
     After `run`: `losses` (the finite training losses), `skipped` (non-finite steps
-    skipped), `train_seconds`.
+    skipped), `train_seconds` (the steps' time, the hooks' left out) and `hook_seconds`
+    (the time of the hooks fired between steps: evaluations, saves).
     """
 
     def __init__(self, step, batch_at: Callable[[int], Any], *, steps: int, hooks: Sequence[Any] = (),
@@ -55,6 +56,7 @@ class Trainer:
         self.losses: list[float] = []
         self.skipped = 0
         self.train_seconds = 0.0
+        self.hook_seconds = 0.0
         self._t0 = time.perf_counter()
 
     def compile(self, model, opt_state, *, start: int = 0):
@@ -95,7 +97,7 @@ class Trainer:
         compiled = self.compiled if self.compiled is not None else self.compile(model, opt_state, start=start)
         steps = self.steps
         self._t0 = time.perf_counter()
-        self.losses, self.skipped = [], 0
+        self.losses, self.skipped, self.hook_seconds = [], 0, 0.0
         last = time.perf_counter()
         batch_size: int | None = None
         pending: tuple[int, Any] | None = None
@@ -152,10 +154,12 @@ class Trainer:
                 if not due and not preemption.requested:
                     continue
                 flush()
+                hooks_t0 = time.perf_counter()
                 state = TrainState(i, steps, model, opt_state, self.losses[-1] if self.losses else None, self)
                 for hook in due:
                     hook(state)
                 last = time.perf_counter()  # the hooks' time is not training throughput
+                self.hook_seconds += last - hooks_t0
                 if preemption.requested and i != steps:
                     saver = next((h for h in self.hooks if isinstance(h, Checkpoint)), None)
                     if saver is None:
@@ -166,7 +170,7 @@ class Trainer:
                     raise Preempted(f"SIGTERM: stopped after step {i} of {steps}, checkpoint saved in "
                                     f"{saver.directory}; continue with the same command and --resume")  # fmt: skip
             flush()
-            self.train_seconds = time.perf_counter() - train_t0
+            self.train_seconds = time.perf_counter() - train_t0 - self.hook_seconds
             state = TrainState(steps, steps, model, opt_state, self.losses[-1] if self.losses else None, self)
             self.check_finite(state)
             call("on_end", state)
