@@ -173,7 +173,7 @@ def test_hooks_fire_at_their_steps_and_metrics_have_both_kinds(linear_setup, tmp
     # Each evaluation row follows the training row of its step.
     order = [(r["kind"], r["step"]) for r in rows]
     assert order.index(("eval", 4)) == order.index(("train", 4)) + 1
-    assert len(trainer.losses) == STEPS and trainer.train_seconds > 0
+    assert len(trainer.losses) == STEPS and trainer.train_seconds > 0 and trainer.hook_seconds > 0
 
 
 def _tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
