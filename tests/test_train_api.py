@@ -332,3 +332,11 @@ def test_phase_lines_arrive_in_order_and_before_the_run_ends_through_a_pipe(tmp_
     assert phases[0][0] < end - 0.5  # the first arrived while loading/compiling still had to run
     lines = [line for _, line in arrivals]
     assert lines.index(phases[-1][1]) < next(i for i, line in enumerate(lines) if line.startswith("loss fell"))
+
+
+def test_zoo_train_is_public_and_the_cli_errors_are_config_errors():
+    assert "train" in zoo.__all__ and all(hasattr(zoo.train, name) for name in zoo.train.__all__)
+    from zoo._cli import CLIError
+
+    assert issubclass(CLIError, ConfigError) and issubclass(ConfigError, ValueError)
+    assert issubclass(zoo.train.RunStopped, RuntimeError) and issubclass(zoo.train.Preempted, RuntimeError)
