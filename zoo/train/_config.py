@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+from ..lora import LoraConfig
 from ._errors import ConfigError
 from ._optimizer import OptimizerConfig
 
@@ -84,7 +85,7 @@ class RunConfig:
     microbatches: int = 1
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    lora: Any = None  # zoo.lora.LoraConfig | None
+    lora: LoraConfig | None = None
     seed: int = 0
     dtype: str = "float32"
     devices: int | None = None
@@ -138,11 +139,8 @@ class RunConfig:
         if not isinstance(self.optimizer, OptimizerConfig):
             raise bad("optimizer", "a zoo.train.OptimizerConfig")
         self.optimizer.warmup_steps(self.steps)
-        if self.lora is not None:
-            import zoo
-
-            if not isinstance(self.lora, zoo.lora.LoraConfig):
-                raise bad("lora", "a zoo.lora.LoraConfig or None")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise bad("lora", "a zoo.lora.LoraConfig or None")
         if self.mesh is not None and (
             not isinstance(self.mesh, dict)
             or not all(isinstance(k, str) and integer(v) and v >= 1 for k, v in self.mesh.items())
