@@ -1,10 +1,12 @@
 """`zoo` / `python -m zoo`: train, finetune, demo, inspect, info.
 
 A private package of one module per concept: `_common` (errors, devices, the mesh flag),
-`_tasks` (the fixed tiny models of the collectives fixture; models are built by `zoo.train`), `_lora_flag` (`--lora`), `_inspect`, `_info`,
-`_train` (flags and defaults of train/finetune/demo), `_run` (their one training loop),
-`_output` (progress bar, metrics.jsonl, loss.png), `_config_file` (`--config`), `_main`
-(parser and entry point). The library never imports it; it uses the public API only.
+`_tasks` (the fixed tiny models of the collectives fixture; models are built by
+`zoo.train`'s registry), `_lora_flag` (`--lora`), `_inspect`, `_info`,
+`_train` (flags and defaults of train/finetune/demo: a `zoo.train.RunConfig` handed to
+`zoo.train.run`, which holds the loop), `_output` (the run's outputs, from `zoo.train`),
+`_config_file` (`--config`), `_main` (parser and entry point: the one place errors become
+exit codes).
 """
 
 from ._common import CLIError, parse_mesh

@@ -11,27 +11,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..train._errors import ConfigError
 
-class CLIError(Exception):
-    """A user mistake: printed as one line with the fix, no traceback; exit code 2."""
+
+class CLIError(ConfigError):
+    """A user mistake: printed as one line with the fix, no traceback; exit code 2. A
+    `zoo.train.ConfigError`, so library callers catch the CLI's checks with it too."""
 
     exit_code = 2
     prefix = "error"
-
-
-class Preempted(CLIError):
-    """SIGTERM: the run saved a checkpoint and stopped; one line, exit code 143 (128 +
-    SIGTERM, as a shell reports a process the signal ended), so a scheduler requeues it."""
-
-    exit_code = 143
-    prefix = "stopped"
-
-
-class RunStopped(CLIError):
-    """A run that stopped itself (its loss or weights went non-finite): one line, exit
-    code 3, the last good checkpoint kept."""
-
-    exit_code = 3
 
 
 # XLA options for programs compiled once and run once (inspected steps, initialisers): no

@@ -6,7 +6,7 @@ import argparse
 import errno
 import sys
 
-from ..train._errors import ConfigError
+from ..train._errors import ConfigError, Preempted, RunStopped
 from ._common import CLIError
 
 DESCRIPTION = (
@@ -20,6 +20,11 @@ NO_CACHE_HELP = (
     "$ZOO_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/zoo/jax or ~/.cache/zoo/jax, so a second identical "
     "run skips compiling; ZOO_NO_COMPILE_CACHE=1 also turns it off)"
 )
+
+
+# How `main` reports the library's errors: (prefix, exit code). A ConfigError is 2, as a
+# usage error; SIGTERM is 143 = 128 + 15, as a shell reports a process the signal ended.
+_EXITS = {ConfigError: ("error", 2), RunStopped: ("error", 3), Preempted: ("stopped", 143)}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,11 +89,16 @@ def main(argv: list[str] | None = None) -> int:
 
             zoo.enable_compilation_cache()
         return args.func(args)
-    except (CLIError, ConfigError) as e:  # a ConfigError is the library's CLIError
+    except (ConfigError, RunStopped, Preempted) as e:
+        # The CLI's own checks (CLIError) and the library's: one line, an exit code each.
         if debug:
             raise
-        print(f"zoo: {getattr(e, 'prefix', 'error')}: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
+        if isinstance(e, CLIError):
+            prefix, code = e.prefix, e.exit_code
+        else:
+            prefix, code = next(v for k, v in _EXITS.items() if isinstance(e, k))
+        print(f"zoo: {prefix}: {e}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         if debug:
             raise

@@ -1,9 +1,9 @@
 """`zoo train MODEL`, `zoo finetune MODEL --lora ...`, `zoo demo`: flags, defaults, checks.
 
-The three commands take the same flags (finetune and demo add `--lora`) and run the same
-loop (`_run.run`). A flag left unset takes the model's default for the command
-(`DEFAULTS`), resolved before anything is built; `config.json` in the output folder records
-every resolved value.
+The three commands take the same flags (finetune and demo add `--lora`); each turns them
+into a `zoo.train.RunConfig` and calls `zoo.train.run`, which holds the loop. A flag left
+unset takes the model's default for the command (`DEFAULTS`), resolved before anything is
+built; `config.json` in the output folder records every resolved value.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from ..train import _registry
 from ..train._builtin import PRETRAINED_KEYS, minilm_available
+from ..train._optimizer import OPTIMIZERS, SCHEDULES
 from ..train._user_data import DATA_FILE_HELP, DATA_FLAG_DEFAULTS, check_data_file
 from ._common import (
     DEFAULT_CPU_DEVICES,
@@ -29,7 +30,6 @@ from ._common import (
     parse_scalar,
 )
 from ._lora_flag import LORA_HELP, finetune_defaults, lora_text, parse_lora
-from ._run import OPTIMIZERS, check_checkpoints, check_layout, run
 
 
 def model_help() -> str:
@@ -101,8 +101,8 @@ DEFAULTS: Mapping[str, Mapping[str, dict[str, Any]]] = _Defaults()
 # Defaults shared by every model.
 _COMMON = dict(
     devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
-    schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=0, eval_size=0,
-    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, resume_step=None, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False,
+    schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=None, eval_size=0,
+    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, resume_step=None, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False, tensorboard=None,
     debug=False,
 )  # fmt: skip
 _FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
@@ -138,6 +138,8 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     if s["data"] not in spec.datasets:  # a user's file: readable, and of the model's kind
         s["data"] = check_data_file(s["data"], model, builtin=tuple(spec.datasets), validation=s["validation"],
                                     chat_template=s["chat_template"])  # fmt: skip
+    if s["eval_every"] is None:  # a tenth of the run: loss.png shows measured points
+        s["eval_every"] = max(1, s["steps"] // 10)
     for name in ("steps", "batch_size", "microbatches", "keep"):
         if s[name] < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
@@ -191,7 +193,7 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
 # config.json when not given.
 RESUME_SAFE = ("steps", "devices", "mesh", "rules", "mode", "microbatches", "coordinator", "num_processes",
                "process_id", "eval_every", "eval_size", "checkpoint_every", "keep", "quiet", "debug", "output",
-               "checkpoint_dir", "resume", "resume_step", "overwrite", "probe")  # fmt: skip
+               "checkpoint_dir", "resume", "resume_step", "overwrite", "probe", "tensorboard")  # fmt: skip
 # Not taken from config.json: the layout follows this launch's devices.
 _NOT_INHERITED = ("devices", "mesh", "coordinator", "num_processes", "process_id", "resume", "resume_step", "overwrite")
 
@@ -299,14 +301,6 @@ def _output_dir(s: dict[str, Any], command: str) -> Path:
     return folder
 
 
-def _config_json(s: dict[str, Any]) -> dict[str, Any]:
-    """The flags as `--config` reads them back (internal values left out)."""
-    # The process flags belong to one launch, not to the run: --config must not replay them.
-    # --overwrite and --resume-step too: replaying a run's config.json must not delete that run.
-    drop = ("model_config_values", "overwrite", "resume_step", *_PROCESS_FLAGS)
-    return {k: v for k, v in s.items() if k not in drop}
-
-
 def _title(command: str, s: dict[str, Any]) -> str:
     what = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}[command]
     return (
@@ -363,26 +357,18 @@ def init_processes(s: dict[str, Any]) -> int:
 
 
 def execute(s: dict[str, Any], command: str, *, title: str | None = None):
-    """Devices, mesh and batch checks, the output folder with config.json, then the run."""
+    """Devices (and processes), then `zoo.train.run` of the resolved flags `s` as a
+    `RunConfig` (the flags are its flat form, `RunConfig.from_dict`)."""
     devices = init_processes(s)
     mesh_shape = parse_mesh(s["mesh"], devices)
     s["devices"], s["mesh"] = devices, mesh_text(mesh_shape)
-    check_layout(s, mesh_shape, devices)
-    output = _output_dir(s, command)
     import zoo
 
-    from ._lock import run_lock
-    from ._run import checkpoint_dir
+    # No --output: config.json records none (replaying it makes a new folder); zoo.train.run
+    # names the folder as _output_dir does.
 
-    for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoint_dir(s, output))):
-        if folder.exists() and not folder.is_dir():
-            raise CLIError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
-    # One run per folder, held before anything is read or written there. config.json is
-    # written once the model is built: a run that fails before leaves no folder.
-    with run_lock(output, checkpoint_dir(s, output), main=zoo.is_main_process()):
-        check_checkpoints(s, output)
-        return run(s, command=command, devices=devices, mesh_shape=mesh_shape, output=output,
-                   title=title or _title(command, s), config=_config_json(s))  # fmt: skip
+    config = zoo.train.RunConfig.from_dict({k: v for k, v in s.items() if k not in _PROCESS_FLAGS})
+    return zoo.train.run(config, command=command, title=title or _title(command, s))
 
 
 def cmd_train(args) -> int:
@@ -512,8 +498,9 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--warmup", type=int, metavar="STEPS", help="linear warmup steps (default steps/20)")
     g.add_argument(
         "--schedule",
-        choices=("cosine", "constant"),
-        help="after the warmup: cosine decay to lr/10, or constant (default cosine)",
+        choices=SCHEDULES,
+        help="after the warmup: cosine decay to lr/10 at the last step, linear decay to lr/10, or constant "
+        "(default cosine); the warmup rises linearly from lr/warmup at step 1 to lr at step --warmup",
     )
     g.add_argument(
         "--clip", type=float, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)"
@@ -569,7 +556,12 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
         f"head either way (default 0: off{', demo 300' if command == 'demo' else ''})",
     )
     g = p.add_argument_group("evaluation and outputs")
-    g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (default 0: before and after)")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="evaluate every N steps (default: a tenth of --steps; 0: only before and after)",
+    )
     g.add_argument(
         "--eval-size",
         type=int,
@@ -581,6 +573,12 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
         metavar="DIR",
         help=f"output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, loss.png, "
         "summary.json, " + ("adapter/" if command != "train" else "model/ (Hugging Face layout)") + ", checkpoints/",
+    )
+    g.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard event files (loss, lr, eval_loss, eval_accuracy) into DIR; needs "
+        "tensorboardX (pip install 'eqx-zoo[tensorboard]')",
     )
     g.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoints folder (default OUTPUT/checkpoints)")
     g.add_argument(

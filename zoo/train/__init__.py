@@ -1,21 +1,45 @@
-"""`zoo.train`: training tasks and the model registry (what `zoo train` / `finetune` /
-`info` / `inspect` build by name).
+"""Training as a library: typed run configs, the `Trainer` and its hooks, `run`, and the
+model registry.
 
-- `ModelSpec`, `register_model`, `model_spec`, `model_names`: the registry of models by
-  name (the built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import).
-- `Task`, `TaskSettings`, `build_task`: a model on its data, built from settings.
-- `ConfigError` (settings that cannot run), `RunStopped`, `Preempted`.
+- `zoo.train.run(RunConfig(...))`: a whole run as `zoo train` does it (build the model and
+  its data, train, evaluate, checkpoint, save, summarise).
+- `Trainer(step, batch_at, steps=..., hooks=[...])`: the loop alone, over your own
+  `zoo.TrainStep` and batches, with hooks every N steps (`Evaluate`, `Checkpoint`,
+  `MetricsLog`, `TensorBoard`, `Progress`, `Sample`, or your own `Hook`).
+- `OptimizerConfig`: an optax optimizer with its learning-rate schedule.
+- `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
+  built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import);
+  `Task`, `TaskSettings`, `build_task`: a model on its data, built from settings.
+- `ConfigError` (settings that cannot run), `RunStopped` (non-finite), `Preempted` (SIGTERM).
+
+docs/training.md tells the whole story; docs/models.md the registry.
 """
 
 from . import _builtin  # noqa: F401 (registers the built-in models)
+from ._config import DataConfig as DataConfig
+from ._config import RunConfig as RunConfig
 from ._errors import ConfigError as ConfigError
 from ._errors import Preempted as Preempted
 from ._errors import RunStopped as RunStopped
+from ._evaluate import Evaluator as Evaluator
+from ._hooks import Checkpoint as Checkpoint
+from ._hooks import Evaluate as Evaluate
+from ._hooks import Hook as Hook
+from ._hooks import MetricsLog as MetricsLog
+from ._hooks import Progress as Progress
+from ._hooks import Sample as Sample
+from ._hooks import TensorBoard as TensorBoard
+from ._hooks import TrainState as TrainState
+from ._optimizer import OPTIMIZERS as OPTIMIZERS
+from ._optimizer import SCHEDULES as SCHEDULES
+from ._optimizer import OptimizerConfig as OptimizerConfig
 from ._registry import ModelSpec as ModelSpec
 from ._registry import init_families as init_families
 from ._registry import model_names as model_names
 from ._registry import model_spec as model_spec
 from ._registry import register_model as register_model
+from ._run import RunResult as RunResult
+from ._run import run as run
 from ._task import Task as Task
 from ._task import TaskSettings as TaskSettings
 from ._task import build_task as build_task
@@ -23,3 +47,39 @@ from ._task import classifier_metrics as classifier_metrics
 from ._task import lm_metrics as lm_metrics
 from ._task import regression_loss as regression_loss
 from ._task import regression_metrics as regression_metrics
+from ._trainer import Trainer as Trainer
+
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "Checkpoint",
+    "ConfigError",
+    "DataConfig",
+    "Evaluate",
+    "Evaluator",
+    "Hook",
+    "MetricsLog",
+    "ModelSpec",
+    "OptimizerConfig",
+    "Preempted",
+    "Progress",
+    "RunConfig",
+    "RunResult",
+    "RunStopped",
+    "Sample",
+    "Task",
+    "TaskSettings",
+    "TensorBoard",
+    "TrainState",
+    "Trainer",
+    "build_task",
+    "classifier_metrics",
+    "init_families",
+    "lm_metrics",
+    "model_names",
+    "model_spec",
+    "register_model",
+    "regression_loss",
+    "regression_metrics",
+    "run",
+]

@@ -386,7 +386,7 @@ def _register_builtins() -> None:
                 # The demo: 60 LoRA steps of the pretrained MiniLM on swapped-halves (its
                 # finetune data), a word-order task a linear probe on the frozen encoder barely
                 # solves (~63% vs ~91%), with that probe as the baseline; ~2 min on 2 CPU cores.
-                "demo": minilm_finetune | dict(probe=300),
+                "demo": minilm_finetune | dict(probe=300, eval_every=15),
             },
             datasets=docstrings,
             init_class=models.Encoder,

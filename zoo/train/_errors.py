@@ -1,19 +1,20 @@
-"""The errors of `zoo.train`: what the `zoo` command turns into one line and an exit code."""
+"""What a run raises: a bad setting, a run that stopped itself, a preempted run."""
 
 from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """Settings that cannot be run (an unknown model, a flag out of range, an `--init`
-    folder of the wrong architecture): the message names the fix. The `zoo` command
-    prints it as one line and exits 2."""
+    """A setting that cannot work (a negative step count, a non-finite learning rate, a
+    batch the mesh cannot split): raised before anything is trained, naming the setting
+    and the fix. `zoo train` prints it as one line and exits 2."""
 
 
 class RunStopped(RuntimeError):
-    """A run stopped because its loss or weights went non-finite (the `zoo` command: exit
-    code 3)."""
+    """A run that stopped itself because its loss or weights went non-finite. Nothing
+    from the bad steps is saved; the message names the last good checkpoint. `zoo train`
+    exits 3."""
 
 
 class Preempted(RuntimeError):
-    """A run stopped by SIGTERM after saving a checkpoint (the `zoo` command: exit code
-    143, so a scheduler requeues it)."""
+    """SIGTERM (a scheduler's preemption): the run saved a checkpoint after the step in
+    progress and stopped; resuming continues it. `zoo train` exits 143 (128 + SIGTERM)."""

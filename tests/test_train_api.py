@@ -1,0 +1,342 @@
+"""zoo.train: the typed run config, the optimizer's schedule, the Trainer and its hooks,
+and `zoo.train.run` (resume, phase lines)."""
+
+import json
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import data_mesh
+
+import zoo
+from zoo.train import (
+    Checkpoint,
+    ConfigError,
+    DataConfig,
+    Evaluate,
+    Hook,
+    MetricsLog,
+    OptimizerConfig,
+    RunConfig,
+    TensorBoard,
+    Trainer,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- the learning-rate schedule ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_schedule_starts_above_zero_peaks_after_warmup_and_ends_at_the_end_fraction(schedule):
+    opt = OptimizerConfig(lr=0.5, warmup=4, schedule=schedule)
+    rates = opt.rates(20)  # index k - 1: step k
+    np.testing.assert_allclose(rates[:4], [0.125, 0.25, 0.375, 0.5], rtol=1e-6)  # step 1 = lr / warmup > 0
+    assert rates.max() == pytest.approx(0.5) and rates[3] == pytest.approx(0.5)  # the peak ends the warmup
+    end = 0.5 if schedule == "constant" else 0.05
+    assert rates[-1] == pytest.approx(end, rel=1e-5)  # the last step runs at the end value
+    assert np.all(rates > 0)
+    if schedule != "constant":
+        assert np.all(np.diff(rates[4:]) < 0)  # decaying after the peak
+
+
+def test_schedule_without_warmup_and_the_default_warmup():
+    assert OptimizerConfig(lr=1.0, warmup=0).rates(5)[0] == pytest.approx(1.0)
+    default = OptimizerConfig(lr=1.0)
+    assert default.warmup_steps(100) == 5 and default.warmup_steps(10) == 1 and default.warmup_steps(1) == 0
+    assert default.rates(100)[0] == pytest.approx(0.2)  # 1/5 of the peak, not 0
+
+
+def test_optimizer_config_rejects_bad_values_naming_the_field():
+    with pytest.raises(ConfigError, match=r"OptimizerConfig\.lr must be a finite number > 0, got nan"):
+        OptimizerConfig(lr=float("nan"))
+    with pytest.raises(ConfigError, match=r"OptimizerConfig\.name 'adamax' is not one of"):
+        OptimizerConfig(name="adamax")
+    with pytest.raises(ConfigError, match=r"OptimizerConfig\.clip must be a finite number >= 0"):
+        OptimizerConfig(clip=-1.0)
+    with pytest.raises(ConfigError, match=r"warmup 10 must be below the run's 10 steps"):
+        OptimizerConfig(warmup=10).rates(10)
+
+
+# --- the Trainer over a TrainStep of our own -------------------------------------------------------
+
+# A loss linear in the weights: the gradient is the same at every step, so Adam's update
+# is exactly -lr · sign(gradient) (m̂ = g, v̂ = g²): each step's weight change is its rate.
+STEPS, BATCH = 10, 8
+
+
+def linear_loss(model, batch):
+    return model(batch["x"]).sum(axis=-1)
+
+
+def batch_at(step: int) -> dict:
+    return {"x": np.ones((BATCH, 4), np.float32)}
+
+
+@pytest.fixture(scope="module")
+def linear_setup():
+    """A 2-device Linear, its Adam step, and the step compiled once (shared by the tests)."""
+    mesh = data_mesh(2)
+    opt = OptimizerConfig(name="adam", lr=0.01, warmup=3, clip=0.0, schedule="cosine")
+    with jax.set_mesh(mesh):
+        model = zoo.shard(zoo.nn.Linear(4, 1, key=jax.random.key(0)), zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(linear_loss, opt.build(STEPS), microbatches=2)
+        compiled = step.compile(model, step.init(model), batch_at(1))
+    return mesh, opt, model, step, compiled
+
+
+def _is_schedule_state(x) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
+class Recorder(Hook):
+    """A user hook: what it saw, when."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.calls: list[tuple[str, int]] = []
+        self.weights: dict[int, np.ndarray] = {}
+        self.counts: dict[int, int] = {}
+
+    def on_start(self, state):
+        self.calls.append(("start", state.step))
+        self.weights[state.step] = np.asarray(state.model.weight)
+
+    def __call__(self, state):
+        self.calls.append(("step", state.step))
+        self.weights[state.step] = np.asarray(state.model.weight)
+        # The count the schedule reads (optax's ScaleByScheduleState): updates made so far.
+        sched = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_schedule_state) if _is_schedule_state(x)]
+        self.counts[state.step] = int(sched[0].count)
+        assert state.loss is not None and np.isfinite(state.loss)
+
+    def on_end(self, state):
+        self.calls.append(("end", state.step))
+
+
+def run_trainer(setup, hooks, **kwargs):
+    mesh, opt, model, step, compiled = setup
+    rates = opt.rates(STEPS)
+    with jax.set_mesh(mesh):
+        trainer = Trainer(step, batch_at, steps=STEPS, hooks=hooks, lr=lambda i: rates[i - 1], **kwargs)
+        trainer.compiled = compiled
+        out = trainer.run(model, step.init(model))
+    return trainer, out
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_logged_lr_is_the_rate_optax_applied(linear_setup, tmp_path):
+    opt = linear_setup[1]
+    every = Recorder(every=1)
+    run_trainer(linear_setup, [MetricsLog(tmp_path / "metrics.jsonl"), every])
+    rows = [r for r in read_rows(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    logged = np.array([r["lr"] for r in rows])
+    # Each step moved every weight by exactly the logged rate (Adam on a constant gradient).
+    moved = np.array([np.abs(every.weights[k] - every.weights[k - 1]).max() for k in range(1, STEPS + 1)])
+    np.testing.assert_allclose(moved, logged, rtol=1e-4)
+    # ... which is optax's schedule at the update count before the step.
+    schedule = opt.schedule_fn(STEPS)
+    for k in range(1, STEPS + 1):
+        assert every.counts[k] == k
+        assert float(schedule(every.counts[k] - 1)) == pytest.approx(logged[k - 1], rel=1e-6)
+    assert (
+        logged[0] == pytest.approx(0.01 / 3)
+        and logged[2] == pytest.approx(0.01)
+        and logged[-1] == pytest.approx(0.001, rel=1e-5)
+    )
+
+
+def test_hooks_fire_at_their_steps_and_metrics_have_both_kinds(linear_setup, tmp_path):
+    user = Recorder(every=3)
+    evals = Evaluate(lambda model: {"loss": float(jnp.abs(model.weight).sum()), "accuracy": None}, every=4)
+    saver = Checkpoint(tmp_path / "ckpt", every=5, at_end=True, keep=5)
+    trainer, _ = run_trainer(linear_setup, [MetricsLog(tmp_path / "metrics.jsonl"), evals, saver, user])
+    assert user.calls == [("start", 0), ("step", 3), ("step", 6), ("step", 9), ("end", 10)]
+    assert [step for step, _ in evals.results] == [0, 4, 8, 10]
+    assert zoo.Checkpointer(tmp_path / "ckpt", read_only=True).steps() == [5, 10]
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    assert {r["kind"] for r in rows} == {"train", "eval"}
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 4, 8, 10]
+    # Each evaluation row follows the training row of its step.
+    order = [(r["kind"], r["step"]) for r in rows]
+    assert order.index(("eval", 4)) == order.index(("train", 4)) + 1
+    assert len(trainer.losses) == STEPS and trainer.train_seconds > 0 and trainer.hook_seconds > 0
+
+
+def _tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files in `folder`, read with TFRecord framing: length
+    (uint64), its CRC, the Event proto, its CRC."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    files = sorted(folder.glob("events.out.tfevents.*"))
+    assert files, list(folder.iterdir())
+    for path in files:
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_writes_the_scalars_of_the_metrics(linear_setup, tmp_path):
+    evals = Evaluate(lambda model: {"loss": float(jnp.abs(model.weight).sum()), "accuracy": 0.5}, every=5)
+    run_trainer(linear_setup, [MetricsLog(tmp_path / "metrics.jsonl"), TensorBoard(tmp_path / "tb"), evals])
+    scalars = _tensorboard_scalars(tmp_path / "tb")
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    train = {r["step"]: r for r in rows if r["kind"] == "train"}
+    assert sorted(scalars["loss"]) == sorted(train) == list(range(1, STEPS + 1))
+    for step, row in train.items():
+        assert scalars["loss"][step] == pytest.approx(row["loss"], rel=1e-6)
+        assert scalars["lr"][step] == pytest.approx(row["lr"], rel=1e-6)
+    assert sorted(scalars["eval_loss"]) == [0, 5, 10] and set(scalars["eval_accuracy"].values()) == {0.5}
+
+
+def test_a_non_finite_loss_stops_the_trainer_naming_the_last_checkpoint(linear_setup, tmp_path):
+    mesh, opt, model, step, compiled = linear_setup
+
+    def poisoned(i):
+        return {"x": np.full((BATCH, 4), np.nan if i == 4 else 1.0, np.float32)}
+
+    saver = Checkpoint(tmp_path / "ckpt", every=2)
+    with jax.set_mesh(mesh):
+        trainer = Trainer(step, poisoned, steps=STEPS, hooks=[saver])
+        trainer.compiled = compiled
+        with pytest.raises(zoo.train.RunStopped, match=r"step 4: the training loss is nan: .* step 2 in "):
+            trainer.run(model, step.init(model))
+    assert zoo.Checkpointer(tmp_path / "ckpt", read_only=True).steps() == [2]
+
+
+# --- the typed config ----------------------------------------------------------------------------
+
+
+def test_run_config_round_trips_through_its_flat_form():
+    lora = zoo.lora.LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), modules_to_save=("head",))
+    config = RunConfig(
+        model="encoder", steps=40, batch_size=16, microbatches=2, mesh={"data": 4, "model": 2}, rules="tp",
+        data=DataConfig(source="docstrings", seq_len=32, eval_size=64),
+        optimizer=OptimizerConfig(name="lion", lr=3e-4, schedule="linear", warmup=2, weight_decay=0.1),
+        lora=lora, model_config={"d_model": 32, "dropout": 0.1}, checkpoint_every=10, tensorboard="tb",
+    )  # fmt: skip
+    flat = config.to_dict()
+    # The flags' names and spellings: what `zoo train --config` and `--resume` read.
+    assert (
+        flat["batch_size"] == 16 and flat["optimizer"] == "lion" and flat["lr"] == 3e-4 and flat["data"] == "docstrings"
+    )
+    assert flat["mesh"] == "data=4,model=2" and flat["model_config"] == "d_model=32,dropout=0.1"
+    assert flat["lora"].startswith("r=4,alpha=8") and "resume_step" not in flat and "overwrite" not in flat
+    back = RunConfig.from_dict(json.loads(json.dumps(flat)))
+    assert back == config
+    assert RunConfig.from_dict(RunConfig(model="mlp", steps=3, batch_size=8).to_dict()) == RunConfig(
+        model="mlp", steps=3, batch_size=8
+    )
+
+
+def test_run_config_checks_name_the_field():
+    with pytest.raises(ConfigError, match=r"RunConfig\.steps must be an integer >= 1, got 0"):
+        RunConfig(model="mlp", steps=0, batch_size=8)
+    with pytest.raises(ConfigError, match=r"RunConfig\.eval_every must be an integer >= 0"):
+        RunConfig(model="mlp", steps=3, batch_size=8, eval_every=-1)
+    with pytest.raises(ConfigError, match=r"RunConfig\.dtype must be 'float32' or 'bfloat16'"):
+        RunConfig(model="mlp", steps=3, batch_size=8, dtype="float16")
+    with pytest.raises(ConfigError, match=r"warmup 3 must be below the run's 3 steps"):
+        RunConfig(model="mlp", steps=3, batch_size=8, optimizer=OptimizerConfig(warmup=3))
+    with pytest.raises(ConfigError, match=r"DataConfig\.seq_len must be an integer >= 2"):
+        DataConfig(seq_len=1)
+    with pytest.raises(ConfigError, match=r"unknown keys \['stepz'\]"):
+        RunConfig.from_dict({"model": "mlp", "steps": 3, "batch_size": 8, "stepz": 4})
+    assert isinstance(ConfigError("x"), ValueError)
+
+
+def test_evaluation_every_tenth_of_the_run_by_default():
+    assert RunConfig(model="mlp", steps=300, batch_size=8).eval_interval == 30
+    assert RunConfig(model="mlp", steps=5, batch_size=8).eval_interval == 1
+    assert RunConfig(model="mlp", steps=300, batch_size=8, eval_every=0).eval_interval == 0
+
+
+# --- zoo.train.run -------------------------------------------------------------------------------
+
+
+class Crash(Hook):
+    """Stops a run after step `at` as a crash would (the checkpoint of `at` is saved first)."""
+
+    def __init__(self, at: int):
+        self.every = at
+
+    def __call__(self, state):
+        raise RuntimeError(f"crash after step {state.step}")
+
+
+def _mlp(output: Path, **overrides) -> RunConfig:
+    values = dict(model="mlp", steps=6, batch_size=16, devices=2, checkpoint_every=3, output=str(output),
+                  quiet=True, data=DataConfig(eval_size=32), model_config={"width": 16, "depth": 1})  # fmt: skip
+    return RunConfig(**(values | overrides))
+
+
+@pytest.mark.slow
+def test_a_resumed_run_sees_the_same_batches_and_ends_where_an_uninterrupted_one_does(tmp_path, capsys):
+    whole = zoo.train.run(_mlp(tmp_path / "whole"))
+    with pytest.raises(RuntimeError, match="crash after step 3"):
+        zoo.train.run(_mlp(tmp_path / "cut"), hooks=[Crash(3)])
+    assert zoo.Checkpointer(tmp_path / "cut" / "checkpoints", read_only=True).steps() == [3]
+    resumed = zoo.train.run(_mlp(tmp_path / "cut", resume=True))
+    assert capsys.readouterr().out.count("[") == 0  # quiet: no phase lines, no header
+    assert resumed.summary["resumed_from"] == 3
+    for a, b in zip(jax.tree.leaves(eqx.filter(whole.model, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(resumed.model, eqx.is_array))):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    cut = read_rows(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["step"] for r in cut if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # no step twice
+    first = {r["step"]: r["loss"] for r in read_rows(tmp_path / "whole" / "metrics.jsonl") if r["kind"] == "train"}
+    assert {r["step"]: r["loss"] for r in cut if r["kind"] == "train"} == pytest.approx(first, rel=1e-6)
+    config = json.loads((tmp_path / "cut" / "config.json").read_text())
+    assert RunConfig.from_dict(config) == _mlp(tmp_path / "cut", resume=True)
+
+
+@pytest.mark.slow
+def test_phase_lines_arrive_in_order_and_before_the_run_ends_through_a_pipe(tmp_path):
+    """stdout a pipe (block-buffered unless flushed): each phase line arrives while the run
+    is still working, in order, with rising elapsed seconds."""
+    cmd = [sys.executable, "-m", "zoo", "--no-compile-cache", "train", "mlp", "--devices", "2", "--steps", "4",
+           "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--output", str(tmp_path / "run")]  # fmt: skip
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    arrivals = []
+    for line in proc.stdout:
+        arrivals.append((time.perf_counter(), line.rstrip("\n")))
+    proc.wait(timeout=300)
+    end = time.perf_counter()
+    assert proc.returncode == 0, arrivals
+    phases = [(t, line) for t, line in arrivals if line.startswith("[") and "s] " in line]
+    names = [line.split("s] ", 1)[1] for _, line in phases]
+    assert [n.split()[0] for n in names] == ["loading", "evaluating", "compiling", "training"], names
+    seconds = [float(line[1 : line.index("s]")]) for _, line in phases]
+    assert seconds == sorted(seconds)
+    assert phases[0][0] < end - 0.5  # the first arrived while loading/compiling still had to run
+    lines = [line for _, line in arrivals]
+    assert lines.index(phases[-1][1]) < next(i for i, line in enumerate(lines) if line.startswith("loss fell"))
+
+
+def test_zoo_train_is_public_and_the_cli_errors_are_config_errors():
+    assert "train" in zoo.__all__ and all(hasattr(zoo.train, name) for name in zoo.train.__all__)
+    from zoo._cli import CLIError
+
+    assert issubclass(CLIError, ConfigError) and issubclass(ConfigError, ValueError)
+    assert issubclass(zoo.train.RunStopped, RuntimeError) and issubclass(zoo.train.Preempted, RuntimeError)

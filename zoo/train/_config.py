@@ -1,0 +1,233 @@
+"""A run's settings as typed dataclasses, and their flat JSON form (a run's config.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from ..lora import LoraConfig
+from ._errors import ConfigError
+from ._optimizer import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What a run trains on.
+
+    **Fields:**
+
+    - `source`: a built-in data set's name (`"teacher"`, `"code"`, `"prose"`, `"docstrings"`;
+      which ones a model takes: `zoo train --help`), or a file (None: the model's default).
+    - `seq_len`: tokens per example, padded or cut (None: the model's default; the mlp has
+      no sequences).
+    - `eval_size`: held-out examples evaluated (0: the data set's default).
+    - `packed`, `validation`, `chat_template`: how a user's file is read (None: the
+      loader's defaults): texts packed into full windows, the held-out fraction, the chat
+      template of conversations.
+    """
+
+    source: str | None = None
+    seq_len: int | None = None
+    eval_size: int = 0
+    packed: bool | None = None
+    validation: float | int | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self):
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
+            raise ConfigError(f"DataConfig.seq_len must be an integer >= 2 (or None), got {self.seq_len!r}")
+        if not isinstance(self.eval_size, int) or self.eval_size < 0:
+            raise ConfigError(f"DataConfig.eval_size must be an integer >= 0, got {self.eval_size!r}")
+        if self.validation is not None and not (isinstance(self.validation, int | float) and 0 <= self.validation < 1):
+            raise ConfigError(f"DataConfig.validation is a fraction in [0, 1), got {self.validation!r}")
+
+
+# Keys of the flat form that belong to one launch (the CLI's), not to the run: accepted by
+# `from_dict`, never written.
+_LAUNCH_KEYS = ("coordinator", "num_processes", "process_id", "debug", "model_config_values")
+_DATA_KEYS = {"data": "source", "seq_len": "seq_len", "eval_size": "eval_size", "packed": "packed",
+              "validation": "validation", "chat_template": "chat_template"}  # fmt: skip
+_OPTIMIZER_KEYS = {"optimizer": "name", "lr": "lr", "schedule": "schedule", "warmup": "warmup",
+                   "weight_decay": "weight_decay", "clip": "clip", "end_lr_fraction": "end_lr_fraction"}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run (`zoo.train.run`) needs; the field names are `zoo train`'s flags
+    (`batch_size` is `--batch-size`).
+
+    **Fields:**
+
+    - `model`: a model's name (`"mlp"`, `"transformer"`, `"encoder"`, `"minilm"`).
+    - `data`: a `DataConfig`; `optimizer`: an `OptimizerConfig`.
+    - `lora`: a `zoo.lora.LoraConfig` to fine-tune adapters only (None: train every weight).
+    - `steps`, `batch_size` (global, a multiple of the data axis × `microbatches`),
+      `microbatches`, `seed`, `dtype` (`"float32"` or `"bfloat16"` compute).
+    - `devices`: how many of jax's devices the mesh uses (None: all); `mesh`: its shape
+      (`{"data": 4, "model": 2}`; None: every device on `data`); `rules`: a sharding rules
+      preset (`zoo.RULE_PRESETS`); `mode`: `"explicit"` or `"shard_map"`.
+    - `init`: pretrained weights (a Hugging Face folder, or a run's output folder);
+      `model_config`: config fields to change (`{"d_model": 128}`).
+    - `eval_every`: evaluate every N steps (None: a tenth of the run; 0: before and after
+      only); `probe`: fit a classifier's head alone on frozen features for this many steps
+      first, as a baseline.
+    - `output`: the run's folder (None: `runs/COMMAND-MODEL-UTCTIME`); `checkpoint_dir`
+      (None: OUTPUT/checkpoints), `checkpoint_every` (0: none), `keep`, `resume`,
+      `resume_step`, `overwrite` (replace an earlier run's outputs).
+    - `skip_nonfinite`: skip a step whose gradients are NaN/inf instead of stopping.
+    - `quiet`: print only the summary; `tensorboard`: a folder for TensorBoard event files.
+    """
+
+    model: str
+    steps: int
+    batch_size: int
+    microbatches: int = 1
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    lora: LoraConfig | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    devices: int | None = None
+    mesh: dict[str, int] | None = None
+    rules: str = "dp"
+    mode: str = "explicit"
+    init: str | None = None
+    model_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval_every: int | None = None
+    probe: int = 0
+    output: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    resume_step: int | None = None
+    overwrite: bool = False
+    skip_nonfinite: bool = False
+    quiet: bool = False
+    tensorboard: str | None = None
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise `ConfigError` naming the first field out of range."""
+
+        def bad(field: str, want: str) -> ConfigError:
+            return ConfigError(f"RunConfig.{field} must be {want}, got {getattr(self, field)!r}")
+
+        def integer(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for field in ("steps", "batch_size", "microbatches", "keep"):
+            if not integer(getattr(self, field)) or getattr(self, field) < 1:
+                raise bad(field, "an integer >= 1")
+        for field in ("seed", "probe", "checkpoint_every"):
+            if not integer(getattr(self, field)) or getattr(self, field) < 0:
+                raise bad(field, "an integer >= 0")
+        for field in ("eval_every", "resume_step", "devices"):
+            value = getattr(self, field)
+            low = 0 if field == "eval_every" else 1
+            if value is not None and (not integer(value) or value < low):
+                raise bad(field, f"an integer >= {low} (or None)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise bad("dtype", "'float32' or 'bfloat16'")
+        if self.mode not in ("explicit", "shard_map"):
+            raise bad("mode", "'explicit' or 'shard_map'")
+        if not isinstance(self.data, DataConfig):
+            raise bad("data", "a zoo.train.DataConfig")
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise bad("optimizer", "a zoo.train.OptimizerConfig")
+        self.optimizer.warmup_steps(self.steps)
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise bad("lora", "a zoo.lora.LoraConfig or None")
+        if self.mesh is not None and (
+            not isinstance(self.mesh, dict)
+            or not all(isinstance(k, str) and integer(v) and v >= 1 for k, v in self.mesh.items())
+        ):
+            raise bad("mesh", "a dict of axis name -> size >= 1, e.g. {'data': 4, 'model': 2}")
+        for key, value in self.model_config.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"RunConfig.model_config[{key!r}] must be finite, got {value}")
+
+    @property
+    def eval_interval(self) -> int:
+        """Steps between evaluations: `eval_every`, or a tenth of the run (0: none between)."""
+        return max(1, self.steps // 10) if self.eval_every is None else self.eval_every
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat form: `zoo train`'s long flags as keys (`"batch_size"`, `"lr"`,
+        `"lora"` as `--lora` text, `"mesh"` as `"data=4,model=2"`), what a run writes as
+        its config.json and `zoo train --config` reads back. `resume_step` and
+        `overwrite` are left out: replaying a config.json must not delete a run."""
+        flat: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("data", "optimizer"):
+                keys = _DATA_KEYS if f.name == "data" else _OPTIMIZER_KEYS
+                for key, field in keys.items():
+                    inner = getattr(value, field)
+                    if key in ("packed", "validation", "chat_template") and inner is None:
+                        continue  # not set: the loader's default (and no flag to replay)
+                    if key == "end_lr_fraction" and inner == 0.1:
+                        continue
+                    flat[key] = inner
+            elif f.name == "lora":
+                if value is not None:
+                    from .._cli._lora_flag import lora_text
+
+                    flat["lora"] = lora_text(value)
+            elif f.name == "mesh":
+                flat["mesh"] = None if value is None else ",".join(f"{k}={v}" for k, v in value.items())
+            elif f.name == "model_config":
+                flat["model_config"] = ",".join(f"{k}={v}" for k, v in value.items()) or None
+            elif f.name in ("resume_step", "overwrite"):
+                continue
+            elif f.name == "tensorboard" and value is None:
+                continue
+            else:
+                flat[f.name] = value
+        return flat
+
+    @classmethod
+    def from_dict(cls, flat: dict[str, Any]) -> RunConfig:
+        """A `RunConfig` from its flat form (`to_dict`, a config.json, the CLI's resolved
+        flags). An unknown key raises `ConfigError` naming it."""
+        values = dict(flat)
+        for key in _LAUNCH_KEYS:
+            values.pop(key, None)
+        data = {field: values.pop(key) for key, field in _DATA_KEYS.items() if key in values}
+        opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
+        if isinstance(values.get("lora"), str):
+            from .._cli._lora_flag import parse_lora
+
+            values["lora"] = parse_lora(values["lora"], {})
+        if isinstance(values.get("mesh"), str):
+            values["mesh"] = _pairs(values["mesh"], "mesh", int)
+        if isinstance(values.get("model_config"), str) or values.get("model_config") is None:
+            from .._cli._common import parse_scalar
+
+            text = values.get("model_config") or ""
+            values["model_config"] = _pairs(text, "model_config", parse_scalar) if text else {}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            valid = sorted((known - {"data", "optimizer"}) | set(_DATA_KEYS) | set(_OPTIMIZER_KEYS))
+            raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {valid}")
+        if "model" not in values or "steps" not in values or "batch_size" not in values:
+            raise ConfigError("RunConfig needs at least 'model', 'steps' and 'batch_size'")
+        return cls(data=DataConfig(**data), optimizer=OptimizerConfig(**opt), **values)
+
+
+def _pairs(text: str, field: str, convert) -> dict[str, Any]:
+    """`"a=1,b=2"` → `{"a": convert("1"), ...}`; ConfigError naming `field` if malformed."""
+    out: dict[str, Any] = {}
+    for part in text.split(","):
+        key, eq, value = (s.strip() for s in part.partition("="))
+        if not eq or not key or not value:
+            raise ConfigError(f"RunConfig.{field} {text!r}: {part.strip()!r} is not key=value")
+        try:
+            out[key] = convert(value)
+        except ValueError as e:
+            raise ConfigError(f"RunConfig.{field} {text!r}: bad value {value!r}") from e
+    return out

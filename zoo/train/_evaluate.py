@@ -1,0 +1,112 @@
+"""Held-out evaluation of a model, and the linear probe (a classifier's head fitted alone)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Evaluator:
+    """Held-out loss and accuracy of a model: a task's `metrics_fn` jitted, run on
+    fixed-size chunks split over the data axis (the last chunk padded with weight-0 rows).
+
+    Padded texts (a `mask` in the data) are evaluated shortest first, each chunk cut to
+    its longest text rounded up to a multiple of `bucket` positions: most docstrings are
+    far shorter than the training length, so this does a fraction of the work, for one
+    compile per bucket (a few at most)."""
+
+    def __init__(self, task, mesh, rows: int, *, bucket: int = 16):
+        import equinox as eqx
+
+        self.task, self.mesh, self.rows, self.bucket = task, mesh, rows, bucket
+        self._fn = eqx.filter_jit(task.metrics_fn)
+
+    def __call__(self, model, data: dict, *, features: bool = False) -> dict[str, Any]:
+        """`{"loss", "accuracy" (None for regression), "examples", "features" (numpy, in
+        the rows' order, when asked)}` over every row of `data`."""
+        import numpy as np
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        n = len(next(iter(data.values())))
+        sharding = NamedSharding(self.mesh, P("data"))
+        lengths = data["mask"].sum(axis=1) if "mask" in data else None
+        order = np.argsort(lengths, kind="stable") if lengths is not None else np.arange(n)
+        outs, feats = [], []
+        for start in range(0, n, self.rows):
+            rows = order[start : start + self.rows]
+            chunk = {k: v[rows] for k, v in data.items()}
+            if lengths is not None:  # cut the padding every row of the chunk has
+                seq = data["mask"].shape[1]
+                keep = min(seq, -(-int(lengths[rows].max()) // self.bucket) * self.bucket)
+                chunk = {k: v[:, :keep] if v.ndim == 2 and v.shape[1] == seq else v for k, v in chunk.items()}
+            m = len(rows)
+            if m < self.rows:  # pad with copies of the first row, weighted 0
+                chunk = {k: np.concatenate([v, np.repeat(v[:1], self.rows - m, axis=0)]) for k, v in chunk.items()}
+            chunk["weight"] = (np.arange(self.rows) < m).astype(np.float32)
+            out = self._fn(model, put_rows(chunk, sharding))
+            outs.append({k: v.sum() for k, v in out.items() if k != "features"})
+            if features:
+                feats.append(np.asarray(out["features"])[:m])
+        sums = {"loss": 0.0, "weight": 0.0, "correct": 0.0}
+        for out in outs:
+            for k, v in out.items():
+                sums[k] += float(v)
+        result = {
+            "loss": sums["loss"] / max(sums["weight"], 1e-12),
+            "accuracy": None if self.task.kind == "regression" else sums["correct"] / max(sums["weight"], 1e-12),
+            "examples": n,
+        }
+        if features:
+            result["features"] = np.empty_like(np.concatenate(feats))
+            result["features"][order] = np.concatenate(feats)
+        return result
+
+
+def head_metrics(features, labels, weight, bias) -> dict[str, Any]:
+    """Loss and accuracy of a linear head `features @ weight + bias` (numpy, float64)."""
+    import numpy as np
+
+    logits = features @ weight + bias
+    logits = logits - logits.max(axis=1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    loss = -logp[np.arange(len(labels)), labels].mean()
+    return {"loss": float(loss), "accuracy": float((logits.argmax(axis=1) == labels).mean()), "examples": len(labels)}
+
+
+def fit_head(features, labels, weight, bias, *, steps: int, lr: float = 1e-2, l2: float = 1e-3):
+    """A linear probe: softmax regression of `labels` on frozen `features`, full-batch
+    Adam for `steps` steps from the head's `(weight [d, k], bias [k])`, L2 penalty `l2`
+    on the weight. numpy: a few hundred steps on a thousand rows take a second."""
+    import numpy as np
+
+    x, y = features.astype(np.float64), labels
+    w, b = np.array(weight, np.float64), np.array(bias, np.float64)
+    onehot = np.eye(w.shape[1])[y]
+    moments = [np.zeros_like(w), np.zeros_like(b), np.zeros_like(w), np.zeros_like(b)]
+    for t in range(1, steps + 1):
+        logits = x @ w + b
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=1, keepdims=True)
+        g = (p - onehot) / len(y)
+        grads = (x.T @ g + l2 * w, g.sum(axis=0))
+        for i, (param, grad) in enumerate(zip((w, b), grads)):
+            m, v = moments[i], moments[i + 2]
+            m[...] = 0.9 * m + 0.1 * grad
+            v[...] = 0.999 * v + 0.001 * grad**2
+            param -= lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+    return w, b
+
+
+def put_rows(batch: dict, sharding) -> dict:
+    """A whole numpy batch (the same in every process) on the devices of `sharding`, dim 0
+    split over its data axis. In a multi-process run each process hands over only the rows
+    its own devices hold (`zoo.local_rows`), so no process copies rows it does not keep."""
+    import jax
+
+    import zoo
+
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    rows = zoo.local_rows(len(next(iter(batch.values()))), sharding.mesh)
+    return zoo.global_batch({k: v[rows] for k, v in batch.items()}, sharding.mesh)

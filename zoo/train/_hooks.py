@@ -1,0 +1,317 @@
+"""Hooks: what a `Trainer` does every N steps besides training (evaluate, checkpoint,
+log, show progress, sample).
+
+A hook is any object with an `every` attribute (fire after every `every`-th step; 0:
+never by step) and a `__call__(state)`; optionally `on_start(state)` (before the first
+step), `on_record(row)` (every row a run records: a training step's loss, an
+evaluation), `on_end(state)` (after the last step) and `close()` (always, also when the
+run fails). Subclass `Hook` to get the optional methods as no-ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ._errors import ConfigError
+
+if TYPE_CHECKING:
+    from ._trainer import Trainer
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a hook sees.
+
+    **Fields:**
+
+    - `step`: steps done (the start step in `on_start`).
+    - `steps`: the run's last step.
+    - `model`, `opt_state`: after `step`.
+    - `loss`: the training loss of `step` (None in `on_start`).
+    - `trainer`: the `Trainer` (its `step`, `record`, `elapsed`, `stopped`).
+    """
+
+    step: int
+    steps: int
+    model: Any
+    opt_state: Any
+    loss: float | None
+    trainer: Trainer
+
+
+class Hook:
+    """The base of hooks: fires after every `every`-th step (0: never by step). Override
+    `__call__`, and any of `on_start`, `on_record`, `on_end`, `close`."""
+
+    every: int = 0
+
+    def on_start(self, state: TrainState) -> None:
+        """Before the first step (after a resumed run's restored step)."""
+
+    def __call__(self, state: TrainState) -> None:
+        """After step `state.step`, a multiple of `every`."""
+
+    def on_record(self, row: dict[str, Any]) -> None:
+        """A row the run recorded: `{"kind": "train", "step", "loss", "lr", ...}` after each
+        step, `{"kind": "eval", "step", "eval_loss", "eval_accuracy", ...}` after each
+        evaluation, `{"kind": "sample", ...}` after each sample."""
+
+    def on_end(self, state: TrainState) -> None:
+        """After the last step (not when the run fails)."""
+
+    def close(self) -> None:
+        """Last: release files and wait for saves, also when the run fails."""
+
+
+def _main() -> bool:
+    import zoo
+
+    return zoo.is_main_process()
+
+
+class Evaluate(Hook):
+    """Held-out loss (and accuracy) every `every` steps, before the first step
+    (`at_start`) and after the last (`at_end`); recorded as `{"kind": "eval", ...}` rows.
+
+    **Arguments:**
+
+    - `evaluate`: `model -> {"loss": float, "accuracy": float | None, ...}`.
+    - `every`: steps between evaluations (0: only at the start and the end).
+    - `at_start`, `at_end`: also evaluate before the first step and after the last.
+    - `first`: an evaluation already made at the start, recorded instead of running one.
+
+    `results` lists `(step, evaluation)` in order.
+    """
+
+    def __init__(self, evaluate: Callable[[Any], dict[str, Any]], *, every: int = 0, at_start: bool = True,
+                 at_end: bool = True, first: dict[str, Any] | None = None):  # fmt: skip
+        self.evaluate, self.every, self.at_start, self.at_end, self.first = evaluate, every, at_start, at_end, first
+        self.results: list[tuple[int, dict[str, Any]]] = []
+
+    def _run(self, state: TrainState, result: dict[str, Any] | None = None) -> None:
+        ev = result if result is not None else self.evaluate(state.model)
+        self.results.append((state.step, ev))
+        state.trainer.record({"kind": "eval", "step": state.step, "eval_loss": ev["loss"],
+                              "eval_accuracy": ev.get("accuracy"), "elapsed": state.trainer.elapsed()})  # fmt: skip
+
+    def on_start(self, state: TrainState) -> None:
+        if self.at_start:
+            self._run(state, self.first)
+
+    def __call__(self, state: TrainState) -> None:
+        if state.step != state.steps or not self.at_end:  # the last step: on_end evaluates
+            self._run(state)
+
+    def on_end(self, state: TrainState) -> None:
+        if self.at_end:
+            self._run(state)
+
+
+class Checkpoint(Hook):
+    """Saves the trained leaves (`trainer.step.partition(model)[0]` as `"params"`), the
+    optimizer state and `extra` every `every` steps with `zoo.Checkpointer` (every process
+    takes part: each writes its own shards). The weights are checked first: a save never
+    holds NaN or inf (the run stops with `RunStopped` instead).
+
+    **Arguments:**
+
+    - `directory`: the checkpoints' folder.
+    - `every`: steps between saves (0: none by step; `at_end` or `save` still save).
+    - `keep`: how many checkpoints to keep, newest first.
+    - `at_end`: also save after the last step.
+    - `extra`: more of the state to save (e.g. `{"key": key}`); `metadata`: JSON saved
+      alongside (with the step).
+    - `checkpointer`: an open `zoo.Checkpointer` of `directory` to use (e.g. the one a
+      resumed run restored from); `last_saved`: the step already saved there.
+    """
+
+    def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, at_end: bool = False,
+                 extra: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None, checkpointer=None,
+                 last_saved: int | None = None):  # fmt: skip
+        self.directory, self.every, self.keep, self.at_end = Path(directory), every, keep, at_end
+        self.extra, self.metadata = dict(extra or {}), dict(metadata or {})
+        self.checkpointer, self.last_saved = checkpointer, last_saved
+
+    def save(self, state: TrainState) -> None:
+        """Save the state of `state.step` now (once per step)."""
+        import zoo
+
+        if self.last_saved == state.step:
+            return
+        state.trainer.check_finite(state)
+        if self.checkpointer is None:
+            self.checkpointer = zoo.Checkpointer(self.directory, keep=self.keep)
+        params = state.trainer.step.partition(state.model)[0]
+        self.checkpointer.save(state.step, {"params": params, "opt_state": state.opt_state, **self.extra},
+                               metadata={"step": state.step, **self.metadata})  # fmt: skip
+        self.last_saved = state.step
+
+    def __call__(self, state: TrainState) -> None:
+        if state.step != state.steps or not self.at_end:
+            self.save(state)
+
+    def on_end(self, state: TrainState) -> None:
+        if self.at_end:
+            self.save(state)
+
+    def close(self) -> None:
+        """Wait for a save in flight, then close the checkpointer (`save` reopens it)."""
+        if self.checkpointer is not None:
+            checkpointer, self.checkpointer = self.checkpointer, None
+            checkpointer.wait()
+            checkpointer.close()
+
+
+class MetricsLog(Hook):
+    """metrics.jsonl: every recorded row of `kinds` as one JSON line, flushed as written
+    (process 0 only). A resumed run (started after step 0) keeps the file's rows up to
+    its start step and continues it.
+
+    Training rows: `{"kind": "train", "step", "loss", "examples_per_s" (and
+    "tokens_per_s"), "lr", "elapsed"}` (+ `"skipped"` when non-finite steps are skipped);
+    evaluation rows: `{"kind": "eval", "step", "eval_loss", "eval_accuracy", "elapsed"}`.
+    Non-finite numbers are written as null.
+    """
+
+    def __init__(self, path: str | Path, *, kinds: tuple[str, ...] = ("train", "eval")):
+        self.path, self.kinds = Path(path), kinds
+        self._file = None
+
+    def on_start(self, state: TrainState) -> None:
+        from ._output import Metrics, read_metrics
+
+        if not _main():
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= state.step] if state.step else []
+        self._file = Metrics(self.path)
+        for row in kept:
+            self._file.write(row)
+
+    def on_record(self, row: dict[str, Any]) -> None:
+        if self._file is not None and row.get("kind") in self.kinds:
+            self._file.write(row)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoard(Hook):
+    """TensorBoard event files in `logdir` (process 0 only), via tensorboardX
+    (`pip install 'eqx-zoo[tensorboard]'`): the scalars `loss` and `lr` per step,
+    `eval_loss` and `eval_accuracy` per evaluation."""
+
+    def __init__(self, logdir: str | Path):
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                "TensorBoard logging needs tensorboardX: pip install 'eqx-zoo[tensorboard]' (or tensorboardX)"
+            ) from e
+        self.logdir = Path(logdir)
+        self._writer = None
+
+    def on_start(self, state: TrainState) -> None:
+        from tensorboardX import SummaryWriter
+
+        if _main():
+            self._writer = SummaryWriter(str(self.logdir))
+
+    def on_record(self, row: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        names = {"train": ("loss", "lr"), "eval": ("eval_loss", "eval_accuracy")}.get(row.get("kind"), ())
+        for name in names:
+            if row.get(name) is not None:
+                self._writer.add_scalar(name, float(row[name]), row["step"])
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class Progress(Hook):
+    """A progress bar on `stream` (default stderr; process 0 only): redrawn in place on a
+    terminal, a line every tenth of the run otherwise; evaluations between start and end
+    as lines of their own. `unit`: `"ex"` (examples/s) or `"tok"` (tokens/s)."""
+
+    def __init__(self, *, unit: str = "ex", label: str = "train", stream: TextIO | None = None):
+        self.unit, self.label, self.stream = unit, label, stream
+        self._bar = None
+        self._span = (0, 0)
+
+    def on_start(self, state: TrainState) -> None:
+        from ._output import Progress as Bar
+
+        if _main():
+            self._bar = Bar(state.steps, start=state.step, unit=self.unit, label=self.label,
+                            stream=self.stream or sys.stderr)  # fmt: skip
+            self._span = (state.step, state.steps)
+
+    def on_record(self, row: dict[str, Any]) -> None:
+        if self._bar is None:
+            return
+        if row.get("kind") == "train":
+            rate = row.get("tokens_per_s" if self.unit == "tok" else "examples_per_s")
+            self._bar.update(row["step"], float("nan") if row["loss"] is None else row["loss"], rate)
+        elif row.get("kind") == "eval" and row["step"] not in self._span:
+            acc = row.get("eval_accuracy")
+            self._bar.note(f"step {row['step']}: eval loss {row['eval_loss']:.4f}"
+                           + ("" if acc is None else f", accuracy {100 * acc:.1f}%"))  # fmt: skip
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class Sample(Hook):
+    """A decoder's greedy continuation of `prompt` (`zoo.generate`) every `every` steps
+    and after the last (`at_end`), recorded as `{"kind": "sample", "step", "prompt",
+    "completion", "new_tokens"}` rows.
+
+    **Arguments:**
+
+    - `prompt`: token ids `[1, P]` (numpy or jax, int32).
+    - `new_tokens`: tokens generated each time.
+    - `decode`: token ids (a 1-D numpy array) → text (default: the ids as a list).
+
+    `results` lists the rows in order.
+    """
+
+    def __init__(self, prompt, *, every: int = 0, new_tokens: int = 32,
+                 decode: Callable[[Any], Any] | None = None, at_end: bool = True):  # fmt: skip
+        import numpy as np
+
+        self.prompt = np.asarray(prompt, np.int32)
+        self.every, self.new_tokens, self.at_end = every, new_tokens, at_end
+        self.decode = decode or (lambda ids: [int(t) for t in ids])
+        self.results: list[dict[str, Any]] = []
+
+    def _run(self, state: TrainState) -> None:
+        import numpy as np
+
+        import zoo
+
+        out = zoo.generate(state.model, self.prompt, max_new_tokens=self.new_tokens)
+        # This process's copy of the rows (any process count).
+        ids = np.asarray(out.addressable_data(0)) if out.is_fully_replicated else np.asarray(out)
+        n = self.prompt.shape[1]
+        row = {"kind": "sample", "step": state.step, "prompt": self.decode(self.prompt[0]),
+               "completion": self.decode(ids[0, n:]), "new_tokens": self.new_tokens}  # fmt: skip
+        self.results.append(row)
+        state.trainer.record(row)
+
+    def __call__(self, state: TrainState) -> None:
+        if state.step != state.steps or not self.at_end:
+            self._run(state)
+
+    def on_end(self, state: TrainState) -> None:
+        if self.at_end:
+            self._run(state)
