@@ -220,7 +220,7 @@ def test_the_runs_evaluator_weighs_packed_held_out_rows_as_the_training_loss(lla
     import jax.numpy as jnp
 
     import zoo
-    from zoo._cli._run import Evaluator
+    from zoo.train import Evaluator
 
     task = _task("transformer", data_files["pc"], llama_dir, validation=0.0)
     data = task.eval_data
