@@ -96,7 +96,7 @@ def test_cli_help_and_choices_come_from_the_registry():
         for command, values in spec.defaults.items():
             assert DEFAULTS[command][name] == dict(values)
     assert list(DEFAULTS["finetune"]) == zoo.train.model_names("finetune")
-    assert data_choices() == ["code", "docstrings", "prose", "teacher"]
+    assert data_choices() == ["code", "docstrings", "prose", "swapped-halves", "teacher"]
     assert "prose (transformer: pydoc_data.topics" in data_help()
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError
 
@@ -241,7 +241,7 @@ class Progress(Hook):
     terminal, a line every tenth of the run otherwise; evaluations between start and end
     as lines of their own. `unit`: `"ex"` (examples/s) or `"tok"` (tokens/s)."""
 
-    def __init__(self, *, unit: str = "ex", label: str = "train", stream: TextIO | None = None):
+    def __init__(self, *, unit: str = "ex", label: str = "train", stream: Any = None):
         self.unit, self.label, self.stream = unit, label, stream
         self._bar = None
         self._span = (0, 0)

@@ -150,7 +150,7 @@ class Progress:
     the time left."""
 
     def __init__(self, total: int, *, start: int = 0, unit: str = "ex", label: str = "train", quiet: bool = False,
-                 stream: TextIO | None = None):  # fmt: skip
+                 stream: Any = None):  # fmt: skip
         self.total, self.start, self.unit, self.label, self.quiet = total, start, unit, label, quiet
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
