@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..train._preemption import Preemption
 from ._common import (
     CLIError,
     Preempted,
@@ -327,7 +328,10 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
     ckpt_dir = checkpoint_dir(s, output)
     steps, bsz, m = s["steps"], s["batch_size"], s["microbatches"]
 
-    with jax.set_mesh(mesh):
+    # SIGTERM from here on: before the loop the run stops at once (nothing trained yet); in
+    # the loop every process stops after the same step and saves it; after it, the run ends.
+    early = lambda: Preempted("SIGTERM before training started: nothing was trained or saved; rerun the same command")
+    with jax.set_mesh(mesh), Preemption(enabled=True, early=early) as preemption:
         # -- build ----------------------------------------------------------------------------
         settings = TaskSettings(
             name=s["model"], data=s["data"], seq_len=s["seq_len"], seed=s["seed"], dtype=s["dtype"],
@@ -508,7 +512,6 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
             progress.update(i, value, rate_ex * unit_per_example)
 
         evals: list[dict[str, Any]] = []
-        preemption = _Preemption(enabled=jax.process_count() == 1)
         try:
             for i in range(start + 1, steps + 1):
                 model, opt_state, loss = compiled(model, opt_state, batch_of(i))
@@ -532,7 +535,7 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
                     checkpointer.save(i, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
                                       metadata={"step": i, "model": s["model"]})  # fmt: skip
                     last_saved = i
-                if preemption.requested and i != steps:
+                if preemption.stop_at(i) and i != steps:  # the same step in every process
                     if pending is not None:
                         record(*pending)
                         pending = None
@@ -554,8 +557,6 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
                 with contextlib.suppress(Exception):
                     checkpointer.wait()
             raise
-        finally:
-            preemption.restore()
         if pending is not None:
             record(*pending)
         check_weights(steps)
@@ -705,30 +706,6 @@ def _restore(checkpointer, like, step: int | None, folder: Path) -> tuple[int, A
         return start, state, bool(skipped)
     what = "; ".join(f"step {k}: {why}" for k, why in skipped)
     raise CLIError(f"--resume: every checkpoint in {folder} is damaged ({what}); start a new run (--overwrite)")
-
-
-class _Preemption:
-    """SIGTERM (a scheduler's preemption) noted instead of killing the process: the loop
-    saves a checkpoint after the step in progress and stops (exit 143). One process only:
-    in a multi-process run each process would see the signal at another step."""
-
-    def __init__(self, *, enabled: bool):
-        import signal
-        import threading
-
-        self.requested = False
-        self._previous = None
-        if enabled and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._note)
-
-    def _note(self, signum, frame) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _all_finite(tree) -> bool:
