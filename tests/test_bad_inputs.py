@@ -420,6 +420,45 @@ def test_a_full_disk_ends_with_one_line(tmp_path):
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]  # its save in flight finished
 
 
+# SIGKILL to itself as it starts writing summary.json: after its final checkpoint, before the end.
+_KILLED_AT_THE_END = """
+import os, signal, sys
+import zoo._cli._run as run
+
+real = run.write_json
+def write_json(path, value):
+    if path.name == "summary.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, value)
+run.write_json = write_json
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_killed_after_its_final_checkpoint_is_finished_by_resume(tmp_path):
+    out = tmp_path / "run"
+    flags = [*TINY[:2], "--steps", "4", *TINY[4:], "--checkpoint-every", "2", "--output", str(out)]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AT_THE_END, "train", "mlp", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == -9, proc.stderr
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [2, 4]
+    assert not (out / "summary.json").exists()
+    rc, _, err = zoo_main("train", "mlp", *flags, "--resume")  # the same command, --resume
+    assert rc == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] == 4 and summary["steps"] == 4
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), *(("train", i) for i in range(1, 5)), ("eval", 4)]
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [2, 4]
+    # Once finished, it is a finished run: --resume needs more --steps.
+    rc, _, err = zoo_main("train", "mlp", *flags, "--resume")
+    one_line_error(rc, err, "is at step 4, not before --steps 4; raise --steps to train further")
+
+
 def _can_mount_tmpfs() -> bool:
     """Whether this machine lets an unprivileged process mount a tmpfs in a private mount
     namespace (`unshare -rm`: user namespaces enabled)."""

@@ -284,7 +284,8 @@ def check_checkpoints(s: dict[str, Any], output: Path) -> None:
                 )
             for k in later:
                 shutil.rmtree(folder / str(k))
-        elif saved[-1] >= s["steps"]:
+        elif saved[-1] > s["steps"] or (saved[-1] == s["steps"] and (output / "summary.json").exists()):
+            # (at --steps without a summary: killed after its final checkpoint; the run finishes it)
             raise CLIError(
                 f"--resume: the checkpoint in {folder} is at step {saved[-1]}, not before --steps {s['steps']}; "
                 "raise --steps to train further"
@@ -450,7 +451,13 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         if not main:
             metrics = _NoMetrics()
         elif start:  # a resumed run keeps the rows up to its checkpoint
-            kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= start]
+            # At --steps (a run killed after its final checkpoint) its final evaluation is redone.
+            redo = ("eval", steps) if start == steps else None
+            kept = [
+                r
+                for r in read_metrics(metrics_path)
+                if r.get("step", 0) <= start and (r.get("kind"), r.get("step")) != redo
+            ]
             metrics = Metrics(metrics_path)
             for row in kept:
                 metrics.write(row)
@@ -596,8 +603,9 @@ def run(s: dict[str, Any], *, command: str, devices: int, mesh_shape: dict[str, 
         if checkpointer is None and command == "train" and "model" not in saved_files:
             checkpointer = zoo.Checkpointer(ckpt_dir, keep=s["keep"])
         if checkpointer is not None:
-            checkpointer.save(steps, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
-                              metadata={"step": steps, "model": s["model"]})  # fmt: skip
+            if start < steps:  # (else it is the checkpoint this run resumed from)
+                checkpointer.save(steps, {"params": step.partition(model)[0], "opt_state": opt_state, "key": key},
+                                  metadata={"step": steps, "model": s["model"]})  # fmt: skip
             checkpointer.wait()
             checkpointer.close()
             saved_files["checkpoints"] = str(ckpt_dir)
