@@ -722,3 +722,30 @@ def test_sweep_of_bad_inputs_is_one_line_each(tmp_path):
             failures.append((flags, rc, err))
     assert not failures, failures
     assert (tmp_path / "afile").read_text() == ""
+
+
+def _sweep_commands(tmp: Path) -> list[tuple[list, str]]:
+    """Whole command lines (other commands and models than the sweep's `zoo train mlp`)."""
+    (tmp / "broken").mkdir()
+    (tmp / "broken" / "config.json").write_text("{bad")
+    (tmp / "adir").mkdir()
+    init = f"--init {tmp / 'broken'}: neither a Hugging Face model folder"
+    small = ["--steps", "2", "--devices", "2", "--output", tmp / "out"]
+    return [
+        (["train", "transformer", "--init", tmp / "broken", *small], init),
+        (["finetune", "transformer", "--init", tmp / "broken", *small], init),
+        (["train", "--config", tmp / "adir"], f"--config {tmp / 'adir'}: no such file"),
+        (["train", "--config", tmp / "none.json"], f"--config {tmp / 'none.json'}: no such file"),
+        (["finetune", "mlp", *small], "zoo finetune does not take 'mlp'; choose one of"),
+    ]
+
+
+def test_sweep_of_bad_command_lines_is_one_line_each(tmp_path):
+    failures = []
+    for argv, message in _sweep_commands(tmp_path):
+        rc, _, err = zoo_main(*argv)
+        lines = err.strip().splitlines()
+        if rc != 2 or message not in err or len(lines) != 1 or "Traceback" in err:
+            failures.append((argv, rc, err))
+    assert not failures, failures
+    assert not (tmp_path / "out").exists()  # refused before anything was written

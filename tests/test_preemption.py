@@ -164,6 +164,42 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert [r["loss"] for r in _train_rows(out)] == [r["loss"] for r in _train_rows(ref)]
 
 
+# --- the class, in this process (one process: its note is the answer) -----------------------
+
+
+def test_preemption_notes_sigterm_and_gives_the_handler_back():
+    from zoo.train._preemption import Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    with Preemption(enabled=True) as p:
+        assert not p.stop_at(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # noted: this process lives on
+        assert p.requested and p.stop_at(2) and p.stop_at(3)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    off = Preemption(enabled=False)  # the signal keeps its handler
+    assert signal.getsignal(signal.SIGTERM) is before and not off.stop_at(1)
+    off.restore()
+    with pytest.raises(ValueError, match="every must be >= 1, got 0"):
+        Preemption(enabled=True, every=0)
+
+
+def test_preemption_before_the_first_step_raises_early():
+    from zoo.train._preemption import Preemption
+
+    class Early(Exception):
+        pass
+
+    with Preemption(enabled=True, early=Early) as p:
+        with pytest.raises(Early):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs in this thread between bytecodes: well before this ends
+    with Preemption(enabled=True, early=Early) as p:  # once the loop runs: only noted
+        assert not p.stop_at(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert p.stop_at(2)
+
+
 # SIGTERM to itself while compiling the step (deterministic: the loading and compiling
 # phase is a second or two of a tiny run).
 _EARLY = """
