@@ -33,11 +33,20 @@ FLAGS = ["--steps", "2000", "--warmup", "1", "--schedule", "constant", "--batch-
 END = 100  # the steps the interrupted run is finished to (it is stopped after a few)
 
 
-def _env() -> dict[str, str]:
+def _env(cache: Path | None = None) -> dict[str, str]:
+    """The children's environment: this checkout importable; the test session's XLA flags
+    (a long collective timeout) plus quick compilation (tiny programs: optimised code would
+    not pay for itself); no cluster variables. With `cache`, zoo's compilation cache in that
+    folder, so the later runs of the test reuse the first ones' programs."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    for name in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 "
+                        "--xla_llvm_disable_expensive_passes=true")  # fmt: skip
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
+    if cache is not None:
+        env.pop("ZOO_NO_COMPILE_CACHE", None)
+        env["ZOO_COMPILE_CACHE_DIR"] = str(cache)
     return env
 
 
@@ -70,33 +79,13 @@ def _stopped_step(err: str) -> int:
 
 
 def _pair(out: Path, port: int, *flags) -> list[subprocess.Popen]:
-    """`zoo train mlp` as 2 processes x 2 CPU devices into `out`."""
+    """`zoo train mlp` as 2 processes x 2 CPU devices into `out` (a compilation cache next to it)."""
+    cmd = [sys.executable, "-m", "zoo", "train", "mlp", *FLAGS, *flags, "--devices", "2", "--num-processes", "2",
+           "--coordinator", f"127.0.0.1:{port}", "--output", str(out)]  # fmt: skip
+    env = _env(out.parent / "jax-cache")
     return [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "zoo",
-                "train",
-                "mlp",
-                *FLAGS,
-                *flags,
-                "--devices",
-                "2",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--output",
-                str(out),
-            ],
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            [*cmd, "--process-id", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )  # fmt: skip
         for i in range(2)
     ]
@@ -223,6 +212,7 @@ def _early(*flags) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow  # ~20 s: two runs stopped while compiling, two that finish
 def test_sigterm_while_compiling_exits_143_and_leaves_nothing(tmp_path):
     out = tmp_path / "run"
     proc = _early("--output", str(out))
