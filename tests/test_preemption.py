@@ -78,14 +78,20 @@ def _stopped_step(err: str) -> int:
     return int(found.group(1))
 
 
-def _pair(out: Path, port: int, *flags) -> list[subprocess.Popen]:
-    """`zoo train mlp` as 2 processes x 2 CPU devices into `out` (a compilation cache next to it)."""
-    cmd = [sys.executable, "-m", "zoo", "train", "mlp", *FLAGS, *flags, "--devices", "2", "--num-processes", "2",
-           "--coordinator", f"127.0.0.1:{port}", "--output", str(out)]  # fmt: skip
+def _pair(out: Path, port: int, *flags, early: int | None = None) -> list[subprocess.Popen]:
+    """`zoo train mlp` as 2 processes x 2 CPU devices into `out` (a compilation cache next to
+    it); process `early`, if given, sends itself SIGTERM while compiling (`_EARLY`)."""
+    args = ["train", "mlp", *FLAGS, *flags, "--devices", "2", "--num-processes", "2",
+            "--coordinator", f"127.0.0.1:{port}", "--output", str(out)]  # fmt: skip
     env = _env(out.parent / "jax-cache")
     return [
         subprocess.Popen(
-            [*cmd, "--process-id", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, *(["-c", _EARLY] if i == early else ["-m", "zoo"]), *args, "--process-id", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for i in range(2)
     ]
@@ -151,6 +157,31 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     got, want = _param_fingerprints(out / "checkpoints", END), _param_fingerprints(ref / "checkpoints", END)
     assert len(got) >= 4 and got == want
     assert [r["loss"] for r in _train_rows(out)] == [r["loss"] for r in _train_rows(ref)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_to_one_process_while_compiling_stops_both_after_the_first_step(tmp_path):
+    """A multi-process run cannot stop one process alone before the loop (the other would
+    wait in its first collective): the note is shared at the first step, both stop there."""
+    out = tmp_path / "run"
+    procs: list[subprocess.Popen] = []
+    try:
+        for attempt in range(3):
+            procs = _pair(out, _free_port(), early=1)
+            results = _finish(procs)
+            if not _port_lost(results) or attempt == 2:
+                break
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+    for rc, err in results:
+        assert rc == 143, (rc, err)
+    assert [_stopped_step(err) for _, err in results] == [1, 1]
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]
+    assert [r["step"] for r in _train_rows(out)] == [1]
 
 
 # --- the class, in this process (one process: its note is the answer) -----------------------
