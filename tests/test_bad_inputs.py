@@ -71,6 +71,38 @@ def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
     assert json.loads((out / "config.json").read_text())["steps"] == 2000
 
 
+def test_two_runs_started_together_into_one_folder_one_is_refused(tmp_path):
+    """Two `python -m zoo train` started at the same moment into one new folder: exactly
+    one runs (its metrics, checkpoints and summary whole, each step once), the other is
+    refused with one line (the lock: whichever comes second, even a moment later)."""
+    out = tmp_path / "run"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    flags = ["--devices", "2", "--steps", "30", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+             "--checkpoint-every", "10", "--quiet", "--output", str(out)]  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *flags], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    try:
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [(p.returncode, err) for p, (_, err) in zip(procs, results)]
+    winner_out = results[[p.returncode for p in procs].index(0)][0]
+    loser_err = results[[p.returncode for p in procs].index(2)][1]
+    assert "loss fell" in winner_out
+    # In use (the usual case), or, had the winner already ended, its outputs refused.
+    assert any(m in loser_err for m in (f"--output {out} is in use by another zoo run", "already holds")), loser_err
+    assert len(loser_err.strip().splitlines()) == 1 and "Traceback" not in loser_err, loser_err
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 31))
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [10, 20, 30]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 30
+
+
 def test_a_held_lock_refuses_in_process_and_is_released_after_a_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -388,6 +420,120 @@ def test_a_full_disk_ends_with_one_line(tmp_path):
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]  # its save in flight finished
 
 
+# SIGKILL to itself as it starts writing summary.json: after its final checkpoint, before the end.
+_KILLED_AT_THE_END = """
+import os, signal, sys
+import zoo._cli._run as run
+
+real = run.write_json
+def write_json(path, value):
+    if path.name == "summary.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, value)
+run.write_json = write_json
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_killed_after_its_final_checkpoint_is_finished_by_resume(tmp_path):
+    out = tmp_path / "run"
+    flags = [*TINY[:2], "--steps", "4", *TINY[4:], "--checkpoint-every", "2", "--output", str(out)]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AT_THE_END, "train", "mlp", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == -9, proc.stderr
+    import zoo
+
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [2, 4]
+    assert not (out / "summary.json").exists()
+    rc, _, err = zoo_main("train", "mlp", *flags, "--resume")  # the same command, --resume
+    assert rc == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] == 4 and summary["steps"] == 4
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), *(("train", i) for i in range(1, 5)), ("eval", 4)]
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [2, 4]
+    # Once finished, it is a finished run: --resume needs more --steps.
+    rc, _, err = zoo_main("train", "mlp", *flags, "--resume")
+    one_line_error(rc, err, "is at step 4, not before --steps 4; raise --steps to train further")
+
+
+def _can_mount_tmpfs() -> bool:
+    """Whether this machine lets an unprivileged process mount a tmpfs in a private mount
+    namespace (`unshare -rm`: user namespaces enabled)."""
+    try:
+        probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                               capture_output=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+# Without a private tmpfs: orbax's background save of step 4 fails as tensorstore reports a
+# full disk (its temporary folder left behind, the error raised when the save is waited for).
+_FULL_DISK_ASYNC = """
+import os, sys
+import orbax.checkpoint as ocp
+
+real_save, real_wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
+failed = []
+def save(self, step, *args, **kwargs):
+    if failed:
+        wait(self)
+    if step < 4:
+        return real_save(self, step, *args, **kwargs)
+    os.makedirs(os.path.join(str(self.directory), f"{step}.orbax-checkpoint-tmp"))
+    failed.append(step)
+    return True
+def wait(self):
+    real_wait(self)
+    if failed:
+        raise ValueError("RESOURCE_EXHAUSTED: Error writing in OCDBT database: Failed to write 16045 bytes to "
+                         "file 9: No space left on device [os_error_code='28']")
+ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished = save, wait
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_during_an_async_checkpoint_save(tmp_path):
+    """Checkpoints every step into a 1 MiB tmpfs (room for 3): orbax's background save of
+    the next one meets the full disk. One line, exit 1; the committed steps stay whole,
+    and `--resume` from a copy of the folder on a disk with room continues from the last."""
+    copy = tmp_path / "copy"
+    flags = ["--devices", "2", "--steps", "50", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+             "--quiet", "--checkpoint-every", "1", "--keep", "100"]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    if _can_mount_tmpfs():
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        out = mnt / "run"
+        # The tmpfs lives as long as the namespace: the folder is copied out before it ends.
+        script = (f'mount -t tmpfs -o size=1m tmpfs "{mnt}" && "{sys.executable}" -m zoo train mlp '
+                  + " ".join(flags) + f' --output "{out}"; rc=$?; cp -a "{out}" "{copy}"; exit $rc')  # fmt: skip
+        proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+    else:
+        out = tmp_path / "run"
+        proc = subprocess.run([sys.executable, "-c", _FULL_DISK_ASYNC, "train", "mlp", *flags, "--output", str(out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        out.rename(copy)
+    one_line_error(proc.returncode, proc.stderr, f"zoo: error: no space left on the device writing {out}/checkpoints; "
+                   "free some space", code=1)  # fmt: skip
+    import zoo
+
+    steps = zoo.Checkpointer(copy / "checkpoints", read_only=True).steps()
+    n = len(steps)  # 3 on a 1 MiB tmpfs (a checkpoint of the mlp takes ~300 kB)
+    assert n >= 1 and steps == list(range(1, n + 1)), steps
+    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
+    assert names == sorted([*map(str, steps), f"{n + 1}.orbax-checkpoint-tmp"]), names  # unfinished: no step
+    rc, _, err = zoo_main("train", "mlp", *flags[:2], "--steps", str(n + 2), "--output", copy, "--resume")
+    assert rc == 0, err
+    assert json.loads((copy / "summary.json").read_text())["resumed_from"] == n
+    assert [r["step"] for r in train_rows(copy)] == list(range(1, n + 3))
+
+
 # --- strict rules, meshes, config files ------------------------------------------------------
 
 BAD_RULES = [
@@ -576,3 +722,30 @@ def test_sweep_of_bad_inputs_is_one_line_each(tmp_path):
             failures.append((flags, rc, err))
     assert not failures, failures
     assert (tmp_path / "afile").read_text() == ""
+
+
+def _sweep_commands(tmp: Path) -> list[tuple[list, str]]:
+    """Whole command lines (other commands and models than the sweep's `zoo train mlp`)."""
+    (tmp / "broken").mkdir()
+    (tmp / "broken" / "config.json").write_text("{bad")
+    (tmp / "adir").mkdir()
+    init = f"--init {tmp / 'broken'}: neither a Hugging Face model folder"
+    small = ["--steps", "2", "--devices", "2", "--output", tmp / "out"]
+    return [
+        (["train", "transformer", "--init", tmp / "broken", *small], init),
+        (["finetune", "transformer", "--init", tmp / "broken", *small], init),
+        (["train", "--config", tmp / "adir"], f"--config {tmp / 'adir'}: no such file"),
+        (["train", "--config", tmp / "none.json"], f"--config {tmp / 'none.json'}: no such file"),
+        (["finetune", "mlp", *small], "zoo finetune does not take 'mlp'; choose one of"),
+    ]
+
+
+def test_sweep_of_bad_command_lines_is_one_line_each(tmp_path):
+    failures = []
+    for argv, message in _sweep_commands(tmp_path):
+        rc, _, err = zoo_main(*argv)
+        lines = err.strip().splitlines()
+        if rc != 2 or message not in err or len(lines) != 1 or "Traceback" in err:
+            failures.append((argv, rc, err))
+    assert not failures, failures
+    assert not (tmp_path / "out").exists()  # refused before anything was written

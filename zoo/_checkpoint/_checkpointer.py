@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from .._mismatch import listed
+from ._disk import disk_full_error, is_disk_full, quiet_disk_full_logs
 from ._fingerprint import compute_fingerprints
 from ._manifest import (
     ARRAY,
@@ -108,6 +109,11 @@ class Checkpointer:
         finally:
             absl.setLevel(level)
         self._pending: int | None = None  # the step of the last save started
+        quiet_disk_full_logs()
+
+    def _disk_full(self, error: Exception) -> Exception:
+        """A full disk as `OSError(ENOSPC)` naming the directory; any other error as it is."""
+        return disk_full_error(self.directory, error) if is_disk_full(error) else error
 
     # -- context manager ----------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -118,14 +124,22 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for writes in flight, then release orbax's resources."""
-        self._manager.close()
+        try:
+            self._manager.close()
+        except Exception as e:
+            raise self._disk_full(e) from e
 
     def wait(self) -> None:
         """Block until every save started so far is written and committed.
 
-        Errors of a background write are raised here (or by the next `save`).
+        Errors of a background write are raised here (or by the next `save`); a full
+        disk as `OSError` with `errno.ENOSPC` and the directory as its `filename` (the
+        checkpoints committed before stay whole; the unfinished one is never a step).
         """
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._disk_full(e) from e
 
     # -- listing ------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -212,11 +226,14 @@ class Checkpointer:
             )
         # Both items are written into the same temporary step directory and committed by
         # one rename: a manifest never exists without its arrays, nor arrays without it.
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(stored), manifest=ocp.args.JsonSave(manifest)),
-            force=True,
-        )
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(stored), manifest=ocp.args.JsonSave(manifest)),
+                force=True,
+            )
+        except Exception as e:  # this save's, or a full disk met by the previous one in the background
+            raise self._disk_full(e) from e
         self._pending = step
 
     # -- restoring ----------------------------------------------------------------------

@@ -74,7 +74,38 @@ def run_lock(output: Path, checkpoints: Path, *, main: bool) -> Iterator[None]:
         if not checkpoints.resolve().is_relative_to(output.resolve()):
             # Next to the folder, not in it: the checkpoint folder holds numbered steps only.
             stack.enter_context(_flock(checkpoints.parent / f".{checkpoints.name}{LOCK_NAME}", "--checkpoint-dir"))
-        yield
+        fresh = not previous_outputs(output) and not _has_entries(checkpoints)
+        try:
+            yield
+        except BaseException:
+            if fresh:
+                _remove_untrained(output, checkpoints)
+            raise
+
+
+def _has_entries(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def _remove_untrained(output: Path, checkpoints: Path) -> None:
+    """A new run that failed (or was stopped) before its first training step leaves the
+    folder as it found it: its config.json (and a metrics.jsonl without a training row, an
+    empty checkpoints folder) would make the same command refuse the folder next time."""
+    if _has_entries(checkpoints):
+        return
+    metrics = output / "metrics.jsonl"
+    if metrics.is_file():
+        with contextlib.suppress(OSError):
+            if '"kind": "train"' in metrics.read_text():
+                return
+    if not set(previous_outputs(output)) <= {"config.json", "metrics.jsonl"}:
+        return
+    for name in ("config.json", "metrics.jsonl"):
+        with contextlib.suppress(OSError):
+            (output / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        if checkpoints.is_dir():
+            checkpoints.rmdir()
 
 
 def previous_outputs(output: Path) -> list[str]:

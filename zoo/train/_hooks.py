@@ -186,7 +186,14 @@ class MetricsLog(Hook):
 
         if not _main():
             return
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= state.step] if state.step else []
+        # A resumed run keeps the rows up to its start; at the last step (a run killed after
+        # its final checkpoint) the final evaluation is redone.
+        redo = ("eval", state.step) if state.step == state.steps else None
+        kept = [
+            r
+            for r in (read_metrics(self.path) if state.step else [])
+            if r.get("step", 0) <= state.step and (r.get("kind"), r.get("step")) != redo
+        ]
         self._file = Metrics(self.path)
         for row in kept:
             self._file.write(row)

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from ._config import RunConfig
-from ._errors import ConfigError
+from ._errors import ConfigError, Preempted
 from ._evaluate import Evaluator, fit_head, head_metrics
 from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, Sample, TensorBoard
 from ._output import human_bytes, plot_losses, read_metrics, write_json
+from ._preemption import Preemption
 from ._registry import model_spec
 from ._task import TaskSettings, build_task
 from ._trainer import Trainer
@@ -134,7 +135,8 @@ def check_checkpoints(config: RunConfig, output: Path) -> None:
                 )
             for k in later:
                 shutil.rmtree(folder / str(k))
-        elif saved[-1] >= steps:
+        elif saved[-1] > steps or (saved[-1] == steps and (output / "summary.json").exists()):
+            # (at --steps without a summary: killed after its final checkpoint; the run finishes it)
             raise ConfigError(
                 f"--resume: the checkpoint in {folder} is at step {saved[-1]}, not before --steps {steps}; "
                 "raise --steps to train further"
@@ -241,7 +243,12 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
         seq_len = spec.defaults.get(command, spec.defaults["train"]).get("seq_len")
     data_options = {k: getattr(config.data, k) for k in ("validation", "packed", "chat_template")}
 
-    with jax.set_mesh(mesh):
+    # SIGTERM from here on: before the loop the run stops at once (nothing trained yet); in
+    # the loop every process stops after the same step and saves it; after it, the run ends.
+    def early() -> Preempted:
+        return Preempted("SIGTERM before training started: nothing was trained or saved; rerun the same command")
+
+    with jax.set_mesh(mesh), Preemption(enabled=True, early=early) as preemption:
         # -- build ----------------------------------------------------------------------------
         phase(f"loading {config.model} and its data...")
         settings = TaskSettings(
@@ -359,6 +366,7 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
             tokens_per_example=task.tokens_per_example if task.unit == "tokens" else None,
             skip_nonfinite=config.skip_nonfinite,
             advice=f"Lower --lr (now {opt.lr:g}), keep --clip > 0, or pass --skip-nonfinite to skip such steps",
+            preemption=preemption,
         )  # fmt: skip
 
         # -- compile once: the program that runs is the one inspected -----------------------

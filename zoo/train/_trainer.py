@@ -10,6 +10,7 @@ from typing import Any
 
 from ._errors import Preempted, RunStopped
 from ._hooks import Checkpoint, TrainState
+from ._preemption import Preemption
 
 _ADVICE = "lower the learning rate, keep gradient clipping on, or skip such steps (skip_nonfinite)"
 
@@ -32,8 +33,11 @@ class Trainer:
     - `skip_nonfinite`: the optimizer skips non-finite steps (`optax.apply_if_finite`):
       count them instead of stopping.
     - `handle_sigterm`: on SIGTERM, finish the step in progress, save it with the
-      `Checkpoint` hook and raise `Preempted` (one process only: in a multi-process run each
-      process would see the signal at another step).
+      `Checkpoint` hook and raise `Preempted`; in a multi-process run every process stops
+      after the same step (`zoo.train._preemption.Preemption`: the processes compare their
+      notes after each step, outside the compiled step).
+    - `preemption`: a `Preemption` installed earlier (before loading and compiling, as
+      `zoo.train.run` does) to use instead of one of the loop's own.
     - `advice`: what a `RunStopped` message suggests.
 
     Every process runs the loop (the step is one program over every process's devices);
@@ -48,10 +52,11 @@ class Trainer:
 
     def __init__(self, step, batch_at: Callable[[int], Any], *, steps: int, hooks: Sequence[Any] = (),
                  lr: Callable[[int], float] | None = None, tokens_per_example: int | None = None,
-                 skip_nonfinite: bool = False, handle_sigterm: bool = True, advice: str = _ADVICE):  # fmt: skip
+                 skip_nonfinite: bool = False, handle_sigterm: bool = True, advice: str = _ADVICE,
+                 preemption: Preemption | None = None):  # fmt: skip
         self.step, self.batch_at, self.steps, self.hooks = step, batch_at, steps, list(hooks)
         self.lr, self.tokens_per_example, self.skip_nonfinite = lr, tokens_per_example, skip_nonfinite
-        self.handle_sigterm, self.advice = handle_sigterm, advice
+        self.handle_sigterm, self.advice, self.preemption = handle_sigterm, advice, preemption
         self.compiled = None
         self.losses: list[float] = []
         self.skipped = 0
@@ -136,7 +141,8 @@ class Trainer:
                 if method is not None:
                     method(state)
 
-        preemption = _Preemption(enabled=self.handle_sigterm and jax.process_count() == 1)
+        own = self.preemption is None
+        preemption = Preemption(enabled=self.handle_sigterm) if own else self.preemption
         state = TrainState(start, steps, model, opt_state, None, self)
         failed = True
         try:
@@ -151,7 +157,8 @@ class Trainer:
                 flush()  # the previous step's loss, read while this step runs
                 pending = (i, loss)
                 due = [h for h in self.hooks if getattr(h, "every", 0) and i % h.every == 0]
-                if not due and not preemption.requested:
+                stop = preemption.stop_at(i)  # the same answer in every process
+                if not due and not stop:
                     continue
                 flush()
                 hooks_t0 = time.perf_counter()
@@ -160,7 +167,7 @@ class Trainer:
                     hook(state)
                 last = time.perf_counter()  # the hooks' time is not training throughput
                 self.hook_seconds += last - hooks_t0
-                if preemption.requested and i != steps:
+                if stop and i != steps:
                     saver = next((h for h in self.hooks if isinstance(h, Checkpoint)), None)
                     if saver is None:
                         raise Preempted(f"SIGTERM: stopped after step {i} of {steps}; nothing saved (no Checkpoint "
@@ -176,7 +183,8 @@ class Trainer:
             call("on_end", state)
             failed = False
         finally:
-            preemption.restore()
+            if own:
+                preemption.restore()
             # Ctrl-C, a full disk, a stopped run: saves in flight finish (or fail) first.
             for hook in self.hooks:
                 close = getattr(hook, "close", None)
@@ -188,29 +196,6 @@ class Trainer:
                 else:
                     close()
         return model, opt_state
-
-
-class _Preemption:
-    """SIGTERM (a scheduler's preemption) noted instead of killing the process: the loop
-    saves a checkpoint after the step in progress and stops."""
-
-    def __init__(self, *, enabled: bool):
-        import signal
-        import threading
-
-        self.requested = False
-        self._previous = None
-        if enabled and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._note)
-
-    def _note(self, signum, frame) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _all_finite(tree) -> bool:

@@ -1,0 +1,59 @@
+"""A full disk during a checkpoint save, reported as what it is.
+
+orbax writes arrays through tensorstore in background threads: a full disk there surfaces
+as a `ValueError("RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']")`
+when the save is next waited for, after orbax has logged the same error with a traceback
+from each of its threads. The checkpointer raises it as `OSError(ENOSPC)` naming the
+checkpoint folder instead (the CLI prints that as one line), and orbax's log records of it
+are dropped: the error itself is raised, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+_MARKS = ("No space left on device", "os_error_code='28'", "[Errno 28]")
+
+
+def _chain(error: BaseException | None):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """Whether `error` (or one it was raised from) says the disk is full."""
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if any(mark in str(e) for mark in _MARKS):
+            return True
+    return False
+
+
+def disk_full_error(directory: str, error: BaseException) -> OSError:
+    """The `OSError(ENOSPC)` to raise for `error`, naming the checkpoint `directory`."""
+    return OSError(errno.ENOSPC, "No space left on device (saving a checkpoint)", directory)
+
+
+class _DropDiskFull(logging.Filter):
+    """orbax's ERROR records (and tracebacks) of a full disk: the checkpointer raises it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (is_disk_full(exc) or any(mark in record.getMessage() for mark in _MARKS))
+
+
+_FILTER = _DropDiskFull()
+
+
+def quiet_disk_full_logs() -> None:
+    """Drop orbax's log records of a full disk (idempotent)."""
+    absl = logging.getLogger("absl")
+    if _FILTER not in absl.filters:
+        absl.addFilter(_FILTER)
