@@ -423,7 +423,7 @@ def test_a_full_disk_ends_with_one_line(tmp_path):
 # SIGKILL to itself as it starts writing summary.json: after its final checkpoint, before the end.
 _KILLED_AT_THE_END = """
 import os, signal, sys
-import zoo._cli._run as run
+import zoo.train._run as run
 
 real = run.write_json
 def write_json(path, value):
