@@ -222,7 +222,7 @@ def test_finetune_your_data_writes_an_adapter_peft_opens_with_zoos_logits(tmp_pa
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     out = _run_example(
-        "finetune_your_data.py", str(folder), str(data), "--out", str(tmp_path / "adapter"),
+        "finetune_your_data.py", str(folder), str(data), "--out", str(tmp_path / "run"),
         "--steps", "30", "--seq-len", "32", "--batch-size", "8", "--lr", "1e-2", timeout=500,
     )  # fmt: skip
     first = _number(r"step 1: train loss ([\d.]+)", out)
@@ -231,11 +231,11 @@ def test_finetune_your_data_writes_an_adapter_peft_opens_with_zoos_logits(tmp_pa
 
     tokens = np.array([[1, 4, 6, 8, 9, 4, 12]], np.int32)  # <s> the cat sat on the mat
     model = zoo.hf.from_pretrained(folder)
-    model, _ = zoo.lora.load_adapter(model, tmp_path / "adapter")
+    model, _ = zoo.lora.load_adapter(model, tmp_path / "run" / "adapter")
     ours = np.asarray(model(tokens))[..., : len(vocab)]
     with torch.no_grad():  # before peft wraps `hf` in place
         base = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "run" / "adapter").eval()
     with torch.no_grad():
         theirs = peft_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     assert np.abs(ours - theirs).max() < 1e-5 * max(1.0, np.abs(theirs).max()), np.abs(ours - theirs).max()
