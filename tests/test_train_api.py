@@ -340,3 +340,22 @@ def test_zoo_train_is_public_and_the_cli_errors_are_config_errors():
 
     assert issubclass(CLIError, ConfigError) and issubclass(ConfigError, ValueError)
     assert issubclass(zoo.train.RunStopped, RuntimeError) and issubclass(zoo.train.Preempted, RuntimeError)
+
+
+def test_zoo_train_tensorboard_flag_writes_the_runs_scalars(tmp_path):
+    """`zoo train --tensorboard DIR`: DIR's event files hold every step's loss and lr and
+    every evaluation, as metrics.jsonl does."""
+    from helpers import zoo_main
+
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    rc, _, err = zoo_main("train", "mlp", "--devices", "2", "--steps", "4", "--batch-size", "8", "--microbatches", "1",
+                          "--eval-size", "16", "--eval-every", "2", "--quiet", "--output", str(out),
+                          "--tensorboard", str(tb))  # fmt: skip
+    assert rc == 0, err
+    scalars = _tensorboard_scalars(tb)
+    rows = read_rows(out / "metrics.jsonl")
+    train = {r["step"]: r for r in rows if r["kind"] == "train"}
+    assert sorted(scalars["loss"]) == sorted(train) == [1, 2, 3, 4]
+    assert all(scalars["lr"][i] == pytest.approx(train[i]["lr"], rel=1e-6) for i in train)
+    evals = {r["step"]: r["eval_loss"] for r in rows if r["kind"] == "eval"}
+    assert sorted(scalars["eval_loss"]) == sorted(evals) == [0, 2, 4]
