@@ -9,8 +9,8 @@ A private package of one module per concept: `_common` (errors, devices, the mes
 exit codes).
 """
 
+from ..train._lora import parse_lora
 from ._common import CLIError, parse_mesh
-from ._lora_flag import parse_lora
 from ._main import build_parser, main
 
 __all__ = ["CLIError", "build_parser", "main", "parse_lora", "parse_mesh"]
