@@ -55,8 +55,9 @@ QUICK_ROUNDS = {2: 4, 8: 4}
 def _inspect_task(model: str):
     """(InspectTask, trainable filter or None) of the CLI's tiny model `model`."""
     import zoo
-    from zoo._cli._lora_flag import add_lora, inspect_defaults, parse_lora
+    from zoo._cli._lora_flag import inspect_defaults
     from zoo._cli._tasks import build_inspect_task
+    from zoo.train._lora import add_lora, parse_lora
 
     if model == "decoder+lora":
         task = build_inspect_task("transformer", 0)
@@ -78,7 +79,8 @@ def collective_row(model: str, preset: str, n: int) -> dict:
     import optax
 
     import zoo
-    from zoo._cli._common import INSPECT_COMPILER_OPTIONS, tree_bytes
+    from zoo.train._report import tree_bytes
+    from zoo.train._task import ONCE_COMPILER_OPTIONS
 
     shape = {"data": n // 2, "model": 2} if preset == "tp" else {"data": n}
     mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
@@ -92,7 +94,7 @@ def collective_row(model: str, preset: str, n: int) -> dict:
         step = zoo.TrainStep(task.loss_fn, optax.adamw(1e-3), microbatches=COLL_MICROBATCHES, preset=preset, **options)
         batch = task.make_batch(shape["data"] * COLL_MICROBATCHES * 2, jax.random.key(0))
         t0 = time.perf_counter()
-        compiled = step.lower(placed, step.init(placed), batch).compile(compiler_options=INSPECT_COMPILER_OPTIONS)
+        compiled = step.lower(placed, step.init(placed), batch).compile(compiler_options=ONCE_COMPILER_OPTIONS)
         row["compile_s"] = time.perf_counter() - t0
         colls = zoo.collectives(compiled, mesh=mesh)
         params = step.partition(placed)[0]

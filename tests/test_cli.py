@@ -319,7 +319,7 @@ def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
     import jax
 
     import zoo
-    from zoo._cli._common import init_compiled
+    from zoo.train._task import init_compiled
 
     config = zoo.models.TransformerConfig(vocab_size=256, d_model=32, num_heads=4, num_layers=1, max_len=16)
     gpt = init_compiled(("gpt", config), lambda k: zoo.models.Transformer(config, key=k), jax.random.key(0))

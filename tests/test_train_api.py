@@ -359,3 +359,52 @@ def test_zoo_train_tensorboard_flag_writes_the_runs_scalars(tmp_path):
     assert all(scalars["lr"][i] == pytest.approx(train[i]["lr"], rel=1e-6) for i in train)
     evals = {r["step"]: r["eval_loss"] for r in rows if r["kind"] == "eval"}
     assert sorted(scalars["eval_loss"]) == sorted(evals) == [0, 2, 4]
+
+
+def _imported_modules(path: Path, package: str) -> list[str]:
+    """The absolute names of every module `path` (a module of `package`) imports, also
+    inside functions: `from .. import x` counts as importing `..x`."""
+    import ast
+
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module) if p)
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_no_library_module_imports_the_cli(tmp_path):
+    """The library knows nothing of the CLI: no module under zoo/ but zoo/_cli/ (and
+    `python -m zoo`'s zoo/__main__.py) imports zoo._cli, and importing zoo and every
+    module of zoo.train, then a RunConfig's round trip through its flat form with LoRA,
+    loads none of it."""
+    root = Path(zoo.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent)
+        if rel.parts[1] == "_cli" or rel == Path("zoo/__main__.py"):
+            continue
+        module_parts = rel.with_suffix("").parts
+        package = ".".join(module_parts if path.name == "__init__.py" else module_parts[:-1])
+        package = package.removesuffix(".__init__")
+        bad = [m for m in _imported_modules(path, package) if m == "zoo._cli" or m.startswith("zoo._cli.")]
+        offenders += [f"{rel}: {m}" for m in bad]
+    assert not offenders, offenders
+    # The check sees the CLI however a module of zoo.train would spell it.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from .._cli._lock import run_lock\n    from .. import _cli\n    import zoo._cli\n")
+    assert {"zoo._cli._lock", "zoo._cli"} <= set(_imported_modules(probe, "zoo.train"))
+    code = (
+        "import pkgutil, importlib, sys, zoo, zoo.train\n"
+        "for m in pkgutil.iter_modules(zoo.train.__path__, 'zoo.train.'): importlib.import_module(m.name)\n"
+        "c = zoo.train.RunConfig(model='mlp', steps=1, batch_size=8, lora=zoo.lora.LoraConfig(r=2))\n"
+        "assert zoo.train.RunConfig.from_dict(c.to_dict()).lora == c.lora\n"
+        "print(sorted(m for m in sys.modules if m.startswith('zoo._cli')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -39,9 +39,10 @@ def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> li
     import optax
 
     import zoo
-    from zoo._cli._common import INSPECT_COMPILER_OPTIONS
-    from zoo._cli._lora_flag import add_lora, inspect_defaults, parse_lora
+    from zoo._cli._lora_flag import inspect_defaults
     from zoo._cli._tasks import build_inspect_task
+    from zoo.train._lora import add_lora, parse_lora
+    from zoo.train._task import ONCE_COMPILER_OPTIONS
 
     base = model.removesuffix("+lora")
     task = build_inspect_task(base, 0)
@@ -61,7 +62,7 @@ def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> li
         )
         batch = task.make_batch(mesh_shape["data"] * MICROBATCHES * 2, jax.random.key(0))
         lowered = step.lower(placed, step.init(placed), batch)
-        colls = zoo.collectives(lowered.compile(compiler_options=INSPECT_COMPILER_OPTIONS), mesh=mesh)
+        colls = zoo.collectives(lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS), mesh=mesh)
     rows = [
         {
             "kind": c.kind,

@@ -15,14 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._common import (
-    CLIError,
-    check_rules_fit_mesh,
-    init_devices,
-    make_mesh,
-    mesh_text,
-    parse_mesh,
-)
+from ..train._mesh import check_rules_fit_mesh, make_mesh, mesh_text
+from ._common import CLIError, init_devices, parse_mesh
 
 DEFAULT_NEW_TOKENS = 64
 

@@ -8,9 +8,9 @@ import json
 import math
 from typing import Any
 
+from ..train._lora import LORA_EXAMPLE, lora_json
 from ._common import CLIError, init_devices, parse_mesh
 from ._inspect import add_mesh_flags, add_model_flags, build_model, model_help
-from ._lora_flag import LORA_EXAMPLE, lora_json
 
 
 def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: dict[str, int]) -> list[dict[str, Any]]:

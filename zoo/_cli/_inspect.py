@@ -9,20 +9,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._common import (
-    INSPECT_COMPILER_OPTIONS,
-    CLIError,
-    check_rules_fit_mesh,
-    collective_summary,
-    init_devices,
-    make_mesh,
-    parse_mesh,
-    parse_pairs,
-    parse_scalar,
-    tree_bytes,
-    tree_size,
-)
-from ._lora_flag import LORA_EXAMPLE, LORA_HELP, add_lora, finetune_defaults, lora_json, parse_lora
+from ..train._config import parse_scalar
+from ..train._lora import LORA_EXAMPLE, add_lora, lora_json, parse_lora
+from ..train._mesh import check_rules_fit_mesh, make_mesh
+from ..train._report import collective_summary, tree_bytes, tree_size
+from ..train._task import ONCE_COMPILER_OPTIONS
+from ._common import CLIError, init_devices, parse_mesh, parse_pairs
+from ._lora_flag import LORA_HELP, finetune_defaults
 
 
 def model_help() -> str:
@@ -174,7 +167,7 @@ def cmd_inspect(args) -> int:
             raise CLIError(str(e)) from e
         # The step is only inspected, never run: skip LLVM's costly optimisations (about
         # half the compile time on CPU); the collectives come out the same.
-        colls = zoo.collectives(lowered.compile(compiler_options=INSPECT_COMPILER_OPTIONS), mesh=mesh)
+        colls = zoo.collectives(lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS), mesh=mesh)
         trained = step.partition(model)[0]
     result = {
         "model": args.model,

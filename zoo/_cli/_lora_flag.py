@@ -1,29 +1,14 @@
-"""The `--lora KEY=VALUE,...` flag: parsed into a `zoo.lora.LoraConfig`, applied to a model."""
+"""The `--lora KEY=VALUE,...` flag's help and each command's defaults. The text form itself
+(`parse_lora`, `lora_text`) and adding the adapters (`add_lora`) are `zoo.train._lora`'s."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from ._common import INSPECT_COMPILER_OPTIONS, CLIError
-
-# `--lora` key → (LoraConfig field). Keys the user leaves out take the command's defaults
-# (`parse_lora(defaults=)`), then LoraConfig's (peft's: r=8, lora_alpha=8, lora_dropout=0).
-LORA_KEYS = {
-    "r": "r",
-    "alpha": "lora_alpha",
-    "dropout": "lora_dropout",
-    "targets": "target_modules",
-    "exclude": "exclude_modules",
-    "rslora": "use_rslora",
-    "save": "modules_to_save",
-}
-LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
 # Modules trained in full besides the adapters when `save=` is not given: a classifier's
 # head is new for the task (peft's modules_to_save=["classifier"] for sequence
 # classification); `save=none` freezes it too.
 CLASSIFIER_SAVE = ("head",)
-LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
 
 LORA_HELP = (
     "Keys: r (rank), alpha (lora_alpha; scaling alpha/r), dropout (the branches' input dropout), "
@@ -51,124 +36,3 @@ def finetune_defaults(classifier: bool) -> dict[str, Any]:
     if classifier:
         fields["modules_to_save"] = CLASSIFIER_SAVE
     return fields
-
-
-def _lora_value(key: str, value: str) -> Any:
-    """One `--lora` value, read as its LoraConfig field wants it; ValueError if it cannot."""
-    if key == "r":
-        if not value.isdigit():
-            raise ValueError(f"r must be a positive integer, got {value!r}")
-        return int(value)
-    if key in ("alpha", "dropout"):
-        number = float(value)  # ValueError names the value
-        return int(number) if key == "alpha" and number.is_integer() and "." not in value else number
-    if key == "rslora":
-        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(f"rslora must be true or false, got {value!r}")
-        return value.lower() in ("true", "1", "yes")
-    names = tuple(n.strip() for n in value.split("+"))
-    if key == "targets" and value == "all-linear":
-        return value
-    if key == "save" and value.lower() == "none":
-        return None
-    if not all(names):
-        raise ValueError(f"{key} must be module names joined by '+', e.g. q_proj+v_proj, got {value!r}")
-    return names
-
-
-def parse_lora(text: str, defaults: dict[str, Any]):
-    """`"r=8,alpha=16,targets=q_proj+v_proj"` → a `zoo.lora.LoraConfig`: `defaults`
-    (LoraConfig field → value) where the text names no value. An empty text is the defaults."""
-    import zoo
-
-    def bad(why: str) -> CLIError:
-        return CLIError(
-            f"bad --lora {text!r}: {why}; write key=value pairs joined by commas, e.g. {LORA_EXAMPLE}; "
-            f"keys: {', '.join(LORA_KEYS)}"
-        )
-
-    fields = dict(defaults)
-    seen: set[str] = set()
-    for part in text.split(",") if text.strip() else ():
-        key, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or not key or not value:
-            raise bad(f"{part.strip()!r} is not key=value")
-        if key not in LORA_KEYS:
-            raise bad(f"unknown key {key!r}")
-        if key in seen:
-            raise bad(f"key {key!r} appears twice")
-        seen.add(key)
-        try:
-            fields[LORA_KEYS[key]] = _lora_value(key, value)
-        except ValueError as e:
-            raise bad(str(e)) from e
-    try:
-        return zoo.lora.LoraConfig(**fields)
-    except ValueError as e:
-        raise bad(str(e)) from e
-
-
-def lora_text(config) -> str:
-    """A `LoraConfig` written back as a `--lora` value (every key spelled out)."""
-
-    def names(value) -> str:
-        if value is None:
-            return "none"
-        return value if isinstance(value, str) else "+".join(value)
-
-    parts = [f"r={config.r}", f"alpha={config.lora_alpha:g}", f"dropout={config.lora_dropout:g}"]
-    parts.append(f"targets={names(config.target_modules)}")
-    if config.exclude_modules:
-        parts.append(f"exclude={names(config.exclude_modules)}")
-    parts.append(f"rslora={'true' if config.use_rslora else 'false'}")
-    parts.append(f"save={names(config.modules_to_save)}")
-    return ",".join(parts)
-
-
-_LORA_WRAPPERS: dict[Any, tuple[Any, dict[str, Any]]] = {}
-
-
-def add_lora(model: Any, config: Any, seed: int) -> Any:
-    """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled without
-    LLVM's costly optimisations (like `init_compiled`), once per (model structure, config).
-    A target matching nothing, a rank too large, ... → CLIError with zoo's message."""
-    import equinox as eqx
-    import jax
-    import jax.random as jr
-
-    import zoo
-
-    key = jr.fold_in(jr.key(seed), LORA_KEY_SALT)
-    arrays, static = eqx.partition(model, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(arrays)
-    cache_key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves), config)
-    if cache_key not in _LORA_WRAPPERS:
-        out: dict[str, Any] = {}
-
-        def wrap(arrays, k):
-            lora_arrays, out["tree"] = eqx.partition(
-                zoo.lora.add_lora(eqx.combine(arrays, static), config, key=k), eqx.is_array
-            )
-            return lora_arrays
-
-        try:
-            compiled = jax.jit(wrap).lower(arrays, key).compile(compiler_options=INSPECT_COMPILER_OPTIONS)
-        except ValueError as e:
-            raise CLIError(f"--lora: {e}") from e
-        _LORA_WRAPPERS[cache_key] = (compiled, out)
-    compiled, out = _LORA_WRAPPERS[cache_key]
-    return eqx.combine(compiled(arrays, key), out["tree"])
-
-
-def lora_json(model: Any, config: Any) -> dict[str, Any]:
-    """The config (peft's field names), its scaling, and the modules that got a branch."""
-    import zoo
-
-    def plain(value):
-        return list(value) if isinstance(value, tuple) else value
-
-    fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    return fields | {
-        "scaling": config.scaling,
-        "adapted_modules": sorted(zoo.lora.modules(model, zoo.lora.LoraLinear)),
-    }

@@ -17,19 +17,13 @@ from typing import Any
 
 from ..train import _registry
 from ..train._builtin import PRETRAINED_KEYS, minilm_available
+from ..train._config import parse_scalar
+from ..train._lora import lora_text, parse_lora
+from ..train._mesh import mesh_text
 from ..train._optimizer import OPTIMIZERS, SCHEDULES
 from ..train._user_data import DATA_FILE_HELP, DATA_FLAG_DEFAULTS, check_data_file
-from ._common import (
-    DEFAULT_CPU_DEVICES,
-    CLIError,
-    init_devices,
-    init_devices_env,
-    mesh_text,
-    parse_mesh,
-    parse_pairs,
-    parse_scalar,
-)
-from ._lora_flag import LORA_HELP, finetune_defaults, lora_text, parse_lora
+from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_mesh, parse_pairs
+from ._lora_flag import LORA_HELP, finetune_defaults
 
 
 def model_help() -> str:

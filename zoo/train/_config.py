@@ -174,7 +174,7 @@ class RunConfig:
                     flat[key] = inner
             elif f.name == "lora":
                 if value is not None:
-                    from .._cli._lora_flag import lora_text
+                    from ._lora import lora_text
 
                     flat["lora"] = lora_text(value)
             elif f.name == "mesh":
@@ -199,14 +199,12 @@ class RunConfig:
         data = {field: values.pop(key) for key, field in _DATA_KEYS.items() if key in values}
         opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
         if isinstance(values.get("lora"), str):
-            from .._cli._lora_flag import parse_lora
+            from ._lora import parse_lora
 
             values["lora"] = parse_lora(values["lora"], {})
         if isinstance(values.get("mesh"), str):
             values["mesh"] = _pairs(values["mesh"], "mesh", int)
         if isinstance(values.get("model_config"), str) or values.get("model_config") is None:
-            from .._cli._common import parse_scalar
-
             text = values.get("model_config") or ""
             values["model_config"] = _pairs(text, "model_config", parse_scalar) if text else {}
         known = {f.name for f in dataclasses.fields(cls)}
@@ -231,3 +229,19 @@ def _pairs(text: str, field: str, convert) -> dict[str, Any]:
         except ValueError as e:
             raise ConfigError(f"RunConfig.{field} {text!r}: bad value {value!r}") from e
     return out
+
+
+def parse_scalar(value: str) -> Any:
+    """The value of a `key=value` pair (`--model-config`, `RunConfig.model_config` text) as
+    the Python scalar it spells: int, float, true/false, none, or else the string."""
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value

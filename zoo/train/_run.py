@@ -23,9 +23,13 @@ from ._config import RunConfig
 from ._errors import ConfigError, Preempted
 from ._evaluate import Evaluator, fit_head, head_metrics
 from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, Sample, TensorBoard
+from ._lock import previous_outputs, remove_outputs, run_lock
+from ._lora import add_lora, lora_json
+from ._mesh import check_rules_fit_mesh, make_mesh, mesh_text
 from ._output import human_bytes, plot_losses, read_metrics, write_json
 from ._preemption import Preemption
 from ._registry import model_spec
+from ._report import collective_summary, tree_bytes, tree_size
 from ._task import TaskSettings, build_task
 from ._trainer import Trainer
 
@@ -50,22 +54,16 @@ def mesh_shape_of(config: RunConfig, devices: int) -> dict[str, int]:
         return {"data": devices}
     total = math.prod(config.mesh.values())
     if total > devices:
-        raise ConfigError(f"--mesh {_mesh_text(config.mesh)} needs {total} devices but only {devices} were asked for; "
+        raise ConfigError(f"--mesh {mesh_text(config.mesh)} needs {total} devices but only {devices} were asked for; "
                           "raise --devices")  # fmt: skip
     return dict(config.mesh)
 
 
-def _mesh_text(shape: dict[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in shape.items())
-
-
 def check_layout(config: RunConfig, mesh_shape: dict[str, int], devices: int) -> None:
     """Everything about the mesh and the batch that can fail, before anything is built."""
-    from .._cli._common import check_rules_fit_mesh
-
     if "data" not in mesh_shape:
         raise ConfigError(
-            f"--mesh {_mesh_text(mesh_shape)} has no 'data' axis, which the batch is split over; "
+            f"--mesh {mesh_text(mesh_shape)} has no 'data' axis, which the batch is split over; "
             f"add one, e.g. --mesh data={devices}"
         )
     check_rules_fit_mesh(config.rules, mesh_shape, devices)
@@ -101,8 +99,6 @@ def check_checkpoints(config: RunConfig, output: Path) -> None:
     folder of checkpoints or of another run's outputs (it would mix two runs), unless
     `overwrite`. Checked (read-only) once the folder's lock is held, before anything is
     written."""
-    from .._cli._lock import previous_outputs, remove_outputs
-
     folder = checkpoint_dir(config, output)
     saved = []
     if folder.is_dir():
@@ -178,8 +174,6 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
 
     import zoo
 
-    from .._cli._lock import run_lock
-
     command = command or ("finetune" if config.lora is not None else "train")
     devices = config.devices or len(jax.devices())
     if devices > len(jax.devices()):
@@ -208,9 +202,6 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
     import numpy as np
 
     import zoo
-
-    from .._cli._common import collective_summary, make_mesh, tree_bytes, tree_size
-    from .._cli._lora_flag import add_lora, lora_json
 
     t_start = time.perf_counter()
     # Every process trains; only process 0 prints and writes metrics, plots and summaries.
@@ -590,7 +581,7 @@ def _print_header(say, c: RunConfig, task, title, devices, mesh_shape, lcfg, mod
         say(f"classes: {', '.join(task.label_names)}")
     procs = jax.process_count()
     where += f" in {procs} processes" if procs > 1 else ""
-    say(f"devices: {devices} {where}, mesh {_mesh_text(mesh_shape)}, rules {c.rules}, mode {c.mode}")
+    say(f"devices: {devices} {where}, mesh {mesh_text(mesh_shape)}, rules {c.rules}, mode {c.mode}")
     say(
         f"steps: {c.steps} of global batch {c.batch_size} in {c.microbatches} microbatches, {c.optimizer.name} "
         f"lr {c.optimizer.lr:g} ({c.optimizer.schedule}, warmup {warmup}), {c.dtype} compute"

@@ -20,7 +20,7 @@ from ._registry import check_init_family, init_families, model_spec
 
 # XLA options for programs compiled once and run once (the initialisers): no LLVM
 # optimisation of the machine code.
-_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _INITIALISERS: dict[Any, Any] = {}
 
 
@@ -205,7 +205,7 @@ def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
             arrays, static["tree"] = eqx.partition(build(k), eqx.is_array)
             return arrays
 
-        compiled = jax.jit(arrays_of).lower(key).compile(compiler_options=_ONCE_COMPILER_OPTIONS)
+        compiled = jax.jit(arrays_of).lower(key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
         _INITIALISERS[name] = (compiled, static)
     compiled, static = _INITIALISERS[name]
     return eqx.combine(compiled(key), static["tree"])

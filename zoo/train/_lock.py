@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from ._common import CLIError
+from ._errors import ConfigError
 
 LOCK_NAME = ".zoo.lock"
 # What a run leaves in its output folder (the checkpoints folder is checked on its own).
@@ -42,7 +42,7 @@ def _flock(path: Path, flag: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise CLIError(
+            raise ConfigError(
                 f"{flag} {path.parent} is in use by another zoo run{_holder(path)}; wait for it to end, "
                 "or choose another folder"
             ) from None
@@ -63,7 +63,7 @@ def _flock(path: Path, flag: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def run_lock(output: Path, checkpoints: Path, *, main: bool) -> Iterator[None]:
-    """Hold the output folder (and a --checkpoint-dir outside it) for one run; CLIError
+    """Hold the output folder (and a --checkpoint-dir outside it) for one run; ConfigError
     if another process holds it. Only process 0 of a multi-process run locks (the others
     write into the same shared folder under its lock)."""
     if not main:
