@@ -146,7 +146,9 @@ class Attention(eqx.Module):
         kvh, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Streams 1-4 for the projections (dropout in LoRA branches), 0 for the probabilities.
         keys = [None] * 5 if key is None else [fold_in(key, i) for i in range(5)]
-        rows, restore = flatten_rows(x)  # one copy of x for the three projections' backward
+        # One flattened copy of x for the three projections' backward pass; with per-example
+        # dropout keys (LoRA branches) x keeps its batch dim first.
+        rows, restore = flatten_rows(x) if key is None else (x, lambda y: y)
         q = restore(self.q_proj(rows, key=keys[1])).reshape(b, s, kvh, g, hd)
         k = restore(self.k_proj(rows, key=keys[2])).reshape(b, s, kvh, hd)
         v = restore(self.v_proj(rows, key=keys[3])).reshape(b, s, kvh, hd)

@@ -111,7 +111,9 @@ class FeedForward(eqx.Module):
         act = _ACTIVATIONS[self.activation]
         keys = [None] * 3 if key is None else [fold_in(key, i) for i in range(3)]
         if self.gate is not None:
-            rows, restore = flatten_rows(x)  # one copy of x for both projections' backward
+            # One flattened copy of x for both projections' backward pass; with per-example
+            # dropout keys (LoRA branches) x keeps its batch dim first.
+            rows, restore = flatten_rows(x) if key is None else (x, lambda y: y)
             h = restore(act(self.gate(rows, key=keys[0])) * self.up(rows, key=keys[1]))
         else:
             h = act(self.up(x, key=keys[1]))

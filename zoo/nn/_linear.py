@@ -113,6 +113,8 @@ def flatten_rows(x: Float[Array, "*batch i"]) -> tuple[Array, Callable[[Array], 
     gate/up) flatten it once, so the backward pass keeps one copy of it, not one per
     projection. `x` is returned unchanged (and `restore` is the identity) when it is
     already 2-D or less, or when a dim other than the first is split over a mesh axis.
+    Callers pass per-example dropout keys only with the unflattened `x` (a LoRA branch's
+    dropout draws one mask per example along the first dim).
     """
     parts = entries(x)
     if x.ndim <= 2 or any(e is not None for e in parts[1:-1]):
