@@ -190,3 +190,145 @@ def test_compilation_cache_folder_defaults(monkeypatch, tmp_path):
     # Off in this process (conftest sets ZOO_NO_COMPILE_CACHE=1): nothing is configured.
     assert zoo.enable_compilation_cache(tmp_path / "unused") is None
     assert not (tmp_path / "unused").exists()
+
+
+# -- fewer residuals for the backward pass (docs/performance.md) ------------------------------
+
+
+def _plain_softmax(x):
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _plain_standardize(x, eps):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True) + eps)
+
+
+def _plain_rms_scale(x, eps):
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def _derivatives_agree(got, want, x, order=2, tol=1e-5):
+    """Values equal; gradients of a weighted sum (orders 1..order) equal up to rounding."""
+    np.testing.assert_allclose(got(x), want(x), rtol=1e-6, atol=1e-7)
+    w = jax.random.normal(jax.random.key(9), want(x).shape)
+    g, f = got, want
+    for _ in range(order):
+        g, f = (jax.grad(lambda x, h=h: jnp.sum(jnp.sin(h(x)) * w)) for h in (g, f))
+        np.testing.assert_allclose(g(x), f(x), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["softmax", "standardize", "rms_scale", "silu"])
+def test_one_residual_functions_are_the_formulas(name):
+    """Softmax, the two norms' cores and SiLU with their own derivatives: the formulas'
+    values, first and second derivatives (the masked softmax rows, at the float32 minimum,
+    included)."""
+    from zoo.nn._attention import softmax
+    from zoo.nn._feedforward import silu
+    from zoo.nn._norm import rms_scale, standardize
+
+    x = 3 * jax.random.normal(jax.random.key(0), (4, 5, 12))
+    pairs = {
+        "softmax": (softmax, _plain_softmax),
+        "standardize": (lambda x: standardize(x, 1e-5), lambda x: _plain_standardize(x, 1e-5)),
+        "rms_scale": (lambda x: rms_scale(x, 1e-6), lambda x: _plain_rms_scale(x, 1e-6)),
+        "silu": (silu, jax.nn.silu),
+    }
+    got, want = pairs[name]
+    _derivatives_agree(got, want, x)
+    if name == "softmax":
+        masked = x.at[..., 7:].add(jnp.finfo(jnp.float32).min)
+        np.testing.assert_array_equal(got(masked), jax.nn.softmax(masked, axis=-1))
+        assert float(jnp.max(got(masked)[..., 7:])) == 0.0
+
+
+def _plain_versions(monkeypatch):
+    """Patch zoo's layers back to the formulas differentiated as written."""
+    import zoo.nn._attention as attention
+    import zoo.nn._feedforward as feedforward
+    import zoo.nn._linear as linear
+    import zoo.nn._norm as norm
+
+    monkeypatch.setattr(attention, "softmax", _plain_softmax)
+    monkeypatch.setattr(norm, "standardize", _plain_standardize)
+    monkeypatch.setattr(norm, "rms_scale", _plain_rms_scale)
+    monkeypatch.setattr(norm, "like_rows", zoo.nn.broadcast_like)
+    monkeypatch.setitem(feedforward._ACTIVATIONS, "swiglu", jax.nn.silu)
+    monkeypatch.setattr(attention, "flatten_rows", lambda x: (x, lambda y: y))
+    monkeypatch.setattr(feedforward, "flatten_rows", lambda x: (x, lambda y: y))
+    del linear
+
+
+def _lora_grads(model, batch, loss_fn):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = add_lora(model, config, key=jax.random.key(5))
+    step = zoo.TrainStep(loss_fn, optax.sgd(0.1), trainable=trainable(model, config))
+    loss, grads = step.loss_and_grads(model, batch)
+    full = zoo.TrainStep(loss_fn, optax.sgd(0.1), trainable=eqx.is_inexact_array)
+    full_loss, full_grads = full.loss_and_grads(model, batch)
+    return float(loss), grads, float(full_loss), full_grads
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder"])
+def test_fewer_residuals_keep_the_gradients(family, monkeypatch):
+    """A decoder (RoPE, GQA, SwiGLU, RMSNorm, padding mask) and an encoder (LayerNorm, exact
+    GELU, padding mask): losses and gradients (LoRA-only and full) equal those of the same
+    layers written as plain formulas (no custom derivatives, one flattening per projection,
+    a full-size broadcast of the norm scales)."""
+    from helpers import classification_batch, tiny_encoder_classifier
+
+    if family == "decoder":
+        model, batch, loss_fn = (
+            tiny_decoder(jax.random.key(0)),
+            lm_batch(jax.random.key(3), 4),
+            zoo.models.next_token_loss,
+        )
+    else:
+        model = tiny_encoder_classifier(jax.random.key(0), dropout=0.0)
+        batch = {k: v for k, v in classification_batch(jax.random.key(3), 4).items() if k != "dropout_key"}
+        loss_fn = zoo.models.classification_loss
+    got = _lora_grads(model, batch, loss_fn)
+    _plain_versions(monkeypatch)
+    want = _lora_grads(model, batch, loss_fn)
+    for g, w in zip(got, want):
+        if isinstance(g, float):
+            assert abs(g - w) < 1e-6 * max(1.0, abs(w))
+            continue
+        gl, wl = jax.tree.leaves(g), jax.tree.leaves(w)
+        assert len(gl) == len(wl) and gl
+        for a, b in zip(gl, wl):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _saved_bytes(f, *args):
+    """Bytes of the activations `f`'s backward pass keeps (jax's own list of its residuals,
+    less the arguments and constants, which are kept anyway)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return sum(
+        int(np.prod(aval.shape)) * aval.dtype.itemsize
+        for aval, why in saved_residuals(f, *args)
+        if not any(word in why for word in ("argument", "constant", "literal"))
+    )
+
+
+def test_a_lora_layer_saves_fewer_residuals(monkeypatch):
+    """One LoRA'd decoder layer (frozen base): its backward pass keeps at most 65 % of the
+    activation bytes the plain formulas keep (the attention's mask and softmax intermediates, the
+    norms' centred inputs and broadcast scales, three copies of the q/k/v input are gone)."""
+    model = add_lora(tiny_decoder(jax.random.key(0), d_model=64, mlp_dim=128), CONFIG, key=jax.random.key(1))
+    layers = model.layers.layers
+    params, static = eqx.partition(layers, eqx.is_array)
+    layer = eqx.combine(jax.tree.map(lambda x: x[0], params), static)
+    lora, frozen = eqx.partition(layer, jax.tree.map(lambda x: x, trainable(layer, CONFIG)))
+    batch = lm_batch(jax.random.key(3), 4)
+    x = jax.random.normal(jax.random.key(4), (4, 8, 64))
+
+    def loss(lora, x):
+        return jnp.sum(eqx.combine(lora, frozen)(x, mask=batch["mask"]))
+
+    new = _saved_bytes(loss, lora, x)
+    _plain_versions(monkeypatch)
+    old = _saved_bytes(loss, lora, x)
+    assert new <= 0.65 * old, (new, old)

@@ -5,13 +5,34 @@ from __future__ import annotations
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax import lax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._dropout import ExampleKeys, dropout, fold_in
-from ._linear import Linear
+from ._linear import Linear, flatten_rows
 from ._rope import apply_rope, rope_angles, rope_tables
+
+
+@jax.custom_jvp
+def softmax(x: Float[Array, "... n"]) -> Float[Array, "... n"]:
+    """Softmax over the last axis, `exp(x - max) / sum`, whose derivative keeps one residual.
+
+    The values of `jax.nn.softmax(x, axis=-1)`; differentiated as written it keeps
+    `exp`, the quotient and the squared sum for the backward pass, whereas
+    `p (t - Σ p t)` needs only the output `p` (docs/performance.md).
+    """
+    e = jnp.exp(x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+@softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    p = softmax(x)
+    return p, p * (t - jnp.sum(p * t, axis=-1, keepdims=True))
 
 
 class Attention(eqx.Module):
@@ -125,9 +146,12 @@ class Attention(eqx.Module):
         kvh, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Streams 1-4 for the projections (dropout in LoRA branches), 0 for the probabilities.
         keys = [None] * 5 if key is None else [fold_in(key, i) for i in range(5)]
-        q = self.q_proj(x, key=keys[1]).reshape(b, s, kvh, g, hd)
-        k = self.k_proj(x, key=keys[2]).reshape(b, s, kvh, hd)
-        v = self.v_proj(x, key=keys[3]).reshape(b, s, kvh, hd)
+        # One flattened copy of x for the three projections' backward pass; with per-example
+        # dropout keys (LoRA branches) x keeps its batch dim first.
+        rows, restore = flatten_rows(x) if key is None else (x, lambda y: y)
+        q = restore(self.q_proj(rows, key=keys[1])).reshape(b, s, kvh, g, hd)
+        k = restore(self.k_proj(rows, key=keys[2])).reshape(b, s, kvh, hd)
+        v = restore(self.v_proj(rows, key=keys[3])).reshape(b, s, kvh, hd)
         if self.rope_theta is not None:
             if positions is None:
                 cos, sin = rope_tables(s, hd, theta=self.rope_theta, llama3=self.rope_llama3)
@@ -148,9 +172,12 @@ class Attention(eqx.Module):
             keys_ok = mask.astype(bool)[:, None, None, None, :]
             allowed = keys_ok if allowed is None else allowed & keys_ok
         if allowed is not None:
-            scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-        probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+            # An additive bias (0 or the float32 minimum) in the mask's own, smaller shape,
+            # rather than `where` on the scores: the same probabilities (exp of the minimum
+            # minus the row's maximum is 0), but the backward pass keeps no broadcast
+            # [batch, heads, seq, seq] mask (docs/performance.md).
+            scores = scores + jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        probs = softmax(scores)
         probs = dropout(probs, self.dropout_rate, keys[0])
         out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(x.dtype), v)
         return self.o_proj(out.reshape(b, s, self.num_heads * hd), key=keys[4])

@@ -13,7 +13,7 @@ from jax import lax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._dropout import ExampleKeys, fold_in
-from ._linear import Linear
+from ._linear import Linear, flatten_rows
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu", "geglu"]
 
@@ -37,11 +37,28 @@ def _gelu_exact_jvp(primals, tangents):
     return gelu_exact(x), (cdf + x * pdf).astype(t.dtype) * t
 
 
+@jax.custom_jvp
+def silu(x):
+    """`jax.nn.silu(x)` (`x σ(x)`), with a derivative that keeps one residual.
+
+    The same values; the derivative `σ(x) (1 + x (1 - σ(x)))` is computed in the forward
+    pass, so the backward pass stores that one array instead of `x` and `σ(x)`.
+    """
+    return jax.nn.silu(x)
+
+
+@silu.defjvp
+def _silu_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    s = jax.nn.sigmoid(x)
+    return x * s, (s * (1 + x * (1 - s))).astype(t.dtype) * t
+
+
 _ACTIVATIONS = {
     "gelu": gelu_exact,  # BERT
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's "gelu_new"
     "relu": jax.nn.relu,
-    "swiglu": jax.nn.silu,  # applied to the gate
+    "swiglu": silu,  # applied to the gate
     "geglu": lambda x: jax.nn.gelu(x, approximate=True),  # applied to the gate (Gemma)
 }
 
@@ -94,7 +111,10 @@ class FeedForward(eqx.Module):
         act = _ACTIVATIONS[self.activation]
         keys = [None] * 3 if key is None else [fold_in(key, i) for i in range(3)]
         if self.gate is not None:
-            h = act(self.gate(x, key=keys[0])) * self.up(x, key=keys[1])
+            # One flattened copy of x for both projections' backward pass; with per-example
+            # dropout keys (LoRA branches) x keeps its batch dim first.
+            rows, restore = flatten_rows(x) if key is None else (x, lambda y: y)
+            h = restore(act(self.gate(rows, key=keys[0])) * self.up(rows, key=keys[1]))
         else:
             h = act(self.up(x, key=keys[1]))
         return self.down(h, key=keys[2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -96,16 +97,36 @@ def project(x: Float[Array, "*batch i"], weight: Float[Array, "i o"]) -> Float[A
     (docs/performance.md, "Where the LoRA backward time went").
     """
     weight = for_use(weight, x, lead_ndim=x.ndim - 1)
-    lead = x.shape[:-1]
-    parts = entries(x)
-    if x.ndim > 2 and all(e is None for e in parts[1:-1]):
-        flat = x.reshape(math.prod(lead), x.shape[-1], out_sharding=_spec_or_none(x, (parts[0], parts[-1])))
+    flat, restore = flatten_rows(x)
+    if flat.ndim == 2:
         out_sharding = contract_spec(flat, (entries(weight)[1],), 1)
-        y = jnp.einsum("ni,io->no", flat, weight.astype(x.dtype), out_sharding=out_sharding)
-        out = None if out_sharding is None else P(*parts[:-1], out_sharding[1])
-        return y.reshape(*lead, y.shape[-1], out_sharding=out)
+        return restore(jnp.einsum("ni,io->no", flat, weight.astype(x.dtype), out_sharding=out_sharding))
     out_sharding = contract_spec(x, (entries(weight)[1],), x.ndim - 1)
     return jnp.einsum("...i,io->...o", x, weight.astype(x.dtype), out_sharding=out_sharding)
+
+
+def flatten_rows(x: Float[Array, "*batch i"]) -> tuple[Array, Callable[[Array], Array]]:
+    """`x` as one matrix of rows `[prod(batch), i]`, and the function that restores the
+    leading dims of a result `[prod(batch), o]` (what `project` does around its matmul).
+
+    Layers that feed one input to several projections (attention's q/k/v, a gated MLP's
+    gate/up) flatten it once, so the backward pass keeps one copy of it, not one per
+    projection. `x` is returned unchanged (and `restore` is the identity) when it is
+    already 2-D or less, or when a dim other than the first is split over a mesh axis.
+    Callers pass per-example dropout keys only with the unflattened `x` (a LoRA branch's
+    dropout draws one mask per example along the first dim).
+    """
+    parts = entries(x)
+    if x.ndim <= 2 or any(e is not None for e in parts[1:-1]):
+        return x, lambda y: y
+    lead = x.shape[:-1]
+    flat = x.reshape(math.prod(lead), x.shape[-1], out_sharding=_spec_or_none(x, (parts[0], parts[-1])))
+
+    def restore(y: Array) -> Array:
+        out = _spec_or_none(y, (*parts[:-1], entries(y)[-1]))
+        return y.reshape(*lead, y.shape[-1], out_sharding=out)
+
+    return flat, restore
 
 
 def _spec_or_none(x: jax.Array, partitions: tuple) -> P | None:

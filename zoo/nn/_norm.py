@@ -2,13 +2,57 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
 from .._axes import field
-from ._sharding import broadcast_like
+from ._sharding import broadcast_like, like_rows
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def standardize(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:
+    """`(x - mean) / sqrt(var + eps)` over the last axis (LayerNorm without scale and shift).
+
+    Its derivative `r (t - mean(t) - x̂ mean(t x̂))` (`r` the reciprocal deviation, `x̂`
+    the output) keeps `x̂` and the per-row `r` for the backward pass, where differentiating
+    the formula keeps `x - mean`, `x̂` and two per-row arrays (docs/performance.md).
+    """
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + eps)
+
+
+@standardize.defjvp
+def _standardize_jvp(eps, primals, tangents):
+    (x,), (t,) = primals, tangents
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    r = lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True) + eps)
+    y = (x - mean) * r
+    mean_t = jnp.mean(t, axis=-1, keepdims=True)
+    mean_ty = jnp.mean(t * y, axis=-1, keepdims=True)
+    return y, r * (t - mean_t - y * mean_ty)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def rms_scale(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:
+    """`x / sqrt(mean(x²) + eps)` over the last axis (RMSNorm without its scale).
+
+    Its derivative `r (t - x̂ mean(t x̂))` keeps the output `x̂` and the per-row `r`.
+    """
+    return x * lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+@rms_scale.defjvp
+def _rms_scale_jvp(eps, primals, tangents):
+    (x,), (t,) = primals, tangents
+    r = lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    y = x * r
+    return y, r * (t - y * jnp.mean(t * y, axis=-1, keepdims=True))
 
 
 class LayerNorm(eqx.Module):
@@ -44,12 +88,9 @@ class LayerNorm(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
         """Normalise `x` over its last axis; returns the same shape and dtype."""
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * lax.rsqrt(var + self.eps)
+        y = standardize(x.astype(jnp.float32), self.eps)
         if self.weight is not None:
-            y = y * broadcast_like(self.weight.astype(y.dtype), y)
+            y = y * like_rows(self.weight.astype(y.dtype), y)
         if self.bias is not None:
             y = y + broadcast_like(self.bias.astype(y.dtype), y)
         return y.astype(x.dtype)
@@ -81,8 +122,7 @@ class RMSNorm(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
         """Normalise `x` over its last axis; returns the same shape and dtype."""
-        x32 = x.astype(jnp.float32)
-        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        y = rms_scale(x.astype(jnp.float32), self.eps)
         if self.weight is not None:
-            y = y * broadcast_like(self.weight.astype(y.dtype), y)
+            y = y * like_rows(self.weight.astype(y.dtype), y)
         return y.astype(x.dtype)

@@ -96,6 +96,19 @@ def broadcast_like(param: jax.Array, x: jax.Array) -> jax.Array:
     return lax.broadcast_in_dim(param, x.shape, dims, out_sharding=sharding_spec(x))
 
 
+def like_rows(param: jax.Array, x: jax.Array) -> jax.Array:
+    """`param` ready for an elementwise op with `x` (its dims are `x`'s last ones).
+
+    With no mesh in use, `param` with leading size-1 dims (`[1, ..., 1, *param.shape]`):
+    elementwise ops broadcast it themselves, so a product `x * param` keeps the small
+    `param` for the backward pass rather than a full-size broadcast copy
+    (docs/performance.md). Under a mesh, `broadcast_like(param, x)`.
+    """
+    if sharding_spec(x) is None:
+        return param.reshape((1,) * (x.ndim - param.ndim) + param.shape)
+    return broadcast_like(param, x)
+
+
 def contract_spec(x: jax.Array, out_entries: tuple, lead_ndim: int) -> P | None:
     """Output sharding of a contraction of `x`'s trailing dims into new `out_entries` dims.
 
