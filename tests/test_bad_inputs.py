@@ -536,6 +536,30 @@ def test_a_full_disk_during_an_async_checkpoint_save(tmp_path):
     assert [r["step"] for r in train_rows(copy)] == list(range(1, n + 3))
 
 
+def test_the_commands_stderr_drops_only_closed_loop_tracebacks():
+    """What `zoo`'s stderr filter keeps: every line and traceback but those ending in
+    orbax's "Event loop is closed" (tensorstore's writes completing after a failed save)."""
+    import io
+
+    from zoo._checkpoint._disk import without_closed_loop_tracebacks
+
+    closed = (
+        "Traceback (most recent call last):\n"
+        '  File "asyncio/base_events.py", line 806, in call_soon_threadsafe\n'
+        "    self._check_closed()\n"
+        "RuntimeError: Event loop is closed\n"
+    )
+    other = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: kept\n'
+    sink = io.StringIO()
+    stream = without_closed_loop_tracebacks(sink)
+    assert without_closed_loop_tracebacks(stream) is stream
+    for part in ("first line\n", closed[:40], closed[40:], other, "zoo: error: no space left", "\n", closed):
+        stream.write(part)
+    stream.write("progress\r")
+    stream.flush()
+    assert sink.getvalue() == "first line\n" + other + "zoo: error: no space left\nprogress\r"
+
+
 # --- strict rules, meshes, config files ------------------------------------------------------
 
 BAD_RULES = [

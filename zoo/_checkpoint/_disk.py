@@ -57,3 +57,53 @@ def quiet_disk_full_logs() -> None:
     absl = logging.getLogger("absl")
     if _FILTER not in absl.filters:
         absl.addFilter(_FILTER)
+
+
+_CLOSED_LOOP = "RuntimeError: Event loop is closed"
+
+
+class _WithoutClosedLoopTracebacks:
+    """`sys.stderr` without the tracebacks that end in `RuntimeError: Event loop is
+    closed`: after a failed save, tensorstore's writes still in flight complete into orbax's
+    closed asyncio loop, and each prints one (C++ calls `PyErr_Display`, which writes to
+    `sys.stderr`, bypassing `sys.excepthook`): noise around the one line that says the disk
+    is full. Every other traceback and line is written as it comes."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._held: list[str] = []  # the lines of a traceback in progress
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        self._partial += text
+        *lines, self._partial = self._partial.split("\n")
+        for line in lines:
+            self._line(line + "\n")
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if not self._held and not line.startswith("Traceback (most recent call last):"):
+            self._stream.write(line)
+            return
+        self._held.append(line)
+        if line.startswith((" ", "Traceback (most recent call last):")):
+            return  # the traceback goes on
+        held, self._held = self._held, []
+        if line.rstrip("\n") != _CLOSED_LOOP:
+            self._stream.write("".join(held))
+
+    def flush(self) -> None:
+        if self._partial and not self._held:
+            self._stream.write(self._partial)
+            self._partial = ""
+        self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def without_closed_loop_tracebacks(stream):
+    """`stream` (e.g. `sys.stderr`) without the tracebacks of tensorstore's writes that
+    complete after a failed save (`_WithoutClosedLoopTracebacks`); the `zoo` command writes
+    its stderr through it."""
+    return stream if isinstance(stream, _WithoutClosedLoopTracebacks) else _WithoutClosedLoopTracebacks(stream)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 
 from ..train._errors import ConfigError, Preempted, RunStopped
@@ -74,6 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     (one line on stderr), 1 when the demo's loss did not fall, 3 when a run stopped because
     its loss or weights went non-finite, 130 when interrupted (Ctrl-C), 143 when stopped by
     SIGTERM after saving a checkpoint."""
+    from .._checkpoint._disk import without_closed_loop_tracebacks
+
+    # A full disk during a checkpoint save ends with one line: tensorstore's writes still in
+    # flight then print "Event loop is closed" tracebacks from orbax's stopped loop.
+    stderr = sys.stderr
+    sys.stderr = without_closed_loop_tracebacks(stderr)
+    try:
+        return _main(argv)
+    finally:
+        sys.stderr.flush()
+        sys.stderr = stderr
+
+
+def _main(argv: list[str] | None) -> int:
     parser, commands = build_parsers()
     args = _parse(parser, commands, argv)
     debug = bool(getattr(args, "debug", False))
@@ -111,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             where = f" writing {e.filename}" if e.filename else ""
             print(f"zoo: error: no space left on the device{where}; free some space or choose another --output / "
                   "--checkpoint-dir (saved checkpoints are whole: continue with --resume)", file=sys.stderr)  # fmt: skip
+            if argv is None:  # the `zoo` program itself, not a caller in the same process
+                # tensorstore's writes still in flight complete into orbax's closed event
+                # loop while Python shuts down, each printing a "RuntimeError: Event loop is
+                # closed" traceback after this line. Nothing is left to save: end here.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
         else:
             print(f"zoo: error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
