@@ -159,3 +159,18 @@ def zoo_main(*args) -> tuple[int, str, str]:
         except SystemExit as e:
             rc = e.code
     return rc, out.getvalue(), err.getvalue()
+
+
+def zoo_ok(*args) -> str:
+    """`zoo ARGS` in-process, which must succeed: its stdout."""
+    rc, out, err = zoo_main(*args)
+    assert rc == 0, f"zoo {' '.join(map(str, args))} exited {rc}\n{out}\n{err}"
+    return out
+
+
+def one_line_error(rc: int, err: str, message: str, code: int = 2) -> None:
+    """A command's failure as the CLI promises it: exit `code`, one line on stderr holding
+    `message`, no traceback."""
+    assert rc == code, (rc, err)
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

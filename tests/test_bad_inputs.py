@@ -15,17 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import zoo_main
+from helpers import one_line_error, zoo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
 TINY = ["--devices", "2", "--steps", "3", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--quiet"]
-
-
-def one_line_error(rc: int, err: str, message: str, code: int = 2) -> None:
-    assert rc == code, (rc, err)
-    assert message in err, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def train_rows(folder: Path) -> list[dict]:

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import zoo_main
+from helpers import one_line_error, zoo_main
+from helpers import zoo_ok as ok
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,18 +29,6 @@ def run_zoo(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
-
-
-def ok(*args) -> str:
-    rc, out, err = zoo_main(*args)
-    assert rc == 0, f"zoo {' '.join(map(str, args))} exited {rc}\n{out}\n{err}"
-    return out
-
-
-def one_line_error(rc: int, err: str, message: str) -> None:
-    assert rc == 2, (rc, err)
-    assert message in err, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 # --- inspect ---------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import zoo_main
+from helpers import one_line_error, zoo_main
+from helpers import zoo_ok as ok
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small".split()
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>"]
@@ -21,18 +22,6 @@ CHAT_TEMPLATE = (
 SEQ = 32
 # 2 devices, 1 microbatch, batch 4: the smallest runs that still split the batch.
 TINY = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", str(SEQ), "--quiet"]
-
-
-def ok(*args) -> str:
-    rc, out, err = zoo_main(*args)
-    assert rc == 0, f"zoo {' '.join(map(str, args))} exited {rc}\n{out}\n{err}"
-    return out
-
-
-def one_line_error(rc: int, err: str, message: str) -> None:
-    assert rc == 2, (rc, err)
-    assert message in err, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -390,4 +379,8 @@ def test_bad_data_files_are_one_line(tmp_path, args, make, message):
 
 def test_a_name_neither_built_in_nor_a_file_is_one_line():
     rc, _, err = zoo_main("train", "encoder", "--data", "prose")
-    one_line_error(rc, err, "--data 'prose': encoder trains on docstrings or swapped-halves, or on your own .txt, .jsonl or .csv file")
+    one_line_error(
+        rc,
+        err,
+        "--data 'prose': encoder trains on docstrings or swapped-halves, or on your own .txt, .jsonl or .csv file",
+    )

@@ -12,15 +12,10 @@ import math
 
 import pytest
 from helpers import zoo_main
+from helpers import zoo_ok as ok
 
 # A small transformer as zoo train builds it from the registry's scratch config.
 SMALL_LM = ["--model-config", "d_model=32", "--seq-len", "16"]
-
-
-def ok(*args) -> str:
-    rc, out, err = zoo_main(*args)
-    assert rc == 0, f"zoo {' '.join(map(str, args))} exited {rc}\n{out}\n{err}"
-    return out
 
 
 def one_line_error(args, message: str) -> str:

@@ -9,7 +9,6 @@ built; `config.json` in the output folder records every resolved value.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +20,7 @@ from ..train._config import parse_scalar
 from ..train._lora import lora_text, parse_lora
 from ..train._mesh import mesh_text
 from ..train._optimizer import OPTIMIZERS, SCHEDULES
+from ..train._run import output_dir
 from ..train._user_data import DATA_FILE_HELP, DATA_FLAG_DEFAULTS, check_data_file
 from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_mesh, parse_pairs
 from ._lora_flag import LORA_HELP, finetune_defaults
@@ -283,18 +283,6 @@ def check_model_config(model: str, values: dict[str, Any]) -> None:
             raise CLIError(f"{where}: must be finite")
 
 
-def _output_dir(s: dict[str, Any], command: str) -> Path:
-    if s["output"]:
-        return Path(s["output"]).expanduser()
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{command}-{s['model']}-{stamp}"
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = Path(f"{base}-{n}")
-    return folder
-
-
 def _title(command: str, s: dict[str, Any]) -> str:
     what = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}[command]
     return (
@@ -359,7 +347,7 @@ def execute(s: dict[str, Any], command: str, *, title: str | None = None):
     import zoo
 
     # No --output: config.json records none (replaying it makes a new folder); zoo.train.run
-    # names the folder as _output_dir does.
+    # names the folder as zoo.train's output_dir does.
 
     config = zoo.train.RunConfig.from_dict({k: v for k, v in s.items() if k not in _PROCESS_FLAGS})
     return zoo.train.run(config, command=command, title=title or _title(command, s))
@@ -400,7 +388,7 @@ def cmd_demo(args) -> int:
                 pre[k] = v
         pre["warmup"] = min(max(1, pre["steps"] // 20), pre["steps"] - 1)
         pre["data"] = "code"
-        out = _output_dir(dict(output=args.output, model="transformer"), "demo")
+        out = output_dir(args.output, "transformer", "demo")
         pre["output"] = str(out / "pretrain")
         pre["checkpoint_dir"], pre["resume"] = None, False
         execute(pre, "train", title="demo, part 1: pretraining a byte-level LM on Python code")

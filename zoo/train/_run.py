@@ -76,12 +76,12 @@ def check_layout(config: RunConfig, mesh_shape: dict[str, int], devices: int) ->
         )
 
 
-def output_dir(config: RunConfig, command: str) -> Path:
-    """The run's folder: `config.output`, else a new `runs/COMMAND-MODEL-UTCTIME`."""
-    if config.output:
-        return Path(config.output).expanduser()
+def output_dir(output: str | None, model: str, command: str) -> Path:
+    """A run's folder: `output`, else a new `runs/COMMAND-MODEL-UTCTIME`."""
+    if output:
+        return Path(output).expanduser()
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{command}-{config.model}-{stamp}"
+    base = Path("runs") / f"{command}-{model}-{stamp}"
     folder, n = base, 1
     while folder.exists():
         n += 1
@@ -180,7 +180,7 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
         raise ConfigError(f"RunConfig.devices {devices}: jax has {len(jax.devices())} ({jax.default_backend()})")
     mesh_shape = mesh_shape_of(config, devices)
     check_layout(config, mesh_shape, devices)
-    output = output_dir(config, command)
+    output = output_dir(config.output, config.model, command)
     ckpt = checkpoint_dir(config, output)
     for flag, folder in (("--output", output), ("--checkpoint-dir", ckpt)):
         if folder.exists() and not folder.is_dir():
