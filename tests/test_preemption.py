@@ -78,15 +78,22 @@ def _stopped_step(err: str) -> int:
     return int(found.group(1))
 
 
-def _pair(out: Path, port: int, *flags, early: int | None = None) -> list[subprocess.Popen]:
+def _pair(out: Path, port: int, *flags, early: int | None = None, script: str | None = None) -> list[subprocess.Popen]:
     """`zoo train mlp` as 2 processes x 2 CPU devices into `out` (a compilation cache next to
-    it); process `early`, if given, sends itself SIGTERM while compiling (`_EARLY`)."""
+    it); process `early`, if given, sends itself SIGTERM while compiling (`_EARLY`, or
+    `script`)."""
     args = ["train", "mlp", *FLAGS, *flags, "--devices", "2", "--num-processes", "2",
             "--coordinator", f"127.0.0.1:{port}", "--output", str(out)]  # fmt: skip
     env = _env(out.parent / "jax-cache")
     return [
         subprocess.Popen(
-            [sys.executable, *(["-c", _EARLY] if i == early else ["-m", "zoo"]), *args, "--process-id", str(i)],
+            [
+                sys.executable,
+                *(["-c", script or _EARLY] if i == early else ["-m", "zoo"]),
+                *args,
+                "--process-id",
+                str(i),
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -182,6 +189,46 @@ def test_sigterm_to_one_process_while_compiling_stops_both_after_the_first_step(
     assert [_stopped_step(err) for _, err in results] == [1, 1]
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]
     assert [r["step"] for r in _train_rows(out)] == [1]
+
+
+# SIGTERM to itself just after zoo.distributed_init, before the run takes the signal over (as
+# it takes the output folder's lock): jax's own notifier would swallow it.
+_BEFORE_RUN = """
+import os, signal, sys
+import zoo.train._run as run
+
+real = run.run_lock
+def run_lock(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+run.run_lock = run_lock
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_after_distributed_init_before_the_run_stops_both_after_the_first_step(tmp_path):
+    """The window between `zoo.distributed_init` and the run's own handler: the signal is
+    noted (not swallowed by jax's notifier), and both processes stop after step 1."""
+    out = tmp_path / "run"
+    procs: list[subprocess.Popen] = []
+    try:
+        for attempt in range(3):
+            procs = _pair(out, _free_port(), early=1, script=_BEFORE_RUN)
+            results = _finish(procs)
+            if not _port_lost(results) or attempt == 2:
+                break
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+    for rc, err in results:
+        assert rc == 143, (rc, err)
+    assert [_stopped_step(err) for _, err in results] == [1, 1]
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]
 
 
 # --- the class, in this process (one process: its note is the answer) -----------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -110,7 +112,25 @@ def distributed_init(
             f"{', '.join(_ENV)}) in every process."
         ) from e
     _started = (coordinator, jax.process_count(), jax.process_index())
+    # jax's preemption notifier has just taken SIGTERM and only logs it: note it here until a
+    # run's own handler (`zoo.train`'s Preemption) takes over and stops at an agreed step.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _note_sigterm)
     return jax.process_index(), jax.process_count()
+
+
+_sigterm_noted = False
+
+
+def _note_sigterm(signum, frame) -> None:
+    global _sigterm_noted
+    _sigterm_noted = True
+
+
+def sigterm_noted() -> bool:
+    """Whether this process got SIGTERM after `distributed_init` and before a run took the
+    signal over (the run then stops after its first step, in every process)."""
+    return _sigterm_noted
 
 
 def is_main_process() -> bool:

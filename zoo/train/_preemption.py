@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._distributed import sigterm_noted
+
 
 class Preemption:
     """SIGTERM noted instead of ending the process, and the step at which to stop.
@@ -54,7 +56,8 @@ class Preemption:
 
         if every < 1:
             raise ValueError(f"Preemption: every must be >= 1, got {every}")
-        self.requested = False  # this process got SIGTERM
+        # This process got SIGTERM (maybe already between `zoo.distributed_init` and now).
+        self.requested = sigterm_noted()
         self.every = every
         self._multi = jax.process_count() > 1
         self._early = None if self._multi else early
