@@ -161,7 +161,7 @@ EXPECTED = {
     ],
     "mlp-tp": [
         "all-gather loop model 256 x2",
-        "all-reduce loop model 16 x6",
+        "all-reduce loop model 16 x4",
         "all-reduce loop model 32 x2",
         "all-reduce loop model 64 x1",
         "all-reduce loop model 256 x1",
@@ -173,7 +173,7 @@ EXPECTED = {
         "all-gather outside data 128 x1",
         "all-gather outside data 256 x1",
         "all-reduce loop data 400 x1",
-        "all-reduce loop model 16 x6",
+        "all-reduce loop model 16 x4",
         "all-reduce loop model 32 x2",
         "all-reduce loop model 64 x1",
         "all-reduce loop model 256 x1",
