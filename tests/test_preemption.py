@@ -172,23 +172,33 @@ def test_sigterm_to_one_process_while_compiling_stops_both_after_the_first_step(
     """A multi-process run cannot stop one process alone before the loop (the other would
     wait in its first collective): the note is shared at the first step, both stop there."""
     out = tmp_path / "run"
+    _both_stop_after_the_first_step(out, _pair_to_the_end(out, early=1))
+    assert [r["step"] for r in _train_rows(out)] == [1]
+
+
+def _pair_to_the_end(out: Path, **pair) -> list[tuple[int, str]]:
+    """`_pair(out, ..., **pair)` run to its end (a fresh port when the coordinator's was
+    taken), every child killed and reaped whatever happens: `(returncode, stderr)` each."""
     procs: list[subprocess.Popen] = []
     try:
         for attempt in range(3):
-            procs = _pair(out, _free_port(), early=1)
+            procs = _pair(out, _free_port(), **pair)
             results = _finish(procs)
             if not _port_lost(results) or attempt == 2:
-                break
+                return results
     finally:
         for p in procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
+    raise AssertionError("unreachable")
+
+
+def _both_stop_after_the_first_step(out: Path, results: list[tuple[int, str]]) -> None:
     for rc, err in results:
         assert rc == 143, (rc, err)
     assert [_stopped_step(err) for _, err in results] == [1, 1]
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]
-    assert [r["step"] for r in _train_rows(out)] == [1]
 
 
 # SIGTERM to itself just after zoo.distributed_init, before the run takes the signal over (as
@@ -213,22 +223,7 @@ def test_sigterm_after_distributed_init_before_the_run_stops_both_after_the_firs
     """The window between `zoo.distributed_init` and the run's own handler: the signal is
     noted (not swallowed by jax's notifier), and both processes stop after step 1."""
     out = tmp_path / "run"
-    procs: list[subprocess.Popen] = []
-    try:
-        for attempt in range(3):
-            procs = _pair(out, _free_port(), early=1, script=_BEFORE_RUN)
-            results = _finish(procs)
-            if not _port_lost(results) or attempt == 2:
-                break
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-    for rc, err in results:
-        assert rc == 143, (rc, err)
-    assert [_stopped_step(err) for _, err in results] == [1, 1]
-    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1]
+    _both_stop_after_the_first_step(out, _pair_to_the_end(out, early=1, script=_BEFORE_RUN))
 
 
 # --- the class, in this process (one process: its note is the answer) -----------------------

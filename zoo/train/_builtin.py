@@ -167,7 +167,7 @@ def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
         tokens_per_example=seq,
         hf_part=lambda m: m,
         config=config.to_dict(),
-        init=None if folder is None else str(folder),
+        init=init_name(s, folder),
     )
     if s.data is None:  # the model only: random windows of the vocabulary
         return Task(
