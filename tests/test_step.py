@@ -138,6 +138,29 @@ def test_frozen_leaves_get_no_gradient_and_never_change(setup, mode):
     assert not np.allclose(new.mlp.output_layer.weight, model.mlp.output_layer.weight)
 
 
+def test_frozen_leaves_come_back_as_the_same_arrays_without_a_copy(setup):
+    """A frozen leaf is no output of the compiled step (XLA would copy it every step): the
+    step hands back the caller's own array, through `__call__` and through `compile`."""
+    model, batch, _, _ = setup
+    mesh = data_mesh(2)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(mse_per_example, optax.adam(1e-2), trainable=only_output_layer(model))
+        state = step.init(sharded)
+        compiled = step.compile(sharded, state, batch)
+        outputs = [step(sharded, state, batch), compiled(sharded, state, batch)]
+    frozen = jax.tree.leaves(eqx.tree_at(lambda m: m.mlp.output_layer, sharded, None))
+    for new, _, _ in outputs:
+        assert all(
+            a is b for a, b in zip(jax.tree.leaves(eqx.tree_at(lambda m: m.mlp.output_layer, new, None)), frozen)
+        )
+    # The program's outputs are the trainable leaves, the optimizer state and the loss only
+    # (plus XLA's table of 8-byte pointers to them), none of the frozen bytes.
+    trained = jax.tree.leaves((eqx.filter(sharded.mlp.output_layer, eqx.is_array), state)) + [outputs[0][2]]
+    extra = compiled.memory_analysis().output_size_in_bytes - sum(x.nbytes for x in trained)
+    assert extra == 8 * len(trained)
+
+
 def masked_loss(model, batch):
     """(loss sums, weights) per example: a token-weighted mean, as an LM loss would be."""
     ids, y, weight = batch

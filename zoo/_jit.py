@@ -34,6 +34,11 @@ def _merge(arrays, static):
     return [s.value if s is not None else a for a, s in zip(arrays, static)]
 
 
+def _forwardable(groups, donate: tuple[int, ...]) -> list:
+    """The flat input leaves, with `None` for those of donated arguments."""
+    return [None if g in donate else leaf for g, group in enumerate(groups) for leaf in group]
+
+
 def bounded_queue(owner: Any, latest: Any) -> None:
     """Keep at most two dispatched steps of `owner` unfinished: wait for the older one."""
     previous = getattr(owner, "_in_flight", None)
@@ -48,6 +53,11 @@ class Jit:
     Like `eqx.filter_jit` (arrays traced, everything else static), but dispatch stays
     asynchronous: equinox 0.13's `filter_jit` blocks until every call has finished, which
     would stop a training loop from queueing the next step or loading data meanwhile.
+
+    An input array that the function returns unchanged (a frozen base passed through a
+    LoRA step) is handed back as the caller's own array instead of an output of the
+    program: XLA would otherwise copy it into a fresh buffer on every call. Donated
+    arguments are not forwarded (their buffers are given to the program).
 
     **Arguments:**
 
@@ -64,7 +74,11 @@ class Jit:
             args = jax.tree.unflatten(in_treedef, _merge(flat, in_static_leaves))
             out_leaves, out_treedef = jax.tree.flatten(fn(*args))
             arrays, out_static_leaves = _split(out_leaves)
-            self._out_static[static] = (out_treedef, out_static_leaves)
+            # Outputs that are inputs, untouched: the program returns nothing for them.
+            position = {id(leaf): i for i, leaf in enumerate(_forwardable(dynamic, donate)) if leaf is not None}
+            forwarded = tuple(position.get(id(a)) if a is not None else None for a in arrays)
+            arrays = [None if i is not None else a for a, i in zip(arrays, forwarded)]
+            self._out_static[static] = (out_treedef, out_static_leaves, forwarded)
             return arrays
 
         # The name shows in HLO op names: jit(train_step)/reshard.
@@ -83,13 +97,15 @@ class Jit:
             start += c
         return (treedef, static_leaves), groups
 
-    def _unflatten(self, static, arrays):
-        out_treedef, out_static_leaves = self._out_static[static]
+    def _unflatten(self, static, arrays, groups):
+        out_treedef, out_static_leaves, forwarded = self._out_static[static]
+        inputs = [leaf for group in groups for leaf in group]
+        arrays = [inputs[i] if i is not None else a for a, i in zip(arrays, forwarded)]
         return jax.tree.unflatten(out_treedef, _merge(arrays, out_static_leaves))
 
     def __call__(self, *args):
         static, groups = self._prepare(args)
-        return self._unflatten(static, self._jitted(static, *groups))
+        return self._unflatten(static, self._jitted(static, *groups), groups)
 
     def lower(self, *args):
         """The lowered program for these arguments (a `jax.stages.Lowered`)."""
@@ -139,4 +155,4 @@ class Compiled:
                 "these arguments differ in structure or static values from the ones the step was "
                 "compiled for; compile again for them (or call the TrainStep itself)"
             )
-        return self._jit._unflatten(static, self.compiled(*groups))
+        return self._jit._unflatten(static, self.compiled(*groups), groups)
