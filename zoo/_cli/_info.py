@@ -139,6 +139,7 @@ def cmd_info(args) -> int:
         f"{totals['bytes_per_device']:,} bytes per device; trainable: {totals['trainable_parameters']:,} "
         f"parameters, {totals['trainable_bytes']:,} bytes"
     )
+    return 0
 
 
 def add_parser(sub):
