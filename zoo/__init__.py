@@ -36,6 +36,7 @@ from ._distributed import global_batch as global_batch
 from ._distributed import is_main_process as is_main_process
 from ._distributed import local_rows as local_rows
 from ._generate import generate as generate
+from ._host_memory import keep_freed_memory as keep_freed_memory
 from ._inspect import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from ._inspect import Collective as Collective
 from ._inspect import collectives as collectives
@@ -78,6 +79,7 @@ __all__ = [
     "hf",
     "internal",
     "is_main_process",
+    "keep_freed_memory",
     "local_rows",
     "logical_axes",
     "lora",

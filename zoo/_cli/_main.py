@@ -23,6 +23,13 @@ NO_CACHE_HELP = (
 )
 
 
+NO_KEEP_MEMORY_HELP = (
+    "leave glibc's malloc at its defaults (default: zoo.keep_freed_memory(), so each step's CPU buffers "
+    "reuse memory the process already holds instead of faulting in fresh pages; the process keeps its "
+    "peak memory until it exits; ZOO_NO_KEEP_MEMORY=1 also turns it off)"
+)
+
+
 # How `main` reports the library's errors: (prefix, exit code). A ConfigError is 2, as a
 # usage error; SIGTERM is 143 = 128 + 15, as a shell reports a process the signal ended.
 _EXITS = {ConfigError: ("error", 2), RunStopped: ("error", 3), Preempted: ("stopped", 143)}
@@ -50,9 +57,10 @@ def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     commands["inspect"] = _inspect.add_parser(sub)
     commands["info"] = _info.add_parser(sub)
     commands["generate"] = _generate.add_parser(sub)
-    parser.add_argument("--no-compile-cache", action="store_true", help=NO_CACHE_HELP)
-    for command in commands.values():  # also accepted after the command
-        command.add_argument("--no-compile-cache", action="store_true", default=argparse.SUPPRESS, help=NO_CACHE_HELP)
+    for flag, text in (("--no-compile-cache", NO_CACHE_HELP), ("--no-keep-memory", NO_KEEP_MEMORY_HELP)):
+        parser.add_argument(flag, action="store_true", help=text)
+        for command in commands.values():  # also accepted after the command
+            command.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
     return parser, commands
 
 
@@ -99,9 +107,12 @@ def _main(argv: list[str] | None) -> int:
             commands[args.command].set_defaults(**config_defaults(args.config, commands[args.command], args.command))
             args = _parse(parser, commands, argv)
             debug = bool(getattr(args, "debug", False))
-        if not getattr(args, "no_compile_cache", False):
-            import zoo
+        import zoo
 
+        if not getattr(args, "no_keep_memory", False):
+            # Before the first jax computation, so XLA's threads take the one arena.
+            zoo.keep_freed_memory()
+        if not getattr(args, "no_compile_cache", False):
             zoo.enable_compilation_cache()
         return args.func(args)
     except (ConfigError, RunStopped, Preempted) as e:

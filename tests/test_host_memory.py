@@ -1,0 +1,72 @@
+"""zoo.keep_freed_memory: XLA's per-call CPU buffers reuse the process's pages."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from helpers import zoo_ok
+
+import zoo
+
+# A gradient whose temporaries are one 32 MiB block (the hidden activations of a [4096, 128]
+# batch through a 1024-wide layer, and their derivative): above the size from which glibc
+# serves blocks with mmap, so by default every call maps and faults the block in afresh.
+# Prints what keep_freed_memory returned, the temp pages, the faults per call and warnings.
+_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, warnings
+    import jax, jax.numpy as jnp
+    import zoo
+    if sys.argv[1] == "late":
+        jax.devices()  # the backend starts before the settings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = zoo.keep_freed_memory() if sys.argv[1] != "default" else None
+    x, w1, w2 = jnp.ones((4096, 128)), jnp.full((128, 1024), 0.01), jnp.full((1024, 8), 0.01)
+    grad = jax.grad(lambda w1, w2, x: jnp.sum(jnp.tanh(x @ w1) @ w2), argnums=(0, 1))
+    compiled = jax.jit(grad).lower(w1, w2, x).compile()
+    pages = compiled.memory_analysis().temp_size_in_bytes // 4096
+    for _ in range(20):  # the first calls grow the heap to the peak the calls need
+        jax.block_until_ready(compiled(w1, w2, x))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        jax.block_until_ready(compiled(w1, w2, x))
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+    print(kept, pages, faults, len(caught))
+    """
+)
+
+
+def _run(mode, **env):
+    base = {k: v for k, v in os.environ.items() if k != "ZOO_NO_KEEP_MEMORY"}
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, mode], env=base | env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    kept, pages, faults, warned = out.stdout.split()
+    return kept, int(pages), float(faults), int(warned)
+
+
+def test_keep_freed_memory_stops_the_per_call_page_faults():
+    kept, pages, faults, warned = _run("keep")
+    assert pages >= 8192  # the 32 MiB block
+    assert kept == "True" and faults < 0.2 * pages and warned == 0
+    # Without it (glibc's defaults) every call faults the block in again.
+    _, _, faults_default, _ = _run("default")
+    assert faults_default > 0.5 * pages
+    # Called after jax's backend started: False and a warning (the settings may miss XLA's threads).
+    kept_late, _, _, warned_late = _run("late")
+    assert kept_late == "False" and warned_late == 1
+    # The opt-out leaves malloc alone.
+    kept_off, _, faults_off, _ = _run("keep", ZOO_NO_KEEP_MEMORY="1")
+    assert kept_off == "False" and faults_off > 0.5 * pages
+
+
+def test_the_cli_keeps_freed_memory_unless_told_not_to(monkeypatch):
+    calls = []
+    monkeypatch.setattr(zoo, "keep_freed_memory", lambda: calls.append(1) or True)
+    zoo_ok("info", "mlp")
+    zoo_ok("info", "mlp", "--no-keep-memory")
+    zoo_ok("--no-keep-memory", "info", "mlp")
+    assert calls == [1]
