@@ -27,7 +27,12 @@ Then a worker process with 2 simulated CPU devices checks each workload's zoo st
     python benchmarks/vs_torch.py                      # all three, 5 rounds each
     python benchmarks/vs_torch.py --only minilm-lora --rounds 8
     python benchmarks/vs_torch.py --no-check           # skip the 2-device worker
-    python benchmarks/vs_torch.py --keep-memory        # glibc keeps freed memory mapped
+    python benchmarks/vs_torch.py --default-malloc     # without zoo.keep_freed_memory()
+
+The process first calls `zoo.keep_freed_memory()`, as the `zoo` command does (glibc's
+malloc keeps freed memory, so each step's CPU buffers reuse warm pages; it applies to
+torch in the same process alike); `--default-malloc` leaves glibc at its defaults, where
+each zoo step faults its temporaries in afresh (docs/performance.md, "Page faults").
 
 On a shared machine the absolute times are noisy; read the ratios and the load line.
 """
@@ -47,14 +52,6 @@ WORKLOADS = ("minilm-lora", "llama-lora", "minilm-full")
 LR, WD = 1e-4, 0.01
 LLAMA = {"vocab_size": 8192, "d_model": 512, "num_heads": 8, "num_kv_heads": 2, "num_layers": 8, "mlp_dim": 1408}
 LLAMA_BATCH, LLAMA_SEQ = 8, 128
-# glibc malloc settings that keep freed memory mapped (docs/performance.md, "Page faults"):
-# every allocation from the one main heap, never returned to the system.
-KEEP_MEMORY = {
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
-    "MALLOC_TOP_PAD_": str(1 << 29),
-}
 
 
 def loadavg() -> str:
@@ -346,6 +343,9 @@ def bench(name: str, rounds: int, threads: int) -> dict:
         else:
             torch_step()
 
+    for _ in range(3):  # warm-up: the first steps grow malloc's heap to the peak a step needs
+        call("zoo")
+        call("torch")
     timing = _harness.time_rounds(call, ("zoo", "torch"), rounds)
     med = timing.medians()
     ratio = timing.ratio("zoo", "torch")  # median over rounds of zoo time / torch time
@@ -413,19 +413,22 @@ def main() -> None:
     p.add_argument("--check-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help="write the results here")
     p.add_argument(
-        "--keep-memory",
+        "--default-malloc",
         action="store_true",
-        help="rerun this script with glibc malloc told to keep freed memory mapped (one arena, no mmap, "
-        "no trimming): no page faults on each step's fresh buffers, for both zoo and torch",
+        help="do not call zoo.keep_freed_memory() (glibc's malloc defaults: every step maps and zero-fills "
+        "its temporaries afresh)",
     )
     args = p.parse_args()
-    if args.keep_memory and any(os.environ.get(k) != v for k, v in KEEP_MEMORY.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | KEEP_MEMORY)
     names = args.only or list(WORKLOADS)
     if args.check_worker:
         check(names)
         return
-    malloc = " ".join(f"{k}={os.environ[k]}" for k in KEEP_MEMORY if k in os.environ) or "default malloc"
+    malloc = "glibc malloc defaults"
+    if not args.default_malloc:
+        import zoo
+
+        # First thing, before jax starts its backend (so XLA's threads share the one arena).
+        malloc = "zoo.keep_freed_memory(): " + ("applied" if zoo.keep_freed_memory() else "NOT applied")
     print(f"machine: {os.cpu_count()} CPUs, loadavg {loadavg()} at start; {malloc}", flush=True)
     results = [bench(n, args.rounds, args.threads) for n in names]
     checks = []
