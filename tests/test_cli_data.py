@@ -246,6 +246,23 @@ def test_train_transformer_on_a_txt_file_from_scratch_with_byte_tokens(tmp_path,
     assert config["data"] == str(data_files["txt"].resolve()) and config["packed"] is True
 
 
+def test_resume_refuses_a_data_file_edited_since_the_checkpoint(tmp_path, data_files):
+    """Each checkpoint holds the data file's sha256: `--resume` after the file changed is
+    one line (the resumed steps would see other rows); with the file restored it resumes."""
+    data = tmp_path / "notes.txt"
+    original = data_files["txt"].read_text()
+    data.write_text(original)
+    args = ["train", "transformer", "--data", data, *TINY, "--model-config", "d_model=32,num_layers=1",
+            "--checkpoint-every", "2", "--output", tmp_path / "run"]  # fmt: skip
+    ok(*args, "--steps", "2")
+    data.write_text(original.replace("x + 1", "x + 2"))
+    rc, _, err = zoo_main(*args, "--steps", "3", "--resume")
+    one_line_error(rc, err, "notes.txt changed since checkpoint step 2")
+    data.write_text(original)
+    ok(*args, "--steps", "3", "--resume")
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+
+
 def test_train_transformer_on_jsonl_text_with_the_init_tokenizer(tmp_path, llama_dir, data_files):
     """(b) `zoo train transformer --init HF_DIR --data text.jsonl --no-packed`: the
     folder's tokenizer, one document per row, the tokenizer copied next to the model."""

@@ -32,6 +32,7 @@ from ._registry import model_spec
 from ._report import collective_summary, tree_bytes, tree_size
 from ._task import TaskSettings, build_task
 from ._trainer import Trainer
+from ._user_data import check_fingerprint, data_fingerprint
 
 # What the tokenizer of a saved model needs next to its weights.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
@@ -248,6 +249,7 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
             **{k: v for k, v in data_options.items() if v is not None},
         )  # fmt: skip
         task = build_task(settings, rules=rules, mesh=mesh)
+        fingerprint = data_fingerprint(source, config.data.chat_template)  # saved with each checkpoint
         if lcfg is not None and task.kind == "regression":
             raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
         if config.probe and not task.classifier:
@@ -295,6 +297,7 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
             checkpointer = zoo.Checkpointer(ckpt_dir, keep=config.keep)
             like = {"params": params, "opt_state": opt_state, "key": key}
             start, state, removed = _restore(checkpointer, like, config.resume_step, ckpt_dir)
+            check_fingerprint(checkpointer.metadata(start), fingerprint, source, start)
             if removed:  # the manager lists the steps it saw when opened
                 checkpointer.close()
                 checkpointer = zoo.Checkpointer(ckpt_dir, keep=config.keep)
@@ -338,7 +341,7 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
         # resumed one (its checkpoints continue).
         checkpointed = bool(config.resume or config.checkpoint_every)
         saver = Checkpoint(ckpt_dir, every=config.checkpoint_every, keep=config.keep, at_end=checkpointed,
-                           extra={"key": key}, metadata={"model": config.model}, checkpointer=checkpointer,
+                           extra={"key": key}, metadata={"model": config.model, **fingerprint}, checkpointer=checkpointer,
                            last_saved=start or None)  # fmt: skip
         run_hooks: list[Any] = [MetricsLog(output / "metrics.jsonl")]
         if config.tensorboard:

@@ -11,6 +11,7 @@ gives (every token, the completions, the assistant turns); classification (`.jso
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,38 @@ def check_data_file(
 
 
 # --- tokenizers ----------------------------------------------------------------------------------
+
+
+def data_fingerprint(source: str, chat_template: str | None = None) -> dict[str, str]:
+    """The sha256 of a data file (and of its chat template file), which a run saves with
+    each checkpoint so that `--resume` can refuse a file edited in between; `{}` for the
+    built-in data sets (a name, not a file)."""
+    path = Path(source).expanduser()
+    if path.suffix.lower() not in SUFFIXES or not path.is_file():
+        return {}
+    files = {"data": path} | ({"chat_template": Path(chat_template).expanduser()} if chat_template else {})
+    return {f"{name}_sha256": _sha256(file) for name, file in files.items()}
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, str], source: str, step: int) -> None:
+    """Refuse to resume from a checkpoint whose data files differ from the current ones (a
+    checkpoint saved without a fingerprint, by an older zoo, is not checked)."""
+    for key, digest in current.items():
+        if key in saved and saved[key] != digest:
+            what = source if key == "data_sha256" else "the --chat-template file"
+            raise ConfigError(
+                f"--resume: {what} changed since checkpoint step {step} was saved (its sha256 differs), so the "
+                "resumed steps would train on other rows than the run's first ones; restore the file, or start "
+                "a new run on it (--overwrite)"
+            )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @functools.cache
