@@ -375,7 +375,7 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
          "(classification), but transformer is a language model; train a classifier on it: zoo finetune minilm"),
         (["train", "encoder"], ("d.jsonl", '{"text": "a"}\n'),
          "(language modelling), but encoder is a classifier; train a decoder on it: zoo finetune transformer"),
-        (["train", "mlp"], ("d.txt", "abc"), "the mlp trains on its synthetic teacher only"),
+        (["train", "mlp"], ("d.txt", "abc"), "the mlp trains on its own data sets only (teacher)"),
         (["train", "encoder"], ("d.csv", "words,label\na,1\n"), "needs a header with 'text' and 'label'"),
         (["train", "transformer", "--validation", "1.5"], ("d.txt", "abc"), "--validation must be a fraction"),
         (["train", "transformer", "--steps", "1", "--devices", "2", "--model-config", "d_model=32"],

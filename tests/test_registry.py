@@ -196,6 +196,47 @@ def test_register_model_refuses_a_bad_spec(user_model):
             zoo.train.register_model(dataclasses.replace(user_model, **changes), replace=True)
 
 
+def test_a_registered_model_trains_on_data_files_with_its_own_file_model(monkeypatch, tmp_path):
+    """`ModelSpec.file_model` builds the model for `--data FILE`: a registered language model
+    gets its own, one without it is refused, and the file's kind must be the model's."""
+    import dataclasses
+
+    import zoo
+    from zoo.train import _builtin, _registry
+
+    monkeypatch.setattr(_registry, "_REGISTRY", dict(_registry._REGISTRY))
+    calls = []
+
+    def small_decoder(s, num_labels, *, rules, mesh):
+        calls.append(num_labels)
+        s = dataclasses.replace(s, model_config={"d_model": 24, "num_layers": 1})
+        return _builtin.decoder_model(s, rules=rules, mesh=mesh)
+
+    base = zoo.train.model_spec("transformer")
+    zoo.train.register_model(dataclasses.replace(base, name="my-lm", file_model=small_decoder))
+    zoo.train.register_model(dataclasses.replace(base, name="lm-without-files", file_model=None))
+    text = tmp_path / "notes.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 20)
+    labels = tmp_path / "labels.csv"
+    labels.write_text("text,label\n" + "a b,x\nc d,y\n" * 10)
+
+    def build(name, data):
+        settings = zoo.train.TaskSettings(name=name, data=str(data), seq_len=16, seed=0, dtype="float32",
+                                          model_config={}, init=None, eval_size=0)  # fmt: skip
+        return zoo.train.build_task(settings, rules=None, mesh=None)
+
+    task = build("my-lm", text)
+    assert calls == [None] and task.config["d_model"] == 24 and task.config["num_layers"] == 1
+    assert task.train_batch(1, 2)["tokens"].shape == (2, 16)
+    with pytest.raises(zoo.train.ConfigError, match="trains on its own data sets only"):
+        build("lm-without-files", text)
+    with pytest.raises(zoo.train.ConfigError, match="but my-lm is a language model"):
+        build("my-lm", labels)
+    with pytest.raises(zoo.train.ConfigError, match="only a model of kind 'lm' or 'classification'"):
+        zoo.train.register_model(dataclasses.replace(zoo.train.model_spec("mlp"), file_model=small_decoder),
+                                 replace=True)  # fmt: skip
+
+
 # --- --init and the architecture registry ---------------------------------------------------------
 
 

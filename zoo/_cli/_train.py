@@ -130,8 +130,7 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     s["debug"] = bool(getattr(args, "debug", False))
     s["data"] = s["data"] or spec.data_for(command)
     if s["data"] not in spec.datasets:  # a user's file: readable, and of the model's kind
-        s["data"] = check_data_file(s["data"], model, builtin=tuple(spec.datasets), validation=s["validation"],
-                                    chat_template=s["chat_template"])  # fmt: skip
+        s["data"] = check_data_file(s["data"], model, validation=s["validation"], chat_template=s["chat_template"])
     if s["eval_every"] is None:  # a tenth of the run: loss.png shows measured points
         s["eval_every"] = max(1, s["steps"] // 10)
     for name in ("steps", "batch_size", "microbatches", "keep"):

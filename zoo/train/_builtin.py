@@ -199,6 +199,11 @@ def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
 # -- encoder / minilm --
 
 
+def decoder_file_model(s: TaskSettings, num_labels: None, *, rules, mesh):
+    """`decoder_model` as a `ModelSpec.file_model` (a decoder has no labels)."""
+    return decoder_model(s, rules=rules, mesh=mesh)
+
+
 def classifier_model(s: TaskSettings, num_labels: int, *, rules, mesh):
     """`(model, config, folder)`: a `zoo.models.EncoderClassifier` of `s` with a new
     `num_labels`-way head, its encoder built from the `_SCRATCH_LM` shape (`max_len` =
@@ -346,6 +351,7 @@ def _register_builtins() -> None:
             scratch_config=_SCRATCH_LM,
             init_class=models.Transformer,
             finetune_needs_init=True,
+            file_model=decoder_file_model,
         ),
         replace=True,
     )
@@ -368,6 +374,7 @@ def _register_builtins() -> None:
             scratch_config=_SCRATCH_LM,
             init_class=models.Encoder,
             finetune_needs_init=True,
+            file_model=classifier_model,
         ),
         replace=True,
     )
@@ -391,6 +398,7 @@ def _register_builtins() -> None:
             datasets=docstrings,
             init_class=models.Encoder,
             pretrained=_minilm_path,
+            file_model=classifier_model,
         ),
         replace=True,
     )

@@ -60,6 +60,14 @@ class ModelSpec:
       (its shape is fixed: `--model-config` changes only dropout, remat, dtype); None:
       built from `scratch_config`.
     - `dtypes`: the compute dtypes it takes (`--dtype`).
+    - `file_model`: `file_model(settings, num_labels, *, rules, mesh) -> (model, config,
+      folder)`, the model it trains on a user's data file (`--data FILE`, read by
+      `zoo.data.load` with the model's tokenizer): for kind `"lm"` a decoder taking
+      `[batch, seq]` token ids (`num_labels` is None), for `"classification"` a classifier
+      with a new `num_labels`-way head taking `tokens` and `mask`. `config` is the model's
+      config (`vocab_size`, `to_dict()`), `folder` the Hugging Face folder it was loaded
+      from (its tokenizer reads the file) or None (byte tokens). None: the model trains on
+      its `datasets` only.
     """
 
     name: str
@@ -73,6 +81,7 @@ class ModelSpec:
     finetune_needs_init: bool = False
     pretrained: Callable[[], Path] | None = None
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    file_model: Callable[..., Any] | None = None
 
     def __post_init__(self):
         # Read-only views: a spec is shared by every command of the process.
@@ -128,6 +137,11 @@ def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
         raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not one of {list(KINDS)}")
     if not callable(spec.build):
         raise ConfigError(f"model {spec.name!r}: build must be a function (settings, *, rules, mesh) -> Task")
+    if spec.file_model is not None and (not callable(spec.file_model) or spec.kind not in ("lm", "classification")):
+        raise ConfigError(
+            f"model {spec.name!r}: file_model must be a function (settings, num_labels, *, rules, mesh) -> "
+            "(model, config, folder), and only a model of kind 'lm' or 'classification' trains on data files"
+        )
     if "train" not in spec.defaults:
         raise ConfigError(f"model {spec.name!r}: defaults needs a 'train' entry (the defaults of zoo train)")
     for command, values in spec.defaults.items():

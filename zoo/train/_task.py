@@ -171,7 +171,7 @@ def build_task(s: TaskSettings, *, rules, mesh) -> Task:
     if s.data is not None and s.data not in spec.datasets and not user_file:
         raise ConfigError(
             f"--data {s.data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
-            + (" or a .txt/.jsonl/.csv file" if spec.kind in ("lm", "classification") else "")
+            + (" or a .txt/.jsonl/.csv file" if spec.file_model is not None else "")
         )
     if s.dtype not in spec.dtypes:
         raise ConfigError(

@@ -20,12 +20,11 @@ import numpy as np
 
 # zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
 from ._errors import ConfigError
+from ._registry import model_names, model_spec
 from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, tokenizer_of
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
-DECODERS = ("transformer",)
-CLASSIFIERS = ("encoder", "minilm")
 
 # The flags a data file adds, and their defaults.
 DATA_FLAG_DEFAULTS: dict[str, Any] = {"validation": 0.1, "packed": True, "chat_template": None}
@@ -36,30 +35,27 @@ DATA_FILE_HELP = (
 )
 
 
-def check_data_file(
-    data: str, model: str, *, builtin: tuple[str, ...], validation: float, chat_template: str | None
-) -> str:
+def check_data_file(data: str, model: str, *, validation: float, chat_template: str | None) -> str:
     """The absolute path of `--data FILE` once it is readable and fits `model` (its
     records are read and checked here, before any device is touched); else a one-line
-    error naming the file (and line) and the fix. `builtin`: the model's own data sets."""
+    error naming the file (and line) and the fix."""
     import zoo
     from zoo.data._records import FORMATS
 
+    spec = model_spec(model)
     path = Path(data).expanduser()
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise ConfigError(
-                f"--data {data!r}: {model} trains on {' or '.join(builtin)}, or on your own .txt, .jsonl or .csv "
-                "file (docs/data.md)"
+                f"--data {data!r}: {model} trains on {' or '.join(spec.datasets)}"
+                + (", or on your own .txt, .jsonl or .csv file (docs/data.md)" if spec.file_model else "")
             )
         raise ConfigError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
     if not path.is_file():
         raise ConfigError(f"--data {data}: no such file; check the path")
-    if model not in DECODERS + CLASSIFIERS:
-        raise ConfigError(
-            f"--data {data}: the {model} trains on its synthetic teacher only; a data file trains transformer "
-            "(text) or encoder / minilm (text + label)"
-        )
+    if spec.file_model is None:
+        raise ConfigError(f"--data {data}: the {model} trains on its own data sets only ({', '.join(spec.datasets)}); "
+                          f"a data file trains {_file_models_text()}")  # fmt: skip
     if not 0 <= validation < 1:
         raise ConfigError(f"--validation must be a fraction in [0, 1), got {validation}")
     if chat_template is not None and not Path(chat_template).expanduser().is_file():
@@ -70,18 +66,38 @@ def check_data_file(
         raise ConfigError(f"--data: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {data} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    if kind in LM_KINDS and model in CLASSIFIERS:
-        raise ConfigError(
-            f"--data {data} holds {kind.replace('_', '/')} records (language modelling), but {model} is a "
-            "classifier; train a decoder on it: zoo finetune transformer --init HF_DIR --data FILE (or zoo train "
-            "transformer --data FILE)"
-        )
-    if kind == "classification" and model in DECODERS:
-        raise ConfigError(
-            f"--data {data} holds text/label records (classification), but transformer is a language model; "
-            "train a classifier on it: zoo finetune minilm --data FILE (or zoo train encoder --data FILE)"
-        )
+    check_kind(spec, kind, data)
     return str(path.resolve())
+
+
+def check_kind(spec, kind: str, data: Any) -> None:
+    """Refuse a file whose records (`zoo.data.read_records`' kind) the model cannot train on:
+    language-modelling records for a classifier, labelled ones for a language model."""
+    if kind in LM_KINDS and spec.kind == "classification":
+        decoder = (_file_models("lm") or ["transformer"])[0]
+        raise ConfigError(
+            f"--data {data} holds {kind.replace('_', '/')} records (language modelling), but {spec.name} is a "
+            f"classifier; train a decoder on it: zoo finetune {decoder} --init HF_DIR --data FILE (or zoo train "
+            f"{decoder} --data FILE)"
+        )
+    if kind == "classification" and spec.kind == "lm":
+        classifiers = _file_models("classification") or ["minilm"]
+        raise ConfigError(
+            f"--data {data} holds text/label records (classification), but {spec.name} is a language model; "
+            f"train a classifier on it: zoo finetune {classifiers[-1]} --data FILE (or zoo train {classifiers[0]} "
+            "--data FILE)"
+        )
+
+
+def _file_models(kind: str) -> list[str]:
+    """The registered models of `kind` that train on data files."""
+    return [n for n in model_names() if model_spec(n).kind == kind and model_spec(n).file_model is not None]
+
+
+def _file_models_text() -> str:
+    parts = [f"{' / '.join(names)} ({what})" for kind, what in (("lm", "text"), ("classification", "text + label"))
+             if (names := _file_models(kind))]  # fmt: skip
+    return " or ".join(parts) or "no registered model"
 
 
 # --- tokenizers ----------------------------------------------------------------------------------
@@ -225,8 +241,12 @@ def user_data_task(
     chat data when the tokenizer has none."""
     import zoo
 
-    from ._builtin import classifier_model, decoder_model, init_name
+    from ._builtin import init_name
 
+    spec = model_spec(s.name)
+    if spec.file_model is None:
+        raise ConfigError(f"--data {s.data}: the {s.name} trains on its own data sets only ({', '.join(spec.datasets)}); "
+                          f"a data file trains {_file_models_text()}")  # fmt: skip
     folder = init_folder(s)
     tokenizer = tokenizer_of(folder)
     path = Path(s.data)
@@ -244,15 +264,16 @@ def user_data_task(
     if len(train) == 0:
         raise ConfigError(f"--data {path}: no training rows are left after holding out --validation {validation}")
     tokens_kind = "byte" if tokenizer is None else "tokenizer"
+    check_kind(spec, train.kind, s.data)
     if train.kind == "classification":
         if train.num_labels < 2:
             raise ConfigError(
                 f"--data {s.data}: every example has the label {train.label_names[0]!r}; a classifier needs 2 or more"
             )
-        model, config, folder = classifier_model(s, train.num_labels, rules=rules, mesh=mesh)
+        model, config, folder = spec.file_model(s, train.num_labels, rules=rules, mesh=mesh)
         _check_tokenizer(config, tokenizer, folder)
         return _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, init_name(s, folder))
-    model, config, folder = decoder_model(s, rules=rules, mesh=mesh)
+    model, config, folder = spec.file_model(s, None, rules=rules, mesh=mesh)
     _check_tokenizer(config, tokenizer, folder)
     eval_data = dict(val.arrays if len(val) else train.arrays)
     if s.eval_size:
