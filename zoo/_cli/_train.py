@@ -2,7 +2,7 @@
 
 The three commands take the same flags (finetune and demo add `--lora`); each turns them
 into a `zoo.train.RunConfig` and calls `zoo.train.run`, which holds the loop. A flag left
-unset takes the model's default for the command (`DEFAULTS`), resolved before anything is
+unset takes the model's default for the command (the model registry's), resolved before anything is
 built; `config.json` in the output folder records every resolved value.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,33 +64,6 @@ def _check_model(name: str | None) -> str:
     return _registry.model_spec(name).name
 
 
-class _Defaults(Mapping):
-    """`DEFAULTS[command][model]`: the defaults of the flags whose default depends on the
-    model, read from the model registry (`zoo.train.model_spec(model).defaults`) on each
-    look-up, so a model registered later is there too."""
-
-    def __init__(self, command: str | None = None):
-        self._command = command
-
-    def __getitem__(self, key: str):
-        if self._command is None:
-            if key not in _COMMANDS:
-                raise KeyError(key)
-            return _Defaults(key)
-        spec = _registry.model_spec(key) if key in _registry.model_names(self._command) else None
-        if spec is None:
-            raise KeyError(key)
-        return dict(spec.defaults[self._command])
-
-    def __iter__(self):
-        return iter(_COMMANDS if self._command is None else _registry.model_names(self._command))
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
-
-
-_COMMANDS = ("train", "finetune", "demo")
-DEFAULTS: Mapping[str, Mapping[str, dict[str, Any]]] = _Defaults()
 # Defaults shared by every model.
 _COMMON = dict(
     devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
@@ -404,7 +376,8 @@ def cmd_demo(args) -> int:
 
 def _table(command: str) -> str:
     rows = []
-    for model, d in DEFAULTS[command].items():
+    for model in _registry.model_names(command):
+        d = _registry.model_spec(model).defaults[command]
         seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
         extra = f", probe {d['probe']}" if d.get("probe") else ""
         rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
@@ -660,4 +633,4 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
     return parsers
 
 
-__all__ = ["DEFAULTS", "add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve"]
+__all__ = ["add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve"]
