@@ -71,7 +71,7 @@ def test_output_is_the_dequantised_matmul_plus_bias():
     assert q(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
     no_bias = QuantizedLinear(q.weight, q.scale, None)
     np.testing.assert_allclose(no_bias(x), x @ w, rtol=1e-5, atol=1e-6)
-    with pytest.raises(TypeError, match="int8 weight.*quantize"):
+    with pytest.raises(TypeError, match="(?i)int8"):  # ours, or jaxtyping's when runtime checks are on
         QuantizedLinear(q.weight.astype(jnp.int16), q.scale)
 
 
