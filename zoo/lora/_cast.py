@@ -78,12 +78,12 @@ def cast_frozen(model: Any, dtype: Any = jnp.bfloat16, *, config: LoraConfig | N
     cast = jax.tree.map(one, model, keep)
     if not quantize:
         return cast
-    # Quantise from the float weights (not the bfloat16 copies); biases as cast above.
+    # Quantise from the float weights (not their bfloat16 copies); the biases as cast above.
     paths = [p for p, _ in found.values() if not node_at(keep, p).base.weight]
-    bases = [
-        eqx.tree_at(lambda q: q.bias, QuantizedLinear.quantize(node_at(model, p).base), node_at(cast, p).base.bias)
-        if node_at(cast, p).base.bias is not None
-        else QuantizedLinear.quantize(node_at(model, p).base)
-        for p in paths
-    ]
-    return eqx.tree_at(lambda m: [node_at(m, p).base for p in paths], cast, replace=bases)
+
+    def quantized(path):
+        layer = QuantizedLinear.quantize(node_at(model, path).base)
+        bias = node_at(cast, path).base.bias
+        return layer if bias is None else eqx.tree_at(lambda q: q.bias, layer, bias)
+
+    return eqx.tree_at(lambda m: [node_at(m, p).base for p in paths], cast, replace=[quantized(p) for p in paths])
