@@ -143,6 +143,10 @@ def test_int8_base_is_placed_like_the_linear_under_tensor_parallelism():
             assert got.base.scale.sharding.spec == got.base.bias.sharding.spec == want.base.bias.sharding.spec
         assert "model" in str(placed.layers.layers.attention.q_proj.base.weight.sharding.spec)
         out = eqx.filter_jit(lambda m, t: m(t))(placed, jax.device_put(tokens, P("data", None)))
+        # Quantising a placed model gives the same placement.
+        after = cast_frozen(ref, jnp.int8, config=CONFIG)
+    shardings = [(x.sharding, y.sharding) for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(placed), strict=True)]
+    assert all(a == b for a, b in shardings)
     np.testing.assert_allclose(out, eqx.filter_jit(lambda m: m(tokens))(cast), rtol=1e-4, atol=1e-5)
 
 
