@@ -1,10 +1,11 @@
-"""Memory and accuracy of a bfloat16 frozen base (`zoo.lora.cast_frozen`) against float32.
+"""Memory and accuracy of a bfloat16 or int8 frozen base (`zoo.lora.cast_frozen`) against float32.
 
 For `vs_torch.py`'s two LoRA workloads (all-MiniLM-L6-v2 with r=8 on every linear layer and
 a trained 8-way head; the ~30M Llama-shaped decoder with r=8 on q/k/v/o and the MLP), the
-zoo LoRA step is compiled on one CPU device with the frozen base in float32 and in
-bfloat16 (LoRA A/B and the head stay float32; compute is float32, the weights are upcast
-where used). Printed per variant: resident parameter bytes, the compiled step's
+zoo LoRA step is compiled on one CPU device with the frozen base in float32, in bfloat16
+and in int8 (the adapted projections int8 with a float32 scale per output channel, the
+other frozen leaves bfloat16; LoRA A/B and the head stay float32; compute is float32, the
+weights are upcast where used). Printed per variant: resident parameter bytes, the compiled step's
 `memory_analysis()` (arguments = parameters + optimizer state + batch, outputs, peak
 temporaries), the step time (interleaved rounds), and the output difference against
 float32 (MiniLM: the mean-pooled sentence embeddings, max |diff| and the lowest cosine
@@ -42,11 +43,17 @@ def main() -> None:
         model, step, batch = vs_torch.zoo_workload(name)
         jbatch = jax.tree.map(jnp.asarray, batch)
         config = None if name == "llama-lora" else zoo.lora.LoraConfig(modules_to_save=("head",))
-        variants = {"float32": model, "bfloat16": zoo.lora.cast_frozen(model, jnp.bfloat16, config=config)}
-        compiled, outputs = {}, {}
+        variants = {
+            "float32": model,
+            "bfloat16": zoo.lora.cast_frozen(model, jnp.bfloat16, config=config),
+            "int8": zoo.lora.cast_frozen(model, jnp.int8, config=config),
+        }
+        compiled, outputs, steps = {}, {}, {}
         for dtype, m in variants.items():
-            opt_state = step.init(m)
-            compiled[dtype] = (step.compile(m, opt_state, jbatch), m, opt_state)
+            # The int8 model's tree differs (scales, QuantizedLinear bases): its own filter.
+            steps[dtype] = zoo.TrainStep(step.loss_fn, step.optimizer, trainable=zoo.lora.trainable(m, config))
+            opt_state = steps[dtype].init(m)
+            compiled[dtype] = (steps[dtype].compile(m, opt_state, jbatch), m, opt_state)
             if name == "minilm-lora":
                 mask = jbatch["mask"]
                 hidden = eqx.filter_jit(lambda m, t, k: m.encoder(t, mask=k))(m, jbatch["tokens"], mask)
@@ -67,7 +74,7 @@ def main() -> None:
                 diff = f"max |emb diff| {float(jnp.max(jnp.abs(out - ref))):.2e}, min cosine {float(jnp.min(cos)):.6f}"
             else:
                 diff = f"max |logit diff| {float(jnp.max(jnp.abs(out - ref))):.2e} (logits up to {float(jnp.max(jnp.abs(ref))):.1f})"
-            loss = float(step.loss_and_grads(m, jbatch)[0])
+            loss = float(steps[dtype].loss_and_grads(m, jbatch)[0])
             rows.append(
                 [
                     name,

@@ -113,16 +113,21 @@ def test_cast_frozen_stores_the_base_in_bfloat16_and_keeps_the_branches():
     assert 0 < err < 2e-2 * float(jnp.max(jnp.abs(ref))), err
 
 
-def test_cast_frozen_step_has_the_same_single_all_reduce_and_leaves_the_base_alone():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_cast_frozen_step_has_the_same_single_all_reduce_and_leaves_the_base_alone(dtype):
+    """A bfloat16 or int8 base: the same collectives as the float32 model's, in kind, place
+    and bytes (the frozen base is never communicated), and the frozen leaves bit-identical."""
     model = _lora_model()
-    cast = cast_frozen(model, config=CONFIG)
+    cast = cast_frozen(model, dtype, config=CONFIG)
     new, loss, colls, params = _dp_step(cast)
     _, ref_loss, ref_colls, _ = _dp_step(model)
     assert [(c.kind, c.in_loop, c.bytes) for c in colls] == [(c.kind, c.in_loop, c.bytes) for c in ref_colls]
     assert zoo.count(colls, "all-reduce", in_loop=False) == 1 and zoo.count(colls, in_loop=True, kind=None) == 0
     assert colls[0].bytes == tree_bytes(params) + 8  # the float32 adapters (+ loss, count)
     assert abs(loss - ref_loss) < 1e-2 * abs(ref_loss)
-    for t, old, upd in zip(jax.tree.leaves(trainable(model, CONFIG)), jax.tree.leaves(cast), jax.tree.leaves(new)):
+    train = jax.tree.leaves(trainable(cast, CONFIG))
+    assert any(x.dtype == dtype for t, x in zip(train, jax.tree.leaves(cast)) if not t)
+    for t, old, upd in zip(train, jax.tree.leaves(cast), jax.tree.leaves(new), strict=True):
         assert upd.dtype == old.dtype
         if not t:
             np.testing.assert_array_equal(np.asarray(upd), np.asarray(old))
@@ -130,8 +135,8 @@ def test_cast_frozen_step_has_the_same_single_all_reduce_and_leaves_the_base_alo
 
 def test_cast_frozen_refuses_bad_input():
     model = _lora_model()
-    with pytest.raises(ValueError, match="floating-point dtype, got int8"):
-        cast_frozen(model, jnp.int8, config=CONFIG)
+    with pytest.raises(ValueError, match="floating-point dtype or int8, got int4"):
+        cast_frozen(model, "int4", config=CONFIG)
     with pytest.raises(ValueError, match="no LoRA branches.*add_lora"):
         cast_frozen(tiny_decoder(jax.random.key(0)))
 

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 
 from .._tree import dotted_name, node_at
-from ..nn import Linear
+from ..nn import Linear, QuantizedLinear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,16 +60,23 @@ def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, 
     branch: merge it first).
     """
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
-    out, unknown = [], []
+    out, unknown, quantized = [], [], []
     for path, leaf in leaves:
         if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
             continue
         parent = node_at(model, path[:-1])
         source = family.source(dotted_name(path[:-1]), dotted_name(path[-1:]), parent, tuple(leaf.shape), config)
         if source is None:
-            unknown.append(dotted_name(path))
+            (quantized if isinstance(parent, QuantizedLinear) else unknown).append(dotted_name(path))
         else:
             out.append((path, leaf, source))
+    if quantized:
+        raise ValueError(
+            f"these leaves of the {type(model).__name__} are int8 (zoo.nn.QuantizedLinear, from "
+            f"zoo.lora.cast_frozen(model, jnp.int8)): {quantized}. Hugging Face checkpoints hold float weights: "
+            "merge the LoRA branches (zoo.lora.merge dequantises them into float32 Linear layers) or dequantise "
+            "the model first with zoo.nn.dequantize(model)."
+        )
     if unknown:
         raise ValueError(
             f"these leaves of the {type(model).__name__} have no Hugging Face {family.name} tensor: "
@@ -79,5 +86,5 @@ def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, 
 
 
 def is_linear_weight(parent: Any, param: str) -> bool:
-    """Whether a leaf is the weight of a `zoo.nn.Linear` (stored `[in, out]`)."""
-    return isinstance(parent, Linear) and param == "weight"
+    """Whether a leaf is the weight of a `zoo.nn.Linear` or `QuantizedLinear` (stored `[in, out]`)."""
+    return isinstance(parent, Linear | QuantizedLinear) and param == "weight"

@@ -14,13 +14,16 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from .._tree import dotted_name, node_at
-from ..nn import Linear, Stacked
+from ..nn import Linear, QuantizedLinear, Stacked
 from ._config import LoraConfig
 from ._layer import LoraLinear
 from ._names import select
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
+
+# The layers a branch can wrap: a float `Linear` or its int8 form.
+LINEARS = (Linear, QuantizedLinear)
 
 
 def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
@@ -57,7 +60,7 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
     `model.layers.0.self_attn.q_proj`): a fused HF module (GPT-2's `c_attn`) picks each of
     its zoo parts (`q_proj`, `k_proj`, `v_proj`).
     """
-    linears = modules(model, Linear)
+    linears = modules(model, LINEARS)
     if config.target_modules == "all-linear":
         chosen = [n for n in linears if n.split(".")[-1] not in OUTPUT_LAYERS]
     else:
@@ -84,7 +87,7 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
     same leading `layers` axis: `[L, in, r]`, `[L, r, out]`). Train only the branches (and
     `config.modules_to_save`) with `zoo.TrainStep(..., trainable=zoo.lora.trainable(model, config))`.
     """
-    found = modules(model, Linear)
+    found = modules(model, LINEARS)
     names = target_names(model, config)
     _check_modules_to_save(model, config)
     new = []
@@ -216,9 +219,13 @@ def _with(layer: LoraLinear, **changes: Any) -> LoraLinear:
 
 
 def _fold(layer: LoraLinear, sign: float) -> Linear:
-    weight = layer.base.weight
+    base = layer.base
+    if isinstance(base, QuantizedLinear):
+        # W + ΔW is no int8 matrix: the merged layer is the dequantised float32 Linear.
+        base = base.dequantize()
+    weight = base.weight
     folded = (weight.astype(jnp.float32) + sign * layer.delta()).astype(weight.dtype)
-    return eqx.tree_at(lambda lin: lin.weight, layer.base, folded)
+    return eqx.tree_at(lambda lin: lin.weight, base, folded)
 
 
 def merge(model: Any, *, unload: bool = True) -> Any:
@@ -227,11 +234,21 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 
     `unload=True` (peft's `merge_and_unload`) returns a plain model without branches;
     `unload=False` (peft's `merge_adapter`) keeps them, marked merged, for `unmerge`.
+    An int8 base (`cast_frozen(model, jnp.int8)`) is dequantised: the merged layer is a
+    float32 `Linear` (`unload=True` only; requantising the merged weight would lose the
+    update to rounding).
     """
 
     def one(layer: LoraLinear):
         if layer.merged:
             return layer.base if unload else layer
+        if not unload and isinstance(layer.base, QuantizedLinear):
+            raise ValueError(
+                "merge(model, unload=False) cannot fold a LoRA branch into an int8 base (the merged weight is no "
+                "int8 matrix and unmerge could not restore the base): keep the branches unmerged (the int8 model "
+                "computes them as they are), merge with unload=True for a float32 model, or dequantise the base "
+                "first with zoo.lora.cast_frozen(model, jnp.float32, config=config)"
+            )
         base = _fold(layer, +1.0)
         if unload:
             return base

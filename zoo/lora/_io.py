@@ -61,6 +61,7 @@ from .._mismatch import mismatch_lines, shorten
 from .._tree import dotted_name, key_path, node_at
 from ..nn import Linear
 from ._apply import (
+    LINEARS,
     _all_module_names,
     _check_modules_to_save,
     _replace_lora,
@@ -476,7 +477,7 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
         patterns = tuple(targets) if isinstance(targets, list) else targets
         exclude = values.get("exclude_modules")
         exclude = tuple(exclude) if isinstance(exclude, list) else exclude
-        candidates = list(modules(model, (Linear, LoraLinear)))
+        candidates = list(modules(model, (*LINEARS, LoraLinear)))
         picked = select(model, candidates, patterns, "the adapter's target_modules")
         if exclude is not None:
             dropped = set(select(model, picked, exclude, "the adapter's exclude_modules"))
@@ -500,7 +501,7 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
 
 def _example_names(model: Any) -> list[str]:
     return [
-        hf_module_name(model, n, (0,) * len(lead(model, n))) for n in list(modules(model, (Linear, LoraLinear)))[:8]
+        hf_module_name(model, n, (0,) * len(lead(model, n))) for n in list(modules(model, (*LINEARS, LoraLinear)))[:8]
     ]
 
 

@@ -11,11 +11,11 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import field
-from ..nn import Linear, dropout, project
+from ..nn import Linear, QuantizedLinear, dropout, project
 
 
 class LoraLinear(eqx.Module):
-    """A frozen `base` `Linear` plus a trainable rank-`r` branch.
+    """A frozen `base` `Linear` (or its int8 `QuantizedLinear`) plus a trainable rank-`r` branch.
 
     `lora_A` is `[in, r]` and `lora_B` `[r, out]` (peft's `lora_A.weight` / `lora_B.weight`
     transposed, like every zoo weight). Their logical axes follow the base weight's: A keeps
@@ -23,7 +23,7 @@ class LoraLinear(eqx.Module):
     branch is already folded into `base.weight` and is skipped.
     """
 
-    base: Linear
+    base: Linear | QuantizedLinear
     lora_A: Float[Array, "in_features r"] = field(axes=lambda self: (self.base.in_axis, None))
     lora_B: Float[Array, "r out_features"] = field(axes=lambda self: (None, self.base.out_axis))
     r: int = eqx.field(static=True)
@@ -33,7 +33,7 @@ class LoraLinear(eqx.Module):
 
     def __init__(
         self,
-        base: Linear,
+        base: Linear | QuantizedLinear,
         r: int,
         *,
         scaling: float,
@@ -51,7 +51,8 @@ class LoraLinear(eqx.Module):
                 "a rank that large is no low-rank update: choose r <= min(in, out)"
             )
         ka, kb = jr.split(key)
-        dtype = base.weight.dtype
+        # An int8 base keeps its float dtype in its scale.
+        dtype = base.scale.dtype if isinstance(base, QuantizedLinear) else base.weight.dtype
         if init == "gaussian":
             a = jr.normal(ka, (n_in, r), dtype) / r
         else:

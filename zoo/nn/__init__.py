@@ -9,6 +9,7 @@ from ._inputs import place_inputs
 from ._linear import Linear, project
 from ._mlp import MLP, MLPBlock
 from ._norm import LayerNorm, RMSNorm
+from ._quantized import QuantizedLinear, dequantize
 from ._rope import apply_rope, rope_angles, rope_frequencies, rope_tables
 from ._sharding import broadcast_like, contract_spec, for_use, sharding_spec
 from ._stacked import REMAT_POLICIES, Stacked
@@ -24,12 +25,14 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MLPBlock",
+    "QuantizedLinear",
     "RMSNorm",
     "Stacked",
     "TransformerBlock",
     "apply_rope",
     "broadcast_like",
     "contract_spec",
+    "dequantize",
     "dropout",
     "example_keys",
     "fold_in",

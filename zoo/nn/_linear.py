@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int8, PRNGKeyArray
 
 from .._axes import field
 from ._sharding import broadcast_like, contract_spec, entries, for_use, sharding_spec
@@ -82,8 +82,11 @@ class Linear(eqx.Module):
         return y
 
 
-def project(x: Float[Array, "*batch i"], weight: Float[Array, "i o"]) -> Float[Array, "*batch o"]:
+def project(x: Float[Array, "*batch i"], weight: Float[Array, "i o"] | Int8[Array, "i o"]) -> Float[Array, "*batch o"]:
     """`x @ weight` over `x`'s last axis, in `x`'s dtype, safe under every sharding preset.
+
+    The weight is converted to `x`'s dtype at the matmul, after any gather: a reduced or
+    int8 weight (`QuantizedLinear`) travels in its own dtype.
 
     A weight split over the mesh axis of `x`'s batch (FSDP) is gathered for the use
     (`for_use`); the output sharding is spelled out because a row-parallel weight's

@@ -1,0 +1,128 @@
+"""A `Linear` whose weight is stored in int8, one float32 scale per output channel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int8
+
+from .._axes import field
+from ._linear import Linear, project
+from ._sharding import broadcast_like
+
+
+class QuantizedLinear(eqx.Module):
+    """`y = (x @ weight) · scale + bias`, a frozen `Linear` stored in int8.
+
+    `weight` is int8 `[in, out]` (stacked layers lead with their layer dims, as `Linear`'s
+    do inside `zoo.nn.Stacked`), `scale` float32 `[out]`: symmetric per-output-channel
+    quantisation, `weight · scale` ≈ the float weight with an error of at most `scale / 2`
+    = absmax / 254 per channel. The fields carry the logical axes of the `Linear` they
+    replace (weight `(in_axis, out_axis)`, scale and bias `(out_axis,)`), so `zoo.shard`
+    and the rules place it alike. Build one with `QuantizedLinear.quantize(linear)`;
+    `dequantize()` gives the float `Linear` back. It has no gradient path worth training
+    through (int8 is not differentiable): it is the frozen base of a LoRA branch
+    (`zoo.lora.cast_frozen(model, jnp.int8)`).
+    """
+
+    weight: Int8[Array, "*layers in_features out_features"] = field(axes=lambda self: (self.in_axis, self.out_axis))
+    scale: Float[Array, "*layers out_features"] = field(axes=lambda self: (self.out_axis,))
+    bias: Float[Array, "*layers out_features"] | None = field(axes=lambda self: (self.out_axis,))
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    in_axis: str | None = eqx.field(static=True)
+    out_axis: str | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        weight: Int8[Array, "*layers in_features out_features"],
+        scale: Float[Array, "*layers out_features"],
+        bias: Float[Array, "*layers out_features"] | None = None,
+        *,
+        in_axis: str | None = "embed",
+        out_axis: str | None = "mlp",
+    ):
+        """**Arguments:**
+
+        - `weight`: the int8 weight `[*layers, in, out]`.
+        - `scale`: the float scale of each output channel `[*layers, out]`.
+        - `bias`: `[*layers, out]` floating-point, or `None`.
+        - `in_axis`, `out_axis`: logical axis names of the weight's two core dimensions.
+        """
+        if weight.dtype != jnp.int8:
+            raise TypeError(
+                f"QuantizedLinear stores an int8 weight, got {weight.dtype}: build it with QuantizedLinear.quantize(linear)"
+            )
+        self.weight = weight
+        self.scale = scale
+        self.bias = bias
+        self.in_features, self.out_features = weight.shape[-2:]
+        self.in_axis = in_axis
+        self.out_axis = out_axis
+
+    @classmethod
+    def quantize(cls, linear: Linear) -> QuantizedLinear:
+        """`linear` with its weight quantised to int8 (symmetric, per output channel:
+        `scale = absmax / 127` over the input axis, `weight = round(W / scale)`); its bias
+        is kept as it is. Works on a stacked `Linear` (weight `[*layers, in, out]`) too, and
+        keeps each array's sharding (the scale takes the bias's, i.e. the output axis's)."""
+        w = linear.weight.astype(jnp.float32)
+        absmax = jnp.max(jnp.abs(w), axis=-2)
+        scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+        q = jnp.clip(jnp.round(w / scale[..., None, :]), -127, 127).astype(jnp.int8)
+        q, scale = _like(q, linear.weight), _like(scale, linear.bias)
+        return cls(q, scale, linear.bias, in_axis=linear.in_axis, out_axis=linear.out_axis)
+
+    def dequantize(self, dtype: Any = None) -> Linear:
+        """The float `Linear` this layer stands for: weight `weight · scale` in `dtype`
+        (default the scale's, float32), the bias as it is."""
+        dtype = self.scale.dtype if dtype is None else dtype
+        w = (self.weight.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, :]).astype(dtype)
+        w = _like(w, self.weight)
+        linear = object.__new__(Linear)  # the fields as they are: Linear's __init__ draws new weights
+        for name, value in dict(
+            weight=w,
+            bias=self.bias,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            in_axis=self.in_axis,
+            out_axis=self.out_axis,
+        ).items():
+            object.__setattr__(linear, name, value)
+        return linear
+
+    def __call__(
+        self, x: Float[Array, "*batch {self.in_features}"], *, key: Any = None
+    ) -> Float[Array, "*batch {self.out_features}"]:
+        """Apply the layer to `x` (any leading batch dims) in `x`'s dtype; returns `[*batch, out]`.
+
+        The int8 weight is converted to `x`'s dtype where it is used (exact: |q| ≤ 127) and
+        scaled after the matmul, `[*batch, out]` multiplications instead of `[in, out]`.
+        `key` is unused, as for `Linear`.
+        """
+        y = project(x, self.weight)
+        y = y * broadcast_like(self.scale.astype(y.dtype), y)
+        if self.bias is not None:
+            y = y + broadcast_like(self.bias.astype(y.dtype), y)
+        return y
+
+
+def dequantize(tree: Any, dtype: Any = None) -> Any:
+    """`tree` with every `QuantizedLinear` replaced by its float `Linear` (`dequantize(dtype)`),
+    e.g. before merging LoRA branches into it or exporting the model to Hugging Face."""
+    return jax.tree.map(
+        lambda node: node.dequantize(dtype) if isinstance(node, QuantizedLinear) else node,
+        tree,
+        is_leaf=lambda node: isinstance(node, QuantizedLinear),
+    )
+
+
+def _like(x: jax.Array, ref: jax.Array | None) -> jax.Array:
+    """`x` on `ref`'s sharding when both are concrete arrays of the same rank (the
+    elementwise ops keep it anyway under a mesh; this spells it out on placed arrays)."""
+    if ref is None or isinstance(x, jax.core.Tracer) or isinstance(ref, jax.core.Tracer) or x.ndim != ref.ndim:
+        return x
+    return jax.device_put(x, ref.sharding)
