@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import lm_batch, preset_mesh, tiny_decoder, tree_allclose, tree_bytes
+from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals prints, as data
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -234,3 +235,22 @@ def _read(directory):
     import safetensors.numpy
 
     return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_a_narrow_weight_is_not_kept_converted_for_the_backward_pass(dtype):
+    """`project` converts a bfloat16/int8 weight again in the backward pass instead of
+    keeping its float32 copy (one per layer in a scan), with the same gradient."""
+    from zoo.nn import project
+
+    x = jax.random.normal(jax.random.key(0), (6, 16))
+    w = jnp.clip(jax.random.normal(jax.random.key(1), (16, 8)) * 40, -127, 127).astype(dtype)
+
+    def loss(x):
+        return jnp.sum(jnp.sin(project(x, w)))
+
+    kept = saved_residuals(loss, x)
+    assert not any(r.shape == w.shape and r.dtype == jnp.float32 for r, _ in kept), kept
+    assert any(r.shape == w.shape and r.dtype == w.dtype for r, _ in kept), kept  # the narrow one instead
+    expected = jax.grad(lambda x: jnp.sum(jnp.sin(x @ w.astype(jnp.float32))))(x)
+    np.testing.assert_allclose(jax.grad(loss)(x), expected, rtol=1e-6, atol=1e-6)

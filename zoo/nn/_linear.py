@@ -103,9 +103,23 @@ def project(x: Float[Array, "*batch i"], weight: Float[Array, "i o"] | Int8[Arra
     flat, restore = flatten_rows(x)
     if flat.ndim == 2:
         out_sharding = contract_spec(flat, (entries(weight)[1],), 1)
-        return restore(jnp.einsum("ni,io->no", flat, weight.astype(x.dtype), out_sharding=out_sharding))
+        return restore(_matmul("ni,io->no", flat, weight, out_sharding))
     out_sharding = contract_spec(x, (entries(weight)[1],), x.ndim - 1)
-    return jnp.einsum("...i,io->...o", x, weight.astype(x.dtype), out_sharding=out_sharding)
+    return _matmul("...i,io->...o", x, weight, out_sharding)
+
+
+def _matmul(spec: str, x: Array, weight: Array, out_sharding: Any) -> Array:
+    """`einsum(spec, x, weight as x's dtype)`. A weight stored narrower than `x` (a frozen
+    base in bfloat16 or int8, `zoo.lora.cast_frozen`) is converted again in the backward
+    pass rather than kept: otherwise the backward pass keeps the converted copy, a float32
+    weight per layer, which undoes the narrow storage during the step."""
+
+    def matmul(x, weight):
+        return jnp.einsum(spec, x, weight.astype(x.dtype), out_sharding=out_sharding)
+
+    if jnp.dtype(weight.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
+        matmul = jax.checkpoint(matmul, policy=jax.checkpoint_policies.nothing_saveable)
+    return matmul(x, weight)
 
 
 def flatten_rows(x: Float[Array, "*batch i"]) -> tuple[Array, Callable[[Array], Array]]:
