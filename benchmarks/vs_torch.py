@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -337,22 +338,31 @@ def bench(name: str, rounds: int, threads: int) -> dict:
         flush=True,
     )
 
+    faults = {"zoo": [], "torch": []}
+
     def call(variant):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if variant == "zoo":
             jax.block_until_ready(compiled(model, opt_state, jbatch))
         else:
             torch_step()
+        faults[variant].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
     for _ in range(3):  # warm-up: the first steps grow malloc's heap to the peak a step needs
         call("zoo")
         call("torch")
+    for v in faults.values():
+        v.clear()
     timing = _harness.time_rounds(call, ("zoo", "torch"), rounds)
+    # Minor page faults per step: fresh pages the kernel zero-fills (docs/performance.md, "Page faults").
+    page_faults = {k: int(np.median(v[1:])) for k, v in faults.items()}  # the first is time_rounds' warm-up
     med = timing.medians()
     ratio = timing.ratio("zoo", "torch")  # median over rounds of zoo time / torch time
     line = (
         f"{name}: zoo {med['zoo']:.0f} ms, torch {med['torch']:.0f} ms, zoo/torch {ratio:.3f} "
         f"(median of {rounds} interleaved rounds; loadavg {loadavg()}, other processes busy on "
-        f"{timing.other_cpus if timing.other_cpus is None else round(timing.other_cpus, 2)} CPUs)"
+        f"{timing.other_cpus if timing.other_cpus is None else round(timing.other_cpus, 2)} CPUs; "
+        f"page faults per step zoo {page_faults['zoo']:,}, torch {page_faults['torch']:,})"
     )
     print(line, flush=True)
     return {
@@ -364,6 +374,7 @@ def bench(name: str, rounds: int, threads: int) -> dict:
         "loss_torch": ref,
         "loadavg": loadavg(),
         "other_cpus": timing.other_cpus,
+        "page_faults": page_faults,
     }
 
 
