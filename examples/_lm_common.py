@@ -69,12 +69,10 @@ def add_cache_flag(parser: argparse.ArgumentParser) -> None:
 
 def use_compile_cache(args: argparse.Namespace) -> None:
     """Turn on zoo's persistent compilation cache unless `--no-compile-cache` was given:
-    a second identical run loads its compiled programs instead of compiling them. Also
-    `zoo.keep_freed_memory()` (before any jax computation), as the `zoo` command does."""
-    import zoo
-
-    zoo.keep_freed_memory()  # each step's CPU buffers reuse warm pages (docs/performance.md)
+    a second identical run loads its compiled programs instead of compiling them."""
     if not args.no_compile_cache:
+        import zoo
+
         zoo.enable_compilation_cache()
 
 

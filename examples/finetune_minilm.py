@@ -80,10 +80,9 @@ def use_cpu_devices(count: int) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     use_cpu_devices(args.devices)
-    import zoo
-
-    zoo.keep_freed_memory()  # before any jax computation: each step's CPU buffers reuse warm pages
     if not args.no_compile_cache:  # a second identical run loads the compiled step from disk
+        import zoo
+
         zoo.enable_compilation_cache()
 
     import equinox as eqx

@@ -65,10 +65,11 @@ def test_the_opt_out_leaves_malloc_alone():
     assert os.environ["ZOO_NO_KEEP_MEMORY"] == "1" and zoo.keep_freed_memory() is False
 
 
-def test_the_cli_keeps_freed_memory_unless_told_not_to(monkeypatch):
+def test_the_cli_keeps_freed_memory_when_asked(monkeypatch):
     calls = []
     monkeypatch.setattr(zoo, "keep_freed_memory", lambda: calls.append(1) or True)
     zoo_ok("info", "mlp")
-    zoo_ok("info", "mlp", "--no-keep-memory")
-    zoo_ok("--no-keep-memory", "info", "mlp")
-    assert calls == [1]
+    assert calls == []  # opt-in: it slows multi-device CPU runs and compiling
+    zoo_ok("info", "mlp", "--keep-memory")
+    zoo_ok("--keep-memory", "info", "mlp")
+    assert calls == [1, 1]

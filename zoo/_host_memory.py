@@ -8,7 +8,7 @@ import os
 import sys
 import warnings
 
-# An opt-out for programs that call `keep_freed_memory` (the `zoo` command does).
+# An opt-out for programs that call `keep_freed_memory`.
 NO_KEEP_ENV = "ZOO_NO_KEEP_MEMORY"
 
 # mallopt(3) parameters (glibc's malloc.h) and the values set.
@@ -33,12 +33,15 @@ def keep_freed_memory() -> bool:
     This sets, process-wide, through `mallopt(3)`: one malloc arena for all threads, no
     `mmap`-served blocks, no trimming of the heap. The process then keeps its peak memory
     until it exits (as PyTorch's caching allocators do), and threads share one arena (no
-    contention seen on CPU training; a program with many allocating threads may notice).
+    threads share one arena.
 
-    The `zoo` command calls it (`--no-keep-memory` or `ZOO_NO_KEEP_MEMORY=1` turn it off);
-    a training script calls it first thing, **before the first jax computation**: the
-    threads XLA starts then take the one arena; threads started earlier keep their own
-    and their blocks are still mapped afresh.
+    A trade-off, hence opt-in (`zoo train/finetune --keep-memory`, or a script calls it first
+    thing, **before the first jax computation**, so that the threads XLA starts take the one
+    arena): it speeds up a step on one device whose temporaries are large (the MiniLM LoRA
+    step: ~0.9x the time), but with several simulated CPU devices, whose threads allocate
+    at once, and for compiling, the one arena costs more than the faults it saves (`zoo
+    finetune minilm` on 8 simulated devices: ~1.25x the step time, compile +0.5-1 s).
+    `ZOO_NO_KEEP_MEMORY=1` makes it a no-op.
 
     **Returns:** `True` when the settings were applied before jax started its backend;
     `False` when `ZOO_NO_KEEP_MEMORY` is set to a true value, on a C library other than

@@ -23,10 +23,11 @@ NO_CACHE_HELP = (
 )
 
 
-NO_KEEP_MEMORY_HELP = (
-    "leave glibc's malloc at its defaults (default: zoo.keep_freed_memory(), so each step's CPU buffers "
-    "reuse memory the process already holds instead of faulting in fresh pages; the process keeps its "
-    "peak memory until it exits; ZOO_NO_KEEP_MEMORY=1 also turns it off)"
+KEEP_MEMORY_HELP = (
+    "call zoo.keep_freed_memory() first: glibc's malloc keeps freed memory, so a step's large CPU buffers "
+    "reuse pages the process holds instead of faulting in fresh ones (faster on one device; slower with "
+    "several simulated devices and for compiling, one malloc arena for every thread; the process keeps its "
+    "peak memory; docs/performance.md)"
 )
 
 
@@ -57,7 +58,7 @@ def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     commands["inspect"] = _inspect.add_parser(sub)
     commands["info"] = _info.add_parser(sub)
     commands["generate"] = _generate.add_parser(sub)
-    for flag, text in (("--no-compile-cache", NO_CACHE_HELP), ("--no-keep-memory", NO_KEEP_MEMORY_HELP)):
+    for flag, text in (("--no-compile-cache", NO_CACHE_HELP), ("--keep-memory", KEEP_MEMORY_HELP)):
         parser.add_argument(flag, action="store_true", help=text)
         for command in commands.values():  # also accepted after the command
             command.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
@@ -109,7 +110,7 @@ def _main(argv: list[str] | None) -> int:
             debug = bool(getattr(args, "debug", False))
         import zoo
 
-        if not getattr(args, "no_keep_memory", False):
+        if getattr(args, "keep_memory", False):
             # Before the first jax computation, so XLA's threads take the one arena.
             zoo.keep_freed_memory()
         if not getattr(args, "no_compile_cache", False):
