@@ -29,10 +29,11 @@ Then a worker process with 2 simulated CPU devices checks each workload's zoo st
     python benchmarks/vs_torch.py --no-check           # skip the 2-device worker
     python benchmarks/vs_torch.py --default-malloc     # without zoo.keep_freed_memory()
 
-The process first calls `zoo.keep_freed_memory()`, as the `zoo` command does (glibc's
-malloc keeps freed memory, so each step's CPU buffers reuse warm pages; it applies to
-torch in the same process alike); `--default-malloc` leaves glibc at its defaults, where
-each zoo step faults its temporaries in afresh (docs/performance.md, "Page faults").
+The process first calls the opt-in `zoo.keep_freed_memory()` (`zoo ... --keep-memory`:
+glibc's malloc keeps freed memory, so each step's CPU buffers reuse warm pages; it applies
+to torch in the same process alike); `--default-malloc` leaves glibc at its defaults, where
+each zoo step faults its temporaries in afresh (docs/performance.md, "Page faults"). Both
+modes print each side's page faults per step.
 
 On a shared machine the absolute times are noisy; read the ratios and the load line.
 """

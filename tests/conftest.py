@@ -26,8 +26,8 @@ jax.devices()  # initialise the backend with these flags
 # process and in subprocesses) so they neither read nor fill the user's cache. The cache's
 # own test turns it on with a temporary folder.
 os.environ["ZOO_NO_COMPILE_CACHE"] = "1"
-# Likewise the CLI's malloc settings (zoo.keep_freed_memory): the test processes keep
-# glibc's defaults; tests/test_host_memory.py checks the settings in subprocesses.
+# Likewise zoo.keep_freed_memory (the CLI's --keep-memory) is a no-op here: the test
+# processes keep glibc's defaults; tests/test_host_memory.py checks it in subprocesses.
 os.environ["ZOO_NO_KEEP_MEMORY"] = "1"
 os.environ["XLA_FLAGS"] = _xla_flags
 

@@ -1,6 +1,7 @@
 """The performance changes keep exact semantics: `zoo.nn.project`'s flattened matmul, the
 bfloat16 frozen base (`zoo.lora.cast_frozen`), and the persistent compilation cache."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import lm_batch, preset_mesh, tiny_decoder, tree_bytes
+from helpers import lm_batch, preset_mesh, tiny_decoder, tree_allclose, tree_bytes
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -89,6 +90,10 @@ def _dp_step(model):
         opt_state = step.init(placed)
         compiled = step.compile(placed, opt_state, batch)
         new, _, loss = compiled(placed, opt_state, batch)
+        _, grads = step.loss_and_grads(placed, batch)
+    _, single = step.loss_and_grads(model, batch)  # no mesh: one device
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(single))
+    assert tree_allclose(grads, single, rtol=1e-5, atol=1e-7)  # 4 devices = 1 device
     return new, float(loss), zoo.collectives(compiled, mesh=mesh), step.partition(placed)[0]
 
 
@@ -116,8 +121,10 @@ def test_cast_frozen_stores_the_base_in_bfloat16_and_keeps_the_branches():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
 def test_cast_frozen_step_has_the_same_single_all_reduce_and_leaves_the_base_alone(dtype):
     """A bfloat16 or int8 base: the same collectives as the float32 model's, in kind, place
-    and bytes (the frozen base is never communicated), and the frozen leaves bit-identical."""
-    model = _lora_model()
+    and bytes (the frozen base is never communicated), the frozen leaves bit-identical, and
+    the 4-device gradients those of one device (random branches: no zero gradient)."""
+    random_branches = dataclasses.replace(CONFIG, init_lora_weights=False)
+    model = add_lora(tiny_decoder(jax.random.key(0)), random_branches, key=jax.random.key(1))
     cast = cast_frozen(model, dtype, config=CONFIG)
     new, loss, colls, params = _dp_step(cast)
     _, ref_loss, ref_colls, _ = _dp_step(model)

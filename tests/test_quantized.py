@@ -153,16 +153,19 @@ def test_int8_base_is_placed_like_the_linear_under_tensor_parallelism():
 
 def test_under_fsdp_the_int8_weights_are_gathered_as_int8():
     """The frozen base is gathered for use, never reduced: in int8 it moves fewer bytes,
-    and the gradient all-reduce of the float32 branches is the same."""
+    the gradient all-reduce of the float32 branches is the same, and the gradients are the
+    single-device ones."""
     model = _lora_model()
     batch = lm_batch(jax.random.key(3), BATCH)
     mesh = preset_mesh("fsdp", 4)
     colls = {}
     for name, m in (("float32", model), ("int8", cast_frozen(model, jnp.int8, config=CONFIG))):
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.adamw(1e-2), trainable=trainable(m, CONFIG))
         with jax.set_mesh(mesh):
             placed = zoo.shard(m, zoo.rules("fsdp"), mesh)
-            step = zoo.TrainStep(zoo.models.next_token_loss, optax.adamw(1e-2), trainable=trainable(m, CONFIG))
             colls[name] = zoo.collectives(step.compile(placed, step.init(placed), batch), mesh=mesh)
+            _, grads = step.loss_and_grads(placed, batch)
+        assert tree_allclose(grads, step.loss_and_grads(m, batch)[1], rtol=1e-5, atol=1e-7), name
     gathered = {k: sum(c.bytes for c in v if c.kind == "all-gather") for k, v in colls.items()}
     reduced = {k: [(c.in_loop, c.bytes) for c in v if c.kind == "all-reduce"] for k, v in colls.items()}
     assert 0 < gathered["int8"] < 0.6 * gathered["float32"], gathered

@@ -152,7 +152,8 @@ def test_frozen_leaves_come_back_as_the_same_arrays_without_a_copy(setup):
     frozen = jax.tree.leaves(eqx.tree_at(lambda m: m.mlp.output_layer, sharded, None))
     for new, _, _ in outputs:
         assert all(
-            a is b for a, b in zip(jax.tree.leaves(eqx.tree_at(lambda m: m.mlp.output_layer, new, None)), frozen)
+            a is b
+            for a, b in zip(jax.tree.leaves(eqx.tree_at(lambda m: m.mlp.output_layer, new, None)), frozen, strict=True)
         )
     # The program's outputs are the trainable leaves, the optimizer state and the loss only
     # (plus XLA's table of 8-byte pointers to them), none of the frozen bytes.

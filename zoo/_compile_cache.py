@@ -17,6 +17,11 @@ NO_CACHE_ENV = "ZOO_NO_COMPILE_CACHE"
 MIN_COMPILE_TIME_SECS = 0.5
 
 
+def env_flag(name: str) -> bool:
+    """Whether environment variable `name` is set to a true value (`1`, `true`, `yes`, `on`)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def default_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/zoo/jax`, or `~/.cache/zoo/jax` when `XDG_CACHE_HOME` is unset."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -43,7 +48,7 @@ def enable_compilation_cache(
     flags, so a changed model or flag compiles afresh. Call it before the first compile;
     calling it again with another folder moves the cache there.
     """
-    if os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if env_flag(NO_CACHE_ENV):
         return None
     folder = Path(path if path is not None else os.environ.get(CACHE_DIR_ENV) or default_cache_dir()).expanduser()
     try:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 import warnings
+
+from ._compile_cache import env_flag
 
 # An opt-out for programs that call `keep_freed_memory`.
 NO_KEEP_ENV = "ZOO_NO_KEEP_MEMORY"
@@ -32,8 +33,7 @@ def keep_freed_memory() -> bool:
     page faults and about a quarter of the step's time (docs/performance.md, "Page faults").
     This sets, process-wide, through `mallopt(3)`: one malloc arena for all threads, no
     `mmap`-served blocks, no trimming of the heap. The process then keeps its peak memory
-    until it exits (as PyTorch's caching allocators do), and threads share one arena (no
-    threads share one arena.
+    until it exits (as PyTorch's caching allocators do), and all threads share one arena.
 
     A trade-off, hence opt-in (`zoo train/finetune --keep-memory`, or a script calls it first
     thing, **before the first jax computation**, so that the threads XLA starts take the one
@@ -48,7 +48,7 @@ def keep_freed_memory() -> bool:
     glibc (nothing is changed), or when jax's backend was already running (the settings
     are applied, with a warning that they may not reach XLA's threads).
     """
-    if os.environ.get(NO_KEEP_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if env_flag(NO_KEEP_ENV):
         return False
     libc = _glibc()
     if libc is None:

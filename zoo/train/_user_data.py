@@ -20,7 +20,7 @@ import numpy as np
 
 # zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
 from ._errors import ConfigError
-from ._registry import model_names, model_spec
+from ._registry import ModelSpec, model_names, model_spec
 from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, tokenizer_of
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
@@ -53,9 +53,7 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
         raise ConfigError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
     if not path.is_file():
         raise ConfigError(f"--data {data}: no such file; check the path")
-    if spec.file_model is None:
-        raise ConfigError(f"--data {data}: the {model} trains on its own data sets only ({', '.join(spec.datasets)}); "
-                          f"a data file trains {_file_models_text()}")  # fmt: skip
+    check_takes_files(spec, data)
     if not 0 <= validation < 1:
         raise ConfigError(f"--validation must be a fraction in [0, 1), got {validation}")
     if chat_template is not None and not Path(chat_template).expanduser().is_file():
@@ -70,7 +68,14 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
     return str(path.resolve())
 
 
-def check_kind(spec, kind: str, data: Any) -> None:
+def check_takes_files(spec: ModelSpec, data: Any) -> None:
+    """Refuse a data file for a model whose spec has no `file_model`."""
+    if spec.file_model is None:
+        raise ConfigError(f"--data {data}: the {spec.name} trains on its own data sets only "
+                          f"({', '.join(spec.datasets)}); a data file trains {_file_models_text()}")  # fmt: skip
+
+
+def check_kind(spec: ModelSpec, kind: str, data: Any) -> None:
     """Refuse a file whose records (`zoo.data.read_records`' kind) the model cannot train on:
     language-modelling records for a classifier, labelled ones for a language model."""
     if kind in LM_KINDS and spec.kind == "classification":
@@ -244,9 +249,7 @@ def user_data_task(
     from ._builtin import init_name
 
     spec = model_spec(s.name)
-    if spec.file_model is None:
-        raise ConfigError(f"--data {s.data}: the {s.name} trains on its own data sets only ({', '.join(spec.datasets)}); "
-                          f"a data file trains {_file_models_text()}")  # fmt: skip
+    check_takes_files(spec, s.data)
     folder = init_folder(s)
     tokenizer = tokenizer_of(folder)
     path = Path(s.data)
