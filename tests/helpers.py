@@ -1,4 +1,5 @@
-"""Helpers the tests share: tolerant tree comparison, meshes, tiny models and batches.
+"""Helpers the tests share: float32 rounding bounds, tree comparison, meshes, tiny models
+and batches.
 
 Imported by test modules (`from helpers import ...`); fixtures live in `conftest.py`.
 `zoo` is imported inside the functions, not here: jaxtyping's import hook (installed by
@@ -8,8 +9,11 @@ pytest's `--jaxtyping-packages`) must see zoo's first import.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import io
+import os
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -19,6 +23,140 @@ import numpy as np
 
 if TYPE_CHECKING:
     import zoo
+
+
+# --------------------------------------------------------------------------- rounding bounds
+#
+# Every numeric tolerance of the suite comes from here, in one of two ways (docs/claims.md,
+# "Numeric tolerances"): a bound derived from float32's unit roundoff and the size of the
+# sums (`rounding_bound`), or, for a whole model against a reference library, a float64 run
+# of the reference as the exact value (`assert_as_accurate`). Neither is a number one machine
+# measured: another instruction set, matmul kernel or thread count sums in another order
+# and moves results by a few ulps, which both forms allow and a wrong formula exceeds by
+# orders of magnitude (tests/test_tolerances.py runs those mutants).
+
+UNIT_ROUNDOFF = 2.0**-24
+"""float32's unit roundoff u: one rounding moves a value by at most u times its size."""
+
+ACCURACY_MARGIN = 8
+"""How many times the reference library's own float32 error zoo's may be (`assert_as_accurate`).
+
+zoo and the reference evaluate the same formulas with the same sums, in float32, in other
+orders and kernels (fused or not, another blocking), so each one's distance to the exact
+value is a sum of as many roundings of the same sizes: of the same order, not equal.
+Measured (x86 with AVX-512 and with XLA/torch restricted to AVX2, 1 and 2 threads): zoo's
+error is 0.5-2.5x the reference's on every model tested; 8 leaves room for the spread of a
+maximum over few values, and is still 100x below the smallest wrong formula tested.
+"""
+
+
+def rounding_bound(scale: float, *, terms: int, depth: int = 1) -> float:
+    """The largest difference two float32 evaluations of one computation may show when they
+    differ only in the order of their sums (another kernel, instruction set, thread count,
+    device count, microbatch split).
+
+    A float32 sum of n terms, in any order, is within γ_n·Σ|x_i| of the exact sum, with
+    γ_n = n·u / (1 − n·u) (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed.,
+    eq. 4.4; dot products likewise with Σ|a_i·b_i|, eq. 3.5). Two orders are each within that
+    of the exact sum, so within 2γ_n of each other. A value computed through a chain of
+    `depth` such sums, each well-conditioned (an error entering a layer leaves it no larger:
+    normalised layers, softmax, small weights), gathers at most `depth` of them.
+
+    Args:
+        scale: a bound on Σ|x_i| of each sum, in the units of the compared values: for values
+            of order one, the largest |value| (times the reduced width where the terms do not
+            shrink with it, e.g. a loss summed over a batch).
+        terms: the longest sum on the way (hidden width, batch x sequence, ...).
+        depth: sums in a chain on the way to one compared value (layers x sums per layer).
+
+    Returns:
+        The bound, an absolute difference: 2·depth·γ_terms·scale.
+    """
+    n_u = terms * UNIT_ROUNDOFF
+    assert n_u < 0.5, f"{terms} terms: float32 bounds no such sum"
+    return 2 * depth * n_u / (1 - n_u) * scale
+
+
+def largest(x) -> float:
+    """The largest |value| of an array (0 for an empty one)."""
+    x = np.asarray(x, np.float64)
+    return float(np.abs(x).max()) if x.size else 0.0
+
+
+def assert_within(got, want, bound: float, what: str = "") -> float:
+    """Largest |got − want| at most `bound`; returns that difference."""
+    diff = largest(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    assert diff <= bound, f"{what}: max difference {diff:.3g} > bound {bound:.3g} (scale {largest(want):.3g})"
+    return diff
+
+
+def assert_rounding_close(got, want, *, terms: int, depth: int = 1, scale: float | None = None, what: str = ""):
+    """`got` equals `want` up to float32 rounding in another order: `rounding_bound` at the
+    largest |want| (or `scale`). Returns the largest difference."""
+    bound = rounding_bound(largest(want) if scale is None else scale, terms=terms, depth=depth)
+    return assert_within(got, want, bound, what)
+
+
+def assert_tree_rounding_close(got, want, *, terms: int, depth: int = 1, what: str = ""):
+    """Two pytrees of one structure whose array leaves each pass `assert_rounding_close`
+    (the scale of each leaf its own largest |value|)."""
+    got_arrays, want_arrays = eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array)
+    assert jax.tree.structure(got_arrays) == jax.tree.structure(want_arrays), what
+    leaves = jax.tree.leaves_with_path(want_arrays)
+    for (path, w), g in zip(leaves, jax.tree.leaves(got_arrays), strict=True):
+        assert_rounding_close(g, w, terms=terms, depth=depth, what=f"{what}{jax.tree_util.keystr(path)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A reference library's output in float32 (what its users get) and on a float64 copy
+    of the same model (the exact value, up to float64's rounding). Indexing indexes both."""
+
+    f32: np.ndarray
+    f64: np.ndarray
+
+    def __getitem__(self, index) -> Reference:
+        return Reference(self.f32[index], self.f64[index])
+
+
+def torch_reference(run, model) -> Reference:
+    """`run(model)` and `run(a float64 copy of model)`, both as numpy float64 arrays."""
+    import torch
+
+    def value(out):
+        out = out.detach().numpy() if isinstance(out, torch.Tensor) else out
+        return np.asarray(out, np.float64)
+
+    exact = copy.deepcopy(model).double()
+    # transformers' eager attention turns fully masked (padding) rows into NaN in float64
+    # (its mask value twice overflows to -inf), and 0 x NaN spreads them; its sdpa does not.
+    if getattr(getattr(exact, "config", None), "_attn_implementation", None) == "eager":
+        exact.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        f32 = value(run(model))
+        f64 = value(run(exact))
+    assert np.isfinite(f64).all(), "the float64 reference has non-finite values"
+    return Reference(f32, f64)
+
+
+def assert_as_accurate(got, reference: Reference, *, margin: float = ACCURACY_MARGIN, what: str = "") -> float:
+    """`got`, a float32 result, is as close to the exact value as the reference library's
+    own float32 result, within `margin` times (`ACCURACY_MARGIN`).
+
+    The exact value is the reference run in float64; the allowance is `margin` times the
+    reference's float32 error, measured in the same run on the same machine (so it follows
+    the machine's instruction set and kernels), and at least a few ulps of the largest
+    output (8·u·max|exact|). Returns the largest |got − exact|.
+    """
+    ulps = 8 * UNIT_ROUNDOFF * largest(reference.f64)
+    own_error = largest(reference.f32 - reference.f64)
+    if log := os.environ.get("ZOO_ACCURACY_LOG"):  # docs/claims.md's measured ratios come from here
+        with open(log, "a") as f:
+            diff = largest(np.asarray(got, np.float64) - reference.f64)
+            f.write(f"{what}\t{diff:.3e}\t{own_error:.3e}\t{diff / max(own_error, ulps):.2f}\n")
+    return assert_within(
+        got, reference.f64, margin * max(own_error, ulps), f"{what} (reference's own error {own_error:.3g})"
+    )
 
 
 def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:

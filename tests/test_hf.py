@@ -16,7 +16,7 @@ import safetensors.numpy
 import sentence_transformers
 import torch
 import transformers
-from helpers import data_mesh, preset_mesh, tiny_decoder
+from helpers import Reference, assert_as_accurate, data_mesh, largest, preset_mesh, tiny_decoder, torch_reference
 from jax.sharding import NamedSharding
 
 import zoo
@@ -73,20 +73,13 @@ SENTENCES = [
     LONG,
 ]
 TRUNCATED = " ".join([LONG] * 3)  # past sentence-transformers' 256-token limit
-# Measured on 2-core x86 CPUs: MiniLM embeddings (|x| <= 0.4) differ from
-# sentence-transformers' by 2.2e-7, the README promises 3e-7. The tiny random models,
-# initialised large (activations of order 1-6), differ from transformers' by 6e-7 to 8e-7
-# of their largest output: float32 rounding in another summation order. A wrong formula
-# (erf- for tanh-GELU, a missing bias, a mis-scaled attention) is orders of magnitude more.
-MINILM_TOL = 3e-7
-RTOL = 2e-6  # of the largest |reference output|
 
 
-def _assert_close(got, expected, *, atol=None):
-    """Largest difference at most `atol`, or (default) RTOL times the largest |expected|."""
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    diff, scale = float(np.abs(got - expected).max()), float(np.abs(expected).max())
-    assert diff <= (RTOL * scale if atol is None else atol), f"max difference {diff:.2e} at scale {scale:.2f}"
+def _assert_close(got, expected: Reference, what=""):
+    """zoo's float32 output as close to the exact value as the reference's own float32 one
+    (within helpers.ACCURACY_MARGIN times; the exact value: the reference run in float64)."""
+    diff = assert_as_accurate(got, expected, what=what)
+    print(f"MAX DIFF {what}: {diff:.2e} (reference {largest(expected.f32 - expected.f64):.2e})")
 
 
 def _leaves(model):
@@ -131,10 +124,10 @@ def _largest_input(module):
 def reference():
     """sentence-transformers' own embeddings and features of SENTENCES."""
     model = sentence_transformers.SentenceTransformer(str(minilm_path()), device="cpu")
-    embeddings = model.encode(SENTENCES, batch_size=len(SENTENCES), normalize_embeddings=True, convert_to_numpy=True)
+    encode = lambda m: m.encode(SENTENCES, batch_size=len(SENTENCES), normalize_embeddings=True, convert_to_numpy=True)
     features = model.preprocess(SENTENCES)
     return {
-        "embeddings": embeddings,
+        "embeddings": torch_reference(encode, model),
         "max_seq_length": model.max_seq_length,
         "truncated": model.preprocess([TRUNCATED])["input_ids"].numpy(),
         **{k: features[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")},
@@ -166,7 +159,7 @@ def test_minilm_embeddings_match_sentence_transformers(minilm, reference):
     embeddings = np.asarray(sentence_embeddings(encoder, **batch))
     assert embeddings.shape == (len(SENTENCES), 384) and embeddings.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
-    _assert_close(embeddings, reference["embeddings"], atol=MINILM_TOL)
+    _assert_close(embeddings, reference["embeddings"], "MiniLM")
 
 
 @pytest.mark.parametrize("preset, devices", [("tp", 4), ("fsdp", 4)])
@@ -181,7 +174,7 @@ def test_minilm_loaded_sharded_gives_the_same_embeddings(minilm, reference, pres
         assert sum(not leaf.sharding.is_fully_replicated for leaf in _leaves(encoder)) >= 10
         rows = slice(len(SENTENCES) - 10, None)  # 10 rows (LONG among them) over data=2 or 4
         embeddings = np.asarray(sentence_embeddings(encoder, **{k: v[rows] for k, v in batch.items()}))
-    _assert_close(embeddings, reference["embeddings"][rows], atol=MINILM_TOL)
+    _assert_close(embeddings, reference["embeddings"][rows], f"MiniLM {preset}")
 
 
 def test_tokenizer_truncates_and_pads(minilm):
@@ -239,9 +232,9 @@ def gpt2(tmp_path_factory):
     tokens = np.random.default_rng(0).integers(1, 101, (3, 12)).astype(np.int32)
     mask = np.arange(12)[None, :] < np.array([12, 9, 5])[:, None]
     tokens = np.where(mask, tokens, 0).astype(np.int32)
-    with torch.no_grad(), _largest_input(model.transformer.h[0].mlp.act) as gelu_input:
-        logits = model(_torch(tokens), attention_mask=_torch(mask)).logits.numpy()
-        unmasked = model(_torch(tokens)).logits.numpy()
+    with _largest_input(model.transformer.h[0].mlp.act) as gelu_input:
+        logits = torch_reference(lambda m: m(_torch(tokens), attention_mask=_torch(mask)).logits, model)
+    unmasked = torch_reference(lambda m: m(_torch(tokens)).logits, model)
     assert gelu_input[0] > 2.0, gelu_input  # the activation is exercised where formulas differ
     return {"dir": directory, "tokens": tokens, "mask": mask, "logits": logits, "unmasked": unmasked}
 
@@ -251,8 +244,8 @@ def test_gpt2_checkpoint_gives_torch_logits(gpt2):
     assert isinstance(model, Transformer) and model.config.tie_embeddings and model.config.activation == "gelu_tanh"
     logits = np.asarray(forward(model, gpt2["tokens"], mask=gpt2["mask"]))
     real = gpt2["mask"]
-    _assert_close(logits[real], gpt2["logits"][real])
-    _assert_close(np.asarray(forward(model, gpt2["tokens"])), gpt2["unmasked"])
+    _assert_close(logits[real], gpt2["logits"][real], "GPT-2")
+    _assert_close(np.asarray(forward(model, gpt2["tokens"])), gpt2["unmasked"], "GPT-2 unmasked")
 
 
 def test_gpt2_export_loads_in_transformers_and_round_trips_exactly(gpt2, tmp_path):
@@ -265,10 +258,10 @@ def test_gpt2_export_loads_in_transformers_and_round_trips_exactly(gpt2, tmp_pat
     for name, value in original.items():
         np.testing.assert_array_equal(written[name], value, err_msg=name)
     reloaded_torch = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        logits = reloaded_torch(_torch(gpt2["tokens"]), attention_mask=_torch(gpt2["mask"])).logits.numpy()
+    tokens, mask = _torch(gpt2["tokens"]), _torch(gpt2["mask"])
+    logits = torch_reference(lambda m: m(tokens, attention_mask=mask).logits, reloaded_torch)
     zoo_logits = np.asarray(forward(model, gpt2["tokens"], mask=gpt2["mask"]))
-    _assert_close(logits[gpt2["mask"]], zoo_logits[gpt2["mask"]])
+    _assert_close(zoo_logits[gpt2["mask"]], logits[gpt2["mask"]], "GPT-2 export")
     for a, b in zip(_leaves(from_pretrained(tmp_path)), _leaves(model), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -283,9 +276,8 @@ def test_untied_head_is_written_and_read_as_its_own_tensor(tmp_path):
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert not torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
     tokens = np.random.default_rng(1).integers(0, 101, (2, 10)).astype(np.int32)
-    with torch.no_grad():
-        expected = hf(_torch(tokens)).logits.numpy()
-    _assert_close(np.asarray(forward(model, tokens)), expected)
+    expected = torch_reference(lambda m: m(_torch(tokens)).logits, hf)
+    _assert_close(np.asarray(forward(model, tokens)), expected, "untied head")
     for a, b in zip(_leaves(from_pretrained(tmp_path)), _leaves(model), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -330,13 +322,12 @@ def test_encoder_export_loads_in_transformers_bert(bert_encoder, bert_dir):
     tokens = np.where(mask, tokens, 0).astype(np.int32)
     types = (np.arange(16)[None, :] >= np.array([8, 6, 2])[:, None]).astype(np.int32) * mask
     bert = transformers.BertModel.from_pretrained(bert_dir).eval()
-    with torch.no_grad(), _largest_input(bert.encoder.layer[0].intermediate.intermediate_act_fn) as gelu_input:
-        expected = bert(
-            _torch(tokens), attention_mask=_torch(mask), token_type_ids=_torch(types)
-        ).last_hidden_state.numpy()
+    run = lambda m: m(_torch(tokens), attention_mask=_torch(mask), token_type_ids=_torch(types)).last_hidden_state
+    with _largest_input(bert.encoder.layer[0].intermediate.intermediate_act_fn) as gelu_input:
+        expected = torch_reference(run, bert)
     assert gelu_input[0] > 2.0, gelu_input  # erf-GELU exercised where other formulas differ
     hidden = np.asarray(forward(bert_encoder, tokens, mask=mask, token_types=types))
-    _assert_close(hidden[mask], expected[mask])
+    _assert_close(hidden[mask], expected[mask], "BERT export")
     for a, b in zip(_leaves(from_pretrained(bert_dir)), _leaves(bert_encoder), strict=True):
         np.testing.assert_array_equal(a, b)
 
