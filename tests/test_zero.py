@@ -39,18 +39,19 @@ CLIP, LR, DECAY, MOMENTUM = 0.05, 1e-2, 0.1, 0.9
 
 
 def optimizer():
-    # Clipping makes the update depend on the global norm over all (sharded) gradients.
-    return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, weight_decay=DECAY))
+    """Clipping (the update depends on the global norm over all the sharded gradients),
+    weight decay, momentum (a state split like adam's moments) and a schedule (a count).
 
-
-def linear_optimizer():
-    """The numbers test's optimizer: the same clipping, decay and a sharded state (momentum)
-    as `optimizer()`, but an update linear in the gradients, so a rounding difference in a
-    gradient moves the parameters by lr times as much. adamw's m/(sqrt(v)+eps) turns a
-    difference in a near-zero gradient (|g| ~ eps) into one of order lr: no float32 bound
-    holds there (tests/helpers.py; docs/claims.md, "Numeric tolerances")."""
+    Linear in the gradients on purpose: a rounding difference in a gradient moves the
+    parameters by lr times as much. adamw's m/(sqrt(v)+eps) turns a difference in a
+    near-zero gradient (|g| ~ eps) into one of order lr, which no float32 bound covers
+    (docs/claims.md, "Numeric tolerances"); adamw's two moments are split in
+    test_without_global_norm_the_gradients_reduce_in_one_collective.
+    """
     return optax.chain(
-        optax.clip_by_global_norm(CLIP), optax.add_decayed_weights(DECAY), optax.sgd(LR, momentum=MOMENTUM)
+        optax.clip_by_global_norm(CLIP),
+        optax.add_decayed_weights(DECAY),
+        optax.sgd(optax.constant_schedule(LR), momentum=MOMENTUM),
     )
 
 
@@ -90,9 +91,9 @@ def run(n, m, lora, mode, shard_optimizer, opt=optimizer):
     return new, state, losses, colls, memory, step.partition(sharded)[0]
 
 
-def pair(case, opt=optimizer):
+def pair(case):
     n, m, lora, mode = CASES[case]
-    return run(n, m, lora, "explicit", False, opt), run(n, m, lora, mode, True, opt)
+    return run(n, m, lora, "explicit", False), run(n, m, lora, mode, True)
 
 
 def expected_split(shape, n):
@@ -103,10 +104,10 @@ def expected_split(shape, n):
     return P(*([None] * len(shape)))
 
 
-def moments(state):
-    """(mu, nu) of the adamw part of the chain, and its count."""
-    adam = state[1][0]
-    return adam.mu, adam.nu, adam.count
+def momentum(state):
+    """The momentum of the sgd part of the chain, and its schedule's count."""
+    trace, schedule = state[2]
+    return trace.trace, schedule.count
 
 
 def per_device_bytes(tree):
@@ -121,7 +122,7 @@ GRADIENT_ERROR = rounding_bound(CLIP, terms=BATCH * 8, depth=2 * 2 * 12 + 4)
 
 @pytest.mark.parametrize("case", CASES)
 def test_results_equal_the_unsharded_step(case):
-    (ref_model, ref_state, ref_losses, *_), (model, state, losses, *_) = pair(case, linear_optimizer)
+    (ref_model, ref_state, ref_losses, *_), (model, state, losses, *_) = pair(case)
     # The loss: a sum over the batch's tokens of terms of order its value.
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= rounding_bound(abs(b), terms=BATCH * 8, depth=2 * 12 + 2), (losses, ref_losses)
@@ -147,16 +148,16 @@ def test_results_equal_the_unsharded_step(case):
 def test_optimizer_state_is_split_over_data(case):
     n = CASES[case][0]
     (_, ref_state, *_), (_, state, _, _, _, params) = pair(case)
-    mu, nu, count = moments(state)
+    trace, count = momentum(state)
     dims_used = set()
-    for p, a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mu), jax.tree.leaves(nu)):
+    for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(trace), strict=True):
         want = expected_split(p.shape, n)
-        assert a.sharding.spec == want and b.sharding.spec == want, (p.shape, a.sharding.spec, want)
+        assert a.sharding.spec == want, (p.shape, a.sharding.spec, want)
         assert a.addressable_shards[0].data.size == a.size // n
         dims_used.add(list(want).index("data"))
     if not CASES[case][2]:  # the embedding splits its dim 0, stacked [layers=2, ...] leaves dim 1
         assert dims_used == {0, 1}
-    assert count.sharding.spec == P() and moments(ref_state)[2].sharding.spec == P()
+    assert count.sharding.spec == P() and momentum(ref_state)[1].sharding.spec == P()
     for leaf in jax.tree.leaves(ref_state):  # the unsharded step keeps everything replicated
         assert leaf.sharding.spec == P(*([None] * leaf.ndim))
 
@@ -204,8 +205,13 @@ def test_collectives_all_outside_loops(case):
 
 def test_without_global_norm_the_gradients_reduce_in_one_collective():
     """adamw alone: the whole accumulator (gradients + loss + token count) is reduced into
-    the split layout by ONE collective, and the parameters come back by all-gathers."""
-    _, _, _, colls, _, params = run(4, 2, False, "explicit", True, opt=lambda: optax.adamw(1e-2))
+    the split layout by ONE collective, and the parameters come back by all-gathers; both
+    of adam's moments are split like the parameters, its count replicated."""
+    _, state, _, colls, _, params = run(4, 2, False, "explicit", True, opt=lambda: optax.adamw(1e-2))
+    adam = state[0]
+    for p, mu, nu in zip(jax.tree.leaves(params), jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu), strict=True):
+        assert mu.sharding.spec == nu.sharding.spec == expected_split(p.shape, 4), (p.shape, mu.sharding.spec)
+    assert adam.count.sharding.spec == P()
     print(zoo.report(colls))
     assert not [c for c in colls if c.in_loop]
     (reduction,) = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
@@ -217,9 +223,9 @@ def test_without_global_norm_the_gradients_reduce_in_one_collective():
 def test_optimizer_state_memory_falls_n_fold(case):
     n = CASES[case][0]
     (_, ref_state, _, _, ref_memory, _), (_, state, _, _, memory, _) = pair(case)
-    mu, nu, count = moments(state)
+    count = momentum(state)[1]
     full = tree_bytes(ref_state)
-    replicated = tree_bytes(count) + tree_bytes(moments(ref_state)[2])  # the counts
+    replicated = tree_bytes(count) + tree_bytes(momentum(ref_state)[1])  # the counts
     per_device = per_device_bytes(state)
     print(f"{case}: optimizer state {full} B unsharded, {per_device} B per device sharded")
     assert per_device_bytes(ref_state) == full
