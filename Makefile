@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow lint format bench clean
+.PHONY: demo test test-fast test-numerics lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,22 @@ format: $(STAMP)
 
 test: lint
 	$(PYTEST) --dist loadfile -m 'not slow'
+	$(MAKE) --no-print-directory test-numerics
 	$(PYTEST) --dist load -m slow
+
+# The float comparisons (-m numerics: zoo against transformers/peft/sentence-transformers,
+# sharded against one device) again on other CPU kernels, so that a tolerance only one
+# machine meets fails here: XLA restricted to AVX2 and Eigen's matmuls instead of
+# YNNPACK's, torch restricted to AVX2; one run single-threaded, one two-threaded, side by
+# side (one core each, mostly). docs/claims.md, "Numeric tolerances".
+OTHER_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+OTHER_XLA := --xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=
+test-numerics: $(STAMP)
+	$(OTHER_KERNELS) OMP_NUM_THREADS=1 XLA_FLAGS="$(OTHER_XLA) --xla_cpu_multi_thread_eigen=false" \
+		$(PY) -m pytest -q -p no:cacheprovider -m numerics & one=$$!; \
+	$(OTHER_KERNELS) OMP_NUM_THREADS=2 XLA_FLAGS="$(OTHER_XLA)" \
+		$(PY) -m pytest -q -p no:cacheprovider -m numerics -k 'minilm or load_and_export or tolerances'; two=$$?; \
+	wait $$one && exit $$two
 
 test-fast: $(STAMP)
 	$(PYTEST) --dist loadfile -m 'not slow'

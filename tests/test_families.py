@@ -28,6 +28,9 @@ from jax.sharding import PartitionSpec as P
 import zoo
 from zoo.models import Transformer, TransformerConfig
 
+# Also run under other CPU kernels and thread counts (`make test-numerics`).
+pytestmark = pytest.mark.numerics
+
 # Against transformers: helpers.assert_as_accurate (zoo as close to a float64 run of the
 # transformers model as transformers' own float32 run, within its margin). Measured maxima
 # are printed with -s (`MAX DIFF`); docs/models.md quotes them. Zoo against zoo (sharded,

@@ -32,6 +32,9 @@ from zoo.hf import (
 )
 from zoo.models import Encoder, EncoderConfig, Transformer, TransformerConfig
 
+# Also run under other CPU kernels and thread counts (`make test-numerics`).
+pytestmark = pytest.mark.numerics
+
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 

@@ -31,6 +31,9 @@ import zoo
 import zoo.nn._attention
 import zoo.nn._feedforward
 
+# Also run under other CPU kernels and thread counts (`make test-numerics`).
+pytestmark = pytest.mark.numerics
+
 SEQ = tp.SEQ
 LENGTHS = np.array([SEQ, SEQ - 3])  # the second row right-padded
 MASK = np.arange(SEQ)[None, :] < LENGTHS[:, None]
@@ -60,9 +63,9 @@ def _zoo(model):
     return np.asarray(forward(model, jnp.asarray(TOKENS), jnp.asarray(MASK)))
 
 
-def _compare(got, reference):
+def _compare(got, reference, what):
     """The comparison of the families/peft tests, over the real (unpadded) positions."""
-    return assert_as_accurate(got[..., : reference.f32.shape[-1]][MASK], reference[MASK], what="mutant")
+    return assert_as_accurate(got[..., : reference.f32.shape[-1]][MASK], reference[MASK], what=what)
 
 
 def _no_bias(model):
@@ -121,10 +124,10 @@ def test_model_comparison_fails_every_mutant(mutant, root, monkeypatch):
         model = transform(model)
     got = _zoo(model)
     if mutant is None:  # the comparison passes on the right formulas
-        _compare(got, reference)
+        _compare(got, reference, "right formulas")
         return
     with pytest.raises(AssertionError) as info:
-        _compare(got, reference)
+        _compare(got, reference, f"mutant {mutant}")
     print(f"{mutant}: {info.value}")
 
 
@@ -142,10 +145,11 @@ def test_peft_comparison_fails_a_lora_scaling_of_alpha_over_sqrt_r(rslora_mutant
     model, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(folder), tmp_path)
     got = _zoo(model)
     if not rslora_mutant:
-        _compare(got, reference)
+        _compare(got, reference, "right LoRA scaling")
         return
-    with pytest.raises(AssertionError):
-        _compare(got, reference)
+    with pytest.raises(AssertionError) as info:
+        _compare(got, reference, "mutant alpha / sqrt(r)")
+    print(info.value)
 
 
 def test_rounding_bound_formula():

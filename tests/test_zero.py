@@ -120,6 +120,7 @@ def per_device_bytes(tree):
 GRADIENT_ERROR = rounding_bound(CLIP, terms=BATCH * 8, depth=2 * 2 * 12 + 4)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("case", CASES)
 def test_results_equal_the_unsharded_step(case):
     (ref_model, ref_state, ref_losses, *_), (model, state, losses, *_) = pair(case)
