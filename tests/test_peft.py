@@ -409,3 +409,91 @@ def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_p
     )
     # The same weights plus a zero branch: the same sums (2 layers of ~6, 16-wide at most).
     assert_rounding_close(zoo_outputs(resaved), zoo_outputs(model), terms=16 * 4, depth=2 * 6 + 1)
+
+
+# --------------------------------------------------------------------------- modules_to_save by suffix
+
+# peft saves every module whose name ends with a modules_to_save entry (a plain string
+# suffix): "norm" is each layer's input_layernorm and post_attention_layernorm, and model.norm.
+NORMS = ["input_layernorm", "post_attention_layernorm"]
+
+
+def norm_names(layers=2):
+    return sorted([f"model.layers.{i}.{n}" for i in range(layers) for n in NORMS] + ["model.norm"])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])  # Gemma: its norms are stored as weight - 1
+def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tmp_path):
+    folder = hf_folder(family, root)
+    hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
+    config = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["norm"], task_type="CAUSAL_LM"
+    )
+    opened = peft_adapter(hf, config, tmp_path / "p")  # perturbs the saved norms' copies too
+    tensors = safetensors.torch.load_file(tmp_path / "p/adapter_model.safetensors")
+    assert sorted(k.removeprefix("base_model.model.").removesuffix(".weight") for k in tensors if "lora_" not in k) == (
+        norm_names()
+    )
+    base = zoo.hf.from_pretrained(folder)
+    model, loaded = load_adapter(base, tmp_path / "p")
+    assert loaded.modules_to_save == ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm")
+    for norm in (lambda m: m.layers.layers.attention_norm, lambda m: m.layers.layers.mlp_norm, lambda m: m.final_norm):
+        assert not np.allclose(norm(model).weight, norm(base).weight)  # every layer's saved norm arrived
+    assert_close(zoo_outputs(model), hf_outputs(opened), f"{family} modules_to_save=['norm'], peft → zoo")
+    assert not np.allclose(zoo_outputs(model), zoo_outputs(add_lora(base, loaded, key=jax.random.key(0))), atol=1e-3)
+    # trainable marks the same modules; saved again, the file holds the same keys.
+    trainable = zoo.lora.trainable(model, loaded)
+    assert trainable.layers.layers.attention_norm.weight is True and trainable.final_norm.weight is True
+    save_adapter(model, loaded, tmp_path / "z")
+    assert set(safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")) == set(tensors)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_zoo_modules_to_save_norm_suffix_opens_in_peft(family, root, tmp_path):
+    folder = hf_folder(family, root)
+    base = zoo.hf.from_pretrained(folder)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=["norm"], init_lora_weights=False)
+    model = add_lora(base, config, key=jax.random.key(1))
+    trainable = zoo.lora.trainable(model, config)  # every layer's norms and the final one, nothing else
+    assert trainable.layers.layers.attention_norm.weight is True and trainable.layers.layers.mlp_norm.weight is True
+    assert trainable.final_norm.weight is True and trainable.token_embedding.weight is False
+    rng = np.random.default_rng(5)
+    norms = lambda m: (m.layers.layers.attention_norm.weight, m.layers.layers.mlp_norm.weight, m.final_norm.weight)
+    model = eqx.tree_at(norms, model, [w + 0.1 * rng.standard_normal(w.shape, np.float32) for w in norms(model)])
+    save_adapter(model, config, tmp_path / "z")
+    values = json.loads((tmp_path / "z/adapter_config.json").read_text())
+    assert values["modules_to_save"] == norm_names()  # every layer's, by full name: peft picks exactly these
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z")
+    no_peft_warnings(record)
+    wrapped = sorted(n for n, m in auto.named_modules() if isinstance(m, peft.utils.ModulesToSaveWrapper))
+    assert [n.removeprefix("base_model.model.") for n in wrapped] == norm_names()
+    assert_close(zoo_outputs(model), hf_outputs(auto), f"{family} modules_to_save=['norm'], zoo → peft")
+    loaded, loaded_config = load_adapter(base, tmp_path / "z")
+    assert loaded_config == config and tree_allclose(loaded, model, rtol=0, atol=0)
+
+
+def test_modules_to_save_matching_nothing_or_some_layers_is_refused(root, tmp_path):
+    folder = hf_folder("llama", root)
+    base = zoo.hf.from_pretrained(folder)
+    with pytest.raises(ValueError, match=r"entry 'layer_norm' matches no module.*ends with it.*input_layernorm"):
+        add_lora(base, LoraConfig(target_modules=["q_proj"], modules_to_save=["layer_norm"]), key=jax.random.key(0))
+    # A string (peft would match each of its characters): refused by LoraConfig, or first
+    # by the runtime type checks the suite runs with.
+    with pytest.raises(TypeError, match="modules_to_save"):
+        LoraConfig(modules_to_save="norm")
+    # A peft adapter whose entries match nothing here (peft saved no module).
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["layer_norm"], task_type="CAUSAL_LM")
+    peft_adapter(hf, config, tmp_path / "none")
+    with pytest.raises(ValueError, match=r"modules_to_save \['layer_norm'\] match no module.*input_layernorm"):
+        load_adapter(base, tmp_path / "none")
+    # peft saved one layer's norm: zoo stacks the layers, so it saves a norm at all of them or none.
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder)
+    config = peft.LoraConfig(
+        r=2, target_modules=["q_proj"], modules_to_save=["layers.1.input_layernorm"], task_type="CAUSAL_LM"
+    )
+    peft_adapter(hf, config, tmp_path / "one")
+    with pytest.raises(ValueError, match=r"only some layers of the stacked module 'layers.layers.attention_norm'"):
+        load_adapter(base, tmp_path / "one")

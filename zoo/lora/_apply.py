@@ -13,11 +13,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
+from .._mismatch import shorten
 from .._tree import dotted_name, node_at
 from ..nn import Linear, QuantizedLinear, Stacked
 from ._config import LoraConfig
 from ._layer import LoraLinear
-from ._names import select
+from ._names import layer_names, saves, select
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
@@ -144,24 +145,36 @@ def _place_branch(layer: LoraLinear, stacked: int) -> LoraLinear:
 
 
 def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
+    """Refuse a `config.modules_to_save` entry that picks no module of `model`."""
     if not config.modules_to_save:
         return
     names = _all_module_names(model)
     for wanted in config.modules_to_save:
-        if not select(model, names, (wanted,), "LoRA modules_to_save"):
+        if not select(model, names, (wanted,), "LoRA modules_to_save", rule=saves):
+            hf = sorted({n for name in names for n in layer_names(model, name)[:1]} - set(names))  # layer 0's
             raise ValueError(
-                f"LoRA modules_to_save entry {wanted!r} matches no module of this {type(model).__name__}; "
-                f"its modules are: {sorted(names)}"
+                f"LoRA modules_to_save entry {wanted!r} matches no module of this {type(model).__name__}: an entry "
+                "picks every module whose name ends with it (peft's rule), by zoo name "
+                f"{sorted(names)}" + (f" or by Hugging Face name {shorten(hf, 12)}" if hf else "")
             )
 
 
 def saved_modules(model: Any, config: LoraConfig | None) -> list[str]:
-    """Zoo names of the outermost modules `config.modules_to_save` picks, by zoo name or
-    (for models of a `zoo.hf` family) by Hugging Face name (`"classifier"`, `"model.norm"`)."""
+    """Zoo names of the outermost modules `config.modules_to_save` picks: those whose zoo
+    name or (for models of a `zoo.hf` family) Hugging Face names at every layer end with an
+    entry, as peft matches them (`"classifier"`, `"model.norm"`; `"norm"` picks every
+    `*norm` module: each layer's `input_layernorm` and `post_attention_layernorm`, and
+    `model.norm`)."""
     if config is None or not config.modules_to_save:
         return []
-    picked = select(model, _all_module_names(model), config.modules_to_save, "LoRA modules_to_save")
-    return [n for n in picked if not any(n.startswith(p + ".") for p in picked)]
+    return outermost(
+        select(model, _all_module_names(model), config.modules_to_save, "LoRA modules_to_save", rule=saves)
+    )
+
+
+def outermost(names: list[str]) -> list[str]:
+    """`names` without those inside another of them (a saved module is saved whole)."""
+    return [n for n in names if not any(n.startswith(p + ".") for p in names)]
 
 
 def _all_module_names(model: Any) -> list[str]:

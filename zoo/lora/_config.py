@@ -29,9 +29,13 @@ class LoraConfig:
     - `init_lora_weights`: `True` (A uniform ±1/√in as torch's kaiming-uniform(a=√5), B = 0:
       the model's output is unchanged at init), `"gaussian"` (A normal(0, 1/r), B = 0), or
       `False` (both random: for tests only; the output changes).
-    - `modules_to_save`: names (as `target_modules`, zoo or Hugging Face names) of modules
-      trained in full besides the adapters, e.g. a new classification `"head"`
-      (`"classifier"` in BERT's names).
+    - `modules_to_save`: a list of names of modules trained (and saved) in full besides
+      the adapters, e.g. a new classification `"head"` (`"classifier"` in BERT's names).
+      As peft matches them, an entry picks every module whose name, zoo or Hugging Face,
+      ends with it as a plain string suffix: `"norm"` picks every `*norm` module (a
+      Llama's `final_norm` and each layer's `attention_norm` / `mlp_norm`, that is
+      `model.norm`, `input_layernorm`, `post_attention_layernorm`), per-layer ones at
+      every layer of their stack. An entry that picks nothing is an error.
     - `bias`: only `"none"` (biases stay frozen), as peft's default.
     """
 
@@ -51,6 +55,12 @@ class LoraConfig:
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
+        if isinstance(self.modules_to_save, str):
+            # peft would match each character of a string as a name: refuse it.
+            raise TypeError(
+                f"LoraConfig.modules_to_save takes a list of module names, got the string "
+                f"{self.modules_to_save!r}: write [{self.modules_to_save!r}]"
+            )
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError(f"LoraConfig.r must be a positive int, got {self.r!r}")
         if not 0.0 <= self.lora_dropout < 1.0:

@@ -68,6 +68,7 @@ from ._apply import (
     _with,
     add_lora,
     modules,
+    outermost,
     saved_modules,
     target_names,
 )
@@ -78,6 +79,7 @@ from ._names import (
     hf_module_name,
     lead,
     lead_at,
+    saves,
     select,
 )
 
@@ -143,14 +145,9 @@ def _lora_entries(model: Any, names: Any) -> list[_Entry]:
     return entries
 
 
-def _saved_modules(model: Any, config: LoraConfig) -> list[str]:
-    """Zoo names of the outermost modules `config.modules_to_save` matches."""
-    return saved_modules(model, config)
-
-
 def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
     entries = []
-    for name in _saved_modules(model, config):
+    for name in saved_modules(model, config):
         path = key_path(model, name)
         module = node_at(model, path)
         if modules(module, LoraLinear):
@@ -396,7 +393,7 @@ def save_adapter(
         return
 
     peft_targets = sorted({_module_of(k) for k in tensors if ".lora_" in k})
-    saved = _saved_modules(model, config)
+    saved = saved_modules(model, config)
     peft_saved = sorted({hf_module_name(model, n, idx) for n in saved for idx in np.ndindex(lead(model, n))}) or None
     values = config.to_peft_dict(peft_targets)
     values.update(
@@ -491,18 +488,27 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
     save = values.get("modules_to_save")
     zoo_save = None
     if save:
+        # peft's rule on the HF names peft saw: every module whose name ends with an entry
+        # ("norm": each layer's input_layernorm and post_attention_layernorm, and model.norm).
+        # An entry that matches nothing is allowed, as peft allows it (SEQ_CLS adds "score");
+        # entries that together match nothing are refused.
         names = [n for n in _all_module_names(model) if not n.endswith(".base")]
-        picked = select(model, names, tuple(save), "the adapter's modules_to_save")
-        zoo_save = tuple(n for n in picked if not any(n.startswith(p + ".") for p in picked))
+        picked = select(model, names, tuple(save), "the adapter's modules_to_save", rule=saves, zoo_names=False)
+        zoo_save = tuple(outermost(picked))
         if not zoo_save:
-            raise ValueError(f"the adapter's modules_to_save {save!r} match no module of this {type(model).__name__}")
+            innermost = [n for n in names if not any(m.startswith(n + ".") for m in names)]
+            raise ValueError(
+                f"the adapter's modules_to_save {save!r} match no module of this {type(model).__name__}: peft "
+                "saves every module whose Hugging Face name ends with an entry, and this model's are e.g. "
+                f"{_example_names(model, innermost)}; load it into the model it was trained on"
+            )
     return zoo_targets, zoo_save
 
 
-def _example_names(model: Any) -> list[str]:
-    return [
-        hf_module_name(model, n, (0,) * len(lead(model, n))) for n in list(modules(model, (*LINEARS, LoraLinear)))[:8]
-    ]
+def _example_names(model: Any, names: list[str] | None = None) -> list[str]:
+    """Layer 0's HF / peft names of the first 8 of `names` (default: the Linear layers)."""
+    names = list(modules(model, (*LINEARS, LoraLinear))) if names is None else names
+    return [hf_module_name(model, n, (0,) * len(lead(model, n))) for n in names[:8]]
 
 
 def _lora_config(base: Any, values: dict[str, Any], meta: dict[str, Any] | None) -> LoraConfig:

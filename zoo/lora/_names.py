@@ -4,6 +4,7 @@ names (from the `zoo.hf` family registry, through `zoo.hf._peft.adapter_names`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -87,22 +88,41 @@ def matches(name: str, patterns: tuple[str, ...] | str | None) -> bool:
     return any(name == p or name.endswith("." + p) for p in patterns)
 
 
-def select(model: Any, names: list[str], patterns: Any, what: str) -> list[str]:
-    """The zoo modules among `names` that `patterns` picks, by their zoo name or by their
-    HF / peft names at every layer. Raises when the HF names of only some layers of a
-    stacked module match (zoo adapts every layer of a stack)."""
+def saves(name: str, patterns: tuple[str, ...] | None) -> bool:
+    """peft's `modules_to_save` rule: a name matches an entry it ends with, as a plain
+    string suffix (`"norm"` matches `model.layers.0.input_layernorm` and `model.norm`),
+    unlike `target_modules`, whose entries match whole dotted parts only."""
+    return patterns is not None and any(name.endswith(p) for p in patterns)
+
+
+def select(
+    model: Any,
+    names: list[str],
+    patterns: Any,
+    what: str,
+    *,
+    rule: Callable[[str, Any], bool] = matches,
+    zoo_names: bool = True,
+) -> list[str]:
+    """The zoo modules among `names` that `patterns` picks under `rule` (`matches` for
+    `target_modules`, `saves` for `modules_to_save`): by their zoo name (unless
+    `zoo_names=False`, for names peft wrote) or by their HF / peft names at every layer.
+    Raises when the HF names of only some layers of a stacked module match (zoo stores a
+    stack's layers as one module: it adapts or saves all of them or none)."""
     out = []
     for name in names:
-        if matches(name, patterns):
+        if zoo_names and rule(name, patterns):
             out.append(name)
             continue
         hf = layer_names(model, name)
-        hits = [matches(n, patterns) for n in hf]
+        hits = [rule(n, patterns) for n in hf]
         if all(hits):
             out.append(name)
         elif any(hits):
             raise ValueError(
                 f"{what} {patterns!r} match only some layers of the stacked module {name!r} "
-                f"({[n for n, h in zip(hf, hits, strict=True) if h]}); zoo adapts all layers of a stack"
+                f"({[n for n, h in zip(hf, hits, strict=True) if h]}); zoo stores a stack's layers as one "
+                "module, so it adapts or saves a module at all of them or at none: name it at every layer "
+                "(an adapter peft made for some layers only does not load into zoo)"
             )
     return out
