@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TokenRegressor, data_mesh, mse_per_example, token_batch, tree_allclose, tree_bytes
+from helpers import TokenRegressor, assert_tree_rounding_close, data_mesh, mse_per_example, token_batch, tree_bytes
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -127,7 +127,10 @@ def test_two_dimensional_mesh_reduces_over_data_only(mode):
         _, grads = step.loss_and_grads(model, batch)
     host_model = TokenRegressor(key=jax.random.key(0))
     ref = eqx.filter_jit(jax.grad(lambda m: mse_per_example(m, batch).mean()))(host_model)
-    assert tree_allclose(grads, ref, rtol=1e-5, atol=1e-7)
+    # The same sums in another order: the longest the batch's 32 examples; TokenRegressor's
+    # forward ~10 chained sums (a token mean, 3 layers of a matmul and a norm's 2), gradients
+    # twice that plus the batch sum (helpers.rounding_bound).
+    assert_tree_rounding_close(grads, ref, terms=32, depth=2 * 10 + 1)
     reduces = [c for c in colls if c.kind == "all-reduce"]
     assert len(reduces) == 1 and not reduces[0].in_loop
     assert reduces[0].mesh_axes == ("data",) and reduces[0].group_size == 4

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from helpers import assert_rounding_close, largest, rounding_bound
 
 import zoo
 
@@ -15,11 +16,13 @@ import zoo
 def test_linear_matches_reference(key):
     layer = zoo.nn.Linear(3, 5, key=key)
     x = jax.random.normal(key, (2, 4, 3))
-    expect = np.asarray(x) @ np.asarray(layer.weight) + np.asarray(layer.bias)
-    np.testing.assert_allclose(layer(x), expect, rtol=1e-5, atol=1e-6)
+    x_, w, b = np.asarray(x), np.asarray(layer.weight), np.asarray(layer.bias)
+    # A sum of 3 products and the bias, scaled by its sum of |terms| (Higham's dot product bound).
+    assert_rounding_close(layer(x), x_ @ w + b, terms=4, scale=largest(np.abs(x_) @ np.abs(w) + np.abs(b)))
     no_bias = zoo.nn.Linear(3, 5, use_bias=False, key=key)
     assert no_bias.bias is None
-    np.testing.assert_allclose(no_bias(x), np.asarray(x) @ np.asarray(no_bias.weight), rtol=1e-5, atol=1e-6)
+    w = np.asarray(no_bias.weight)
+    assert_rounding_close(no_bias(x), x_ @ w, terms=3, scale=largest(np.abs(x_) @ np.abs(w)))
 
 
 def test_layernorm_matches_equinox_per_example(key):
@@ -28,14 +31,16 @@ def test_layernorm_matches_equinox_per_example(key):
     ref = eqx.nn.LayerNorm(6, eps=1e-5)
     ref = eqx.tree_at(lambda n: (n.weight, n.bias), ref, (norm.weight, norm.bias))
     x = 3 * jax.random.normal(key, (4, 6)) + 1
-    np.testing.assert_allclose(norm(x), jax.vmap(ref)(x), rtol=1e-5, atol=1e-5)
+    # Mean and variance over 6 values, then rsqrt, scale and shift: ~5 chained roundings.
+    assert_rounding_close(norm(x), jax.vmap(ref)(x), terms=6, depth=5)
 
 
 def test_rmsnorm_matches_formula(key):
     norm = eqx.tree_at(lambda n: n.weight, zoo.nn.RMSNorm(6), jnp.linspace(0.5, 2, 6))
     x = np.asarray(jax.random.normal(key, (2, 3, 6)))
     expect = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6) * np.asarray(norm.weight)
-    np.testing.assert_allclose(norm(jnp.asarray(x)), expect, rtol=1e-5, atol=1e-6)
+    # A mean of 6 squares, then + eps, sqrt, divide and scale: ~5 chained roundings.
+    assert_rounding_close(norm(jnp.asarray(x)), expect, terms=6, depth=5)
 
 
 def test_norm_keeps_low_precision_dtype(key):
@@ -61,16 +66,19 @@ def test_mlp_scan_equals_unrolled(key):
         lambda m: (m.input_block, m.output_layer), scanned, (unrolled.input_block, unrolled.output_layer)
     )
     x = jax.random.normal(key, (5, 4))
-    np.testing.assert_allclose(scanned(x), unrolled(x), rtol=1e-5, atol=1e-6)
+    # 4 layers of an (<= 8-wide) matmul and a LayerNorm's 2 sums; gradients twice that, and
+    # a sum over the 5 examples.
+    sums = {"terms": 8, "depth": 4 * 3}
+    assert_rounding_close(scanned(x), unrolled(x), **sums)
     remat = eqx.tree_at(
         lambda m: m.hidden, scanned, zoo.nn.Stacked(lambda k: unrolled.hidden[0], 3, remat="dots_saveable", key=key)
     )
     remat = eqx.tree_at(lambda m: m.hidden.layers, remat, stacked)
-    np.testing.assert_allclose(
+    assert_rounding_close(
         jax.grad(lambda m: m(x).sum())(remat).input_block.linear.weight,
         jax.grad(lambda m: m(x).sum())(scanned).input_block.linear.weight,
-        rtol=1e-5,
-        atol=1e-6,
+        terms=sums["terms"],
+        depth=2 * sums["depth"] + 1,
     )
 
 
@@ -92,8 +100,8 @@ REFERENCE_ACTIVATIONS = {
 @pytest.mark.parametrize("name", zoo.nn.ACTIVATIONS)
 def test_activation_matches_its_formula(name):
     """FeedForward(1, 1) with identity projections is its activation, on [-6, 6]: the
-    tolerance (float32 rounding) is far below the 1e-4-level gaps between formulas (erf
-    vs tanh GELU differ by 2.3e-4 at |x| = 2)."""
+    tolerance (float32 rounding, ~1e-5 at |x| = 2) is far below the 1e-4-level gaps between
+    formulas (erf vs tanh GELU differ by 2.3e-4 at |x| = 2)."""
     assert set(zoo.nn.ACTIVATIONS) <= set(REFERENCE_ACTIVATIONS)  # a new one needs its formula here
     ff = zoo.nn.FeedForward(1, 1, activation=name, key=jax.random.key(0))
     one, zero = jnp.ones((1, 1)), jnp.zeros((1,))
@@ -102,10 +110,12 @@ def test_activation_matches_its_formula(name):
             ff = eqx.tree_at(lambda f, name=layer: (getattr(f, name).weight, getattr(f, name).bias), ff, (one, zero))
     x = np.linspace(-6, 6, 481)
     got = np.asarray(ff(jnp.asarray(x, jnp.float32)[:, None]))[:, 0]
-    # float32 rounding of the activation (e.g. 1 + tanh(...) near -1), times |x| for the gated
-    # ones (geglu: x * gelu_tanh(x)).
+    # float32 evaluation of the formula, elementwise: the input's rounding, <= 8 operations
+    # (powers, products, sums, 1 + tanh(...) near -1) and tanh/erf/exp's few ulps (~4), each
+    # of a value no larger than 1 + |x| + |f(x)| (geglu's x * gelu_tanh(x) included).
     want = REFERENCE_ACTIVATIONS[name](x)
-    assert np.all(np.abs(got - want) <= 1e-6 * (1 + np.abs(x)) + 1e-6 * np.abs(want)), np.abs(got - want).max()
+    bound = rounding_bound(1 + np.abs(x) + np.abs(want), terms=1, depth=13)
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
 
 
 def test_wrong_shape_is_a_readable_jaxtyping_error(key):

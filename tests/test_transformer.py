@@ -6,10 +6,38 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
-from helpers import lm_batch, max_abs_diff, tiny_decoder, tiny_encoder_classifier
+from helpers import (
+    UNIT_ROUNDOFF,
+    assert_rounding_close,
+    assert_within,
+    largest,
+    lm_batch,
+    max_abs_diff,
+    tiny_decoder,
+    tiny_encoder_classifier,
+)
 
 import zoo
 from zoo.models import Encoder, EncoderConfig, Transformer, TransformerConfig
+
+# float32 rounding bounds (helpers.rounding_bound), from the sizes of the sums:
+# the tiny models (d_model 16, MLP <= 64 wide, 2 layers of ~6 chained sums, plus a head or
+# a pooling): the same model evaluated in another order (another batch, padding, program).
+SUMS = {"terms": 64, "depth": 2 * 6 + 2}
+# An attention layer: 16-wide projections, ~6 sums in a chain (q/k/v, scores, softmax's sum,
+# probabilities x values, output projection).
+ATTENTION = {"terms": 16, "depth": 6}
+# A feed-forward layer (16 wide): up/gate and down sums plus the activation's ~4 roundings.
+FEEDFORWARD = {"terms": 16, "depth": 6}
+# RoPE's tables: the angle p * theta^(-2i/d) (<= 6 rad here) off by ~3 roundings, so cos/sin
+# by ~18 ulps of 1, then two products and a sum: 13 x 2 ulps of (|a| + |b|).
+ROPE_DEPTH = 13
+# bfloat16 compute: every intermediate rounded to bfloat16 (u = 2^-8, sums accumulated in
+# float32): a layer's chain holds ~17 roundings (norm, q/k/v, rope, scores, softmax, mixing,
+# output, residual, norm, gate/up, silu, product, down, residual); 2 layers, the final norm
+# and the head: ~37, each at most u x the output's scale; gradients chain twice as many.
+BF16_ROUNDOFF = 2.0**-8
+BF16_FORWARD_ROUNDINGS = 2 * 17 + 3
 
 
 def np_rope(x, theta=10000.0):
@@ -68,21 +96,24 @@ def test_attention_matches_reference(causal, rope, kv_heads):
     expected = np_attention(attn, x, mask)
     got = attn(x, mask=mask)
     # Rows of fully masked queries are arbitrary (no key allowed); compare the real ones.
-    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
+    assert_rounding_close(got, expected, **ATTENTION)
 
 
 def test_rope_matches_formula_and_depends_on_relative_position():
     x = jax.random.normal(jax.random.key(0), (1, 7, 2, 8))
     cos, sin = zoo.nn.rope_tables(7, 8)
-    np.testing.assert_allclose(np.asarray(zoo.nn.apply_rope(x, cos, sin)), np_rope(x), rtol=1e-5, atol=1e-6)
+    assert_rounding_close(zoo.nn.apply_rope(x, cos, sin), np_rope(x), terms=1, depth=ROPE_DEPTH, scale=2 * largest(x))
     # <rope(q, m), rope(k, n)> depends only on m - n.
     q = jnp.broadcast_to(jax.random.normal(jax.random.key(1), (8,)), (1, 7, 1, 8))
     k = jnp.broadcast_to(jax.random.normal(jax.random.key(2), (8,)), (1, 7, 1, 8))
     rq, rk = zoo.nn.apply_rope(q, cos, sin)[0, :, 0], zoo.nn.apply_rope(k, cos, sin)[0, :, 0]
     dots = rq @ rk.T
+    # An 8-term dot of rotated vectors: its sum, and each side's rotation error (ROPE_DEPTH
+    # ulps), all of |q| |k|.
+    scale = float(jnp.linalg.norm(q[0, 0, 0]) * jnp.linalg.norm(k[0, 0, 0]))
     for offset in range(-3, 4):
         diag = np.diagonal(np.asarray(dots), offset)
-        np.testing.assert_allclose(diag, diag[0], rtol=1e-4, atol=1e-5)
+        assert_rounding_close(diag, np.full_like(diag, diag[0]), terms=8, depth=1 + ROPE_DEPTH, scale=scale)
 
 
 @pytest.mark.parametrize("positions", ["learned", "rope"])
@@ -109,14 +140,12 @@ def test_encoder_ignores_padding():
     # Other ids at padded positions (still masked) change nothing at real positions.
     noisy = jnp.where(mask, tokens, 17)
     hidden_noisy = forward(noisy, mask)
-    np.testing.assert_allclose(
-        np.asarray(hidden_noisy)[np.asarray(mask)], np.asarray(hidden)[np.asarray(mask)], atol=1e-6
-    )
+    assert_rounding_close(np.asarray(hidden_noisy)[np.asarray(mask)], np.asarray(hidden)[np.asarray(mask)], **SUMS)
     # Mean pooling sees only real tokens: more padding, same sentence embedding.
     longer = jnp.pad(tokens, ((0, 0), (0, 2)))
     pooled = zoo.models.mean_pool(hidden, mask)
     pooled_longer = zoo.models.mean_pool(jax.jit(lambda t: encoder(t))(longer), longer != 0)
-    np.testing.assert_allclose(np.asarray(pooled_longer), np.asarray(pooled), atol=1e-5)
+    assert_rounding_close(pooled_longer, pooled, **SUMS)
 
 
 def test_feedforward_and_blocks_match_formulas():
@@ -128,10 +157,10 @@ def test_feedforward_and_blocks_match_formulas():
         return h @ layer.weight + layer.bias
 
     swiglu = lin(ff.down, jax.nn.silu(lin(ff.gate, x)) * lin(ff.up, x))
-    np.testing.assert_allclose(ff(x), swiglu, rtol=1e-5, atol=1e-6)
+    assert_rounding_close(ff(x), swiglu, **FEEDFORWARD)
     ff_gelu = zoo.nn.FeedForward(8, 16, activation="gelu", init_std=0.3, key=key)
-    np.testing.assert_allclose(
-        ff_gelu(x), lin(ff_gelu.down, jax.nn.gelu(lin(ff_gelu.up, x), approximate=False)), rtol=1e-5, atol=1e-6
+    assert_rounding_close(
+        ff_gelu(x), lin(ff_gelu.down, jax.nn.gelu(lin(ff_gelu.up, x), approximate=False)), **FEEDFORWARD
     )
 
     attn = zoo.nn.Attention(8, 2, init_std=0.3, key=key)
@@ -139,9 +168,10 @@ def test_feedforward_and_blocks_match_formulas():
     pre = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=True)
     post = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=False)
     h = x + attn(ln1(x))
-    np.testing.assert_allclose(pre(x), h + ff(ln2(h)), rtol=1e-5, atol=1e-6)
+    block = {"terms": 16, "depth": ATTENTION["depth"] + FEEDFORWARD["depth"] + 2 * 2}  # + 2 norms' sums
+    assert_rounding_close(pre(x), h + ff(ln2(h)), **block)
     h = ln1(x + attn(x))
-    np.testing.assert_allclose(post(x), ln2(h + ff(h)), rtol=1e-5, atol=1e-6)
+    assert_rounding_close(post(x), ln2(h + ff(h)), **block)
 
 
 def test_dropout_follows_each_examples_key():
@@ -153,7 +183,7 @@ def test_dropout_follows_each_examples_key():
     forward = jax.jit(lambda t, k: model(t, key=k))
     full = forward(batch["tokens"], keys)
     half = forward(batch["tokens"][3:], keys[3:])
-    np.testing.assert_allclose(full[3:], half, rtol=1e-5, atol=1e-6)
+    assert_rounding_close(full[3:], half, **SUMS)
     # Other keys, other masks: the output follows the keys (not one fixed mask).
     other = forward(batch["tokens"], zoo.nn.example_keys(jax.random.key(3), 6))
     assert not np.allclose(full, other)
@@ -162,10 +192,8 @@ def test_dropout_follows_each_examples_key():
     inference = jax.jit(lambda t: model(t))(batch["tokens"])
     no_dropout = tiny_encoder_classifier(jax.random.key(0), dropout=0.0, attention_dropout=0.0)
     assert max_abs_diff(no_dropout, model) == 0  # the rates are static: the weights are the same
-    np.testing.assert_allclose(inference, jax.jit(lambda t: no_dropout(t))(batch["tokens"]), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(
-        inference, jax.jit(lambda t, k: no_dropout(t, key=k))(batch["tokens"], keys), rtol=1e-6, atol=1e-6
-    )
+    assert_rounding_close(inference, jax.jit(lambda t: no_dropout(t))(batch["tokens"]), **SUMS)
+    assert_rounding_close(inference, jax.jit(lambda t, k: no_dropout(t, key=k))(batch["tokens"], keys), **SUMS)
     assert not np.allclose(full, inference)
     # A wrong number of keys is refused: by jaxtyping here; the library's own message
     # (without runtime type checks) is tests/test_errors.py's.
@@ -192,9 +220,7 @@ def test_tied_head_is_the_embedding_and_remat_changes_nothing():
     tied = tiny_decoder(jax.random.key(0), tie_embeddings=True)
     assert tied.lm_head is None
     h = jnp.ones((1, 1, 16))
-    np.testing.assert_allclose(
-        tied.token_embedding.attend(h)[0, 0], tied.token_embedding.weight @ jnp.ones(16), rtol=1e-5
-    )
+    assert_rounding_close(tied.token_embedding.attend(h)[0, 0], tied.token_embedding.weight @ jnp.ones(16), terms=16)
     batch = lm_batch(jax.random.key(1), 4)
 
     def grads(model):
@@ -202,8 +228,10 @@ def test_tied_head_is_the_embedding_and_remat_changes_nothing():
 
     remat = tiny_decoder(jax.random.key(0), remat="nothing_saveable")
     plain = tiny_decoder(jax.random.key(0))
-    # (The configs differ in `remat`, a static field, so compare the leaves.)
-    assert max_abs_diff(grads(remat), grads(plain)) < 1e-6
+    # (The configs differ in `remat`, a static field, so compare the leaves.) Recomputed
+    # activations: the same sums, perhaps in another order; a loss summed over 4 x 8 tokens.
+    for a, b in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(grads(plain)), strict=True):
+        assert_rounding_close(a, b, terms=4 * 8, depth=2 * SUMS["depth"])
 
 
 def test_mixed_precision_computes_in_bf16_keeps_f32_params_and_grads():
@@ -215,14 +243,17 @@ def test_mixed_precision_computes_in_bf16_keeps_f32_params_and_grads():
     assert "bf16" in str(jaxpr)  # activations really run in bfloat16
     logits = bf16(batch["tokens"])
     assert logits.dtype == jnp.float32
-    np.testing.assert_allclose(logits, f32(batch["tokens"]), atol=0.1)
+    want = f32(batch["tokens"])
+    bound = BF16_FORWARD_ROUNDINGS * BF16_ROUNDOFF * largest(want)
+    assert_within(logits, want, bound + 2 * SUMS["depth"] * SUMS["terms"] * UNIT_ROUNDOFF * largest(want), "bf16")
 
     def grads(model):
         return eqx.filter_grad(lambda m: zoo.models.next_token_loss(m, batch)[0].sum())(model)
 
     g16, g32 = grads(bf16), grads(f32)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))
-    assert max_abs_diff(g16, g32) < 0.1 * max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g32))
+    scale = max(largest(x) for x in jax.tree.leaves(g32))
+    assert max_abs_diff(g16, g32) <= 2 * BF16_FORWARD_ROUNDINGS * BF16_ROUNDOFF * scale
 
 
 def test_config_errors_say_what_to_fix():
