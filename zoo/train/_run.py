@@ -28,7 +28,6 @@ from ._lora import add_lora, lora_json
 from ._mesh import check_rules_fit_mesh, make_mesh, mesh_text
 from ._output import human_bytes, plot_losses, read_metrics, write_json
 from ._preemption import Preemption
-from ._registry import model_spec
 from ._report import collective_summary, tree_bytes, tree_size
 from ._task import TaskSettings, build_task
 from ._trainer import Trainer
@@ -161,11 +160,13 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
 
     **Arguments:**
 
-    - `config`: the `RunConfig`.
+    - `config`: the `RunConfig`; its unset fields take the model's defaults for
+      `command` (`config.resolved(command)`), as `zoo train`'s unset flags do.
     - `hooks`: more hooks for the `Trainer` (fired after the run's own: metrics.jsonl,
       TensorBoard, progress, evaluation, checkpoints, samples).
-    - `command`, `title`: how the run names itself in its outputs (default `"train"`,
-      or `"finetune"` with LoRA, and a title made from them).
+    - `command`: `"train"`, `"finetune"` or `"demo"`, whose defaults fill the config
+      (default `"train"`, or `"finetune"` with LoRA); `title`: how the run names itself
+      in its outputs (default: made from the command, the model and the data).
 
     **Returns:** a `RunResult`. **Raises:** `ConfigError` (a setting that cannot work,
     before anything is written), `RunStopped` (the loss or weights went non-finite),
@@ -180,6 +181,8 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
     if devices > len(jax.devices()):
         raise ConfigError(f"RunConfig.devices {devices}: jax has {len(jax.devices())} ({jax.default_backend()})")
     mesh_shape = mesh_shape_of(config, devices)
+    # Every default applied here, once: config.json records the run as it trains.
+    config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
     check_layout(config, mesh_shape, devices)
     output = output_dir(config.output, config.model, command)
     ckpt = checkpoint_dir(config, output)
@@ -187,7 +190,7 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
     what = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}.get(command, command)
-    title = title or f"{command} {config.model} ({what} of {config.model} on {config.data.source or 'its data'})"
+    title = title or f"{command} {config.model} ({what} of {config.model} on {config.data.source})"
     # One run per folder, held before anything is read or written there. config.json is
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(output, ckpt, main=zoo.is_main_process()):
@@ -227,13 +230,7 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
     steps, bsz, m = config.steps, config.batch_size, config.microbatches
     opt = config.optimizer
     warmup = opt.warmup_steps(steps)
-    # What the config leaves unset: the registered model's defaults for the command.
-    spec = model_spec(config.model)
-    source = config.data.source or spec.data_for(command)
-    seq_len = config.data.seq_len
-    if seq_len is None:
-        seq_len = spec.defaults.get(command, spec.defaults["train"]).get("seq_len")
-    data_options = {k: getattr(config.data, k) for k in ("validation", "packed", "chat_template")}
+    source = config.data.source
 
     # SIGTERM from here on: before the loop the run stops at once (nothing trained yet); in
     # the loop every process stops after the same step and saves it; after it, the run ends.
@@ -244,9 +241,9 @@ def _run(config: RunConfig, *, command: str, devices: int, mesh_shape: dict[str,
         # -- build ----------------------------------------------------------------------------
         phase(f"loading {config.model} and its data...")
         settings = TaskSettings(
-            name=config.model, data=source, seq_len=seq_len, seed=config.seed, dtype=config.dtype,
+            name=config.model, data=source, seq_len=config.data.seq_len, seed=config.seed, dtype=config.dtype,
             model_config=dict(config.model_config), init=config.init, eval_size=config.data.eval_size,
-            **{k: v for k, v in data_options.items() if v is not None},
+            validation=config.data.validation, packed=config.data.packed, chat_template=config.data.chat_template,
         )  # fmt: skip
         task = build_task(settings, rules=rules, mesh=mesh)
         fingerprint = data_fingerprint(source, config.data.chat_template)  # saved with each checkpoint

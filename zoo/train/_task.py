@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ConfigError
-from ._registry import check_init_family, init_families, model_spec
+from ._registry import DATA_FILE_DEFAULTS, check_init_family, init_families, model_spec
 
 # XLA options for programs compiled once and run once (the initialisers): no LLVM
 # optimisation of the machine code.
@@ -146,8 +146,8 @@ class TaskSettings:
     model_config: dict[str, Any]
     init: str | None
     eval_size: int
-    validation: float = 0.1
-    packed: bool = True
+    validation: float = DATA_FILE_DEFAULTS["validation"]
+    packed: bool = DATA_FILE_DEFAULTS["packed"]
     chat_template: str | None = None
 
 

@@ -26,9 +26,6 @@ from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_fol
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
 
-# The flags a data file adds, and their defaults.
-DATA_FLAG_DEFAULTS: dict[str, Any] = {"validation": 0.1, "packed": True, "chat_template": None}
-
 DATA_FILE_HELP = (
     "; or your own file: .txt or .jsonl with text, prompt+completion or messages (chat) for transformer, "
     ".jsonl or .csv with text+label for encoder/minilm (docs/data.md)"
@@ -237,9 +234,7 @@ def lm_metrics(model, batch):
 # --- the task ------------------------------------------------------------------------------------
 
 
-def user_data_task(
-    s: TaskSettings, *, rules, mesh, validation: float = 0.1, packed: bool = True, chat_template: str | None = None
-) -> Task:
+def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: bool, chat_template: str | None) -> Task:
     """The task of model `s.name` (`transformer`, `encoder`, `minilm`) on the data file
     `s.data` (checked by `check_data_file`): `validation` of its documents held out,
     language-modelling documents `packed` into rows, `chat_template` a jinja2 file for
