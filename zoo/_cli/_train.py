@@ -351,11 +351,14 @@ def cmd_demo(args) -> int:
 
 
 def _table(command: str) -> str:
+    """Each model's defaults for `command`, from the registry (`ModelSpec.defaults_for`)."""
     rows = []
+    shared = _registry.SHARED_DEFAULTS[command]
     for model in _registry.model_names(command):
-        d = _registry.model_spec(model).defaults[command]
+        d = _registry.model_spec(model).defaults_for(command)
+        extra = "".join(f", {k.replace('_', '-')} {d[k]:g}" for k in _registry.OPTIONAL_DEFAULT_KEYS
+                        if d[k] is not None and d[k] != shared[k])  # fmt: skip
         seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
-        extra = f", probe {d['probe']}" if d.get("probe") else ""
         rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
                     f"lr {d['lr']:g}{seq}{extra}")  # fmt: skip
     return "; ".join(rows)
@@ -423,9 +426,13 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
         "--weight-decay",
         type=float,
         metavar="WD",
-        help="weight decay of adamw/lion/sgd (default 0.01 for train, 0 for finetune)",
+        help="weight decay of adamw/lion/sgd (default "
+        + ", ".join(f"{d['weight_decay']:g} for {c}" for c, d in _registry.SHARED_DEFAULTS.items())
+        + ", unless the model says otherwise)",
     )
-    g.add_argument("--warmup", type=int, metavar="STEPS", help="linear warmup steps (default steps/20)")
+    g.add_argument(
+        "--warmup", type=int, metavar="STEPS", help="linear warmup steps (default: a twentieth of --steps, at least 1)"
+    )
     g.add_argument(
         "--schedule",
         choices=SCHEDULES,
