@@ -1,9 +1,11 @@
 """`zoo train MODEL`, `zoo finetune MODEL --lora ...`, `zoo demo`: flags, defaults, checks.
 
-The three commands take the same flags (finetune and demo add `--lora`); each turns them
-into a `zoo.train.RunConfig` and calls `zoo.train.run`, which holds the loop. A flag left
-unset takes the model's default for the command (the model registry's), resolved before anything is
-built; `config.json` in the output folder records every resolved value.
+The three commands take the same flags (finetune and demo add `--lora`); each turns the
+flags given into a `zoo.train.RunConfig` (a flag left out: a field left unset) and calls
+`zoo.train.run`, which holds the loop. The library fills the unset fields with the model's
+defaults for the command (`RunConfig.resolved`, the registry's one table); this module
+holds no defaults of its own. `config.json` in the output folder records every resolved
+value.
 """
 
 from __future__ import annotations
