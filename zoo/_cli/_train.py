@@ -82,7 +82,7 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
         values["resume"] = True
     saved = _saved_config(values) if values.get("resume") else None
     if saved is not None:  # a resumed run continues with its own flags unless told otherwise
-        flags = set(vars(args)) - set(_NOT_INHERITED)
+        flags = set(keys) & set(vars(args)) - set(_NOT_INHERITED)
         values = {k: v for k, v in saved.items() if k in flags and v is not None} | values
     model = values["model"] = _check_model(values.get("model"))
     spec = _registry.model_spec(model)
@@ -132,7 +132,8 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 
 def _check_given(values: dict[str, Any]) -> None:
-    """The numbers given, each in range, named by its flag (the defaults are)."""
+    """Each number given in range, named by its flag (before the library's checks, which
+    name `RunConfig` fields; the defaults are in range)."""
     for name in ("steps", "batch_size", "microbatches", "keep", "devices", "resume_step", "num_processes"):
         if values.get(name) is not None and values[name] < 1:
             raise CLIError(f"{_flag(name)} must be >= 1, got {values[name]}")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
 from ._errors import ConfigError
 from ._optimizer import OptimizerConfig
+from ._registry import DATA_FILE_DEFAULTS, model_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,10 +186,6 @@ class RunConfig:
         model's LoRA (`ModelSpec.lora_defaults`). Set fields are kept; a resolved config
         resolves to itself. Raises `ConfigError` if the command does not take the model.
         """
-        from pathlib import Path
-
-        from ._registry import DATA_FILE_DEFAULTS, model_spec
-
         command = command or ("finetune" if self.lora is not None else "train")
         spec = model_spec(self.model)
         table = spec.defaults_for(command)
@@ -215,8 +213,6 @@ class RunConfig:
         )
         lora = self.lora
         if lora is None and command != "train":
-            from ..lora import LoraConfig
-
             lora = LoraConfig(**spec.lora_defaults)
         done = dataclasses.replace(
             self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
@@ -270,7 +266,6 @@ class RunConfig:
         opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
         if isinstance(values.get("lora"), str):
             from ._lora import parse_lora
-            from ._registry import model_spec
 
             # As `--lora`: keys the text leaves out take the model's LoRA defaults.
             defaults = model_spec(values["model"]).lora_defaults if values.get("model") is not None else {}
