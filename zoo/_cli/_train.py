@@ -21,7 +21,7 @@ from ..train._builtin import DEMO_PRETRAIN, PRETRAINED_KEYS, minilm_available
 from ..train._config import RunConfig, flat_keys, parse_scalar
 from ..train._mesh import mesh_text
 from ..train._optimizer import OPTIMIZERS, SCHEDULES
-from ..train._run import output_dir
+from ..train._plan import output_dir
 from ..train._user_data import DATA_FILE_HELP, check_data_file
 from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_mesh, parse_pairs
 from ._lora_flag import LORA_HELP
