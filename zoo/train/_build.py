@@ -16,12 +16,13 @@ from .._rules import shard
 from .._step import TrainStep
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
+from ._build_task import build_task
 from ._errors import ConfigError
 from ._lora import add_lora
 from ._output import write_json
 from ._plan import RunPlan
 from ._report import tree_bytes, tree_size
-from ._task import Task, TaskSettings, build_task
+from ._task import Task, TaskSettings
 from ._user_data import data_fingerprint
 
 

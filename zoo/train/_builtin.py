@@ -21,6 +21,7 @@ from ._task import (
     config_from,
     init_compiled,
     init_folder,
+    init_name,
     lm_metrics,
     load_pretrained,
     numpy_rng,
@@ -231,13 +232,6 @@ def classifier_model(s: TaskSettings, num_labels: int, *, rules, mesh):
         model = models.EncoderClassifier(encoder, num_labels, key=key_head)
     _check_seq_len(s.seq_len, config.max_len)
     return model, config, folder
-
-
-def init_name(s: TaskSettings, folder: Path | None) -> str | None:
-    """Where a model's pretrained weights came from, in words (None: from scratch)."""
-    if s.init is None and s.name == "minilm":
-        return "the pretrained all-MiniLM-L6-v2"
-    return None if folder is None else str(folder)
 
 
 def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:

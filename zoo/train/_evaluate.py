@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._distributed import global_batch, local_rows
+
 
 class Evaluator:
     """Held-out loss and accuracy of a model: a task's `metrics_fn` jitted, run on
@@ -104,12 +106,10 @@ def put_rows(batch: dict, sharding) -> dict:
     its own devices hold (`zoo.local_rows`), so no process copies rows it does not keep."""
     import jax
 
-    import zoo
-
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
-    rows = zoo.local_rows(len(next(iter(batch.values()))), sharding.mesh)
-    return zoo.global_batch({k: v[rows] for k, v in batch.items()}, sharding.mesh)
+    rows = local_rows(len(next(iter(batch.values()))), sharding.mesh)
+    return global_batch({k: v[rows] for k, v in batch.items()}, sharding.mesh)
 
 
 def plain(evaluation: dict[str, Any]) -> dict[str, Any]:

@@ -18,10 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from ..data import ChatTemplate, DataFormatError, read_records
+from ..data import describe as describe_data
+from ..data import load as load_data
+from ..data._chat import SPECIAL_TOKEN_NAMES
+from ..data._records import FORMATS
+from ..hf import Tokenizer
+from ..models import classification_loss, next_token_loss
+
 # zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
 from ._errors import ConfigError
 from ._registry import ModelSpec, model_names, model_spec
-from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, tokenizer_of
+from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, init_name, tokenizer_of
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
@@ -36,9 +44,6 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
     """The absolute path of `--data FILE` once it is readable and fits `model` (its
     records are read and checked here, before any device is touched); else a one-line
     error naming the file (and line) and the fix."""
-    import zoo
-    from zoo.data._records import FORMATS
-
     spec = model_spec(model)
     path = Path(data).expanduser()
     if path.suffix.lower() not in SUFFIXES:
@@ -56,8 +61,8 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
     if chat_template is not None and not Path(chat_template).expanduser().is_file():
         raise ConfigError(f"--chat-template {chat_template}: no such file; pass a jinja2 chat template file")
     try:
-        kind, _ = zoo.data.read_records(path)
-    except zoo.data.DataFormatError as e:
+        kind, _ = read_records(path)
+    except DataFormatError as e:
         raise ConfigError(f"--data: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {data} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
@@ -156,21 +161,16 @@ def byte_tokenizer():
     tokens, padding id 0."""
     import tokenizers
 
-    import zoo
-
     chars = _byte_to_char()
     rust = tokenizers.Tokenizer(tokenizers.models.BPE({chars[b]: b for b in range(256)}, []))
     rust.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     rust.decoder = tokenizers.decoders.ByteLevel()
-    return zoo.hf.Tokenizer(rust, pad_id=0)
+    return Tokenizer(rust, pad_id=0)
 
 
 def _chat_template(file: str | None, folder: Path | None):
     """`--chat-template FILE` with the special tokens of `folder`'s tokenizer_config.json
     (None without the flag: the folder's own template, if any)."""
-    import zoo
-    from zoo.data._chat import SPECIAL_TOKEN_NAMES
-
     if file is None:
         return None
     config = {}
@@ -182,7 +182,7 @@ def _chat_template(file: str | None, folder: Path | None):
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             special[name] = value
-    return zoo.data.ChatTemplate(Path(file).expanduser().read_text(encoding="utf-8"), special)
+    return ChatTemplate(Path(file).expanduser().read_text(encoding="utf-8"), special)
 
 
 # --- batches -------------------------------------------------------------------------------------
@@ -215,8 +215,6 @@ def lm_metrics(model, batch):
     completions / assistant turns, packed documents apart)."""
     import jax.numpy as jnp
 
-    import zoo
-
     row = batch["weight"]
     seen = []
 
@@ -224,7 +222,7 @@ def lm_metrics(model, batch):
         seen.append(model(tokens, **kwargs))
         return seen[-1]
 
-    sums, weights = zoo.models.next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
+    sums, weights = next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
     tokens = batch["tokens"]
     targets = batch["weights"][:, 1:].astype(jnp.float32) * row[:, None]
     correct = (jnp.argmax(seen[0][:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * targets
@@ -239,9 +237,6 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
     `s.data` (checked by `check_data_file`): `validation` of its documents held out,
     language-modelling documents `packed` into rows, `chat_template` a jinja2 file for
     chat data when the tokenizer has none."""
-    import zoo
-
-    from ._builtin import init_name
 
     spec = model_spec(s.name)
     check_takes_files(spec, s.data)
@@ -251,10 +246,10 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
     source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
     template = _chat_template(chat_template, folder)
     try:
-        train, val = zoo.data.load(
+        train, val = load_data(
             path, source, seq_len=s.seq_len, packed=packed, validation=validation, chat_template=template
         )
-    except zoo.data.DataFormatError as e:
+    except DataFormatError as e:
         hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
         raise ConfigError(f"--data: {str(e).splitlines()[0]}{hint}") from None
     except ValueError as e:  # a template that cannot find the assistant turns
@@ -280,12 +275,12 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
     return Task(
         model=model,
         kind="lm",
-        loss_fn=zoo.models.next_token_loss,
+        loss_fn=next_token_loss,
         metrics_fn=lm_metrics,
         train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
         eval_data=eval_data,
         train_data=None,
-        data=f"{path.name}, {zoo.data.describe(train)}; {held}; {tokens_kind} tokens, rows of {s.seq_len}",
+        data=f"{path.name}, {describe_data(train)}; {held}; {tokens_kind} tokens, rows of {s.seq_len}",
         unit="tokens",
         tokens_per_example=s.seq_len,
         hf_part=lambda m: m,
@@ -314,8 +309,6 @@ def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
 
 
 def _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind: str, init: str | None) -> Task:
-    import zoo
-
     num_labels = train.num_labels
     train_arrays = dict(train.arrays)
     eval_data = dict(val.arrays if len(val) else train.arrays)
@@ -326,7 +319,7 @@ def _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind: st
     return Task(
         model=model,
         kind="classification",
-        loss_fn=zoo.models.classification_loss,
+        loss_fn=classification_loss,
         metrics_fn=classifier_metrics,
         train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
         eval_data=eval_data,
