@@ -23,7 +23,6 @@ from ._output import write_json
 from ._plan import RunPlan
 from ._report import tree_bytes, tree_size
 from ._task import Task, TaskSettings
-from ._user_data import data_fingerprint
 
 
 @dataclasses.dataclass
@@ -82,7 +81,6 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
         packed=data.packed, chat_template=data.chat_template,
     )  # fmt: skip
     task = build_task(settings, rules=rules, mesh=mesh)
-    fingerprint = data_fingerprint(data.source, data.chat_template)
     if lcfg is not None and task.kind == "regression":
         raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
     if c.probe and not task.classifier:
@@ -107,7 +105,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     )
     return BuiltRun(
         task=task, model=model, step=step, opt_state=step.init(model), key=jax.random.key(c.seed),
-        rates=c.optimizer.rates(c.steps), fingerprint=fingerprint, parameters=tree_size(task.model),
+        rates=c.optimizer.rates(c.steps), fingerprint=task.fingerprint, parameters=tree_size(task.model),
         model_bytes=tree_bytes(task.model), batch_size=c.batch_size, dropout=dropout, mesh=mesh,
         own_rows=local_rows(c.batch_size, mesh) if jax.process_count() > 1 else None,
     )  # fmt: skip

@@ -41,6 +41,9 @@ class Task:
     - `hf_part(model)`: the part `zoo.hf.save_pretrained` writes (None: none);
       `tokenizer_dir`: where the tokenizer's files are (copied next to a saved model).
     - `config`: the model's config as a dict; `init`: where pretrained weights came from.
+    - `fingerprint`: the sha256 of a user's data file (`"data_sha256"`) and chat template
+      file (`"chat_template_sha256"`) as they were read: saved with each checkpoint, so
+      that a resume refuses files edited in between (`{}` for built-in data).
     """
 
     model: Any
@@ -58,6 +61,7 @@ class Task:
     tokenizer_dir: Path | None = None
     config: dict | None = None
     init: str | None = None
+    fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def classifier(self) -> bool:

@@ -10,6 +10,7 @@ gives (every token, the completions, the assistant turns); classification (`.jso
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -110,17 +111,6 @@ def _file_models_text() -> str:
 # --- tokenizers ----------------------------------------------------------------------------------
 
 
-def data_fingerprint(source: str, chat_template: str | None = None) -> dict[str, str]:
-    """The sha256 of a data file (and of its chat template file), which a run saves with
-    each checkpoint so that `--resume` can refuse a file edited in between; `{}` for the
-    built-in data sets (a name, not a file)."""
-    path = Path(source).expanduser()
-    if path.suffix.lower() not in SUFFIXES or not path.is_file():
-        return {}
-    files = {"data": path} | ({"chat_template": Path(chat_template).expanduser()} if chat_template else {})
-    return {f"{name}_sha256": _sha256(file) for name, file in files.items()}
-
-
 def check_fingerprint(saved: dict[str, Any], current: dict[str, str], source: str, step: int) -> None:
     """Refuse to resume from a checkpoint whose data files differ from the current ones (a
     checkpoint saved without a fingerprint, by an older zoo, is not checked)."""
@@ -132,27 +122,6 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, str], source: st
                 "resumed steps would train on other rows than the run's first ones; restore the file, or start "
                 "a new run on it (--overwrite)"
             )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@functools.cache
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's map of the 256 bytes to printable characters (what the `ByteLevel`
-    pre-tokenizer produces)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = list(bs)
-    for b in range(256):  # the other 68 bytes (controls, space, ...) go to 256, 257, ...
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + len(cs) - 188)
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def byte_tokenizer():
@@ -168,11 +137,25 @@ def byte_tokenizer():
     return Tokenizer(rust, pad_id=0)
 
 
-def _chat_template(file: str | None, folder: Path | None):
+@functools.cache
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters (what the `ByteLevel`
+    pre-tokenizer produces)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    for b in range(256):  # the other 68 bytes (controls, space, ...) go to 256, 257, ...
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate | None, dict[str, str]]:
     """`--chat-template FILE` with the special tokens of `folder`'s tokenizer_config.json
-    (None without the flag: the folder's own template, if any)."""
+    (None without the flag: the folder's own template, if any), and the digest of the
+    file's bytes (`{"chat_template_sha256": ...}`, or `{}`)."""
     if file is None:
-        return None
+        return None, {}
     config = {}
     if folder is not None and (folder / "tokenizer_config.json").is_file():
         config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -182,27 +165,8 @@ def _chat_template(file: str | None, folder: Path | None):
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             special[name] = value
-    return ChatTemplate(Path(file).expanduser().read_text(encoding="utf-8"), special)
-
-
-# --- batches -------------------------------------------------------------------------------------
-
-
-def epoch_order(rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The row order of epoch `epoch`: the permutation `zoo.data.Dataset.batches(seed=,
-    epoch=)` draws (tested equal), here for the whole global batch (the run keeps each
-    process's rows itself)."""
-    return np.random.default_rng([seed, epoch]).permutation(rows)
-
-
-def step_batch(arrays: dict[str, np.ndarray], step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
-    """The global batch of step `step` (from 1): the batches of `Dataset.batches` one
-    epoch after another (each `rows // batch_size` long, the last partial batch dropped),
-    so a function of the step alone: a resumed run sees the batches it would have seen."""
-    rows = len(next(iter(arrays.values())))
-    epoch, index = divmod(step - 1, rows // batch_size)
-    picked = epoch_order(rows, seed, epoch)[index * batch_size : (index + 1) * batch_size]
-    return {name: array[picked] for name, array in arrays.items()}
+    data = Path(file).expanduser().read_bytes()
+    return ChatTemplate(data.decode("utf-8"), special), {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
 
 
 # --- metrics (traced) ----------------------------------------------------------------------------
@@ -244,7 +208,7 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
     tokenizer = tokenizer_of(folder)
     path = Path(s.data)
     source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
-    template = _chat_template(chat_template, folder)
+    template, template_digest = _chat_template(chat_template, folder)
     try:
         train, val = load_data(
             path, source, seq_len=s.seq_len, packed=packed, validation=validation, chat_template=template
@@ -257,6 +221,7 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
     if len(train) == 0:
         raise ConfigError(f"--data {path}: no training rows are left after holding out --validation {validation}")
     tokens_kind = "byte" if tokenizer is None else "tokenizer"
+    fingerprint = {"data_sha256": train.sha256, **template_digest}
     check_kind(spec, train.kind, s.data)
     if train.kind == "classification":
         if train.num_labels < 2:
@@ -265,7 +230,8 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
             )
         model, config, folder = spec.file_model(s, train.num_labels, rules=rules, mesh=mesh)
         _check_tokenizer(config, tokenizer, folder)
-        return _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, init_name(s, folder))
+        task = _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, init_name(s, folder))
+        return dataclasses.replace(task, fingerprint=fingerprint)
     model, config, folder = spec.file_model(s, None, rules=rules, mesh=mesh)
     _check_tokenizer(config, tokenizer, folder)
     eval_data = dict(val.arrays if len(val) else train.arrays)
@@ -287,6 +253,7 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
         tokenizer_dir=folder if tokenizer is not None else None,
         config=config.to_dict(),
         init=None if folder is None else str(folder),
+        fingerprint=fingerprint,
     )
 
 
@@ -296,7 +263,7 @@ def _checked_batch(dataset, step: int, n: int, seed: int, path: Path) -> dict[st
             f"--batch-size {n} is more than the training rows of {path.name} ({len(dataset)}); lower --batch-size "
             "(or --seq-len: shorter rows are more rows)"
         )
-    return step_batch(dataset.arrays, step, n, seed)
+    return dataset.batch_at(step, n, seed=seed)
 
 
 def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
