@@ -417,14 +417,14 @@ def test_a_full_disk_ends_with_one_line(tmp_path):
 # SIGKILL to itself as it starts writing summary.json: after its final checkpoint, before the end.
 _KILLED_AT_THE_END = """
 import os, signal, sys
-import zoo.train._run as run
+import zoo.train._summary as summary
 
-real = run.write_json
+real = summary.write_json
 def write_json(path, value):
     if path.name == "summary.json":
         os.kill(os.getpid(), signal.SIGKILL)
     real(path, value)
-run.write_json = write_json
+summary.write_json = write_json
 from zoo._cli import main
 sys.exit(main(sys.argv[1:]))
 """

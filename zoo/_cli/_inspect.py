@@ -15,7 +15,7 @@ from ..train._mesh import check_rules_fit_mesh, make_mesh
 from ..train._report import collective_summary, tree_bytes, tree_size
 from ..train._task import ONCE_COMPILER_OPTIONS
 from ._common import CLIError, init_devices, parse_mesh, parse_pairs
-from ._lora_flag import LORA_HELP, finetune_defaults
+from ._lora_flag import LORA_HELP
 
 
 def model_help() -> str:
@@ -104,7 +104,7 @@ def build_model(args, mesh_shape: dict[str, int], devices: int) -> Built:
 
     spec, init, command, defaults = resolve_model(args)
     check_rules_fit_mesh(args.rules, mesh_shape, devices)
-    lora = None if args.lora is None else parse_lora(args.lora, finetune_defaults(spec.classifier))
+    lora = None if args.lora is None else parse_lora(args.lora, spec.lora_defaults)
     if lora is not None and lora.lora_dropout and spec.kind == "regression":
         raise CLIError(
             f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from ..train import _task
+from ..train._build_task import build_task
 from ..train._builtin import minilm_available
 from ..train._errors import ConfigError
-from ..train._task import Task, TaskSettings, build_task, init_compiled, numpy_rng
+from ..train._task import Task, TaskSettings, init_compiled, numpy_rng
 from ._common import CLIError
 
 

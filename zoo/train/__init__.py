@@ -16,6 +16,7 @@ docs/training.md tells the whole story; docs/models.md the registry.
 """
 
 from . import _builtin  # noqa: F401 (registers the built-in models)
+from ._build_task import build_task as build_task
 from ._config import DataConfig as DataConfig
 from ._config import RunConfig as RunConfig
 from ._errors import ConfigError as ConfigError
@@ -42,7 +43,6 @@ from ._run import RunResult as RunResult
 from ._run import run as run
 from ._task import Task as Task
 from ._task import TaskSettings as TaskSettings
-from ._task import build_task as build_task
 from ._task import classifier_metrics as classifier_metrics
 from ._task import lm_metrics as lm_metrics
 from ._task import regression_loss as regression_loss

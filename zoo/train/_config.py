@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
 from ._errors import ConfigError
 from ._optimizer import OptimizerConfig
+from ._registry import DATA_FILE_DEFAULTS, model_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,13 +20,14 @@ class DataConfig:
     **Fields:**
 
     - `source`: a built-in data set's name (`"teacher"`, `"code"`, `"prose"`, `"docstrings"`;
-      which ones a model takes: `zoo train --help`), or a file (None: the model's default).
+      which ones a model takes: `zoo train --help`), or a file (None: the model's default
+      for the command).
     - `seq_len`: tokens per example, padded or cut (None: the model's default; the mlp has
       no sequences).
     - `eval_size`: held-out examples evaluated (0: the data set's default).
-    - `packed`, `validation`, `chat_template`: how a user's file is read (None: the
-      loader's defaults): texts packed into full windows, the held-out fraction, the chat
-      template of conversations.
+    - `packed`, `validation`, `chat_template`: how a user's file is read (None: packed,
+      0.1): texts packed into full windows, the held-out fraction, the chat template of
+      conversations.
     """
 
     source: str | None = None
@@ -55,23 +58,29 @@ _OPTIMIZER_KEYS = {"optimizer": "name", "lr": "lr", "schedule": "schedule", "war
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run (`zoo.train.run`) needs; the field names are `zoo train`'s flags
-    (`batch_size` is `--batch-size`).
+    (`batch_size` is `--batch-size`). A field left None takes its default for the model
+    and the command when the run starts (`resolved`): `zoo train MODEL` with no flags and
+    `RunConfig(model=MODEL)` are the same run.
 
     **Fields:**
 
     - `model`: a model's name (`"mlp"`, `"transformer"`, `"encoder"`, `"minilm"`).
     - `data`: a `DataConfig`; `optimizer`: an `OptimizerConfig`.
-    - `lora`: a `zoo.lora.LoraConfig` to fine-tune adapters only (None: train every weight).
+    - `lora`: a `zoo.lora.LoraConfig` to fine-tune adapters only, used as given (None:
+      train every weight; with the command `"finetune"` or `"demo"`, the model's LoRA,
+      `ModelSpec.lora_defaults`).
     - `steps`, `batch_size` (global, a multiple of the data axis × `microbatches`),
-      `microbatches`, `seed`, `dtype` (`"float32"` or `"bfloat16"` compute).
+      `microbatches` (None: the model's defaults), `seed`, `dtype` (`"float32"` or
+      `"bfloat16"` compute).
     - `devices`: how many of jax's devices the mesh uses (None: all); `mesh`: its shape
       (`{"data": 4, "model": 2}`; None: every device on `data`); `rules`: a sharding rules
       preset (`zoo.RULE_PRESETS`); `mode`: `"explicit"` or `"shard_map"`.
     - `init`: pretrained weights (a Hugging Face folder, or a run's output folder);
       `model_config`: config fields to change (`{"d_model": 128}`).
-    - `eval_every`: evaluate every N steps (None: a tenth of the run; 0: before and after
-      only); `probe`: fit a classifier's head alone on frozen features for this many steps
-      first, as a baseline.
+    - `eval_every`: evaluate every N steps (None: the model's default, else a tenth of the
+      run; 0: before and after only); `probe`: fit a classifier's head alone on frozen
+      features for this many steps first, as a baseline (None: the model's default, 0
+      but for the demo).
     - `output`: the run's folder (None: `runs/COMMAND-MODEL-UTCTIME`); `checkpoint_dir`
       (None: OUTPUT/checkpoints), `checkpoint_every` (0: none), `keep`, `resume`,
       `resume_step`, `overwrite` (replace an earlier run's outputs).
@@ -80,9 +89,9 @@ class RunConfig:
     """
 
     model: str
-    steps: int
-    batch_size: int
-    microbatches: int = 1
+    steps: int | None = None
+    batch_size: int | None = None
+    microbatches: int | None = None
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     lora: LoraConfig | None = None
@@ -95,7 +104,7 @@ class RunConfig:
     init: str | None = None
     model_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     eval_every: int | None = None
-    probe: int = 0
+    probe: int | None = None
     output: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -119,15 +128,17 @@ class RunConfig:
         def integer(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
-        for field in ("steps", "batch_size", "microbatches", "keep"):
+        if not isinstance(self.model, str):
+            raise bad("model", "a registered model's name (zoo.train.model_names())")
+        for field in ("keep",):
             if not integer(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "an integer >= 1")
-        for field in ("seed", "probe", "checkpoint_every"):
+        for field in ("seed", "checkpoint_every"):
             if not integer(getattr(self, field)) or getattr(self, field) < 0:
                 raise bad(field, "an integer >= 0")
-        for field in ("eval_every", "resume_step", "devices"):
+        for field in ("steps", "batch_size", "microbatches", "eval_every", "probe", "resume_step", "devices"):
             value = getattr(self, field)
-            low = 0 if field == "eval_every" else 1
+            low = 0 if field in ("eval_every", "probe") else 1
             if value is not None and (not integer(value) or value < low):
                 raise bad(field, f"an integer >= {low} (or None)")
         if self.dtype not in ("float32", "bfloat16"):
@@ -138,7 +149,8 @@ class RunConfig:
             raise bad("data", "a zoo.train.DataConfig")
         if not isinstance(self.optimizer, OptimizerConfig):
             raise bad("optimizer", "a zoo.train.OptimizerConfig")
-        self.optimizer.warmup_steps(self.steps)
+        if self.steps is not None:
+            self.optimizer.warmup_steps(self.steps)
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise bad("lora", "a zoo.lora.LoraConfig or None")
         if self.mesh is not None and (
@@ -152,8 +164,62 @@ class RunConfig:
 
     @property
     def eval_interval(self) -> int:
-        """Steps between evaluations: `eval_every`, or a tenth of the run (0: none between)."""
-        return max(1, self.steps // 10) if self.eval_every is None else self.eval_every
+        """Steps between evaluations: `eval_every`, or a tenth of the run, at least 1, so
+        loss.png shows measured points (0: none between)."""
+        if self.eval_every is not None:
+            return self.eval_every
+        if self.steps is None:
+            raise ConfigError("RunConfig.eval_interval needs the steps; call it on config.resolved()")
+        return max(1, self.steps // 10)
+
+    def resolved(self, command: str | None = None) -> RunConfig:
+        """This config with every unset field (None) at its default for `command`: what a
+        run trains with, and writes as its config.json.
+
+        `command` is `"train"`, `"finetune"` or `"demo"` (default: `"finetune"` with
+        `lora`, else `"train"`). The defaults are the model's (`ModelSpec.defaults_for`,
+        every model's shared ones under them: `steps`, `batch_size`, `microbatches`, `lr`,
+        `weight_decay`, `seq_len`, `probe`, `eval_every`), its data set for the command
+        (`ModelSpec.data_for`; a data file given becomes an absolute path), a warmup of a
+        twentieth of the steps and an evaluation every tenth (`OptimizerConfig.warmup_steps`,
+        `eval_interval`), a data file read packed with 0.1 held out, and to fine-tune the
+        model's LoRA (`ModelSpec.lora_defaults`). Set fields are kept; a resolved config
+        resolves to itself. Raises `ConfigError` if the command does not take the model.
+        """
+        command = command or ("finetune" if self.lora is not None else "train")
+        spec = model_spec(self.model)
+        table = spec.defaults_for(command)
+
+        def pick(value: Any, key: str) -> Any:
+            return table[key] if value is None else value
+
+        steps = pick(self.steps, "steps")
+        optimizer = dataclasses.replace(
+            self.optimizer,
+            lr=pick(self.optimizer.lr, "lr"),
+            weight_decay=pick(self.optimizer.weight_decay, "weight_decay"),
+        )
+        warmup = pick(optimizer.warmup, "warmup")
+        optimizer = dataclasses.replace(optimizer, warmup=optimizer.warmup_steps(steps) if warmup is None else warmup)
+        source = self.data.source or spec.data_for(command)
+        if source not in spec.datasets and Path(source).expanduser().exists():
+            source = str(Path(source).expanduser().resolve())  # a file: the same wherever the run is resumed
+        data = dataclasses.replace(
+            self.data,
+            source=source,
+            seq_len=pick(self.data.seq_len, "seq_len"),
+            validation=DATA_FILE_DEFAULTS["validation"] if self.data.validation is None else self.data.validation,
+            packed=DATA_FILE_DEFAULTS["packed"] if self.data.packed is None else self.data.packed,
+        )
+        lora = self.lora
+        if lora is None and command != "train":
+            lora = LoraConfig(**spec.lora_defaults)
+        done = dataclasses.replace(
+            self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
+            microbatches=pick(self.microbatches, "microbatches"), probe=pick(self.probe, "probe"),
+            eval_every=pick(self.eval_every, "eval_every"), optimizer=optimizer, data=data, lora=lora,
+        )  # fmt: skip
+        return dataclasses.replace(done, eval_every=done.eval_interval)
 
     def to_dict(self) -> dict[str, Any]:
         """The flat form: `zoo train`'s long flags as keys (`"batch_size"`, `"lr"`,
@@ -201,7 +267,9 @@ class RunConfig:
         if isinstance(values.get("lora"), str):
             from ._lora import parse_lora
 
-            values["lora"] = parse_lora(values["lora"], {})
+            # As `--lora`: keys the text leaves out take the model's LoRA defaults.
+            defaults = model_spec(values["model"]).lora_defaults if values.get("model") is not None else {}
+            values["lora"] = parse_lora(values["lora"], defaults)
         if isinstance(values.get("mesh"), str):
             values["mesh"] = _pairs(values["mesh"], "mesh", int)
         if isinstance(values.get("model_config"), str) or values.get("model_config") is None:
@@ -210,11 +278,16 @@ class RunConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            valid = sorted((known - {"data", "optimizer"}) | set(_DATA_KEYS) | set(_OPTIMIZER_KEYS))
-            raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {valid}")
-        if "model" not in values or "steps" not in values or "batch_size" not in values:
-            raise ConfigError("RunConfig needs at least 'model', 'steps' and 'batch_size'")
+            raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {sorted(flat_keys())}")
+        if values.get("model") is None:
+            raise ConfigError("RunConfig needs at least 'model'")
         return cls(data=DataConfig(**data), optimizer=OptimizerConfig(**opt), **values)
+
+
+def flat_keys() -> tuple[str, ...]:
+    """The keys of `RunConfig`'s flat form (`from_dict`; `zoo train`'s run flags)."""
+    fields = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("data", "optimizer")]
+    return (*fields, *_DATA_KEYS, *_OPTIMIZER_KEYS)
 
 
 def _pairs(text: str, field: str, convert) -> dict[str, Any]:

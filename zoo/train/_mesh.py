@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from .._presets import RULE_PRESETS
+from .._presets import rules as preset_rules
 from ._errors import ConfigError
 
 
@@ -24,12 +26,10 @@ def make_mesh(shape: dict[str, int]):
 def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) -> None:
     """Fail fast (before building a model) on an unknown rules preset, or one that uses
     mesh axes the mesh lacks."""
-    import zoo
-
-    if preset not in zoo.RULE_PRESETS:
-        raise ConfigError(f"unknown --rules {preset!r}; choose one of {list(zoo.RULE_PRESETS)}")
+    if preset not in RULE_PRESETS:
+        raise ConfigError(f"unknown --rules {preset!r}; choose one of {list(RULE_PRESETS)}")
     used: list[str] = []
-    for target in zoo.rules(preset).values():
+    for target in preset_rules(preset).values():
         for ax in (target,) if isinstance(target, str) else (target or ()):
             if ax not in used:
                 used.append(ax)
