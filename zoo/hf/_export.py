@@ -73,28 +73,23 @@ def hf_tensors(model: Encoder | Transformer) -> dict[str, np.ndarray]:
 
     The model's family (`zoo.hf.family_of`) names them. Stacked leaves are split into one
     tensor per layer, `Linear` weights transposed to torch's `[out, in]`, GPT-2's q/k/v
-    fused into `c_attn`, a padded vocabulary cut back to `vocab_size`. Sharded leaves are
+    fused into `c_attn` (Phi-3's into `qkv_proj` / `gate_up_proj`), a padded vocabulary cut back to `vocab_size`. Sharded leaves are
     gathered (every process must call this in a multi-process run).
     """
     family = _family(model)
     family.config_to_hf(model.config)  # refuses configs the architecture cannot express
-    blocks: dict[str, dict[int, np.ndarray]] = {}
+    fused: dict[str, tuple[Any, dict[int, np.ndarray]]] = {}
     tensors: dict[str, np.ndarray] = {}
     for _, leaf, source in leaf_sources(family, model, model.config):
         host = to_host(leaf)
         for i, name in enumerate(source.names):
-            value = host[i] if source.stacked else host
-            if source.valid is not None:  # drop the vocabulary padding
-                value = value[tuple(slice(0, v) for v in source.valid)]
-            value = value.T if source.transpose else value
-            if source.offset:
-                value = value - np.asarray(source.offset, value.dtype)
-            if source.part is None:
-                tensors[name] = np.ascontiguousarray(value)
+            value = source.to_file(host[i] if source.stacked else host)
+            if source.block is None:
+                tensors[name] = value
             else:
-                blocks.setdefault(name, {})[source.part[0]] = value
-    for name, parts in blocks.items():
-        tensors[name] = np.ascontiguousarray(np.concatenate([parts[k] for k in sorted(parts)], axis=-1))
+                fused.setdefault(name, (source, {}))[1][source.block.index] = value
+    for name, (source, blocks) in fused.items():
+        tensors[name] = source.block.join(blocks, source.block_axis)
     return tensors
 
 
