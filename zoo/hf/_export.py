@@ -50,11 +50,13 @@ def _source_config(config: Any, family: Any) -> tuple[Path | None, dict[str, Any
 def _family(model: Any) -> Any:
     family = family_of(model)
     if not isinstance(model, family.model_class):
-        classes = sorted({f.model_class.__name__ for f in families().values()})
+        written = {}
+        for f in families().values():
+            written.setdefault(f.model_class.__name__, []).append(f.name)
+        classes = "; ".join(f"{c} as {' / '.join(names)}" for c, names in sorted(written.items()))
         raise TypeError(
-            f"save_pretrained writes the zoo model classes of the registered families ({', '.join(classes)}: "
-            f"Encoder as BERT, Transformer as GPT-2 / Llama / Mistral / Qwen2 / Gemma), got a {type(model).__name__}"
-            + (" (write its .encoder)" if hasattr(model, "encoder") else "")
+            f"save_pretrained writes the zoo model classes of the registered families ({classes}), got a "
+            f"{type(model).__name__}" + (" (write its .encoder)" if hasattr(model, "encoder") else "")
         )
     return family
 
@@ -109,8 +111,10 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
       `BertModel` leaves the pooler freshly initialised, `last_hidden_state` is exact), a
       `zoo.models.Transformer` with learned positions as `GPT2LMHeadModel`, one with RoPE,
       RMSNorm and SwiGLU as `LlamaForCausalLM` (as Mistral with a sliding window, Qwen2
-      with q/k/v-only biases, Gemma with GeGLU, or as the family it was loaded as). Configs the architecture cannot express raise a `ValueError` naming them. May be
-      sharded; LoRA branches must be merged first (`zoo.lora.merge`).
+      with q/k/v-only biases, Gemma with GeGLU); a model loaded by `zoo.hf` as the family
+      it was loaded as (any of `zoo.hf.families()`). Configs the architecture cannot
+      express raise a `ValueError` naming them. May be sharded; LoRA branches must be
+      merged first (`zoo.lora.merge`).
     - `directory`: created if needed. `model.safetensors`, `config.json` and
       `generation_config.json` in it are replaced atomically (a temporary file next to
       each, then `os.replace`; weights first, config last); other files are left alone.

@@ -198,9 +198,10 @@ def refuse(name: str, reason: str) -> None:
     _REFUSED[name] = reason
 
 
-def families() -> dict[str, Family]:
-    """The registered families by name, in registration order."""
-    return dict(_REGISTRY)
+def families(model_class: type | None = None) -> dict[str, Family]:
+    """The registered families by name, in registration order; with `model_class`, those
+    whose zoo model is that class (`zoo.models.Transformer`: the decoders)."""
+    return {n: f for n, f in _REGISTRY.items() if model_class is None or f.model_class is model_class}
 
 
 def get_family(name: str | None, where: str = "") -> Family:
