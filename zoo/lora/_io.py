@@ -8,7 +8,8 @@ metadata in a file of its own (peft ignores it):
   (`CAUSAL_LM` for a `Transformer`, `FEATURE_EXTRACTION` for an `Encoder`, `SEQ_CLS` for
   an `EncoderClassifier`), `base_model_name_or_path` (the folder the model was loaded
   from by `zoo.hf`, or the argument), `fan_in_fan_out` (GPT-2's `Conv1D`s), and, for
-  GPT-2's fused `c_attn`, `rank_pattern` / `alpha_pattern` (below).
+  fused modules (GPT-2's `c_attn`, Phi-3's `qkv_proj`), `rank_pattern` / `alpha_pattern`
+  (below).
 - `adapter_model.safetensors`: only the adapter: `base_model.model.<module>.lora_A.weight`
   `[r, in]` and `...lora_B.weight` `[out, r]` (zoo's `[in, r]` / `[r, out]` transposed),
   one pair per stacked layer, and every leaf of the `modules_to_save` modules as
@@ -20,12 +21,15 @@ metadata in a file of its own (peft ignores it):
 
 Module names are those of the Hugging Face model the zoo model stands for
 (`hf_module_name`, from the `zoo.hf` family registry), so peft opens zoo adapters and zoo
-opens peft's. GPT-2 fuses q, k and v into one `c_attn` (`Conv1D`, outputs q | k | v):
-zoo's rank-r branches on `q_proj`, `k_proj`, `v_proj` are written as one rank-3r branch
-on `c_attn` (A the three A's stacked, B block-diagonal), with `rank_pattern` 3r and
-`alpha_pattern` chosen so peft's scaling equals zoo's; a peft `c_attn` branch of rank r
-loads as three rank-r zoo branches sharing A (B split in three), exactly; a block-structured
-one (as zoo writes it, also after peft re-saved it without `zoo_adapter.json`) splits back.
+opens peft's. Some families fuse several zoo projections into one HF module (GPT-2's
+`c_attn`: q | k | v; Phi-3's `qkv_proj`, of unequal widths under grouped-query attention,
+and `gate_up_proj`), each zoo module one `Block` of its outputs (`zoo.hf._layout`, as the
+weights are loaded and exported): zoo's rank-r branches on m of its blocks are written as
+one rank-m·r branch on the fused module (A the A's stacked, B block-diagonal), with
+`rank_pattern` m·r and `alpha_pattern` chosen so peft's scaling equals zoo's; a peft branch
+of rank r on it loads as rank-r zoo branches sharing A (B split by blocks), exactly; a
+block-structured one (as zoo writes it, also after peft re-saved it without
+`zoo_adapter.json`) splits back.
 
 Writes are atomic per file (a temporary file next to the target, then `os.replace`):
 the weights first, then `adapter_config.json`, then `zoo_adapter.json`; `load_adapter`
@@ -307,8 +311,8 @@ def save_adapter(
       config's `source_dir`), else none (peft's `PeftModel` still opens the adapter on a
       model you pass; AutoPeftModel then cannot).
 
-    Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; GPT-2's q/k/v
-    fused into `c_attn`) and the leaves of `config.modules_to_save` are written; see the
+    Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; branches on the
+    blocks of a fused module as one, e.g. GPT-2's q/k/v in `c_attn`) and the leaves of `config.modules_to_save` are written; see the
     module docstring. An `EncoderClassifier` that mean-pools is written with a warning:
     `BertForSequenceClassification` (what peft opens a `SEQ_CLS` adapter on) reads the
     `[CLS]` pooler and so computes other logits. In a multi-process run every process must
@@ -593,7 +597,8 @@ def load_adapter(
     it is skipped with a warning (it only changes `pooler_output`; the hidden states are
     exact). A `SEQ_CLS` adapter is refused by a mean-pooling `EncoderClassifier` (its
     logits would differ). Per-module `rank_pattern` / `alpha_pattern` are accepted where
-    zoo's one rank and scaling hold them exactly (GPT-2's fused `c_attn`).
+    zoo's one rank and scaling hold them exactly (fused modules: GPT-2's `c_attn`, Phi-3's
+    `qkv_proj` / `gate_up_proj`).
     """
     directory = Path(directory)
     values, meta = _read_config(directory)
