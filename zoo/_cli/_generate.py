@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..hf import families
+from ..models import Transformer
 from ..train._mesh import check_rules_fit_mesh, make_mesh, mesh_text
 from ._common import CLIError, init_devices, parse_mesh
 
@@ -260,7 +262,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "generate",
         help="continue prompts with a decoder (a Hugging Face folder or a zoo train/finetune run)",
         description="Generate text with zoo.generate (a key/value cache, one compiled decode loop). SOURCE: a "
-        "Hugging Face model folder (GPT-2, Llama, Mistral, Qwen2: config.json + model.safetensors; "
+        f"Hugging Face model folder ({', '.join(sorted(families(Transformer)))}: config.json + model.safetensors; "
         "tokenizer.json when present, else UTF-8 bytes), the output folder of `zoo train transformer` (its "
         "model/) or of `zoo finetune transformer` (its base model, from config.json's init, plus adapter/). "
         "One prompt is printed as it is generated (a host callback in the loop); several are generated as "

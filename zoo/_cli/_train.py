@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..hf import families
+from ..models import Transformer
 from ..train import _registry
 from ..train._builtin import DEMO_PRETRAIN, PRETRAINED_KEYS, minilm_available
 from ..train._config import RunConfig, flat_keys, parse_scalar
@@ -592,7 +594,8 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         help="LoRA-fine-tune a pretrained model (only the adapters are trained and all-reduced)",
         description="Add LoRA adapters to a pretrained model and train only them (and a classifier's new "
         "head): minilm (all-MiniLM-L6-v2 from its package) on the stdlib-docstring task, transformer "
-        "(--init a GPT-2, Llama, Mistral, Qwen2 or Gemma folder or a `zoo train transformer` run) on English prose, encoder (--init a BERT "
+        f"(--init a Hugging Face {' / '.join(sorted(families(Transformer)))} folder or a `zoo train transformer` run) on "
+        "English prose, encoder (--init a BERT "
         "folder or a `zoo train encoder` run). Writes the adapter in peft's layout (zoo.lora.save_adapter).",
         epilog=f"defaults per model: {_table('finetune')}. Examples: zoo finetune minilm; "
         "zoo finetune minilm --lora r=16,alpha=32,targets=q_proj+v_proj --probe 300; "
