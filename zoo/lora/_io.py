@@ -635,6 +635,17 @@ def load_adapter(
         model = _replace_lora(model, adopt)
 
     entries = _entries(model, config, names)
+    _check_shapes(entries, tensors, model, meta, directory)
+    _check_scaling(tensors, values, config, directory)
+    new = _loaded_values(model, entries, tensors, config, directory)
+    paths = [entry.path for entry in entries]
+    model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
+    return model, config
+
+
+def _check_shapes(entries, tensors, model, meta, directory: Path) -> None:
+    """Every key the model's branches expect is in the file with a fitting shape, and no
+    other: else one `ValueError` listing missing, unexpected and mis-shaped keys."""
     expected: dict[str, list[tuple[int, ...]]] = {}
     for entry in entries:
         shape = entry.source.file_shape
@@ -660,7 +671,9 @@ def load_adapter(
         lines += mismatch_lines("keys", missing, unexpected, misshaped)
         raise ValueError("\n".join(lines) + _config_diff(model, meta))
 
-    # peft's scaling of every branch in the file must be zoo's one scaling.
+
+def _check_scaling(tensors, values, config: LoraConfig, directory: Path) -> None:
+    """peft's scaling of every branch in the file is zoo's one scaling (else `ValueError`)."""
     wrong = []
     for k, value in tensors.items():
         if k.endswith(".lora_A.weight"):
@@ -676,7 +689,10 @@ def load_adapter(
             f"give these modules another: {shorten(sorted(wrong), 8)}"
         )
 
-    # The fused modules' branches, split once per HF module.
+
+def _loaded_values(model, entries, tensors, config: LoraConfig, directory: Path) -> list[jax.Array]:
+    """The new value of each entry's leaf: its file tensors (fused modules' branches split
+    once per Hugging Face module), in the leaf's shape, dtype and placement."""
     split: dict[tuple[str, int], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     fused_entries = [e for e in entries if e.block is not None and e.path[-1] == GetAttrKey("lora_A")]
     for entry in fused_entries:
@@ -694,7 +710,6 @@ def load_adapter(
                 module,
                 f"{directory}: {module}",
             )
-
     new = []
     for entry in entries:
         old, source = node_at(model, entry.path), entry.source
@@ -709,9 +724,7 @@ def load_adapter(
         # Like the leaf it replaces (`add_lora` places new branches like their base weight).
         sharding = old.sharding if isinstance(old, jax.Array) else None
         new.append(jnp.asarray(value) if sharding is None else jax.device_put(value, sharding))
-    paths = [entry.path for entry in entries]
-    model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
-    return model, config
+    return new
 
 
 __all__ = ["hf_module_name", "load_adapter", "save_adapter", "tensors_sha256"]
