@@ -50,7 +50,7 @@ class DataConfig:
         if not isinstance(self.eval_size, int) or self.eval_size < 0:
             raise ConfigError(f"DataConfig.eval_size must be an integer >= 0, got {self.eval_size!r}")
         if self.validation is not None and not (isinstance(self.validation, int | float) and 0 <= self.validation < 1):
-            raise ConfigError(f"DataConfig.validation is a fraction in [0, 1), got {self.validation!r}")
+            raise ConfigError(f"DataConfig.validation must be a fraction in [0, 1), got {self.validation!r}")
 
 
 # The flat keys of the nested configs' fields (`DataConfig.source` is `data`), from their flags.
