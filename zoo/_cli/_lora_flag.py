@@ -1,12 +1,12 @@
 """The `--lora KEY=VALUE,...` flag's help and the pinned collectives' LoRA. The text form
-itself (`parse_lora`, `lora_text`) and adding the adapters (`add_lora`) are
-`zoo.train._lora`'s; `finetune`'s defaults are the model's (`ModelSpec.lora_defaults`)."""
+itself (`parse_lora`, `lora_text`) and adding the adapters (`add_lora`) are the
+library's (`zoo.internal`); `finetune`'s defaults are the model's (`ModelSpec.lora_defaults`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..train._registry import CLASSIFIER_SAVE
+from ..internal import CLASSIFIER_SAVE
 
 LORA_HELP = (
     "Keys: r (rank), alpha (lora_alpha; scaling alpha/r), dropout (the branches' input dropout), "

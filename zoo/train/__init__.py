@@ -7,6 +7,8 @@ model registry.
   `zoo.TrainStep` and batches, with hooks every N steps (`Evaluate`, `Checkpoint`,
   `MetricsLog`, `TensorBoard`, `Progress`, `Sample`, or your own `Hook`).
 - `OptimizerConfig`: an optax optimizer with its learning-rate schedule.
+- `Flag`: how a config field is `zoo train`'s flag (its help, how `--resume` treats it);
+  `RunConfig.flags()` lists them, one per flat key.
 - `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
   built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import);
   `Task`, `TaskSettings`, `build_task`: a model on its data, built from settings.
@@ -23,6 +25,7 @@ from ._errors import ConfigError as ConfigError
 from ._errors import Preempted as Preempted
 from ._errors import RunStopped as RunStopped
 from ._evaluate import Evaluator as Evaluator
+from ._flags import Flag as Flag
 from ._hooks import Checkpoint as Checkpoint
 from ._hooks import Evaluate as Evaluate
 from ._hooks import Hook as Hook
@@ -57,6 +60,7 @@ __all__ = [
     "DataConfig",
     "Evaluate",
     "Evaluator",
+    "Flag",
     "Hook",
     "MetricsLog",
     "ModelSpec",

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from ._errors import ConfigError
+from ._flags import flag
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
 SCHEDULES = ("cosine", "constant", "linear")
@@ -33,13 +34,18 @@ class OptimizerConfig:
     """
 
     # Plain `str`s, checked in __post_init__: a bad name is a ConfigError listing the choices.
-    name: str = "adamw"
-    lr: float | int | None = None
-    schedule: str = "cosine"
-    warmup: int | None = None
-    weight_decay: float | int | None = None
-    clip: float | int = 1.0
-    end_lr_fraction: float | int = 0.1
+    name: str = flag("adamw", name="optimizer", choices=OPTIMIZERS, help="optimizer (default adamw)")
+    lr: float | int | None = flag(None, metavar="LR", help="peak learning rate ({per_model})")
+    schedule: str = flag("cosine", choices=SCHEDULES, help="after the warmup: cosine decay to lr/10 at the last "
+                         "step, linear decay to lr/10, or constant (default cosine); the warmup rises linearly from "
+                         "lr/warmup at step 1 to lr at step --warmup")  # fmt: skip
+    warmup: int | None = flag(None, metavar="STEPS", help="linear warmup steps (default: a twentieth of --steps, "
+                              "at least 1)")  # fmt: skip
+    weight_decay: float | int | None = flag(None, metavar="WD", help="weight decay of adamw/lion/sgd (default "
+                                            "{weight_decays}, unless the model says otherwise)")  # fmt: skip
+    clip: float | int = flag(1.0, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)")
+    end_lr_fraction: float | int = flag(0.1, metavar="F", help="where the cosine and linear schedules end, as a "
+                                        "fraction of --lr (default 0.1)")  # fmt: skip
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
