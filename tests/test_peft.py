@@ -67,7 +67,10 @@ CAUSAL_LM = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# Phi-3 fuses gate | up into gate_up_proj (and q | k | v into qkv_proj): that HF name picks both.
+GATE = {"phi3": "gate_up_proj"}
 # Gemma: its own head size, the head tied to the embedding (no lm_head to save).
 GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
 
@@ -313,7 +316,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
         load_adapter(zoo.hf.load_gpt2(folder), tmp_path / "p")
 
 
-# --------------------------------------------------------------------------- Llama, Mistral, Qwen2
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Gemma, Phi-3
 
 
 @pytest.mark.parametrize("family", sorted(CAUSAL_LM))
@@ -324,10 +327,11 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     base = zoo.hf.from_pretrained(folder, config_overrides=padded)
     # zoo → peft, targets named the HF way and the zoo way at once.
     head = [] if family == "gemma" else ["lm_head"]  # Gemma's head is the tied embedding
+    gate = GATE.get(family, "gate_proj")
     config = LoraConfig(
         r=2,
         lora_alpha=4,
-        target_modules=["q_proj", "v_proj", "gate_proj", "down"],
+        target_modules=["q_proj", "v_proj", gate, "down"],
         modules_to_save=["final_norm", *head],
         init_lora_weights=False,
     )
@@ -337,8 +341,16 @@ def test_decoder_families_both_ways(family, root, tmp_path):
         model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight * 1.5)
     save_adapter(model, config, tmp_path / "z")
     values = json.loads((tmp_path / "z/adapter_config.json").read_text())
-    assert "model.layers.1.mlp.gate_proj" in values["target_modules"]
+    assert f"model.layers.1.mlp.{gate}" in values["target_modules"]
     assert values["modules_to_save"] == [*head, "model.norm"]
+    if family == "phi3":  # one branch per fused module: q | v (k's rows zero; 16, 8, 8 wide), gate | up
+        fused = {f"model.layers.{i}.{m}": 4 for i in range(2) for m in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+        assert values["rank_pattern"] == fused
+        tensors = safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")
+        b = tensors["base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight"]
+        v = model.layers.layers.attention.v_proj
+        assert b.shape == (32, 4) and not b[16:24].any()
+        np.testing.assert_array_equal(b[24:, 2:].numpy(), np.asarray(v.lora_B[1]).T)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z")

@@ -190,6 +190,7 @@ def test_register_model_refuses_a_bad_spec(user_model):
         (dict(kind="ranking"), "kind 'ranking' is not one of"),
         (dict(defaults={"finetune": user_model.defaults["train"]}), "needs a 'train' entry"),
         (dict(defaults={"train": {"steps": 1}}), "the train defaults lack"),
+        (dict(defaults={"train": {**user_model.defaults["train"], "lr_decay": 1}}), "hold \\['lr_decay'\\]"),
         (dict(datasets={}), "datasets is empty"),
     ]:
         with pytest.raises(zoo.train.ConfigError, match=message):

@@ -1,6 +1,7 @@
 """zoo.train: the typed run config, the optimizer's schedule, the Trainer and its hooks,
 and `zoo.train.run` (resume, phase lines)."""
 
+import dataclasses
 import json
 import struct
 import subprocess
@@ -71,6 +72,9 @@ def test_optimizer_config_rejects_bad_values_naming_the_field():
         OptimizerConfig(clip=-1.0)
     with pytest.raises(ConfigError, match=r"warmup 10 must be below the run's 10 steps"):
         OptimizerConfig(warmup=10).rates(10)
+    # lr unset is the run's default (RunConfig.resolved); built on its own it must be given.
+    with pytest.raises(ConfigError, match=r"OptimizerConfig\.lr is not set; pass lr="):
+        OptimizerConfig().build(10)
 
 
 # --- the Trainer over a TrainStep of our own -------------------------------------------------------
@@ -264,7 +268,7 @@ def test_run_config_round_trips_through_its_flat_form():
 
 
 def test_run_config_checks_name_the_field():
-    with pytest.raises(ConfigError, match=r"RunConfig\.steps must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"RunConfig\.steps must be an integer >= 1 \(or None\), got 0"):
         RunConfig(model="mlp", steps=0, batch_size=8)
     with pytest.raises(ConfigError, match=r"RunConfig\.eval_every must be an integer >= 0"):
         RunConfig(model="mlp", steps=3, batch_size=8, eval_every=-1)
@@ -322,8 +326,10 @@ def test_a_resumed_run_sees_the_same_batches_and_ends_where_an_uninterrupted_one
     assert [r["step"] for r in cut if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # no step twice
     first = {r["step"]: r["loss"] for r in read_rows(tmp_path / "whole" / "metrics.jsonl") if r["kind"] == "train"}
     assert {r["step"]: r["loss"] for r in cut if r["kind"] == "train"} == first
+    # config.json records the run as it trained: every default resolved, the mesh it used.
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
-    assert RunConfig.from_dict(config) == _mlp(tmp_path / "cut", resume=True)
+    expected = _mlp(tmp_path / "cut", resume=True).resolved("train")
+    assert RunConfig.from_dict(config) == dataclasses.replace(expected, mesh={"data": 2})
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 packed rows → batches → one `zoo.TrainStep` step on 2 devices), packing's segment ids and
 positions against each document run alone, splits, shuffles, errors."""
 
+import hashlib
 import json
 
 import jax
@@ -285,6 +286,15 @@ def test_split_is_by_content_and_shuffle_by_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(zoo.data._dataset, "local_rows", lambda n, mesh, axes: slice(n // 2, n))
     halves = [x["tokens"] for x in a.batches(4, seed=3)]
     assert all(np.array_equal(h, f[2:]) for h, f in zip(halves, first))
+    # batch_at(step): the epochs' batches one after another (this process's rows of them).
+    epochs = [x["tokens"] for e in range(3) for x in a.batches(4, seed=3, epoch=e)]
+    for step in (1, 4, 5, 9, 12):
+        assert np.array_equal(a.batch_at(step, 4, seed=3)["tokens"], epochs[step - 1])
+    monkeypatch.undo()  # one process: the whole global batches
+    epochs = [x["tokens"] for e in range(3) for x in a.batches(4, seed=3, epoch=e)]
+    assert all(np.array_equal(a.batch_at(k + 1, 4, seed=3)["tokens"], epochs[k]) for k in range(12))
+    # The digest of the bytes load read (what a run saves with its checkpoints).
+    assert a.sha256 == va.sha256 == hashlib.sha256((tmp_path / "a.jsonl").read_bytes()).hexdigest() != b.sha256
 
 
 def test_bad_files_get_one_line_errors(tmp_path):

@@ -7,10 +7,19 @@ filtered transforms between plain, reduced and unreduced leaves (explicit mode:
 ZeRO layout (`split_spec`), the batch split (`check_batch`, `split_microbatches`), one
 array's `PartitionSpec` under rules (`spec_for`) and the trainable/frozen split
 (`partition_trainable`). See docs/design.md for how the step uses them.
+
+The second half is the command line's plumbing (`zoo/_cli` imports only public names):
+the pieces of `zoo.train.run` the commands also use on their own, the text forms of
+`--lora` (`parse_lora`, `lora_text`, `lora_json`) and `--model-config` (`parse_scalar`),
+the mesh (`parse_mesh`, `mesh_text`, `make_mesh`, `check_rules_fit_mesh`), the registry's
+shared tables (`SHARED_DEFAULTS`, `OPTIONAL_DEFAULT_KEYS`, `DATA_FILE_DEFAULTS`,
+`CLASSIFIER_SAVE`, `spec_for_init`), a run's outputs and sizes, and the fixed pieces of the
+built-in models. No stability promise beyond the CLI's.
 """
 
 from ._batch import check_batch as check_batch
 from ._batch import split_microbatches as split_microbatches
+from ._checkpoint._disk import without_closed_loop_tracebacks as without_closed_loop_tracebacks
 from ._reduced import gather_over as gather_over
 from ._reduced import manual_specs as manual_specs
 from ._reduced import pcast_unreduced as pcast_unreduced
@@ -22,4 +31,39 @@ from ._reduced import reshard_tree as reshard_tree
 from ._reduced import split_spec as split_spec
 from ._reduced import unreduced_zeros as unreduced_zeros
 from ._rules import spec_for as spec_for
+from ._sampling import check_sampling as check_sampling
 from ._step import partition_trainable as partition_trainable
+from ._tree import path_str as path_str
+from .train._builtin import DEMO_PRETRAIN as DEMO_PRETRAIN
+from .train._builtin import PRETRAINED_KEYS as PRETRAINED_KEYS
+from .train._builtin import minilm_available as minilm_available
+from .train._config import parse_scalar as parse_scalar
+from .train._lora import LORA_EXAMPLE as LORA_EXAMPLE
+from .train._lora import add_lora as add_lora
+from .train._lora import lora_json as lora_json
+from .train._lora import lora_text as lora_text
+from .train._lora import parse_lora as parse_lora
+from .train._mesh import check_rules_fit_mesh as check_rules_fit_mesh
+from .train._mesh import make_mesh as make_mesh
+from .train._mesh import mesh_text as mesh_text
+from .train._mesh import parse_mesh as parse_mesh
+from .train._output import Metrics as Metrics
+from .train._output import human_bytes as human_bytes
+from .train._output import plot_losses as plot_losses
+from .train._output import read_metrics as read_metrics
+from .train._output import write_json as write_json
+from .train._plan import output_dir as output_dir
+from .train._registry import CLASSIFIER_SAVE as CLASSIFIER_SAVE
+from .train._registry import DATA_FILE_DEFAULTS as DATA_FILE_DEFAULTS
+from .train._registry import OPTIONAL_DEFAULT_KEYS as OPTIONAL_DEFAULT_KEYS
+from .train._registry import SHARED_DEFAULTS as SHARED_DEFAULTS
+from .train._registry import spec_for_init as spec_for_init
+from .train._report import collective_summary as collective_summary
+from .train._report import tree_bytes as tree_bytes
+from .train._report import tree_size as tree_size
+from .train._task import ONCE_COMPILER_OPTIONS as ONCE_COMPILER_OPTIONS
+from .train._task import init_compiled as init_compiled
+from .train._task import numpy_rng as numpy_rng
+from .train._task import resolve_init as resolve_init
+from .train._user_data import DATA_FILE_HELP as DATA_FILE_HELP
+from .train._user_data import check_data_file as check_data_file

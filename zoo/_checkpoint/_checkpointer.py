@@ -285,6 +285,45 @@ class Checkpointer:
         """The user metadata saved with checkpoint `step` (default: the newest)."""
         return dict(self.manifest(step).get("metadata", {}))
 
+    def restore_intact(self, like: Any, *, step: int | None = None) -> tuple[Restored, list[tuple[int, str]]]:
+        """Restore checkpoint `step`, or (by default) the newest one that is intact.
+
+        Without `step`, a damaged newer checkpoint (unreadable, truncated, an empty folder)
+        is skipped and deleted: it can never be restored, and the next saves would collide
+        with its step. Every process must call it alike (each deletes what it can).
+
+        **Returns:** `(restored, skipped)`: the `Restored` checkpoint and the `(step, why)`
+        of each damaged checkpoint deleted on the way (newest first).
+        **Raises:** `CheckpointError` when `step` is given and cannot be restored, or every
+        checkpoint is damaged (naming each and why).
+        """
+        import logging
+        import shutil
+
+        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        skipped: list[tuple[int, str]] = []
+        absl = logging.getLogger("absl")
+        for n in candidates:
+            level = absl.level
+            absl.setLevel(max(level, logging.ERROR))  # orbax's own warnings about the damage: ours names it
+            try:
+                restored = self.restore(like, step=n)
+            except CheckpointError as e:
+                first = str(e).splitlines()[0]
+                if " is damaged: " not in first or step is not None:
+                    raise
+                skipped.append((n, first.split(" is damaged: ")[1]))
+                continue
+            finally:
+                absl.setLevel(level)
+            if skipped:
+                for k, _ in skipped:
+                    shutil.rmtree(os.path.join(self.directory, str(k)), ignore_errors=True)
+                self._manager.reload()  # it lists the steps it saw when opened
+            return restored, skipped
+        what = "; ".join(f"step {k}: {why}" for k, why in skipped)
+        raise CheckpointError(f"every checkpoint in {self.directory} is damaged ({what})")
+
     def restore(self, like: Any, *, step: int | None = None) -> Restored:
         """Restore checkpoint `step` (default: the newest) into the structure of `like`.
 

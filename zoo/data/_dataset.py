@@ -40,12 +40,15 @@ class Dataset:
     - `label_names`: classification only: the name of each label id.
     - `truncated`: how many documents were longer than `seq_len` and cut (prompt /
       completion and chat are truncated, plain text is split into pieces).
+    - `sha256`: the digest of the file's bytes as they were read (a run saves it with its
+      checkpoints, so that a resume can refuse a file edited in between).
     """
 
     arrays: dict[str, np.ndarray]
     kind: Kind
     label_names: tuple[str, ...] | None = None
     truncated: int = 0
+    sha256: str | None = None
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
@@ -80,13 +83,43 @@ class Dataset:
         batch is dropped: the step compiles for one shape). Pass each to
         `zoo.global_batch` (several processes) or straight to `zoo.TrainStep`.
         """
+        self._check_batch_size(batch_size)
+        if not shuffle:
+            mine = local_rows(batch_size, mesh, data_axes) if jax.process_count() > 1 else slice(0, batch_size)
+            for b in range(len(self) // batch_size):
+                yield {name: array[b * batch_size : (b + 1) * batch_size][mine] for name, array in self.arrays.items()}
+            return
+        per_epoch = len(self) // batch_size
+        for b in range(per_epoch):
+            yield self.batch_at(epoch * per_epoch + b + 1, batch_size, seed=seed, mesh=mesh, data_axes=data_axes)
+
+    def batch_at(
+        self,
+        step: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        mesh: jax.sharding.Mesh | None = None,
+        data_axes: str | tuple[str, ...] = "data",
+    ) -> dict[str, np.ndarray]:
+        """The batch of training step `step` (from 1), this process's rows of it: the
+        batches of `batches(seed=seed, epoch=e)` for e = 0, 1, ... one after another. A
+        function of the step alone, so a resumed run sees the batches it would have seen.
+
+        **Arguments:** as `batches`; `mesh=None` with one process: the whole global batch.
+        """
+        self._check_batch_size(batch_size)
+        epoch, index = divmod(step - 1, len(self) // batch_size)
+        rows = np.random.default_rng([seed, epoch]).permutation(len(self))[
+            index * batch_size : (index + 1) * batch_size
+        ]
+        if jax.process_count() > 1:
+            rows = rows[local_rows(batch_size, mesh, data_axes)]
+        return {name: array[rows] for name, array in self.arrays.items()}
+
+    def _check_batch_size(self, batch_size: int) -> None:
         if batch_size < 1 or batch_size > len(self):
             raise ValueError(f"batch_size must be between 1 and the {len(self)} rows of the dataset, got {batch_size}")
-        order = np.random.default_rng([seed, epoch]).permutation(len(self)) if shuffle else np.arange(len(self))
-        mine = local_rows(batch_size, mesh, data_axes) if jax.process_count() > 1 else slice(0, batch_size)
-        for b in range(len(self) // batch_size):
-            rows = order[b * batch_size : (b + 1) * batch_size][mine]
-            yield {name: array[rows] for name, array in self.arrays.items()}
 
 
 def _held_out(keys: list[bytes], fraction: float) -> np.ndarray:
@@ -173,14 +206,17 @@ def load(
         eos_id = _special_id(tokenizer, folder, "eos_token")
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2 (a token and its successor), got {seq_len}")
-    kind, records = read_records(path)
+    data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
+    digest = hashlib.sha256(data).hexdigest()
+    kind, records = read_records(path, data=data)
     if kind == "classification":
         ids, names = _labels(records)
         held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
         arrays = tokenizer([str(r["text"]) for r in records], max_len=seq_len, pad_to=seq_len)
         arrays["labels"] = ids
         return tuple(
-            Dataset({k: v[rows] for k, v in arrays.items()}, kind, label_names=names) for rows in (~held, held)
+            Dataset({k: v[rows] for k, v in arrays.items()}, kind, label_names=names, sha256=digest)
+            for rows in (~held, held)
         )
     rust = tokenizer.tokenizer
     rust.no_truncation()  # `Tokenizer.__call__` leaves its last truncation switched on
@@ -229,6 +265,7 @@ def load(
             pack([d for d, h in zip(documents, held) if h == side], seq_len, pad_id=tokenizer.pad_id, packed=packed),
             kind,
             truncated=truncated,
+            sha256=digest,
         )
         for side in (False, True)
     )

@@ -41,10 +41,11 @@ def _kind(record: Any, where: str) -> Kind:
     )
 
 
-def read_records(path: str | os.PathLike) -> tuple[Kind, list[dict[str, Any]]]:
+def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]]]:
     """The records of a data file and their format.
 
-    **Arguments:** `path`, a `.txt`, `.jsonl` or `.csv` file.
+    **Arguments:** `path`, a `.txt`, `.jsonl` or `.csv` file; `data`, its bytes when the
+    caller has read them already (the file is then not opened again).
 
     **Returns:** `(kind, records)`: `kind` is `"text"`, `"prompt_completion"`, `"chat"` or
     `"classification"`; each record is a dict (`.txt`: one record `{"text": whole file}`).
@@ -55,7 +56,7 @@ def read_records(path: str | os.PathLike) -> tuple[Kind, list[dict[str, Any]]]:
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".jsonl", ".csv"):
         raise DataFormatError(f"{str(path)!r}: unknown extension {suffix or '(none)'!r}; zoo reads {FORMATS}")
-    text = path.read_text(encoding="utf-8")
+    text = (path.read_bytes() if data is None else data).decode("utf-8")
     if not text.strip():
         raise DataFormatError(f"{str(path)!r} is empty; put at least one example in it ({FORMATS})")
     if suffix == ".txt":

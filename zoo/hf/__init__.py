@@ -1,7 +1,7 @@
-"""Hugging Face interop without torch: load BERT, GPT-2, Llama, Mistral, Qwen2 and Gemma
-checkpoints into zoo models,
-placed straight onto a mesh; write zoo models back as checkpoints transformers loads;
-fast tokenizers; sentence-transformers embeddings (all-MiniLM-L6-v2 ships packaged).
+"""Hugging Face interop without torch: load the checkpoints of every registered family
+(`zoo.hf.families()`: BERT, GPT-2, Llama, …) into zoo models, placed straight onto a
+mesh; write zoo models back as checkpoints transformers loads; fast tokenizers;
+sentence-transformers embeddings (all-MiniLM-L6-v2 ships packaged).
 
 ```python
 encoder = zoo.hf.from_pretrained("path/to/bert", rules=zoo.rules("fsdp"), mesh=mesh)

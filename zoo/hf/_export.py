@@ -50,11 +50,13 @@ def _source_config(config: Any, family: Any) -> tuple[Path | None, dict[str, Any
 def _family(model: Any) -> Any:
     family = family_of(model)
     if not isinstance(model, family.model_class):
-        classes = sorted({f.model_class.__name__ for f in families().values()})
+        written = {}
+        for f in families().values():
+            written.setdefault(f.model_class.__name__, []).append(f.name)
+        classes = "; ".join(f"{c} as {' / '.join(names)}" for c, names in sorted(written.items()))
         raise TypeError(
-            f"save_pretrained writes the zoo model classes of the registered families ({', '.join(classes)}: "
-            f"Encoder as BERT, Transformer as GPT-2 / Llama / Mistral / Qwen2 / Gemma), got a {type(model).__name__}"
-            + (" (write its .encoder)" if hasattr(model, "encoder") else "")
+            f"save_pretrained writes the zoo model classes of the registered families ({classes}), got a "
+            f"{type(model).__name__}" + (" (write its .encoder)" if hasattr(model, "encoder") else "")
         )
     return family
 
@@ -73,28 +75,23 @@ def hf_tensors(model: Encoder | Transformer) -> dict[str, np.ndarray]:
 
     The model's family (`zoo.hf.family_of`) names them. Stacked leaves are split into one
     tensor per layer, `Linear` weights transposed to torch's `[out, in]`, GPT-2's q/k/v
-    fused into `c_attn`, a padded vocabulary cut back to `vocab_size`. Sharded leaves are
+    fused into `c_attn` (Phi-3's into `qkv_proj` / `gate_up_proj`), a padded vocabulary cut back to `vocab_size`. Sharded leaves are
     gathered (every process must call this in a multi-process run).
     """
     family = _family(model)
     family.config_to_hf(model.config)  # refuses configs the architecture cannot express
-    blocks: dict[str, dict[int, np.ndarray]] = {}
+    fused: dict[str, tuple[Any, dict[int, np.ndarray]]] = {}
     tensors: dict[str, np.ndarray] = {}
     for _, leaf, source in leaf_sources(family, model, model.config):
         host = to_host(leaf)
         for i, name in enumerate(source.names):
-            value = host[i] if source.stacked else host
-            if source.valid is not None:  # drop the vocabulary padding
-                value = value[tuple(slice(0, v) for v in source.valid)]
-            value = value.T if source.transpose else value
-            if source.offset:
-                value = value - np.asarray(source.offset, value.dtype)
-            if source.part is None:
-                tensors[name] = np.ascontiguousarray(value)
+            value = source.to_file(host[i] if source.stacked else host)
+            if source.block is None:
+                tensors[name] = value
             else:
-                blocks.setdefault(name, {})[source.part[0]] = value
-    for name, parts in blocks.items():
-        tensors[name] = np.ascontiguousarray(np.concatenate([parts[k] for k in sorted(parts)], axis=-1))
+                fused.setdefault(name, (source, {}))[1][source.block.index] = value
+    for name, (source, blocks) in fused.items():
+        tensors[name] = source.block.join(blocks, source.block_axis)
     return tensors
 
 
@@ -114,8 +111,10 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
       `BertModel` leaves the pooler freshly initialised, `last_hidden_state` is exact), a
       `zoo.models.Transformer` with learned positions as `GPT2LMHeadModel`, one with RoPE,
       RMSNorm and SwiGLU as `LlamaForCausalLM` (as Mistral with a sliding window, Qwen2
-      with q/k/v-only biases, Gemma with GeGLU, or as the family it was loaded as). Configs the architecture cannot express raise a `ValueError` naming them. May be
-      sharded; LoRA branches must be merged first (`zoo.lora.merge`).
+      with q/k/v-only biases, Gemma with GeGLU); a model loaded by `zoo.hf` as the family
+      it was loaded as (any of `zoo.hf.families()`). Configs the architecture cannot
+      express raise a `ValueError` naming them. May be sharded; LoRA branches must be
+      merged first (`zoo.lora.merge`).
     - `directory`: created if needed. `model.safetensors`, `config.json` and
       `generation_config.json` in it are replaced atomically (a temporary file next to
       each, then `os.replace`; weights first, config last); other files are left alone.

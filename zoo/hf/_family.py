@@ -17,8 +17,9 @@ The interface (stable; additions only):
     (`"layers.layers.attention.q_proj"` → `"model.layers.{0}.self_attn.q_proj"`). Covers
     every module that holds tensors, plus the containers LoRA/peft may name. Fused
     modules (GPT-2's q/k/v in `c_attn`) map several zoo modules onto one HF module.
-  - `fused`: zoo module → `(k, n)`: its tensors are block `k` of `n` equal blocks of the HF
-    tensor's last axis (GPT-2 `c_attn`); empty for most families.
+  - `fused`: zoo module → the zoo modules (in block order) whose tensors Hugging Face
+    fuses into one (`_layout.fused_group`): GPT-2's q/k/v in `c_attn`, Phi-3's q/k/v in
+    `qkv_proj` and gate/up in `gate_up_proj`; empty for most families.
   - `lora_names`: zoo projection (last path component: `q_proj`, `k_proj`, `v_proj`,
     `o_proj`, `up`, `gate`, `down`) → HF module's last name (`q_proj`, `query`, `c_attn`,
     `gate_proj`, …): what peft `target_modules` spell.
@@ -33,6 +34,8 @@ The interface (stable; additions only):
     (export of models built from scratch: GPT-2-shaped → gpt2, Llama-shaped → llama).
   - `source(module, param, parent, shape, config)` → `Source` (tensor names, stacking,
     transpose, fused block, file shape) or `None`: the tensor-name table.
+  - `block(module, config)` → the `Block` of its fused HF tensor that zoo module
+    `module` is (widths from the config: unequal for grouped-query q/k/v), or `None`.
   - `ignored(name, config)` → whether a file tensor is a known non-parameter (buffers,
     a tied head, a pooler).
   - `hf_module_name(module, index)` → the HF/peft module name of zoo module `module` at
@@ -50,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ._layout import Source, is_linear_weight
+from ._layout import Block, Source, is_linear_weight, output_width
 
 
 class Family:
@@ -72,7 +75,7 @@ class Family:
     canonical_prefixed: ClassVar[bool] = False
     head_names: ClassVar[tuple[str, ...]] = ()
     module_names: ClassVar[Mapping[str, str]] = {}
-    fused: ClassVar[Mapping[str, tuple[int, int]]] = {}
+    fused: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     lora_names: ClassVar[Mapping[str, str]] = {}
     vocab_axes: ClassVar[Mapping[str, int]] = {}
 
@@ -111,20 +114,29 @@ class Family:
         if hf_module is None:
             return None
         stacked = "{0}" in hf_module
-        transpose = self.transposed(module, param, parent)
         core = tuple(shape[1:] if stacked else shape)
-        valid = core
+        valid = None
         axis = self.vocab_axes.get(f"{module}.{param}")
         if axis is not None:
             valid = core[:axis] + (config.vocab_size,) + core[axis + 1 :]
-        file_shape = valid[::-1] if transpose else valid
-        part = self.fused.get(module)
-        if part is not None:
-            file_shape = (*file_shape[:-1], part[1] * file_shape[-1])
         names = (
             tuple(f"{hf_module.format(i)}.{param}" for i in range(shape[0])) if stacked else (f"{hf_module}.{param}",)
         )
-        return Source(names, stacked, transpose, tuple(file_shape), part=part, valid=None if valid == core else valid)
+        return Source.of(
+            names,
+            core,
+            stacked=int(stacked),
+            transpose=self.transposed(module, param, parent),
+            block=self.block(module, config),
+            valid=valid,
+        )
+
+    def block(self, module: str, config: Any) -> Block | None:
+        """The block of its fused Hugging Face tensor that zoo module `module` is, or `None`."""
+        group = self.fused.get(module)
+        if group is None:
+            return None
+        return Block(group.index(module), tuple(output_width(config, m) for m in group))
 
     def transposed(self, module: str, param: str, parent: Any) -> bool:
         """Whether the file holds the transpose (torch `nn.Linear` weights)."""
@@ -186,9 +198,10 @@ def refuse(name: str, reason: str) -> None:
     _REFUSED[name] = reason
 
 
-def families() -> dict[str, Family]:
-    """The registered families by name, in registration order."""
-    return dict(_REGISTRY)
+def families(model_class: type | None = None) -> dict[str, Family]:
+    """The registered families by name, in registration order; with `model_class`, those
+    whose zoo model is that class (`zoo.models.Transformer`: the decoders)."""
+    return {n: f for n, f in _REGISTRY.items() if model_class is None or f.model_class is model_class}
 
 
 def get_family(name: str | None, where: str = "") -> Family:

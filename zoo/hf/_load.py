@@ -156,9 +156,9 @@ def from_pretrained(
     config_overrides: Mapping[str, Any] | None = None,
 ) -> Encoder | Transformer:
     """A zoo model holding a Hugging Face checkpoint, its family chosen by `config.json`'s
-    `model_type` from the registry (`zoo.hf.families()`): `"bert"` → `zoo.models.Encoder`;
-    `"gpt2"`, `"llama"`, `"mistral"`, `"qwen2"`, `"gemma"` → `zoo.models.Transformer`. The model's
-    config records the family and the folder (`config.family`, `config.source_dir`), which
+    `model_type` from the registry (`zoo.hf.families()`: `"bert"` → `zoo.models.Encoder`,
+    the decoders, `zoo.hf.families(zoo.models.Transformer)`, → `zoo.models.Transformer`). The
+    model's config records the family and the folder (`config.family`, `config.source_dir`), which
     `save_pretrained` and `zoo.lora.save_adapter` use.
     """
     path = resolve_model_dir(path)

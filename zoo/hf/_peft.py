@@ -20,6 +20,7 @@ from typing import Any
 
 from ..models import EncoderClassifier
 from ._family import Family, family_of
+from ._layout import Block, Source
 
 # transformers Auto class of a family's own model → peft `task_type`.
 _TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModel": "FEATURE_EXTRACTION"}
@@ -66,7 +67,6 @@ class AdapterNames:
     own: Mapping[str, str] = dataclasses.field(default_factory=dict)
     not_in_zoo: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cls_pooling: bool = True
-    vocab_size: int | None = None
     config: Any = None  # the family model's config
 
     def _split(self, name: str) -> tuple[str, str | None]:
@@ -91,10 +91,10 @@ class AdapterNames:
         hf = self.family.hf_module_name(inner, index)
         return None if hf is None else prefix + hf
 
-    def fused(self, name: str) -> tuple[int, int] | None:
-        """`(k, n)` when zoo module `name` is block `k` of `n` of its HF module's outputs."""
+    def block(self, name: str) -> Block | None:
+        """The `Block` of its fused HF module's outputs that zoo module `name` is, or `None`."""
         _, inner = self._split(name)
-        return None if inner is None else self.family.fused.get(inner)
+        return None if inner is None or self.config is None else self.family.block(inner, self.config)
 
     def conv1d(self, name: str, node: Any) -> bool:
         """Whether zoo `Linear` `name` is a `Conv1D` in HF (weights `[in, out]`, as zoo's)."""
@@ -103,20 +103,13 @@ class AdapterNames:
             return False
         return not self.family.transposed(inner, "weight", node)
 
-    def vocab_axis(self, name: str, param: str) -> int | None:
-        """The vocabulary axis of leaf `param` of zoo module `name` (zoo orientation, no
-        layer axes), if the family lists it: `vocab_size` rows are real, the rest padding."""
-        _, inner = self._split(name)
-        return None if inner is None else self.family.vocab_axes.get(f"{inner}.{param}")
-
-    def offset(self, name: str, param: str, parent: Any, shape: tuple[int, ...]) -> float:
-        """What the family adds to a file tensor to get zoo's leaf (Gemma's RMSNorm weights
-        are stored as `w`, held as `1 + w`), `0.0` for most."""
+    def source(self, name: str, param: str, parent: Any, shape: tuple[int, ...]) -> Source | None:
+        """The family's `Source` of leaf `param` of zoo module `name` (orientation, padded
+        vocabulary, offset; its names are the base model's), or `None` when it has none."""
         _, inner = self._split(name)
         if inner is None or self.config is None:
-            return 0.0
-        source = self.family.source(inner, param, parent, shape, self.config)
-        return float(getattr(source, "offset", 0.0) or 0.0) if source is not None else 0.0
+            return None
+        return self.family.source(inner, param, parent, shape, self.config)
 
     def skipped(self, hf_name: str) -> str | None:
         """Why an HF module name the zoo model lacks may be skipped, or `None`."""
@@ -142,7 +135,6 @@ def adapter_names(model: Any) -> AdapterNames | None:
             task_type=_TASK_TYPES.get(family.auto_class),
             architecture=family.architecture,
             not_in_zoo=getattr(family, "lora_absent", {}),
-            vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
             config=getattr(inner, "config", None),
         )
     return AdapterNames(
@@ -153,7 +145,6 @@ def adapter_names(model: Any) -> AdapterNames | None:
         prefix=family.prefix,
         own=getattr(family, "lora_task_modules", {}),
         cls_pooling=getattr(model, "pooling", "cls") == "cls",
-        vocab_size=getattr(getattr(inner, "config", None), "vocab_size", None),
         config=getattr(inner, "config", None),
     )
 

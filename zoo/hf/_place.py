@@ -93,21 +93,15 @@ def read_leaf(
         layers, core = range(index[0].start, index[0].stop), index[1:]
     else:
         layers, core = range(1), index
-    pads = None
+    wanted = tuple(s.stop - s.start for s in core)
     if source.valid is not None:  # a padded vocabulary: read what the file has, zeros after
-        clipped = tuple(slice(min(s.start, v), min(s.stop, v)) for s, v in zip(core, source.valid, strict=True))
-        pads = [(0, (s.stop - s.start) - (c.stop - c.start)) for s, c in zip(core, clipped, strict=True)]
-        core = clipped
+        core = tuple(slice(min(s.start, v), min(s.stop, v)) for s, v in zip(core, source.valid, strict=True))
     file_index = source.file_index(core)
-    parts = []
-    for i in layers:
-        part = checkpoint.read(mapping[source.names[i]], file_index)
-        part = part.T if source.transpose else part
-        parts.append(part if pads is None else np.pad(part, pads))
-    value = np.stack(parts) if source.stacked else parts[0]
-    if source.offset:
-        value = value.astype(dtype, copy=False) + np.asarray(source.offset, dtype)
-    return np.ascontiguousarray(value.astype(dtype, copy=False))
+    parts = [
+        source.from_file(checkpoint.read(mapping[source.names[i]], file_index).astype(dtype, copy=False), wanted)
+        for i in layers
+    ]
+    return np.ascontiguousarray(np.stack(parts) if source.stacked else parts[0])
 
 
 def _target_dtype(leaf_dtype: Any, dtype: Any) -> Any:

@@ -8,7 +8,8 @@ metadata in a file of its own (peft ignores it):
   (`CAUSAL_LM` for a `Transformer`, `FEATURE_EXTRACTION` for an `Encoder`, `SEQ_CLS` for
   an `EncoderClassifier`), `base_model_name_or_path` (the folder the model was loaded
   from by `zoo.hf`, or the argument), `fan_in_fan_out` (GPT-2's `Conv1D`s), and, for
-  GPT-2's fused `c_attn`, `rank_pattern` / `alpha_pattern` (below).
+  fused modules (GPT-2's `c_attn`, Phi-3's `qkv_proj`), `rank_pattern` / `alpha_pattern`
+  (below).
 - `adapter_model.safetensors`: only the adapter: `base_model.model.<module>.lora_A.weight`
   `[r, in]` and `...lora_B.weight` `[out, r]` (zoo's `[in, r]` / `[r, out]` transposed),
   one pair per stacked layer, and every leaf of the `modules_to_save` modules as
@@ -20,12 +21,15 @@ metadata in a file of its own (peft ignores it):
 
 Module names are those of the Hugging Face model the zoo model stands for
 (`hf_module_name`, from the `zoo.hf` family registry), so peft opens zoo adapters and zoo
-opens peft's. GPT-2 fuses q, k and v into one `c_attn` (`Conv1D`, outputs q | k | v):
-zoo's rank-r branches on `q_proj`, `k_proj`, `v_proj` are written as one rank-3r branch
-on `c_attn` (A the three A's stacked, B block-diagonal), with `rank_pattern` 3r and
-`alpha_pattern` chosen so peft's scaling equals zoo's; a peft `c_attn` branch of rank r
-loads as three rank-r zoo branches sharing A (B split in three), exactly; a block-structured
-one (as zoo writes it, also after peft re-saved it without `zoo_adapter.json`) splits back.
+opens peft's. Some families fuse several zoo projections into one HF module (GPT-2's
+`c_attn`: q | k | v; Phi-3's `qkv_proj`, of unequal widths under grouped-query attention,
+and `gate_up_proj`), each zoo module one `Block` of its outputs (`zoo.hf._layout`, as the
+weights are loaded and exported): zoo's rank-r branches on m of its blocks are written as
+one rank-m·r branch on the fused module (A the A's stacked, B block-diagonal), with
+`rank_pattern` m·r and `alpha_pattern` chosen so peft's scaling equals zoo's; a peft branch
+of rank r on it loads as rank-r zoo branches sharing A (B split by blocks), exactly; a
+block-structured one (as zoo writes it, also after peft re-saved it without
+`zoo_adapter.json`) splits back.
 
 Writes are atomic per file (a temporary file next to the target, then `os.replace`):
 the weights first, then `adapter_config.json`, then `zoo_adapter.json`; `load_adapter`
@@ -59,6 +63,7 @@ from jaxtyping import PRNGKeyArray
 from .._files import atomic_write, fsync_dir, to_host
 from .._mismatch import mismatch_lines, shorten
 from .._tree import dotted_name, key_path, node_at
+from ..hf._layout import Block, Source
 from ..nn import Linear
 from ._apply import (
     LINEARS,
@@ -98,50 +103,27 @@ _UNSUPPORTED = ("use_dora", "layers_to_transform", "layer_replication", "lora_bi
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One array leaf of the adapter and the file keys its stacked slices go to."""
+    """One array leaf of the adapter: its key path in the model, its file tensors (a
+    `zoo.hf` `Source`: keys, orientation, padding, offset) and, for a branch on a fused HF
+    module, the `Block` of that module's outputs its zoo module is."""
 
-    path: tuple  # key path of the leaf in the model
-    stacked: int  # leading layer axes
-    transpose: bool  # zoo [.., a, b] ↔ file [b, a]
-    keys: tuple[str, ...]  # file keys, one per layer index in np.ndindex order
-    part: tuple[int, int] | None = None  # (k, n): a branch on block k of n of a fused HF module
-    vocab: tuple[int, int] | None = None  # (axis, size): only `size` rows of a vocab-padded axis are real
-    offset: float = 0.0  # zoo's leaf = file tensor + offset (Gemma's RMSNorm weights)
-
-    def file_shape(self, leaf: Any) -> tuple[int, ...]:
-        shape = list(leaf.shape[self.stacked :])
-        if self.vocab is not None:
-            shape[self.vocab[0]] = self.vocab[1]
-        return tuple(shape[::-1] if self.transpose else shape)
-
-    def to_file(self, value: np.ndarray) -> np.ndarray:
-        """One layer's slice of the leaf as the file holds it (padding rows dropped)."""
-        if self.vocab is not None:
-            value = np.take(value, np.arange(self.vocab[1]), axis=self.vocab[0])
-        if self.offset:
-            value = value - np.asarray(self.offset, value.dtype)
-        return np.ascontiguousarray(value.T if self.transpose else value)
-
-    def from_file(self, value: np.ndarray, core: tuple[int, ...]) -> np.ndarray:
-        """The file's tensor as one layer's slice of the leaf (`core` its shape; padding rows zero)."""
-        value = value.T if self.transpose else value
-        if self.offset:
-            value = value + np.asarray(self.offset, value.dtype)
-        if self.vocab is not None and value.shape != core:
-            pad = [(0, c - v) for v, c in zip(value.shape, core, strict=True)]
-            value = np.pad(value, pad)
-        return value
+    path: tuple
+    source: Source
+    block: Block | None = None
 
 
 def _lora_entries(model: Any, names: Any) -> list[_Entry]:
     entries = []
     for name, (path, stacked) in modules(model, LoraLinear).items():
         layer = node_at(model, path)
-        lead_shape = layer.lora_A.shape[:stacked]
-        part = None if names is None else names.fused(name)
+        block = None if names is None else names.block(name)
         for leaf in ("lora_A", "lora_B"):
-            keys = tuple(f"{PREFIX}{hf_module_name(model, name, idx)}.{leaf}.weight" for idx in np.ndindex(lead_shape))
-            entries.append(_Entry(path + (GetAttrKey(leaf),), stacked, True, keys, part))
+            value = getattr(layer, leaf)
+            keys = tuple(
+                f"{PREFIX}{hf_module_name(model, name, idx)}.{leaf}.weight" for idx in np.ndindex(value.shape[:stacked])
+            )
+            source = Source.of(keys, tuple(value.shape[stacked:]), stacked=stacked, transpose=True)
+            entries.append(_Entry(path + (GetAttrKey(leaf),), source, block))
     return entries
 
 
@@ -161,7 +143,7 @@ def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
                 continue
             full = path + leaf_path
             parent, param, module_name = node_at(model, full[:-1]), dotted_name(full[-1:]), dotted_name(full[:-1])
-            if names is not None and names.fused(module_name) is not None:
+            if names is not None and names.block(module_name) is not None:
                 raise ValueError(
                     f"modules_to_save module {name!r} holds {module_name!r}, which Hugging Face fuses with other "
                     f"modules into {hf_module_name(model, module_name, (0,) * len(lead(model, module_name)))}; "
@@ -171,12 +153,12 @@ def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
             keys = tuple(
                 f"{PREFIX}{hf_module_name(model, module_name, idx)}.{param}" for idx in np.ndindex(leaf.shape[:stacked])
             )
-            conv1d = names is not None and isinstance(parent, Linear) and names.conv1d(module_name, parent)
-            transpose = isinstance(parent, Linear) and param == "weight" and not conv1d
-            axis = None if names is None else names.vocab_axis(module_name, param)
-            vocab = None if axis is None or names.vocab_size is None else (axis, names.vocab_size)
-            offset = 0.0 if names is None else names.offset(module_name, param, parent, tuple(leaf.shape))
-            entries.append(_Entry(full, stacked, transpose, keys, vocab=vocab, offset=offset))
+            # The family's layout of the leaf (Conv1D or Linear, padded vocabulary, offset), under peft's names.
+            source = None if names is None else names.source(module_name, param, parent, tuple(leaf.shape))
+            if source is None:
+                transpose = isinstance(parent, Linear) and param == "weight"
+                source = Source.of(keys, tuple(leaf.shape[stacked:]), stacked=stacked, transpose=transpose)
+            entries.append(_Entry(full, dataclasses.replace(source, names=keys, stacked=stacked)))
     return entries
 
 
@@ -184,9 +166,9 @@ def _entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
     entries = _lora_entries(model, names) + _save_entries(model, config, names)
     seen: dict[str, tuple] = {}
     for entry in entries:
-        if entry.part is not None:
+        if entry.block is not None:
             continue  # fused parts share their HF module's keys on purpose
-        for k in entry.keys:
+        for k in entry.source.names:
             if k in seen:
                 raise ValueError(f"two leaves of this {type(model).__name__} map to the adapter key {k!r}")
             seen[k] = entry.path
@@ -203,28 +185,26 @@ def _module_of(key: str) -> str:
 # --------------------------------------------------------------------------- fused modules
 
 
-def _fuse(parts: dict[int, tuple[np.ndarray, np.ndarray]], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """One branch on a fused HF module from the zoo branches on some of its `n` blocks.
+def _fuse(parts: dict[int, tuple[np.ndarray, np.ndarray]], block: Block) -> tuple[np.ndarray, np.ndarray]:
+    """One branch on a fused HF module from the zoo branches on some of its blocks.
 
-    `parts`: block `k` → (A `[r, in]`, B `[out, r]`), file orientation. **Returns:** A
-    `[p·r, in]` (the A's stacked in block order) and B `[n·out, p·r]` (block-diagonal:
-    block `k`'s rows hold its B in its own rank columns, absent blocks' rows are zero).
+    `parts`: block `k` → (A `[r, in]`, B `[width_k, r]`), file orientation; `block`: the
+    module's blocks. **Returns:** A `[p·r, in]` (the A's stacked in block order) and B
+    `[total, p·r]` (block-diagonal: block `k`'s rows hold its B in its own rank columns,
+    absent blocks' rows are zero).
     """
     order = sorted(parts)
-    r = parts[order[0]][0].shape[0]
-    out = parts[order[0]][1].shape[0]
+    r, p = parts[order[0]][0].shape[0], len(order)
     a = np.concatenate([parts[k][0] for k in order], axis=0)
-    b = np.zeros((n * out, len(order) * r), dtype=parts[order[0]][1].dtype)
-    for j, k in enumerate(order):
-        b[k * out : (k + 1) * out, j * r : (j + 1) * r] = parts[k][1]
-    return a, b
+    columns = {k: np.pad(parts[k][1], [(0, 0), (j * r, (p - 1 - j) * r)]) for j, k in enumerate(order)}
+    return a, block.join(columns, axis=0)
 
 
 def _unfuse(
-    a: np.ndarray, b: np.ndarray, blocks: list[int], n: int, r: int, where: str
+    a: np.ndarray, b: np.ndarray, blocks: list[int], block: Block, r: int, module: str, where: str
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Zoo rank-`r` branches on `blocks` (of `n`) from one fused branch (A `[R, in]`, B
-    `[n·out, R]`), exactly.
+    """Zoo rank-`r` branches on `blocks` (of `block`'s) from one fused branch (A `[R, in]`,
+    B `[total, R]`) on HF module `module`, exactly.
 
     - `R == r` (a branch peft trained): every block gets the whole A and its rows of B.
     - `R == m·r`, B block-structured (each block's rows use one group of r rank columns,
@@ -234,13 +214,14 @@ def _unfuse(
 
     Blocks without a zoo branch must have zero rows of B. Anything else raises.
     """
-    rank, out = a.shape[0], b.shape[0] // n
-    rows = {k: b[k * out : (k + 1) * out] for k in range(n)}
+    rank, n = a.shape[0], len(block.widths)
+    rows = dict(enumerate(block.split(b, axis=0)))
     absent = [k for k in range(n) if k not in blocks and np.any(rows[k])]
     if absent:
         raise ValueError(
             f"{where}: the branch changes outputs of blocks {absent} of the fused module, which this zoo model "
-            f"has no branch for; load it into a model with branches on all {n} (e.g. target_modules=['c_attn'])"
+            f"has no branch for; load it into a model with branches on all {n} (target_modules="
+            f"[{module.rsplit('.', 1)[-1]!r}])"
         )
     if rank == r:
         return {k: (a, rows[k]) for k in blocks}
@@ -330,8 +311,8 @@ def save_adapter(
       config's `source_dir`), else none (peft's `PeftModel` still opens the adapter on a
       model you pass; AutoPeftModel then cannot).
 
-    Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; GPT-2's q/k/v
-    fused into `c_attn`) and the leaves of `config.modules_to_save` are written; see the
+    Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; branches on the
+    blocks of a fused module as one, e.g. GPT-2's q/k/v in `c_attn`) and the leaves of `config.modules_to_save` are written; see the
     module docstring. An `EncoderClassifier` that mean-pools is written with a warning:
     `BertForSequenceClassification` (what peft opens a `SEQ_CLS` adapter on) reads the
     `[CLS]` pooler and so computes other logits. In a multi-process run every process must
@@ -367,21 +348,22 @@ def save_adapter(
     entries = _entries(model, config, names)
 
     tensors: dict[str, np.ndarray] = {}
-    fused: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    fused: dict[str, tuple[Block, dict[int, list[np.ndarray]]]] = {}
     for entry in entries:
-        leaf = to_host(node_at(model, entry.path))
-        for idx, key in zip(np.ndindex(leaf.shape[: entry.stacked]), entry.keys, strict=True):
-            value = entry.to_file(leaf[idx])
-            if entry.part is None:
+        leaf, source = to_host(node_at(model, entry.path)), entry.source
+        for idx, key in zip(np.ndindex(leaf.shape[: source.stacked]), source.names, strict=True):
+            value = source.to_file(leaf[idx])
+            if entry.block is None:
                 tensors[key] = value
             else:
-                module, which = _module_of(key), entry.path[-1].name
-                slot = fused.setdefault((module, str(entry.part[1])), {}).setdefault(entry.part[0], [None, None])
-                slot[0 if which == "lora_A" else 1] = value
+                slot = fused.setdefault(_module_of(key), (entry.block, {}))[1].setdefault(
+                    entry.block.index, [None, None]
+                )
+                slot[0 if entry.path[-1].name == "lora_A" else 1] = value
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
-    for (module, n), parts in fused.items():
-        a, b = _fuse({k: (v[0], v[1]) for k, v in parts.items()}, int(n))
+    for module, (block, parts) in fused.items():
+        a, b = _fuse({k: (v[0], v[1]) for k, v in parts.items()}, block)
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
         rank = a.shape[0]
         if rank != config.r:
@@ -615,7 +597,8 @@ def load_adapter(
     it is skipped with a warning (it only changes `pooler_output`; the hidden states are
     exact). A `SEQ_CLS` adapter is refused by a mean-pooling `EncoderClassifier` (its
     logits would differ). Per-module `rank_pattern` / `alpha_pattern` are accepted where
-    zoo's one rank and scaling hold them exactly (GPT-2's fused `c_attn`).
+    zoo's one rank and scaling hold them exactly (fused modules: GPT-2's `c_attn`, Phi-3's
+    `qkv_proj` / `gate_up_proj`).
     """
     directory = Path(directory)
     values, meta = _read_config(directory)
@@ -652,19 +635,30 @@ def load_adapter(
         model = _replace_lora(model, adopt)
 
     entries = _entries(model, config, names)
+    _check_shapes(entries, tensors, model, meta, directory)
+    _check_scaling(tensors, values, config, directory)
+    new = _loaded_values(model, entries, tensors, config, directory)
+    paths = [entry.path for entry in entries]
+    model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
+    return model, config
+
+
+def _check_shapes(entries, tensors, model, meta, directory: Path) -> None:
+    """Every key the model's branches expect is in the file with a fitting shape, and no
+    other: else one `ValueError` listing missing, unexpected and mis-shaped keys."""
     expected: dict[str, list[tuple[int, ...]]] = {}
     for entry in entries:
-        shape = entry.file_shape(node_at(model, entry.path))
-        for k in entry.keys:
-            if entry.part is None:
+        shape = entry.source.file_shape
+        for k in entry.source.names:
+            if entry.block is None:
                 expected[k] = [shape]
             else:
-                # A fused branch: rank m·r (zoo's blocks, m ≤ n) or r (one peft branch), outputs n blocks.
-                n = entry.part[1]
+                # A fused branch: rank m·r (zoo's blocks, m ≤ n) or r (one peft branch), outputs all n blocks.
+                n = len(entry.block.widths)
                 if k.endswith("lora_A.weight"):
                     expected[k] = [(m * shape[0], shape[1]) for m in range(1, n + 1)]
                 else:
-                    expected[k] = [(n * shape[0], m * shape[1]) for m in range(1, n + 1)]
+                    expected[k] = [(entry.block.total, m * shape[1]) for m in range(1, n + 1)]
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     misshaped = []
@@ -677,7 +671,9 @@ def load_adapter(
         lines += mismatch_lines("keys", missing, unexpected, misshaped)
         raise ValueError("\n".join(lines) + _config_diff(model, meta))
 
-    # peft's scaling of every branch in the file must be zoo's one scaling.
+
+def _check_scaling(tensors, values, config: LoraConfig, directory: Path) -> None:
+    """peft's scaling of every branch in the file is zoo's one scaling (else `ValueError`)."""
     wrong = []
     for k, value in tensors.items():
         if k.endswith(".lora_A.weight"):
@@ -693,41 +689,42 @@ def load_adapter(
             f"give these modules another: {shorten(sorted(wrong), 8)}"
         )
 
-    # The fused modules' branches, split once per HF module.
+
+def _loaded_values(model, entries, tensors, config: LoraConfig, directory: Path) -> list[jax.Array]:
+    """The new value of each entry's leaf: its file tensors (fused modules' branches split
+    once per Hugging Face module), in the leaf's shape, dtype and placement."""
     split: dict[tuple[str, int], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
-    fused_entries = [e for e in entries if e.part is not None and e.path[-1] == GetAttrKey("lora_A")]
+    fused_entries = [e for e in entries if e.block is not None and e.path[-1] == GetAttrKey("lora_A")]
     for entry in fused_entries:
-        for i, k in enumerate(entry.keys):
+        for i, k in enumerate(entry.source.names):
             module = _module_of(k)
             if (module, i) in split:
                 continue
-            blocks = sorted(e.part[0] for e in fused_entries if k in e.keys)
+            blocks = sorted(e.block.index for e in fused_entries if k in e.source.names)
             split[(module, i)] = _unfuse(
                 tensors[k],
                 tensors[f"{PREFIX}{module}.lora_B.weight"],
                 blocks,
-                entry.part[1],
+                entry.block,
                 config.r,
+                module,
                 f"{directory}: {module}",
             )
-
     new = []
     for entry in entries:
-        old = node_at(model, entry.path)
-        if entry.part is None:
-            parts = [tensors[k] for k in entry.keys]
+        old, source = node_at(model, entry.path), entry.source
+        if entry.block is None:
+            parts = [tensors[k] for k in source.names]
         else:
             which = 0 if entry.path[-1] == GetAttrKey("lora_A") else 1
-            parts = [split[(_module_of(k), i)][entry.part[0]][which] for i, k in enumerate(entry.keys)]
-        parts = [entry.from_file(p, tuple(old.shape[entry.stacked :])) for p in parts]
-        value = np.stack(parts).reshape(old.shape) if entry.stacked else parts[0]
-        value = np.asarray(value).astype(old.dtype)
+            parts = [split[(_module_of(k), i)][entry.block.index][which] for i, k in enumerate(source.names)]
+        core = tuple(old.shape[source.stacked :])
+        parts = [source.from_file(np.asarray(p).astype(old.dtype), core) for p in parts]
+        value = np.stack(parts).reshape(old.shape) if source.stacked else parts[0]
         # Like the leaf it replaces (`add_lora` places new branches like their base weight).
         sharding = old.sharding if isinstance(old, jax.Array) else None
         new.append(jnp.asarray(value) if sharding is None else jax.device_put(value, sharding))
-    paths = [entry.path for entry in entries]
-    model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
-    return model, config
+    return new
 
 
 __all__ = ["hf_module_name", "load_adapter", "save_adapter", "tensors_sha256"]

@@ -7,6 +7,8 @@ model registry.
   `zoo.TrainStep` and batches, with hooks every N steps (`Evaluate`, `Checkpoint`,
   `MetricsLog`, `TensorBoard`, `Progress`, `Sample`, or your own `Hook`).
 - `OptimizerConfig`: an optax optimizer with its learning-rate schedule.
+- `Flag`: how a config field is `zoo train`'s flag (its help, how `--resume` treats it);
+  `RunConfig.flags()` lists them, one per flat key.
 - `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
   built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import);
   `Task`, `TaskSettings`, `build_task`: a model on its data, built from settings.
@@ -16,12 +18,14 @@ docs/training.md tells the whole story; docs/models.md the registry.
 """
 
 from . import _builtin  # noqa: F401 (registers the built-in models)
+from ._build_task import build_task as build_task
 from ._config import DataConfig as DataConfig
 from ._config import RunConfig as RunConfig
 from ._errors import ConfigError as ConfigError
 from ._errors import Preempted as Preempted
 from ._errors import RunStopped as RunStopped
 from ._evaluate import Evaluator as Evaluator
+from ._flags import Flag as Flag
 from ._hooks import Checkpoint as Checkpoint
 from ._hooks import Evaluate as Evaluate
 from ._hooks import Hook as Hook
@@ -42,7 +46,6 @@ from ._run import RunResult as RunResult
 from ._run import run as run
 from ._task import Task as Task
 from ._task import TaskSettings as TaskSettings
-from ._task import build_task as build_task
 from ._task import classifier_metrics as classifier_metrics
 from ._task import lm_metrics as lm_metrics
 from ._task import regression_loss as regression_loss
@@ -57,6 +60,7 @@ __all__ = [
     "DataConfig",
     "Evaluate",
     "Evaluator",
+    "Flag",
     "Hook",
     "MetricsLog",
     "ModelSpec",

@@ -21,6 +21,7 @@ from ._task import (
     config_from,
     init_compiled,
     init_folder,
+    init_name,
     lm_metrics,
     load_pretrained,
     numpy_rng,
@@ -36,6 +37,9 @@ _MLP_CONFIG = {"width": 64, "depth": 4}
 _SCRATCH_LM = {"vocab_size": 256, "d_model": 64, "num_heads": 4, "num_layers": 2}
 # What --model-config may change of a pretrained model whose shape is fixed.
 PRETRAINED_KEYS = ("dropout", "attention_dropout", "remat", "dtype")
+# `zoo demo` without all-MiniLM-L6-v2 installed first pretrains a small byte LM on code
+# (`zoo train transformer` with these where the flags say nothing), then LoRAs it on prose.
+DEMO_PRETRAIN = dict(steps=300, batch_size=32, microbatches=4, lr=1e-2, seq_len=64, data="code")
 
 
 def minilm_available() -> bool:
@@ -228,13 +232,6 @@ def classifier_model(s: TaskSettings, num_labels: int, *, rules, mesh):
         model = models.EncoderClassifier(encoder, num_labels, key=key_head)
     _check_seq_len(s.seq_len, config.max_len)
     return model, config, folder
-
-
-def init_name(s: TaskSettings, folder: Path | None) -> str | None:
-    """Where a model's pretrained weights came from, in words (None: from scratch)."""
-    if s.init is None and s.name == "minilm":
-        return "the pretrained all-MiniLM-L6-v2"
-    return None if folder is None else str(folder)
 
 
 def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:

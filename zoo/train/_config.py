@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
 from ._errors import ConfigError
+from ._flags import Flag, fields_flags, flag
+from ._mesh import mesh_text, parse_mesh
 from ._optimizer import OptimizerConfig
+from ._registry import DATA_FILE_DEFAULTS, model_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,21 +22,27 @@ class DataConfig:
     **Fields:**
 
     - `source`: a built-in data set's name (`"teacher"`, `"code"`, `"prose"`, `"docstrings"`;
-      which ones a model takes: `zoo train --help`), or a file (None: the model's default).
+      which ones a model takes: `zoo train --help`), or a file (None: the model's default
+      for the command).
     - `seq_len`: tokens per example, padded or cut (None: the model's default; the mlp has
       no sequences).
     - `eval_size`: held-out examples evaluated (0: the data set's default).
-    - `packed`, `validation`, `chat_template`: how a user's file is read (None: the
-      loader's defaults): texts packed into full windows, the held-out fraction, the chat
-      template of conversations.
+    - `packed`, `validation`, `chat_template`: how a user's file is read (None: packed,
+      0.1): texts packed into full windows, the held-out fraction, the chat template of
+      conversations.
     """
 
-    source: str | None = None
-    seq_len: int | None = None
-    eval_size: int = 0
-    packed: bool | None = None
-    validation: float | int | None = None
-    chat_template: str | None = None
+    source: str | None = flag(None, name="data", metavar="NAME|FILE", group="model and data", help="{data_sets}")
+    seq_len: int | None = flag(None, metavar="L", help="tokens per example, padded or cut ({per_model})")
+    eval_size: int = flag(0, metavar="N", group="evaluation and outputs", resume="safe",
+                          help="held-out examples evaluated (default: all test texts; 256 LM windows; 1024 mlp "
+                          "examples)")  # fmt: skip
+    packed: bool | None = flag(None, group="model and data", help="--data FILE (language modelling): pack short "
+                               "documents into each row (default yes)")  # fmt: skip
+    validation: float | int | None = flag(None, metavar="FRACTION", group="model and data", help="--data FILE: "
+                                          "the fraction of its documents held out for evaluation (default 0.1)")  # fmt: skip
+    chat_template: str | None = flag(None, metavar="FILE", group="model and data", help="--data FILE of chat "
+                                     "messages: a jinja2 chat template (default: the tokenizer's)")  # fmt: skip
 
     def __post_init__(self):
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
@@ -40,38 +50,40 @@ class DataConfig:
         if not isinstance(self.eval_size, int) or self.eval_size < 0:
             raise ConfigError(f"DataConfig.eval_size must be an integer >= 0, got {self.eval_size!r}")
         if self.validation is not None and not (isinstance(self.validation, int | float) and 0 <= self.validation < 1):
-            raise ConfigError(f"DataConfig.validation is a fraction in [0, 1), got {self.validation!r}")
+            raise ConfigError(f"DataConfig.validation must be a fraction in [0, 1), got {self.validation!r}")
 
 
-# Keys of the flat form that belong to one launch (the CLI's), not to the run: accepted by
-# `from_dict`, never written.
-_LAUNCH_KEYS = ("coordinator", "num_processes", "process_id", "debug", "model_config_values")
-_DATA_KEYS = {"data": "source", "seq_len": "seq_len", "eval_size": "eval_size", "packed": "packed",
-              "validation": "validation", "chat_template": "chat_template"}  # fmt: skip
-_OPTIMIZER_KEYS = {"optimizer": "name", "lr": "lr", "schedule": "schedule", "warmup": "warmup",
-                   "weight_decay": "weight_decay", "clip": "clip", "end_lr_fraction": "end_lr_fraction"}  # fmt: skip
+# The flat keys of the nested configs' fields (`DataConfig.source` is `data`), from their flags.
+_DATA_KEYS = {f.name: field for field, f in fields_flags(DataConfig)}
+_OPTIMIZER_KEYS = {f.name: field for field, f in fields_flags(OptimizerConfig)}
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run (`zoo.train.run`) needs; the field names are `zoo train`'s flags
-    (`batch_size` is `--batch-size`).
+    (`batch_size` is `--batch-size`). A field left None takes its default for the model
+    and the command when the run starts (`resolved`): `zoo train MODEL` with no flags and
+    `RunConfig(model=MODEL)` are the same run.
 
     **Fields:**
 
     - `model`: a model's name (`"mlp"`, `"transformer"`, `"encoder"`, `"minilm"`).
     - `data`: a `DataConfig`; `optimizer`: an `OptimizerConfig`.
-    - `lora`: a `zoo.lora.LoraConfig` to fine-tune adapters only (None: train every weight).
+    - `lora`: a `zoo.lora.LoraConfig` to fine-tune adapters only, used as given (None:
+      train every weight; with the command `"finetune"` or `"demo"`, the model's LoRA,
+      `ModelSpec.lora_defaults`).
     - `steps`, `batch_size` (global, a multiple of the data axis × `microbatches`),
-      `microbatches`, `seed`, `dtype` (`"float32"` or `"bfloat16"` compute).
+      `microbatches` (None: the model's defaults), `seed`, `dtype` (`"float32"` or
+      `"bfloat16"` compute).
     - `devices`: how many of jax's devices the mesh uses (None: all); `mesh`: its shape
       (`{"data": 4, "model": 2}`; None: every device on `data`); `rules`: a sharding rules
       preset (`zoo.RULE_PRESETS`); `mode`: `"explicit"` or `"shard_map"`.
     - `init`: pretrained weights (a Hugging Face folder, or a run's output folder);
       `model_config`: config fields to change (`{"d_model": 128}`).
-    - `eval_every`: evaluate every N steps (None: a tenth of the run; 0: before and after
-      only); `probe`: fit a classifier's head alone on frozen features for this many steps
-      first, as a baseline.
+    - `eval_every`: evaluate every N steps (None: the model's default, else a tenth of the
+      run; 0: before and after only); `probe`: fit a classifier's head alone on frozen
+      features for this many steps first, as a baseline (None: the model's default, 0
+      but for the demo).
     - `output`: the run's folder (None: `runs/COMMAND-MODEL-UTCTIME`); `checkpoint_dir`
       (None: OUTPUT/checkpoints), `checkpoint_every` (0: none), `keep`, `resume`,
       `resume_step`, `overwrite` (replace an earlier run's outputs).
@@ -79,33 +91,72 @@ class RunConfig:
     - `quiet`: print only the summary; `tensorboard`: a folder for TensorBoard event files.
     """
 
-    model: str
-    steps: int
-    batch_size: int
-    microbatches: int = 1
+    model: str = flag(positional=True, help="{models}")
+    steps: int | None = flag(None, metavar="N", resume="safe", help="optimizer steps ({per_model})")
+    batch_size: int | None = flag(None, metavar="B", help="global batch, a multiple of data axis x microbatches "
+                                  "({per_model})")  # fmt: skip
+    microbatches: int | None = flag(None, metavar="M", resume="safe", help="microbatches per step ({per_model})")
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    lora: LoraConfig | None = None
-    seed: int = 0
-    dtype: str = "float32"
-    devices: int | None = None
-    mesh: dict[str, int] | None = None
-    rules: str = "dp"
-    mode: str = "explicit"
-    init: str | None = None
-    model_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    eval_every: int | None = None
-    probe: int = 0
-    output: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    keep: int = 3
-    resume: bool = False
-    resume_step: int | None = None
-    overwrite: bool = False
-    skip_nonfinite: bool = False
-    quiet: bool = False
-    tensorboard: str | None = None
+    lora: LoraConfig | None = flag(None, metavar="KEY=VALUE,...", group="model and data", commands=("finetune", "demo"),
+                                   help="LoRA adapters; only they (and modules_to_save) train. Default r=8,alpha=16,"
+                                   "targets=all-linear (+ save=head for classifiers). {lora_keys}")  # fmt: skip
+    seed: int = flag(0, help="seed of the model, head, adapters and batches (default 0)")
+    dtype: str = flag("float32", choices=("float32", "bfloat16"), help="compute dtype; parameters, gradients and "
+                      "their all-reduce stay float32 (default float32)")  # fmt: skip
+    devices: int | None = flag(None, metavar="N", group="devices and sharding", resume="launch", help="devices: "
+                               "simulated CPU devices on CPU (default 8), real ones on GPU/TPU (default all)")  # fmt: skip
+    mesh: dict[str, int] | None = flag(None, metavar="AXIS=SIZE,...", group="devices and sharding", resume="launch",
+                                       help="mesh shape, e.g. data=8 or data=4,model=2 (default data=DEVICES); "
+                                       "needs a data axis")  # fmt: skip
+    rules: str = flag("dp", metavar="PRESET", group="devices and sharding", resume="safe",
+                      help="sharding rules preset: {rule_presets} (default dp); tp and fsdp+tp need a 'model' mesh "
+                      "axis; fsdp-once also sets the step's gather='once' (zoo.preset(name).step_options)")  # fmt: skip
+    mode: str = flag("explicit", choices=("explicit", "shard_map"), group="devices and sharding", resume="safe",
+                     help="step mode (default explicit)")  # fmt: skip
+    init: str | None = flag(None, metavar="PATH", group="model and data", help="start from pretrained weights: a "
+                            "Hugging Face folder or a model id in the local Hugging Face cache ({init_families}; its "
+                            "tokenizer.json is used when present, else byte tokens) or a `zoo train` output folder; "
+                            "minilm's default is the packaged all-MiniLM-L6-v2")  # fmt: skip
+    model_config: dict[str, Any] = flag(factory=dict, metavar="KEY=VALUE,...", group="model and data",
+                                        help="model config fields to change, e.g. d_model=128,num_layers=4 "
+                                        "(TransformerConfig / EncoderConfig fields; mlp: width, depth; pretrained "
+                                        "models: dropout, attention_dropout, remat)")  # fmt: skip
+    eval_every: int | None = flag(None, metavar="N", group="evaluation and outputs", resume="safe",
+                                  help="evaluate every N steps (default: a tenth of --steps; 0: only before and "
+                                  "after)")  # fmt: skip
+    probe: int | None = flag(None, metavar="STEPS", group="model and data", resume="safe",
+                             help="classifiers: also fit the new head alone on frozen-encoder features (a linear "
+                             "probe: full-batch Adam, this many steps) and report it as a baseline; training starts "
+                             "from the new head either way (default 0: off{probe_demo})")  # fmt: skip
+    output: str | None = flag(None, metavar="DIR", group="evaluation and outputs", resume="safe",
+                              help="output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, "
+                              "loss.png, summary.json, {outputs}, checkpoints/")  # fmt: skip
+    checkpoint_dir: str | None = flag(None, metavar="DIR", group="evaluation and outputs", resume="safe",
+                                      help="checkpoints folder (default OUTPUT/checkpoints)")  # fmt: skip
+    checkpoint_every: int = flag(0, metavar="N", group="evaluation and outputs", resume="safe",
+                                 help="save the trained leaves, optimizer state and key every N steps and at the end "
+                                 "(default 0: none; a train run without a Hugging Face model/ folder, e.g. the mlp's, "
+                                 "saves its end anyway)")  # fmt: skip
+    keep: int = flag(3, metavar="K", group="evaluation and outputs", resume="safe",
+                     help="checkpoints kept, newest first (default 3)")  # fmt: skip
+    resume: bool = flag(False, group="evaluation and outputs", resume="launch",
+                        help="continue from the newest checkpoint of --checkpoint-dir (or OUTPUT/checkpoints) up to "
+                        "--steps (default no)")  # fmt: skip
+    resume_step: int | None = flag(None, metavar="N", group="evaluation and outputs", resume="launch",
+                                   help="resume from checkpoint step N instead of the newest (implies --resume; "
+                                   "later steps are refused unless --overwrite deletes them)")  # fmt: skip
+    overwrite: bool = flag(False, group="evaluation and outputs", resume="launch",
+                           help="replace the outputs and checkpoints of an earlier run in --output (default no: "
+                           "such a folder is refused; --resume continues it instead)")  # fmt: skip
+    skip_nonfinite: bool = flag(False, help="skip a step whose loss or gradients are NaN/inf (weights and optimizer "
+                                "state unchanged; counted as `skipped` in metrics.jsonl) instead of stopping the run "
+                                "with exit code 3 (default no)")  # fmt: skip
+    quiet: bool = flag(False, group="evaluation and outputs", resume="safe",
+                       help="no progress bar and header, only the summary (default no)")  # fmt: skip
+    tensorboard: str | None = flag(None, metavar="DIR", group="evaluation and outputs", resume="safe",
+                                   help="also write TensorBoard event files (loss, lr, eval_loss, eval_accuracy) into "
+                                   "DIR; needs tensorboardX (pip install 'eqx-zoo[tensorboard]')")  # fmt: skip
 
     def __post_init__(self):
         self.check()
@@ -119,15 +170,17 @@ class RunConfig:
         def integer(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
-        for field in ("steps", "batch_size", "microbatches", "keep"):
+        if not isinstance(self.model, str):
+            raise bad("model", "a registered model's name (zoo.train.model_names())")
+        for field in ("keep",):
             if not integer(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "an integer >= 1")
-        for field in ("seed", "probe", "checkpoint_every"):
+        for field in ("seed", "checkpoint_every"):
             if not integer(getattr(self, field)) or getattr(self, field) < 0:
                 raise bad(field, "an integer >= 0")
-        for field in ("eval_every", "resume_step", "devices"):
+        for field in ("steps", "batch_size", "microbatches", "eval_every", "probe", "resume_step", "devices"):
             value = getattr(self, field)
-            low = 0 if field == "eval_every" else 1
+            low = 0 if field in ("eval_every", "probe") else 1
             if value is not None and (not integer(value) or value < low):
                 raise bad(field, f"an integer >= {low} (or None)")
         if self.dtype not in ("float32", "bfloat16"):
@@ -138,7 +191,8 @@ class RunConfig:
             raise bad("data", "a zoo.train.DataConfig")
         if not isinstance(self.optimizer, OptimizerConfig):
             raise bad("optimizer", "a zoo.train.OptimizerConfig")
-        self.optimizer.warmup_steps(self.steps)
+        if self.steps is not None:
+            self.optimizer.warmup_steps(self.steps)
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise bad("lora", "a zoo.lora.LoraConfig or None")
         if self.mesh is not None and (
@@ -152,8 +206,62 @@ class RunConfig:
 
     @property
     def eval_interval(self) -> int:
-        """Steps between evaluations: `eval_every`, or a tenth of the run (0: none between)."""
-        return max(1, self.steps // 10) if self.eval_every is None else self.eval_every
+        """Steps between evaluations: `eval_every`, or a tenth of the run, at least 1, so
+        loss.png shows measured points (0: none between)."""
+        if self.eval_every is not None:
+            return self.eval_every
+        if self.steps is None:
+            raise ConfigError("RunConfig.eval_interval needs the steps; call it on config.resolved()")
+        return max(1, self.steps // 10)
+
+    def resolved(self, command: str | None = None) -> RunConfig:
+        """This config with every unset field (None) at its default for `command`: what a
+        run trains with, and writes as its config.json.
+
+        `command` is `"train"`, `"finetune"` or `"demo"` (default: `"finetune"` with
+        `lora`, else `"train"`). The defaults are the model's (`ModelSpec.defaults_for`,
+        every model's shared ones under them: `steps`, `batch_size`, `microbatches`, `lr`,
+        `weight_decay`, `seq_len`, `probe`, `eval_every`), its data set for the command
+        (`ModelSpec.data_for`; a data file given becomes an absolute path), a warmup of a
+        twentieth of the steps and an evaluation every tenth (`OptimizerConfig.warmup_steps`,
+        `eval_interval`), a data file read packed with 0.1 held out, and to fine-tune the
+        model's LoRA (`ModelSpec.lora_defaults`). Set fields are kept; a resolved config
+        resolves to itself. Raises `ConfigError` if the command does not take the model.
+        """
+        command = command or ("finetune" if self.lora is not None else "train")
+        spec = model_spec(self.model)
+        table = spec.defaults_for(command)
+
+        def pick(value: Any, key: str) -> Any:
+            return table[key] if value is None else value
+
+        steps = pick(self.steps, "steps")
+        optimizer = dataclasses.replace(
+            self.optimizer,
+            lr=pick(self.optimizer.lr, "lr"),
+            weight_decay=pick(self.optimizer.weight_decay, "weight_decay"),
+        )
+        warmup = pick(optimizer.warmup, "warmup")
+        optimizer = dataclasses.replace(optimizer, warmup=optimizer.warmup_steps(steps) if warmup is None else warmup)
+        source = self.data.source or spec.data_for(command)
+        if source not in spec.datasets and Path(source).expanduser().exists():
+            source = str(Path(source).expanduser().resolve())  # a file: the same wherever the run is resumed
+        data = dataclasses.replace(
+            self.data,
+            source=source,
+            seq_len=pick(self.data.seq_len, "seq_len"),
+            validation=DATA_FILE_DEFAULTS["validation"] if self.data.validation is None else self.data.validation,
+            packed=DATA_FILE_DEFAULTS["packed"] if self.data.packed is None else self.data.packed,
+        )
+        lora = self.lora
+        if lora is None and command != "train":
+            lora = LoraConfig(**spec.lora_defaults)
+        done = dataclasses.replace(
+            self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
+            microbatches=pick(self.microbatches, "microbatches"), probe=pick(self.probe, "probe"),
+            eval_every=pick(self.eval_every, "eval_every"), optimizer=optimizer, data=data, lora=lora,
+        )  # fmt: skip
+        return dataclasses.replace(done, eval_every=done.eval_interval)
 
     def to_dict(self) -> dict[str, Any]:
         """The flat form: `zoo train`'s long flags as keys (`"batch_size"`, `"lr"`,
@@ -178,7 +286,7 @@ class RunConfig:
 
                     flat["lora"] = lora_text(value)
             elif f.name == "mesh":
-                flat["mesh"] = None if value is None else ",".join(f"{k}={v}" for k, v in value.items())
+                flat["mesh"] = None if value is None else mesh_text(value)
             elif f.name == "model_config":
                 flat["model_config"] = ",".join(f"{k}={v}" for k, v in value.items()) or None
             elif f.name in ("resume_step", "overwrite"):
@@ -190,30 +298,51 @@ class RunConfig:
         return flat
 
     @classmethod
+    def flags(cls) -> tuple[Flag, ...]:
+        """Every field as its flag (`zoo train`'s run flags), in field order, the fields of
+        `data` and `optimizer` in their place: each `Flag` names its flat key
+        (`Flag.name`), the field it sets (`Flag.field`), its help and how `--resume`
+        treats it. The CLI's parser is generated from these."""
+        nested = {"data": DataConfig, "optimizer": OptimizerConfig}
+        own = dict(fields_flags(cls))
+        out: list[Flag] = []
+        for f in dataclasses.fields(cls):
+            if f.name in nested:
+                out += [inner for _, inner in fields_flags(nested[f.name])]
+            elif f.name in own:
+                out.append(own[f.name])
+        return tuple(out)
+
+    @classmethod
+    def flat_keys(cls) -> tuple[str, ...]:
+        """The keys of the flat form (`to_dict`, `from_dict`, a config.json): `zoo train`'s
+        run flags without the dashes."""
+        return tuple(str(f.name) for f in cls.flags())
+
+    @classmethod
     def from_dict(cls, flat: dict[str, Any]) -> RunConfig:
         """A `RunConfig` from its flat form (`to_dict`, a config.json, the CLI's resolved
         flags). An unknown key raises `ConfigError` naming it."""
         values = dict(flat)
-        for key in _LAUNCH_KEYS:
-            values.pop(key, None)
         data = {field: values.pop(key) for key, field in _DATA_KEYS.items() if key in values}
         opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
         if isinstance(values.get("lora"), str):
             from ._lora import parse_lora
 
-            values["lora"] = parse_lora(values["lora"], {})
+            # As `--lora`: keys the text leaves out take the model's LoRA defaults.
+            defaults = model_spec(values["model"]).lora_defaults if values.get("model") is not None else {}
+            values["lora"] = parse_lora(values["lora"], defaults)
         if isinstance(values.get("mesh"), str):
-            values["mesh"] = _pairs(values["mesh"], "mesh", int)
+            values["mesh"] = parse_mesh(values["mesh"])
         if isinstance(values.get("model_config"), str) or values.get("model_config") is None:
             text = values.get("model_config") or ""
             values["model_config"] = _pairs(text, "model_config", parse_scalar) if text else {}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            valid = sorted((known - {"data", "optimizer"}) | set(_DATA_KEYS) | set(_OPTIMIZER_KEYS))
-            raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {valid}")
-        if "model" not in values or "steps" not in values or "batch_size" not in values:
-            raise ConfigError("RunConfig needs at least 'model', 'steps' and 'batch_size'")
+            raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {sorted(cls.flat_keys())}")
+        if values.get("model") is None:
+            raise ConfigError("RunConfig needs at least 'model'")
         return cls(data=DataConfig(**data), optimizer=OptimizerConfig(**opt), **values)
 
 

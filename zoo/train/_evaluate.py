@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._distributed import global_batch, local_rows
+
 
 class Evaluator:
     """Held-out loss and accuracy of a model: a task's `metrics_fn` jitted, run on
@@ -104,9 +106,43 @@ def put_rows(batch: dict, sharding) -> dict:
     its own devices hold (`zoo.local_rows`), so no process copies rows it does not keep."""
     import jax
 
-    import zoo
-
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
-    rows = zoo.local_rows(len(next(iter(batch.values()))), sharding.mesh)
-    return zoo.global_batch({k: v[rows] for k, v in batch.items()}, sharding.mesh)
+    rows = local_rows(len(next(iter(batch.values()))), sharding.mesh)
+    return global_batch({k: v[rows] for k, v in batch.items()}, sharding.mesh)
+
+
+def plain(evaluation: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation without its `features`."""
+    return {k: v for k, v in evaluation.items() if k != "features"}
+
+
+def first_evaluation(evaluate: Evaluator, model, *, probe_steps: int, start: int) -> list[dict[str, Any]]:
+    """The run's stages before training: the held-out evaluation of `model` (at `start`),
+    and with `probe_steps` (a fresh classifier, `start` 0) the linear probe: the new head
+    fitted alone on the frozen encoder's features, the baseline that fine-tuning is
+    compared with (`"baseline": True`). Returns the stages, `[0]` the starting point."""
+    import numpy as np
+
+    from ..nn import Linear
+    from ._errors import ConfigError
+
+    task = evaluate.task
+    if not (probe_steps and start == 0):
+        return [{"name": "before training" if start == 0 else f"resumed at step {start}",
+                 **plain(evaluate(model, task.eval_data))}]  # fmt: skip
+    # Training itself starts from the new head: on a thousand texts a head fitted this
+    # close to the training set leaves fine-tuning nothing to learn but overconfidence.
+    if not isinstance(model.head, Linear) or model.head.bias is None:
+        raise ConfigError("--probe needs the head to stay a plain Linear; keep it out of the LoRA targets")
+    test = evaluate(model, task.eval_data, features=True)
+    train = evaluate(model, task.train_data, features=True)
+    w0, b0 = np.asarray(model.head.weight), np.asarray(model.head.bias)
+    w, b = fit_head(train["features"], task.train_data["labels"], w0, b0, steps=probe_steps)
+    probe = head_metrics(test["features"], task.eval_data["labels"], w, b)
+    train_probe = head_metrics(train["features"], task.train_data["labels"], w, b)
+    return [
+        {"name": "pretrained encoder + new head", **plain(test)},
+        {"name": "frozen encoder + fitted head (linear probe)", **probe, "train_accuracy": train_probe["accuracy"],
+         "baseline": True},
+    ]  # fmt: skip

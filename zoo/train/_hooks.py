@@ -16,6 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._checkpoint import Checkpointer
+from .._distributed import is_main_process
+from .._generate import generate
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,9 +71,7 @@ class Hook:
 
 
 def _main() -> bool:
-    import zoo
-
-    return zoo.is_main_process()
+    return is_main_process()
 
 
 class Evaluate(Hook):
@@ -138,13 +139,11 @@ class Checkpoint(Hook):
 
     def save(self, state: TrainState) -> None:
         """Save the state of `state.step` now (once per step)."""
-        import zoo
-
         if self.last_saved == state.step:
             return
         state.trainer.check_finite(state)
         if self.checkpointer is None:
-            self.checkpointer = zoo.Checkpointer(self.directory, keep=self.keep)
+            self.checkpointer = Checkpointer(self.directory, keep=self.keep)
         params = state.trainer.step.partition(state.model)[0]
         self.checkpointer.save(state.step, {"params": params, "opt_state": state.opt_state, **self.extra},
                                metadata={"step": state.step, **self.metadata})  # fmt: skip
@@ -304,9 +303,7 @@ class Sample(Hook):
     def _run(self, state: TrainState) -> None:
         import numpy as np
 
-        import zoo
-
-        out = zoo.generate(state.model, self.prompt, max_new_tokens=self.new_tokens)
+        out = generate(state.model, self.prompt, max_new_tokens=self.new_tokens)
         # This process's copy of the rows (any process count).
         ids = np.asarray(out.addressable_data(0)) if out.is_fully_replicated else np.asarray(out)
         n = self.prompt.shape[1]
@@ -322,3 +319,25 @@ class Sample(Hook):
     def on_end(self, state: TrainState) -> None:
         if self.at_end:
             self._run(state)
+
+
+def decoder_sample(model, task, *, prompt_len: int = 16, new_tokens: int = 32) -> Sample:
+    """The `Sample` hook of a decoder's run: a greedy continuation of the start of the
+    first validation window, decoded by the task's tokenizer (else as bytes)."""
+    import numpy as np
+
+    from ..hf import Tokenizer
+
+    max_len = model.config.max_len
+    prompt_len = min(prompt_len, max_len // 2)
+    new_tokens = min(new_tokens, max_len - prompt_len)
+    tokens = np.asarray(task.eval_data["tokens"][:1, :prompt_len], np.int32)
+    tokenizer = Tokenizer.from_pretrained(task.tokenizer_dir) if task.tokenizer_dir is not None else None
+
+    def decode(ids) -> str:
+        ids = [int(i) for i in ids]
+        if tokenizer is None:  # byte tokens
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return tokenizer.decode(ids)
+
+    return Sample(tokens, new_tokens=new_tokens, decode=decode)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..lora import LoraConfig, LoraLinear
+from ..lora import add_lora as add_branches
+from ..lora import modules as lora_modules
 from ._errors import ConfigError
 from ._task import ONCE_COMPILER_OPTIONS
 
@@ -51,7 +54,6 @@ def _lora_value(key: str, value: str) -> Any:
 def parse_lora(text: str, defaults: dict[str, Any]):
     """`"r=8,alpha=16,targets=q_proj+v_proj"` → a `zoo.lora.LoraConfig`: `defaults`
     (LoraConfig field → value) where the text names no value. An empty text is the defaults."""
-    import zoo
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
@@ -75,7 +77,7 @@ def parse_lora(text: str, defaults: dict[str, Any]):
         except ValueError as e:
             raise bad(str(e)) from e
     try:
-        return zoo.lora.LoraConfig(**fields)
+        return LoraConfig(**fields)
     except ValueError as e:
         raise bad(str(e)) from e
 
@@ -108,8 +110,6 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
     import jax
     import jax.random as jr
 
-    import zoo
-
     key = jr.fold_in(jr.key(seed), LORA_KEY_SALT)
     arrays, static = eqx.partition(model, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
@@ -119,7 +119,7 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
 
         def wrap(arrays, k):
             lora_arrays, out["tree"] = eqx.partition(
-                zoo.lora.add_lora(eqx.combine(arrays, static), config, key=k), eqx.is_array
+                add_branches(eqx.combine(arrays, static), config, key=k), eqx.is_array
             )
             return lora_arrays
 
@@ -134,7 +134,6 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
 
 def lora_json(model: Any, config: Any) -> dict[str, Any]:
     """The config (peft's field names), its scaling, and the modules that got a branch."""
-    import zoo
 
     def plain(value):
         return list(value) if isinstance(value, tuple) else value
@@ -142,5 +141,5 @@ def lora_json(model: Any, config: Any) -> dict[str, Any]:
     fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
     return fields | {
         "scaling": config.scaling,
-        "adapted_modules": sorted(zoo.lora.modules(model, zoo.lora.LoraLinear)),
+        "adapted_modules": sorted(lora_modules(model, LoraLinear)),
     }

@@ -5,7 +5,24 @@ from __future__ import annotations
 
 import math
 
+from .._presets import RULE_PRESETS
+from .._presets import rules as preset_rules
 from ._errors import ConfigError
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"data=4,model=2"` → `{"data": 4, "model": 2}`: the text form of `RunConfig.mesh`
+    (`--mesh`, a config.json), the one parser of it. A `ConfigError` naming
+    `RunConfig.mesh` unless every part is `name=size`, each name once, each size >= 1."""
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = (s.strip() for s in part.partition("="))
+        if not eq or not name.isidentifier() or not size.isdigit() or int(size) < 1:
+            raise ConfigError(f"bad RunConfig.mesh {text!r}: write it as name=size[,name=size], e.g. data=4,model=2")
+        if name in mesh:
+            raise ConfigError(f"bad RunConfig.mesh {text!r}: axis {name!r} appears twice")
+        mesh[name] = int(size)
+    return mesh
 
 
 def mesh_text(shape: dict[str, int]) -> str:
@@ -24,12 +41,10 @@ def make_mesh(shape: dict[str, int]):
 def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) -> None:
     """Fail fast (before building a model) on an unknown rules preset, or one that uses
     mesh axes the mesh lacks."""
-    import zoo
-
-    if preset not in zoo.RULE_PRESETS:
-        raise ConfigError(f"unknown --rules {preset!r}; choose one of {list(zoo.RULE_PRESETS)}")
+    if preset not in RULE_PRESETS:
+        raise ConfigError(f"unknown --rules {preset!r}; choose one of {list(RULE_PRESETS)}")
     used: list[str] = []
-    for target in zoo.rules(preset).values():
+    for target in preset_rules(preset).values():
         for ax in (target,) if isinstance(target, str) else (target or ()):
             if ax not in used:
                 used.append(ax)

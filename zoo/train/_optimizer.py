@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from ._errors import ConfigError
+from ._flags import flag
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
 SCHEDULES = ("cosine", "constant", "linear")
@@ -18,25 +19,33 @@ class OptimizerConfig:
     **Fields:**
 
     - `name`: `"adamw"`, `"adam"`, `"sgd"` (Nesterov momentum 0.9), `"lion"` or `"adafactor"`.
-    - `lr`: the peak learning rate (finite, > 0).
+    - `lr`: the peak learning rate (finite, > 0). None: the model's default in a run
+      (`RunConfig.resolved`); `build` needs it set.
     - `schedule`: after the warmup, `"cosine"` (decay to `end_lr_fraction · lr` at the last
       step), `"linear"` (the same end, in a straight line) or `"constant"`.
     - `warmup`: steps of linear warmup; step `k <= warmup` runs at `lr · k / warmup`, so
       step 1 already moves the weights and step `warmup` runs at the peak. `None`: a
       twentieth of the run (at least 1, fewer than the steps).
-    - `weight_decay`: decoupled weight decay of adamw, lion and sgd (>= 0).
+    - `weight_decay`: decoupled weight decay of adamw, lion and sgd (>= 0). None: the
+      run's default (0.01 to train every weight, 0 to fine-tune; `RunConfig.resolved`),
+      none when built outside a run.
     - `clip`: clip the gradients at this global norm first (0: no clipping).
     - `end_lr_fraction`: where the cosine and linear schedules end, as a fraction of `lr`.
     """
 
     # Plain `str`s, checked in __post_init__: a bad name is a ConfigError listing the choices.
-    name: str = "adamw"
-    lr: float | int = 1e-3
-    schedule: str = "cosine"
-    warmup: int | None = None
-    weight_decay: float | int = 0.0
-    clip: float | int = 1.0
-    end_lr_fraction: float | int = 0.1
+    name: str = flag("adamw", name="optimizer", choices=OPTIMIZERS, help="optimizer (default adamw)")
+    lr: float | int | None = flag(None, metavar="LR", help="peak learning rate ({per_model})")
+    schedule: str = flag("cosine", choices=SCHEDULES, help="after the warmup: cosine decay to lr/10 at the last "
+                         "step, linear decay to lr/10, or constant (default cosine); the warmup rises linearly from "
+                         "lr/warmup at step 1 to lr at step --warmup")  # fmt: skip
+    warmup: int | None = flag(None, metavar="STEPS", help="linear warmup steps (default: a twentieth of --steps, "
+                              "at least 1)")  # fmt: skip
+    weight_decay: float | int | None = flag(None, metavar="WD", help="weight decay of adamw/lion/sgd (default "
+                                            "{weight_decays}, unless the model says otherwise)")  # fmt: skip
+    clip: float | int = flag(1.0, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)")
+    end_lr_fraction: float | int = flag(0.1, metavar="F", help="where the cosine and linear schedules end, as a "
+                                        "fraction of --lr (default 0.1)")  # fmt: skip
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -45,6 +54,8 @@ class OptimizerConfig:
             raise ConfigError(f"OptimizerConfig.schedule {self.schedule!r} is not one of {list(SCHEDULES)}")
         for field, strict in (("lr", True), ("weight_decay", False), ("clip", False), ("end_lr_fraction", False)):
             value = getattr(self, field)
+            if value is None and field in ("lr", "weight_decay"):
+                continue  # the run's default
             ok = isinstance(value, int | float) and math.isfinite(value) and (value > 0 if strict else value >= 0)
             if not ok:
                 raise ConfigError(f"OptimizerConfig.{field} must be a finite number {'> 0' if strict else '>= 0'}, "
@@ -70,6 +81,9 @@ class OptimizerConfig:
         import optax
 
         warmup = self.warmup_steps(steps)
+        if self.lr is None:
+            raise ConfigError("OptimizerConfig.lr is not set; pass lr=..., or run it through zoo.train.run, which "
+                              "takes the model's default (RunConfig.resolved)")  # fmt: skip
         end = self.lr * self.end_lr_fraction
         # Counts warmup, warmup + 1, ..., steps - 1 (steps warmup + 1 ... steps) decay, so the
         # last step runs at `end` exactly.
@@ -102,16 +116,15 @@ class OptimizerConfig:
         import optax
 
         rate = self.schedule_fn(steps)
+        decay = self.weight_decay or 0.0  # unset outside a run: none
         if self.name == "adamw":
-            opt = optax.adamw(rate, weight_decay=self.weight_decay)
+            opt = optax.adamw(rate, weight_decay=decay)
         elif self.name == "adam":
             opt = optax.adam(rate)
         elif self.name == "sgd":
-            opt = optax.chain(
-                optax.add_decayed_weights(self.weight_decay), optax.sgd(rate, momentum=0.9, nesterov=True)
-            )
+            opt = optax.chain(optax.add_decayed_weights(decay), optax.sgd(rate, momentum=0.9, nesterov=True))
         elif self.name == "lion":
-            opt = optax.lion(rate, weight_decay=self.weight_decay)
+            opt = optax.lion(rate, weight_decay=decay)
         else:
             opt = optax.adafactor(rate)
         return optax.chain(optax.clip_by_global_norm(self.clip), opt) if self.clip > 0 else opt

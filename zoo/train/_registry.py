@@ -24,8 +24,25 @@ from ._errors import ConfigError
 
 KINDS = ("regression", "lm", "classification")
 COMMANDS = ("train", "finetune", "demo")
-# The per-command defaults every spec gives (the CLI adds the model-independent ones).
+# The per-command defaults every spec gives.
 DEFAULT_KEYS = ("steps", "batch_size", "microbatches", "lr", "seq_len")
+# The per-command defaults a spec may give; without them, every model's below.
+OPTIONAL_DEFAULT_KEYS = ("weight_decay", "warmup", "eval_every", "probe")
+# Every model's defaults per command, under the spec's own: training every weight decays
+# them; fine-tuning adapters does not (peft's and transformers' recipes). An unset warmup
+# and eval_every follow the run's length (`RunConfig.resolved`).
+SHARED_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
+    "train": types.MappingProxyType({"weight_decay": 0.01, "warmup": None, "eval_every": None, "probe": 0}),
+    "finetune": types.MappingProxyType({"weight_decay": 0.0, "warmup": None, "eval_every": None, "probe": 0}),
+    "demo": types.MappingProxyType({"weight_decay": 0.0, "warmup": None, "eval_every": None, "probe": 0}),
+})  # fmt: skip
+# The LoRA of `zoo finetune` (a `zoo.lora.LoraConfig`'s fields): rank 8, scaling 2, on every
+# Linear layer but the output head (peft's `all-linear`); a classifier's new head, which
+# LoRA cannot adapt from nothing, trained in full (peft's modules_to_save=["classifier"]).
+LORA_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"r": 8, "lora_alpha": 16, "target_modules": "all-linear"})
+CLASSIFIER_SAVE = ("head",)
+# How a user's data file (`--data FILE`) is read when the run does not say.
+DATA_FILE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"validation": 0.1, "packed": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +61,11 @@ class ModelSpec:
       batches of the right shapes and dtypes. Raise `zoo.train.ConfigError` for bad
       settings.
     - `defaults`: per command (`"train"`, `"finetune"`, `"demo"`), the defaults of the
-      settings that depend on the model: at least `steps`, `batch_size`, `microbatches`,
-      `lr`, `seq_len` (None for models without sequences), and any other CLI flag
-      (`probe`, `weight_decay`). A command missing here does not take the model
-      (`zoo finetune mlp` is refused).
+      settings that depend on the model: `steps`, `batch_size`, `microbatches`, `lr`,
+      `seq_len` (None for models without sequences), and where the model differs from
+      every model's (`SHARED_DEFAULTS`) `weight_decay`, `warmup`, `eval_every`, `probe`.
+      `RunConfig.resolved` fills a run's unset fields from them. A command missing here
+      does not take the model (`zoo finetune mlp` is refused).
     - `datasets`: the data names it trains on (`--data`) → what each is, in words. The
       first is `train`'s default, the last `finetune`'s.
     - `scratch_config`: the model config (as a dict) of a model built without `--init`;
@@ -97,16 +115,23 @@ class ModelSpec:
         """Whether the model is a classifier (a new head, trained in full under LoRA)."""
         return self.kind == "classification"
 
+    @property
+    def lora_defaults(self) -> dict[str, Any]:
+        """The `zoo.lora.LoraConfig` fields of `zoo finetune`'s LoRA for this model: what
+        a fine-tuning run takes without one, and what `--lora` keys it leaves out."""
+        return dict(LORA_DEFAULTS) | ({"modules_to_save": CLASSIFIER_SAVE} if self.classifier else {})
+
     def defaults_for(self, command: str) -> dict[str, Any]:
-        """The defaults of `command`; a `ConfigError` naming the commands that take the
-        model when it is not one of them."""
+        """The defaults of `command`: every model's (`SHARED_DEFAULTS`) under the spec's
+        own. A `ConfigError` naming the commands that take the model when it is not one of
+        them."""
         if command not in self.defaults:
             hint = f"; the {self.name} has no pretrained weights to adapt: zoo train {self.name}"
             raise ConfigError(
                 f"zoo {command} does not take {self.name!r}; choose one of {model_names(command)}"
                 + (hint if command != "train" and self.init_class is None else "")
             )
-        return dict(self.defaults[command])
+        return dict(SHARED_DEFAULTS[command]) | dict(self.defaults[command])
 
     def data_for(self, command: str) -> str:
         """The default data of `command`: the first data set for `train`, the last for the
@@ -150,6 +175,10 @@ def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
         missing = [k for k in DEFAULT_KEYS if k not in values]
         if missing:
             raise ConfigError(f"model {spec.name!r}: the {command} defaults lack {missing}")
+        unknown = sorted(set(values) - set(DEFAULT_KEYS) - set(OPTIONAL_DEFAULT_KEYS))
+        if unknown:
+            raise ConfigError(f"model {spec.name!r}: the {command} defaults hold {unknown}, which no model sets; "
+                              f"a spec's defaults are {list(DEFAULT_KEYS + OPTIONAL_DEFAULT_KEYS)}")  # fmt: skip
     if not spec.datasets:
         raise ConfigError(f"model {spec.name!r}: datasets is empty; name at least one data set")
     _REGISTRY[spec.name] = spec

@@ -1,8 +1,5 @@
-"""A model on its data: `Task`, the settings it is built from (`TaskSettings`) and
-`build_task`, which builds the task of any registered model (`zoo.train.model_spec`).
-
-`zoo train`, `zoo finetune`, `zoo info` and `zoo inspect` all build their model here, so
-the same settings give the same model. Also the pieces a model's builder shares: loading
+"""A model on its data: `Task` and the settings it is built from (`TaskSettings`; built by
+`zoo.train.build_task`). Also the pieces a model's builder shares: loading
 an `--init` checkpoint (`resolve_init`, `load_pretrained`), configs from dicts, and the
 traced metric functions of each task kind.
 """
@@ -15,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..models import cross_entropy, mean_pool
 from ._errors import ConfigError
-from ._registry import check_init_family, init_families, model_spec
+from ._registry import DATA_FILE_DEFAULTS, check_init_family, init_families, model_spec
 
 # XLA options for programs compiled once and run once (the initialisers): no LLVM
 # optimisation of the machine code.
@@ -43,6 +41,9 @@ class Task:
     - `hf_part(model)`: the part `zoo.hf.save_pretrained` writes (None: none);
       `tokenizer_dir`: where the tokenizer's files are (copied next to a saved model).
     - `config`: the model's config as a dict; `init`: where pretrained weights came from.
+    - `fingerprint`: the sha256 of a user's data file (`"data_sha256"`) and chat template
+      file (`"chat_template_sha256"`) as they were read: saved with each checkpoint, so
+      that a resume refuses files edited in between (`{}` for built-in data).
     """
 
     model: Any
@@ -60,6 +61,7 @@ class Task:
     tokenizer_dir: Path | None = None
     config: dict | None = None
     init: str | None = None
+    fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def classifier(self) -> bool:
@@ -91,11 +93,9 @@ def lm_metrics(model, batch):
     decoder on `{"tokens", "weight"}`."""
     import jax.numpy as jnp
 
-    import zoo
-
     tokens = batch["tokens"]
     logits = model(tokens)
-    nll = zoo.models.cross_entropy(logits[:, :-1], tokens[:, 1:])
+    nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
     w = jnp.broadcast_to(batch["weight"][:, None], nll.shape)
     correct = (jnp.argmax(logits[:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * w
     return {"loss": jnp.sum(nll * w, 1), "weight": jnp.sum(w, 1), "correct": jnp.sum(correct, 1)}
@@ -107,15 +107,13 @@ def classifier_metrics(model, batch):
     "weight"}` (`token_types` optional)."""
     import jax.numpy as jnp
 
-    import zoo
-
     mask = batch["mask"]
     hidden = model.encoder(batch["tokens"], mask=mask, token_types=batch.get("token_types"))
-    features = zoo.models.mean_pool(hidden, mask)
+    features = mean_pool(hidden, mask)
     logits = model.head(features)
     w = batch["weight"]
     correct = (jnp.argmax(logits, axis=-1) == batch["labels"]).astype(jnp.float32)
-    ce = zoo.models.cross_entropy(logits, batch["labels"])
+    ce = cross_entropy(logits, batch["labels"])
     return {"loss": ce * w, "weight": w, "correct": correct * w, "features": features}
 
 
@@ -146,45 +144,9 @@ class TaskSettings:
     model_config: dict[str, Any]
     init: str | None
     eval_size: int
-    validation: float = 0.1
-    packed: bool = True
+    validation: float = DATA_FILE_DEFAULTS["validation"]
+    packed: bool = DATA_FILE_DEFAULTS["packed"]
     chat_template: str | None = None
-
-
-def build_task(s: TaskSettings, *, rules, mesh) -> Task:
-    """The task of model `s.name` (`zoo.train.model_spec`) on data `s.data`.
-
-    **Arguments:**
-
-    - `s`: the `TaskSettings`.
-    - `rules`, `mesh`: pretrained weights are read straight onto `mesh` under `rules`
-      (`zoo.hf.from_pretrained`); a model built from scratch is left unplaced.
-
-    **Returns:** the `Task`. Raises `zoo.train.ConfigError` for settings the model does
-    not take (an unknown name or data set, `--init` for a model without pretrained
-    weights or of another architecture, a dtype it does not compute in).
-    """
-    from ._user_data import SUFFIXES, user_data_task
-
-    spec = model_spec(s.name)
-    user_file = s.data is not None and s.data not in spec.datasets and Path(s.data).suffix in SUFFIXES
-    if s.data is not None and s.data not in spec.datasets and not user_file:
-        raise ConfigError(
-            f"--data {s.data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
-            + (" or a .txt/.jsonl/.csv file" if spec.file_model is not None else "")
-        )
-    if s.dtype not in spec.dtypes:
-        raise ConfigError(
-            f"--dtype: the {spec.name} computes in float32 only; drop --dtype"
-            if spec.dtypes == ("float32",)
-            else f"--dtype {s.dtype!r}: the {spec.name} computes in {' or '.join(spec.dtypes)}"
-        )
-    if s.init and spec.init_class is None:
-        raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
-    if user_file:
-        return user_data_task(s, rules=rules, mesh=mesh, validation=s.validation, packed=s.packed,
-                              chat_template=s.chat_template)  # fmt: skip
-    return spec.build(s, rules=rules, mesh=mesh)
 
 
 # -- pieces the builders share --
@@ -315,3 +277,10 @@ def random_tokens(rng, rows: int, seq: int, vocab: int, *, pad_id: int | None = 
     lengths = rng.integers(seq // 2, seq + 1, (rows, 1))
     mask = np.arange(seq)[None, :] < lengths
     return np.where(mask, tokens, pad_id).astype(np.int32), mask
+
+
+def init_name(s: TaskSettings, folder: Path | None) -> str | None:
+    """Where a model's pretrained weights came from, in words (None: from scratch)."""
+    if s.init is None and s.name == "minilm":
+        return "the pretrained all-MiniLM-L6-v2"
+    return None if folder is None else str(folder)

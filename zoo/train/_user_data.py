@@ -10,6 +10,7 @@ gives (every token, the completions, the assistant turns); classification (`.jso
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -18,16 +19,21 @@ from typing import Any
 
 import numpy as np
 
+from ..data import ChatTemplate, DataFormatError, read_records
+from ..data import describe as describe_data
+from ..data import load as load_data
+from ..data._chat import SPECIAL_TOKEN_NAMES
+from ..data._records import FORMATS
+from ..hf import Tokenizer
+from ..models import classification_loss, next_token_loss
+
 # zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
 from ._errors import ConfigError
 from ._registry import ModelSpec, model_names, model_spec
-from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, tokenizer_of
+from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, init_name, tokenizer_of
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
-
-# The flags a data file adds, and their defaults.
-DATA_FLAG_DEFAULTS: dict[str, Any] = {"validation": 0.1, "packed": True, "chat_template": None}
 
 DATA_FILE_HELP = (
     "; or your own file: .txt or .jsonl with text, prompt+completion or messages (chat) for transformer, "
@@ -39,9 +45,6 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
     """The absolute path of `--data FILE` once it is readable and fits `model` (its
     records are read and checked here, before any device is touched); else a one-line
     error naming the file (and line) and the fix."""
-    import zoo
-    from zoo.data._records import FORMATS
-
     spec = model_spec(model)
     path = Path(data).expanduser()
     if path.suffix.lower() not in SUFFIXES:
@@ -59,8 +62,8 @@ def check_data_file(data: str, model: str, *, validation: float, chat_template: 
     if chat_template is not None and not Path(chat_template).expanduser().is_file():
         raise ConfigError(f"--chat-template {chat_template}: no such file; pass a jinja2 chat template file")
     try:
-        kind, _ = zoo.data.read_records(path)
-    except zoo.data.DataFormatError as e:
+        kind, _ = read_records(path)
+    except DataFormatError as e:
         raise ConfigError(f"--data: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {data} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
@@ -108,17 +111,6 @@ def _file_models_text() -> str:
 # --- tokenizers ----------------------------------------------------------------------------------
 
 
-def data_fingerprint(source: str, chat_template: str | None = None) -> dict[str, str]:
-    """The sha256 of a data file (and of its chat template file), which a run saves with
-    each checkpoint so that `--resume` can refuse a file edited in between; `{}` for the
-    built-in data sets (a name, not a file)."""
-    path = Path(source).expanduser()
-    if path.suffix.lower() not in SUFFIXES or not path.is_file():
-        return {}
-    files = {"data": path} | ({"chat_template": Path(chat_template).expanduser()} if chat_template else {})
-    return {f"{name}_sha256": _sha256(file) for name, file in files.items()}
-
-
 def check_fingerprint(saved: dict[str, Any], current: dict[str, str], source: str, step: int) -> None:
     """Refuse to resume from a checkpoint whose data files differ from the current ones (a
     checkpoint saved without a fingerprint, by an older zoo, is not checked)."""
@@ -132,12 +124,17 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, str], source: st
             )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def byte_tokenizer():
+    """A `zoo.hf.Tokenizer` whose ids are the text's UTF-8 bytes (0…255, as
+    `zoo.data.byte_tokens`), with character offsets (chat data needs them), no special
+    tokens, padding id 0."""
+    import tokenizers
+
+    chars = _byte_to_char()
+    rust = tokenizers.Tokenizer(tokenizers.models.BPE({chars[b]: b for b in range(256)}, []))
+    rust.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    rust.decoder = tokenizers.decoders.ByteLevel()
+    return Tokenizer(rust, pad_id=0)
 
 
 @functools.cache
@@ -153,29 +150,12 @@ def _byte_to_char() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def byte_tokenizer():
-    """A `zoo.hf.Tokenizer` whose ids are the text's UTF-8 bytes (0…255, as
-    `zoo.data.byte_tokens`), with character offsets (chat data needs them), no special
-    tokens, padding id 0."""
-    import tokenizers
-
-    import zoo
-
-    chars = _byte_to_char()
-    rust = tokenizers.Tokenizer(tokenizers.models.BPE({chars[b]: b for b in range(256)}, []))
-    rust.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    rust.decoder = tokenizers.decoders.ByteLevel()
-    return zoo.hf.Tokenizer(rust, pad_id=0)
-
-
-def _chat_template(file: str | None, folder: Path | None):
+def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate | None, dict[str, str]]:
     """`--chat-template FILE` with the special tokens of `folder`'s tokenizer_config.json
-    (None without the flag: the folder's own template, if any)."""
-    import zoo
-    from zoo.data._chat import SPECIAL_TOKEN_NAMES
-
+    (None without the flag: the folder's own template, if any), and the digest of the
+    file's bytes (`{"chat_template_sha256": ...}`, or `{}`)."""
     if file is None:
-        return None
+        return None, {}
     config = {}
     if folder is not None and (folder / "tokenizer_config.json").is_file():
         config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -185,27 +165,8 @@ def _chat_template(file: str | None, folder: Path | None):
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             special[name] = value
-    return zoo.data.ChatTemplate(Path(file).expanduser().read_text(encoding="utf-8"), special)
-
-
-# --- batches -------------------------------------------------------------------------------------
-
-
-def epoch_order(rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The row order of epoch `epoch`: the permutation `zoo.data.Dataset.batches(seed=,
-    epoch=)` draws (tested equal), here for the whole global batch (the run keeps each
-    process's rows itself)."""
-    return np.random.default_rng([seed, epoch]).permutation(rows)
-
-
-def step_batch(arrays: dict[str, np.ndarray], step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
-    """The global batch of step `step` (from 1): the batches of `Dataset.batches` one
-    epoch after another (each `rows // batch_size` long, the last partial batch dropped),
-    so a function of the step alone: a resumed run sees the batches it would have seen."""
-    rows = len(next(iter(arrays.values())))
-    epoch, index = divmod(step - 1, rows // batch_size)
-    picked = epoch_order(rows, seed, epoch)[index * batch_size : (index + 1) * batch_size]
-    return {name: array[picked] for name, array in arrays.items()}
+    data = Path(file).expanduser().read_bytes()
+    return ChatTemplate(data.decode("utf-8"), special), {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
 
 
 # --- metrics (traced) ----------------------------------------------------------------------------
@@ -218,8 +179,6 @@ def lm_metrics(model, batch):
     completions / assistant turns, packed documents apart)."""
     import jax.numpy as jnp
 
-    import zoo
-
     row = batch["weight"]
     seen = []
 
@@ -227,7 +186,7 @@ def lm_metrics(model, batch):
         seen.append(model(tokens, **kwargs))
         return seen[-1]
 
-    sums, weights = zoo.models.next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
+    sums, weights = next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
     tokens = batch["tokens"]
     targets = batch["weights"][:, 1:].astype(jnp.float32) * row[:, None]
     correct = (jnp.argmax(seen[0][:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * targets
@@ -237,16 +196,11 @@ def lm_metrics(model, batch):
 # --- the task ------------------------------------------------------------------------------------
 
 
-def user_data_task(
-    s: TaskSettings, *, rules, mesh, validation: float = 0.1, packed: bool = True, chat_template: str | None = None
-) -> Task:
+def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: bool, chat_template: str | None) -> Task:
     """The task of model `s.name` (`transformer`, `encoder`, `minilm`) on the data file
     `s.data` (checked by `check_data_file`): `validation` of its documents held out,
     language-modelling documents `packed` into rows, `chat_template` a jinja2 file for
     chat data when the tokenizer has none."""
-    import zoo
-
-    from ._builtin import init_name
 
     spec = model_spec(s.name)
     check_takes_files(spec, s.data)
@@ -254,12 +208,12 @@ def user_data_task(
     tokenizer = tokenizer_of(folder)
     path = Path(s.data)
     source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
-    template = _chat_template(chat_template, folder)
+    template, template_digest = _chat_template(chat_template, folder)
     try:
-        train, val = zoo.data.load(
+        train, val = load_data(
             path, source, seq_len=s.seq_len, packed=packed, validation=validation, chat_template=template
         )
-    except zoo.data.DataFormatError as e:
+    except DataFormatError as e:
         hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
         raise ConfigError(f"--data: {str(e).splitlines()[0]}{hint}") from None
     except ValueError as e:  # a template that cannot find the assistant turns
@@ -267,6 +221,7 @@ def user_data_task(
     if len(train) == 0:
         raise ConfigError(f"--data {path}: no training rows are left after holding out --validation {validation}")
     tokens_kind = "byte" if tokenizer is None else "tokenizer"
+    fingerprint = {"data_sha256": train.sha256, **template_digest}
     check_kind(spec, train.kind, s.data)
     if train.kind == "classification":
         if train.num_labels < 2:
@@ -275,7 +230,8 @@ def user_data_task(
             )
         model, config, folder = spec.file_model(s, train.num_labels, rules=rules, mesh=mesh)
         _check_tokenizer(config, tokenizer, folder)
-        return _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, init_name(s, folder))
+        task = _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, init_name(s, folder))
+        return dataclasses.replace(task, fingerprint=fingerprint)
     model, config, folder = spec.file_model(s, None, rules=rules, mesh=mesh)
     _check_tokenizer(config, tokenizer, folder)
     eval_data = dict(val.arrays if len(val) else train.arrays)
@@ -285,18 +241,19 @@ def user_data_task(
     return Task(
         model=model,
         kind="lm",
-        loss_fn=zoo.models.next_token_loss,
+        loss_fn=next_token_loss,
         metrics_fn=lm_metrics,
         train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
         eval_data=eval_data,
         train_data=None,
-        data=f"{path.name}, {zoo.data.describe(train)}; {held}; {tokens_kind} tokens, rows of {s.seq_len}",
+        data=f"{path.name}, {describe_data(train)}; {held}; {tokens_kind} tokens, rows of {s.seq_len}",
         unit="tokens",
         tokens_per_example=s.seq_len,
         hf_part=lambda m: m,
         tokenizer_dir=folder if tokenizer is not None else None,
         config=config.to_dict(),
         init=None if folder is None else str(folder),
+        fingerprint=fingerprint,
     )
 
 
@@ -306,7 +263,7 @@ def _checked_batch(dataset, step: int, n: int, seed: int, path: Path) -> dict[st
             f"--batch-size {n} is more than the training rows of {path.name} ({len(dataset)}); lower --batch-size "
             "(or --seq-len: shorter rows are more rows)"
         )
-    return step_batch(dataset.arrays, step, n, seed)
+    return dataset.batch_at(step, n, seed=seed)
 
 
 def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
@@ -319,8 +276,6 @@ def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
 
 
 def _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind: str, init: str | None) -> Task:
-    import zoo
-
     num_labels = train.num_labels
     train_arrays = dict(train.arrays)
     eval_data = dict(val.arrays if len(val) else train.arrays)
@@ -331,7 +286,7 @@ def _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind: st
     return Task(
         model=model,
         kind="classification",
-        loss_fn=zoo.models.classification_loss,
+        loss_fn=classification_loss,
         metrics_fn=classifier_metrics,
         train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
         eval_data=eval_data,

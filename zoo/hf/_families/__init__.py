@@ -1,5 +1,11 @@
 """The registered Hugging Face families, one file each (see `zoo/hf/_family.py` for the
-interface). Importing this package registers them; the order is the order `family_of`
-tries them for models without a `family`."""
+interface). Importing this package imports, and so registers, every module in it, by
+name: a new family is its file alone. The registration order (a module's imports first:
+`gemma.py` registers Llama before Gemma) is the order `family_of` tries them in for
+models without a `family`."""
 
-from . import bert, gemma, gpt2, llama, mistral, qwen2  # noqa: F401
+import importlib
+import pkgutil
+
+for _module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")

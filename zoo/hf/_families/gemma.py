@@ -14,6 +14,7 @@ attention pattern) cannot: they are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -74,7 +75,7 @@ class Gemma(Llama):
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
         source = super().source(module, param, parent, shape, config)
         if source is not None and module in _NORMS:
-            source = Source(source.names, source.stacked, source.transpose, source.file_shape, offset=1.0)
+            source = dataclasses.replace(source, offset=1.0)
         return source
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from ...models import Transformer, TransformerConfig
 from .._family import Family, register
+from .._layout import fused_group
 
 _ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -53,11 +54,7 @@ GPT2_NAMES: dict[str, str] = {
     "layers.layers.attention.k_proj": "transformer.h.{0}.attn.c_attn",
     "layers.layers.attention.v_proj": "transformer.h.{0}.attn.c_attn",
 }
-_FUSED = {
-    "layers.layers.attention.q_proj": (0, 3),
-    "layers.layers.attention.k_proj": (1, 3),
-    "layers.layers.attention.v_proj": (2, 3),
-}
+_FUSED = fused_group("layers.layers.attention", "q_proj", "k_proj", "v_proj")
 _BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ...models import TransformerConfig
 from .._family import register
-from .llama import Llama
+from .llama import Llama, _bias
 
 
 @register
@@ -33,7 +33,7 @@ class Mistral(Llama):
     def export_problems(self, config: Any) -> list[str]:
         problems = [p for p in super().export_problems(config) if not p.startswith("sliding_window")]
         for name in ("qkv_bias", "o_bias", "mlp_bias"):
-            if getattr(config, name):
+            if _bias(config, name):  # `None` is `use_bias`
                 problems.append(f"{name}=True (Mistral's projections have no biases)")
         return problems
 

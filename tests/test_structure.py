@@ -1,0 +1,191 @@
+"""The package's shape, read from its source (AST): the run stays a short straight line of
+stages, no function grows past a screen or two, the modules import each other without a
+circle, library modules name their dependencies at the top (no `import zoo` inside a
+function, which hides them), and the command line (`zoo/_cli`) uses only the library's
+public names (`zoo`, `zoo.train`, `zoo.internal`, ...), never a private module (`zoo._x`,
+`zoo.train._x`); its own private modules are its business."""
+
+import ast
+from pathlib import Path
+
+ZOO = Path(__file__).resolve().parent.parent / "zoo"
+LONGEST_FUNCTION = 120  # lines
+LONGEST_RUN = 80  # zoo/train/_run.py's _run: the stages, nothing else
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ZOO.rglob("*.py")):
+        parts = path.relative_to(ZOO.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+
+
+def _functions(tree):
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def _imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The zoo modules (or packages) an import statement in `module` loads."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in MODULES]
+    package = module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    out = []
+    for alias in node.names:
+        if f"{source}.{alias.name}" in MODULES:
+            out.append(f"{source}.{alias.name}")
+        elif source in MODULES:
+            out.append(source)
+    return out
+
+
+def _runtime_nodes(tree):
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
+def test_no_function_is_longer_than_the_limit():
+    long = [
+        f"{MODULES[m].relative_to(ZOO.parent)}:{f.lineno} {f.name} ({f.end_lineno - f.lineno + 1} lines)"
+        for m, tree in TREES.items()
+        for f in _functions(tree)
+        if f.end_lineno - f.lineno + 1 > LONGEST_FUNCTION
+    ]
+    assert not long, f"functions over {LONGEST_FUNCTION} lines: {long}"
+
+
+def test_the_run_is_a_short_line_of_stages():
+    (run,) = [f for f in _functions(TREES["zoo.train._run"]) if f.name == "_run"]
+    assert run.end_lineno - run.lineno + 1 <= LONGEST_RUN
+
+
+def test_library_modules_import_zoo_at_the_top():
+    """`import zoo` inside a function hides a dependency (and usually an import circle);
+    the command line (zoo/_cli) is exempt: it imports late to answer --help quickly."""
+    found = [
+        f"{MODULES[m].relative_to(ZOO.parent)}:{n.lineno} in {f.name}"
+        for m, tree in TREES.items()
+        if not m.startswith("zoo._cli")
+        for f in _functions(tree)
+        for n in ast.walk(f)
+        if isinstance(n, ast.Import) and any(a.name == "zoo" or a.name.startswith("zoo.") for a in n.names)
+    ]
+    assert not found, found
+
+
+def test_no_import_circle():
+    """Modules and the modules they import (at the top or inside functions; a package's
+    own `__init__`, `import zoo` itself and imports for type checkers aside) form no
+    circle."""
+    graph = {m: set() for m in MODULES}
+    for m, tree in TREES.items():
+        for node in _runtime_nodes(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                graph[m].update(d for d in _imported(m, node) if d != "zoo" and not m.startswith(d + "."))
+    # Tarjan's strongly connected components: any with more than one module is a circle.
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def test_the_checks_see_the_package():
+    """The walks above read the real tree (so an empty pass means something)."""
+    assert "zoo.train._run" in MODULES and "zoo.nn._linear" in MODULES and len(MODULES) > 80
+    assert any(f.name == "_run" for f in _functions(TREES["zoo.train._run"]))
+
+
+# --------------------------------------------------------------------------- the command line
+
+ROOT = ZOO.parent
+CLI = ZOO / "_cli"
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """`(line, absolute module)` of every import in `path` (relative ones resolved from
+    the module's package, names imported from a package counted as its submodules)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.append((node.lineno, module))
+            out += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return out
+
+
+def _private(module: str) -> bool:
+    """A private zoo module outside zoo/_cli: a part after `zoo` starts with `_`."""
+    parts = module.split(".")
+    if parts[0] != "zoo" or parts[:2] == ["zoo", "_cli"]:
+        return False
+    return any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+
+def test_the_cli_imports_no_private_zoo_module():
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for path in sorted(CLI.glob("*.py"))
+        for line, module in _imports(path)
+        if _private(module)
+    ]
+    assert not bad, "zoo/_cli imports private modules; export the name from zoo.train / zoo.internal:\n" + "\n".join(
+        bad
+    )
+
+
+def test_the_check_sees_private_imports():
+    """The check itself: each way of importing a private module is caught."""
+    for module in ("zoo._presets", "zoo.train._registry", "zoo.train._task.resolve_init", "zoo._tree.path_str"):
+        assert _private(module), module
+    for module in ("zoo", "zoo.train", "zoo.internal.parse_mesh", "zoo._cli._common", "zoo.train.RunConfig"):
+        assert not _private(module), module
+    source = CLI / "_common.py"
+    resolved = {m for _, m in _imports(source)}
+    assert {"zoo.internal.parse_mesh", "zoo.train.ConfigError"} <= resolved, resolved

@@ -1,0 +1,71 @@
+"""Hugging Face Phi-3 ↔ `zoo.models.Transformer`: Mistral with fused projections.
+
+Phi-3 (`Phi3ForCausalLM`) is `mistral.py` (Llama's blocks, no biases, an optional sliding
+window on every layer) with q, k and v fused into one `self_attn.qkv_proj` (outputs
+q | k | v: `heads·head_dim`, `kv_heads·head_dim` and `kv_heads·head_dim` wide, unequal
+under grouped-query attention) and the gate and up projections into one
+`mlp.gate_up_proj` (outputs gate | up), plus residual dropout (training only; zoo loads it
+with dropout 0, as every decoder family). Each zoo projection reads its block of the fused
+tensor (`Family.fused`, `_layout.Block`); LoRA branches on q/k/v (or gate/up) are written
+as one peft branch on the fused module, as GPT-2's `c_attn`.
+
+Refused by name: `rope_scaling` of type `longrope` (`su` / `yarn` in older files: the
+long-context models' per-frequency short/long factors), a `partial_rotary_factor` below 1
+(zoo rotates every head dimension), a `hidden_act` other than `silu`.
+
+| zoo `Transformer`, layer `i` | Phi-3 (`Phi3ForCausalLM`) |
+|---|---|
+| `layers.layers.attention.{q,k,v}_proj.weight` | `model.layers.{i}.self_attn.qkv_proj.weight`, blocks 0, 1, 2 |
+| `layers.layers.mlp.{gate,up}.weight` | `model.layers.{i}.mlp.gate_up_proj.weight`, blocks 0, 1 |
+| every other leaf | as Llama (`o_proj`, `down_proj`, the norms, `embed_tokens`, `lm_head`) |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._family import register
+from .._layout import fused_group
+from .llama import LLAMA_NAMES
+from .mistral import Mistral
+
+_QKV, _GATE_UP = "model.layers.{0}.self_attn.qkv_proj", "model.layers.{0}.mlp.gate_up_proj"
+
+
+@register
+class Phi3(Mistral):
+    """Phi-3 (`Phi3ForCausalLM`) ↔ a `zoo.models.Transformer` read from fused `qkv_proj` and
+    `gate_up_proj` tensors."""
+
+    name = "phi3"
+    architecture = "Phi3ForCausalLM"
+    module_names = LLAMA_NAMES | {
+        "layers.layers.attention.q_proj": _QKV,
+        "layers.layers.attention.k_proj": _QKV,
+        "layers.layers.attention.v_proj": _QKV,
+        "layers.layers.mlp.gate": _GATE_UP,
+        "layers.layers.mlp.up": _GATE_UP,
+    }
+    fused = fused_group("layers.layers.attention", "q_proj", "k_proj", "v_proj") | fused_group(
+        "layers.layers.mlp", "gate", "up"
+    )
+    lora_names = Mistral.lora_names | {
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
+        "gate": "gate_up_proj",
+        "up": "gate_up_proj",
+    }
+
+    def unsupported(self, values: dict[str, Any]) -> list[str]:
+        problems = super().unsupported(values)
+        params = values.get("rope_parameters") or {}
+        partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            problems.append(
+                f"partial_rotary_factor={partial} (zoo's RoPE rotates every head dimension: partial_rotary_factor 1.0)"
+            )
+        return problems
+
+    def claims(self, config: Any) -> bool:
+        return False  # a model built from scratch is written as Llama / Mistral; Phi-3 when loaded as one

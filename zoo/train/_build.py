@@ -1,0 +1,111 @@
+"""A run's build stage: the task of the model on its data, LoRA branches, placement on the
+mesh, the training step and its optimizer state (`build_run` → `BuiltRun`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+from .._distributed import global_batch, local_rows
+from .._rules import shard
+from .._step import TrainStep
+from ..lora import trainable as lora_trainable
+from ..nn import example_keys
+from ._build_task import build_task
+from ._errors import ConfigError
+from ._lora import add_lora
+from ._output import write_json
+from ._plan import RunPlan
+from ._report import tree_bytes, tree_size
+from ._task import Task, TaskSettings
+
+
+@dataclasses.dataclass
+class BuiltRun:
+    """Everything a run trains with, built on its mesh.
+
+    **Fields:**
+
+    - `task`: the model on its data (`Task`).
+    - `model`: the placed model, with LoRA branches when fine-tuned (after `resume`: the
+      restored one).
+    - `step`: the `zoo.TrainStep`; `opt_state`, `key`: its optimizer state and the run's
+      PRNG key (restored on resume).
+    - `rates`: the learning rate of each step (index `step - 1`).
+    - `fingerprint`: the data files' digests, saved with each checkpoint.
+    - `parameters`, `model_bytes`: the base model's size, before LoRA.
+    """
+
+    task: Task
+    model: Any
+    step: TrainStep
+    opt_state: Any
+    key: Any
+    rates: np.ndarray
+    fingerprint: dict[str, Any]
+    parameters: int
+    model_bytes: int
+    batch_size: int
+    dropout: bool
+    mesh: Any
+    own_rows: Any = None
+
+    def batch_at(self, i: int) -> dict:
+        """The global batch of step `i` (this process's rows of it across processes): a
+        function of the step alone, so a resumed run sees the batches it would have seen."""
+        batch = self.task.train_batch(i, self.batch_size)
+        if self.dropout:  # one key per example: the masks do not depend on the device split
+            batch["dropout_key"] = example_keys(jax.random.fold_in(self.key, i), self.batch_size)
+        if self.own_rows is not None:  # every process builds the same global batch and keeps its rows
+            batch = global_batch({k: v[self.own_rows] for k, v in batch.items()}, self.mesh)
+        return batch
+
+
+def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool) -> BuiltRun:
+    """Build `plan`'s task on `mesh` (placed by `rules`), add its LoRA branches, make its
+    step and optimizer state, and write config.json (process 0; the run's folder is
+    created here: a run that fails before leaves none).
+
+    **Raises:** `ConfigError` for a setting the model cannot take."""
+    c = plan.config
+    lcfg = c.lora
+    data = c.data
+    settings = TaskSettings(
+        name=c.model, data=data.source, seq_len=data.seq_len, seed=c.seed, dtype=c.dtype,
+        model_config=dict(c.model_config), init=c.init, eval_size=data.eval_size, validation=data.validation,
+        packed=data.packed, chat_template=data.chat_template,
+    )  # fmt: skip
+    task = build_task(settings, rules=rules, mesh=mesh)
+    if lcfg is not None and task.kind == "regression":
+        raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
+    if c.probe and not task.classifier:
+        raise ConfigError(f"--probe fits a classifier's head; {c.model} has none: drop --probe")
+    model = task.model if lcfg is None else add_lora(task.model, lcfg, c.seed)
+    try:
+        model = shard(model, rules, mesh)
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from e
+    plan.output.mkdir(parents=True, exist_ok=True)
+    if main:
+        write_json(plan.output / "config.json", c.to_dict())
+    optimizer = c.optimizer.build(c.steps)
+    if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were
+        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=c.steps + 1)
+    trainable = lora_trainable(model, lcfg) if lcfg is not None else eqx.is_inexact_array
+    step = TrainStep(task.loss_fn, optimizer, microbatches=c.microbatches, trainable=trainable, mode=c.mode,
+                     preset=c.rules)  # fmt: skip
+    config = task.config or {}
+    dropout = (
+        bool(lcfg.lora_dropout) if lcfg is not None else bool(config.get("dropout") or config.get("attention_dropout"))
+    )
+    return BuiltRun(
+        task=task, model=model, step=step, opt_state=step.init(model), key=jax.random.key(c.seed),
+        rates=c.optimizer.rates(c.steps), fingerprint=task.fingerprint, parameters=tree_size(task.model),
+        model_bytes=tree_bytes(task.model), batch_size=c.batch_size, dropout=dropout, mesh=mesh,
+        own_rows=local_rows(c.batch_size, mesh) if jax.process_count() > 1 else None,
+    )  # fmt: skip

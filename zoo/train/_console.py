@@ -1,0 +1,174 @@
+"""The console of a run: phase lines while it builds, the header once the step is
+compiled (`Header`, before the first step) and the summary after the last (`Report`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import jax
+
+from .._inspect import report
+from ..lora import LoraLinear
+from ..lora import modules as lora_modules
+from ._hooks import Hook, TrainState
+from ._mesh import mesh_text
+from ._output import human_bytes
+from ._summary import RunRecord, Summary
+
+
+class Phases:
+    """Prints one line before each long phase of a run, with the seconds since it began
+    (nothing when `quiet`)."""
+
+    def __init__(self, t_start: float, *, quiet: bool):
+        self.t_start, self.quiet = t_start, quiet
+
+    def __call__(self, text: str) -> None:
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.t_start:6.1f}s] {text}", flush=True)
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+class Header(Hook):
+    """Before the first step: what the run trains, on what, how (model, data, devices,
+    mesh, steps, LoRA), the compile time, then the training phase line."""
+
+    def __init__(self, record: RunRecord, phases: Phases):
+        self.record, self.phases = record, phases
+
+    def on_start(self, state: TrainState) -> None:
+        r = self.record
+        c = r.plan.config
+        sizes = r.step_sizes(state.model)
+        _print_header(_say, c, r.built.task, r.plan.title, c.devices, r.plan.mesh_shape, c.lora, state.model,
+                      r.built.parameters, r.built.model_bytes, sizes["trainable"], sizes["adapter"],
+                      r.seconds["compile"], r.start, c.optimizer.warmup_steps(c.steps))  # fmt: skip
+        every = c.eval_interval
+        cadence = "" if not every else ", evaluating after every step" if every == 1 else f", evaluating every {every}"
+        self.phases(f"training steps {r.start + 1} to {c.steps}{cadence}...")
+
+
+class Report(Hook):
+    """After the last step (and the `Summary` hook): the summary table, sizes,
+    collectives, times, outputs and whether the loss fell."""
+
+    def __init__(self, record: RunRecord, summary: Summary):
+        self.record, self.summary = record, summary
+
+    def on_end(self, state: TrainState) -> None:
+        r = self.record
+        _print_summary(_say, self.summary.summary, r.built.task, r.collectives, r.plan.output, r.plan.config.lora)
+
+
+def _print_header(say, c, task, title, devices, mesh_shape, lcfg, model, base_params, base_bytes,
+                  trainable_bytes, adapter_bytes, compile_s, start, warmup) -> None:  # fmt: skip
+    backend = jax.default_backend()
+    where = "simulated CPU devices" if backend == "cpu" else f"{backend.upper()} devices"
+    say(f"zoo {title}")
+    say(f"model: {c.model}, {base_params:,} parameters ({human_bytes(base_bytes)})"
+        + (f", from {task.init}" if task.init else ", initialised from scratch"))  # fmt: skip
+    say(f"data: {task.data}")
+    if task.label_names:
+        say(f"classes: {', '.join(task.label_names)}")
+    procs = jax.process_count()
+    where += f" in {procs} processes" if procs > 1 else ""
+    say(f"devices: {devices} {where}, mesh {mesh_text(mesh_shape)}, rules {c.rules}, mode {c.mode}")
+    say(
+        f"steps: {c.steps} of global batch {c.batch_size} in {c.microbatches} microbatches, {c.optimizer.name} "
+        f"lr {c.optimizer.lr:g} ({c.optimizer.schedule}, warmup {warmup}), {c.dtype} compute"
+        + (f"; resumed at step {start}" if start else "")
+    )
+    if lcfg is not None:
+        adapted = lora_modules(model, LoraLinear)
+        names = sorted({n.split(".")[-1] for n in adapted})
+        extra = trainable_bytes - adapter_bytes
+        # Stacked layers share one module whose arrays lead with the layer axis.
+        layers = sum(
+            math.prod(x.shape[:-2])
+            for path, x in jax.tree_util.tree_leaves_with_path(model)
+            if jax.tree_util.keystr(path).endswith(".lora_A")
+        )
+        say(
+            f"LoRA r={lcfg.r} alpha={lcfg.lora_alpha:g} on {layers} Linear layers ({', '.join(names)})"
+            + (f" + {', '.join(lcfg.modules_to_save)} trained in full" if lcfg.modules_to_save else "")
+            + f": {human_bytes(adapter_bytes)} of adapters"
+            + (f" + {human_bytes(extra)}" if extra else "")
+        )
+    say(f"step compiled in {compile_s:.1f} s")
+
+
+def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
+    say()
+    ev_name = {"classification": "test", "lm": "validation", "regression": "held-out"}[task.kind]
+    n = summary["eval_after"]["examples"]
+    what = {"classification": "texts", "lm": "windows", "regression": "examples"}[task.kind]
+    has_acc = summary["eval_after"]["accuracy"] is not None
+    acc_name = "accuracy" if task.kind == "classification" else "next-token acc."
+    head = f"{ev_name} set, {n} {what}"
+    width = max(len(head), 2 + max(len(st["name"]) for st in summary["stages"])) + 2
+    say(f"{head:<{width}}{'loss':>8}" + (f"{acc_name:>18}" if has_acc else ""))
+    for st in summary["stages"]:
+        acc = f"{100 * st['accuracy']:17.1f}%" if has_acc and st.get("accuracy") is not None else ""
+        say(f"  {st['name']:<{width - 2}}{st['loss']:8.4f}{acc}")
+    probe, last = summary["probe"], summary["stages"][-1]
+    if probe is not None and has_acc and last is not probe:  # what training the encoder bought
+        margin = 100 * (last["accuracy"] - probe["accuracy"])
+        say(f"{last['name'].split(' after ')[0]} vs the linear probe: {margin:+.1f} points of {ev_name} accuracy")
+    model_bytes, trainable = summary["model_bytes"], summary["trainable_bytes"]
+    if lcfg is not None:
+        adapter = summary["adapter_bytes"]
+        extra = trainable - adapter
+        say(
+            f"adapter: {human_bytes(trainable)} ({human_bytes(adapter)} LoRA"
+            + (f" + {human_bytes(extra)} {'+'.join(lcfg.modules_to_save)}" if extra else "")
+            + f") = {100 * trainable / model_bytes:.2f}% of the model's {human_bytes(model_bytes)}"
+        )
+    else:
+        say(f"trained: {human_bytes(trainable)} of the model's {human_bytes(model_bytes)}")
+    c = summary["collectives"]
+    kinds = "/".join(c["gradient_reduction_kinds"]) or "all-reduce"
+    what = (
+        "adapter" + ("+head" if lcfg.modules_to_save and task.classifier else "") if lcfg is not None else "trainable"
+    )
+    per_device = summary["trainable_bytes_per_device"]
+    scalars = c["gradient_bytes"] - per_device
+    split = "" if per_device == trainable else " per device"
+    inside = c["collectives_in_loop"]
+    in_loop = f"; {inside} collectives inside loops" + (
+        f" (over {', '.join(c['in_loop_mesh_axes']) or 'no mesh axis'})" if inside else ""
+    )
+    if c["gradient_reductions"] == 1 and 0 <= scalars <= 16:
+        say(f"collectives of the compiled step: 1 gradient {kinds}, outside the microbatch loop, over data:")
+        say(f"  {c['gradient_bytes']:,} bytes = {what} {per_device:,}{split} + loss scalars {scalars:,}{in_loop}")
+    else:  # e.g. fsdp on CPU: XLA splits the reduction, and the optimizer's norms add their own
+        say(
+            f"collectives of the compiled step: {c['gradient_reductions']} {kinds}s over data outside the microbatch "
+            f"loop, {c['gradient_bytes']:,} bytes in all ({what} {per_device:,} bytes{split}){in_loop}"
+        )
+    say(report(colls))
+    secs = summary["seconds"]
+    thr = summary["throughput"]
+    rate = (
+        f"{thr['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in thr else f"{thr['examples_per_s']:,.1f} examples/s"
+    )
+    say(
+        f"time: load + first eval {secs['load'] + secs['evaluate_before']:.1f} s, compile {secs['compile']:.1f} s, "
+        f"{summary['steps'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "
+        f"evaluations and saves between them {secs['hooks']:.1f} s, "
+        f"total {secs['total']:.1f} s"
+    )
+    files = sorted(p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if not p.name.startswith("."))
+    say(f"outputs in {output}/: {', '.join(files)}")
+    if "model_not_saved" in summary["outputs"]:
+        say(f"  (no Hugging Face model/ folder: {summary['outputs']['model_not_saved']})")
+    if summary.get("sample"):
+        smp = summary["sample"]
+        say(f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation window): "
+            f"{smp['prompt']!r} -> {smp['completion']!r}")  # fmt: skip
+    b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
+    say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {b:.4f} -> {a:.4f})")

@@ -1,0 +1,53 @@
+"""The export hook: after the last step, a run's result in a form other tools open."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+from ..hf import save_pretrained
+from ..lora import save_adapter
+from ._hooks import Checkpoint, Hook, TrainState
+from ._plan import RunPlan
+from ._task import Task
+
+# What the tokenizer of a saved model needs next to its weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "sentence_bert_config.json")  # fmt: skip
+
+
+class Export(Hook):
+    """After the last step, writes the run's result: the LoRA adapter in peft's layout
+    (OUTPUT/adapter), else the model as a Hugging Face folder with its tokenizer's files
+    (OUTPUT/model); a trained model neither holds (the mlp, a transformer GPT-2 cannot
+    express) and no checkpoint would keep is saved as a final checkpoint.
+
+    `outputs` names what was written (`"adapter"`, `"model"`, `"checkpoints"`), or why no
+    Hugging Face folder was (`"model_not_saved"`). Every process calls the savers (sharded
+    leaves are gathered); process 0 writes.
+    """
+
+    def __init__(self, plan: RunPlan, task: Task, saver: Checkpoint, *, checkpointed: bool, main: bool):
+        self.plan, self.task, self.saver, self.checkpointed, self.main = plan, task, saver, checkpointed, main
+        self.outputs: dict[str, Any] = {}
+
+    def on_end(self, state: TrainState) -> None:
+        output, lcfg, task = self.plan.output, self.plan.config.lora, self.task
+        if lcfg is not None:
+            save_adapter(state.model, lcfg, output / "adapter")
+            self.outputs["adapter"] = str(output / "adapter")
+        elif task.hf_part is not None:
+            try:
+                save_pretrained(task.hf_part(state.model), output / "model")
+                if task.tokenizer_dir is not None and self.main:
+                    for name in TOKENIZER_FILES:
+                        if (task.tokenizer_dir / name).is_file():
+                            shutil.copy(task.tokenizer_dir / name, output / "model" / name)
+                self.outputs["model"] = str(output / "model")
+            except ValueError as e:  # a config Hugging Face's GPT-2 / BERT cannot express
+                self.outputs["model_not_saved"] = str(e).splitlines()[0]
+        if not self.checkpointed and self.plan.command == "train" and "model" not in self.outputs:
+            self.saver.save(state)
+            self.saver.close()
+        if self.saver.last_saved == state.steps:
+            self.outputs["checkpoints"] = str(self.plan.checkpoints)

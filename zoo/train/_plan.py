@@ -1,0 +1,163 @@
+"""A run's plan: its resolved settings, devices, mesh, folders and title, checked before
+anything is built or written (`plan_run`), and the folder checks made once its lock is
+held (`check_checkpoints`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import shutil
+from pathlib import Path
+
+from .._checkpoint import Checkpointer
+from ._config import RunConfig
+from ._errors import ConfigError
+from ._lock import previous_outputs, remove_outputs
+from ._mesh import check_rules_fit_mesh, mesh_text
+
+_WHAT = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run will do, decided before anything is built.
+
+    **Fields:**
+
+    - `config`: the `RunConfig` with every default applied (`RunConfig.resolved`), its
+      `devices` and `mesh` filled in: what config.json records.
+    - `command`: `"train"`, `"finetune"` or `"demo"`.
+    - `title`: how the run names itself in its outputs.
+    - `output`, `checkpoints`: the run's folder and its checkpoints' folder.
+    """
+
+    config: RunConfig
+    command: str
+    title: str
+    output: Path
+    checkpoints: Path
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh's axis sizes, `{"data": N, ...}`."""
+        return dict(self.config.mesh)
+
+
+def plan_run(config: RunConfig, *, devices: int, command: str | None = None, title: str | None = None) -> RunPlan:
+    """The `RunPlan` of `config` on `devices` devices: defaults applied, the mesh and the
+    batch checked against each other, the folders named (not yet created).
+
+    **Raises:** `ConfigError` naming the setting that cannot work."""
+    command = command or ("finetune" if config.lora is not None else "train")
+    mesh_shape = mesh_shape_of(config, devices)
+    # Every default applied here, once: config.json records the run as it trains.
+    config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
+    check_layout(config, mesh_shape, devices)
+    output = output_dir(config.output, config.model, command)
+    checkpoints = checkpoint_dir(config, output)
+    for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoints)):
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
+    what = _WHAT.get(command, command)
+    title = title or f"{command} {config.model} ({what} of {config.model} on {config.data.source})"
+    return RunPlan(config, command, title, output, checkpoints)
+
+
+def mesh_shape_of(config: RunConfig, devices: int) -> dict[str, int]:
+    """The mesh a run uses: `config.mesh`, or every device on `data`."""
+    if config.mesh is None:
+        return {"data": devices}
+    total = math.prod(config.mesh.values())
+    if total > devices:
+        raise ConfigError(f"--mesh {mesh_text(config.mesh)} needs {total} devices but only {devices} were asked for; "
+                          "raise --devices")  # fmt: skip
+    return dict(config.mesh)
+
+
+def check_layout(config: RunConfig, mesh_shape: dict[str, int], devices: int) -> None:
+    """Everything about the mesh and the batch that can fail, before anything is built."""
+    if "data" not in mesh_shape:
+        raise ConfigError(
+            f"--mesh {mesh_text(mesh_shape)} has no 'data' axis, which the batch is split over; "
+            f"add one, e.g. --mesh data={devices}"
+        )
+    check_rules_fit_mesh(config.rules, mesh_shape, devices)
+    data, m, bsz = mesh_shape["data"], config.microbatches, config.batch_size
+    if bsz % (data * m):
+        unit = data * m
+        raise ConfigError(
+            f"--batch-size {bsz} is not divisible by data-parallel size {data} x microbatches {m} = {unit}; "
+            f"use a multiple of {unit}, e.g. {max(unit, round(bsz / unit) * unit)}"
+        )
+
+
+def output_dir(output: str | None, model: str, command: str) -> Path:
+    """A run's folder: `output`, else a new `runs/COMMAND-MODEL-UTCTIME`."""
+    if output:
+        return Path(output).expanduser()
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{command}-{model}-{stamp}"
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = Path(f"{base}-{n}")
+    return folder
+
+
+def checkpoint_dir(config: RunConfig, output: Path) -> Path:
+    """Where the run's checkpoints go: `checkpoint_dir`, else OUTPUT/checkpoints."""
+    return Path(config.checkpoint_dir).expanduser() if config.checkpoint_dir else output / "checkpoints"
+
+
+def check_checkpoints(config: RunConfig, output: Path) -> None:
+    """`resume` needs a checkpoint before `steps`; a run without it must not write into a
+    folder of checkpoints or of another run's outputs (it would mix two runs), unless
+    `overwrite`. Checked (read-only) once the folder's lock is held, before anything is
+    written."""
+    folder = checkpoint_dir(config, output)
+    saved = []
+    if folder.is_dir():
+        # Read-only: opening it for writing would delete the temporary folders of saves in flight.
+        # An empty step folder (a save that never started writing) is no step.
+        saved = [n for n in Checkpointer(folder, read_only=True).steps() if any((folder / str(n)).iterdir())]
+    steps = config.steps
+    if config.overwrite and not config.resume:
+        remove_outputs(output, folder)
+        return
+    if config.resume:
+        if not saved:
+            raise ConfigError(
+                f"--resume: no checkpoint in {folder}; run without --resume, or point --checkpoint-dir "
+                "(or --output) at the earlier run's"
+            )
+        n = config.resume_step
+        if n is not None:
+            if n not in saved:
+                raise ConfigError(f"--resume-step {n}: no such checkpoint in {folder}; its steps are {saved}")
+            if n >= steps:
+                raise ConfigError(f"--resume-step {n} is not before --steps {steps}; raise --steps")
+            later = [k for k in saved if k > n]
+            if later and not config.overwrite:
+                raise ConfigError(
+                    f"--resume-step {n}: {folder} also holds the later steps {later}, which this run would "
+                    "replace; pass --overwrite to delete them, or resume from the newest"
+                )
+            for k in later:
+                shutil.rmtree(folder / str(k))
+        elif saved[-1] > steps or (saved[-1] == steps and (output / "summary.json").exists()):
+            # (at --steps without a summary: killed after its final checkpoint; the run finishes it)
+            raise ConfigError(
+                f"--resume: the checkpoint in {folder} is at step {saved[-1]}, not before --steps {steps}; "
+                "raise --steps to train further"
+            )
+    elif saved:
+        raise ConfigError(
+            f"{folder} already holds checkpoints (steps {saved}); pass --resume to continue from them, "
+            "--overwrite to replace that run, or choose another --output or --checkpoint-dir"
+        )
+    elif previous_outputs(output):
+        raise ConfigError(
+            f"--output {output} already holds another run's outputs ({', '.join(previous_outputs(output))}); "
+            "pass --overwrite to replace them, or choose another --output"
+        )
