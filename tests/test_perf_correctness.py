@@ -20,6 +20,8 @@ from helpers import (
     lm_batch,
     preset_mesh,
     rounding_bound,
+    storage_bound,
+    storage_errors,
     tiny_decoder,
     tree_bytes,
 )
@@ -35,51 +37,6 @@ BATCH = 8
 # gradients twice that.
 FORWARD = {"terms": 32, "depth": 2 * 6 + 1}
 GRADIENTS = {"terms": BATCH * 8, "depth": 2 * FORWARD["depth"]}
-
-
-# --------------------------------------------------------------------------- narrow storage bounds
-# A frozen base stored in bfloat16 or int8 (compute stays float32) changes the weights, not
-# the sums: the outputs move by at most the first-order sum over weights of |d output / d w|
-# times each weight's storage error (bfloat16: u = 2^-8 of |w|; int8, per output channel:
-# half its scale, max |w| over the inputs / 127 / 2), doubled to cover the higher-order terms
-# (products of errors of 2^-8 relative: far below the first-order ones).
-BF16_ROUNDOFF = 2.0**-8
-
-
-def storage_errors(model, config, dtype):
-    """Per leaf of `model`, how far `cast_frozen(model, dtype, config=config)` may store it
-    from its value (None for the trainable leaves, kept exactly)."""
-    errors = []
-    flags = jax.tree.leaves(trainable(model, config))
-    for (path, w), train in zip(jax.tree_util.tree_leaves_with_path(model), flags, strict=True):
-        if train or not jnp.issubdtype(w.dtype, jnp.floating):
-            errors.append(None)
-        elif dtype == jnp.int8 and jax.tree_util.keystr(path).endswith("base.weight"):
-            errors.append(jnp.max(jnp.abs(w), axis=-2, keepdims=True) / 127 / 2)
-        else:
-            errors.append(BF16_ROUNDOFF * jnp.abs(w))
-    return errors
-
-
-def storage_bound(f, model, errors):
-    """2 x the first-order change of `f(model)` (per output) when each leaf moves by up to
-    its error (jacobians, exact to first order)."""
-    leaves, treedef = jax.tree.flatten(model)
-    moved = [i for i, e in enumerate(errors) if e is not None]
-
-    def of_moved(ws):
-        new = list(leaves)
-        for i, w in zip(moved, ws):
-            new[i] = w
-        return f(jax.tree.unflatten(treedef, new))
-
-    out = jax.eval_shape(of_moved, [leaves[i] for i in moved])
-    jacobians = jax.jacrev(of_moved)([leaves[i] for i in moved])
-    first = sum(
-        jnp.sum(jnp.abs(j) * errors[i], axis=tuple(range(len(out.shape), j.ndim)))
-        for i, j in zip(moved, jacobians, strict=True)
-    )
-    return 2 * np.asarray(first, np.float64)
 
 
 def _einsum_project(x, w):
