@@ -15,7 +15,7 @@ from ..lora import modules as lora_modules
 from ._hooks import Hook, TrainState
 from ._mesh import mesh_text
 from ._output import human_bytes
-from ._summary import RunRecord, Summary
+from ._summary import RunRecord
 
 
 class Phases:
@@ -57,12 +57,12 @@ class Report(Hook):
     """After the last step (and the `Summary` hook): the summary table, sizes,
     collectives, times, outputs and whether the loss fell."""
 
-    def __init__(self, record: RunRecord, summary: Summary):
-        self.record, self.summary = record, summary
+    def __init__(self, record: RunRecord):
+        self.record = record
 
     def on_end(self, state: TrainState) -> None:
         r = self.record
-        _print_summary(_say, self.summary.summary, r.built.task, r.collectives, r.plan.output, r.plan.config.lora)
+        _print_summary(_say, r.summary, r.built.task, r.collectives, r.plan.output, r.plan.config.lora)
 
 
 def _print_header(say, c, task, title, devices, mesh_shape, lcfg, model, base_params, base_bytes,

@@ -121,8 +121,7 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
         record.seconds["compile"] = time.perf_counter() - t0
         record.collectives = collectives(compiled, mesh=mesh)
         model, _ = trainer.run(built.model, built.opt_state, start=start)
-    summary = next(h for h in trainer.hooks if isinstance(h, Summary)).summary
-    return RunResult(summary, plan.output, model)
+    return RunResult(record.summary, plan.output, model)
 
 
 def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, phase: Phases, main: bool,
@@ -150,8 +149,7 @@ def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, 
         hooks.append(record.sample)
     export = Export(plan, task, saver, checkpointed=checkpointed, main=main)
     record.outputs = export.outputs
-    summary = Summary(record, main=main)
-    hooks += [*user_hooks, export, summary]
+    hooks += [*user_hooks, export, Summary(record, main=main)]
     if main:
-        hooks.append(Report(record, summary))
+        hooks.append(Report(record))
     return hooks

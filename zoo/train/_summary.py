@@ -32,6 +32,7 @@ class RunRecord:
     - `collectives`: the compiled step's; `seconds`: load, first evaluation, compile;
       `t_start`: when the run began (`time.perf_counter`).
     - `outputs`: the files the export wrote (the `Export` hook's `outputs`).
+    - `summary`: what summary.json holds, once the `Summary` hook made it (None before).
     """
 
     plan: RunPlan
@@ -45,6 +46,7 @@ class RunRecord:
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    summary: dict[str, Any] | None = None
 
     def step_sizes(self, model) -> dict[str, int]:
         """Bytes of the trained leaves (all, and each device's share: what it reduces over
@@ -62,12 +64,11 @@ class RunRecord:
 
 
 class Summary(Hook):
-    """After the last step: the run's summary (`summary`: what summary.json holds), and on
-    process 0 summary.json and loss.png in the run's folder."""
+    """After the last step: the run's summary (into `record.summary`: what summary.json
+    holds), and on process 0 summary.json and loss.png in the run's folder."""
 
     def __init__(self, record: RunRecord, *, main: bool):
         self.record, self.main = record, main
-        self.summary: dict[str, Any] | None = None
 
     def on_end(self, state: TrainState) -> None:
         r = self.record
@@ -84,7 +85,7 @@ class Summary(Hook):
         train_s = trainer.train_seconds
         rates = r.built.rates
         sample = r.sample.results[-1] if r.sample is not None and r.sample.results else None
-        self.summary = {
+        r.summary = {
             "command": r.plan.command, "model": c.model, "title": r.plan.title, "data": task.data, "init": task.init,
             "devices": c.devices, "processes": jax.process_count(), "backend": jax.default_backend(),
             "mesh": r.plan.mesh_shape, "rules": c.rules, "microbatches": c.microbatches, "batch_size": c.batch_size,
@@ -123,4 +124,4 @@ class Summary(Hook):
             baselines = {f"{st['name']}, eval": st["loss"] for st in r.stages if st.get("baseline")}
             output = r.plan.output
             plot_losses(read_metrics(output / "metrics.jsonl"), output / "loss.png", r.plan.title, baselines)
-            write_json(output / "summary.json", self.summary)
+            write_json(output / "summary.json", r.summary)
