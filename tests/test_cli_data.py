@@ -186,7 +186,7 @@ def test_train_batches_are_the_datasets_epochs_and_a_function_of_the_step(llama_
     import jax.numpy as jnp
 
     import zoo
-    from zoo.train._user_data import lm_metrics
+    from zoo.train import lm_metrics
 
     train, _ = zoo.data.load(data_files["text"], llama_dir, seq_len=SEQ, validation=0.1)
     task = _task("transformer", data_files["text"], llama_dir)

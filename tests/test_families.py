@@ -179,8 +179,8 @@ def test_mistral_window_is_applied(hf_dirs, loaded, tokens):
 
 
 def test_llama3_scaling_changes_the_frequencies():
-    base = zoo.nn.rope_frequencies(16, theta=10000.0)
-    scaled = zoo.nn.rope_frequencies(16, theta=10000.0, llama3=(8.0, 1.0, 4.0, 16))
+    base = zoo.internal.rope_frequencies(16, theta=10000.0)
+    scaled = zoo.internal.rope_frequencies(16, theta=10000.0, llama3=(8.0, 1.0, 4.0, 16))
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = transformers.LlamaConfig(**CASES["llama3_scaled"][1] | {"rope_theta": 10000.0, "head_dim": 16})

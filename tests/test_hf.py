@@ -20,17 +20,14 @@ from helpers import Reference, assert_as_accurate, data_mesh, largest, preset_me
 from jax.sharding import NamedSharding
 
 import zoo
-from zoo.hf import (
-    encoder_config_from_hf,
-    encoder_config_to_hf,
-    from_pretrained,
-    minilm_path,
-    save_pretrained,
-    sentence_embeddings,
-    transformer_config_from_hf,
-    transformer_config_to_hf,
-)
+from zoo.hf import from_pretrained, minilm_path, save_pretrained, sentence_embeddings
 from zoo.models import Encoder, EncoderConfig, Transformer, TransformerConfig
+
+# A family's config conversions, config.json <-> zoo config (zoo.hf.Family).
+encoder_config_from_hf = zoo.hf.get_family("bert").config_from_hf
+encoder_config_to_hf = zoo.hf.get_family("bert").config_to_hf
+transformer_config_from_hf = zoo.hf.get_family("gpt2").config_from_hf
+transformer_config_to_hf = zoo.hf.get_family("gpt2").config_to_hf
 
 # Also run under other CPU kernels and thread counts (`make test-numerics`).
 pytestmark = pytest.mark.numerics
@@ -252,7 +249,7 @@ def test_gpt2_checkpoint_gives_torch_logits(gpt2):
 
 
 def test_gpt2_export_loads_in_transformers_and_round_trips_exactly(gpt2, tmp_path):
-    model = zoo.hf.load_gpt2(gpt2["dir"])
+    model = zoo.hf.from_pretrained(gpt2["dir"])
     save_pretrained(model, tmp_path)
     # The file is the one transformers wrote, tensor for tensor, bit for bit.
     original = safetensors.numpy.load_file(str(gpt2["dir"] / "model.safetensors"))
@@ -433,7 +430,7 @@ def test_bare_gpt2_files_with_old_buffers_load(gpt2, tmp_path):
             out[f"h.{i}.attn.masked_bias"] = np.asarray(-1e4, np.float32)
         return out
 
-    model = zoo.hf.load_gpt2(_rewrite(gpt2["dir"], tmp_path / "bare", change))
+    model = zoo.hf.from_pretrained(_rewrite(gpt2["dir"], tmp_path / "bare", change))
     for a, b in zip(_leaves(model), _leaves(from_pretrained(gpt2["dir"])), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -490,7 +487,7 @@ def test_unsupported_checkpoints_fail_clearly(bert_dir, tmp_path):
     with pytest.raises(ValueError, match="position_embedding_type"):
         from_pretrained(tmp_path / "relative")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        zoo.hf.load_bert(_no_weights(bert_dir, tmp_path))
+        zoo.hf.from_pretrained(_no_weights(bert_dir, tmp_path))
     with pytest.raises(TypeError, match="Encoder.*Transformer"):
         classifier = lambda k: zoo.models.EncoderClassifier(Encoder(BERT_CONFIG, key=k), 3, key=k)
         save_pretrained(eqx.filter_eval_shape(classifier, jax.random.key(0)), tmp_path / "x")

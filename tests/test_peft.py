@@ -159,7 +159,7 @@ def peft_adapter(hf_model, config, folder, seed=2):
 
 def test_bert_zoo_adapter_opens_in_peft_with_hf_target_names(root, tmp_path):
     folder = hf_folder("bert", root)
-    encoder = zoo.hf.load_bert(folder)
+    encoder = zoo.hf.from_pretrained(folder)
     # HF names in target_modules: "query"/"value" and every "dense" (attention output, MLP).
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "dense"], init_lora_weights=False)
     model = add_lora(encoder, config, key=jax.random.key(1))
@@ -187,7 +187,7 @@ def test_bert_all_linear_peft_adapter_loads_skipping_the_pooler(root, tmp_path):
     opened = peft_adapter(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), tmp_path / "p")
     assert "pooler.dense" in json.loads((tmp_path / "p/adapter_config.json").read_text())["target_modules"]
     with pytest.warns(UserWarning, match=r"skipping the adapter's tensors for \['pooler.dense'\].*pooler_output"):
-        model, _ = load_adapter(zoo.hf.load_bert(folder), tmp_path / "p")
+        model, _ = load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
     assert len(zoo.lora.modules(model, zoo.lora.LoraLinear)) == 6
     assert_close(zoo_outputs(model), hf_outputs(opened), "BertModel all-linear, peft → zoo")
 
@@ -222,7 +222,7 @@ def test_seq_cls_both_ways(root, tmp_path):
     assert "pooler" in loaded.target_modules and loaded.modules_to_save == ("head",)
     assert_close(zoo_outputs(model), hf_outputs(opened), "SEQ_CLS peft → zoo")
     # A mean-pooling classifier would compute other logits: refused, with the reason.
-    mean = zoo.models.EncoderClassifier(zoo.hf.load_bert(folder), 3, key=jax.random.key(0))
+    mean = zoo.models.EncoderClassifier(zoo.hf.from_pretrained(folder), 3, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"SEQ_CLS.*\[CLS\].*mean-pools"):
         load_adapter(mean, tmp_path / "p")
 
@@ -254,7 +254,7 @@ def test_seq_cls_both_ways(root, tmp_path):
 
 def test_gpt2_zoo_qkv_branches_open_in_peft_as_one_c_attn_branch(root, tmp_path):
     folder = hf_folder("gpt2", root)
-    base = zoo.hf.load_gpt2(folder)
+    base = zoo.hf.from_pretrained(folder)
     assert zoo.lora.target_names(base, LoraConfig(target_modules=["c_attn"])) == [
         f"layers.layers.attention.{p}_proj" for p in "qkv"
     ]
@@ -302,7 +302,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
         r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["ln_f"], task_type="CAUSAL_LM"
     )
     opened = peft_adapter(hf, config, tmp_path / "p")
-    model, loaded = load_adapter(zoo.hf.load_gpt2(folder), tmp_path / "p")
+    model, loaded = load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
     attention = model.layers.layers.attention
     assert loaded.r == 4 and loaded.modules_to_save == ("final_norm",)
     assert len(zoo.lora.modules(model, zoo.lora.LoraLinear)) == 6  # q, k, v, o, up, down
@@ -313,7 +313,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
     values["r"] = 2
     (tmp_path / "p/adapter_config.json").write_text(json.dumps(values))
     with pytest.raises(ValueError, match="mis-shaped"):
-        load_adapter(zoo.hf.load_gpt2(folder), tmp_path / "p")
+        load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
 
 
 # --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Gemma, Phi-3
@@ -383,7 +383,7 @@ def test_decoder_families_both_ways(family, root, tmp_path):
 
 def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_path):
     folder = hf_folder("gpt2", root)
-    base = zoo.hf.load_gpt2(folder)
+    base = zoo.hf.from_pretrained(folder)
     # q and v only: a rank-2r c_attn branch whose k rows are zero.
     config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = add_lora(base, config, key=jax.random.key(1))

@@ -235,7 +235,7 @@ def test_int8_adapter_saves_in_peft_format_and_hf_export_asks_to_dequantise(tmp_
         modules_to_save=("final_norm",),
         init_lora_weights=False,
     )
-    model = add_lora(zoo.hf.load_gpt2(folder), config, key=jax.random.key(1))
+    model = add_lora(zoo.hf.from_pretrained(folder), config, key=jax.random.key(1))
     cast = cast_frozen(model, jnp.int8, config=config)
     zoo.lora.save_adapter(model, config, tmp_path / "f32")
     zoo.lora.save_adapter(cast, config, tmp_path / "int8")

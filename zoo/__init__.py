@@ -37,7 +37,6 @@ from ._distributed import is_main_process as is_main_process
 from ._distributed import local_rows as local_rows
 from ._generate import generate as generate
 from ._host_memory import keep_freed_memory as keep_freed_memory
-from ._inspect import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from ._inspect import Collective as Collective
 from ._inspect import collectives as collectives
 from ._inspect import count as count
@@ -57,7 +56,6 @@ except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, no
     __version__ = "0+unknown"
 
 __all__ = [
-    "COLLECTIVE_KINDS",
     "LAYERS",
     "LOGICAL_AXES",
     "RULE_PRESETS",

@@ -20,6 +20,7 @@ built-in models. No stability promise beyond the CLI's.
 from ._batch import check_batch as check_batch
 from ._batch import split_microbatches as split_microbatches
 from ._checkpoint._disk import without_closed_loop_tracebacks as without_closed_loop_tracebacks
+from ._inspect import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from ._reduced import gather_over as gather_over
 from ._reduced import manual_specs as manual_specs
 from ._reduced import pcast_unreduced as pcast_unreduced
@@ -34,6 +35,13 @@ from ._rules import spec_for as spec_for
 from ._sampling import check_sampling as check_sampling
 from ._step import partition_trainable as partition_trainable
 from ._tree import path_str as path_str
+from .hf._files import hub_cache as hub_cache
+from .hf._load import fit_to_mesh as fit_to_mesh
+from .nn._rope import rope_angles as rope_angles
+from .nn._rope import rope_frequencies as rope_frequencies
+from .nn._sharding import contract_spec as contract_spec
+from .nn._sharding import for_use as for_use
+from .nn._sharding import sharding_spec as sharding_spec
 from .train._builtin import DEMO_PRETRAIN as DEMO_PRETRAIN
 from .train._builtin import PRETRAINED_KEYS as PRETRAINED_KEYS
 from .train._builtin import minilm_available as minilm_available

@@ -18,35 +18,25 @@ See docs/models.md, "Loading Hugging Face weights" and "Adding a family".
 
 from ._classifier import load_bert_classifier
 from ._export import hf_tensors, save_pretrained
-from ._families.bert import encoder_config_from_hf, encoder_config_to_hf
-from ._families.gpt2 import transformer_config_from_hf, transformer_config_to_hf
 from ._family import Family, families, family_of, get_family, register
-from ._files import hub_cache, minilm_path, resolve_model_dir
-from ._load import fit_to_mesh, from_pretrained, load_bert, load_gpt2
+from ._files import minilm_path, resolve_model_dir
+from ._load import from_pretrained
 from ._sentence import load_minilm, sentence_embeddings
 from ._tokenizer import Tokenizer
 
 __all__ = [
     "Family",
     "Tokenizer",
-    "encoder_config_from_hf",
-    "encoder_config_to_hf",
     "families",
     "family_of",
-    "fit_to_mesh",
     "from_pretrained",
     "get_family",
     "hf_tensors",
-    "hub_cache",
-    "load_bert",
     "load_bert_classifier",
-    "load_gpt2",
     "load_minilm",
     "minilm_path",
     "register",
     "resolve_model_dir",
     "save_pretrained",
     "sentence_embeddings",
-    "transformer_config_from_hf",
-    "transformer_config_to_hf",
 ]

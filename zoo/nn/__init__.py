@@ -10,8 +10,8 @@ from ._linear import Linear, project
 from ._mlp import MLP, MLPBlock
 from ._norm import LayerNorm, RMSNorm
 from ._quantized import QuantizedLinear, dequantize
-from ._rope import apply_rope, rope_angles, rope_frequencies, rope_tables
-from ._sharding import broadcast_like, contract_spec, for_use, sharding_spec
+from ._rope import apply_rope, rope_tables
+from ._sharding import broadcast_like
 from ._stacked import REMAT_POLICIES, Stacked
 
 __all__ = [
@@ -31,16 +31,11 @@ __all__ = [
     "TransformerBlock",
     "apply_rope",
     "broadcast_like",
-    "contract_spec",
     "dequantize",
     "dropout",
     "example_keys",
     "fold_in",
-    "for_use",
     "place_inputs",
     "project",
-    "rope_angles",
-    "rope_frequencies",
     "rope_tables",
-    "sharding_spec",
 ]

@@ -88,7 +88,7 @@ class Attention(eqx.Module):
         - `use_bias`: biases on the four projections.
         - `init_std`: normal init std of the projections (`None`: uniform ±1/√in).
         - `rope_llama3`: Llama 3.1's rescaling of the RoPE frequencies, `(factor,
-          low_freq_factor, high_freq_factor, original_max_len)` (see `zoo.nn.rope_frequencies`).
+          low_freq_factor, high_freq_factor, original_max_len)` (see `zoo.internal.rope_frequencies`).
         - `sliding_window`: with `causal`, position `s` attends only to positions `t` with
           `s - window < t ≤ s` (Mistral's banded mask); `None`: every earlier position.
         - `key`: PRNG key.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..models import cross_entropy, mean_pool
+from ..models import cross_entropy, mean_pool, next_token_loss
 from ._errors import ConfigError
 from ._registry import DATA_FILE_DEFAULTS, check_init_family, init_families, model_spec
 
@@ -89,16 +89,30 @@ def regression_loss(model, batch):
 
 
 def lm_metrics(model, batch):
-    """Per-example next-token `loss` sums, `weight`s (positions) and `correct` counts of a
-    decoder on `{"tokens", "weight"}`."""
+    """Per-row next-token `loss` sums, target `weight`s and `correct` counts of a decoder on
+    `{"tokens", "weight"}` (and `"weights"` / `"mask"` / packing keys when the batch has
+    them), each row scaled by its `weight` (0 on the evaluator's padding rows). The loss is
+    `zoo.models.next_token_loss` itself, so held-out tokens weigh as in training (only
+    completions / assistant turns, packed documents apart)."""
     import jax.numpy as jnp
 
+    row = batch["weight"]
+    seen = []
+
+    def forward(tokens, **kwargs):  # the loss's own logits, kept for the accuracy: one forward pass
+        seen.append(model(tokens, **kwargs))
+        return seen[-1]
+
+    sums, weights = next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
     tokens = batch["tokens"]
-    logits = model(tokens)
-    nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
-    w = jnp.broadcast_to(batch["weight"][:, None], nll.shape)
-    correct = (jnp.argmax(logits[:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * w
-    return {"loss": jnp.sum(nll * w, 1), "weight": jnp.sum(w, 1), "correct": jnp.sum(correct, 1)}
+    if "weights" in batch:
+        targets = batch["weights"][:, 1:].astype(jnp.float32)
+    elif batch.get("mask") is not None:
+        targets = batch["mask"][:, 1:].astype(jnp.float32)
+    else:
+        targets = jnp.ones(tokens[:, 1:].shape, jnp.float32)
+    correct = (jnp.argmax(seen[0][:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * targets * row[:, None]
+    return {"loss": sums * row, "weight": weights * row, "correct": jnp.sum(correct, axis=1)}
 
 
 def classifier_metrics(model, batch):

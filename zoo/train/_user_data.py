@@ -30,7 +30,7 @@ from ..models import classification_loss, next_token_loss
 # zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
 from ._errors import ConfigError
 from ._registry import ModelSpec, model_names, model_spec
-from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, init_name, tokenizer_of
+from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, init_name, lm_metrics, tokenizer_of
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
@@ -167,30 +167,6 @@ def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate 
             special[name] = value
     data = Path(file).expanduser().read_bytes()
     return ChatTemplate(data.decode("utf-8"), special), {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
-
-
-# --- metrics (traced) ----------------------------------------------------------------------------
-
-
-def lm_metrics(model, batch):
-    """Per-row `loss` sums, target `weight`s and `correct` next-token counts, each row
-    scaled by its `weight` (0 on the evaluator's padding rows): the loss is
-    `zoo.models.next_token_loss` itself, so held-out tokens weigh as in training (only
-    completions / assistant turns, packed documents apart)."""
-    import jax.numpy as jnp
-
-    row = batch["weight"]
-    seen = []
-
-    def forward(tokens, **kwargs):  # the loss's own logits, kept for the accuracy: one forward pass
-        seen.append(model(tokens, **kwargs))
-        return seen[-1]
-
-    sums, weights = next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
-    tokens = batch["tokens"]
-    targets = batch["weights"][:, 1:].astype(jnp.float32) * row[:, None]
-    correct = (jnp.argmax(seen[0][:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * targets
-    return {"loss": sums * row, "weight": weights * row, "correct": jnp.sum(correct, axis=1)}
 
 
 # --- the task ------------------------------------------------------------------------------------
