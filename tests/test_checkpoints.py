@@ -288,10 +288,11 @@ def test_missing_or_garbled_files_raise_checkpoint_error(small_checkpoint, damag
             data.unlink()
         else:
             data.write_bytes(data.read_bytes()[:1000])
-    with Checkpointer(directory, keep=None) as ckpt, pytest.raises(CheckpointError) as info:
+    with Checkpointer(directory, keep=None) as ckpt, pytest.raises(zoo.DamagedCheckpointError) as info:
         ckpt.restore(state)
     message = str(info.value)
     assert f"{directory / '2'} is damaged" in message and "the others here are [1]" in message, message
+    assert info.value.step == 2 and info.value.reason in message  # what restore_intact skips by, not the text
     assert ("manifest" in message) == (damage == "manifest"), message
     assert info.value.__cause__ is not None  # the underlying error stays chained
     if damage == "delete":
@@ -300,6 +301,25 @@ def test_missing_or_garbled_files_raise_checkpoint_error(small_checkpoint, damag
         with Checkpointer(directory, keep=None) as ckpt, pytest.raises(CheckpointError) as info:
             ckpt.restore(state | {"extra": jnp.zeros(2)})
         assert "does not match the `like` tree" in str(info.value) and "['extra']" in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_restore_intact_skips_damaged_steps_and_names_each_when_all_are(small_checkpoint):
+    """The newest intact step is restored and the damaged newer one deleted; a damage of
+    every step is one `DamagedCheckpointError` (step None) naming each; a mismatched `like`
+    is not damage: it is raised as is, nothing deleted."""
+    directory, state = small_checkpoint
+    _data_file(directory / "2").unlink()
+    with Checkpointer(directory, keep=None) as ckpt:
+        with pytest.raises(CheckpointError, match="does not match") as info:
+            ckpt.restore_intact(state | {"extra": jnp.zeros(3)})
+        assert not isinstance(info.value, zoo.DamagedCheckpointError) and ckpt.steps() == [1, 2]
+        (restored, skipped) = ckpt.restore_intact(state)
+        assert restored.step == 1 and [k for k, _ in skipped] == [2] and ckpt.steps() == [1]
+    _data_file(directory / "1").unlink()
+    with Checkpointer(directory, keep=None) as ckpt, pytest.raises(zoo.DamagedCheckpointError) as info:
+        ckpt.restore_intact(state)
+    assert info.value.step is None and "step 1: " in info.value.reason, info.value
 
 
 def test_mismatched_like_lists_every_difference(saved):

@@ -189,3 +189,47 @@ def test_the_check_sees_private_imports():
     source = CLI / "_common.py"
     resolved = {m for _, m in _imports(source)}
     assert {"zoo.internal.parse_mesh", "zoo.train.ConfigError"} <= resolved, resolved
+
+
+# --- the public surface ---------------------------------------------------------------------------
+
+
+def _public_names(namespace) -> set[str]:
+    """`__all__`, or (a namespace without one) its names that are neither private nor modules."""
+    import types
+
+    if hasattr(namespace, "__all__"):
+        return set(namespace.__all__)
+    return {n for n, v in vars(namespace).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+
+
+def _surface_table() -> dict[str, int]:
+    """docs/design.md's "The public surface" table: namespace → its count of names."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## 9. The public surface", 1)[1]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| `zoo")]
+    return {row[1].strip().strip("`"): int(row[2]) for row in rows}
+
+
+def test_every_public_name_is_counted_in_the_design_notes():
+    """Each namespace's public names are as many as docs/design.md says and every name
+    resolves; the second ways in that were removed stay removed."""
+    import importlib
+
+    table = _surface_table()
+    counted = {}
+    for name in table:
+        namespace = importlib.import_module(name)
+        names = _public_names(namespace)
+        missing = [n for n in names if not hasattr(namespace, n)]
+        assert not missing, f"{name}.__all__ names what it does not define: {missing}"
+        counted[name] = len(names)
+    assert counted == table, (
+        f"docs/design.md section 9 says {table}, the package has {counted}: update the table and its reasons"
+    )
+    import zoo
+
+    namespaces = {n for n in zoo.__all__ if isinstance(getattr(zoo, n), type(zoo))} | {"internal", "presets"}
+    assert {f"zoo.{n}" for n in namespaces} | {"zoo"} == set(table), "every public namespace has a row"
+    for gone in ("load_bert", "load_gpt2", "encoder_config_from_hf", "transformer_config_to_hf"):
+        assert not hasattr(zoo.hf, gone), f"zoo.hf.{gone}: the one way in is zoo.hf.from_pretrained"

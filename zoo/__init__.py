@@ -29,6 +29,7 @@ from ._axes import logical_axes as logical_axes
 from ._axes import stacked_field as stacked_field
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import DamagedCheckpointError as DamagedCheckpointError
 from ._compile_cache import default_cache_dir as default_cache_dir
 from ._compile_cache import enable_compilation_cache as enable_compilation_cache
 from ._distributed import distributed_init as distributed_init
@@ -62,6 +63,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "Collective",
+    "DamagedCheckpointError",
     "LogicalAxes",
     "Preset",
     "TrainStep",

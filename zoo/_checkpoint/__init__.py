@@ -19,3 +19,4 @@ touching array data, then recompute the fingerprints of what was read.
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import Restored as Restored
 from ._manifest import CheckpointError as CheckpointError
+from ._manifest import DamagedCheckpointError as DamagedCheckpointError

@@ -20,6 +20,7 @@ from ._manifest import (
     KEY,
     NUMPY,
     CheckpointError,
+    DamagedCheckpointError,
     abstract,
     configs,
     describe_leaf,
@@ -247,7 +248,7 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; the steps there are {steps}")
         return int(step)
 
-    def _damaged(self, step: int, what: str, error: BaseException | None = None) -> CheckpointError:
+    def _damaged(self, step: int, what: str, error: BaseException | None = None) -> DamagedCheckpointError:
         others = [s for s in self.steps() if s != step]
         fix = (
             f"Restore another step with restore(like, step=...); the others here are {others}."
@@ -255,8 +256,10 @@ class Checkpointer:
             else "There is no other checkpoint in this directory."
         )
         detail = f"\n  cause: {type(error).__name__}: {_short(error)}" if error is not None else ""
-        return CheckpointError(
-            f"checkpoint step {step} in {os.path.join(self.directory, str(step))} is damaged: {what}{detail}\n{fix}"
+        return DamagedCheckpointError(
+            f"checkpoint step {step} in {os.path.join(self.directory, str(step))} is damaged: {what}{detail}\n{fix}",
+            step=step,
+            reason=what,
         )
 
     def _read_manifest(self, step: int) -> dict[str, Any]:
@@ -294,8 +297,9 @@ class Checkpointer:
 
         **Returns:** `(restored, skipped)`: the `Restored` checkpoint and the `(step, why)`
         of each damaged checkpoint deleted on the way (newest first).
-        **Raises:** `CheckpointError` when `step` is given and cannot be restored, or every
-        checkpoint is damaged (naming each and why).
+        **Raises:** `CheckpointError` when `step` is given and cannot be restored
+        (`DamagedCheckpointError` when it is damaged), `DamagedCheckpointError` (`step`
+        None) when every checkpoint is damaged, naming each and why.
         """
         import logging
         import shutil
@@ -308,11 +312,10 @@ class Checkpointer:
             absl.setLevel(max(level, logging.ERROR))  # orbax's own warnings about the damage: ours names it
             try:
                 restored = self.restore(like, step=n)
-            except CheckpointError as e:
-                first = str(e).splitlines()[0]
-                if " is damaged: " not in first or step is not None:
+            except DamagedCheckpointError as e:
+                if step is not None:
                     raise
-                skipped.append((n, first.split(" is damaged: ")[1]))
+                skipped.append((n, e.reason))
                 continue
             finally:
                 absl.setLevel(level)
@@ -322,7 +325,9 @@ class Checkpointer:
                 self._manager.reload()  # it lists the steps it saw when opened
             return restored, skipped
         what = "; ".join(f"step {k}: {why}" for k, why in skipped)
-        raise CheckpointError(f"every checkpoint in {self.directory} is damaged ({what})")
+        raise DamagedCheckpointError(
+            f"every checkpoint in {self.directory} is damaged ({what})", step=None, reason=what
+        )
 
     def restore(self, like: Any, *, step: int | None = None) -> Restored:
         """Restore checkpoint `step` (default: the newest) into the structure of `like`.

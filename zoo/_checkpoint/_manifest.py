@@ -25,6 +25,19 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be restored: missing, damaged, or not matching the target."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint that can never be restored: unreadable, truncated, not a zoo checkpoint.
+
+    `step` is the damaged step and `reason` says what is wrong with it; raised by
+    `Checkpointer.restore_intact` for a whole directory of them, `step` is None and
+    `reason` lists each.
+    """
+
+    def __init__(self, message: str, *, step: int | None, reason: str):
+        super().__init__(message)
+        self.step, self.reason = step, reason
+
+
 def _is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)

@@ -7,7 +7,7 @@ import sys
 
 import equinox as eqx
 
-from .._checkpoint import Checkpointer, CheckpointError
+from .._checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from ._build import BuiltRun
 from ._errors import ConfigError
 from ._plan import RunPlan
@@ -32,8 +32,10 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
         (start, state, _), skipped = checkpointer.restore_intact(like, step=c.resume_step)
     except CheckpointError as e:
         first = str(e).splitlines()[0]
-        hint = "; start a new run (--overwrite)" if first.startswith("every checkpoint") else (
-            "" if " is damaged: " in first else " (was it saved with other flags?)")  # fmt: skip
+        if not isinstance(e, DamagedCheckpointError):
+            hint = " (was it saved with other flags?)"  # a checkpoint that does not fit this run
+        else:
+            hint = "; start a new run (--overwrite)" if e.step is None else ""
         raise ConfigError(f"--resume: {first}{hint}") from e
     if skipped:
         what = "; ".join(f"step {k}: {why}" for k, why in skipped)
