@@ -33,10 +33,16 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
+# One compilation cache for the whole run, emptied first (tests/conftest.py): the test
+# processes and the CLI runs they start load a program compiled once instead of compiling
+# it again; never the user's cache.
+TEST_CACHE := $(CURDIR)/build/test-compile-cache
+
 test: lint
-	$(PYTEST) --dist loadfile -m 'not slow'
-	$(MAKE) --no-print-directory test-numerics
-	$(PYTEST) --dist load -m slow
+	rm -rf $(TEST_CACHE)
+	ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist loadfile -m 'not slow'
+	ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(MAKE) --no-print-directory test-numerics
+	ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist load -m slow
 
 # The float comparisons (-m numerics: zoo against transformers/peft/sentence-transformers,
 # sharded against one device) again on other CPU kernels, so that a tolerance only one

@@ -22,10 +22,19 @@ jax.config.update("jax_num_cpu_devices", 8)
 _xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 jax.devices()  # initialise the backend with these flags
-# The CLI and examples turn on zoo's persistent compilation cache; tests keep it off (in
-# process and in subprocesses) so they neither read nor fill the user's cache. The cache's
-# own test turns it on with a temporary folder.
-os.environ["ZOO_NO_COMPILE_CACHE"] = "1"
+# The CLI and examples turn on zoo's persistent compilation cache; tests never read or fill
+# the user's. `make test` gives the whole run one fresh folder of its own instead
+# (ZOO_TEST_COMPILE_CACHE, emptied first): the test processes and the CLI processes they
+# start share it, so a program compiled once (the same tiny step in a hundred CLI runs, a
+# run and its resume) is loaded, not compiled again. Unset: the cache is off, in process
+# and in subprocesses. The cache's own test turns it on with a temporary folder.
+if os.environ.get("ZOO_TEST_COMPILE_CACHE"):
+    os.environ["ZOO_COMPILE_CACHE_DIR"] = os.environ["ZOO_TEST_COMPILE_CACHE"]
+    os.environ.pop("ZOO_NO_COMPILE_CACHE", None)
+    jax.config.update("jax_compilation_cache_dir", os.environ["ZOO_TEST_COMPILE_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # as zoo's CLI
+else:
+    os.environ["ZOO_NO_COMPILE_CACHE"] = "1"
 # Likewise zoo.keep_freed_memory (the CLI's --keep-memory) is a no-op here: the test
 # processes keep glibc's defaults; tests/test_host_memory.py checks it in subprocesses.
 os.environ["ZOO_NO_KEEP_MEMORY"] = "1"

@@ -229,7 +229,8 @@ def test_compilation_cache_folder_defaults(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert zoo.default_cache_dir() == tmp_path / "home" / ".cache" / "zoo" / "jax"
-    # Off in this process (conftest sets ZOO_NO_COMPILE_CACHE=1): nothing is configured.
+    # Turned off by ZOO_NO_COMPILE_CACHE=1, whatever the arguments: nothing is configured.
+    monkeypatch.setenv("ZOO_NO_COMPILE_CACHE", "1")
     assert zoo.enable_compilation_cache(tmp_path / "unused") is None
     assert not (tmp_path / "unused").exists()
 
