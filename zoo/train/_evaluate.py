@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._distributed import global_batch, local_rows
+from ._errors import ConfigError
 
 
 class Evaluator:
@@ -124,8 +125,7 @@ def first_evaluation(evaluate: Evaluator, model, *, probe_steps: int, start: int
     compared with (`"baseline": True`). Returns the stages, `[0]` the starting point."""
     import numpy as np
 
-    from ..nn import Linear
-    from ._errors import ConfigError
+    from ..nn import Linear  # jax: this module is imported by the CLI's parser
 
     task = evaluate.task
     if not (probe_steps and start == 0):

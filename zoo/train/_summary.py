@@ -47,13 +47,17 @@ class RunRecord:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] | None = None
+    sizes: dict[str, int] | None = None
 
     def step_sizes(self, model) -> dict[str, int]:
         """Bytes of the trained leaves (all, and each device's share: what it reduces over
-        `data`, less under tp/fsdp) and of the LoRA branches alone."""
+        `data`, less under tp/fsdp) and of the LoRA branches alone; measured once (training
+        changes values, not shapes or placement)."""
+        if self.sizes is not None:
+            return self.sizes
         trained = self.built.step.partition(model)[0]
         lcfg = self.plan.config.lora
-        return {
+        self.sizes = {
             "trainable": tree_bytes(trained),
             "per_device": sum(
                 math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
@@ -61,6 +65,7 @@ class RunRecord:
             ),
             "adapter": tree_bytes(eqx.filter(model, lora_trainable(model))) if lcfg is not None else 0,
         }
+        return self.sizes
 
 
 class Summary(Hook):
