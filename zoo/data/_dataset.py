@@ -26,7 +26,8 @@ from ._records import DataFormatError, Kind, read_records
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """Rows of one data file, ready to batch.
+    """Rows of one data file, ready to batch: a `zoo.data.BatchSource` (`batch_at`), what
+    a `zoo.train.Task` on the file trains on.
 
     **Fields:**
 
