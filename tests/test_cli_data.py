@@ -106,13 +106,13 @@ def _task(name: str, data: Path, init: Path | None, seq_len: int = SEQ, **option
     import jax
 
     import zoo
-    from zoo.train import TaskSettings, build_task
+    from zoo.train import DataConfig, RunConfig, build_task
 
-    settings = TaskSettings(name=name, data=str(data), seq_len=seq_len, seed=0, dtype="float32", model_config={},
-                            init=None if init is None else str(init), eval_size=0, **options)  # fmt: skip
+    config = RunConfig(model=name, init=None if init is None else str(init), batch_size=4,
+                       data=DataConfig(source=str(data), seq_len=seq_len, **options)).resolved()  # fmt: skip
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     with jax.set_mesh(mesh):
-        return build_task(settings, rules=zoo.rules("dp"), mesh=mesh)
+        return build_task(config, rules=zoo.rules("dp"), mesh=mesh)
 
 
 def _segments(batch: dict, row: int):
@@ -136,7 +136,7 @@ def test_prompt_completion_weights_are_exactly_the_completion_tokens(llama_dir, 
         prompt = ["<s>", *r["prompt"].split()]
         assert words == prompt + r["completion"].split() + ["</s>"]
         assert weights.tolist() == [0.0] * len(prompt) + [1.0] * (len(words) - len(prompt))
-    batch = task.train_batch(1, 4)  # the rows a step trains on: the same documents, weighted alike
+    batch = task.batch_at(1, 4)  # the rows a step trains on: the same documents, weighted alike
     assert set(batch) == {"tokens", "mask", "segment_ids", "positions", "weights"}
     known = {(tuple(w), tuple(x.tolist())) for w, x in docs}
     assert all((tuple(w), tuple(x.tolist())) in known for row in range(4) for w, x in _segments(batch, row))
@@ -193,11 +193,11 @@ def test_train_batches_are_the_datasets_epochs_and_a_function_of_the_step(llama_
     per_epoch = len(train) // 4
     expected = [b for epoch in range(3) for b in train.batches(4, seed=0, epoch=epoch)]
     for step in (1, 2, per_epoch, per_epoch + 1, 2 * per_epoch + 1):
-        got = task.train_batch(step, 4)
+        got = task.batch_at(step, 4)
         assert all(np.array_equal(got[k], expected[step - 1][k]) for k in got)
-    assert np.array_equal(task.train_batch(3, 4)["tokens"], task.train_batch(3, 4)["tokens"])
+    assert np.array_equal(task.batch_at(3, 4)["tokens"], task.batch_at(3, 4)["tokens"])
     # Metrics: next_token_loss's sums and weights, scaled by the evaluator's row weight.
-    batch = {k: jnp.asarray(v) for k, v in task.train_batch(1, 4).items()}
+    batch = {k: jnp.asarray(v) for k, v in task.batch_at(1, 4).items()}
     sums, weights = zoo.models.next_token_loss(task.model, batch)
     row = jnp.asarray([1.0, 1.0, 0.0, 1.0])
     out = lm_metrics(task.model, batch | {"weight": row})
@@ -365,7 +365,7 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
     task = _task("encoder", data_files["csv"], None)
     assert task.label_names == ("0", "1") and task.kind == "classification"
     assert task.model.head.weight.shape[-1] == 2  # the head has as many outputs as the file has labels
-    batch = task.train_batch(1, 4)
+    batch = task.batch_at(1, 4)
     assert set(batch) == {"tokens", "mask", "token_types", "labels"} and batch["tokens"].max() < 256
     out = tmp_path / "encoder"
     text = ok("train", "encoder", "--data", data_files["csv"], *TINY[:-1], "--steps", "2", "--model-config",

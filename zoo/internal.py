@@ -69,9 +69,9 @@ from .train._registry import spec_for_init as spec_for_init
 from .train._report import collective_summary as collective_summary
 from .train._report import tree_bytes as tree_bytes
 from .train._report import tree_size as tree_size
+from .train._sources import numpy_rng as numpy_rng
 from .train._task import ONCE_COMPILER_OPTIONS as ONCE_COMPILER_OPTIONS
 from .train._task import init_compiled as init_compiled
-from .train._task import numpy_rng as numpy_rng
 from .train._task import resolve_init as resolve_init
 from .train._user_data import DATA_FILE_HELP as DATA_FILE_HELP
 from .train._user_data import check_data_file as check_data_file
