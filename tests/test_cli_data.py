@@ -272,6 +272,76 @@ def test_resume_refuses_a_data_file_edited_since_the_checkpoint(tmp_path, data_f
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
 
 
+def test_a_runs_data_file_is_read_once(tmp_path, data_files, monkeypatch):
+    """`zoo train --data FILE` and its `--resume` each open the file once (the command line
+    reads no data; the run's records, rows and fingerprint come from the same bytes), and
+    the checkpoint's `data_sha256` is the digest of those bytes."""
+    import builtins
+    import hashlib
+    import io
+    import os
+
+    import zoo
+
+    data = tmp_path / "notes.txt"
+    data.write_bytes(data_files["txt"].read_bytes())
+    opens, real_open = [], io.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, str | os.PathLike) and Path(file).resolve() == data.resolve():
+            opens.append(args[0] if args else kwargs.get("mode", "r"))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)  # pathlib's open
+    monkeypatch.setattr(builtins, "open", counting_open)
+    args = ["train", "transformer", "--data", data, *TINY, "--model-config", "d_model=32,num_layers=1",
+            "--checkpoint-every", "2", "--output", tmp_path / "run"]  # fmt: skip
+    ok(*args, "--steps", "2")
+    assert opens == ["rb"], opens
+    ok(*args, "--steps", "3", "--resume")
+    assert opens == ["rb", "rb"], opens
+    monkeypatch.undo()
+    saved = zoo.Checkpointer(tmp_path / "run" / "checkpoints", read_only=True).metadata(3)
+    assert saved["data_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+
+
+def test_every_task_gives_the_same_batch_of_a_step_every_time(data_files):
+    """Built-in data (the mlp's teacher, a corpus's windows, the docstrings' epochs, a
+    model's random rows) and a user's files (their `zoo.data.Dataset`, held as is) are
+    `zoo.data.BatchSource`s: the batch of step k is the same however often it is asked
+    for and from a task built again, and a function of the seed."""
+    import dataclasses
+
+    import zoo
+    from zoo.train import DataConfig, RunConfig, build_task
+
+    small = {"d_model": 32, "num_layers": 1}
+    txt, csv = (DataConfig(str(data_files[k]), seq_len=16) for k in ("txt", "csv"))
+    configs = {
+        "teacher": RunConfig(model="mlp"),
+        "prose": RunConfig(model="transformer", model_config=small, data=DataConfig(source="prose", seq_len=16)),
+        "docstrings": RunConfig(model="encoder", model_config=small, data=DataConfig(seq_len=16)),
+        "txt": RunConfig(model="transformer", model_config=small, data=txt),
+        "csv": RunConfig(model="encoder", model_config=small, batch_size=4, data=csv),
+    }
+    configs = {k: c.resolved() for k, c in configs.items()}
+    docstrings = configs["docstrings"]
+    configs["random rows"] = dataclasses.replace(docstrings, data=dataclasses.replace(docstrings.data, source=None))
+    for name, config in configs.items():
+        task, again = (build_task(config, rules=None, mesh=None) for _ in range(2))
+        assert isinstance(task.train_source, zoo.data.BatchSource), name
+        if name in ("txt", "csv"):
+            assert isinstance(task.train_source, zoo.data.Dataset), name
+        reseeded = build_task(dataclasses.replace(config, seed=1), rules=None, mesh=None)
+        for step in (1, 2, 9, 40):
+            first = task.batch_at(step, 4)
+            assert first.keys() == again.batch_at(step, 4).keys(), name
+            for got in (task.batch_at(step, 4), again.batch_at(step, 4)):
+                assert all(np.array_equal(first[k], got[k]) for k in first), (name, step)
+            other = reseeded.batch_at(step, 4)
+            assert not all(np.array_equal(first[k], other[k]) for k in first), (name, step)
+
+
 def test_train_transformer_on_jsonl_text_with_the_init_tokenizer(tmp_path, llama_dir, data_files):
     """(b) `zoo train transformer --init HF_DIR --data text.jsonl --no-packed`: the
     folder's tokenizer, one document per row, the tokenizer copied next to the model."""

@@ -96,16 +96,9 @@ def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, d
     model = given["model"] = _check_model(given.get("model"))
     spec = model_spec(model)
     model_config_of(spec, given.get("model_config"), given.get("init"))
-    config = RunConfig.from_dict(given)  # every value checked, before a data file is read
-    spec.defaults_for(command)  # the command takes the model, before its data is read
-    data = config.data.source or spec.data_for(command)
-    if data not in spec.datasets:  # a user's file: readable, and of the model's kind
-        validation = (
-            internal.DATA_FILE_DEFAULTS["validation"] if config.data.validation is None else config.data.validation
-        )
-        data = internal.check_data_file(data, model, validation=validation, chat_template=config.data.chat_template)
-        config = dataclasses.replace(config, data=dataclasses.replace(config.data, source=data))
-    config = config.resolved(command)
+    # Every value checked and the defaults applied; a data file is the library's to check
+    # and read (once, when the run builds its task).
+    config = RunConfig.from_dict(given).resolved(command)
     if command != "train" and spec.finetune_needs_init and not config.init:
         raise CLIError(
             f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "

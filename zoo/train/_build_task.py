@@ -7,13 +7,11 @@ a `RunConfig`, so the same settings give the same model.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._registry import model_spec
 from ._task import Task
-from ._user_data import SUFFIXES, user_data_task
+from ._user_data import check_data_file, user_data_task
 
 
 def build_task(config: RunConfig, *, rules, mesh) -> Task:
@@ -30,19 +28,14 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
       (`zoo.hf.from_pretrained`); a model built from scratch is left unplaced.
 
     **Returns:** the `Task`. Raises `zoo.train.ConfigError` for settings the model does
-    not take (an unknown name or data set, `--init` for a model without pretrained
-    weights or of another architecture, a dtype it does not compute in).
+    not take (an unknown name or data set, a data file it cannot read or train on,
+    `--init` for a model without pretrained weights or of another architecture, a dtype
+    it does not compute in).
     """
     if config.steps is None or config.batch_size is None:
         raise ConfigError("build_task takes a config with its defaults applied: pass config.resolved(command)")
     spec = model_spec(config.model)
-    data = config.data.source
-    user_file = data is not None and data not in spec.datasets and Path(data).suffix in SUFFIXES
-    if data is not None and data not in spec.datasets and not user_file:
-        raise ConfigError(
-            f"--data {data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
-            + (" or a .txt/.jsonl/.csv file" if spec.file_model is not None else "")
-        )
+    check_data_file(config)  # a data set of the model's, or a file it trains on
     if config.dtype not in spec.dtypes:
         raise ConfigError(
             f"--dtype: the {spec.name} computes in float32 only; drop --dtype"
@@ -51,6 +44,6 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
         )
     if config.init and spec.init_class is None:
         raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
-    if user_file:
+    if config.data.source is not None and config.data.source not in spec.datasets:
         return user_data_task(config, rules=rules, mesh=mesh)
     return spec.build(config, rules=rules, mesh=mesh)

@@ -38,34 +38,29 @@ DATA_FILE_HELP = (
 )
 
 
-def check_data_file(data: str, model: str, *, validation: float, chat_template: str | None) -> str:
-    """The absolute path of `--data FILE` once it is readable and fits `model` (its
-    records are read and checked here, before any device is touched); else a one-line
-    error naming the file (and line) and the fix."""
-    spec = model_spec(model)
+def check_data_file(c: RunConfig) -> None:
+    """Refuse a `--data` (`c.data.source`) that is neither one of the model's data sets
+    nor a data file it trains on, or a `--chat-template` file that is not there: a
+    one-line `ConfigError` naming the fix. Only the paths are looked at (the plan checks
+    them before anything is built); the file is read once, by `user_data_task`."""
+    spec = model_spec(c.model)
+    data = c.data.source
+    if data is None or data in spec.datasets:
+        return
     path = Path(data).expanduser()
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise ConfigError(
-                f"--data {data!r}: {model} trains on {' or '.join(spec.datasets)}"
+                f"--data {data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
                 + (", or on your own .txt, .jsonl or .csv file (docs/data.md)" if spec.file_model else "")
             )
         raise ConfigError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
     if not path.is_file():
         raise ConfigError(f"--data {data}: no such file; check the path")
     check_takes_files(spec, data)
-    if not 0 <= validation < 1:
-        raise ConfigError(f"--validation must be a fraction in [0, 1), got {validation}")
-    if chat_template is not None and not Path(chat_template).expanduser().is_file():
-        raise ConfigError(f"--chat-template {chat_template}: no such file; pass a jinja2 chat template file")
-    try:
-        kind, _ = read_records(path)
-    except DataFormatError as e:
-        raise ConfigError(f"--data: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--data {data} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    check_kind(spec, kind, data)
-    return str(path.resolve())
+    template = c.data.chat_template
+    if template is not None and not Path(template).expanduser().is_file():
+        raise ConfigError(f"--chat-template {template}: no such file; pass a jinja2 chat template file")
 
 
 def check_takes_files(spec: ModelSpec, data: Any) -> None:
@@ -171,22 +166,22 @@ def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate 
 
 def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     """The task of model `c.model` (`transformer`, `encoder`, `minilm`) on the data file
-    `c.data.source` (checked by `check_data_file`): `c.data.validation` of its documents
-    held out, language-modelling documents packed into rows (`c.data.packed`),
+    `c.data.source` (its path checked by `check_data_file`): `c.data.validation` of its
+    documents held out, language-modelling documents packed into rows (`c.data.packed`),
     `c.data.chat_template` a jinja2 file for chat data when the tokenizer has none. The
-    task trains on the file's `zoo.data.Dataset` itself."""
+    file is read once: its records, its rows and its fingerprint (`data_sha256`) come
+    from the same bytes. The task trains on the file's `zoo.data.Dataset` itself."""
     spec = model_spec(c.model)
-    check_takes_files(spec, c.data.source)
+    path = Path(c.data.source).expanduser()
+    raw = _read(path, spec)  # before the tokenizer and the model: a wrong file fails fast
     folder = init_folder(c)
     tokenizer = tokenizer_of(folder)
-    path = Path(c.data.source)
     validation = c.data.validation
     source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
     template, template_digest = _chat_template(c.data.chat_template, folder)
     try:
-        train, val = load_data(
-            path, source, seq_len=c.data.seq_len, packed=c.data.packed, validation=validation, chat_template=template
-        )
+        train, val = load_data(path, source, seq_len=c.data.seq_len, packed=c.data.packed, validation=validation,
+                               chat_template=template, data=raw)  # fmt: skip
     except DataFormatError as e:
         hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
         raise ConfigError(f"--data: {str(e).splitlines()[0]}{hint}") from None
@@ -201,7 +196,6 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
         )
     tokens_kind = "byte" if tokenizer is None else "tokenizer"
     fingerprint = {"data_sha256": train.sha256, **template_digest}
-    check_kind(spec, train.kind, c.data.source)
     if train.kind == "classification":
         if train.num_labels < 2:
             raise ConfigError(
@@ -235,6 +229,20 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
         init=None if folder is None else str(folder),
         fingerprint=fingerprint,
     )
+
+
+def _read(path: Path, spec: ModelSpec) -> bytes:
+    """The data file's bytes, read once; its records parsed and their kind checked against
+    the model's (a one-line `ConfigError` naming the file, the line and the fix)."""
+    raw = path.read_bytes()
+    try:
+        kind, _ = read_records(path, data=raw)
+    except DataFormatError as e:
+        raise ConfigError(f"--data: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    check_kind(spec, kind, path)
+    return raw
 
 
 def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
