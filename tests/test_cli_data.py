@@ -106,13 +106,13 @@ def _task(name: str, data: Path, init: Path | None, seq_len: int = SEQ, **option
     import jax
 
     import zoo
-    from zoo.train import TaskSettings, build_task
+    from zoo.train import DataConfig, RunConfig, build_task
 
-    settings = TaskSettings(name=name, data=str(data), seq_len=seq_len, seed=0, dtype="float32", model_config={},
-                            init=None if init is None else str(init), eval_size=0, **options)  # fmt: skip
+    config = RunConfig(model=name, init=None if init is None else str(init), batch_size=4,
+                       data=DataConfig(source=str(data), seq_len=seq_len, **options)).resolved()  # fmt: skip
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     with jax.set_mesh(mesh):
-        return build_task(settings, rules=zoo.rules("dp"), mesh=mesh)
+        return build_task(config, rules=zoo.rules("dp"), mesh=mesh)
 
 
 def _segments(batch: dict, row: int):
@@ -136,7 +136,7 @@ def test_prompt_completion_weights_are_exactly_the_completion_tokens(llama_dir, 
         prompt = ["<s>", *r["prompt"].split()]
         assert words == prompt + r["completion"].split() + ["</s>"]
         assert weights.tolist() == [0.0] * len(prompt) + [1.0] * (len(words) - len(prompt))
-    batch = task.train_batch(1, 4)  # the rows a step trains on: the same documents, weighted alike
+    batch = task.batch_at(1, 4)  # the rows a step trains on: the same documents, weighted alike
     assert set(batch) == {"tokens", "mask", "segment_ids", "positions", "weights"}
     known = {(tuple(w), tuple(x.tolist())) for w, x in docs}
     assert all((tuple(w), tuple(x.tolist())) in known for row in range(4) for w, x in _segments(batch, row))
@@ -193,11 +193,11 @@ def test_train_batches_are_the_datasets_epochs_and_a_function_of_the_step(llama_
     per_epoch = len(train) // 4
     expected = [b for epoch in range(3) for b in train.batches(4, seed=0, epoch=epoch)]
     for step in (1, 2, per_epoch, per_epoch + 1, 2 * per_epoch + 1):
-        got = task.train_batch(step, 4)
+        got = task.batch_at(step, 4)
         assert all(np.array_equal(got[k], expected[step - 1][k]) for k in got)
-    assert np.array_equal(task.train_batch(3, 4)["tokens"], task.train_batch(3, 4)["tokens"])
+    assert np.array_equal(task.batch_at(3, 4)["tokens"], task.batch_at(3, 4)["tokens"])
     # Metrics: next_token_loss's sums and weights, scaled by the evaluator's row weight.
-    batch = {k: jnp.asarray(v) for k, v in task.train_batch(1, 4).items()}
+    batch = {k: jnp.asarray(v) for k, v in task.batch_at(1, 4).items()}
     sums, weights = zoo.models.next_token_loss(task.model, batch)
     row = jnp.asarray([1.0, 1.0, 0.0, 1.0])
     out = lm_metrics(task.model, batch | {"weight": row})
@@ -270,6 +270,76 @@ def test_resume_refuses_a_data_file_edited_since_the_checkpoint(tmp_path, data_f
     data.write_text(original)
     ok(*args, "--steps", "3", "--resume")
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+
+
+def test_a_runs_data_file_is_read_once(tmp_path, data_files, monkeypatch):
+    """`zoo train --data FILE` and its `--resume` each open the file once (the command line
+    reads no data; the run's records, rows and fingerprint come from the same bytes), and
+    the checkpoint's `data_sha256` is the digest of those bytes."""
+    import builtins
+    import hashlib
+    import io
+    import os
+
+    import zoo
+
+    data = tmp_path / "notes.txt"
+    data.write_bytes(data_files["txt"].read_bytes())
+    opens, real_open = [], io.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, str | os.PathLike) and Path(file).resolve() == data.resolve():
+            opens.append(args[0] if args else kwargs.get("mode", "r"))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)  # pathlib's open
+    monkeypatch.setattr(builtins, "open", counting_open)
+    args = ["train", "transformer", "--data", data, *TINY, "--model-config", "d_model=32,num_layers=1",
+            "--checkpoint-every", "2", "--output", tmp_path / "run"]  # fmt: skip
+    ok(*args, "--steps", "2")
+    assert opens == ["rb"], opens
+    ok(*args, "--steps", "3", "--resume")
+    assert opens == ["rb", "rb"], opens
+    monkeypatch.undo()
+    saved = zoo.Checkpointer(tmp_path / "run" / "checkpoints", read_only=True).metadata(3)
+    assert saved["data_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+
+
+def test_every_task_gives_the_same_batch_of_a_step_every_time(data_files):
+    """Built-in data (the mlp's teacher, a corpus's windows, the docstrings' epochs, a
+    model's random rows) and a user's files (their `zoo.data.Dataset`, held as is) are
+    `zoo.data.BatchSource`s: the batch of step k is the same however often it is asked
+    for and from a task built again, and a function of the seed."""
+    import dataclasses
+
+    import zoo
+    from zoo.train import DataConfig, RunConfig, build_task
+
+    small = {"d_model": 32, "num_layers": 1}
+    txt, csv = (DataConfig(str(data_files[k]), seq_len=16) for k in ("txt", "csv"))
+    configs = {
+        "teacher": RunConfig(model="mlp"),
+        "prose": RunConfig(model="transformer", model_config=small, data=DataConfig(source="prose", seq_len=16)),
+        "docstrings": RunConfig(model="encoder", model_config=small, data=DataConfig(seq_len=16)),
+        "txt": RunConfig(model="transformer", model_config=small, data=txt),
+        "csv": RunConfig(model="encoder", model_config=small, batch_size=4, data=csv),
+    }
+    configs = {k: c.resolved() for k, c in configs.items()}
+    docstrings = configs["docstrings"]
+    configs["random rows"] = dataclasses.replace(docstrings, data=dataclasses.replace(docstrings.data, source=None))
+    for name, config in configs.items():
+        task, again = (build_task(config, rules=None, mesh=None) for _ in range(2))
+        assert isinstance(task.train_source, zoo.data.BatchSource), name
+        if name in ("txt", "csv"):
+            assert isinstance(task.train_source, zoo.data.Dataset), name
+        reseeded = build_task(dataclasses.replace(config, seed=1), rules=None, mesh=None)
+        for step in (1, 2, 9, 40):
+            first = task.batch_at(step, 4)
+            assert first.keys() == again.batch_at(step, 4).keys(), name
+            for got in (task.batch_at(step, 4), again.batch_at(step, 4)):
+                assert all(np.array_equal(first[k], got[k]) for k in first), (name, step)
+            other = reseeded.batch_at(step, 4)
+            assert not all(np.array_equal(first[k], other[k]) for k in first), (name, step)
 
 
 def test_train_transformer_on_jsonl_text_with_the_init_tokenizer(tmp_path, llama_dir, data_files):
@@ -365,7 +435,7 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
     task = _task("encoder", data_files["csv"], None)
     assert task.label_names == ("0", "1") and task.kind == "classification"
     assert task.model.head.weight.shape[-1] == 2  # the head has as many outputs as the file has labels
-    batch = task.train_batch(1, 4)
+    batch = task.batch_at(1, 4)
     assert set(batch) == {"tokens", "mask", "token_types", "labels"} and batch["tokens"].max() < 256
     out = tmp_path / "encoder"
     text = ok("train", "encoder", "--data", data_files["csv"], *TINY[:-1], "--steps", "2", "--model-config",

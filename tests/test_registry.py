@@ -62,14 +62,12 @@ def test_unknown_model_is_a_config_error_listing_the_names():
 def test_build_task_checks_the_settings_against_the_spec():
     import zoo
 
-    def settings(**changes):
-        values = dict(name="mlp", data="teacher", seq_len=None, seed=0, dtype="float32", model_config={},
-                      init=None, eval_size=8)  # fmt: skip
-        return zoo.train.TaskSettings(**(values | changes))
+    def config(data="teacher", **changes):
+        return zoo.train.RunConfig(model="mlp", data=zoo.train.DataConfig(source=data, eval_size=8), **changes)
 
-    task = zoo.train.build_task(settings(), rules=None, mesh=None)
+    task = zoo.train.build_task(config().resolved(), rules=None, mesh=None)
     assert task.kind == "regression" and task.config == {"in_size": 16, "out_size": 1, "width": 64, "depth": 4}
-    assert task.train_batch(1, 4)["x"].shape == (4, 16) and task.eval_data["y"].shape == (8, 1)
+    assert task.batch_at(1, 4)["x"].shape == (4, 16) and task.eval_data["y"].shape == (8, 1)
     for changes, message in [
         (dict(data="prose"), "--data 'prose': mlp trains on teacher"),
         (dict(dtype="bfloat16"), "the mlp computes in float32 only"),
@@ -77,7 +75,9 @@ def test_build_task_checks_the_settings_against_the_spec():
         (dict(model_config={"height": 3}), "unknown mlp keys ['height']"),
     ]:
         with pytest.raises(zoo.train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            zoo.train.build_task(settings(**changes), rules=None, mesh=None)
+            zoo.train.build_task(config(**changes).resolved(), rules=None, mesh=None)
+    with pytest.raises(zoo.train.ConfigError, match=r"defaults applied: pass config.resolved\(command\)"):
+        zoo.train.build_task(config(), rules=None, mesh=None)
 
 
 def test_cli_help_and_choices_come_from_the_registry():
@@ -98,6 +98,22 @@ def test_cli_help_and_choices_come_from_the_registry():
 # --- a model a user registers ---------------------------------------------------------------------
 
 
+class _TanhExamples:
+    """`{"x", "y"}`: `y = tanh(x @ target)` of normal `x` in 8 inputs, fresh rows each step (a
+    `zoo.data.BatchSource`)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def batch_at(self, step, batch_size, *, seed=0, mesh=None, data_axes="data"):
+        import numpy as np
+
+        import zoo
+
+        x = np.random.default_rng([seed, step]).normal(size=(batch_size, 8)).astype(np.float32)
+        return zoo.data.local_batch({"x": x, "y": np.tanh(x @ self.target)}, mesh=mesh, data_axes=data_axes)
+
+
 def _user_spec():
     """A 2-output MLP regressor (one hidden layer) of 8 inputs on its own synthetic data, built from the public
     pieces: `zoo.train.Task` and the regression loss and metrics."""
@@ -106,22 +122,19 @@ def _user_spec():
 
     import zoo
 
-    def build(s, *, rules, mesh):
-        width = int(s.model_config.get("width", 32))
-        model = zoo.nn.MLP(8, 2, width, 1, key=jax.random.key(s.seed))  # one hidden layer
-        target = np.random.default_rng(s.seed).normal(size=(8, 2)).astype(np.float32)
-
-        def examples(step, n):
-            x = np.random.default_rng([s.seed, step]).normal(size=(n, 8)).astype(np.float32)
-            return {"x": x, "y": np.tanh(x @ target)}
+    def build(config, *, rules, mesh):
+        width = int(config.model_config.get("width", 32))
+        model = zoo.nn.MLP(8, 2, width, 1, key=jax.random.key(config.seed))  # one hidden layer
+        examples = _TanhExamples(np.random.default_rng(config.seed).normal(size=(8, 2)).astype(np.float32))
 
         return zoo.train.Task(
             model=model,
             kind="regression",
             loss_fn=zoo.train.regression_loss,
             metrics_fn=zoo.train.regression_metrics,
-            train_batch=examples,
-            eval_data=examples(0, s.eval_size or 64),
+            train_source=examples,
+            seed=config.seed,
+            eval_data=examples.batch_at(0, config.data.eval_size or 64, seed=config.seed),
             train_data=None,
             data="tanh of a random linear map of 8 inputs",
             unit="examples",
@@ -154,10 +167,9 @@ def test_a_registered_model_builds_through_build_task_and_the_cli(user_model, tm
     import zoo
 
     assert "tiny-regressor" in zoo.train.model_names() and zoo.train.model_spec("tiny-regressor") is user_model
-    settings = zoo.train.TaskSettings(name="tiny-regressor", data="tanh", seq_len=None, seed=0, dtype="float32",
-                                      model_config={"width": 16}, init=None, eval_size=0)  # fmt: skip
-    task = zoo.train.build_task(settings, rules=None, mesh=None)
-    assert task.config == {"width": 16} and task.train_batch(1, 4)["y"].shape == (4, 2)
+    config = zoo.train.RunConfig(model="tiny-regressor", model_config={"width": 16}).resolved()
+    task = zoo.train.build_task(config, rules=None, mesh=None)
+    assert task.config == {"width": 16} and task.batch_at(1, 4)["y"].shape == (4, 2)
 
     info = json.loads(ok("info", "tiny-regressor", "--model-config", "width=16", "--json"))
     assert info["command"] == "train" and info["config"] == {"width": 16}
@@ -208,10 +220,10 @@ def test_a_registered_model_trains_on_data_files_with_its_own_file_model(monkeyp
     monkeypatch.setattr(_registry, "_REGISTRY", dict(_registry._REGISTRY))
     calls = []
 
-    def small_decoder(s, num_labels, *, rules, mesh):
+    def small_decoder(config, num_labels, *, rules, mesh):
         calls.append(num_labels)
-        s = dataclasses.replace(s, model_config={"d_model": 24, "num_layers": 1})
-        return _builtin.decoder_model(s, rules=rules, mesh=mesh)
+        config = dataclasses.replace(config, model_config={"d_model": 24, "num_layers": 1})
+        return _builtin.decoder_model(config, rules=rules, mesh=mesh)
 
     base = zoo.train.model_spec("transformer")
     zoo.train.register_model(dataclasses.replace(base, name="my-lm", file_model=small_decoder))
@@ -222,13 +234,12 @@ def test_a_registered_model_trains_on_data_files_with_its_own_file_model(monkeyp
     labels.write_text("text,label\n" + "a b,x\nc d,y\n" * 10)
 
     def build(name, data):
-        settings = zoo.train.TaskSettings(name=name, data=str(data), seq_len=16, seed=0, dtype="float32",
-                                          model_config={}, init=None, eval_size=0)  # fmt: skip
-        return zoo.train.build_task(settings, rules=None, mesh=None)
+        config = zoo.train.RunConfig(model=name, batch_size=2, data=zoo.train.DataConfig(source=str(data), seq_len=16))
+        return zoo.train.build_task(config.resolved(), rules=None, mesh=None)
 
     task = build("my-lm", text)
     assert calls == [None] and task.config["d_model"] == 24 and task.config["num_layers"] == 1
-    assert task.train_batch(1, 2)["tokens"].shape == (2, 16)
+    assert task.batch_at(1, 2)["tokens"].shape == (2, 16)
     with pytest.raises(zoo.train.ConfigError, match="trains on its own data sets only"):
         build("lm-without-files", text)
     with pytest.raises(zoo.train.ConfigError, match="but my-lm is a language model"):

@@ -12,9 +12,9 @@ The second half is the command line's plumbing (`zoo/_cli` imports only public n
 the pieces of `zoo.train.run` the commands also use on their own, the text forms of
 `--lora` (`parse_lora`, `lora_text`, `lora_json`) and `--model-config` (`parse_scalar`),
 the mesh (`parse_mesh`, `mesh_text`, `make_mesh`, `check_rules_fit_mesh`), the registry's
-shared tables (`SHARED_DEFAULTS`, `OPTIONAL_DEFAULT_KEYS`, `DATA_FILE_DEFAULTS`,
-`CLASSIFIER_SAVE`, `spec_for_init`), a run's outputs and sizes, and the fixed pieces of the
-built-in models. No stability promise beyond the CLI's.
+shared tables (`SHARED_DEFAULTS`, `OPTIONAL_DEFAULT_KEYS`, `CLASSIFIER_SAVE`,
+`spec_for_init`), a run's outputs and sizes, and the fixed pieces of the built-in models
+(`DATA_FILE_HELP`: `--data`'s help on files). No stability promise beyond the CLI's.
 """
 
 from ._batch import check_batch as check_batch
@@ -62,16 +62,14 @@ from .train._output import read_metrics as read_metrics
 from .train._output import write_json as write_json
 from .train._plan import output_dir as output_dir
 from .train._registry import CLASSIFIER_SAVE as CLASSIFIER_SAVE
-from .train._registry import DATA_FILE_DEFAULTS as DATA_FILE_DEFAULTS
 from .train._registry import OPTIONAL_DEFAULT_KEYS as OPTIONAL_DEFAULT_KEYS
 from .train._registry import SHARED_DEFAULTS as SHARED_DEFAULTS
 from .train._registry import spec_for_init as spec_for_init
 from .train._report import collective_summary as collective_summary
 from .train._report import tree_bytes as tree_bytes
 from .train._report import tree_size as tree_size
+from .train._sources import numpy_rng as numpy_rng
 from .train._task import ONCE_COMPILER_OPTIONS as ONCE_COMPILER_OPTIONS
 from .train._task import init_compiled as init_compiled
-from .train._task import numpy_rng as numpy_rng
 from .train._task import resolve_init as resolve_init
 from .train._user_data import DATA_FILE_HELP as DATA_FILE_HELP
-from .train._user_data import check_data_file as check_data_file

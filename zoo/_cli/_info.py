@@ -10,7 +10,7 @@ from typing import Any
 
 from ..internal import LORA_EXAMPLE, lora_json, path_str
 from ._common import CLIError, init_devices, mesh_for
-from ._inspect import add_mesh_flags, add_model_flags, build_model, model_help
+from ._inspect import add_mesh_flags, add_model_flags, model_help, model_of
 
 
 def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: dict[str, int]) -> list[dict[str, Any]]:
@@ -62,7 +62,7 @@ def cmd_info(args) -> int:
 
     import zoo
 
-    built = build_model(args, mesh_shape, devices)
+    built = model_of(args, mesh_shape, devices)
     model, lora = built.task.model, built.lora
     # The specs are checked against an abstract mesh of the same axes and sizes (only a
     # pretrained model's weights were read onto devices, as zoo train reads them).
@@ -90,7 +90,7 @@ def cmd_info(args) -> int:
         result = {
             "model": args.model,
             "command": built.command,
-            "seq_len": built.settings.seq_len,
+            "seq_len": built.config.data.seq_len,
             "config": built.task.config,
             "init": built.task.init,
             "parameters": built.parameters,
@@ -121,7 +121,7 @@ def cmd_info(args) -> int:
         for r in rows
     ]
     widths = [max(len(row[i]) for row in (header, *table)) for i in range(len(header))]
-    seq = "" if built.settings.seq_len is None else f", seq-len {built.settings.seq_len}"
+    seq = "" if built.config.data.seq_len is None else f", seq-len {built.config.data.seq_len}"
     print(
         f"{args.model} (as zoo {built.command} builds it{seq}): mesh {mesh_shape}, rules {args.rules}"
         + ("" if lora is None else f", LoRA r={lora.r}")

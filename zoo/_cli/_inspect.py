@@ -13,22 +13,20 @@ from .. import RULE_PRESETS
 from ..internal import (
     LORA_EXAMPLE,
     ONCE_COMPILER_OPTIONS,
-    PRETRAINED_KEYS,
     add_lora,
     check_rules_fit_mesh,
     collective_summary,
     lora_json,
     make_mesh,
-    parse_lora,
-    parse_scalar,
     resolve_init,
     spec_for_init,
     tree_bytes,
     tree_size,
 )
-from ..train import TaskSettings, model_names, model_spec
-from ._common import CLIError, init_devices, mesh_for, parse_pairs
+from ..train import RunConfig, model_names, model_spec
+from ._common import CLIError, init_devices, mesh_for
 from ._lora_flag import LORA_HELP
+from ._train import model_config_of
 
 
 def model_help() -> str:
@@ -44,14 +42,13 @@ def model_help() -> str:
 class Built:
     """The model `zoo train` (or, with `--lora`, `zoo finetune`) would build from the
     same flags: its task (`zoo.train.build_task`, no data: random batches of the real
-    shapes), the LoRA config, and what it was built from."""
+    shapes), the LoRA config, and the run config it was built from."""
 
     task: Any
     lora: Any
     command: str
     spec: Any
-    settings: Any
-    defaults: dict[str, Any]
+    config: Any  # the resolved `zoo.train.RunConfig`, data.source None
     parameters: int  # the model's before LoRA: what zoo train's summary.json reports
 
 
@@ -59,11 +56,11 @@ def _is_path(name: str) -> bool:
     return name not in model_names() and ("/" in name or Path(name).expanduser().exists())
 
 
-def resolve_model(args) -> tuple[Any, str | None, str, dict[str, Any]]:
-    """`(spec, init, command, defaults)` of `args.model`: a registered name, or a
-    checkpoint folder (the spec whose --init takes it, with `init` the folder). `command`
-    is `finetune` with `--lora` (when the model has finetune defaults), else `train`:
-    its defaults (`seq_len`, `batch_size`, `microbatches`) fill the flags not given."""
+def resolve_model(args) -> tuple[Any, str | None, str]:
+    """`(spec, init, command)` of `args.model`: a registered name, or a checkpoint folder
+    (the spec whose --init takes it, with `init` the folder). `command` is `finetune`
+    with `--lora` (when the model has finetune defaults), else `train`: its defaults
+    (`seq_len`, `batch_size`, `microbatches`) fill the flags not given."""
     init = args.init
     if _is_path(args.model):
         if init:
@@ -73,54 +70,52 @@ def resolve_model(args) -> tuple[Any, str | None, str, dict[str, Any]]:
     else:
         spec = model_spec(args.model)
     command = "finetune" if args.lora is not None and "finetune" in spec.defaults else "train"
-    return spec, init, command, spec.defaults_for(command)
+    return spec, init, command
 
 
-def settings_of(args, spec, init, defaults):
-    """The `zoo.train.TaskSettings` of the flags (no data), checked as `zoo train` checks
-    them."""
-    from ._train import check_model_config
-
-    seq_len = args.seq_len if args.seq_len is not None else defaults["seq_len"]
-    if seq_len is not None and seq_len < 2:
-        raise CLIError(f"--seq-len must be >= 2, got {seq_len}")
-    if args.seq_len is not None and defaults["seq_len"] is None:
+def config_of(args, spec, init: str | None, command: str) -> RunConfig:
+    """The `zoo.train.RunConfig` of the flags, checked by the library as `zoo train`'s
+    are and resolved for `command`, without data (`data.source` None: `build_task`
+    builds the model alone)."""
+    if args.seq_len is not None and spec.defaults_for(command)["seq_len"] is None:
         raise CLIError(f"--seq-len: the {spec.name} has no sequences; drop --seq-len")
-    pairs = parse_pairs(args.model_config, "--model-config", "d_model=64,num_layers=2") if args.model_config else {}
-    values = {k: parse_scalar(v) for k, v in pairs.items()}
-    check_model_config(spec.name, values)
-    if spec.pretrained is not None and init is None and values.keys() - set(PRETRAINED_KEYS):
-        raise CLIError(
-            f"--model-config: the pretrained {spec.name}'s shape is fixed; only dropout, attention_dropout and "
-            "remat can change"
-        )
-    return TaskSettings(name=spec.name, data=None, seq_len=seq_len, seed=args.seed, dtype=args.dtype or "float32",
-                        model_config=values, init=init, eval_size=0)  # fmt: skip
+    given = {
+        "model": spec.name, "init": init, "seq_len": args.seq_len, "seed": args.seed, "dtype": args.dtype,
+        "model_config": model_config_of(spec, args.model_config, init), "lora": args.lora,
+        "batch_size": getattr(args, "batch_size", None), "microbatches": getattr(args, "microbatches", None),
+    }  # fmt: skip
+    config = RunConfig.from_dict({k: v for k, v in given.items() if v is not None}).resolved(command)
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=None))
 
 
-def build_model(args, mesh_shape: dict[str, int], devices: int) -> Built:
+def build_model(args, config: RunConfig, command: str, mesh_shape: dict[str, int], devices: int) -> Built:
     """Check `--rules` against the mesh, then build the model `zoo train` / `zoo
-    finetune` would from these flags (through `zoo.train.build_task`, on a mesh of
-    `mesh_shape`: pretrained weights are read onto it), with its LoRA adapters."""
+    finetune` would from `config` (`config_of`; through `zoo.train.build_task`, on a
+    mesh of `mesh_shape`: pretrained weights are read onto it), with its LoRA adapters."""
     import jax
 
     import zoo
 
-    spec, init, command, defaults = resolve_model(args)
+    spec = model_spec(config.model)
     check_rules_fit_mesh(args.rules, mesh_shape, devices)
-    lora = None if args.lora is None else parse_lora(args.lora, spec.lora_defaults)
+    lora = config.lora
     if lora is not None and lora.lora_dropout and spec.kind == "regression":
         raise CLIError(
             f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="
         )
-    settings = settings_of(args, spec, init, defaults)
     mesh = make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
-        task = zoo.train.build_task(settings, rules=zoo.rules(args.rules), mesh=mesh)
+        task = zoo.train.build_task(config, rules=zoo.rules(args.rules), mesh=mesh)
     parameters = tree_size(task.model)
     if lora is not None:
-        task.model = add_lora(task.model, lora, args.seed)
-    return Built(task, lora, command, spec, settings, defaults, parameters)
+        task.model = add_lora(task.model, lora, config.seed)
+    return Built(task, lora, command, spec, config, parameters)
+
+
+def model_of(args, mesh_shape: dict[str, int], devices: int) -> Built:
+    """`build_model` of the flags (`resolve_model`, `config_of`)."""
+    spec, init, command = resolve_model(args)
+    return build_model(args, config_of(args, spec, init, command), command, mesh_shape, devices)
 
 
 def cmd_inspect(args) -> int:
@@ -133,18 +128,15 @@ def cmd_inspect(args) -> int:
 
     import zoo
 
-    spec, _, _, defaults = resolve_model(args)
-    microbatches = args.microbatches or defaults["microbatches"]
-    batch_size = args.batch_size or defaults["batch_size"]
+    spec, init, command = resolve_model(args)
+    config = config_of(args, spec, init, command)
+    microbatches, batch_size = config.microbatches, config.batch_size
     data = mesh_shape.get("data", 1)
-    for flag, value in (("--batch-size", batch_size), ("--microbatches", microbatches)):
-        if value < 1:
-            raise CLIError(f"{flag} must be >= 1, got {value}")
     try:  # before building anything: the step would say the same after compiling the model
         zoo.internal.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, microbatches)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    built = build_model(args, mesh_shape, devices)
+    built = build_model(args, config, command, mesh_shape, devices)
     task, lora = built.task, built.lora
     mesh = make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
@@ -159,7 +151,7 @@ def cmd_inspect(args) -> int:
             task.loss_fn, optax.adamw(1e-3), microbatches=microbatches, mode=args.mode, preset=args.rules,
             trainable=trainable,
         )  # fmt: skip
-        batch = task.train_batch(1, batch_size)
+        batch = task.batch_at(1, batch_size)
         config = task.config or {}
         if (lora is not None and lora.lora_dropout) or (
             lora is None and (config.get("dropout") or config.get("attention_dropout"))
@@ -182,7 +174,7 @@ def cmd_inspect(args) -> int:
         "rules": args.rules,
         "mesh": mesh_shape,
         "batch_size": batch_size,
-        "seq_len": built.settings.seq_len,
+        "seq_len": built.config.data.seq_len,
         "config": task.config,
         "init": task.init,
         "parameters": built.parameters,
@@ -196,7 +188,7 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    seq = "" if built.settings.seq_len is None else f", seq-len {built.settings.seq_len}"
+    seq = "" if built.config.data.seq_len is None else f", seq-len {built.config.data.seq_len}"
     print(
         f"{args.model} (as zoo {built.command} builds it): {devices} devices, mesh {mesh_shape}, "
         f"{microbatches} microbatches, mode {args.mode}, rules {args.rules}, batch {batch_size}{seq}"

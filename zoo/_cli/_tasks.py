@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..internal import init_compiled, minilm_available, numpy_rng
-from ..train import Task, TaskSettings, build_task
+from ..train import Task, build_task
 
 # --- the fixed tiny models ---------------------------------------------------------------------
 
@@ -156,7 +156,6 @@ __all__ = [
     "TINY_TRANSFORMER",
     "InspectTask",
     "Task",
-    "TaskSettings",
     "build_inspect_task",
     "build_task",
     "minilm_available",

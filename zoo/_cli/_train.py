@@ -95,29 +95,10 @@ def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, d
         given = {k: v for k, v in saved.items() if k in inherited and v is not None} | given
     model = given["model"] = _check_model(given.get("model"))
     spec = model_spec(model)
-    text = given.get("model_config")
-    pairs = parse_pairs(text, "--model-config", "d_model=64,num_layers=2") if text else {}
-    model_config = {k: internal.parse_scalar(v) for k, v in pairs.items()}
-    check_model_config(model, model_config)
-    if (
-        spec.pretrained is not None
-        and given.get("init") is None
-        and model_config.keys() - set(internal.PRETRAINED_KEYS)
-    ):
-        raise CLIError(
-            f"--model-config: the pretrained {model}'s shape is fixed; only dropout, attention_dropout and remat "
-            "can change"
-        )
-    config = RunConfig.from_dict(given)  # every value checked, before a data file is read
-    spec.defaults_for(command)  # the command takes the model, before its data is read
-    data = config.data.source or spec.data_for(command)
-    if data not in spec.datasets:  # a user's file: readable, and of the model's kind
-        validation = (
-            internal.DATA_FILE_DEFAULTS["validation"] if config.data.validation is None else config.data.validation
-        )
-        data = internal.check_data_file(data, model, validation=validation, chat_template=config.data.chat_template)
-        config = dataclasses.replace(config, data=dataclasses.replace(config.data, source=data))
-    config = config.resolved(command)
+    model_config_of(spec, given.get("model_config"), given.get("init"))
+    # Every value checked and the defaults applied; a data file is the library's to check
+    # and read (once, when the run builds its task).
+    config = RunConfig.from_dict(given).resolved(command)
     if command != "train" and spec.finetune_needs_init and not config.init:
         raise CLIError(
             f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
@@ -134,6 +115,21 @@ def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, d
     if saved is not None:
         _check_resume_flags(config.to_dict(), saved, flags)
     return config, launch
+
+
+def model_config_of(spec, text: str | None, init: str | None) -> dict[str, Any]:
+    """`--model-config KEY=VALUE,...` as values, each of the right kind and range
+    (`check_model_config`); a pretrained model (`spec.pretrained`, no `--init`) changes
+    only what does not change its shape."""
+    pairs = parse_pairs(text, "--model-config", "d_model=64,num_layers=2") if text else {}
+    values = {k: internal.parse_scalar(v) for k, v in pairs.items()}
+    check_model_config(spec.name, values)
+    if spec.pretrained is not None and init is None and values.keys() - set(internal.PRETRAINED_KEYS):
+        raise CLIError(
+            f"--model-config: the pretrained {spec.name}'s shape is fixed; only dropout, attention_dropout and "
+            "remat can change"
+        )
+    return values
 
 
 def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:

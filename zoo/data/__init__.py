@@ -1,6 +1,7 @@
 """Data for training: a user's own files (`load`: `.txt`, `.jsonl`, `.csv`, tokenised with
-the model's tokenizer, packed, split and batched) and datasets made from real text that
-ships with Python (nothing is downloaded)."""
+the model's tokenizer, packed, split and batched), datasets made from real text that ships
+with Python (nothing is downloaded), and what a training task draws its batches from
+(`BatchSource`: the batch of any step, this process's rows of it)."""
 
 from ._bytes import (
     ByteCorpus,
@@ -18,11 +19,13 @@ from ._dataset import Dataset, describe, load
 from ._docstrings import DOCSTRING_PACKAGES, TextClassification, stdlib_docstrings
 from ._packing import pack
 from ._records import DataFormatError, read_records
+from ._source import BatchSource, local_batch
 from ._word_order import WORD_ORDER_CORRUPTIONS, docstring_word_order
 
 __all__ = [
     "DOCSTRING_PACKAGES",
     "WORD_ORDER_CORRUPTIONS",
+    "BatchSource",
     "ByteCorpus",
     "ChatTemplate",
     "DataFormatError",
@@ -34,6 +37,7 @@ __all__ = [
     "english_prose",
     "fixed_windows",
     "load",
+    "local_batch",
     "pack",
     "pydoc_topic_texts",
     "random_windows",

@@ -26,7 +26,8 @@ from ._records import DataFormatError, Kind, read_records
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """Rows of one data file, ready to batch.
+    """Rows of one data file, ready to batch: a `zoo.data.BatchSource` (`batch_at`), what
+    a `zoo.train.Task` on the file trains on.
 
     **Fields:**
 
@@ -174,6 +175,7 @@ def load(
     validation: float = 0.0,
     chat_template: ChatTemplate | None = None,
     eos_id: int | None = None,
+    data: bytes | None = None,
 ) -> tuple[Dataset, Dataset]:
     """A data file as `(train, validation)` datasets, tokenised with a model's tokenizer.
 
@@ -192,8 +194,10 @@ def load(
       `tokenizer` is a `Tokenizer`).
     - `eos_id`: the end-of-sequence id appended to each completion (default: the
       folder's `eos_token`; none when unknown).
+    - `data`: the file's bytes when the caller has read them already (the file is then
+      not opened again; as `read_records`).
 
-    **Returns:** `(train, validation)`; `validation` has no rows when `validation=0`.
+    **Returns:** `(train, validation)`, their `sha256` the digest of the bytes read; `validation` has no rows when `validation=0`.
     Raises `DataFormatError` for a file zoo cannot read.
     """
     folder = None
@@ -206,7 +210,8 @@ def load(
         eos_id = _special_id(tokenizer, folder, "eos_token")
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2 (a token and its successor), got {seq_len}")
-    data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
+    if data is None:
+        data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
     digest = hashlib.sha256(data).hexdigest()
     kind, records = read_records(path, data=data)
     if kind == "classification":

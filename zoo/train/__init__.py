@@ -11,7 +11,7 @@ model registry.
   `RunConfig.flags()` lists them, one per flat key.
 - `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
   built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import);
-  `Task`, `TaskSettings`, `build_task`: a model on its data, built from settings.
+  `Task`, `build_task`: a model on its data, built from a `RunConfig`.
 - `ConfigError` (settings that cannot run), `RunStopped` (non-finite), `Preempted` (SIGTERM).
 
 docs/training.md tells the whole story; docs/models.md the registry.
@@ -45,7 +45,6 @@ from ._registry import register_model as register_model
 from ._run import RunResult as RunResult
 from ._run import run as run
 from ._task import Task as Task
-from ._task import TaskSettings as TaskSettings
 from ._task import classifier_metrics as classifier_metrics
 from ._task import lm_metrics as lm_metrics
 from ._task import regression_loss as regression_loss
@@ -72,7 +71,6 @@ __all__ = [
     "RunStopped",
     "Sample",
     "Task",
-    "TaskSettings",
     "TensorBoard",
     "TrainState",
     "Trainer",

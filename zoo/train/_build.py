@@ -22,7 +22,7 @@ from ._lora import add_lora
 from ._output import write_json
 from ._plan import RunPlan
 from ._report import tree_bytes, tree_size
-from ._task import Task, TaskSettings
+from ._task import Task
 
 
 @dataclasses.dataclass
@@ -56,13 +56,15 @@ class BuiltRun:
     own_rows: Any = None
 
     def batch_at(self, i: int) -> dict:
-        """The global batch of step `i` (this process's rows of it across processes): a
-        function of the step alone, so a resumed run sees the batches it would have seen."""
-        batch = self.task.train_batch(i, self.batch_size)
+        """The batch of step `i`: the task's source gives this process's rows of it
+        (`Task.batch_at`), assembled into the global batch across processes. A function of
+        the step alone, so a resumed run sees the batches it would have seen."""
+        batch = self.task.batch_at(i, self.batch_size, mesh=self.mesh)
         if self.dropout:  # one key per example: the masks do not depend on the device split
-            batch["dropout_key"] = example_keys(jax.random.fold_in(self.key, i), self.batch_size)
-        if self.own_rows is not None:  # every process builds the same global batch and keeps its rows
-            batch = global_batch({k: v[self.own_rows] for k, v in batch.items()}, self.mesh)
+            keys = example_keys(jax.random.fold_in(self.key, i), self.batch_size)
+            batch["dropout_key"] = keys if self.own_rows is None else keys[self.own_rows]
+        if self.own_rows is not None:
+            batch = global_batch(batch, self.mesh)
         return batch
 
 
@@ -74,13 +76,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     **Raises:** `ConfigError` for a setting the model cannot take."""
     c = plan.config
     lcfg = c.lora
-    data = c.data
-    settings = TaskSettings(
-        name=c.model, data=data.source, seq_len=data.seq_len, seed=c.seed, dtype=c.dtype,
-        model_config=dict(c.model_config), init=c.init, eval_size=data.eval_size, validation=data.validation,
-        packed=data.packed, chat_template=data.chat_template,
-    )  # fmt: skip
-    task = build_task(settings, rules=rules, mesh=mesh)
+    task = build_task(c, rules=rules, mesh=mesh)
     if lcfg is not None and task.kind == "regression":
         raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
     if c.probe and not task.classifier:

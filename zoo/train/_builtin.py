@@ -7,15 +7,15 @@ same task).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
+from ._config import RunConfig
 from ._errors import ConfigError
 from ._registry import ModelSpec, register_model
+from ._sources import CorpusWindows, EpochRows, RandomRows, TeacherExamples
 from ._task import (
     Task,
-    TaskSettings,
     check_vocab,
     classifier_metrics,
     config_from,
@@ -24,8 +24,6 @@ from ._task import (
     init_name,
     lm_metrics,
     load_pretrained,
-    numpy_rng,
-    random_tokens,
     regression_loss,
     regression_metrics,
     tokenizer_of,
@@ -58,24 +56,23 @@ def _minilm_path() -> Path:
         raise ConfigError(str(e).splitlines()[0]) from e
 
 
-def _overrides(s: TaskSettings) -> dict[str, Any]:
-    return dict(s.model_config) | ({"dtype": s.dtype} if s.dtype != "float32" else {})
+def _overrides(c: RunConfig) -> dict[str, Any]:
+    return dict(c.model_config) | ({"dtype": c.dtype} if c.dtype != "float32" else {})
 
 
 # -- mlp --
 
 
-def mlp_task(s: TaskSettings, *, rules=None, mesh=None) -> Task:
+def mlp_task(c: RunConfig, *, rules=None, mesh=None) -> Task:
     """A `zoo.nn.MLP` regressor (16 inputs, `width`, `depth`) learning a fixed random
-    teacher `y = sin(2 x·t0) cos(x·t1)`; the data is synthetic, so `s.data` None changes
-    nothing."""
+    teacher `y = sin(2 x·t0) cos(x·t1)`; the data is synthetic, so `c.data.source` None
+    changes nothing."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from .. import nn
 
-    values = _MLP_CONFIG | s.model_config
+    values = _MLP_CONFIG | c.model_config
     unknown = sorted(set(values) - set(_MLP_CONFIG))
     if unknown:
         raise ConfigError(f"--model-config: unknown mlp keys {unknown}; known keys: {sorted(_MLP_CONFIG)}")
@@ -84,22 +81,16 @@ def mlp_task(s: TaskSettings, *, rules=None, mesh=None) -> Task:
     def build(k):
         return nn.MLP(_MLP_IN, 1, width, depth, activation=jnp.tanh, norm="layernorm", scan=True, key=k)
 
-    model = init_compiled(("mlp", width, depth), build, jax.random.key(s.seed))
-    teacher = np.random.default_rng(s.seed + 1).normal(size=(2, _MLP_IN)) / math.sqrt(_MLP_IN)
-
-    def examples(rng, n):
-        x = rng.normal(size=(n, _MLP_IN)).astype(np.float32)
-        proj = x @ teacher.T
-        y = np.sin(2.0 * proj[:, :1]) * np.cos(proj[:, 1:])
-        return {"x": x, "y": y.astype(np.float32)}
-
+    model = init_compiled(("mlp", width, depth), build, jax.random.key(c.seed))
+    teacher = TeacherExamples(_MLP_IN)
     return Task(
         model=model,
         kind="regression",
         loss_fn=regression_loss,
         metrics_fn=regression_metrics,
-        train_batch=lambda step, n: examples(numpy_rng(s.seed, 1, step), n),
-        eval_data=examples(numpy_rng(s.seed, 2), s.eval_size or 1024),
+        train_source=teacher,
+        seed=c.seed,
+        eval_data=teacher.held_out(c.data.eval_size or 1024, c.seed),
         train_data=None,
         data=f"a fixed random teacher of {_MLP_IN} inputs, y = sin(2 x.t0) cos(x.t1)",
         unit="examples",
@@ -133,35 +124,35 @@ def _check_seq_len(seq_len: int, max_len: int) -> None:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {max_len}; lower --seq-len")
 
 
-def decoder_model(s: TaskSettings, *, rules, mesh):
-    """`(model, config, folder)`: the decoder-only `zoo.models.Transformer` of `s`, built
-    from `_SCRATCH_LM` (`max_len` = `s.seq_len`) or loaded from `--init` (`folder`, None
-    when built from scratch)."""
+def decoder_model(c: RunConfig, *, rules, mesh):
+    """`(model, config, folder)`: the decoder-only `zoo.models.Transformer` of `c`, built
+    from `_SCRATCH_LM` (`max_len` = `c.data.seq_len`) or loaded from `--init` (`folder`,
+    None when built from scratch)."""
     import jax
 
     from .. import models
 
-    folder = init_folder(s)
+    folder = init_folder(c)
     if folder is None:
-        config = config_from(models.TransformerConfig, _SCRATCH_LM | {"max_len": s.seq_len} | _overrides(s))
+        config = config_from(models.TransformerConfig, _SCRATCH_LM | {"max_len": c.data.seq_len} | _overrides(c))
         model = init_compiled(
-            ("transformer", config), lambda k: models.Transformer(config, key=k), jax.random.key(s.seed)
+            ("transformer", config), lambda k: models.Transformer(config, key=k), jax.random.key(c.seed)
         )
     else:
-        model = load_pretrained(folder, models.Transformer, _overrides(s), rules=rules, mesh=mesh)
+        model = load_pretrained(folder, models.Transformer, _overrides(c), rules=rules, mesh=mesh)
         config = model.config
-    _check_seq_len(s.seq_len, config.max_len)
+    _check_seq_len(c.data.seq_len, config.max_len)
     return model, config, folder
 
 
-def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
+def lm_task(c: RunConfig, *, rules, mesh) -> Task:
     """A decoder-only `zoo.models.Transformer` with next-token loss (`decoder_model`; its
-    tokenizer.json used when present, else byte tokens); windows of `s.seq_len` tokens of
-    the corpus."""
+    tokenizer.json used when present, else byte tokens); windows of `c.data.seq_len` tokens
+    of the corpus."""
     from .. import data, models
 
-    model, config, folder = decoder_model(s, rules=rules, mesh=mesh)
-    seq = s.seq_len
+    model, config, folder = decoder_model(c, rules=rules, mesh=mesh)
+    seq = c.data.seq_len
     common = dict(
         model=model,
         kind="lm",
@@ -171,13 +162,12 @@ def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
         tokens_per_example=seq,
         hf_part=lambda m: m,
         config=config.to_dict(),
-        init=init_name(s, folder),
+        init=init_name(c, folder),
+        seed=c.seed,
     )
-    if s.data is None:  # the model only: random windows of the vocabulary
+    if c.data.source is None:  # the model only: random windows of the vocabulary
         return Task(
-            train_batch=lambda step, n: {
-                "tokens": random_tokens(numpy_rng(s.seed, 1, step), n, seq, config.vocab_size)[0]
-            },
+            train_source=RandomRows(seq, config.vocab_size),
             eval_data={},
             train_data=None,
             data=f"random token windows of {seq}",
@@ -185,11 +175,11 @@ def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
         )
     tokenizer = tokenizer_of(folder)
     check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
-    corpus = data.stdlib_code() if s.data == "code" else data.english_prose()
+    corpus = data.stdlib_code() if c.data.source == "code" else data.english_prose()
     train, val = _corpus_tokens(corpus, tokenizer)
     return Task(
-        train_batch=lambda step, n: {"tokens": data.random_windows(numpy_rng(s.seed, 1, step), train, n, seq)},
-        eval_data={"tokens": data.fixed_windows(val, s.eval_size or 256, seq)},
+        train_source=CorpusWindows(train, seq),
+        eval_data={"tokens": data.fixed_windows(val, c.data.eval_size or 256, seq)},
         train_data=None,
         data=(
             f"{corpus.name} ({corpus.documents} documents, {len(train):,} train / {len(val):,} validation "
@@ -203,54 +193,55 @@ def lm_task(s: TaskSettings, *, rules, mesh) -> Task:
 # -- encoder / minilm --
 
 
-def decoder_file_model(s: TaskSettings, num_labels: None, *, rules, mesh):
+def decoder_file_model(c: RunConfig, num_labels: None, *, rules, mesh):
     """`decoder_model` as a `ModelSpec.file_model` (a decoder has no labels)."""
-    return decoder_model(s, rules=rules, mesh=mesh)
+    return decoder_model(c, rules=rules, mesh=mesh)
 
 
-def classifier_model(s: TaskSettings, num_labels: int, *, rules, mesh):
-    """`(model, config, folder)`: a `zoo.models.EncoderClassifier` of `s` with a new
+def classifier_model(c: RunConfig, num_labels: int, *, rules, mesh):
+    """`(model, config, folder)`: a `zoo.models.EncoderClassifier` of `c` with a new
     `num_labels`-way head, its encoder built from the `_SCRATCH_LM` shape (`max_len` =
-    `s.seq_len`) or loaded from `--init` / the spec's pretrained folder (`folder`)."""
+    `c.data.seq_len`) or loaded from `--init` / the spec's pretrained folder (`folder`)."""
     import jax
 
     from .. import models
 
-    folder = init_folder(s)
-    _, key_head = jax.random.split(jax.random.key(s.seed))
+    folder = init_folder(c)
+    _, key_head = jax.random.split(jax.random.key(c.seed))
     if folder is None:
-        config = config_from(models.EncoderConfig, _SCRATCH_LM | {"max_len": s.seq_len} | _overrides(s))
+        config = config_from(models.EncoderConfig, _SCRATCH_LM | {"max_len": c.data.seq_len} | _overrides(c))
 
         def build(k):
             k_enc, k_head = jax.random.split(k)
             return models.EncoderClassifier(models.Encoder(config, key=k_enc), num_labels, key=k_head)
 
-        model = init_compiled(("encoder", config, num_labels), build, jax.random.key(s.seed))
+        model = init_compiled(("encoder", config, num_labels), build, jax.random.key(c.seed))
     else:
-        encoder = load_pretrained(folder, models.Encoder, _overrides(s), rules=rules, mesh=mesh)
+        encoder = load_pretrained(folder, models.Encoder, _overrides(c), rules=rules, mesh=mesh)
         config = encoder.config
         model = models.EncoderClassifier(encoder, num_labels, key=key_head)
-    _check_seq_len(s.seq_len, config.max_len)
+    _check_seq_len(c.data.seq_len, config.max_len)
     return model, config, folder
 
 
-def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
+def classifier_task(c: RunConfig, *, rules, mesh) -> Task:
     """A `zoo.models.EncoderClassifier` (mean-pooled encoder + a new linear head) with
     classification loss on the stdlib-docstring task: the encoder built from the
-    `_SCRATCH_LM` shape (`max_len` = `s.seq_len`) or loaded from `--init` / the spec's
-    pretrained folder (its WordPiece tokenizer used when present, else byte tokens)."""
+    `_SCRATCH_LM` shape (`max_len` = `c.data.seq_len`) or loaded from `--init` / the
+    spec's pretrained folder (its WordPiece tokenizer used when present, else byte
+    tokens)."""
     import numpy as np
 
     from .. import data, models
 
-    if s.data == "swapped-halves":
+    if c.data.source == "swapped-halves":
         docstrings = data.docstring_word_order("swap-halves")
         what = "stdlib docstring sentences, half cut in two and the halves swapped"
-    else:  # "docstrings", or the model only (s.data None)
+    else:  # "docstrings", or the model only (c.data.source None)
         docstrings, what = data.stdlib_docstrings(), "stdlib docstrings labelled by package"
     num_labels = docstrings.num_labels
-    model, config, folder = classifier_model(s, num_labels, rules=rules, mesh=mesh)
-    seq = s.seq_len
+    model, config, folder = classifier_model(c, num_labels, rules=rules, mesh=mesh)
+    seq = c.data.seq_len
     common = dict(
         model=model,
         kind="classification",
@@ -261,20 +252,13 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
         label_names=docstrings.label_names,
         hf_part=lambda m: m.encoder,
         config=config.to_dict() | {"num_labels": num_labels},
-        init=init_name(s, folder),
+        init=init_name(c, folder),
+        seed=c.seed,
     )
-    if s.data is None:  # the model only: random padded rows, random labels
+    if c.data.source is None:  # the model only: random padded rows, random labels
         has_tokenizer = folder is not None and (folder / "tokenizer.json").is_file()
-
-        def random_batch(step: int, n: int) -> dict:
-            rng = numpy_rng(s.seed, 1, step)
-            tokens, mask = random_tokens(rng, n, seq, config.vocab_size, pad_id=config.pad_token_id)
-            batch = {"tokens": tokens, "mask": mask, "labels": rng.integers(0, num_labels, (n,), dtype=np.int32)}
-            if has_tokenizer:  # a tokenizer's rows carry token types too
-                batch["token_types"] = np.zeros_like(tokens)
-            return batch
-
-        return Task(train_batch=random_batch, eval_data={}, train_data=None, data="random padded rows", **common)
+        rows = RandomRows(seq, config.vocab_size, config.pad_token_id, num_labels, token_types=has_tokenizer)
+        return Task(train_source=rows, eval_data={}, train_data=None, data="random padded rows", **common)
     tokenizer = tokenizer_of(folder)
     check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
 
@@ -286,22 +270,11 @@ def classifier_task(s: TaskSettings, *, rules, mesh) -> Task:
 
     train = encode(docstrings.train_texts) | {"labels": docstrings.train_labels}
     test = encode(docstrings.test_texts) | {"labels": docstrings.test_labels}
-    if s.eval_size:
-        test = {k: v[: s.eval_size] for k, v in test.items()}
+    if c.data.eval_size:
+        test = {k: v[: c.data.eval_size] for k, v in test.items()}
     n_train = len(docstrings.train_labels)
-
-    def train_batch(step: int, n: int) -> dict:
-        # Epochs of fresh permutations; step k takes rows [(k-1)n, kn) of their concatenation.
-        start = (step - 1) * n
-        rows: list[int] = []
-        while len(rows) < n:
-            epoch, offset = divmod(start + len(rows), n_train)
-            order = np.random.default_rng([s.seed, 3, epoch]).permutation(n_train)
-            rows.extend(order[offset : offset + n - len(rows)].tolist())
-        return {k: v[rows] for k, v in train.items()}
-
     return Task(
-        train_batch=train_batch,
+        train_source=EpochRows(train),
         eval_data=test,
         train_data=train,
         data=(

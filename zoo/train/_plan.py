@@ -15,6 +15,7 @@ from ._config import RunConfig
 from ._errors import ConfigError
 from ._lock import previous_outputs, remove_outputs
 from ._mesh import check_rules_fit_mesh, mesh_text
+from ._user_data import check_data_file
 
 _WHAT = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}
 
@@ -54,6 +55,7 @@ def plan_run(config: RunConfig, *, devices: int, command: str | None = None, tit
     # Every default applied here, once: config.json records the run as it trains.
     config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
     check_layout(config, mesh_shape, devices)
+    check_data_file(config)  # the paths only: the build reads the file, once
     output = output_dir(config.output, config.model, command)
     checkpoints = checkpoint_dir(config, output)
     for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoints)):

@@ -54,12 +54,12 @@ class ModelSpec:
     - `name`: the name (`zoo train NAME`); not a path (no `/`).
     - `help`: what the model is, in a few words (the CLI's model help).
     - `kind`: `"regression"`, `"lm"` (next-token loss) or `"classification"`.
-    - `build`: `build(settings, *, rules, mesh) -> zoo.train.Task`, given a
-      `zoo.train.TaskSettings` whose `name` is this spec's. `settings.data` is one of
-      `datasets`, or None when only the model is wanted (`zoo info` / `zoo inspect`):
-      the builder may then skip loading data, and `train_batch` only needs to return
-      batches of the right shapes and dtypes. Raise `zoo.train.ConfigError` for bad
-      settings.
+    - `build`: `build(config, *, rules, mesh) -> zoo.train.Task`, given the run's
+      `zoo.train.RunConfig` (its defaults applied: `RunConfig.resolved`) whose `model` is
+      this spec's. `config.data.source` is one of `datasets`, or None when only the
+      model is wanted (`zoo info` / `zoo inspect`): the builder may then skip loading
+      data, and the task's `train_source` only needs to give batches of the right shapes
+      and dtypes. Raise `zoo.train.ConfigError` for bad settings.
     - `defaults`: per command (`"train"`, `"finetune"`, `"demo"`), the defaults of the
       settings that depend on the model: `steps`, `batch_size`, `microbatches`, `lr`,
       `seq_len` (None for models without sequences), and where the model differs from
@@ -78,14 +78,14 @@ class ModelSpec:
       (its shape is fixed: `--model-config` changes only dropout, remat, dtype); None:
       built from `scratch_config`.
     - `dtypes`: the compute dtypes it takes (`--dtype`).
-    - `file_model`: `file_model(settings, num_labels, *, rules, mesh) -> (model, config,
-      folder)`, the model it trains on a user's data file (`--data FILE`, read by
-      `zoo.data.load` with the model's tokenizer): for kind `"lm"` a decoder taking
-      `[batch, seq]` token ids (`num_labels` is None), for `"classification"` a classifier
-      with a new `num_labels`-way head taking `tokens` and `mask`. `config` is the model's
-      config (`vocab_size`, `to_dict()`), `folder` the Hugging Face folder it was loaded
-      from (its tokenizer reads the file) or None (byte tokens). None: the model trains on
-      its `datasets` only.
+    - `file_model`: `file_model(config, num_labels, *, rules, mesh) -> (model,
+      model_config, folder)` (`config` the `RunConfig`), the model it trains on a user's
+      data file (`--data FILE`, read by `zoo.data.load` with the model's tokenizer): for
+      kind `"lm"` a decoder taking `[batch, seq]` token ids (`num_labels` is None), for
+      `"classification"` a classifier with a new `num_labels`-way head taking `tokens`
+      and `mask`. `model_config` is the model's config (`vocab_size`, `to_dict()`),
+      `folder` the Hugging Face folder it was loaded from (its tokenizer reads the file)
+      or None (byte tokens). None: the model trains on its `datasets` only.
     """
 
     name: str
@@ -161,11 +161,11 @@ def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     if spec.kind not in KINDS:
         raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not one of {list(KINDS)}")
     if not callable(spec.build):
-        raise ConfigError(f"model {spec.name!r}: build must be a function (settings, *, rules, mesh) -> Task")
+        raise ConfigError(f"model {spec.name!r}: build must be a function (config, *, rules, mesh) -> Task")
     if spec.file_model is not None and (not callable(spec.file_model) or spec.kind not in ("lm", "classification")):
         raise ConfigError(
-            f"model {spec.name!r}: file_model must be a function (settings, num_labels, *, rules, mesh) -> "
-            "(model, config, folder), and only a model of kind 'lm' or 'classification' trains on data files"
+            f"model {spec.name!r}: file_model must be a function (config, num_labels, *, rules, mesh) -> "
+            "(model, model_config, folder), and only a model of kind 'lm' or 'classification' trains on data files"
         )
     if "train" not in spec.defaults:
         raise ConfigError(f"model {spec.name!r}: defaults needs a 'train' entry (the defaults of zoo train)")

@@ -1,7 +1,6 @@
-"""A model on its data: `Task` and the settings it is built from (`TaskSettings`; built by
-`zoo.train.build_task`). Also the pieces a model's builder shares: loading
-an `--init` checkpoint (`resolve_init`, `load_pretrained`), configs from dicts, and the
-traced metric functions of each task kind.
+"""A model on its data: `Task` (built from a `RunConfig` by `zoo.train.build_task`). Also
+the pieces a model's builder shares: loading an `--init` checkpoint (`resolve_init`,
+`load_pretrained`), configs from dicts, and the traced metric functions of each task kind.
 """
 
 from __future__ import annotations
@@ -10,11 +9,15 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..data import BatchSource
 from ..models import cross_entropy, mean_pool, next_token_loss
 from ._errors import ConfigError
-from ._registry import DATA_FILE_DEFAULTS, check_init_family, init_families, model_spec
+from ._registry import check_init_family, init_families, model_spec
+
+if TYPE_CHECKING:  # _config imports _lora, which imports this module
+    from ._config import RunConfig
 
 # XLA options for programs compiled once and run once (the initialisers): no LLVM
 # optimisation of the machine code.
@@ -32,8 +35,9 @@ class Task:
     - `metrics_fn(model, batch)`: per-example `loss` sums, `weight`s and (not for
       regression) `correct` counts; a classifier's also its pooled `features`. Batches
       carry a `weight` per row (0 for padding rows).
-    - `train_batch(step, batch_size)`: the numpy batch of a step; a function of the step
-      alone, so a resumed run sees the batches it would have seen.
+    - `train_source`: what it trains on, a `zoo.data.BatchSource` (a user's file: its
+      `zoo.data.Dataset`); `seed`: the batches' seed (`RunConfig.seed`). `batch_at` asks
+      the source for a step's batch.
     - `eval_data` / `train_data`: held-out and training examples (numpy, rows first) for
       evaluation and the probe.
     - `data`: what the data is, in words; `unit`: `"examples"` or `"tokens"`, per example
@@ -50,7 +54,8 @@ class Task:
     kind: str
     loss_fn: Callable
     metrics_fn: Callable
-    train_batch: Callable[[int, int], dict]
+    train_source: BatchSource
+    seed: int
     eval_data: dict
     train_data: dict | None
     data: str
@@ -67,6 +72,13 @@ class Task:
     def classifier(self) -> bool:
         """Whether the task classifies (a new head, fitted by the probe, saved under LoRA)."""
         return self.kind == "classification"
+
+    def batch_at(self, step: int, batch_size: int, *, mesh: Any = None) -> dict:
+        """The numpy batch of training step `step` (from 1), this process's rows of it
+        (`train_source.batch_at` with the task's `seed`; `mesh`: the run's, which says
+        the rows when there are several processes). A function of the step alone, so a
+        resumed run sees the batches it would have seen."""
+        return self.train_source.batch_at(step, batch_size, seed=self.seed, mesh=mesh)
 
 
 # -- metrics (traced) --
@@ -131,38 +143,6 @@ def classifier_metrics(model, batch):
     return {"loss": ce * w, "weight": w, "correct": correct * w, "features": features}
 
 
-@dataclasses.dataclass
-class TaskSettings:
-    """The settings a task is built from (the CLI's flags, already parsed).
-
-    - `name`: the registered model (`zoo.train.model_names()`).
-    - `data`: one of the spec's `datasets`; None: only the model is wanted (`zoo info`,
-      `zoo inspect`): no data is loaded, `train_batch` gives random batches of the shapes
-      and dtypes of the real ones.
-    - `seq_len`: tokens per example; None for models without sequences (the mlp).
-    - `seed`: the model's (and the batches') seed.
-    - `dtype`: the compute dtype, `"float32"` or `"bfloat16"`.
-    - `model_config`: config fields to change (`--model-config`), parsed values.
-    - `init`: a Hugging Face folder, cached model id or `zoo train` output folder to load.
-    - `eval_size`: held-out examples (0: the task's default).
-    - `validation`, `packed`, `chat_template`: a user's data file (`data` a path to a
-      `.txt`, `.jsonl` or `.csv`): the fraction of its documents held out, whether short
-      documents are packed into rows, a jinja2 chat template file (`zoo.data.load`).
-    """
-
-    name: str
-    data: str | None
-    seq_len: int | None
-    seed: int
-    dtype: str
-    model_config: dict[str, Any]
-    init: str | None
-    eval_size: int
-    validation: float = DATA_FILE_DEFAULTS["validation"]
-    packed: bool = DATA_FILE_DEFAULTS["packed"]
-    chat_template: str | None = None
-
-
 # -- pieces the builders share --
 
 
@@ -185,21 +165,6 @@ def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
         _INITIALISERS[name] = (compiled, static)
     compiled, static = _INITIALISERS[name]
     return eqx.combine(compiled(key), static["tree"])
-
-
-def numpy_rng(*seed: Any):
-    """A numpy generator from ints or jax PRNG keys: batches without compiling jax ops."""
-    import numpy as np
-
-    words: list[int] = []
-    for s in seed:
-        if isinstance(s, int):
-            words.append(s)
-        else:
-            import jax
-
-            words.extend(np.asarray(jax.random.key_data(s)).ravel().tolist())
-    return np.random.default_rng(words)
 
 
 def resolve_init(path: str) -> Path:
@@ -266,13 +231,13 @@ def check_vocab(vocab: int, tokenizer, where: str) -> None:
         raise ConfigError(f"{where} has a vocabulary of {vocab} ids but no tokenizer.json: byte tokens need 256")
 
 
-def init_folder(s: TaskSettings) -> Path | None:
-    """The checkpoint folder of `s.init` (checked against the spec's `init_class` by
+def init_folder(c: RunConfig) -> Path | None:
+    """The checkpoint folder of `c.init` (checked against the spec's `init_class` by
     its `config.json` `model_type`, before any weight is read), else the spec's
     `pretrained` folder, else None."""
-    spec = model_spec(s.name)
-    if s.init:
-        folder = resolve_init(s.init)
+    spec = model_spec(c.model)
+    if c.init:
+        folder = resolve_init(c.init)
         check_init_family(spec, folder)
         return folder
     if spec.pretrained is not None:
@@ -280,21 +245,8 @@ def init_folder(s: TaskSettings) -> Path | None:
     return None
 
 
-def random_tokens(rng, rows: int, seq: int, vocab: int, *, pad_id: int | None = None):
-    """Random `(tokens int32 [rows, seq], mask bool [rows, seq])`: ids in [1, vocab); with
-    `pad_id`, each row keeps at least half its positions and pads the rest with it."""
-    import numpy as np
-
-    tokens = rng.integers(1, vocab, (rows, seq), dtype=np.int32)
-    if pad_id is None:
-        return tokens, np.ones((rows, seq), bool)
-    lengths = rng.integers(seq // 2, seq + 1, (rows, 1))
-    mask = np.arange(seq)[None, :] < lengths
-    return np.where(mask, tokens, pad_id).astype(np.int32), mask
-
-
-def init_name(s: TaskSettings, folder: Path | None) -> str | None:
+def init_name(c: RunConfig, folder: Path | None) -> str | None:
     """Where a model's pretrained weights came from, in words (None: from scratch)."""
-    if s.init is None and s.name == "minilm":
+    if c.init is None and c.model == "minilm":
         return "the pretrained all-MiniLM-L6-v2"
     return None if folder is None else str(folder)

@@ -17,8 +17,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import describe as describe_data
 from ..data import load as load_data
@@ -26,11 +24,10 @@ from ..data._chat import SPECIAL_TOKEN_NAMES
 from ..data._records import FORMATS
 from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
-
-# zoo.data (hence jax) is imported inside the functions: the CLI's parser imports this module.
+from ._config import RunConfig
 from ._errors import ConfigError
 from ._registry import ModelSpec, model_names, model_spec
-from ._task import Task, TaskSettings, check_vocab, classifier_metrics, init_folder, init_name, lm_metrics, tokenizer_of
+from ._task import Task, check_vocab, classifier_metrics, init_folder, init_name, lm_metrics, tokenizer_of
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
@@ -41,34 +38,29 @@ DATA_FILE_HELP = (
 )
 
 
-def check_data_file(data: str, model: str, *, validation: float, chat_template: str | None) -> str:
-    """The absolute path of `--data FILE` once it is readable and fits `model` (its
-    records are read and checked here, before any device is touched); else a one-line
-    error naming the file (and line) and the fix."""
-    spec = model_spec(model)
+def check_data_file(c: RunConfig) -> None:
+    """Refuse a `--data` (`c.data.source`) that is neither one of the model's data sets
+    nor a data file it trains on, or a `--chat-template` file that is not there: a
+    one-line `ConfigError` naming the fix. Only the paths are looked at (the plan checks
+    them before anything is built); the file is read once, by `user_data_task`."""
+    spec = model_spec(c.model)
+    data = c.data.source
+    if data is None or data in spec.datasets:
+        return
     path = Path(data).expanduser()
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise ConfigError(
-                f"--data {data!r}: {model} trains on {' or '.join(spec.datasets)}"
+                f"--data {data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
                 + (", or on your own .txt, .jsonl or .csv file (docs/data.md)" if spec.file_model else "")
             )
         raise ConfigError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
     if not path.is_file():
         raise ConfigError(f"--data {data}: no such file; check the path")
     check_takes_files(spec, data)
-    if not 0 <= validation < 1:
-        raise ConfigError(f"--validation must be a fraction in [0, 1), got {validation}")
-    if chat_template is not None and not Path(chat_template).expanduser().is_file():
-        raise ConfigError(f"--chat-template {chat_template}: no such file; pass a jinja2 chat template file")
-    try:
-        kind, _ = read_records(path)
-    except DataFormatError as e:
-        raise ConfigError(f"--data: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--data {data} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    check_kind(spec, kind, data)
-    return str(path.resolve())
+    template = c.data.chat_template
+    if template is not None and not Path(template).expanduser().is_file():
+        raise ConfigError(f"--chat-template {template}: no such file; pass a jinja2 chat template file")
 
 
 def check_takes_files(spec: ModelSpec, data: Any) -> None:
@@ -172,23 +164,24 @@ def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate 
 # --- the task ------------------------------------------------------------------------------------
 
 
-def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: bool, chat_template: str | None) -> Task:
-    """The task of model `s.name` (`transformer`, `encoder`, `minilm`) on the data file
-    `s.data` (checked by `check_data_file`): `validation` of its documents held out,
-    language-modelling documents `packed` into rows, `chat_template` a jinja2 file for
-    chat data when the tokenizer has none."""
-
-    spec = model_spec(s.name)
-    check_takes_files(spec, s.data)
-    folder = init_folder(s)
+def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
+    """The task of model `c.model` (`transformer`, `encoder`, `minilm`) on the data file
+    `c.data.source` (its path checked by `check_data_file`): `c.data.validation` of its
+    documents held out, language-modelling documents packed into rows (`c.data.packed`),
+    `c.data.chat_template` a jinja2 file for chat data when the tokenizer has none. The
+    file is read once: its records, its rows and its fingerprint (`data_sha256`) come
+    from the same bytes. The task trains on the file's `zoo.data.Dataset` itself."""
+    spec = model_spec(c.model)
+    path = Path(c.data.source).expanduser()
+    raw = _read(path, spec)  # before the tokenizer and the model: a wrong file fails fast
+    folder = init_folder(c)
     tokenizer = tokenizer_of(folder)
-    path = Path(s.data)
+    validation = c.data.validation
     source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
-    template, template_digest = _chat_template(chat_template, folder)
+    template, template_digest = _chat_template(c.data.chat_template, folder)
     try:
-        train, val = load_data(
-            path, source, seq_len=s.seq_len, packed=packed, validation=validation, chat_template=template
-        )
+        train, val = load_data(path, source, seq_len=c.data.seq_len, packed=c.data.packed, validation=validation,
+                               chat_template=template, data=raw)  # fmt: skip
     except DataFormatError as e:
         hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
         raise ConfigError(f"--data: {str(e).splitlines()[0]}{hint}") from None
@@ -196,35 +189,40 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
         raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
     if len(train) == 0:
         raise ConfigError(f"--data {path}: no training rows are left after holding out --validation {validation}")
+    if c.batch_size is not None and c.batch_size > len(train):
+        raise ConfigError(
+            f"--batch-size {c.batch_size} is more than the training rows of {path.name} ({len(train)}); lower "
+            "--batch-size (or --seq-len: shorter rows are more rows)"
+        )
     tokens_kind = "byte" if tokenizer is None else "tokenizer"
     fingerprint = {"data_sha256": train.sha256, **template_digest}
-    check_kind(spec, train.kind, s.data)
     if train.kind == "classification":
         if train.num_labels < 2:
             raise ConfigError(
-                f"--data {s.data}: every example has the label {train.label_names[0]!r}; a classifier needs 2 or more"
+                f"--data {c.data.source}: every example has the label {train.label_names[0]!r}; a classifier needs 2 or more"
             )
-        model, config, folder = spec.file_model(s, train.num_labels, rules=rules, mesh=mesh)
+        model, config, folder = spec.file_model(c, train.num_labels, rules=rules, mesh=mesh)
         _check_tokenizer(config, tokenizer, folder)
-        task = _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind, init_name(s, folder))
+        task = _classifier(c, model, config, folder, tokenizer, train, val, tokens_kind, init_name(c, folder))
         return dataclasses.replace(task, fingerprint=fingerprint)
-    model, config, folder = spec.file_model(s, None, rules=rules, mesh=mesh)
+    model, config, folder = spec.file_model(c, None, rules=rules, mesh=mesh)
     _check_tokenizer(config, tokenizer, folder)
     eval_data = dict(val.arrays if len(val) else train.arrays)
-    if s.eval_size:
-        eval_data = {k: v[: s.eval_size] for k, v in eval_data.items()}
+    if c.data.eval_size:
+        eval_data = {k: v[: c.data.eval_size] for k, v in eval_data.items()}
     held = f"{len(val)} validation rows" if len(val) else "no validation split (evaluated on the training rows)"
     return Task(
         model=model,
         kind="lm",
         loss_fn=next_token_loss,
         metrics_fn=lm_metrics,
-        train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
+        train_source=train,
+        seed=c.seed,
         eval_data=eval_data,
         train_data=None,
-        data=f"{path.name}, {describe_data(train)}; {held}; {tokens_kind} tokens, rows of {s.seq_len}",
+        data=f"{path.name}, {describe_data(train)}; {held}; {tokens_kind} tokens, rows of {c.data.seq_len}",
         unit="tokens",
-        tokens_per_example=s.seq_len,
+        tokens_per_example=c.data.seq_len,
         hf_part=lambda m: m,
         tokenizer_dir=folder if tokenizer is not None else None,
         config=config.to_dict(),
@@ -233,13 +231,18 @@ def user_data_task(s: TaskSettings, *, rules, mesh, validation: float, packed: b
     )
 
 
-def _checked_batch(dataset, step: int, n: int, seed: int, path: Path) -> dict[str, np.ndarray]:
-    if n > len(dataset):
-        raise ConfigError(
-            f"--batch-size {n} is more than the training rows of {path.name} ({len(dataset)}); lower --batch-size "
-            "(or --seq-len: shorter rows are more rows)"
-        )
-    return dataset.batch_at(step, n, seed=seed)
+def _read(path: Path, spec: ModelSpec) -> bytes:
+    """The data file's bytes, read once; its records parsed and their kind checked against
+    the model's (a one-line `ConfigError` naming the file, the line and the fix)."""
+    raw = path.read_bytes()
+    try:
+        kind, _ = read_records(path, data=raw)
+    except DataFormatError as e:
+        raise ConfigError(f"--data: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    check_kind(spec, kind, path)
+    return raw
 
 
 def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
@@ -251,28 +254,29 @@ def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
         )
 
 
-def _classifier(s, model, config, folder, tokenizer, train, val, tokens_kind: str, init: str | None) -> Task:
+def _classifier(c, model, config, folder, tokenizer, train, val, tokens_kind: str, init: str | None) -> Task:
     num_labels = train.num_labels
     train_arrays = dict(train.arrays)
     eval_data = dict(val.arrays if len(val) else train.arrays)
-    if s.eval_size:
-        eval_data = {k: v[: s.eval_size] for k, v in eval_data.items()}
-    path = Path(s.data)
+    if c.data.eval_size:
+        eval_data = {k: v[: c.data.eval_size] for k, v in eval_data.items()}
+    path = Path(c.data.source)
     held = f"{len(val)} test texts" if len(val) else "no test split (evaluated on the training texts)"
     return Task(
         model=model,
         kind="classification",
         loss_fn=classification_loss,
         metrics_fn=classifier_metrics,
-        train_batch=lambda step, n: _checked_batch(train, step, n, s.seed, path),
+        train_source=train,
+        seed=c.seed,
         eval_data=eval_data,
         train_data=train_arrays,
         data=(
             f"{path.name}, {num_labels} classes, {len(train)} train texts / {held}, {tokens_kind} tokens cut at "
-            f"{s.seq_len}"
+            f"{c.data.seq_len}"
         ),
         unit="examples",
-        tokens_per_example=s.seq_len,
+        tokens_per_example=c.data.seq_len,
         label_names=train.label_names,
         hf_part=lambda m: m.encoder,
         tokenizer_dir=folder if tokenizer is not None else None,
