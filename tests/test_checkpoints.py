@@ -166,6 +166,23 @@ def test_abstract_model_from_zoo_shard_is_a_restore_target(saved):
     assert state["model"].lm_head.weight.sharding == NamedSharding(mesh, P(None, "model"))
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_keys_round_trip_into_the_placement_of_like(tmp_path, devices, shape):
+    """Typed keys made under a `data=N` mesh restore into a like tree made the same way.
+    On one device jax gives a scalar key the sharding of its data (`P(None,)`, one entry
+    more than the key's rank): a `zoo train --devices 1` run could not resume."""
+    mesh = data_mesh(devices)
+    with jax.set_mesh(mesh):
+        keys = jax.random.key(5) if shape == () else jax.random.split(jax.random.key(5), shape[0])
+        with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+            ckpt.save(1, {"key": keys})
+            like = {"key": jax.random.key(0) if shape == () else jax.random.split(jax.random.key(0), shape[0])}
+            _, state, _ = ckpt.restore(like)
+    assert state["key"].shape == shape and state["key"].sharding == like["key"].sharding
+    assert np.array_equal(jax.random.key_data(state["key"]), jax.random.key_data(keys))
+
+
 def test_keep_last_k(tmp_path):
     with Checkpointer(tmp_path, keep=2) as ckpt:
         for step in range(5):
