@@ -202,6 +202,25 @@ def test_keep_last_k(tmp_path):
     assert np.array_equal(state["x"], np.full((4,), 3))
 
 
+def test_others_and_delete_leave_what_is_not_a_checkpoint(tmp_path):
+    """`others` names the entries that are not steps (nor unfinished saves); `delete`
+    removes one step's folder and nothing else."""
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"x": jnp.full((2,), step)})
+        (tmp_path / "notes.txt").write_text("mine")
+        (tmp_path / "data").mkdir()
+        (tmp_path / "3.orbax-checkpoint-tmp-99").mkdir()  # another process's save in flight
+        assert ckpt.others() == ["data/", "notes.txt"]
+        ckpt.delete(1)
+        assert ckpt.steps() == [2]
+        with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
+            ckpt.delete(7)
+    assert sorted(os.listdir(tmp_path)) == ["2", "3.orbax-checkpoint-tmp-99", "data", "notes.txt"]
+    with pytest.raises(CheckpointError, match="read_only=True: it cannot delete"):
+        Checkpointer(tmp_path, read_only=True).delete(2)
+
+
 def _big(seed: int, megabytes: int):
     sys.path.insert(0, str(HERE))
     from _checkpoint_worker import big_state
