@@ -38,7 +38,9 @@ LOCK_NAME = ".zoo.lock"
 _FORMAT = "zoo run folder"
 # A run's own files at the top of its folder, listed in the marker when the run starts.
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
-# The exports' folders and the names written there (the model's tokenizer files included).
+# The exports' folders and the names written there: save_pretrained's (tokenizer files
+# included) and the sentence-transformers config the run's export copies beside them
+# (`_export.TOKENIZER_FILES`); save_adapter's.
 EXPORTS = {"model": (*MODEL_FILES, "sentence_bert_config.json"), "adapter": ADAPTER_FILES}
 # What a run leaves in its folder (the checkpoints folder is checked on its own).
 RUN_OUTPUTS = (*RUN_FILES, *EXPORTS)
@@ -118,12 +120,6 @@ def owned(output: Path, checkpoints: Path) -> tuple[list[str], list[str]]:
     if listed is None:
         listed = files if _is_old_run(output, files) else []
     return [f for f in files if _zoos(f, listed)], [f for f in files if not _zoos(f, listed)]
-
-
-def is_run_folder(output: Path, checkpoints: Path) -> bool:
-    """Whether `output` holds a zoo run's outputs and nothing else."""
-    mine, foreign = owned(output, checkpoints)
-    return bool(set(mine) - {LOCK_NAME}) and not foreign
 
 
 def claim(output: Path, checkpoints: Path, names: Iterable[str], *, replace: str | None = None) -> None:

@@ -112,8 +112,9 @@ def checkpoint_dir(config: RunConfig, output: Path) -> Path:
 def check_checkpoints(config: RunConfig, output: Path) -> None:
     """`resume` needs a checkpoint before `steps`; a run without it must not write into a
     folder of checkpoints or of another run's outputs (it would mix two runs), unless
-    `overwrite`. Checked (read-only) once the folder's lock is held, before anything is
-    written."""
+    `overwrite`, which deletes only what zoo wrote (`_folder.remove_run`: a folder holding
+    files zoo did not write is refused). Checked (read-only) once the folder's lock is
+    held, before anything is written."""
     folder = checkpoint_dir(config, output)
     saved = []
     if folder.is_dir():
