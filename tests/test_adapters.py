@@ -253,3 +253,57 @@ def test_loaded_leaves_keep_the_sharding_of_the_leaves_they_replace(tmp_path):
         np.testing.assert_array_equal(base_loaded, old)
     q = loaded.layers.layers.attention.q_proj
     assert not q.lora_A.sharding.is_fully_replicated and not q.lora_B.sharding.is_fully_replicated
+
+
+# --- writing into a folder that exists -------------------------------------------------------
+
+# Each writer: (its config file and the key that marks its kind, its weights file).
+WRITERS = {
+    "save_pretrained": ("config.json", "model_type", "model.safetensors"),
+    "save_adapter": ("adapter_config.json", "peft_type", "adapter_model.safetensors"),
+}
+# (case, files in the folder before the save by role, the names the refusal gives or None)
+EXPORT_FOLDERS = [
+    ("a new folder", {}, None),
+    ("other names only", {"notes.txt": "mine"}, None),
+    ("a user's config of the name", {"config": '{"app": 1}', "notes.txt": "mine"}, "config"),
+    ("an export of its kind", {"config": "export", "notes.txt": "mine"}, None),
+    ("weights alone (an interrupted save)", {"weights": "safetensors"}, None),
+    ("a user's file named as the weights", {"weights": "not safetensors"}, "weights"),
+]
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("files,refused", [c[1:] for c in EXPORT_FOLDERS], ids=[c[0] for c in EXPORT_FOLDERS])
+def test_exports_replace_only_an_exports_files(tmp_path, writer, files, refused):
+    """save_pretrained / save_adapter write their own file names, replacing those of an
+    export of their kind (a config naming it, or readable weights) and leaving every other
+    file; a folder holding one of their names that is no such export is refused, naming the
+    file, with nothing written."""
+    config, key, weights = WRITERS[writer]
+    names = {"config": config, "weights": weights}
+    contents = {"export": json.dumps({key: "x"}), "safetensors": safetensors.numpy.save({"x": np.zeros(2)})}
+    directory = tmp_path / "out"
+    directory.mkdir()
+    for role, text in files.items():
+        value = contents.get(text, text)
+        path = directory / names.get(role, role)
+        path.write_bytes(value) if isinstance(value, bytes) else path.write_text(value)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+
+    def save():
+        if writer == "save_pretrained":
+            return zoo.hf.save_pretrained(decoder_base(), directory)
+        return save_adapter(add_lora(decoder_base(), DECODER, key=jax.random.key(1)), DECODER, directory)
+
+    if refused is not None:
+        with pytest.raises(FileExistsError, match=f"holds {names[refused]}, which it would replace") as info:
+            save()
+        assert "write into another folder, or move those files away first" in str(info.value)
+        assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+        return
+    written = save()
+    assert sorted(p.name for p in written) == sorted(set(os.listdir(directory)) - {"notes.txt"})
+    assert all(p.parent == directory and p.stat().st_size > 0 for p in written)
+    if "notes.txt" in files:
+        assert (directory / "notes.txt").read_text() == "mine"

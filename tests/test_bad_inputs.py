@@ -9,6 +9,7 @@ has jax and its caches); a subprocess only where a fresh process matters (two li
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -111,22 +112,131 @@ def test_a_held_lock_refuses_in_process_and_is_released_after_a_run(tmp_path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def test_a_folder_with_outputs_is_refused_without_overwrite(tmp_path):
+def test_a_folder_with_outputs_is_refused_without_overwrite(lm_run, tmp_path):
     """A folder with another run's outputs but no checkpoints is not silently replaced;
     --overwrite replaces it (the old files gone), --resume needs checkpoints."""
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.json").write_text('{"model": "someone else\'s"}')
-    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    out = _copy(lm_run, tmp_path / "run")
+    shutil.rmtree(out / "checkpoints")
     rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
-    one_line_error(rc, err, f"--output {out} already holds another run's outputs (config.json, metrics.jsonl); "
-                   "pass --overwrite")  # fmt: skip
-    assert "someone else" in (out / "config.json").read_text()
+    one_line_error(rc, err, f"--output {out} already holds another run's outputs (config.json, loss.png, "
+                   "metrics.jsonl, model/, summary.json); pass --overwrite")  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["model"] == "transformer"
     rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--overwrite")
     assert rc == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["model"] == "mlp" and "overwrite" not in config  # replaying config.json never deletes
     assert [r["step"] for r in train_rows(out)] == [1, 2, 3]
+    assert not (out / "model").exists()
+
+
+# A tiny decoder run with a Hugging Face export (model/) and two checkpoints.
+SMALL_LM = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "16", "--model-config",
+            "d_model=32,num_layers=1", "--steps", "2", "--checkpoint-every", "1", "--quiet"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory) -> Path:
+    """A finished run of every kind of output (config.json, metrics.jsonl, loss.png,
+    summary.json, model/, checkpoints/ 1 and 2) and its marker: copy it, never change it."""
+    out = tmp_path_factory.mktemp("lm") / "run"
+    rc, _, err = zoo_main("train", "transformer", *SMALL_LM, "--output", out)
+    assert rc == 0, err
+    listed = json.loads((out / ".zoo-run.json").read_text())["files"]
+    assert listed == ["config.json", "loss.png", "metrics.jsonl", "model/config.json", "model/generation_config.json",
+                      "model/model.safetensors", "summary.json"]  # fmt: skip
+    return out
+
+
+def _copy(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes but the lock's (a refused run still took the lock to look)."""
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".zoo.lock")
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in files}
+
+
+def _users_app(out: Path) -> None:
+    """A user's own folder: a config.json and a Python package named model/ (the issue's case)."""
+    (out / "model").mkdir(parents=True)
+    (out / "config.json").write_text('{"app": "mine"}')
+    (out / "model" / "__init__.py").write_text("VERSION = 1\n")
+
+
+def _old_run(out: Path) -> None:
+    (out / ".zoo-run.json").unlink()  # as written before runs had a marker
+
+
+def _someone_elses(out: Path) -> None:
+    """Files named as a run's, in a folder without a marker, but config.json is no run's."""
+    out.mkdir()
+    (out / "config.json").write_text('{"model": "someone else\'s"}')
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+
+
+# (case, whether the folder starts as a copy of lm_run, what is added, the files the refusal names)
+FOREIGN = [
+    ("a user's config.json and package", False, _users_app, "config.json, model/__init__.py"),
+    ("no run's config.json", False, _someone_elses, "config.json, metrics.jsonl"),
+    ("a file next to a run's", True, lambda out: (out / "notes.txt").write_text("mine"), "notes.txt"),
+    ("a file in a run's model folder", True, lambda out: (out / "model" / "README.md").write_text("mine"),
+     "model/README.md"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("from_run,make,names", [case[1:] for case in FOREIGN], ids=[case[0] for case in FOREIGN])
+def test_overwrite_refuses_a_folder_with_files_zoo_did_not_write(lm_run, tmp_path, from_run, make, names):
+    """--overwrite deletes only what zoo wrote (the files its marker lists): a folder
+    holding anything else is refused, with --overwrite or without, naming those files;
+    nothing in it is touched."""
+    out = _copy(lm_run, tmp_path / "run") if from_run else tmp_path / "run"
+    make(out)
+    before = _snapshot(out)
+    for overwrite in (["--overwrite"], []):
+        rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, *overwrite)
+        one_line_error(rc, err, f"--output {out} holds files zoo did not write ({names}); ")
+        assert "choose another --output, or move those files away" in err
+        assert _snapshot(out) == before
+
+
+def test_overwrite_replaces_a_zoo_run_and_keeps_what_is_not_its(lm_run, tmp_path):
+    """--overwrite replaces a run (with its marker, or an old one without that zoo
+    recognises: nothing but a run's outputs, a config.json that is a run's), and deletes
+    only the step folders of the checkpoint folder, inside the run's or not: a user's
+    file there stays. A run started in a folder without a marker lists the old files."""
+    marked = _copy(lm_run, tmp_path / "marked")
+    (marked / "checkpoints" / "mine.txt").write_text("mine")
+    old = _copy(lm_run, tmp_path / "old")
+    _old_run(old)
+    external = tmp_path / "ckpt"
+    shutil.move(old / "checkpoints", external)
+    (external / "mine.txt").write_text("mine")
+    for out, ckpt in ((marked, marked / "checkpoints"), (old, external)):
+        rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--checkpoint-dir", ckpt, "--overwrite")
+        assert rc == 0, err
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            [".zoo-run.json", ".zoo.lock", "config.json", "loss.png", "metrics.jsonl", "summary.json"]
+            + (["checkpoints"] if ckpt == marked / "checkpoints" else [])
+        )
+        assert sorted(os.listdir(ckpt)) == ["3", "mine.txt"] and (ckpt / "mine.txt").read_text() == "mine"
+        assert json.loads((out / "config.json").read_text())["model"] == "mlp"
+
+
+def test_an_old_run_folder_gets_a_marker_listing_its_files(lm_run, tmp_path):
+    """The marker of a run in an old zoo folder (resumed, say) lists the files already
+    there, so a later --overwrite still recognises them."""
+    from zoo.train._folder import claim, owned
+
+    out = _copy(lm_run, tmp_path / "run")
+    listed = json.loads((out / ".zoo-run.json").read_text())["files"]
+    _old_run(out)
+    (out / "notes.txt").write_text("mine")  # not a run's: no longer recognised
+    assert owned(out, out / "checkpoints")[0] == [".zoo.lock"]
+    (out / "notes.txt").unlink()
+    claim(out, out / "checkpoints", ["tb/"])
+    assert json.loads((out / ".zoo-run.json").read_text())["files"] == sorted([*listed, "tb/"])
 
 
 def test_a_failed_start_leaves_no_folder(tmp_path):

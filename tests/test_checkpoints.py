@@ -166,6 +166,23 @@ def test_abstract_model_from_zoo_shard_is_a_restore_target(saved):
     assert state["model"].lm_head.weight.sharding == NamedSharding(mesh, P(None, "model"))
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_keys_round_trip_into_the_placement_of_like(tmp_path, devices, shape):
+    """Typed keys made under a `data=N` mesh restore into a like tree made the same way.
+    On one device jax gives a scalar key the sharding of its data (`P(None,)`, one entry
+    more than the key's rank): a `zoo train --devices 1` run could not resume."""
+    mesh = data_mesh(devices)
+    with jax.set_mesh(mesh):
+        keys = jax.random.key(5) if shape == () else jax.random.split(jax.random.key(5), shape[0])
+        with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+            ckpt.save(1, {"key": keys})
+            like = {"key": jax.random.key(0) if shape == () else jax.random.split(jax.random.key(0), shape[0])}
+            _, state, _ = ckpt.restore(like)
+    assert state["key"].shape == shape and state["key"].sharding == like["key"].sharding
+    assert np.array_equal(jax.random.key_data(state["key"]), jax.random.key_data(keys))
+
+
 def test_keep_last_k(tmp_path):
     with Checkpointer(tmp_path, keep=2) as ckpt:
         for step in range(5):
@@ -183,6 +200,25 @@ def test_keep_last_k(tmp_path):
         with pytest.raises(CheckpointError, match="read_only"):
             ckpt.save(5, state)
     assert np.array_equal(state["x"], np.full((4,), 3))
+
+
+def test_others_and_delete_leave_what_is_not_a_checkpoint(tmp_path):
+    """`others` names the entries that are not steps (nor unfinished saves); `delete`
+    removes one step's folder and nothing else."""
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"x": jnp.full((2,), step)})
+        (tmp_path / "notes.txt").write_text("mine")
+        (tmp_path / "data").mkdir()
+        (tmp_path / "3.orbax-checkpoint-tmp-99").mkdir()  # another process's save in flight
+        assert ckpt.others() == ["data/", "notes.txt"]
+        ckpt.delete(1)
+        assert ckpt.steps() == [2]
+        with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
+            ckpt.delete(7)
+    assert sorted(os.listdir(tmp_path)) == ["2", "3.orbax-checkpoint-tmp-99", "data", "notes.txt"]
+    with pytest.raises(CheckpointError, match="read_only=True: it cannot delete"):
+        Checkpointer(tmp_path, read_only=True).delete(2)
 
 
 def _big(seed: int, megabytes: int):

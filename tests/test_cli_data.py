@@ -385,35 +385,95 @@ def test_finetune_contract_peft_opens_the_adapter_with_zoos_logits(tmp_path, lla
     assert np.abs(theirs.f32 - base).max() > 1e-3  # the adapter changed the model
 
 
-@pytest.mark.slow
-def test_resume_mid_epoch_sees_the_same_batches(tmp_path, llama_dir, data_files):
-    """(g) 5 steps at once vs 2 steps then --resume to 5 (the chat file packs into 15
-    training rows: epochs of 3 batches of 4, so the resume is mid-epoch and the run then
-    crosses an epoch end): the same train losses and the same adapter."""
-    import safetensors.numpy
+# Each kind of run the resume matrix covers: (command, model, its flags; the data file's key in
+# `data_files` or None for built-in data, the LoRA base (llama_dir) or not, its steps, the export folder).
+RESUMED = {
+    "own data decoder": (["train", "transformer", "--model-config", "d_model=32,num_layers=1"], "text", False, 4,
+                         "model"),
+    "built-in data": (["train", "mlp", "--model-config", "width=16,depth=2", "--eval-size", "16"], None, False, 4,
+                      None),
+    # The chat file packs into 15 training rows, epochs of 3 batches of 4: resumed after step 2,
+    # the run is mid-epoch and then crosses an epoch's end.
+    "LoRA fine-tune": (["finetune", "transformer", "--lora", "r=4,alpha=8", "--lr", "1e-2"], "chat", True, 4,
+                       "adapter"),
+    "classifier": (["train", "encoder", "--model-config", "d_model=32,num_layers=1"], "csv", False, 4, "model"),
+}  # fmt: skip
+
+
+def _killed_after_step_2(whole: Path, to: Path) -> Path:
+    """A copy of the finished run `whole` as if it had been killed after step 3, whose
+    checkpoint it never saved: checkpoint 2, the metrics rows up to step 2 and a row of step
+    3 (which the resumed run must drop), no summary, plot or export."""
+    import shutil
 
     import zoo
 
-    train, _ = zoo.data.load(data_files["chat"], llama_dir, seq_len=SEQ, validation=0.1)
-    assert len(train) // 4 == 3
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    # A constant rate after one warmup step: the schedule of 2 steps is that of 5.
-    same = ["--checkpoint-every", "2", "--schedule", "constant", "--warmup", "1"]
-    _finetune(llama_dir, data_files["chat"], whole, "--steps", "5", *same)
-    _finetune(llama_dir, data_files["chat"], parts, "--steps", "2", *same)
-    _finetune(llama_dir, data_files["chat"], parts, "--steps", "5", *same, "--resume")
-    losses = [{r["step"]: r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"}
-              for d in (whole, parts)]  # fmt: skip
-    assert sorted(losses[1]) == list(range(1, 6))
-    # A resumed run is the same program on the same batches from the checkpointed (exact)
-    # state: the same sums in the same order, so the same bits (no rounding allowance, and
-    # none needed for AdamW's amplification of near-zero gradients).
+    shutil.copytree(whole, to)
+    with zoo.Checkpointer(to / "checkpoints", keep=None) as ckpt:
+        for step in ckpt.steps():
+            if step > 2:
+                ckpt.delete(step)
+    for name in ("summary.json", "loss.png", "model", "adapter"):
+        path = to / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    rows = [r for r in read_jsonl(to / "metrics.jsonl") if r["step"] <= 2]
+    write_jsonl(to / "metrics.jsonl", [*rows, {"kind": "train", "step": 3, "loss": 1e9}])
+    return to
+
+
+def _final_state(folder: Path, step: int) -> dict:
+    """The bit checksums of every leaf of checkpoint `step` (weights, optimizer state, key)."""
+    import zoo
+
+    leaves = zoo.Checkpointer(folder / "checkpoints", read_only=True).manifest(step)["leaves"]
+    return {path: leaf["fingerprint"] for path, leaf in leaves.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("kind", list(RESUMED))
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_files, kind, devices):
+    """Every kind of run, on 1 and 2 devices: a run killed after its step-2 checkpoint and
+    resumed by the same command with --resume ends as the run never interrupted, bit for
+    bit: each step's training loss in metrics.jsonl (the killed run's later row dropped), the
+    final checkpoint's every leaf, the exported weights. Before it resumes, an own-data run
+    whose file was edited since the checkpoint is refused (and resumes once it is restored).
+    On 1 device the resume used to fail restoring the PRNG key (a rank-2 sharding for its
+    rank-1 data)."""
+    import safetensors.numpy
+
+    command, data, lora, steps, export = RESUMED[kind]
+    source = data_files[data] if data else None
+    if data == "text":  # a copy of its own, to edit
+        source = write_jsonl(tmp_path / "text.jsonl", read_jsonl(data_files["text"]))
+    args = [*command, "--devices", str(devices), "--batch-size", "4", "--microbatches", "1", "--seq-len", str(SEQ),
+            "--steps", str(steps), "--checkpoint-every", "2", "--eval-every", "0", "--quiet",
+            *(["--data", source] if source else []), *(["--init", llama_dir] if lora else [])]  # fmt: skip
+    whole = tmp_path / "whole"
+    ok(*args, "--output", whole)
+    resumed = _killed_after_step_2(whole, tmp_path / "resumed")
+    if data == "text":
+        original = source.read_text()
+        source.write_text(original + '{"text": "red red"}\n')
+        rc, _, err = zoo_main(*args, "--output", resumed, "--resume")
+        one_line_error(rc, err, "text.jsonl changed since checkpoint step 2")
+        source.write_text(original)
+    ok(*args, "--output", resumed, "--resume")
+    losses = [[(r["step"], r["loss"]) for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"]
+              for d in (whole, resumed)]  # fmt: skip
+    assert [s for s, _ in losses[1]] == list(range(1, steps + 1))
+    # The same program on the same batches from the checkpointed (exact) state: the same
+    # sums in the same order, so the same bits (no rounding allowance).
     assert losses[0] == losses[1], losses
-    a = safetensors.numpy.load_file(whole / "adapter" / "adapter_model.safetensors")
-    b = safetensors.numpy.load_file(parts / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert json.loads((resumed / "summary.json").read_text())["resumed_from"] == 2
+    assert _final_state(whole, steps) == _final_state(resumed, steps)
+    if export:
+        name = "adapter_model.safetensors" if export == "adapter" else "model.safetensors"
+        a, b = (safetensors.numpy.load_file(d / export / name) for d in (whole, resumed))
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 @pytest.mark.slow

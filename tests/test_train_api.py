@@ -308,6 +308,23 @@ def _mlp(output: Path, **overrides) -> RunConfig:
     return RunConfig(**(values | overrides))
 
 
+def test_the_runs_lora_program_is_compiled_for_each_placement():
+    """A run's `add_lora` is one compiled program cached per model: a second run in the
+    process on another mesh gets a program of its own (it used to get the first one's, which
+    refused its arguments' shardings)."""
+    from helpers import tiny_decoder
+
+    from zoo.train._lora import add_lora
+
+    config = zoo.lora.LoraConfig(r=2, target_modules=("q_proj",))
+    for n in (1, 2):
+        mesh = data_mesh(n)
+        with jax.set_mesh(mesh):
+            model = zoo.shard(tiny_decoder(jax.random.key(0)), zoo.rules("dp"), mesh)
+            adapted = add_lora(model, config, seed=0)
+        assert {x.sharding.mesh for x in jax.tree.leaves(eqx.filter(adapted, eqx.is_array))} == {mesh}
+
+
 @pytest.mark.slow
 def test_a_resumed_run_sees_the_same_batches_and_ends_where_an_uninterrupted_one_does(tmp_path, capsys):
     whole = zoo.train.run(_mlp(tmp_path / "whole"))

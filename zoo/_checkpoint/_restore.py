@@ -16,9 +16,14 @@ from ._manifest import KEY, NUMPY, PYTHON, STATIC, abstract, leaf_kind
 
 
 def _key_data_sharding(sharding: Any, ndim: int, extra: int) -> Any:
-    """The sharding of a key array's data (`extra` trailing, unsharded dimensions)."""
+    """The sharding of the data of a key array of rank `ndim` placed by `sharding`: its
+    spec over the key's `ndim` dimensions, then `extra` trailing, unsharded ones."""
     if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        # A key array's `.sharding` may already be its data's: on a one-device mesh jax
+        # gives a scalar key `P(None,)`, one entry per data dimension. Its first `ndim`
+        # entries are the key's either way (the data's own dimensions are never split).
+        spec = tuple(sharding.spec)[:ndim]
+        spec += (None,) * (ndim - len(spec))
         return NamedSharding(sharding.mesh, P(*spec, *([None] * extra)), memory_kind=sharding.memory_kind)
     return sharding
 

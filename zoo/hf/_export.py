@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import safetensors.numpy
 
+from .._export_dir import check_export_dir
 from .._files import atomic_write, fsync_dir, to_host
 from ..models import Encoder, Transformer
 from . import _families  # noqa: F401  (registers the families)
@@ -31,6 +32,8 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
 )
+# Every name save_pretrained may write (the tokenizer's files only for a model loaded from a folder).
+FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, GENERATION_NAME, *TOKENIZER_FILES)
 # Keys of a source config.json that describe the zoo model, never copied over.
 _NOT_KEPT = ("architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "auto_map")
 
@@ -100,7 +103,7 @@ def _dtype_name(tensors: dict[str, np.ndarray]) -> str:
     return floating.pop() if len(floating) == 1 else "float32"
 
 
-def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) -> None:
+def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) -> list[Path]:
     """Write `model` as a Hugging Face checkpoint that `transformers` loads as is.
 
     **Arguments:**
@@ -117,7 +120,11 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
       merged first (`zoo.lora.merge`).
     - `directory`: created if needed. `model.safetensors`, `config.json` and
       `generation_config.json` in it are replaced atomically (a temporary file next to
-      each, then `os.replace`; weights first, config last); other files are left alone.
+      each, then `os.replace`; weights first, config last); other files are left alone,
+      nothing is deleted. A folder holding a file of a name it writes must already be a
+      Hugging Face model folder (a `config.json` with `"model_type"`, or a readable
+      `model.safetensors`, as an interrupted save leaves it); any other is refused with a
+      `FileExistsError` naming the files, so a user's own `config.json` is never replaced.
 
     A model loaded from a folder (`config.source_dir`) keeps that folder's config.json
     keys the zoo does not model (token ids, activation spellings) and gets its tokenizer
@@ -127,24 +134,28 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
     Tensors keep the leaves' dtype. In a multi-process run every process must call it
     (sharded leaves are gathered); process 0 writes. `zoo.hf.from_pretrained` of the
     result gives back `model`'s leaves bit for bit.
+
+    **Returns:** the paths of the files written (none on processes other than 0).
     """
     family, values, folder, _ = _hf_config(model)
-    tensors = hf_tensors(model)
-    if jax.process_index() != 0:
-        return
-    values["dtype"] = _dtype_name(tensors)
     directory = Path(directory)
+    same = folder is not None and folder.resolve() == directory.resolve()
+    tokenizer = [n for n in TOKENIZER_FILES if folder is not None and not same and (folder / n).is_file()]
+    names = [WEIGHTS_NAME, *tokenizer, GENERATION_NAME, CONFIG_NAME]
+    tensors = hf_tensors(model)  # every process: sharded leaves are gathered
+    if jax.process_index() != 0:
+        return []
+    check_export_dir(directory, names, writer="zoo.hf.save_pretrained", config=CONFIG_NAME, key="model_type",
+                     weights=WEIGHTS_NAME, kind="a Hugging Face model folder")  # fmt: skip
+    values["dtype"] = _dtype_name(tensors)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(
         directory / WEIGHTS_NAME,
         lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"}),
     )
-    same = folder is not None and folder.resolve() == directory.resolve()
-    if folder is not None and not same:
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                data = (folder / name).read_bytes()
-                atomic_write(directory / name, lambda tmp, data=data: Path(tmp).write_bytes(data))
+    for name in tokenizer:
+        data = (folder / name).read_bytes()
+        atomic_write(directory / name, lambda tmp, data=data: Path(tmp).write_bytes(data))
     generation = read_json(folder / GENERATION_NAME) if folder is not None else None
     if generation is None:
         generation = family.generation_config(values)
@@ -153,6 +164,7 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
     text = json.dumps(values, indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
     fsync_dir(directory)
+    return [directory / name for name in names]
 
 
 __all__ = ["hf_tensors", "save_pretrained"]

@@ -60,6 +60,7 @@ import safetensors.numpy
 from jax.tree_util import GetAttrKey
 from jaxtyping import PRNGKeyArray
 
+from .._export_dir import check_export_dir
 from .._files import atomic_write, fsync_dir, to_host
 from .._mismatch import mismatch_lines, shorten
 from .._tree import dotted_name, key_path, node_at
@@ -91,6 +92,7 @@ from ._names import (
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 ZOO_NAME = "zoo_adapter.json"
+FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, ZOO_NAME)  # what save_adapter writes
 PREFIX = "base_model.model."
 
 # peft features zoo's LoRA does not have: refused on load rather than silently ignored.
@@ -297,7 +299,7 @@ def _source_folder(model: Any) -> str | None:
 
 def save_adapter(
     model: Any, config: LoraConfig, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None
-) -> None:
+) -> list[Path]:
     """Write `model`'s LoRA adapter to `directory` as peft does (no torch needed).
 
     **Arguments:**
@@ -305,7 +307,11 @@ def save_adapter(
     - `model`: a zoo model carrying LoRA branches (`add_lora`), possibly sharded.
     - `config`: the `LoraConfig` the branches were added with.
     - `directory`: created if needed; `adapter_config.json`, `adapter_model.safetensors`
-      and `zoo_adapter.json` in it are replaced atomically, other files are left alone.
+      and `zoo_adapter.json` in it are replaced atomically, other files are left alone,
+      nothing is deleted. A folder holding a file of those names must already be an
+      adapter folder (an `adapter_config.json` with `"peft_type"`, or a readable
+      `adapter_model.safetensors`); any other is refused with a `FileExistsError` naming
+      the files.
     - `base_model_name_or_path`: what peft's `AutoPeftModel*.from_pretrained(directory)`
       loads the base model from. Default: the folder `zoo.hf` loaded `model` from (its
       config's `source_dir`), else none (peft's `PeftModel` still opens the adapter on a
@@ -317,6 +323,8 @@ def save_adapter(
     `BertForSequenceClassification` (what peft opens a `SEQ_CLS` adapter on) reads the
     `[CLS]` pooler and so computes other logits. In a multi-process run every process must
     call it (arrays are gathered); process 0 writes.
+
+    **Returns:** the paths of the files written (none on processes other than 0).
     """
     found = modules(model, LoraLinear)
     if not found:
@@ -372,7 +380,7 @@ def save_adapter(
             rank_pattern[module] = rank
             alpha_pattern[module] = config.scaling * (math.sqrt(rank) if config.use_rslora else rank)
     if jax.process_index() != 0:
-        return
+        return []
 
     peft_targets = sorted({_module_of(k) for k in tensors if ".lora_" in k})
     saved = saved_modules(model, config)
@@ -397,8 +405,14 @@ def save_adapter(
         "modules_to_save": _plain(config.modules_to_save),
         "tensors_sha256": tensors_sha256(tensors),
     }
+    return _write(Path(directory), tensors, values, meta)
 
-    directory = Path(directory)
+
+def _write(directory: Path, tensors: dict[str, np.ndarray], values: dict[str, Any], meta: dict[str, Any]) -> list[Path]:
+    """An adapter's three files into `directory` (refused if it holds a user's files of
+    their names), weights first; the paths written."""
+    check_export_dir(directory, FILE_NAMES, writer="zoo.lora.save_adapter", config=CONFIG_NAME, key="peft_type",
+                     weights=WEIGHTS_NAME, kind="a LoRA adapter folder")  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(
         directory / WEIGHTS_NAME, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
@@ -407,6 +421,7 @@ def save_adapter(
         text = json.dumps(_json_safe(contents), indent=2, sort_keys=True) + "\n"
         atomic_write(directory / file, lambda tmp, text=text: Path(tmp).write_text(text))
     fsync_dir(directory)
+    return [directory / name for name in FILE_NAMES]
 
 
 # --------------------------------------------------------------------------- loading

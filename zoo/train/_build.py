@@ -18,6 +18,7 @@ from ..lora import trainable as lora_trainable
 from ..nn import example_keys
 from ._build_task import build_task
 from ._errors import ConfigError
+from ._folder import RUN_FILES, claim
 from ._lora import add_lora
 from ._output import write_json
 from ._plan import RunPlan
@@ -87,7 +88,8 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from e
     plan.output.mkdir(parents=True, exist_ok=True)
-    if main:
+    if main:  # the run's files listed in its folder's marker before any is written
+        claim(plan.output, plan.checkpoints, RUN_FILES)
         write_json(plan.output / "config.json", c.to_dict())
     optimizer = c.optimizer.build(c.steps)
     if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import Any
 
 from ..hf import save_pretrained
 from ..lora import save_adapter
+from ._folder import claim
 from ._hooks import Checkpoint, Hook, TrainState
 from ._plan import RunPlan
 from ._task import Task
@@ -31,18 +33,29 @@ class Export(Hook):
         self.plan, self.task, self.saver, self.checkpointed, self.main = plan, task, saver, checkpointed, main
         self.outputs: dict[str, Any] = {}
 
+    def _claim(self, folder: str, written: list[Path] | None = None) -> None:
+        """List OUTPUT/`folder` in the run's marker: as a folder before it is written, then
+        as the files `written` (process 0)."""
+        if self.main:
+            names = [f"{folder}/"] if written is None else [p.relative_to(self.plan.output).as_posix() for p in written]
+            claim(self.plan.output, self.plan.checkpoints, names, replace=None if written is None else f"{folder}/")
+
     def on_end(self, state: TrainState) -> None:
         output, lcfg, task = self.plan.output, self.plan.config.lora, self.task
         if lcfg is not None:
-            save_adapter(state.model, lcfg, output / "adapter")
+            self._claim("adapter")
+            self._claim("adapter", save_adapter(state.model, lcfg, output / "adapter"))
             self.outputs["adapter"] = str(output / "adapter")
         elif task.hf_part is not None:
             try:
-                save_pretrained(task.hf_part(state.model), output / "model")
+                self._claim("model")
+                written = save_pretrained(task.hf_part(state.model), output / "model")
                 if task.tokenizer_dir is not None and self.main:
                     for name in TOKENIZER_FILES:
                         if (task.tokenizer_dir / name).is_file():
                             shutil.copy(task.tokenizer_dir / name, output / "model" / name)
+                            written.append(output / "model" / name)
+                self._claim("model", written)
                 self.outputs["model"] = str(output / "model")
             except ValueError as e:  # a config Hugging Face's GPT-2 / BERT cannot express
                 self.outputs["model_not_saved"] = str(e).splitlines()[0]

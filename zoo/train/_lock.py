@@ -12,15 +12,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from ._errors import ConfigError
-
-LOCK_NAME = ".zoo.lock"
-# What a run leaves in its output folder (the checkpoints folder is checked on its own).
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "model", "adapter")
+from ._folder import LOCK_NAME, MARKER, previous_outputs
 
 
 def _holder(path: Path) -> str:
@@ -100,28 +96,9 @@ def _remove_untrained(output: Path, checkpoints: Path) -> None:
                 return
     if not set(previous_outputs(output)) <= {"config.json", "metrics.jsonl"}:
         return
-    for name in ("config.json", "metrics.jsonl"):
+    for name in ("config.json", "metrics.jsonl", MARKER):
         with contextlib.suppress(OSError):
             (output / name).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         if checkpoints.is_dir():
             checkpoints.rmdir()
-
-
-def previous_outputs(output: Path) -> list[str]:
-    """The outputs of an earlier run in `output` (names, sorted)."""
-    if not output.is_dir():
-        return []
-    return sorted(p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if p.name in RUN_OUTPUTS)
-
-
-def remove_outputs(output: Path, checkpoints: Path) -> None:
-    """--overwrite: delete the earlier run's outputs and checkpoints (the lock is held)."""
-    for name in RUN_OUTPUTS:
-        path = output / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    if checkpoints.is_dir():
-        shutil.rmtree(checkpoints)

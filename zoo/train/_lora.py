@@ -104,7 +104,8 @@ _LORA_WRAPPERS: dict[Any, tuple[Any, dict[str, Any]]] = {}
 
 def add_lora(model: Any, config: Any, seed: int) -> Any:
     """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled without
-    LLVM's costly optimisations (like `init_compiled`), once per (model structure, config).
+    LLVM's costly optimisations (like `init_compiled`), once per (model structure and
+    placement, config).
     A target matching nothing, a rank too large, ... → ConfigError with zoo's message."""
     import equinox as eqx
     import jax
@@ -113,7 +114,9 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
     key = jr.fold_in(jr.key(seed), LORA_KEY_SALT)
     arrays, static = eqx.partition(model, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
-    cache_key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves), config)
+    # A compiled program takes only the placements it was compiled for: another mesh (a
+    # second run in this process on other devices) is another program.
+    cache_key = (treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves), config)
     if cache_key not in _LORA_WRAPPERS:
         out: dict[str, Any] = {}
 

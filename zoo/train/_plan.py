@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import shutil
 from pathlib import Path
 
 from .._checkpoint import Checkpointer
 from ._config import RunConfig
 from ._errors import ConfigError
-from ._lock import previous_outputs, remove_outputs
+from ._folder import owned, previous_outputs, remove_run, shown
 from ._mesh import check_rules_fit_mesh, mesh_text
 from ._user_data import check_data_file
 
@@ -115,8 +114,9 @@ def checkpoint_dir(config: RunConfig, output: Path) -> Path:
 def check_checkpoints(config: RunConfig, output: Path) -> None:
     """`resume` needs a checkpoint before `steps`; a run without it must not write into a
     folder of checkpoints or of another run's outputs (it would mix two runs), unless
-    `overwrite`. Checked (read-only) once the folder's lock is held, before anything is
-    written."""
+    `overwrite`, which deletes only what zoo wrote (`_folder.remove_run`: a folder holding
+    files zoo did not write is refused). Checked (read-only) once the folder's lock is
+    held, before anything is written."""
     folder = checkpoint_dir(config, output)
     saved = []
     if folder.is_dir():
@@ -125,7 +125,7 @@ def check_checkpoints(config: RunConfig, output: Path) -> None:
         saved = [n for n in Checkpointer(folder, read_only=True).steps() if any((folder / str(n)).iterdir())]
     steps = config.steps
     if config.overwrite and not config.resume:
-        remove_outputs(output, folder)
+        remove_run(output, folder)
         return
     if config.resume:
         if not saved:
@@ -145,21 +145,34 @@ def check_checkpoints(config: RunConfig, output: Path) -> None:
                     f"--resume-step {n}: {folder} also holds the later steps {later}, which this run would "
                     "replace; pass --overwrite to delete them, or resume from the newest"
                 )
-            for k in later:
-                shutil.rmtree(folder / str(k))
+            with Checkpointer(folder, keep=None, async_save=False) as ckpt:
+                for k in later:
+                    ckpt.delete(k)
         elif saved[-1] > steps or (saved[-1] == steps and (output / "summary.json").exists()):
             # (at --steps without a summary: killed after its final checkpoint; the run finishes it)
             raise ConfigError(
                 f"--resume: the checkpoint in {folder} is at step {saved[-1]}, not before --steps {steps}; "
                 "raise --steps to train further"
             )
-    elif saved:
+    else:
+        _check_new(output, folder, saved)
+
+
+def _check_new(output: Path, folder: Path, saved: list[int]) -> None:
+    """A new run (neither resumed nor overwriting) refuses a folder of another run."""
+    foreign = owned(output, folder)[1] if previous_outputs(output) else []
+    if foreign:  # named like a run's outputs, but not (only) zoo's: overwrite would refuse too
+        raise ConfigError(
+            f"RunConfig.output {output} holds files zoo did not write ({shown(foreign)}); choose another "
+            "RunConfig.output, or move those files away"
+        )
+    if saved:
         raise ConfigError(
             f"{folder} already holds checkpoints (steps {saved}); pass --resume to continue from them, "
             "--overwrite to replace that run, or choose another --output or --checkpoint-dir"
         )
-    elif previous_outputs(output):
+    if previous_outputs(output):
         raise ConfigError(
-            f"--output {output} already holds another run's outputs ({', '.join(previous_outputs(output))}); "
-            "pass --overwrite to replace them, or choose another --output"
+            f"RunConfig.output {output} already holds another run's outputs ({', '.join(previous_outputs(output))}); "
+            "pass RunConfig.overwrite to replace them, or choose another RunConfig.output"
         )

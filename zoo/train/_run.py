@@ -30,6 +30,7 @@ from ._console import Header, Phases, Report
 from ._errors import ConfigError, Preempted
 from ._evaluate import Evaluator, first_evaluation, plain
 from ._export import Export
+from ._folder import claim
 from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample
 from ._lock import run_lock
 from ._mesh import make_mesh
@@ -139,6 +140,9 @@ def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, 
                        checkpointer=checkpointer, last_saved=record.start or None)  # fmt: skip
     hooks: list[Any] = [MetricsLog(plan.output / "metrics.jsonl")]
     if c.tensorboard:
+        logdir = Path(c.tensorboard).resolve()
+        if main and logdir.is_relative_to(plan.output.resolve()):  # its event files are the run's to overwrite
+            claim(plan.output, plan.checkpoints, [logdir.relative_to(plan.output.resolve()).as_posix() + "/"])
         hooks.append(TensorBoard(c.tensorboard))
     if not phase.quiet:
         hooks += [Header(record, phase),
