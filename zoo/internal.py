@@ -43,7 +43,6 @@ from .nn._sharding import contract_spec as contract_spec
 from .nn._sharding import for_use as for_use
 from .nn._sharding import sharding_spec as sharding_spec
 from .train._builtin import DEMO_PRETRAIN as DEMO_PRETRAIN
-from .train._builtin import PRETRAINED_KEYS as PRETRAINED_KEYS
 from .train._builtin import minilm_available as minilm_available
 from .train._config import parse_scalar as parse_scalar
 from .train._lora import LORA_EXAMPLE as LORA_EXAMPLE
@@ -55,6 +54,7 @@ from .train._mesh import check_rules_fit_mesh as check_rules_fit_mesh
 from .train._mesh import make_mesh as make_mesh
 from .train._mesh import mesh_text as mesh_text
 from .train._mesh import parse_mesh as parse_mesh
+from .train._model_config import PRETRAINED_KEYS as PRETRAINED_KEYS
 from .train._output import Metrics as Metrics
 from .train._output import human_bytes as human_bytes
 from .train._output import plot_losses as plot_losses

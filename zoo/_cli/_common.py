@@ -31,8 +31,9 @@ def flag_names(message: str) -> str:
     """A library error's text with each config field it names as its flag
     (`RunConfig.batch_size` → `--batch-size`, `DataConfig.source` → `--data`; the fields'
     `zoo.train.Flag`s): the one place the CLI turns the library's words into its own. A
-    flag left out is an unset field, so "(or None)" goes too."""
-    options = {f.field: f.option for f in RunConfig.flags() if not f.positional}
+    flag left out is an unset field, so "(or None)" goes too. The positional field
+    (`RunConfig.model`) is the argument `MODEL`."""
+    options = {f.field: str(f.name).upper() if f.positional else f.option for f in RunConfig.flags()}
     text = _FIELD.sub(lambda m: options.get(m.group(0), m.group(0)), message)
     return text.replace(" (or None)", "") if text != message else text
 

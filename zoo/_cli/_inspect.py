@@ -81,7 +81,7 @@ def config_of(args, spec, init: str | None, command: str) -> RunConfig:
         raise CLIError(f"--seq-len: the {spec.name} has no sequences; drop --seq-len")
     given = {
         "model": spec.name, "init": init, "seq_len": args.seq_len, "seed": args.seed, "dtype": args.dtype,
-        "model_config": model_config_of(spec, args.model_config, init), "lora": args.lora,
+        "model_config": model_config_of(args.model_config), "lora": args.lora,
         "batch_size": getattr(args, "batch_size", None), "microbatches": getattr(args, "microbatches", None),
     }  # fmt: skip
     config = RunConfig.from_dict({k: v for k, v in given.items() if v is not None}).resolved(command)

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
-from pathlib import Path
 from typing import Any
 
 from .. import RULE_PRESETS, internal
@@ -65,71 +62,36 @@ def data_choices() -> list[str]:
     return sorted({d for n in model_names() for d in model_spec(n).datasets})
 
 
-def _check_model(name: str | None) -> str:
-    if name is None:
-        raise CLIError(f"no model given; name one of {model_names()} (or set model in the --config file)")
-    return model_spec(name).name
-
-
 def _flags(command: str) -> dict[str, Flag]:
     """The run flags of `command` by flat key."""
     return {str(f.name): f for f in RunConfig.flags() if command in f.commands}
 
 
 def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, dict[str, Any]]:
-    """The run of the flags (a resolved `RunConfig`) and this launch's own flags: the flags
-    given, then for `--resume` the run's config.json, then the model's defaults for the
-    command (`RunConfig.resolved`). Checks what needs no devices; the numbers, the mesh
-    text and the choices are the library's checks (`RunConfig`), named by their fields."""
+    """The run of the flags (a resolved `RunConfig`) and this launch's own flags. The CLI
+    only parses: the flags given become the fields set (`--model-config` text a dict), and
+    the library does the rest (`RunConfig.resolved`): every check of the values, for
+    `--resume` the saved run's config.json (its flags where none are given, a changed
+    fixed one refused), then the model's defaults for the command. Its errors name fields,
+    which `zoo._cli._main` shows as flags."""
     flags = _flags(command)
     given = {k: v for k, v in vars(args).items() if k in flags and v is not None}
     launch = {k: getattr(args, k, None) for k in _PROCESS_FLAGS} | {"debug": bool(getattr(args, "debug", False))}
     for name, low in (("num_processes", 1), ("process_id", 0)):  # no field: the CLI's own
         if launch[name] is not None and launch[name] < low:
             raise CLIError(f"{_flag(name)} must be an integer >= {low}, got {launch[name]}")
-    if given.get("resume_step") is not None:
-        given["resume"] = True
-    saved = _saved_config(given) if given.get("resume") else None
-    if saved is not None:  # a resumed run continues with its own flags unless told otherwise
-        inherited = {k for k, f in flags.items() if f.resume != "launch"}
-        given = {k: v for k, v in saved.items() if k in inherited and v is not None} | given
-    model = given["model"] = _check_model(given.get("model"))
-    spec = model_spec(model)
-    model_config_of(spec, given.get("model_config"), given.get("init"))
+    if "model_config" in given:
+        given["model_config"] = model_config_of(given["model_config"])
     # Every value checked and the defaults applied; a data file is the library's to check
     # and read (once, when the run builds its task).
-    config = RunConfig.from_dict(given).resolved(command)
-    if command != "train" and spec.finetune_needs_init and not config.init:
-        raise CLIError(
-            f"zoo {command} {model} needs --init PATH: a Hugging Face folder or the output folder of "
-            f"`zoo train {model}` (e.g. zoo train {model} --output runs/base, then --init runs/base)"
-        )
-    if config.init and spec.init_class is None:
-        raise CLIError(f"--init: the {model} has no pretrained weights; drop --init")
-    if config.resume and not (config.output or config.checkpoint_dir):
-        raise CLIError(
-            "--resume needs the earlier run's folder: pass --output RUN (or --checkpoint-dir RUN/checkpoints)"
-        )
-    if config.dtype not in spec.dtypes:
-        raise CLIError(f"--dtype: the {model} computes in {' or '.join(spec.dtypes)} only; drop --dtype")
-    if saved is not None:
-        _check_resume_flags(config.to_dict(), saved, flags)
-    return config, launch
+    return RunConfig.from_dict(given).resolved(command), launch
 
 
-def model_config_of(spec, text: str | None, init: str | None) -> dict[str, Any]:
-    """`--model-config KEY=VALUE,...` as values, each of the right kind and range
-    (`check_model_config`); a pretrained model (`spec.pretrained`, no `--init`) changes
-    only what does not change its shape."""
+def model_config_of(text: str | None) -> dict[str, Any]:
+    """`--model-config KEY=VALUE,...` as values (`zoo.internal.parse_scalar`); their kinds
+    and ranges are the library's to check (`RunConfig.model_config`)."""
     pairs = parse_pairs(text, "--model-config", "d_model=64,num_layers=2") if text else {}
-    values = {k: internal.parse_scalar(v) for k, v in pairs.items()}
-    check_model_config(spec.name, values)
-    if spec.pretrained is not None and init is None and values.keys() - set(internal.PRETRAINED_KEYS):
-        raise CLIError(
-            f"--model-config: the pretrained {spec.name}'s shape is fixed; only dropout, attention_dropout and "
-            "remat can change"
-        )
-    return values
+    return {k: internal.parse_scalar(v) for k, v in pairs.items()}
 
 
 def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
@@ -139,76 +101,8 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     return config.to_dict() | {"resume_step": config.resume_step, "overwrite": config.overwrite} | launch
 
 
-def _saved_config(values: dict[str, Any]) -> dict[str, Any] | None:
-    """The config.json of the run --resume continues (None without --output or the file)."""
-    if not values.get("output"):
-        return None
-    path = Path(values["output"]).expanduser() / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CLIError(f"--resume: cannot read {path}: {e}; fix or remove it") from e
-    if not isinstance(saved, dict):
-        raise CLIError(f"--resume: {path} is not a run's config.json (not a JSON object); fix or remove it")
-    return saved
-
-
-def _normal(key: str, value: Any) -> Any:
-    if key == "model_config":
-        return parse_pairs(value, "--model-config", "width=64") if value else {}
-    return json.loads(json.dumps(value, default=str))
-
-
-def _check_resume_flags(s: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag]) -> None:
-    """--resume continues the run of config.json: refuse every flag that would change what
-    it trains (`Flag.resume == "fixed"`)."""
-    changed = [
-        f"{_flag(k)} {s[k]} (was {saved[k]})"
-        for k in sorted(s)
-        if k in saved and k in flags and flags[k].resume == "fixed" and _normal(k, s[k]) != _normal(k, saved[k])
-    ]
-    if changed:
-        raise CLIError(
-            f"--resume: {', '.join(changed)} would change the run saved in {s['output']}; drop "
-            f"{'them' if len(changed) > 1 else 'it'} to continue that run, or start a new one (another --output, "
-            "or --overwrite without --resume)"
-        )
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-# --model-config keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1),
-# positive floats; other keys are left to the config class.
-_SIZES = ("width", "depth", "vocab_size", "d_model", "num_heads", "num_layers", "mlp_dim", "max_len", "num_kv_heads",
-          "head_dim", "type_vocab_size")  # fmt: skip
-_IDS = ("pad_token_id",)
-_PROBABILITIES = ("dropout", "attention_dropout")
-_POSITIVE = ("norm_eps", "init_std", "rope_theta")
-
-
-def check_model_config(model: str, values: dict[str, Any]) -> None:
-    """Each --model-config value of the right kind and range, named in one line."""
-    for key, value in values.items():
-        where = f"--model-config {key}={value}"
-        nullable = key in ("mlp_dim", "num_kv_heads", "head_dim") and value is None
-        if key in _SIZES + _IDS and not nullable:
-            low = 1 if key in _SIZES else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CLIError(f"{where}: {key} must be an integer >= {low}, e.g. {key}=64"
-                               if key in _SIZES else f"{where}: {key} must be an integer >= 0")  # fmt: skip
-        elif key in _PROBABILITIES + _POSITIVE:
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise CLIError(f"{where}: {key} must be a finite number")
-            if key in _PROBABILITIES and not 0 <= value < 1:
-                raise CLIError(f"{where}: {key} is a probability in [0, 1)")
-            if key in _POSITIVE and not value > 0:
-                raise CLIError(f"{where}: {key} must be > 0")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise CLIError(f"{where}: must be finite")
 
 
 def _title(command: str, config: RunConfig) -> str | None:

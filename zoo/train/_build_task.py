@@ -7,7 +7,7 @@ a `RunConfig`, so the same settings give the same model.
 
 from __future__ import annotations
 
-from ._config import RunConfig
+from ._config import RunConfig, check_fits_model
 from ._errors import ConfigError
 from ._registry import model_spec
 from ._task import Task
@@ -36,14 +36,7 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
         raise ConfigError("build_task takes a config with its defaults applied: pass config.resolved(command)")
     spec = model_spec(config.model)
     check_data_file(config)  # a data set of the model's, or a file it trains on
-    if config.dtype not in spec.dtypes:
-        raise ConfigError(
-            f"--dtype: the {spec.name} computes in float32 only; drop --dtype"
-            if spec.dtypes == ("float32",)
-            else f"--dtype {config.dtype!r}: the {spec.name} computes in {' or '.join(spec.dtypes)}"
-        )
-    if config.init and spec.init_class is None:
-        raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
+    check_fits_model(config, spec)  # as `resolved` does: a config filled in by hand too
     if config.data.source is not None and config.data.source not in spec.datasets:
         return user_data_task(config, rules=rules, mesh=mesh)
     return spec.build(config, rules=rules, mesh=mesh)

@@ -33,8 +33,6 @@ _MLP_IN = 16
 _MLP_CONFIG = {"width": 64, "depth": 4}
 # Small enough to train in a minute on CPU.
 _SCRATCH_LM = {"vocab_size": 256, "d_model": 64, "num_heads": 4, "num_layers": 2}
-# What --model-config may change of a pretrained model whose shape is fixed.
-PRETRAINED_KEYS = ("dropout", "attention_dropout", "remat", "dtype")
 # `zoo demo` without all-MiniLM-L6-v2 installed first pretrains a small byte LM on code
 # (`zoo train transformer` with these where the flags say nothing), then LoRAs it on prose.
 DEMO_PRETRAIN = dict(steps=300, batch_size=32, microbatches=4, lr=1e-2, seq_len=64, data="code")

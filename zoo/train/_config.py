@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
 from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
+from ._continue import check_unchanged, inherit, saved_config
 from ._errors import ConfigError
 from ._flags import Flag, fields_flags, flag
 from ._mesh import mesh_text, parse_mesh
+from ._model_config import check_model_config, check_pretrained_shape
 from ._optimizer import OptimizerConfig
-from ._registry import DATA_FILE_DEFAULTS, model_spec
+from ._registry import DATA_FILE_DEFAULTS, ModelSpec, model_names, model_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,7 @@ class RunConfig:
     - `quiet`: print only the summary; `tensorboard`: a folder for TensorBoard event files.
     """
 
-    model: str = flag(positional=True, help="{models}")
+    model: str | None = flag(None, positional=True, help="{models}")
     steps: int | None = flag(None, metavar="N", resume="safe", help="optimizer steps ({per_model})")
     batch_size: int | None = flag(None, metavar="B", help="global batch, a multiple of data axis x microbatches "
                                   "({per_model})")  # fmt: skip
@@ -170,7 +172,7 @@ class RunConfig:
         def integer(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
-        if not isinstance(self.model, str):
+        if self.model is not None and not isinstance(self.model, str):
             raise bad("model", "a registered model's name (zoo.train.model_names())")
         for field in ("keep",):
             if not integer(getattr(self, field)) or getattr(self, field) < 1:
@@ -200,9 +202,9 @@ class RunConfig:
             or not all(isinstance(k, str) and integer(v) and v >= 1 for k, v in self.mesh.items())
         ):
             raise bad("mesh", "a dict of axis name -> size >= 1, e.g. {'data': 4, 'model': 2}")
-        for key, value in self.model_config.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"RunConfig.model_config[{key!r}] must be finite, got {value}")
+        if not isinstance(self.model_config, dict):
+            raise bad("model_config", "a dict of model config fields, e.g. {'d_model': 128}")
+        check_model_config(self.model_config)
 
     @property
     def eval_interval(self) -> int:
@@ -226,11 +228,45 @@ class RunConfig:
         twentieth of the steps and an evaluation every tenth (`OptimizerConfig.warmup_steps`,
         `eval_interval`), a data file read packed with 0.1 held out, and to fine-tune the
         model's LoRA (`ModelSpec.lora_defaults`). Set fields are kept; a resolved config
-        resolves to itself. Raises `ConfigError` if the command does not take the model.
+        resolves to itself.
+
+        A resumed run (`resume` or `resume_step`, with an `output` holding a run's
+        config.json) continues that run: first every field left unset (None, or at its
+        default) that is not this launch's own (`Flag.resume != "launch"`: devices, mesh,
+        resume, resume_step, overwrite) takes the saved value (the model too), and once
+        resolved, a field that changes what it trains (`Flag.resume == "fixed"`) and
+        differs from the saved value is refused. So a field set to its default on resume
+        (`seed=0`) counts as unset.
+
+        Also checked against the model (`model_spec`): `init` for a model without
+        pretrained weights or, to fine-tune, the `init` it needs; the `dtype`s it computes
+        in; a pretrained model's shape fixed (`model_config`); and `resume` needs the
+        earlier run's `output` or `checkpoint_dir`. Raises `ConfigError` naming the
+        fields, e.g. if the command does not take the model.
         """
         command = command or ("finetune" if self.lora is not None else "train")
+        saved = saved_config(self.output) if self.resume or self.resume_step is not None else None
+        base = self if saved is None else self._inherit(saved)
+        done = base._with_defaults(command)
+        if saved is not None:
+            check_unchanged(done.to_dict(), saved, _flags_by_key(), _normal)
+        return done
+
+    def _inherit(self, saved: dict[str, Any]) -> RunConfig:
+        """This config, its unset fields (None or the default) the saved run's."""
+        mine, blank = self.to_dict(), RunConfig().to_dict()
+        given = {k: v for k, v in mine.items() if k not in blank or v != blank[k]}
+        merged = RunConfig.from_dict(inherit(given, saved, _flags_by_key()))
+        return dataclasses.replace(merged, resume=True, resume_step=self.resume_step, overwrite=self.overwrite)
+
+    def _with_defaults(self, command: str) -> RunConfig:
+        """`resolved` of a config already merged with the run it resumes."""
+        if self.model is None:
+            raise ConfigError(f"no model given; name one of {model_names()} as RunConfig.model (or resume a run: "
+                              "RunConfig.resume and its RunConfig.output)")  # fmt: skip
         spec = model_spec(self.model)
         table = spec.defaults_for(command)
+        self._check_fits(spec, command)
 
         def pick(value: Any, key: str) -> Any:
             return table[key] if value is None else value
@@ -260,8 +296,24 @@ class RunConfig:
             self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
             microbatches=pick(self.microbatches, "microbatches"), probe=pick(self.probe, "probe"),
             eval_every=pick(self.eval_every, "eval_every"), optimizer=optimizer, data=data, lora=lora,
+            resume=self.resume or self.resume_step is not None,
         )  # fmt: skip
         return dataclasses.replace(done, eval_every=done.eval_interval)
+
+    def _check_fits(self, spec: ModelSpec, command: str) -> None:
+        """The settings `spec`'s model takes for `command` (`resolved`'s checks)."""
+        model = spec.name
+        if command != "train" and spec.finetune_needs_init and not self.init:
+            raise ConfigError(
+                f"zoo {command} {model} needs RunConfig.init PATH: a Hugging Face folder or the output folder of a "
+                f"`zoo train {model}` run (e.g. one with RunConfig.output runs/base, then RunConfig.init runs/base)"
+            )
+        check_fits_model(self, spec)
+        if (self.resume or self.resume_step is not None) and not (self.output or self.checkpoint_dir):
+            raise ConfigError(
+                "RunConfig.resume needs the earlier run's folder: pass RunConfig.output RUN (or "
+                "RunConfig.checkpoint_dir RUN/checkpoints)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The flat form: `zoo train`'s long flags as keys (`"batch_size"`, `"lr"`,
@@ -341,9 +393,35 @@ class RunConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {sorted(cls.flat_keys())}")
-        if values.get("model") is None:
-            raise ConfigError("RunConfig needs at least 'model'")
         return cls(data=DataConfig(**data), optimizer=OptimizerConfig(**opt), **values)
+
+
+def check_fits_model(config: RunConfig, spec: ModelSpec) -> None:
+    """Refuse what `spec`'s model cannot take: `init` without pretrained weights, a
+    `dtype` it does not compute in, a `model_config` changing a pretrained model's shape.
+    `RunConfig.resolved` and `build_task` check with it."""
+    if config.init and spec.init_class is None:
+        raise ConfigError(f"RunConfig.init: the {spec.name} has no pretrained weights; drop RunConfig.init")
+    if config.dtype not in spec.dtypes:
+        raise ConfigError(
+            f"RunConfig.dtype: the {spec.name} computes in {' or '.join(spec.dtypes)} only; drop RunConfig.dtype"
+        )
+    fixed = spec.pretrained is not None and not config.init
+    check_pretrained_shape(spec.name, config.model_config, fixed)
+
+
+def _flags_by_key() -> dict[str, Flag]:
+    """`RunConfig.flags()` by flat key."""
+    return {str(f.name): f for f in RunConfig.flags()}
+
+
+def _normal(key: str, value: Any) -> Any:
+    """A flat value in the form two configs compare in (a model config's keys in any order)."""
+    if key == "model_config":
+        if isinstance(value, dict):
+            return value
+        return _pairs(value, "model_config", parse_scalar) if value else {}
+    return json.loads(json.dumps(value, default=str))
 
 
 def _pairs(text: str, field: str, convert) -> dict[str, Any]:
