@@ -6,8 +6,9 @@ config fields (`zoo.train.RunConfig.flags()`: each field's help, type, choices a
 turns the flags given into a `zoo.train.RunConfig` (a flag left out: a field left unset)
 and calls `zoo.train.run`, which holds the loop. The library checks the values and fills
 the unset fields with the model's defaults for the command (`RunConfig.resolved`, the
-registry's one table); its errors name fields, which `zoo._cli._main` shows as flags. This
-module holds no defaults of its own. `config.json` in the output folder records every
+registry's one table), and for `--resume` continues the saved run (its config.json); its
+errors name fields, which `zoo._cli._main` shows as flags. This module holds no defaults,
+checks of values or resume logic of its own: it only parses. `config.json` in the output folder records every
 resolved value.
 """
 

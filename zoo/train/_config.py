@@ -239,9 +239,10 @@ class RunConfig:
         (`seed=0`) counts as unset.
 
         Also checked against the model (`model_spec`): `init` for a model without
-        pretrained weights or, to fine-tune, the `init` it needs; the `dtype`s it computes
-        in; a pretrained model's shape fixed (`model_config`); and `resume` needs the
-        earlier run's `output` or `checkpoint_dir`. Raises `ConfigError` naming the
+        pretrained weights, the `dtype`s it computes in, a pretrained model's shape fixed
+        (`model_config`); and `resume` needs the earlier run's `output` or
+        `checkpoint_dir`. (A fine-tune's `init`, where the model needs one, is the run's
+        check: `zoo inspect` resolves a fine-tune's settings without weights.) Raises `ConfigError` naming the
         fields, e.g. if the command does not take the model.
         """
         command = command or ("finetune" if self.lora is not None else "train")
@@ -266,7 +267,7 @@ class RunConfig:
                               "RunConfig.resume and its RunConfig.output)")  # fmt: skip
         spec = model_spec(self.model)
         table = spec.defaults_for(command)
-        self._check_fits(spec, command)
+        self._check_fits(spec)
 
         def pick(value: Any, key: str) -> Any:
             return table[key] if value is None else value
@@ -300,14 +301,8 @@ class RunConfig:
         )  # fmt: skip
         return dataclasses.replace(done, eval_every=done.eval_interval)
 
-    def _check_fits(self, spec: ModelSpec, command: str) -> None:
-        """The settings `spec`'s model takes for `command` (`resolved`'s checks)."""
-        model = spec.name
-        if command != "train" and spec.finetune_needs_init and not self.init:
-            raise ConfigError(
-                f"zoo {command} {model} needs RunConfig.init PATH: a Hugging Face folder or the output folder of a "
-                f"`zoo train {model}` run (e.g. one with RunConfig.output runs/base, then RunConfig.init runs/base)"
-            )
+    def _check_fits(self, spec: ModelSpec) -> None:
+        """The settings `spec`'s model takes (`resolved`'s checks)."""
         check_fits_model(self, spec)
         if (self.resume or self.resume_step is not None) and not (self.output or self.checkpoint_dir):
             raise ConfigError(

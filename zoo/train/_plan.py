@@ -14,6 +14,7 @@ from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import owned, previous_outputs, remove_run, shown
 from ._mesh import check_rules_fit_mesh, mesh_text
+from ._registry import model_spec
 from ._user_data import check_data_file
 
 _WHAT = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}
@@ -45,14 +46,22 @@ class RunPlan:
 
 
 def plan_run(config: RunConfig, *, devices: int, command: str | None = None, title: str | None = None) -> RunPlan:
-    """The `RunPlan` of `config` on `devices` devices: defaults applied, the mesh and the
-    batch checked against each other, the folders named (not yet created).
+    """The `RunPlan` of `config` on `devices` devices: the run it resumes merged in and
+    defaults applied (`RunConfig.resolved`), a fine-tune's `init` where the model needs
+    one, the mesh and the batch checked against each other, the folders named (not yet
+    created).
 
     **Raises:** `ConfigError` naming the setting that cannot work."""
     command = command or ("finetune" if config.lora is not None else "train")
     mesh_shape = mesh_shape_of(config, devices)
     # Every default applied here, once: config.json records the run as it trains.
     config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
+    spec = model_spec(config.model)
+    if command != "train" and spec.finetune_needs_init and not config.init:
+        raise ConfigError(
+            f"zoo {command} {spec.name} needs RunConfig.init PATH: a Hugging Face folder or the output folder of a "
+            f"`zoo train {spec.name}` run (e.g. one with RunConfig.output runs/base, then RunConfig.init runs/base)"
+        )
     check_layout(config, mesh_shape, devices)
     check_data_file(config)  # the paths only: the build reads the file, once
     output = output_dir(config.output, config.model, command)
