@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import zoo_ok
+from helpers import one_line_error, zoo_main, zoo_ok
 
 # The settings given, as flags; everything else (lr, weight decay, warmup, schedule,
 # microbatches, seq_len, evaluation cadence, data, LoRA) is left to the defaults.
@@ -133,3 +133,99 @@ def test_no_flags_and_an_empty_config_resolve_alike():
         library = resolved.to_dict()
         cli = resolve(parser.parse_args([command, model]), command)
         assert {k: cli[k] for k in library} == library
+
+
+# --- the checks and --resume: the library's, the CLI only parses ---------------------------------
+
+# A tiny mlp run on 2 devices, as flags and as `RunConfig` fields.
+MLP = {"devices": 2, "batch_size": 8, "microbatches": 1, "quiet": True}
+MLP_FLAGS = ["--devices", "2", "--batch-size", "8", "--microbatches", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A finished 4-step mlp run, checkpoints at 2 and 4, lr, seed and model config not the
+    defaults: what a resume continues."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    zoo_ok("train", "mlp", *MLP_FLAGS, "--eval-size", "16", "--steps", "4", "--checkpoint-every", "2", "--lr",
+           "0.01", "--seed", "3", "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
+    return out
+
+
+def _library_error(command: str, **fields) -> str:
+    """The message of the `ConfigError` `zoo.train.run(RunConfig(**fields))` raises."""
+    import zoo
+
+    with pytest.raises(zoo.train.ConfigError) as e:
+        zoo.train.run(zoo.train.RunConfig(**fields), command=command)
+    return str(e.value)
+
+
+def _cli_error(*args) -> str:
+    """The one line `zoo ARGS` fails with (exit 2), without its `zoo: error: ` prefix."""
+    rc, _, err = zoo_main(*args)
+    one_line_error(rc, err, "zoo: error: ")
+    return err.strip().removeprefix("zoo: error: ")
+
+
+def _refusals(run: Path) -> list[tuple[str, dict, list, str]]:
+    """(command, `RunConfig` fields, the same as flags, a field the library's message
+    names) of each mistake, the library's way and the CLI's."""
+    from zoo.train import OptimizerConfig
+
+    resume = {"output": str(run), "resume": True, "steps": 6}
+    resume_flags = ["--output", run, "--resume", "--steps", "6"]
+    return [
+        ("train", {"model": "mlp", **resume, "seed": 1, "optimizer": OptimizerConfig(lr=0.1),
+                   "model_config": {"width": 32, "depth": 2}},
+         ["mlp", *resume_flags, "--seed", "1", "--lr", "0.1", "--model-config", "width=32,depth=2"],
+         "OptimizerConfig.lr 0.1 (was 0.01)"),
+        ("finetune", {"model": "transformer"}, ["transformer"], "needs RunConfig.init PATH"),
+        ("train", {"model": "mlp", "dtype": "bfloat16"}, ["mlp", "--dtype", "bfloat16"], "RunConfig.dtype"),
+        ("train", {"model": "mlp", "init": str(run)}, ["mlp", "--init", run], "RunConfig.init"),
+        ("train", {"model": "mlp", "model_config": {"width": 0}}, ["mlp", "--model-config", "width=0"],
+         "RunConfig.model_config width=0"),
+        ("finetune", {"model": "minilm", "model_config": {"d_model": 8}}, ["minilm", "--model-config", "d_model=8"],
+         "RunConfig.model_config: the pretrained minilm's shape is fixed"),
+        ("train", {"model": "mlp", "resume": True}, ["mlp", "--resume"], "RunConfig.resume needs"),
+    ]  # fmt: skip
+
+
+def test_the_library_refuses_what_the_cli_refuses_in_the_same_words(saved_run):
+    """Each check is the library's: `zoo.train.run` raises a `ConfigError` naming fields,
+    and `zoo COMMAND` prints that message with the fields as flags (`flag_names`, the one
+    mapping), nothing else. The refused resume leaves the saved run as it was."""
+    from zoo._cli._common import flag_names
+
+    before = (saved_run / "config.json").read_text()
+    for command, fields, flags, field in _refusals(saved_run):
+        library = _library_error(command, **fields)
+        assert field in library, library
+        assert _cli_error(command, *flags) == flag_names(library)
+    resumed = flag_names(_library_error("train", **_refusals(saved_run)[0][1]))
+    assert resumed.startswith("--resume: --lr 0.1 (was 0.01), --model-config width=32,depth=2 (was width=16,depth=2), "
+                              "--seed 1 (was 3) would change the run saved in")  # fmt: skip
+    assert (saved_run / "config.json").read_text() == before
+
+
+def test_a_library_resume_inherits_what_zoo_train_resume_does(saved_run, tmp_path):
+    """`RunConfig(output=RUN, resume=True, steps=6)` and `zoo train --output RUN --resume
+    --steps 6`, neither naming the model, lr, seed or model config: both continue the saved
+    run with its own settings, into the same config.json and the same losses."""
+    import shutil
+
+    import zoo
+
+    outs = {how: shutil.copytree(saved_run, tmp_path / how) for how in ("flags", "library")}
+    zoo_ok("train", "--output", outs["flags"], "--resume", "--steps", "6", "--devices", "2")
+    zoo.train.run(zoo.train.RunConfig(output=str(outs["library"]), resume=True, steps=6, devices=2))
+    configs = {how: json.loads((out / "config.json").read_text()) for how, out in outs.items()}
+    for config in configs.values():
+        config.pop("output")
+    assert configs["library"] == configs["flags"]
+    flags = configs["flags"]
+    assert (flags["model"], flags["lr"], flags["seed"], flags["model_config"]) == ("mlp", 0.01, 3, "width=16,depth=2")
+    assert (flags["steps"], flags["quiet"], flags["resume"]) == (6, True, True)
+    losses = {how: _losses(out) for how, out in outs.items()}
+    assert [s for s, _ in losses["flags"]["train"]] == [1, 2, 3, 4, 5, 6]
+    assert losses["library"] == losses["flags"]
