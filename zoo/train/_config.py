@@ -69,7 +69,8 @@ class RunConfig:
 
     **Fields:**
 
-    - `model`: a model's name (`"mlp"`, `"transformer"`, `"encoder"`, `"minilm"`).
+    - `model`: a model's name (`"mlp"`, `"transformer"`, `"encoder"`, `"minilm"`); None
+      only to resume a run, which names its own (`resolved`).
     - `data`: a `DataConfig`; `optimizer`: an `OptimizerConfig`.
     - `lora`: a `zoo.lora.LoraConfig` to fine-tune adapters only, used as given (None:
       train every weight; with the command `"finetune"` or `"demo"`, the model's LoRA,
