@@ -181,6 +181,17 @@ BAD_NUMBERS = [
     (["--model-config", "width=2.5"], "--model-config width=2.5: width must be an integer >= 1"),
     (["--model-config", "width=true"], "--model-config width=True: width must be an integer >= 1"),
     (["--model-config", "width=64,width=32"], "key 'width' appears twice"),
+    # Huge integers: an OverflowError or MemoryError ("58 TiB") before; silently process 0 before.
+    (["--seed", str(2**64)], "--seed must be below 2**32 (at most 4294967295"),
+    (["--seed", str(2**32)], "--seed must be below 2**32"),
+    (["--steps", str(10**12)], "--steps must be at most 2147483647 (2**31 - 1: compiled programs count in int32)"),
+    (["--batch-size", str(10**12)], "--batch-size must be at most 2147483647"),
+    (
+        ["--eval-size", str(10**12)],
+        "--eval-size must be at most 2147483647 (2**31 - 1: compiled programs count in int32), got 1000000000000",
+    ),
+    (["--checkpoint-every", str(2**70)], "--checkpoint-every must be at most 2147483647"),
+    (["--num-processes", "1", "--process-id", "1"], "--process-id 1 is not below --num-processes 1"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
 ]
@@ -240,6 +251,39 @@ def test_a_diverging_run_stops_with_exit_3_and_keeps_the_last_good_checkpoint(tm
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] > 0 and rows[1]["loss"] is None
     assert not (out / "summary.json").exists()
+
+
+def test_a_huge_weight_decay_is_named_as_the_cause(tmp_path):
+    """Not "Lower --lr": the stop names the weight decay it can see (lr x weight decay >= 1)."""
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--weight-decay", "1e30", "--output", tmp_path / "run")
+    one_line_error(rc, err, "--weight-decay 1e+30 times --lr 0.003 is 3e+27 >= 1", code=3)
+    assert "lower --weight-decay" in err and "--lr (now" not in err
+
+
+def test_a_batch_without_target_tokens_is_named_as_the_cause():
+    import numpy as np
+
+    import zoo
+    from zoo.train._nonfinite import nonfinite_advice
+
+    config = zoo.train.RunConfig(model="transformer").resolved()
+    empty = {"tokens": np.ones((2, 4), np.int32), "weights": np.zeros((2, 4), np.float32)}
+    assert "The batch of step 3 holds no target token" in nonfinite_advice(config, lambda k: empty)(3)
+    full = dict(empty, weights=np.ones((2, 4), np.float32))
+    assert nonfinite_advice(config, lambda k: full)(3).startswith("Lower OptimizerConfig.lr (now")
+
+
+def test_rows_beyond_the_hosts_memory_are_one_line(tmp_path, monkeypatch):
+    """A batch or held-out set that cannot fit is refused before it is drawn (a MemoryError
+    naming terabytes before); the machine's memory is set small so the sizes stay small."""
+    monkeypatch.setattr("zoo.train._memory.host_memory", lambda: 2**20)
+    flags = ["--devices", "2", "--steps", "3", "--microbatches", "1", "--quiet", "--output", tmp_path / "run"]
+    rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", str(2**16))
+    one_line_error(rc, err, "--batch-size 65536 makes one batch of")
+    assert "more than this machine's 1 MiB of memory; lower it (at most about" in err
+    rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", "8", "--eval-size", str(2**20))
+    one_line_error(rc, err, "--eval-size 1048576 makes the held-out set of 4 MiB")
+    assert not (tmp_path / "run").exists()
 
 
 def test_skip_nonfinite_skips_and_counts_the_steps(tmp_path):

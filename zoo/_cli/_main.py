@@ -118,6 +118,8 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, RunStopped, Preempted) as e:
         # The CLI's own checks (CLIError) and the library's: one line, an exit code each;
         # the config fields the library's errors name, as flags (`--batch-size`).
+        if isinstance(e, RunStopped) and flag_names(str(e)) != str(e):
+            e = RunStopped(flag_names(str(e)))
         if isinstance(e, ConfigError) and not isinstance(e, CLIError) and flag_names(str(e)) != str(e):
             named = CLIError(flag_names(str(e)))
             if debug:

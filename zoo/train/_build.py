@@ -19,6 +19,7 @@ from ..nn import example_keys
 from ._build_task import build_task
 from ._errors import ConfigError
 from ._lora import add_lora
+from ._memory import bytes_per_row, check_rows_fit
 from ._output import write_json
 from ._plan import RunPlan
 from ._report import tree_bytes, tree_size
@@ -77,6 +78,8 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     c = plan.config
     lcfg = c.lora
     task = build_task(c, rules=rules, mesh=mesh)
+    # A training batch holds the rows the held-out examples hold: refuse one that cannot fit.
+    check_rows_fit("RunConfig.batch_size", c.batch_size, bytes_per_row(task.eval_data or {}), "one batch")
     if lcfg is not None and task.kind == "regression":
         raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
     if c.probe and not task.classifier:

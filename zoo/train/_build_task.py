@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._config import RunConfig
 from ._errors import ConfigError
+from ._memory import check_rows_fit
 from ._registry import model_spec
 from ._task import Task
 from ._user_data import check_data_file, user_data_task
@@ -44,6 +45,16 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
         )
     if config.init and spec.init_class is None:
         raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
-    if config.data.source is not None and config.data.source not in spec.datasets:
-        return user_data_task(config, rules=rules, mesh=mesh)
-    return spec.build(config, rules=rules, mesh=mesh)
+    # Every example holds at least one 4-byte value per token: a held-out set that cannot
+    # fit even so is refused before it is drawn (a bound, so never a false refusal).
+    check_rows_fit("DataConfig.eval_size", config.data.eval_size, 4 * (config.data.seq_len or 1), "the held-out set")
+    try:
+        if config.data.source is not None and config.data.source not in spec.datasets:
+            return user_data_task(config, rules=rules, mesh=mesh)
+        return spec.build(config, rules=rules, mesh=mesh)
+    except MemoryError as e:
+        if not config.data.eval_size:
+            raise
+        raise ConfigError(
+            f"DataConfig.eval_size {config.data.eval_size}: the held-out examples do not fit in memory ({e}); lower it"
+        ) from e
