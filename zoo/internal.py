@@ -55,6 +55,7 @@ from .train._mesh import check_rules_fit_mesh as check_rules_fit_mesh
 from .train._mesh import make_mesh as make_mesh
 from .train._mesh import mesh_text as mesh_text
 from .train._mesh import parse_mesh as parse_mesh
+from .train._model_config import check_model_config as check_model_config
 from .train._output import Metrics as Metrics
 from .train._output import human_bytes as human_bytes
 from .train._output import plot_losses as plot_losses

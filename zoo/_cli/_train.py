@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from .. import RULE_PRESETS, internal
 from ..hf import families
 from ..models import Transformer
-from ..train import Flag, RunConfig, init_families, model_names, model_spec
-from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_pairs
+from ..train import ConfigError, Flag, RunConfig, init_families, model_names, model_spec
+from ._common import DEFAULT_CPU_DEVICES, CLIError, flag_names, init_devices, init_devices_env, parse_pairs
 from ._lora_flag import LORA_HELP
 
 # The flags of train/finetune/demo that are no `RunConfig` field: the settings file, how
@@ -189,32 +188,13 @@ def _flag(name: str) -> str:
 
 # --model-config keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1),
 # positive floats; other keys are left to the config class.
-_SIZES = ("width", "depth", "vocab_size", "d_model", "num_heads", "num_layers", "mlp_dim", "max_len", "num_kv_heads",
-          "head_dim", "type_vocab_size")  # fmt: skip
-_IDS = ("pad_token_id",)
-_PROBABILITIES = ("dropout", "attention_dropout")
-_POSITIVE = ("norm_eps", "init_std", "rope_theta")
-
-
 def check_model_config(model: str, values: dict[str, Any]) -> None:
-    """Each --model-config value of the right kind and range, named in one line."""
-    for key, value in values.items():
-        where = f"--model-config {key}={value}"
-        nullable = key in ("mlp_dim", "num_kv_heads", "head_dim") and value is None
-        if key in _SIZES + _IDS and not nullable:
-            low = 1 if key in _SIZES else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CLIError(f"{where}: {key} must be an integer >= {low}, e.g. {key}=64"
-                               if key in _SIZES else f"{where}: {key} must be an integer >= 0")  # fmt: skip
-        elif key in _PROBABILITIES + _POSITIVE:
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise CLIError(f"{where}: {key} must be a finite number")
-            if key in _PROBABILITIES and not 0 <= value < 1:
-                raise CLIError(f"{where}: {key} is a probability in [0, 1)")
-            if key in _POSITIVE and not value > 0:
-                raise CLIError(f"{where}: {key} must be > 0")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise CLIError(f"{where}: must be finite")
+    """Each --model-config value of the right kind and range, named in one line (the
+    library's check, `RunConfig.model_config`, in flag names)."""
+    try:
+        internal.check_model_config(values)
+    except ConfigError as e:
+        raise CLIError(flag_names(str(e))) from None
 
 
 def _title(command: str, config: RunConfig) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ from ..lora import LoraConfig
 from ._errors import ConfigError
 from ._flags import Flag, fields_flags, flag
 from ._mesh import mesh_text, parse_mesh
+from ._model_config import check_model_config
 from ._optimizer import OptimizerConfig
 from ._registry import DATA_FILE_DEFAULTS, model_spec
 
@@ -218,9 +218,7 @@ class RunConfig:
             or not all(isinstance(k, str) and integer(v) and v >= 1 for k, v in self.mesh.items())
         ):
             raise bad("mesh", "a dict of axis name -> size >= 1, e.g. {'data': 4, 'model': 2}")
-        for key, value in self.model_config.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"RunConfig.model_config[{key!r}] must be finite, got {value}")
+        check_model_config(self.model_config)
 
     @property
     def eval_interval(self) -> int:
