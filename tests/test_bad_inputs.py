@@ -690,6 +690,13 @@ def error(f):
         return type(e).__name__ + ": " + str(e).splitlines()[0]
     return None
 
+def full_error(f):  # equinox's runtime errors put the message below a first line of their own
+    try:
+        f()
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e)
+    return None
+
 mlp = zoo.nn.MLP(4, 1, 8, 2, key=jax.random.key(0))
 lm = zoo.models.Transformer(zoo.models.TransformerConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1,
                                                          max_len=8), key=jax.random.key(0))
@@ -700,9 +707,17 @@ mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
 step = zoo.TrainStep(lambda m, b: (m(b["x"]) - b["y"]) ** 2, optax.sgd(0.1))
 int_loss = zoo.TrainStep(lambda m, b: (m(b["x"])[:, 0] > 0).astype(jnp.int32), optax.sgd(0.1))
 batch = {"x": jnp.ones((4, 4)), "y": jnp.ones((4, 1))}
+lm_step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1))
+bad_ids = jnp.full((2, 8), 40, jnp.int32)  # vocab 32: a lookup clamps them to row 31
 with jax.set_mesh(mesh):
     placed = zoo.shard(mlp, zoo.rules("dp"), mesh)
+    placed_lm = zoo.shard(lm, zoo.rules("dp"), mesh)
+    def lm_step_on_bad_ids():
+        jax.block_until_ready(lm_step(placed_lm, lm_step.init(placed_lm), {"tokens": bad_ids}))
     out = {
+        "lm_ids_eager": error(lambda: lm(bad_ids)),
+        "lm_ids_jit": full_error(lambda: jax.block_until_ready(eqx.filter_jit(lm)(bad_ids))),
+        "lm_ids_step": full_error(lm_step_on_bad_ids),
         "mlp_int": error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4), jnp.int32))),
         "mlp_width": error(lambda: mlp(jnp.ones((3, 5)))),
         "lm_float": error(lambda: lm(jnp.ones((2, 4)))),
@@ -740,6 +755,9 @@ def test_model_entry_points_check_rank_and_dtype_by_default():
     assert "Got losses of dtype int32: cast them to float32" in out["loss_int"]
     # Without the runtime checks a Linear's width mismatch is jnp's own error.
     assert out["linear_width"].startswith("ValueError") and "TypeCheckError" not in out["linear_width"]
+    # Ids outside the vocabulary: refused where concrete; compiled code holds no check by default.
+    assert out["lm_ids_eager"].startswith("ValueError: Embedding of 32 rows: ids holds 40 at position (0, 0)")
+    assert out["lm_ids_jit"] is None and out["lm_ids_step"] is None
 
 
 def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
@@ -747,6 +765,9 @@ def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
     assert out["ok"] is None
     assert out["linear_width"].startswith("TypeCheckError: Type-check error whilst checking the parameters of "
                                           "zoo.nn._linear.Linear.__call__")  # fmt: skip
+    # ... and checks ids inside compiled code too: a jitted call and a training step.
+    for case in ("lm_ids_jit", "lm_ids_step"):
+        assert out[case] is not None and "Embedding of 32 rows: ids outside [0, 32)" in out[case], out[case]
 
 
 # --- the rest of the sweep: folders, choices, resume inputs ----------------------------------

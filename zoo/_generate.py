@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from ._checks import check_ids
 from ._reduced import gather_over
 from ._sampling import check_sampling, next_token
 from .models import Transformer
@@ -288,6 +289,13 @@ def generate(
             )
     if not isinstance(mask_np, jax.core.Tracer):
         _check_left_padded(np.asarray(mask_np).astype(bool))
+        if not isinstance(tokens_np, jax.core.Tracer):  # the real tokens: a lookup would clamp a bad id
+            real = np.where(np.asarray(mask_np).astype(bool), np.asarray(tokens_np), 0)
+            check_ids(real, model.config.vocab_size, where="generate", name="tokens")
+    vocab = model.config.vocab_size
+    for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if value is not None and not 0 <= int(value) < vocab:
+            raise ValueError(f"{name} {value} is outside the model's vocabulary [0, {vocab}); pass an id below {vocab}")
     temperature = float(temperature)
     check_sampling(temperature, top_k, top_p)
     if temperature > 0 and key is None:
