@@ -646,6 +646,24 @@ def test_idle_mesh_axes_are_refused(flags, message):
     one_line_error(rc, err, message)
 
 
+# Rules that cannot place the model: the fix is a flag (the library's "map 'embed' to None" is none).
+UNPLACEABLE = [
+    (["mlp", "--rules", "fsdp"], "--rules fsdp cannot place the mlp on this mesh: model.output_layer.weight: "
+     "dimension 1 ('embed') has size 1, which mesh axes ('data',) (size 2) do not divide; choose other --rules "
+     "(dp replicates every weight)"),
+    (["transformer", "--rules", "fsdp", "--model-config", "d_model=33,num_heads=3"], "has size 33, which mesh "
+     "axes ('data',) (size 2) do not divide; choose other --rules (dp replicates every weight), or set "
+     "--model-config d_model to a multiple of 2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, message", UNPLACEABLE, ids=[" ".join(f) for f, _ in UNPLACEABLE])
+def test_rules_that_cannot_place_the_model_name_the_flag_that_would(tmp_path, flags, message):
+    rc, _, err = zoo_main("train", *flags, *TINY, "--output", tmp_path / "run")
+    one_line_error(rc, err, message)
+    assert "None" not in err
+
+
 def test_an_unused_axis_of_size_1_is_fine():
     rc, out, err = zoo_main("inspect", "mlp", "--devices", "2", "--mesh", "data=2,foo=1", "--microbatches", "1",
                             "--batch-size", "4", "--json")  # fmt: skip
