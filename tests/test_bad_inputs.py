@@ -429,6 +429,34 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps()  # the saves before it are whole
 
 
+# Ctrl-C while the main thread waits for a save to finish: orbax logs "Save Finalize thread
+# failed" with the KeyboardInterrupt's traceback (it printed before `zoo: interrupted`).
+_CTRL_C_IN_A_SAVE = """
+import sys, time
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_manager as cm
+real_finalize, real_join = ocp.CheckpointManager._finalize, cm._FinalizeThread.join
+def finalize(self, *args, **kwargs):  # the save is still finishing when the main thread waits
+    time.sleep(0.5)
+    return real_finalize(self, *args, **kwargs)
+def join(self, *args, **kwargs):
+    real_join(self, *args, **kwargs)
+    raise KeyboardInterrupt
+ocp.CheckpointManager._finalize, cm._FinalizeThread.join = finalize, join
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_a_save_is_one_line(tmp_path):
+    flags = ["--devices", "2", "--steps", "50", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+             "--quiet", "--checkpoint-every", "2", "--output", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_SAVE, "train", "mlp", *flags], cwd=ROOT,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "zoo: interrupted", proc.stderr
+
+
 # A run whose writes fail with ENOSPC once `after` bytes went to metrics.jsonl, then on every write.
 _FULL_DISK = """
 import errno, sys
