@@ -207,6 +207,17 @@ def _check_left_padded(mask: np.ndarray) -> None:
         )
 
 
+def _check_vocabulary(vocab: int, tokens: Any, mask: Any, **ids: int | None) -> None:
+    """Refuse a real token (where `mask`, when both are concrete) or an id of `ids` outside
+    `[0, vocab)`: the embedding lookup would clamp it (finite, wrong logits)."""
+    if not isinstance(tokens, jax.core.Tracer) and not isinstance(mask, jax.core.Tracer):
+        real = np.where(np.asarray(mask).astype(bool), np.asarray(tokens), 0)
+        check_ids(real, vocab, where="generate", name="tokens")
+    for name, value in ids.items():
+        if value is not None and not 0 <= int(value) < vocab:
+            raise ValueError(f"{name} {value} is outside the model's vocabulary [0, {vocab}); pass an id below {vocab}")
+
+
 def generate(
     model: Transformer,
     tokens: Int[ArrayLike, "batch prompt"],
@@ -289,13 +300,7 @@ def generate(
             )
     if not isinstance(mask_np, jax.core.Tracer):
         _check_left_padded(np.asarray(mask_np).astype(bool))
-        if not isinstance(tokens_np, jax.core.Tracer):  # the real tokens: a lookup would clamp a bad id
-            real = np.where(np.asarray(mask_np).astype(bool), np.asarray(tokens_np), 0)
-            check_ids(real, model.config.vocab_size, where="generate", name="tokens")
-    vocab = model.config.vocab_size
-    for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-        if value is not None and not 0 <= int(value) < vocab:
-            raise ValueError(f"{name} {value} is outside the model's vocabulary [0, {vocab}); pass an id below {vocab}")
+    _check_vocabulary(model.config.vocab_size, tokens_np, mask_np, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     temperature = float(temperature)
     check_sampling(temperature, top_k, top_p)
     if temperature > 0 and key is None:
