@@ -181,6 +181,7 @@ BAD_NUMBERS = [
     (["--model-config", "width=2.5"], "--model-config width=2.5: width must be an integer >= 1"),
     (["--model-config", "width=true"], "--model-config width=True: width must be an integer >= 1"),
     (["--model-config", "width=64,width=32"], "key 'width' appears twice"),
+    (["--model-config", "width=1000000000000"], "--model-config width=1000000000000: width must be at most 2147483647"),
     # Huge integers: an OverflowError or MemoryError ("58 TiB") before; silently process 0 before.
     (["--seed", str(2**64)], "--seed must be below 2**32 (at most 4294967295"),
     (["--seed", str(2**32)], "--seed must be below 2**32"),

@@ -16,6 +16,7 @@ IDS = ("pad_token_id",)
 PROBABILITIES = ("dropout", "attention_dropout")
 POSITIVE = ("norm_eps", "init_std", "rope_theta")
 _NULLABLE = ("mlp_dim", "num_kv_heads", "head_dim")
+_MAX_SIZE = 2**31 - 1
 
 
 def check_model_config(values: dict[str, Any]) -> None:
@@ -31,6 +32,8 @@ def check_model_config(values: dict[str, Any]) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{where}: {key} must be an integer >= {low}, e.g. {key}=64"
                                   if key in SIZES else f"{where}: {key} must be an integer >= 0")  # fmt: skip
+            if value > _MAX_SIZE:
+                raise ConfigError(f"{where}: {key} must be at most {_MAX_SIZE} (array dimensions are int32)")
         elif key in PROBABILITIES + POSITIVE:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ConfigError(f"{where}: {key} must be a finite number")
