@@ -186,8 +186,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-# --model-config keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1),
-# positive floats; other keys are left to the config class.
 def check_model_config(model: str, values: dict[str, Any]) -> None:
     """Each --model-config value of the right kind and range, named in one line (the
     library's check, `RunConfig.model_config`, in flag names)."""
