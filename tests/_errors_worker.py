@@ -45,6 +45,19 @@ def _per_batch_loss():
     step.loss_and_grads(model, (jnp.ones((4, 3)), jnp.ones((4, 1))))
 
 
+def _loss_returning(make):
+    """A step's loss that returns `make(per-example losses)`, run on an 8-device mesh."""
+    mesh = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(mesh):
+        model = zoo.shard(zoo.nn.MLP(3, 1, 4, 1, key=jax.random.key(0)), zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(lambda m, b: make(_mse(m, b)), optax.sgd(0.1))
+        step.loss_and_grads(model, (jnp.ones((8, 3)), jnp.ones((8, 1))))
+
+
+def _mlp():
+    return zoo.nn.MLP(3, 1, 4, 1, key=jax.random.key(0))
+
+
 KEYS = zoo.nn.example_keys(jax.random.key(0), 2)
 
 # Each case: a call that must fail. Most of these arguments are also refused by an
@@ -77,6 +90,17 @@ CASES = {
     "lora_bias": lambda: zoo.lora.LoraConfig(r=4, bias="all"),
     "lora_init": lambda: zoo.lora.LoraConfig(r=4, init_lora_weights="pissa"),
     "lora_r": lambda: zoo.lora.LoraConfig(r=0),
+    # Misuses that ended in a Python or jax error of their own before.
+    "shard_rules_none": lambda: zoo.shard(_mlp(), None, jax.make_mesh((8,), ("data",))),
+    "shard_rules_name": lambda: zoo.shard(_mlp(), "dp", jax.make_mesh((8,), ("data",))),
+    "collectives_plain_function": lambda: zoo.collectives(lambda x: x, jnp.ones(2)),
+    "report_not_a_list": lambda: zoo.report("x"),
+    "count_not_a_list": lambda: zoo.count("x"),
+    "step_optimizer_name": lambda: zoo.TrainStep(_mse, "adam"),
+    "run_config_width_0": lambda: zoo.train.RunConfig(model="mlp", model_config={"width": 0}),
+    "loss_returns_none": lambda: _loss_returning(lambda losses: None),
+    "loss_returns_3_tuple": lambda: _loss_returning(lambda losses: (losses, losses, losses)),
+    "loss_returns_b_plus_1": lambda: _loss_returning(lambda losses: jnp.zeros(losses.shape[0] + 1) + losses.sum()),
 }
 
 

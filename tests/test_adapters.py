@@ -168,6 +168,11 @@ def test_loading_into_other_shapes_names_the_mismatched_tensors(classifier_dir):
     )
     assert f"{PREFIX}classifier.weight: expected [3, 32], found [3, 16]" in message
     assert "d_model: saved 16, this model 32" in message
+    # The first line (all a command prints) names the first of them and the other base.
+    first = message.splitlines()[0]
+    assert "does not fit this EncoderClassifier: " in first and not first.endswith(":"), first
+    assert "mis-shaped (" in first and ": expected [4, 32], found [4, 16]" in first, first
+    assert "the model configs differ (d_model: saved 16, this model 32" in first and "another base model?" in first
     # A model already carrying rank-8 branches.
     rank8 = add_lora(classifier_base(), LoraConfig(r=8, target_modules=("q_proj", "v_proj")), key=jax.random.key(1))
     with pytest.raises(ValueError, match=r"lora_A.weight: expected \[8, 16\], found \[4, 16\]"):
@@ -177,6 +182,7 @@ def test_loading_into_other_shapes_names_the_mismatched_tensors(classifier_dir):
     with pytest.raises(ValueError, match="missing keys") as err:
         load_adapter(other, classifier_dir)
     assert "unexpected keys" in str(err.value) and "attention.self.key.lora_A.weight" in str(err.value)
+    assert "missing keys (" in str(err.value).splitlines()[0] and "unexpected keys (" in str(err.value).splitlines()[0]
     # The wrong model class.
     with pytest.raises(ValueError, match="saved from a zoo EncoderClassifier"):
         load_adapter(decoder_base(), classifier_dir)

@@ -291,6 +291,18 @@ BAD_NUMBERS = [
     (["--model-config", "width=2.5"], "--model-config width=2.5: width must be an integer >= 1"),
     (["--model-config", "width=true"], "--model-config width=True: width must be an integer >= 1"),
     (["--model-config", "width=64,width=32"], "key 'width' appears twice"),
+    (["--model-config", "width=1000000000000"], "--model-config width=1000000000000: width must be at most 2147483647"),
+    # Huge integers: an OverflowError or MemoryError ("58 TiB") before; silently process 0 before.
+    (["--seed", str(2**64)], "--seed must be below 2**32 (at most 4294967295"),
+    (["--seed", str(2**32)], "--seed must be below 2**32"),
+    (["--steps", str(10**12)], "--steps must be at most 2147483647 (2**31 - 1: compiled programs count in int32)"),
+    (["--batch-size", str(10**12)], "--batch-size must be at most 2147483647"),
+    (
+        ["--eval-size", str(10**12)],
+        "--eval-size must be at most 2147483647 (2**31 - 1: compiled programs count in int32), got 1000000000000",
+    ),
+    (["--checkpoint-every", str(2**70)], "--checkpoint-every must be at most 2147483647"),
+    (["--num-processes", "1", "--process-id", "1"], "--process-id 1 is not below --num-processes 1"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
 ]
@@ -350,6 +362,39 @@ def test_a_diverging_run_stops_with_exit_3_and_keeps_the_last_good_checkpoint(tm
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] > 0 and rows[1]["loss"] is None
     assert not (out / "summary.json").exists()
+
+
+def test_a_huge_weight_decay_is_named_as_the_cause(tmp_path):
+    """Not "Lower --lr": the stop names the weight decay it can see (lr x weight decay >= 1)."""
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--weight-decay", "1e30", "--output", tmp_path / "run")
+    one_line_error(rc, err, "--weight-decay 1e+30 times --lr 0.003 is 3e+27 >= 1", code=3)
+    assert "lower --weight-decay" in err and "--lr (now" not in err
+
+
+def test_a_batch_without_target_tokens_is_named_as_the_cause():
+    import numpy as np
+
+    import zoo
+    from zoo.train._nonfinite import nonfinite_advice
+
+    config = zoo.train.RunConfig(model="transformer").resolved()
+    empty = {"tokens": np.ones((2, 4), np.int32), "weights": np.zeros((2, 4), np.float32)}
+    assert "The batch of step 3 holds no target token" in nonfinite_advice(config, lambda k: empty)(3)
+    full = dict(empty, weights=np.ones((2, 4), np.float32))
+    assert nonfinite_advice(config, lambda k: full)(3).startswith("Lower OptimizerConfig.lr (now")
+
+
+def test_rows_beyond_the_hosts_memory_are_one_line(tmp_path, monkeypatch):
+    """A batch or held-out set that cannot fit is refused before it is drawn (a MemoryError
+    naming terabytes before); the machine's memory is set small so the sizes stay small."""
+    monkeypatch.setattr("zoo.train._memory.host_memory", lambda: 2**20)
+    flags = ["--devices", "2", "--steps", "3", "--microbatches", "1", "--quiet", "--output", tmp_path / "run"]
+    rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", str(2**16))
+    one_line_error(rc, err, "--batch-size 65536 makes one batch of")
+    assert "more than this machine's 1 MiB of memory; lower it (at most about" in err
+    rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", "8", "--eval-size", str(2**20))
+    one_line_error(rc, err, "--eval-size 1048576 makes the held-out set of 4 MiB")
+    assert not (tmp_path / "run").exists()
 
 
 def test_skip_nonfinite_skips_and_counts_the_steps(tmp_path):
@@ -493,6 +538,34 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     import zoo
 
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps()  # the saves before it are whole
+
+
+# Ctrl-C while the main thread waits for a save to finish: orbax logs "Save Finalize thread
+# failed" with the KeyboardInterrupt's traceback (it printed before `zoo: interrupted`).
+_CTRL_C_IN_A_SAVE = """
+import sys, time
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_manager as cm
+real_finalize, real_join = ocp.CheckpointManager._finalize, cm._FinalizeThread.join
+def finalize(self, *args, **kwargs):  # the save is still finishing when the main thread waits
+    time.sleep(0.5)
+    return real_finalize(self, *args, **kwargs)
+def join(self, *args, **kwargs):
+    real_join(self, *args, **kwargs)
+    raise KeyboardInterrupt
+ocp.CheckpointManager._finalize, cm._FinalizeThread.join = finalize, join
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_a_save_is_one_line(tmp_path):
+    flags = ["--devices", "2", "--steps", "50", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
+             "--quiet", "--checkpoint-every", "2", "--output", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_SAVE, "train", "mlp", *flags], cwd=ROOT,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "zoo: interrupted", proc.stderr
 
 
 # A run whose writes fail with ENOSPC once `after` bytes went to metrics.jsonl, then on every write.
@@ -712,6 +785,24 @@ def test_idle_mesh_axes_are_refused(flags, message):
     one_line_error(rc, err, message)
 
 
+# Rules that cannot place the model: the fix is a flag (the library's "map 'embed' to None" is none).
+UNPLACEABLE = [
+    (["mlp", "--rules", "fsdp"], "--rules fsdp cannot place the mlp on this mesh: model.output_layer.weight: "
+     "dimension 1 ('embed') has size 1, which mesh axes ('data',) (size 2) do not divide; choose other --rules "
+     "(dp replicates every weight)"),
+    (["transformer", "--rules", "fsdp", "--model-config", "d_model=33,num_heads=3"], "has size 33, which mesh "
+     "axes ('data',) (size 2) do not divide; choose other --rules (dp replicates every weight), or set "
+     "--model-config d_model to a multiple of 2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, message", UNPLACEABLE, ids=[" ".join(f) for f, _ in UNPLACEABLE])
+def test_rules_that_cannot_place_the_model_name_the_flag_that_would(tmp_path, flags, message):
+    rc, _, err = zoo_main("train", *flags, *TINY, "--output", tmp_path / "run")
+    one_line_error(rc, err, message)
+    assert "None" not in err
+
+
 def test_an_unused_axis_of_size_1_is_fine():
     rc, out, err = zoo_main("inspect", "mlp", "--devices", "2", "--mesh", "data=2,foo=1", "--microbatches", "1",
                             "--batch-size", "4", "--json")  # fmt: skip
@@ -756,6 +847,13 @@ def error(f):
         return type(e).__name__ + ": " + str(e).splitlines()[0]
     return None
 
+def full_error(f):  # equinox's runtime errors put the message below a first line of their own
+    try:
+        f()
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e)
+    return None
+
 mlp = zoo.nn.MLP(4, 1, 8, 2, key=jax.random.key(0))
 lm = zoo.models.Transformer(zoo.models.TransformerConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1,
                                                          max_len=8), key=jax.random.key(0))
@@ -766,9 +864,17 @@ mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
 step = zoo.TrainStep(lambda m, b: (m(b["x"]) - b["y"]) ** 2, optax.sgd(0.1))
 int_loss = zoo.TrainStep(lambda m, b: (m(b["x"])[:, 0] > 0).astype(jnp.int32), optax.sgd(0.1))
 batch = {"x": jnp.ones((4, 4)), "y": jnp.ones((4, 1))}
+lm_step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1))
+bad_ids = jnp.full((2, 8), 40, jnp.int32)  # vocab 32: a lookup clamps them to row 31
 with jax.set_mesh(mesh):
     placed = zoo.shard(mlp, zoo.rules("dp"), mesh)
+    placed_lm = zoo.shard(lm, zoo.rules("dp"), mesh)
+    def lm_step_on_bad_ids():
+        jax.block_until_ready(lm_step(placed_lm, lm_step.init(placed_lm), {"tokens": bad_ids}))
     out = {
+        "lm_ids_eager": error(lambda: lm(bad_ids)),
+        "lm_ids_jit": full_error(lambda: jax.block_until_ready(eqx.filter_jit(lm)(bad_ids))),
+        "lm_ids_step": full_error(lm_step_on_bad_ids),
         "mlp_int": error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4), jnp.int32))),
         "mlp_width": error(lambda: mlp(jnp.ones((3, 5)))),
         "lm_float": error(lambda: lm(jnp.ones((2, 4)))),
@@ -806,6 +912,9 @@ def test_model_entry_points_check_rank_and_dtype_by_default():
     assert "Got losses of dtype int32: cast them to float32" in out["loss_int"]
     # Without the runtime checks a Linear's width mismatch is jnp's own error.
     assert out["linear_width"].startswith("ValueError") and "TypeCheckError" not in out["linear_width"]
+    # Ids outside the vocabulary: refused where concrete; compiled code holds no check by default.
+    assert out["lm_ids_eager"].startswith("ValueError: Embedding of 32 rows: ids holds 40 at position (0, 0)")
+    assert out["lm_ids_jit"] is None and out["lm_ids_step"] is None
 
 
 def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
@@ -813,6 +922,9 @@ def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
     assert out["ok"] is None
     assert out["linear_width"].startswith("TypeCheckError: Type-check error whilst checking the parameters of "
                                           "zoo.nn._linear.Linear.__call__")  # fmt: skip
+    # ... and checks ids inside compiled code too: a jitted call and a training step.
+    for case in ("lm_ids_jit", "lm_ids_step"):
+        assert out[case] is not None and "Embedding of 32 rows: ids outside [0, 32)" in out[case], out[case]
 
 
 # --- the rest of the sweep: folders, choices, resume inputs ----------------------------------

@@ -526,6 +526,13 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
         (["train", "transformer", "--steps", "1", "--devices", "2", "--batch-size", "8", "--model-config",
           "d_model=32", "--validation", "0"], ("d.jsonl", '{"text": "a b c"}\n' * 3),
          "--batch-size 8 is more than the training rows of d.jsonl (1)"),
+        (["train", "transformer"], ("d.jsonl", '{"text": 12345}\n'), "d.jsonl line 1 field 'text' is int 12345"),
+        (["train", "encoder"], ("d.csv", "text,label\na,0\nb,\n"), "d.csv line 3 field 'label' is empty"),
+        (["train", "encoder"], ("d.csv", "text,label\na,0\nb,1\nc,-1\n"), "d.csv line 4 field 'label' is '-1'"),
+        (["train", "transformer", "--seq-len", "4", "--devices", "2", "--model-config", "d_model=32"],
+         ("d.jsonl", '{"prompt": "aaaaaaaaaa", "completion": "b"}\n'),
+         "--data: d.jsonl line 1: no target token is left after truncation to seq_len 4 (the completion starts at "
+         "token 10); --seq-len 11 or more fits it"),
     ],
 )  # fmt: skip
 def test_bad_data_files_are_one_line(tmp_path, args, make, message):

@@ -40,7 +40,25 @@ EXPECTED = {
     "lora_bias": ["LoraConfig.bias: only 'none' is supported (biases stay frozen), got 'all'"],
     "lora_init": ["LoraConfig.init_lora_weights must be True, False or 'gaussian', got 'pissa'"],
     "lora_r": ["LoraConfig.r must be a positive int, got 0"],
+    "shard_rules_none": ["rules must be a mapping of logical axis name -> mesh axes, got NoneType None",
+                         "e.g. zoo.rules('dp')"],
+    "shard_rules_name": ["got str 'dp'; for the preset pass zoo.rules('dp')"],
+    "collectives_plain_function": ["collectives() got a function with arguments",
+                                   "zoo.collectives(jax.jit(f), *args)"],
+    "report_not_a_list": ["report() takes the list of Collective that zoo.collectives returns, got str",
+                          "zoo.report(zoo.collectives(compiled))"],
+    "count_not_a_list": ["count() takes the list of Collective"],
+    "step_optimizer_name": ["optimizer must be an optax.GradientTransformation, got str 'adam'",
+                            "e.g. optax.adam(1e-3)"],
+    "run_config_width_0": ["RunConfig.model_config width=0: width must be an integer >= 1, e.g. width=64"],
+    "loss_returns_none": ["must return per-example losses `[batch]`", "Got None: does loss_fn end with `return"],
+    "loss_returns_3_tuple": ["must return per-example losses `[batch]`", "Got a tuple of 3 values"],
+    "loss_returns_b_plus_1": ["Got losses of shape (9,) for a microbatch of 8 examples"],
 }  # fmt: skip
+
+# The cases whose wrong argument is of the wrong type: a TypeError (the rest: ValueError).
+TYPE_ERRORS = {"shard_rules_none", "shard_rules_name", "collectives_plain_function", "report_not_a_list",
+               "count_not_a_list", "step_optimizer_name"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +83,10 @@ def test_every_case_is_checked(unchecked):
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_library_error_without_type_checks(unchecked, case):
     kind, message = unchecked[case]
-    assert kind == "builtins.ValueError", (kind, message)  # not jaxtyping's TypeCheckError: no hook
+    want = "builtins.TypeError" if case in TYPE_ERRORS else "builtins.ValueError"
+    if case == "run_config_width_0":
+        want = "zoo.train._errors.ConfigError"  # a ValueError
+    assert kind == want, (kind, message)  # not jaxtyping's TypeCheckError: no hook
     for fragment in EXPECTED[case]:
         assert fragment in message, (fragment, message)
 

@@ -369,11 +369,18 @@ def test_compiles_once_per_shape_and_never_on_a_repeat(decoder):
         (dict(max_new_tokens=2, mask=MASK[:, ::-1]), "padded on the left"),  # right-padded
         (dict(max_new_tokens=2, mask=np.zeros((4, 6), bool)), "mask row 0 has no real token"),
         (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+        # Ids outside the vocabulary: clamped by the lookup (finite, wrong logits) before.
+        (dict(max_new_tokens=2, tokens=np.where(np.arange(24).reshape(4, 6) == 4, 32, TOKENS)),
+         "generate: tokens holds 32 at position (0, 4), outside [0, 32) (1 such in all); pass ids from 0 to 31"),
+        (dict(max_new_tokens=2, tokens=-TOKENS), "generate: tokens holds -5 at position (0, 0), outside [0, 32)"),
+        (dict(max_new_tokens=2, eos_token_id=32), "eos_token_id 32 is outside the model's vocabulary [0, 32)"),
+        (dict(max_new_tokens=2, pad_token_id=-1), "pad_token_id -1 is outside the model's vocabulary [0, 32)"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_one_line_naming_the_fix(decoder, kwargs, message):
+    kwargs = {"tokens": TOKENS} | kwargs
     with pytest.raises(ValueError) as info:
-        zoo.generate(decoder, TOKENS, **kwargs)
+        zoo.generate(decoder, **kwargs)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
@@ -475,6 +482,37 @@ def test_cli_errors_are_one_line(gpt2_with_tokenizer, extra, message):
 
     rc, _, err = zoo_main("generate", gpt2_with_tokenizer[0], "--prompt", "w1 w2", *extra)
     one_line_error(rc, err, message)
+
+
+def test_cli_refuses_weights_holding_nan_with_exit_1(gpt2, tmp_path):
+    """A NaN in a weight: zoo generate printed argmax-of-NaN tokens and exited 0 before."""
+    from test_cli import one_line_error, zoo_main
+
+    hf, _ = gpt2
+    hf.save_pretrained(tmp_path)
+    import safetensors.numpy
+
+    tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    name = next(k for k in sorted(tensors) if k.endswith("mlp.c_fc.weight"))
+    tensors[name][0, 0] = np.nan
+    safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"holds NaN or inf \(1 of its \d+ values\)"):
+        zoo.hf.from_pretrained(tmp_path)
+    rc, out, err = zoo_main("generate", tmp_path, "--prompt", "x", "--max-new-tokens", 2)
+    one_line_error(rc, err, f"SOURCE {tmp_path}: {tmp_path}: the weight model.", code=1)
+    assert "holds NaN or inf" in err and out == ""
+
+
+def test_model_call_refuses_ids_outside_the_vocabulary(decoder):
+    """Where the ids are concrete (host numpy, an eager array), before the lookup clamps them."""
+    for tokens, message in [
+        (TOKENS + 20, "Embedding of 32 rows: ids holds 37 at position (0, 3), outside [0, 32) (6 such in all)"),
+        (jnp.asarray(TOKENS - 1), "Embedding of 32 rows: ids holds -1 at position (1, 0), outside [0, 32)"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            decoder(tokens)
+        assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert np.isfinite(np.asarray(jax.jit(lambda m, t: m(t))(decoder, TOKENS + 20))).all()  # jit: checks off
 
 
 def test_cli_refuses_what_is_not_a_decoder_source(tmp_path):

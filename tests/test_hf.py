@@ -405,6 +405,11 @@ def test_mismatched_tensors_are_all_named(bert_dir, tmp_path):
     assert "missing tensors (1): encoder.layer.1.output.dense.bias" in message
     assert "unexpected tensors (1): encoder.layer.1.output.extra.weight" in message
     assert "encoder.layer.0.attention.self.query.weight: expected [32, 32], found [16, 32]" in message
+    # The first line (all a command prints) names them too, never ending at its colon.
+    first = message.splitlines()[0]
+    assert ("config.json: 1 missing tensors (encoder.layer.1.output.dense.bias); 1 unexpected tensors "
+            "(encoder.layer.1.output.extra.weight); 1 mis-shaped (encoder.layer.0.attention.self.query.weight: "
+            "expected [32, 32], found [16, 32]) (is it a bert checkpoint") in first, first  # fmt: skip
 
 
 def test_task_model_files_load_their_base_model(bert_dir, bert_encoder, tmp_path):

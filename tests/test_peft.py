@@ -294,6 +294,26 @@ def test_gpt2_zoo_qkv_branches_open_in_peft_as_one_c_attn_branch(root, tmp_path)
     assert loaded_config == config and tree_allclose(loaded, model, rtol=0, atol=0)
 
 
+def test_adapters_zoo_cannot_hold_name_why_on_the_first_line(root, tmp_path):
+    """An embedding target and a rank_pattern rank: the first line (all a command prints)
+    names the keys, their shapes and the cause; it ended at "does not fit ...:" before."""
+    folder = hf_folder("gpt2", root)
+    cases = [
+        (peft.LoraConfig(r=4, lora_alpha=8, target_modules=["wte", "c_attn"]),
+         ["2 unexpected keys (base_model.model.transformer.wte.lora_embedding_A",
+          "zoo's LoRA adapts linear layers only"]),
+        (peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], rank_pattern={"c_fc": 2}),
+         ["4 mis-shaped (base_model.model.transformer.h.0.mlp.c_fc.lora_A.weight: expected [4, 16], found [2, 16]",
+          "rank_pattern gives c_fc: 2 another rank than r 4"]),
+    ]  # fmt: skip
+    for i, (config, fragments) in enumerate(cases):
+        peft_adapter(transformers.GPT2LMHeadModel.from_pretrained(folder), config, tmp_path / str(i))
+        with pytest.raises(ValueError) as info:
+            load_adapter(zoo.hf.from_pretrained(folder), tmp_path / str(i))
+        first = str(info.value).splitlines()[0]
+        assert all(f in first for f in fragments), first
+
+
 def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp_path):
     folder = hf_folder("gpt2", root)
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder)

@@ -259,6 +259,24 @@ def test_weighted_loss_is_the_global_weighted_mean(setup, mode):
     assert_tree_rounding_close(grads, ref_grads, **SUMS)
 
 
+@pytest.mark.parametrize("mode", ["explicit", "shard_map"])
+def test_weights_made_without_the_batch_layout_are_moved_to_it(setup, mode):
+    """A loss whose weights are `jnp.ones(b)` (replicated, not split like the batch's rows)
+    gives the plain mean; a sharding error from inside the step's sums before."""
+    model, batch, ref_loss, ref_grads = setup
+    mesh = data_mesh(8)
+
+    def ones_weighted(m, b):
+        losses = mse_per_example(m, b)
+        return losses, jnp.ones(losses.shape[0])
+
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
+        loss, grads = zoo.TrainStep(ones_weighted, optax.sgd(0.1), mode=mode).loss_and_grads(sharded, batch)
+    assert_rounding_close(loss, ref_loss, **SUMS)
+    assert_tree_rounding_close(grads, ref_grads, **SUMS)
+
+
 def test_batch_not_divisible_is_a_clear_error_before_tracing(setup):
     model, (ids, y), _, _ = setup
     mesh = data_mesh(8)

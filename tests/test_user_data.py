@@ -312,13 +312,43 @@ def test_bad_files_get_one_line_errors(tmp_path):
         "bad.jsonl": ("{not json\n", "bad.jsonl line 1 is not valid JSON"),
         "labels.jsonl": (
             '{"text": "a", "label": -1}\n',
-            "labels must be all strings or all non-negative integers, found -1",
+            "labels.jsonl line 1 field 'label' is -1: labels are integers >= 0 or names, and zoo has no ignore label",
         ),
+        # Silently wrong before: a number as a text, an empty or -1 label as a class of its own.
+        "num.jsonl": ('{"text": "a"}\n{"text": 12345}\n', "num.jsonl line 2 field 'text' is int 12345, not a string"),
+        "prompt.jsonl": ('{"prompt": 1, "completion": "a"}\n', "prompt.jsonl line 1 field 'prompt' is int 1"),
+        "empty.csv": ("text,label\na,0\nb,1\nc,\n", "empty.csv line 4 field 'label' is empty"),
+        "neg.csv": ("text,label\na,0\nb,1\nc,-1\n", "neg.csv line 4 field 'label' is '-1': labels are integers"),
+        "kinds.csv": ("text,label\na,0\nb,pos\n", "kinds.csv line 2 has '0' but kinds.csv line 3 has 'pos'"),
+        "float.jsonl": ('{"text": "a", "label": 1.5}\n', "float.jsonl line 1 field 'label' is float 1.5"),
+        "msgs.jsonl": ('{"messages": "hi"}\n', "msgs.jsonl line 1 field 'messages' must be a non-empty list"),
+        "turn.jsonl": ('{"messages": [{"role": "user"}, 3]}\n', "turn.jsonl line 1 field 'messages' item 1 is 3"),
+        # No target token: a NaN loss at step 1 before.
+        "cut.jsonl": (
+            '{"prompt": "a", "completion": "b"}\n{"prompt": "a b c d e f g h", "completion": "c"}\n',
+            "cut.jsonl line 2: no target token is left after truncation to seq_len 8 (the completion starts at "
+            "token 9); seq_len=10 or more fits it",
+        ),
+        "short.jsonl": ('{"text": ""}\n', "short.jsonl line 1: field 'text' holds fewer than 2 tokens"),
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_text(content)
         with pytest.raises(zoo.data.DataFormatError) as info:
             zoo.data.load(tmp_path / name, folder, seq_len=8)
+        assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    # Without an end-of-sequence token an empty completion has no target; a chat without an
+    # assistant turn never has one (a tokenizer object: no folder, so no eos_token).
+    tokenizer = zoo.hf.Tokenizer.from_pretrained(make_tokenizer(tmp_path / "chat"))
+    template = zoo.data.ChatTemplate(PREFIX_TEMPLATE, {"eos_token": "</s>"})
+    for content, message in [
+        ('{"prompt": "a", "completion": ""}\n', "line 1: field 'completion' is empty and no end-of-sequence token"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n', "line 1: no assistant turn to train on"),
+        ('{"messages": [{"role": "user", "content": "a b c d e f g"}, {"role": "assistant", "content": "hi"}]}\n',
+         "(the first assistant turn starts at token 10); seq_len=11 or more fits it"),
+    ]:  # fmt: skip
+        write_jsonl(tmp_path / "t.jsonl", []).write_text(content)
+        with pytest.raises(zoo.data.DataFormatError) as info:
+            zoo.data.load(tmp_path / "t.jsonl", tokenizer, seq_len=8, chat_template=template)
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 

@@ -1,15 +1,21 @@
-"""Trace-time checks of what a model's entry point is given: rank and dtype kind.
+"""Checks of what a model's entry point is given: rank and dtype kind, and ids in range.
 
 Shapes and dtypes are static under `jax.jit`, so these run once per compile and cost nothing
 when the program runs. They are on by default, whether or not the full runtime type checks
-(`ZOO_RUNTIME_CHECKS=1`: jaxtyping + beartype on every annotated function) are.
+(`ZOO_RUNTIME_CHECKS=1`: jaxtyping + beartype on every annotated function) are. Id values
+are checked where they are concrete (host arrays, eager calls); inside compiled code only
+under `ZOO_RUNTIME_CHECKS=1`, so a default training step holds no check.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 Kind = Literal["float", "int", "bool"]
 _KINDS = {"float": jnp.floating, "int": jnp.integer, "bool": jnp.bool_}
@@ -38,3 +44,33 @@ def check_array(x: Any, *, where: str, name: str, kind: Kind, ndim: int | None =
         raise ValueError(f"{where}: {name} must have {want} dimensions, got shape {tuple(shape)}")
     if last is not None and shape[-1] != last:
         raise ValueError(f"{where}: {name} must end with a dimension of size {last}, got shape {tuple(shape)}")
+
+
+def runtime_checks() -> bool:
+    """Whether `ZOO_RUNTIME_CHECKS` asks for runtime checks (as `zoo/__init__.py` reads it)."""
+    return os.environ.get("ZOO_RUNTIME_CHECKS", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def check_ids(ids: Any, size: int, *, where: str, name: str = "ids") -> Any:
+    """`ids`, refused unless every one lies in `[0, size)`: a lookup clamps an id outside
+    (a silently wrong row). A concrete array (host numpy, an eager jax array) is checked
+    here, a `ValueError` naming the first bad id and its position; a traced one inside
+    the compiled program (`eqx.error_if`) only under `ZOO_RUNTIME_CHECKS=1`, so by default
+    the program is unchanged.
+
+    **Returns:** `ids` (under runtime checks, the traced value the check guards)."""
+    if isinstance(ids, jax.core.Tracer):
+        if not runtime_checks():
+            return ids
+        return eqx.error_if(ids, (ids < 0) | (ids >= size), f"{where}: {name} outside [0, {size})")
+    if isinstance(ids, jax.Array) and not ids.is_fully_addressable:
+        return ids  # other processes hold rows of it: each checks its own
+    host = np.asarray(ids)
+    bad = np.flatnonzero((host < 0) | (host >= size))
+    if bad.size:
+        position = tuple(int(i) for i in np.unravel_index(bad[0], host.shape))
+        raise ValueError(
+            f"{where}: {name} holds {host[position]} at position {position}, outside [0, {size}) ({bad.size} such "
+            f"in all); pass ids from 0 to {size - 1} (the model's own tokenizer's)"
+        )
+    return ids

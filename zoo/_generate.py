@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from ._checks import check_ids
 from ._reduced import gather_over
 from ._sampling import check_sampling, next_token
 from .models import Transformer
@@ -206,6 +207,17 @@ def _check_left_padded(mask: np.ndarray) -> None:
         )
 
 
+def _check_vocabulary(vocab: int, tokens: Any, mask: Any, **ids: int | None) -> None:
+    """Refuse a real token (where `mask`, when both are concrete) or an id of `ids` outside
+    `[0, vocab)`: the embedding lookup would clamp it (finite, wrong logits)."""
+    if not isinstance(tokens, jax.core.Tracer) and not isinstance(mask, jax.core.Tracer):
+        real = np.where(np.asarray(mask).astype(bool), np.asarray(tokens), 0)
+        check_ids(real, vocab, where="generate", name="tokens")
+    for name, value in ids.items():
+        if value is not None and not 0 <= int(value) < vocab:
+            raise ValueError(f"{name} {value} is outside the model's vocabulary [0, {vocab}); pass an id below {vocab}")
+
+
 def generate(
     model: Transformer,
     tokens: Int[ArrayLike, "batch prompt"],
@@ -288,6 +300,7 @@ def generate(
             )
     if not isinstance(mask_np, jax.core.Tracer):
         _check_left_padded(np.asarray(mask_np).astype(bool))
+    _check_vocabulary(model.config.vocab_size, tokens_np, mask_np, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     temperature = float(temperature)
     check_sampling(temperature, top_k, top_p)
     if temperature > 0 and key is None:

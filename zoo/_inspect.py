@@ -75,6 +75,11 @@ def _program(obj: Any, args: tuple, kwargs: dict) -> tuple[str, jax.stages.Compi
             )
         return obj, None
     if args or kwargs:
+        if not hasattr(obj, "lower"):
+            raise TypeError(
+                f"collectives() got a {type(obj).__name__} with arguments, which has no compiled program; jit it "
+                "first: zoo.collectives(jax.jit(f), *args) (or pass f's Lowered/Compiled object or HLO text)"
+            )
         obj = obj.lower(*args, **kwargs)
     # Equinox's stage objects wrap jax's; zoo's compiled step holds jax's as `.compiled`.
     obj = getattr(obj, "lowered", obj)
@@ -82,9 +87,10 @@ def _program(obj: Any, args: tuple, kwargs: dict) -> tuple[str, jax.stages.Compi
     if isinstance(obj, jax.stages.Lowered):
         obj = obj.compile()
     if not isinstance(obj, jax.stages.Compiled):
+        hint = "; pass its arguments too: zoo.collectives(jax.jit(f), *args)" if callable(obj) else ""
         raise TypeError(
             "collectives() takes a jitted function with its arguments, a Lowered/Compiled "
-            f"object or HLO text; got {type(obj).__name__}"
+            f"object or HLO text; got {type(obj).__name__}{hint}"
         )
     return obj.as_text(), obj
 
@@ -339,13 +345,29 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
     return out
 
 
+def _check_collectives(colls: Any, what: str) -> None:
+    """Refuse anything but a list of `Collective` (e.g. a compiled program or its text)."""
+    if isinstance(colls, list | tuple) and all(isinstance(c, Collective) for c in colls):
+        return
+    raise TypeError(
+        f"{what}() takes the list of Collective that zoo.collectives returns, got {type(colls).__name__}; "
+        f"call zoo.{what}(zoo.collectives(compiled))"
+    )
+
+
 def count(colls: list[Collective], kind: str | None = "all-reduce", *, in_loop: bool | None = None) -> int:
     """How many collectives of `kind` (any kind if `kind` is None), optionally by location."""
+    _check_collectives(colls, "count")
     return sum(1 for c in colls if (kind is None or c.kind == kind) and (in_loop is None or c.in_loop == in_loop))
 
 
 def report(colls: list[Collective]) -> str:
-    """A readable table of collectives, loop ones flagged, with a one-line verdict."""
+    """A readable table of collectives, loop ones flagged, with a one-line verdict.
+
+    **Arguments:** `colls`, the list `zoo.collectives` returns.
+
+    **Returns:** the table, as text."""
+    _check_collectives(colls, "report")
     rows = [("kind", "where", "bytes", "mesh axes", "op")]
     for c in colls:
         rows.append(

@@ -32,3 +32,17 @@ def mismatch_lines(noun: str, missing: list[str], unexpected: list[str], misshap
     if unexpected:
         lines.append(f"  unexpected {noun} ({len(unexpected)}): {shorten(unexpected)}")
     return lines + section("mis-shaped tensors", misshaped)
+
+
+def summary(noun: str, missing: list[str], unexpected: list[str], misshaped: list[str], limit: int = 3) -> str:
+    """One line naming the first few of what does not fit (a message's first line, the
+    one a command prints): `2 missing tensors (a, b); 1 mis-shaped (w: expected [2, 3],
+    found [4, 3])`; empty when everything fits."""
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing {noun} ({shorten(missing, limit)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected {noun} ({shorten(unexpected, limit)})")
+    if misshaped:
+        parts.append(f"{len(misshaped)} mis-shaped ({shorten(misshaped, limit)})")
+    return "; ".join(parts)

@@ -93,6 +93,20 @@ def spec_for(
     return P(*entries)
 
 
+def check_rules(rules: Any) -> None:
+    """Refuse `rules` that are not a mapping of logical axis names to mesh axes (a preset's
+    name, None): a `TypeError` naming the fix."""
+    if isinstance(rules, Mapping) and all(isinstance(k, str) for k in rules):
+        return
+    if isinstance(rules, str):
+        fix = f"for the preset pass zoo.rules({rules!r})"
+    else:
+        fix = "e.g. zoo.rules('dp'), or a dict such as {'embed': None, 'batch': 'data', ...}"
+    raise TypeError(
+        f"rules must be a mapping of logical axis name -> mesh axes, got {type(rules).__name__} {rules!r}; {fix}"
+    )
+
+
 def partition_specs(model: Any, rules: Rules, mesh: Any = None) -> Any:
     """The `PartitionSpec` of every array leaf of `model` under `rules`.
 
@@ -106,6 +120,7 @@ def partition_specs(model: Any, rules: Rules, mesh: Any = None) -> Any:
     **Returns:** a pytree like `model` with a `PartitionSpec` at each array leaf and `None`
     elsewhere.
     """
+    check_rules(rules)
     axes = logical_axes(model)
 
     def one(path, leaf, names):
@@ -138,6 +153,7 @@ def shard(model: Any, rules: Rules, mesh: Any = None) -> Any:
     abstract leaves become `jax.ShapeDtypeStruct`s carrying that sharding (nothing is
     allocated: e.g. the `like` of `zoo.Checkpointer.restore` on a new mesh).
     """
+    check_rules(rules)
     mesh = _concrete_mesh(mesh)
     check_head_split(model, rules, mesh)
     specs = partition_specs(model, rules, mesh)

@@ -35,8 +35,16 @@ def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any]]:
     def checked(model, microbatch):
         size = jax.tree.leaves(microbatch)[0].shape[0]
         out = loss_fn(model, microbatch)
-        losses, weights = out if isinstance(out, tuple) else (out, None)
+        if out is None:
+            raise ValueError(f"{LOSS_CONTRACT} Got None: does loss_fn end with `return losses`?")
+        if isinstance(out, tuple | list) and len(out) != 2:
+            raise ValueError(
+                f"{LOSS_CONTRACT} Got a {type(out).__name__} of {len(out)} values: return one array or a pair."
+            )
+        losses, weights = out if isinstance(out, tuple | list) else (out, None)
         for name, arr in (("losses", losses), ("weights", weights)):
+            if arr is None and name == "losses":
+                raise ValueError(f"{LOSS_CONTRACT} Got (None, weights): the loss sums come first.")
             if arr is None:
                 continue
             if not hasattr(arr, "shape") or arr.ndim != 1 or arr.shape[0] != size:
@@ -47,9 +55,19 @@ def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any]]:
                 )
             if name == "losses" and not jnp.issubdtype(arr.dtype, jnp.floating):
                 raise TypeError(f"{LOSS_CONTRACT} Got {name} of dtype {arr.dtype}: cast them to float32.")
-        return losses, weights
+        return losses, None if weights is None else _laid_out_as(weights, losses)
 
     return checked
+
+
+def _laid_out_as(weights: Any, losses: Any) -> Any:
+    """`weights` in the layout of `losses`: weights made without the batch's sharding (e.g.
+    `jnp.ones(b)`, replicated) are moved to its rows, so the step's sums see one layout."""
+    want, have = jax.typeof(losses).sharding, jax.typeof(weights).sharding
+    want_spec, have_spec = getattr(want, "spec", None), getattr(have, "spec", None)
+    if want_spec is None or have_spec is None or want_spec == have_spec or getattr(want.mesh, "empty", True):
+        return weights
+    return jax.reshard(weights, want_spec)
 
 
 def partition_trainable(model: Any, trainable: FilterSpec) -> tuple[Any, Any]:
@@ -131,6 +149,13 @@ class TrainStep:
           with the preset's rules (`zoo.shard(model, zoo.rules(preset))`).
         - `donate`: donate the model and optimizer state buffers to the step.
         """
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function (model, batch) -> losses, got {type(loss_fn).__name__}")
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__} {optimizer!r}; "
+                "build one, e.g. optax.adam(1e-3) (or zoo.train.OptimizerConfig(...).build(steps))"
+            )
         if mode not in ("explicit", "shard_map"):
             raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
         options = _preset(preset).step_options if preset is not None else {}

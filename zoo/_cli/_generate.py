@@ -142,6 +142,15 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
     )
 
 
+def _refusal(message: str) -> CLIError:
+    """The one line of a model that cannot generate: exit 1 for weights holding NaN or inf
+    (a damaged file, not a usage mistake), else 2."""
+    error = CLIError(message)
+    if "holds NaN or inf" in message:
+        error.exit_code = 1
+    return error
+
+
 def load(source: str, adapter: str | None, *, rules, mesh):
     """`(model, Text, eos id or None, description)` of SOURCE (with --adapter)."""
     import zoo
@@ -152,7 +161,7 @@ def load(source: str, adapter: str | None, *, rules, mesh):
             folder, rules=rules, mesh=mesh, config_overrides={"dropout": 0.0, "attention_dropout": 0.0}
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise CLIError(f"SOURCE {source}: {str(e).splitlines()[0]}") from e
+        raise _refusal(f"SOURCE {source}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, zoo.models.Transformer):
         raise CLIError(
             f"SOURCE {source} holds a {type(model).__name__}; zoo generate needs a decoder (GPT-2, Llama, ...)"
@@ -160,8 +169,9 @@ def load(source: str, adapter: str | None, *, rules, mesh):
     if adapter_dir is not None:
         try:
             model, _ = zoo.lora.load_adapter(model, adapter_dir)
+            zoo.internal.check_finite(model, where="the model with it")
         except (ValueError, FileNotFoundError) as e:
-            raise CLIError(f"adapter {adapter_dir}: {str(e).splitlines()[0]}") from e
+            raise _refusal(f"adapter {adapter_dir}: {str(e).splitlines()[0]}") from e
         where += f" with the adapter {adapter_dir}"
     tokenizer = zoo.hf.Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
     if tokenizer is None and model.config.vocab_size < 256:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import sys
 
@@ -80,6 +81,13 @@ def _parse(parser, commands, argv) -> argparse.Namespace:
     return args
 
 
+def _not_an_interrupt(record: logging.LogRecord) -> bool:
+    """Drop a log record carrying a Ctrl-C (orbax logs "Save Finalize thread failed" with
+    the KeyboardInterrupt's traceback when it lands while a save finishes): the command
+    reports the interruption itself, in one line."""
+    return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zoo` console script: exit 0 on success, 2 on a usage error
     (one line on stderr), 1 when the demo's loss did not fall, 3 when a run stopped because
@@ -89,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     # flight then print "Event loop is closed" tracebacks from orbax's stopped loop.
     stderr = sys.stderr
     sys.stderr = without_closed_loop_tracebacks(stderr)
+    logging.getLogger("absl").addFilter(_not_an_interrupt)  # orbax logs through absl's logger
     try:
         return _main(argv)
     finally:
@@ -118,6 +127,8 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, RunStopped, Preempted) as e:
         # The CLI's own checks (CLIError) and the library's: one line, an exit code each;
         # the config fields the library's errors name, as flags (`--batch-size`).
+        if isinstance(e, RunStopped) and flag_names(str(e)) != str(e):
+            e = RunStopped(flag_names(str(e)))
         if isinstance(e, ConfigError) and not isinstance(e, CLIError) and flag_names(str(e)) != str(e):
             named = CLIError(flag_names(str(e)))
             if debug:

@@ -81,6 +81,12 @@ def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, d
     for name, low in (("num_processes", 1), ("process_id", 0)):  # no field: the CLI's own
         if launch[name] is not None and launch[name] < low:
             raise CLIError(f"{_flag(name)} must be an integer >= {low}, got {launch[name]}")
+    count, index = launch["num_processes"], launch["process_id"]
+    if count is not None and index is not None and index >= count:
+        raise CLIError(
+            f"--process-id {index} is not below --num-processes {count}: the processes are numbered 0 to "
+            f"{count - 1}; give each its own --process-id in that range"
+        )
     if "model_config" in given:
         given["model_config"] = model_config_of(given["model_config"])
     # Every value checked and the defaults applied; a data file is the library's to check

@@ -21,7 +21,7 @@ from ..hf._files import read_json
 from ..hf._tokenizer import Tokenizer
 from ._chat import ChatTemplate
 from ._packing import Document, pack
-from ._records import DataFormatError, Kind, read_records
+from ._records import DataFormatError, Kind, read_located
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,19 +139,21 @@ def _held_out(keys: list[bytes], fraction: float) -> np.ndarray:
     return held
 
 
-def _labels(records: list[dict[str, Any]]) -> tuple[np.ndarray, tuple[str, ...]]:
+def _labels(records: list[dict[str, Any]], wheres: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
     """Label ids and names: integer labels (ints, or strings of digits as a `.csv` holds
-    them) are their own ids, named `"0"…`; other labels get ids in sorted name order."""
+    them) are their own ids, named `"0"…`; names get ids in sorted name order. A file
+    mixing the two kinds is refused, naming the first label of each kind."""
     raw = [r["label"] for r in records]
-    if all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 or isinstance(v, str) and re.fullmatch(r"\d+", v)
-        for v in raw
-    ):
+    numeric = [isinstance(v, int) or bool(re.fullmatch(r"\d+", v)) for v in raw]
+    if all(numeric):
         ids = np.asarray([int(v) for v in raw], np.int32)
         return ids, tuple(str(i) for i in range(int(ids.max()) + 1))
-    if not all(isinstance(v, str) for v in raw):
-        bad = next(v for v in raw if not isinstance(v, str))
-        raise DataFormatError(f"labels must be all strings or all non-negative integers, found {bad!r}")
+    if any(numeric):
+        i, j = numeric.index(True), numeric.index(False)
+        raise DataFormatError(
+            f"labels must be of one kind, integers >= 0 or names: {wheres[i]} has {raw[i]!r} but {wheres[j]} has "
+            f"{raw[j]!r}; use one kind for every label"
+        )
     names = tuple(sorted(set(raw)))
     index = {name: i for i, name in enumerate(names)}
     return np.asarray([index[v] for v in raw], np.int32), names
@@ -213,9 +215,9 @@ def load(
     if data is None:
         data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
     digest = hashlib.sha256(data).hexdigest()
-    kind, records = read_records(path, data=data)
+    kind, records, wheres = read_located(path, data=data)
     if kind == "classification":
-        ids, names = _labels(records)
+        ids, names = _labels(records, wheres)
         held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
         arrays = tokenizer([str(r["text"]) for r in records], max_len=seq_len, pad_to=seq_len)
         arrays["labels"] = ids
@@ -229,14 +231,15 @@ def load(
     keys: list[bytes] = []
     truncated = 0
     if kind == "text":
-        for r in records:
+        for r, where in zip(records, wheres):
             ids = np.asarray(rust.encode(str(r["text"])).ids, np.int32)
+            _check_targets(kind, np.ones(len(ids), np.float32), seq_len, where)
             # A long text is cut into pieces of seq_len (a .txt is one long text).
             for start in range(0, len(ids), seq_len):
                 piece = ids[start : start + seq_len]
                 documents.append((piece, np.ones(len(piece), np.float32)))
                 keys.append(piece.tobytes())
-    for r in records if kind != "text" else ():
+    for r, where in zip(records, wheres) if kind != "text" else ():
         if kind == "prompt_completion":
             prompt = rust.encode(str(r["prompt"])).ids
             completion = rust.encode(str(r["completion"]), add_special_tokens=False).ids
@@ -259,6 +262,7 @@ def load(
             offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
             for start, end in spans:
                 weights[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1.0
+        _check_targets(kind, weights, seq_len, where)
         if len(ids) > seq_len:
             truncated += 1
             ids, weights = ids[:seq_len], weights[:seq_len]
@@ -274,6 +278,28 @@ def load(
         )
         for side in (False, True)
     )
+
+
+def _check_targets(kind: Kind, weights: np.ndarray, seq_len: int, where: str) -> None:
+    """Refuse a document that would leave no target token in its row (its loss would be
+    0 / 0, a NaN when a whole batch is such): its first token is no target, and
+    truncation to `seq_len` keeps `weights[:seq_len]`. Names the `seq_len` that fits it."""
+    targets = np.flatnonzero(weights[1:]) + 1
+    if len(targets) and targets[0] < seq_len:
+        return
+    if len(targets):
+        what = {"prompt_completion": "the completion starts", "chat": "the first assistant turn starts"}[kind]
+        raise DataFormatError(
+            f"{where}: no target token is left after truncation to seq_len {seq_len} ({what} at token "
+            f"{targets[0]}); seq_len={targets[0] + 1} or more fits it (or shorten or remove the example)"
+        )
+    fix = {
+        "text": "field 'text' holds fewer than 2 tokens, so nothing to predict; remove the line",
+        "prompt_completion": "field 'completion' is empty and no end-of-sequence token follows it (the tokenizer "
+        "has no eos_token); give it a completion or remove the line",
+        "chat": "no assistant turn to train on (only assistant tokens are targets); add one or remove the line",
+    }[kind]
+    raise DataFormatError(f"{where}: {fix}")
 
 
 def describe(dataset: Dataset) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,47 @@ def _kind(record: Any, where: str) -> Kind:
     )
 
 
+def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
+    """Refuse a record whose fields are not what its format holds: texts, prompts and
+    completions strings, chat messages objects with a string role and content, labels
+    non-empty strings or integers >= 0 (zoo has no ignore label: a -1 would be a class)."""
+    names = {"text": ("text",), "classification": ("text",), "prompt_completion": ("prompt", "completion")}
+    for name in names.get(kind, ()):
+        if not isinstance(record[name], str):
+            raise DataFormatError(
+                f"{where} field {name!r} is {type(record[name]).__name__} {record[name]!r}, not a string; "
+                'write it as a JSON string ("...")'
+            )
+    if kind == "chat":
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataFormatError(
+                f"{where} field 'messages' must be a non-empty list of "
+                '{"role": ..., "content": ...} objects, got ' + type(messages).__name__
+            )
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
+                raise DataFormatError(
+                    f"{where} field 'messages' item {i} is {m!r}; each message must be an object with a string "
+                    '"role" and a string "content"'
+                )
+    if kind == "classification":
+        label = record["label"]
+        if isinstance(label, str) and not label.strip():
+            raise DataFormatError(f"{where} field 'label' is empty; give every example a label (or remove the line)")
+        negative = isinstance(label, str) and re.fullmatch(r"\s*-\d+\s*", label)
+        if negative or isinstance(label, int) and not isinstance(label, bool) and label < 0:
+            raise DataFormatError(
+                f"{where} field 'label' is {label!r}: labels are integers >= 0 or names, and zoo has no ignore "
+                "label; give the example its class (or remove the line)"
+            )
+        if not (isinstance(label, str) or isinstance(label, int) and not isinstance(label, bool)):
+            raise DataFormatError(
+                f"{where} field 'label' is {type(label).__name__} {label!r}; a label is an integer >= 0 or a name "
+                "(a string)"
+            )
+
+
 def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]]]:
     """The records of a data file and their format.
 
@@ -50,8 +92,15 @@ def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
     **Returns:** `(kind, records)`: `kind` is `"text"`, `"prompt_completion"`, `"chat"` or
     `"classification"`; each record is a dict (`.txt`: one record `{"text": whole file}`).
     Raises `DataFormatError` (one line, naming the file and line) for an unknown
-    extension, an empty file, a record with none of the known keys, or mixed formats.
+    extension, an empty file, a record with none of the known keys, mixed formats, or a
+    field of the wrong type (a number as a text, an empty or negative label).
     """
+    kind, records, _ = read_located(path, data=data)
+    return kind, records
+
+
+def read_located(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]], list[str]]:
+    """`read_records` with where each record is: `"NAME line N"` (a `.txt`: `"NAME"`)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".jsonl", ".csv"):
@@ -60,7 +109,7 @@ def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
     if not text.strip():
         raise DataFormatError(f"{str(path)!r} is empty; put at least one example in it ({FORMATS})")
     if suffix == ".txt":
-        return "text", [{"text": text}]
+        return "text", [{"text": text}], [path.name]
     if suffix == ".csv":
         reader = csv.DictReader(text.splitlines())
         columns = reader.fieldnames or []
@@ -68,11 +117,18 @@ def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
             raise DataFormatError(
                 f"{str(path)!r}: a .csv needs a header with 'text' and 'label' columns (classification), found {columns}"
             )
-        records = [{"text": row["text"], "label": row["label"]} for row in reader]
+        records, wheres = [], []
+        for row in reader:
+            where = f"{path.name} line {reader.line_num}"
+            # A short row leaves its missing columns None: an empty text or label.
+            record = {"text": row["text"] or "", "label": row["label"] or ""}
+            _check_fields("classification", record, where)
+            records.append(record)
+            wheres.append(where)
         if not records:
             raise DataFormatError(f"{str(path)!r} has a header but no rows")
-        return "classification", records
-    records, kinds = [], {}
+        return "classification", records, wheres
+    records, kinds, wheres = [], {}, []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -83,10 +139,13 @@ def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
             raise DataFormatError(
                 f"{where} is not valid JSON ({e.msg}); a .jsonl holds one JSON object per line"
             ) from None
-        kinds.setdefault(_kind(record, where), number)
+        kind = _kind(record, where)
+        kinds.setdefault(kind, number)
+        _check_fields(kind, record, where)
         records.append(record)
+        wheres.append(where)
     if len(kinds) > 1:
         first = ", ".join(f"{k} (first at line {n})" for k, n in kinds.items())
         raise DataFormatError(f"{str(path)!r} mixes formats: {first}; put each format in its own file")
     (kind,) = kinds
-    return kind, records
+    return kind, records, wheres

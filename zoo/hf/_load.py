@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._finite import check_finite
 from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partition_specs
 from ..models import Encoder, Transformer
@@ -67,7 +68,9 @@ def _load(
     if concrete is not None:
         specs = partition_specs(_placeholders(skeleton), rules, concrete)
     with Checkpoint(path) as checkpoint:
-        return place(layout, skeleton, config, checkpoint, specs=specs, mesh=concrete, dtype=dtype, where=str(path))
+        model = place(layout, skeleton, config, checkpoint, specs=specs, mesh=concrete, dtype=dtype, where=str(path))
+    check_finite(model, where=str(path))  # NaN weights would give NaN logits, argmax token 0
+    return model
 
 
 _COMMON_DOC = """
@@ -91,8 +94,8 @@ _COMMON_DOC = """
     - `config_overrides`: zoo config fields to set on top of the converted config.json
       (e.g. `{"dropout": 0.0, "remat": "dots_saveable"}`).
 
-    A `ValueError` lists every missing, unexpected and mis-shaped tensor, or names the
-    unsupported config option. Files of task models (`bert.` / `transformer.` prefixes)
+    A `ValueError` lists every missing, unexpected and mis-shaped tensor, names the
+    unsupported config option, or names a weight holding NaN or inf. Files of task models (`bert.` / `transformer.` prefixes)
     load their base model; their head tensors are skipped with a warning.
 """
 

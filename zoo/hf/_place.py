@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._mismatch import mismatch_lines, shorten
+from .._mismatch import mismatch_lines, shorten, summary
 from .._tree import dotted_name
 from ._family import Family
 from ._files import Checkpoint
@@ -48,10 +48,13 @@ def check_tensors(
         if found != expected[name]:
             misshaped.append(f"{mapping[name]}: expected {list(expected[name])}, found {list(found)}")
     if missing or unexpected or misshaped:
+        found = [mapping[n] for n in unexpected]
         lines = [
-            f"the checkpoint in {str(where)!r} does not fit a zoo {family.model_class.__name__} with its config.json:"
+            f"the checkpoint in {str(where)!r} does not fit a zoo {family.model_class.__name__} with its config.json: "
+            f"{summary('tensors', missing, found, misshaped)} (is it a {family.name} checkpoint whose config.json "
+            "matches its weights?)"
         ]
-        lines += mismatch_lines("tensors", missing, [mapping[n] for n in unexpected], misshaped)
+        lines += mismatch_lines("tensors", missing, found, misshaped)
         lines.append(
             f"  (is it a {family.name} checkpoint whose config.json matches its weights? "
             "The names above are the file's.)"

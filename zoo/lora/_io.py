@@ -62,7 +62,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._export_dir import check_export_dir
 from .._files import atomic_write, fsync_dir, to_host
-from .._mismatch import mismatch_lines, shorten
+from .._mismatch import mismatch_lines, shorten, summary
 from .._tree import dotted_name, key_path, node_at
 from ..hf._layout import Block, Source
 from ..nn import Linear
@@ -554,9 +554,11 @@ def _peft_scaling(values: dict[str, Any], module: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if values.get("use_rslora") else rank)
 
 
-def _config_diff(model: Any, meta: Any) -> str:
+def _config_diffs(model: Any, meta: Any) -> list[str]:
+    """How the config the adapter was saved with differs from `model`'s (`key: saved X,
+    this model Y`), from the adapter's zoo metadata; empty without it."""
     if not isinstance(meta, dict):
-        return ""
+        return []
     mine = _describe(model)
     saved_cfg, my_cfg = meta.get("model_config") or {}, mine.get("model_config") or {}
     diffs = [
@@ -566,7 +568,33 @@ def _config_diff(model: Any, meta: Any) -> str:
     ]
     if meta.get("num_labels") != mine.get("num_labels"):
         diffs.append(f"num_labels: saved {meta.get('num_labels')!r}, this model {mine.get('num_labels')!r}")
+    return diffs
+
+
+def _config_diff(model: Any, meta: Any) -> str:
+    diffs = _config_diffs(model, meta)
     return ("\n  the model configs differ: " + "; ".join(diffs)) if diffs else ""
+
+
+def _why_not(values: dict[str, Any], unexpected: list[str], misshaped: list[str]) -> str:
+    """The likely cause of a mismatch that adapter_config.json shows: branches on
+    embeddings (zoo adapts linear layers only) or other ranks by `rank_pattern`."""
+    hints = []
+    if any(".lora_embedding_" in k for k in unexpected):
+        hints.append("it adapts an embedding (lora_embedding_A/B), but zoo's LoRA adapts linear layers only: "
+                     "train it without the embedding in target_modules")  # fmt: skip
+    pattern = {m: r for m, r in (values.get("rank_pattern") or {}).items() if r != values.get("r")}
+    if pattern and misshaped:
+        hints.append(f"rank_pattern gives {shorten(sorted(f'{m}: {r}' for m, r in pattern.items()), 3)} another "
+                     f"rank than r {values.get('r')}, but zoo gives every branch one rank: train it without "
+                     "rank_pattern")  # fmt: skip
+    return "".join(f"; {h}" for h in hints)
+
+
+def _first_diff(model: Any, meta: Any) -> str:
+    """The first few config differences, for a message's first line (or nothing)."""
+    diffs = _config_diffs(model, meta)
+    return f"; the model configs differ ({shorten(diffs, 3)}): an adapter of another base model?" if diffs else ""
 
 
 def _skip_absent(tensors: dict[str, np.ndarray], names: Any, where: Path) -> dict[str, np.ndarray]:
@@ -650,7 +678,7 @@ def load_adapter(
         model = _replace_lora(model, adopt)
 
     entries = _entries(model, config, names)
-    _check_shapes(entries, tensors, model, meta, directory)
+    _check_shapes(entries, tensors, model, meta, directory, values)
     _check_scaling(tensors, values, config, directory)
     new = _loaded_values(model, entries, tensors, config, directory)
     paths = [entry.path for entry in entries]
@@ -658,7 +686,7 @@ def load_adapter(
     return model, config
 
 
-def _check_shapes(entries, tensors, model, meta, directory: Path) -> None:
+def _check_shapes(entries, tensors, model, meta, directory: Path, values: dict[str, Any] | None = None) -> None:
     """Every key the model's branches expect is in the file with a fitting shape, and no
     other: else one `ValueError` listing missing, unexpected and mis-shaped keys."""
     expected: dict[str, list[tuple[int, ...]]] = {}
@@ -682,7 +710,11 @@ def _check_shapes(entries, tensors, model, meta, directory: Path) -> None:
             want = " or ".join(str(list(s)) for s in expected[k])
             misshaped.append(f"{k}: expected {want}, found {list(tensors[k].shape)}")
     if missing or unexpected or misshaped:
-        lines = [f"the adapter in {str(directory)!r} does not fit this {type(model).__name__}:"]
+        lines = [
+            f"the adapter in {str(directory)!r} does not fit this {type(model).__name__}: "
+            f"{summary('keys', missing, unexpected, misshaped)}{_first_diff(model, meta)}"
+            f"{_why_not(values or {}, unexpected, misshaped)}"
+        ]
         lines += mismatch_lines("keys", missing, unexpected, misshaped)
         raise ValueError("\n".join(lines) + _config_diff(model, meta))
 

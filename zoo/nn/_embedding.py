@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._axes import field
-from .._checks import check_array
+from .._checks import check_array, check_ids
 from ._linear import project
 from ._sharding import for_use, sharding_spec
 
@@ -44,6 +44,7 @@ class Embedding(eqx.Module):
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch {self.dim}"]:
         """Look up `ids`; returns `[*batch, dim]` sharded like `ids` on its batch dims."""
         check_array(ids, where="Embedding", name="ids", kind="int")
+        ids = check_ids(ids, self.num_embeddings, where=f"Embedding of {self.num_embeddings} rows")
         spec = sharding_spec(ids)
         weight = for_use(self.weight, ids, lead_ndim=ids.ndim)
         # `weight[ids]` refuses to guess an output sharding under explicit meshes; the

@@ -4,6 +4,7 @@ mesh, the training step and its optimizer state (`build_run` → `BuiltRun`)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import equinox as eqx
@@ -17,9 +18,12 @@ from .._step import TrainStep
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
 from ._build_task import build_task
+from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
 from ._lora import add_lora
+from ._memory import bytes_per_row, check_rows_fit
+from ._model_config import SIZES
 from ._output import write_json
 from ._plan import RunPlan
 from ._report import tree_bytes, tree_size
@@ -69,6 +73,21 @@ class BuiltRun:
         return batch
 
 
+def _unplaceable(c: RunConfig, detail: str, config: dict[str, Any] | None) -> str:
+    """Why the run's rules cannot place its model, and the fields that would: other rules,
+    or a model config size the mesh divides when one of the model's sizes is the culprit
+    (the library's own advice, to edit a rules mapping, is no setting of a run)."""
+    what = detail.split(". Choose a size")[0].split(". Map ")[0].split(". Build the mesh")[0]
+    fix = "choose other RunConfig.rules (dp replicates every weight)"
+    sizes = re.search(r"has size (\d+), which mesh axes .* \(size (\d+)\)", detail)
+    if sizes is not None:
+        size, split = int(sizes.group(1)), int(sizes.group(2))
+        keys = [k for k, v in (config or {}).items() if v == size and k in SIZES and k not in ("in_size", "out_size")]
+        if keys:
+            fix += f", or set RunConfig.model_config {keys[0]} to a multiple of {split}"
+    return f"RunConfig.rules {c.rules} cannot place the {c.model} on this mesh: {what}; {fix}"
+
+
 def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool) -> BuiltRun:
     """Build `plan`'s task on `mesh` (placed by `rules`), add its LoRA branches, make its
     step and optimizer state, and write config.json (process 0; the run's folder is
@@ -78,6 +97,8 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     c = plan.config
     lcfg = c.lora
     task = build_task(c, rules=rules, mesh=mesh)
+    # A training batch holds the rows the held-out examples hold: refuse one that cannot fit.
+    check_rows_fit("RunConfig.batch_size", c.batch_size, bytes_per_row(task.eval_data or {}), "one batch")
     if lcfg is not None and task.kind == "regression":
         raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
     if c.probe and not task.classifier:
@@ -86,7 +107,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     try:
         model = shard(model, rules, mesh)
     except ValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from e
+        raise ConfigError(_unplaceable(c, str(e).splitlines()[0], task.config)) from e
     plan.output.mkdir(parents=True, exist_ok=True)
     if main:  # the run's files listed in its folder's marker before any is written
         claim(plan.output, plan.checkpoints, RUN_FILES)

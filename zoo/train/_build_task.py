@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._config import RunConfig, check_fits_model
 from ._errors import ConfigError
+from ._memory import check_rows_fit
 from ._registry import model_spec
 from ._task import Task
 from ._user_data import check_data_file, user_data_task
@@ -37,6 +38,16 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
     spec = model_spec(config.model)
     check_data_file(config)  # a data set of the model's, or a file it trains on
     check_fits_model(config, spec)  # as `resolved` does: a config filled in by hand too
-    if config.data.source is not None and config.data.source not in spec.datasets:
-        return user_data_task(config, rules=rules, mesh=mesh)
-    return spec.build(config, rules=rules, mesh=mesh)
+    # Every example holds at least one 4-byte value per token: a held-out set that cannot
+    # fit even so is refused before it is drawn (a bound, so never a false refusal).
+    check_rows_fit("DataConfig.eval_size", config.data.eval_size, 4 * (config.data.seq_len or 1), "the held-out set")
+    try:
+        if config.data.source is not None and config.data.source not in spec.datasets:
+            return user_data_task(config, rules=rules, mesh=mesh)
+        return spec.build(config, rules=rules, mesh=mesh)
+    except MemoryError as e:
+        if not config.data.eval_size:
+            raise
+        raise ConfigError(
+            f"DataConfig.eval_size {config.data.eval_size}: the held-out examples do not fit in memory ({e}); lower it"
+        ) from e

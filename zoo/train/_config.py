@@ -16,6 +16,11 @@ from ._model_config import check_model_config, check_pretrained_shape
 from ._optimizer import OptimizerConfig
 from ._registry import DATA_FILE_DEFAULTS, ModelSpec, model_names, model_spec
 
+# The largest count a run takes (steps, rows, intervals): compiled programs count steps and
+# rows in int32. Seeds are 32-bit, as numpy's and jax's PRNG seeds are portably.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**32 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -51,6 +56,12 @@ class DataConfig:
             raise ConfigError(f"DataConfig.seq_len must be an integer >= 2 (or None), got {self.seq_len!r}")
         if not isinstance(self.eval_size, int) or self.eval_size < 0:
             raise ConfigError(f"DataConfig.eval_size must be an integer >= 0, got {self.eval_size!r}")
+        for field in ("seq_len", "eval_size"):
+            if (getattr(self, field) or 0) > MAX_COUNT:
+                raise ConfigError(
+                    f"DataConfig.{field} must be at most {MAX_COUNT} (2**31 - 1: compiled programs count in int32), "
+                    f"got {getattr(self, field)}"
+                )
         if self.validation is not None and not (isinstance(self.validation, int | float) and 0 <= self.validation < 1):
             raise ConfigError(f"DataConfig.validation must be a fraction in [0, 1), got {self.validation!r}")
 
@@ -181,11 +192,18 @@ class RunConfig:
         for field in ("seed", "checkpoint_every"):
             if not integer(getattr(self, field)) or getattr(self, field) < 0:
                 raise bad(field, "an integer >= 0")
+        if self.seed > MAX_SEED:
+            raise bad("seed", f"below 2**32 (at most {MAX_SEED}: the seeds jax and numpy take)")
         for field in ("steps", "batch_size", "microbatches", "eval_every", "probe", "resume_step", "devices"):
             value = getattr(self, field)
             low = 0 if field in ("eval_every", "probe") else 1
             if value is not None and (not integer(value) or value < low):
                 raise bad(field, f"an integer >= {low} (or None)")
+        for field in ("keep", "checkpoint_every", "steps", "batch_size", "microbatches", "eval_every", "probe",
+                      "resume_step", "devices"):  # fmt: skip
+            value = getattr(self, field)
+            if value is not None and value > MAX_COUNT:
+                raise bad(field, f"at most {MAX_COUNT} (2**31 - 1: compiled programs count in int32)")
         if self.dtype not in ("float32", "bfloat16"):
             raise bad("dtype", "'float32' or 'bfloat16'")
         if self.mode not in ("explicit", "shard_map"):

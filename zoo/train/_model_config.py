@@ -16,17 +16,19 @@ SIZES = ("width", "depth", "vocab_size", "d_model", "num_heads", "num_layers", "
 IDS = ("pad_token_id",)
 PROBABILITIES = ("dropout", "attention_dropout")
 POSITIVE = ("norm_eps", "init_std", "rope_theta")
+_NULLABLE = ("mlp_dim", "num_kv_heads", "head_dim")
+_MAX_SIZE = 2**31 - 1
 # What `model_config` may change of a pretrained model whose shape is fixed.
 PRETRAINED_KEYS = ("dropout", "attention_dropout", "remat", "dtype")
-# Sizes a config may leave to the model (None: derived from the others).
-_NULLABLE = ("mlp_dim", "num_kv_heads", "head_dim")
 
 
 def check_model_config(values: dict[str, Any]) -> None:
     """Raise `ConfigError` naming the first value of `values` (a `RunConfig.model_config`)
-    of the wrong kind or range: sizes are integers >= 1, ids integers >= 0, dropouts
-    probabilities in [0, 1), `norm_eps` / `init_std` / `rope_theta` numbers > 0, and
-    every float finite."""
+    of the wrong kind or range: sizes are integers >= 1 (at most 2**31 - 1), ids integers
+    >= 0, dropouts probabilities in [0, 1), `norm_eps` / `init_std` / `rope_theta` numbers
+    > 0, and every float finite."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"RunConfig.model_config must be a dict of config key -> value, got {values!r}")
     for key, value in values.items():
         where = f"RunConfig.model_config {key}={value}"
         if key in SIZES + IDS and not (key in _NULLABLE and value is None):
@@ -34,6 +36,8 @@ def check_model_config(values: dict[str, Any]) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 example = f", e.g. {key}=64" if key in SIZES else ""
                 raise ConfigError(f"{where}: {key} must be an integer >= {low}{example}")
+            if value > _MAX_SIZE:
+                raise ConfigError(f"{where}: {key} must be at most {_MAX_SIZE} (array dimensions are int32)")
         elif key in PROBABILITIES + POSITIVE:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ConfigError(f"{where}: {key} must be a finite number")

@@ -34,6 +34,7 @@ from ._folder import claim
 from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample
 from ._lock import run_lock
 from ._mesh import make_mesh
+from ._nonfinite import nonfinite_advice
 from ._plan import RunPlan, check_checkpoints, plan_run
 from ._preemption import Preemption
 from ._resume import resume
@@ -111,7 +112,7 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
             built.step, built.batch_at, steps=c.steps, hooks=_hooks(plan, record, checkpointer, evaluate, phase, main,
             hooks), lr=lambda i: built.rates[i - 1], skip_nonfinite=c.skip_nonfinite, preemption=preemption,
             tokens_per_example=built.task.tokens_per_example if built.task.unit == "tokens" else None,
-            advice=f"Lower --lr (now {c.optimizer.lr:g}), keep --clip > 0, or pass --skip-nonfinite to skip such steps",
+            advice=nonfinite_advice(c, lambda k: built.task.batch_at(k, c.batch_size, mesh=mesh)),
         )  # fmt: skip
         phase("compiling the training step...")  # once: the program that runs is the one inspected
         t0 = time.perf_counter()

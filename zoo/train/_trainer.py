@@ -38,7 +38,8 @@ class Trainer:
       notes after each step, outside the compiled step).
     - `preemption`: a `Preemption` installed earlier (before loading and compiling, as
       `zoo.train.run` does) to use instead of one of the loop's own.
-    - `advice`: what a `RunStopped` message suggests.
+    - `advice`: what a `RunStopped` message suggests: text, or a function of the step
+      that went non-finite returning it (to name the cause it can see).
 
     Every process runs the loop (the step is one program over every process's devices);
     the logging hooks write in process 0 only. A step whose loss is NaN or inf (without
@@ -52,7 +53,8 @@ class Trainer:
 
     def __init__(self, step, batch_at: Callable[[int], Any], *, steps: int, hooks: Sequence[Any] = (),
                  lr: Callable[[int], float] | None = None, tokens_per_example: int | None = None,
-                 skip_nonfinite: bool = False, handle_sigterm: bool = True, advice: str = _ADVICE,
+                 skip_nonfinite: bool = False, handle_sigterm: bool = True,
+                 advice: str | Callable[[int], str] = _ADVICE,
                  preemption: Preemption | None = None):  # fmt: skip
         self.step, self.batch_at, self.steps, self.hooks = step, batch_at, steps, list(hooks)
         self.lr, self.tokens_per_example, self.skip_nonfinite = lr, tokens_per_example, skip_nonfinite
@@ -81,18 +83,20 @@ class Trainer:
             if on_record is not None:
                 on_record(row)
 
-    def stopped(self, why: str) -> RunStopped:
-        """The `RunStopped` of a run that must stop: `why`, then the last good checkpoint."""
+    def stopped(self, why: str, step: int) -> RunStopped:
+        """The `RunStopped` of a run that must stop at `step`: `why`, then the last good
+        checkpoint, then the advice."""
         saved = [h for h in self.hooks if isinstance(h, Checkpoint) and h.last_saved]
         kept = (f"the last good checkpoint is step {saved[0].last_saved} in {saved[0].directory}" if saved
                 else "no checkpoint was saved")  # fmt: skip
-        return RunStopped(f"{why}: training stopped, nothing saved from it; {kept}. {self.advice}")
+        advice = self.advice(step) if callable(self.advice) else self.advice
+        return RunStopped(f"{why}: training stopped, nothing saved from it; {kept}. {advice}")
 
     def check_finite(self, state: TrainState) -> None:
         """Raise `RunStopped` if a trained weight is NaN or inf (a non-finite gradient can
         leave such weights under a finite loss)."""
         if not _all_finite(self.step.partition(state.model)[0]):
-            raise self.stopped(f"step {state.step}: the weights hold NaN or inf")
+            raise self.stopped(f"step {state.step}: the weights hold NaN or inf", state.step)
 
     def run(self, model, opt_state, *, start: int = 0):
         """Steps `start + 1` … `steps` from `model` and `opt_state` (as after step `start`).
@@ -133,7 +137,7 @@ class Trainer:
                 row["skipped"] = self.skipped  # steps skipped so far
             self.record(row)
             if not finite and not self.skip_nonfinite:
-                raise self.stopped(f"step {i}: the training loss is {value}")
+                raise self.stopped(f"step {i}: the training loss is {value}", i)
 
         def call(name: str, state: TrainState) -> None:
             for hook in self.hooks:

@@ -184,7 +184,9 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
                                chat_template=template, data=raw)  # fmt: skip
     except DataFormatError as e:
         hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
-        raise ConfigError(f"--data: {str(e).splitlines()[0]}{hint}") from None
+        # load names its argument (seq_len=N); the run's field is the CLI's flag.
+        text = str(e).splitlines()[0].replace("seq_len=", "DataConfig.seq_len ")
+        raise ConfigError(f"--data: {text}{hint}") from None
     except ValueError as e:  # a template that cannot find the assistant turns
         raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
     if len(train) == 0:
