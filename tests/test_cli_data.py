@@ -431,10 +431,12 @@ def _final_state(folder: Path, step: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("kind", list(RESUMED))
+@pytest.mark.parametrize(
+    "kind, devices",
+    [(kind, n) for kind in RESUMED for n in (1, 2)] + [("own data decoder", 8), ("built-in data", 8)],
+)
 def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_files, kind, devices):
-    """Every kind of run, on 1 and 2 devices: a run killed after its step-2 checkpoint and
+    """Every kind of run, on 1 and 2 devices (and 8 for the two cheapest): a run killed after its step-2 checkpoint and
     resumed by the same command with --resume ends as the run never interrupted, bit for
     bit: each step's training loss in metrics.jsonl (the killed run's later row dropped), the
     final checkpoint's every leaf, the exported weights. Before it resumes, an own-data run
@@ -447,7 +449,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
     source = data_files[data] if data else None
     if data == "text":  # a copy of its own, to edit
         source = write_jsonl(tmp_path / "text.jsonl", read_jsonl(data_files["text"]))
-    args = [*command, "--devices", str(devices), "--batch-size", "4", "--microbatches", "1", "--seq-len", str(SEQ),
+    args = [*command, "--devices", str(devices), "--batch-size", str(max(4, devices)), "--microbatches", "1", "--seq-len", str(SEQ),
             "--steps", str(steps), "--checkpoint-every", "2", "--eval-every", "0", "--quiet",
             *(["--data", source] if source else []), *(["--init", llama_dir] if lora else [])]  # fmt: skip
     whole = tmp_path / "whole"
