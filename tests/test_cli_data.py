@@ -421,6 +421,25 @@ def _killed_after_step_2(whole: Path, to: Path) -> Path:
     return to
 
 
+def _zoo_process(*args) -> None:
+    """`zoo ARGS` as a process of its own, as a user runs it (nothing kept in memory between
+    a run and its resume), compiling as this session does (its XLA flags, so its programs
+    and their numbers are the same across the processes of a test)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 "
+        "--xla_llvm_disable_expensive_passes=true",
+    }
+    proc = subprocess.run([sys.executable, "-m", "zoo", *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=500, check=False)  # fmt: skip
+    assert proc.returncode == 0, f"zoo {' '.join(map(str, args))} exited {proc.returncode}\n{proc.stderr}"
+
+
 def _final_state(folder: Path, step: int) -> dict:
     """The bit checksums of every leaf of checkpoint `step` (weights, optimizer state, key)."""
     import zoo
@@ -436,7 +455,8 @@ def _final_state(folder: Path, step: int) -> dict:
     [(kind, n) for kind in RESUMED for n in (1, 2)] + [("own data decoder", 8), ("built-in data", 8)],
 )
 def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_files, kind, devices):
-    """Every kind of run, on 1 and 2 devices (and 8 for the two cheapest): a run killed after its step-2 checkpoint and
+    """Every kind of run, on 1 and 2 devices (and 8 for the two cheapest), each run a process
+    of its own: a run killed after its step-2 checkpoint and
     resumed by the same command with --resume ends as the run never interrupted, bit for
     bit: each step's training loss in metrics.jsonl (the killed run's later row dropped), the
     final checkpoint's every leaf, the exported weights. Before it resumes, an own-data run
@@ -453,7 +473,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
             "--steps", str(steps), "--checkpoint-every", "2", "--eval-every", "0", "--quiet",
             *(["--data", source] if source else []), *(["--init", llama_dir] if lora else [])]  # fmt: skip
     whole = tmp_path / "whole"
-    ok(*args, "--output", whole)
+    _zoo_process(*args, "--output", whole)
     resumed = _killed_after_step_2(whole, tmp_path / "resumed")
     if data == "text":
         original = source.read_text()
@@ -461,7 +481,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
         rc, _, err = zoo_main(*args, "--output", resumed, "--resume")
         one_line_error(rc, err, "text.jsonl changed since checkpoint step 2")
         source.write_text(original)
-    ok(*args, "--output", resumed, "--resume")
+    _zoo_process(*args, "--output", resumed, "--resume")
     losses = [[(r["step"], r["loss"]) for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"]
               for d in (whole, resumed)]  # fmt: skip
     assert [s for s, _ in losses[1]] == list(range(1, steps + 1))
