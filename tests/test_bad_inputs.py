@@ -391,9 +391,9 @@ def test_rows_beyond_the_hosts_memory_are_one_line(tmp_path, monkeypatch):
     flags = ["--devices", "2", "--steps", "3", "--microbatches", "1", "--quiet", "--output", tmp_path / "run"]
     rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", str(2**16))
     one_line_error(rc, err, "--batch-size 65536 makes one batch of")
-    assert "more than this machine's 1 MiB of memory; lower it (at most about" in err
+    assert "more than this machine's 1.0 MB of memory; lower it (at most about" in err
     rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", "8", "--eval-size", str(2**20))
-    one_line_error(rc, err, "--eval-size 1048576 makes the held-out set of 4 MiB")
+    one_line_error(rc, err, "--eval-size 1048576 makes the held-out set of 4.2 MB")
     assert not (tmp_path / "run").exists()
 
 

@@ -202,16 +202,14 @@ def test_keep_last_k(tmp_path):
     assert np.array_equal(state["x"], np.full((4,), 3))
 
 
-def test_others_and_delete_leave_what_is_not_a_checkpoint(tmp_path):
-    """`others` names the entries that are not steps (nor unfinished saves); `delete`
-    removes one step's folder and nothing else."""
+def test_delete_leaves_what_is_not_a_checkpoint(tmp_path):
+    """`delete` removes one step's folder and nothing else."""
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         for step in (1, 2):
             ckpt.save(step, {"x": jnp.full((2,), step)})
         (tmp_path / "notes.txt").write_text("mine")
         (tmp_path / "data").mkdir()
         (tmp_path / "3.orbax-checkpoint-tmp-99").mkdir()  # another process's save in flight
-        assert ckpt.others() == ["data/", "notes.txt"]
         ckpt.delete(1)
         assert ckpt.steps() == [2]
         with pytest.raises(CheckpointError, match="no checkpoint for step 7"):

@@ -338,3 +338,22 @@ def test_parser_groups_match_xla_semantics():
     assert _parse_groups("replica_groups=mesh['x'=2,'y'=2], device_ids=([2,2]T(1,0)) {'x'}", 4) == [[0, 1], [2, 3]]
     assert _parse_groups("replica_groups=mesh['x'=2,'y'=2] {'y','x'}", 4) == [[0, 2, 1, 3]]
     assert _parse_groups("source_target_pairs={{0,1},{1,0},{2,3},{3,2}}", 4) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("mode", ["explicit", "shard_map"])
+def test_runtime_checks_add_no_communication_to_a_sharded_step(monkeypatch, mode):
+    """ZOO_RUNTIME_CHECKS=1 checks token ids inside compiled code only where that needs no
+    reduction across devices: a decoder's step split over `data` keeps its one all-reduce,
+    outside the loop (checking its split ids there was an all-reduce per microbatch)."""
+    from helpers import tiny_decoder
+
+    monkeypatch.setenv("ZOO_RUNTIME_CHECKS", "1")  # read when the step is traced
+    mesh = data_mesh(N)
+    tokens = np.random.default_rng(0).integers(1, 32, (2 * N, 8)).astype(np.int32)
+    with jax.set_mesh(mesh):
+        model = zoo.shard(tiny_decoder(jax.random.key(0)), zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1), microbatches=2, mode=mode)
+        colls = zoo.collectives(step.lower(model, step.init(model), {"tokens": tokens}))
+    assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)
+    assert zoo.count(colls, "all-reduce", in_loop=False) == 1, zoo.report(colls)
+    assert len(colls) == 1, zoo.report(colls)

@@ -331,3 +331,42 @@ def test_info_inspect_and_train_build_the_same_model(model, flags, tmp_path):
         if not leaf["path"].startswith("model.head.")  # the classifier's new head is not in model/
     }
     assert info_shapes == shapes
+
+
+# Run after docs/models.md's "A model of your own" block, in the same process: what its last
+# comment says the registered model now does.
+_DOCS_MODEL_THEN = """
+import json, sys
+from pathlib import Path
+from zoo._cli import main
+
+out = Path(sys.argv[1])
+for argv in (["info", "tiny-regressor"], ["inspect", "tiny-regressor", "--json"],
+             ["train", "tiny-regressor", "--steps", "2", "--quiet", "--output", str(out)]):
+    rc = main(argv)
+    assert rc == 0, (argv, rc)
+summary = json.loads((out / "summary.json").read_text())
+assert summary["model"] == "tiny-regressor" and summary["steps"] == 2, summary
+print("ran", summary["collectives"]["gradient_reductions"])
+"""
+
+
+@pytest.mark.slow
+def test_the_docs_model_of_your_own_runs_as_written(tmp_path):
+    """docs/models.md's "A model of your own" block, verbatim, in a fresh process, then
+    `zoo info` / `inspect` / `train` of the model it registers."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "models.md").read_text()
+    block = text.split("A model of your own:\n\n```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "model_of_your_own.py"
+    script.write_text(block + _DOCS_MODEL_THEN)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "ran 1" in proc.stdout, proc.stdout[-2000:]

@@ -262,7 +262,8 @@ def test_weighted_loss_is_the_global_weighted_mean(setup, mode):
 @pytest.mark.parametrize("mode", ["explicit", "shard_map"])
 def test_weights_made_without_the_batch_layout_are_moved_to_it(setup, mode):
     """A loss whose weights are `jnp.ones(b)` (replicated, not split like the batch's rows)
-    gives the plain mean; a sharding error from inside the step's sums before."""
+    gives the plain mean (a sharding error from inside the step's sums before), and moving
+    them onto the rows adds no communication: one all-reduce, outside the loop, over `data`."""
     model, batch, ref_loss, ref_grads = setup
     mesh = data_mesh(8)
 
@@ -272,9 +273,14 @@ def test_weights_made_without_the_batch_layout_are_moved_to_it(setup, mode):
 
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp"), mesh)
-        loss, grads = zoo.TrainStep(ones_weighted, optax.sgd(0.1), mode=mode).loss_and_grads(sharded, batch)
+        step = zoo.TrainStep(ones_weighted, optax.sgd(0.1), microbatches=2, mode=mode)
+        loss, grads = step.loss_and_grads(sharded, batch)
+        colls = zoo.collectives(step.lower(sharded, step.init(sharded), batch))
     assert_rounding_close(loss, ref_loss, **SUMS)
     assert_tree_rounding_close(grads, ref_grads, **SUMS)
+    assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)
+    assert zoo.count(colls, "all-reduce", in_loop=False) == 1, zoo.report(colls)
+    assert all(c.mesh_axes == ("data",) for c in colls), zoo.report(colls)
 
 
 def test_batch_not_divisible_is_a_clear_error_before_tracing(setup):

@@ -7,12 +7,13 @@ transforms the step is built from live in `zoo.internal`.
 """
 
 import importlib.metadata
-import os as _os
+
+from ._env import runtime_checks as _runtime_checks
 
 # ZOO_RUNTIME_CHECKS=1: every jaxtyping-annotated function and module of the package checks
 # its arguments' shapes and dtypes with beartype when called (as the test suite runs). The
 # import hook must be in place before the submodules below are imported.
-if _os.environ.get("ZOO_RUNTIME_CHECKS", "").strip().lower() not in ("", "0", "false", "no"):
+if _runtime_checks():
     try:
         import beartype as _beartype  # noqa: F401
     except ImportError as _e:

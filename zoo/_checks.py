@@ -9,13 +9,14 @@ under `ZOO_RUNTIME_CHECKS=1`, so a default training step holds no check.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ._env import runtime_checks
 
 Kind = Literal["float", "int", "bool"]
 _KINDS = {"float": jnp.floating, "int": jnp.integer, "bool": jnp.bool_}
@@ -46,11 +47,6 @@ def check_array(x: Any, *, where: str, name: str, kind: Kind, ndim: int | None =
         raise ValueError(f"{where}: {name} must end with a dimension of size {last}, got shape {tuple(shape)}")
 
 
-def runtime_checks() -> bool:
-    """Whether `ZOO_RUNTIME_CHECKS` asks for runtime checks (as `zoo/__init__.py` reads it)."""
-    return os.environ.get("ZOO_RUNTIME_CHECKS", "").strip().lower() not in ("", "0", "false", "no")
-
-
 def check_ids(ids: Any, size: int, *, where: str, name: str = "ids") -> Any:
     """`ids`, refused unless every one lies in `[0, size)`: a lookup clamps an id outside
     (a silently wrong row). A concrete array (host numpy, an eager jax array) is checked
@@ -58,9 +54,14 @@ def check_ids(ids: Any, size: int, *, where: str, name: str = "ids") -> Any:
     the compiled program (`eqx.error_if`) only under `ZOO_RUNTIME_CHECKS=1`, so by default
     the program is unchanged.
 
+    Traced ids split over devices (a sharded training step's batch) are not checked: the
+    check would add communication to the step; their host batch is where to check them.
+
     **Returns:** `ids` (under runtime checks, the traced value the check guards)."""
     if isinstance(ids, jax.core.Tracer):
-        if not runtime_checks():
+        if not runtime_checks() or _split(ids):
+            # Split over devices, the check would be a reduction across them in every
+            # microbatch: an all-reduce inside the step's loop, which zoo's step never holds.
             return ids
         return eqx.error_if(ids, (ids < 0) | (ids >= size), f"{where}: {name} outside [0, {size})")
     if isinstance(ids, jax.Array) and not ids.is_fully_addressable:
@@ -74,3 +75,14 @@ def check_ids(ids: Any, size: int, *, where: str, name: str = "ids") -> Any:
             f"in all); pass ids from 0 to {size - 1} (the model's own tokenizer's)"
         )
     return ids
+
+
+def _split(x: Any) -> bool:
+    """Whether traced `x` is split over mesh axes of more than one device (explicit
+    sharding, or a `shard_map` body's varying axes)."""
+    aval = jax.typeof(x)
+    sharding = aval.sharding
+    axes = set(aval.mat.varying)
+    for entry in getattr(sharding, "spec", None) or ():
+        axes |= set(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
+    return any(sharding.mesh.shape.get(ax, 1) > 1 for ax in axes)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import jax
 
+from ._env import env_flag
+
 # Environment variables: a folder for the cache, and an opt-out.
 CACHE_DIR_ENV = "ZOO_COMPILE_CACHE_DIR"
 NO_CACHE_ENV = "ZOO_NO_COMPILE_CACHE"
@@ -15,11 +17,6 @@ NO_CACHE_ENV = "ZOO_NO_COMPILE_CACHE"
 # one-op jits) recompile faster than a cache file is read and checked, while a training
 # step of any real model takes seconds.
 MIN_COMPILE_TIME_SECS = 0.5
-
-
-def env_flag(name: str) -> bool:
-    """Whether environment variable `name` is set to a true value (`1`, `true`, `yes`, `on`)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def default_cache_dir() -> Path:

@@ -12,25 +12,41 @@ import jax.numpy as jnp
 from ._tree import path_str
 
 
+class NonFiniteWeightsError(ValueError):
+    """Weights that hold NaN or inf: a damaged checkpoint or a diverged run's."""
+
+
+# One compiled reduction per model structure (jit caches it): a flag per floating leaf.
+_finite_flags = jax.jit(lambda leaves: jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
+def _floating(tree: Any) -> list:
+    return jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_inexact_array))
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every floating leaf of `tree` is free of NaN and inf (one device reduction;
+    the host reads one flag per leaf)."""
+    leaves = [leaf for _, leaf in _floating(tree)]
+    return not leaves or bool(jax.device_get(_finite_flags(leaves)).all())
+
+
 def check_finite(tree: Any, *, where: str) -> None:
-    """Raise `ValueError` naming the first floating leaf of `tree` that holds NaN or inf:
-    its path, how many of its values, and `where` the weights came from.
+    """Raise `NonFiniteWeightsError` (a `ValueError`) naming the first floating leaf of
+    `tree` that holds NaN or inf: its path, how many of its values, and `where` the
+    weights came from.
 
     **Arguments:** `tree`, a model or any pytree of arrays; `where`, the file or folder
-    read (the message's start).
-
-    One compiled reduction over every leaf (the host reads one flag per leaf)."""
-    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_inexact_array))
+    read (the message's start)."""
+    leaves = _floating(tree)
     if not leaves:
         return
-    arrays = [leaf for _, leaf in leaves]
-    finite = jax.device_get(jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))(arrays))
+    finite = jax.device_get(_finite_flags([leaf for _, leaf in leaves]))
     if finite.all():
         return
-    i = int(finite.argmin())
-    path, leaf = leaves[i]
+    path, leaf = leaves[int(finite.argmin())]
     bad = int(jax.device_get(jnp.sum(~jnp.isfinite(leaf))))
-    raise ValueError(
+    raise NonFiniteWeightsError(
         f"{where}: the weight {path_str(path)} holds NaN or inf ({bad} of its {leaf.size} values), so every output "
         "would be NaN; the checkpoint is damaged or was saved from a diverged run: use another checkpoint"
     )

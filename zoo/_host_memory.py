@@ -7,7 +7,7 @@ import ctypes.util
 import sys
 import warnings
 
-from ._compile_cache import env_flag
+from ._env import env_flag
 
 # An opt-out for programs that call `keep_freed_memory`.
 NO_KEEP_ENV = "ZOO_NO_KEEP_MEMORY"

@@ -39,6 +39,16 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
     return tuple(mesh_axes)
 
 
+class PlacementError(ValueError):
+    """Rules that cannot place an array on a mesh. `problem` is what is wrong (the message
+    up to the fix it suggests); `size` and `divisor`, when a size the mesh axes do not
+    divide is the cause (a dimension, a head count), say which."""
+
+    def __init__(self, problem: str, fix: str, *, size: int | None = None, divisor: int | None = None):
+        super().__init__(f"{problem}. {fix}")
+        self.problem, self.size, self.divisor = problem, size, divisor
+
+
 def spec_for(
     names: tuple[str | None, ...],
     rules: Rules,
@@ -60,34 +70,35 @@ def spec_for(
             entries.append(None)
             continue
         if name not in rules:
-            raise ValueError(
-                f"{where}: logical axis {name!r} has no sharding rule. Known logical axes in "
-                f"these rules: {sorted(rules)}. Add {name!r} to the rules, e.g. "
-                f"rules[{name!r}] = None to replicate it or = 'data' to shard it."
+            raise PlacementError(
+                f"{where}: logical axis {name!r} has no sharding rule. Known logical axes in these rules: {sorted(rules)}",
+                f"Add {name!r} to the rules, e.g. rules[{name!r}] = None to replicate it or = 'data' to shard it.",
             )
         mesh_axes = _as_tuple(rules[name])
         for ax in mesh_axes:
             if ax in used:
-                raise ValueError(
-                    f"{where}: mesh axis {ax!r} is used by logical axes {used[ax]!r} and "
-                    f"{name!r} of the same array; a mesh axis can shard only one dimension. "
-                    f"Map one of them to None (or another mesh axis) in the rules."
+                raise PlacementError(
+                    f"{where}: mesh axis {ax!r} is used by logical axes {used[ax]!r} and {name!r} of the same "
+                    "array; a mesh axis can shard only one dimension",
+                    "Map one of them to None (or another mesh axis) in the rules.",
                 )
             used[ax] = name
         if mesh is not None and mesh_axes:
             missing = [ax for ax in mesh_axes if ax not in mesh.shape]
             if missing:
-                raise ValueError(
-                    f"{where}: rules map logical axis {name!r} to mesh axes {missing} that the "
-                    f"mesh {dict(mesh.shape)} does not have. Build the mesh with those axes or "
-                    f"map {name!r} to one of {list(mesh.shape)} (or None)."
+                raise PlacementError(
+                    f"{where}: rules map logical axis {name!r} to mesh axes {missing} that the mesh "
+                    f"{dict(mesh.shape)} does not have",
+                    f"Build the mesh with those axes or map {name!r} to one of {list(mesh.shape)} (or None).",
                 )
             size = math.prod(mesh.shape[ax] for ax in mesh_axes)
             if shape is not None and shape[dim] % size != 0:
-                raise ValueError(
-                    f"{where}: dimension {dim} ({name!r}) has size {shape[dim]}, which mesh "
-                    f"axes {mesh_axes} (size {size}) do not divide. Choose a size divisible by "
-                    f"{size}, or map {name!r} to None to replicate it."
+                raise PlacementError(
+                    f"{where}: dimension {dim} ({name!r}) has size {shape[dim]}, which mesh axes {mesh_axes} "
+                    f"(size {size}) do not divide",
+                    f"Choose a size divisible by {size}, or map {name!r} to None to replicate it.",
+                    size=shape[dim],
+                    divisor=size,
                 )
         entries.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
     return P(*entries)
@@ -184,11 +195,13 @@ def check_head_counts(num_heads: int, kv_heads: int, rules: Rules, mesh: Any, wh
         size, axes = axis_size(rules, name, mesh)
         if size > 1 and count % size:
             what = "attention heads" if name == "heads" else "key/value heads"
-            raise ValueError(
+            raise PlacementError(
                 f"{where}{': ' if where else ''}the model has {count} {what}, which the mesh axes {list(axes)} "
-                f"(size {size}) that rules[{name!r}] names cannot split evenly. Use a model axis whose size "
-                f"divides {count}, or rules without tensor parallelism for heads (e.g. zoo.rules('fsdp'), or "
-                f"rules[{name!r}] = None)."
+                f"(size {size}) that rules[{name!r}] names cannot split evenly",
+                f"Use a model axis whose size divides {count}, or rules without tensor parallelism for heads "
+                f"(e.g. zoo.rules('fsdp'), or rules[{name!r}] = None).",
+                size=count,
+                divisor=size,
             )
 
 

@@ -20,6 +20,7 @@ shared tables (`SHARED_DEFAULTS`, `OPTIONAL_DEFAULT_KEYS`, `CLASSIFIER_SAVE`,
 from ._batch import check_batch as check_batch
 from ._batch import split_microbatches as split_microbatches
 from ._checkpoint._disk import without_closed_loop_tracebacks as without_closed_loop_tracebacks
+from ._finite import NonFiniteWeightsError as NonFiniteWeightsError
 from ._finite import check_finite as check_finite
 from ._inspect import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from ._reduced import gather_over as gather_over

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -29,9 +28,6 @@ from ._manifest import (
     mismatch,
 )
 from ._restore import plan
-
-# An unfinished save's folder (orbax's `atomicity_types.TMP_DIR_SUFFIX` after the step).
-_TMP_STEP = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
 
 
 class Restored(NamedTuple):
@@ -157,22 +153,6 @@ class Checkpointer:
         if self._pending in steps and self._manager.is_saving_in_progress():
             steps.remove(self._pending)
         return steps
-
-    def others(self) -> list[str]:
-        """The names of the directory's entries that are not checkpoints (neither a step's
-        folder nor an unfinished save's temporary folder `N.orbax-checkpoint-tmp*`),
-        sorted, with `/` after folders: what is not this checkpointer's to delete."""
-        from etils import epath
-
-        directory = epath.Path(self.directory)
-        if not directory.is_dir():
-            return []
-        steps = {str(n) for n in self._manager.all_steps()}
-        return sorted(
-            p.name + ("/" if p.is_dir() else "")
-            for p in directory.iterdir()
-            if p.name not in steps and not _TMP_STEP.fullmatch(p.name)
-        )
 
     def delete(self, step: int) -> None:
         """Delete checkpoint `step` (its folder); the directory's other entries stay.

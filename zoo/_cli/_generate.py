@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import RULE_PRESETS
 from ..hf import families
-from ..internal import check_rules_fit_mesh, check_sampling, make_mesh, mesh_text, resolve_init
+from ..internal import NonFiniteWeightsError, check_rules_fit_mesh, check_sampling, make_mesh, mesh_text, resolve_init
 from ..models import Transformer
 from ..train import ConfigError
 from ._common import CLIError, init_devices, mesh_for
@@ -142,13 +142,13 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
     )
 
 
-def _refusal(message: str) -> CLIError:
+def _refusal(message: str, error: BaseException) -> CLIError:
     """The one line of a model that cannot generate: exit 1 for weights holding NaN or inf
     (a damaged file, not a usage mistake), else 2."""
-    error = CLIError(message)
-    if "holds NaN or inf" in message:
-        error.exit_code = 1
-    return error
+    refusal = CLIError(message)
+    if isinstance(error, NonFiniteWeightsError):
+        refusal.exit_code = 1
+    return refusal
 
 
 def load(source: str, adapter: str | None, *, rules, mesh):
@@ -161,7 +161,7 @@ def load(source: str, adapter: str | None, *, rules, mesh):
             folder, rules=rules, mesh=mesh, config_overrides={"dropout": 0.0, "attention_dropout": 0.0}
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise _refusal(f"SOURCE {source}: {str(e).splitlines()[0]}") from e
+        raise _refusal(f"SOURCE {source}: {str(e).splitlines()[0]}", e) from e
     if not isinstance(model, zoo.models.Transformer):
         raise CLIError(
             f"SOURCE {source} holds a {type(model).__name__}; zoo generate needs a decoder (GPT-2, Llama, ...)"
@@ -171,7 +171,7 @@ def load(source: str, adapter: str | None, *, rules, mesh):
             model, _ = zoo.lora.load_adapter(model, adapter_dir)
             zoo.internal.check_finite(model, where="the model with it")
         except (ValueError, FileNotFoundError) as e:
-            raise _refusal(f"adapter {adapter_dir}: {str(e).splitlines()[0]}") from e
+            raise _refusal(f"adapter {adapter_dir}: {str(e).splitlines()[0]}", e) from e
         where += f" with the adapter {adapter_dir}"
     tokenizer = zoo.hf.Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
     if tokenizer is None and model.config.vocab_size < 256:

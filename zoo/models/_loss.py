@@ -44,11 +44,19 @@ def next_token_loss(model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " b
     packing = {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
     logits = model(tokens, mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"), **packing)
     nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
-    if "weights" in batch:
-        weights = batch["weights"][:, 1:].astype(jnp.float32)
-    else:
-        weights = jnp.ones_like(nll) if mask is None else mask[:, 1:].astype(jnp.float32)
+    weights = target_weights(batch)
     return jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
+
+
+def target_weights(batch: dict[str, Any]) -> Float[Array, "batch seq_minus_1"]:
+    """The weight of each next-token target of `batch` (`[batch, seq - 1]`, float32), as
+    `next_token_loss` counts them: `"weights"` from position 1, else `"mask"` from
+    position 1, else 1 everywhere."""
+    tokens = batch["tokens"]
+    if "weights" in batch:
+        return batch["weights"][:, 1:].astype(jnp.float32)
+    mask = batch.get("mask")
+    return jnp.ones(tokens[:, 1:].shape, jnp.float32) if mask is None else mask[:, 1:].astype(jnp.float32)
 
 
 def classification_loss(model: Any, batch: dict[str, Any]) -> Float[Array, " batch"]:

@@ -4,7 +4,6 @@ mesh, the training step and its optimizer state (`build_run` → `BuiltRun`)."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import equinox as eqx
@@ -13,7 +12,7 @@ import numpy as np
 import optax
 
 from .._distributed import global_batch, local_rows
-from .._rules import shard
+from .._rules import PlacementError, shard
 from .._step import TrainStep
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
@@ -73,19 +72,16 @@ class BuiltRun:
         return batch
 
 
-def _unplaceable(c: RunConfig, detail: str, config: dict[str, Any] | None) -> str:
+def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | None) -> str:
     """Why the run's rules cannot place its model, and the fields that would: other rules,
     or a model config size the mesh divides when one of the model's sizes is the culprit
     (the library's own advice, to edit a rules mapping, is no setting of a run)."""
-    what = detail.split(". Choose a size")[0].split(". Map ")[0].split(". Build the mesh")[0]
     fix = "choose other RunConfig.rules (dp replicates every weight)"
-    sizes = re.search(r"has size (\d+), which mesh axes .* \(size (\d+)\)", detail)
-    if sizes is not None:
-        size, split = int(sizes.group(1)), int(sizes.group(2))
-        keys = [k for k, v in (config or {}).items() if v == size and k in SIZES and k not in ("in_size", "out_size")]
+    if error.size is not None:
+        keys = [k for k, v in (config or {}).items() if v == error.size and k in SIZES]
         if keys:
-            fix += f", or set RunConfig.model_config {keys[0]} to a multiple of {split}"
-    return f"RunConfig.rules {c.rules} cannot place the {c.model} on this mesh: {what}; {fix}"
+            fix += f", or set RunConfig.model_config {keys[0]} to a multiple of {error.divisor}"
+    return f"RunConfig.rules {c.rules} cannot place the {c.model} on this mesh: {error.problem}; {fix}"
 
 
 def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool) -> BuiltRun:
@@ -106,8 +102,10 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     model = task.model if lcfg is None else add_lora(task.model, lcfg, c.seed)
     try:
         model = shard(model, rules, mesh)
+    except PlacementError as e:
+        raise ConfigError(_unplaceable(c, e, task.config)) from e
     except ValueError as e:
-        raise ConfigError(_unplaceable(c, str(e).splitlines()[0], task.config)) from e
+        raise ConfigError(str(e).splitlines()[0]) from e
     plan.output.mkdir(parents=True, exist_ok=True)
     if main:  # the run's files listed in its folder's marker before any is written
         claim(plan.output, plan.checkpoints, RUN_FILES)

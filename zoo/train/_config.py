@@ -226,6 +226,11 @@ class RunConfig:
         check_model_config(self.model_config)
 
     @property
+    def resuming(self) -> bool:
+        """Whether the run continues a saved one (`resume`, or a `resume_step`)."""
+        return self.resume or self.resume_step is not None
+
+    @property
     def eval_interval(self) -> int:
         """Steps between evaluations: `eval_every`, or a tenth of the run, at least 1, so
         loss.png shows measured points (0: none between)."""
@@ -265,7 +270,7 @@ class RunConfig:
         fields, e.g. if the command does not take the model.
         """
         command = command or ("finetune" if self.lora is not None else "train")
-        saved = saved_config(self.output) if self.resume or self.resume_step is not None else None
+        saved = saved_config(self.output) if self.resuming else None
         base = self if saved is None else self._inherit(saved)
         done = base._with_defaults(command)
         if saved is not None:
@@ -316,14 +321,14 @@ class RunConfig:
             self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
             microbatches=pick(self.microbatches, "microbatches"), probe=pick(self.probe, "probe"),
             eval_every=pick(self.eval_every, "eval_every"), optimizer=optimizer, data=data, lora=lora,
-            resume=self.resume or self.resume_step is not None,
+            resume=self.resuming,
         )  # fmt: skip
         return dataclasses.replace(done, eval_every=done.eval_interval)
 
     def _check_fits(self, spec: ModelSpec) -> None:
         """The settings `spec`'s model takes (`resolved`'s checks)."""
         check_fits_model(self, spec)
-        if (self.resume or self.resume_step is not None) and not (self.output or self.checkpoint_dir):
+        if self.resuming and not (self.output or self.checkpoint_dir):
             raise ConfigError(
                 "RunConfig.resume needs the earlier run's folder: pass RunConfig.output RUN (or "
                 "RunConfig.checkpoint_dir RUN/checkpoints)"

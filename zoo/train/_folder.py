@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .._checkpoint import Checkpointer
 from .._files import atomic_write
+from .._mismatch import shorten
 from ..hf._export import FILE_NAMES as MODEL_FILES
 from ..lora._io import FILE_NAMES as ADAPTER_FILES
 from ._config import RunConfig
@@ -140,12 +141,6 @@ def claim(output: Path, checkpoints: Path, names: Iterable[str], *, replace: str
     atomic_write(output / MARKER, lambda tmp: Path(tmp).write_text(text))
 
 
-def shown(items: list[str], limit: int = 6) -> str:
-    """`items` joined by commas, the first `limit` and a count of the rest."""
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
-
-
 def remove_run(output: Path, checkpoints: Path) -> None:
     """`overwrite`: delete the earlier run's files in `output` and its checkpoints (the
     lock is held). Nothing is deleted when `output` holds a file zoo did not write.
@@ -154,7 +149,7 @@ def remove_run(output: Path, checkpoints: Path) -> None:
     mine, foreign = owned(output, checkpoints)
     if foreign:
         raise ConfigError(
-            f"RunConfig.overwrite: RunConfig.output {output} holds files zoo did not write ({shown(foreign)}); "
+            f"RunConfig.overwrite: RunConfig.output {output} holds files zoo did not write ({shorten(foreign, 6)}); "
             "overwrite replaces only a zoo run's outputs: choose another RunConfig.output, or move those files away"
         )
     if checkpoints.is_dir():

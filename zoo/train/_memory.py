@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ConfigError
+from ._output import human_bytes
 
 
 def host_memory() -> int | None:
@@ -29,8 +30,8 @@ def check_rows_fit(field: str, rows: int, bytes_per_row: int | float, what: str)
         return
     fits = max(1, int(memory // bytes_per_row))
     raise ConfigError(
-        f"{field} {rows} makes {what} of {_size(rows * bytes_per_row)} ({_size(bytes_per_row)} a row), more than "
-        f"this machine's {_size(memory)} of memory; lower it (at most about {fits})"
+        f"{field} {rows} makes {what} of {human_bytes(rows * bytes_per_row)} ({human_bytes(bytes_per_row)} a row), more than "
+        f"this machine's {human_bytes(memory)} of memory; lower it (at most about {fits})"
     )
 
 
@@ -39,11 +40,3 @@ def bytes_per_row(arrays: dict[str, Any]) -> float:
     values = [np.asarray(v) for v in arrays.values()]
     rows = len(values[0]) if values and np.ndim(values[0]) else 0
     return sum(v.nbytes for v in values) / rows if rows else 0.0
-
-
-def _size(n: int | float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable

@@ -132,11 +132,11 @@ def plot_losses(
 
 def human_bytes(n: int | float) -> str:
     """1234567 → '1.2 MB' (decimal units)."""
-    for unit in ("bytes", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
         n /= 1000
-    return f"{n:.1f} GB"
+    raise AssertionError  # unreachable: TB takes every size
 
 
 def _clock(seconds: int | float) -> str:

@@ -10,9 +10,10 @@ import math
 from pathlib import Path
 
 from .._checkpoint import Checkpointer
+from .._mismatch import shorten
 from ._config import RunConfig
 from ._errors import ConfigError
-from ._folder import owned, previous_outputs, remove_run, shown
+from ._folder import owned, previous_outputs, remove_run
 from ._mesh import check_rules_fit_mesh, mesh_text
 from ._registry import model_spec
 from ._user_data import check_data_file
@@ -172,7 +173,7 @@ def _check_new(output: Path, folder: Path, saved: list[int]) -> None:
     foreign = owned(output, folder)[1] if previous_outputs(output) else []
     if foreign:  # named like a run's outputs, but not (only) zoo's: overwrite would refuse too
         raise ConfigError(
-            f"RunConfig.output {output} holds files zoo did not write ({shown(foreign)}); choose another "
+            f"RunConfig.output {output} holds files zoo did not write ({shorten(foreign, 6)}); choose another "
             "RunConfig.output, or move those files away"
         )
     if saved:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..data import BatchSource
 from ..models import cross_entropy, mean_pool, next_token_loss
+from ..models._loss import target_weights
 from ._errors import ConfigError
 from ._registry import check_init_family, init_families, model_spec
 
@@ -117,12 +118,7 @@ def lm_metrics(model, batch):
 
     sums, weights = next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
     tokens = batch["tokens"]
-    if "weights" in batch:
-        targets = batch["weights"][:, 1:].astype(jnp.float32)
-    elif batch.get("mask") is not None:
-        targets = batch["mask"][:, 1:].astype(jnp.float32)
-    else:
-        targets = jnp.ones(tokens[:, 1:].shape, jnp.float32)
+    targets = target_weights(batch)  # the loss's own: held-out accuracy counts the tokens the loss does
     correct = (jnp.argmax(seen[0][:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * targets * row[:, None]
     return {"loss": sums * row, "weight": weights * row, "correct": jnp.sum(correct, axis=1)}
 

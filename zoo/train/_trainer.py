@@ -95,7 +95,9 @@ class Trainer:
     def check_finite(self, state: TrainState) -> None:
         """Raise `RunStopped` if a trained weight is NaN or inf (a non-finite gradient can
         leave such weights under a finite loss)."""
-        if not _all_finite(self.step.partition(state.model)[0]):
+        from .._finite import all_finite  # jax: the CLI's parser imports this module
+
+        if not all_finite(self.step.partition(state.model)[0]):
             raise self.stopped(f"step {state.step}: the weights hold NaN or inf", state.step)
 
     def run(self, model, opt_state, *, start: int = 0):
@@ -200,15 +202,3 @@ class Trainer:
                 else:
                     close()
         return model, opt_state
-
-
-def _all_finite(tree) -> bool:
-    """Whether every float leaf of `tree` is free of NaN and inf (one device reduction)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
-    if not leaves:
-        return True
-    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs])))(leaves))
