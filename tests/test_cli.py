@@ -12,6 +12,7 @@ absl's and XLA's output on file descriptor 2).
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,6 +53,22 @@ def test_inspect_json_reports_one_all_reduce_outside():
     assert coll["kind"] == "all-reduce" and coll["in_loop"] is False and coll["mesh_axes"] == ["data"]
     assert coll["bytes"] == out["trainable_bytes"] + 4
     assert out["summary"]["all_reduce_in_loop"] == 0 and out["summary"]["all_reduce_outside"] == 1
+
+
+def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path):
+    rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--budget", "--json")
+    dp = json.loads(out)
+    assert rc == 0 and dp["budget"] == {"name": "dp", "within": True, "breaches": []}
+    (tmp_path / "dp.json").write_text(out)
+    rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--budget", "--against", tmp_path / "dp.json")
+    assert rc == 0, out
+    assert re.search(r"collectives: within the dp budget \(1 all-reduce outside, [\d,]+ B\)", out), out
+    assert f"against {tmp_path / 'dp.json'}:\nthe same collectives" in out
+    # zero1 adds the gathers of the updated parameters: a diff, exit 1.
+    rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--rules", "zero1", "--against", tmp_path / "dp.json")
+    assert rc == 1 and "+ all-gather outside over data" in out, out
+    rc, _, err = zoo_main("inspect", "mlp", "--devices", "8", "--against", tmp_path / "missing.json")
+    assert rc == 2 and "--against" in err and "zoo inspect --json" in err
 
 
 def test_inspect_table_shard_map_and_custom_mesh():
@@ -213,6 +230,7 @@ def test_train_writes_config_metrics_plot_summary_and_checkpoints(mlp_run):
     colls = summary["collectives"]
     assert colls["gradient_reductions"] == 1 and colls["all_reduce_outside"] == 1 and colls["all_reduce_in_loop"] == 0
     assert colls["gradient_bytes"] == summary["trainable_bytes"] + 4  # + the loss scalar
+    assert re.fullmatch(r"within the dp budget \(1 all-reduce outside, [\d,]+ B\)", colls["budget"])
     assert summary["trainable_bytes"] == summary["model_bytes"] > 0
 
     import zoo
@@ -332,6 +350,7 @@ def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
     assert summary["trainable_bytes"] == summary["adapter_bytes"] < summary["model_bytes"] / 5
     assert summary["collectives"]["gradient_reductions"] == 1
     assert summary["collectives"]["gradient_bytes"] == summary["adapter_bytes"] + 8
+    assert summary["collectives"]["budget"].startswith("within the dp budget (1 all-reduce outside")
     assert summary["eval_after"]["accuracy"] is not None  # next-token accuracy
     # A decoder's run ends with a greedy sample (zoo.generate) after the start of a validation window.
     assert summary["sample"]["new_tokens"] == 8 and len(summary["sample"]["prompt"].encode()) >= 8

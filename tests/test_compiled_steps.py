@@ -7,11 +7,14 @@ Regenerate the fixture (only for an intended change) with
 `python tests/data/make_step_collectives.py`.
 """
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+import zoo
 
 _SPEC = importlib.util.spec_from_file_location(
     "make_step_collectives", Path(__file__).parent / "data" / "make_step_collectives.py"
@@ -47,10 +50,18 @@ def test_fixture_covers_every_case():
 
 
 @pytest.mark.parametrize("case", list(_params()))
-def test_step_collectives_unchanged(case):
-    got = make.step_collectives(*case)
+def test_step_collectives_unchanged_and_within_the_preset_budget(case):
+    colls, sizes = make.compile_case(*case)
+    got = make.rows(colls)
     want = EXPECTED[make.case_name(*case)]
     assert got == want, (
         f"{make.case_name(*case)}: the compiled step's collectives changed.\n got: {got}\nwant: {want}\n"
         "If the change is intended, regenerate: python tests/data/make_step_collectives.py"
     )
+    # The preset's budget holds its step exactly: its gradient reduction carries the
+    # gradients' bytes plus the loss scalars, nothing less and nothing more.
+    budget = zoo.preset(case[1]).budget
+    assert budget.breaches(colls, sizes) == [], zoo.report(colls)
+    tight = dataclasses.replace(budget.allowances[0], slack=0)
+    loose = dataclasses.replace(budget, allowances=(tight,) + budget.allowances[1:])
+    assert len(loose.breaches(colls, sizes)) == 1, "the loss scalars ride with the gradients"

@@ -28,6 +28,10 @@ from ._axes import LogicalAxes as LogicalAxes
 from ._axes import field as field
 from ._axes import logical_axes as logical_axes
 from ._axes import stacked_field as stacked_field
+from ._budget import Allowance as Allowance
+from ._budget import Budget as Budget
+from ._budget import BudgetError as BudgetError
+from ._budget import BudgetWarning as BudgetWarning
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import CheckpointError as CheckpointError
 from ._checkpoint import DamagedCheckpointError as DamagedCheckpointError
@@ -41,6 +45,7 @@ from ._generate import generate as generate
 from ._host_memory import keep_freed_memory as keep_freed_memory
 from ._inspect import Collective as Collective
 from ._inspect import collectives as collectives
+from ._inspect import compare_collectives as compare_collectives
 from ._inspect import count as count
 from ._inspect import report as report
 from ._presets import RULE_PRESETS as RULE_PRESETS
@@ -61,6 +66,10 @@ __all__ = [
     "LAYERS",
     "LOGICAL_AXES",
     "RULE_PRESETS",
+    "Allowance",
+    "Budget",
+    "BudgetError",
+    "BudgetWarning",
     "CheckpointError",
     "Checkpointer",
     "Collective",
@@ -69,6 +78,7 @@ __all__ = [
     "Preset",
     "TrainStep",
     "collectives",
+    "compare_collectives",
     "count",
     "data",
     "default_cache_dir",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections import deque
 from typing import Any
@@ -50,6 +51,8 @@ class Collective:
       mesh order (empty when no mesh is known: HLO text given without `mesh=`).
     - `op_name`: the JAX source op from the HLO metadata.
     - `group_size`: devices per replica group (0 if not stated).
+    - `source`: the Python source lines of the op it came from, innermost first, each
+      `"path:line in function"` (empty for HLO text, which does not carry them).
     """
 
     kind: str
@@ -58,10 +61,54 @@ class Collective:
     mesh_axes: tuple[str, ...]
     op_name: str
     group_size: int = 0
+    source: tuple[str, ...] = ()
+
+    @property
+    def origin(self) -> str:
+        """Where it comes from, as one line: the innermost source line, and when that is in
+        zoo's own code (or a library's), the first line of yours it was called from."""
+        if not self.source:
+            return "no source line in the program"
+        first = self.source[0]
+        if _library(first):
+            yours = next((f for f in self.source if not _library(f)), None)
+            if yours is not None:
+                return f"{_shown(first)}, called from {_shown(yours)}"
+        return _shown(first)
 
     def to_json(self) -> dict:
         """A JSON-ready dict of this collective."""
-        return dataclasses.asdict(self) | {"mesh_axes": list(self.mesh_axes)}
+        return dataclasses.asdict(self) | {"mesh_axes": list(self.mesh_axes), "source": list(self.source)}
+
+    @classmethod
+    def from_json(cls, row: dict) -> Collective:
+        """The collective `to_json` wrote (fields it lacks take their defaults)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = {"kind", "in_loop", "bytes"} - set(row)
+        if missing:
+            raise ValueError(f"a collective's JSON needs {sorted(missing)}; got the keys {sorted(row)}")
+        values = {k: v for k, v in row.items() if k in names}
+        values.setdefault("mesh_axes", ())
+        values.setdefault("op_name", "")
+        return cls(**values | {"mesh_axes": tuple(values["mesh_axes"]), "source": tuple(values.get("source", ()))})
+
+
+_ZOO_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _library(frame: str) -> bool:
+    """Whether a source line is zoo's own or an installed library's (not the user's)."""
+    return frame.startswith(_ZOO_DIR) or f"{os.sep}site-packages{os.sep}" in frame
+
+
+def _shown(frame: str) -> str:
+    """A source line with its path relative to the working directory when under it."""
+    path, rest = frame.rsplit(":", 1)
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        rel = path
+    return f"{path if rel.startswith('..') else rel}:{rest}"
 
 
 def _program(obj: Any, args: tuple, kwargs: dict) -> tuple[str, jax.stages.Compiled | None]:
@@ -93,6 +140,77 @@ def _program(obj: Any, args: tuple, kwargs: dict) -> tuple[str, jax.stages.Compi
             f"object or HLO text; got {type(obj).__name__}{hint}"
         )
     return obj.as_text(), obj
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, i
+
+
+def _fields(data: bytes):
+    """(field number, value) of a protobuf message, read from the wire format."""
+    i = 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(data, i)
+        elif wire == 2:
+            size, i = _varint(data, i)
+            value, i = data[i : i + size], i + size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            value, i = data[i : i + size], i + size
+        else:
+            raise ValueError(f"unreadable protobuf wire type {wire}")
+        yield number, value
+
+
+def _stack_frames(compiled: jax.stages.Compiled | None) -> dict[int, tuple[str, ...]]:
+    """`stack_frame_id` → source lines (innermost first), from the HLO module's stack frame
+    index (HloModuleProto field 17: file and function names, locations, frames; ids 1-based).
+    Empty when the program does not expose it."""
+    try:
+        module = compiled.runtime_executable().hlo_modules()[0]
+        proto = module.as_serialized_hlo_module_proto()
+    except Exception:  # HLO text, or a runtime without the module: no sources
+        return {}
+    index = next((v for n, v in _fields(proto) if n == 17), b"")
+    files, functions, locations, frames = [], [], [], []
+    for number, value in _fields(index):
+        if number == 1:
+            files.append(value.decode(errors="replace"))
+        elif number == 2:
+            functions.append(value.decode(errors="replace"))
+        elif number == 3:
+            loc = dict(_fields(value))
+            locations.append((loc.get(1, 0), loc.get(2, 0), loc.get(3, 0)))
+        elif number == 4:
+            frame = dict(_fields(value))
+            frames.append((frame.get(1, 0), frame.get(2, 0)))
+
+    def line(location_id: int) -> str:
+        file_id, function_id, lineno = locations[location_id - 1]
+        file = files[file_id - 1] if 0 < file_id <= len(files) else "?"
+        function = functions[function_id - 1] if 0 < function_id <= len(functions) else "?"
+        return f"{file}:{lineno} in {function}"
+
+    out: dict[int, tuple[str, ...]] = {}
+    for frame_id in range(1, len(frames) + 1):
+        chain, seen, current = [], set(), frame_id
+        while 0 < current <= len(frames) and current not in seen and len(chain) < 256:
+            seen.add(current)
+            location_id, current = frames[current - 1]
+            if 0 < location_id <= len(locations) and (not chain or chain[-1] != line(location_id)):
+                chain.append(line(location_id))
+        out[frame_id] = tuple(chain)
+    return out
 
 
 def _split_top(type_str: str) -> list[str]:
@@ -290,6 +408,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
     if num_devices is None and mesh is not None:
         num_devices = math.prod(mesh.shape.values())
 
+    sources = _stack_frames(compiled)
     calls: dict[str, set[str]] = {}
     loop_roots: set[str] = set()
     found: list[tuple[str, str, str, str]] = []  # (computation, kind, type, line)
@@ -332,6 +451,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
             type_str = parts[1]  # async start: (operand, result, ...)
         groups = _parse_groups(line, num_devices)
         op_name = re.search(r'op_name="([^"]*)"', line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
         out.append(
             Collective(
                 kind=kind,
@@ -340,6 +460,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
                 mesh_axes=_mesh_axes(groups, mesh, devices),
                 op_name=op_name.group(1) if op_name else "",
                 group_size=len(groups[0]) if groups else 0,
+                source=sources.get(int(frame.group(1)), ()) if frame else (),
             )
         )
     return out
@@ -368,13 +489,13 @@ def report(colls: list[Collective]) -> str:
 
     **Returns:** the table, as text."""
     _check_collectives(colls, "report")
-    rows = [("kind", "where", "bytes", "mesh axes", "op")]
+    rows = [("kind", "where", "bytes", "mesh axes", "source", "op")]
     for c in colls:
-        rows.append(
-            (c.kind, "IN LOOP" if c.in_loop else "outside", f"{c.bytes:,}", ",".join(c.mesh_axes) or "-", c.op_name)
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+        where = "IN LOOP" if c.in_loop else "outside"
+        source = c.origin if c.source else "-"
+        rows.append((c.kind, where, f"{c.bytes:,}", ",".join(c.mesh_axes) or "-", source, c.op_name))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5] for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 2)
     if not colls:
         lines.append("(no collectives)")
@@ -382,3 +503,57 @@ def report(colls: list[Collective]) -> str:
     out_ar = count(colls, "all-reduce", in_loop=False)
     lines.append(f"all-reduces: {loop_ar} inside loops, {out_ar} outside")
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveDiff:
+    """What changed between two programs' collectives (`zoo.compare_collectives`).
+
+    `added` / `removed`: the collectives one program holds beyond the other, matched by
+    kind, place, bytes, mesh axes and group size (op names and source lines may differ).
+    It is false when nothing changed; `str()` gives one `+`/`-` line per collective."""
+
+    added: tuple[Collective, ...]
+    removed: tuple[Collective, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed)
+
+    def __str__(self) -> str:
+        if not self:
+            return "the same collectives"
+
+        def line(sign: str, c: Collective) -> str:
+            place = "IN LOOP" if c.in_loop else "outside"
+            axes = ",".join(c.mesh_axes) or "-"
+            source = f" at {c.origin}" if c.source else ""
+            return f"{sign} {c.kind} {place} over {axes}, {c.bytes:,} B{source}"
+
+        lines = [line("-", c) for c in self.removed] + [line("+", c) for c in self.added]
+        summary = (
+            f"all-reduces inside loops {count(list(self.removed), in_loop=True)} removed, "
+            f"{count(list(self.added), in_loop=True)} added"
+        )
+        return "\n".join([*lines, summary])
+
+
+def compare_collectives(before: Any, after: Any) -> CollectiveDiff:  # lists of Collective: checked below
+    """What `after` (a program's collectives, from `zoo.collectives`) adds to and removes
+    from `before`: for a CI that pins a step's communication across code changes.
+
+    **Returns:** a `CollectiveDiff`, false when both hold the same collectives."""
+    _check_collectives(before, "compare_collectives")
+    _check_collectives(after, "compare_collectives")
+
+    def key(c: Collective) -> tuple:
+        return (c.kind, c.in_loop, c.bytes, c.mesh_axes, c.group_size)
+
+    remaining = list(before)
+    added = []
+    for c in after:
+        match = next((i for i, b in enumerate(remaining) if key(b) == key(c)), None)
+        if match is None:
+            added.append(c)
+        else:
+            remaining.pop(match)
+    return CollectiveDiff(tuple(added), tuple(remaining))

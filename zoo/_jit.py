@@ -63,10 +63,20 @@ class Jit:
 
     - `fn`: the function; its arguments and result are pytrees.
     - `donate`: positions of the arguments whose array buffers are donated.
+    - `on_compile`: called as `on_compile(compiled, args)` with each new program (a
+      `jax.stages.Compiled`) before it first runs; the call then reuses that compilation.
     """
 
-    def __init__(self, fn: Callable, *, donate: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        donate: tuple[int, ...] = (),
+        on_compile: Callable[[jax.stages.Compiled, tuple], None] | None = None,
+    ):
         self._out_static: dict[Any, Any] = {}
+        self._on_compile = on_compile
+        self._seen: dict[Any, jax.stages.Compiled] = {}
 
         def run(static, *dynamic):
             in_treedef, in_static_leaves = static
@@ -105,7 +115,24 @@ class Jit:
 
     def __call__(self, *args):
         static, groups = self._prepare(args)
+        if self._on_compile is not None:
+            self._compiled(static, groups, args)
         return self._unflatten(static, self._jitted(static, *groups), groups)
+
+    def _compiled(self, static, groups, args) -> jax.stages.Compiled:
+        """The program for these arguments; a new one is handed to `on_compile` first.
+
+        jax keeps what `lower(...).compile()` built, so the call after it (or a call
+        before it) compiles nothing again."""
+        key = (static, tuple((a.shape, a.dtype, getattr(a, "sharding", None)) if a is not None else None
+                             for group in groups for a in group))  # fmt: skip
+        compiled = self._seen.get(key)
+        if compiled is None:
+            compiled = self._jitted.lower(static, *groups).compile()
+            if self._on_compile is not None:
+                self._on_compile(compiled, args)
+            self._seen[key] = compiled
+        return compiled
 
     def lower(self, *args):
         """The lowered program for these arguments (a `jax.stages.Lowered`)."""
@@ -115,7 +142,7 @@ class Jit:
     def compile(self, *args) -> Compiled:
         """The compiled program for these arguments, runnable (see `Compiled`)."""
         static, groups = self._prepare(args)
-        return Compiled(self, static, self._jitted.lower(static, *groups).compile())
+        return Compiled(self, static, self._compiled(static, groups, args))
 
 
 class Compiled:

@@ -6,9 +6,12 @@ import dataclasses
 import difflib
 import types
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._rules import LOGICAL_AXES, MeshAxes
+
+if TYPE_CHECKING:
+    from ._budget import Budget
 
 Gather = Literal["per_use", "once"]
 
@@ -51,6 +54,25 @@ class Preset:
         return hash((self.name, tuple(self.layout.items()), self.gather, self.shard_optimizer))
 
     @property
+    def budget(self) -> Budget:
+        """The collectives a `zoo.TrainStep` with this preset may hold (`zoo.Budget`): the
+        gradient reduction over the batch's mesh axes once outside loops, the gathers its
+        layout implies, and anything over the other mesh axes it names (tensor parallelism)."""
+        from ._budget import step_budget
+
+        data = _axes_tuple(self.layout.get("batch"))
+        named = {a for value in self.layout.values() for a in _axes_tuple(value)}
+        split = any(set(_axes_tuple(v)) & set(data) for k, v in self.layout.items() if k != "batch")
+        return step_budget(
+            self.name,
+            data_axes=data,
+            other_axes=tuple(sorted(named - set(data))),
+            split_over_data=split,
+            gather_once=self.gather == "once",
+            shard_optimizer=self.shard_optimizer,
+        )
+
+    @property
     def step_options(self) -> dict[str, Any]:
         """The `zoo.TrainStep` keyword arguments this preset sets beyond their defaults."""
         options: dict[str, Any] = {}
@@ -79,6 +101,12 @@ class Preset:
                 )
             _check_mesh_axes(name, value)
         return dict(self.layout) | {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+
+
+def _axes_tuple(value: MeshAxes) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _check_mesh_axes(name: str, value: Any) -> None:

@@ -12,6 +12,8 @@ import optax
 
 from ._accumulate import accumulate
 from ._batch import check_batch, data_axes_tuple, data_parallel_size, require_explicit
+from ._budget import LEAF_SCALAR_BYTES, LOSS_SCALAR_BYTES, Budget, replica_bytes, split_over, step_budget
+from ._inspect import collectives
 from ._jit import Compiled, Jit, bounded_queue
 from ._presets import Gather, Preset
 from ._presets import preset as _preset
@@ -107,6 +109,7 @@ class TrainStep:
         shard_optimizer: bool | None = None,
         preset: str | Preset | None = None,
         donate: bool = False,
+        budget: Budget | str | None = "default",  # "default" only: checked below, naming the fix
     ):
         """**Arguments:**
 
@@ -148,6 +151,13 @@ class TrainStep:
           `gather=` / `shard_optimizer=` given explicitly win. The model must be placed
           with the preset's rules (`zoo.shard(model, zoo.rules(preset))`).
         - `donate`: donate the model and optimizer state buffers to the step.
+        - `budget`: the collectives the compiled step may hold (`zoo.Budget`), checked
+          the first time each program compiles (it compiles nothing again): a step over
+          budget raises `zoo.BudgetError`, naming each collective over budget and its
+          source line. `"default"`: the preset's budget (`zoo.preset(name).budget`), or
+          without a preset one derived from the step's options and the model's layout
+          (`step.budget_for(model)`). `budget.warn_only()` warns instead; `None` does
+          not check.
         """
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (model, batch) -> losses, got {type(loss_fn).__name__}")
@@ -158,7 +168,13 @@ class TrainStep:
             )
         if mode not in ("explicit", "shard_map"):
             raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
-        options = _preset(preset).step_options if preset is not None else {}
+        if not (budget is None or budget == "default" or isinstance(budget, Budget)):
+            raise TypeError(
+                f"budget must be a zoo.Budget, 'default' or None, got {type(budget).__name__} {budget!r}; "
+                "e.g. budget=zoo.preset('dp').budget, or budget=None to not check"
+            )
+        self.preset = _preset(preset) if preset is not None else None
+        options = self.preset.step_options if preset is not None else {}
         gather = options.get("gather", "per_use") if gather is None else gather
         shard_optimizer = options.get("shard_optimizer", False) if shard_optimizer is None else shard_optimizer
         if gather not in ("per_use", "once"):
@@ -177,7 +193,13 @@ class TrainStep:
         self.shard_optimizer = shard_optimizer
         self._grads = Jit(self._loss_and_grads)
         self._init = Jit(self._sharded_init)
-        self._step = Jit(self._train_step, donate=(0, 1) if donate else ())
+        self.budget = budget
+        self.budget_verdict: str | None = None
+        self._step = Jit(
+            self._train_step,
+            donate=(0, 1) if donate else (),
+            on_compile=None if budget is None else self._check_budget,
+        )
 
     # -- public API -------------------------------------------------------------------
     def partition(self, model: Any) -> tuple[Any, Any]:
@@ -229,6 +251,52 @@ class TrainStep:
         compiling twice."""
         self.check(batch)
         return self._step.compile(model, opt_state, batch)
+
+    def budget_for(self, model: Any) -> Budget | None:
+        """The budget this step's program is checked against for `model` (see `budget`)."""
+        if self.budget != "default":
+            return self.budget
+        if self.preset is not None:
+            return self.preset.budget
+        mesh = jax.sharding.get_abstract_mesh()
+        data = tuple(a for a in self.data_axes if a in mesh.shape)
+        return step_budget(
+            "this step's",
+            data_axes=data,
+            other_axes=tuple(a for a, n in mesh.shape.items() if a not in data and n > 1),
+            split_over_data=any(split_over(x, data) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))),
+            gather_once=self.gather == "once",
+            shard_optimizer=self._zero(),
+        )
+
+    def budget_sizes(self, model: Any) -> dict[str, int]:
+        """The symbolic sizes a budget's allowances may name, for `model` on the current
+        mesh: `"gradients"`, the trainable bytes reduced after the loop (per data replica;
+        with per-use gathers, those of the leaves not split over the data axes),
+        `"parameters"`, the whole model's bytes per data replica, and `"scalars"`, the loss
+        sums and an optimizer's per-leaf scalars (see `zoo.Allowance`)."""
+        params = jax.tree.leaves(self.partition(model)[0])
+        arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+        per_use = self.gather == "per_use"
+        return {
+            "gradients": sum(
+                replica_bytes(x, self.data_axes) for x in params if not (per_use and split_over(x, self.data_axes))
+            ),  # fmt: skip
+            "parameters": sum(replica_bytes(x, self.data_axes) for x in arrays),
+            "scalars": LOSS_SCALAR_BYTES + LEAF_SCALAR_BYTES * len(params),
+        }
+
+    def _check_budget(self, compiled: jax.stages.Compiled, args: tuple) -> None:
+        """Check a newly compiled step program against this step's budget."""
+        model = args[0]
+        budget = self.budget_for(model)
+        if budget is None:
+            return
+        colls = collectives(compiled)
+        if not colls:
+            self.budget_verdict = f"within the {budget.name} budget (no collectives)"
+            return
+        self.budget_verdict = budget.check(colls, self.budget_sizes(model), what="the compiled training step")
 
     # -- traced -----------------------------------------------------------------------
     def _zero(self) -> bool:

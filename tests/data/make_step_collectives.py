@@ -35,6 +35,11 @@ def case_name(model: str, preset: str, mesh: dict, mode: str) -> str:
 
 def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> list[dict]:
     """The sorted collectives of one compiled step (as JSON-ready dicts, no op names)."""
+    return rows(compile_case(model, preset, mesh_shape, mode)[0])
+
+
+def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
+    """(collectives, the budget sizes of its model) of one compiled step."""
     import jax
     import optax
 
@@ -63,7 +68,13 @@ def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> li
         batch = task.make_batch(mesh_shape["data"] * MICROBATCHES * 2, jax.random.key(0))
         lowered = step.lower(placed, step.init(placed), batch)
         colls = zoo.collectives(lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS), mesh=mesh)
-    rows = [
+        sizes = step.budget_sizes(placed)
+    return colls, sizes
+
+
+def rows(colls) -> list[dict]:
+    """The collectives as sorted JSON-ready dicts (no op names or source lines)."""
+    out = [
         {
             "kind": c.kind,
             "in_loop": c.in_loop,
@@ -73,7 +84,7 @@ def step_collectives(model: str, preset: str, mesh_shape: dict, mode: str) -> li
         }
         for c in colls
     ]
-    return sorted(rows, key=lambda r: (r["kind"], r["in_loop"], r["bytes"], r["mesh_axes"], r["group_size"]))
+    return sorted(out, key=lambda r: (r["kind"], r["in_loop"], r["bytes"], r["mesh_axes"], r["group_size"]))
 
 
 def main() -> int:

@@ -165,6 +165,10 @@ def cmd_inspect(args) -> int:
         # half the compile time on CPU); the collectives come out the same.
         colls = zoo.collectives(lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS), mesh=mesh)
         trained = step.partition(model)[0]
+        budget, sizes = step.budget_for(model), step.budget_sizes(model)
+    breaches = budget.breaches(colls, sizes)
+    before = _collectives_of(args.against) if args.against else None
+    diff = zoo.compare_collectives(before, colls) if before is not None else None
     result = {
         "model": args.model,
         "command": built.command,
@@ -184,10 +188,18 @@ def cmd_inspect(args) -> int:
         "adapter_bytes": tree_bytes(eqx.filter(model, zoo.lora.trainable(model))),
         "collectives": [c.to_json() for c in colls],
         "summary": collective_summary(colls),
+        "budget": {"name": budget.name, "within": not breaches, "breaches": [b.problem for b in breaches]},
     }
+    if diff is not None:
+        result["against"] = {
+            "path": args.against,
+            "added": [c.to_json() for c in diff.added],
+            "removed": [c.to_json() for c in diff.removed],
+        }
+    code = 4 if args.budget and breaches else 1 if diff else 0
     if args.json:
         print(json.dumps(result))
-        return 0
+        return code
     seq = "" if built.config.data.seq_len is None else f", seq-len {built.config.data.seq_len}"
     print(
         f"{args.model} (as zoo {built.command} builds it): {devices} devices, mesh {mesh_shape}, "
@@ -214,7 +226,32 @@ def cmd_inspect(args) -> int:
     inside = ",".join(summary["in_loop_mesh_axes"]) or "-"
     outside = ",".join(summary["outside_mesh_axes"]) or "-"
     print(f"mesh axes of collectives: inside loops {inside}, outside {outside}")
-    return 0
+    if args.budget:
+        print(f"collectives: {budget.report(colls, sizes, what='the compiled training step')}")
+    if diff is not None:
+        print(f"against {args.against}:\n{diff}")
+    return code
+
+
+def _collectives_of(path: str) -> list:
+    """The collectives a file holds: `zoo inspect --json`'s output or a run's summary.json."""
+    import zoo
+
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CLIError(f"--against {path}: cannot read it as JSON ({e}); give the output of zoo inspect --json "
+                       "or a run's summary.json") from e  # fmt: skip
+    rows = data.get("collectives") if isinstance(data, dict) else None
+    if isinstance(rows, dict):  # a run's summary.json
+        rows = rows.get("list")
+    if not isinstance(rows, list):
+        raise CLIError(f"--against {path}: it holds no collectives; give the output of zoo inspect --json or a "
+                       "run's summary.json")  # fmt: skip
+    try:
+        return [zoo.Collective.from_json(row) for row in rows]
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"--against {path}: {e}") from e
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -297,6 +334,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--batch-size", type=int, metavar="B", help="global batch (default: the model's zoo train/finetune default)"
     )
     add_model_flags(ins)
+    ins.add_argument(
+        "--budget",
+        action="store_true",
+        help="check the step against its preset's collective budget (zoo.preset(RULES).budget) and print the "
+        "verdict, or each collective over budget with its source line (exit 4)",
+    )
+    ins.add_argument(
+        "--against",
+        metavar="JSON",
+        help="compare with the collectives in JSON (an earlier zoo inspect --json, or a run's summary.json): "
+        "print what was added and removed (exit 1 when they differ)",
+    )
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ins.set_defaults(func=cmd_inspect)
     return ins

@@ -91,7 +91,8 @@ def _not_an_interrupt(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `zoo` console script: exit 0 on success, 2 on a usage error
     (one line on stderr), 1 when the demo's loss did not fall, 3 when a run stopped because
-    its loss or weights went non-finite, 130 when interrupted (Ctrl-C), 143 when stopped by
+    its loss or weights went non-finite, 4 when the compiled step breaks its collective budget
+    (`zoo.BudgetError`), 130 when interrupted (Ctrl-C), 143 when stopped by
     SIGTERM after saving a checkpoint."""
     # A full disk during a checkpoint save ends with one line: tensorstore's writes still in
     # flight then print "Event loop is closed" tracebacks from orbax's stopped loop.
@@ -167,6 +168,11 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:  # a bug or an environment problem: still one line, unless --debug
         if debug:
             raise
+        import zoo
+
+        if isinstance(e, zoo.BudgetError):  # its lines are the report: each collective, its source line
+            print(f"zoo: error: {e}", file=sys.stderr)
+            return 4
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"zoo: error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1

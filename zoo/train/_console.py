@@ -151,6 +151,8 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
             f"loop, {c['gradient_bytes']:,} bytes in all ({what} {per_device:,} bytes{split}){in_loop}"
         )
     say(report(colls))
+    if c.get("budget"):
+        say(f"collectives: {c['budget']}")
     secs = summary["seconds"]
     thr = summary["throughput"]
     rate = (

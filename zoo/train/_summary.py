@@ -114,6 +114,7 @@ class Summary(Hook):
                 **collective_summary(colls), "gradient_reductions": len(grads),
                 "gradient_reduction_kinds": sorted({x.kind for x in grads}),
                 "gradient_bytes": sum(x.bytes for x in grads), "list": [x.to_json() for x in colls],
+                "budget": r.built.step.budget_verdict,
             },
             "seconds": {**r.seconds, "train": train_s, "hooks": trainer.hook_seconds,
                         "total": time.perf_counter() - r.t_start},

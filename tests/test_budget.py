@@ -1,0 +1,291 @@
+"""Collective budgets: the promise as a guard every step checks when it compiles.
+
+Each injected violation compiles a real zoo step whose program breaks its budget in a way
+users meet (a batch mean in the loss, a reshard that drops the reduced cast, a layer that
+gathers the batch, a trainable leaf left out of the cast) and asserts the error names the
+collective and the source line that made it.
+"""
+
+import inspect
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import TokenRegressor, data_mesh, mse_per_example, token_batch
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from zoo._budget import step_budget
+
+N, M = 4, 2
+
+
+def _line(fn, text: str) -> str:
+    """`file:line` of the first line of `fn`'s source that contains `text`."""
+    lines, start = inspect.getsourcelines(fn)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(fn).rsplit('/', 1)[-1]}:{start + offset}"
+
+
+def _step_error(loss_fn, *, budget="default", trainable=eqx.is_inexact_array, preset="dp"):
+    """Compile and run one dp step of the token regressor; the BudgetError it raises (or None)."""
+    mesh = data_mesh(N)
+    with jax.set_mesh(mesh):
+        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules(preset), mesh)
+        step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=M, preset=preset, budget=budget, trainable=trainable)
+        batch = token_batch(jax.random.key(1), 16)
+        try:
+            step(model, step.init(model), batch)
+        except zoo.BudgetError as e:
+            return e, step
+        return None, step
+
+
+def batch_normalised_loss(model, batch):
+    losses = mse_per_example(model, batch)
+    scale = jax.lax.stop_gradient(jnp.mean(losses))  # a mean over the whole batch: in the loop
+    return losses / (1.0 + scale)
+
+
+def resharded_params_loss(model, batch):
+    # "Fixing" the reduced parameters by resharding them to plain replicated arrays.
+    model = jax.tree.map(lambda x: jax.reshard(x, P()) if eqx.is_inexact_array(x) else x, model)
+    return mse_per_example(model, batch)
+
+
+class GatheringLayer(eqx.Module):
+    """A layer that constrains its activations to be replicated: it gathers the batch."""
+
+    inner: TokenRegressor
+
+    def __call__(self, ids):
+        x = self.inner.embed(ids).mean(axis=1)
+        x = jax.reshard(x, P())  # the constraint that gathers every row on every device
+        return self.inner.mlp(x)
+
+
+def gathering_layer_loss(model, batch):
+    x, y = batch
+    return jnp.mean(jnp.square(GatheringLayer(model)(x) - y), axis=-1)
+
+
+@pytest.mark.parametrize(
+    "loss_fn, source",
+    [
+        (batch_normalised_loss, lambda: _line(batch_normalised_loss, "jnp.mean(losses)")),
+        # Plain parameters are reduced where they are used: the model's line that calls the layers.
+        (resharded_params_loss, lambda: _line(TokenRegressor.__call__, "self.mlp(self.embed")),
+        (gathering_layer_loss, lambda: _line(GatheringLayer.__call__, "jax.reshard(x, P())")),
+    ],
+    ids=["batch-mean-in-loss", "reshard-drops-reduced", "layer-gathers-batch"],
+)
+def test_injected_violations_are_refused_naming_their_source_line(loss_fn, source):
+    error, _ = _step_error(loss_fn)
+    assert error is not None, "the step should break the dp budget"
+    message = str(error)
+    where = source()
+    assert where in message, message
+    assert "INSIDE a loop over data" in message and "breaks the dp budget" in message, message
+    assert "The dp budget allows:" in message and "the gradient reduction: exactly 1" in message, message
+    assert error.breaches and all(c.in_loop for b in error.breaches for c in b.collectives if b.stray)
+    assert any(where in c.origin for b in error.breaches for c in b.collectives)
+
+
+def test_a_trainable_leaf_left_out_of_the_reduced_cast_is_refused(monkeypatch):
+    """zoo's own cast made to skip one leaf: its gradient is reduced every microbatch."""
+    import zoo._accumulate as accumulate
+
+    real_cast, real_zeros = accumulate.reduced_cast, accumulate.unreduced_zeros
+
+    def weight(m):
+        return m.mlp.output_layer.weight
+
+    def cast_skipping_the_output_layer(params, **kwargs):
+        return eqx.tree_at(weight, real_cast(params, **kwargs), weight(params))
+
+    def zeros_plain_for_the_output_layer(view, *args, **kwargs):
+        return eqx.tree_at(weight, real_zeros(view, *args, **kwargs), jnp.zeros_like(weight(view)))
+
+    monkeypatch.setattr(accumulate, "reduced_cast", cast_skipping_the_output_layer)
+    monkeypatch.setattr(accumulate, "unreduced_zeros", zeros_plain_for_the_output_layer)
+    error, _ = _step_error(mse_per_example)
+    assert error is not None
+    message = str(error)
+    # Reduced where it is used: the transpose of the output layer's matmul, called from the model.
+    assert "all-reduce INSIDE a loop over data, 128 B, at zoo/nn/_linear.py" in message, message
+    assert f"called from tests/{_line(TokenRegressor.__call__, 'self.mlp(self.embed')}" in message, message
+    # ... and the gradient reduction after the loop misses exactly that leaf's bytes.
+    (short,) = [b for b in error.breaches if not b.stray]
+    assert short.problem.startswith("the gradient reduction carries 3,500 B"), short.problem
+    assert "exactly 3,624 B (the gradients)" in short.problem and 3624 - 3500 == 4 * 31
+
+
+def test_within_budget_the_step_says_so_and_budget_none_does_not_check():
+    error, step = _step_error(mse_per_example)
+    assert error is None
+    assert re.fullmatch(r"within the dp budget \(1 all-reduce outside, [\d,]+ B\)", step.budget_verdict)
+    error, step = _step_error(batch_normalised_loss, budget=None)
+    assert error is None and step.budget_verdict is None
+
+
+def test_warn_only_warns_and_the_step_runs():
+    with pytest.warns(zoo.BudgetWarning, match="breaks the dp budget"):
+        error, step = _step_error(batch_normalised_loss, budget=zoo.preset("dp").budget.warn_only())
+    assert error is None and step.budget_verdict.startswith("OVER the dp budget")
+
+
+def test_a_users_own_budget_can_allow_what_the_preset_does_not():
+    allow_loop = zoo.Allowance("the batch statistic", ("all-reduce",), "inside", ("data",), count=1, bytes=16)
+    budget = zoo.Budget("mine", zoo.preset("dp").budget.allowances + (allow_loop,))
+    error, step = _step_error(batch_normalised_loss, budget=budget)
+    assert error is None, str(error)
+    assert step.budget_verdict.startswith("within the mine budget")
+
+
+def test_the_guard_compiles_nothing_more(monkeypatch):
+    import jax._src.compiler as compiler
+
+    real = compiler.compile_or_get_cached
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "compile_or_get_cached", counting)
+    counts = {}
+    mesh = data_mesh(N)
+    for budget, size in (("default", 24), (None, 32)):  # distinct shapes: nothing cached
+        with jax.set_mesh(mesh):
+            model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
+            step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=M, budget=budget)
+            opt_state = step.init(model)
+            batch = token_batch(jax.random.key(1), size)
+            calls.clear()
+            for _ in range(2):
+                model, opt_state, _loss = step(model, opt_state, batch)
+            jax.block_until_ready(model)
+            counts[budget] = len(calls)
+    assert counts["default"] == counts[None] >= 1, counts
+
+
+@pytest.mark.parametrize("name", zoo.RULE_PRESETS)
+def test_every_preset_carries_a_budget_for_its_layout(name):
+    budget = zoo.preset(name).budget
+    assert budget.name == name
+    what = [a.what for a in budget.allowances]
+    assert what[0] == "the gradient reduction" and budget.allowances[0].where == "outside"
+    assert budget.allowances[0].axes == ("data",)
+    assert ("tensor parallelism" in what) == ("tp" in name)
+    assert ("the per-use parameter gathers" in what) == (name in ("fsdp", "fsdp+tp"))
+    assert ("the parameter gathers" in what) == (name in ("fsdp-once", "zero1"))
+    # Nothing but the preset's own tensor-parallel axis may communicate inside loops.
+    inside = [a for a in budget.allowances if a.where != "outside"]
+    assert all(a.axes in (("data",), ("model",)) for a in inside)
+    if name in ("dp", "zero1", "fsdp-once"):
+        assert not inside
+
+
+def test_a_step_without_preset_derives_its_budget_from_its_layout():
+    budget = step_budget("x", data_axes=("data",), other_axes=("model",), split_over_data=True)
+    assert [a.what for a in budget.allowances] == [
+        "the gradient reduction",
+        "the per-use parameter gathers",
+        "the per-use gradient reductions",
+        "tensor parallelism",
+    ]
+    mesh = data_mesh(N)
+    with jax.set_mesh(mesh):
+        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(mse_per_example, optax.sgd(0.1))
+        derived = step.budget_for(model)
+    assert [a.what for a in derived.allowances] == [a.what for a in zoo.preset("dp").budget.allowances]
+
+
+def test_bad_budgets_are_refused_with_the_fix():
+    with pytest.raises(TypeError, match="budget must be a zoo.Budget"):
+        zoo.TrainStep(mse_per_example, optax.sgd(0.1), budget="dp")
+    with pytest.raises(ValueError, match="kinds must be some of"):
+        zoo.Allowance("x", ("allreduce",), "outside")
+    with pytest.raises(ValueError, match="where must be"):
+        zoo.Allowance("x", ("all-reduce",), "in")
+    with pytest.raises(ValueError, match="on_breach"):
+        zoo.Budget("x", (), on_breach="log")
+
+
+def test_compare_collectives_names_what_a_change_added_and_removed():
+
+    before = [zoo.Collective("all-reduce", False, 100, ("data",), "a", 8)]
+    after = [zoo.Collective("all-reduce", False, 100, ("data",), "b", 8, ("x.py:3 in f",)),
+             zoo.Collective("all-reduce", True, 4, ("data",), "c", 8, ("/tmp/loss.py:12 in loss",))]  # fmt: skip
+    assert not zoo.compare_collectives(before, before[:1]) and str(zoo.compare_collectives(before, before)) == (
+        "the same collectives"
+    )
+    diff = zoo.compare_collectives(before, after)
+    assert diff and diff.added == (after[1],) and diff.removed == ()
+    assert str(diff).splitlines()[0] == "+ all-reduce IN LOOP over data, 4 B at /tmp/loss.py:12 in loss"
+    back = zoo.compare_collectives(after, before)
+    assert back.removed == (after[1],) and str(back).startswith("- all-reduce IN LOOP")
+    # JSON round trip, as summary.json and zoo inspect --json hold them.
+    assert [zoo.Collective.from_json(c.to_json()) for c in after] == after
+    with pytest.raises(TypeError, match="takes the list of Collective"):
+        zoo.compare_collectives("HloModule x", after)
+
+
+# --- every family under every preset: each step within its preset's budget ---------------
+
+# One preset per family in the fast suite (every preset and every family covered); the
+# other pairs run in the slow suite.
+_FAST_PAIRS = {
+    ("llama", "dp"), ("llama_bias_tied", "fsdp"), ("llama3_scaled", "fsdp-once"), ("mistral", "zero1"),
+    ("qwen2", "tp"), ("gemma", "fsdp+tp"), ("phi3", "tp"), ("phi3", "zero1"),
+}  # fmt: skip
+
+
+def _family_cases():
+    from test_families import CASES
+
+    for name in CASES:
+        for preset in zoo.RULE_PRESETS:
+            marks = () if (name, preset) in _FAST_PAIRS else (pytest.mark.slow,)
+            yield pytest.param(name, preset, id=f"{name}-{preset}", marks=marks)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """Each family of tests/test_families.py as a tiny transformers model on disk."""
+    import torch
+    import transformers
+    from test_families import CASES
+
+    out = {}
+    for i, (name, (cls, values)) in enumerate(CASES.items()):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(cls(**values))
+        directory = tmp_path_factory.mktemp(name)
+        model.save_pretrained(directory)
+        out[name] = directory
+    return out
+
+
+@pytest.mark.parametrize("name, preset", list(_family_cases()))
+def test_every_family_step_is_within_its_preset_budget(name, preset, family_dirs):
+    from helpers import lm_batch, preset_mesh
+    from test_families import VOCAB
+
+    from zoo.train._task import ONCE_COMPILER_OPTIONS
+
+    mesh = preset_mesh(preset, 8)
+    with jax.set_mesh(mesh):
+        model = zoo.hf.from_pretrained(family_dirs[name], rules=zoo.rules(preset), mesh=mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.adamw(1e-3), microbatches=M, preset=preset)
+        batch = lm_batch(jax.random.key(0), 2 * M * mesh.shape["data"], seq=8, vocab=VOCAB)
+        compiled = step.lower(model, step.init(model), batch).compile(compiler_options=ONCE_COMPILER_OPTIONS)
+        colls = zoo.collectives(compiled)
+        budget, sizes = step.budget_for(model), step.budget_sizes(model)
+    assert budget.name == preset
+    assert budget.breaches(colls, sizes) == [], budget.report(colls, sizes)
+    assert zoo.count(colls, "all-reduce", in_loop=False) >= 1
