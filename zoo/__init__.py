@@ -45,7 +45,8 @@ __getattr__, __dir__ = lazy_names(
         "._host_memory": ("keep_freed_memory",),
         "._inspect": ("Collective", "collectives", "count", "report"),
         "._presets": ("RULE_PRESETS", "Preset", "preset", "rules"),
-        "._rules": ("LOGICAL_AXES", "partition_specs", "shard"),
+        "._axis_names": ("LOGICAL_AXES",),
+        "._rules": ("partition_specs", "shard"),
         "._step": ("TrainStep",),
     },
 )
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from ._axes import field as field
     from ._axes import logical_axes as logical_axes
     from ._axes import stacked_field as stacked_field
+    from ._axis_names import LOGICAL_AXES as LOGICAL_AXES
     from ._checkpoint import Checkpointer as Checkpointer
     from ._checkpoint import CheckpointError as CheckpointError
     from ._checkpoint import DamagedCheckpointError as DamagedCheckpointError
@@ -76,7 +78,6 @@ if TYPE_CHECKING:
     from ._presets import Preset as Preset
     from ._presets import preset as preset
     from ._presets import rules as rules
-    from ._rules import LOGICAL_AXES as LOGICAL_AXES
     from ._rules import partition_specs as partition_specs
     from ._rules import shard as shard
     from ._step import TrainStep as TrainStep

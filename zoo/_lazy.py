@@ -66,3 +66,15 @@ def resolve_class(value: type | str) -> type:
     if not isinstance(found, type):
         raise ImportError(f"{value!r} names no class: give a class or its import path (module.Name)")
     return found
+
+
+def is_subclass(cls: type | str, base: type | str) -> bool:
+    """Whether `cls` is `base` or a subclass of it, each a class or its import path. Two
+    paths into the zoo itself compare as paths, importing nothing (none of the zoo's
+    classes that registries name subclasses another; tests/test_registry.py holds it);
+    anything else is compared as classes."""
+    if cls == base:
+        return True
+    if isinstance(cls, str) and isinstance(base, str) and cls.startswith("zoo.") and base.startswith("zoo."):
+        return False
+    return issubclass(resolve_class(cls), resolve_class(base))

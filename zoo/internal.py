@@ -55,11 +55,16 @@ __getattr__, __dir__ = lazy_names(
         ".train._model_config": ("PRETRAINED_KEYS",),
         ".train._output": ("Metrics", "human_bytes", "plot_losses", "read_metrics", "write_json"),
         ".train._plan": ("output_dir",),
-        ".train._registry": ("CLASSIFIER_SAVE", "OPTIONAL_DEFAULT_KEYS", "SHARED_DEFAULTS", "spec_for_init"),
+        ".train._registry": (
+            "CLASSIFIER_SAVE",
+            "DATA_FILE_HELP",
+            "OPTIONAL_DEFAULT_KEYS",
+            "SHARED_DEFAULTS",
+            "spec_for_init",
+        ),
         ".train._report": ("collective_summary", "tree_bytes", "tree_size"),
         ".train._sources": ("numpy_rng",),
         ".train._task": ("ONCE_COMPILER_OPTIONS", "init_compiled", "resolve_init"),
-        ".train._user_data": ("DATA_FILE_HELP",),
     },
 )
 
@@ -111,6 +116,7 @@ if TYPE_CHECKING:
     from .train._output import write_json as write_json
     from .train._plan import output_dir as output_dir
     from .train._registry import CLASSIFIER_SAVE as CLASSIFIER_SAVE
+    from .train._registry import DATA_FILE_HELP as DATA_FILE_HELP
     from .train._registry import OPTIONAL_DEFAULT_KEYS as OPTIONAL_DEFAULT_KEYS
     from .train._registry import SHARED_DEFAULTS as SHARED_DEFAULTS
     from .train._registry import spec_for_init as spec_for_init
@@ -121,7 +127,6 @@ if TYPE_CHECKING:
     from .train._task import ONCE_COMPILER_OPTIONS as ONCE_COMPILER_OPTIONS
     from .train._task import init_compiled as init_compiled
     from .train._task import resolve_init as resolve_init
-    from .train._user_data import DATA_FILE_HELP as DATA_FILE_HELP
 
 __all__ = [
     "CLASSIFIER_SAVE",

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from ._task import lm_metrics as lm_metrics
     from ._task import regression_loss as regression_loss
     from ._task import regression_metrics as regression_metrics
+    from ._trainer import Trainer as Trainer
 
 __all__ = [
     "OPTIMIZERS",
