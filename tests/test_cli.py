@@ -415,11 +415,14 @@ PARSER_SECONDS = 5.0
 )
 def test_help_and_usage_errors_answer_before_jax(args, code, expected):
     """`--help` and argparse's usage errors come from the parser alone: a fresh process
-    imports no jax (`-X importtime` lists every module it imports) and answers at once."""
+    imports no jax (`-X importtime` lists every module it imports) and answers at once.
+    (ZOO_RUNTIME_CHECKS=1's import hook brings jax in: not set here.)"""
+    env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "zoo", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
-    )
+        [sys.executable, "-X", "importtime", "-m", "zoo", *args],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+    )  # fmt: skip
     seconds = time.perf_counter() - start
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))

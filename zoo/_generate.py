@@ -195,7 +195,7 @@ def _model_mesh(model) -> Any:
     return None
 
 
-def _left_padding(mask: np.ndarray) -> np.ndarray | None:
+def _left_padding_order(mask: np.ndarray) -> np.ndarray | None:
     """The column order that moves each row's padding in front of its prompt, keeping the
     order of each (None when every row is padded on the left already). Each row needs at
     least one real token (True), all in one run: padded on the left, the right, or both."""
@@ -214,6 +214,33 @@ def _left_padding(mask: np.ndarray) -> np.ndarray | None:
     if (last == mask.shape[1] - 1).all():
         return None
     return np.argsort(mask, axis=1, kind="stable")  # False (padding) first
+
+
+def _mask_of(mask: Any, b: int, s: int) -> Any:
+    """`generate`'s mask: all real when None, else checked to be one bool per token."""
+    if mask is None:
+        return np.ones((b, s), bool)
+    mask = mask if isinstance(mask, jax.Array) else np.asarray(mask)
+    if tuple(mask.shape) != (b, s):
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} but tokens have {(b, s)}; pass one bool per token "
+            "(True at real tokens, False on the padding)"
+        )
+    return mask
+
+
+def _left_padded_prompts(tokens: Any, mask: Any) -> tuple[Any, Any, bool]:
+    """`(tokens, mask, moved)` in the left-padded layout the cache is filled from: rows
+    padded on the right (or on both sides) moved to their padding first, then the prompt,
+    each in order (`moved`), left-padded rows as they are. A traced mask is taken as is."""
+    order = None if isinstance(mask, jax.core.Tracer) else _left_padding_order(np.asarray(mask).astype(bool))
+    if order is None:
+        return tokens, mask, False
+    if isinstance(tokens, jax.core.Tracer):
+        tokens = jnp.take_along_axis(tokens, jnp.asarray(order), axis=1)
+    else:
+        tokens = np.take_along_axis(np.asarray(tokens), order, axis=1)
+    return tokens, np.take_along_axis(np.asarray(mask).astype(bool), order, axis=1), True
 
 
 def _check_vocabulary(vocab: int, tokens: Any, mask: Any, **ids: int | None) -> None:
@@ -300,24 +327,10 @@ def generate(
             f"prompt length {s} + max_new_tokens {max_new_tokens} = {s + max_new_tokens} exceeds the model's max_len "
             f"{max_len}; lower max_new_tokens to at most {max(max_len - s, 0)} or shorten the prompts"
         )
-    if mask is None:
-        mask_np = np.ones((b, s), bool)
-    else:
-        mask_np = mask if isinstance(mask, jax.Array) else np.asarray(mask)
-        if tuple(mask_np.shape) != (b, s):
-            raise ValueError(
-                f"mask has shape {tuple(mask_np.shape)} but tokens have {(b, s)}; pass one bool per token "
-                "(True at real tokens, False on the padding)"
-            )
+    mask_np = _mask_of(mask, b, s)
     _check_vocabulary(model.config.vocab_size, tokens_np, mask_np, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     prompt_np = tokens_np  # what the output starts with
-    order = None if isinstance(mask_np, jax.core.Tracer) else _left_padding(np.asarray(mask_np).astype(bool))
-    if order is not None:  # right-padded rows: the cache is filled from the left-padded layout
-        if isinstance(tokens_np, jax.core.Tracer):
-            tokens_np = jnp.take_along_axis(tokens_np, jnp.asarray(order), axis=1)
-        else:
-            tokens_np = np.take_along_axis(np.asarray(tokens_np), order, axis=1)
-        mask_np = np.take_along_axis(np.asarray(mask_np).astype(bool), order, axis=1)
+    tokens_np, mask_np, moved = _left_padded_prompts(tokens_np, mask_np)
     temperature = float(temperature)
     check_sampling(temperature, top_k, top_p)
     if temperature > 0 and key is None:
@@ -337,7 +350,7 @@ def generate(
     def run():
         mesh = jax.sharding.get_abstract_mesh()
         toks, msk = jnp.asarray(tokens_np, jnp.int32), jnp.asarray(mask_np, bool)
-        prompt = toks if order is None else jnp.asarray(prompt_np, jnp.int32)
+        prompt = jnp.asarray(prompt_np, jnp.int32) if moved else toks
         if not mesh.empty:
             data = mesh.shape.get("data", 1)
             spec = P("data") if data > 1 and b % data == 0 else P()
