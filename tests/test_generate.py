@@ -366,7 +366,7 @@ def test_compiles_once_per_shape_and_never_on_a_repeat(decoder):
         (dict(max_new_tokens=2, temperature=1.0, top_p=0.0, key=jax.random.key(0)), "top_p must be in (0, 1]"),
         (dict(max_new_tokens=2, temperature=1.0, top_p=1.5, key=jax.random.key(0)), "top_p must be in (0, 1]"),
         (dict(max_new_tokens=2, temperature=1.0), "needs a PRNG key: pass key=jax.random.key(seed)"),
-        (dict(max_new_tokens=2, mask=MASK[:, ::-1]), "padded on the left"),  # right-padded
+        (dict(max_new_tokens=2, mask=MASK & (np.arange(6) != 3)), "mask row 0 has padding (False) between its real"),
         (dict(max_new_tokens=2, mask=np.zeros((4, 6), bool)), "mask row 0 has no real token"),
         (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
         # Ids outside the vocabulary: clamped by the lookup (finite, wrong logits) before.
@@ -382,6 +382,24 @@ def test_bad_input_is_one_line_naming_the_fix(decoder, kwargs, message):
     with pytest.raises(ValueError) as info:
         zoo.generate(decoder, **kwargs)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_right_padded_prompts_generate_the_left_padded_tokens(decoder):
+    """Prompts padded on the right (a tokenizer's default) generate, token for token, what
+    the same prompts padded on the left do, greedy and sampled (the shapes and settings of
+    the calls above: one compiled program each); the output starts with the prompts as
+    given. Padding on both sides, the tokens together, reads the same."""
+    right = np.stack([np.concatenate([t[m], t[~m]]) for t, m in zip(TOKENS, MASK)])
+    assert not np.array_equal(right, TOKENS) and (right[:, 0] != 0).all()
+    for kw in (dict(max_new_tokens=NEW), dict(max_new_tokens=NEW, temperature=1.0, key=jax.random.key(1))):
+        left_out = np.asarray(zoo.generate(decoder, TOKENS, mask=MASK, **kw))
+        right_out = np.asarray(zoo.generate(decoder, right, mask=right != 0, **kw))
+        np.testing.assert_array_equal(right_out[:, 6:], left_out[:, 6:])
+        np.testing.assert_array_equal(right_out[:, :6], right)
+    both = np.roll(TOKENS[1:], -1, axis=1) * (np.arange(6) < 5)  # rows 1-3: one pad moved to the right
+    both_out = np.asarray(zoo.generate(decoder, both, mask=both != 0, max_new_tokens=NEW))
+    left_out = np.asarray(zoo.generate(decoder, TOKENS[1:], mask=MASK[1:], max_new_tokens=NEW))
+    np.testing.assert_array_equal(both_out[:, 6:], left_out[:, 6:])
 
 
 @pytest.mark.parametrize("preset", [None, "tp"])
@@ -429,10 +447,8 @@ def _zoo(*args):
 
 
 def _left_padded(tokenizer, texts):
-    rows = [tokenizer.tokenizer.encode(t).ids for t in texts]
-    width = max(map(len, rows))
-    tokens = np.array([[0] * (width - len(r)) + r for r in rows], np.int32)
-    return tokens, tokens != 0
+    batch = tokenizer(texts, padding_side="left")
+    return batch["tokens"], batch["mask"]
 
 
 def test_cli_streams_one_prompt_as_the_library_generates_it(gpt2_with_tokenizer):
@@ -455,8 +471,14 @@ def test_cli_samples_a_left_padded_batch_like_the_library(gpt2_with_tokenizer):
                 "--devices", 2, "--mesh", "data=2")  # fmt: skip
     assert done.returncode == 0, done.stderr
     tokens, mask = _left_padded(tokenizer, prompts)
-    out = np.asarray(zoo.generate(model, tokens, mask=mask, max_new_tokens=6, temperature=0.9, top_k=12, top_p=0.95,
-                                  eos_token_id=39, key=jax.random.key(4)))  # fmt: skip
+    assert tokens.tolist() == [[5, 16, 9, 24], [0, 0, 0, 11]]
+    kw = dict(max_new_tokens=6, temperature=0.9, top_k=12, top_p=0.95, eos_token_id=39, key=jax.random.key(4))
+    out = np.asarray(zoo.generate(model, tokens, mask=mask, **kw))
+    right = tokenizer(prompts)  # the tokenizer's default: padded on the right, the same tokens
+    assert right["tokens"].tolist() == [[5, 16, 9, 24], [11, 0, 0, 0]]
+    np.testing.assert_array_equal(
+        np.asarray(zoo.generate(model, right["tokens"], mask=right["mask"], **kw))[:, 4:], out[:, 4:]
+    )
     expected = []
     for p, row in zip(prompts, out):
         ids = [int(i) for i in row[4:]]

@@ -190,6 +190,31 @@ def test_tokenizer_truncates_and_pads(minilm):
         tokenizer(["a b c d e f"], pad_to=4)
 
 
+def test_tokenizer_pads_on_either_side_as_transformers(minilm):
+    """`padding_side` as transformers' tokenizer takes it: per call, or the tokenizer's
+    default (`from_pretrained(padding_side=)`, else right); the same arrays either side."""
+    _, tokenizer, _ = minilm
+    reference = transformers.AutoTokenizer.from_pretrained(str(minilm_path()))
+    assert tokenizer.padding_side == reference.padding_side == "right"
+    texts, cut = SENTENCES[:4] + [LONG], dict(max_len=12, pad_to=12)
+    cases = [  # (zoo's arrays, transformers' arguments)
+        (tokenizer(texts, padding_side="left"), dict(padding=True, truncation=True, max_length=256)),
+        (tokenizer(texts, padding_side="left", **cut), dict(padding="max_length", truncation=True, max_length=12)),
+        (tokenizer(texts, **cut), dict(padding="max_length", truncation=True, max_length=12, padding_side="right")),
+    ]
+    for ours, kwargs in cases:
+        theirs = reference(texts, return_tensors="np", **({"padding_side": "left"} | kwargs))
+        np.testing.assert_array_equal(ours["tokens"], theirs["input_ids"])
+        np.testing.assert_array_equal(ours["mask"], theirs["attention_mask"].astype(bool))
+        np.testing.assert_array_equal(ours["token_types"], theirs["token_type_ids"])
+    left = cases[0][0]
+    assert not left["mask"][:, 0].all() and left["mask"][:, -1].all()  # padding first
+    lefty = zoo.hf.Tokenizer.from_pretrained(minilm_path(), padding_side="left")
+    np.testing.assert_array_equal(lefty(texts)["tokens"], left["tokens"])
+    with pytest.raises(ValueError, match="padding_side must be 'right' .* or 'left' .*, got 'up'"):
+        tokenizer(texts, padding_side="up")
+
+
 def test_missing_minilm_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(

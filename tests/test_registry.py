@@ -46,6 +46,38 @@ def test_builtins_are_registered_with_their_defaults():
         lm.defaults["train"]["steps"] = 1
 
 
+def test_classes_given_as_import_paths_read_and_compare_as_the_classes():
+    """The built-in specs and families name their zoo classes by import path (registering
+    and listing them imports no jax, tests/test_cli.py); read, each is the class, and two
+    paths compare as their classes would: none of them subclasses another."""
+    import dataclasses
+    import inspect
+    import itertools
+
+    import zoo
+    from zoo._lazy import is_subclass, resolve_class
+
+    families = zoo.hf.families()
+    paths = {inspect.getattr_static(f, "model_class").path for f in families.values()}
+    assert paths == {"zoo.models.Transformer", "zoo.models.Encoder"}
+    paths |= {"zoo.models.EncoderClassifier", "zoo.models.TransformerConfig", "zoo.models.EncoderConfig"}
+    for a, b in itertools.product(paths, repeat=2):
+        assert is_subclass(a, b) == issubclass(resolve_class(a), resolve_class(b)), (a, b)
+    for name in zoo.train.model_names():
+        spec = zoo.train.model_spec(name)
+        by_class = [] if spec.init_class is None else zoo.train.init_families(spec.init_class)
+        assert spec.init_families == by_class, name
+    assert sorted(zoo.train.init_families("zoo.models.Transformer")) == sorted(zoo.hf.families(zoo.models.Transformer))
+    assert families["llama"].model_class is zoo.models.Transformer
+    assert families["bert"].config_class is zoo.models.EncoderConfig
+    # A spec takes a class too, and `dataclasses.replace` keeps what it reads.
+    spec = dataclasses.replace(zoo.train.model_spec("transformer"), init_class=zoo.models.Transformer)
+    assert spec.init_class is zoo.models.Transformer
+    assert spec.init_families == zoo.train.model_spec("transformer").init_families
+    with pytest.raises(ImportError, match="'zoo.models.Transformr' names no class: give a class or its import path"):
+        resolve_class("zoo.models.Transformr")
+
+
 def test_unknown_model_is_a_config_error_listing_the_names():
     import zoo
 

@@ -233,3 +233,71 @@ def test_every_public_name_is_counted_in_the_design_notes():
     assert {f"zoo.{n}" for n in namespaces} | {"zoo"} == set(table), "every public namespace has a row"
     for gone in ("load_bert", "load_gpt2", "encoder_config_from_hf", "transformer_config_to_hf"):
         assert not hasattr(zoo.hf, gone), f"zoo.hf.{gone}: the one way in is zoo.hf.from_pretrained"
+
+
+# --- lazy namespaces -------------------------------------------------------------------------------
+
+
+def _lazy_table(tree) -> dict[str, str] | None:
+    """A namespace's `lazy_names(__name__, {module: names})` as name → module, or None."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_names":
+            table = ast.literal_eval(node.args[1])
+            return {name: module for module, names in table.items() for name in names}
+    return None
+
+
+def _type_checking_names(tree) -> dict[str, str]:
+    """The `if TYPE_CHECKING:` block's imports as name → module (`from . import x`: `.x`)."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for imp in node.body:
+                for alias in imp.names:
+                    name = alias.asname or alias.name
+                    out[name] = "." * imp.level + (imp.module or name)
+    return out
+
+
+LAZY = {m: table for m, tree in TREES.items() if (table := _lazy_table(tree)) is not None}
+
+
+def test_lazy_namespaces_list_each_name_once_for_runtime_and_type_checkers():
+    """Each lazy namespace's table (what `zoo.X` imports when first read) names the same
+    modules as its `if TYPE_CHECKING:` imports (what editors see) and as its `__all__`,
+    and each name reads as the object its module defines."""
+    import importlib
+
+    assert {"zoo", "zoo.train", "zoo.internal", "zoo.hf", "zoo.models", "zoo.nn"} <= set(LAZY), sorted(LAZY)
+    for name, table in LAZY.items():
+        assert table == _type_checking_names(TREES[name]), name
+        namespace = importlib.import_module(name)
+        if hasattr(namespace, "__all__"):
+            assert set(namespace.__all__) == set(table), name
+        assert set(table) <= set(dir(namespace)), name
+        for attr, module in table.items():
+            source = importlib.import_module(module, namespace.__package__)
+            want = source if module == f".{attr}" else getattr(source, attr)
+            assert getattr(namespace, attr) is want, f"{name}.{attr}"
+
+
+def test_import_zoo_loads_no_jax_and_every_public_name_reads():
+    """`import zoo` in a fresh process imports no jax (the `zoo` command's help needs
+    none); then every name of every namespace's `__all__` reads (importing it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, zoo\n"
+        "assert 'jax' not in sys.modules, 'import zoo imported jax'\n"
+        "for ns in [zoo] + [getattr(zoo, n) for n in zoo.__all__ if type(getattr(zoo, n)) is type(zoo)]:\n"
+        "    for n in getattr(ns, '__all__', ()):\n"
+        "        getattr(ns, n)\n"
+        "assert 'jax' in sys.modules\n"
+        "print(len(zoo.__all__))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}  # its import hook loads jax
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["36"], proc.stdout

@@ -2,7 +2,8 @@
 
 `generate(model, tokens, ...)` compiles one program per (batch, prompt length,
 `max_new_tokens`, sampling settings): the prompt's forward pass fills the cache
-(`prefill`), then a `lax.while_loop` runs one cached step per new token (`decode_step`)
+(`prefill`, from the prompts padded on the left: right-padded ones are moved there first),
+then a `lax.while_loop` runs one cached step per new token (`decode_step`)
 and picks it (`zoo._sampling.next_token`). Repeated calls with the same shapes reuse the
 compiled program.
 """
@@ -118,7 +119,9 @@ def _replicate_vocab(logits):
 
 
 @eqx.filter_jit
-def _generate_program(model, tokens, mask, key, settings, stream):
+def _generate_program(model, tokens, mask, key, settings, stream, prompt=None):
+    """The prompts as given (`prompt`, default `tokens`) followed by the new tokens of
+    the left-padded `tokens` and `mask`."""
     max_new, temperature, top_k, top_p, eos, pad = settings
     b, s = tokens.shape
     columns = s + max_new
@@ -143,7 +146,7 @@ def _generate_program(model, tokens, mask, key, settings, stream):
         return out, done, tok
 
     logits, cache = prefill(model, tokens, mask, columns)
-    out = jnp.pad(tokens, ((0, 0), (0, max_new)), constant_values=pad)
+    out = jnp.pad(tokens if prompt is None else prompt, ((0, 0), (0, max_new)), constant_values=pad)
     done = jnp.zeros((b,), bool, out_sharding=None if sharding_spec(tokens) is None else P(entries(tokens)[0]))
     out, done, tok = write(out, done, pick(logits, 0), 0)
 
@@ -192,19 +195,52 @@ def _model_mesh(model) -> Any:
     return None
 
 
-def _check_left_padded(mask: np.ndarray) -> None:
-    """Each row: padding (False) first, then only real tokens (True), at least one."""
+def _left_padding_order(mask: np.ndarray) -> np.ndarray | None:
+    """The column order that moves each row's padding in front of its prompt, keeping the
+    order of each (None when every row is padded on the left already). Each row needs at
+    least one real token (True), all in one run: padded on the left, the right, or both."""
     if not mask.any(axis=1).all():
         row = int(np.flatnonzero(~mask.any(axis=1))[0])
         raise ValueError(f"mask row {row} has no real token (all False); every prompt needs at least one token")
-    first = mask.argmax(axis=1)
     cols = np.arange(mask.shape[1])[None, :]
-    bad = np.flatnonzero(((cols >= first[:, None]) & ~mask).any(axis=1))
+    first = mask.argmax(axis=1)[:, None]
+    last = mask.shape[1] - 1 - mask[:, ::-1].argmax(axis=1)[:, None]
+    bad = np.flatnonzero(((cols > first) & (cols < last) & ~mask).any(axis=1))
     if bad.size:
         raise ValueError(
-            f"mask row {int(bad[0])} has padding (False) after its first real token; generate needs prompts "
-            "padded on the left (padding first, then the prompt), as transformers' generate does"
+            f"mask row {int(bad[0])} has padding (False) between its real tokens; generate needs each prompt's "
+            "tokens together, padded on the left or on the right"
         )
+    if (last == mask.shape[1] - 1).all():
+        return None
+    return np.argsort(mask, axis=1, kind="stable")  # False (padding) first
+
+
+def _mask_of(mask: Any, b: int, s: int) -> Any:
+    """`generate`'s mask: all real when None, else checked to be one bool per token."""
+    if mask is None:
+        return np.ones((b, s), bool)
+    mask = mask if isinstance(mask, jax.Array) else np.asarray(mask)
+    if tuple(mask.shape) != (b, s):
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} but tokens have {(b, s)}; pass one bool per token "
+            "(True at real tokens, False on the padding)"
+        )
+    return mask
+
+
+def _left_padded_prompts(tokens: Any, mask: Any) -> tuple[Any, Any, bool]:
+    """`(tokens, mask, moved)` in the left-padded layout the cache is filled from: rows
+    padded on the right (or on both sides) moved to their padding first, then the prompt,
+    each in order (`moved`), left-padded rows as they are. A traced mask is taken as is."""
+    order = None if isinstance(mask, jax.core.Tracer) else _left_padding_order(np.asarray(mask).astype(bool))
+    if order is None:
+        return tokens, mask, False
+    if isinstance(tokens, jax.core.Tracer):
+        tokens = jnp.take_along_axis(tokens, jnp.asarray(order), axis=1)
+    else:
+        tokens = np.take_along_axis(np.asarray(tokens), order, axis=1)
+    return tokens, np.take_along_axis(np.asarray(mask).astype(bool), order, axis=1), True
 
 
 def _check_vocabulary(vocab: int, tokens: Any, mask: Any, **ids: int | None) -> None:
@@ -240,10 +276,12 @@ def generate(
       attention, LoRA branches merged or not, any compute dtype), on one device or placed
       on a mesh (see below).
     - `tokens`: `[batch, prompt]` integer ids; prompts of different lengths padded on the
-      **left**.
-    - `mask`: `[batch, prompt]`, `True` at real tokens, `False` on the left padding
-      (default: all real). Each row's positions count from its first real token, as
-      transformers' `generate` does.
+      left or on the right (each row's tokens together).
+    - `mask`: `[batch, prompt]`, `True` at real tokens, `False` on the padding (default:
+      all real). Each row's positions count from its first real token, as transformers'
+      `generate` does with left padding; right-padded rows are moved to the left-padded
+      layout before the prompt's forward pass, so either padding generates the same tokens
+      (the output keeps the prompts as given).
     - `max_new_tokens`: how many tokens to add; `prompt + max_new_tokens` must not exceed
       the model's `max_len`.
     - `temperature`: `0` (default) is greedy decoding; above 0, tokens are drawn from
@@ -265,8 +303,8 @@ def generate(
     layout says (tensor parallelism); parameters split over `data` (FSDP presets) are
     gathered once, before the loop, so each device holds the whole model while decoding.
 
-    **Returns:** int32 `[batch, prompt + max_new_tokens]`, the prompts (padding included)
-    followed by the new tokens.
+    **Returns:** int32 `[batch, prompt + max_new_tokens]`, the prompts as given (padding
+    included) followed by the new tokens: `out[:, prompt:]` is each row's continuation.
     """
     if not isinstance(model, Transformer):
         raise TypeError(
@@ -289,18 +327,10 @@ def generate(
             f"prompt length {s} + max_new_tokens {max_new_tokens} = {s + max_new_tokens} exceeds the model's max_len "
             f"{max_len}; lower max_new_tokens to at most {max(max_len - s, 0)} or shorten the prompts"
         )
-    if mask is None:
-        mask_np = np.ones((b, s), bool)
-    else:
-        mask_np = mask if isinstance(mask, jax.Array) else np.asarray(mask)
-        if tuple(mask_np.shape) != (b, s):
-            raise ValueError(
-                f"mask has shape {tuple(mask_np.shape)} but tokens have {(b, s)}; pass one bool per token "
-                "(True at real tokens, False on the left padding)"
-            )
-    if not isinstance(mask_np, jax.core.Tracer):
-        _check_left_padded(np.asarray(mask_np).astype(bool))
+    mask_np = _mask_of(mask, b, s)
     _check_vocabulary(model.config.vocab_size, tokens_np, mask_np, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    prompt_np = tokens_np  # what the output starts with
+    tokens_np, mask_np, moved = _left_padded_prompts(tokens_np, mask_np)
     temperature = float(temperature)
     check_sampling(temperature, top_k, top_p)
     if temperature > 0 and key is None:
@@ -320,15 +350,16 @@ def generate(
     def run():
         mesh = jax.sharding.get_abstract_mesh()
         toks, msk = jnp.asarray(tokens_np, jnp.int32), jnp.asarray(mask_np, bool)
+        prompt = jnp.asarray(prompt_np, jnp.int32) if moved else toks
         if not mesh.empty:
             data = mesh.shape.get("data", 1)
             spec = P("data") if data > 1 and b % data == 0 else P()
-            toks, msk = jax.device_put(toks, spec), jax.device_put(msk, spec)
+            toks, msk, prompt = (jax.device_put(x, spec) for x in (toks, msk, prompt))
         if stream is None:
-            return _generate_program(model, toks, msk, key, settings, None)
+            return _generate_program(model, toks, msk, key, settings, None, prompt)
         _STREAMS[id(stream)] = _InOrder(stream)
         try:
-            out = _generate_program(model, toks, msk, key, settings, stream)
+            out = _generate_program(model, toks, msk, key, settings, stream, prompt)
             jax.effects_barrier()  # every token handed over before returning
         finally:
             _STREAMS.pop(id(stream), None)

@@ -8,7 +8,7 @@ import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._rules import LOGICAL_AXES, MeshAxes
+from ._axis_names import LOGICAL_AXES, MeshAxes
 
 if TYPE_CHECKING:
     from ._budget import Budget

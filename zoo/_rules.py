@@ -12,23 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._axes import LogicalAxes, is_array_like, logical_axes
+from ._axis_names import MeshAxes, Rules
 from ._tree import path_str
-
-MeshAxes = str | tuple[str, ...] | None
-Rules = Mapping[str, MeshAxes]
-
-# Every logical axis name the zoo's own modules use. A preset maps each of them.
-LOGICAL_AXES = (
-    "batch",  # activations: the global batch
-    "seq",  # activations: sequence positions
-    "layers",  # leading axis of stacked (scanned) layers
-    "embed",  # model width
-    "mlp",  # hidden width of feed-forward / MLP layers
-    "mlp_in",  # input side of an MLP's width→width layers (so "mlp" is not used twice)
-    "vocab",  # vocabulary (embedding rows, output head columns)
-    "heads",  # attention query heads (flattened heads × head_dim of projections)
-    "kv_heads",  # attention key/value heads (fewer than "heads" with grouped queries)
-)
 
 
 def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:

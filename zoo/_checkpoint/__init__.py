@@ -16,7 +16,20 @@ step. Restores read the manifest first and compare it with the target structure 
 touching array data, then recompute the fingerprints of what was read.
 """
 
-from ._checkpointer import Checkpointer as Checkpointer
-from ._checkpointer import Restored as Restored
-from ._manifest import CheckpointError as CheckpointError
-from ._manifest import DamagedCheckpointError as DamagedCheckpointError
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "._checkpointer": ("Checkpointer", "Restored"),
+        "._manifest": ("CheckpointError", "DamagedCheckpointError"),
+    },
+)
+
+if TYPE_CHECKING:
+    from ._checkpointer import Checkpointer as Checkpointer
+    from ._checkpointer import Restored as Restored
+    from ._manifest import CheckpointError as CheckpointError
+    from ._manifest import DamagedCheckpointError as DamagedCheckpointError

@@ -11,6 +11,12 @@ entry point: the one place errors become exit codes and the library's field name
 The CLI only parses: it uses the library's public names (`zoo`, `zoo.train`, the plumbing
 in `zoo.internal`; tests/test_structure.py holds it), never the other way round: nothing
 under zoo/ but this package imports it.
+
+Building the parser imports no jax: the names it reads (the registries, the config
+fields' flags, the presets, the help texts in `zoo.internal`) live in modules that load
+without it, and the commands import what they run (`internal.make_mesh(...)`, `import
+zoo` inside a command), so `--help` and argparse's errors answer at once
+(tests/test_cli.py holds it).
 """
 
 from ._common import CLIError

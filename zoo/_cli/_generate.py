@@ -15,11 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import RULE_PRESETS
-from ..hf import families
-from ..internal import NonFiniteWeightsError, check_rules_fit_mesh, check_sampling, make_mesh, mesh_text, resolve_init
-from ..models import Transformer
-from ..train import ConfigError
+from .. import RULE_PRESETS, internal
+from ..train import ConfigError, init_families
 from ._common import CLIError, init_devices, mesh_for
 
 DEFAULT_NEW_TOKENS = 64
@@ -125,7 +122,7 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
         if not init:
             raise CLIError(f"SOURCE {source}: its config.json names no --init base model for the adapter in adapter/")
         try:
-            base = resolve_init(init)
+            base = internal.resolve_init(init)
         except ConfigError as e:
             raise CLIError(f"SOURCE {source}: the base model of its adapter: {e}") from e
         return base, adapter_dir or folder / "adapter", f"the LoRA run {folder} on {base}"
@@ -146,7 +143,7 @@ def _refusal(message: str, error: BaseException) -> CLIError:
     """The one line of a model that cannot generate: exit 1 for weights holding NaN or inf
     (a damaged file, not a usage mistake), else 2."""
     refusal = CLIError(message)
-    if isinstance(error, NonFiniteWeightsError):
+    if isinstance(error, internal.NonFiniteWeightsError):
         refusal.exit_code = 1
     return refusal
 
@@ -195,18 +192,18 @@ def cmd_generate(args) -> int:
     """Load SOURCE, encode the prompts, generate, print."""
     devices = init_devices(args.devices if args.devices is not None else 1)
     mesh_shape = mesh_for(args.mesh, devices)
-    check_rules_fit_mesh(args.rules, mesh_shape, devices)
+    internal.check_rules_fit_mesh(args.rules, mesh_shape, devices)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
+        internal.check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise CLIError(f"{e} (--temperature, --top-k, --top-p)") from e
     import jax
 
     import zoo
 
-    mesh = make_mesh(mesh_shape)
+    mesh = internal.make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
         model, text, eos, where = load(args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh)
         pad = text.tokenizer.pad_id if text.tokenizer is not None else 0
@@ -232,7 +229,7 @@ def cmd_generate(args) -> int:
                 + (f", top-k {args.top_k}" if args.top_k else "")
                 + (f", top-p {args.top_p:g}" if args.top_p else "")
             )
-            print(f"zoo generate: {where} ({text.kind}), {how}, up to {new} new tokens, mesh {mesh_text(mesh_shape)} "
+            print(f"zoo generate: {where} ({text.kind}), {how}, up to {new} new tokens, mesh {internal.mesh_text(mesh_shape)} "
                   f"rules {args.rules}", file=sys.stderr, flush=True)  # fmt: skip
         if printer is not None:
             sys.stdout.write(args.prompt[0])
@@ -268,7 +265,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "generate",
         help="continue prompts with a decoder (a Hugging Face folder or a zoo train/finetune run)",
         description="Generate text with zoo.generate (a key/value cache, one compiled decode loop). SOURCE: a "
-        f"Hugging Face model folder ({', '.join(sorted(families(Transformer)))}: config.json + model.safetensors; "
+        f"Hugging Face model folder ({', '.join(sorted(init_families('zoo.models.Transformer')))}: config.json + model.safetensors; "
         "tokenizer.json when present, else UTF-8 bytes), the output folder of `zoo train transformer` (its "
         "model/) or of `zoo finetune transformer` (its base model, from config.json's init, plus adapter/). "
         "One prompt is printed as it is generated (a host callback in the loop); several are generated as "

@@ -8,7 +8,7 @@ import json
 import math
 from typing import Any
 
-from ..internal import LORA_EXAMPLE, lora_json, path_str
+from .. import internal
 from ._common import CLIError, init_devices, mesh_for
 from ._inspect import add_mesh_flags, add_model_flags, model_help, model_of
 
@@ -32,7 +32,7 @@ def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: di
         ]
         rows.append(
             {
-                "path": path_str(path),
+                "path": internal.path_str(path),
                 "shape": list(x.shape),
                 "dtype": str(x.dtype),
                 "logical_axes": list(names.names),
@@ -97,7 +97,7 @@ def cmd_info(args) -> int:
             "devices": devices,
             "rules": args.rules,
             "mesh": mesh_shape,
-            "lora": None if lora is None else lora_json(model, lora),
+            "lora": None if lora is None else internal.lora_json(model, lora),
             "leaves": rows,
             "totals": totals,
         }
@@ -151,7 +151,7 @@ def add_parser(sub):
         "(zoo.partition_specs), whether it is trained, and its bytes per device (its bytes over the "
         "product of the mesh axis sizes its spec splits it over); then the totals.",
         epilog="examples: zoo info transformer; zoo info transformer --rules tp --mesh data=4,model=2; "
-        f"zoo info encoder --lora {LORA_EXAMPLE} --json; zoo info minilm --lora r=8,targets=all-linear",
+        f"zoo info encoder --lora {internal.LORA_EXAMPLE} --json; zoo info minilm --lora r=8,targets=all-linear",
     )
     info.add_argument("model", help=model_help())
     add_mesh_flags(info, step=False)

@@ -9,20 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import RULE_PRESETS
-from ..internal import (
-    LORA_EXAMPLE,
-    ONCE_COMPILER_OPTIONS,
-    add_lora,
-    check_rules_fit_mesh,
-    collective_summary,
-    lora_json,
-    make_mesh,
-    resolve_init,
-    spec_for_init,
-    tree_bytes,
-    tree_size,
-)
+from .. import RULE_PRESETS, internal
 from ..train import RunConfig, model_names, model_spec
 from ._common import CLIError, init_devices, mesh_for
 from ._lora_flag import LORA_HELP
@@ -66,7 +53,7 @@ def resolve_model(args) -> tuple[Any, str | None, str]:
         if init:
             raise CLIError(f"give the checkpoint once: zoo {args.command} MODEL --init {init}, or zoo {args.command} "
                            f"{args.model} alone")  # fmt: skip
-        spec, init = spec_for_init(resolve_init(args.model)), args.model
+        spec, init = internal.spec_for_init(internal.resolve_init(args.model)), args.model
     else:
         spec = model_spec(args.model)
     command = "finetune" if args.lora is not None and "finetune" in spec.defaults else "train"
@@ -97,18 +84,18 @@ def build_model(args, config: RunConfig, command: str, mesh_shape: dict[str, int
     import zoo
 
     spec = model_spec(config.model)
-    check_rules_fit_mesh(args.rules, mesh_shape, devices)
+    internal.check_rules_fit_mesh(args.rules, mesh_shape, devices)
     lora = config.lora
     if lora is not None and lora.lora_dropout and spec.kind == "regression":
         raise CLIError(
             f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="
         )
-    mesh = make_mesh(mesh_shape)
+    mesh = internal.make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
         task = zoo.train.build_task(config, rules=zoo.rules(args.rules), mesh=mesh)
-    parameters = tree_size(task.model)
+    parameters = internal.tree_size(task.model)
     if lora is not None:
-        task.model = add_lora(task.model, lora, config.seed)
+        task.model = internal.add_lora(task.model, lora, config.seed)
     return Built(task, lora, command, spec, config, parameters)
 
 
@@ -138,7 +125,7 @@ def cmd_inspect(args) -> int:
         raise CLIError(str(e)) from e
     built = build_model(args, config, command, mesh_shape, devices)
     task, lora = built.task, built.lora
-    mesh = make_mesh(mesh_shape)
+    mesh = internal.make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
         try:
             model = zoo.shard(task.model, zoo.rules(args.rules), mesh)
@@ -163,7 +150,7 @@ def cmd_inspect(args) -> int:
             raise CLIError(str(e)) from e
         # The step is only inspected, never run: skip LLVM's costly optimisations (about
         # half the compile time on CPU); the collectives come out the same.
-        colls = zoo.collectives(lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS), mesh=mesh)
+        colls = zoo.collectives(lowered.compile(compiler_options=internal.ONCE_COMPILER_OPTIONS), mesh=mesh)
         trained = step.partition(model)[0]
         budget, sizes = step.budget_for(model), step.budget_sizes(model)
     breaches = budget.breaches(colls, sizes)
@@ -182,12 +169,12 @@ def cmd_inspect(args) -> int:
         "config": task.config,
         "init": task.init,
         "parameters": built.parameters,
-        "param_bytes": tree_bytes(model),
-        "trainable_bytes": tree_bytes(trained),
-        "lora": None if lora is None else lora_json(model, lora),
-        "adapter_bytes": tree_bytes(eqx.filter(model, zoo.lora.trainable(model))),
+        "param_bytes": internal.tree_bytes(model),
+        "trainable_bytes": internal.tree_bytes(trained),
+        "lora": None if lora is None else internal.lora_json(model, lora),
+        "adapter_bytes": internal.tree_bytes(eqx.filter(model, zoo.lora.trainable(model))),
         "collectives": [c.to_json() for c in colls],
-        "summary": collective_summary(colls),
+        "summary": internal.collective_summary(colls),
         "budget": {"name": budget.name, "within": not breaches, "breaches": [b.problem for b in breaches]},
     }
     if diff is not None:
@@ -285,7 +272,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="the model zoo finetune trains: LoRA adapters (zoo.lora.add_lora), only they (and modules_to_save) "
         "trainable; finetune's defaults (r=8, alpha=16, targets all-linear, save=head for classifiers) and "
         f"its per-model defaults of --seq-len, --batch-size, --microbatches. {LORA_HELP}. E.g. --lora "
-        f"{LORA_EXAMPLE}",
+        f"{internal.LORA_EXAMPLE}",
     )
 
 
@@ -319,7 +306,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="examples: zoo inspect mlp; zoo inspect transformer --rules fsdp-once --json; "
         "zoo inspect encoder --mesh data=4,model=2 --rules tp; "
         "zoo inspect transformer --model-config d_model=32,num_layers=2 --seq-len 16 --batch-size 16; "
-        f"zoo inspect transformer --lora {LORA_EXAMPLE}",
+        f"zoo inspect transformer --lora {internal.LORA_EXAMPLE}",
     )
     ins.add_argument("model", help=model_help())
     add_mesh_flags(ins, step=True)

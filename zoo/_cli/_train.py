@@ -19,9 +19,7 @@ import dataclasses
 from typing import Any
 
 from .. import RULE_PRESETS, internal
-from ..hf import families
-from ..models import Transformer
-from ..train import Flag, RunConfig, init_families, model_names, model_spec
+from ..train import Flag, RunConfig, model_names, model_spec
 from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_pairs
 from ._lora_flag import LORA_HELP
 
@@ -55,7 +53,7 @@ def data_help() -> str:
 def init_help() -> str:
     """Which checkpoints (`config.json` `model_type`s) each registered model's --init takes."""
     specs = [model_spec(n) for n in model_names()]
-    return "; ".join(f"{s.name}: {'/'.join(init_families(s.init_class))}" for s in specs if s.init_class is not None)
+    return "; ".join(f"{s.name}: {'/'.join(s.init_families)}" for s in specs if s.init_families)
 
 
 def data_choices() -> list[str]:
@@ -302,7 +300,7 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         help="LoRA-fine-tune a pretrained model (only the adapters are trained and all-reduced)",
         description="Add LoRA adapters to a pretrained model and train only them (and a classifier's new "
         "head): minilm (all-MiniLM-L6-v2 from its package) on the stdlib-docstring task, transformer "
-        f"(--init a Hugging Face {' / '.join(sorted(families(Transformer)))} folder or a `zoo train transformer` run) on "
+        f"(--init a Hugging Face {' / '.join(sorted(model_spec('transformer').init_families))} folder or a `zoo train transformer` run) on "
         "English prose, encoder (--init a BERT "
         "folder or a `zoo train encoder` run). Writes the adapter in peft's layout (zoo.lora.save_adapter).",
         epilog=f"defaults per model: {_table('finetune')}. Examples: zoo finetune minilm; "

@@ -16,13 +16,32 @@ Every architecture is one `zoo.hf.Family` in its own file under `zoo/hf/_familie
 See docs/models.md, "Loading Hugging Face weights" and "Adding a family".
 """
 
-from ._classifier import load_bert_classifier
-from ._export import hf_tensors, save_pretrained
-from ._family import Family, families, family_of, get_family, register
-from ._files import minilm_path, resolve_model_dir
-from ._load import from_pretrained
-from ._sentence import load_minilm, sentence_embeddings
-from ._tokenizer import Tokenizer
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
+from . import _families  # noqa: F401 (registers the families: `families()` lists them)
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "._classifier": ("load_bert_classifier",),
+        "._export": ("hf_tensors", "save_pretrained"),
+        "._family": ("Family", "families", "family_of", "get_family", "register"),
+        "._files": ("minilm_path", "resolve_model_dir"),
+        "._load": ("from_pretrained",),
+        "._sentence": ("load_minilm", "sentence_embeddings"),
+        "._tokenizer": ("Tokenizer",),
+    },
+)
+
+if TYPE_CHECKING:
+    from ._classifier import load_bert_classifier
+    from ._export import hf_tensors, save_pretrained
+    from ._family import Family, families, family_of, get_family, register
+    from ._files import minilm_path, resolve_model_dir
+    from ._load import from_pretrained
+    from ._sentence import load_minilm, sentence_embeddings
+    from ._tokenizer import Tokenizer
 
 __all__ = [
     "Family",

@@ -6,7 +6,9 @@ The interface (stable; additions only):
 - class attributes
   - `name`: the `config.json` `model_type` (`"llama"`), the registry key.
   - `model_class`, `config_class`: the zoo model and config classes
-    (`Transformer`/`TransformerConfig`, `Encoder`/`EncoderConfig`).
+    (`Transformer`/`TransformerConfig`, `Encoder`/`EncoderConfig`), or their import paths
+    (`"zoo.models.Transformer"`), imported when first read: the built-in families give
+    paths, so the registry loads, and lists them (the `zoo` command's help), without jax.
   - `architecture`: `config.json`'s `architectures[0]` on export (`"LlamaForCausalLM"`).
   - `auto_class`: the transformers Auto class that opens an export
     (`"AutoModelForCausalLM"`, `"AutoModel"`).
@@ -41,6 +43,8 @@ The interface (stable; additions only):
   - `hf_module_name(module, index)` → the HF/peft module name of zoo module `module` at
     layer numbers `index`, or `None` when the table has none.
   - `generation_config(values)` → `generation_config.json` from the HF config dict.
+  - `builds(model_class)` → whether its checkpoints build a `model_class` (a class or an
+    import path; two paths into the zoo compare without importing either).
 
 Registry functions: `register(family)` (a decorator on the class; the instance is
 stored), `get_family(name)`, `families()`, `family_of(model_or_config)` (the config's
@@ -50,10 +54,22 @@ stored), `get_family(name)`, `families()`, `family_of(model_or_config)` (the con
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from .._lazy import is_subclass, resolve_class
 from ._layout import Block, Source, is_linear_weight, output_width
+
+
+class _Imported:
+    """A class attribute given as an import path: read, the class, imported then."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __get__(self, instance: Any, owner: type | None = None) -> type:
+        return resolve_class(self.path)
 
 
 class Family:
@@ -78,6 +94,19 @@ class Family:
     fused: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     lora_names: ClassVar[Mapping[str, str]] = {}
     vocab_axes: ClassVar[Mapping[str, int]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        for name in ("model_class", "config_class"):  # an import path: imported when read
+            if isinstance(vars(cls).get(name), str):
+                setattr(cls, name, _Imported(vars(cls)[name]))
+
+    def builds(self, model_class: type | str) -> bool:
+        """Whether this family's checkpoints build a `model_class` (that class or a
+        subclass; a class or its import path). Two import paths into the zoo compare as
+        paths: listing the families of a model imports neither."""
+        declared = inspect.getattr_static(self, "model_class")
+        return is_subclass(declared.path if isinstance(declared, _Imported) else declared, model_class)
 
     # -- config --
 

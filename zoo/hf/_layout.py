@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import equinox as eqx
-import jax
-import numpy as np
+from .. import nn
 
-from .._tree import dotted_name, node_at
-from ..nn import Linear, QuantizedLinear
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy and jax are imported where used: the families (and so the `zoo` command's help,
+# which lists them) load without them.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Block:
     def join(self, parts: Mapping[int, np.ndarray], axis: int) -> np.ndarray:
         """The fused tensor of `parts` (block index → that block, laid along `axis`); the
         blocks not given are zeros."""
+        import numpy as np
+
         first = next(iter(parts.values()))
         shape = list(first.shape)
         shape[axis] = self.total
@@ -61,6 +64,8 @@ class Block:
 
     def split(self, value: np.ndarray, axis: int) -> list[np.ndarray]:
         """Each block of the fused tensor `value` (its blocks laid along `axis`)."""
+        import numpy as np
+
         if value.shape[axis] != self.total:
             raise ValueError(f"a fused tensor of blocks {self.widths} is {self.total} wide, got {value.shape}")
         moved = np.moveaxis(value, axis, 0)
@@ -155,6 +160,8 @@ class Source:
         """One layer's slice of the leaf (zoo orientation) as the file holds it: padding
         dropped, offset taken off, transposed; a fused leaf's own block only (`Block.join`
         lays the blocks together)."""
+        import numpy as np
+
         if self.valid is not None:
             value = value[tuple(slice(0, v) for v in self.valid)]
         if self.offset:
@@ -164,6 +171,8 @@ class Source:
     def from_file(self, value: np.ndarray, core: tuple[int, ...]) -> np.ndarray:
         """One layer's file tensor (a fused leaf's own block) as the leaf's slice of shape
         `core`: transposed, offset added, padding rows zero."""
+        import numpy as np
+
         value = value.T if self.transpose else value
         if self.offset:
             value = value + np.asarray(self.offset, value.dtype)
@@ -179,6 +188,11 @@ def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, 
     Raises a `ValueError` naming every leaf the layout has no tensor for (e.g. a LoRA
     branch: merge it first).
     """
+    import equinox as eqx
+    import jax
+
+    from .._tree import dotted_name, node_at
+
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
     out, unknown, quantized = [], [], []
     for path, leaf in leaves:
@@ -187,7 +201,7 @@ def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, 
         parent = node_at(model, path[:-1])
         source = family.source(dotted_name(path[:-1]), dotted_name(path[-1:]), parent, tuple(leaf.shape), config)
         if source is None:
-            (quantized if isinstance(parent, QuantizedLinear) else unknown).append(dotted_name(path))
+            (quantized if isinstance(parent, nn.QuantizedLinear) else unknown).append(dotted_name(path))
         else:
             out.append((path, leaf, source))
     if quantized:
@@ -207,4 +221,4 @@ def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, 
 
 def is_linear_weight(parent: Any, param: str) -> bool:
     """Whether a leaf is the weight of a `zoo.nn.Linear` or `QuantizedLinear` (stored `[in, out]`)."""
-    return isinstance(parent, Linear | QuantizedLinear) and param == "weight"
+    return isinstance(parent, nn.Linear | nn.QuantizedLinear) and param == "weight"

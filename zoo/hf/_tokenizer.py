@@ -12,6 +12,15 @@ import tokenizers
 from ._files import read_json
 
 DEFAULT_MAX_LEN = 512
+PADDING_SIDES = ("right", "left")
+
+
+def _check_side(padding_side: str) -> str:
+    if padding_side not in PADDING_SIDES:
+        raise ValueError(
+            f"padding_side must be 'right' (padding after each text) or 'left' (before it), got {padding_side!r}"
+        )
+    return padding_side
 
 
 class Tokenizer:
@@ -23,24 +32,35 @@ class Tokenizer:
     as `transformers.AutoTokenizer` and sentence-transformers do.
 
     Attributes: `tokenizer` (the wrapped `tokenizers.Tokenizer`), `max_len` (default
-    truncation length), `pad_id`, `pad_type_id`.
+    truncation length), `pad_id`, `pad_type_id`, `padding_side` (`"right"` or `"left"`:
+    where a call pads unless it says, as transformers' `tokenizer.padding_side`).
     """
 
     def __init__(
-        self, tokenizer: tokenizers.Tokenizer, *, max_len: int = DEFAULT_MAX_LEN, pad_id: int = 0, pad_type_id: int = 0
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        max_len: int = DEFAULT_MAX_LEN,
+        pad_id: int = 0,
+        pad_type_id: int = 0,
+        padding_side: str = "right",
     ):
         """**Arguments:** a `tokenizers.Tokenizer` (its own padding and truncation settings
         are switched off: this class pads and truncates), the default `max_len`, the
-        padding token id `pad_id` and segment id `pad_type_id`."""
+        padding token id `pad_id` and segment id `pad_type_id`, and the default
+        `padding_side` (`"right"`, or `"left"`)."""
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self.tokenizer = tokenizer
         self.max_len = max_len
         self.pad_id = pad_id
         self.pad_type_id = pad_type_id
+        self.padding_side = _check_side(padding_side)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, max_len: int | None = None) -> Tokenizer:
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, max_len: int | None = None, padding_side: str = "right"
+    ) -> Tokenizer:
         """The tokenizer of a model folder.
 
         **Arguments:**
@@ -51,6 +71,10 @@ class Tokenizer:
           `sentence_bert_config.json` when present (the length sentence-transformers
           truncates to), else `model_max_length` of `tokenizer_config.json` when it is a
           real limit, else 512.
+        - `padding_side`: where calls pad by default, `"right"` (the default: the layout
+          the zoo's encoders and training batches use) or `"left"` (prompts for
+          `zoo.generate`, which takes either). transformers takes its default from
+          `tokenizer_config.json`'s `padding_side`; the zoo pads on the right unless told.
 
         The padding id is the one `tokenizer.json`'s padding section names, else the id of
         the `pad_token` of `tokenizer_config.json` / `special_tokens_map.json`, else 0
@@ -83,7 +107,8 @@ class Tokenizer:
                 max_len = model_max
             else:
                 max_len = DEFAULT_MAX_LEN
-        return cls(tokenizer, max_len=max_len, pad_id=0 if pad_id is None else pad_id, pad_type_id=pad_type_id)
+        pad_id = 0 if pad_id is None else pad_id
+        return cls(tokenizer, max_len=max_len, pad_id=pad_id, pad_type_id=pad_type_id, padding_side=padding_side)
 
     @property
     def vocab_size(self) -> int:
@@ -91,7 +116,12 @@ class Tokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def __call__(
-        self, texts: str | Sequence[str], *, max_len: int | None = None, pad_to: int | None = None
+        self,
+        texts: str | Sequence[str],
+        *,
+        max_len: int | None = None,
+        pad_to: int | None = None,
+        padding_side: str | None = None,
     ) -> dict[str, np.ndarray]:
         """Tokenize a batch of texts.
 
@@ -102,13 +132,17 @@ class Tokenizer:
           (default `self.max_len`).
         - `pad_to`: pad every row to this length (default: to the longest row). Must be
           at least the longest row.
+        - `padding_side`: `"right"` (padding after each text) or `"left"` (before it, as
+          prompts for `zoo.generate`); default `self.padding_side`. The same arrays as
+          transformers' tokenizer with that `padding_side`.
 
         **Returns:** `{"tokens": int32, "mask": bool, "token_types": int32}`, each
-        `[batch, seq]`, right-padded with `pad_id` (mask `False`, token type
-        `pad_type_id`) — the keys `zoo.models.Encoder` and its losses read.
+        `[batch, seq]`, padded with `pad_id` (mask `False`, token type `pad_type_id`) —
+        the keys `zoo.models.Encoder` and its losses read.
         """
         if isinstance(texts, str):
             texts = [texts]
+        side = _check_side(self.padding_side if padding_side is None else padding_side)
         max_len = self.max_len if max_len is None else max_len
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
@@ -126,9 +160,10 @@ class Tokenizer:
         mask = np.zeros((len(encodings), seq), bool)
         for row, e in enumerate(encodings):
             n = len(e.ids)
-            tokens[row, :n] = e.ids
-            types[row, :n] = e.type_ids
-            mask[row, :n] = np.asarray(e.attention_mask, bool)
+            cols = slice(0, n) if side == "right" else slice(seq - n, seq)
+            tokens[row, cols] = e.ids
+            types[row, cols] = e.type_ids
+            mask[row, cols] = np.asarray(e.attention_mask, bool)
         return {"tokens": tokens, "mask": mask, "token_types": types}
 
     def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:

@@ -4,21 +4,38 @@
 `merge` / `unmerge` / `unload`; `save_adapter` / `load_adapter` in peft's layout, with Hugging Face module names.
 """
 
-from ._apply import (
-    OUTPUT_LAYERS,
-    add_lora,
-    merge,
-    modules,
-    target_names,
-    trainable,
-    unload,
-    unmerge,
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "._apply": ("OUTPUT_LAYERS", "add_lora", "merge", "modules", "target_names", "trainable", "unload", "unmerge"),
+        "._cast": ("cast_frozen",),
+        "._config": ("LoraConfig",),
+        "._io": ("load_adapter", "save_adapter", "tensors_sha256"),
+        "._layer": ("LoraLinear",),
+        "._names": ("hf_module_name",),
+    },
 )
-from ._cast import cast_frozen
-from ._config import LoraConfig
-from ._io import load_adapter, save_adapter, tensors_sha256
-from ._layer import LoraLinear
-from ._names import hf_module_name
+
+if TYPE_CHECKING:
+    from ._apply import (
+        OUTPUT_LAYERS,
+        add_lora,
+        merge,
+        modules,
+        target_names,
+        trainable,
+        unload,
+        unmerge,
+    )
+    from ._cast import cast_frozen
+    from ._config import LoraConfig
+    from ._io import load_adapter, save_adapter, tensors_sha256
+    from ._layer import LoraLinear
+    from ._names import hf_module_name
 
 __all__ = [
     "OUTPUT_LAYERS",

@@ -1,9 +1,24 @@
 """Zoo models: a decoder-only transformer LM and a BERT-style encoder, built from `zoo.nn`."""
 
-from ._config import EncoderConfig, TransformerConfig
-from ._encoder import Encoder, EncoderClassifier, EncoderEmbeddings, mean_pool
-from ._loss import classification_loss, cross_entropy, next_token_loss
-from ._transformer import Transformer
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "._config": ("EncoderConfig", "TransformerConfig"),
+        "._encoder": ("Encoder", "EncoderClassifier", "EncoderEmbeddings", "mean_pool"),
+        "._loss": ("classification_loss", "cross_entropy", "next_token_loss"),
+        "._transformer": ("Transformer",),
+    },
+)
+
+if TYPE_CHECKING:
+    from ._config import EncoderConfig, TransformerConfig
+    from ._encoder import Encoder, EncoderClassifier, EncoderEmbeddings, mean_pool
+    from ._loss import classification_loss, cross_entropy, next_token_loss
+    from ._transformer import Transformer
 
 __all__ = [
     "Encoder",

@@ -1,18 +1,42 @@
 """Zoo modules: batched, global-view, annotated, and safe with reduced parameters."""
 
-from ._attention import Attention
-from ._block import TransformerBlock
-from ._dropout import ExampleKeys, dropout, example_keys, fold_in
-from ._embedding import Embedding
-from ._feedforward import ACTIVATIONS, FeedForward
-from ._inputs import place_inputs
-from ._linear import Linear, project
-from ._mlp import MLP, MLPBlock
-from ._norm import LayerNorm, RMSNorm
-from ._quantized import QuantizedLinear, dequantize
-from ._rope import apply_rope, rope_tables
-from ._sharding import broadcast_like
-from ._stacked import REMAT_POLICIES, Stacked
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "._attention": ("Attention",),
+        "._block": ("TransformerBlock",),
+        "._dropout": ("ExampleKeys", "dropout", "example_keys", "fold_in"),
+        "._embedding": ("Embedding",),
+        "._feedforward": ("ACTIVATIONS", "FeedForward"),
+        "._inputs": ("place_inputs",),
+        "._linear": ("Linear", "project"),
+        "._mlp": ("MLP", "MLPBlock"),
+        "._norm": ("LayerNorm", "RMSNorm"),
+        "._quantized": ("QuantizedLinear", "dequantize"),
+        "._rope": ("apply_rope", "rope_tables"),
+        "._sharding": ("broadcast_like",),
+        "._stacked": ("REMAT_POLICIES", "Stacked"),
+    },
+)
+
+if TYPE_CHECKING:
+    from ._attention import Attention
+    from ._block import TransformerBlock
+    from ._dropout import ExampleKeys, dropout, example_keys, fold_in
+    from ._embedding import Embedding
+    from ._feedforward import ACTIVATIONS, FeedForward
+    from ._inputs import place_inputs
+    from ._linear import Linear, project
+    from ._mlp import MLP, MLPBlock
+    from ._norm import LayerNorm, RMSNorm
+    from ._quantized import QuantizedLinear, dequantize
+    from ._rope import apply_rope, rope_tables
+    from ._sharding import broadcast_like
+    from ._stacked import REMAT_POLICIES, Stacked
 
 __all__ = [
     "ACTIVATIONS",

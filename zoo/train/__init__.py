@@ -17,39 +17,61 @@ model registry.
 docs/training.md tells the whole story; docs/models.md the registry.
 """
 
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 from . import _builtin  # noqa: F401 (registers the built-in models)
-from ._build_task import build_task as build_task
-from ._config import DataConfig as DataConfig
-from ._config import RunConfig as RunConfig
-from ._errors import ConfigError as ConfigError
-from ._errors import Preempted as Preempted
-from ._errors import RunStopped as RunStopped
-from ._evaluate import Evaluator as Evaluator
-from ._flags import Flag as Flag
-from ._hooks import Checkpoint as Checkpoint
-from ._hooks import Evaluate as Evaluate
-from ._hooks import Hook as Hook
-from ._hooks import MetricsLog as MetricsLog
-from ._hooks import Progress as Progress
-from ._hooks import Sample as Sample
-from ._hooks import TensorBoard as TensorBoard
-from ._hooks import TrainState as TrainState
-from ._optimizer import OPTIMIZERS as OPTIMIZERS
-from ._optimizer import SCHEDULES as SCHEDULES
-from ._optimizer import OptimizerConfig as OptimizerConfig
-from ._registry import ModelSpec as ModelSpec
-from ._registry import init_families as init_families
-from ._registry import model_names as model_names
-from ._registry import model_spec as model_spec
-from ._registry import register_model as register_model
-from ._run import RunResult as RunResult
-from ._run import run as run
-from ._task import Task as Task
-from ._task import classifier_metrics as classifier_metrics
-from ._task import lm_metrics as lm_metrics
-from ._task import regression_loss as regression_loss
-from ._task import regression_metrics as regression_metrics
-from ._trainer import Trainer as Trainer
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "._build_task": ("build_task",),
+        "._config": ("DataConfig", "RunConfig"),
+        "._errors": ("ConfigError", "Preempted", "RunStopped"),
+        "._evaluate": ("Evaluator",),
+        "._flags": ("Flag",),
+        "._hooks": ("Checkpoint", "Evaluate", "Hook", "MetricsLog", "Progress", "Sample", "TensorBoard", "TrainState"),
+        "._optimizer": ("OPTIMIZERS", "SCHEDULES", "OptimizerConfig"),
+        "._registry": ("ModelSpec", "init_families", "model_names", "model_spec", "register_model"),
+        "._run": ("RunResult", "run"),
+        "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
+        "._trainer": ("Trainer",),
+    },
+)
+
+if TYPE_CHECKING:
+    from ._build_task import build_task as build_task
+    from ._config import DataConfig as DataConfig
+    from ._config import RunConfig as RunConfig
+    from ._errors import ConfigError as ConfigError
+    from ._errors import Preempted as Preempted
+    from ._errors import RunStopped as RunStopped
+    from ._evaluate import Evaluator as Evaluator
+    from ._flags import Flag as Flag
+    from ._hooks import Checkpoint as Checkpoint
+    from ._hooks import Evaluate as Evaluate
+    from ._hooks import Hook as Hook
+    from ._hooks import MetricsLog as MetricsLog
+    from ._hooks import Progress as Progress
+    from ._hooks import Sample as Sample
+    from ._hooks import TensorBoard as TensorBoard
+    from ._hooks import TrainState as TrainState
+    from ._optimizer import OPTIMIZERS as OPTIMIZERS
+    from ._optimizer import SCHEDULES as SCHEDULES
+    from ._optimizer import OptimizerConfig as OptimizerConfig
+    from ._registry import ModelSpec as ModelSpec
+    from ._registry import init_families as init_families
+    from ._registry import model_names as model_names
+    from ._registry import model_spec as model_spec
+    from ._registry import register_model as register_model
+    from ._run import RunResult as RunResult
+    from ._run import run as run
+    from ._task import Task as Task
+    from ._task import classifier_metrics as classifier_metrics
+    from ._task import lm_metrics as lm_metrics
+    from ._task import regression_loss as regression_loss
+    from ._task import regression_metrics as regression_metrics
+    from ._trainer import Trainer as Trainer
 
 __all__ = [
     "OPTIMIZERS",

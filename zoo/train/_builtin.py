@@ -8,26 +8,17 @@ same task).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._registry import ModelSpec, register_model
-from ._sources import CorpusWindows, EpochRows, RandomRows, TeacherExamples
-from ._task import (
-    Task,
-    check_vocab,
-    classifier_metrics,
-    config_from,
-    init_compiled,
-    init_folder,
-    init_name,
-    lm_metrics,
-    load_pretrained,
-    regression_loss,
-    regression_metrics,
-    tokenizer_of,
-)
+
+if TYPE_CHECKING:
+    from ._task import Task
+
+# The builders import the models, data and tasks they build when called: registering the
+# built-ins (`import zoo.train`, the `zoo` command's help) loads no jax.
 
 _MLP_IN = 16
 _MLP_CONFIG = {"width": 64, "depth": 4}
@@ -69,6 +60,8 @@ def mlp_task(c: RunConfig, *, rules=None, mesh=None) -> Task:
     import jax.numpy as jnp
 
     from .. import nn
+    from ._sources import TeacherExamples
+    from ._task import Task, init_compiled, regression_loss, regression_metrics
 
     values = _MLP_CONFIG | c.model_config
     unknown = sorted(set(values) - set(_MLP_CONFIG))
@@ -129,6 +122,7 @@ def decoder_model(c: RunConfig, *, rules, mesh):
     import jax
 
     from .. import models
+    from ._task import config_from, init_compiled, init_folder, load_pretrained
 
     folder = init_folder(c)
     if folder is None:
@@ -148,6 +142,8 @@ def lm_task(c: RunConfig, *, rules, mesh) -> Task:
     tokenizer.json used when present, else byte tokens); windows of `c.data.seq_len` tokens
     of the corpus."""
     from .. import data, models
+    from ._sources import CorpusWindows, RandomRows
+    from ._task import Task, check_vocab, init_name, lm_metrics, tokenizer_of
 
     model, config, folder = decoder_model(c, rules=rules, mesh=mesh)
     seq = c.data.seq_len
@@ -203,6 +199,7 @@ def classifier_model(c: RunConfig, num_labels: int, *, rules, mesh):
     import jax
 
     from .. import models
+    from ._task import config_from, init_compiled, init_folder, load_pretrained
 
     folder = init_folder(c)
     _, key_head = jax.random.split(jax.random.key(c.seed))
@@ -231,6 +228,8 @@ def classifier_task(c: RunConfig, *, rules, mesh) -> Task:
     import numpy as np
 
     from .. import data, models
+    from ._sources import EpochRows, RandomRows
+    from ._task import Task, check_vocab, classifier_metrics, init_name, tokenizer_of
 
     if c.data.source == "swapped-halves":
         docstrings = data.docstring_word_order("swap-halves")
@@ -285,8 +284,6 @@ def classifier_task(c: RunConfig, *, rules, mesh) -> Task:
 
 
 def _register_builtins() -> None:
-    from .. import models
-
     register_model(
         ModelSpec(
             name="mlp",
@@ -317,7 +314,7 @@ def _register_builtins() -> None:
                 "prose": "pydoc_data.topics, the language reference's English",
             },
             scratch_config=_SCRATCH_LM,
-            init_class=models.Transformer,
+            init_class="zoo.models.Transformer",
             finetune_needs_init=True,
             file_model=decoder_file_model,
         ),
@@ -340,7 +337,7 @@ def _register_builtins() -> None:
             },
             datasets=docstrings,
             scratch_config=_SCRATCH_LM,
-            init_class=models.Encoder,
+            init_class="zoo.models.Encoder",
             finetune_needs_init=True,
             file_model=classifier_model,
         ),
@@ -364,7 +361,7 @@ def _register_builtins() -> None:
                 "demo": minilm_finetune | dict(probe=300, eval_every=15),
             },
             datasets=docstrings,
-            init_class=models.Encoder,
+            init_class="zoo.models.Encoder",
             pretrained=_minilm_path,
             file_model=classifier_model,
         ),

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..lora import LoraConfig, LoraLinear
-from ..lora import add_lora as add_branches
-from ..lora import modules as lora_modules
+from ..lora import LoraConfig
 from ._errors import ConfigError
-from ._task import ONCE_COMPILER_OPTIONS
+
+# The text forms need no jax (the `zoo` command's help shows `LORA_EXAMPLE`): the adapters'
+# modules are imported by the functions that add or list them.
 
 # `--lora` key → (LoraConfig field). Keys the user leaves out take the command's defaults
 # (`parse_lora(defaults=)`), then LoraConfig's (peft's: r=8, lora_alpha=8, lora_dropout=0).
@@ -111,6 +111,9 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
     import jax
     import jax.random as jr
 
+    from ..lora import add_lora as add_branches
+    from ._task import ONCE_COMPILER_OPTIONS
+
     key = jr.fold_in(jr.key(seed), LORA_KEY_SALT)
     arrays, static = eqx.partition(model, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
@@ -137,6 +140,8 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
 
 def lora_json(model: Any, config: Any) -> dict[str, Any]:
     """The config (peft's field names), its scaling, and the modules that got a branch."""
+    from ..lora import LoraLinear
+    from ..lora import modules as lora_modules
 
     def plain(value):
         return list(value) if isinstance(value, tuple) else value

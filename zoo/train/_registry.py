@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._lazy import resolve_class
 from ._errors import ConfigError
 
 KINDS = ("regression", "lm", "classification")
@@ -43,6 +44,31 @@ LORA_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"r": 8, "lora_alpha":
 CLASSIFIER_SAVE = ("head",)
 # How a user's data file (`--data FILE`) is read when the run does not say.
 DATA_FILE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"validation": 0.1, "packed": True})
+# What `--data`'s help says of a user's data file, after the registered data sets.
+DATA_FILE_HELP = (
+    "; or your own file: .txt or .jsonl with text, prompt+completion or messages (chat) for transformer, "
+    ".jsonl or .csv with text+label for encoder/minilm (docs/data.md)"
+)
+
+
+class _ClassField:
+    """A dataclass field that takes a class or its import path and reads as the class,
+    imported on first read; `declared(spec)` is what was given."""
+
+    def __set_name__(self, owner: type, name: str):
+        self.slot = f"_{name}"
+
+    def __get__(self, spec: Any, owner: type | None = None) -> type | None:
+        if spec is None:
+            return None  # the field's default
+        declared = self.declared(spec)
+        return None if declared is None else resolve_class(declared)
+
+    def __set__(self, spec: Any, value: type | str | None):
+        object.__setattr__(spec, self.slot, value)
+
+    def declared(self, spec: Any) -> type | str | None:
+        return getattr(spec, self.slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +97,9 @@ class ModelSpec:
     - `scratch_config`: the model config (as a dict) of a model built without `--init`;
       `--model-config` changes it. None: none (every model is loaded).
     - `init_class`: the zoo model class its `--init` checkpoints build
-      (`zoo.models.Transformer`, `zoo.models.Encoder`); None: it takes no `--init`.
+      (`zoo.models.Transformer`, `zoo.models.Encoder`), or its import path
+      (`"zoo.models.Transformer"`: read, the class, imported then; the built-ins give
+      paths, so registering them loads no jax); None: it takes no `--init`.
     - `finetune_needs_init`: whether `zoo finetune` needs `--init` (a model built from
       scratch has nothing to adapt).
     - `pretrained`: `() -> Path`, the checkpoint folder used when `--init` is not given
@@ -95,7 +123,7 @@ class ModelSpec:
     defaults: Mapping[str, Mapping[str, Any]]
     datasets: Mapping[str, str]
     scratch_config: Mapping[str, Any] | None = None
-    init_class: type | None = None
+    init_class: type | str | None = _ClassField()  # type: ignore[assignment]
     finetune_needs_init: bool = False
     pretrained: Callable[[], Path] | None = None
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
@@ -109,6 +137,14 @@ class ModelSpec:
         if self.scratch_config is not None:
             object.__setattr__(self, "scratch_config", types.MappingProxyType(dict(self.scratch_config)))
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
+
+    @property
+    def init_families(self) -> list[str]:
+        """The Hugging Face families (`config.json` `model_type`s) whose checkpoints its
+        `--init` takes (`zoo.train.init_families(init_class)`); empty when it takes none.
+        An `init_class` given as a path stays unimported."""
+        declared = vars(ModelSpec)["init_class"].declared(self)
+        return [] if declared is None else init_families(declared)
 
     @property
     def classifier(self) -> bool:
@@ -200,13 +236,14 @@ def model_names(command: str | None = None) -> list[str]:
     return [n for n, s in _REGISTRY.items() if command is None or command in s.defaults]
 
 
-def init_families(model_class: type) -> list[str]:
+def init_families(model_class: type | str) -> list[str]:
     """The Hugging Face families (`config.json` `model_type`s, from `zoo.hf.families()`)
-    whose checkpoints build a `model_class`: what an `--init` of a spec with this
-    `init_class` takes."""
+    whose checkpoints build a `model_class` (a class or its import path,
+    `"zoo.models.Transformer"`: then no model is imported): what an `--init` of a spec
+    with this `init_class` takes."""
     from .. import hf
 
-    return [name for name, family in hf.families().items() if issubclass(family.model_class, model_class)]
+    return [name for name, family in hf.families().items() if family.builds(model_class)]
 
 
 def check_init_family(spec: ModelSpec, folder: Path) -> None:

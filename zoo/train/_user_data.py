@@ -32,11 +32,6 @@ from ._task import Task, check_vocab, classifier_metrics, init_folder, init_name
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
 
-DATA_FILE_HELP = (
-    "; or your own file: .txt or .jsonl with text, prompt+completion or messages (chat) for transformer, "
-    ".jsonl or .csv with text+label for encoder/minilm (docs/data.md)"
-)
-
 
 def check_data_file(c: RunConfig) -> None:
     """Refuse a `--data` (`c.data.source`) that is neither one of the model's data sets

@@ -20,10 +20,13 @@ pooler: sentence embeddings mean-pool instead) are skipped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...models import Encoder, EncoderConfig
+from ... import models
 from .._family import Family, register
+
+if TYPE_CHECKING:
+    from ...models import EncoderConfig
 
 _BERT_LAYER = {
     "attention.q_proj": "attention.self.query",
@@ -108,7 +111,7 @@ def encoder_config_from_hf(values: dict[str, Any], **overrides: Any) -> EncoderC
         type_vocab_size=values.get("type_vocab_size", 2),
         pad_token_id=0 if pad is None else pad,
     )
-    return EncoderConfig(**(fields | overrides))
+    return models.EncoderConfig(**(fields | overrides))
 
 
 def encoder_config_to_hf(config: EncoderConfig) -> dict[str, Any]:
@@ -156,8 +159,8 @@ class Bert(Family):
     """BERT (`BertModel`; the `bert.` part of task models) ↔ `zoo.models.Encoder`."""
 
     name = "bert"
-    model_class = Encoder
-    config_class = EncoderConfig
+    model_class = "zoo.models.Encoder"
+    config_class = "zoo.models.EncoderConfig"
     architecture = "BertModel"
     auto_class = "AutoModel"
     prefix = "bert."
@@ -193,7 +196,7 @@ class Bert(Family):
         return out
 
     def claims(self, config):
-        return isinstance(config, EncoderConfig)
+        return isinstance(config, self.config_class)
 
     def ignored(self, name, config):
         return name == "embeddings.position_ids" or name.startswith("pooler.")

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...models import TransformerConfig
 from .._family import refuse, register
 from .._layout import Source
 from .llama import Llama, _bias
+
+if TYPE_CHECKING:
+    from ...models import TransformerConfig
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 _NORMS = ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm")
@@ -70,7 +72,7 @@ class Gemma(Llama):
         return out | {"hidden_act": act if act in _GELU_TANH else "gelu_pytorch_tanh"}
 
     def claims(self, config: Any) -> bool:
-        return isinstance(config, TransformerConfig) and config.positions == "rope" and config.activation == "geglu"
+        return isinstance(config, self.config_class) and config.positions == "rope" and config.activation == "geglu"
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
         source = super().source(module, param, parent, shape, config)

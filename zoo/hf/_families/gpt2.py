@@ -23,11 +23,14 @@ are `Conv1D` layers whose weights are already `[in, out]` (no transpose); its fu
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...models import Transformer, TransformerConfig
+from ... import models
 from .._family import Family, register
 from .._layout import fused_group
+
+if TYPE_CHECKING:
+    from ...models import TransformerConfig
 
 _ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -119,7 +122,7 @@ def transformer_config_from_hf(values: dict[str, Any], **overrides: Any) -> Tran
         pre_norm=True,
         use_bias=True,
     )
-    return TransformerConfig(**(fields | overrides))
+    return models.TransformerConfig(**(fields | overrides))
 
 
 def transformer_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
@@ -187,8 +190,8 @@ class GPT2(Family):
     """
 
     name = "gpt2"
-    model_class = Transformer
-    config_class = TransformerConfig
+    model_class = "zoo.models.Transformer"
+    config_class = "zoo.models.TransformerConfig"
     architecture = "GPT2LMHeadModel"
     prefix = PREFIX
     canonical_prefixed = True
@@ -215,7 +218,7 @@ class GPT2(Family):
         return out
 
     def claims(self, config):
-        return isinstance(config, TransformerConfig) and config.positions == "learned"
+        return isinstance(config, self.config_class) and config.positions == "learned"
 
     def transposed(self, module, param, parent):
         return module == "lm_head" and param == "weight"  # nn.Linear; the rest are Conv1D

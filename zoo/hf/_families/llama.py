@@ -24,10 +24,12 @@ Every projection is a torch `nn.Linear` (`[out, in]`, transposed). Old files' ro
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...models import Transformer, TransformerConfig
 from .._family import Family, register
+
+if TYPE_CHECKING:
+    from ...models import TransformerConfig
 
 _LAYER = {
     "attention": "self_attn",
@@ -113,8 +115,8 @@ class Llama(Family):
     """Llama (`LlamaForCausalLM`, bare `LlamaModel`) ↔ a Llama-shaped `zoo.models.Transformer`."""
 
     name = "llama"
-    model_class = Transformer
-    config_class = TransformerConfig
+    model_class = "zoo.models.Transformer"
+    config_class = "zoo.models.TransformerConfig"
     architecture = "LlamaForCausalLM"
     prefix = "model."
     canonical_prefixed = True
@@ -184,7 +186,7 @@ class Llama(Family):
             raise ValueError(
                 f"this {self.name} config uses options zoo's Transformer does not support: " + "; ".join(problems)
             )
-        return TransformerConfig(**(self.fields(values) | rope | overrides))
+        return self.config_class(**(self.fields(values) | rope | overrides))
 
     # -- zoo → config.json --
 
@@ -239,7 +241,7 @@ class Llama(Family):
 
     def claims(self, config: Any) -> bool:
         return (
-            isinstance(config, TransformerConfig)
+            isinstance(config, self.config_class)
             and config.positions == "rope"
             and config.activation == "swiglu"
             and config.sliding_window is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...models import TransformerConfig
 from .._family import register
 from .llama import Llama, _bias
 
@@ -44,7 +43,7 @@ class Mistral(Llama):
 
     def claims(self, config: Any) -> bool:
         return (
-            isinstance(config, TransformerConfig)
+            isinstance(config, self.config_class)
             and config.positions == "rope"
             and config.activation == "swiglu"
             and config.sliding_window is not None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...models import TransformerConfig
 from .._family import register
 from .llama import Llama, _bias
 
@@ -72,7 +71,7 @@ class Qwen2(Llama):
 
     def claims(self, config: Any) -> bool:
         return (
-            isinstance(config, TransformerConfig)
+            isinstance(config, self.config_class)
             and config.positions == "rope"
             and config.activation == "swiglu"
             and _bias(config, "qkv_bias")
