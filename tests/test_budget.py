@@ -289,3 +289,15 @@ def test_every_family_step_is_within_its_preset_budget(name, preset, family_dirs
     assert budget.name == preset
     assert budget.breaches(colls, sizes) == [], budget.report(colls, sizes)
     assert zoo.count(colls, "all-reduce", in_loop=False) >= 1
+
+
+def test_a_run_over_budget_stops_before_its_first_step_exit_4(monkeypatch, tmp_path):
+    from helpers import zoo_main
+
+    # A budget that allows nothing: the run's one gradient all-reduce breaks it.
+    monkeypatch.setattr(zoo.Preset, "budget", property(lambda self: zoo.Budget("nothing-allowed", ())))
+    rc, out, err = zoo_main("train", "mlp", "--steps", "2", "--devices", "4", "--output", tmp_path / "run")
+    assert rc == 4, err
+    assert err.startswith("zoo: error: the compiled training step breaks the nothing-allowed budget:"), err
+    assert "all-reduce outside loops over data" in err and "no allowance admits it" in err
+    assert not (tmp_path / "run" / "summary.json").exists()
