@@ -224,6 +224,18 @@ def _left_padding_order(mask: np.ndarray) -> np.ndarray | None:
     return np.argsort(mask, axis=1, kind="stable")  # False (padding) first
 
 
+def _tokens_of(tokens: Any) -> Any:
+    """`generate`'s tokens (a jax array as it is, else numpy), checked to be `[batch, prompt]` ids."""
+    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(
+            f"tokens must be [batch, prompt], got shape {tuple(tokens.shape)}; add a batch axis with tokens[None]"
+        )
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    return tokens
+
+
 def _mask_of(mask: Any, b: int, s: int) -> Any:
     """`generate`'s mask: all real when None, else checked to be one bool per token."""
     if mask is None:
@@ -324,13 +336,7 @@ def generate(
         raise TypeError(
             f"generate needs a decoder (zoo.models.Transformer), got {type(model).__name__}; encoders do not generate text"
         )
-    tokens_np = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
-    if tokens_np.ndim != 2:
-        raise ValueError(
-            f"tokens must be [batch, prompt], got shape {tuple(tokens_np.shape)}; add a batch axis with tokens[None]"
-        )
-    if not jnp.issubdtype(tokens_np.dtype, jnp.integer):
-        raise ValueError(f"tokens must be integer ids, got dtype {tokens_np.dtype}")
+    tokens_np = _tokens_of(tokens)
     b, s = tokens_np.shape
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
