@@ -33,16 +33,18 @@ from ..hf._export import FILE_NAMES as MODEL_FILES
 from ..lora._io import FILE_NAMES as ADAPTER_FILES
 from ._config import RunConfig
 from ._errors import ConfigError
+from ._head import HEAD_NAME
 
 MARKER = ".zoo-run.json"
 LOCK_NAME = ".zoo.lock"
 _FORMAT = "zoo run folder"
-# A run's own files at the top of its folder, listed in the marker when the run starts.
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
+# A run's own files at the top of its folder, listed in the marker when the run starts
+# (labels.json: a classifier's label names, by id).
+RUN_FILES = ("config.json", "labels.json", "metrics.jsonl", "summary.json", "loss.png")
 # The exports' folders and the names written there: save_pretrained's (tokenizer files
-# included) and the sentence-transformers config the run's export copies beside them
-# (`_export.TOKENIZER_FILES`); save_adapter's.
-EXPORTS = {"model": (*MODEL_FILES, "sentence_bert_config.json"), "adapter": ADAPTER_FILES}
+# included), the sentence-transformers config the run's export copies beside them
+# (`_export.TOKENIZER_FILES`) and a classifier's head (`_head.HEAD_NAME`); save_adapter's.
+EXPORTS = {"model": (*MODEL_FILES, "sentence_bert_config.json", HEAD_NAME), "adapter": ADAPTER_FILES}
 # What a run leaves in its folder (the checkpoints folder is checked on its own).
 RUN_OUTPUTS = (*RUN_FILES, *EXPORTS)
 # `zoo._files.atomic_write`'s temporary file of NAME, left by a crash between write and rename.
