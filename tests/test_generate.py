@@ -539,6 +539,9 @@ def test_cli_samples_a_left_padded_batch_like_the_library(gpt2_with_tokenizer):
         ),
         (["--temperature", 1, "--top-p", 2], "top_p must be in (0, 1]"),
         (["--adapter", "/nonexistent"], "--adapter /nonexistent: no adapter_config.json there"),
+        (["--repetition-penalty", 0], "repetition_penalty must be a finite number > 0"),
+        (["--stop", ""], "--stop: a stop string is empty"),
+        (["--chat"], "has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json)"),
     ],
 )
 def test_cli_errors_are_one_line(gpt2_with_tokenizer, extra, message):
@@ -593,7 +596,7 @@ def test_cli_help_lists_every_flag():
     text = " ".join(parser.format_help().split())
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     assert {"--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--adapter", "--devices",
-            "--mesh", "--rules"} <= set(flags)  # fmt: skip
+            "--mesh", "--rules", "--chat", "--chat-template", "--stop", "--repetition-penalty"} <= set(flags)  # fmt: skip
     assert all(flag in text for flag in flags) and "generate" in " ".join(build_parsers()[0].format_help().split())
 
 

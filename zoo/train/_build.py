@@ -124,6 +124,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
         claim(plan.output, plan.checkpoints, RUN_FILES)
         write_json(plan.output / "config.json", c.to_dict())
         if task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
+            claim(plan.output, plan.checkpoints, [LABELS_NAME])
             write_json(plan.output / LABELS_NAME, {"labels": list(task.label_names)})
     step = training_step(c, task.loss_fn, model)
     config = task.config or {}

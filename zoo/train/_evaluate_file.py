@@ -39,7 +39,7 @@ def _read(run: SavedRun, path: Path):
         raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     wanted = "text, prompt/completion or chat records" if run.kind == "lm" else "text/label records"
     if (kind in LM_KINDS) != (run.kind == "lm"):
-        what = "language modelling" if kind in LM_KINDS else "text/label records"
+        what = f"{kind.replace('_', '/')} records (language modelling)" if kind in LM_KINDS else "text/label records"
         raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
     source = run.tokenizer_dir if run.tokenizer is not None else byte_tokenizer()
     packed = run.config.data.packed is not False
