@@ -78,22 +78,41 @@ class SavedRun:
         return self.config.data.seq_len
 
     def predict(self, inputs: Sequence[str] | Any, *, batch_size: int = 64) -> np.ndarray:
-        """A classifier's logits `[n, labels]` of `inputs` (texts, read as the run read its
-        own: cut at its `seq_len`), or a regressor's outputs `[n, out]` of `inputs`
-        (`[n, in]` numbers); float32 numpy. See `zoo.train.predict`."""
+        """A classifier's logits `[n, labels]` of texts, read as the run read its own (its
+        tokenizer or UTF-8 bytes, cut and padded to its `seq_len`); a regressor's outputs
+        `[n, out]` of numbers `[n, in]`. float32 numpy, computed `batch_size` rows at a
+        time. A `ConfigError` for a language model (it generates) or inputs of the wrong kind."""
         from ._predict import predict
 
         return predict(self, inputs, batch_size=batch_size)
 
     def evaluate(self, path: str | Path, *, batch_size: int = 64) -> dict[str, Any]:
-        """The model's scores on a data file in the formats `zoo train` reads (see
-        `zoo.train.evaluate_file`)."""
+        """The model on every example of the data file `path` (`.txt`, `.jsonl`, `.csv`, read
+        as `zoo train --data` reads them, with the run's tokenizer, `seq_len`, packing and
+        chat template).
+
+        **Returns:** a language model's `{"kind": "lm", "rows", "tokens" (the target tokens
+        its loss counts: completions, assistant turns), "loss" (their mean cross-entropy,
+        nats), "perplexity", "accuracy"}`; a classifier's `{"kind": "classification",
+        "examples", "loss", "accuracy", "macro_f1", "per_class"}`
+        (`zoo.train.classification_scores`), the file's labels matched to the run's by
+        name. **Raises:** `ConfigError` for a file of the other kind, labels the run lacks,
+        or a regressor (it trains on its own data only)."""
         from ._evaluate_file import evaluate_file
 
         return evaluate_file(self, path, batch_size=batch_size)
 
     def export(self, directory: str | Path) -> list[Path]:
-        """The model as a Hugging Face folder, LoRA merged (see `zoo.train.export_merged`)."""
+        """Write the model as a Hugging Face folder, LoRA branches merged (`zoo.lora.merge`),
+        the tokenizer's files beside it: a decoder transformers opens as its family's causal
+        LM (the same logits); a classifier's encoder (`BertModel`: the same hidden states)
+        with its head in `head.safetensors` (zoo's `[in, out]` layout, the pooling in its
+        metadata) and its label names as config.json's `id2label`. A folder holding files of
+        the names written must already be a Hugging Face model folder (a user's own files
+        are never replaced: `FileExistsError`).
+
+        **Returns:** the paths written. **Raises:** `ConfigError` for a regressor (no
+        Hugging Face form) or a decoder no Hugging Face family expresses."""
         from ._merged import export_merged
 
         return export_merged(self, directory)
