@@ -261,23 +261,22 @@ def _library_reply(run_folder, prompt, **kwargs):
 
 
 def test_generate_chat_prompts_a_chat_run_in_its_training_format(chat_run):
+    """Two SFT steps teach the tiny model to end its turn (`</s>`) at once; a strong
+    repetition penalty (the prompt holds `</s>`) makes it say something first: the same
+    words as the library's, cut where `--stop` says, streamed or not."""
+    chat = ["generate", chat_run, "--chat", "--prompt", "cat dog red", "--max-new-tokens", 8]
     reply = _library_reply(chat_run, "cat dog red")
-    got = json.loads(ok("generate", chat_run, "--chat", "--prompt", "cat dog red", "--max-new-tokens", 8, "--json"))
-    assert got == [{"prompt": "cat dog red", "completion": reply}]
-    assert ok("generate", chat_run, "--chat", "--prompt", "cat dog red", "--max-new-tokens", 8) == reply + "\n"
-    penalised = _library_reply(chat_run, "cat dog red", repetition_penalty=1.5)
-    got = json.loads(ok("generate", chat_run, "--chat", "--prompt", "cat dog red", "--max-new-tokens", 8,
-                        "--repetition-penalty", "1.5", "--json"))  # fmt: skip
-    assert got[0]["completion"] == penalised
-    words = reply.split()
-    if len(words) >= 2:  # cut at the first stop string, streamed and not
-        stop = f" {words[1]}"
-        want = reply[: reply.index(stop)]
-        assert ok("generate", chat_run, "--chat", "--prompt", "cat dog red", "--max-new-tokens", 8, "--stop", stop,
-                  "--stop", "zzz") == want + "\n"  # fmt: skip
-        got = json.loads(ok("generate", chat_run, "--chat", "--prompt", "cat dog red", "--prompt", "a", "--stop",
-                            stop, "--max-new-tokens", 8, "--json"))  # fmt: skip
-        assert got[0]["completion"] == want
+    assert json.loads(ok(*chat, "--json")) == [{"prompt": "cat dog red", "completion": reply}]
+    assert ok(*chat) == reply + "\n"  # the reply alone, streamed
+    penalised = _library_reply(chat_run, "cat dog red", repetition_penalty=10.0)
+    words = penalised.split()
+    assert len(words) >= 2 and penalised != reply, penalised
+    assert json.loads(ok(*chat, "--repetition-penalty", 10, "--json"))[0]["completion"] == penalised
+    stop = f" {words[1]}"
+    want = penalised[: penalised.index(stop)]
+    assert ok(*chat, "--repetition-penalty", 10, "--stop", stop, "--stop", "zzz") == want + "\n"
+    got = json.loads(ok(*chat, "--prompt", "a", "--repetition-penalty", 10, "--stop", stop, "--json"))
+    assert got[0]["completion"] == want
     rc, _, err = zoo_main("generate", chat_run, "--chat-template", "/nonexistent.jinja", "--prompt", "a")
     one_line_error(rc, err, "--chat-template /nonexistent.jinja: no such file")
 
