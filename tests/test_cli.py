@@ -404,7 +404,8 @@ def test_help_lists_every_flag(command):
 def test_entry_point_help_and_one_line_usage_error():
     """`python -m zoo --help` lists the commands; a bad flag is one line naming the fix."""
     proc = run_zoo("--help")
-    assert proc.returncode == 0 and all(c in proc.stdout for c in ("train", "finetune", "demo", "inspect", "info"))
+    commands = ("train", "finetune", "demo", "inspect", "info", "generate", "predict", "eval", "export")
+    assert proc.returncode == 0 and all(c in proc.stdout for c in commands)
     rc, _, err = zoo_main("train", "mlp", "--stepz", "3")  # argparse's errors, in-process
     one_line_error(rc, err, "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)")
     rc, _, err = zoo_main("train", "mlp", "--steps", "x")
@@ -430,6 +431,10 @@ PARSER_SECONDS = 5.0
         ),
         (["train", "mlp", "--optimizer", "adamz"], 2, "argument --optimizer: invalid choice: 'adamz'"),
         (["info"], 2, "zoo info: error: the following arguments are required: model (see zoo info --help)"),
+        (["predict", "--help"], 0, "usage: zoo predict [-h]"),
+        (["predict", "runs/x"], 2, "zoo predict: error: one of the arguments --input --text is required"),
+        (["eval", "runs/x"], 2, "zoo eval: error: the following arguments are required: --data"),
+        (["export", "runs/x", "--merge"], 2, "zoo export: error: the following arguments are required: --output"),
     ],
 )
 def test_help_and_usage_errors_answer_before_jax(args, code, expected):

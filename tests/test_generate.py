@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import zoo
 from zoo._generate import decode_step, prefill
-from zoo._sampling import filter_logits
+from zoo._sampling import apply_repetition_penalty, filter_logits, seen_tokens
 
 # Left-padded prompts of lengths 6, 4, 2 and 5.
 TOKENS = np.array([[5, 9, 3, 17, 2, 11], [0, 0, 21, 4, 8, 30], [0, 0, 0, 0, 12, 6], [0, 7, 7, 19, 1, 25]], np.int32)
@@ -261,14 +261,15 @@ def test_sharded_generation_equals_one_device(decoder, preset):
     tokens, mask = _batch8()
     key = jax.random.key(7)
     greedy = zoo.generate(decoder, tokens, mask=mask, max_new_tokens=NEW)
-    sampled = zoo.generate(decoder, tokens, mask=mask, max_new_tokens=NEW, temperature=1.0, top_k=10, key=key)
+    sample = dict(temperature=1.0, top_k=10, key=key, repetition_penalty=1.5)  # the penalty's ids split like the batch
+    sampled = zoo.generate(decoder, tokens, mask=mask, max_new_tokens=NEW, **sample)
     mesh = preset_mesh(preset, 8)
     with jax.set_mesh(mesh):
         placed = zoo.shard(decoder, zoo.rules(preset), mesh)
         out = zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW)
         np.testing.assert_array_equal(out, greedy)
         assert out.sharding.spec[0] == "data"  # the batch stays split over data
-        out = zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW, temperature=1.0, top_k=10, key=key)
+        out = zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW, **sample)
         np.testing.assert_array_equal(out, sampled)
         toks, msk = jax.device_put(jnp.asarray(tokens), P("data")), jax.device_put(jnp.asarray(mask), P("data"))
         if preset == "tp":  # the cache is split like the heads: kv_heads over model, batch over data
@@ -278,7 +279,7 @@ def test_sharded_generation_equals_one_device(decoder, preset):
             from zoo._generate import _generate_program
 
             colls = zoo.collectives(
-                _generate_program.lower(placed, toks, msk, None, (NEW, 0.0, None, None, None, 0), None)
+                _generate_program.lower(placed, toks, msk, None, (NEW, 0.0, None, None, None, 0, 1.0), None)
             )
             assert zoo.count(colls, "all-gather", in_loop=True) == 0 < zoo.count(colls, "all-gather", in_loop=False)
     # Outside set_mesh, a placed model decodes on its own mesh.
@@ -322,6 +323,47 @@ def test_top_k_top_p_keep_the_tokens_transformers_keeps(top_k, top_p):
     assert np.isfinite(filter_logits(small, temperature=1.0, top_k=2, top_p=None)).tolist() == [
         [False, True, False, True]
     ]
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_is_transformers_processor_on_the_same_logits_and_ids(penalty):
+    """The same logits (positive, negative, zero) and ids (repeats, left padding masked out):
+    transformers' `RepetitionPenaltyLogitsProcessor`, up to the rounding of its one multiply
+    or divide (measured: at most 1 ulp, 2.4e-7 on logits of ~4)."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, 24)).astype(np.float32) * 3
+    logits[:, 5] = 0.0
+    ids = rng.integers(0, 24, size=(4, 9)).astype(np.int32)
+    ids[0, :3] = [5, 5, 7]
+    want = transformers.RepetitionPenaltyLogitsProcessor(penalty)(_torch(ids), torch.from_numpy(logits)).numpy()
+    seen = seen_tokens(jnp.asarray(ids), jnp.ones(ids.shape, bool), 24)
+    got = np.asarray(apply_repetition_penalty(jnp.asarray(logits), seen, penalty))
+    # One rounding each side (XLA may divide as a multiply by 1 / P): within 2u of each value.
+    assert (np.abs(got - want) <= 2 * 2.0**-24 * np.abs(want)).all(), np.abs(got - want).max()
+    assert np.array_equal(got == logits, want == logits.astype(np.float32))  # the same logits changed
+    assert not np.array_equal(got, logits)
+    # Padding (mask False) is not a token the row holds.
+    masked = np.asarray(seen_tokens(jnp.asarray(ids), jnp.asarray(ids != ids[1, 0]), 24))
+    assert not masked[1, ids[1, 0]] and masked.sum() < np.asarray(seen).sum()
+
+
+def test_generate_with_repetition_penalty_equals_transformers_greedy_and_samples(gpt2):
+    """zoo.generate(..., repetition_penalty=P) on unpadded prompts: transformers'
+    `generate(repetition_penalty=P)` token for token (greedy); with sampling, the penalty
+    changes the draw and the same key repeats it; a bad value is one line."""
+    hf, model = gpt2
+    tokens = TOKENS[[0, 3], 1:]  # two prompts of 5 real tokens, no padding
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = hf.generate(_torch(tokens), do_sample=False, max_new_tokens=NEW, repetition_penalty=1.8,
+                           pad_token_id=0).numpy()  # fmt: skip
+    got = np.asarray(zoo.generate(model, tokens, max_new_tokens=NEW, repetition_penalty=1.8))
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(got, np.asarray(zoo.generate(model, tokens, max_new_tokens=NEW)))
+    kw = dict(max_new_tokens=NEW, temperature=1.0, key=jax.random.key(5), repetition_penalty=3.0)
+    np.testing.assert_array_equal(zoo.generate(model, tokens, **kw), zoo.generate(model, tokens, **kw))
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a finite number > 0"):
+        zoo.generate(model, tokens, max_new_tokens=2, repetition_penalty=0.0)
 
 
 def test_eos_rows_continue_with_padding(decoder):
@@ -497,6 +539,9 @@ def test_cli_samples_a_left_padded_batch_like_the_library(gpt2_with_tokenizer):
         ),
         (["--temperature", 1, "--top-p", 2], "top_p must be in (0, 1]"),
         (["--adapter", "/nonexistent"], "--adapter /nonexistent: no adapter_config.json there"),
+        (["--repetition-penalty", 0], "repetition_penalty must be a finite number > 0"),
+        (["--stop", ""], "--stop: a stop string is empty"),
+        (["--chat"], "has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json)"),
     ],
 )
 def test_cli_errors_are_one_line(gpt2_with_tokenizer, extra, message):
@@ -551,7 +596,7 @@ def test_cli_help_lists_every_flag():
     text = " ".join(parser.format_help().split())
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     assert {"--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--adapter", "--devices",
-            "--mesh", "--rules"} <= set(flags)  # fmt: skip
+            "--mesh", "--rules", "--chat", "--chat-template", "--stop", "--repetition-penalty"} <= set(flags)  # fmt: skip
     assert all(flag in text for flag in flags) and "generate" in " ".join(build_parsers()[0].format_help().split())
 
 

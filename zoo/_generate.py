@@ -4,7 +4,7 @@
 `max_new_tokens`, sampling settings): the prompt's forward pass fills the cache
 (`prefill`, from the prompts padded on the left: right-padded ones are moved there first),
 then a `lax.while_loop` runs one cached step per new token (`decode_step`)
-and picks it (`zoo._sampling.next_token`). Repeated calls with the same shapes reuse the
+and picks it (`zoo._sampling.next_token`, after the repetition penalty when one is set). Repeated calls with the same shapes reuse the
 compiled program.
 """
 
@@ -25,7 +25,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_ids
 from ._reduced import gather_over
-from ._sampling import check_sampling, next_token
+from ._sampling import apply_repetition_penalty, check_sampling, next_token, seen_tokens
 from .models import Transformer
 from .nn._cache import KVCache, cached_block, empty_cache
 from .nn._sharding import entries, mesh_axes_of, sharding_spec
@@ -122,7 +122,7 @@ def _replicate_vocab(logits):
 def _generate_program(model, tokens, mask, key, settings, stream, prompt=None):
     """The prompts as given (`prompt`, default `tokens`) followed by the new tokens of
     the left-padded `tokens` and `mask`."""
-    max_new, temperature, top_k, top_p, eos, pad = settings
+    max_new, temperature, top_k, top_p, eos, pad, penalty = settings
     b, s = tokens.shape
     columns = s + max_new
     # FSDP: parameters split over the axes the batch uses are gathered once, for the loop.
@@ -132,9 +132,15 @@ def _generate_program(model, tokens, mask, key, settings, stream, prompt=None):
     if batch_axes | data_axes:
         model = gather_over(model, axes=tuple(batch_axes | data_axes))
 
-    def pick(logits, step):
+    def pick(logits, step, seen):
         step_key = None if key is None else jax.random.fold_in(key, step)
-        return next_token(_replicate_vocab(logits), step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        logits = _replicate_vocab(logits)
+        if seen is not None:
+            logits = apply_repetition_penalty(logits, seen, penalty)
+        return next_token(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def remember(seen, tok):  # the ids the penalty applies to: the prompt's and each new one
+        return None if seen is None else seen | (jnp.arange(seen.shape[1]) == tok[:, None])
 
     def write(out, done, tok, step):
         if eos is not None:  # finished rows continue with padding
@@ -146,23 +152,25 @@ def _generate_program(model, tokens, mask, key, settings, stream, prompt=None):
         return out, done, tok
 
     logits, cache = prefill(model, tokens, mask, columns)
+    seen = None if penalty == 1 else seen_tokens(tokens, mask.astype(bool), logits.shape[-1])
     out = jnp.pad(tokens if prompt is None else prompt, ((0, 0), (0, max_new)), constant_values=pad)
     done = jnp.zeros((b,), bool, out_sharding=None if sharding_spec(tokens) is None else P(entries(tokens)[0]))
-    out, done, tok = write(out, done, pick(logits, 0), 0)
+    out, done, tok = write(out, done, pick(logits, 0, seen), 0)
+    seen = remember(seen, tok)
 
     def cond(state):
-        step, _, _, _, done = state
+        step, _, _, _, done, _ = state
         more = step < max_new
         return more if eos is None else more & ~jnp.all(done)
 
     def body(state):
-        step, tok, cache, out, done = state
+        step, tok, cache, out, done, seen = state
         logits, cache = decode_step(model, tok, cache)
-        out, done, tok = write(out, done, pick(logits, step), step)
-        return step + 1, tok, cache, out, done
+        out, done, tok = write(out, done, pick(logits, step, seen), step)
+        return step + 1, tok, cache, out, done, remember(seen, tok)
 
-    state = (jnp.asarray(1, jnp.int32), tok, cache, out, done)
-    _, _, _, out, _ = lax.while_loop(cond, body, state)
+    state = (jnp.asarray(1, jnp.int32), tok, cache, out, done, seen)
+    _, _, _, out, _, _ = lax.while_loop(cond, body, state)
     return out
 
 
@@ -216,6 +224,18 @@ def _left_padding_order(mask: np.ndarray) -> np.ndarray | None:
     return np.argsort(mask, axis=1, kind="stable")  # False (padding) first
 
 
+def _tokens_of(tokens: Any) -> Any:
+    """`generate`'s tokens (a jax array as it is, else numpy), checked to be `[batch, prompt]` ids."""
+    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(
+            f"tokens must be [batch, prompt], got shape {tuple(tokens.shape)}; add a batch axis with tokens[None]"
+        )
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    return tokens
+
+
 def _mask_of(mask: Any, b: int, s: int) -> Any:
     """`generate`'s mask: all real when None, else checked to be one bool per token."""
     if mask is None:
@@ -265,6 +285,7 @@ def generate(
     top_p: float | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    repetition_penalty: float = 1.0,
     key: PRNGKeyArray | None = None,
     stream: Callable[[np.ndarray], Any] | None = None,
 ) -> Int[Array, "batch total"]:
@@ -291,6 +312,11 @@ def generate(
     - `eos_token_id`: a row that produced it continues with `pad_token_id`; the loop stops
       early once every row has.
     - `pad_token_id`: what finished rows continue with (default `eos_token_id`).
+    - `repetition_penalty`: as transformers' (`RepetitionPenaltyLogitsProcessor`): before
+      choosing (greedy or sampled), the logit of every token the row already holds (its
+      prompt's real tokens and what it generated) is divided by it where positive and
+      multiplied by it where negative; 1 (default) changes nothing, above 1 discourages
+      repeats. Padding is not counted (transformers' counts a padded batch's pad id too).
     - `key`: a PRNG key, needed when sampling; the same key gives the same tokens.
     - `stream`: called from the compiled loop (a host callback) with each step's new
       tokens (those the output gets: padding after a row's eos), a numpy `[batch]` array,
@@ -310,13 +336,7 @@ def generate(
         raise TypeError(
             f"generate needs a decoder (zoo.models.Transformer), got {type(model).__name__}; encoders do not generate text"
         )
-    tokens_np = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
-    if tokens_np.ndim != 2:
-        raise ValueError(
-            f"tokens must be [batch, prompt], got shape {tuple(tokens_np.shape)}; add a batch axis with tokens[None]"
-        )
-    if not jnp.issubdtype(tokens_np.dtype, jnp.integer):
-        raise ValueError(f"tokens must be integer ids, got dtype {tokens_np.dtype}")
+    tokens_np = _tokens_of(tokens)
     b, s = tokens_np.shape
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -332,7 +352,7 @@ def generate(
     prompt_np = tokens_np  # what the output starts with
     tokens_np, mask_np, moved = _left_padded_prompts(tokens_np, mask_np)
     temperature = float(temperature)
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, float(repetition_penalty))
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs a PRNG key: pass key=jax.random.key(seed)")
     if pad_token_id is None:
@@ -344,6 +364,7 @@ def generate(
         None if temperature == 0 or top_p == 1 else top_p,
         None if eos_token_id is None else int(eos_token_id),
         int(pad_token_id),
+        float(repetition_penalty),
     )
     key = None if temperature == 0 else key
 

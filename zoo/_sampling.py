@@ -1,18 +1,24 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus).
+"""Choosing the next token from logits: repetition penalty, greedy, temperature, top-k,
+top-p (nucleus).
 
-The order and the rules are those of transformers' `generate`: temperature first, then
-top-k (keep every token scoring at least the k-th best, ties included), then top-p (keep
-the most likely tokens until their probability reaches `top_p`, at least one).
+The order and the rules are those of transformers' `generate`: the repetition penalty
+first (`RepetitionPenaltyLogitsProcessor`, greedy decoding included), then temperature,
+then top-k (keep every token scoring at least the k-th best, ties included), then top-p
+(keep the most likely tokens until their probability reaches `top_p`, at least one).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .nn._sharding import entries, sharding_spec
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, repetition_penalty: float = 1.0) -> None:
     """A one-line `ValueError` naming the fix for a bad sampling setting."""
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy decoding), got {temperature}")
@@ -20,6 +26,42 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_k must be a positive integer or None (no top-k filtering), got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] or None (no nucleus filtering), got {top_p}")
+    if not 0 < repetition_penalty < float("inf"):
+        raise ValueError(
+            f"repetition_penalty must be a finite number > 0 (1 is none; above 1 discourages repeats), "
+            f"got {repetition_penalty}"
+        )
+
+
+def seen_tokens(
+    tokens: Int[Array, "batch seq"], mask: Bool[Array, "batch seq"], vocab: int
+) -> Bool[Array, "batch vocab"]:
+    """Which ids each row holds at its real tokens (`mask`): `[batch, vocab]` booleans, the
+    set the repetition penalty applies to. One column at a time: no `[batch, seq, vocab]`
+    array."""
+    ids = jnp.arange(vocab)
+    rows = None if sharding_spec(tokens) is None else P(entries(tokens)[0], None)  # the batch's layout
+
+    def add(i, seen):
+        return seen | ((lax.dynamic_index_in_dim(tokens, i, 1) == ids) & lax.dynamic_index_in_dim(mask, i, 1))
+
+    return lax.fori_loop(0, tokens.shape[1], add, jnp.zeros((tokens.shape[0], vocab), bool, out_sharding=rows))
+
+
+def apply_repetition_penalty(
+    logits: Float[Array, "batch vocab"], seen: Bool[Array, "batch vocab"], penalty: float
+) -> Float[Array, "batch vocab"]:
+    """transformers' `RepetitionPenaltyLogitsProcessor`: the logit of every token already
+    present (`seen`) divided by `penalty` where it is positive, multiplied by it where it is
+    negative (above 1, repeats become less likely either way); the others unchanged.
+
+    **Arguments:** `logits` `[batch, vocab]`, `seen` (`seen_tokens` of the prompt and the
+    tokens generated so far), `penalty` > 0 (1: no change).
+
+    **Returns:** the penalised logits.
+    """
+    penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
+    return jnp.where(seen, penalised, logits)
 
 
 def filter_logits(

@@ -4,6 +4,8 @@ SOURCE is a Hugging Face folder or a `zoo train` / `zoo finetune` output folder.
 through the model's tokenizer (`tokenizer.json`), or through UTF-8 bytes for the
 byte-level models `zoo train transformer` builds. A single prompt is printed as it is
 generated: a host callback in the compiled decode loop hands each new token to the printer.
+`--chat` renders each prompt as a user turn with the model's chat template (a chat SFT run
+is prompted in its training format); `--stop` cuts the text at a stop string.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ class Text:
     def kind(self) -> str:
         return "bytes" if self.tokenizer is None else "tokenizer.json"
 
-    def encode(self, texts: list[str], pad_id: int = 0):
+    def encode(self, texts: list[str], pad_id: int = 0, *, special_tokens: bool = True):
+        """Left-padded `(tokens, mask)`; `special_tokens=False` adds none (a chat template's
+        text holds its own, as transformers' `apply_chat_template` encodes it)."""
         import numpy as np
 
         if self.tokenizer is None:
             rows = [list(t.encode("utf-8")) for t in texts]
         else:
             self.tokenizer.tokenizer.no_truncation()
-            rows = [e.ids for e in self.tokenizer.tokenizer.encode_batch(list(texts))]
+            encoded = self.tokenizer.tokenizer.encode_batch(list(texts), add_special_tokens=special_tokens)
+            rows = [e.ids for e in encoded]
         if any(not r for r in rows):
             raise CLIError("--prompt: a prompt is empty (no tokens); give every prompt some text")
         width = max(len(r) for r in rows)
@@ -57,14 +62,22 @@ class Text:
         return self.tokenizer.decode(ids)
 
 
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` up to the first of the `stops` in it (not included), and whether one was."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[: min(found)], True) if found else (text, False)
+
+
 class Printer:
     """Prints one row's new tokens as they come: the text decoded so far, minus what is
-    already on screen (a token may complete a character or merge with the previous one)."""
+    already on screen (a token may complete a character or merge with the previous one).
+    Text that may be the start of a stop string waits until it is known not to be one."""
 
-    def __init__(self, text: Text, eos: int | None, stream=None):
-        self.text, self.eos, self.stream = text, eos, stream or sys.stdout
+    def __init__(self, text: Text, eos: int | None, stops: list[str] | None = None, stream=None):
+        self.text, self.eos, self.stops, self.stream = text, eos, list(stops or []), stream or sys.stdout
         self.ids: list[int] = []
         self.shown = ""
+        self.held = ""  # decoded, not printed: it may begin a stop string
         self.done = False
         self.bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -73,7 +86,7 @@ class Printer:
             return
         token = int(tokens[0])
         if token == self.eos:
-            self.done = True
+            self.finish()
             return
         if self.text.tokenizer is None:  # ids past the 256 bytes have no text (as `Text.decode`)
             piece = self.bytes.decode(bytes([token])) if token < 256 else ""
@@ -81,6 +94,22 @@ class Printer:
             self.ids.append(token)
             full = self.text.decode(self.ids)
             piece, self.shown = full[len(self.shown) :], full
+        text, stopped = cut_at_stop(self.held + piece, self.stops)
+        # The longest end of the text that begins a stop string is held back.
+        keep = (
+            0 if stopped else max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        )
+        self.held = text[len(text) - keep :]
+        self._write(text[: len(text) - keep])
+        self.done = stopped
+
+    def finish(self) -> None:
+        """The end of the row (its eos, or the last token): print what was held back."""
+        if not self.done:
+            self._write(self.held)
+            self.held, self.done = "", True
+
+    def _write(self, piece: str) -> None:
         self.stream.write(piece)
         self.stream.flush()
 
@@ -188,17 +217,81 @@ def first_row(out):
     return np.asarray(out.addressable_data(0)) if out.is_fully_replicated else np.asarray(out)
 
 
+def _run_config(folder: Path) -> dict[str, Any] | None:
+    """The flat config (config.json) of a `zoo train` / `zoo finetune` run folder, else None."""
+    values = _read_json(folder / "config.json")
+    return values if values is not None and "model" in values and "model_type" not in values else None
+
+
+def chat_template(source: str, file: str | None):
+    """The `zoo.data.ChatTemplate` `--chat` renders prompts with: `--chat-template FILE`,
+    else the one the run SOURCE trained with (its config.json's `chat_template`), else the
+    tokenizer folder's own; the special tokens are the folder's."""
+    import zoo
+
+    folder, _, _ = resolve_source(source, None)
+    run = _run_config(Path(source).expanduser()) or {}
+    given = file if file is not None else run.get("chat_template")
+    if given is not None:
+        candidates = [Path(given).expanduser(), Path(source).expanduser() / given]
+        path = next((c for c in candidates if c.is_file()), None)
+        if path is None:
+            what = "--chat-template" if file is not None else f"SOURCE {source} trained with the chat template"
+            raise CLIError(f"{what} {given}: no such file; pass the template as --chat-template FILE")
+        return zoo.data.ChatTemplate.from_pretrained(folder, template=path.read_text(encoding="utf-8"))
+    template = zoo.data.ChatTemplate.from_pretrained(folder)
+    if template is None:
+        raise CLIError(
+            f"--chat: SOURCE {source} has no chat template (no chat_template.jinja, no chat_template in "
+            "tokenizer_config.json); pass one as --chat-template FILE"
+        )
+    return template
+
+
+def _how(args, new: int) -> str:
+    """The decoding settings in words, for the line on stderr."""
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+    how += f", top-k {args.top_k}" if args.top_k and args.temperature else ""
+    how += f", top-p {args.top_p:g}" if args.top_p and args.temperature else ""
+    how += f", repetition penalty {args.repetition_penalty:g}" if args.repetition_penalty != 1 else ""
+    how += f", stops {args.stop}" if args.stop else ""
+    return f"{how}, up to {new} new tokens"
+
+
+def _new_tokens(args, model, tokens) -> int:
+    """`--max-new-tokens`, or the default, checked against the room the prompts leave."""
+    room = model.config.max_len - tokens.shape[1]
+    if room < 1:
+        raise CLIError(
+            f"--prompt: {tokens.shape[1]} tokens fill the model's max_len {model.config.max_len}; shorten it"
+        )
+    new = min(DEFAULT_NEW_TOKENS, room) if args.max_new_tokens is None else args.max_new_tokens
+    if new > room:
+        raise CLIError(
+            f"--max-new-tokens {new}: the longest prompt has {tokens.shape[1]} tokens and the model's max_len is "
+            f"{model.config.max_len}; use --max-new-tokens {room} or less"
+        )
+    return new
+
+
 def cmd_generate(args) -> int:
-    """Load SOURCE, encode the prompts, generate, print."""
+    """Load SOURCE, encode the prompts (as chat turns with --chat), generate, print."""
     devices = init_devices(args.devices if args.devices is not None else 1)
     mesh_shape = mesh_for(args.mesh, devices)
     internal.check_rules_fit_mesh(args.rules, mesh_shape, devices)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
-        internal.check_sampling(args.temperature, args.top_k, args.top_p)
+        internal.check_sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     except ValueError as e:
-        raise CLIError(f"{e} (--temperature, --top-k, --top-p)") from e
+        raise CLIError(f"{e} (--temperature, --top-k, --top-p, --repetition-penalty)") from e
+    if any(not s for s in args.stop or ()):
+        raise CLIError("--stop: a stop string is empty; give each --stop some text")
+    chat = args.chat or args.chat_template is not None
+    template = chat_template(args.source, args.chat_template) if chat else None
+    prompts = list(args.prompt)
+    if template is not None:
+        prompts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
     import jax
 
     import zoo
@@ -207,37 +300,20 @@ def cmd_generate(args) -> int:
     with jax.set_mesh(mesh):
         model, text, eos, where = load(args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh)
         pad = text.tokenizer.pad_id if text.tokenizer is not None else 0
-        tokens, mask = text.encode(args.prompt, pad)
-        room = model.config.max_len - tokens.shape[1]
-        if room < 1:
-            raise CLIError(
-                f"--prompt: {tokens.shape[1]} tokens fill the model's max_len {model.config.max_len}; shorten it"
-            )
-        new = min(DEFAULT_NEW_TOKENS, room) if args.max_new_tokens is None else args.max_new_tokens
-        if new > room:
-            raise CLIError(
-                f"--max-new-tokens {new}: the longest prompt has {tokens.shape[1]} tokens and the model's max_len is "
-                f"{model.config.max_len}; use --max-new-tokens {room} or less"
-            )
-        single = len(args.prompt) == 1
-        printer = Printer(text, eos) if single and not args.json else None
+        tokens, mask = text.encode(prompts, pad, special_tokens=template is None)
+        new = _new_tokens(args, model, tokens)
+        printer = Printer(text, eos, args.stop) if len(prompts) == 1 and not args.json else None
         if not args.json:
-            how = (
-                "greedy"
-                if args.temperature == 0
-                else f"temperature {args.temperature:g}"
-                + (f", top-k {args.top_k}" if args.top_k else "")
-                + (f", top-p {args.top_p:g}" if args.top_p else "")
-            )
-            print(f"zoo generate: {where} ({text.kind}), {how}, up to {new} new tokens, mesh {internal.mesh_text(mesh_shape)} "
-                  f"rules {args.rules}", file=sys.stderr, flush=True)  # fmt: skip
-        if printer is not None:
+            print(f"zoo generate: {where} ({text.kind}{', chat template' if chat else ''}), {_how(args, new)}, "
+                  f"mesh {internal.mesh_text(mesh_shape)} rules {args.rules}", file=sys.stderr, flush=True)  # fmt: skip
+        if printer is not None and not chat:  # a chat prints the reply alone
             sys.stdout.write(args.prompt[0])
             sys.stdout.flush()
         try:
             out = zoo.generate(
                 model, tokens, mask=mask, max_new_tokens=new, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, eos_token_id=eos, key=jax.random.key(args.seed), stream=printer,
+                top_p=args.top_p, eos_token_id=eos, repetition_penalty=args.repetition_penalty,
+                key=jax.random.key(args.seed), stream=printer,
             )  # fmt: skip
         except ValueError as e:
             raise CLIError(str(e).splitlines()[0]) from e
@@ -248,14 +324,15 @@ def cmd_generate(args) -> int:
         ids = [int(i) for i in row[tokens.shape[1] :]]
         if eos is not None and eos in ids:
             ids = ids[: ids.index(eos)]
-        completions.append(text.decode(ids))
+        completions.append(cut_at_stop(text.decode(ids), args.stop or [])[0])
     if args.json:
         print(json.dumps([{"prompt": p, "completion": c} for p, c in zip(args.prompt, completions)], indent=2))
     elif printer is not None:
+        printer.finish()
         print()
     else:
         for p, c in zip(args.prompt, completions):
-            print(f"{p}{c}")
+            print(c if chat else f"{p}{c}")
             print("---")
     return 0
 
@@ -296,6 +373,31 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         metavar="P",
         help="sample among the most likely tokens up to total probability P, in (0, 1]",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="as transformers': the logits of tokens the text already holds divided by P where positive, "
+        "multiplied by P where negative, before choosing (default 1: none; e.g. 1.2 discourages repeats)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="STRING",
+        help="cut each completion at the first occurrence of STRING, not included (repeat for several)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user turn rendered with the model's chat template and its generation prompt "
+        "(a chat SFT run: the template it trained with); the reply alone is printed",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a jinja2 chat template file for --chat (implies it), instead of the model's own",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (peft's layout) to load onto the model")

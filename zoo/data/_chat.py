@@ -82,12 +82,17 @@ class ChatTemplate:
         self.has_generation_blocks = bool(_GENERATION.search(template))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> ChatTemplate | None:
+    def from_pretrained(cls, path: str | os.PathLike | None, *, template: str | None = None) -> ChatTemplate | None:
         """The chat template of a model folder (`chat_template.jinja`, else the
         `chat_template` of `tokenizer_config.json`; a list of named templates: the one
-        named `"default"`), or `None` when it has none."""
-        folder = Path(path)
-        config = read_json(folder / "tokenizer_config.json") or {}
+        named `"default"`), or `None` when it has none. Its special tokens are the
+        folder's (`tokenizer_config.json`).
+
+        **Arguments:** the folder (None: none, so no special tokens), and `template`: a
+        jinja2 template text to use instead of the folder's (a `--chat-template` file's).
+        """
+        folder = None if path is None else Path(path)
+        config = {} if folder is None else read_json(folder / "tokenizer_config.json") or {}
         special = {}
         for name in SPECIAL_TOKEN_NAMES:
             value = config.get(name)
@@ -95,8 +100,9 @@ class ChatTemplate:
                 value = value.get("content")
             if isinstance(value, str):
                 special[name] = value
-        file = folder / "chat_template.jinja"
-        template = file.read_text(encoding="utf-8") if file.is_file() else config.get("chat_template")
+        if template is None and folder is not None:
+            file = folder / "chat_template.jinja"
+            template = file.read_text(encoding="utf-8") if file.is_file() else config.get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default")

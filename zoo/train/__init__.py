@@ -13,6 +13,9 @@ model registry.
   built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import);
   `Task`, `build_task`: a model on its data, built from a `RunConfig`.
 - `ConfigError` (settings that cannot run), `RunStopped` (non-finite), `Preempted` (SIGTERM).
+- `load_run(folder)` → `SavedRun`: a finished run's trained model read back, to predict,
+  evaluate on a data file and export merged (`zoo predict` / `zoo eval` / `zoo export`);
+  `classification_scores`: accuracy, macro-F1 and per-class scores of predictions.
 
 docs/training.md tells the whole story; docs/models.md the registry.
 """
@@ -34,6 +37,8 @@ __getattr__, __dir__ = lazy_names(
         "._optimizer": ("OPTIMIZERS", "SCHEDULES", "OptimizerConfig"),
         "._registry": ("ModelSpec", "init_families", "model_names", "model_spec", "register_model"),
         "._run": ("RunResult", "run"),
+        "._saved_run": ("SavedRun", "load_run"),
+        "._scores": ("classification_scores",),
         "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
         "._trainer": ("Trainer",),
     },
@@ -66,6 +71,9 @@ if TYPE_CHECKING:
     from ._registry import register_model as register_model
     from ._run import RunResult as RunResult
     from ._run import run as run
+    from ._saved_run import SavedRun as SavedRun
+    from ._saved_run import load_run as load_run
+    from ._scores import classification_scores as classification_scores
     from ._task import Task as Task
     from ._task import classifier_metrics as classifier_metrics
     from ._task import lm_metrics as lm_metrics
@@ -92,14 +100,17 @@ __all__ = [
     "RunResult",
     "RunStopped",
     "Sample",
+    "SavedRun",
     "Task",
     "TensorBoard",
     "TrainState",
     "Trainer",
     "build_task",
+    "classification_scores",
     "classifier_metrics",
     "init_families",
     "lm_metrics",
+    "load_run",
     "model_names",
     "model_spec",
     "register_model",

@@ -20,6 +20,7 @@ from ._build_task import build_task
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
+from ._head import LABELS_NAME
 from ._lora import add_lora
 from ._memory import bytes_per_row, check_rows_fit
 from ._model_config import SIZES
@@ -84,10 +85,22 @@ def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | N
     return f"RunConfig.rules {c.rules} cannot place the {c.model} on this mesh: {error.problem}; {fix}"
 
 
+def training_step(c: RunConfig, loss_fn: Any, model: Any) -> TrainStep:
+    """The `zoo.TrainStep` of a run: its task's `loss_fn`, the run's optimizer (skipping
+    non-finite steps when asked), the LoRA branches (and `modules_to_save`) or every
+    weight trainable. What a checkpoint's `"params"` and `"opt_state"` are the state of."""
+    optimizer = c.optimizer.build(c.steps)
+    if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were
+        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=c.steps + 1)
+    trainable = lora_trainable(model, c.lora) if c.lora is not None else eqx.is_inexact_array
+    return TrainStep(loss_fn, optimizer, microbatches=c.microbatches, trainable=trainable, mode=c.mode,
+                     preset=c.rules)  # fmt: skip
+
+
 def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool) -> BuiltRun:
     """Build `plan`'s task on `mesh` (placed by `rules`), add its LoRA branches, make its
-    step and optimizer state, and write config.json (process 0; the run's folder is
-    created here: a run that fails before leaves none).
+    step and optimizer state, and write config.json and (a classifier) labels.json
+    (process 0; the run's folder is created here: a run that fails before leaves none).
 
     **Raises:** `ConfigError` for a setting the model cannot take."""
     c = plan.config
@@ -110,12 +123,10 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     if main:  # the run's files listed in its folder's marker before any is written
         claim(plan.output, plan.checkpoints, RUN_FILES)
         write_json(plan.output / "config.json", c.to_dict())
-    optimizer = c.optimizer.build(c.steps)
-    if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were
-        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=c.steps + 1)
-    trainable = lora_trainable(model, lcfg) if lcfg is not None else eqx.is_inexact_array
-    step = TrainStep(task.loss_fn, optimizer, microbatches=c.microbatches, trainable=trainable, mode=c.mode,
-                     preset=c.rules)  # fmt: skip
+        if task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
+            claim(plan.output, plan.checkpoints, [LABELS_NAME])
+            write_json(plan.output / LABELS_NAME, {"labels": list(task.label_names)})
+    step = training_step(c, task.loss_fn, model)
     config = task.config or {}
     dropout = (
         bool(lcfg.lora_dropout) if lcfg is not None else bool(config.get("dropout") or config.get("attention_dropout"))

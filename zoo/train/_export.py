@@ -9,6 +9,7 @@ from typing import Any
 from ..hf import save_pretrained
 from ..lora import save_adapter
 from ._folder import claim
+from ._head import save_head
 from ._hooks import Checkpoint, Hook, TrainState
 from ._plan import RunPlan
 from ._task import Task
@@ -21,7 +22,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class Export(Hook):
     """After the last step, writes the run's result: the LoRA adapter in peft's layout
     (OUTPUT/adapter), else the model as a Hugging Face folder with its tokenizer's files
-    (OUTPUT/model); a trained model neither holds (the mlp, a transformer GPT-2 cannot
+    (OUTPUT/model; a classifier's encoder, with its head in model/head.safetensors); a trained model neither holds (the mlp, a transformer GPT-2 cannot
     express) and no checkpoint would keep is saved as a final checkpoint.
 
     `outputs` names what was written (`"adapter"`, `"model"`, `"checkpoints"`), or why no
@@ -50,6 +51,8 @@ class Export(Hook):
             try:
                 self._claim("model")
                 written = save_pretrained(task.hf_part(state.model), output / "model")
+                if task.classifier:  # the head, which the encoder's folder lacks (every process: gathered)
+                    written += save_head(state.model, output / "model")
                 if task.tokenizer_dir is not None and self.main:
                     for name in TOKENIZER_FILES:
                         if (task.tokenizer_dir / name).is_file():

@@ -33,18 +33,20 @@ from ..hf._export import FILE_NAMES as MODEL_FILES
 from ..lora._io import FILE_NAMES as ADAPTER_FILES
 from ._config import RunConfig
 from ._errors import ConfigError
+from ._head import HEAD_NAME, LABELS_NAME
 
 MARKER = ".zoo-run.json"
 LOCK_NAME = ".zoo.lock"
 _FORMAT = "zoo run folder"
-# A run's own files at the top of its folder, listed in the marker when the run starts.
+# A run's own files at the top of its folder, listed in the marker when the run starts
+# (and a classifier's label names, `_head.LABELS_NAME`, listed when written).
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
 # The exports' folders and the names written there: save_pretrained's (tokenizer files
-# included) and the sentence-transformers config the run's export copies beside them
-# (`_export.TOKENIZER_FILES`); save_adapter's.
-EXPORTS = {"model": (*MODEL_FILES, "sentence_bert_config.json"), "adapter": ADAPTER_FILES}
+# included), the sentence-transformers config the run's export copies beside them
+# (`_export.TOKENIZER_FILES`) and a classifier's head (`_head.HEAD_NAME`); save_adapter's.
+EXPORTS = {"model": (*MODEL_FILES, "sentence_bert_config.json", HEAD_NAME), "adapter": ADAPTER_FILES}
 # What a run leaves in its folder (the checkpoints folder is checked on its own).
-RUN_OUTPUTS = (*RUN_FILES, *EXPORTS)
+RUN_OUTPUTS = (*RUN_FILES, LABELS_NAME, *EXPORTS)
 # `zoo._files.atomic_write`'s temporary file of NAME, left by a crash between write and rename.
 _TMP = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{32}\.tmp")
 
@@ -88,7 +90,7 @@ def _read(output: Path) -> list[str] | None:
 def _is_old_run(output: Path, files: list[str]) -> bool:
     """Whether a folder without a marker is a zoo run's: only a run's outputs, and a
     `config.json` that reads as a `RunConfig`."""
-    listed = {*RUN_FILES, *(f"{d}/{n}" for d, names in EXPORTS.items() for n in names)}
+    listed = {*RUN_FILES, LABELS_NAME, *(f"{d}/{n}" for d, names in EXPORTS.items() for n in names)}
     if "config.json" not in files or not all(_zoos(f, listed) for f in files):
         return False
     try:

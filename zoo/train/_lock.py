@@ -85,8 +85,8 @@ def _has_entries(folder: Path) -> bool:
 
 def _remove_untrained(output: Path, checkpoints: Path) -> None:
     """A new run that failed (or was stopped) before its first training step leaves the
-    folder as it found it: its config.json (and a metrics.jsonl without a training row, an
-    empty checkpoints folder) would make the same command refuse the folder next time."""
+    folder as it found it: its config.json (and labels.json, a metrics.jsonl without a
+    training row, an empty checkpoints folder) would make the same command refuse the folder next time."""
     if _has_entries(checkpoints):
         return
     metrics = output / "metrics.jsonl"
@@ -94,9 +94,9 @@ def _remove_untrained(output: Path, checkpoints: Path) -> None:
         with contextlib.suppress(OSError):
             if '"kind": "train"' in metrics.read_text():
                 return
-    if not set(previous_outputs(output)) <= {"config.json", "metrics.jsonl"}:
+    if not set(previous_outputs(output)) <= {"config.json", "labels.json", "metrics.jsonl"}:
         return
-    for name in ("config.json", "metrics.jsonl", MARKER):
+    for name in ("config.json", "labels.json", "metrics.jsonl", MARKER):
         with contextlib.suppress(OSError):
             (output / name).unlink(missing_ok=True)
     with contextlib.suppress(OSError):

@@ -13,14 +13,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import describe as describe_data
 from ..data import load as load_data
-from ..data._chat import SPECIAL_TOKEN_NAMES
 from ..data._records import FORMATS
 from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
@@ -143,17 +141,9 @@ def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate 
     file's bytes (`{"chat_template_sha256": ...}`, or `{}`)."""
     if file is None:
         return None, {}
-    config = {}
-    if folder is not None and (folder / "tokenizer_config.json").is_file():
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    special = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            special[name] = value
     data = Path(file).expanduser().read_bytes()
-    return ChatTemplate(data.decode("utf-8"), special), {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
+    template = ChatTemplate.from_pretrained(folder, template=data.decode("utf-8"))
+    return template, {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
 
 
 # --- the task ------------------------------------------------------------------------------------

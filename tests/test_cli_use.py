@@ -1,0 +1,305 @@
+"""Using a finished run from the command line, end to end on tiny runs: `zoo predict` (a
+classifier's labels by name, a regressor's outputs), `zoo eval` (against the run's own
+held-out evaluation and scikit-learn's scores), `zoo export --merge` (opened by transformers
+with the same outputs), `zoo generate --chat / --stop / --repetition-penalty` on a chat SFT
+run; runs of older zoos (no label names stored); one-line errors."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from helpers import assert_rounding_close, one_line_error, zoo_main
+from helpers import zoo_ok as ok
+from test_cli_data import CHAT_TEMPLATE, FORWARD, LOSS_DEPTH, TINY, data_files, llama_dir, read_jsonl, write_jsonl
+
+__all__ = ["data_files", "llama_dir"]  # module-scoped fixtures of test_cli_data, built once here too
+
+TEXTS = ["the cat sat on the mat", "red blue big log", "a dog ran under a log"]
+# A tiny BERT from scratch on byte tokens (test_cli_data's classifier runs), and its float32
+# sums (helpers.rounding_bound): <= 128 wide (its MLP), 1 layer of ~6 chained sums, the
+# pooling and the head; a loss adds its log-sum-exp and mean.
+ENCODER = ["--model-config", "d_model=32,num_layers=1", "--seq-len", "32"]
+ENCODER_SUMS = {"terms": 128, "depth": 6 + 2}
+# Measured: export vs zoo, and predict vs the reference, differ by < 1e-6 on these tiny models.
+EXPORT_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def classifier_run(tmp_path_factory, data_files):
+    """`zoo train encoder` on string labels (cats, colours, dogs): model/ + head.safetensors."""
+    out = tmp_path_factory.mktemp("runs") / "cls"
+    ok("train", "encoder", "--data", data_files["labels"], *TINY[:-3], *ENCODER, "--steps", "2", "--quiet",
+       "--output", out)  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_classifier_run(tmp_path_factory, classifier_run, data_files):
+    """`zoo finetune encoder --init` the classifier run's encoder: a LoRA adapter with the head."""
+    out = tmp_path_factory.mktemp("runs") / "cls-lora"
+    ok("finetune", "encoder", "--init", classifier_run, "--data", data_files["labels"], *TINY[:-3], "--seq-len", "32",
+       "--steps", "2", "--lr", "1e-2", "--quiet", "--output", out)  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, llama_dir, data_files):
+    """A chat SFT run: LoRA on the tiny Llama, its chat template from tokenizer_config.json."""
+    out = tmp_path_factory.mktemp("runs") / "chat"
+    ok("finetune", "transformer", "--init", llama_dir, "--data", data_files["chat"], "--lora", "r=4,alpha=8", *TINY,
+       "--steps", "2", "--lr", "1e-2", "--output", out)  # fmt: skip
+    return out
+
+
+def _held_out(path, tmp_path):
+    """A file of the records the run held out (its validation split, by content hash)."""
+    from zoo.data._dataset import _held_out
+
+    records = read_jsonl(path)
+    held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], 0.1)
+    return write_jsonl(tmp_path / f"held-{path.name}", [r for r, h in zip(records, held) if h])
+
+
+def _reference_logits(model_dir, texts):
+    """A byte-token classifier's logits computed apart from zoo.train: the encoder by
+    zoo.hf, mean pooling and the head from head.safetensors in numpy."""
+    import zoo
+
+    encoder = zoo.hf.from_pretrained(model_dir)
+    head = safetensors.numpy.load_file(model_dir / "head.safetensors")
+    tokens, mask = zoo.data.byte_tokens(texts, 32)
+    hidden = np.asarray(encoder(tokens, mask=mask), np.float64)
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+    return pooled @ head["head.weight"] + head["head.bias"]
+
+
+# --- zoo predict ------------------------------------------------------------------------------
+
+
+def test_predict_names_a_classifiers_labels_from_texts_and_files(classifier_run, tmp_path):
+    assert json.loads((classifier_run / "labels.json").read_text()) == {"labels": ["cats", "colours", "dogs"]}
+    out = ok("predict", classifier_run, *sum((["--text", t] for t in TEXTS), []), "--json")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["text"] for r in records] == TEXTS
+    logits = np.asarray([r["logits"] for r in records])
+    assert_rounding_close(logits, _reference_logits(classifier_run / "model", TEXTS), **ENCODER_SUMS)
+    names = ["cats", "colours", "dogs"]
+    assert [r["label"] for r in records] == [names[i] for i in logits.argmax(axis=1)]
+    # The same texts from each kind of --input file; plain output: label, probability, text.
+    files = {"t.txt": "\n".join(TEXTS) + "\n\n", "t.jsonl": "".join(json.dumps({"text": t}) + "\n" for t in TEXTS),
+             "t.csv": "text,label\n" + "".join(f'"{t}",x\n' for t in TEXTS)}  # fmt: skip
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        lines = ok("predict", classifier_run, "--input", tmp_path / name).splitlines()
+        assert [line.split("\t")[0] for line in lines] == [r["label"] for r in records], name
+        assert [line.split("\t")[2] for line in lines] == TEXTS, name
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        assert [float(line.split("\t")[1]) for line in lines] == pytest.approx(p.max(1) / p.sum(1), abs=1e-3)
+
+
+def test_predict_a_regressors_outputs(tmp_path):
+    import zoo
+
+    out = tmp_path / "mlp"
+    ok("train", "mlp", "--devices", "2", "--batch-size", "32", "--microbatches", "1", "--steps", "2", "--eval-size",
+       "16", "--model-config", "width=16,depth=1", "--quiet", "--output", out)  # fmt: skip
+    x = np.random.default_rng(0).normal(size=(3, 16)).round(3)
+    (tmp_path / "x.csv").write_text("".join(",".join(map(str, row)) + "\n" for row in x))
+    records = [json.loads(line) for line in ok("predict", out, "--input", tmp_path / "x.csv", "--json").splitlines()]
+    assert [r["input"] for r in records] == x.tolist()
+    # The mlp's weights are its last checkpoint (it has no Hugging Face form).
+    with zoo.Checkpointer(out / "checkpoints") as ckpt:
+        assert ckpt.steps() == [2]
+    run = zoo.train.load_run(out)
+    assert run.weights.endswith("step 2") and run.kind == "regression"
+    want = np.asarray(run.model(x.astype(np.float32)))
+    np.testing.assert_allclose([r["prediction"] for r in records], want, rtol=1e-6)
+    one = ok("predict", out, "--text", ",".join(map(str, x[0])))
+    assert float(one) == pytest.approx(want[0, 0], rel=1e-5)
+    rc, _, err = zoo_main("predict", out, "--text", "1,2,3")
+    one_line_error(rc, err, "is a regressor of 16 inputs: give rows of 16 numbers, got shape (1, 3)")
+    rc, _, err = zoo_main("export", out, "--output", tmp_path / "x")
+    one_line_error(rc, err, "the mlp has no Hugging Face form")
+
+
+def test_a_run_without_stored_label_names_reads_them_from_its_file_or_falls_back_to_ids(classifier_run, tmp_path):
+    """Runs of an older zoo stored no labels.json: the names come from the data file the
+    run names when it is still there (the same rule), else ids, with a note."""
+    old = tmp_path / "old"
+    shutil.copytree(classifier_run, old)
+    (old / "labels.json").unlink()
+    text = ok("predict", old, "--text", TEXTS[0], "--json")
+    assert json.loads(text)["label"] in ("cats", "colours", "dogs")
+    config = json.loads((old / "config.json").read_text())
+    config["data"] = str(tmp_path / "gone.jsonl")
+    (old / "config.json").write_text(json.dumps(config))
+    rc, out, err = zoo_main("predict", old, "--text", TEXTS[0], "--json")
+    assert rc == 0, err
+    assert json.loads(out)["label"] in ("0", "1", "2")
+    assert "stores no label names (a run of an older zoo) and its data file is gone: labels are ids" in err
+
+
+# --- zoo eval ---------------------------------------------------------------------------------
+
+
+def test_eval_of_a_classifier_is_its_runs_evaluation_and_sklearns_scores(classifier_run, data_files, tmp_path):
+    from sklearn.metrics import f1_score, precision_recall_fscore_support
+
+    held = _held_out(data_files["labels"], tmp_path)
+    scores = json.loads(ok("eval", classifier_run, "--data", held, "--json"))
+    after = json.loads((classifier_run / "summary.json").read_text())["eval_after"]
+    assert scores["examples"] == after["examples"] and scores["accuracy"] == after["accuracy"]
+    assert_rounding_close(scores["loss"], after["loss"], terms=ENCODER_SUMS["terms"], depth=ENCODER_SUMS["depth"] + 2)
+    # A file of two classes, listed in another order than the run's: matched by name.
+    records = [r for r in read_jsonl(data_files["labels"]) if r["label"] != "colours"]
+    file = write_jsonl(tmp_path / "two.jsonl", records[::-1])
+    scores = json.loads(ok("eval", classifier_run, "--data", file, "--json"))
+    names = ["cats", "colours", "dogs"]
+    truth = [names.index(r["label"]) for r in records[::-1]]
+    predicted = _reference_logits(classifier_run / "model", [r["text"] for r in records[::-1]]).argmax(axis=1)
+    assert scores["accuracy"] == pytest.approx(np.mean(np.asarray(truth) == predicted))
+    assert scores["macro_f1"] == pytest.approx(f1_score(truth, predicted, average="macro"))
+    p, r, f, s = precision_recall_fscore_support(truth, predicted, labels=[0, 1, 2], zero_division=0)
+    for i, name in enumerate(names):
+        assert scores["per_class"][name] == pytest.approx(
+            {"precision": p[i], "recall": r[i], "f1": f[i], "support": s[i]}
+        )
+    text = ok("eval", classifier_run, "--data", file)
+    assert "macro-F1" in text and "colours" in text and "precision" in text
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a", "label": "birds"}, {"text": "b", "label": "cats"}])
+    rc, _, err = zoo_main("eval", classifier_run, "--data", bad)
+    one_line_error(rc, err, "labels ['birds'] are not among the run's ['cats', 'colours', 'dogs']")
+    rc, _, err = zoo_main("eval", classifier_run, "--data", data_files["chat"])
+    one_line_error(rc, err, "holds chat records (language modelling) but")
+
+
+def test_eval_of_a_chat_run_is_its_runs_evaluation_with_perplexity(chat_run, data_files, tmp_path):
+    """On the records the run held out, `zoo eval` gives the run's own final evaluation: the
+    same rows (the chat template, packing, assistant tokens only)."""
+    held = _held_out(data_files["chat"], tmp_path)
+    scores = json.loads(ok("eval", chat_run, "--data", held, "--json"))
+    after = json.loads((chat_run / "summary.json").read_text())["eval_after"]
+    assert_rounding_close(scores["loss"], after["loss"], terms=FORWARD["terms"], depth=LOSS_DEPTH)
+    assert scores["accuracy"] == pytest.approx(after["accuracy"], abs=1e-9)
+    assert scores["perplexity"] == pytest.approx(np.exp(scores["loss"])) and scores["tokens"] > 0
+    assert "perplexity" in ok("eval", chat_run, "--data", held)
+
+
+# --- zoo export -------------------------------------------------------------------------------
+
+
+def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_run, tmp_path):
+    import torch
+    import transformers
+
+    import zoo
+
+    rc, _, err = zoo_main("export", chat_run, "--output", tmp_path / "no")
+    one_line_error(rc, err, "is a LoRA run: pass --merge to fold its adapter into the base model")
+    out = tmp_path / "merged"
+    ok("export", chat_run, "--merge", "--output", out)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)
+    ours = np.asarray(zoo.train.load_run(chat_run).model(tokens))[..., :20]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    assert np.abs(ours - theirs).max() <= EXPORT_TOLERANCE
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
+    # A folder holding a user's file of a name the export writes, and no model: refused.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text("my own")
+    rc, _, err = zoo_main("export", chat_run, "--merge", "--output", mine)
+    one_line_error(rc, err, "holds tokenizer.json, which it would replace")
+    assert (mine / "tokenizer.json").read_text() == "my own"
+
+
+def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):
+    """transformers' BertModel on the merged folder, mean-pooled, through head.safetensors:
+    `zoo predict`'s logits; the label names are config.json's id2label."""
+    import torch
+    import transformers
+
+    import zoo
+
+    out = tmp_path / "cls"
+    ok("export", lora_classifier_run, "--merge", "--output", out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {"0": "cats", "1": "colours", "2": "dogs"}
+    predicted = [json.loads(line) for line in ok("predict", lora_classifier_run, *sum((["--text", t] for t in TEXTS),
+                                                 []), "--json").splitlines()]  # fmt: skip
+    tokens, mask = zoo.data.byte_tokens(TEXTS, 32)
+    bert = transformers.BertModel.from_pretrained(out, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        hidden = bert(
+            torch.from_numpy(tokens.astype(np.int64)), attention_mask=torch.from_numpy(mask)
+        ).last_hidden_state
+    hidden = hidden.numpy().astype(np.float64)
+    head = safetensors.numpy.load_file(out / "head.safetensors")
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+    logits = pooled @ head["head.weight"] + head["head.bias"]
+    assert np.abs(logits - np.asarray([r["logits"] for r in predicted])).max() <= EXPORT_TOLERANCE
+    assert [r["label"] for r in predicted] == [config["id2label"][str(i)] for i in logits.argmax(axis=1)]
+
+
+# --- zoo generate --chat / --stop / --repetition-penalty ----------------------------------------
+
+
+def _library_reply(run_folder, prompt, **kwargs):
+    """The reply zoo.generate gives to `prompt` as a user turn of the run's chat template."""
+    import zoo
+
+    run = zoo.train.load_run(run_folder)
+    text = run.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    assert text.endswith("<assistant> ")
+    ids = run.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    out = np.asarray(zoo.generate(run.model, np.asarray([ids], np.int32), max_new_tokens=8, eos_token_id=2, **kwargs))
+    new = [int(i) for i in out[0, len(ids) :]]
+    return run.tokenizer.decode(new[: new.index(2)] if 2 in new else new)
+
+
+def test_generate_chat_prompts_a_chat_run_in_its_training_format(chat_run):
+    """Two SFT steps teach the tiny model to end its turn (`</s>`) at once; a strong
+    repetition penalty (the prompt holds `</s>`) makes it say something first: the same
+    words as the library's, cut where `--stop` says, streamed or not."""
+    chat = ["generate", chat_run, "--chat", "--prompt", "cat dog red", "--max-new-tokens", 8]
+    reply = _library_reply(chat_run, "cat dog red")
+    assert json.loads(ok(*chat, "--json")) == [{"prompt": "cat dog red", "completion": reply}]
+    assert ok(*chat) == reply + "\n"  # the reply alone, streamed
+    penalised = _library_reply(chat_run, "cat dog red", repetition_penalty=10.0)
+    words = penalised.split()
+    assert len(words) >= 2 and penalised != reply, penalised
+    assert json.loads(ok(*chat, "--repetition-penalty", 10, "--json"))[0]["completion"] == penalised
+    stop = f" {words[1]}"
+    want = penalised[: penalised.index(stop)]
+    assert ok(*chat, "--repetition-penalty", 10, "--stop", stop, "--stop", "zzz") == want + "\n"
+    got = json.loads(ok(*chat, "--prompt", "a", "--repetition-penalty", 10, "--stop", stop, "--json"))
+    assert got[0]["completion"] == want
+    rc, _, err = zoo_main("generate", chat_run, "--chat-template", "/nonexistent.jinja", "--prompt", "a")
+    one_line_error(rc, err, "--chat-template /nonexistent.jinja: no such file")
+
+
+def test_stop_strings_cut_the_streamed_text_where_the_whole_text_is_cut():
+    """The printer holds back what may begin a stop string: a stop split over tokens."""
+    import io
+
+    from zoo._cli._generate import Printer, Text, cut_at_stop
+
+    class Chars(Text):
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    text = Chars()
+    text.tokenizer = object()  # decoded through `decode`, not bytes
+    for whole, stops in [("abc<END>def", ["<END>"]), ("ab<E<END", ["<END>"]), ("abc", ["c", "bc"]), ("x<", ["<E"])]:
+        stream = io.StringIO()
+        printer = Printer(text, eos=None, stops=stops, stream=stream)
+        for ch in whole:
+            printer(np.asarray([ord(ch)]))
+        printer.finish()
+        assert stream.getvalue() == cut_at_stop(whole, stops)[0], (whole, stops)

@@ -1,0 +1,53 @@
+"""A classifier's scores from its predictions: accuracy, macro-F1 and each class's precision,
+recall, F1 and support (numpy, on the host)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def classification_scores(labels: Any, predictions: Any, label_names: Sequence[str]) -> dict[str, Any]:
+    """Accuracy, macro-F1 and per-class scores of predicted label ids against the true ones.
+
+    As scikit-learn's `precision_recall_fscore_support` and `f1_score(average="macro")`:
+    a class's precision is 0 when nothing was predicted as it (recall likewise when it has
+    no example), its F1 0 when both are; the macro-F1 is the unweighted mean of the F1 of
+    the classes that occur among the labels or the predictions.
+
+    **Arguments:** `labels` and `predictions`, integer ids `[n]` (label `i` is
+    `label_names[i]`), `label_names` every class's name.
+
+    **Returns:** `{"examples", "accuracy", "macro_f1", "per_class": {name: {"precision",
+    "recall", "f1", "support"}}}` (every class of `label_names`, in order).
+    """
+    labels, predictions = np.asarray(labels).reshape(-1), np.asarray(predictions).reshape(-1)
+    if labels.shape != predictions.shape:
+        raise ValueError(f"labels {labels.shape} and predictions {predictions.shape} differ in length")
+    k = len(label_names)
+    if labels.size and not (0 <= min(labels.min(), predictions.min()) and max(labels.max(), predictions.max()) < k):
+        raise ValueError(f"label ids must be in [0, {k}) for the {k} label_names")
+    both = np.zeros((k, k), np.int64)  # both[true, predicted]
+    np.add.at(both, (labels, predictions), 1)
+    hits, support, predicted = np.diag(both), both.sum(axis=1), both.sum(axis=0)
+    precision = np.divide(hits, predicted, out=np.zeros(k), where=predicted > 0)
+    recall = np.divide(hits, support, out=np.zeros(k), where=support > 0)
+    total = precision + recall
+    f1 = np.divide(2 * precision * recall, total, out=np.zeros(k), where=total > 0)
+    present = (support > 0) | (predicted > 0)
+    return {
+        "examples": int(labels.size),
+        "accuracy": float(hits.sum() / labels.size) if labels.size else None,
+        "macro_f1": float(f1[present].mean()) if present.any() else None,
+        "per_class": {
+            str(name): {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(support[i]),
+            }
+            for i, name in enumerate(label_names)
+        },  # fmt: skip
+    }
