@@ -8,7 +8,8 @@ block (invisible on GitHub) say how:
 - `<!-- doc-test: fixtures PATH=KIND ... -->`: before the chain runs, its temporary working
   directory gets what the block names at PATH: `tiny_llama` (a tiny random Llama with a
   word-level tokenizer), `tiny_gpt2`, `tiny_bert`, `sft_jsonl` (prompt/completion records),
-  `hub_llama` (the tiny Llama as the model id PATH in a local hub cache, `HF_HUB_CACHE`).
+  `hub_llama` (the tiny Llama as the model id PATH in a local hub cache, `HF_HUB_CACHE`),
+  `one_process` (the `JAX_*` variables of a distributed job of one process; PATH unused).
 - `<!-- doc-test: file=PATH -->`: the block is a listing of the repository's file PATH and
   must equal it.
 - `<!-- doc-test: not-code (REASON) -->`: output, a diff, a table: not run.
@@ -178,7 +179,7 @@ def _sft_jsonl(path: Path) -> None:
     rng = np.random.default_rng(0)
     rows = [
         {"prompt": " ".join(rng.choice(VOCAB_WORDS, 6)), "completion": " " + " ".join(rng.choice(VOCAB_WORDS, 4))}
-        for _ in range(800)
+        for _ in range(3200)
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -205,6 +206,14 @@ def made(tmp_path_factory):
 
 
 def _place(cwd: Path, path: str, kind: str, made, env: dict) -> None:
+    if kind == "one_process":  # the JAX_* variables of a job of one process
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}
+        return
     if kind == "hub_llama":  # the model id `path` in a local hub cache
         snapshot = cwd / "hf_cache" / ("models--" + path.replace("/", "--")) / "snapshots" / "abc"
         shutil.copytree(made("tiny_llama"), snapshot)
