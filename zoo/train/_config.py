@@ -16,6 +16,8 @@ from ._model_config import check_model_config, check_pretrained_shape
 from ._optimizer import OptimizerConfig
 from ._registry import DATA_FILE_DEFAULTS, ModelSpec, model_names, model_spec
 
+# What a classifier's head reads (`zoo.models.EncoderClassifier`'s pooling).
+POOLINGS = ("cls", "mean")
 # The largest count a run takes (steps, rows, intervals): compiled programs count steps and
 # rows in int32. Seeds are 32-bit, as numpy's and jax's PRNG seeds are portably.
 MAX_COUNT = 2**31 - 1
@@ -97,7 +99,9 @@ class RunConfig:
     - `eval_every`: evaluate every N steps (None: the model's default, else a tenth of the
       run; 0: before and after only); `probe`: fit a classifier's head alone on frozen
       features for this many steps first, as a baseline (None: the model's default, 0
-      but for the demo).
+      but for the demo); `pooling`: what a classifier's head reads, `"cls"` (the `[CLS]`
+      state through the checkpoint's pooler, as `BertForSequenceClassification`) or
+      `"mean"` (None: the model's default; only classifiers take it).
     - `output`: the run's folder (None: `runs/COMMAND-MODEL-UTCTIME`); `checkpoint_dir`
       (None: OUTPUT/checkpoints), `checkpoint_every` (0: none), `keep`, `resume`,
       `resume_step`, `overwrite` (replace an earlier run's outputs).
@@ -143,6 +147,12 @@ class RunConfig:
                              help="classifiers: also fit the new head alone on frozen-encoder features (a linear "
                              "probe: full-batch Adam, this many steps) and report it as a baseline; training starts "
                              "from the new head either way (default 0: off{probe_demo})")  # fmt: skip
+    pooling: str | None = flag(None, choices=POOLINGS, group="model and data",
+                               help="classifiers: what the head reads: cls, the [CLS] state through the "
+                               "checkpoint's pooler as BertForSequenceClassification (the adapter is a peft SEQ_CLS "
+                               "one), or mean, the mean of the hidden states (sentence-transformers' features; the "
+                               "adapter is a peft FEATURE_EXTRACTION one, the head in adapter/head.safetensors) "
+                               "(default {pooling_default})")  # fmt: skip
     output: str | None = flag(None, metavar="DIR", group="evaluation and outputs", resume="safe",
                               help="output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, "
                               "loss.png, summary.json, {outputs}, checkpoints/")  # fmt: skip
@@ -204,6 +214,8 @@ class RunConfig:
             value = getattr(self, field)
             if value is not None and value > MAX_COUNT:
                 raise bad(field, f"at most {MAX_COUNT} (2**31 - 1: compiled programs count in int32)")
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise bad("pooling", f"one of {list(POOLINGS)} (or None)")
         if self.dtype not in ("float32", "bfloat16"):
             raise bad("dtype", "'float32' or 'bfloat16'")
         if self.mode not in ("explicit", "shard_map"):
@@ -321,7 +333,7 @@ class RunConfig:
             self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
             microbatches=pick(self.microbatches, "microbatches"), probe=pick(self.probe, "probe"),
             eval_every=pick(self.eval_every, "eval_every"), optimizer=optimizer, data=data, lora=lora,
-            resume=self.resuming,
+            resume=self.resuming, pooling=self.pooling or (table["pooling"] if spec.classifier else None),
         )  # fmt: skip
         return dataclasses.replace(done, eval_every=done.eval_interval)
 
@@ -362,7 +374,7 @@ class RunConfig:
                 flat["model_config"] = ",".join(f"{k}={v}" for k, v in value.items()) or None
             elif f.name in ("resume_step", "overwrite"):
                 continue
-            elif f.name == "tensorboard" and value is None:
+            elif f.name in ("tensorboard", "pooling") and value is None:
                 continue
             else:
                 flat[f.name] = value
@@ -421,6 +433,8 @@ def check_fits_model(config: RunConfig, spec: ModelSpec) -> None:
     `RunConfig.resolved` and `build_task` check with it."""
     if config.init and spec.init_class is None:
         raise ConfigError(f"RunConfig.init: the {spec.name} has no pretrained weights; drop RunConfig.init")
+    if config.pooling is not None and not spec.classifier:
+        raise ConfigError(f"RunConfig.pooling: the {spec.name} is no classifier; drop RunConfig.pooling")
     if config.dtype not in spec.dtypes:
         raise ConfigError(
             f"RunConfig.dtype: the {spec.name} computes in {' or '.join(spec.dtypes)} only; drop RunConfig.dtype"
