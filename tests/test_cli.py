@@ -352,11 +352,13 @@ def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
     assert summary["collectives"]["gradient_bytes"] == summary["adapter_bytes"] + 8
     assert summary["collectives"]["budget"].startswith("within the dp budget (1 all-reduce outside")
     assert summary["eval_after"]["accuracy"] is not None  # next-token accuracy
+    assert summary["eval_after"]["perplexity"] == pytest.approx(math.exp(summary["eval_after"]["loss"]))
     # A decoder's run ends with a greedy sample (zoo.generate) after the start of a validation window.
     assert summary["sample"]["new_tokens"] == 8 and len(summary["sample"]["prompt"].encode()) >= 8
     assert f"{summary['sample']['completion']!r}" in text
     rows = read_jsonl(tuned / "metrics.jsonl")
     assert all(r["tokens_per_s"] > 0 for r in rows if r["kind"] == "train")
+    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in rows if r["kind"] == "eval")
 
 
 def test_train_encoder_classifier_with_probe(tmp_path):
@@ -379,6 +381,13 @@ def test_train_encoder_classifier_with_probe(tmp_path):
     margin = 100 * (summary["stages"][2]["accuracy"] - summary["probe"]["accuracy"])
     assert f"trained vs the linear probe: {margin:+.1f} points of test accuracy" in text, text
     assert (out / "model" / "config.json").is_file()  # the encoder in BERT's layout
+    # Each evaluation, the probe's too, scores every class: precision, recall, F1, macro-F1.
+    names = summary["stages"][0]["per_class"].keys()
+    assert len(names) == 8 and all(0 <= s["macro_f1"] <= 1 for s in summary["stages"])
+    assert sum(c["support"] for c in summary["eval_after"]["per_class"].values()) == summary["eval_after"]["examples"]
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(r["eval_per_class"].keys() == names for r in evals)
+    assert evals[-1]["eval_macro_f1"] == summary["eval_after"]["macro_f1"]
 
 
 # --- help and errors ---------------------------------------------------------------------------

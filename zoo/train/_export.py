@@ -79,5 +79,5 @@ class Export(Hook):
         if not self.checkpointed and self.plan.command == "train" and "model" not in self.outputs:
             self.saver.save(state)
             self.saver.close()
-        if self.saver.last_saved == state.steps:
+        if self.saver.last_saved == state.step:  # the last step, or the one the run stopped early at
             self.outputs["checkpoints"] = str(self.plan.checkpoints)

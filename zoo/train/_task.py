@@ -34,8 +34,8 @@ class Task:
     - `kind`: `"regression"`, `"lm"` or `"classification"`.
     - `loss_fn`: the `zoo.TrainStep` loss.
     - `metrics_fn(model, batch)`: per-example `loss` sums, `weight`s and (not for
-      regression) `correct` counts; a classifier's also its pooled `features`. Batches
-      carry a `weight` per row (0 for padding rows).
+      regression) `correct` counts; a classifier's also its `predicted` classes and pooled
+      `features`. Batches carry a `weight` per row (0 for padding rows).
     - `train_source`: what it trains on, a `zoo.data.BatchSource` (a user's file: its
       `zoo.data.Dataset`); `seed`: the batches' seed (`RunConfig.seed`). `batch_at` asks
       the source for a step's batch.
@@ -124,8 +124,9 @@ def lm_metrics(model, batch):
 
 
 def classifier_metrics(model, batch):
-    """Per-example cross-entropy (`loss`, weighted), `weight`, `correct` and the pooled
-    `features` (what its head reads, mean or CLS) of a `zoo.models.EncoderClassifier` on `{"tokens", "mask", "labels",
+    """Per-example cross-entropy (`loss`, weighted), `weight`, `correct`, the `predicted`
+    class and the pooled `features` (what its head reads, mean or CLS) of a
+    `zoo.models.EncoderClassifier` on `{"tokens", "mask", "labels",
     "weight"}` (`token_types` optional)."""
     import jax.numpy as jnp
 
@@ -134,7 +135,8 @@ def classifier_metrics(model, batch):
     w = batch["weight"]
     correct = (jnp.argmax(logits, axis=-1) == batch["labels"]).astype(jnp.float32)
     ce = cross_entropy(logits, batch["labels"])
-    return {"loss": ce * w, "weight": w, "correct": correct * w, "features": features}
+    predicted = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return {"loss": ce * w, "weight": w, "correct": correct * w, "features": features, "predicted": predicted}
 
 
 # -- pieces the builders share --
