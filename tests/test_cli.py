@@ -640,7 +640,8 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     """What `make demo` runs: LoRA on the pretrained MiniLM over 8 simulated devices, on
     the swapped-halves word-order task; the summary says the loss fell, LoRA beat the
     linear probe on the frozen encoder by 10 points or more (and says by how much), and
-    the step had one all-reduce of the adapter's (and head's) bytes."""
+    the step had one all-reduce of the adapter's (and head's) bytes. peft opens the
+    adapter as the classifier zoo trained (its README's recipe: the same logits)."""
     import time
 
     out = tmp_path / "demo"
@@ -664,7 +665,25 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
         assert (out / name).is_file(), name
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert {p.name for p in (out / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
-    print(f"zoo demo took {seconds:.0f} s")
+    # The demo's classifier pools as BertForSequenceClassification: peft opens its SEQ_CLS adapter as the classifier
+    # zoo trained. The recipe in adapter/README.md, run as written on held-out sentences, gives zoo's logits.
+    import numpy as np
+
+    import zoo
+
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+    (block,) = re.findall(r"```python\n(.*?)```", (out / "adapter" / "README.md").read_text(), re.S)
+    texts = zoo.data.docstring_word_order("swap-halves").test_texts[:64]
+    namespace = {}
+    exec(compile(re.sub(r"(?m)^texts = .*$", f"texts = {texts!r}", block), "adapter/README.md", "exec"), namespace)
+    base = zoo.hf.minilm_path()
+    classifier, _ = zoo.lora.load_adapter(zoo.hf.load_bert_classifier(base, num_labels=2), out / "adapter")
+    batch = zoo.hf.Tokenizer.from_pretrained(base)(texts, max_len=32)
+    ours = np.asarray(classifier(batch["tokens"], mask=batch["mask"], token_types=batch.get("token_types")))
+    theirs = namespace["logits"].numpy()
+    diff = np.abs(ours - theirs).max()
+    assert diff <= 1e-4 and (ours.argmax(-1) == theirs.argmax(-1)).all(), diff
+    print(f"zoo demo took {seconds:.0f} s; peft's logits within {diff:.1e} of zoo's on {len(texts)} test sentences")
 
 
 @pytest.mark.timeout(600)

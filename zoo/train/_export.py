@@ -23,9 +23,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class Export(Hook):
     """After the last step, writes the run's result: the LoRA adapter in peft's layout
     (OUTPUT/adapter; a classifier's with a README.md holding the recipe that computes its
-    logits in transformers + peft), else the model as a Hugging Face folder with its tokenizer's files
-    (OUTPUT/model); a trained model neither holds (the mlp, a transformer GPT-2 cannot
-    express) and no checkpoint would keep is saved as a final checkpoint.
+    logits in transformers + peft), else the model as a Hugging Face folder with its
+    tokenizer's files (OUTPUT/model); a trained model neither holds (the mlp, a
+    transformer GPT-2 cannot express) and no checkpoint would keep is saved as a final
+    checkpoint.
 
     `outputs` names what was written (`"adapter"`, `"model"`, `"checkpoints"`), or why no
     Hugging Face folder was (`"model_not_saved"`). Every process calls the savers (sharded

@@ -168,18 +168,18 @@ class Checkpoint(Hook):
         self.checkpointer.save(state.step, {"params": params, "opt_state": state.opt_state, **self.extra},
                                metadata=metadata)  # fmt: skip
         self.last_saved = state.step
-        self._rotate()
+        self._rotate(self.checkpointer)
 
-    def _rotate(self) -> None:
+    def _rotate(self, checkpointer: Checkpointer) -> None:
         """Delete the checkpoints beyond the newest `keep` but the `pinned` ones (without
         `pinned`, the `Checkpointer` rotates them itself)."""
-        if self.pinned is None or self.checkpointer is None:
+        if self.pinned is None:
             return
-        steps = self.checkpointer.steps()  # committed; the save in flight is the newest
+        steps = checkpointer.steps()  # committed; the save in flight is the newest
         newest = sorted(set(steps) | ({self.last_saved} if self.last_saved is not None else set()))[-self.keep :]
         for step in steps:
             if step not in newest and step not in self.pinned():
-                self.checkpointer.delete(step)
+                checkpointer.delete(step)
 
     def __call__(self, state: TrainState) -> None:
         if state.step != state.steps or not self.at_end:
@@ -192,9 +192,9 @@ class Checkpoint(Hook):
     def close(self) -> None:
         """Wait for a save in flight, then close the checkpointer (`save` reopens it)."""
         if self.checkpointer is not None:
-            self.checkpointer.wait()
-            self._rotate()
             checkpointer, self.checkpointer = self.checkpointer, None
+            checkpointer.wait()
+            self._rotate(checkpointer)
             checkpointer.close()
 
 

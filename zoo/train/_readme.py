@@ -43,11 +43,15 @@ def classifier_readme(adapter: Path, *, pooling: str, title: str, seq_len: int, 
     tokenize = _tokenize(tokenizer_dir, seq_len, pad_id)
     finish = "print([LABELS[i] for i in logits.argmax(-1).tolist()])\n"
     if pooling == "cls":
+        saved = "classifier" in (values.get("modules_to_save") or [])
         what = (
             f"a peft LoRA adapter (`task_type` `SEQ_CLS`) of `{base}` as `BertForSequenceClassification`: the "
-            f"`[CLS]` state through BERT's pooler (dense + tanh), then the head (`classifier`, {n} labels, trained "
-            "in full). peft opens it as the classifier zoo trained; pass `num_labels` (transformers' default is 2)."
-        )
+            f"`[CLS]` state through BERT's pooler (dense + tanh), then the head (`classifier`, {n} labels"
+            + (", trained in full). peft opens it as the classifier zoo trained" if saved else
+               ", not trained: --lora save=none). Without the head in the adapter peft starts a new random one, "
+               "so its logits are not zoo's: train the head (save=head) to use it elsewhere")
+            + "; pass `num_labels` (transformers' default is 2)."
+        )  # fmt: skip
         recipe = (
             f"{imports}from peft import AutoPeftModelForSequenceClassification\n\n{common}"
             f"model = AutoPeftModelForSequenceClassification.from_pretrained(ADAPTER, num_labels={n}).eval()\n"
