@@ -17,9 +17,10 @@ that ships with Python, split by a hash of the text.
 
 It prints both test accuracies (and the majority-class baseline), the adapter's size
 against the model's, the compiled step's collectives, checks that the frozen base did not
-move, and saves the adapter in peft's layout. It exits 0 only if the LoRA run lowered its
-training loss, left every frozen weight bit for bit as loaded, and its compiled step held
-exactly one all-reduce, outside the microbatch loop.
+move, and saves the adapter in peft's layout (the classifier mean-pools: its encoder's
+FEATURE_EXTRACTION adapter, the head in head.safetensors). It exits 0 only if the LoRA run
+lowered its training loss, left every frozen weight bit for bit as loaded, and its
+compiled step held exactly one all-reduce, outside the microbatch loop.
 
 Measured (defaults, 8 devices, 2 CPU cores, 2.5 s per LoRA step under load, 204 s in
 all): majority class 0.175; frozen encoder + head after the same 60 steps 0.679 (test

@@ -96,29 +96,34 @@ def test_encoder_classifier_round_trip_with_saved_head(classifier_dir):
 
 
 def test_file_follows_peft_layout(classifier_dir):
+    """A mean-pooling classifier's adapter is its encoder's (BertModel's names, a
+    FEATURE_EXTRACTION adapter) and its head apart, torch's nn.Linear state dict."""
     tensors = safetensors.numpy.load_file(classifier_dir / "adapter_model.safetensors")
     layer = [
-        f"{PREFIX}bert.encoder.layer.{i}.attention.self.{p}.lora_{ab}.weight"
+        f"{PREFIX}encoder.layer.{i}.attention.self.{p}.lora_{ab}.weight"
         for i in range(2)
         for p in ("query", "value")
         for ab in "AB"
     ]
-    assert sorted(tensors) == sorted(layer + [f"{PREFIX}classifier.weight", f"{PREFIX}classifier.bias"])
+    assert sorted(tensors) == sorted(layer)
     model = trained_classifier()
     q = model.encoder.layers.layers.attention.q_proj
     a, b = (
-        tensors[f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_A.weight"],
-        tensors[f"{PREFIX}bert.encoder.layer.1.attention.self.query.lora_B.weight"],
+        tensors[f"{PREFIX}encoder.layer.1.attention.self.query.lora_A.weight"],
+        tensors[f"{PREFIX}encoder.layer.1.attention.self.query.lora_B.weight"],
     )
     assert a.shape == (4, 16) and b.shape == (16, 4)  # [r, d_model], [d_model, r]
     np.testing.assert_array_equal(a, np.asarray(q.lora_A[1]).T)
     np.testing.assert_array_equal(b, np.asarray(q.lora_B[1]).T)
-    assert tensors[f"{PREFIX}classifier.weight"].shape == (3, 16)  # [num_labels, d_model]
-    np.testing.assert_array_equal(tensors[f"{PREFIX}classifier.weight"], np.asarray(model.head.weight).T)
+    head = safetensors.numpy.load_file(classifier_dir / "head.safetensors")
+    assert sorted(head) == ["bias", "weight"] and head["weight"].shape == (3, 16)  # [num_labels, d_model]
+    np.testing.assert_array_equal(head["weight"], np.asarray(model.head.weight).T)
+    np.testing.assert_array_equal(head["bias"], np.asarray(model.head.bias))
     config = json.loads((classifier_dir / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16
-    assert config["modules_to_save"] == ["classifier"]
+    assert config["task_type"] == "FEATURE_EXTRACTION" and config["modules_to_save"] is None
     assert sorted(config["target_modules"]) == sorted({k[len(PREFIX) :].rsplit(".", 2)[0] for k in layer})
+    assert json.loads((classifier_dir / "zoo_adapter.json").read_text())["modules_to_save"] == ["head"]
 
 
 def test_names_follow_bert_for_the_encoder_and_zoo_paths_elsewhere():
@@ -127,8 +132,12 @@ def test_names_follow_bert_for_the_encoder_and_zoo_paths_elsewhere():
     assert hf_module_name(encoder, "layers.layers.mlp.up", (0,)) == "encoder.layer.0.intermediate.dense"
     assert hf_module_name(encoder, "layers.layers.mlp.down", (0,)) == "encoder.layer.0.output.dense"
     assert hf_module_name(encoder, "layers.layers.attention.k_proj", (1,)) == "encoder.layer.1.attention.self.key"
-    assert hf_module_name(classifier, "encoder.embeddings.norm") == "bert.embeddings.LayerNorm"
+    # A mean-pooling classifier's encoder is BertModel; a CLS-pooling one is BertForSequenceClassification.
+    assert hf_module_name(classifier, "encoder.embeddings.norm") == "embeddings.LayerNorm"
     assert hf_module_name(classifier, "head") == "classifier"
+    cls = zoo.models.EncoderClassifier(encoder, 3, pooling="cls", key=jax.random.key(0))
+    assert hf_module_name(cls, "encoder.embeddings.norm") == "bert.embeddings.LayerNorm"
+    assert hf_module_name(cls, "pooler") == "bert.pooler.dense" and hf_module_name(cls, "head") == "classifier"
     # The tiny decoder (RoPE, RMSNorm, SwiGLU, untied head) is Llama-shaped: Llama's names.
     assert hf_module_name(decoder_base(), "layers.layers.attention.q_proj", (3,)) == "model.layers.3.self_attn.q_proj"
     assert hf_module_name(decoder_base(), "layers.layers.mlp.gate", (0,)) == "model.layers.0.mlp.gate_proj"
@@ -145,10 +154,10 @@ def test_adapter_without_zoo_entry_loads_as_peft_wrote_it(classifier_dir, tmp_pa
     peft_dir = tmp_path / "peft"
     peft_dir.mkdir()
     config = json.loads((classifier_dir / "adapter_config.json").read_text())
-    # (task_type None: a peft SEQ_CLS adapter is refused by a mean-pooling classifier, see test_peft.py)
-    config["target_modules"], config["task_type"] = ["query", "value"], None
+    config["target_modules"] = ["query", "value"]
     (peft_dir / "adapter_config.json").write_text(json.dumps(config))
-    (peft_dir / "adapter_model.safetensors").write_bytes((classifier_dir / "adapter_model.safetensors").read_bytes())
+    for name in ("adapter_model.safetensors", "head.safetensors"):  # the head file: its head, saved whole
+        (peft_dir / name).write_bytes((classifier_dir / name).read_bytes())
     loaded, loaded_config = load_adapter(classifier_base(), peft_dir)
     assert tree_allclose(loaded, trained_classifier(), rtol=0, atol=0)
     assert loaded_config.scaling == CLASSIFIER.scaling and loaded_config.modules_to_save == ("head",)
@@ -163,16 +172,21 @@ def test_loading_into_other_shapes_names_the_mismatched_tensors(classifier_dir):
     with pytest.raises(ValueError, match="mis-shaped") as err:
         load_adapter(wider, classifier_dir)
     message = str(err.value)
-    assert (
-        f"{PREFIX}bert.encoder.layer.0.attention.self.query.lora_A.weight: expected [4, 32], found [4, 16]" in message
-    )
-    assert f"{PREFIX}classifier.weight: expected [3, 32], found [3, 16]" in message
+    assert f"{PREFIX}encoder.layer.0.attention.self.query.lora_A.weight: expected [4, 32], found [4, 16]" in message
     assert "d_model: saved 16, this model 32" in message
     # The first line (all a command prints) names the first of them and the other base.
     first = message.splitlines()[0]
     assert "does not fit this EncoderClassifier: " in first and not first.endswith(":"), first
     assert "mis-shaped (" in first and ": expected [4, 32], found [4, 16]" in first, first
     assert "the model configs differ (d_model: saved 16, this model 32" in first and "another base model?" in first
+    # The head apart (head.safetensors) for another number of labels.
+    five = zoo.models.EncoderClassifier(classifier_base().encoder, 5, key=jax.random.key(0))
+    with pytest.raises(
+        ValueError,
+        match=r"head.safetensors: weight is \[16, 3\] in zoo's layout, this model's head "
+        r"holds \[16, 5\]; the model configs differ \(num_labels: saved 3, this model 5",
+    ):
+        load_adapter(five, classifier_dir)
     # A model already carrying rank-8 branches.
     rank8 = add_lora(classifier_base(), LoraConfig(r=8, target_modules=("q_proj", "v_proj")), key=jax.random.key(1))
     with pytest.raises(ValueError, match=r"lora_A.weight: expected \[8, 16\], found \[4, 16\]"):

@@ -952,6 +952,15 @@ def _sweep(tmp: Path) -> list[tuple[list[str], str]]:
         (["--keep", "-1"], "--keep must be an integer >= 1, got -1"),
         (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--init", tmp / "nowhere"], "--init: the mlp has no pretrained weights; drop --init"),
+        (["--keep-best", "f1"], "--keep-best must be an evaluation metric (eval_loss, eval_perplexity, "),
+        (["--keep-best", "accuracy"], "--keep-best: the mlp measures no eval_accuracy; watch one of ['eval_loss']"),
+        (
+            ["--early-stop", "2", "--eval-every", "0"],
+            "--early-stop counts evaluations during the run, but "
+            "--eval-every is 0 (only before and after): set --eval-every",
+        ),
+        (["--early-stop", "-1"], "--early-stop must be an integer >= 0, got -1"),
+        (["--pooling", "cls"], "--pooling: the mlp is no classifier; drop --pooling"),
     ]
 
 

@@ -352,11 +352,13 @@ def test_finetune_transformer_from_a_hugging_face_folder(tmp_path):
     assert summary["collectives"]["gradient_bytes"] == summary["adapter_bytes"] + 8
     assert summary["collectives"]["budget"].startswith("within the dp budget (1 all-reduce outside")
     assert summary["eval_after"]["accuracy"] is not None  # next-token accuracy
+    assert summary["eval_after"]["perplexity"] == pytest.approx(math.exp(summary["eval_after"]["loss"]))
     # A decoder's run ends with a greedy sample (zoo.generate) after the start of a validation window.
     assert summary["sample"]["new_tokens"] == 8 and len(summary["sample"]["prompt"].encode()) >= 8
     assert f"{summary['sample']['completion']!r}" in text
     rows = read_jsonl(tuned / "metrics.jsonl")
     assert all(r["tokens_per_s"] > 0 for r in rows if r["kind"] == "train")
+    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in rows if r["kind"] == "eval")
 
 
 def test_train_encoder_classifier_with_probe(tmp_path):
@@ -379,6 +381,13 @@ def test_train_encoder_classifier_with_probe(tmp_path):
     margin = 100 * (summary["stages"][2]["accuracy"] - summary["probe"]["accuracy"])
     assert f"trained vs the linear probe: {margin:+.1f} points of test accuracy" in text, text
     assert (out / "model" / "config.json").is_file()  # the encoder in BERT's layout
+    # Each evaluation, the probe's too, scores every class: precision, recall, F1, macro-F1.
+    names = summary["stages"][0]["per_class"].keys()
+    assert len(names) == 8 and all(0 <= s["macro_f1"] <= 1 for s in summary["stages"])
+    assert sum(c["support"] for c in summary["eval_after"]["per_class"].values()) == summary["eval_after"]["examples"]
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(r["eval_per_class"].keys() == names for r in evals)
+    assert evals[-1]["eval_macro_f1"] == summary["eval_after"]["macro_f1"]
 
 
 # --- help and errors ---------------------------------------------------------------------------
@@ -636,7 +645,8 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     """What `make demo` runs: LoRA on the pretrained MiniLM over 8 simulated devices, on
     the swapped-halves word-order task; the summary says the loss fell, LoRA beat the
     linear probe on the frozen encoder by 10 points or more (and says by how much), and
-    the step had one all-reduce of the adapter's (and head's) bytes."""
+    the step had one all-reduce of the adapter's (and head's) bytes. peft opens the
+    adapter as the classifier zoo trained (its README's recipe: the same logits)."""
     import time
 
     out = tmp_path / "demo"
@@ -660,7 +670,25 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
         assert (out / name).is_file(), name
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert {p.name for p in (out / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
-    print(f"zoo demo took {seconds:.0f} s")
+    # The demo's classifier pools as BertForSequenceClassification: peft opens its SEQ_CLS adapter as the classifier
+    # zoo trained. The recipe in adapter/README.md, run as written on held-out sentences, gives zoo's logits.
+    import numpy as np
+
+    import zoo
+
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+    (block,) = re.findall(r"```python\n(.*?)```", (out / "adapter" / "README.md").read_text(), re.S)
+    texts = zoo.data.docstring_word_order("swap-halves").test_texts[:64]
+    namespace = {}
+    exec(compile(re.sub(r"(?m)^texts = .*$", f"texts = {texts!r}", block), "adapter/README.md", "exec"), namespace)
+    base = zoo.hf.minilm_path()
+    classifier, _ = zoo.lora.load_adapter(zoo.hf.load_bert_classifier(base, num_labels=2), out / "adapter")
+    batch = zoo.hf.Tokenizer.from_pretrained(base)(texts, max_len=32)
+    ours = np.asarray(classifier(batch["tokens"], mask=batch["mask"], token_types=batch.get("token_types")))
+    theirs = namespace["logits"].numpy()
+    diff = np.abs(ours - theirs).max()
+    assert diff <= 1e-4 and (ours.argmax(-1) == theirs.argmax(-1)).all(), diff
+    print(f"zoo demo took {seconds:.0f} s; peft's logits within {diff:.1e} of zoo's on {len(texts)} test sentences")
 
 
 @pytest.mark.timeout(600)

@@ -160,9 +160,11 @@ def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     reduced = _number(r"gradient all-reduces outside loops: 1 (\d+) bytes", out.replace(",", ""))
     assert reduced == trained + 4  # the adapters and head, and the loss sum: nothing else
     assert "frozen base weights bit for bit unchanged: yes" in out
+    # A mean-pooling classifier: the encoder's FEATURE_EXTRACTION adapter and the head apart.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
+        "head.safetensors",
         "zoo_adapter.json",
     ]
     # The files, read here: rank 8; they hold exactly the trained bytes (adapters + head),
@@ -172,9 +174,11 @@ def test_finetune_minilm_trains_adapters_of_the_real_model(tmp_path):
     import numpy as np
     import safetensors.numpy
 
-    assert json.loads((tmp_path / "adapter_config.json").read_text())["r"] == 8
+    values = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert values["r"] == 8 and values["task_type"] == "FEATURE_EXTRACTION"
     tensors = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))
-    assert sum(t.nbytes for t in tensors.values()) == trained
+    head = safetensors.numpy.load_file(str(tmp_path / "head.safetensors"))
+    assert sum(t.nbytes for t in [*tensors.values(), *head.values()]) == trained
     b = [v for k, v in tensors.items() if "lora_B" in k]
     assert len(b) >= 36 and all(np.abs(v).max() > 0 for v in b)  # 6 layers x 6 Linear layers
 

@@ -4,6 +4,7 @@ family; GPT-2's fused c_attn, rsLoRA, modules_to_save, SEQ_CLS, all-linear, inte
 
 import functools
 import json
+import types
 import warnings
 from pathlib import Path
 
@@ -243,10 +244,83 @@ def test_seq_cls_both_ways(root, tmp_path):
         auto = peft.AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "z")
     no_peft_warnings(record)
     assert_close(zoo_outputs(model), hf_outputs(auto), "SEQ_CLS zoo → peft")
-    # A mean-pooling classifier's adapter is written with a warning (peft's logits differ).
-    mean_model = add_lora(mean, LoraConfig(r=2, target_modules=["query"]), key=jax.random.key(4))
-    with pytest.warns(UserWarning, match="mean-pools"):
-        save_adapter(mean_model, LoraConfig(r=2, target_modules=["query"]), tmp_path / "m")
+
+
+class MeanPooled(torch.nn.Module):
+    """What a mean-pooling zoo classifier computes, in torch: the (peft) BertModel's hidden
+    states, their mean over the attention mask, then the head."""
+
+    def __init__(self, encoder, head):
+        super().__init__()
+        self.encoder, self.head = encoder, head
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return types.SimpleNamespace(logits=self.head((hidden * mask).sum(1) / mask.sum(1)))
+
+
+def test_mean_pooling_classifier_adapter_is_features_plus_a_head(root, tmp_path):
+    """No Hugging Face class mean-pools: such a classifier's adapter is its encoder's
+    (FEATURE_EXTRACTION, BertModel's names), its head apart in head.safetensors; peft
+    opens the one as features, torch's nn.Linear loads the other: zoo's logits. Opening it
+    as a SEQ_CLS classifier is refused by peft; zoo reads it back exactly."""
+    folder = hf_folder("bert", root)
+    mean = zoo.models.EncoderClassifier(zoo.hf.from_pretrained(folder), 3, key=jax.random.key(0))
+    config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", modules_to_save=["head"],
+                        init_lora_weights=False)  # fmt: skip
+    model = add_lora(mean, config, key=jax.random.key(3))
+    model = eqx.tree_at(lambda m: m.head.bias, model, model.head.bias + 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        files = save_adapter(model, config, tmp_path / "m")
+    assert sorted(f.name for f in files) == sorted(
+        ["adapter_config.json", "adapter_model.safetensors", "head.safetensors", "zoo_adapter.json"]
+    )
+    values = json.loads((tmp_path / "m/adapter_config.json").read_text())
+    assert values["task_type"] == "FEATURE_EXTRACTION" and values["modules_to_save"] is None
+    assert all(t.startswith("encoder.layer.") for t in values["target_modules"]), values["target_modules"]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        encoder = peft.AutoPeftModelForFeatureExtraction.from_pretrained(tmp_path / "m")
+    no_peft_warnings(record)
+    head = torch.nn.Linear(16, 3)
+    head.load_state_dict(safetensors.torch.load_file(tmp_path / "m/head.safetensors"))
+    assert_close(zoo_outputs(model), hf_outputs(MeanPooled(encoder, head)), "mean-pooling classifier zoo → peft")
+    with pytest.raises(ValueError, match="PeftModelForFeatureExtraction"):
+        peft.AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "m", num_labels=3)
+    loaded, loaded_config = load_adapter(mean, tmp_path / "m")
+    assert loaded_config == config
+    assert tree_allclose(loaded, model, rtol=0, atol=0)
+    # A cls-pooling classifier is another model: refused, naming the pooling.
+    with pytest.raises(ValueError, match="pooling='mean'.*pooling='cls'"):
+        load_adapter(zoo.hf.load_bert_classifier(folder, num_labels=3), tmp_path / "m")
+
+
+def test_mean_pooling_adapter_of_an_earlier_zoo_loads(root, tmp_path):
+    """zoo once wrote a mean-pooling classifier's adapter as a SEQ_CLS one
+    (`bert.`-prefixed names, the head as `classifier`): it still loads, exactly."""
+    folder = hf_folder("bert", root)
+    mean = zoo.models.EncoderClassifier(zoo.hf.from_pretrained(folder), 3, key=jax.random.key(0))
+    config = LoraConfig(r=2, target_modules=["query"], modules_to_save=["head"], init_lora_weights=False)
+    model = add_lora(mean, config, key=jax.random.key(3))
+    save_adapter(model, config, tmp_path / "new")
+    tensors = safetensors.torch.load_file(tmp_path / "new/adapter_model.safetensors")
+    old = {k.replace("base_model.model.", "base_model.model.bert."): v for k, v in tensors.items()}
+    head = safetensors.torch.load_file(tmp_path / "new/head.safetensors")
+    old |= {f"base_model.model.classifier.{k}": v for k, v in head.items()}
+    (tmp_path / "old").mkdir()
+    safetensors.torch.save_file(old, tmp_path / "old/adapter_model.safetensors", metadata={"format": "pt"})
+    values = json.loads((tmp_path / "new/adapter_config.json").read_text())
+    values |= {"task_type": "SEQ_CLS", "modules_to_save": ["classifier"],
+               "target_modules": ["bert." + t for t in values["target_modules"]]}  # fmt: skip
+    (tmp_path / "old/adapter_config.json").write_text(json.dumps(values))
+    meta = json.loads((tmp_path / "new/zoo_adapter.json").read_text())
+    meta.pop("head_sha256")
+    meta["tensors_sha256"] = zoo.lora.tensors_sha256({k: v.numpy() for k, v in old.items()})
+    (tmp_path / "old/zoo_adapter.json").write_text(json.dumps(meta))
+    loaded, _ = load_adapter(mean, tmp_path / "old")
+    assert tree_allclose(loaded, model, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- GPT-2

@@ -24,6 +24,7 @@ from zoo.train import (
     DataConfig,
     Evaluate,
     Hook,
+    KeepBest,
     MetricsLog,
     OptimizerConfig,
     RunConfig,
@@ -213,8 +214,15 @@ def _tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
     return scalars
 
 
+CLASSES = {"cat": {"precision": 0.5, "recall": 1.0, "f1": 2 / 3, "support": 3},
+           "dog": {"precision": 1.0, "recall": 0.25, "f1": 0.4, "support": 4}}  # fmt: skip
+
+
 def test_tensorboard_writes_the_scalars_of_the_metrics(linear_setup, tmp_path):
-    evals = Evaluate(lambda model: {"loss": float(jnp.abs(model.weight).sum()), "accuracy": 0.5}, every=5)
+    """Every number an evaluation row holds is a scalar: perplexity, macro-F1 and each
+    class's precision, recall and F1 (`eval_f1/CLASS`: TensorBoard groups them)."""
+    evaluation = {"accuracy": 0.5, "perplexity": 3.0, "macro_f1": 0.6, "per_class": CLASSES}
+    evals = Evaluate(lambda model: {"loss": float(jnp.abs(model.weight).sum()), **evaluation}, every=5)
     run_trainer(linear_setup, [MetricsLog(tmp_path / "metrics.jsonl"), TensorBoard(tmp_path / "tb"), evals])
     scalars = _tensorboard_scalars(tmp_path / "tb")
     rows = read_rows(tmp_path / "metrics.jsonl")
@@ -225,6 +233,60 @@ def test_tensorboard_writes_the_scalars_of_the_metrics(linear_setup, tmp_path):
         assert scalars["loss"][step] == pytest.approx(row["loss"], rel=UNIT_ROUNDOFF)
         assert scalars["lr"][step] == pytest.approx(row["lr"], rel=UNIT_ROUNDOFF)
     assert sorted(scalars["eval_loss"]) == [0, 5, 10] and set(scalars["eval_accuracy"].values()) == {0.5}
+    assert set(scalars["eval_perplexity"].values()) == {3.0} and sorted(scalars["eval_macro_f1"]) == [0, 5, 10]
+    assert scalars["eval_recall/dog"][5] == 0.25 and scalars["eval_f1/cat"][10] == pytest.approx(2 / 3)
+    assert scalars["eval_precision/cat"][0] == 0.5
+    evals_rows = [r for r in rows if r["kind"] == "eval"]
+    assert all(r["eval_per_class"] == CLASSES and r["eval_macro_f1"] == 0.6 for r in evals_rows)
+
+
+def test_class_scores_are_scikit_learns():
+    sklearn = pytest.importorskip("sklearn.metrics")
+    from zoo.train._scores import class_scores
+
+    rng = np.random.default_rng(0)
+    labels, predicted = rng.integers(0, 4, 50), rng.integers(0, 4, 50)
+    predicted[predicted == 3] = 0  # class 3 never predicted: its precision is 0 (0/0)
+    scores = class_scores(predicted, labels, ["a", "b", "c", "d"])
+    p, r, f, n = sklearn.precision_recall_fscore_support(labels, predicted, labels=[0, 1, 2, 3], zero_division=0)
+    for i, name in enumerate("abcd"):
+        got = scores["per_class"][name]
+        assert (got["precision"], got["recall"], got["f1"], got["support"]) == pytest.approx((p[i], r[i], f[i], n[i]))
+    assert scores["macro_f1"] == pytest.approx(sklearn.f1_score(labels, predicted, average="macro", zero_division=0))
+    # A class neither present nor predicted does not count in the mean, as in scikit-learn.
+    two = class_scores(np.array([0, 1, 1]), np.array([0, 1, 0]), ["a", "b", "c"])
+    assert two["macro_f1"] == pytest.approx(sklearn.f1_score([0, 1, 0], [0, 1, 1], average="macro"))
+
+
+def test_keep_best_pins_the_best_checkpoint_and_stops_the_trainer_early(linear_setup, tmp_path):
+    """The linear model's weights fall by the learning rate each step: an evaluation of
+    -sum(weights) rises after step 2 (the schedule's warmup makes step 1 the smallest
+    move). Higher-is-better metrics watch the other way."""
+    history = {}
+
+    def evaluate(model):
+        value = -float(jnp.sum(model.weight))
+        history[len(history)] = value
+        return {"loss": value if len(history) != 3 else value - 1.0, "accuracy": -value}  # step 2: the best loss
+
+    evals = Evaluate(evaluate, every=1)
+    saver = Checkpoint(tmp_path / "ckpt", every=0, keep=1)
+    best = KeepBest("eval_loss", evals, saver, keep=True, patience=3, every=1)
+    trainer, _ = run_trainer(linear_setup, [MetricsLog(tmp_path / "metrics.jsonl"), evals, best, saver])
+    assert trainer.last_step == 5 and trainer.stop_reason.startswith("eval_loss has not improved for 3 evaluations")
+    assert [step for step, _ in evals.results] == [0, 1, 2, 3, 4, 5]  # the stop step evaluated once
+    assert (best.step, best.since) == (2, 3)
+    # Saved when it improved (steps 1, 2); step 2 pinned beyond keep=1; nothing after.
+    checkpointer = zoo.Checkpointer(tmp_path / "ckpt", read_only=True)
+    assert checkpointer.steps() == [2]
+    assert checkpointer.metadata(2)["best"] == {"metric": "eval_loss", "value": best.value, "step": 2, "since": 0}
+    assert best.record(tmp_path / "ckpt")["checkpoint"] == str(tmp_path / "ckpt" / "2")
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    # Accuracy (higher is better) rises all the way: never stops, the last evaluation is the best.
+    evals = Evaluate(lambda m: {"loss": 0.0, "accuracy": -float(jnp.sum(m.weight))}, every=2)
+    accurate = KeepBest("eval_accuracy", evals, Checkpoint(tmp_path / "acc"), keep=False, patience=1, every=2)
+    trainer, _ = run_trainer(linear_setup, [evals, accurate])
+    assert trainer.stop_reason is None and accurate.step == STEPS and accurate.mode == "max"
 
 
 def test_a_non_finite_loss_stops_the_trainer_naming_the_last_checkpoint(linear_setup, tmp_path):
@@ -278,6 +340,17 @@ def test_run_config_checks_name_the_field():
         RunConfig(model="mlp", steps=3, batch_size=8, optimizer=OptimizerConfig(warmup=3))
     with pytest.raises(ConfigError, match=r"DataConfig\.seq_len must be an integer >= 2"):
         DataConfig(seq_len=1)
+    with pytest.raises(ConfigError, match=r"RunConfig\.keep_best must be an evaluation metric \(eval_loss, "):
+        RunConfig(model="mlp", steps=3, batch_size=8, keep_best="f1")
+    with pytest.raises(ConfigError, match=r"RunConfig\.early_stop counts evaluations .* set RunConfig\.eval_every"):
+        RunConfig(model="mlp", steps=3, batch_size=8, early_stop=2, eval_every=0)
+    with pytest.raises(
+        ConfigError,
+        match=r"RunConfig\.keep_best: the mlp measures no eval_accuracy; watch one of "
+        r"\['eval_loss'\]",
+    ):
+        RunConfig(model="mlp", keep_best="accuracy").resolved()
+    assert RunConfig(model="encoder", keep_best="macro_f1", early_stop=2).resolved().keep_best == "macro_f1"
     with pytest.raises(ConfigError, match=r"unknown keys \['stepz'\]"):
         RunConfig.from_dict({"model": "mlp", "steps": 3, "batch_size": 8, "stepz": 4})
     assert isinstance(ConfigError("x"), ValueError)
@@ -347,6 +420,34 @@ def test_a_resumed_run_sees_the_same_batches_and_ends_where_an_uninterrupted_one
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
     expected = _mlp(tmp_path / "cut", resume=True).resolved("train")
     assert RunConfig.from_dict(config) == dataclasses.replace(expected, mesh={"data": 2})
+
+
+def test_a_run_whose_eval_loss_rises_keeps_its_best_checkpoint_and_stops_early(tmp_path):
+    """The mlp at a learning rate 100 times its own: the held-out loss falls, then rises
+    and jumps. The run keeps the checkpoint of its lowest evaluation, stops once three
+    evaluations in a row did not beat it, ends as a run ends (final evaluation, end
+    checkpoint, summary) and says so; a run resumed from the best checkpoint starts there."""
+    config = _mlp(tmp_path / "run", steps=24, eval_every=2, checkpoint_every=0, keep=1, keep_best="eval_loss",
+                  early_stop=3, optimizer=OptimizerConfig(lr=0.3, warmup=0, schedule="constant"))  # fmt: skip
+    summary = zoo.train.run(config).summary
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
+    losses = {r["step"]: r["eval_loss"] for r in rows if r["kind"] == "eval" and r["step"] > 0}
+    best = min(losses, key=losses.get)
+    stop = best + 3 * 2
+    assert stop < 24 and max(losses) == stop  # three evaluations after the best, then no more training
+    assert max(r["step"] for r in rows if r["kind"] == "train") == stop
+    assert summary["stopped_early"] == {
+        "step": stop, "reason": f"eval_loss has not improved for 3 evaluations (best {losses[best]:.6g} at step {best})"
+    }  # fmt: skip
+    assert summary["last_step"] == stop and summary["steps"] == 24 and summary["eval_after"]["loss"] == losses[stop]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert summary["best"] == {"metric": "eval_loss", "mode": "min", "value": losses[best], "step": best,
+                               "evaluations_since": 3, "checkpoint": str(checkpoints / str(best))}  # fmt: skip
+    # The mlp's run saves its end anyway (no Hugging Face folder); keep=1 and the best pinned.
+    assert zoo.Checkpointer(checkpoints, read_only=True).steps() == [best, stop]
+    resumed = zoo.train.run(dataclasses.replace(config, resume_step=best, steps=best + 1, overwrite=True,
+                                                early_stop=0, keep_best=None))  # fmt: skip
+    assert resumed.summary["resumed_from"] == best and resumed.summary["stopped_early"] is None
 
 
 @pytest.mark.slow

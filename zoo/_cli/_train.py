@@ -221,12 +221,20 @@ def _table(command: str) -> str:
     shared = internal.SHARED_DEFAULTS[command]
     for model in model_names(command):
         d = model_spec(model).defaults_for(command)
-        extra = "".join(f", {k.replace('_', '-')} {d[k]:g}" for k in internal.OPTIONAL_DEFAULT_KEYS
-                        if d[k] is not None and d[k] != shared[k])  # fmt: skip
+        extra = "".join(f", {k.replace('_', '-')} {d[k]:g}" if not isinstance(d[k], str) else f", {k} {d[k]}"
+                        for k in internal.OPTIONAL_DEFAULT_KEYS if d[k] is not None and d[k] != shared[k])  # fmt: skip
         seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
         rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
                     f"lr {d['lr']:g}{seq}{extra}")  # fmt: skip
     return "; ".join(rows)
+
+
+def _pooling_default(command: str) -> str:
+    """The classifiers' default pooling for `command`, and the models that differ."""
+    shared = internal.SHARED_DEFAULTS[command]["pooling"]
+    others = [f"{m}: {d['pooling']}" for m in model_names(command)
+              if model_spec(m).classifier and (d := model_spec(m).defaults_for(command))["pooling"] != shared]  # fmt: skip
+    return shared + (f"; {', '.join(others)}" if others else "")
 
 
 def help_context(command: str) -> dict[str, str]:
@@ -243,6 +251,7 @@ def help_context(command: str) -> dict[str, str]:
         "outputs": "adapter/" if command != "train" else "model/ (Hugging Face layout)",
         "lora_keys": LORA_HELP,
         "probe_demo": ", demo 300" if command == "demo" else "",
+        "pooling_default": _pooling_default(command),
     }
 
 

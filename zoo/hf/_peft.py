@@ -37,7 +37,8 @@ class _Wrapper:
 
 
 # `EncoderClassifier` ↔ `BertForSequenceClassification`. Only a CLS-pooling classifier
-# computes what BertForSequenceClassification computes; `adapter_names` records which.
+# computes what BertForSequenceClassification computes: a mean-pooling one is its encoder's
+# model (`BertModel`, a FEATURE_EXTRACTION adapter) and a head apart (`adapter_names`).
 _WRAPPERS: dict[type, _Wrapper] = {
     EncoderClassifier: _Wrapper(inner="encoder", task_type="SEQ_CLS", architecture="BertForSequenceClassification"),
 }
@@ -57,6 +58,8 @@ class AdapterNames:
     - `not_in_zoo`: HF module names (inside the family model) the zoo model lacks → why
       their branches can be skipped.
     - `cls_pooling`: for a classifier, whether it pools as the HF model does.
+    - `apart`: the task model's own modules the HF model lacks (a mean-pooling
+      classifier's `head`): an adapter keeps them in a file of their own, not in peft's.
     """
 
     family: Family
@@ -67,6 +70,7 @@ class AdapterNames:
     own: Mapping[str, str] = dataclasses.field(default_factory=dict)
     not_in_zoo: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cls_pooling: bool = True
+    apart: tuple[str, ...] = ()
     config: Any = None  # the family model's config
 
     def _split(self, name: str) -> tuple[str, str | None]:
@@ -137,14 +141,29 @@ def adapter_names(model: Any) -> AdapterNames | None:
             not_in_zoo=getattr(family, "lora_absent", {}),
             config=getattr(inner, "config", None),
         )
+    own = getattr(family, "lora_task_modules", {})
+    if getattr(model, "pooling", "cls") != "cls":
+        # Mean pooling: the encoder is the family's own model under its own names (what
+        # peft and sentence-transformers read as features); the head, which that model
+        # lacks, keeps its HF name (`classifier`) but lies apart.
+        return AdapterNames(
+            family=family,
+            task_type=_TASK_TYPES.get(family.auto_class),
+            architecture=family.architecture,
+            inner=wrapper.inner,
+            own={k: v for k, v in own.items() if k == "head"},
+            not_in_zoo=getattr(family, "lora_absent", {}),
+            cls_pooling=False,
+            apart=("head",),
+            config=getattr(inner, "config", None),
+        )
     return AdapterNames(
         family=family,
         task_type=wrapper.task_type,
         architecture=wrapper.architecture,
         inner=wrapper.inner,
         prefix=family.prefix,
-        own=getattr(family, "lora_task_modules", {}),
-        cls_pooling=getattr(model, "pooling", "cls") == "cls",
+        own=own,
         config=getattr(inner, "config", None),
     )
 

@@ -18,6 +18,13 @@ metadata in a file of its own (peft ignores it):
 - `zoo_adapter.json`: the zoo model's class and config, the zoo-side `target_modules` /
   `exclude_modules` / `modules_to_save`, and a SHA-256 of the tensors' contents (names,
   dtypes, shapes, bytes) that ties the two other files together.
+- `head.safetensors`, for an `EncoderClassifier` that mean-pools (which no Hugging Face
+  class computes): its head as torch's `nn.Linear` state dict (`weight` `[num_labels,
+  d_model]`, `bias`). Its adapter is its encoder's, a `FEATURE_EXTRACTION` one on
+  `BertModel` (peft and sentence-transformers read it as features); the logits are
+  `mean(last_hidden_state over the attention mask) @ weight.T + bias`. A `SEQ_CLS`
+  adapter is written only for a classifier that pools as `BertForSequenceClassification`
+  (`pooling="cls"`), so nothing opens an adapter as a model that computes other logits.
 
 Module names are those of the Hugging Face model the zoo model stands for
 (`hf_module_name`, from the `zoo.hf` family registry), so peft opens zoo adapters and zoo
@@ -92,7 +99,9 @@ from ._names import (
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 ZOO_NAME = "zoo_adapter.json"
-FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, ZOO_NAME)  # what save_adapter writes
+# A mean-pooling classifier's head, apart from peft's files: torch `nn.Linear`'s state dict.
+HEAD_NAME = "head.safetensors"
+FILE_NAMES = (WEIGHTS_NAME, CONFIG_NAME, ZOO_NAME, HEAD_NAME)  # what save_adapter writes
 PREFIX = "base_model.model."
 
 # peft features zoo's LoRA does not have: refused on load rather than silently ignored.
@@ -131,7 +140,10 @@ def _lora_entries(model: Any, names: Any) -> list[_Entry]:
 
 def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
     entries = []
+    apart = () if names is None else names.apart
     for name in saved_modules(model, config):
+        if name in apart:
+            continue  # in a file of its own (`_apart_tensors`)
         path = key_path(model, name)
         module = node_at(model, path)
         if modules(module, LoraLinear):
@@ -319,10 +331,11 @@ def save_adapter(
 
     Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; branches on the
     blocks of a fused module as one, e.g. GPT-2's q/k/v in `c_attn`) and the leaves of `config.modules_to_save` are written; see the
-    module docstring. An `EncoderClassifier` that mean-pools is written with a warning:
-    `BertForSequenceClassification` (what peft opens a `SEQ_CLS` adapter on) reads the
-    `[CLS]` pooler and so computes other logits. In a multi-process run every process must
-    call it (arrays are gathered); process 0 writes.
+    module docstring. An `EncoderClassifier` pooling as `BertForSequenceClassification`
+    (`pooling="cls"`) is written as a peft `SEQ_CLS` adapter; one that mean-pools as its
+    encoder's `FEATURE_EXTRACTION` adapter plus its whole head in `head.safetensors`
+    (LoRA branches on the head are refused: keep the head in `modules_to_save`). In a
+    multi-process run every process must call it (arrays are gathered); process 0 writes.
 
     **Returns:** the paths of the files written (none on processes other than 0).
     """
@@ -345,14 +358,7 @@ def save_adapter(
             )
     _check_modules_to_save(model, config)
     names = adapter_names(base)
-    if names is not None and not names.cls_pooling:
-        warnings.warn(
-            f"this {type(model).__name__} mean-pools, but peft opens a {names.task_type} adapter on "
-            f"{names.architecture}, which classifies the [CLS] token through BERT's pooler: peft will compute "
-            "other logits than zoo. Build the classifier with pooling='cls' (zoo.hf.load_bert_classifier) to "
-            "match it; zoo.lora.load_adapter reads this adapter back exactly either way.",
-            stacklevel=2,
-        )
+    apart = _apart_tensors(model, names, found)
     entries = _entries(model, config, names)
 
     tensors: dict[str, np.ndarray] = {}
@@ -383,7 +389,7 @@ def save_adapter(
         return []
 
     peft_targets = sorted({_module_of(k) for k in tensors if ".lora_" in k})
-    saved = saved_modules(model, config)
+    saved = [n for n in saved_modules(model, config) if names is None or n not in names.apart]
     peft_saved = sorted({hf_module_name(model, n, idx) for n in saved for idx in np.ndindex(lead(model, n))}) or None
     values = config.to_peft_dict(peft_targets)
     values.update(
@@ -398,30 +404,57 @@ def save_adapter(
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
     )
-    meta = _describe(model) | {
-        "format": "zoo LoRA adapter",
-        "target_modules": _plain(config.target_modules),
-        "exclude_modules": _plain(config.exclude_modules),
-        "modules_to_save": _plain(config.modules_to_save),
-        "tensors_sha256": tensors_sha256(tensors),
-    }
-    return _write(Path(directory), tensors, values, meta)
+    meta = (
+        _describe(model)
+        | {
+            "format": "zoo LoRA adapter",
+            "target_modules": _plain(config.target_modules),
+            "exclude_modules": _plain(config.exclude_modules),
+            "modules_to_save": _plain(config.modules_to_save),
+            "tensors_sha256": tensors_sha256(tensors),
+        }
+        | ({"head_sha256": tensors_sha256(apart)} if apart else {})
+    )
+    return _write(Path(directory), tensors, values, meta, apart)
 
 
-def _write(directory: Path, tensors: dict[str, np.ndarray], values: dict[str, Any], meta: dict[str, Any]) -> list[Path]:
-    """An adapter's three files into `directory` (refused if it holds a user's files of
-    their names), weights first; the paths written."""
+def _apart_tensors(model: Any, names: Any, found: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The file of `names.apart` (a mean-pooling classifier's head) as torch's
+    `nn.Linear` state dict, `{"weight": [out, in], "bias": [out]}`; `{}` when there is none."""
+    if names is None or not names.apart:
+        return {}
+    (name,) = names.apart
+    adapted = [n for n in found if n == name or n.startswith(name + ".")]
+    if adapted:
+        raise ValueError(
+            f"LoRA branches on {adapted}: a mean-pooling {type(model).__name__}'s {name} is saved whole in "
+            f"{HEAD_NAME} (no Hugging Face model holds it); train it in full instead: modules_to_save=[{name!r}], "
+            "not in target_modules"
+        )
+    head = node_at(model, key_path(model, name))
+    out = {"weight": to_host(head.weight).T}
+    if head.bias is not None:
+        out["bias"] = to_host(head.bias)
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _write(directory: Path, tensors: dict[str, np.ndarray], values: dict[str, Any], meta: dict[str, Any],
+           apart: dict[str, np.ndarray]) -> list[Path]:  # fmt: skip
+    """An adapter's files into `directory` (refused if it holds a user's files of their
+    names), weights first; the paths written."""
     check_export_dir(directory, FILE_NAMES, writer="zoo.lora.save_adapter", config=CONFIG_NAME, key="peft_type",
                      weights=WEIGHTS_NAME, kind="a LoRA adapter folder")  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(
-        directory / WEIGHTS_NAME, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
-    )
+    written = [WEIGHTS_NAME] + ([HEAD_NAME] if apart else []) + [CONFIG_NAME, ZOO_NAME]
+    for name, arrays in ((WEIGHTS_NAME, tensors), (HEAD_NAME, apart)):
+        if arrays:
+            atomic_write(directory / name,
+                         lambda tmp, a=arrays: safetensors.numpy.save_file(a, tmp, metadata={"format": "pt"}))  # fmt: skip
     for file, contents in ((CONFIG_NAME, values), (ZOO_NAME, meta)):
         text = json.dumps(_json_safe(contents), indent=2, sort_keys=True) + "\n"
         atomic_write(directory / file, lambda tmp, text=text: Path(tmp).write_text(text))
     fsync_dir(directory)
-    return [directory / name for name in FILE_NAMES]
+    return [directory / name for name in written]
 
 
 # --------------------------------------------------------------------------- loading
@@ -639,7 +672,9 @@ def load_adapter(
     adapter of `BertModel` holds a branch on `pooler.dense`, which zoo's `Encoder` lacks:
     it is skipped with a warning (it only changes `pooler_output`; the hidden states are
     exact). A `SEQ_CLS` adapter is refused by a mean-pooling `EncoderClassifier` (its
-    logits would differ). Per-module `rank_pattern` / `alpha_pattern` are accepted where
+    logits would differ); such a classifier reads its encoder's adapter (a peft
+    `FEATURE_EXTRACTION` one on `BertModel`) and, when the folder has it,
+    `head.safetensors` into its head. Per-module `rank_pattern` / `alpha_pattern` are accepted where
     zoo's one rank and scaling hold them exactly (fused modules: GPT-2's `c_attn`, Phi-3's
     `qkv_proj` / `gate_up_proj`).
     """
@@ -661,8 +696,12 @@ def load_adapter(
     base = _replace_lora(model, lambda layer: layer.base)
     names = adapter_names(base)
     _check_meta(model, meta, values, names, directory)
+    tensors, apart = _read_apart(tensors, values, meta, names, directory)
     tensors = _skip_absent(tensors, names, directory)
     config = _lora_config(base, values, meta)
+    if apart and meta is None and not set(names.apart) <= set(saved_modules(base, config)):
+        # A head file without zoo's record of it (peft re-saved the adapter): the head trained whole.
+        config = dataclasses.replace(config, modules_to_save=(*(config.modules_to_save or ()), *names.apart))
 
     added = not modules(model, LoraLinear)
     if added:
@@ -682,8 +721,46 @@ def load_adapter(
     _check_scaling(tensors, values, config, directory)
     new = _loaded_values(model, entries, tensors, config, directory)
     paths = [entry.path for entry in entries]
+    if apart:  # the head's leaves (torch's orientation), like the leaves they replace
+        head = key_path(model, names.apart[0])
+        for param, value in sorted(apart.items(), reverse=True):  # weight, then bias
+            old = node_at(model, head + (GetAttrKey(param),))
+            value = np.asarray(value.T if param == "weight" else value).astype(old.dtype)
+            if value.shape != old.shape:
+                raise ValueError(f"{directory / HEAD_NAME}: {param} is {list(value.shape)} in zoo's layout, this "
+                                 f"model's head holds {list(old.shape)}{_first_diff(model, meta)}")  # fmt: skip
+            paths.append(head + (GetAttrKey(param),))
+            new.append(jax.device_put(value, old.sharding) if isinstance(old, jax.Array) else jnp.asarray(value))
     model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
     return model, config
+
+
+def _read_apart(tensors: dict[str, np.ndarray], values: dict[str, Any], meta: Any, names: Any,
+                directory: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:  # fmt: skip
+    """`(peft's tensors, the head's)` of an adapter loaded into a mean-pooling classifier:
+    the head from `head.safetensors` (checked against zoo_adapter.json's hash), or, from
+    an adapter zoo wrote before it kept the head apart (a SEQ_CLS adapter of a mean-pooling
+    classifier), taken out of peft's tensors, whose names lose the `bert.` prefix."""
+    if names is None or not names.apart:
+        return tensors, {}
+    if values.get("task_type") == "SEQ_CLS" and isinstance(meta, dict) and meta.get("pooling") == "mean":
+        old, head_name = PREFIX + names.family.prefix, PREFIX + names.module(names.apart[0]) + "."
+        head = {k.removeprefix(head_name): v for k, v in tensors.items() if k.startswith(head_name)}
+        rest = {(PREFIX + k.removeprefix(old) if k.startswith(old) else k): v for k, v in tensors.items()
+                if not k.startswith(head_name)}  # fmt: skip
+        return rest, head
+    path = directory / HEAD_NAME
+    if not path.is_file():
+        return tensors, {}
+    try:
+        head = safetensors.numpy.load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"cannot read {path}: {e}") from e
+    recorded = None if meta is None else meta.get("head_sha256")
+    if recorded is not None and tensors_sha256(head) != recorded:
+        raise ValueError(f"the tensors in {path} are not the ones {directory / ZOO_NAME} records: the head was "
+                         "changed or its save was interrupted; save it again")  # fmt: skip
+    return tensors, head
 
 
 def _check_shapes(entries, tensors, model, meta, directory: Path, values: dict[str, Any] | None = None) -> None:

@@ -152,6 +152,27 @@ class EncoderClassifier(eqx.Module):
         self.pooling = pooling
 
     @place_inputs
+    def features(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        mask: Bool[Array, "batch seq"] | None = None,
+        token_types: Int[Array, "batch seq"] | None = None,
+        key: ExampleKeys | None = None,
+    ) -> Float[Array, "batch {self.encoder.config.d_model}"]:
+        """What the head reads, `[batch, d_model]` (float32): the mean of the hidden states
+        at real tokens, or the `[CLS]` state through the pooler and tanh (then dropout,
+        with `key`). Arguments as `__call__`'s."""
+        if mask is None:
+            mask = tokens != self.encoder.config.pad_token_id
+        hidden = self.encoder(tokens, mask=mask, token_types=token_types, key=key)
+        if self.pooler is None:
+            return mean_pool(hidden, mask)
+        pooled = jnp.tanh(self.pooler(hidden[:, 0].astype(jnp.float32)))
+        # BertForSequenceClassification's dropout sits between the pooler and the head.
+        return dropout(pooled, self.encoder.config.dropout, None if key is None else fold_in(key, _POOLER_STREAM))
+
+    @place_inputs
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],
@@ -160,14 +181,8 @@ class EncoderClassifier(eqx.Module):
         token_types: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
     ) -> Float[Array, "batch {self.num_labels}"]:
-        """Class logits `[batch, num_labels]` (float32)."""
-        if mask is None:
-            mask = tokens != self.encoder.config.pad_token_id
-        hidden = self.encoder(tokens, mask=mask, token_types=token_types, key=key)
-        if self.pooler is None:
-            pooled = mean_pool(hidden, mask)
-        else:
-            pooled = jnp.tanh(self.pooler(hidden[:, 0].astype(jnp.float32)))
-            # BertForSequenceClassification's dropout sits between the pooler and the head.
-            pooled = dropout(pooled, self.encoder.config.dropout, None if key is None else fold_in(key, _POOLER_STREAM))
-        return self.head(pooled)
+        """Class logits `[batch, num_labels]` (float32): the head on `features`.
+
+        **Arguments:** `tokens` `[batch, seq]`; `mask` (default: `tokens !=
+        pad_token_id`), `token_types` and `key` as the `Encoder`'s."""
+        return self.head(self.features(tokens, mask=mask, token_types=token_types, key=key))

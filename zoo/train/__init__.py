@@ -4,8 +4,8 @@ model registry.
 - `zoo.train.run(RunConfig(...))`: a whole run as `zoo train` does it (build the model and
   its data, train, evaluate, checkpoint, save, summarise).
 - `Trainer(step, batch_at, steps=..., hooks=[...])`: the loop alone, over your own
-  `zoo.TrainStep` and batches, with hooks every N steps (`Evaluate`, `Checkpoint`,
-  `MetricsLog`, `TensorBoard`, `Progress`, `Sample`, or your own `Hook`).
+  `zoo.TrainStep` and batches, with hooks every N steps (`Evaluate`, `KeepBest`,
+  `Checkpoint`, `MetricsLog`, `TensorBoard`, `Progress`, `Sample`, or your own `Hook`).
 - `OptimizerConfig`: an optax optimizer with its learning-rate schedule.
 - `Flag`: how a config field is `zoo train`'s flag (its help, how `--resume` treats it);
   `RunConfig.flags()` lists them, one per flat key.
@@ -28,6 +28,7 @@ from . import _builtin  # noqa: F401 (registers the built-in models)
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
+        "._best": ("KeepBest",),
         "._build_task": ("build_task",),
         "._config": ("DataConfig", "RunConfig"),
         "._errors": ("ConfigError", "Preempted", "RunStopped"),
@@ -45,6 +46,7 @@ __getattr__, __dir__ = lazy_names(
 )
 
 if TYPE_CHECKING:
+    from ._best import KeepBest as KeepBest
     from ._build_task import build_task as build_task
     from ._config import DataConfig as DataConfig
     from ._config import RunConfig as RunConfig
@@ -91,6 +93,7 @@ __all__ = [
     "Evaluator",
     "Flag",
     "Hook",
+    "KeepBest",
     "MetricsLog",
     "ModelSpec",
     "OptimizerConfig",

@@ -14,6 +14,8 @@ import optax
 from .._distributed import global_batch, local_rows
 from .._rules import PlacementError, shard
 from .._step import TrainStep
+from ..lora import LoraLinear
+from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
 from ._build_task import build_task
@@ -113,6 +115,10 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     if c.probe and not task.classifier:
         raise ConfigError(f"--probe fits a classifier's head; {c.model} has none: drop --probe")
     model = task.model if lcfg is None else add_lora(task.model, lcfg, c.seed)
+    if lcfg is not None and c.pooling == "mean" and any(n.startswith("head") for n in lora_modules(model, LoraLinear)):
+        raise ConfigError("--lora: a mean-pooling classifier's head is saved whole (adapter/head.safetensors), so "
+                          "it takes no LoRA branch: leave it out of targets (save=head trains it in full), or use "
+                          "--pooling cls")  # fmt: skip
     try:
         model = shard(model, rules, mesh)
     except PlacementError as e:

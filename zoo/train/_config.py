@@ -15,7 +15,10 @@ from ._mesh import mesh_text, parse_mesh
 from ._model_config import check_model_config, check_pretrained_shape
 from ._optimizer import OptimizerConfig
 from ._registry import DATA_FILE_DEFAULTS, ModelSpec, model_names, model_spec
+from ._scores import WATCHED, watched_metric
 
+# What a classifier's head reads (`zoo.models.EncoderClassifier`'s pooling).
+POOLINGS = ("cls", "mean")
 # The largest count a run takes (steps, rows, intervals): compiled programs count steps and
 # rows in int32. Seeds are 32-bit, as numpy's and jax's PRNG seeds are portably.
 MAX_COUNT = 2**31 - 1
@@ -97,10 +100,16 @@ class RunConfig:
     - `eval_every`: evaluate every N steps (None: the model's default, else a tenth of the
       run; 0: before and after only); `probe`: fit a classifier's head alone on frozen
       features for this many steps first, as a baseline (None: the model's default, 0
-      but for the demo).
+      but for the demo); `pooling`: what a classifier's head reads, `"cls"` (the `[CLS]`
+      state through the checkpoint's pooler, as `BertForSequenceClassification`) or
+      `"mean"` (None: the model's default; only classifiers take it).
     - `output`: the run's folder (None: `runs/COMMAND-MODEL-UTCTIME`); `checkpoint_dir`
       (None: OUTPUT/checkpoints), `checkpoint_every` (0: none), `keep`, `resume`,
       `resume_step`, `overwrite` (replace an earlier run's outputs).
+    - `keep_best`: keep the checkpoint of the best evaluation by this metric
+      (`"eval_loss"`, `"eval_perplexity"`, `"eval_accuracy"`, `"eval_macro_f1"`, or
+      without `eval_`; None: none); `early_stop`: stop once that metric (else
+      `eval_loss`) has not improved for this many evaluations (0: never).
     - `skip_nonfinite`: skip a step whose gradients are NaN/inf instead of stopping.
     - `quiet`: print only the summary; `tensorboard`: a folder for TensorBoard event files.
     """
@@ -143,6 +152,12 @@ class RunConfig:
                              help="classifiers: also fit the new head alone on frozen-encoder features (a linear "
                              "probe: full-batch Adam, this many steps) and report it as a baseline; training starts "
                              "from the new head either way (default 0: off{probe_demo})")  # fmt: skip
+    pooling: str | None = flag(None, choices=POOLINGS, group="model and data",
+                               help="classifiers: what the head reads: cls, the [CLS] state through the "
+                               "checkpoint's pooler as BertForSequenceClassification (the adapter is a peft SEQ_CLS "
+                               "one), or mean, the mean of the hidden states (sentence-transformers' features; the "
+                               "adapter is a peft FEATURE_EXTRACTION one, the head in adapter/head.safetensors) "
+                               "(default {pooling_default})")  # fmt: skip
     output: str | None = flag(None, metavar="DIR", group="evaluation and outputs", resume="safe",
                               help="output folder (default runs/{command}-MODEL-UTCTIME): config.json, metrics.jsonl, "
                               "loss.png, summary.json, {outputs}, checkpoints/")  # fmt: skip
@@ -163,13 +178,23 @@ class RunConfig:
     overwrite: bool = flag(False, group="evaluation and outputs", resume="launch",
                            help="replace the outputs and checkpoints of an earlier run in --output (default no: "
                            "such a folder is refused; --resume continues it instead)")  # fmt: skip
+    keep_best: str | None = flag(None, metavar="METRIC", group="evaluation and outputs", resume="safe",
+                                 help="keep the checkpoint of the best evaluation by METRIC: eval_loss or "
+                                 "eval_perplexity (lower is better), eval_accuracy or eval_macro_f1 (higher); saved "
+                                 "in the checkpoints folder when an evaluation after a step improves on every "
+                                 "earlier one, kept beyond --keep, named in summary.json's best (default: none)")  # fmt: skip
+    early_stop: int = flag(0, metavar="PATIENCE", group="evaluation and outputs", resume="safe",
+                           help="stop when the --keep-best metric (else eval_loss) has not improved for PATIENCE "
+                           "evaluations in a row; the run ends as at its last step (final evaluation, saves, "
+                           "export; summary.json's stopped_early) (default 0: never)")  # fmt: skip
     skip_nonfinite: bool = flag(False, help="skip a step whose loss or gradients are NaN/inf (weights and optimizer "
                                 "state unchanged; counted as `skipped` in metrics.jsonl) instead of stopping the run "
                                 "with exit code 3 (default no)")  # fmt: skip
     quiet: bool = flag(False, group="evaluation and outputs", resume="safe",
                        help="no progress bar and header, only the summary (default no)")  # fmt: skip
     tensorboard: str | None = flag(None, metavar="DIR", group="evaluation and outputs", resume="safe",
-                                   help="also write TensorBoard event files (loss, lr, eval_loss, eval_accuracy) into "
+                                   help="also write TensorBoard event files (loss, lr, eval_loss, eval_accuracy, "
+                                   "eval_perplexity, eval_macro_f1, per-class precision/recall/f1) into "
                                    "DIR; needs tensorboardX (pip install 'eqx-zoo[tensorboard]')")  # fmt: skip
 
     def __post_init__(self):
@@ -189,7 +214,7 @@ class RunConfig:
         for field in ("keep",):
             if not integer(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "an integer >= 1")
-        for field in ("seed", "checkpoint_every"):
+        for field in ("seed", "checkpoint_every", "early_stop"):
             if not integer(getattr(self, field)) or getattr(self, field) < 0:
                 raise bad(field, "an integer >= 0")
         if self.seed > MAX_SEED:
@@ -199,11 +224,21 @@ class RunConfig:
             low = 0 if field in ("eval_every", "probe") else 1
             if value is not None and (not integer(value) or value < low):
                 raise bad(field, f"an integer >= {low} (or None)")
-        for field in ("keep", "checkpoint_every", "steps", "batch_size", "microbatches", "eval_every", "probe",
+        for field in ("keep", "checkpoint_every", "early_stop", "steps", "batch_size", "microbatches", "eval_every", "probe",
                       "resume_step", "devices"):  # fmt: skip
             value = getattr(self, field)
             if value is not None and value > MAX_COUNT:
                 raise bad(field, f"at most {MAX_COUNT} (2**31 - 1: compiled programs count in int32)")
+        if self.keep_best is not None:
+            try:
+                watched_metric(self.keep_best)
+            except ValueError as e:
+                raise bad("keep_best", f"an evaluation metric ({', '.join(WATCHED)})") from e
+        if self.early_stop and self.eval_every == 0:
+            raise ConfigError("RunConfig.early_stop counts evaluations during the run, but RunConfig.eval_every is 0 "
+                              "(only before and after): set RunConfig.eval_every")  # fmt: skip
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise bad("pooling", f"one of {list(POOLINGS)} (or None)")
         if self.dtype not in ("float32", "bfloat16"):
             raise bad("dtype", "'float32' or 'bfloat16'")
         if self.mode not in ("explicit", "shard_map"):
@@ -321,7 +356,7 @@ class RunConfig:
             self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
             microbatches=pick(self.microbatches, "microbatches"), probe=pick(self.probe, "probe"),
             eval_every=pick(self.eval_every, "eval_every"), optimizer=optimizer, data=data, lora=lora,
-            resume=self.resuming,
+            resume=self.resuming, pooling=self.pooling or (table["pooling"] if spec.classifier else None),
         )  # fmt: skip
         return dataclasses.replace(done, eval_every=done.eval_interval)
 
@@ -362,7 +397,9 @@ class RunConfig:
                 flat["model_config"] = ",".join(f"{k}={v}" for k, v in value.items()) or None
             elif f.name in ("resume_step", "overwrite"):
                 continue
-            elif f.name == "tensorboard" and value is None:
+            elif (f.name in ("tensorboard", "pooling", "keep_best") and value is None) or (
+                f.name == "early_stop" and not value
+            ):
                 continue
             else:
                 flat[f.name] = value
@@ -421,6 +458,14 @@ def check_fits_model(config: RunConfig, spec: ModelSpec) -> None:
     `RunConfig.resolved` and `build_task` check with it."""
     if config.init and spec.init_class is None:
         raise ConfigError(f"RunConfig.init: the {spec.name} has no pretrained weights; drop RunConfig.init")
+    if config.keep_best is not None or config.early_stop:
+        metric = watched_metric(config.keep_best)
+        if spec.kind not in WATCHED[metric][1]:
+            field = "keep_best" if config.keep_best is not None else "early_stop"
+            kinds = [m for m, (_, takes) in WATCHED.items() if spec.kind in takes]
+            raise ConfigError(f"RunConfig.{field}: the {spec.name} measures no {metric}; watch one of {kinds}")
+    if config.pooling is not None and not spec.classifier:
+        raise ConfigError(f"RunConfig.pooling: the {spec.name} is no classifier; drop RunConfig.pooling")
     if config.dtype not in spec.dtypes:
         raise ConfigError(
             f"RunConfig.dtype: the {spec.name} computes in {' or '.join(spec.dtypes)} only; drop RunConfig.dtype"

@@ -102,6 +102,19 @@ def _print_header(say, c, task, title, devices, mesh_shape, lcfg, model, base_pa
     say(f"step compiled in {compile_s:.1f} s")
 
 
+def _print_best(say, summary) -> None:
+    """Where the run stopped early and which checkpoint is its best (when it watched a metric)."""
+    if summary.get("stopped_early"):
+        stop = summary["stopped_early"]
+        say(f"stopped early after step {stop['step']} of {summary['steps']}: {stop['reason']}")
+    best = summary.get("best")
+    if best and best["checkpoint"]:
+        say(f"best checkpoint: step {best['step']} ({best['metric']} {best['value']:.4f}) in {best['checkpoint']} "
+            f"(continue from it with --resume-step {best['step']})")  # fmt: skip
+    elif best and best["step"] is None:
+        say(f"best checkpoint: none (no evaluation after a step measured a finite {best['metric']})")
+
+
 def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say()
     ev_name = {"classification": "test", "lm": "validation", "regression": "held-out"}[task.kind]
@@ -119,6 +132,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     if probe is not None and has_acc and last is not probe:  # what training the encoder bought
         margin = 100 * (last["accuracy"] - probe["accuracy"])
         say(f"{last['name'].split(' after ')[0]} vs the linear probe: {margin:+.1f} points of {ev_name} accuracy")
+    _print_best(say, summary)
     model_bytes, trainable = summary["model_bytes"], summary["trainable_bytes"]
     if lcfg is not None:
         adapter = summary["adapter_bytes"]
@@ -160,7 +174,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     )
     say(
         f"time: load + first eval {secs['load'] + secs['evaluate_before']:.1f} s, compile {secs['compile']:.1f} s, "
-        f"{summary['steps'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "
+        f"{summary['last_step'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "
         f"evaluations and saves between them {secs['hooks']:.1f} s, "
         f"total {secs['total']:.1f} s"
     )

@@ -6,10 +6,12 @@ from typing import Any
 
 from .._distributed import global_batch, local_rows
 from ._errors import ConfigError
+from ._scores import class_scores, perplexity
 
 
 class Evaluator:
-    """Held-out loss and accuracy of a model: a task's `metrics_fn` jitted, run on
+    """Held-out loss and accuracy of a model (and a classifier's macro-F1 and per-class
+    scores, a language model's perplexity): a task's `metrics_fn` jitted, run on
     fixed-size chunks split over the data axis (the last chunk padded with weight-0 rows).
 
     Padded texts (a `mask` in the data) are evaluated shortest first, each chunk cut to
@@ -25,7 +27,9 @@ class Evaluator:
 
     def __call__(self, model, data: dict, *, features: bool = False) -> dict[str, Any]:
         """`{"loss", "accuracy" (None for regression), "examples", "features" (numpy, in
-        the rows' order, when asked)}` over every row of `data`."""
+        the rows' order, when asked)}` over every row of `data`; a classifier's also
+        `"macro_f1"` and `"per_class"` (`_scores.class_scores`), a language model's
+        `"perplexity"` (of the mean next-token loss)."""
         import numpy as np
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -34,7 +38,7 @@ class Evaluator:
         sharding = NamedSharding(self.mesh, P("data"))
         lengths = data["mask"].sum(axis=1) if "mask" in data else None
         order = np.argsort(lengths, kind="stable") if lengths is not None else np.arange(n)
-        outs, feats = [], []
+        outs, feats, preds = [], [], []
         for start in range(0, n, self.rows):
             rows = order[start : start + self.rows]
             chunk = {k: v[rows] for k, v in data.items()}
@@ -47,9 +51,11 @@ class Evaluator:
                 chunk = {k: np.concatenate([v, np.repeat(v[:1], self.rows - m, axis=0)]) for k, v in chunk.items()}
             chunk["weight"] = (np.arange(self.rows) < m).astype(np.float32)
             out = self._fn(model, put_rows(chunk, sharding))
-            outs.append({k: v.sum() for k, v in out.items() if k != "features"})
+            outs.append({k: v.sum() for k, v in out.items() if k not in ("features", "predicted")})
             if features:
                 feats.append(np.asarray(out["features"])[:m])
+            if "predicted" in out:
+                preds.append(np.asarray(out["predicted"])[:m])
         sums = {"loss": 0.0, "weight": 0.0, "correct": 0.0}
         for out in outs:
             for k, v in out.items():
@@ -59,21 +65,31 @@ class Evaluator:
             "accuracy": None if self.task.kind == "regression" else sums["correct"] / max(sums["weight"], 1e-12),
             "examples": n,
         }
+        if self.task.kind == "lm":
+            result["perplexity"] = perplexity(result["loss"])
+        if preds:  # a classifier's predictions, in the rows' order: its per-class scores
+            predicted = np.empty(n, np.int64)
+            predicted[order] = np.concatenate(preds)
+            names = self.task.label_names or [str(i) for i in range(model.num_labels)]
+            result |= class_scores(predicted, data["labels"], names)
         if features:
             result["features"] = np.empty_like(np.concatenate(feats))
             result["features"][order] = np.concatenate(feats)
         return result
 
 
-def head_metrics(features, labels, weight, bias) -> dict[str, Any]:
-    """Loss and accuracy of a linear head `features @ weight + bias` (numpy, float64)."""
+def head_metrics(features, labels, weight, bias, label_names=None) -> dict[str, Any]:
+    """Loss and accuracy (and with `label_names`, `class_scores`) of a linear head
+    `features @ weight + bias` (numpy, float64)."""
     import numpy as np
 
     logits = features @ weight + bias
     logits = logits - logits.max(axis=1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     loss = -logp[np.arange(len(labels)), labels].mean()
-    return {"loss": float(loss), "accuracy": float((logits.argmax(axis=1) == labels).mean()), "examples": len(labels)}
+    predicted = logits.argmax(axis=1)
+    out = {"loss": float(loss), "accuracy": float((predicted == labels).mean()), "examples": len(labels)}
+    return out | (class_scores(predicted, labels, label_names) if label_names else {})
 
 
 def fit_head(features, labels, weight, bias, *, steps: int, lr: float = 1e-2, l2: float = 1e-3):
@@ -139,7 +155,7 @@ def first_evaluation(evaluate: Evaluator, model, *, probe_steps: int, start: int
     train = evaluate(model, task.train_data, features=True)
     w0, b0 = np.asarray(model.head.weight), np.asarray(model.head.bias)
     w, b = fit_head(train["features"], task.train_data["labels"], w0, b0, steps=probe_steps)
-    probe = head_metrics(test["features"], task.eval_data["labels"], w, b)
+    probe = head_metrics(test["features"], task.eval_data["labels"], w, b, task.label_names)
     train_probe = head_metrics(train["features"], task.train_data["labels"], w, b)
     return [
         {"name": "pretrained encoder + new head", **plain(test)},

@@ -6,12 +6,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .._files import atomic_write
 from ..hf import save_pretrained
 from ..lora import save_adapter
 from ._folder import claim
 from ._head import save_head
 from ._hooks import Checkpoint, Hook, TrainState
 from ._plan import RunPlan
+from ._readme import classifier_readme
 from ._task import Task
 
 # What the tokenizer of a saved model needs next to its weights.
@@ -21,9 +23,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 class Export(Hook):
     """After the last step, writes the run's result: the LoRA adapter in peft's layout
-    (OUTPUT/adapter), else the model as a Hugging Face folder with its tokenizer's files
-    (OUTPUT/model; a classifier's encoder, with its head in model/head.safetensors); a trained model neither holds (the mlp, a transformer GPT-2 cannot
-    express) and no checkpoint would keep is saved as a final checkpoint.
+    (OUTPUT/adapter; a classifier's with a README.md holding the recipe that computes its
+    logits in transformers + peft), else the model as a Hugging Face folder with its
+    tokenizer's files (OUTPUT/model; a classifier's encoder, with its head in
+    model/head.safetensors); a trained model neither holds (the mlp, a transformer GPT-2
+    cannot express) and no checkpoint would keep is saved as a final checkpoint.
 
     `outputs` names what was written (`"adapter"`, `"model"`, `"checkpoints"`), or why no
     Hugging Face folder was (`"model_not_saved"`). Every process calls the savers (sharded
@@ -41,11 +45,25 @@ class Export(Hook):
             names = [f"{folder}/"] if written is None else [p.relative_to(self.plan.output).as_posix() for p in written]
             claim(self.plan.output, self.plan.checkpoints, names, replace=None if written is None else f"{folder}/")
 
+    def _readme(self, adapter: Path) -> Path:
+        """adapter/README.md: what a classifier's adapter is, and the recipe that computes
+        its logits in other tools (`_readme.classifier_readme`)."""
+        c, task = self.plan.config, self.task
+        config = task.config or {}
+        text = classifier_readme(adapter, pooling=c.pooling or "mean", title=self.plan.title, seq_len=c.data.seq_len,
+                                 label_names=task.label_names or (), d_model=config["d_model"],
+                                 tokenizer_dir=task.tokenizer_dir, pad_id=config.get("pad_token_id", 0))  # fmt: skip
+        atomic_write(adapter / "README.md", lambda tmp: Path(tmp).write_text(text))
+        return adapter / "README.md"
+
     def on_end(self, state: TrainState) -> None:
         output, lcfg, task = self.plan.output, self.plan.config.lora, self.task
         if lcfg is not None:
             self._claim("adapter")
-            self._claim("adapter", save_adapter(state.model, lcfg, output / "adapter"))
+            written = save_adapter(state.model, lcfg, output / "adapter")
+            if task.classifier and self.main:  # how transformers + peft compute its logits
+                written.append(self._readme(output / "adapter"))
+            self._claim("adapter", written)
             self.outputs["adapter"] = str(output / "adapter")
         elif task.hf_part is not None:
             try:
@@ -65,5 +83,5 @@ class Export(Hook):
         if not self.checkpointed and self.plan.command == "train" and "model" not in self.outputs:
             self.saver.save(state)
             self.saver.close()
-        if self.saver.last_saved == state.steps:
+        if self.saver.last_saved == state.step:  # the last step, or the one the run stopped early at
             self.outputs["checkpoints"] = str(self.plan.checkpoints)

@@ -43,8 +43,9 @@ _FORMAT = "zoo run folder"
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
 # The exports' folders and the names written there: save_pretrained's (tokenizer files
 # included), the sentence-transformers config the run's export copies beside them
-# (`_export.TOKENIZER_FILES`) and a classifier's head (`_head.HEAD_NAME`); save_adapter's.
-EXPORTS = {"model": (*MODEL_FILES, "sentence_bert_config.json", HEAD_NAME), "adapter": ADAPTER_FILES}
+# (`_export.TOKENIZER_FILES`) and a classifier's head (`_head.HEAD_NAME`); save_adapter's,
+# and a classifier's README.md.
+EXPORTS = {"model": (*MODEL_FILES, "sentence_bert_config.json", HEAD_NAME), "adapter": (*ADAPTER_FILES, "README.md")}
 # What a run leaves in its folder (the checkpoints folder is checked on its own).
 RUN_OUTPUTS = (*RUN_FILES, LABELS_NAME, *EXPORTS)
 # `zoo._files.atomic_write`'s temporary file of NAME, left by a crash between write and rename.

@@ -96,8 +96,7 @@ class Evaluate(Hook):
     def _run(self, state: TrainState, result: dict[str, Any] | None = None) -> None:
         ev = result if result is not None else self.evaluate(state.model)
         self.results.append((state.step, ev))
-        state.trainer.record({"kind": "eval", "step": state.step, "eval_loss": ev["loss"],
-                              "eval_accuracy": ev.get("accuracy"), "elapsed": state.trainer.elapsed()})  # fmt: skip
+        state.trainer.record(eval_row(state.step, ev) | {"elapsed": state.trainer.elapsed()})
 
     def on_start(self, state: TrainState) -> None:
         if self.at_start:
@@ -108,8 +107,22 @@ class Evaluate(Hook):
             self._run(state)
 
     def on_end(self, state: TrainState) -> None:
-        if self.at_end:
+        # A run stopped early ends after a step whose evaluation is already made.
+        if self.at_end and not (self.results and self.results[-1][0] == state.step):
             self._run(state)
+
+
+# An evaluation's numbers as its row names them (`eval_` + the evaluation's key).
+EVAL_KEYS = ("loss", "accuracy", "perplexity", "macro_f1", "per_class")
+
+
+def eval_row(step: int, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The `{"kind": "eval", "step", "eval_loss", "eval_accuracy", ...}` row of an
+    evaluation (`eval_accuracy` None when it measures none; `eval_perplexity` of a
+    language model; `eval_macro_f1` and `eval_per_class`, `{class: {"precision",
+    "recall", "f1", "support"}}`, of a classifier)."""
+    row = {"kind": "eval", "step": step, "eval_loss": evaluation["loss"], "eval_accuracy": evaluation.get("accuracy")}
+    return row | {f"eval_{k}": evaluation[k] for k in EVAL_KEYS[2:] if k in evaluation}
 
 
 class Checkpoint(Hook):
@@ -127,15 +140,21 @@ class Checkpoint(Hook):
     - `extra`: more of the state to save (e.g. `{"key": key}`); `metadata`: JSON saved
       alongside (with the step).
     - `checkpointer`: an open `zoo.Checkpointer` of `directory` to use (e.g. the one a
-      resumed run restored from); `last_saved`: the step already saved there.
+      resumed run restored from; opened with `keep=None` when `pinned` is given);
+      `last_saved`: the step already saved there.
+    - `notes`: `() -> dict`, more JSON metadata read at each save (`KeepBest`'s record).
+    - `pinned`: `() -> set of steps` kept beyond the newest `keep` (the best checkpoint):
+      the hook then deletes the others itself, after each save and when it closes.
     """
 
     def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, at_end: bool = False,
                  extra: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None, checkpointer=None,
-                 last_saved: int | None = None):  # fmt: skip
+                 last_saved: int | None = None, notes: Callable[[], dict[str, Any]] | None = None,
+                 pinned: Callable[[], set[int]] | None = None):  # fmt: skip
         self.directory, self.every, self.keep, self.at_end = Path(directory), every, keep, at_end
         self.extra, self.metadata = dict(extra or {}), dict(metadata or {})
         self.checkpointer, self.last_saved = checkpointer, last_saved
+        self.notes, self.pinned = notes, pinned
 
     def save(self, state: TrainState) -> None:
         """Save the state of `state.step` now (once per step)."""
@@ -143,11 +162,24 @@ class Checkpoint(Hook):
             return
         state.trainer.check_finite(state)
         if self.checkpointer is None:
-            self.checkpointer = Checkpointer(self.directory, keep=self.keep)
+            self.checkpointer = Checkpointer(self.directory, keep=None if self.pinned else self.keep)
         params = state.trainer.step.partition(state.model)[0]
+        metadata = {"step": state.step, **self.metadata, **(self.notes() if self.notes else {})}
         self.checkpointer.save(state.step, {"params": params, "opt_state": state.opt_state, **self.extra},
-                               metadata={"step": state.step, **self.metadata})  # fmt: skip
+                               metadata=metadata)  # fmt: skip
         self.last_saved = state.step
+        self._rotate(self.checkpointer)
+
+    def _rotate(self, checkpointer: Checkpointer) -> None:
+        """Delete the checkpoints beyond the newest `keep` but the `pinned` ones (without
+        `pinned`, the `Checkpointer` rotates them itself)."""
+        if self.pinned is None:
+            return
+        steps = checkpointer.steps()  # committed; the save in flight is the newest
+        newest = sorted(set(steps) | ({self.last_saved} if self.last_saved is not None else set()))[-self.keep :]
+        for step in steps:
+            if step not in newest and step not in self.pinned():
+                checkpointer.delete(step)
 
     def __call__(self, state: TrainState) -> None:
         if state.step != state.steps or not self.at_end:
@@ -162,6 +194,7 @@ class Checkpoint(Hook):
         if self.checkpointer is not None:
             checkpointer, self.checkpointer = self.checkpointer, None
             checkpointer.wait()
+            self._rotate(checkpointer)
             checkpointer.close()
 
 
@@ -172,8 +205,9 @@ class MetricsLog(Hook):
 
     Training rows: `{"kind": "train", "step", "loss", "examples_per_s" (and
     "tokens_per_s"), "lr", "elapsed"}` (+ `"skipped"` when non-finite steps are skipped);
-    evaluation rows: `{"kind": "eval", "step", "eval_loss", "eval_accuracy", "elapsed"}`.
-    Non-finite numbers are written as null.
+    evaluation rows: `{"kind": "eval", "step", "eval_loss", "eval_accuracy", "elapsed"}`
+    (+ `"eval_perplexity"` of a language model, `"eval_macro_f1"` and `"eval_per_class"`
+    of a classifier: `eval_row`). Non-finite numbers are written as null.
     """
 
     def __init__(self, path: str | Path, *, kinds: tuple[str, ...] = ("train", "eval")):
@@ -210,7 +244,9 @@ class MetricsLog(Hook):
 class TensorBoard(Hook):
     """TensorBoard event files in `logdir` (process 0 only), via tensorboardX
     (`pip install 'eqx-zoo[tensorboard]'`): the scalars `loss` and `lr` per step,
-    `eval_loss` and `eval_accuracy` per evaluation."""
+    `eval_loss`, `eval_accuracy`, `eval_perplexity`, `eval_macro_f1` per evaluation (those
+    it measures) and a classifier's `eval_precision/CLASS`, `eval_recall/CLASS`,
+    `eval_f1/CLASS`."""
 
     def __init__(self, logdir: str | Path):
         try:
@@ -231,10 +267,13 @@ class TensorBoard(Hook):
     def on_record(self, row: dict[str, Any]) -> None:
         if self._writer is None:
             return
-        names = {"train": ("loss", "lr"), "eval": ("eval_loss", "eval_accuracy")}.get(row.get("kind"), ())
-        for name in names:
-            if row.get(name) is not None:
-                self._writer.add_scalar(name, float(row[name]), row["step"])
+        scalars = {"train": ("loss", "lr"), "eval": tuple(f"eval_{k}" for k in EVAL_KEYS[:-1])}
+        values = {name: row.get(name) for name in scalars.get(row.get("kind"), ())}
+        for label, scores in (row.get("eval_per_class") or {}).items():
+            values |= {f"eval_{score}/{label}": scores[score] for score in ("precision", "recall", "f1")}
+        for name, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(name, float(value), row["step"])
 
     def close(self) -> None:
         if self._writer is not None:
@@ -317,7 +356,7 @@ class Sample(Hook):
             self._run(state)
 
     def on_end(self, state: TrainState) -> None:
-        if self.at_end:
+        if self.at_end and not (self.results and self.results[-1]["step"] == state.step):
             self._run(state)
 
 

@@ -28,14 +28,19 @@ COMMANDS = ("train", "finetune", "demo")
 # The per-command defaults every spec gives.
 DEFAULT_KEYS = ("steps", "batch_size", "microbatches", "lr", "seq_len")
 # The per-command defaults a spec may give; without them, every model's below.
-OPTIONAL_DEFAULT_KEYS = ("weight_decay", "warmup", "eval_every", "probe")
+OPTIONAL_DEFAULT_KEYS = ("weight_decay", "warmup", "eval_every", "probe", "pooling")
 # Every model's defaults per command, under the spec's own: training every weight decays
 # them; fine-tuning adapters does not (peft's and transformers' recipes). An unset warmup
 # and eval_every follow the run's length (`RunConfig.resolved`).
+# A classifier's head reads the mean of the hidden states unless the spec says otherwise
+# (`pooling`; other kinds ignore it).
 SHARED_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
-    "train": types.MappingProxyType({"weight_decay": 0.01, "warmup": None, "eval_every": None, "probe": 0}),
-    "finetune": types.MappingProxyType({"weight_decay": 0.0, "warmup": None, "eval_every": None, "probe": 0}),
-    "demo": types.MappingProxyType({"weight_decay": 0.0, "warmup": None, "eval_every": None, "probe": 0}),
+    "train": types.MappingProxyType({"weight_decay": 0.01, "warmup": None, "eval_every": None, "probe": 0,
+                                     "pooling": "mean"}),
+    "finetune": types.MappingProxyType({"weight_decay": 0.0, "warmup": None, "eval_every": None, "probe": 0,
+                                        "pooling": "mean"}),
+    "demo": types.MappingProxyType({"weight_decay": 0.0, "warmup": None, "eval_every": None, "probe": 0,
+                                    "pooling": "mean"}),
 })  # fmt: skip
 # The LoRA of `zoo finetune` (a `zoo.lora.LoraConfig`'s fields): rank 8, scaling 2, on every
 # Linear layer but the output head (peft's `all-linear`); a classifier's new head, which
@@ -89,7 +94,8 @@ class ModelSpec:
     - `defaults`: per command (`"train"`, `"finetune"`, `"demo"`), the defaults of the
       settings that depend on the model: `steps`, `batch_size`, `microbatches`, `lr`,
       `seq_len` (None for models without sequences), and where the model differs from
-      every model's (`SHARED_DEFAULTS`) `weight_decay`, `warmup`, `eval_every`, `probe`.
+      every model's (`SHARED_DEFAULTS`) `weight_decay`, `warmup`, `eval_every`, `probe`,
+      `pooling` (classifiers: `"cls"` or `"mean"`).
       `RunConfig.resolved` fills a run's unset fields from them. A command missing here
       does not take the model (`zoo finetune mlp` is refused).
     - `datasets`: the data names it trains on (`--data`) → what each is, in words. The

@@ -25,7 +25,8 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
     c = plan.config
     if not c.resume:  # plan.check_checkpoints made sure there is one, before `steps`
         return 0, None
-    checkpointer = Checkpointer(plan.checkpoints, keep=c.keep)
+    # Keeping the best checkpoint, the run's Checkpoint hook rotates them itself (the best pinned).
+    checkpointer = Checkpointer(plan.checkpoints, keep=None if c.keep_best else c.keep)
     params, frozen = built.step.partition(built.model)
     like = {"params": params, "opt_state": built.opt_state, "key": built.key}
     try:

@@ -5,9 +5,10 @@ One straight line of stages, each in its own module: plan (`_plan`: settings, me
 folders) → build (`_build`: the task, LoRA, placement, the step) → resume (`_resume`) →
 evaluate first (`_evaluate`: and the linear probe) → compile the step once (the program
 both run and inspected) → the `Trainer` with its hooks: metrics.jsonl, TensorBoard, the
-console (`_console`), progress, evaluations, checkpoints, samples, then after the last
-step the export (`_export`: adapter or Hugging Face folder), the summary (`_summary`:
-summary.json, loss.png) and the printed report.
+console (`_console`), progress, evaluations, the best one (`_best`: kept, early stopping),
+checkpoints, samples, then after the last step (or the one it stopped early at) the export
+(`_export`: adapter or Hugging Face folder), the summary (`_summary`: summary.json,
+loss.png) and the printed report.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax
 from .._distributed import is_main_process
 from .._inspect import collectives
 from .._presets import rules as preset_rules
+from ._best import watch
 from ._build import build_run
 from ._config import RunConfig
 from ._console import Header, Phases, Report
@@ -148,7 +150,8 @@ def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, 
     if not phase.quiet:
         hooks += [Header(record, phase),
                   Progress(unit="tok" if task.unit == "tokens" else "ex", label="finetune" if c.lora else "train")]  # fmt: skip
-    hooks += [record.evaluations, saver]
+    record.best = watch(c, record.evaluations, saver)  # after the evaluations, before the saves
+    hooks += [record.evaluations, *([record.best] if record.best else []), saver]
     if task.kind == "lm":  # a decoder shows what it learned: a greedy continuation
         record.sample = decoder_sample(built.model, task)
         hooks.append(record.sample)

@@ -1,8 +1,11 @@
 """A classifier's scores from its predictions: accuracy, macro-F1 and each class's precision,
-recall, F1 and support (numpy, on the host)."""
+recall, F1 and support, as scikit-learn defines them (numpy, on the host); a language
+model's perplexity; and which of them a run can watch (`WATCHED`). No jax: the flags'
+checks read it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,3 +54,36 @@ def classification_scores(labels: Any, predictions: Any, label_names: Sequence[s
             for i, name in enumerate(label_names)
         },  # fmt: skip
     }
+
+
+def class_scores(predicted: Any, labels: Any, label_names: Sequence[str]) -> dict[str, Any]:
+    """What an evaluation adds for a classifier: `{"macro_f1", "per_class"}` of
+    `classification_scores` (macro-F1 0.0 when there are no examples)."""
+    scores = classification_scores(labels, predicted, label_names)
+    return {"macro_f1": scores["macro_f1"] or 0.0, "per_class": scores["per_class"]}
+
+
+def perplexity(loss: float) -> float:
+    """`exp(loss)` of a mean next-token cross-entropy (nats per token); inf past float64."""
+    return math.exp(loss) if loss < 709 else math.inf
+
+
+# The evaluation metrics a run can watch (`RunConfig.keep_best`, `early_stop`): whether
+# lower or higher is better, and the task kinds that measure it.
+WATCHED = {
+    "eval_loss": ("min", ("regression", "lm", "classification")),
+    "eval_perplexity": ("min", ("lm",)),
+    "eval_accuracy": ("max", ("lm", "classification")),
+    "eval_macro_f1": ("max", ("classification",)),
+}
+
+
+def watched_metric(name: str | None) -> str:
+    """The evaluation row's name of a watched metric given as `eval_accuracy` or
+    `accuracy` (None: `eval_loss`); ValueError listing them for any other."""
+    if name is None:
+        return "eval_loss"
+    full = name if name.startswith("eval_") else f"eval_{name}"
+    if full not in WATCHED:
+        raise ValueError(f"{name!r} is no evaluation metric; choose one of {', '.join(WATCHED)}")
+    return full

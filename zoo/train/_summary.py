@@ -13,6 +13,7 @@ import jax
 
 from .._inspect import Collective
 from ..lora import trainable as lora_trainable
+from ._best import KeepBest
 from ._build import BuiltRun
 from ._hooks import Evaluate, Hook, Sample, TrainState
 from ._lora import lora_json
@@ -28,7 +29,8 @@ class RunRecord:
     - `plan`, `built`: the run's plan and what it trains with; `start`: the resumed step.
     - `stages`: the evaluations of the summary's table (before training, the probe, after);
       `before`: the evaluation training starts from.
-    - `evaluations`: the `Evaluate` hook; `sample`: the `Sample` hook (decoders), or None.
+    - `evaluations`: the `Evaluate` hook; `sample`: the `Sample` hook (decoders), or None;
+      `best`: the `KeepBest` hook (`keep_best`, `early_stop`), or None.
     - `collectives`: the compiled step's; `seconds`: load, first evaluation, compile;
       `t_start`: when the run began (`time.perf_counter`).
     - `outputs`: the files the export wrote (the `Export` hook's `outputs`).
@@ -43,6 +45,7 @@ class RunRecord:
     before: dict[str, Any] = dataclasses.field(default_factory=dict)
     evaluations: Evaluate | None = None
     sample: Sample | None = None
+    best: KeepBest | None = None
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -78,10 +81,10 @@ class Summary(Hook):
     def on_end(self, state: TrainState) -> None:
         r = self.record
         c, task, trainer = r.plan.config, r.built.task, state.trainer
-        opt, steps, start = c.optimizer, c.steps, r.start
+        opt, steps, start, last = c.optimizer, c.steps, r.start, state.step  # last: < steps when stopped early
         after = r.evaluations.results[-1][1]
         r.stages.append({"name": ("LoRA" + (" + head" if task.classifier else "") if c.lora is not None else "trained")
-                         + f" after {steps} steps", **after})  # fmt: skip
+                         + f" after {last} steps", **after})  # fmt: skip
         colls = r.collectives
         grads = [
             x for x in colls if not x.in_loop and "data" in x.mesh_axes and x.kind in ("all-reduce", "reduce-scatter")
@@ -94,11 +97,13 @@ class Summary(Hook):
             "command": r.plan.command, "model": c.model, "title": r.plan.title, "data": task.data, "init": task.init,
             "devices": c.devices, "processes": jax.process_count(), "backend": jax.default_backend(),
             "mesh": r.plan.mesh_shape, "rules": c.rules, "microbatches": c.microbatches, "batch_size": c.batch_size,
-            "steps": steps, "resumed_from": start or None,
+            "steps": steps, "last_step": last, "resumed_from": start or None,
+            "stopped_early": None if trainer.stop_reason is None else {"step": last, "reason": trainer.stop_reason},
+            "best": None if r.best is None else r.best.record(r.plan.checkpoints),
             "optimizer": {"name": opt.name, "lr": opt.lr, "schedule": opt.schedule, "warmup": opt.warmup_steps(steps),
                           "first_lr": float(rates[0]), "last_lr": float(rates[-1])},
             "eval_every": c.eval_interval, "eval_before": r.before, "eval_after": after,
-            "evals": [{"step": i, **ev} for i, ev in r.evaluations.results if 0 < i < steps and i != start],
+            "evals": [{"step": i, **ev} for i, ev in r.evaluations.results if 0 < i < last and i != start],
             "stages": r.stages,
             "probe": next((st for st in r.stages if st.get("baseline")), None),
             "loss_fell": after["loss"] < r.before["loss"],
@@ -119,8 +124,8 @@ class Summary(Hook):
             "seconds": {**r.seconds, "train": train_s, "hooks": trainer.hook_seconds,
                         "total": time.perf_counter() - r.t_start},
             "throughput": {
-                "examples_per_s": (steps - start) * c.batch_size / max(train_s, 1e-9),
-                **({"tokens_per_s": (steps - start) * c.batch_size * task.tokens_per_example / max(train_s, 1e-9)}
+                "examples_per_s": (last - start) * c.batch_size / max(train_s, 1e-9),
+                **({"tokens_per_s": (last - start) * c.batch_size * task.tokens_per_example / max(train_s, 1e-9)}
                    if task.unit == "tokens" else {}),
             },
             "outputs": r.outputs,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..data import BatchSource
-from ..models import cross_entropy, mean_pool, next_token_loss
+from ..models import cross_entropy, next_token_loss
 from ..models._loss import target_weights
 from ._errors import ConfigError
 from ._registry import check_init_family, init_families, model_spec
@@ -34,8 +34,8 @@ class Task:
     - `kind`: `"regression"`, `"lm"` or `"classification"`.
     - `loss_fn`: the `zoo.TrainStep` loss.
     - `metrics_fn(model, batch)`: per-example `loss` sums, `weight`s and (not for
-      regression) `correct` counts; a classifier's also its pooled `features`. Batches
-      carry a `weight` per row (0 for padding rows).
+      regression) `correct` counts; a classifier's also its `predicted` classes and pooled
+      `features`. Batches carry a `weight` per row (0 for padding rows).
     - `train_source`: what it trains on, a `zoo.data.BatchSource` (a user's file: its
       `zoo.data.Dataset`); `seed`: the batches' seed (`RunConfig.seed`). `batch_at` asks
       the source for a step's batch.
@@ -124,19 +124,19 @@ def lm_metrics(model, batch):
 
 
 def classifier_metrics(model, batch):
-    """Per-example cross-entropy (`loss`, weighted), `weight`, `correct` and the pooled
-    `features` of a `zoo.models.EncoderClassifier` on `{"tokens", "mask", "labels",
+    """Per-example cross-entropy (`loss`, weighted), `weight`, `correct`, the `predicted`
+    class and the pooled `features` (what its head reads, mean or CLS) of a
+    `zoo.models.EncoderClassifier` on `{"tokens", "mask", "labels",
     "weight"}` (`token_types` optional)."""
     import jax.numpy as jnp
 
-    mask = batch["mask"]
-    hidden = model.encoder(batch["tokens"], mask=mask, token_types=batch.get("token_types"))
-    features = mean_pool(hidden, mask)
+    features = model.features(batch["tokens"], mask=batch["mask"], token_types=batch.get("token_types"))
     logits = model.head(features)
     w = batch["weight"]
     correct = (jnp.argmax(logits, axis=-1) == batch["labels"]).astype(jnp.float32)
     ce = cross_entropy(logits, batch["labels"])
-    return {"loss": ce * w, "weight": w, "correct": correct * w, "features": features}
+    predicted = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return {"loss": ce * w, "weight": w, "correct": correct * w, "features": features, "predicted": predicted}
 
 
 # -- pieces the builders share --
@@ -201,6 +201,25 @@ def load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rule
             f"{' / '.join(init_families(kind))} checkpoint"
         )
     return model
+
+
+def load_cls_classifier(folder: Path, num_labels: int, overrides: dict[str, Any], *, key, rules, mesh):
+    """The `BertForSequenceClassification` of the BERT checkpoint in `folder` as a
+    `zoo.models.EncoderClassifier(pooling="cls")` with a new `num_labels`-way head
+    (`zoo.hf.load_bert_classifier`); a `ConfigError` saying what to do when the checkpoint
+    has no pooler."""
+    from .. import hf
+
+    try:
+        return hf.load_bert_classifier(folder, num_labels=num_labels, key=key, rules=rules, mesh=mesh,
+                                       config_overrides=overrides)  # fmt: skip
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        if "no BERT pooler" in str(e):
+            raise ConfigError(
+                f"--pooling cls: {folder} holds no BERT pooler (pooler.dense.*), which BertForSequenceClassification "
+                "classifies through (zoo's own BERT export has none); use --pooling mean"
+            ) from e
+        raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
 
 
 def config_from(cls, values: dict[str, Any], flag: str = "--model-config"):

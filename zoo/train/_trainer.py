@@ -46,9 +46,14 @@ class Trainer:
     `skip_nonfinite`), or weights that went non-finite before a save, raise `RunStopped`
     naming the last good checkpoint; nothing after it is saved.
 
+    A hook may end the run early (`request_stop`, e.g. `KeepBest`'s early stopping): the
+    loop stops after that step's hooks and the run ends as after its last step (`on_end`
+    with `state.step` the step it stopped at).
+
     After `run`: `losses` (the finite training losses), `skipped` (non-finite steps
-    skipped), `train_seconds` (the steps' time, the hooks' left out) and `hook_seconds`
-    (the time of the hooks fired between steps: evaluations, saves).
+    skipped), `train_seconds` (the steps' time, the hooks' left out), `hook_seconds`
+    (the time of the hooks fired between steps: evaluations, saves), `last_step` and
+    `stop_reason` (None unless a hook stopped the run).
     """
 
     def __init__(self, step, batch_at: Callable[[int], Any], *, steps: int, hooks: Sequence[Any] = (),
@@ -64,7 +69,14 @@ class Trainer:
         self.skipped = 0
         self.train_seconds = 0.0
         self.hook_seconds = 0.0
+        self.last_step = steps
+        self.stop_reason: str | None = None
         self._t0 = time.perf_counter()
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after the current step's hooks, as after its last step (`on_end`
+        hooks: final evaluation, saves, export, summary); `reason` is kept as `stop_reason`."""
+        self.stop_reason = reason
 
     def compile(self, model, opt_state, *, start: int = 0):
         """Compile the step for the batches of this run (step `start + 1`'s as the example);
@@ -108,7 +120,8 @@ class Trainer:
         compiled = self.compiled if self.compiled is not None else self.compile(model, opt_state, start=start)
         steps = self.steps
         self._t0 = time.perf_counter()
-        self.losses, self.skipped, self.hook_seconds = [], 0, 0.0
+        self.losses, self.skipped, self.hook_seconds, self.stop_reason = [], 0, 0.0, None
+        self.last_step = steps
         last = time.perf_counter()
         batch_size: int | None = None
         pending: tuple[int, Any] | None = None
@@ -173,6 +186,9 @@ class Trainer:
                     hook(state)
                 last = time.perf_counter()  # the hooks' time is not training throughput
                 self.hook_seconds += last - hooks_t0
+                if self.stop_reason is not None:  # a hook ended the run: it ends here, as at its last step
+                    self.last_step = i
+                    break
                 if stop and i != steps:
                     saver = next((h for h in self.hooks if isinstance(h, Checkpoint)), None)
                     if saver is None:
@@ -184,7 +200,8 @@ class Trainer:
                                     f"{saver.directory}; continue with the same command and --resume")  # fmt: skip
             flush()
             self.train_seconds = time.perf_counter() - train_t0 - self.hook_seconds
-            state = TrainState(steps, steps, model, opt_state, self.losses[-1] if self.losses else None, self)
+            loss = self.losses[-1] if self.losses else None
+            state = TrainState(self.last_step, steps, model, opt_state, loss, self)
             self.check_finite(state)
             call("on_end", state)
             failed = False
