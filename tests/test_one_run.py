@@ -82,11 +82,13 @@ def _losses(out: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _weights(out: Path) -> dict[str, np.ndarray]:
-    """The saved weights: the adapter (peft's layout) of a fine-tune, else model/."""
+    """The saved weights: the adapter (peft's layout) of a fine-tune, else model/ (a
+    classifier's head file beside them included)."""
     from safetensors.numpy import load_file
 
-    (file,) = [*(out / "adapter").glob("*.safetensors"), *(out / "model").glob("*.safetensors")]
-    return load_file(file)
+    files = sorted([*(out / "adapter").glob("*.safetensors"), *(out / "model").glob("*.safetensors")])
+    assert files, f"no weights saved in {out}"
+    return {f"{file.name}:{name}": value for file in files for name, value in load_file(file).items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
