@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 import equinox as eqx
 import numpy as np
 
-from ..data import DataFormatError, read_records
+from ..data import DataFormatError
 from ..data import load as load_data
 from ._errors import ConfigError
 from ._predict import forward
 from ._scores import classification_scores
 from ._task import lm_metrics
-from ._user_data import LM_KINDS, byte_tokenizer
+from ._user_data import LM_KINDS, byte_tokenizer, read_kind
 
 if TYPE_CHECKING:
     from ._saved_run import SavedRun
@@ -30,13 +30,7 @@ def _read(run: SavedRun, path: Path):
     template), every row kept; a one-line `ConfigError` for a file it cannot read."""
     if not path.is_file():
         raise ConfigError(f"--data {path}: no such file; check the path")
-    raw = path.read_bytes()
-    try:
-        kind, _ = read_records(path, data=raw)
-    except DataFormatError as e:
-        raise ConfigError(f"--data: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    raw, kind = read_kind(path)
     wanted = "text, prompt/completion or chat records" if run.kind == "lm" else "text/label records"
     if (kind in LM_KINDS) != (run.kind == "lm"):
         what = f"{kind.replace('_', '/')} records (language modelling)" if kind in LM_KINDS else "text/label records"

@@ -218,9 +218,9 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     )
 
 
-def _read(path: Path, spec: ModelSpec) -> bytes:
-    """The data file's bytes, read once; its records parsed and their kind checked against
-    the model's (a one-line `ConfigError` naming the file, the line and the fix)."""
+def read_kind(path: Path) -> tuple[bytes, str]:
+    """The data file's bytes, read once, and the kind of its records (a one-line
+    `ConfigError` naming the file, the line and the fix when they cannot be read)."""
     raw = path.read_bytes()
     try:
         kind, _ = read_records(path, data=raw)
@@ -228,6 +228,12 @@ def _read(path: Path, spec: ModelSpec) -> bytes:
         raise ConfigError(f"--data: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    return raw, kind
+
+
+def _read(path: Path, spec: ModelSpec) -> bytes:
+    """The data file's bytes, its records' kind checked against the model's."""
+    raw, kind = read_kind(path)
     check_kind(spec, kind, path)
     return raw
 
