@@ -27,6 +27,14 @@ CASES = [
     for preset in ("dp", "fsdp", "fsdp-once", "tp", "fsdp+tp", "zero1")
     if not (model == "mlp" and "fsdp" in preset)
 ] + [(model, preset, _DP_MESH, "shard_map") for model in ("mlp", "transformer") for preset in ("dp", "zero1")]
+# Adapter kinds beyond plain LoRA (docs/lora.md): DoRA's magnitude vectors ride in the one
+# gradient all-reduce with the branches.
+CASES += [
+    ("transformer+dora", preset, _TP_MESH if "tp" in preset else _DP_MESH, "explicit")
+    for preset in ("dp", "fsdp", "fsdp+tp")
+]
+# `--lora` fields of each adapter kind, over the inspect defaults.
+_KINDS = {"+lora": {}, "+dora": {"use_dora": True}}
 
 
 def case_name(model: str, preset: str, mesh: dict, mode: str) -> str:
@@ -49,11 +57,11 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     from zoo.train._lora import add_lora, parse_lora
     from zoo.train._task import ONCE_COMPILER_OPTIONS
 
-    base = model.removesuffix("+lora")
+    base, plus, kind = model.partition("+")
     task = build_inspect_task(base, 0)
     lora = None
-    if model.endswith("+lora"):
-        lora = parse_lora("", inspect_defaults(base))
+    if plus:
+        lora = parse_lora("", inspect_defaults(base) | _KINDS[plus + kind])
         task.model = add_lora(task.model, lora, 0)
     axis_types = (jax.sharding.AxisType.Explicit,) * len(mesh_shape)
     mesh = jax.make_mesh(tuple(mesh_shape.values()), tuple(mesh_shape), axis_types=axis_types)

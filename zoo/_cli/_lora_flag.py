@@ -13,7 +13,7 @@ LORA_HELP = (
     "targets (Linear names joined by '+', e.g. q_proj+v_proj, or all-linear), exclude (names joined "
     "by '+'), rslora (true/false: scaling alpha/sqrt(r)), save (modules_to_save, names joined by '+', "
     "trained in full; a classifier's default is head, its new classification head; save=none "
-    "freezes it)"
+    "freezes it), use_dora (true/false: DoRA, a trained magnitude per output)"
 )
 
 

@@ -103,6 +103,7 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
                 scaling=config.scaling,
                 dropout_rate=config.lora_dropout,
                 init=config.init_lora_weights,
+                use_dora=config.use_dora,
                 key=k,
             )
 
@@ -141,7 +142,17 @@ def _place_branch(layer: LoraLinear, stacked: int) -> LoraLinear:
     if a_sharding is None:
         return layer
     placed = (jax.device_put(layer.lora_A, a_sharding), jax.device_put(layer.lora_B, b_sharding))
-    return eqx.tree_at(lambda l: (l.lora_A, l.lora_B), layer, placed)
+    layer = eqx.tree_at(lambda l: (l.lora_A, l.lora_B), layer, placed)
+    if layer.lora_magnitude_vector is None:
+        return layer
+    # DoRA's magnitude `[*layers, out]`: B's layer and output-axis sharding.
+    m_sharding = b_sharding
+    if isinstance(b_sharding, NamedSharding):
+        spec = tuple(b_sharding.spec)
+        m_sharding = NamedSharding(b_sharding.mesh, P(*spec[:stacked], spec[-1]))
+    return eqx.tree_at(
+        lambda l: l.lora_magnitude_vector, layer, jax.device_put(layer.lora_magnitude_vector, m_sharding)
+    )
 
 
 def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
@@ -193,7 +204,8 @@ def _all_module_names(model: Any) -> list[str]:
 
 
 def trainable(model: Any, config: LoraConfig | None = None) -> Any:
-    """The trainable filter of a LoRA model: `True` at every `lora_A`/`lora_B` leaf and at
+    """The trainable filter of a LoRA model: `True` at every `lora_A`/`lora_B` leaf (and
+    DoRA's `lora_magnitude_vector`) and at
     every leaf of `config.modules_to_save`, `False` elsewhere (a bool pytree for
     `zoo.TrainStep(trainable=...)`). The frozen base gets no gradient and no communication."""
     saved = set(saved_modules(model, config))
@@ -203,7 +215,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
             return False
         name = dotted_name(path)
         last = name.split(".")[-1]
-        if last in ("lora_A", "lora_B"):
+        if last in ("lora_A", "lora_B", "lora_magnitude_vector"):
             return True
         prefix = name
         while "." in prefix:
@@ -231,19 +243,35 @@ def _with(layer: LoraLinear, **changes: Any) -> LoraLinear:
     return new
 
 
-def _fold(layer: LoraLinear, sign: float) -> Linear:
+def _fold(layer: LoraLinear, sign: float) -> tuple[Linear, Any]:
+    """The base with the branch folded in (`sign=+1`) or taken out of a merged base
+    (`sign=-1`); and, for DoRA, the column norms the merge divided by (else `None`).
+
+    DoRA (peft's `DoraLinearVariant.merge`): `W' = m / ‖W + Δ‖ · (W + Δ)`; unmerging
+    `W = W' · ‖W + Δ‖ / m - Δ` with the norms kept from the merge.
+    """
     base = layer.base
     if isinstance(base, QuantizedLinear):
         # W + ΔW is no int8 matrix: the merged layer is the dequantised float32 Linear.
         base = base.dequantize()
     weight = base.weight
-    folded = (weight.astype(jnp.float32) + sign * layer.delta()).astype(weight.dtype)
-    return eqx.tree_at(lambda lin: lin.weight, base, folded)
+    w, delta = weight.astype(jnp.float32), layer.delta()
+    norm = None
+    if not layer.use_dora:
+        folded = w + sign * delta
+    elif sign > 0:
+        norm = jnp.sqrt(jnp.sum(jnp.square(w + delta), axis=-2))
+        factor = layer.lora_magnitude_vector.astype(jnp.float32) / norm
+        folded = factor[..., None, :] * (w + delta)
+    else:
+        factor = layer.lora_magnitude_vector.astype(jnp.float32) / layer.dora_norm.astype(jnp.float32)
+        folded = w / factor[..., None, :] - delta
+    return eqx.tree_at(lambda lin: lin.weight, base, folded.astype(weight.dtype)), norm
 
 
 def merge(model: Any, *, unload: bool = True) -> Any:
     """Fold every branch into its base weight (`W + scaling · A B`, computed in float32, cast
-    back to W's dtype).
+    back to W's dtype; DoRA: `m / ‖W + scaling · A B‖ · (W + scaling · A B)`, per output).
 
     `unload=True` (peft's `merge_and_unload`) returns a plain model without branches;
     `unload=False` (peft's `merge_adapter`) keeps them, marked merged, for `unmerge`.
@@ -262,10 +290,10 @@ def merge(model: Any, *, unload: bool = True) -> Any:
                 "computes them as they are), merge with unload=True for a float32 model, or dequantise the base "
                 "first with zoo.lora.cast_frozen(model, jnp.float32, config=config)"
             )
-        base = _fold(layer, +1.0)
+        base, norm = _fold(layer, +1.0)
         if unload:
             return base
-        return _with(layer, base=base, merged=True)
+        return _with(layer, base=base, merged=True, dora_norm=norm)
 
     return _replace_lora(model, one)
 
@@ -276,7 +304,7 @@ def unmerge(model: Any) -> Any:
     def one(layer: LoraLinear):
         if not layer.merged:
             return layer
-        return _with(layer, base=_fold(layer, -1.0), merged=False)
+        return _with(layer, base=_fold(layer, -1.0)[0], merged=False, dora_norm=None)
 
     return _replace_lora(model, one)
 

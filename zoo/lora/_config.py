@@ -36,6 +36,9 @@ class LoraConfig:
       Llama's `final_norm` and each layer's `attention_norm` / `mlp_norm`, that is
       `model.norm`, `input_layernorm`, `post_attention_layernorm`), per-layer ones at
       every layer of their stack. An entry that picks nothing is an error.
+    - `use_dora`: DoRA (weight-decomposed LoRA): each adapted `Linear` also trains a
+      magnitude vector `m` `[out]` and computes `m / ‖W + scaling·A B‖ · x (W + scaling·A B)`,
+      the norm over each output's column held constant in the backward pass, as peft.
     - `bias`: only `"none"` (biases stay frozen), as peft's default.
     """
 
@@ -48,6 +51,7 @@ class LoraConfig:
     init_lora_weights: bool | Literal["gaussian"] = True
     modules_to_save: tuple[str, ...] | list[str] | None = None
     bias: Literal["none"] = "none"
+    use_dora: bool = False
 
     def __post_init__(self):
         # Lists (as peft takes them, or from JSON) become tuples: the config stays hashable.
@@ -98,6 +102,7 @@ class LoraConfig:
             "init_lora_weights": self.init_lora_weights,
             "modules_to_save": None if self.modules_to_save is None else list(self.modules_to_save),
             "bias": self.bias,
+            "use_dora": self.use_dora,
             "fan_in_fan_out": False,
             "inference_mode": True,
         }

@@ -106,7 +106,7 @@ PREFIX = "base_model.model."
 
 # peft features zoo's LoRA does not have: refused on load rather than silently ignored.
 # (`rank_pattern` / `alpha_pattern` are checked module by module: zoo reads the ones it writes.)
-_UNSUPPORTED = ("use_dora", "layers_to_transform", "layer_replication", "lora_bias", "trainable_token_indices")
+_UNSUPPORTED = ("layers_to_transform", "layer_replication", "lora_bias", "trainable_token_indices")
 
 
 # --------------------------------------------------------------------------- entries
@@ -128,12 +128,14 @@ def _lora_entries(model: Any, names: Any) -> list[_Entry]:
     for name, (path, stacked) in modules(model, LoraLinear).items():
         layer = node_at(model, path)
         block = None if names is None else names.block(name)
-        for leaf in ("lora_A", "lora_B"):
+        for leaf in ("lora_A", "lora_B") + (("lora_magnitude_vector",) if layer.use_dora else ()):
             value = getattr(layer, leaf)
+            suffix = "" if leaf == "lora_magnitude_vector" else ".weight"  # peft's key: `….lora_magnitude_vector`
             keys = tuple(
-                f"{PREFIX}{hf_module_name(model, name, idx)}.{leaf}.weight" for idx in np.ndindex(value.shape[:stacked])
+                f"{PREFIX}{hf_module_name(model, name, idx)}.{leaf}{suffix}"
+                for idx in np.ndindex(value.shape[:stacked])
             )
-            source = Source.of(keys, tuple(value.shape[stacked:]), stacked=stacked, transpose=True)
+            source = Source.of(keys, tuple(value.shape[stacked:]), stacked=stacked, transpose=value.ndim > stacked + 1)
             entries.append(_Entry(path + (GetAttrKey(leaf),), source, block))
     return entries
 
@@ -197,6 +199,10 @@ def _module_of(key: str) -> str:
 
 
 # --------------------------------------------------------------------------- fused modules
+
+
+# The leaves of a branch, in the order a fused module's parts are gathered.
+_SLOTS = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 
 def _fuse(parts: dict[int, tuple[np.ndarray, np.ndarray]], block: Block) -> tuple[np.ndarray, np.ndarray]:
@@ -371,14 +377,22 @@ def save_adapter(
                 tensors[key] = value
             else:
                 slot = fused.setdefault(_module_of(key), (entry.block, {}))[1].setdefault(
-                    entry.block.index, [None, None]
+                    entry.block.index, [None, None, None]
                 )
-                slot[0 if entry.path[-1].name == "lora_A" else 1] = value
+                slot[_SLOTS.index(entry.path[-1].name)] = value
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
     for module, (block, parts) in fused.items():
         a, b = _fuse({k: (v[0], v[1]) for k, v in parts.items()}, block)
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
+        if config.use_dora:
+            if len(parts) != len(block.widths):
+                raise ValueError(
+                    f"DoRA branches on {len(parts)} of the {len(block.widths)} parts of {module}, which Hugging Face "
+                    "fuses into one module: peft's magnitude vector covers all its outputs, so adapt all of them "
+                    f"(target_modules=[{module.rsplit('.', 1)[-1]!r}]) or use plain LoRA"
+                )
+            tensors[f"{PREFIX}{module}.lora_magnitude_vector"] = block.join({k: v[2] for k, v in parts.items()}, axis=0)
         rank = a.shape[0]
         if rank != config.r:
             # peft scales the fused branch by alpha / rank (or / √rank): choose its alpha so
@@ -712,6 +726,11 @@ def load_adapter(
         def adopt(layer: LoraLinear) -> LoraLinear:
             if layer.merged:
                 raise ValueError("this model's LoRA branches are merged into its weights: unmerge (or unload) it first")
+            if layer.use_dora != config.use_dora:
+                raise ValueError(
+                    f"the adapter has use_dora={config.use_dora} but this model's LoRA branches have "
+                    f"use_dora={layer.use_dora}: load it into the base model (zoo.lora.unload(model)) instead"
+                )
             return _with(layer, scaling=config.scaling, dropout_rate=config.lora_dropout)
 
         model = _replace_lora(model, adopt)
@@ -775,7 +794,9 @@ def _check_shapes(entries, tensors, model, meta, directory: Path, values: dict[s
             else:
                 # A fused branch: rank m·r (zoo's blocks, m ≤ n) or r (one peft branch), outputs all n blocks.
                 n = len(entry.block.widths)
-                if k.endswith("lora_A.weight"):
+                if k.endswith("lora_magnitude_vector"):
+                    expected[k] = [(entry.block.total,)]
+                elif k.endswith("lora_A.weight"):
                     expected[k] = [(m * shape[0], shape[1]) for m in range(1, n + 1)]
                 else:
                     expected[k] = [(entry.block.total, m * shape[1]) for m in range(1, n + 1)]
@@ -839,6 +860,8 @@ def _loaded_values(model, entries, tensors, config: LoraConfig, directory: Path)
         old, source = node_at(model, entry.path), entry.source
         if entry.block is None:
             parts = [tensors[k] for k in source.names]
+        elif entry.path[-1] == GetAttrKey("lora_magnitude_vector"):
+            parts = [entry.block.split(tensors[k], axis=0)[entry.block.index] for k in source.names]
         else:
             which = 0 if entry.path[-1] == GetAttrKey("lora_A") else 1
             parts = [split[(_module_of(k), i)][entry.block.index][which] for i, k in enumerate(source.names)]

@@ -23,6 +23,7 @@ LORA_KEYS = {
     "exclude": "exclude_modules",
     "rslora": "use_rslora",
     "save": "modules_to_save",
+    "use_dora": "use_dora",
 }
 LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
 LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
@@ -37,9 +38,9 @@ def _lora_value(key: str, value: str) -> Any:
     if key in ("alpha", "dropout"):
         number = float(value)  # ValueError names the value
         return int(number) if key == "alpha" and number.is_integer() and "." not in value else number
-    if key == "rslora":
+    if key in ("rslora", "use_dora"):
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(f"rslora must be true or false, got {value!r}")
+            raise ValueError(f"{key} must be true or false, got {value!r}")
         return value.lower() in ("true", "1", "yes")
     names = tuple(n.strip() for n in value.split("+"))
     if key == "targets" and value == "all-linear":
@@ -96,6 +97,8 @@ def lora_text(config) -> str:
         parts.append(f"exclude={names(config.exclude_modules)}")
     parts.append(f"rslora={'true' if config.use_rslora else 'false'}")
     parts.append(f"save={names(config.modules_to_save)}")
+    if config.use_dora:
+        parts.append("use_dora=true")
     return ",".join(parts)
 
 
