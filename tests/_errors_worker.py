@@ -88,7 +88,7 @@ CASES = {
     ),
     "decoder_too_long": lambda: _decoder()(jnp.zeros((1, 9), jnp.int32)),
     "lora_bias": lambda: zoo.lora.LoraConfig(r=4, bias="all"),
-    "lora_init": lambda: zoo.lora.LoraConfig(r=4, init_lora_weights="pissa"),
+    "lora_init": lambda: zoo.lora.LoraConfig(r=4, init_lora_weights="svd"),
     "lora_r": lambda: zoo.lora.LoraConfig(r=0),
     # Misuses that ended in a Python or jax error of their own before.
     "shard_rules_none": lambda: zoo.shard(_mlp(), None, jax.make_mesh((8,), ("data",))),

@@ -49,13 +49,13 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hf"))
 
 
-def relative(got, want, what: str) -> float:
-    """max|got − want| / max|want|, recorded under `what`, at most `TOLERANCE`."""
+def relative(got, want, what: str, tolerance: float = TOLERANCE) -> float:
+    """max|got − want| / max|want|, recorded under `what`, at most `tolerance`."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     diff = largest(got - want) / largest(want)
     MEASURED[what] = max(diff, MEASURED.get(what, 0.0))
-    assert diff <= TOLERANCE, f"{what}: {diff:.3g} of the largest value > {TOLERANCE}"
+    assert diff <= tolerance, f"{what}: {diff:.3g} of the largest value > {tolerance}"
     return diff
 
 

@@ -38,7 +38,7 @@ EXPECTED = {
     "config_dtype": ["TransformerConfig.dtype must be 'float32', 'bfloat16' or 'float16', got 'int8'"],
     "decoder_too_long": ["sequence length 9 exceeds the model's max_len 8"],
     "lora_bias": ["LoraConfig.bias: only 'none' is supported (biases stay frozen), got 'all'"],
-    "lora_init": ["LoraConfig.init_lora_weights must be True, False or 'gaussian', got 'pissa'"],
+    "lora_init": ["LoraConfig.init_lora_weights must be one of True, False, 'gaussian', 'pissa', 'olora', got 'svd'"],
     "lora_r": ["LoraConfig.r must be a positive int, got 0"],
     "shard_rules_none": ["rules must be a mapping of logical axis name -> mesh axes, got NoneType None",
                          "e.g. zoo.rules('dp')"],

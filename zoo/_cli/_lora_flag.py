@@ -13,7 +13,8 @@ LORA_HELP = (
     "targets (Linear names joined by '+', e.g. q_proj+v_proj, or all-linear), exclude (names joined "
     "by '+'), rslora (true/false: scaling alpha/sqrt(r)), save (modules_to_save, names joined by '+', "
     "trained in full; a classifier's default is head, its new classification head; save=none "
-    "freezes it), use_dora (true/false: DoRA, a trained magnitude per output)"
+    "freezes it), use_dora (true/false: DoRA, a trained magnitude per output), "
+    "init_lora_weights (true, gaussian, pissa or olora: peft's initialisations)"
 )
 
 

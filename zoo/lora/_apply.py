@@ -16,8 +16,8 @@ from jaxtyping import PRNGKeyArray
 from .._mismatch import shorten
 from .._tree import dotted_name, node_at
 from ..nn import Linear, QuantizedLinear, Stacked
-from ._config import LoraConfig
-from ._layer import LoraLinear
+from ._config import MUTATING, LoraConfig
+from ._layer import LoraLinear, mutated_init
 from ._names import layer_names, saves, select
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
@@ -112,9 +112,30 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
             wrap = eqx.filter_vmap(wrap)
         lead = base.weight.shape[:stacked]
         keys = jr.split(keys, lead) if stacked else keys
-        new.append(_place_branch(eqx.tree_at(lambda layer: layer.base, wrap(base, keys), base), stacked))
+        layer = eqx.tree_at(lambda layer: layer.base, wrap(base, keys), base)
+        if config.init_lora_weights in MUTATING:
+            layer = _mutate(layer, name, config)
+        new.append(_place_branch(layer, stacked))
     paths = [found[n][0] for n in names]
     return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
+
+
+def _mutate(layer: LoraLinear, name: str, config: LoraConfig) -> LoraLinear:
+    """PiSSA / OLoRA: the branch from the base weight, the base keeping the residual."""
+    if isinstance(layer.base, QuantizedLinear):
+        raise ValueError(
+            f"init_lora_weights={config.init_lora_weights!r} decomposes the base weight of {name!r}, which is int8: "
+            "add the branches to the float model, then store the residual base in int8 with "
+            "zoo.lora.cast_frozen(model, jnp.int8, config=config)"
+        )
+    weight = layer.base.weight
+    a, b, residual = mutated_init(weight, config.r, config.scaling, config.init_lora_weights)
+    dtype = layer.lora_A.dtype
+    return eqx.tree_at(
+        lambda l: (l.lora_A, l.lora_B, l.base.weight),
+        layer,
+        (a.astype(dtype), b.astype(dtype), residual.astype(weight.dtype)),
+    )
 
 
 def branch_shardings(weight: jax.Array, stacked: int) -> tuple[Any, Any]:

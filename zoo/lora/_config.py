@@ -6,6 +6,10 @@ import dataclasses
 import math
 from typing import Any, Literal
 
+# The initialisations zoo computes; the last two change the base (it keeps a residual).
+INITS = (True, False, "gaussian", "pissa", "olora")
+MUTATING = ("pissa", "olora")
+
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
@@ -27,8 +31,13 @@ class LoraConfig:
     - `exclude_modules`: names or a regex, as `target_modules`, removed from the targets.
     - `use_rslora`: rank-stabilised scaling `lora_alpha / √r`.
     - `init_lora_weights`: `True` (A uniform ±1/√in as torch's kaiming-uniform(a=√5), B = 0:
-      the model's output is unchanged at init), `"gaussian"` (A normal(0, 1/r), B = 0), or
-      `False` (both random: for tests only; the output changes).
+      the model's output is unchanged at init), `"gaussian"` (A normal(0, 1/r), B = 0),
+      `"pissa"` (A, B the top-`r` singular directions of the base weight, √(σ/scaling) on
+      each side; the base keeps the residual `W − scaling·A B`), `"olora"` (B, A the first
+      `r` columns of Q and rows of R of the base weight's QR; the base keeps the
+      residual), or `False` (both random: for tests only; the output changes). PiSSA and
+      OLoRA change the base: save with `path_initial_model_for_weight_conversion`
+      (`zoo.lora.save_adapter`) for an adapter of the original base.
     - `modules_to_save`: a list of names of modules trained (and saved) in full besides
       the adapters, e.g. a new classification `"head"` (`"classifier"` in BERT's names).
       As peft matches them, an entry picks every module whose name, zoo or Hugging Face,
@@ -48,7 +57,7 @@ class LoraConfig:
     target_modules: tuple[str, ...] | list[str] | str = ("q_proj", "v_proj")
     exclude_modules: tuple[str, ...] | list[str] | str | None = None
     use_rslora: bool = False
-    init_lora_weights: bool | Literal["gaussian"] = True
+    init_lora_weights: bool | str = True  # True, False, "gaussian", "pissa", "olora" (checked below)
     modules_to_save: tuple[str, ...] | list[str] | None = None
     bias: Literal["none"] = "none"
     use_dora: bool = False
@@ -69,9 +78,21 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.r must be a positive int, got {self.r!r}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.init_lora_weights not in (True, False, "gaussian"):
+        if self.init_lora_weights not in INITS:
+            hint = ""
+            if isinstance(self.init_lora_weights, str) and self.init_lora_weights.startswith("pissa_niter_"):
+                hint = (
+                    " (peft's pissa_niter_K is a randomized SVD drawn from torch's generator, which zoo cannot "
+                    "reproduce: 'pissa' computes the exact SVD)"
+                )
             raise ValueError(
-                f"LoraConfig.init_lora_weights must be True, False or 'gaussian', got {self.init_lora_weights!r}"
+                f"LoraConfig.init_lora_weights must be one of True, False, 'gaussian', 'pissa', 'olora', got "
+                f"{self.init_lora_weights!r}{hint}"
+            )
+        if self.use_dora and self.init_lora_weights in MUTATING:
+            raise ValueError(
+                f"LoraConfig: use_dora with init_lora_weights={self.init_lora_weights!r} is not supported (the "
+                "conversion to an adapter of the original base is defined for plain LoRA only): choose one"
             )
         if self.bias != "none":
             raise ValueError(f"LoraConfig.bias: only 'none' is supported (biases stay frozen), got {self.bias!r}")

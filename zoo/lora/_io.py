@@ -85,7 +85,7 @@ from ._apply import (
     saved_modules,
     target_names,
 )
-from ._config import LoraConfig
+from ._config import INITS, MUTATING, LoraConfig
 from ._layer import LoraLinear
 from ._names import (
     adapter_names,
@@ -316,7 +316,12 @@ def _source_folder(model: Any) -> str | None:
 
 
 def save_adapter(
-    model: Any, config: LoraConfig, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None
+    model: Any,
+    config: LoraConfig,
+    directory: str | os.PathLike,
+    *,
+    base_model_name_or_path: str | None = None,
+    path_initial_model_for_weight_conversion: str | os.PathLike | Any = None,
 ) -> list[Path]:
     """Write `model`'s LoRA adapter to `directory` as peft does (no torch needed).
 
@@ -334,6 +339,15 @@ def save_adapter(
       loads the base model from. Default: the folder `zoo.hf` loaded `model` from (its
       config's `source_dir`), else none (peft's `PeftModel` still opens the adapter on a
       model you pass; AutoPeftModel then cannot).
+    - `path_initial_model_for_weight_conversion` (peft's argument of that name): a folder
+      holding this adapter as it was at initialisation (`save_adapter` right after
+      `add_lora`), or that initial model itself. The adapter is then written as one that applies to the *original* base:
+      `ΔW = A B − A₀ B₀` as a rank-2r branch (A `[A; A₀]`, B `[B, −B₀]`), `r` and
+      `lora_alpha` doubled (`√2` with rsLoRA), `init_lora_weights` `True`, as peft writes
+      it. Needed for PiSSA / OLoRA (`init_lora_weights="pissa"` / `"olora"`), whose base
+      keeps a residual: without it, the file applies to that residual (peft and zoo
+      recompute it from the original base when loading; not for fused modules such as
+      GPT-2's `c_attn`, whose peft residual is one decomposition of the fused weight).
 
     Only the branches (per stacked layer, as peft's `[r, in]`/`[out, r]`; branches on the
     blocks of a fused module as one, e.g. GPT-2's q/k/v in `c_attn`) and the leaves of `config.modules_to_save` are written; see the
@@ -367,6 +381,102 @@ def save_adapter(
     apart = _apart_tensors(model, names, found)
     entries = _entries(model, config, names)
 
+    tensors, fused, rank_pattern, alpha_pattern = _file_tensors(model, config, entries)
+    if jax.process_index() != 0:
+        return []
+
+    peft_targets = sorted({_module_of(k) for k in tensors if ".lora_" in k})
+    saved = [n for n in saved_modules(model, config) if names is None or n not in names.apart]
+    peft_saved = sorted({hf_module_name(model, n, idx) for n in saved for idx in np.ndindex(lead(model, n))}) or None
+    values = config.to_peft_dict(peft_targets)
+    values.update(
+        target_modules=peft_targets,
+        exclude_modules=None,
+        modules_to_save=peft_saved,
+        task_type=None if names is None else names.task_type,
+        base_model_name_or_path=base_model_name_or_path or _source_folder(base),
+        # peft's one flag for Conv1D targets ([in, out] weights); it corrects it per module.
+        fan_in_fan_out=names is not None
+        and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in found.items()),
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+    )
+    if path_initial_model_for_weight_conversion is not None:
+        initial = path_initial_model_for_weight_conversion
+        if not isinstance(initial, str | os.PathLike):  # the model itself, at initialisation
+            initial = _file_tensors(initial, config, _entries(initial, config, names))[0]
+        tensors, values = _convert_to_original(tensors, values, config, initial)
+    elif config.init_lora_weights in MUTATING and fused:
+        raise ValueError(
+            f"init_lora_weights={config.init_lora_weights!r} on parts of {sorted(fused)[0]}, which Hugging Face fuses "
+            "into one module: peft would recompute its residual base from the fused weight, not zoo's parts. Save "
+            "with path_initial_model_for_weight_conversion=<the adapter saved right after add_lora> for an adapter "
+            "of the original base"
+        )
+    meta = (
+        _describe(model)
+        | {
+            "format": "zoo LoRA adapter",
+            "target_modules": _plain(config.target_modules),
+            "exclude_modules": _plain(config.exclude_modules),
+            "modules_to_save": _plain(config.modules_to_save),
+            "tensors_sha256": tensors_sha256(tensors),
+        }
+        | ({"head_sha256": tensors_sha256(apart)} if apart else {})
+    )
+    return _write(Path(directory), tensors, values, meta, apart)
+
+
+def _convert_to_original(
+    tensors: dict[str, np.ndarray], values: dict[str, Any], config: LoraConfig, initial: Any
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """peft's `path_initial_model_for_weight_conversion`: the adapter as one on the
+    original base, `ΔW = A B − A₀ B₀` (`A₀`, `B₀` from the adapter saved in `initial` at
+    initialisation): each branch rank 2r, `r` and `lora_alpha` (and the patterns) doubled
+    as peft doubles them, so its scaling is the same. A fused module's blocks keep their
+    own rank columns together (each block's `[A; A₀]`), so zoo splits it back."""
+    path = "the initial model" if isinstance(initial, dict) else Path(initial) / WEIGHTS_NAME
+    try:
+        start = initial if isinstance(initial, dict) else safetensors.numpy.load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types; a missing file too
+        raise ValueError(
+            f"path_initial_model_for_weight_conversion: cannot read {path} ({e}); save the adapter there right "
+            "after add_lora (zoo.lora.save_adapter(model, config, that_folder)), before training"
+        ) from e
+    branches = {k for k in tensors if ".lora_A." in k or ".lora_B." in k}
+    if set(start) & branches != branches or any(start[k].shape != tensors[k].shape for k in branches):
+        raise ValueError(
+            f"path_initial_model_for_weight_conversion: {path} holds other branches than this adapter (keys or "
+            "shapes differ): pass the folder this adapter was saved to right after add_lora"
+        )
+    if any(".lora_magnitude_vector" in k for k in tensors):
+        raise ValueError("path_initial_model_for_weight_conversion converts plain LoRA adapters only, not DoRA")
+    out = dict(tensors)
+    for k in branches:
+        if ".lora_A." not in k:
+            continue
+        b_key = k.replace(".lora_A.", ".lora_B.")
+        a, a0, b, b0 = tensors[k], start[k], tensors[b_key], start[b_key]
+        groups = a.shape[0] // config.r  # a fused module's blocks, r rank rows each
+        rows = lambda x, j: x[j * config.r : (j + 1) * config.r]
+        out[k] = np.concatenate([p for j in range(groups) for p in (rows(a, j), rows(a0, j))], axis=0)
+        out[b_key] = np.concatenate([p for j in range(groups) for p in (rows(b.T, j).T, -rows(b0.T, j).T)], axis=1)
+    values = dict(values)
+    values.update(
+        init_lora_weights=True,
+        r=2 * config.r,
+        lora_alpha=config.lora_alpha * (math.sqrt(2) if config.use_rslora else 2),
+        rank_pattern={m: 2 * r for m, r in values.get("rank_pattern", {}).items()},
+        alpha_pattern={m: 2 * a for m, a in values.get("alpha_pattern", {}).items()},
+    )
+    return out, values
+
+
+def _file_tensors(model: Any, config: LoraConfig, entries: list[_Entry]) -> tuple[
+    dict[str, np.ndarray], dict[str, Any], dict[str, int], dict[str, float]
+]:  # fmt: skip
+    """The adapter's tensors as peft's file holds them (fused modules' branches fused), the
+    fused modules, and the `rank_pattern` / `alpha_pattern` those need."""
     tensors: dict[str, np.ndarray] = {}
     fused: dict[str, tuple[Block, dict[int, list[np.ndarray]]]] = {}
     for entry in entries:
@@ -399,37 +509,7 @@ def save_adapter(
             # that the product is zoo's scaling.
             rank_pattern[module] = rank
             alpha_pattern[module] = config.scaling * (math.sqrt(rank) if config.use_rslora else rank)
-    if jax.process_index() != 0:
-        return []
-
-    peft_targets = sorted({_module_of(k) for k in tensors if ".lora_" in k})
-    saved = [n for n in saved_modules(model, config) if names is None or n not in names.apart]
-    peft_saved = sorted({hf_module_name(model, n, idx) for n in saved for idx in np.ndindex(lead(model, n))}) or None
-    values = config.to_peft_dict(peft_targets)
-    values.update(
-        target_modules=peft_targets,
-        exclude_modules=None,
-        modules_to_save=peft_saved,
-        task_type=None if names is None else names.task_type,
-        base_model_name_or_path=base_model_name_or_path or _source_folder(base),
-        # peft's one flag for Conv1D targets ([in, out] weights); it corrects it per module.
-        fan_in_fan_out=names is not None
-        and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in found.items()),
-        rank_pattern=rank_pattern,
-        alpha_pattern=alpha_pattern,
-    )
-    meta = (
-        _describe(model)
-        | {
-            "format": "zoo LoRA adapter",
-            "target_modules": _plain(config.target_modules),
-            "exclude_modules": _plain(config.exclude_modules),
-            "modules_to_save": _plain(config.modules_to_save),
-            "tensors_sha256": tensors_sha256(tensors),
-        }
-        | ({"head_sha256": tensors_sha256(apart)} if apart else {})
-    )
-    return _write(Path(directory), tensors, values, meta, apart)
+    return tensors, fused, rank_pattern, alpha_pattern
 
 
 def _apart_tensors(model: Any, names: Any, found: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -557,8 +637,16 @@ def _example_names(model: Any, names: list[str] | None = None) -> list[str]:
 
 def _lora_config(base: Any, values: dict[str, Any], meta: dict[str, Any] | None) -> LoraConfig:
     fields = dict(values)
-    if fields.get("init_lora_weights") not in (True, False, "gaussian"):
-        fields["init_lora_weights"] = True  # peft's other inits (pissa, loftq, …): the file holds the result
+    init = fields.get("init_lora_weights")
+    if isinstance(init, str) and (init.startswith(("pissa_niter_", "corda", "loftq"))):
+        raise ValueError(
+            f"this adapter was made with peft's init_lora_weights={init!r}, which changed the base weights it applies "
+            "to in a way zoo cannot recompute; save it in peft with "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=<the adapter saved at initialisation>) "
+            "for an adapter of the original base, and load that"
+        )
+    if init not in INITS:
+        fields["init_lora_weights"] = True  # peft's other inits (eva, orthogonal, …): the file holds the result
     if meta is not None and "target_modules" in meta:
         for k in ("target_modules", "exclude_modules", "modules_to_save"):
             fields[k] = meta.get(k)
@@ -718,6 +806,11 @@ def load_adapter(
         config = dataclasses.replace(config, modules_to_save=(*(config.modules_to_save or ()), *names.apart))
 
     added = not modules(model, LoraLinear)
+    if config.init_lora_weights in MUTATING and not added:
+        raise ValueError(
+            f"this adapter applies to the residual base init_lora_weights={config.init_lora_weights!r} leaves; load "
+            "it into the original base model (zoo.lora.unload(model) is the residual), which zoo decomposes again"
+        )
     if added:
         model = add_lora(model, config, key=jax.random.key(0) if key is None else key)
     else:
@@ -736,6 +829,12 @@ def load_adapter(
         model = _replace_lora(model, adopt)
 
     entries = _entries(model, config, names)
+    if config.init_lora_weights in MUTATING and any(e.block is not None for e in entries):
+        raise ValueError(
+            f"{directory}: a {config.init_lora_weights!r} adapter on a module Hugging Face fuses (as GPT-2's c_attn) "
+            "applies to peft's residual of the fused weight, which zoo (adapting its parts) cannot recompute; save "
+            "it in peft with path_initial_model_for_weight_conversion for an adapter of the original base"
+        )
     _check_shapes(entries, tensors, model, meta, directory, values)
     _check_scaling(tensors, values, config, directory)
     new = _loaded_values(model, entries, tensors, config, directory)

@@ -159,3 +159,32 @@ def _constant(x: Array) -> Array:
     if spec is None or not (spec.reduced or spec.unreduced):
         return x
     return jax.reshard(x, plain_spec(x))
+
+
+def mutated_init(
+    weight: Float[Array, "*layers i o"], r: int, scaling: float, kind: str
+) -> tuple[Float[Array, "*layers i r"], Float[Array, "*layers r o"], Float[Array, "*layers i o"]]:
+    """PiSSA's or OLoRA's branch of a base `weight` `[*layers, in, out]`, as peft computes it
+    (`LoraLayer.pissa_init` / `olora_init`, on torch's `[out, in]` weight `Wt`), in float32:
+    `(A [*layers, in, r], B [*layers, r, out], residual W − scaling · A B)`.
+
+    - `"pissa"`: `Wt = V S Uh` (exact SVD); `B = V_r √(S_r / scaling)`, `A = √(S_r / scaling) Uh_r`
+      (torch's layout), so `scaling · B A` is the rank-r truncation of `Wt`.
+    - `"olora"`: `Wt = Q R`; `B = Q_r` (first r columns), `A = R_r` (first r rows).
+
+    Singular vectors and QR columns are defined up to sign; flipping one rank's sign in
+    both A and B changes neither `A B` nor the residual.
+    """
+    wt = jnp.swapaxes(weight.astype(jnp.float32), -1, -2)  # torch's [out, in]
+    if kind == "pissa":
+        v, sv, uh = jnp.linalg.svd(wt, full_matrices=False)
+        root = jnp.sqrt(sv[..., :r] / scaling)
+        a_t = root[..., :, None] * uh[..., :r, :]  # [r, in]
+        b_t = v[..., :, :r] * root[..., None, :]  # [out, r]
+    elif kind == "olora":
+        q, rr = jnp.linalg.qr(wt)
+        a_t, b_t = rr[..., :r, :], q[..., :, :r]
+    else:
+        raise ValueError(f"no base-changing initialisation {kind!r}: 'pissa' or 'olora'")
+    a, b = jnp.swapaxes(a_t, -1, -2), jnp.swapaxes(b_t, -1, -2)
+    return a, b, weight.astype(jnp.float32) - scaling * (a @ b)

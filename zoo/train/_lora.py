@@ -24,6 +24,7 @@ LORA_KEYS = {
     "rslora": "use_rslora",
     "save": "modules_to_save",
     "use_dora": "use_dora",
+    "init_lora_weights": "init_lora_weights",
 }
 LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
 LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
@@ -42,6 +43,8 @@ def _lora_value(key: str, value: str) -> Any:
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(f"{key} must be true or false, got {value!r}")
         return value.lower() in ("true", "1", "yes")
+    if key == "init_lora_weights":
+        return {"true": True, "false": False}.get(value.lower(), value)  # LoraConfig checks the names
     names = tuple(n.strip() for n in value.split("+"))
     if key == "targets" and value == "all-linear":
         return value
@@ -99,6 +102,8 @@ def lora_text(config) -> str:
     parts.append(f"save={names(config.modules_to_save)}")
     if config.use_dora:
         parts.append("use_dora=true")
+    if config.init_lora_weights is not True:
+        parts.append(f"init_lora_weights={str(config.init_lora_weights).lower()}")
     return ",".join(parts)
 
 

@@ -1,0 +1,202 @@
+"""PiSSA and OLoRA initialisations against peft: the same branch and residual base from
+the same weight; adapters both ways, as they are (the residual recomputed from the
+original base on load) and converted to adapters of the original base
+(`path_initial_model_for_weight_conversion`); the clear errors."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from helpers import Reference, assert_as_accurate, largest
+from test_dora import outputs, relative, report  # noqa: F401  (report: the measured table)
+from test_peft import assert_close, hf_folder, hf_outputs, is_adapter, perturb
+
+import zoo
+from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
+
+pytestmark = pytest.mark.numerics
+
+# family → (transformers class, AutoPeftModel class, zoo targets, peft targets, a target's zoo path, its HF module)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "AutoPeftModelForCausalLM", ("q_proj", "down"), ["q_proj", "down_proj"],
+              lambda m: m.layers.layers.attention.q_proj, lambda h: h.model.layers[1].self_attn.q_proj),
+    # peft's olora_init takes a Conv1D's [in, out] weight as if it were [out, in]: PiSSA only.
+    "gpt2": ("GPT2LMHeadModel", "AutoPeftModelForCausalLM", ("c_fc", "c_proj"), ["c_fc", "c_proj"],
+             lambda m: m.layers.layers.mlp.up, lambda h: h.transformer.h[1].mlp.c_fc),
+    "bert": ("BertModel", "AutoPeftModelForFeatureExtraction", ("query", "value"), ["query", "value"],
+             lambda m: m.layers.layers.attention.q_proj, lambda h: h.encoder.layer[1].attention.self.query),
+}  # fmt: skip
+# Adapters as they are apply to a residual each side recomputes by its own float32 SVD / QR.
+AS_IS = 1e-4
+TASK = {"llama": "CAUSAL_LM", "gpt2": "CAUSAL_LM", "bert": "FEATURE_EXTRACTION"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf"))
+
+
+def trained(model, seed=5):
+    """`model` with its branches moved as training would (A and B, every layer)."""
+    branches, rest = eqx.partition(model, zoo.lora.trainable(model))
+    rng = np.random.default_rng(seed)
+    moved = jax.tree.map(lambda x: x + 0.05 * largest(x) * rng.standard_normal(x.shape).astype(np.float32), branches)
+    return eqx.combine(moved, rest)
+
+
+def torch_weight(layer):
+    """A torch layer's weight as zoo holds it, `[in, out]` (a Conv1D's is already)."""
+    w = layer.weight.detach().numpy()
+    return w if type(layer).__name__ == "Conv1D" else w.T
+
+
+def float64_init(weight, init, scaling, r=2):
+    """peft's PiSSA / OLoRA of a `[in, out]` weight in float64 (numpy): (A `[in, r]`, B `[r, out]`, residual)."""
+    wt = weight.astype(np.float64).T
+    if init == "pissa":
+        v, s, uh = np.linalg.svd(wt, full_matrices=False)
+        root = np.sqrt(s[:r] / scaling)
+        a_t, b_t = root[:, None] * uh[:r], v[:, :r] * root[None]
+    else:
+        q, rr = np.linalg.qr(wt)
+        a_t, b_t = rr[:r], q[:, :r]
+    return a_t.T, b_t.T, weight - scaling * (b_t @ a_t).T
+
+
+def check_init(family, init, root, tmp_path):
+    cls, auto, zoo_targets, peft_targets, zoo_layer, hf_layer = FAMILIES[family]
+    folder = hf_folder(family, root)
+    hf_class = getattr(transformers, cls)
+    original = zoo.hf.from_pretrained(folder)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=zoo_targets, init_lora_weights=init)
+    initial = add_lora(original, config, key=jax.random.key(0))
+
+    # The same branch and residual as peft's for the same weight (layer 1 of the stack).
+    made = peft.get_peft_model(
+        hf_class.from_pretrained(folder),
+        peft.LoraConfig(r=2, lora_alpha=4, target_modules=peft_targets, init_lora_weights=init, task_type=TASK[family]),
+    )
+    ours, theirs = zoo_layer(initial), hf_layer(made.base_model.model)
+    a, b = np.asarray(ours.lora_A[1]), np.asarray(ours.lora_B[1])
+    a_ref, b_ref = theirs.lora_A.default.weight.detach().numpy().T, theirs.lora_B.default.weight.detach().numpy().T
+    signs = np.sign(np.sum(a * a_ref, axis=0))  # singular vectors / QR columns: each up to a sign
+    exact = float64_init(torch_weight(hf_layer(hf_class.from_pretrained(folder))), init, config.scaling)
+    for value, peft_value, exact_value, what in (
+        (np.asarray(ours.base.weight[1]), torch_weight(theirs.base_layer), exact[2], "residual base"),
+        (a * signs, a_ref, exact[0] * np.sign(np.sum(exact[0] * a_ref, axis=0)), "A"),
+        (b * signs[:, None], b_ref, exact[1] * np.sign(np.sum(exact[0] * a_ref, axis=0))[:, None], "B"),
+    ):
+        # As accurate as peft's float32 decomposition (both are a float32 SVD / QR of the weight).
+        assert_as_accurate(value, Reference(peft_value, exact_value), what=f"{init} {family} initial {what}")
+        relative(value, peft_value, f"{init} {family} initial A, B, residual base", tolerance=1e-3)
+    np.testing.assert_allclose(outputs(initial), outputs(original), atol=1e-5 * largest(outputs(original)))
+
+    # zoo → peft: as it is (peft decomposes the original base again), and converted.
+    save_adapter(initial, config, tmp_path / "initial")
+    model = trained(initial)
+    save_adapter(model, config, tmp_path / "as_is")
+    assert json.loads((tmp_path / "as_is/adapter_config.json").read_text())["init_lora_weights"] == init
+    save_adapter(model, config, tmp_path / "converted", path_initial_model_for_weight_conversion=tmp_path / "initial")
+    values = json.loads((tmp_path / "converted/adapter_config.json").read_text())
+    assert values["init_lora_weights"] is True and values["r"] == 4 and values["lora_alpha"] == 8
+    expected = outputs(model)
+    assert not np.allclose(expected, outputs(original), atol=1e-3)
+    opened = peft.PeftModel.from_pretrained(hf_class.from_pretrained(folder), tmp_path / "as_is")
+    relative(expected, hf_outputs(opened).f32, f"{init} {family} outputs zoo → peft (as is)", tolerance=AS_IS)
+    for name, m in (
+        ("PeftModel", peft.PeftModel.from_pretrained(hf_class.from_pretrained(folder), tmp_path / "converted")),
+        (auto, getattr(peft, auto).from_pretrained(tmp_path / "converted")),
+    ):
+        reference = hf_outputs(m)
+        assert_close(expected, reference, f"{init} {family} converted, zoo → {name}")
+        relative(expected, reference.f32, f"{init} {family} outputs zoo → peft (converted)")
+    # ... and back into zoo, onto the original base: as it is and converted.
+    for folder_name in ("as_is", "converted"):
+        loaded, _ = load_adapter(original, tmp_path / folder_name)
+        relative(outputs(loaded), expected, f"{init} {family} zoo → zoo ({folder_name})", tolerance=AS_IS)
+
+    # peft → zoo: as peft saves it (zoo decomposes the original base), and converted.
+    torch.manual_seed(3)
+    perturb(made, 3, is_adapter)
+    made.save_pretrained(tmp_path / "peft_as_is")
+    reference = hf_outputs(made)
+    loaded, loaded_config = load_adapter(original, tmp_path / "peft_as_is")
+    assert loaded_config.init_lora_weights == init
+    # zoo's residual is its own float32 decomposition, peft's its own: they differ by as much as
+    # each differs from the exact one (asserted above), so the outputs by a few times 1e-6.
+    relative(outputs(loaded), reference.f32, f"{init} {family} outputs peft → zoo (as is)", tolerance=AS_IS)
+    # peft's conversion needs its own initial adapter: a fresh model made from the same weights.
+    fresh = peft.get_peft_model(
+        hf_class.from_pretrained(folder),
+        peft.LoraConfig(r=2, lora_alpha=4, target_modules=peft_targets, init_lora_weights=init, task_type=TASK[family]),
+    )
+    fresh.save_pretrained(tmp_path / "peft_initial")
+    made.save_pretrained(
+        tmp_path / "peft_converted", path_initial_model_for_weight_conversion=tmp_path / "peft_initial"
+    )
+    loaded, loaded_config = load_adapter(original, tmp_path / "peft_converted")
+    assert loaded_config.r == 4 and loaded_config.init_lora_weights is True
+    relative(outputs(loaded), reference.f32, f"{init} {family} outputs peft → zoo (converted)")
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_init_llama(init, root, tmp_path):
+    check_init("llama", init, root, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,init", [("gpt2", "pissa"), ("bert", "pissa"), ("bert", "olora")])
+def test_init_families(family, init, root, tmp_path):
+    check_init(family, init, root, tmp_path)
+
+
+def test_init_errors_and_flag(root, tmp_path):
+    with pytest.raises((ValueError, TypeError), match="init_lora_weights"):
+        LoraConfig(init_lora_weights="svd")
+    with pytest.raises(ValueError, match=r"pissa_niter_K is a randomized SVD.*'pissa' computes the exact SVD"):
+        LoraConfig(init_lora_weights="pissa_niter_4")  # type: ignore[arg-type]
+    folder = hf_folder("gpt2", root)
+    base = zoo.hf.from_pretrained(folder)
+    # PiSSA / OLoRA decompose a float base: an int8 one is refused, saying what to do.
+    config = LoraConfig(r=2, target_modules=("c_fc",), init_lora_weights="pissa")
+    plain = add_lora(base, LoraConfig(r=2, target_modules=("c_fc",)), key=jax.random.key(0))
+    int8 = zoo.lora.unload(zoo.lora.cast_frozen(plain, jnp.int8))
+    with pytest.raises(ValueError, match="which is int8: add the branches to the float model"):
+        add_lora(int8, config, key=jax.random.key(0))
+    # Parts of a fused module: saved as they are, peft would decompose the fused weight.
+    fused = LoraConfig(r=2, target_modules=("c_attn",), init_lora_weights="olora")
+    model = add_lora(base, fused, key=jax.random.key(0))
+    with pytest.raises(
+        ValueError, match="parts of transformer.h.0.attn.c_attn.*path_initial_model_for_weight_conversion"
+    ):
+        save_adapter(model, fused, tmp_path / "fused")
+    # Converted, with the initial model itself (its parts cannot be saved as they are).
+    save_adapter(trained(model), fused, tmp_path / "fused", path_initial_model_for_weight_conversion=model)
+    loaded, loaded_config = load_adapter(base, tmp_path / "fused")  # converted: rank 4 per part, the original base
+    relative(outputs(loaded), outputs(trained(model)), "olora gpt2 c_attn converted, zoo → zoo")
+    opened = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(folder), tmp_path / "fused")
+    relative(outputs(trained(model)), hf_outputs(opened).f32, "olora gpt2 outputs zoo → peft (c_attn, converted)")
+    with pytest.raises(ValueError, match="cannot read .*save the adapter there right after add_lora"):
+        save_adapter(model, fused, tmp_path / "x", path_initial_model_for_weight_conversion=tmp_path / "nowhere")
+    # A peft adapter whose base peft changed in a way zoo cannot recompute.
+    peft.get_peft_model(
+        transformers.GPT2LMHeadModel.from_pretrained(folder),
+        peft.LoraConfig(r=2, target_modules=["c_fc"], init_lora_weights="pissa_niter_2", task_type="CAUSAL_LM"),
+    ).save_pretrained(tmp_path / "niter")
+    with pytest.raises(ValueError, match="pissa_niter_2.*path_initial_model_for_weight_conversion"):
+        load_adapter(base, tmp_path / "niter")
+    # The command line's --lora takes init_lora_weights and writes it back.
+    from zoo.train._lora import lora_text, parse_lora
+
+    parsed = parse_lora("r=4,init_lora_weights=pissa", {})
+    assert parsed.init_lora_weights == "pissa" and parse_lora(lora_text(parsed), {}) == parsed
+    assert parse_lora("init_lora_weights=true", {}).init_lora_weights is True
+    with pytest.raises(Exception, match="init_lora_weights must be one of"):
+        parse_lora("init_lora_weights=svd", {})
