@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from helpers import Reference, assert_as_accurate, largest
-from test_dora import outputs, relative, report  # noqa: F401  (report: the measured table)
+from test_dora import compare_opened, hf_run, outputs, relative, report  # noqa: F401  (report: the measured table)
 from test_peft import assert_close, hf_folder, hf_outputs, is_adapter, perturb
 
 import zoo
@@ -109,13 +110,9 @@ def check_init(family, init, root, tmp_path):
     assert not np.allclose(expected, outputs(original), atol=1e-3)
     opened = peft.PeftModel.from_pretrained(hf_class.from_pretrained(folder), tmp_path / "as_is")
     relative(expected, hf_outputs(opened).f32, f"{init} {family} outputs zoo → peft (as is)", tolerance=AS_IS)
-    for name, m in (
-        ("PeftModel", peft.PeftModel.from_pretrained(hf_class.from_pretrained(folder), tmp_path / "converted")),
-        (auto, getattr(peft, auto).from_pretrained(tmp_path / "converted")),
-    ):
-        reference = hf_outputs(m)
-        assert_close(expected, reference, f"{init} {family} converted, zoo → {name}")
-        relative(expected, reference.f32, f"{init} {family} outputs zoo → peft (converted)")
+    compare_opened(
+        expected, tmp_path / "converted", hf_class, folder, auto, f"{init} {family} outputs zoo → peft (converted)"
+    )
     # ... and back into zoo, onto the original base: as it is and converted.
     for folder_name in ("as_is", "converted"):
         loaded, _ = load_adapter(original, tmp_path / folder_name)
@@ -200,3 +197,126 @@ def test_init_errors_and_flag(root, tmp_path):
     assert parse_lora("init_lora_weights=true", {}).init_lora_weights is True
     with pytest.raises(Exception, match="init_lora_weights must be one of"):
         parse_lora("init_lora_weights=svd", {})
+
+
+# --------------------------------------------------------------------------- embedding and head
+
+# case → (family, zoo targets, peft targets, ensure_weight_tying, gradients compared)
+EMBEDDING = {
+    # Llama's untied head: a Linear branch on lm_head, an embedding branch on embed_tokens.
+    "llama": ("llama", ["embed_tokens", "lm_head", "q_proj"], ["embed_tokens", "lm_head", "q_proj"], False, True),
+    # GPT-2's head is the token embedding: tied, one weight (peft's ensure_weight_tying).
+    "gpt2-tied": ("gpt2", ["wte", "lm_head", "c_fc"], ["wte", "lm_head", "c_fc"], True, False),
+    # Only the embedding named: the tied head keeps scoring the base table, as in peft.
+    "gpt2-input": ("gpt2", ["token_embedding", "c_fc"], ["wte", "c_fc"], False, True),
+    "bert": ("bert", ["word_embeddings", "query"], ["word_embeddings", "query"], False, True),
+}
+
+
+def check_embedding(case, root, tmp_path):
+    from test_dora import compare_gradients, exported
+
+    family, zoo_targets, peft_targets, tie, gradients = EMBEDDING[case]
+    cls, auto = FAMILIES[family][:2]
+    hf_class = getattr(transformers, cls)
+    folder = hf_folder(family, root)
+    base = zoo.hf.from_pretrained(folder)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=zoo_targets, init_lora_weights=False,
+                        ensure_weight_tying=tie)  # fmt: skip
+    model = trained(add_lora(base, config, key=jax.random.key(1)))
+    assert isinstance(model.token_embedding if family != "bert" else model.embeddings.word_embeddings,
+                      zoo.lora.LoraEmbedding)  # fmt: skip
+    save_adapter(model, config, tmp_path / "z")
+    tensors = safetensors.numpy.load_file(tmp_path / "z/adapter_model.safetensors")
+    assert any(k.endswith(".lora_embedding_A") for k in tensors) and any(
+        k.endswith(".lora_embedding_B") for k in tensors
+    )
+    values = json.loads((tmp_path / "z/adapter_config.json").read_text())
+    assert values["ensure_weight_tying"] is tie
+    ours = outputs(model)
+    m = compare_opened(ours, tmp_path / "z", hf_class, folder, auto, f"embedding/head {case} outputs zoo → peft")
+    # Merged: zoo's exported weights against peft's merge_and_unload (a tied head stays tied).
+    merged = zoo.lora.merge(model)
+    if tie:
+        assert merged.lm_head is None  # still one weight
+    ours_merged = exported(merged, tmp_path / "merged")
+    theirs = {k: v.detach().numpy() for k, v in m.merge_and_unload().state_dict().items()}
+    for k in ours_merged:
+        if k not in theirs:
+            continue
+        if tie and k == "transformer.wte.weight":
+            # peft 0.21.2 merges the tied table twice (the embedding's branch, then the head's tied
+            # copy into the same Parameter): W + 2Δ, and its merged model's outputs change.
+            # zoo merges the one weight once: its merged model computes the adapter's outputs.
+            table = np.asarray(base.token_embedding.weight)[: theirs[k].shape[0]]
+            relative(2 * (ours_merged[k] - table), theirs[k] - table, f"embedding/head {case} merged Δ (peft: 2Δ)")
+            continue
+        relative(ours_merged[k], theirs[k][: ours_merged[k].shape[0]], f"embedding/head {case} merged weights")
+    if case != "gpt2-input":  # there, as in peft, merging the one table adapts the tied head too
+        relative(outputs(merged), ours, f"embedding/head {case} merged model outputs vs unmerged")
+    if tie:
+        reopened = hf_class.from_pretrained(tmp_path / "merged")
+        assert reopened.lm_head.weight.data_ptr() == reopened.transformer.wte.weight.data_ptr()  # the tie kept
+
+    # peft → zoo.
+    torch.manual_seed(3)
+    made = peft.get_peft_model(
+        hf_class.from_pretrained(folder),
+        peft.LoraConfig(
+            r=2, lora_alpha=8, target_modules=peft_targets, ensure_weight_tying=tie, task_type=TASK[family]
+        ),
+    )
+    perturb(made, 3, is_adapter)
+    if tie:  # perturbing each tied tensor once more moved the head's and the embedding's apart: re-tie
+        made = peft.get_peft_model(
+            hf_class.from_pretrained(folder),
+            peft.LoraConfig(r=2, lora_alpha=8, target_modules=peft_targets, ensure_weight_tying=tie,
+                            task_type=TASK[family]),
+        )  # fmt: skip
+        with torch.no_grad():
+            for n, p in made.named_parameters():
+                if "lora_embedding" in n:
+                    p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    made.save_pretrained(tmp_path / "p")
+    loaded, loaded_config = load_adapter(base, tmp_path / "p")
+    if tie:  # peft's tied branches (transposed views) refuse the float64 copy: float32 only
+        made.eval()
+        with torch.no_grad():
+            reference = hf_run(made).numpy()
+    else:
+        reference = hf_outputs(made)
+        assert_close(outputs(loaded), reference, f"{case} embedding LoRA peft → zoo")
+        reference = reference.f32
+    relative(outputs(loaded), reference, f"embedding/head {case} outputs peft → zoo")
+    if gradients:
+        compare_gradients(made, loaded, loaded_config, tmp_path / "grads", f"embedding/head {case} gradients")
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt2-tied"])
+def test_embedding_and_head_lora(case, root, tmp_path):
+    check_embedding(case, root, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["gpt2-input", "bert"])
+def test_embedding_lora_families(case, root, tmp_path):
+    check_embedding(case, root, tmp_path)
+
+
+def test_embedding_lora_errors(root):
+    base = zoo.hf.from_pretrained(hf_folder("gpt2", root))
+    with pytest.raises(ValueError, match=r"DoRA wraps Linear layers only, and 'token_embedding' is an Embedding"):
+        add_lora(base, LoraConfig(r=2, target_modules=["wte", "c_fc"], use_dora=True), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"'pissa' decomposes Linear weights; 'token_embedding' is an Embedding"):
+        add_lora(base, LoraConfig(r=2, target_modules=["wte"], init_lora_weights="pissa"), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"head is its token embedding: set ensure_weight_tying=True"):
+        add_lora(base, LoraConfig(r=2, target_modules=["wte", "lm_head"]), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"the tied 'lm_head' is the token embedding; target it too"):
+        add_lora(
+            base, LoraConfig(r=2, target_modules=["c_fc", "lm_head"], ensure_weight_tying=True), key=jax.random.key(0)
+        )
+    # Trainable: the embedding's branch; the base table stays frozen.
+    config = LoraConfig(r=2, target_modules=["wte"])
+    train = zoo.lora.trainable(add_lora(base, config, key=jax.random.key(0)), config)
+    assert train.token_embedding.lora_embedding_A is True and train.token_embedding.base.weight is False

@@ -183,12 +183,30 @@ def check_family(family, root, tmp_path):
         perturb(made, 4, is_adapter)
         made.save_pretrained(tmp_path / "g")
         loaded, loaded_config = load_adapter(base, tmp_path / "g")
+    compare_gradients(made, loaded, loaded_config, tmp_path / "grads", f"DoRA {family} gradients")
+
+
+def compare_gradients(made, loaded, config, folder, what):
+    """zoo's gradients of `loaded` against peft's autograd on `made` (the same adapter), every tensor."""
     theirs = peft_gradients(made)
-    save_adapter(zoo_gradients(loaded, loaded_config), loaded_config, tmp_path / "grads")
-    ours = safetensors.numpy.load_file(tmp_path / "grads/adapter_model.safetensors")
+    save_adapter(zoo_gradients(loaded, config), config, folder)
+    ours = safetensors.numpy.load_file(folder / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs)
     for k in theirs:
-        relative(ours[k], theirs[k], f"DoRA {family} gradients")
+        relative(ours[k], theirs[k], what)
+
+
+def compare_opened(ours, adapter, hf_class, folder, auto, what, **options):
+    """`ours` against the adapter folder opened by `PeftModel` (on the HF model in `folder`)
+    and by `AutoPeftModel*` (`auto`), each as accurate as peft's own and within `relative`."""
+    for name, m in (
+        ("PeftModel", peft.PeftModel.from_pretrained(hf_class.from_pretrained(folder), adapter)),
+        (auto, getattr(peft, auto).from_pretrained(adapter)),
+    ):
+        reference = hf_outputs(m)
+        assert_close(ours, reference, f"{what}, zoo → {name}")
+        relative(ours, reference.f32, what, **options)
+    return m
 
 
 class _no_warning:

@@ -28,13 +28,19 @@ CASES = [
     if not (model == "mlp" and "fsdp" in preset)
 ] + [(model, preset, _DP_MESH, "shard_map") for model in ("mlp", "transformer") for preset in ("dp", "zero1")]
 # Adapter kinds beyond plain LoRA (docs/lora.md): DoRA's magnitude vectors ride in the one
-# gradient all-reduce with the branches.
+# gradient all-reduce with the branches; so do an embedding's branch and a tied head's.
 CASES += [
-    ("transformer+dora", preset, _TP_MESH if "tp" in preset else _DP_MESH, "explicit")
+    (model, preset, _TP_MESH if "tp" in preset else _DP_MESH, "explicit")
+    for model in ("transformer+dora", "transformer+embedlora")
     for preset in ("dp", "fsdp", "fsdp+tp")
 ]
 # `--lora` fields of each adapter kind, over the inspect defaults.
-_KINDS = {"+lora": {}, "+dora": {"use_dora": True}}
+_KINDS = {
+    "+lora": {},
+    "+dora": {"use_dora": True},
+    # The inspect transformer's head is its token embedding: adapted with it, one weight.
+    "+embedlora": {"target_modules": ("token_embedding", "lm_head", "q_proj", "v_proj"), "ensure_weight_tying": True},
+}
 
 
 def case_name(model: str, preset: str, mesh: dict, mode: str) -> str:

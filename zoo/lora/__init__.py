@@ -14,6 +14,7 @@ __getattr__, __dir__ = lazy_names(
         "._apply": ("OUTPUT_LAYERS", "add_lora", "merge", "modules", "target_names", "trainable", "unload", "unmerge"),
         "._cast": ("cast_frozen",),
         "._config": ("LoraConfig",),
+        "._embedding": ("LoraEmbedding",),
         "._io": ("load_adapter", "save_adapter", "tensors_sha256"),
         "._layer": ("LoraLinear",),
         "._names": ("hf_module_name",),
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     )
     from ._cast import cast_frozen
     from ._config import LoraConfig
+    from ._embedding import LoraEmbedding
     from ._io import load_adapter, save_adapter, tensors_sha256
     from ._layer import LoraLinear
     from ._names import hf_module_name
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OUTPUT_LAYERS",
     "LoraConfig",
+    "LoraEmbedding",
     "LoraLinear",
     "add_lora",
     "cast_frozen",

@@ -15,16 +15,21 @@ from jaxtyping import PRNGKeyArray
 
 from .._mismatch import shorten
 from .._tree import dotted_name, node_at
-from ..nn import Linear, QuantizedLinear, Stacked
+from ..nn import Embedding, Linear, QuantizedLinear, Stacked
 from ._config import MUTATING, LoraConfig
+from ._embedding import LoraEmbedding
 from ._layer import LoraLinear, mutated_init
 from ._names import layer_names, saves, select
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
 
-# The layers a branch can wrap: a float `Linear` or its int8 form.
+# The layers a branch can wrap: a float `Linear` or its int8 form; an `Embedding` when named.
 LINEARS = (Linear, QuantizedLinear)
+# The layers carrying a branch.
+ADAPTED = (LoraLinear, LoraEmbedding)
+# The name of a tied output head (the token embedding itself), as peft names it.
+TIED_HEAD = "lm_head"
 
 
 def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
@@ -39,7 +44,7 @@ def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) ->
         if isinstance(node, kind):
             found[dotted_name(path)] = (path, stacked)
             return
-        if isinstance(node, LoraLinear):
+        if isinstance(node, ADAPTED):
             return  # an adapted layer's `base` is not a target of its own
         if isinstance(node, Stacked):
             stacked += 1
@@ -65,12 +70,14 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
     if config.target_modules == "all-linear":
         chosen = [n for n in linears if n.split(".")[-1] not in OUTPUT_LAYERS]
     else:
-        chosen = select(model, list(linears), config.target_modules, "LoRA target_modules")
+        # Embeddings are targets too when named (peft's `lora_embedding_A/B`), never by "all-linear".
+        candidates = list(linears) + list(modules(model, Embedding))
+        chosen = select(model, candidates, config.target_modules, "LoRA target_modules")
     if config.exclude_modules is not None:
         excluded = set(select(model, chosen, config.exclude_modules, "LoRA exclude_modules"))
         chosen = [n for n in chosen if n not in excluded]
     if not chosen:
-        adapted = sorted(modules(model, LoraLinear))
+        adapted = sorted(modules(model, ADAPTED))
         already = f" These already carry LoRA branches: {adapted}." if adapted else ""
         raise ValueError(
             f"LoRA target_modules={config.target_modules!r} (exclude_modules={config.exclude_modules!r}) "
@@ -79,6 +86,29 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
             "such as 'query' or 'c_attn'), by a regex over the whole name, or use 'all-linear'."
         )
     return chosen
+
+
+def tied_head(model: Any, config: LoraConfig) -> bool:
+    """Whether `config` adapts `model`'s tied output head with its token embedding: the
+    model's head is its token embedding (`lm_head` is `None`) and `target_modules` lists
+    `"lm_head"` (peft's name), with `ensure_weight_tying` (else peft would give the head an
+    adapter of its own, which a tied head cannot hold: refused)."""
+    if getattr(model, TIED_HEAD, "absent") is not None or not hasattr(model, "token_embedding"):
+        return False
+    if isinstance(config.target_modules, str) or TIED_HEAD not in config.target_modules:
+        return False
+    if not config.ensure_weight_tying:
+        raise ValueError(
+            f"target_modules names {TIED_HEAD!r}, but this {type(model).__name__}'s head is its token embedding: "
+            "set ensure_weight_tying=True (peft's option) so the head's branch is the embedding's and the two stay "
+            "one weight (without it peft gives the tied head an adapter of its own)"
+        )
+    if "token_embedding" not in target_names(model, config):
+        raise ValueError(
+            f"ensure_weight_tying: the tied {TIED_HEAD!r} is the token embedding; target it too (its Hugging Face "
+            "name, e.g. 'embed_tokens' or 'wte', or 'token_embedding')"
+        )
+    return True
 
 
 def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
@@ -91,10 +121,15 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
     found = modules(model, LINEARS)
     names = target_names(model, config)
     _check_modules_to_save(model, config)
+    found |= modules(model, Embedding)
+    tie = tied_head(model, config)
     new = []
     for i, name in enumerate(names):
         path, stacked = found[name]
         base = node_at(model, path)
+        if isinstance(base, Embedding):
+            new.append(_embedding_branch(base, name, config, tie and name == "token_embedding", jr.fold_in(key, i)))
+            continue
 
         def wrap(base, k):
             return LoraLinear(
@@ -118,6 +153,30 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
         new.append(_place_branch(layer, stacked))
     paths = [found[n][0] for n in names]
     return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
+
+
+def _embedding_branch(base: Embedding, name: str, config: LoraConfig, tie: bool, key: PRNGKeyArray) -> LoraEmbedding:
+    """The branch on an embedding, or a clear refusal of what peft's `lora.Embedding` lacks here."""
+    if config.use_dora:
+        raise ValueError(
+            f"use_dora: zoo's DoRA wraps Linear layers only, and {name!r} is an Embedding; leave it out of "
+            "target_modules or set use_dora=False"
+        )
+    if config.init_lora_weights in MUTATING:
+        raise ValueError(
+            f"init_lora_weights={config.init_lora_weights!r} decomposes Linear weights; {name!r} is an Embedding: "
+            "leave it out of target_modules or use init_lora_weights=True"
+        )
+    layer = LoraEmbedding(base, config.r, scaling=config.scaling, init=config.init_lora_weights, tie_head=tie, key=key)
+    weight = base.weight
+    if isinstance(weight, jax.core.Tracer) or not isinstance(weight.sharding, NamedSharding):
+        return layer
+    spec = tuple(weight.sharding.spec) + (None,) * (2 - len(weight.sharding.spec))
+    placed = (
+        jax.device_put(layer.lora_embedding_A, NamedSharding(weight.sharding.mesh, P(spec[0], None))),
+        jax.device_put(layer.lora_embedding_B, NamedSharding(weight.sharding.mesh, P(None, spec[1]))),
+    )
+    return eqx.tree_at(lambda l: (l.lora_embedding_A, l.lora_embedding_B), layer, placed)
 
 
 def _mutate(layer: LoraLinear, name: str, config: LoraConfig) -> LoraLinear:
@@ -236,7 +295,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
             return False
         name = dotted_name(path)
         last = name.split(".")[-1]
-        if last in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        if last in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B"):
             return True
         prefix = name
         while "." in prefix:
@@ -249,7 +308,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
 
 
 def _replace_lora(model: Any, fn) -> Any:
-    found = modules(model, LoraLinear)
+    found = modules(model, ADAPTED)
     if not found:
         return model
     paths = [p for p, _ in found.values()]
@@ -290,6 +349,12 @@ def _fold(layer: LoraLinear, sign: float) -> tuple[Linear, Any]:
     return eqx.tree_at(lambda lin: lin.weight, base, folded.astype(weight.dtype)), norm
 
 
+def _fold_table(layer: LoraEmbedding, sign: float) -> Embedding:
+    weight = layer.base.weight
+    folded = (weight.astype(jnp.float32) + sign * layer.delta()).astype(weight.dtype)
+    return eqx.tree_at(lambda e: e.weight, layer.base, folded)
+
+
 def merge(model: Any, *, unload: bool = True) -> Any:
     """Fold every branch into its base weight (`W + scaling · A B`, computed in float32, cast
     back to W's dtype; DoRA: `m / ‖W + scaling · A B‖ · (W + scaling · A B)`, per output).
@@ -301,9 +366,13 @@ def merge(model: Any, *, unload: bool = True) -> Any:
     update to rounding).
     """
 
-    def one(layer: LoraLinear):
+    def one(layer: LoraLinear | LoraEmbedding):
         if layer.merged:
             return layer.base if unload else layer
+        if isinstance(layer, LoraEmbedding):
+            # One table: a tied head (the same weight) gets the update too, as in peft's merge.
+            base = _fold_table(layer, +1.0)
+            return base if unload else _with(layer, base=base, merged=True)
         if not unload and isinstance(layer.base, QuantizedLinear):
             raise ValueError(
                 "merge(model, unload=False) cannot fold a LoRA branch into an int8 base (the merged weight is no "
@@ -322,9 +391,11 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 def unmerge(model: Any) -> Any:
     """Undo `merge(model, unload=False)`: subtract each branch from its base weight again."""
 
-    def one(layer: LoraLinear):
+    def one(layer: LoraLinear | LoraEmbedding):
         if not layer.merged:
             return layer
+        if isinstance(layer, LoraEmbedding):
+            return _with(layer, base=_fold_table(layer, -1.0), merged=False)
         return _with(layer, base=_fold(layer, -1.0)[0], merged=False, dora_norm=None)
 
     return _replace_lora(model, one)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._tree import node_at
 from ..nn import QuantizedLinear, dequantize
-from ._apply import modules, trainable
+from ._apply import ADAPTED, modules, trainable
 from ._config import LoraConfig
 from ._layer import LoraLinear
 
@@ -55,12 +55,12 @@ def cast_frozen(model: Any, dtype: Any = jnp.bfloat16, *, config: LoraConfig | N
             f"cast_frozen stores the frozen base in a floating-point dtype or int8, got {dtype}; "
             "use jnp.bfloat16, jnp.float16 or jnp.int8 (int8 is the only integer storage zoo quantises to)"
         )
-    found = modules(model, LoraLinear)
-    if not found:
+    if not modules(model, ADAPTED):
         raise ValueError(
             "cast_frozen found no LoRA branches in the model: add them first with "
             "zoo.lora.add_lora(model, config, key=...), or the whole model would be frozen"
         )
+    found = modules(model, LoraLinear)
     if quantize and any(node_at(model, p).merged for p, _ in found.values()):
         raise ValueError(
             "cast_frozen(model, jnp.int8) cannot quantise a base that holds a merged LoRA branch: "

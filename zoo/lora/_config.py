@@ -48,6 +48,11 @@ class LoraConfig:
     - `use_dora`: DoRA (weight-decomposed LoRA): each adapted `Linear` also trains a
       magnitude vector `m` `[out]` and computes `m / ‖W + scaling·A B‖ · x (W + scaling·A B)`,
       the norm over each output's column held constant in the backward pass, as peft.
+    - `ensure_weight_tying`: with `target_modules` naming the token embedding and
+      `"lm_head"` on a model whose head is that embedding (tied), the head's branch is the
+      embedding's: the two stay one weight (peft's option; without it peft would give the
+      tied head an adapter of its own, which zoo refuses). Naming only the embedding adapts
+      the input rows and leaves the tied head's scores on the base table, as peft does.
     - `bias`: only `"none"` (biases stay frozen), as peft's default.
     """
 
@@ -61,6 +66,7 @@ class LoraConfig:
     modules_to_save: tuple[str, ...] | list[str] | None = None
     bias: Literal["none"] = "none"
     use_dora: bool = False
+    ensure_weight_tying: bool = False
 
     def __post_init__(self):
         # Lists (as peft takes them, or from JSON) become tuples: the config stays hashable.
@@ -124,6 +130,7 @@ class LoraConfig:
             "modules_to_save": None if self.modules_to_save is None else list(self.modules_to_save),
             "bias": self.bias,
             "use_dora": self.use_dora,
+            "ensure_weight_tying": self.ensure_weight_tying,
             "fan_in_fan_out": False,
             "inference_mode": True,
         }

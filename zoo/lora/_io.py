@@ -72,9 +72,11 @@ from .._files import atomic_write, fsync_dir, to_host
 from .._mismatch import mismatch_lines, shorten, summary
 from .._tree import dotted_name, key_path, node_at
 from ..hf._layout import Block, Source
-from ..nn import Linear
+from ..nn import Embedding, Linear
 from ._apply import (
+    ADAPTED,
     LINEARS,
+    TIED_HEAD,
     _all_module_names,
     _check_modules_to_save,
     _replace_lora,
@@ -86,6 +88,7 @@ from ._apply import (
     target_names,
 )
 from ._config import INITS, MUTATING, LoraConfig
+from ._embedding import LoraEmbedding
 from ._layer import LoraLinear
 from ._names import (
     adapter_names,
@@ -121,10 +124,41 @@ class _Entry:
     path: tuple
     source: Source
     block: Block | None = None
+    tied: bool = False  # a tied head's branch: the embedding's leaf again, under the head's keys
+
+
+def _embedding_entries(model: Any, names: Any, name: str, path: tuple, layer: LoraEmbedding) -> list[_Entry]:
+    """peft's `lora_embedding_A` `[r, vocab]` / `lora_embedding_B` `[dim, r]` of an adapted
+    embedding (a padded vocabulary's rows dropped), and, for a tied head, the head's
+    `lm_head.lora_A.weight` (= B) / `lora_B.weight` (= A), as peft's `ensure_weight_tying` ties them."""
+    hf = hf_module_name(model, name)
+    vocab = getattr(getattr(names, "config", None) or getattr(model, "config", None), "vocab_size", None)
+    rows = layer.num_embeddings
+    if name.split(".")[-1] in ("token_embedding", "word_embeddings") and vocab is not None and vocab < rows:
+        rows = vocab
+    a_core, b_core = tuple(layer.lora_embedding_A.shape), tuple(layer.lora_embedding_B.shape)
+    valid_a = (rows, layer.r) if rows != layer.num_embeddings else None
+    a_path, b_path = path + (GetAttrKey("lora_embedding_A"),), path + (GetAttrKey("lora_embedding_B"),)
+    entries = [
+        _Entry(
+            a_path, Source.of((f"{PREFIX}{hf}.lora_embedding_A",), a_core, stacked=0, transpose=True, valid=valid_a)
+        ),
+        _Entry(b_path, Source.of((f"{PREFIX}{hf}.lora_embedding_B",), b_core, stacked=0, transpose=True)),
+    ]
+    if layer.tie_head:
+        head = f"{PREFIX}{(names.module(TIED_HEAD) if names is not None else None) or TIED_HEAD}"
+        entries += [
+            _Entry(b_path, Source.of((f"{head}.lora_A.weight",), b_core, stacked=0, transpose=False), tied=True),
+            _Entry(a_path, Source.of((f"{head}.lora_B.weight",), a_core, stacked=0, transpose=False, valid=valid_a),
+                   tied=True),
+        ]  # fmt: skip
+    return entries
 
 
 def _lora_entries(model: Any, names: Any) -> list[_Entry]:
     entries = []
+    for name, (path, _) in modules(model, LoraEmbedding).items():
+        entries += _embedding_entries(model, names, name, path, node_at(model, path))
     for name, (path, stacked) in modules(model, LoraLinear).items():
         layer = node_at(model, path)
         block = None if names is None else names.block(name)
@@ -148,7 +182,7 @@ def _save_entries(model: Any, config: LoraConfig, names: Any) -> list[_Entry]:
             continue  # in a file of its own (`_apart_tensors`)
         path = key_path(model, name)
         module = node_at(model, path)
-        if modules(module, LoraLinear):
+        if modules(module, ADAPTED):
             raise ValueError(
                 f"modules_to_save module {name!r} contains LoRA branches; peft does not allow a "
                 "module to be both adapted and saved in full: take it out of target_modules or modules_to_save"
@@ -359,7 +393,7 @@ def save_adapter(
 
     **Returns:** the paths of the files written (none on processes other than 0).
     """
-    found = modules(model, LoraLinear)
+    found = modules(model, ADAPTED)
     if not found:
         raise ValueError(f"this {type(model).__name__} has no LoRA branches: add them with zoo.lora.add_lora first")
     base = _replace_lora(model, lambda layer: layer.base)
@@ -397,7 +431,7 @@ def save_adapter(
         base_model_name_or_path=base_model_name_or_path or _source_folder(base),
         # peft's one flag for Conv1D targets ([in, out] weights); it corrects it per module.
         fan_in_fan_out=names is not None
-        and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in found.items()),
+        and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in modules(model, LoraLinear).items()),
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
     )
@@ -598,8 +632,12 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
         patterns = tuple(targets) if isinstance(targets, list) else targets
         exclude = values.get("exclude_modules")
         exclude = tuple(exclude) if isinstance(exclude, list) else exclude
-        candidates = list(modules(model, (*LINEARS, LoraLinear)))
+        candidates = list(modules(model, (*LINEARS, Embedding, *ADAPTED)))
         picked = select(model, candidates, patterns, "the adapter's target_modules")
+        if getattr(model, TIED_HEAD, "absent") is None and any(
+            t == TIED_HEAD or t.endswith("." + TIED_HEAD) for t in (targets if isinstance(targets, list) else [])
+        ):
+            picked.append(TIED_HEAD)  # the tied head: the token embedding (`tied_head` checks the tying)
         if exclude is not None:
             dropped = set(select(model, picked, exclude, "the adapter's exclude_modules"))
             picked = [n for n in picked if n not in dropped]
@@ -712,12 +750,8 @@ def _config_diff(model: Any, meta: Any) -> str:
 
 
 def _why_not(values: dict[str, Any], unexpected: list[str], misshaped: list[str]) -> str:
-    """The likely cause of a mismatch that adapter_config.json shows: branches on
-    embeddings (zoo adapts linear layers only) or other ranks by `rank_pattern`."""
+    """The likely cause of a mismatch that adapter_config.json shows: other ranks by `rank_pattern`."""
     hints = []
-    if any(".lora_embedding_" in k for k in unexpected):
-        hints.append("it adapts an embedding (lora_embedding_A/B), but zoo's LoRA adapts linear layers only: "
-                     "train it without the embedding in target_modules")  # fmt: skip
     pattern = {m: r for m, r in (values.get("rank_pattern") or {}).items() if r != values.get("r")}
     if pattern and misshaped:
         hints.append(f"rank_pattern gives {shorten(sorted(f'{m}: {r}' for m, r in pattern.items()), 3)} another "
@@ -800,12 +834,24 @@ def load_adapter(
     _check_meta(model, meta, values, names, directory)
     tensors, apart = _read_apart(tensors, values, meta, names, directory)
     tensors = _skip_absent(tensors, names, directory)
+    # peft saves the base embedding (and head) beside an embedding's branch (its
+    # `save_embedding_layers`, for a resized vocabulary); zoo keeps the model's own.
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(".base_layer.weight")}
     config = _lora_config(base, values, meta)
+    head_key = f"{PREFIX}{(names.module(TIED_HEAD) if names is not None else None) or TIED_HEAD}.lora_A.weight"
+    if (
+        getattr(base, TIED_HEAD, "absent") is None
+        and head_key in tensors
+        and not isinstance(config.target_modules, str)
+        and TIED_HEAD not in config.target_modules
+    ):
+        # peft saves a tied head's branch (ensure_weight_tying) but leaves it out of target_modules.
+        config = dataclasses.replace(config, target_modules=(*config.target_modules, TIED_HEAD))
     if apart and meta is None and not set(names.apart) <= set(saved_modules(base, config)):
         # A head file without zoo's record of it (peft re-saved the adapter): the head trained whole.
         config = dataclasses.replace(config, modules_to_save=(*(config.modules_to_save or ()), *names.apart))
 
-    added = not modules(model, LoraLinear)
+    added = not modules(model, ADAPTED)
     if config.init_lora_weights in MUTATING and not added:
         raise ValueError(
             f"this adapter applies to the residual base init_lora_weights={config.init_lora_weights!r} leaves; load "
@@ -816,14 +862,16 @@ def load_adapter(
     else:
         _check_modules_to_save(model, config)
 
-        def adopt(layer: LoraLinear) -> LoraLinear:
+        def adopt(layer: Any) -> Any:
             if layer.merged:
                 raise ValueError("this model's LoRA branches are merged into its weights: unmerge (or unload) it first")
-            if layer.use_dora != config.use_dora:
+            if getattr(layer, "use_dora", False) != config.use_dora:
                 raise ValueError(
                     f"the adapter has use_dora={config.use_dora} but this model's LoRA branches have "
                     f"use_dora={layer.use_dora}: load it into the base model (zoo.lora.unload(model)) instead"
                 )
+            if isinstance(layer, LoraEmbedding):
+                return _with(layer, scaling=config.scaling)
             return _with(layer, scaling=config.scaling, dropout_rate=config.lora_dropout)
 
         model = _replace_lora(model, adopt)
@@ -838,6 +886,16 @@ def load_adapter(
     _check_shapes(entries, tensors, model, meta, directory, values)
     _check_scaling(tensors, values, config, directory)
     new = _loaded_values(model, entries, tensors, config, directory)
+    own = {entry.path: value for entry, value in zip(entries, new, strict=True) if not entry.tied}
+    for entry, value in zip(entries, new, strict=True):
+        if entry.tied and not np.array_equal(np.asarray(value), np.asarray(own[entry.path])):
+            raise ValueError(
+                f"{directory}: {entry.source.names[0].removeprefix(PREFIX)} is not the token embedding's branch "
+                "transposed, so this tied head was not trained tied (peft's ensure_weight_tying); zoo keeps a tied "
+                "head one weight with its embedding: train it with ensure_weight_tying=True"
+            )
+    new = [value for entry, value in zip(entries, new, strict=True) if not entry.tied]
+    entries = [entry for entry in entries if not entry.tied]
     paths = [entry.path for entry in entries]
     if apart:  # the head's leaves (torch's orientation), like the leaves they replace
         head = key_path(model, names.apart[0])

@@ -148,7 +148,7 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
 
 def lora_json(model: Any, config: Any) -> dict[str, Any]:
     """The config (peft's field names), its scaling, and the modules that got a branch."""
-    from ..lora import LoraLinear
+    from ..lora import LoraEmbedding, LoraLinear
     from ..lora import modules as lora_modules
 
     def plain(value):
@@ -157,5 +157,5 @@ def lora_json(model: Any, config: Any) -> dict[str, Any]:
     fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
     return fields | {
         "scaling": config.scaling,
-        "adapted_modules": sorted(lora_modules(model, LoraLinear)),
+        "adapted_modules": sorted(lora_modules(model, (LoraLinear, LoraEmbedding))),
     }
