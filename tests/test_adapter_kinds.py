@@ -16,7 +16,7 @@ import torch
 import transformers
 from helpers import Reference, assert_as_accurate, largest
 from test_dora import compare_opened, hf_run, outputs, relative, report  # noqa: F401  (report: the measured table)
-from test_peft import assert_close, hf_folder, hf_outputs, is_adapter, perturb
+from test_peft import TOKENS, assert_close, hf_folder, hf_outputs, is_adapter, perturb
 
 import zoo
 from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
@@ -320,3 +320,67 @@ def test_embedding_lora_errors(root):
     config = LoraConfig(r=2, target_modules=["wte"])
     train = zoo.lora.trainable(add_lora(base, config, key=jax.random.key(0)), config)
     assert train.token_embedding.lora_embedding_A is True and train.token_embedding.base.weight is False
+
+
+# --------------------------------------------------------------------------- trainable tokens
+
+TOKEN_IDS = [3, 9, 20]  # rows TOKENS uses
+
+
+@pytest.mark.parametrize("family,targets", [("llama", ["q_proj"]), ("gpt2", ["c_fc"])])  # GPT-2: the tied head too
+def test_trainable_tokens(family, targets, root, tmp_path):
+    from test_dora import compare_gradients, exported
+
+    assert set(TOKEN_IDS) <= set(TOKENS.ravel().tolist())
+    cls, auto = FAMILIES[family][:2]
+    hf_class = getattr(transformers, cls)
+    folder = hf_folder(family, root)
+    base = zoo.hf.from_pretrained(folder)
+    config = LoraConfig(r=2, target_modules=targets, init_lora_weights=False, trainable_token_indices=TOKEN_IDS)
+    model = trained(add_lora(base, config, key=jax.random.key(1)))
+    layer = model.token_embedding
+    assert isinstance(layer, zoo.lora.TrainableTokens) and layer.tie_head == (family == "gpt2")
+    np.testing.assert_array_equal(layer.trainable_tokens_original, np.asarray(base.token_embedding.weight)[TOKEN_IDS])
+    assert zoo.lora.trainable(model, config).token_embedding.base.weight is False
+    save_adapter(model, config, tmp_path / "z")
+    tensors = safetensors.numpy.load_file(tmp_path / "z/adapter_model.safetensors")
+    hf_name = zoo.lora.hf_module_name(base, "token_embedding")
+    key = f"base_model.model.{hf_name}.token_adapter.trainable_tokens_delta"
+    assert tensors[key].shape == (3, 16) and not any("lm_head" in k for k in tensors)  # only the listed rows
+    ours = outputs(model)
+    m = compare_opened(ours, tmp_path / "z", hf_class, folder, auto, f"trainable tokens {family} outputs zoo → peft")
+    merged = zoo.lora.merge(model)
+    theirs = {k: v.detach().numpy() for k, v in m.merge_and_unload().state_dict().items()}
+    for k, value in exported(merged, tmp_path / "merged").items():
+        relative(value, theirs[k], f"trainable tokens {family} merged weights")
+    relative(outputs(merged), ours, f"trainable tokens {family} merged model outputs vs unmerged")
+    # peft → zoo, and gradients against peft's autograd (the tied head's use included).
+    torch.manual_seed(3)
+    made = peft.get_peft_model(
+        hf_class.from_pretrained(folder),
+        peft.LoraConfig(r=2, lora_alpha=8, target_modules=targets, trainable_token_indices=TOKEN_IDS,
+                        task_type="CAUSAL_LM"),
+    )  # fmt: skip
+    perturb(made, 3, lambda n: is_adapter(n) or "trainable_tokens_delta" in n)
+    made.save_pretrained(tmp_path / "p")
+    loaded, loaded_config = load_adapter(base, tmp_path / "p")
+    assert loaded_config.trainable_token_indices == tuple(TOKEN_IDS)
+    made.eval()
+    with torch.no_grad():
+        reference = hf_run(made).numpy()
+    relative(outputs(loaded), reference, f"trainable tokens {family} outputs peft → zoo")
+    compare_gradients(made, loaded, loaded_config, tmp_path / "grads", f"trainable tokens {family} gradients")
+
+
+def test_trainable_tokens_errors(root):
+    base = zoo.hf.from_pretrained(hf_folder("llama", root))
+    with pytest.raises(
+        ValueError, match=r"trainable_token_indices \[32, 40\] are out of range for the vocabulary of 32"
+    ):
+        add_lora(
+            base, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[1, 32, 40]), key=jax.random.key(0)
+        )
+    with pytest.raises((ValueError, TypeError), match="trainable_token_indices"):
+        LoraConfig(trainable_token_indices=[1, 1])
+    with pytest.raises(ValueError, match="trainable_token_indices and a LoRA branch on 'token_embedding' at once"):
+        add_lora(base, LoraConfig(target_modules=["embed_tokens"], trainable_token_indices=[1]), key=jax.random.key(0))

@@ -96,7 +96,9 @@ def peft_gradients(model):
     (out * torch.tensor(LOSS_WEIGHTS[..., : out.shape[-1]])).sum().backward()
     grads = {}
     for name, p in model.named_parameters():
-        if "lora_" in name and p.grad is not None:  # none for BERT's pooler: last_hidden_state skips it
+        if (
+            "lora_" in name or "trainable_tokens_delta" in name
+        ) and p.grad is not None:  # none for BERT's pooler: last_hidden_state skips it
             key = name.replace(".default", "")
             grads[key.removesuffix(".weight") if "magnitude" in key else key] = p.grad.numpy()
     return grads

@@ -18,6 +18,7 @@ __getattr__, __dir__ = lazy_names(
         "._io": ("load_adapter", "save_adapter", "tensors_sha256"),
         "._layer": ("LoraLinear",),
         "._names": ("hf_module_name",),
+        "._tokens": ("TrainableTokens",),
     },
 )
 
@@ -38,12 +39,14 @@ if TYPE_CHECKING:
     from ._io import load_adapter, save_adapter, tensors_sha256
     from ._layer import LoraLinear
     from ._names import hf_module_name
+    from ._tokens import TrainableTokens
 
 __all__ = [
     "OUTPUT_LAYERS",
     "LoraConfig",
     "LoraEmbedding",
     "LoraLinear",
+    "TrainableTokens",
     "add_lora",
     "cast_frozen",
     "hf_module_name",

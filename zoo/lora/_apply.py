@@ -20,6 +20,7 @@ from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
 from ._layer import LoraLinear, mutated_init
 from ._names import layer_names, saves, select
+from ._tokens import TrainableTokens
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
@@ -27,7 +28,7 @@ OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
 # The layers a branch can wrap: a float `Linear` or its int8 form; an `Embedding` when named.
 LINEARS = (Linear, QuantizedLinear)
 # The layers carrying a branch.
-ADAPTED = (LoraLinear, LoraEmbedding)
+ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens)
 # The name of a tied output head (the token embedding itself), as peft names it.
 TIED_HEAD = "lm_head"
 
@@ -152,7 +153,45 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
             layer = _mutate(layer, name, config)
         new.append(_place_branch(layer, stacked))
     paths = [found[n][0] for n in names]
-    return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
+    model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
+    return _add_tokens(model, config) if config.trainable_token_indices else model
+
+
+def token_embedding_name(model: Any) -> str:
+    """The zoo name of `model`'s token embedding (a `Transformer`'s `token_embedding`, an
+    `Encoder`'s `embeddings.word_embeddings`), or an error saying there is none."""
+    names = [
+        n for n in modules(model, (Embedding, *ADAPTED)) if n.split(".")[-1] in ("token_embedding", "word_embeddings")
+    ]
+    if len(names) != 1:
+        raise ValueError(
+            f"trainable_token_indices trains rows of the token embedding, but this {type(model).__name__} has "
+            f"{'none' if not names else names}"
+        )
+    return names[0]
+
+
+def _add_tokens(model: Any, config: LoraConfig) -> Any:
+    """The token embedding's listed rows made trainable (peft's TrainableTokens)."""
+    name = token_embedding_name(model)
+    path = modules(model, (Embedding, *ADAPTED))[name][0]
+    base = node_at(model, path)
+    if not isinstance(base, Embedding):
+        raise ValueError(
+            f"trainable_token_indices and a LoRA branch on {name!r} at once: peft trains one or the other on a "
+            "layer; leave the embedding out of target_modules"
+        )
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or base.num_embeddings
+    wrong = [i for i in config.trainable_token_indices if i >= vocab]
+    if wrong:
+        raise ValueError(
+            f"trainable_token_indices {wrong} are out of range for the vocabulary of {vocab} tokens ({name!r}): "
+            f"token ids run from 0 to {vocab - 1}; add the new tokens to the tokenizer and the model first"
+        )
+    tie = getattr(model, TIED_HEAD, "absent") is None and name == "token_embedding"
+    return eqx.tree_at(
+        lambda m: node_at(m, path), model, TrainableTokens(base, config.trainable_token_indices, tie_head=tie)
+    )
 
 
 def _embedding_branch(base: Embedding, name: str, config: LoraConfig, tie: bool, key: PRNGKeyArray) -> LoraEmbedding:
@@ -295,7 +334,8 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
             return False
         name = dotted_name(path)
         last = name.split(".")[-1]
-        if last in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B"):
+        if last in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B",
+                    "trainable_tokens_delta"):  # fmt: skip
             return True
         prefix = name
         while "." in prefix:
@@ -366,9 +406,12 @@ def merge(model: Any, *, unload: bool = True) -> Any:
     update to rounding).
     """
 
-    def one(layer: LoraLinear | LoraEmbedding):
+    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens):
         if layer.merged:
             return layer.base if unload else layer
+        if isinstance(layer, TrainableTokens):
+            base = eqx.tree_at(lambda e: e.weight, layer.base, layer.table(layer.trainable_tokens_delta))
+            return base if unload else _with(layer, base=base, merged=True)
         if isinstance(layer, LoraEmbedding):
             # One table: a tied head (the same weight) gets the update too, as in peft's merge.
             base = _fold_table(layer, +1.0)
@@ -391,9 +434,12 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 def unmerge(model: Any) -> Any:
     """Undo `merge(model, unload=False)`: subtract each branch from its base weight again."""
 
-    def one(layer: LoraLinear | LoraEmbedding):
+    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens):
         if not layer.merged:
             return layer
+        if isinstance(layer, TrainableTokens):
+            base = eqx.tree_at(lambda e: e.weight, layer.base, layer.table(layer.trainable_tokens_original))
+            return _with(layer, base=base, merged=False)
         if isinstance(layer, LoraEmbedding):
             return _with(layer, base=_fold_table(layer, -1.0), merged=False)
         return _with(layer, base=_fold(layer, -1.0)[0], merged=False, dora_norm=None)

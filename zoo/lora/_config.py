@@ -53,6 +53,10 @@ class LoraConfig:
       embedding's: the two stay one weight (peft's option; without it peft would give the
       tied head an adapter of its own, which zoo refuses). Naming only the embedding adapts
       the input rows and leaves the tied head's scores on the base table, as peft does.
+    - `trainable_token_indices`: peft's TrainableTokens: the token ids whose rows of the
+      token embedding train (and are saved), the rest of the table frozen; a tied head
+      scores against the same rows. A list, or peft's `{"embed_tokens": [...]}` naming
+      the token embedding.
     - `bias`: only `"none"` (biases stay frozen), as peft's default.
     """
 
@@ -67,9 +71,26 @@ class LoraConfig:
     bias: Literal["none"] = "none"
     use_dora: bool = False
     ensure_weight_tying: bool = False
+    trainable_token_indices: tuple[int, ...] | list[int] | dict[str, Any] | None = None
 
     def __post_init__(self):
         # Lists (as peft takes them, or from JSON) become tuples: the config stays hashable.
+        tokens = self.trainable_token_indices
+        if isinstance(tokens, dict):
+            if len(tokens) != 1:
+                raise ValueError(
+                    f"LoraConfig.trainable_token_indices: zoo trains rows of the token embedding only; got {tokens!r}: "
+                    "give a list of token ids, or {'embed_tokens': [...]}"
+                )
+            tokens = next(iter(tokens.values()))
+        if tokens is not None:
+            if not isinstance(tokens, list | tuple) or not all(isinstance(i, int) and i >= 0 for i in tokens):
+                raise ValueError(
+                    f"LoraConfig.trainable_token_indices must be token ids (non-negative ints), got {tokens!r}"
+                )
+            if len(set(tokens)) != len(tokens) or not tokens:
+                raise ValueError(f"LoraConfig.trainable_token_indices must be distinct and non-empty, got {tokens!r}")
+            object.__setattr__(self, "trainable_token_indices", tuple(tokens))
         for name in ("target_modules", "exclude_modules", "modules_to_save"):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -131,6 +152,9 @@ class LoraConfig:
             "bias": self.bias,
             "use_dora": self.use_dora,
             "ensure_weight_tying": self.ensure_weight_tying,
+            "trainable_token_indices": None
+            if self.trainable_token_indices is None
+            else list(self.trainable_token_indices),
             "fan_in_fan_out": False,
             "inference_mode": True,
         }

@@ -13,7 +13,24 @@ from ..nn import Embedding, project
 from ..nn._sharding import for_use, sharding_spec
 
 
-class LoraEmbedding(eqx.Module):
+class TableWrapper(eqx.Module):
+    """What a wrapper of an `Embedding` (its `base`) shows of it: the table's `weight`
+    (merged: the adapted one), `num_embeddings`, `dim`."""
+
+    @property
+    def weight(self) -> Float[Array, "vocab dim"]:
+        return self.base.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.base.num_embeddings
+
+    @property
+    def dim(self) -> int:
+        return self.base.dim
+
+
+class LoraEmbedding(TableWrapper):
     """A frozen `base` `Embedding` plus a trainable rank-`r` branch on its rows.
 
     `lora_embedding_A` is `[vocab, r]` and `lora_embedding_B` `[r, dim]` (peft's
@@ -59,19 +76,6 @@ class LoraEmbedding(eqx.Module):
         self.scaling = scaling
         self.tie_head = tie_head
         self.merged = False
-
-    @property
-    def weight(self) -> Float[Array, "vocab dim"]:
-        """The base table (merged: the adapted one)."""
-        return self.base.weight
-
-    @property
-    def num_embeddings(self) -> int:
-        return self.base.num_embeddings
-
-    @property
-    def dim(self) -> int:
-        return self.base.dim
 
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch dim"]:
         """The rows of the adapted table for `ids`."""

@@ -98,6 +98,7 @@ from ._names import (
     saves,
     select,
 )
+from ._tokens import TrainableTokens
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -109,7 +110,7 @@ PREFIX = "base_model.model."
 
 # peft features zoo's LoRA does not have: refused on load rather than silently ignored.
 # (`rank_pattern` / `alpha_pattern` are checked module by module: zoo reads the ones it writes.)
-_UNSUPPORTED = ("layers_to_transform", "layer_replication", "lora_bias", "trainable_token_indices")
+_UNSUPPORTED = ("layers_to_transform", "layer_replication", "lora_bias")
 
 
 # --------------------------------------------------------------------------- entries
@@ -157,6 +158,11 @@ def _embedding_entries(model: Any, names: Any, name: str, path: tuple, layer: Lo
 
 def _lora_entries(model: Any, names: Any) -> list[_Entry]:
     entries = []
+    for name, (path, _) in modules(model, TrainableTokens).items():
+        delta = node_at(model, path).trainable_tokens_delta
+        key = f"{PREFIX}{hf_module_name(model, name)}.token_adapter.trainable_tokens_delta"  # peft's
+        source = Source.of((key,), tuple(delta.shape), stacked=0, transpose=False)
+        entries.append(_Entry(path + (GetAttrKey("trainable_tokens_delta"),), source))
     for name, (path, _) in modules(model, LoraEmbedding).items():
         entries += _embedding_entries(model, names, name, path, node_at(model, path))
     for name, (path, stacked) in modules(model, LoraLinear).items():
@@ -398,6 +404,7 @@ def save_adapter(
         raise ValueError(f"this {type(model).__name__} has no LoRA branches: add them with zoo.lora.add_lora first")
     base = _replace_lora(model, lambda layer: layer.base)
     expected = sorted(target_names(base, config))
+    found = {n: v for n, v in found.items() if not isinstance(node_at(model, v[0]), TrainableTokens)}
     if sorted(found) != expected:
         raise ValueError(
             f"the model's LoRA branches {sorted(found)} are not the ones config targets {expected}: "
@@ -863,6 +870,8 @@ def load_adapter(
         _check_modules_to_save(model, config)
 
         def adopt(layer: Any) -> Any:
+            if isinstance(layer, TrainableTokens):
+                return layer
             if layer.merged:
                 raise ValueError("this model's LoRA branches are merged into its weights: unmerge (or unload) it first")
             if getattr(layer, "use_dora", False) != config.use_dora:
