@@ -384,3 +384,11 @@ def test_trainable_tokens_errors(root):
         LoraConfig(trainable_token_indices=[1, 1])
     with pytest.raises(ValueError, match="trainable_token_indices and a LoRA branch on 'token_embedding' at once"):
         add_lora(base, LoraConfig(target_modules=["embed_tokens"], trainable_token_indices=[1]), key=jax.random.key(0))
+    # The command line's --lora takes the new fields and writes them back.
+    from zoo.train._lora import lora_text, parse_lora
+
+    parsed = parse_lora("targets=wte+lm_head,ensure_weight_tying=true,trainable_token_indices=3+9", {})
+    assert parsed.trainable_token_indices == (3, 9) and parsed.ensure_weight_tying
+    assert parse_lora(lora_text(parsed), {}) == parsed
+    with pytest.raises(Exception, match="token ids joined by"):
+        parse_lora("trainable_token_indices=a+b", {})

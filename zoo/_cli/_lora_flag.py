@@ -14,7 +14,9 @@ LORA_HELP = (
     "by '+'), rslora (true/false: scaling alpha/sqrt(r)), save (modules_to_save, names joined by '+', "
     "trained in full; a classifier's default is head, its new classification head; save=none "
     "freezes it), use_dora (true/false: DoRA, a trained magnitude per output), "
-    "init_lora_weights (true, gaussian, pissa or olora: peft's initialisations)"
+    "init_lora_weights (true, gaussian, pissa or olora: peft's initialisations), ensure_weight_tying "
+    "(true/false: a tied head adapted with its embedding, targets embedding+lm_head), trainable_token_indices "
+    "(token ids joined by '+': only those embedding rows train)"
 )
 
 

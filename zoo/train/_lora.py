@@ -25,6 +25,8 @@ LORA_KEYS = {
     "save": "modules_to_save",
     "use_dora": "use_dora",
     "init_lora_weights": "init_lora_weights",
+    "ensure_weight_tying": "ensure_weight_tying",
+    "trainable_token_indices": "trainable_token_indices",
 }
 LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
 LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
@@ -39,7 +41,12 @@ def _lora_value(key: str, value: str) -> Any:
     if key in ("alpha", "dropout"):
         number = float(value)  # ValueError names the value
         return int(number) if key == "alpha" and number.is_integer() and "." not in value else number
-    if key in ("rslora", "use_dora"):
+    if key == "trainable_token_indices":
+        ids = [i.strip() for i in value.split("+")]
+        if not all(i.isdigit() for i in ids):
+            raise ValueError(f"trainable_token_indices must be token ids joined by '+', e.g. 3+9+20, got {value!r}")
+        return tuple(int(i) for i in ids)
+    if key in ("rslora", "use_dora", "ensure_weight_tying"):
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(f"{key} must be true or false, got {value!r}")
         return value.lower() in ("true", "1", "yes")
@@ -102,6 +109,10 @@ def lora_text(config) -> str:
     parts.append(f"save={names(config.modules_to_save)}")
     if config.use_dora:
         parts.append("use_dora=true")
+    if config.ensure_weight_tying:
+        parts.append("ensure_weight_tying=true")
+    if config.trainable_token_indices:
+        parts.append("trainable_token_indices=" + "+".join(str(i) for i in config.trainable_token_indices))
     if config.init_lora_weights is not True:
         parts.append(f"init_lora_weights={str(config.init_lora_weights).lower()}")
     return ",".join(parts)
