@@ -1,0 +1,174 @@
+"""Preference tuning: DPO (sigmoid / ipo / hinge / robust) and ORPO equal TRL's own loss
+code, the step keeps one gradient all-reduce, multi-device gradients equal single-device
+ones, and the run/CLI/data pieces (bad data: one clear line each)."""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_peft import DECODER
+
+import zoo
+
+VOCAB, SEQ, PAIRS = 32, 12, 4
+LLAMA = {**DECODER, "max_position_embeddings": SEQ}  # a Llama: grouped-query attention, untied head
+
+
+def pair_batch(seed=0, pairs=PAIRS, seq=SEQ, vocab=VOCAB):
+    """A preference batch of `pairs` rows: prompts of 2-4 tokens, completions of 1-6,
+    right-padded with 0 (no real token is 0), lengths differing between the sides."""
+    rng = np.random.default_rng(seed)
+    out = {f"{s}_{k}": np.zeros((pairs, seq), np.int32) for s in ("chosen", "rejected") for k in ("tokens", "mask", "completion")}  # fmt: skip
+    for i in range(pairs):
+        prompt = rng.integers(1, vocab, rng.integers(2, 5))
+        for side in ("chosen", "rejected"):
+            completion = rng.integers(1, vocab, rng.integers(1, seq - len(prompt) + 1))
+            row = np.concatenate([prompt, completion])
+            out[f"{side}_tokens"][i, : len(row)] = row
+            out[f"{side}_mask"][i, : len(row)] = 1
+            out[f"{side}_completion"][i, len(prompt) : len(row)] = 1
+    return out
+
+
+# --------------------------------------------------------------------------- TRL's loss code
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(the peft LoRA Llama with TRL's fused head, the same in zoo): a tiny random Llama
+    saved by transformers, a peft adapter with perturbed (non-zero) branches."""
+    torch = pytest.importorskip("torch")
+    import peft
+    import transformers
+    from trl.trainer.utils import add_fused_lm_head
+
+    root = tmp_path_factory.mktemp("pref")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    hf.save_pretrained(root / "base")
+    add_fused_lm_head(hf, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    peft_model.save_pretrained(root / "adapter")
+    peft_model.eval()
+    base = zoo.hf.from_pretrained(root / "base")
+    lora, _ = zoo.lora.load_adapter(base, root / "adapter")
+    return peft_model, lora
+
+
+class _Accelerator:
+    device = "cpu"
+
+    @staticmethod
+    def gather_for_metrics(x):
+        return x
+
+    gather = gather_for_metrics
+
+    @staticmethod
+    def unwrap_model(m):
+        return m
+
+
+def trl_dpo(peft_model, batch, loss_type, beta, label_smoothing):
+    """TRL 1.16's `DPOTrainer._compute_loss` itself on `batch` (chosen rows then rejected
+    rows, as its collator lays them out), the reference being the peft model with its
+    adapters disabled (TRL's own `use_adapter`): (loss, logged metrics)."""
+    import torch
+    from trl import DPOTrainer
+
+    ids = np.concatenate([batch["chosen_tokens"], batch["rejected_tokens"]])
+    inputs = {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "attention_mask": torch.tensor(np.concatenate([batch["chosen_mask"], batch["rejected_mask"]])),
+        "completion_mask": torch.tensor(np.concatenate([batch["chosen_completion"], batch["rejected_completion"]])),
+    }
+    trainer = types.SimpleNamespace(
+        model=peft_model, ref_model=None, accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=False, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
+        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
+        label_smoothing=label_smoothing, use_weighting=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    with torch.no_grad():
+        loss = DPOTrainer._compute_loss(trainer, peft_model, inputs, False)
+    return float(loss), {k: v[0] for k, v in trainer._metrics["eval"].items()}
+
+
+def trl_orpo(peft_model, batch, beta):
+    """TRL 1.16's `ORPOTrainer.get_batch_loss_metrics` (trl.experimental.orpo) itself:
+    its concatenated forward, `odds_ratio_loss` and logged metrics."""
+    import torch
+    from trl.experimental.orpo import ORPOTrainer
+
+    def labels(side):
+        return np.where(batch[f"{side}_completion"] == 1, batch[f"{side}_tokens"], -100)
+
+    inputs = {
+        f"{side}_{k}": torch.tensor(v, dtype=torch.long)
+        for side in ("chosen", "rejected")
+        for k, v in (("input_ids", batch[f"{side}_tokens"]), ("attention_mask", batch[f"{side}_mask"]),
+                     ("labels", labels(side)))
+    }  # fmt: skip
+    trainer = types.SimpleNamespace(
+        accelerator=_Accelerator(), is_encoder_decoder=False, padding_value=0, aux_loss_enabled=False, beta=beta,
+        label_pad_token_id=-100,
+    )  # fmt: skip
+    for name in ("concatenated_inputs", "concatenated_forward", "get_batch_logps", "odds_ratio_loss"):
+        attr = ORPOTrainer.__dict__[name]
+        setattr(trainer, name, attr.__get__(trainer) if not isinstance(attr, staticmethod) else attr.__func__)
+    with torch.no_grad():
+        loss, metrics = ORPOTrainer.get_batch_loss_metrics(trainer, peft_model, inputs, "train")
+    return float(loss), {k: float(v) for k, v in metrics.items()}
+
+
+def zoo_terms(objective, lora, batch):
+    loss, metrics = jax.jit(lambda m, b: _means(objective.metrics(m, b)))(lora, {k: jnp.asarray(v) for k, v in batch.items()})  # fmt: skip
+    return float(loss), {k: float(v) for k, v in metrics.items()}
+
+
+def _means(terms):
+    return jnp.mean(terms["loss"]), {k: jnp.mean(v) for k, v in terms.items() if k != "loss"}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "loss_type,beta,smoothing",
+    [("sigmoid", 0.1, 0.0), ("sigmoid", 2.0, 0.0), ("ipo", 0.5, 0.0), ("hinge", 3.0, 0.0), ("robust", 1.0, 0.2)],
+)
+def test_dpo_loss_and_metrics_equal_trl(models, loss_type, beta, smoothing):
+    peft_model, lora = models
+    batch = pair_batch()
+    want_loss, want = trl_dpo(peft_model, batch, loss_type, beta, smoothing)
+    objective = zoo.models.PreferenceLoss("dpo", beta=beta, loss_type=loss_type, label_smoothing=smoothing)
+    got_loss, got = zoo_terms(objective, lora, batch)
+    assert abs(got_loss - want_loss) <= 1e-5, (got_loss, want_loss)
+    for name in zoo.models._preference.METRICS:
+        assert abs(got[name] - want[name]) <= 1e-5, (name, got[name], want[name])
+    # Not a trivially equal case: the adapters move the rewards off zero and the loss off its start.
+    assert abs(want["rewards/margins"]) > 1e-3 and 0 < want["rewards/accuracies"] < 1 or loss_type == "hinge"
+
+
+@pytest.mark.numerics
+def test_orpo_loss_and_metrics_equal_trl(models):
+    peft_model, lora = models
+    batch = pair_batch(seed=3)
+    # TRL's NLL is a token mean over the batch's chosen sequences: the batch's mean count per row.
+    batch["nll_norm"] = np.full(PAIRS, batch["chosen_mask"][:, 1:].sum(1).mean(), np.float32)
+    want_loss, want = trl_orpo(peft_model, batch, beta=0.5)
+    got_loss, got = zoo_terms(zoo.models.PreferenceLoss("orpo", beta=0.5), lora, batch)
+    assert abs(got_loss - want_loss) <= 1e-5, (got_loss, want_loss)
+    for name in (*zoo.models._preference.METRICS, *zoo.models._preference.ORPO_METRICS):
+        assert abs(got[name] - want[name]) <= 1e-5, (name, got[name], want[name])
