@@ -32,6 +32,7 @@ _FAST = {
     "encoder/fsdp+tp/data=4,model=2/explicit",
     "transformer/zero1/data=8/explicit",
     "transformer+lora/tp/data=4,model=2/explicit",
+    "transformer+lora+dpo/fsdp-once/data=8/explicit",
     "mlp/dp/data=8/shard_map",
     "mlp/zero1/data=8/shard_map",
 }

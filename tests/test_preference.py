@@ -4,13 +4,16 @@ ones, and the run/CLI/data pieces (bad data: one clear line each)."""
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from helpers import data_mesh, max_abs_diff, tree_allclose
 from test_peft import DECODER
 
 import zoo
@@ -172,3 +175,104 @@ def test_orpo_loss_and_metrics_equal_trl(models):
     assert abs(got_loss - want_loss) <= 1e-5, (got_loss, want_loss)
     for name in (*zoo.models._preference.METRICS, *zoo.models._preference.ORPO_METRICS):
         assert abs(got[name] - want[name]) <= 1e-5, (name, got[name], want[name])
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _lora_decoder():
+    from helpers import tiny_decoder
+
+    config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    model = zoo.lora.add_lora(tiny_decoder(jax.random.key(0)), config, key=jax.random.key(1))
+    return model, zoo.lora.trainable(model, config)
+
+
+@functools.cache
+def _grads(objective, preset, n, microbatches):
+    """(loss, gradients) of a DPO/ORPO step of a LoRA decoder: on one device without a
+    mesh (`preset` None), else on a `data=n` mesh under `preset`."""
+    model, trainable = _lora_decoder()
+    batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=5, pairs=6, seq=8).items()}
+    batch["nll_norm"] = jnp.full(6, batch["chosen_mask"][:, 1:].sum(1).mean(), jnp.float32)
+    loss_fn = zoo.models.PreferenceLoss(objective, beta=0.5)
+    if preset is None:
+        step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=microbatches, trainable=trainable)
+        loss, grads = step.loss_and_grads(model, batch)
+        return float(loss), step.partition(jax.tree.map(np.asarray, grads))[0]
+    mesh = data_mesh(n)
+    with jax.set_mesh(mesh):
+        placed = zoo.shard(model, zoo.rules(preset), mesh)
+        step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=microbatches, trainable=trainable, preset=preset)
+        loss, grads = step.loss_and_grads(placed, batch)
+    return float(loss), step.partition(jax.tree.map(np.asarray, grads))[0]
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "objective,preset,microbatches",
+    [
+        ("dpo", "dp", 1),
+        ("dpo", "dp", 3),
+        ("dpo", "fsdp-once", 1),
+        ("dpo", "fsdp-once", 3),
+        pytest.param("orpo", "dp", 1, marks=_SLOW),
+        pytest.param("orpo", "dp", 3, marks=_SLOW),
+        pytest.param("orpo", "fsdp-once", 1, marks=_SLOW),
+        ("orpo", "fsdp-once", 3),
+    ],
+)
+def test_multi_device_gradients_equal_single_device(objective, preset, microbatches):
+    want_loss, want = _grads(objective, None, 1, 1)
+    loss, grads = _grads(objective, preset, 2, microbatches)
+    assert want_loss > 0.1 and max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want)) > 1e-3
+    assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
+    assert tree_allclose(grads, want, rtol=1e-4, atol=1e-6), max_abs_diff(grads, want)
+
+
+def test_the_reference_is_the_base_and_gets_no_gradient():
+    model, trainable = _lora_decoder()
+    batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=6, pairs=2, seq=8).items()}
+    dpo = zoo.models.PreferenceLoss("dpo")
+    base = zoo.models.disabled_adapters(model)
+    assert not zoo.lora.modules(base, zoo.lora.LoraLinear)
+    # The in-step reference equals log-probabilities precomputed on the base.
+    precomputed = jax.jit(dpo.reference_logps)(base, batch)
+    metrics = jax.jit(dpo.metrics)
+    in_step = metrics(model, batch)
+    with_ref = metrics(model, batch | precomputed)
+    for name in ("rewards/chosen", "rewards/rejected"):
+        np.testing.assert_allclose(in_step[name], with_ref[name], rtol=1e-5, atol=1e-6)
+    # At the start of LoRA training (B = 0) the policy is the reference: rewards 0, loss log 2.
+    fresh = zoo.lora.add_lora(base, zoo.lora.LoraConfig(r=2, lora_alpha=4), key=jax.random.key(2))
+    start = metrics(fresh, batch)
+    np.testing.assert_allclose(start["rewards/margins"], 0, atol=1e-6)
+    np.testing.assert_allclose(start["loss"], np.log(2), rtol=1e-6)
+    with pytest.raises(ValueError, match="needs a reference"):
+        dpo.loss(base, batch)
+
+
+def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
+    """tests/data/step_collectives.json (compared with the compiled steps by
+    tests/test_compiled_steps.py) holds, for each DPO/ORPO step of the LoRA decoder: no
+    all-reduce in a loop, one outside carrying the adapter gradients and the loss alone."""
+    import test_compiled_steps as pinned
+
+    from zoo._cli._lora_flag import inspect_defaults
+    from zoo._cli._tasks import build_inspect_task
+
+    model = build_inspect_task("transformer", 0).model
+    from zoo.train._lora import parse_lora
+
+    lora = parse_lora("", inspect_defaults("transformer"))
+    adapted = zoo.lora.add_lora(model, lora, key=jax.random.key(0))
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(zoo.internal.partition_trainable(adapted, zoo.lora.trainable(adapted, lora))[0]))  # fmt: skip
+    names = [n for n in pinned.EXPECTED if "+dpo/" in n or "+orpo/" in n]
+    assert sorted(names) == sorted(f"transformer+lora+{o}/{p}/data=8/explicit" for o in ("dpo", "orpo") for p in ("dp", "fsdp-once"))  # fmt: skip
+    for name in names:
+        reduces = [c for c in pinned.EXPECTED[name] if c["kind"] in ("all-reduce", "reduce-scatter")]
+        assert [c["in_loop"] for c in reduces] == [False], (name, reduces)
+        assert reduces[0]["bytes"] == adapter_bytes + 4, (name, reduces[0]["bytes"], adapter_bytes)
+        assert not any(c["in_loop"] for c in pinned.EXPECTED[name]), name
