@@ -5,6 +5,7 @@ ones, and the run/CLI/data pieces (bad data: one clear line each)."""
 from __future__ import annotations
 
 import functools
+import json
 import types
 from collections import defaultdict
 
@@ -276,3 +277,152 @@ def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
         assert [c["in_loop"] for c in reduces] == [False], (name, reduces)
         assert reduces[0]["bytes"] == adapter_bytes + 4, (name, reduces[0]["bytes"], adapter_bytes)
         assert not any(c["in_loop"] for c in pinned.EXPECTED[name]), name
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _load(path, seq_len=16, **kwargs):
+    from zoo.train._user_data import byte_tokenizer
+
+    return zoo.data.load(path, byte_tokenizer(), seq_len=seq_len, **kwargs)[0]
+
+
+def test_text_pairs_become_one_row_each_with_completion_masks(tmp_path):
+    train = _load(_write(tmp_path / "p.jsonl", [{"prompt": "Q1", "chosen": "yes", "rejected": "no!!"}]))
+    a = train.arrays
+    assert train.kind == "preference" and len(train) == 1
+    assert bytes(a["chosen_tokens"][0, :5].astype(np.uint8)) == b"Q1yes" and a["chosen_mask"][0].sum() == 5
+    assert bytes(a["rejected_tokens"][0, :6].astype(np.uint8)) == b"Q1no!!"
+    np.testing.assert_array_equal(a["chosen_completion"][0, :6], [0, 0, 1, 1, 1, 0])
+    np.testing.assert_array_equal(a["rejected_completion"][0, :7], [0, 0, 1, 1, 1, 1, 0])
+
+
+@pytest.mark.parametrize("truncation", ["keep_end", "keep_start"])
+def test_too_long_pairs_cut_the_prompt_then_the_completions(tmp_path, truncation):
+    pair = {"prompt": "abcdefghij", "chosen": "0123456789", "rejected": "xy"}
+    a = _load(_write(tmp_path / "p.jsonl", [pair]), seq_len=12, max_prompt_len=4, truncation=truncation).arrays
+    prompt = "ghij" if truncation == "keep_end" else "abcd"
+    assert bytes(a["chosen_tokens"][0].astype(np.uint8)) == (prompt + "01234567").encode()
+    assert bytes(a["rejected_tokens"][0, :6].astype(np.uint8)) == (prompt + "xy").encode()
+    assert a["chosen_completion"][0].sum() == 8 and a["rejected_completion"][0].sum() == 2
+
+
+def test_conversation_pairs_go_through_the_chat_template(tmp_path):
+    template = zoo.data.ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    pair = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello?"}],
+            "rejected": [{"role": "assistant", "content": "go"}]}  # fmt: skip
+    a = _load(_write(tmp_path / "p.jsonl", [pair]), seq_len=64, chat_template=template, system="be kind").arrays
+    chosen = bytes(a["chosen_tokens"][0, : a["chosen_mask"][0].sum()].astype(np.uint8)).decode()
+    assert chosen == "<system>be kind\n<user>hi\n<assistant>hello?\n"
+    completion = bytes(a["chosen_tokens"][0][a["chosen_completion"][0] == 1].astype(np.uint8)).decode()
+    assert completion == "hello?\n"
+
+
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"prompt": "q", "chosen": "a"}, "['rejected'] is missing"),
+        ({"chosen": "a", "rejected": "b"}, "['prompt'] is missing"),
+        ({"prompt": "q", "chosen": " ", "rejected": "b"}, "field 'chosen' is empty"),
+        ({"prompt": "q", "chosen": "a", "rejected": []}, "mixes texts and message lists"),
+        ({"prompt": "q", "chosen": "a", "rejected": 3}, "field 'rejected' is int 3"),
+        ({"prompt": "q" * 20, "chosen": "a", "rejected": "b"}, "leaves no room for the completion at seq_len 16"),
+    ],
+)
+def test_bad_pairs_are_refused_in_one_line_naming_the_line(tmp_path, record, message):
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "ok", "chosen": "a", "rejected": "b"}, record])
+    with pytest.raises(zoo.data.DataFormatError) as e:
+        _load(path, truncation="error")
+    assert message in str(e.value) and "bad.jsonl line 2" in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- the run and the CLI
+
+PAIRS_TEXT = [
+    {"prompt": f"Q{i}:", "chosen": f" {i % 10} ok?", "rejected": f" {i % 10} ok."} for i in range(40)
+]  # fmt: skip
+SMALL = "d_model=16,num_layers=1,num_heads=2,mlp_dim=32"
+
+
+@pytest.fixture(scope="module")
+def sft_base(tmp_path_factory):
+    """A tiny decoder trained from scratch (zoo train), the base to tune."""
+    from helpers import zoo_ok
+
+    root = tmp_path_factory.mktemp("prefrun")
+    sft = _write(root / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in PAIRS_TEXT])
+    zoo_ok("train", "transformer", "--data", sft, "--seq-len", 16, "--steps", 2, "--batch-size", 8, "--microbatches", 1,
+           "--devices", 2, "--model-config", SMALL, "--output", root / "sft", "--quiet")  # fmt: skip
+    return root, _write(root / "pairs.jsonl", PAIRS_TEXT)
+
+
+def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
+    from helpers import zoo_ok
+
+    root, pairs = sft_base
+    out = zoo_ok("finetune", "transformer", "--init", root / "sft", "--data", pairs, "--seq-len", 16, "--steps", 2,
+                 "--batch-size", 8, "--microbatches", 2, "--devices", 2, "--objective", "dpo", "--beta", 0.5,
+                 "--eval-every", 1, "--output", root / "cli", "--quiet")  # fmt: skip
+    assert "preference acc." in out
+    rows = [json.loads(line) for line in (root / "cli" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    for name in zoo.models._preference.METRICS:
+        assert all(f"eval_{name}" in r for r in evals), name
+    assert evals[0]["eval_rewards/margins"] == 0 and evals[0]["eval_loss"] == pytest.approx(np.log(2), abs=1e-6)
+    summary = json.loads((root / "cli" / "summary.json").read_text())
+    assert summary["eval_before"]["accuracy"] == 0 and summary["eval_after"]["accuracy"] is not None
+    # The flags are RunConfig's fields: the run's config.json is the Python form of the same run.
+    saved = json.loads((root / "cli" / "config.json").read_text())
+    assert saved["objective"] == "dpo" and saved["beta"] == 0.5 and saved["loss_type"] == "sigmoid"
+    python = zoo.train.RunConfig(model="transformer", init=str(root / "sft"), steps=2, batch_size=8, microbatches=2,
+                                 devices=2, mesh={"data": 2}, objective="dpo", beta=0.5, eval_every=1, quiet=True,
+                                 output=str(root / "cli"),
+                                 data=zoo.train.DataConfig(source=str(pairs), seq_len=16))  # fmt: skip
+    assert zoo.train.RunConfig.from_dict(saved) == python.resolved("finetune")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_full_weight_runs_dpo_against_precomputed_log_probs_and_orpo(sft_base, objective, capsys):
+    root, pairs = sft_base
+    config = zoo.train.RunConfig(
+        model="transformer", init=str(root / "sft"), data=zoo.train.DataConfig(source=str(pairs), seq_len=16),
+        steps=3, batch_size=8, microbatches=1, devices=2, objective=objective, output=str(root / f"full-{objective}"),
+    )  # fmt: skip
+    result = zoo.train.run(config)
+    out = capsys.readouterr().out
+    if objective == "dpo":
+        assert "reference: the initial model's log-probabilities, computed once before training" in out
+        assert result.summary["eval_before"]["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    else:
+        assert "; reference:" not in out.split("data:")[1].splitlines()[0]
+        assert "nll_loss" in result.summary["eval_after"]
+    assert result.summary["eval_after"]["loss"] < result.summary["eval_before"]["loss"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--objective", "dpo"], "--objective dpo trains on preference pairs: pass --data FILE.jsonl"),
+        (["--objective", "dpo", "--data", "SFT"], "holds prompt/completion records"),
+        (["--data", "PAIRS"], "holds preference pairs (prompt, chosen, rejected): tune on them with --objective dpo"),
+        (["--objective", "dpo", "--label-smoothing", "0.1", "--data", "PAIRS"], "used by loss_type 'robust' only"),
+        (["--objective", "orpo", "--beta", "0", "--data", "PAIRS"], "beta must be a number > 0"),
+    ],
+)
+def test_cli_refuses_preference_settings_in_one_line(sft_base, args, message):
+    from helpers import one_line_error, zoo_main
+
+    root, pairs = sft_base
+    args = [{"SFT": root / "sft.jsonl", "PAIRS": pairs}.get(a, a) for a in args]
+    rc, _, err = zoo_main("train", "transformer", "--model-config", SMALL, "--devices", 2, *args)
+    one_line_error(rc, err, message)
