@@ -205,9 +205,7 @@ def load(
       folder's `eos_token`; none when unknown).
     - `data`: the file's bytes when the caller has read them already (the file is then
       not opened again; as `read_records`).
-    - `system`, `max_prompt_len`, `truncation`: preference pairs only
-      (`{"prompt", "chosen", "rejected"}`): a system prompt put before every prompt, and
-      how a pair too long for `seq_len` is cut (`zoo.data.preference_rows`).
+    - `system`, `max_prompt_len`, `truncation`: preference pairs (`zoo.data.preference_rows`).
 
     **Returns:** `(train, validation)`, their `sha256` the digest of the bytes read; `validation` has no rows when `validation=0`.
     Raises `DataFormatError` for a file zoo cannot read.
@@ -238,12 +236,8 @@ def load(
     rust = tokenizer.tokenizer
     rust.no_truncation()  # `Tokenizer.__call__` leaves its last truncation switched on
     if kind == "preference":
-        arrays, cut = preference_rows(records, wheres, rust, seq_len=seq_len, pad_id=tokenizer.pad_id, eos_id=eos_id,
-                                      chat_template=chat_template, system=system, max_prompt_len=max_prompt_len,
-                                      truncation=truncation)  # fmt: skip
-        held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
-        return tuple(Dataset({k: v[rows] for k, v in arrays.items()}, kind, truncated=cut, sha256=digest)
-                     for rows in (~held, held))  # fmt: skip
+        return _pairs(records, wheres, rust, validation, digest, seq_len=seq_len, pad_id=tokenizer.pad_id, eos_id=eos_id,
+                      chat_template=chat_template, system=system, max_prompt_len=max_prompt_len, truncation=truncation)  # fmt: skip
     documents: list[Document] = []
     keys: list[bytes] = []
     truncated = 0
@@ -295,6 +289,15 @@ def load(
         )
         for side in (False, True)
     )
+
+
+def _pairs(records, wheres, rust, validation: float, digest: str, **options) -> tuple[Dataset, Dataset]:
+    """Preference pairs as `(train, validation)` datasets, one pair per row
+    (`preference_rows` with `options`), the held-out pairs chosen by content hash."""
+    arrays, cut = preference_rows(records, wheres, rust, **options)
+    held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
+    return tuple(Dataset({k: v[rows] for k, v in arrays.items()}, "preference", truncated=cut, sha256=digest)
+                 for rows in (~held, held))  # fmt: skip
 
 
 def _check_targets(kind: Kind, weights: np.ndarray, seq_len: int, where: str) -> None:
