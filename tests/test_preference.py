@@ -150,7 +150,7 @@ def _means(terms):
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     "loss_type,beta,smoothing",
-    [("sigmoid", 0.1, 0.0), ("sigmoid", 2.0, 0.0), ("ipo", 0.5, 0.0), ("hinge", 3.0, 0.0), ("robust", 1.0, 0.2)],
+    [("sigmoid", 0.1, 0.0), ("ipo", 0.5, 0.0), ("hinge", 3.0, 0.0), ("robust", 1.0, 0.2)],
 )
 def test_dpo_loss_and_metrics_equal_trl(models, loss_type, beta, smoothing):
     peft_model, lora = models
@@ -215,9 +215,9 @@ _SLOW = pytest.mark.slow
 @pytest.mark.parametrize(
     "objective,preset,microbatches",
     [
-        ("dpo", "dp", 1),
+        pytest.param("dpo", "dp", 1, marks=_SLOW),
         ("dpo", "dp", 3),
-        ("dpo", "fsdp-once", 1),
+        pytest.param("dpo", "fsdp-once", 1, marks=_SLOW),
         ("dpo", "fsdp-once", 3),
         pytest.param("orpo", "dp", 1, marks=_SLOW),
         pytest.param("orpo", "dp", 3, marks=_SLOW),
