@@ -349,18 +349,19 @@ def test_bad_pairs_are_refused_in_one_line_naming_the_line(tmp_path, record, mes
 PAIRS_TEXT = [
     {"prompt": f"Q{i}:", "chosen": f" {i % 10} ok?", "rejected": f" {i % 10} ok."} for i in range(40)
 ]  # fmt: skip
-SMALL = "d_model=16,num_layers=1,num_heads=2,mlp_dim=32"
+SMALL = "d_model=16,num_layers=1,num_heads=2,mlp_dim=32"  # a from-scratch decoder, for the refusals
 
 
 @pytest.fixture(scope="module")
 def sft_base(tmp_path_factory):
-    """A tiny decoder trained from scratch (zoo train), the base to tune."""
-    from helpers import zoo_ok
-
+    """A tiny random Llama-style decoder saved as a Hugging Face folder (the base to tune;
+    byte tokens), the pairs and a prompt/completion file."""
     root = tmp_path_factory.mktemp("prefrun")
-    sft = _write(root / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in PAIRS_TEXT])
-    zoo_ok("train", "transformer", "--data", sft, "--seq-len", 16, "--steps", 2, "--batch-size", 8, "--microbatches", 1,
-           "--devices", 2, "--model-config", SMALL, "--output", root / "sft", "--quiet")  # fmt: skip
+    config = zoo.models.TransformerConfig(vocab_size=256, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                                          mlp_dim=32, max_len=64, positions="rope", activation="swiglu",
+                                          norm="rmsnorm", tie_embeddings=False)  # fmt: skip
+    zoo.hf.save_pretrained(zoo.models.Transformer(config, key=jax.random.key(0)), root / "sft")
+    _write(root / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in PAIRS_TEXT])
     return root, _write(root / "pairs.jsonl", PAIRS_TEXT)
 
 
