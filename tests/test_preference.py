@@ -366,13 +366,15 @@ def sft_base(tmp_path_factory):
 
 
 def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
-    from helpers import zoo_ok
+    from helpers import zoo_main
 
     root, pairs = sft_base
-    out = zoo_ok("finetune", "transformer", "--init", root / "sft", "--data", pairs, "--seq-len", 16, "--steps", 2,
-                 "--batch-size", 8, "--microbatches", 2, "--devices", 2, "--objective", "dpo", "--beta", 0.5,
-                 "--eval-every", 1, "--output", root / "cli", "--quiet")  # fmt: skip
-    assert "preference acc." in out
+    rc, out, err = zoo_main("finetune", "transformer", "--init", root / "sft", "--data", pairs, "--seq-len", 16,
+                            "--steps", 2, "--batch-size", 8, "--microbatches", 2, "--devices", 2, "--objective", "dpo",
+                            "--beta", 0.5, "--eval-every", 1, "--output", root / "cli")  # fmt: skip
+    assert rc == 0, err
+    assert "preference acc." in out and "reference: the base model (LoRA adapters disabled" in out
+    assert "step 1: eval loss" in err and "rewards/margins" in err and "logps/chosen" in err  # the console: TRL's names
     rows = [json.loads(line) for line in (root / "cli" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["kind"] == "eval"]
     for name in zoo.models._preference.METRICS:
@@ -384,7 +386,7 @@ def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
     saved = json.loads((root / "cli" / "config.json").read_text())
     assert saved["objective"] == "dpo" and saved["beta"] == 0.5 and saved["loss_type"] == "sigmoid"
     python = zoo.train.RunConfig(model="transformer", init=str(root / "sft"), steps=2, batch_size=8, microbatches=2,
-                                 devices=2, mesh={"data": 2}, objective="dpo", beta=0.5, eval_every=1, quiet=True,
+                                 devices=2, mesh={"data": 2}, objective="dpo", beta=0.5, eval_every=1,
                                  output=str(root / "cli"),
                                  data=zoo.train.DataConfig(source=str(pairs), seq_len=16))  # fmt: skip
     assert zoo.train.RunConfig.from_dict(saved) == python.resolved("finetune")

@@ -311,8 +311,11 @@ class Progress(Hook):
             self._bar.update(row["step"], float("nan") if row["loss"] is None else row["loss"], rate)
         elif row.get("kind") == "eval" and row["step"] not in self._span:
             acc = row.get("eval_accuracy")
+            # A preference run's: TRL's names, as its logs print them.
+            trl = "".join(f", {k} {row[f'eval_{k}']:.4f}" for k in PREFERENCE_KEYS[:6]
+                          if k != "rewards/accuracies" and row.get(f"eval_{k}") is not None)  # fmt: skip
             self._bar.note(f"step {row['step']}: eval loss {row['eval_loss']:.4f}"
-                           + ("" if acc is None else f", accuracy {100 * acc:.1f}%"))  # fmt: skip
+                           + ("" if acc is None else f", accuracy {100 * acc:.1f}%") + trl)  # fmt: skip
 
     def close(self) -> None:
         if self._bar is not None:
