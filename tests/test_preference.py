@@ -371,7 +371,8 @@ def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
     root, pairs = sft_base
     rc, out, err = zoo_main("finetune", "transformer", "--init", root / "sft", "--data", pairs, "--seq-len", 16,
                             "--steps", 2, "--batch-size", 8, "--microbatches", 2, "--devices", 2, "--objective", "dpo",
-                            "--beta", 0.5, "--eval-every", 1, "--output", root / "cli")  # fmt: skip
+                            "--beta", 0.5, "--eval-every", 1, "--output", root / "cli",
+                            "--tensorboard", root / "cli" / "tb")  # fmt: skip
     assert rc == 0, err
     assert "preference acc." in out and "reference: the base model (LoRA adapters disabled" in out
     assert "step 1: eval loss" in err and "rewards/margins" in err and "logps/chosen" in err  # the console: TRL's names
@@ -379,6 +380,11 @@ def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
     evals = [r for r in rows if r["kind"] == "eval"]
     for name in zoo.models._preference.METRICS:
         assert all(f"eval_{name}" in r for r in evals), name
+    from test_train_api import _tensorboard_scalars
+
+    scalars = _tensorboard_scalars(root / "cli" / "tb")
+    for name in zoo.models._preference.METRICS:  # TensorBoard holds the same numbers (float32)
+        assert scalars[f"eval_{name}"][2] == pytest.approx(evals[-1][f"eval_{name}"], rel=1e-6, abs=1e-7), name
     assert evals[0]["eval_rewards/margins"] == 0 and evals[0]["eval_loss"] == pytest.approx(np.log(2), abs=1e-6)
     summary = json.loads((root / "cli" / "summary.json").read_text())
     assert summary["eval_before"]["accuracy"] == 0 and summary["eval_after"]["accuracy"] is not None
@@ -387,6 +393,7 @@ def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
     assert saved["objective"] == "dpo" and saved["beta"] == 0.5 and saved["loss_type"] == "sigmoid"
     python = zoo.train.RunConfig(model="transformer", init=str(root / "sft"), steps=2, batch_size=8, microbatches=2,
                                  devices=2, mesh={"data": 2}, objective="dpo", beta=0.5, eval_every=1,
+                                 tensorboard=str(root / "cli" / "tb"),
                                  output=str(root / "cli"),
                                  data=zoo.train.DataConfig(source=str(pairs), seq_len=16))  # fmt: skip
     assert zoo.train.RunConfig.from_dict(saved) == python.resolved("finetune")
