@@ -91,6 +91,9 @@ class PreferenceLoss:
     `ref_rejected_logps` when it has them, else the same model with its LoRA adapters
     disabled (`disabled_adapters`), computed in the same program under
     `jax.lax.stop_gradient`: frozen weights only, so it adds no gradient and no collective.
+    Modules trained in full beside the adapters (LoRA `modules_to_save`) stay trained in
+    that model: then put reference log-probabilities computed before training
+    (`reference_logps`) in the batch instead.
     """
 
     objective: str = "dpo"

@@ -2,8 +2,9 @@
 preference pairs, its loss a `zoo.models.PreferenceLoss`, its held-out metrics TRL's.
 
 The DPO reference: with LoRA, the same model with its adapters disabled, inside the step
-(`PreferenceLoss`); without LoRA, the model's log-probabilities computed once before
-training and stored with the pairs (TRL's `precompute_ref_log_probs`).
+(`PreferenceLoss`); without LoRA (or with LoRA `modules_to_save`, trained in full), the
+model's log-probabilities computed once before training and stored with the pairs (TRL's
+`precompute_ref_log_probs`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def preference_task(c, model, train: Dataset, val: Dataset, *, data: str, tokens
     held = f"{len(val)} held-out pairs" if len(val) else "no held-out pairs (evaluated on the training pairs)"
     reference = ""
     if c.objective == "dpo":
-        if c.lora is not None:
+        # Modules trained in full beside the adapters (modules_to_save) change the model the
+        # adapters are switched off in: the reference is then the model as it starts, too.
+        if c.lora is not None and not c.lora.modules_to_save:
             reference = f"; {REFERENCE_IN_STEP}"
         else:  # no adapters to switch off: the model as it starts is the reference, computed once
             reference = f"; {REFERENCE_PRECOMPUTED}"
