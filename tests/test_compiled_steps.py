@@ -34,6 +34,7 @@ _FAST = {
     "transformer+lora/tp/data=4,model=2/explicit",
     "transformer+dora/dp/data=8/explicit",
     "transformer+embedlora/dp/data=8/explicit",
+    "transformer+lora+dpo/fsdp-once/data=8/explicit",
     "mlp/dp/data=8/shard_map",
     "mlp/zero1/data=8/shard_map",
 }

@@ -5,7 +5,7 @@ communicates (kind, inside or outside loops, bytes, mesh axes, group size of eac
 collective); `tests/test_refactor.py` recompiles the same steps and compares. Regenerate it
 (only when a change to the compiled steps is intended) with one command:
 
-    python tests/data/make_step_collectives.py
+    python tests/data/make_step_collectives.py [CASE_NAME ...]   # names: only those cases
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ _KINDS = {
     # The inspect transformer's head is its token embedding: adapted with it, one weight.
     "+embedlora": {"target_modules": ("token_embedding", "lm_head", "q_proj", "v_proj"), "ensure_weight_tying": True},
 }
+# Preference steps of a LoRA decoder (zoo.models.PreferenceLoss): DPO's reference is the
+# same model with its adapters disabled, in the same program, adding no gradient.
+CASES += [(f"transformer+lora+{objective}", preset, _DP_MESH, "explicit")
+          for objective in ("dpo", "orpo") for preset in ("dp", "fsdp-once")]  # fmt: skip
 
 
 def case_name(model: str, preset: str, mesh: dict, mode: str) -> str:
@@ -63,6 +67,9 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     from zoo.train._lora import add_lora, parse_lora
     from zoo.train._task import ONCE_COMPILER_OPTIONS
 
+    model, _, objective = model.partition("+lora+")  # a preference step: transformer+lora+dpo
+    if objective:
+        model += "+lora"
     base, plus, kind = model.partition("+")
     task = build_inspect_task(base, 0)
     lora = None
@@ -76,14 +83,27 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
         options = {}
         if lora is not None:
             options["trainable"] = zoo.lora.trainable(placed, lora)
-        step = zoo.TrainStep(
-            task.loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, preset=preset, **options
-        )
+        loss_fn = zoo.models.PreferenceLoss(objective) if objective else task.loss_fn
+        step = zoo.TrainStep(loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, preset=preset, **options)
         batch = task.make_batch(mesh_shape["data"] * MICROBATCHES * 2, jax.random.key(0))
+        if objective:
+            batch = preference_batch(batch, task.make_batch(len(batch["tokens"]), jax.random.key(1)))
         lowered = step.lower(placed, step.init(placed), batch)
         colls = zoo.collectives(lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS), mesh=mesh)
         sizes = step.budget_sizes(placed)
     return colls, sizes
+
+
+def preference_batch(chosen: dict, rejected: dict) -> dict:
+    """A preference batch (`zoo.models.PreferenceLoss`) from two token batches: each row's
+    first two tokens are its prompt, the rest of its real tokens its completion."""
+    import jax.numpy as jnp
+
+    out = {}
+    for side, b in (("chosen", chosen), ("rejected", rejected)):
+        mask = b["mask"].astype(jnp.int32)
+        out |= {f"{side}_tokens": b["tokens"], f"{side}_mask": mask, f"{side}_completion": mask.at[:, :2].set(0)}
+    return out
 
 
 def rows(colls) -> list[dict]:
@@ -105,8 +125,11 @@ def main() -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    out = {}
+    only = set(sys.argv[1:])  # case names: recompute those alone, keep the others as recorded
+    out = json.loads(FIXTURE.read_text()) if only else {}
     for case in CASES:
+        if only and case_name(*case) not in only:
+            continue
         out[case_name(*case)] = step_collectives(*case)
         print(case_name(*case), len(out[case_name(*case)]), "collectives", file=sys.stderr)
     FIXTURE.write_text(json.dumps(out, indent=1) + "\n")

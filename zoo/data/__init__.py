@@ -25,6 +25,7 @@ __getattr__, __dir__ = lazy_names(
         "._dataset": ("Dataset", "describe", "load"),
         "._docstrings": ("DOCSTRING_PACKAGES", "TextClassification", "stdlib_docstrings"),
         "._packing": ("pack",),
+        "._preference": ("preference_rows",),
         "._records": ("DataFormatError", "read_records"),
         "._source": ("BatchSource", "local_batch"),
         "._word_order": ("WORD_ORDER_CORRUPTIONS", "docstring_word_order"),
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from ._dataset import Dataset, describe, load
     from ._docstrings import DOCSTRING_PACKAGES, TextClassification, stdlib_docstrings
     from ._packing import pack
+    from ._preference import preference_rows
     from ._records import DataFormatError, read_records
     from ._source import BatchSource, local_batch
     from ._word_order import WORD_ORDER_CORRUPTIONS, docstring_word_order
@@ -68,6 +70,7 @@ __all__ = [
     "load",
     "local_batch",
     "pack",
+    "preference_rows",
     "pydoc_topic_texts",
     "random_windows",
     "read_records",

@@ -21,6 +21,7 @@ from ..hf._files import read_json
 from ..hf._tokenizer import Tokenizer
 from ._chat import ChatTemplate
 from ._packing import Document, pack
+from ._preference import preference_rows
 from ._records import DataFormatError, Kind, read_located
 
 
@@ -36,7 +37,10 @@ class Dataset:
       `"segment_ids"`, `"positions"`, `"weights"` `[rows, seq_len]` (what
       `zoo.models.next_token_loss` reads). Classification: `"tokens"`, `"mask"`,
       `"token_types"` `[rows, seq_len]` and `"labels"` `[rows]` (what
-      `zoo.models.classification_loss` reads).
+      `zoo.models.classification_loss` reads). Preference pairs (`"preference"`):
+      `"chosen_tokens"`, `"chosen_mask"`, `"chosen_completion"` and the same for
+      `"rejected"`, `[pairs, seq_len]`, one pair per row (what
+      `zoo.models.PreferenceLoss` reads).
     - `kind`: the file's format.
     - `label_names`: classification only: the name of each label id.
     - `truncated`: how many documents were longer than `seq_len` and cut (prompt /
@@ -178,6 +182,9 @@ def load(
     chat_template: ChatTemplate | None = None,
     eos_id: int | None = None,
     data: bytes | None = None,
+    system: str | None = None,
+    max_prompt_len: int | None = None,
+    truncation: str = "keep_end",
 ) -> tuple[Dataset, Dataset]:
     """A data file as `(train, validation)` datasets, tokenised with a model's tokenizer.
 
@@ -198,6 +205,7 @@ def load(
       folder's `eos_token`; none when unknown).
     - `data`: the file's bytes when the caller has read them already (the file is then
       not opened again; as `read_records`).
+    - `system`, `max_prompt_len`, `truncation`: preference pairs (`zoo.data.preference_rows`).
 
     **Returns:** `(train, validation)`, their `sha256` the digest of the bytes read; `validation` has no rows when `validation=0`.
     Raises `DataFormatError` for a file zoo cannot read.
@@ -227,6 +235,9 @@ def load(
         )
     rust = tokenizer.tokenizer
     rust.no_truncation()  # `Tokenizer.__call__` leaves its last truncation switched on
+    if kind == "preference":
+        return _pairs(records, wheres, rust, validation, digest, seq_len=seq_len, pad_id=tokenizer.pad_id, eos_id=eos_id,
+                      chat_template=chat_template, system=system, max_prompt_len=max_prompt_len, truncation=truncation)  # fmt: skip
     documents: list[Document] = []
     keys: list[bytes] = []
     truncated = 0
@@ -280,6 +291,15 @@ def load(
     )
 
 
+def _pairs(records, wheres, rust, validation: float, digest: str, **options) -> tuple[Dataset, Dataset]:
+    """Preference pairs as `(train, validation)` datasets, one pair per row
+    (`preference_rows` with `options`), the held-out pairs chosen by content hash."""
+    arrays, cut = preference_rows(records, wheres, rust, **options)
+    held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
+    return tuple(Dataset({k: v[rows] for k, v in arrays.items()}, "preference", truncated=cut, sha256=digest)
+                 for rows in (~held, held))  # fmt: skip
+
+
 def _check_targets(kind: Kind, weights: np.ndarray, seq_len: int, where: str) -> None:
     """Refuse a document that would leave no target token in its row (its loss would be
     0 / 0, a NaN when a whole batch is such): its first token is no target, and
@@ -307,6 +327,8 @@ def describe(dataset: Dataset) -> str:
     tokens carry loss, or (classification) its labels."""
     if dataset.label_names is not None:
         return f"{dataset.kind}: {len(dataset)} rows, {dataset.num_labels} labels {list(dataset.label_names)}"
+    if dataset.kind == "preference":
+        return f"preference: {len(dataset)} pairs, {dataset.truncated} cut to fit"
     weights = dataset.arrays["weights"]
     fill = dataset.arrays["mask"].mean() if len(dataset) else 0.0
     return (

@@ -9,12 +9,13 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-Kind = Literal["text", "prompt_completion", "chat", "classification"]
+Kind = Literal["text", "prompt_completion", "chat", "classification", "preference"]
 
 FORMATS = (
-    '.txt (plain text), or .jsonl lines holding {"text"}, {"prompt", "completion"}, {"messages"} or '
-    '{"text", "label"}, or .csv with "text" and "label" columns'
+    '.txt (plain text), or .jsonl lines holding {"text"}, {"prompt", "completion"}, {"messages"}, '
+    '{"text", "label"} or {"prompt", "chosen", "rejected"} (preference pairs), or .csv with "text" and "label" columns'
 )
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 
 class DataFormatError(ValueError):
@@ -28,6 +29,15 @@ def _kind(record: Any, where: str) -> Kind:
         raise DataFormatError(
             f"{where}: expected a JSON object, got {type(record).__name__}; each line must be one of {FORMATS}"
         )
+    if "chosen" in record or "rejected" in record:
+        missing = [k for k in PREFERENCE_FIELDS if k not in record]
+        if missing:
+            raise DataFormatError(
+                f"{where}: a preference pair needs {' + '.join(map(repr, PREFERENCE_FIELDS))}, but {missing} "
+                f"{'is' if len(missing) == 1 else 'are'} missing (found {sorted(record)}); add "
+                f"{'it' if len(missing) == 1 else 'them'} or remove the line"
+            )
+        return "preference"
     if "messages" in record:
         return "chat"
     if "prompt" in record and "completion" in record:
@@ -66,6 +76,8 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
                     f"{where} field 'messages' item {i} is {m!r}; each message must be an object with a string "
                     '"role" and a string "content"'
                 )
+    if kind == "preference":
+        _check_preference(record, where)
     if kind == "classification":
         label = record["label"]
         if isinstance(label, str) and not label.strip():
@@ -81,6 +93,41 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
                 f"{where} field 'label' is {type(label).__name__} {label!r}; a label is an integer >= 0 or a name "
                 "(a string)"
             )
+
+
+def _check_preference(record: dict[str, Any], where: str) -> None:
+    """A pair's fields: all texts, or all conversations (lists of messages, the prompt's
+    ending on a user turn), with non-empty completions."""
+    forms = {k: "text" if isinstance(record[k], str) else "messages" if isinstance(record[k], list) else None
+             for k in PREFERENCE_FIELDS}  # fmt: skip
+    for k, form in forms.items():
+        if form is None:
+            raise DataFormatError(
+                f"{where} field {k!r} is {type(record[k]).__name__} {record[k]!r}; a preference field is a string or "
+                'a list of {"role": ..., "content": ...} messages'
+            )
+    if len(set(forms.values())) > 1:
+        raise DataFormatError(
+            f"{where}: mixes texts and message lists ({', '.join(f'{k}: {v}' for k, v in forms.items())}); write "
+            "prompt, chosen and rejected all as strings or all as lists of messages"
+        )
+    for k in ("chosen", "rejected"):
+        value = record[k]
+        empty = not value.strip() if isinstance(value, str) else not value or not any(
+            isinstance(m, dict) and str(m.get("content", "")).strip() for m in value)  # fmt: skip
+        if empty:
+            raise DataFormatError(f"{where} field {k!r} is empty; a preference pair needs two non-empty completions "
+                                  "(fill it in or remove the line)")  # fmt: skip
+    if forms["prompt"] == "messages":
+        for k in PREFERENCE_FIELDS:
+            for i, m in enumerate(record[k]):
+                if not (
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
+                ):
+                    raise DataFormatError(
+                        f"{where} field {k!r} item {i} is {m!r}; each message must be an object with a string "
+                        '"role" and a string "content"'
+                    )
 
 
 def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]]]:

@@ -17,6 +17,9 @@ from ._optimizer import OptimizerConfig
 from ._registry import DATA_FILE_DEFAULTS, ModelSpec, model_names, model_spec
 from ._scores import WATCHED, watched_metric
 
+# What a decoder minimises: next-token loss, or a preference objective (zoo.models.PreferenceLoss).
+OBJECTIVES = ("sft", "dpo", "orpo")
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 # What a classifier's head reads (`zoo.models.EncoderClassifier`'s pooling).
 POOLINGS = ("cls", "mean")
 # The largest count a run takes (steps, rows, intervals): compiled programs count steps and
@@ -53,6 +56,15 @@ class DataConfig:
                                           "the fraction of its documents held out for evaluation (default 0.1)")  # fmt: skip
     chat_template: str | None = flag(None, metavar="FILE", group="model and data", help="--data FILE of chat "
                                      "messages: a jinja2 chat template (default: the tokenizer's)")  # fmt: skip
+    system_prompt: str | None = flag(None, metavar="TEXT", group="training", help="preference pairs: a "
+                                     "system prompt put before every prompt (a system turn of conversations that "
+                                     "have none) (default: none)")  # fmt: skip
+    max_prompt_len: int | None = flag(None, metavar="N", group="training", help="preference pairs too long "
+                                      "for --seq-len: the prompt is cut to N tokens, then the completions to what is "
+                                      "left (default: half of --seq-len)")  # fmt: skip
+    prompt_truncation: str = flag("keep_end", choices=("keep_end", "keep_start", "error"), group="training",
+                                  help="which end of a too-long prompt is kept (TRL's truncation_mode), or error to "
+                                  "refuse such pairs (default keep_end)")  # fmt: skip
 
     def __post_init__(self):
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
@@ -65,6 +77,17 @@ class DataConfig:
                     f"DataConfig.{field} must be at most {MAX_COUNT} (2**31 - 1: compiled programs count in int32), "
                     f"got {getattr(self, field)}"
                 )
+        if self.max_prompt_len is not None and (
+            not isinstance(self.max_prompt_len, int)
+            or self.max_prompt_len < 1
+            or self.seq_len is not None
+            and self.max_prompt_len >= self.seq_len
+        ):
+            raise ConfigError(f"DataConfig.max_prompt_len must be an integer from 1 to seq_len - 1 (room for a "
+                              f"completion), got {self.max_prompt_len!r}")  # fmt: skip
+        if self.prompt_truncation not in ("keep_end", "keep_start", "error"):
+            raise ConfigError(f"DataConfig.prompt_truncation must be keep_end, keep_start or error, got "
+                              f"{self.prompt_truncation!r}")  # fmt: skip
         if self.validation is not None and not (isinstance(self.validation, int | float) and 0 <= self.validation < 1):
             raise ConfigError(f"DataConfig.validation must be a fraction in [0, 1), got {self.validation!r}")
 
@@ -124,6 +147,18 @@ class RunConfig:
     lora: LoraConfig | None = flag(None, metavar="KEY=VALUE,...", group="model and data", commands=("finetune", "demo"),
                                    help="LoRA adapters; only they (and modules_to_save) train. Default r=8,alpha=16,"
                                    "targets=all-linear (+ save=head for classifiers). {lora_keys}")  # fmt: skip
+    objective: str = flag("sft", choices=OBJECTIVES, group="training", resume="fixed",
+                          help="what a decoder minimises: sft (next-token loss), dpo (a reference: the base with the "
+                          "LoRA adapters off, or log-probabilities computed once before training without LoRA) or orpo "
+                          "(no reference); dpo/orpo train on {{prompt, chosen, rejected}} pairs (default sft)")  # fmt: skip
+    beta: float | int = flag(0.1, metavar="BETA", group="training",
+                             help="dpo's beta (how far from the reference), or orpo's weight of the odds-ratio term "
+                             "(default 0.1)")  # fmt: skip
+    loss_type: str = flag("sigmoid", choices=LOSS_TYPES, group="training",
+                          help="dpo's loss as TRL's: sigmoid, ipo, hinge or robust (default sigmoid)")  # fmt: skip
+    label_smoothing: float | int = flag(0.0, metavar="EPS", group="training",
+                                        help="robust dpo: the probability in [0, 0.5) that a pair's label is flipped "
+                                        "(default 0)")  # fmt: skip
     seed: int = flag(0, help="seed of the model, head, adapters and batches (default 0)")
     dtype: str = flag("float32", choices=("float32", "bfloat16"), help="compute dtype; parameters, gradients and "
                       "their all-reduce stay float32 (default float32)")  # fmt: skip
@@ -239,6 +274,13 @@ class RunConfig:
                               "(only before and after): set RunConfig.eval_every")  # fmt: skip
         if self.pooling is not None and self.pooling not in POOLINGS:
             raise bad("pooling", f"one of {list(POOLINGS)} (or None)")
+        if self.objective not in OBJECTIVES:
+            raise bad("objective", f"one of {list(OBJECTIVES)}")
+        if self.objective != "sft":
+            try:
+                self.preference_loss()
+            except ValueError as e:
+                raise ConfigError(f"RunConfig: {e}") from None
         if self.dtype not in ("float32", "bfloat16"):
             raise bad("dtype", "'float32' or 'bfloat16'")
         if self.mode not in ("explicit", "shard_map"):
@@ -259,6 +301,14 @@ class RunConfig:
         if not isinstance(self.model_config, dict):
             raise bad("model_config", "a dict of model config fields, e.g. {'d_model': 128}")
         check_model_config(self.model_config)
+
+    def preference_loss(self):
+        """The `zoo.models.PreferenceLoss` of `objective` dpo / orpo (`beta`, `loss_type`,
+        `label_smoothing`)."""
+        from ..models._preference import PreferenceLoss
+
+        return PreferenceLoss(self.objective, beta=self.beta, loss_type=self.loss_type,
+                              label_smoothing=self.label_smoothing)  # fmt: skip
 
     @property
     def resuming(self) -> bool:
@@ -381,8 +431,13 @@ class RunConfig:
                 keys = _DATA_KEYS if f.name == "data" else _OPTIMIZER_KEYS
                 for key, field in keys.items():
                     inner = getattr(value, field)
-                    if key in ("packed", "validation", "chat_template") and inner is None:
+                    if (
+                        key in ("packed", "validation", "chat_template", "system_prompt", "max_prompt_len")
+                        and inner is None
+                    ):
                         continue  # not set: the loader's default (and no flag to replay)
+                    if key == "prompt_truncation" and inner == "keep_end":
+                        continue
                     if key == "end_lr_fraction" and inner == 0.1:
                         continue
                     flat[key] = inner
@@ -397,6 +452,8 @@ class RunConfig:
                 flat["model_config"] = ",".join(f"{k}={v}" for k, v in value.items()) or None
             elif f.name in ("resume_step", "overwrite"):
                 continue
+            elif f.name in ("objective", "beta", "loss_type", "label_smoothing") and self.objective == "sft":
+                continue  # next-token training: no preference settings to replay
             elif (f.name in ("tensorboard", "pooling", "keep_best") and value is None) or (
                 f.name == "early_stop" and not value
             ):

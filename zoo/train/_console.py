@@ -117,11 +117,13 @@ def _print_best(say, summary) -> None:
 
 def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say()
-    ev_name = {"classification": "test", "lm": "validation", "regression": "held-out"}[task.kind]
+    ev_name = {"classification": "test", "lm": "validation", "regression": "held-out", "preference": "held-out"}[
+        task.kind
+    ]
     n = summary["eval_after"]["examples"]
-    what = {"classification": "texts", "lm": "windows", "regression": "examples"}[task.kind]
+    what = {"classification": "texts", "lm": "windows", "regression": "examples", "preference": "pairs"}[task.kind]
     has_acc = summary["eval_after"]["accuracy"] is not None
-    acc_name = "accuracy" if task.kind == "classification" else "next-token acc."
+    acc_name = {"classification": "accuracy", "preference": "preference acc."}.get(task.kind, "next-token acc.")
     head = f"{ev_name} set, {n} {what}"
     width = max(len(head), 2 + max(len(st["name"]) for st in summary["stages"])) + 2
     say(f"{head:<{width}}{'loss':>8}" + (f"{acc_name:>18}" if has_acc else ""))

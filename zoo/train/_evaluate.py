@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._distributed import global_batch, local_rows
+from ..models._preference import ORPO_METRICS
 from ._errors import ConfigError
 from ._scores import class_scores, perplexity
 
@@ -29,7 +30,8 @@ class Evaluator:
         """`{"loss", "accuracy" (None for regression), "examples", "features" (numpy, in
         the rows' order, when asked)}` over every row of `data`; a classifier's also
         `"macro_f1"` and `"per_class"` (`_scores.class_scores`), a language model's
-        `"perplexity"` (of the mean next-token loss)."""
+        `"perplexity"` (of the mean next-token loss), a preference task's TRL metrics
+        (`"rewards/chosen"`, ..., `"logps/rejected"`; ORPO's `"nll_loss"`, ...)."""
         import numpy as np
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -59,7 +61,7 @@ class Evaluator:
         sums = {"loss": 0.0, "weight": 0.0, "correct": 0.0}
         for out in outs:
             for k, v in out.items():
-                sums[k] += float(v)
+                sums[k] = sums.get(k, 0.0) + float(v)
         result = {
             "loss": sums["loss"] / max(sums["weight"], 1e-12),
             "accuracy": None if self.task.kind == "regression" else sums["correct"] / max(sums["weight"], 1e-12),
@@ -67,6 +69,8 @@ class Evaluator:
         }
         if self.task.kind == "lm":
             result["perplexity"] = perplexity(result["loss"])
+        if self.task.kind == "preference":  # TRL's metrics, means over the pairs ("accuracy": rewards/accuracies)
+            result |= {k: v / max(sums["weight"], 1e-12) for k, v in sums.items() if "/" in k or k in ORPO_METRICS}
         if preds:  # a classifier's predictions, in the rows' order: its per-class scores
             predicted = np.empty(n, np.int64)
             predicted[order] = np.concatenate(preds)

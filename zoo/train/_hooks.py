@@ -114,15 +114,19 @@ class Evaluate(Hook):
 
 # An evaluation's numbers as its row names them (`eval_` + the evaluation's key).
 EVAL_KEYS = ("loss", "accuracy", "perplexity", "macro_f1", "per_class")
+# A preference task's (TRL's names): `eval_rewards/chosen`, ..., ORPO's `eval_nll_loss`, ...
+PREFERENCE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                   "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")  # fmt: skip
 
 
 def eval_row(step: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     """The `{"kind": "eval", "step", "eval_loss", "eval_accuracy", ...}` row of an
     evaluation (`eval_accuracy` None when it measures none; `eval_perplexity` of a
     language model; `eval_macro_f1` and `eval_per_class`, `{class: {"precision",
-    "recall", "f1", "support"}}`, of a classifier)."""
+    "recall", "f1", "support"}}`, of a classifier; TRL's `eval_rewards/chosen`, ... of a
+    preference task)."""
     row = {"kind": "eval", "step": step, "eval_loss": evaluation["loss"], "eval_accuracy": evaluation.get("accuracy")}
-    return row | {f"eval_{k}": evaluation[k] for k in EVAL_KEYS[2:] if k in evaluation}
+    return row | {f"eval_{k}": evaluation[k] for k in (*EVAL_KEYS[2:], *PREFERENCE_KEYS) if k in evaluation}
 
 
 class Checkpoint(Hook):
@@ -267,7 +271,7 @@ class TensorBoard(Hook):
     def on_record(self, row: dict[str, Any]) -> None:
         if self._writer is None:
             return
-        scalars = {"train": ("loss", "lr"), "eval": tuple(f"eval_{k}" for k in EVAL_KEYS[:-1])}
+        scalars = {"train": ("loss", "lr"), "eval": tuple(f"eval_{k}" for k in (*EVAL_KEYS[:-1], *PREFERENCE_KEYS))}
         values = {name: row.get(name) for name in scalars.get(row.get("kind"), ())}
         for label, scores in (row.get("eval_per_class") or {}).items():
             values |= {f"eval_{score}/{label}": scores[score] for score in ("precision", "recall", "f1")}
@@ -307,8 +311,11 @@ class Progress(Hook):
             self._bar.update(row["step"], float("nan") if row["loss"] is None else row["loss"], rate)
         elif row.get("kind") == "eval" and row["step"] not in self._span:
             acc = row.get("eval_accuracy")
+            # A preference run's: TRL's names, as its logs print them.
+            trl = "".join(f", {k} {row[f'eval_{k}']:.4f}" for k in PREFERENCE_KEYS[:6]
+                          if k != "rewards/accuracies" and row.get(f"eval_{k}") is not None)  # fmt: skip
             self._bar.note(f"step {row['step']}: eval loss {row['eval_loss']:.4f}"
-                           + ("" if acc is None else f", accuracy {100 * acc:.1f}%"))  # fmt: skip
+                           + ("" if acc is None else f", accuracy {100 * acc:.1f}%") + trl)  # fmt: skip
 
     def close(self) -> None:
         if self._bar is not None:

@@ -24,6 +24,7 @@ from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
 from ._config import RunConfig
 from ._errors import ConfigError
+from ._preference import preference_task
 from ._registry import ModelSpec, model_names, model_spec
 from ._task import Task, check_vocab, classifier_metrics, init_folder, init_name, lm_metrics, tokenizer_of
 
@@ -38,6 +39,14 @@ def check_data_file(c: RunConfig) -> None:
     them before anything is built); the file is read once, by `user_data_task`."""
     spec = model_spec(c.model)
     data = c.data.source
+    if c.objective != "sft" and (data is None or data in spec.datasets):
+        raise ConfigError(
+            f"--objective {c.objective} trains on preference pairs: pass --data FILE.jsonl with prompt, chosen and "
+            f"rejected on each line (docs/training.md, Preference tuning); {data or 'the default data'} holds none"
+        )
+    if c.objective != "sft" and spec.kind != "lm":
+        raise ConfigError(f"--objective {c.objective} tunes a decoder (a language model); {spec.name} is none: use "
+                          "--objective sft, or a decoder such as transformer")  # fmt: skip
     if data is None or data in spec.datasets:
         return
     path = Path(data).expanduser()
@@ -66,7 +75,7 @@ def check_takes_files(spec: ModelSpec, data: Any) -> None:
 def check_kind(spec: ModelSpec, kind: str, data: Any) -> None:
     """Refuse a file whose records (`zoo.data.read_records`' kind) the model cannot train on:
     language-modelling records for a classifier, labelled ones for a language model."""
-    if kind in LM_KINDS and spec.kind == "classification":
+    if (kind in LM_KINDS or kind == "preference") and spec.kind == "classification":
         decoder = (_file_models("lm") or ["transformer"])[0]
         raise ConfigError(
             f"--data {data} holds {kind.replace('_', '/')} records (language modelling), but {spec.name} is a "
@@ -158,7 +167,7 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     from the same bytes. The task trains on the file's `zoo.data.Dataset` itself."""
     spec = model_spec(c.model)
     path = Path(c.data.source).expanduser()
-    raw = _read(path, spec)  # before the tokenizer and the model: a wrong file fails fast
+    raw = _read(path, spec, c.objective)  # before the tokenizer and the model: a wrong file fails fast
     folder = init_folder(c)
     tokenizer = tokenizer_of(folder)
     validation = c.data.validation
@@ -166,7 +175,8 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     template, template_digest = _chat_template(c.data.chat_template, folder)
     try:
         train, val = load_data(path, source, seq_len=c.data.seq_len, packed=c.data.packed, validation=validation,
-                               chat_template=template, data=raw)  # fmt: skip
+                               chat_template=template, data=raw, system=c.data.system_prompt,
+                               max_prompt_len=c.data.max_prompt_len, truncation=c.data.prompt_truncation)  # fmt: skip
     except DataFormatError as e:
         hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
         # load names its argument (seq_len=N); the run's field is the CLI's flag.
@@ -194,6 +204,11 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
         return dataclasses.replace(task, fingerprint=fingerprint)
     model, config, folder = spec.file_model(c, None, rules=rules, mesh=mesh)
     _check_tokenizer(config, tokenizer, folder)
+    if train.kind == "preference":
+        task = preference_task(c, model, train, val, data=f"{path.name}, {describe_data(train)}", tokens=tokens_kind)
+        return dataclasses.replace(task, hf_part=lambda m: m, tokenizer_dir=folder if tokenizer is not None else None,
+                                   config=config.to_dict(), init=None if folder is None else str(folder),
+                                   fingerprint=fingerprint)  # fmt: skip
     eval_data = dict(val.arrays if len(val) else train.arrays)
     if c.data.eval_size:
         eval_data = {k: v[: c.data.eval_size] for k, v in eval_data.items()}
@@ -231,10 +246,19 @@ def read_kind(path: Path) -> tuple[bytes, str]:
     return raw, kind
 
 
-def _read(path: Path, spec: ModelSpec) -> bytes:
-    """The data file's bytes, its records' kind checked against the model's."""
+def _read(path: Path, spec: ModelSpec, objective: str = "sft") -> bytes:
+    """The data file's bytes, its records' kind checked against the model's and the
+    objective's (preference pairs for dpo / orpo, and only for them)."""
     raw, kind = read_kind(path)
     check_kind(spec, kind, path)
+    if (kind == "preference") != (objective != "sft"):
+        if kind == "preference":
+            raise ConfigError(f"--data {path} holds preference pairs (prompt, chosen, rejected): tune on them with "
+                              "--objective dpo or --objective orpo")  # fmt: skip
+        raise ConfigError(
+            f"--objective {objective} trains on preference pairs, but --data {path} holds {kind.replace('_', '/')} "
+            'records; give it a .jsonl of {"prompt", "chosen", "rejected"} lines (or use --objective sft)'
+        )
     return raw
 
 

@@ -1,0 +1,438 @@
+"""Preference tuning: DPO (sigmoid / ipo / hinge / robust) and ORPO equal TRL's own loss
+code, the step keeps one gradient all-reduce, multi-device gradients equal single-device
+ones, and the run/CLI/data pieces (bad data: one clear line each)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import data_mesh, max_abs_diff, tree_allclose
+from test_peft import DECODER
+
+import zoo
+
+VOCAB, SEQ, PAIRS = 32, 12, 4
+LLAMA = {**DECODER, "max_position_embeddings": SEQ}  # a Llama: grouped-query attention, untied head
+
+
+def pair_batch(seed=0, pairs=PAIRS, seq=SEQ, vocab=VOCAB):
+    """A preference batch of `pairs` rows: prompts of 2-4 tokens, completions of 1-6,
+    right-padded with 0 (no real token is 0), lengths differing between the sides."""
+    rng = np.random.default_rng(seed)
+    out = {f"{s}_{k}": np.zeros((pairs, seq), np.int32) for s in ("chosen", "rejected") for k in ("tokens", "mask", "completion")}  # fmt: skip
+    for i in range(pairs):
+        prompt = rng.integers(1, vocab, rng.integers(2, 5))
+        for side in ("chosen", "rejected"):
+            completion = rng.integers(1, vocab, rng.integers(1, seq - len(prompt) + 1))
+            row = np.concatenate([prompt, completion])
+            out[f"{side}_tokens"][i, : len(row)] = row
+            out[f"{side}_mask"][i, : len(row)] = 1
+            out[f"{side}_completion"][i, len(prompt) : len(row)] = 1
+    return out
+
+
+# --------------------------------------------------------------------------- TRL's loss code
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(the peft LoRA Llama with TRL's fused head, the same in zoo): a tiny random Llama
+    saved by transformers, a peft adapter with perturbed (non-zero) branches."""
+    torch = pytest.importorskip("torch")
+    import peft
+    import transformers
+    from trl.trainer.utils import add_fused_lm_head
+
+    root = tmp_path_factory.mktemp("pref")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    hf.save_pretrained(root / "base")
+    add_fused_lm_head(hf, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    peft_model.save_pretrained(root / "adapter")
+    peft_model.eval()
+    base = zoo.hf.from_pretrained(root / "base")
+    lora, _ = zoo.lora.load_adapter(base, root / "adapter")
+    return peft_model, lora
+
+
+class _Accelerator:
+    device = "cpu"
+
+    @staticmethod
+    def gather_for_metrics(x):
+        return x
+
+    gather = gather_for_metrics
+
+    @staticmethod
+    def unwrap_model(m):
+        return m
+
+
+def trl_dpo(peft_model, batch, loss_type, beta, label_smoothing):
+    """TRL 1.16's `DPOTrainer._compute_loss` itself on `batch` (chosen rows then rejected
+    rows, as its collator lays them out), the reference being the peft model with its
+    adapters disabled (TRL's own `use_adapter`): (loss, logged metrics)."""
+    import torch
+    from trl import DPOTrainer
+
+    ids = np.concatenate([batch["chosen_tokens"], batch["rejected_tokens"]])
+    inputs = {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "attention_mask": torch.tensor(np.concatenate([batch["chosen_mask"], batch["rejected_mask"]])),
+        "completion_mask": torch.tensor(np.concatenate([batch["chosen_completion"], batch["rejected_completion"]])),
+    }
+    trainer = types.SimpleNamespace(
+        model=peft_model, ref_model=None, accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=False, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
+        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
+        label_smoothing=label_smoothing, use_weighting=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    with torch.no_grad():
+        loss = DPOTrainer._compute_loss(trainer, peft_model, inputs, False)
+    return float(loss), {k: v[0] for k, v in trainer._metrics["eval"].items()}
+
+
+def trl_orpo(peft_model, batch, beta):
+    """TRL 1.16's `ORPOTrainer.get_batch_loss_metrics` (trl.experimental.orpo) itself:
+    its concatenated forward, `odds_ratio_loss` and logged metrics."""
+    import torch
+    from trl.experimental.orpo import ORPOTrainer
+
+    def labels(side):
+        return np.where(batch[f"{side}_completion"] == 1, batch[f"{side}_tokens"], -100)
+
+    inputs = {
+        f"{side}_{k}": torch.tensor(v, dtype=torch.long)
+        for side in ("chosen", "rejected")
+        for k, v in (("input_ids", batch[f"{side}_tokens"]), ("attention_mask", batch[f"{side}_mask"]),
+                     ("labels", labels(side)))
+    }  # fmt: skip
+    trainer = types.SimpleNamespace(
+        accelerator=_Accelerator(), is_encoder_decoder=False, padding_value=0, aux_loss_enabled=False, beta=beta,
+        label_pad_token_id=-100,
+    )  # fmt: skip
+    for name in ("concatenated_inputs", "concatenated_forward", "get_batch_logps", "odds_ratio_loss"):
+        attr = ORPOTrainer.__dict__[name]
+        setattr(trainer, name, attr.__get__(trainer) if not isinstance(attr, staticmethod) else attr.__func__)
+    with torch.no_grad():
+        loss, metrics = ORPOTrainer.get_batch_loss_metrics(trainer, peft_model, inputs, "train")
+    return float(loss), {k: float(v) for k, v in metrics.items()}
+
+
+def zoo_terms(objective, lora, batch):
+    loss, metrics = jax.jit(lambda m, b: _means(objective.metrics(m, b)))(lora, {k: jnp.asarray(v) for k, v in batch.items()})  # fmt: skip
+    return float(loss), {k: float(v) for k, v in metrics.items()}
+
+
+def _means(terms):
+    return jnp.mean(terms["loss"]), {k: jnp.mean(v) for k, v in terms.items() if k != "loss"}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "loss_type,beta,smoothing",
+    [("sigmoid", 0.1, 0.0), ("ipo", 0.5, 0.0), ("hinge", 3.0, 0.0), ("robust", 1.0, 0.2)],
+)
+def test_dpo_loss_and_metrics_equal_trl(models, loss_type, beta, smoothing):
+    peft_model, lora = models
+    batch = pair_batch()
+    want_loss, want = trl_dpo(peft_model, batch, loss_type, beta, smoothing)
+    objective = zoo.models.PreferenceLoss("dpo", beta=beta, loss_type=loss_type, label_smoothing=smoothing)
+    got_loss, got = zoo_terms(objective, lora, batch)
+    assert abs(got_loss - want_loss) <= 1e-5, (got_loss, want_loss)
+    for name in zoo.models._preference.METRICS:
+        assert abs(got[name] - want[name]) <= 1e-5, (name, got[name], want[name])
+    # Not a trivially equal case: the adapters move the rewards off zero and the loss off its start.
+    assert abs(want["rewards/margins"]) > 1e-3 and 0 < want["rewards/accuracies"] < 1 or loss_type == "hinge"
+
+
+@pytest.mark.numerics
+def test_orpo_loss_and_metrics_equal_trl(models):
+    peft_model, lora = models
+    batch = pair_batch(seed=3)
+    # TRL's NLL is a token mean over the batch's chosen sequences: the batch's mean count per row.
+    batch["nll_norm"] = np.full(PAIRS, batch["chosen_mask"][:, 1:].sum(1).mean(), np.float32)
+    want_loss, want = trl_orpo(peft_model, batch, beta=0.5)
+    got_loss, got = zoo_terms(zoo.models.PreferenceLoss("orpo", beta=0.5), lora, batch)
+    assert abs(got_loss - want_loss) <= 1e-5, (got_loss, want_loss)
+    for name in (*zoo.models._preference.METRICS, *zoo.models._preference.ORPO_METRICS):
+        assert abs(got[name] - want[name]) <= 1e-5, (name, got[name], want[name])
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _lora_decoder():
+    from helpers import tiny_decoder
+
+    config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    model = zoo.lora.add_lora(tiny_decoder(jax.random.key(0)), config, key=jax.random.key(1))
+    return model, zoo.lora.trainable(model, config)
+
+
+@functools.cache
+def _grads(objective, preset, n, microbatches):
+    """(loss, gradients) of a DPO/ORPO step of a LoRA decoder: on one device without a
+    mesh (`preset` None), else on a `data=n` mesh under `preset`."""
+    model, trainable = _lora_decoder()
+    batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=5, pairs=6, seq=8).items()}
+    batch["nll_norm"] = jnp.full(6, batch["chosen_mask"][:, 1:].sum(1).mean(), jnp.float32)
+    loss_fn = zoo.models.PreferenceLoss(objective, beta=0.5)
+    if preset is None:
+        step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=microbatches, trainable=trainable)
+        loss, grads = step.loss_and_grads(model, batch)
+        return float(loss), step.partition(jax.tree.map(np.asarray, grads))[0]
+    mesh = data_mesh(n)
+    with jax.set_mesh(mesh):
+        placed = zoo.shard(model, zoo.rules(preset), mesh)
+        step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=microbatches, trainable=trainable, preset=preset)
+        loss, grads = step.loss_and_grads(placed, batch)
+    return float(loss), step.partition(jax.tree.map(np.asarray, grads))[0]
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "objective,preset,microbatches",
+    [
+        pytest.param("dpo", "dp", 1, marks=_SLOW),
+        ("dpo", "dp", 3),
+        pytest.param("dpo", "fsdp-once", 1, marks=_SLOW),
+        ("dpo", "fsdp-once", 3),
+        pytest.param("orpo", "dp", 1, marks=_SLOW),
+        pytest.param("orpo", "dp", 3, marks=_SLOW),
+        pytest.param("orpo", "fsdp-once", 1, marks=_SLOW),
+        ("orpo", "fsdp-once", 3),
+    ],
+)
+def test_multi_device_gradients_equal_single_device(objective, preset, microbatches):
+    want_loss, want = _grads(objective, None, 1, 1)
+    loss, grads = _grads(objective, preset, 2, microbatches)
+    assert want_loss > 0.1 and max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want)) > 1e-3
+    assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
+    assert tree_allclose(grads, want, rtol=1e-4, atol=1e-6), max_abs_diff(grads, want)
+
+
+def test_the_reference_is_the_base_and_gets_no_gradient():
+    model, trainable = _lora_decoder()
+    batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=6, pairs=2, seq=8).items()}
+    dpo = zoo.models.PreferenceLoss("dpo")
+    base = zoo.models.disabled_adapters(model)
+    assert not zoo.lora.modules(base, zoo.lora.LoraLinear)
+    # The in-step reference equals log-probabilities precomputed on the base.
+    precomputed = jax.jit(dpo.reference_logps)(base, batch)
+    metrics = jax.jit(dpo.metrics)
+    in_step = metrics(model, batch)
+    with_ref = metrics(model, batch | precomputed)
+    for name in ("rewards/chosen", "rewards/rejected"):
+        np.testing.assert_allclose(in_step[name], with_ref[name], rtol=1e-5, atol=1e-6)
+    # At the start of LoRA training (B = 0) the policy is the reference: rewards 0, loss log 2.
+    fresh = zoo.lora.add_lora(base, zoo.lora.LoraConfig(r=2, lora_alpha=4), key=jax.random.key(2))
+    start = metrics(fresh, batch)
+    np.testing.assert_allclose(start["rewards/margins"], 0, atol=1e-6)
+    np.testing.assert_allclose(start["loss"], np.log(2), rtol=1e-6)
+    with pytest.raises(ValueError, match="needs a reference"):
+        dpo.loss(base, batch)
+
+
+def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
+    """tests/data/step_collectives.json (compared with the compiled steps by
+    tests/test_compiled_steps.py) holds, for each DPO/ORPO step of the LoRA decoder: no
+    all-reduce in a loop, one outside carrying the adapter gradients and the loss alone."""
+    import test_compiled_steps as pinned
+
+    from zoo._cli._lora_flag import inspect_defaults
+    from zoo._cli._tasks import build_inspect_task
+
+    model = build_inspect_task("transformer", 0).model
+    from zoo.train._lora import parse_lora
+
+    lora = parse_lora("", inspect_defaults("transformer"))
+    adapted = zoo.lora.add_lora(model, lora, key=jax.random.key(0))
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(zoo.internal.partition_trainable(adapted, zoo.lora.trainable(adapted, lora))[0]))  # fmt: skip
+    names = [n for n in pinned.EXPECTED if "+dpo/" in n or "+orpo/" in n]
+    assert sorted(names) == sorted(f"transformer+lora+{o}/{p}/data=8/explicit" for o in ("dpo", "orpo") for p in ("dp", "fsdp-once"))  # fmt: skip
+    for name in names:
+        reduces = [c for c in pinned.EXPECTED[name] if c["kind"] in ("all-reduce", "reduce-scatter")]
+        assert [c["in_loop"] for c in reduces] == [False], (name, reduces)
+        assert reduces[0]["bytes"] == adapter_bytes + 4, (name, reduces[0]["bytes"], adapter_bytes)
+        assert not any(c["in_loop"] for c in pinned.EXPECTED[name]), name
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _load(path, seq_len=16, **kwargs):
+    from zoo.train._user_data import byte_tokenizer
+
+    return zoo.data.load(path, byte_tokenizer(), seq_len=seq_len, **kwargs)[0]
+
+
+def test_text_pairs_become_one_row_each_with_completion_masks(tmp_path):
+    train = _load(_write(tmp_path / "p.jsonl", [{"prompt": "Q1", "chosen": "yes", "rejected": "no!!"}]))
+    a = train.arrays
+    assert train.kind == "preference" and len(train) == 1
+    assert bytes(a["chosen_tokens"][0, :5].astype(np.uint8)) == b"Q1yes" and a["chosen_mask"][0].sum() == 5
+    assert bytes(a["rejected_tokens"][0, :6].astype(np.uint8)) == b"Q1no!!"
+    np.testing.assert_array_equal(a["chosen_completion"][0, :6], [0, 0, 1, 1, 1, 0])
+    np.testing.assert_array_equal(a["rejected_completion"][0, :7], [0, 0, 1, 1, 1, 1, 0])
+
+
+@pytest.mark.parametrize("truncation", ["keep_end", "keep_start"])
+def test_too_long_pairs_cut_the_prompt_then_the_completions(tmp_path, truncation):
+    pair = {"prompt": "abcdefghij", "chosen": "0123456789", "rejected": "xy"}
+    a = _load(_write(tmp_path / "p.jsonl", [pair]), seq_len=12, max_prompt_len=4, truncation=truncation).arrays
+    prompt = "ghij" if truncation == "keep_end" else "abcd"
+    assert bytes(a["chosen_tokens"][0].astype(np.uint8)) == (prompt + "01234567").encode()
+    assert bytes(a["rejected_tokens"][0, :6].astype(np.uint8)) == (prompt + "xy").encode()
+    assert a["chosen_completion"][0].sum() == 8 and a["rejected_completion"][0].sum() == 2
+
+
+def test_conversation_pairs_go_through_the_chat_template(tmp_path):
+    template = zoo.data.ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    pair = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello?"}],
+            "rejected": [{"role": "assistant", "content": "go"}]}  # fmt: skip
+    a = _load(_write(tmp_path / "p.jsonl", [pair]), seq_len=64, chat_template=template, system="be kind").arrays
+    chosen = bytes(a["chosen_tokens"][0, : a["chosen_mask"][0].sum()].astype(np.uint8)).decode()
+    assert chosen == "<system>be kind\n<user>hi\n<assistant>hello?\n"
+    completion = bytes(a["chosen_tokens"][0][a["chosen_completion"][0] == 1].astype(np.uint8)).decode()
+    assert completion == "hello?\n"
+
+
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"prompt": "q", "chosen": "a"}, "['rejected'] is missing"),
+        ({"chosen": "a", "rejected": "b"}, "['prompt'] is missing"),
+        ({"prompt": "q", "chosen": " ", "rejected": "b"}, "field 'chosen' is empty"),
+        ({"prompt": "q", "chosen": "a", "rejected": []}, "mixes texts and message lists"),
+        ({"prompt": "q", "chosen": "a", "rejected": 3}, "field 'rejected' is int 3"),
+        ({"prompt": "q" * 20, "chosen": "a", "rejected": "b"}, "leaves no room for the completion at seq_len 16"),
+    ],
+)
+def test_bad_pairs_are_refused_in_one_line_naming_the_line(tmp_path, record, message):
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "ok", "chosen": "a", "rejected": "b"}, record])
+    with pytest.raises(zoo.data.DataFormatError) as e:
+        _load(path, truncation="error")
+    assert message in str(e.value) and "bad.jsonl line 2" in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- the run and the CLI
+
+PAIRS_TEXT = [
+    {"prompt": f"Q{i}:", "chosen": f" {i % 10} ok?", "rejected": f" {i % 10} ok."} for i in range(40)
+]  # fmt: skip
+SMALL = "d_model=16,num_layers=1,num_heads=2,mlp_dim=32"  # a from-scratch decoder, for the refusals
+
+
+@pytest.fixture(scope="module")
+def sft_base(tmp_path_factory):
+    """A tiny random Llama-style decoder saved as a Hugging Face folder (the base to tune;
+    byte tokens), the pairs and a prompt/completion file."""
+    root = tmp_path_factory.mktemp("prefrun")
+    config = zoo.models.TransformerConfig(vocab_size=256, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                                          mlp_dim=32, max_len=64, positions="rope", activation="swiglu",
+                                          norm="rmsnorm", tie_embeddings=False)  # fmt: skip
+    zoo.hf.save_pretrained(zoo.models.Transformer(config, key=jax.random.key(0)), root / "sft")
+    _write(root / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in PAIRS_TEXT])
+    return root, _write(root / "pairs.jsonl", PAIRS_TEXT)
+
+
+def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
+    from helpers import zoo_main
+
+    root, pairs = sft_base
+    rc, out, err = zoo_main("finetune", "transformer", "--init", root / "sft", "--data", pairs, "--seq-len", 16,
+                            "--steps", 2, "--batch-size", 8, "--microbatches", 2, "--devices", 2, "--objective", "dpo",
+                            "--beta", 0.5, "--eval-every", 1, "--output", root / "cli",
+                            "--tensorboard", root / "cli" / "tb")  # fmt: skip
+    assert rc == 0, err
+    assert "preference acc." in out and "reference: the base model (LoRA adapters disabled" in out
+    assert "step 1: eval loss" in err and "rewards/margins" in err and "logps/chosen" in err  # the console: TRL's names
+    rows = [json.loads(line) for line in (root / "cli" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    for name in zoo.models._preference.METRICS:
+        assert all(f"eval_{name}" in r for r in evals), name
+    from test_train_api import _tensorboard_scalars
+
+    scalars = _tensorboard_scalars(root / "cli" / "tb")
+    for name in zoo.models._preference.METRICS:  # TensorBoard holds the same numbers (float32)
+        assert scalars[f"eval_{name}"][2] == pytest.approx(evals[-1][f"eval_{name}"], rel=1e-6, abs=1e-7), name
+    assert evals[0]["eval_rewards/margins"] == 0 and evals[0]["eval_loss"] == pytest.approx(np.log(2), abs=1e-6)
+    summary = json.loads((root / "cli" / "summary.json").read_text())
+    assert summary["eval_before"]["accuracy"] == 0 and summary["eval_after"]["accuracy"] is not None
+    # The flags are RunConfig's fields: the run's config.json is the Python form of the same run.
+    saved = json.loads((root / "cli" / "config.json").read_text())
+    assert saved["objective"] == "dpo" and saved["beta"] == 0.5 and saved["loss_type"] == "sigmoid"
+    python = zoo.train.RunConfig(model="transformer", init=str(root / "sft"), steps=2, batch_size=8, microbatches=2,
+                                 devices=2, mesh={"data": 2}, objective="dpo", beta=0.5, eval_every=1,
+                                 tensorboard=str(root / "cli" / "tb"),
+                                 output=str(root / "cli"),
+                                 data=zoo.train.DataConfig(source=str(pairs), seq_len=16))  # fmt: skip
+    assert zoo.train.RunConfig.from_dict(saved) == python.resolved("finetune")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_full_weight_runs_dpo_against_precomputed_log_probs_and_orpo(sft_base, objective, capsys):
+    root, pairs = sft_base
+    config = zoo.train.RunConfig(
+        model="transformer", init=str(root / "sft"), data=zoo.train.DataConfig(source=str(pairs), seq_len=16),
+        steps=3, batch_size=8, microbatches=1, devices=2, objective=objective, output=str(root / f"full-{objective}"),
+    )  # fmt: skip
+    result = zoo.train.run(config)
+    out = capsys.readouterr().out
+    if objective == "dpo":
+        assert "reference: the initial model's log-probabilities, computed once before training" in out
+        assert result.summary["eval_before"]["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    else:
+        assert "; reference:" not in out.split("data:")[1].splitlines()[0]
+        assert "nll_loss" in result.summary["eval_after"]
+    assert result.summary["eval_after"]["loss"] < result.summary["eval_before"]["loss"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--objective", "dpo"], "--objective dpo trains on preference pairs: pass --data FILE.jsonl"),
+        (["--objective", "dpo", "--data", "SFT"], "holds prompt/completion records"),
+        (["--data", "PAIRS"], "holds preference pairs (prompt, chosen, rejected): tune on them with --objective dpo"),
+        (["--objective", "dpo", "--label-smoothing", "0.1", "--data", "PAIRS"], "used by loss_type 'robust' only"),
+        (["--objective", "orpo", "--beta", "0", "--data", "PAIRS"], "beta must be a number > 0"),
+    ],
+)
+def test_cli_refuses_preference_settings_in_one_line(sft_base, args, message):
+    from helpers import one_line_error, zoo_main
+
+    root, pairs = sft_base
+    args = [{"SFT": root / "sft.jsonl", "PAIRS": pairs}.get(a, a) for a in args]
+    rc, _, err = zoo_main("train", "transformer", "--model-config", SMALL, "--devices", 2, *args)
+    one_line_error(rc, err, message)
