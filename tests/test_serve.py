@@ -400,3 +400,16 @@ def test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight(served, tmp
         assert texts["a"] == texts["b"] and len(texts["a"].split()) == 1000
     finally:
         process.proc.kill()
+
+
+def test_without_the_serve_extra_the_error_says_how_to_install_it():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['uvicorn'] = None\nimport zoo.serve\nzoo.serve.Server"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1
+    assert (
+        "zoo serve needs Starlette and uvicorn (uvicorn is missing); install them with pip install 'eqx-zoo[serve]'"
+        in proc.stderr
+    )
