@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,9 +208,14 @@ class Engine:
         attention = model.layers.layers.attention
         dummy = jnp.zeros((slots, 1), jnp.int32)
         cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
-        # Keys and values in buffers of their own: the steps donate both.
-        self._cache = KVCache(
-            cache.keys, jnp.zeros_like(cache.values), cache.mask, cache.positions, jnp.zeros((slots,), jnp.int32)
+        # Keys and values in buffers of their own: the steps donate both. Placed (committed)
+        # on the model's device as the steps' outputs are, so the first call's programs serve all.
+        device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
+        self._cache = jax.device_put(
+            KVCache(
+                cache.keys, jnp.zeros_like(cache.values), cache.mask, cache.positions, jnp.zeros((slots,), jnp.int32)
+            ),
+            device,
         )
         # Each slot's sampling settings, as the decode step takes them (free slots: greedy).
         self._key_data = np.zeros((slots,) + jax.random.key_data(jax.random.key(0)).shape, np.uint32)
