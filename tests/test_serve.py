@@ -424,3 +424,48 @@ def test_without_the_serve_extra_the_error_says_how_to_install_it():
         "zoo serve needs Starlette and uvicorn (uvicorn is missing); install them with pip install 'eqx-zoo[serve]'"
         in proc.stderr
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lm_eval_local_completions_scores_as_zoo_does(served, server, tmp_path):
+    """lm-evaluation-harness (`--model local-completions`) on a multiple-choice task of our
+    own (a local jsonl): each choice's loglikelihood, read from the server's echo +
+    logprobs, equals the one zoo computes from its full forward pass."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    rng = np.random.default_rng(1)
+    words = [w for w in WORDS if w.startswith("w")]
+    docs = [
+        {"question": " ".join(rng.choice(words, 4)), "choices": list(rng.choice(words, 3, replace=False)), "answer": 0}
+        for _ in range(4)
+    ]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "zoo_mc.yaml").write_text(
+        "task: zoo_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    args = (f"model=tiny,base_url={server.base}/completions,tokenizer={served[0]},tokenizer_backend=huggingface,"
+            "num_concurrent=2,max_retries=1,max_length=64")  # fmt: skip
+    results = lm_eval.simple_evaluate(
+        model="local-completions", model_args=args, tasks=["zoo_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+    )  # fmt: skip
+    samples = results["samples"]["zoo_mc"]
+    assert len(samples) == 4
+    model, tokenizer = served[2], served[3].tokenizer
+    checked = 0
+    for sample in samples:
+        for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
+            whole, ctx = tokenizer.encode(context + continuation).ids, tokenizer.encode(context).ids
+            logprobs = np.asarray(jax.nn.log_softmax(model(jnp.asarray([whole])).astype(jnp.float32), -1))[0]
+            want = sum(logprobs[j - 1, whole[j]] for j in range(len(ctx), len(whole)))
+            np.testing.assert_allclose(float(response[0][0]), want, atol=1e-5, rtol=0)
+            checked += 1
+    assert checked == 12

@@ -366,16 +366,19 @@ class Server:
 
     async def _collect(self, handle: Handle, queue: asyncio.Queue, detok: Detokenizer, keep: bool):
         """The handle's tokens until it finishes or a stop string: `(text, tokens, count,
-        reason)`; the eos token is counted, not shown."""
+        reason)`; the eos token is counted and has its log-probability (as vLLM's; a
+        harness reading `echo` + `max_tokens=1` drops the last entry), not its text."""
         text, tokens, count = "", [], 0
         while True:
             token = await queue.get()
             if token is None:
                 break
             count += 1
-            if not keep or token.id in handle.request.stop_ids:
+            if not keep:
                 continue
             tokens.append(token)
+            if token.id in handle.request.stop_ids:
+                continue
             text += detok.add(token.id)
             if detok.stopped:
                 handle.cancel()
