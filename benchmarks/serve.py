@@ -153,7 +153,9 @@ def main():
     requests = workload(max(args.requests, args.baseline), args.vocab)
     base = requests[: args.baseline]
     gen_rate, gen_outs = run_generate(model, base)
+    print(f"zoo.generate one at a time: {gen_rate:.0f} tokens/s", flush=True)
     hf_rate, hf_outs = run_transformers(hf, base)
+    print(f"transformers one at a time: {hf_rate:.0f} tokens/s", flush=True)
     rows = [("zoo.generate, one at a time", gen_rate, None), ("transformers generate, one at a time", hf_rate, None)]
     same_hf = sum(a == b for a, b in zip(gen_outs, hf_outs))
     results = {"generate": gen_rate, "transformers": hf_rate, "engine": {}}
@@ -163,6 +165,7 @@ def main():
         same = [result["outputs"][i] == gen_outs[i] for i in range(len(base))]
         assert all(same), f"engine tokens differ from zoo.generate's for requests {np.flatnonzero(~np.array(same))}"
         rows.append((f"engine, {clients} clients", result["tokens_per_s"], result))
+        print(f"engine, {clients} clients: {result['tokens_per_s']:.0f} tokens/s", flush=True)
         results["engine"][clients] = {k: v for k, v in result.items() if k != "outputs"}
     print(f"\nLlama d={args.d} layers={args.layers} vocab={args.vocab}, greedy, prompts 16-64, outputs 16-128 tokens, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}; "

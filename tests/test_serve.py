@@ -117,7 +117,7 @@ def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):
 def test_echo_logprobs_are_the_full_forward_passes(served, engine):
     _, hf, model, _ = served
     prompt = [6, 31, 12, 40, 9, 22, 17, 50, 3, 11, 44]
-    handle = engine.submit(Request(prompt, max_tokens=3, prompt_logprobs=True))
+    handle = engine.submit(Request(prompt, max_tokens=3, prompt_logprobs=True, top_logprobs=True))
     engine.run_until_done()
     full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt])).astype(jnp.float32), axis=-1))[0]
     want = [full[i, prompt[i + 1]] for i in range(len(prompt) - 1)]

@@ -141,6 +141,20 @@ def next_token_per_row(
     picks for it alone with `k`, so one program serves greedy and sampled rows alike."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
-    filtered = filter_logits(logits, temperature=jnp.where(sampled, temperature, 1.0), top_k=top_k, top_p=top_p)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, filtered)
-    return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
+    temperature = jnp.where(sampled, temperature, 1.0)
+
+    def draw(filtering: bool):
+        def run(_):
+            if filtering:
+                filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            else:  # no row filters: skip the sort over the vocabulary
+                filtered = logits.astype(jnp.float32) / temperature[:, None]
+            drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, filtered)
+            return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
+
+        return run
+
+    # Runtime branches, one program: an all-greedy step pays for no draw and no sort.
+    filters = jnp.any(sampled & ((top_k > 0) | (top_p < 1)))
+    branch = jnp.where(jnp.any(sampled), jnp.where(filters, 2, 1), 0)
+    return lax.switch(branch, [lambda _: greedy, draw(False), draw(True)], None)

@@ -49,6 +49,8 @@ class Request:
       `zoo.generate(key=jax.random.key(seed))` draws them (None: a fresh seed).
     - `stop_ids`: ids that end the request (kept as its last token, reason `"stop"`).
     - `prompt_logprobs`: also compute the prompt's token log-probabilities (`echo`).
+    - `top_logprobs`: report each new token's `TOP_LOGPROBS` most likely alternatives
+      (`Token.top`; a step computes them only when a slot asks).
     - `adapter`: the adapter index of the slot (0: the base). Kept per slot for a model
       whose LoRA branches gather per row; the decode step does not read it yet.
     """
@@ -61,6 +63,7 @@ class Request:
     seed: int | None = None
     stop_ids: Sequence[int] = ()
     prompt_logprobs: bool = False
+    top_logprobs: bool = False
     adapter: int = 0
 
 
@@ -127,16 +130,26 @@ def _top(logprobs):
     return ids.astype(jnp.int32), values
 
 
-def _choose(logits, key_data, steps, temperature, top_k, top_p):
-    """Every row's next token and its log-probabilities (chosen, top ids, top values)."""
+def _top_if(wanted, logprobs):
+    """`_top` when any row wants it (a runtime branch: top-k over the vocabulary sorts)."""
+
+    def none(x):
+        return jnp.zeros(x.shape[:-1] + (TOP_LOGPROBS,), jnp.int32), jnp.zeros(x.shape[:-1] + (TOP_LOGPROBS,), x.dtype)
+
+    return lax.cond(jnp.any(wanted), _top, none, logprobs)
+
+
+def _choose(logits, key_data, steps, temperature, top_k, top_p, wanted):
+    """Every row's next token and its log-probabilities (chosen, top ids, top values;
+    zeros when no row in `wanted` asks for the top ones)."""
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), steps)
     tokens = next_token_per_row(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen, *_top(logprobs)
+    return tokens, chosen, *_top_if(wanted, logprobs)
 
 
-def _prefill_program(model, cache: KVCache, slot, tokens, count, key_data, temperature, top_k, top_p, echo):
+def _prefill_program(model, cache: KVCache, slot, tokens, count, key_data, temperature, top_k, top_p, wanted, echo):
     """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token."""
     width = tokens.shape[1]
     mask = jnp.arange(width)[None, :] < count
@@ -158,14 +171,14 @@ def _prefill_program(model, cache: KVCache, slot, tokens, count, key_data, tempe
         cache.positions.at[slot].set(count[0]),
         cache.index.at[slot].set(count[0]),
     )
-    first = _choose(logits, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p)
+    first = _choose(logits, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
     return cache, first, prompt
 
 
-def _decode_program(model, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p):
+def _decode_program(model, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p, wanted):
     """One step of every slot: its last token in, its next token (and log-probabilities) out."""
     logits, cache = decode_step(model, tokens, cache)
-    return cache, _choose(logits, key_data, steps, temperature, top_k, top_p)
+    return cache, _choose(logits, key_data, steps, temperature, top_k, top_p, wanted)
 
 
 class _Slot:
@@ -222,6 +235,7 @@ class Engine:
         self._temperature = np.zeros((slots,), np.float32)
         self._top_k = np.zeros((slots,), np.int32)
         self._top_p = np.ones((slots,), np.float32)
+        self._wanted = np.zeros((slots,), bool)
         self._active: list[_Slot | None] = [None] * slots
         self._waiting: deque[Handle] = deque()
         self._ids = itertools.count()
@@ -387,11 +401,12 @@ class Engine:
         tokens[0, :n] = request.prompt
         settings = self._settings(request)
         self._key_data[index], self._temperature[index], self._top_k[index], self._top_p[index] = settings
+        self._wanted[index] = bool(request.top_logprobs)
         echo = bool(request.prompt_logprobs)
         rows = slice(index, index + 1)
         self._cache, first, prompt = self._prefill(
             self.model, self._cache, np.int32(index), tokens, np.asarray([n], np.int32), self._key_data[rows],
-            self._temperature[rows], self._top_k[rows], self._top_p[rows], echo,
+            self._temperature[rows], self._top_k[rows], self._top_p[rows], self._wanted[rows], echo,
         )  # fmt: skip
         if prompt is not None:
             seen, ids, values = (np.asarray(x) for x in prompt)
@@ -405,8 +420,9 @@ class Engine:
         tokens = np.asarray([0 if s is None else s.token for s in self._active], np.int32)
         steps = np.asarray([0 if s is None else s.step for s in self._active], np.int32)
         self._cache, out = self._decode(
-            self.model, self._cache, tokens, self._key_data, steps, self._temperature, self._top_k, self._top_p
-        )
+            self.model, self._cache, tokens, self._key_data, steps, self._temperature, self._top_k, self._top_p,
+            self._wanted,
+        )  # fmt: skip
         token, chosen, ids, values = (np.asarray(x) for x in out)
         with self._lock:
             for i, slot in enumerate(self._active):
@@ -430,6 +446,8 @@ class Engine:
         slot = self._active[index]
         assert slot is not None
         self._active[index] = None  # the slot is free for the next admission
+        # ... and greedy, so the step's sampling and top-k branches follow the busy slots only
+        self._temperature[index], self._top_k[index], self._top_p[index], self._wanted[index] = 0, 0, 1, False
         slot.handle.finish_reason = reason
         self.finished[reason] = self.finished.get(reason, 0) + 1
         slot.handle._emit(None)

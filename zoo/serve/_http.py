@@ -178,12 +178,12 @@ class _Sampling:
         options = body.get("stream_options") or {}
         self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
 
-    def request(self, prompt: list[int], choice: int, max_tokens: int, stop_ids, prompt_logprobs=False) -> Request:
+    def request(self, prompt: list[int], choice: int, max_tokens: int, stop_ids, prompt_logprobs=False, top=False):
         seed = None if self.seed is None else self.seed + choice
         return Request(
             prompt=prompt, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=None if self.top_p == 1 else self.top_p, seed=seed, stop_ids=stop_ids,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, top_logprobs=top,
         )  # fmt: skip
 
 
@@ -319,7 +319,7 @@ class Server:
         stop_ids = () if self.eos_id is None or sampling.ignore_eos else (self.eos_id,)
         want_prompt = plan["echo"] and plan["logprobs"] is not None
         requests = [
-            (i, sampling.request(p, j, max(plan["max_tokens"], 1), stop_ids, want_prompt))
+            (i, sampling.request(p, j, max(plan["max_tokens"], 1), stop_ids, want_prompt, bool(plan["logprobs"])))
             for i, p in enumerate(plan["prompts"])
             for j in range(sampling.n)
         ]
