@@ -469,3 +469,26 @@ def test_lm_eval_local_completions_scores_as_zoo_does(served, server, tmp_path):
             np.testing.assert_allclose(float(response[0][0]), want, atol=1e-5, rtol=0)
             checked += 1
     assert checked == 12
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--slots", 0], "--slots must be >= 1, got 0"),
+        (["--max-len", 65], "--max-len must be in [2, 64] (the model's max_len), got 65"),
+        (["--chat-template", "/nonexistent"], "--chat-template /nonexistent: no such file"),
+    ],
+)
+@pytest.mark.timeout(120)  # a check that let it through would serve on port 8000
+def test_cli_errors_are_one_line(served, extra, message):
+    from helpers import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("serve", served[0], *extra)
+    one_line_error(rc, err, message)
+
+
+def test_cli_refuses_a_source_that_is_not_a_model(tmp_path):
+    from helpers import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("serve", tmp_path)
+    one_line_error(rc, err, "neither a Hugging Face model folder")
