@@ -362,3 +362,26 @@ def one_line_error(rc: int, err: str, message: str, code: int = 2) -> None:
     assert rc == code, (rc, err)
     assert message in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def noisy(model, scale: float):
+    """A transformers model (eval mode) with `scale` × standard normal noise added to every
+    parameter: random initialisations are near-uniform, noise makes tokens differ."""
+    import torch
+
+    model = model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model
+
+
+def save_word_tokenizer(words: list[str], folder) -> None:
+    """A word-level tokenizer.json in `folder`: one id per word of `words`, split on
+    whitespace, decoded with spaces between words."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    tok.save(str(folder / "tokenizer.json"))

@@ -413,7 +413,7 @@ def test_help_lists_every_flag(command):
 def test_entry_point_help_and_one_line_usage_error():
     """`python -m zoo --help` lists the commands; a bad flag is one line naming the fix."""
     proc = run_zoo("--help")
-    commands = ("train", "finetune", "demo", "inspect", "info", "generate", "predict", "eval", "export")
+    commands = ("train", "finetune", "demo", "inspect", "info", "generate", "serve", "predict", "eval", "export")
     assert proc.returncode == 0 and all(c in proc.stdout for c in commands)
     rc, _, err = zoo_main("train", "mlp", "--stepz", "3")  # argparse's errors, in-process
     one_line_error(rc, err, "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)")

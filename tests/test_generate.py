@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import assert_as_accurate, assert_rounding_close, largest, preset_mesh, tiny_decoder, torch_reference
+from helpers import (
+    assert_as_accurate,
+    assert_rounding_close,
+    largest,
+    noisy,
+    preset_mesh,
+    save_word_tokenizer,
+    tiny_decoder,
+    torch_reference,
+)
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -45,10 +54,7 @@ def gpt2(tmp_path_factory):
     config = transformers.GPT2Config(
         n_embd=32, n_layer=2, n_head=4, vocab_size=40, n_positions=16, bos_token_id=39, eos_token_id=39
     )
-    model = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    model = noisy(transformers.GPT2LMHeadModel(config), 0.1)
     directory = tmp_path_factory.mktemp("gpt2")
     model.save_pretrained(directory)
     return model, zoo.hf.from_pretrained(directory)
@@ -62,10 +68,7 @@ def _llama_pair(**zoo_overrides):
         num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=10000.0,
         tie_word_embeddings=False, attention_bias=False, bos_token_id=39, eos_token_id=39, pad_token_id=0,
     )  # fmt: skip
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    hf = noisy(transformers.LlamaForCausalLM(config), 0.1)
     zconfig = zoo.models.TransformerConfig(
         vocab_size=40, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=48, max_len=16,
         positions="rope", rope_theta=10000.0, activation="swiglu", norm="rmsnorm", norm_eps=1e-6,
@@ -460,15 +463,10 @@ WORDS = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(38)]
 @pytest.fixture(scope="module")
 def gpt2_with_tokenizer(gpt2, tmp_path_factory):
     """The tiny GPT-2 saved again with a word-level tokenizer.json over its 40 ids."""
-    import tokenizers
-
     hf, _ = gpt2
     directory = tmp_path_factory.mktemp("gpt2_tok")
     hf.save_pretrained(directory)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
-    tok.save(str(directory / "tokenizer.json"))
+    save_word_tokenizer(WORDS, directory)
     return directory, zoo.hf.from_pretrained(directory), zoo.hf.Tokenizer.from_pretrained(directory)
 
 

@@ -36,6 +36,7 @@ __getattr__, __dir__ = lazy_names(
         ".models": ("models",),
         ".nn": ("nn",),
         ".presets": ("presets",),
+        ".serve": ("serve",),
         ".train": ("train",),
         "._axes": ("LAYERS", "LogicalAxes", "field", "logical_axes", "stacked_field"),
         "._budget": ("Allowance", "Budget", "BudgetError", "BudgetWarning"),
@@ -53,7 +54,7 @@ __getattr__, __dir__ = lazy_names(
 )
 
 if TYPE_CHECKING:
-    from . import data, hf, internal, lora, models, nn, presets, train
+    from . import data, hf, internal, lora, models, nn, presets, serve, train
     from ._axes import LAYERS as LAYERS
     from ._axes import LogicalAxes as LogicalAxes
     from ._axes import field as field
@@ -132,6 +133,7 @@ __all__ = [
     "presets",
     "report",
     "rules",
+    "serve",
     "shard",
     "stacked_field",
     "train",

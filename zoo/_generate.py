@@ -69,14 +69,25 @@ def _head(model: Transformer, h) -> Float[Array, "batch seq vocab"]:
 
 
 def prefill(
-    model: Transformer, tokens: Int[Array, "batch prompt"], mask: Bool[Array, "batch prompt"], columns: int
-) -> tuple[Float[Array, "batch vocab"], KVCache]:
-    """Run the left-padded prompt through `model`, filling a cache of `columns` columns.
+    model: Transformer,
+    tokens: Int[Array, "batch prompt"],
+    mask: Bool[Array, "batch prompt"],
+    columns: int,
+    *,
+    every_position: bool = False,
+    last: Int[Array, " batch"] | None = None,
+) -> tuple[Float[Array, "batch *prompt vocab"], KVCache]:
+    """Run the padded prompts through `model`, filling a cache of `columns` columns.
 
-    **Arguments:** the decoder, `tokens` and `mask` (`True` at real tokens, padding on the
-    left), the cache length `columns` (prompt + new tokens).
+    **Arguments:** the decoder, `tokens` and `mask` (`True` at real tokens; each row's
+    tokens together, padded on the left as `zoo.generate` lays them out, or on the right
+    as `zoo.serve.Engine` does), the cache length `columns` (prompt + new tokens),
+    `every_position`: return the logits at every column, not only the next token's;
+    `last`: each row's last real column (default the last column: left padding).
 
-    **Returns:** `(logits of the next token [batch, vocab] (float32), cache)`.
+    **Returns:** `(logits of the token after each row's last real one [batch, vocab]
+    (float32), or at every column [batch, prompt, vocab] with every_position; cache)`.
+    The cache's `index` is the prompt width `prompt` (the next column to write).
     """
     b, s = tokens.shape
     attention = model.layers.layers.attention
@@ -89,21 +100,28 @@ def prefill(
     allowed = causal[None] & column_mask[:, None, :]
     h = _embed(model, tokens, positions)
     h, keys, values = _layers(model, h, cache, positions, allowed)
-    logits = _head(model, h[:, -1:])[:, 0]
     count = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    if every_position:
+        logits = _head(model, h)
+    elif last is None:
+        logits = _head(model, h[:, -1:])[:, 0]
+    else:  # right padding: each row's own last real token
+        logits = _head(model, jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
     return logits, KVCache(keys, values, column_mask, count, jnp.asarray(s, jnp.int32))
 
 
 def decode_step(
     model: Transformer, token: Int[Array, " batch"], cache: KVCache
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
-    """One new token per row through `model`, attending to the cache.
+    """One new token per row through `model`, attending to the cache; each row writes at
+    the cache's `index` (shared, or its own).
 
     **Returns:** `(logits of the token after it [batch, vocab] (float32), updated cache)`.
     """
     columns = jnp.arange(cache.columns)
-    mask = cache.mask | (columns == cache.index)[None, :]
-    allowed = ((columns <= cache.index)[None, :] & mask)[:, None, :]
+    index = jnp.reshape(cache.index, (-1, 1))  # [1 or batch, 1]
+    mask = cache.mask | (columns == index)
+    allowed = ((columns <= index) & mask)[:, None, :]
     positions = cache.positions[:, None]
     h = _embed(model, token[:, None], positions)
     h, keys, values = _layers(model, h, cache, positions, allowed)

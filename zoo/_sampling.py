@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from .nn._sharding import entries, sharding_spec
 
@@ -64,30 +64,50 @@ def apply_repetition_penalty(
     return jnp.where(seen, penalised, logits)
 
 
+def _per_row(value):
+    """A per-row setting `[batch]` as a column `[batch, 1]`; a Python number as it is."""
+    return value if value is None or isinstance(value, (int, float)) else jnp.asarray(value)[:, None]
+
+
 def filter_logits(
-    logits: Float[Array, "batch vocab"], *, temperature: float, top_k: int | None, top_p: float | None
+    logits: Float[Array, "batch vocab"],
+    *,
+    temperature: float | Float[Array, " batch"],
+    top_k: int | None | Int[Array, " batch"],
+    top_p: float | None | Float[Array, " batch"],
 ) -> Float[Array, "batch vocab"]:
     """`logits / temperature` with the tokens top-k and top-p remove set to `-inf`.
 
     **Arguments:** float32 `logits` `[batch, vocab]`, `temperature > 0`, `top_k` (None:
-    off), `top_p` (None or 1: off).
+    off), `top_p` (None or 1: off). Each setting is one number for every row
+    (`zoo.generate`: compiled in), or a `[batch]` array, one per row (`zoo.serve.Engine`:
+    requests with different settings share one program; there `top_k` 0 and `top_p` 1
+    are off).
 
     **Returns:** the processed logits; sampling from their softmax is sampling as
     transformers' `generate(do_sample=True, ...)` does.
     """
+    temperature, top_k, top_p = _per_row(temperature), _per_row(top_k), _per_row(top_p)
     logits = logits.astype(jnp.float32) / temperature
     vocab = logits.shape[-1]
-    if top_k is not None and top_k < vocab:
+    ranked = None
+    if isinstance(top_k, int) and top_k < vocab:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None and top_p < 1:
+    elif top_k is not None and not isinstance(top_k, int):
         ranked = -jnp.sort(-logits, axis=-1)  # best first
+        kth = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)
+        logits = jnp.where((top_k > 0) & (logits < kth), -jnp.inf, logits)
+        ranked = jnp.where((top_k > 0) & (ranked < kth), -jnp.inf, ranked)  # = sorting the filtered logits
+    if top_p is not None and (not isinstance(top_p, float) or top_p < 1):
+        ranked = -jnp.sort(-logits, axis=-1) if ranked is None else ranked
         probs = jax.nn.softmax(ranked, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better-ranked tokens
         keep_ranked = (before < top_p).at[..., 0].set(True)
         # The worst kept score: a threshold, not a scatter (tokens tied with it stay too).
         cutoff = jnp.min(jnp.where(keep_ranked, ranked, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+        filtered = jnp.where(logits < cutoff, -jnp.inf, logits)
+        logits = filtered if isinstance(top_p, float) else jnp.where(top_p < 1, filtered, logits)
     return logits
 
 
@@ -105,3 +125,36 @@ def next_token(
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+
+def next_token_per_row(
+    logits: Float[Array, "batch vocab"],
+    keys: Key[Array, " batch"],
+    *,
+    temperature: Float[Array, " batch"],
+    top_k: Int[Array, " batch"],
+    top_p: Float[Array, " batch"],
+) -> Int[Array, " batch"]:
+    """`next_token` with settings of its own for every row: greedy where `temperature` is
+    0, else a draw with the row's key (`keys`, `[batch]`) from its filtered distribution
+    (`top_k` 0 and `top_p` 1 are off). A row drawn with key `k` picks what `next_token`
+    picks for it alone with `k`, so one program serves greedy and sampled rows alike."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = temperature > 0
+    temperature = jnp.where(sampled, temperature, 1.0)
+
+    def draw(filtering: bool):
+        def run(_):
+            if filtering:
+                filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            else:  # no row filters: skip the sort over the vocabulary
+                filtered = logits.astype(jnp.float32) / temperature[:, None]
+            drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, filtered)
+            return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
+
+        return run
+
+    # Runtime branches, one program: an all-greedy step pays for no draw and no sort.
+    filters = jnp.any(sampled & ((top_k > 0) | (top_p < 1)))
+    branch = jnp.where(jnp.any(sampled), jnp.where(filters, 2, 1), 0)
+    return lax.switch(branch, [lambda _: greedy, draw(False), draw(True)], None)

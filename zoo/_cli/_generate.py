@@ -177,15 +177,15 @@ def _refusal(message: str, error: BaseException) -> CLIError:
     return refusal
 
 
-def load(source: str, adapter: str | None, *, rules, mesh):
-    """`(model, Text, eos id or None, description)` of SOURCE (with --adapter)."""
+def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = None):
+    """`(model, Text, eos id or None, description)` of SOURCE (with --adapter), computing
+    in `dtype` (default the folder's)."""
     import zoo
 
     folder, adapter_dir, where = resolve_source(source, adapter)
+    overrides = {"dropout": 0.0, "attention_dropout": 0.0} | ({} if dtype is None else {"dtype": dtype})
     try:
-        model = zoo.hf.from_pretrained(
-            folder, rules=rules, mesh=mesh, config_overrides={"dropout": 0.0, "attention_dropout": 0.0}
-        )
+        model = zoo.hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides=overrides)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise _refusal(f"SOURCE {source}: {str(e).splitlines()[0]}", e) from e
     if not isinstance(model, zoo.models.Transformer):
@@ -337,6 +337,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
+SOURCE_HELP = (
+    "a Hugging Face folder (or a model id in the local Hugging Face cache), or a zoo train / finetune output folder"
+)
+
+
+def add_source(p: argparse.ArgumentParser) -> None:
+    """The SOURCE argument, read by `load` (zoo generate, zoo serve)."""
+    p.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate",
@@ -350,12 +360,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="Examples: zoo generate runs/lm --prompt 'def ' ; zoo generate path/to/gpt2 --prompt 'Hello' "
         "--prompt 'The' --temperature 0.8 --top-p 0.9 --seed 1; zoo generate runs/tuned --max-new-tokens 32",
     )
-    p.add_argument(
-        "source",
-        metavar="SOURCE",
-        help="a Hugging Face folder (or a model id in the local Hugging Face cache), or a zoo train / "
-        "finetune output folder",
-    )
+    add_source(p)
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeat for a batch)")
     p.add_argument(
         "--max-new-tokens",

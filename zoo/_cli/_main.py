@@ -48,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `zoo` parser and its commands' parsers by name."""
-    from . import _generate, _info, _inspect, _train, _use
+    from . import _generate, _info, _inspect, _serve, _train, _use
 
     parser = _Parser(
         prog="zoo",
@@ -61,6 +61,7 @@ def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     commands["inspect"] = _inspect.add_parser(sub)
     commands["info"] = _info.add_parser(sub)
     commands["generate"] = _generate.add_parser(sub)
+    commands["serve"] = _serve.add_parser(sub)
     commands |= _use.add_parsers(sub)
     for flag, text in (("--no-compile-cache", NO_CACHE_HELP), ("--keep-memory", KEEP_MEMORY_HELP)):
         parser.add_argument(flag, action="store_true", help=text)

@@ -30,7 +30,9 @@ class KVCache(eqx.Module):
     - `mask`: `[batch, columns]`, `True` where a column holds a real token (written and
       not padding).
     - `positions`: `[batch]`, the position of each row's next token.
-    - `index`: the next column to write (the same for every row: prompts are left-padded).
+    - `index`: the next column to write: one for every row (`zoo.generate`: prompts are
+      left-padded), or `[batch]`, one per row (`zoo.serve.Engine`: each slot is a request
+      of its own length, written from column 0).
 
     Under a mesh the batch dimension follows the tokens (`data`) and `kv_heads` follows
     the key projection's output (`model` under tensor parallelism).
@@ -40,7 +42,7 @@ class KVCache(eqx.Module):
     values: Float[Array, "layers batch columns kv_heads head_dim"]
     mask: Bool[Array, "batch columns"]
     positions: Int[Array, " batch"]
-    index: Int[Array, ""]
+    index: Int[Array, "*rows"]
 
     @property
     def columns(self) -> int:
@@ -107,13 +109,13 @@ def cached_attention(
     *,
     layer: Int[Array, ""],
     positions: Int[Array, "batch seq"],
-    index: Int[Array, ""],
+    index: Int[Array, "*rows"],
     allowed: Bool[Array, "batch seq columns"],
 ):
     """`attention` over `x` (columns `index … index+seq`) and every cached column.
 
     Writes the new keys and values into layer `layer` of the stacked `keys`/`values` at
-    column `index`, then attends from each new query to the columns `allowed` marks (and,
+    column `index` (a scalar: every row's; `[batch]`: each row's own), then attends from each new query to the columns `allowed` marks (and,
     with a `sliding_window`, only to the last `window` columns up to its own: the cache
     keeps every column, the band is a mask).
     Same arithmetic as `Attention.__call__` (scores in float32, the same softmax), so a
@@ -128,18 +130,23 @@ def cached_attention(
     v = attention.v_proj(x).reshape(b, s, kvh, hd)
     if attention.rope_theta is not None:
         q, k = _rotate(q, positions, attention), _rotate(k, positions, attention)
-    zero = jnp.zeros((), jnp.int32)
-    start = (layer, zero, index, zero, zero)
-    keys = lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), start)
-    values = lax.dynamic_update_slice(values, v[None].astype(values.dtype), start)
+    if jnp.ndim(index) == 0:
+        zero = jnp.zeros((), jnp.int32)
+        start = (layer, zero, index, zero, zero)
+        keys = lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), start)
+        values = lax.dynamic_update_slice(values, v[None].astype(values.dtype), start)
+    else:  # each row at its own column: a scatter of `seq` columns per row
+        rows, cols = jnp.arange(b)[:, None], index[:, None] + jnp.arange(s)
+        keys = keys.at[layer, rows, cols].set(k.astype(keys.dtype))
+        values = values.at[layer, rows, cols].set(v.astype(values.dtype))
     k_all = lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False).astype(x.dtype)
     v_all = lax.dynamic_index_in_dim(values, layer, 0, keepdims=False).astype(x.dtype)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k_all, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(hd)
     window = getattr(attention, "sliding_window", None)
     if window is not None:  # Mistral's band: a query sees the `window` columns up to its own
-        query_columns = index + jnp.arange(s)
-        allowed = allowed & (query_columns[:, None] - jnp.arange(keys.shape[2])[None, :] < window)[None]
+        query_columns = jnp.reshape(index, (-1, 1)) + jnp.arange(s)  # [1 or batch, seq]
+        allowed = allowed & (query_columns[:, :, None] - jnp.arange(keys.shape[2]) < window)
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)

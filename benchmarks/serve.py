@@ -1,0 +1,185 @@
+"""Serving throughput and latency of `zoo.serve.Engine` against one request at a time.
+
+One Llama-shaped model (random weights made by transformers and loaded with
+`zoo.hf.from_pretrained`, so all run the same numbers; default d=512, 8 layers, GQA 8/2,
+vocab 8192), one CPU device, greedy decoding, a workload of requests with mixed prompt
+lengths (16-64 tokens) and output lengths (16-128 new tokens):
+
+- **engine, C clients**: `zoo.serve.Engine(slots=C)` stepping in its thread; C closed-loop
+  clients, each submitting its next request when the last one finished, for C in
+  `--clients` (1, 4, 16, 64). Reported: generated tokens/s over the run, time to first
+  token (submit → first token) and per-token latency (between a request's consecutive
+  tokens), p50 / p99.
+- **zoo.generate, one at a time**: the same requests, each `zoo.generate` alone (compiled
+  for each shape beforehand, so only decoding is timed).
+- **transformers, one at a time**: `LlamaForCausalLM.generate(do_sample=False)`,
+  `torch.set_num_threads` = the machine's cores.
+
+The engine's tokens are checked equal to zoo.generate's for the baseline requests. Prints
+one table with each row's throughput as a ratio of one-at-a-time zoo.generate.
+
+Run: `python benchmarks/serve.py [--clients 1 4 16 64 --requests 64 --baseline 8 --json out.json]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+import zoo
+from zoo.serve import Engine, Request
+
+
+def make_model(args):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.d, intermediate_size=4 * args.d, num_hidden_layers=args.layers,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    folder = tempfile.mkdtemp()
+    hf.save_pretrained(folder)
+    return hf, zoo.hf.from_pretrained(folder)
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    return [
+        Request(rng.integers(1, vocab, size=int(rng.integers(16, 65))).tolist(), max_tokens=int(rng.integers(16, 129)))
+        for _ in range(n)
+    ]
+
+
+def percentile(values, q):
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def run_engine(model, requests: list[Request], clients: int) -> dict:
+    """C closed-loop clients over `requests`; timings from the engine thread's callbacks."""
+    engine = Engine(model, slots=clients, max_len=256)
+    for width in (16, 32, 64):  # compile every bucket the workload uses, and the step
+        handle = engine.submit(Request([1] * width, max_tokens=2))
+        engine.run_until_done()
+        assert handle.done
+    engine.start()
+    pending = list(range(len(requests)))
+    lock = threading.Lock()
+    done = threading.Event()
+    stamps: dict[int, list[float]] = {}
+    submitted: dict[int, float] = {}
+    outputs: dict[int, list[int]] = {}
+    remaining = [len(requests)]
+
+    def launch():
+        with lock:
+            if not pending:
+                return
+            i = pending.pop(0)
+        stamps[i] = []
+        submitted[i] = time.perf_counter()
+
+        def on_update(token, i=i):
+            if token is not None:
+                stamps[i].append(time.perf_counter())
+                return
+            outputs[i] = handles[i].ids
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+            launch()
+
+        handles[i] = engine.submit(requests[i], on_update=on_update)
+
+    handles: dict[int, object] = {}
+    start = time.perf_counter()
+    for _ in range(min(clients, len(requests))):
+        launch()
+    done.wait()
+    elapsed = time.perf_counter() - start
+    engine.stop()
+    tokens = sum(len(v) for v in outputs.values())
+    ttft = [stamps[i][0] - submitted[i] for i in stamps]
+    gaps = [b - a for s in stamps.values() for a, b in zip(s, s[1:])]
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+        "token_p50": percentile(gaps, 50), "token_p99": percentile(gaps, 99),
+        "outputs": outputs, "compiles": len(engine.compiles), "seconds": elapsed,
+    }  # fmt: skip
+
+
+def run_generate(model, requests: list[Request]) -> tuple[float, list[list[int]]]:
+    for r in requests:  # compile every shape first
+        zoo.generate(model, np.asarray([r.prompt]), max_new_tokens=r.max_tokens).block_until_ready()
+    start, outs = time.perf_counter(), []
+    for r in requests:
+        out = np.asarray(zoo.generate(model, np.asarray([r.prompt]), max_new_tokens=r.max_tokens))
+        outs.append(out[0, len(r.prompt) :].tolist())
+    return sum(r.max_tokens for r in requests) / (time.perf_counter() - start), outs
+
+
+def run_transformers(hf, requests: list[Request]) -> tuple[float, list[list[int]]]:
+    hf.generation_config.eos_token_id = None
+    start, outs = time.perf_counter(), []
+    with torch.no_grad():
+        for r in requests:
+            out = hf.generate(torch.tensor([r.prompt]), do_sample=False, max_new_tokens=r.max_tokens, pad_token_id=0)
+            outs.append(out[0, len(r.prompt) :].tolist())
+    return sum(r.max_tokens for r in requests) / (time.perf_counter() - start), outs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests", type=int, default=64, help="requests per engine run (default 64)")
+    parser.add_argument("--baseline", type=int, default=8, help="requests timed one at a time (default 8)")
+    parser.add_argument("--d", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf, model = make_model(args)
+    requests = workload(max(args.requests, args.baseline), args.vocab)
+    base = requests[: args.baseline]
+    gen_rate, gen_outs = run_generate(model, base)
+    print(f"zoo.generate one at a time: {gen_rate:.0f} tokens/s", flush=True)
+    hf_rate, hf_outs = run_transformers(hf, base)
+    print(f"transformers one at a time: {hf_rate:.0f} tokens/s", flush=True)
+    rows = [("zoo.generate, one at a time", gen_rate, None), ("transformers generate, one at a time", hf_rate, None)]
+    same_hf = sum(a == b for a, b in zip(gen_outs, hf_outs))
+    results = {"generate": gen_rate, "transformers": hf_rate, "engine": {}}
+    for clients in args.clients:
+        n = max(args.requests, 2 * clients)
+        result = run_engine(model, workload(n, args.vocab), clients)
+        same = [result["outputs"][i] == gen_outs[i] for i in range(len(base))]
+        assert all(same), f"engine tokens differ from zoo.generate's for requests {np.flatnonzero(~np.array(same))}"
+        rows.append((f"engine, {clients} clients", result["tokens_per_s"], result))
+        print(f"engine, {clients} clients: {result['tokens_per_s']:.0f} tokens/s", flush=True)
+        results["engine"][clients] = {k: v for k, v in result.items() if k != "outputs"}
+    print(f"\nLlama d={args.d} layers={args.layers} vocab={args.vocab}, greedy, prompts 16-64, outputs 16-128 tokens, "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}; "
+          f"transformers' tokens equal zoo.generate's for {same_hf}/{len(base)} requests\n")  # fmt: skip
+    print("| run | tokens/s | × zoo.generate | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) |")
+    print("|---|---|---|---|---|")
+    for name, rate, r in rows:
+        lat = "" if r is None else f"{1e3 * r['ttft_p50']:.0f} / {1e3 * r['ttft_p99']:.0f}"
+        tok = "" if r is None else f"{1e3 * r['token_p50']:.1f} / {1e3 * r['token_p99']:.1f}"
+        print(f"| {name} | {rate:.0f} | {rate / gen_rate:.2f}× | {lat} | {tok} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

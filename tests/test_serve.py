@@ -1,0 +1,494 @@
+"""zoo.serve: continuous batching against zoo.generate alone, and the HTTP server against
+the official `openai` client.
+
+The model is a tiny random LlamaForCausalLM made by transformers, saved with a word-level
+tokenizer.json and a chat template, loaded by zoo.hf. zoo.generate (itself checked against
+transformers' generate in test_generate.py) is the reference for every request's tokens;
+transformers' own forward pass and zoo's give the prompt log-probabilities.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import noisy, save_word_tokenizer
+
+import zoo
+from zoo.serve import Engine, QueueFull, Request
+
+WORDS = ["[PAD]", "[UNK]", "user", "assistant", "system", "."] + [f"w{i}" for i in range(58)]
+VOCAB = len(WORDS)  # 64
+EOS = 5  # "."
+MAX_LEN = 64
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`(folder, transformers model, zoo model, zoo.hf.Tokenizer)` of a tiny random Llama."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0,
+    )  # fmt: skip
+    hf = noisy(transformers.LlamaForCausalLM(config), 0.2)
+    folder = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(folder)
+    save_word_tokenizer(WORDS, folder)
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": ".", "pad_token": "[PAD]"})
+    )
+    return folder, hf, zoo.hf.from_pretrained(folder), zoo.hf.Tokenizer.from_pretrained(folder)
+
+
+def _alone(model, request: Request) -> list[int]:
+    """zoo.generate's tokens for `request` by itself (greedy, or sampled with its seed)."""
+    key = None if request.temperature == 0 else jax.random.key(request.seed)
+    out = zoo.generate(
+        model, np.asarray([request.prompt], np.int32), max_new_tokens=request.max_tokens,
+        temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, key=key,
+    )  # fmt: skip
+    return np.asarray(out)[0, len(request.prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return Engine(served[2], slots=4, max_len=MAX_LEN)
+
+
+def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, engine):
+    """Staggered arrivals, prompt lengths 1..30 (four buckets), more requests than slots,
+    greedy and sampled side by side: each request's tokens are zoo.generate's for it alone."""
+    model = served[2]
+    rng = np.random.default_rng(0)
+    shapes = [(5, 9), (12, 6), (1, 14), (30, 7), (9, 11), (17, 3), (3, 12), (8, 1)]
+    requests = [Request(prompt=rng.integers(6, VOCAB, size=n).tolist(), max_tokens=m) for n, m in shapes]
+    requests[2] = Request(requests[2].prompt, max_tokens=14, temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    requests[6] = Request(requests[6].prompt, max_tokens=12, temperature=1.3, seed=3)
+    compiles = []  # XLA's own count: programs the engine's steps built
+
+    def count(event, _seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        handles = [engine.submit(r) for r in requests[:3]]
+        engine.step()
+        engine.step()
+        handles += [engine.submit(r) for r in requests[3:6]]
+        engine.step()
+        assert engine.active == 4 and engine.waiting == 2  # 4 slots: two wait
+        handles += [engine.submit(r) for r in requests[6:]]
+        engine.run_until_done()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(compiles) == 4
+    for request, handle in zip(requests, handles):
+        assert handle.finish_reason == "length"
+        assert handle.ids == _alone(model, request), request
+    # One decode program; one prefill per bucket (8, 16, 32) used.
+    assert engine.compiles == {("decode",): 1, ("prefill", 8, False): 1, ("prefill", 16, False): 1,
+                               ("prefill", 32, False): 1}  # fmt: skip
+    assert engine.active == 0 and engine.waiting == 0
+
+
+def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):
+    model = served[2]
+    prompt = [7, 8, 9, 10]
+    free = _alone(model, Request(prompt, max_tokens=MAX_LEN - len(prompt)))
+    handle = engine.submit(Request(prompt, max_tokens=10**6))  # only the cache's end stops it
+    engine.run_until_done()
+    assert handle.finish_reason == "length" and handle.ids == free
+    stop = free[5]
+    handle = engine.submit(Request(prompt, max_tokens=30, stop_ids=[stop]))
+    engine.run_until_done()
+    assert handle.finish_reason == "stop" and handle.ids == free[: free.index(stop) + 1]
+
+
+def test_echo_logprobs_are_the_full_forward_passes(served, engine):
+    _, hf, model, _ = served
+    prompt = [6, 31, 12, 40, 9, 22, 17, 50, 3, 11, 44]
+    handle = engine.submit(Request(prompt, max_tokens=3, prompt_logprobs=True, top_logprobs=True))
+    engine.run_until_done()
+    full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt])).astype(jnp.float32), axis=-1))[0]
+    want = [full[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
+    assert handle.prompt_logprobs[0] is None
+    np.testing.assert_allclose(handle.prompt_logprobs[1:], want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        torch_full = torch.log_softmax(hf(torch.tensor([prompt])).logits.float(), -1)[0].numpy()
+    np.testing.assert_allclose(handle.prompt_logprobs[1:], [torch_full[i, prompt[i + 1]] for i in range(10)],
+                               atol=1e-5, rtol=0)  # fmt: skip
+    # Each new token's log-probability is the full forward's at its position.
+    ids = prompt + handle.ids
+    full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
+    got = [t.logprob for t in handle.tokens]
+    np.testing.assert_allclose(got, [full[len(prompt) - 1 + j, t] for j, t in enumerate(handle.ids)], atol=1e-5)
+    top = handle.tokens[0].top
+    assert [i for i, _ in top] == np.argsort(-full[len(prompt) - 1])[:5].tolist()
+
+
+def test_cancel_frees_the_slot_and_the_queue_is_bounded(served):
+    model = served[2]
+    engine = Engine(model, slots=1, max_len=32, max_queue=1)
+    running = engine.submit(Request([6, 7], max_tokens=20))
+    engine.step()
+    waiting = engine.submit(Request([8, 9, 10], max_tokens=4))
+    with pytest.raises(QueueFull, match="already wait for a slot"):
+        engine.submit(Request([8], max_tokens=4))
+    running.cancel()
+    engine.step()  # the cancelled request leaves, the waiting one takes its slot
+    assert running.finish_reason == "cancelled" and len(running.ids) == 2
+    engine.run_until_done()
+    assert waiting.ids == _alone(model, waiting.request)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (Request([], max_tokens=2), "the prompt is empty"),
+        (Request([6] * 64, max_tokens=2), "the prompt has 64 tokens but a request holds at most 64"),
+        (Request([6, 99], max_tokens=2), "token id 99 is outside the model's vocabulary [0, 64)"),
+        (Request([6], max_tokens=0), "max_tokens must be a positive integer"),
+        (Request([6], temperature=-1.0), "temperature must be >= 0"),
+        (Request([6], temperature=1.0, top_p=1.5), "top_p must be in (0, 1]"),
+        (Request([6], temperature=1.0, top_k=0), "top_k must be a positive integer"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_fix(engine, request_, message):
+    with pytest.raises(ValueError) as e:
+        engine.submit(request_)
+    assert message in str(e.value)
+
+
+def test_stream_and_background_thread(served):
+    model = served[2]
+    engine = Engine(model, slots=2, max_len=32)
+    request = Request([6, 7, 8], max_tokens=6)
+    want = _alone(model, request)
+    assert [t.id for t in engine.stream(request)] == want  # steps itself
+    engine.start()
+    try:
+        handles = [engine.submit(Request([6, 7, 8], max_tokens=6)) for _ in range(3)]
+        assert [[t.id for t in engine.tokens(h)] for h in handles] == [want] * 3
+    finally:
+        engine.stop()
+    with pytest.raises(QueueFull, match="stopping"):
+        engine.submit(request)
+
+
+# --- the HTTP server, through the official openai client ----------------------------------
+
+
+class _Process:
+    """`zoo serve` in a process of its own, on a free port of 127.0.0.1."""
+
+    def __init__(self, folder, *flags):
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parents[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zoo", "serve", str(folder), "--port", "0", "--name", "tiny", *map(str, flags)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+        )  # fmt: skip
+        self.line = self.proc.stdout.readline()  # "zoo serve: http://127.0.0.1:PORT/v1  model tiny  ready"
+        if "ready" not in self.line:
+            self.proc.kill()
+            raise AssertionError(f"zoo serve did not start: {self.line}{self.proc.stderr.read()}")
+        self.base = self.line.split()[2]  # http://127.0.0.1:PORT/v1
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base, api_key="none", max_retries=0, timeout=60)
+
+    def stop(self) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    process = _Process(served[0], "--slots", 4, "--max-len", MAX_LEN)
+    yield process
+    assert process.stop() == 0
+
+
+def _http(base, method, path, body=None):
+    """`(status, headers, JSON body)` of one plain HTTP request (bytes or JSON-able body)."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(base)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(method, url.path.removesuffix("/v1") + path, body=data)
+    response = connection.getresponse()
+    result = response.status, dict(response.getheaders()), json.loads(response.read())
+    connection.close()
+    return result
+
+
+def _health(base):
+    return _http(base, "GET", "/health")[2]
+
+
+def _greedy_text(served, prompt_ids, max_tokens):
+    """zoo.generate's greedy continuation as text, up to (not including) the eos id."""
+    _, _, model, tokenizer = served
+    ids = _alone(model, Request(prompt_ids, max_tokens=max_tokens))
+    ids = ids[: ids.index(EOS)] if EOS in ids else ids
+    return tokenizer.decode(ids), ids
+
+
+def _ids(served, text):
+    return served[3].tokenizer.encode(text).ids
+
+
+def test_openai_client_completions(served, server):
+    client = server.client()
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    prompts = ["w1 w2 w3", "w40 w7"]
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    wants = [_greedy_text(served, _ids(served, p), 12) for p in prompts]
+    assert [c.text for c in out.choices] == [wants[0][0]] * 2 + [wants[1][0]] * 2
+    for choice, (_, ids) in zip(out.choices, [wants[0]] * 2 + [wants[1]] * 2):
+        assert choice.finish_reason == ("stop" if len(ids) < 12 else "length")
+    assert out.usage.prompt_tokens == 5
+    assert out.usage.completion_tokens == sum(min(len(ids) + 1, 12) for _, ids in wants) * 2  # eos counts
+    # Token ids in, the same text out; streamed, the same text in pieces.
+    by_ids = client.completions.create(model="tiny", prompt=_ids(served, prompts[0]), max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == wants[0][0]
+    pieces = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == wants[0][0]
+
+
+def test_openai_client_stop_strings_and_sampling(served, server):
+    client = server.client()
+    prompt = "w9 w33 w12 w50"
+    text, ids = _greedy_text(served, _ids(served, prompt), 20)
+    words = text.split()
+    assert len(words) >= 3, "the random model should say a few words before its eos"
+    stop = " " + words[2]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert out.choices[0].text == text[: text.index(stop)] and out.choices[0].finish_reason == "stop"
+    pieces = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=stop,
+                                       stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in pieces) == text[: text.index(stop)]
+    # A seeded draw is zoo.generate's with jax.random.key(seed).
+    kw = dict(max_tokens=8, temperature=0.8, top_p=0.9)
+    out = client.completions.create(model="tiny", prompt=prompt, seed=11, extra_body={"ignore_eos": True}, **kw)
+    want = _alone(served[2], Request(_ids(served, prompt), seed=11, **kw))
+    assert out.choices[0].text == served[3].decode(want)
+
+
+def test_openai_client_echo_logprobs_are_the_full_forward(served, server):
+    client = server.client()
+    prompt = "w3 w14 w7 w22 w41 w2"
+    ids = _ids(served, prompt)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    lp = out.choices[0].logprobs
+    full = np.asarray(jax.nn.log_softmax(served[2](jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
+    assert out.choices[0].text == prompt and lp.tokens == prompt.split()
+    assert lp.token_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], [full[i, ids[i + 1]] for i in range(len(ids) - 1)], atol=1e-5)
+    assert list(lp.top_logprobs[1]) == [WORDS[int(np.argmax(full[0]))]]
+
+
+def test_openai_client_chat(served, server):
+    client = server.client()
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    rendered = "user w5 w6 w7 . assistant "
+    want, _ = _greedy_text(served, _ids(served, rendered), 10)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want
+    assert out.usage.prompt_tokens == len(_ids(served, rendered))
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        (b"{not json", "the request body is not valid JSON", None),
+        (b'{"model": "gpt-4", "prompt": "w1"}', "the model 'gpt-4' does not exist; this server serves 'tiny'", "model"),
+        (json.dumps({"model": "tiny", "prompt": "w1 " * 64}).encode(), "the prompt has 64 tokens but", "prompt"),
+        (b'{"model": "tiny", "prompt": "w1", "temperature": 5}', "temperature must be in [0, 2], got 5", "temperature"),
+        (b'{"model": "tiny", "prompt": "w1", "top_p": 0}', "top_p must be in (0, 1], got 0", "top_p"),
+        (b'{"model": "tiny", "prompt": "w1", "n": 0}', "n must be in [1, 64], got 0", "n"),
+        (b'{"model": "tiny", "prompt": {"a": 1}}', "prompt must be a string, a list of strings", "prompt"),
+    ],
+)
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, message, param):
+    status, _, answer = _http(server.base, "POST", "/v1/completions", body)
+    assert status == 400
+    error = answer["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error" and error["param"] == param
+    assert _health(server.base)["status"] == "ok"
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(server):
+    import http.client
+    import time
+    from urllib.parse import urlparse
+
+    before = _health(server.base)["finished"].get("cancelled", 0)
+    body = {"model": "tiny", "prompt": "w1", "max_tokens": 60, "stream": True, "ignore_eos": True}
+    url = urlparse(server.base)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", "/v1/completions", body=json.dumps(body).encode())
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")  # the first chunk; then the client goes
+    connection.sock.close()
+    connection.close()
+    for _ in range(100):  # bounded: 10 s
+        state = _health(server.base)
+        if state["active"] == 0 and state["finished"].get("cancelled", 0) > before:
+            break
+        time.sleep(0.1)
+    assert state["active"] == 0 and state["finished"]["cancelled"] == before + 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight(served, tmp_path):
+    """One slot, one place in the queue: a third request gets 429 with Retry-After; SIGTERM
+    while two stream lets both finish whole, then the process exits 0. The model is saved
+    again with room for 1000 new tokens, so the requests are still running."""
+    import shutil
+    import threading
+    import time
+
+    config = json.loads((served[0] / "config.json").read_text())
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(served[0] / name, tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
+    process = _Process(tmp_path, "--slots", 1, "--max-queue", 1)
+    try:
+        body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        texts = {}
+
+        def stream(name):
+            chunks = process.client().completions.create(stream=True, extra_body={"ignore_eos": True},
+                                                         **{k: body[k] for k in ("model", "prompt", "max_tokens",
+                                                                                 "temperature")})  # fmt: skip
+            texts[name] = "".join(c.choices[0].text for c in chunks)
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in ("a", "b")]
+        threads[0].start()
+        for _ in range(200):  # bounded: 10 s
+            if _health(process.base)["active"] == 1:
+                break
+            time.sleep(0.05)
+        threads[1].start()
+        for _ in range(200):
+            if _health(process.base)["waiting"] == 1:
+                break
+            time.sleep(0.05)
+        status, headers, answer = _http(process.base, "POST", "/v1/completions", body)
+        assert status == 429 and headers["retry-after"] == "1" and answer["error"]["code"] == "queue_full"
+        assert process.stop() == 0  # SIGTERM: both finish first
+        for t in threads:
+            t.join(timeout=60)
+        assert texts["a"] == texts["b"] and len(texts["a"].split()) == 1000
+    finally:
+        process.proc.kill()
+
+
+def test_without_the_serve_extra_the_error_says_how_to_install_it():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['uvicorn'] = None\nimport zoo.serve\nzoo.serve.Server"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1
+    assert (
+        "zoo serve needs Starlette and uvicorn (uvicorn is missing); install them with pip install 'eqx-zoo[serve]'"
+        in proc.stderr
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lm_eval_local_completions_scores_as_zoo_does(served, server, tmp_path):
+    """lm-evaluation-harness (`--model local-completions`) on a multiple-choice task of our
+    own (a local jsonl): each choice's loglikelihood, read from the server's echo +
+    logprobs, equals the one zoo computes from its full forward pass."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    rng = np.random.default_rng(1)
+    words = [w for w in WORDS if w.startswith("w")]
+    docs = [
+        {"question": " ".join(rng.choice(words, 4)), "choices": list(rng.choice(words, 3, replace=False)), "answer": 0}
+        for _ in range(4)
+    ]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "zoo_mc.yaml").write_text(
+        "task: zoo_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    args = (f"model=tiny,base_url={server.base}/completions,tokenizer={served[0]},tokenizer_backend=huggingface,"
+            "num_concurrent=2,max_retries=1,max_length=64")  # fmt: skip
+    results = lm_eval.simple_evaluate(
+        model="local-completions", model_args=args, tasks=["zoo_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+    )  # fmt: skip
+    samples = results["samples"]["zoo_mc"]
+    assert len(samples) == 4
+    model, tokenizer = served[2], served[3].tokenizer
+    checked = 0
+    for sample in samples:
+        for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
+            whole, ctx = tokenizer.encode(context + continuation).ids, tokenizer.encode(context).ids
+            logprobs = np.asarray(jax.nn.log_softmax(model(jnp.asarray([whole])).astype(jnp.float32), -1))[0]
+            want = sum(logprobs[j - 1, whole[j]] for j in range(len(ctx), len(whole)))
+            np.testing.assert_allclose(float(response[0][0]), want, atol=1e-5, rtol=0)
+            checked += 1
+    assert checked == 12
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--slots", 0], "--slots must be >= 1, got 0"),
+        (["--max-len", 65], "--max-len must be in [2, 64] (the model's max_len), got 65"),
+        (["--chat-template", "/nonexistent"], "--chat-template /nonexistent: no such file"),
+    ],
+)
+@pytest.mark.timeout(120)  # a check that let it through would serve on port 8000
+def test_cli_errors_are_one_line(served, extra, message):
+    from helpers import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("serve", served[0], *extra)
+    one_line_error(rc, err, message)
+
+
+def test_cli_refuses_a_source_that_is_not_a_model(tmp_path):
+    from helpers import one_line_error, zoo_main
+
+    rc, _, err = zoo_main("serve", tmp_path)
+    one_line_error(rc, err, "neither a Hugging Face model folder")

@@ -1,0 +1,92 @@
+"""`zoo serve SOURCE`: an OpenAI-compatible server over a decoder (`zoo.serve`).
+
+SOURCE is read as `zoo generate` reads it (a Hugging Face folder, a cached model id, a
+`zoo train` / `zoo finetune` run folder with its adapter); the command parses, loads and
+hands the model to `zoo.serve.Engine` and `zoo.serve.Server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ._common import CLIError, init_devices
+from ._generate import add_source, chat_template, load
+
+
+def _model_name(source: str) -> str:
+    """The name requests give in `model`: the folder's name, or the model id."""
+    folder = Path(source).expanduser()
+    return folder.resolve().name if folder.exists() else source
+
+
+def cmd_serve(args) -> int:
+    if args.slots < 1:
+        raise CLIError(f"--slots must be >= 1, got {args.slots}")
+    if args.max_queue < 0:
+        raise CLIError(f"--max-queue must be >= 0, got {args.max_queue}")
+    init_devices(1)
+    try:
+        import zoo.serve
+    except ImportError as e:
+        raise CLIError(str(e)) from e
+    import zoo
+
+    model, text, eos, where = load(args.source, args.adapter, rules=None, mesh=None, dtype=args.dtype)
+    max_len = model.config.max_len if args.max_len is None else args.max_len
+    if not 1 < max_len <= model.config.max_len:
+        raise CLIError(f"--max-len must be in [2, {model.config.max_len}] (the model's max_len), got {max_len}")
+    try:
+        template = chat_template(args.source, args.chat_template)
+    except CLIError:
+        if args.chat_template is not None:
+            raise
+        template = None  # /v1/chat/completions answers 400
+    name = args.name or _model_name(args.source)
+    engine = zoo.serve.Engine(model, slots=args.slots, max_len=max_len, max_queue=args.max_queue)
+    print(f"zoo serve: {where}, {args.slots} slots of {max_len} tokens; compiling...", file=sys.stderr, flush=True)
+    engine.warm_up()
+    server = zoo.serve.Server(engine, model_name=name, tokenizer=text.tokenizer, chat_template=template, eos_id=eos)
+    zoo.serve.serve(server, host=args.host, port=args.port)
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve",
+        help="serve a decoder over the OpenAI API (completions, chat) with continuous batching",
+        description="An OpenAI-compatible HTTP server (GET /v1/models, POST /v1/completions, POST "
+        "/v1/chat/completions, GET /health) over zoo.serve.Engine: a fixed set of slots sharing one key/value "
+        "cache and one compiled decode step; requests join and leave between steps. SOURCE as zoo generate "
+        "reads it. Prints the address, the model's name and 'ready' once it answers; SIGTERM finishes the "
+        "requests in flight and exits 0. Needs the serve extra: pip install 'eqx-zoo[serve]'.",
+        epilog="Example: zoo serve path/to/llama --port 8000 --slots 16, then "
+        "openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='none').completions.create(model='llama', "
+        "prompt='Hello', max_tokens=16)",
+    )
+    add_source(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
+    p.add_argument("--slots", type=int, default=8, metavar="N", help="requests decoded together (default 8)")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="tokens of one request, prompt + completion (default the model's max_len); longer prompts get 400",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests that may wait for a slot; beyond, 429 with Retry-After (default 256)",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default the model's)")
+    p.add_argument("--name", help="the model name clients give (default SOURCE's folder name, or the model id)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (peft's layout) to load onto the model")
+    p.add_argument("--chat-template", metavar="FILE", help="a jinja2 chat template file instead of the model's own")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    p.set_defaults(func=cmd_serve)
+    return p

@@ -1,0 +1,457 @@
+"""Continuous batching: a fixed set of slots over one key/value cache, one compiled decode
+step for all of them, requests joining and leaving between steps.
+
+Each slot holds one request. A new request is prefilled alone (its prompt padded on the
+right to a power-of-two bucket, so few programs compile) and its cache row written into a
+free slot; from the next step on, the shared decode step advances it with every other
+active slot. A slot's columns start at 0 and its writes go to its own column (the cache's
+per-row `index`); the attention mask of a row holds only its own columns, so no request
+ever sees another's tokens. Sampling settings are per-slot arrays, so greedy and sampled
+requests share the program. The model side (`prefill`, `decode_step`, the cache and the
+sampling) is `zoo.generate`'s own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._generate import decode_step, prefill
+from .._jit import Jit
+from .._sampling import check_sampling, next_token_per_row
+from ..nn._cache import KVCache, empty_cache
+
+# Alternatives per token the engine reports (OpenAI's `logprobs` is at most 5).
+TOP_LOGPROBS = 5
+SMALLEST_BUCKET = 8
+
+
+@dataclass
+class Request:
+    """One completion request, in token ids.
+
+    - `prompt`: the prompt's ids (at least one).
+    - `max_tokens`: the most new tokens (the slot's room in the cache may end it first).
+    - `temperature`: 0 greedy; above 0 a draw after `top_k` / `top_p` filtering
+      (`zoo.generate`'s rules).
+    - `seed`: the draws' key is `jax.random.key(seed)` folded with the token's index, as
+      `zoo.generate(key=jax.random.key(seed))` draws them (None: a fresh seed).
+    - `stop_ids`: ids that end the request (kept as its last token, reason `"stop"`).
+    - `prompt_logprobs`: also compute the prompt's token log-probabilities (`echo`).
+    - `top_logprobs`: report each new token's `TOP_LOGPROBS` most likely alternatives
+      (`Token.top`; a step computes them only when a slot asks).
+    - `adapter`: the adapter index of the slot (0: the base). Kept per slot for a model
+      whose LoRA branches gather per row; the decode step does not read it yet.
+    """
+
+    prompt: Sequence[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_ids: Sequence[int] = ()
+    prompt_logprobs: bool = False
+    top_logprobs: bool = False
+    adapter: int = 0
+
+
+@dataclass
+class Token:
+    """One generated token: its id, its log-probability under the model (before any
+    temperature or filtering) and the `TOP_LOGPROBS` most likely ids with theirs."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Handle:
+    """A submitted request: its tokens as they come, and how it ended.
+
+    `tokens` grows as the engine steps; `finish_reason` is None while it runs, then
+    `"stop"` (a stop id), `"length"` (`max_tokens` or the cache's end) or `"cancelled"`.
+    `prompt_logprobs` (with `Request.prompt_logprobs`): one per prompt token, None for the
+    first. `on_update` (optional) is called from the engine's thread with each new `Token`,
+    then with None when the request finishes.
+    """
+
+    id: int
+    request: Request
+    tokens: list[Token] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    on_update: Callable[[Token | None], Any] | None = None
+    _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    _cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+    def cancel(self) -> None:
+        """Stop the request (a client went away): its slot is freed before the next step."""
+        self._cancelled = True
+
+    def _emit(self, token: Token | None) -> None:
+        self._events.put(token)
+        if self.on_update is not None:
+            self.on_update(token)
+
+
+def bucket(length: int, limit: int) -> int:
+    """The prefill width of a prompt of `length` ids: the next power of two (at least
+    `SMALLEST_BUCKET`), at most `limit`."""
+    width = SMALLEST_BUCKET
+    while width < length:
+        width *= 2
+    return min(width, limit)
+
+
+def _top(logprobs):
+    values, ids = lax.top_k(logprobs, TOP_LOGPROBS)
+    return ids.astype(jnp.int32), values
+
+
+def _top_if(wanted, logprobs):
+    """`_top` when any row wants it (a runtime branch: top-k over the vocabulary sorts)."""
+
+    def none(x):
+        return jnp.zeros(x.shape[:-1] + (TOP_LOGPROBS,), jnp.int32), jnp.zeros(x.shape[:-1] + (TOP_LOGPROBS,), x.dtype)
+
+    return lax.cond(jnp.any(wanted), _top, none, logprobs)
+
+
+def _choose(logits, key_data, steps, temperature, top_k, top_p, wanted):
+    """Every row's next token and its log-probabilities (chosen, top ids, top values;
+    zeros when no row in `wanted` asks for the top ones)."""
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), steps)
+    tokens = next_token_per_row(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen, *_top_if(wanted, logprobs)
+
+
+def _prefill_program(model, cache: KVCache, slot, tokens, count, key_data, temperature, top_k, top_p, wanted, echo):
+    """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token."""
+    width = tokens.shape[1]
+    mask = jnp.arange(width)[None, :] < count
+    logits, small = prefill(model, tokens, mask, width, every_position=echo, last=None if echo else count - 1)
+    if echo:
+        every = jax.nn.log_softmax(logits[0], axis=-1)  # [width, vocab]: row i predicts token i + 1
+        seen = jnp.take_along_axis(every[:-1], tokens[0, 1:, None], axis=-1)[:, 0]
+        prompt = (seen, *_top(every[:-1]))
+        logits = lax.dynamic_index_in_dim(logits, count[0] - 1, 1, keepdims=False)
+    else:
+        prompt = None
+    zero = jnp.zeros((), jnp.int32)
+    start = (zero, slot, zero, zero, zero)
+    mask_row = jnp.pad(mask, ((0, 0), (0, cache.columns - width)))
+    cache = KVCache(
+        lax.dynamic_update_slice(cache.keys, small.keys, start),
+        lax.dynamic_update_slice(cache.values, small.values, start),
+        lax.dynamic_update_slice(cache.mask, mask_row, (slot, zero)),
+        cache.positions.at[slot].set(count[0]),
+        cache.index.at[slot].set(count[0]),
+    )
+    first = _choose(logits, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
+    return cache, first, prompt
+
+
+def _decode_program(model, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p, wanted):
+    """One step of every slot: its last token in, its next token (and log-probabilities) out."""
+    logits, cache = decode_step(model, tokens, cache)
+    return cache, _choose(logits, key_data, steps, temperature, top_k, top_p, wanted)
+
+
+class _Slot:
+    def __init__(self, handle: Handle, token: int, step: int, length: int):
+        self.handle, self.token, self.step, self.length = handle, token, step, length
+
+
+class Engine:
+    """Serves many requests at once with one decoder: continuous batching over `slots`.
+
+    **Arguments:**
+
+    - `model`: a `zoo.models.Transformer` (as `zoo.generate` takes it, on one device).
+    - `slots`: how many requests decode together (the cache's batch).
+    - `max_len`: the cache's columns: prompt + new tokens of one request (default the
+      model's `max_len`; at most it).
+    - `max_queue`: how many requests may wait for a slot; `submit` raises `QueueFull`
+      beyond (None: no bound).
+
+    `submit(request)` returns a `Handle`; `step()` admits waiting requests (one prefill
+    each, bucketed), then advances every active slot by one token; `run_until_done()`
+    steps until nothing is left; `stream(request)` yields its `Token`s, stepping as needed.
+    `start()` steps in a background thread (what the HTTP server does); `stop()` ends it
+    once the requests in flight have finished. `compiles` counts the programs built:
+    `("decode",)` once, `("prefill", width, echo)` per bucket used.
+    """
+
+    def __init__(self, model, *, slots: int = 8, max_len: int | None = None, max_queue: int | None = None):
+        limit = model.config.max_len
+        max_len = limit if max_len is None else int(max_len)
+        if not 1 < max_len <= limit:
+            raise ValueError(f"max_len must be in [2, {limit}] (the model's max_len), got {max_len}")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.model, self.slots, self.max_len, self.max_queue = model, int(slots), max_len, max_queue
+        self.vocab = model.config.vocab_size
+        self.compiles: dict[tuple, int] = {}
+        self._prefill = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"))
+        self._decode = Jit(_decode_program, donate=(1,), on_compile=self._count("decode"))
+        attention = model.layers.layers.attention
+        dummy = jnp.zeros((slots, 1), jnp.int32)
+        cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
+        # Keys and values in buffers of their own: the steps donate both. Placed (committed)
+        # on the model's device as the steps' outputs are, so the first call's programs serve all.
+        device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
+        self._cache = jax.device_put(
+            KVCache(
+                cache.keys, jnp.zeros_like(cache.values), cache.mask, cache.positions, jnp.zeros((slots,), jnp.int32)
+            ),
+            device,
+        )
+        # Each slot's sampling settings, as the decode step takes them (free slots: greedy).
+        self._key_data = np.zeros((slots,) + jax.random.key_data(jax.random.key(0)).shape, np.uint32)
+        self._temperature = np.zeros((slots,), np.float32)
+        self._top_k = np.zeros((slots,), np.int32)
+        self._top_p = np.ones((slots,), np.float32)
+        self._wanted = np.zeros((slots,), bool)
+        self._active: list[_Slot | None] = [None] * slots
+        self._waiting: deque[Handle] = deque()
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.finished: dict[str, int] = {}  # requests ended, by finish reason
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _count(self, kind: str):
+        def on_compile(_compiled, args):
+            key = ("decode",) if kind == "decode" else ("prefill", args[3].shape[1], args[-1])
+            self.compiles[key] = self.compiles.get(key, 0) + 1
+
+        return on_compile
+
+    @property
+    def active(self) -> int:
+        """How many slots hold a request."""
+        return sum(s is not None for s in self._active)
+
+    @property
+    def waiting(self) -> int:
+        """How many submitted requests wait for a slot."""
+        return len(self._waiting)
+
+    def check(self, request: Request) -> None:
+        """Raise `ValueError` (one line, the fix in it) for a request the engine cannot run."""
+        n = len(request.prompt)
+        if n < 1:
+            raise ValueError("the prompt is empty; give it at least one token")
+        if n >= self.max_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but a request holds at most {self.max_len} (prompt + new tokens, "
+                f"the server's max_len); shorten the prompt to at most {self.max_len - 1} tokens"
+            )
+        bad = [int(t) for t in request.prompt if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {self.vocab})")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+        check_sampling(float(request.temperature), request.top_k, request.top_p)
+        if request.seed is not None and not 0 <= int(request.seed) < 2**63:
+            raise ValueError(f"seed must be a non-negative integer below 2**63, got {request.seed}")
+
+    # -- the public surface -------------------------------------------------------------
+
+    def submit(self, request: Request, on_update: Callable[[Token | None], Any] | None = None) -> Handle:
+        """Queue `request`; it joins at the next step with a free slot. Raises `ValueError`
+        for a request that cannot run (see `check`), `QueueFull` when `max_queue` wait."""
+        self.check(request)
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the engine is stopping and takes no new requests")
+            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests already wait for a slot; retry shortly")
+            handle = Handle(next(self._ids), request, on_update=on_update)
+            self._waiting.append(handle)
+            self._lock.notify_all()
+        return handle
+
+    def step(self) -> int:
+        """Admit waiting requests into free slots, then advance every active slot by one
+        token. Returns how many slots are active after it."""
+        with self._lock:
+            for i, slot in enumerate(self._active):
+                if slot is not None and slot.handle._cancelled:
+                    self._finish(i, "cancelled")
+            while self._waiting and None in self._active:
+                handle = self._waiting.popleft()
+                if handle._cancelled:
+                    handle.finish_reason = "cancelled"
+                    handle._emit(None)
+                    continue
+                self._admit(self._active.index(None), handle)
+        if any(s is not None for s in self._active):
+            self._advance()
+        return self.active
+
+    def run_until_done(self) -> None:
+        """Step until no request waits or runs."""
+        while self._waiting or any(s is not None for s in self._active):
+            self.step()
+
+    def stream(self, request: Request) -> Iterator[Token]:
+        """Submit `request` and yield its tokens as they come (stepping the engine here
+        unless `start()` runs it in a thread)."""
+        handle = self.submit(request)
+        yield from self.tokens(handle)
+
+    def tokens(self, handle: Handle) -> Iterator[Token]:
+        """`handle`'s tokens as they come, until it finishes."""
+        while True:
+            if self._thread is None:
+                while handle._events.empty():
+                    self.step()
+            token = handle._events.get()
+            if token is None:
+                return
+            yield token
+
+    def warm_up(self) -> None:
+        """Compile the decode step and the smallest prefill bucket (one short greedy request),
+        so the first client does not wait for them."""
+        handle = self.submit(Request([0], max_tokens=2))
+        while not handle.done:
+            self.step()
+
+    def start(self) -> None:
+        """Step in a background thread whenever there is work (until `stop()`)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="zoo-serve-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, *, wait: bool = True) -> None:
+        """Take no new requests; the thread ends once those waiting and running are done."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if wait and self._thread is not None:
+            self._thread.join()
+
+    # -- the work -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._waiting and all(s is None for s in self._active) and not self._stopping:
+                        self._lock.wait()
+                    if self._stopping and not self._waiting and all(s is None for s in self._active):
+                        return
+                self.step()
+        except BaseException as e:  # every handle learns it; the server reports it
+            self.error = e
+            with self._lock:
+                for i, slot in enumerate(self._active):
+                    if slot is not None:
+                        self._finish(i, "error")
+                while self._waiting:
+                    handle = self._waiting.popleft()
+                    handle.finish_reason = "error"
+                    handle._emit(None)
+            raise
+
+    def _settings(self, request: Request):
+        """`(key data, temperature, top_k, top_p)` of `request`, as one row of the arrays."""
+        key_data = np.asarray(jax.random.key_data(jax.random.key(request.seed or 0)))
+        top_k = 0 if request.top_k is None else min(request.top_k, self.vocab)
+        top_p = 1.0 if request.top_p is None else float(request.top_p)
+        return key_data, float(request.temperature), top_k, top_p
+
+    def _admit(self, index: int, handle: Handle) -> None:
+        request = handle.request
+        if request.seed is None and request.temperature > 0:
+            request.seed = int(self._seeds.integers(2**62))
+        n = len(request.prompt)
+        width = bucket(n, self.max_len)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :n] = request.prompt
+        settings = self._settings(request)
+        self._key_data[index], self._temperature[index], self._top_k[index], self._top_p[index] = settings
+        self._wanted[index] = bool(request.top_logprobs)
+        echo = bool(request.prompt_logprobs)
+        rows = slice(index, index + 1)
+        self._cache, first, prompt = self._prefill(
+            self.model, self._cache, np.int32(index), tokens, np.asarray([n], np.int32), self._key_data[rows],
+            self._temperature[rows], self._top_k[rows], self._top_p[rows], self._wanted[rows], echo,
+        )  # fmt: skip
+        if prompt is not None:
+            seen, ids, values = (np.asarray(x) for x in prompt)
+            handle.prompt_logprobs = [None] + [float(v) for v in seen[: n - 1]]
+            handle.prompt_top = [[]] + [list(zip(ids[i].tolist(), values[i].tolist())) for i in range(n - 1)]
+        self._active[index] = _Slot(handle, 0, 0, n)
+        token, chosen, ids, values = (np.asarray(x) for x in first)
+        self._deliver(index, int(token[0]), float(chosen[0]), ids[0], values[0])
+
+    def _advance(self) -> None:
+        tokens = np.asarray([0 if s is None else s.token for s in self._active], np.int32)
+        steps = np.asarray([0 if s is None else s.step for s in self._active], np.int32)
+        self._cache, out = self._decode(
+            self.model, self._cache, tokens, self._key_data, steps, self._temperature, self._top_k, self._top_p,
+            self._wanted,
+        )  # fmt: skip
+        token, chosen, ids, values = (np.asarray(x) for x in out)
+        with self._lock:
+            for i, slot in enumerate(self._active):
+                if slot is not None:
+                    self._deliver(i, int(token[i]), float(chosen[i]), ids[i], values[i])
+
+    def _deliver(self, index: int, token: int, logprob: float, ids, values) -> None:
+        slot = self._active[index]
+        assert slot is not None
+        slot.token, slot.step, slot.length = token, slot.step + 1, slot.length + 1
+        handle = slot.handle
+        handle.tokens.append(Token(token, logprob, list(zip(ids.tolist(), values.tolist()))))
+        handle._emit(handle.tokens[-1])
+        request = handle.request
+        if token in request.stop_ids:
+            self._finish(index, "stop")
+        elif len(handle.tokens) >= request.max_tokens or slot.length >= self.max_len:
+            self._finish(index, "length")
+
+    def _finish(self, index: int, reason: str) -> None:
+        slot = self._active[index]
+        assert slot is not None
+        self._active[index] = None  # the slot is free for the next admission
+        # ... and greedy, so the step's sampling and top-k branches follow the busy slots only
+        self._temperature[index], self._top_k[index], self._top_p[index], self._wanted[index] = 0, 0, 1, False
+        slot.handle.finish_reason = reason
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        slot.handle._emit(None)
+
+
+class QueueFull(RuntimeError):
+    """More requests than the engine's `max_queue` wait for a slot (or it is stopping)."""

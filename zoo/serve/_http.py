@@ -1,0 +1,545 @@
+"""The OpenAI HTTP API (the subset clients use) over an `Engine`, on Starlette + uvicorn.
+
+`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`.
+Streaming is server-sent events as OpenAI sends them, ending with `data: [DONE]`. Bad
+input gets HTTP 400 with OpenAI's error body (`{"error": {"message", "type", "param",
+"code"}}`); a full queue 429 and a stopping server 503, both with `Retry-After`. The
+engine steps in its own thread; each request waits on its handles through the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ._engine import Engine, Handle, QueueFull, Request, Token
+
+try:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HTTPRequest
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+except ImportError as e:  # pragma: no cover - the message is the test
+    raise ImportError(
+        f"zoo serve needs Starlette and uvicorn ({e.name} is missing); install them with pip install 'eqx-zoo[serve]'"
+    ) from e
+
+MAX_N = 64
+MAX_STOPS = 4
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (HTTP 400): `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+def _error(message: str, status: int, *, kind: str = "invalid_request_error", param=None, code=None, headers=None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Text:
+    """Text ↔ ids: a `zoo.hf.Tokenizer`, or UTF-8 bytes (ids 0-255) without one."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        if tokenizer is not None:
+            tokenizer.tokenizer.no_truncation()
+
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            return list(text.encode("utf-8"))
+        return list(self.tokenizer.tokenizer.encode(text, add_special_tokens=special_tokens).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(ids)
+
+    def piece(self, token: int) -> str:
+        """One token's own text (logprobs' `tokens`)."""
+        if self.tokenizer is None:
+            return bytes([token]).decode("utf-8", errors="replace") if token < 256 else ""
+        return self.tokenizer.tokenizer.id_to_token(token) or ""
+
+
+class Detokenizer:
+    """A request's new text as its tokens come, cut at the first stop string.
+
+    `add(token)` returns the text that is final: the decoded text minus what was already
+    handed out, holding back an end that may begin a stop string; `stopped` turns True
+    when a stop string appears (its text and what follows are never handed out)."""
+
+    def __init__(self, text: Text, stops: list[str]):
+        self.text, self.stops = text, stops
+        self.ids: list[int] = []
+        self.decoded = ""  # all the tokens' text so far
+        self.given = 0  # how much of it was handed out
+        self.stopped = False
+        self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        if self.text.tokenizer is None:
+            self.decoded += self._bytes.decode(bytes([token])) if token < 256 else ""
+        else:
+            self.ids.append(token)
+            self.decoded = self.text.decode(self.ids)
+        found = [i for i in (self.decoded.find(s, max(self.given - len(s), 0)) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            end = min(found)
+        else:  # keep back the longest end that begins a stop string
+            keep = max((n for s in self.stops for n in range(1, len(s)) if self.decoded.endswith(s[:n])), default=0)
+            end = len(self.decoded) - keep
+        out = self.decoded[self.given : max(end, self.given)]
+        self.given = max(end, self.given)
+        return out
+
+    def finish(self) -> str:
+        """What was held back, at the end of the request."""
+        if self.stopped:
+            return ""
+        out, self.given = self.decoded[self.given :], len(self.decoded)
+        return out
+
+
+# -- reading a request -------------------------------------------------------------------
+
+
+def _number(body: dict, name: str, default, kind, low=None, high=None, *, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise BadRequest(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}", name)
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        where = f"{'(' if low_open else '['}{low}, {high}]" if high is not None else f">{'' if low_open else '='} {low}"
+        raise BadRequest(f"{name} must be in {where}, got {value}", name)
+    return kind(value)
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
+    return stops
+
+
+def _prompts(body: dict, text: Text) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [text.encode(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [text.encode(p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        if all(p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise BadRequest(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids", "prompt"
+    )
+
+
+class _Sampling:
+    """The sampling fields common to both endpoints, checked."""
+
+    def __init__(self, body: dict, vocab: int):
+        self.max_tokens = _number(body, "max_tokens", None, int, 0)
+        self.temperature = _number(body, "temperature", 1.0, float, 0, 2)
+        self.top_p = _number(body, "top_p", 1.0, float, 0, 1, low_open=True)
+        top_k = _number(body, "top_k", -1, int, -1)
+        self.top_k = None if top_k in (-1, 0) else top_k
+        self.seed = _number(body, "seed", None, int, 0, 2**63 - 1)
+        self.n = _number(body, "n", 1, int, 1, MAX_N)
+        self.stops = _stops(body)
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's: only max_tokens and stop end it
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
+        self.ignore_eos = ignore_eos
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
+        self.stream = stream
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+
+    def request(self, prompt: list[int], choice: int, max_tokens: int, stop_ids, prompt_logprobs=False, top=False):
+        seed = None if self.seed is None else self.seed + choice
+        return Request(
+            prompt=prompt, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+            top_p=None if self.top_p == 1 else self.top_p, seed=seed, stop_ids=stop_ids,
+            prompt_logprobs=prompt_logprobs, top_logprobs=top,
+        )  # fmt: skip
+
+
+class Server:
+    """The OpenAI API over `engine`.
+
+    **Arguments:**
+
+    - `engine`: the `Engine` (the server starts its thread on startup, stops it on
+      shutdown once the requests in flight are done).
+    - `model_name`: the name `/v1/models` lists and requests' `model` must give.
+    - `tokenizer`: a `zoo.hf.Tokenizer` (None: UTF-8 bytes).
+    - `chat_template`: a `zoo.data.ChatTemplate` for `/v1/chat/completions` (None: the
+      endpoint answers 400).
+    - `eos_id`: the id that ends a completion (finish reason `"stop"`).
+
+    `app` is the Starlette application (any ASGI server runs it); `serve` runs it with
+    uvicorn.
+    """
+
+    def __init__(self, engine: Engine, *, model_name: str, tokenizer=None, chat_template=None, eos_id=None):
+        self.engine, self.model_name, self.text = engine, model_name, Text(tokenizer)
+        self.chat_template, self.eos_id = chat_template, eos_id
+        self.created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            ],
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self.engine.start()
+        try:
+            yield
+        finally:  # after uvicorn let the requests in flight finish
+            await asyncio.to_thread(self.engine.stop)
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    async def health(self, request: HTTPRequest):
+        if self.engine.error is not None:
+            return _error(f"the engine stopped: {self.engine.error!r}", 503, kind="server_error")
+        engine = self.engine
+        return JSONResponse({"status": "ok", "active": engine.active, "waiting": engine.waiting,
+                             "finished": dict(engine.finished)})  # fmt: skip
+
+    async def models(self, request: HTTPRequest):
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "zoo"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: HTTPRequest):
+        return await self._answer(request, chat=False)
+
+    async def chat(self, request: HTTPRequest):
+        return await self._answer(request, chat=True)
+
+    # -- the work -------------------------------------------------------------------------
+
+    async def _answer(self, request: HTTPRequest, *, chat: bool):
+        try:
+            body = await self._body(request)
+            plan = self._chat_plan(body) if chat else self._completion_plan(body)
+            handles = self._submit(plan)
+        except BadRequest as e:
+            headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+            kind = "invalid_request_error" if e.status == 400 else "server_error"
+            return _error(str(e), e.status, kind=kind, param=e.param, code=e.code, headers=headers)
+        if plan["sampling"].stream:
+            stream = self._stream(plan, handles, chat)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await self._whole(plan, handles, chat))
+        finally:
+            for _, handle, _ in handles:
+                handle.cancel()  # a no-op once it finished; frees the slot when the client left
+
+    async def _body(self, request: HTTPRequest) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise BadRequest(f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        model = body.get("model")
+        if model != self.model_name:
+            raise BadRequest(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
+        return body
+
+    def _completion_plan(self, body: dict) -> dict:
+        sampling = _Sampling(body, self.engine.vocab)
+        prompts = _prompts(body, self.text)
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise BadRequest(f"echo must be true or false, got {echo!r}", "echo")
+        logprobs = _number(body, "logprobs", None, int, 0, 5)
+        max_tokens = 16 if sampling.max_tokens is None else sampling.max_tokens
+        if max_tokens == 0 and not echo:
+            raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt's log-probabilities)", "max_tokens")
+        return {"sampling": sampling, "prompts": prompts, "echo": echo, "logprobs": logprobs, "max_tokens": max_tokens}
+
+    def _chat_plan(self, body: dict) -> dict:
+        if self.chat_template is None:
+            raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+        sampling = _Sampling(body, self.engine.vocab)
+        if body.get("max_completion_tokens") is not None:
+            sampling.max_tokens = _number(body, "max_completion_tokens", None, int, 1)
+        try:
+            rendered = self.chat_template.render(messages, add_generation_prompt=True)
+        except Exception as e:  # a template's raise_exception, a missing field
+            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+        prompt = self.text.encode(rendered, special_tokens=False)
+        max_tokens = self.engine.max_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
+        if max_tokens < 1:
+            raise BadRequest("max_tokens must be >= 1", "max_tokens")
+        return {"sampling": sampling, "prompts": [prompt], "echo": False, "logprobs": None, "max_tokens": max_tokens}
+
+    def _submit(self, plan: dict) -> list[tuple[int, Handle, asyncio.Queue]]:
+        """Each (prompt, choice) submitted: `[(prompt index, handle, its token queue)]`."""
+        loop = asyncio.get_running_loop()
+        sampling = plan["sampling"]
+        stop_ids = () if self.eos_id is None or sampling.ignore_eos else (self.eos_id,)
+        want_prompt = plan["echo"] and plan["logprobs"] is not None
+        requests = [
+            (i, sampling.request(p, j, max(plan["max_tokens"], 1), stop_ids, want_prompt, bool(plan["logprobs"])))
+            for i, p in enumerate(plan["prompts"])
+            for j in range(sampling.n)
+        ]
+        for _, r in requests:
+            try:
+                self.engine.check(r)
+            except ValueError as e:
+                raise BadRequest(str(e), "prompt") from None
+        handles = []
+        try:
+            for i, r in requests:
+                queue: asyncio.Queue = asyncio.Queue()
+                handle = self.engine.submit(r, on_update=lambda t, q=queue: loop.call_soon_threadsafe(q.put_nowait, t))
+                handles.append((i, handle, queue))
+        except QueueFull as e:
+            for _, handle, _ in handles:
+                handle.cancel()
+            stopping = "stopping" in str(e)
+            code, status = ("server_shutting_down", 503) if stopping else ("queue_full", 429)
+            raise BadRequest(str(e), None, code, status) from None
+        return handles
+
+    def _logprobs(self, tokens: list[Token], top: int, offset: int) -> dict:
+        pieces = [self.text.piece(t.id) for t in tokens]
+        offsets, at = [], offset
+        for p in pieces:
+            offsets.append(at)
+            at += len(p)
+        return {
+            "tokens": pieces,
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{self.text.piece(i): v for i, v in t.top[:top]} for t in tokens],
+            "text_offset": offsets,
+        }
+
+    def _prompt_part(self, prompt: list[int], handle: Handle, top: int) -> tuple[str, dict | None]:
+        text = self.text.decode(prompt)
+        if top is None or handle.prompt_logprobs is None:
+            return text, None
+        tokens = [Token(t, lp, tp) for t, lp, tp in zip(prompt, handle.prompt_logprobs, handle.prompt_top)]
+        part = self._logprobs(tokens, top, 0)
+        part["token_logprobs"][0], part["top_logprobs"][0] = None, None
+        return text, part
+
+    async def _collect(self, handle: Handle, queue: asyncio.Queue, detok: Detokenizer, keep: bool):
+        """The handle's tokens until it finishes or a stop string: `(text, tokens, count,
+        reason)`; the eos token is counted and has its log-probability (as vLLM's; a
+        harness reading `echo` + `max_tokens=1` drops the last entry), not its text."""
+        text, tokens, count = "", [], 0
+        while True:
+            token = await queue.get()
+            if token is None:
+                break
+            count += 1
+            if not keep:
+                continue
+            tokens.append(token)
+            if token.id in handle.request.stop_ids:
+                continue
+            text += detok.add(token.id)
+            if detok.stopped:
+                handle.cancel()
+                break
+        text += detok.finish()
+        reason = "stop" if detok.stopped or handle.finish_reason == "stop" else "length"
+        if handle.finish_reason == "error":
+            raise RuntimeError(f"the engine failed: {self.engine.error!r}")
+        return text, tokens, count if keep else 0, reason
+
+    async def _whole(self, plan: dict, handles, chat: bool) -> dict:
+        sampling, echo, top = plan["sampling"], plan["echo"], plan["logprobs"]
+        keep = plan["max_tokens"] > 0
+        results = await asyncio.gather(
+            *(self._collect(h, q, Detokenizer(self.text, sampling.stops), keep) for _, h, q in handles)
+        )
+        choices = []
+        completion_tokens = 0
+        for index, ((i, handle, _), (text, tokens, count, reason)) in enumerate(zip(handles, results)):
+            completion_tokens += count
+            if chat:
+                message = {"role": "assistant", "content": text}
+                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
+                continue
+            logprobs = None
+            prefix = ""
+            if echo:
+                prefix, prompt_part = self._prompt_part(plan["prompts"][i], handle, top)
+                if top is not None:
+                    logprobs = prompt_part
+            if top is not None:
+                own = self._logprobs(tokens, top, len(prefix))
+                logprobs = own if logprobs is None else {k: logprobs[k] + own[k] for k in own}
+            choices.append({"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": reason})
+        prompt_tokens = sum(len(p) for p in plan["prompts"])
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    async def _stream(self, plan: dict, handles, chat: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per piece of text of any choice, a last chunk per
+        choice with its finish reason, usage when asked, then `[DONE]`."""
+        sampling, top = plan["sampling"], plan["logprobs"]
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices, usage=None):
+            body = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        def choice(index, text, reason=None, logprobs=None):
+            if chat:
+                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, handle, queue):
+            while True:
+                token = await queue.get()
+                await merged.put((index, token))
+                if token is None:
+                    return
+
+        tasks = [asyncio.create_task(pump(k, h, q)) for k, (_, h, q) in enumerate(handles)]
+        detoks = [Detokenizer(self.text, sampling.stops) for _ in handles]
+        counts = [0] * len(handles)
+        try:
+            if chat:
+                yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                             for k in range(len(handles))])  # fmt: skip
+            elif plan["echo"]:
+                for k, (i, _, _) in enumerate(handles):
+                    yield chunk([choice(k, self.text.decode(plan["prompts"][i]))])
+            open_ = len(handles)
+            while open_:
+                k, token = await merged.get()
+                handle, detok = handles[k][1], detoks[k]
+                if token is None or detok.stopped:
+                    if token is None:
+                        open_ -= 1
+                        if handle.finish_reason == "error":
+                            raise RuntimeError(f"the engine failed: {self.engine.error!r}")
+                        reason = "stop" if detok.stopped or handle.finish_reason == "stop" else "length"
+                        rest = detok.finish()
+                        yield chunk([choice(k, rest, reason)])
+                    continue
+                counts[k] += 1
+                if token.id in handle.request.stop_ids:
+                    continue  # the eos: counted, not shown
+                piece = detok.add(token.id)
+                if detok.stopped:
+                    handle.cancel()
+                if piece or (top is not None and not chat):
+                    logprobs = None if top is None else self._logprobs([token], top, 0)
+                    yield chunk([choice(k, piece, None, logprobs)])
+            if sampling.include_usage:
+                prompt_tokens = sum(len(p) for p in plan["prompts"])
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(counts),
+                         "total_tokens": prompt_tokens + sum(counts)}  # fmt: skip
+                yield chunk([], usage)
+            yield "data: [DONE]\n\n"
+        finally:  # the client left, or the stream ended: free the slots
+            for _, handle, _ in handles:
+                handle.cancel()
+            for task in tasks:
+                task.cancel()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, saying where it listens and "ready" once it does."""
+
+    def __init__(self, config, announce):
+        super().__init__(config)
+        self.announce = announce
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.announce(host, port)
+
+
+def serve(
+    server: Server,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "warning",
+    announce=None,
+) -> None:
+    """Run `server` with uvicorn until SIGINT / SIGTERM; then take no new connections,
+    finish the requests in flight and return.
+
+    **Arguments:** the `Server`, the address (`port` 0: any free port), uvicorn's
+    `log_level`, and `announce(host, port)`: called once it listens (default: print the
+    address, the model and "ready").
+    """
+
+    def default(h, p):
+        print(f"zoo serve: http://{h}:{p}/v1  model {server.model_name}  ready", flush=True)
+
+    config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, lifespan="on")
+    # uvicorn raises the caught signal again once it has shut down; a handler of our own
+    # turns that into a clean return (exit 0 after a graceful SIGTERM).
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        _Uvicorn(config, announce or default).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if server.engine.error is not None:
+        print(f"zoo serve: the engine stopped: {server.engine.error!r}", file=sys.stderr)
