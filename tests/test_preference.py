@@ -9,6 +9,7 @@ import json
 import types
 from collections import defaultdict
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,6 +254,33 @@ def test_the_reference_is_the_base_and_gets_no_gradient():
     np.testing.assert_allclose(start["loss"], np.log(2), rtol=1e-6)
     with pytest.raises(ValueError, match="needs a reference"):
         dpo.loss(base, batch)
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        {"use_dora": True, "target_modules": ["q_proj", "v_proj"], "trainable_token_indices": [1, 5]},
+        {"target_modules": ["token_embedding", "lm_head", "q_proj"], "ensure_weight_tying": True},
+    ],
+    ids=["dora+tokens", "embedding+tied-head"],
+)
+def test_every_adapter_kind_is_disabled_for_the_reference(kinds):
+    """DoRA, embedding/head LoRA and trainable tokens are switched off too: the disabled
+    model is the bare base, output for output; a merged adapter is refused."""
+    model, _ = _lora_decoder()
+    base = zoo.models.disabled_adapters(model)
+    tokens = jnp.asarray(pair_batch(seed=7, pairs=2, seq=8)["chosen_tokens"])
+    want = base(tokens)
+    config = zoo.lora.LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **kinds)
+    adapted = zoo.lora.add_lora(base, config, key=jax.random.key(3))
+    if "trainable_token_indices" in kinds:  # the token rows start as the base's: move them
+        is_rows = lambda x: isinstance(x, zoo.lora.TrainableTokens)
+        rows = lambda m: [t.trainable_tokens_delta for t in jax.tree.leaves(m, is_leaf=is_rows) if is_rows(t)]
+        adapted = eqx.tree_at(rows, adapted, [x + 0.1 for x in rows(adapted)])
+    assert float(jnp.max(jnp.abs(adapted(tokens) - want))) > 1e-3  # the adapters change the output
+    np.testing.assert_array_equal(zoo.models.disabled_adapters(adapted)(tokens), want)
+    with pytest.raises(ValueError, match="merged"):
+        zoo.models.disabled_adapters(zoo.lora.merge(adapted, unload=False))
 
 
 def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():

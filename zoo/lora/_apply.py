@@ -355,7 +355,9 @@ def _replace_lora(model: Any, fn) -> Any:
     return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=[fn(node_at(model, p)) for p in paths])
 
 
-def _with(layer: LoraLinear, **changes: Any) -> LoraLinear:
+def _with(
+    layer: LoraLinear | LoraEmbedding | TrainableTokens, **changes: Any
+) -> LoraLinear | LoraEmbedding | TrainableTokens:
     """A copy of `layer` with some fields (static ones too) replaced, without re-initialising."""
     new = object.__new__(type(layer))
     for f in dataclasses.fields(layer):

@@ -47,21 +47,35 @@ def token_logps(model: Any, tokens: Any, *, key: Any = None) -> Float[Array, "ba
 
 
 def disabled_adapters(model: Any) -> Any:
-    """`model` with every `zoo.lora.LoraLinear` replaced by its frozen base: the model the
-    adapters were added to (peft's `disable_adapter()`), sharing its arrays, no copy."""
-    from ..lora import LoraLinear
+    """`model` with every adapter wrapper (`zoo.lora.LoraLinear`, `LoraEmbedding`,
+    `TrainableTokens`) replaced by its frozen base: the model the adapters were added to
+    (peft's `disable_adapter()`; after a PiSSA/OLoRA initialisation, as in peft, the
+    residual base), sharing its arrays, no copy. A `ValueError` for a merged adapter,
+    whose base already holds it."""
+    from ..lora._apply import ADAPTED
 
-    def is_lora(x):
-        return isinstance(x, LoraLinear)
+    def is_adapted(x):
+        return isinstance(x, ADAPTED)
 
-    return jax.tree.map(lambda x: x.base if is_lora(x) else x, model, is_leaf=is_lora)
+    def base_of(x):
+        if not is_adapted(x):
+            return x
+        if getattr(x, "merged", False):
+            raise ValueError(
+                f"a merged {type(x).__name__} cannot be disabled: its base weight already holds the adapter; "
+                "disable the adapters before merging (zoo.lora.merge), or keep them unmerged while training"
+            )
+        return x.base
+
+    return jax.tree.map(base_of, model, is_leaf=is_adapted)
 
 
 def has_adapters(model: Any) -> bool:
-    """Whether `model` holds a `zoo.lora.LoraLinear`."""
-    from ..lora import LoraLinear
+    """Whether `model` holds an adapter wrapper (`zoo.lora.LoraLinear`, `LoraEmbedding`,
+    `TrainableTokens`)."""
+    from ..lora._apply import ADAPTED
 
-    return any(isinstance(x, LoraLinear) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LoraLinear)))
+    return any(isinstance(x, ADAPTED) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, ADAPTED)))
 
 
 def _log1mexp(x):
