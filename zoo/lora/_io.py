@@ -49,6 +49,7 @@ still loads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -823,18 +824,11 @@ def load_adapter(
     """
     directory = Path(directory)
     values, meta = _read_config(directory)
-    weights = directory / WEIGHTS_NAME
-    try:
-        tensors = safetensors.numpy.load_file(str(weights))
-    except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"cannot read {weights}: {e}") from e
-    recorded = None if meta is None else meta.get("tensors_sha256")
-    if recorded is not None and tensors_sha256(tensors) != recorded:
-        raise ValueError(
-            f"the tensors in {weights} are not the ones {directory / ZOO_NAME} records (their contents' SHA-256 "
-            "differs): the adapter was changed or its save was interrupted; save it again. If you changed the "
-            f"weights on purpose (e.g. trained further with peft), delete {ZOO_NAME} to load it as a peft adapter."
-        )
+    tensors = _read_checked(
+        directory / WEIGHTS_NAME, None if meta is None else meta.get("tensors_sha256"),
+        f"the adapter was changed or its save was interrupted; save it again. If you changed the weights on purpose "
+        f"(e.g. trained further with peft), delete {ZOO_NAME} to load it as a peft adapter.",
+    )  # fmt: skip
 
     base = _replace_lora(model, lambda layer: layer.base)
     names = adapter_names(base)
@@ -868,22 +862,7 @@ def load_adapter(
         model = add_lora(model, config, key=jax.random.key(0) if key is None else key)
     else:
         _check_modules_to_save(model, config)
-
-        def adopt(layer: Any) -> Any:
-            if isinstance(layer, TrainableTokens):
-                return layer
-            if layer.merged:
-                raise ValueError("this model's LoRA branches are merged into its weights: unmerge (or unload) it first")
-            if getattr(layer, "use_dora", False) != config.use_dora:
-                raise ValueError(
-                    f"the adapter has use_dora={config.use_dora} but this model's LoRA branches have "
-                    f"use_dora={layer.use_dora}: load it into the base model (zoo.lora.unload(model)) instead"
-                )
-            if isinstance(layer, LoraEmbedding):
-                return _with(layer, scaling=config.scaling)
-            return _with(layer, scaling=config.scaling, dropout_rate=config.lora_dropout)
-
-        model = _replace_lora(model, adopt)
+        model = _replace_lora(model, functools.partial(_adopt, config=config))
 
     entries = _entries(model, config, names)
     if config.init_lora_weights in MUTATING and any(e.block is not None for e in entries):
@@ -920,6 +899,22 @@ def load_adapter(
     return model, config
 
 
+def _adopt(layer: Any, *, config: LoraConfig) -> Any:
+    """A branch the model already carries, taking the loaded adapter's scaling and dropout."""
+    if isinstance(layer, TrainableTokens):
+        return layer
+    if layer.merged:
+        raise ValueError("this model's LoRA branches are merged into its weights: unmerge (or unload) it first")
+    if getattr(layer, "use_dora", False) != config.use_dora:
+        raise ValueError(
+            f"the adapter has use_dora={config.use_dora} but this model's LoRA branches have "
+            f"use_dora={layer.use_dora}: load it into the base model (zoo.lora.unload(model)) instead"
+        )
+    if isinstance(layer, LoraEmbedding):
+        return _with(layer, scaling=config.scaling)
+    return _with(layer, scaling=config.scaling, dropout_rate=config.lora_dropout)
+
+
 def _read_apart(tensors: dict[str, np.ndarray], values: dict[str, Any], meta: Any, names: Any,
                 directory: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:  # fmt: skip
     """`(peft's tensors, the head's)` of an adapter loaded into a mean-pooling classifier:
@@ -937,15 +932,25 @@ def _read_apart(tensors: dict[str, np.ndarray], values: dict[str, Any], meta: An
     path = directory / HEAD_NAME
     if not path.is_file():
         return tensors, {}
+    recorded = None if meta is None else meta.get("head_sha256")
+    head = _read_checked(path, recorded, "the head was changed or its save was interrupted; save it again")
+    return tensors, head
+
+
+def _read_checked(path: Path, recorded: str | None, advice: str) -> dict[str, np.ndarray]:
+    """The tensors of the safetensors file `path`, checked against the SHA-256 zoo_adapter.json
+    `recorded` for them (None: a peft file, unchecked); a `ValueError` ending in `advice`
+    when they differ."""
     try:
-        head = safetensors.numpy.load_file(str(path))
+        tensors = safetensors.numpy.load_file(str(path))
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"cannot read {path}: {e}") from e
-    recorded = None if meta is None else meta.get("head_sha256")
-    if recorded is not None and tensors_sha256(head) != recorded:
-        raise ValueError(f"the tensors in {path} are not the ones {directory / ZOO_NAME} records: the head was "
-                         "changed or its save was interrupted; save it again")  # fmt: skip
-    return tensors, head
+    if recorded is not None and tensors_sha256(tensors) != recorded:
+        raise ValueError(
+            f"the tensors in {path} are not the ones {path.parent / ZOO_NAME} records (their contents' SHA-256 "
+            f"differs): {advice}"
+        )
+    return tensors
 
 
 def _check_shapes(entries, tensors, model, meta, directory: Path, values: dict[str, Any] | None = None) -> None:
