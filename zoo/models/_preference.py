@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._loss import cross_entropy
+
 OBJECTIVES = ("dpo", "orpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 SIDES = ("chosen", "rejected")
@@ -39,11 +41,7 @@ def token_logps(model: Any, tokens: Any, *, key: Any = None) -> Float[Array, "ba
 
     Rows are right-padded, so causal attention never lets padding change a real position.
     """
-    logits = model(tokens, key=key)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    # A one-hot contraction, not a gather: works with the vocab axis split (tensor parallelism).
-    onehot = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=jnp.float32)
-    return jnp.einsum("bsv,bsv->bs", logp, onehot)
+    return -cross_entropy(model(tokens, key=key)[:, :-1], tokens[:, 1:])  # a one-hot contraction: TP-safe
 
 
 def disabled_adapters(model: Any) -> Any:
