@@ -17,6 +17,15 @@ __getattr__, __dir__ = lazy_names(
         "._embedding": ("LoraEmbedding",),
         "._io": ("load_adapter", "save_adapter", "tensors_sha256"),
         "._layer": ("LoraLinear",),
+        "._multi_linear": ("MultiLoraLinear",),
+        "._named": (
+            "adapter",
+            "adapter_names",
+            "delete_adapter",
+            "route",
+            "set_adapter",
+            "stack_adapters",
+        ),
         "._names": ("hf_module_name",),
         "._tokens": ("TrainableTokens",),
     },
@@ -38,6 +47,15 @@ if TYPE_CHECKING:
     from ._embedding import LoraEmbedding
     from ._io import load_adapter, save_adapter, tensors_sha256
     from ._layer import LoraLinear
+    from ._multi_linear import MultiLoraLinear
+    from ._named import (
+        adapter,
+        adapter_names,
+        delete_adapter,
+        route,
+        set_adapter,
+        stack_adapters,
+    )
     from ._names import hf_module_name
     from ._tokens import TrainableTokens
 
@@ -46,14 +64,21 @@ __all__ = [
     "LoraConfig",
     "LoraEmbedding",
     "LoraLinear",
+    "MultiLoraLinear",
     "TrainableTokens",
+    "adapter",
+    "adapter_names",
     "add_lora",
     "cast_frozen",
+    "delete_adapter",
     "hf_module_name",
     "load_adapter",
     "merge",
     "modules",
+    "route",
     "save_adapter",
+    "set_adapter",
+    "stack_adapters",
     "target_names",
     "tensors_sha256",
     "trainable",

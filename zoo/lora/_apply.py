@@ -19,6 +19,7 @@ from ..nn import Embedding, Linear, QuantizedLinear, Stacked
 from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
 from ._layer import LoraLinear, mutated_init
+from ._multi_linear import MultiLoraLinear
 from ._names import layer_names, saves, select
 from ._tokens import TrainableTokens
 
@@ -28,7 +29,7 @@ OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
 # The layers a branch can wrap: a float `Linear` or its int8 form; an `Embedding` when named.
 LINEARS = (Linear, QuantizedLinear)
 # The layers carrying a branch.
-ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens)
+ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens, MultiLoraLinear)
 # The name of a tied output head (the token embedding itself), as peft names it.
 TIED_HEAD = "lm_head"
 
@@ -409,6 +410,11 @@ def merge(model: Any, *, unload: bool = True) -> Any:
     """
 
     def one(layer: LoraLinear | LoraEmbedding | TrainableTokens):
+        if isinstance(layer, MultiLoraLinear):
+            raise ValueError(
+                f"merge: this model holds several named adapters {layer.names}; merge one of them: "
+                "zoo.lora.merge(zoo.lora.adapter(model, name))"
+            )
         if layer.merged:
             return layer.base if unload else layer
         if isinstance(layer, TrainableTokens):
