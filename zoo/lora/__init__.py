@@ -27,6 +27,7 @@ __getattr__, __dir__ = lazy_names(
             "stack_adapters",
         ),
         "._names": ("hf_module_name",),
+        "._routed": ("adapter_norms", "clip_per_adapter", "routed"),
         "._tokens": ("TrainableTokens",),
     },
 )
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
         stack_adapters,
     )
     from ._names import hf_module_name
+    from ._routed import adapter_norms, clip_per_adapter, routed
     from ._tokens import TrainableTokens
 
 __all__ = [
@@ -68,14 +70,17 @@ __all__ = [
     "TrainableTokens",
     "adapter",
     "adapter_names",
+    "adapter_norms",
     "add_lora",
     "cast_frozen",
+    "clip_per_adapter",
     "delete_adapter",
     "hf_module_name",
     "load_adapter",
     "merge",
     "modules",
     "route",
+    "routed",
     "save_adapter",
     "set_adapter",
     "stack_adapters",
