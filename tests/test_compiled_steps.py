@@ -35,6 +35,7 @@ _FAST = {
     "transformer+dora/dp/data=8/explicit",
     "transformer+embedlora/dp/data=8/explicit",
     "transformer+lora+dpo/fsdp-once/data=8/explicit",
+    "transformer+3adapters/dp/data=8/explicit",
     "mlp/dp/data=8/shard_map",
     "mlp/zero1/data=8/shard_map",
 }

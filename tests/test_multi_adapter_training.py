@@ -148,3 +148,24 @@ def test_adapter_norms_weigh_each_adapter_by_its_own_count():
         adapter_norms(np.array([0, 3]), None, 3)
     with pytest.raises(ValueError, match="no 'adapter' field"):
         routed(zoo.models.next_token_loss)(stack_adapters(singles()), {"tokens": np.zeros((2, 8), np.int32)})
+
+
+def test_pinned_k_adapter_steps_reduce_all_k_adapters_once_and_nothing_of_the_base():
+    """tests/data/step_collectives.json's 3-adapter steps (recompiled and compared by
+    tests/test_compiled_steps.py): under dp one all-reduce outside every loop, carrying
+    three times the one-adapter step's gradient bytes (same targets and rank) plus the
+    loss's 8 B; under fsdp-once no reduction in a loop, the adapters' bytes and scalars."""
+    import json
+    from pathlib import Path
+
+    pinned = json.loads((Path(__file__).parent / "data" / "step_collectives.json").read_text())
+    one = pinned["transformer+lora/dp/data=8/explicit"]
+    dp = pinned["transformer+3adapters/dp/data=8/explicit"]
+    assert len(one) == 1 and len(dp) == 1 and not dp[0]["in_loop"] and dp[0]["kind"] == "all-reduce"
+    adapter_bytes = one[0]["bytes"] - 8  # the inspect LoRA's trainable bytes
+    assert dp[0]["bytes"] == 3 * adapter_bytes + 8
+    once = pinned["transformer+3adapters/fsdp-once/data=8/explicit"]
+    reduces = [r for r in once if r["kind"] in ("all-reduce", "reduce-scatter")]
+    assert not [r for r in once if r["in_loop"]]
+    # + the loss's 8 B and the per-adapter norms' partial sums (split gradients: 3 x 8 B)
+    assert sum(r["bytes"] for r in reduces) == 3 * adapter_bytes + 8 + 3 * 8

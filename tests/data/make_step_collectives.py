@@ -46,6 +46,13 @@ _KINDS = {
 CASES += [(f"transformer+lora+{objective}", preset, _DP_MESH, "explicit")
           for objective in ("dpo", "orpo") for preset in ("dp", "fsdp-once")]  # fmt: skip
 
+# Three adapters trained in one step (zoo.lora.routed over zoo.lora.stack_adapters), each
+# row its own adapter, each clipped at its own norm: one gradient all-reduce carrying the
+# three adapters' bytes (the inspect LoRA's, three times: same targets and rank), none of
+# the base.
+CASES += [("transformer+3adapters", preset, _DP_MESH, "explicit") for preset in ("dp", "fsdp-once")]
+K_ADAPTERS = 3
+
 
 def case_name(model: str, preset: str, mesh: dict, mode: str) -> str:
     return f"{model}/{preset}/{','.join(f'{k}={v}' for k, v in mesh.items())}/{mode}"
@@ -73,7 +80,12 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     base, plus, kind = model.partition("+")
     task = build_inspect_task(base, 0)
     lora = None
-    if plus:
+    several = kind == f"{K_ADAPTERS}adapters"
+    if several:  # the inspect LoRA's targets and rank, each adapter its own alpha and initial weights
+        configs = [parse_lora(f"alpha={2 * (k + 1)},init_lora_weights=false", inspect_defaults(base))
+                   for k in range(K_ADAPTERS)]  # fmt: skip
+        task.model = zoo.lora.stack_adapters({f"a{k}": add_lora(task.model, c, k) for k, c in enumerate(configs)})
+    elif plus:
         lora = parse_lora("", inspect_defaults(base) | _KINDS[plus + kind])
         task.model = add_lora(task.model, lora, 0)
     axis_types = (jax.sharding.AxisType.Explicit,) * len(mesh_shape)
@@ -81,17 +93,36 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     with jax.set_mesh(mesh):
         placed = zoo.shard(task.model, zoo.rules(preset), mesh)
         options = {}
-        if lora is not None:
+        if lora is not None or several:
             options["trainable"] = zoo.lora.trainable(placed, lora)
         loss_fn = zoo.models.PreferenceLoss(objective) if objective else task.loss_fn
-        step = zoo.TrainStep(loss_fn, optax.adamw(1e-3), microbatches=MICROBATCHES, mode=mode, preset=preset, **options)
+        optimizer = optax.adamw(1e-3)
+        if several:
+            loss_fn, optimizer = zoo.lora.routed(loss_fn), optax.chain(zoo.lora.clip_per_adapter(1.0), optimizer)
+        step = zoo.TrainStep(loss_fn, optimizer, microbatches=MICROBATCHES, mode=mode, preset=preset, **options)
         batch = task.make_batch(mesh_shape["data"] * MICROBATCHES * 2, jax.random.key(0))
+        if several:
+            batch = routed_batch(batch)
         if objective:
             batch = preference_batch(batch, task.make_batch(len(batch["tokens"]), jax.random.key(1)))
         lowered = step.lower(placed, step.init(placed), batch)
         colls = zoo.collectives(lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS), mesh=mesh)
         sizes = step.budget_sizes(placed)
     return colls, sizes
+
+
+def routed_batch(batch: dict) -> dict:
+    """`batch` with each row's adapter (`adapter`, rows dealt in turn) and `adapter_norm`."""
+    import numpy as np
+
+    import zoo
+
+    index = np.arange(len(batch["tokens"])) % K_ADAPTERS
+    counts = np.asarray(batch["mask"])[:, 1:].sum(axis=1) if "mask" in batch else None
+    return batch | {
+        "adapter": index.astype(np.int32),
+        "adapter_norm": zoo.lora.adapter_norms(index, counts, K_ADAPTERS),
+    }
 
 
 def preference_batch(chosen: dict, rejected: dict) -> dict:
