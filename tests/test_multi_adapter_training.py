@@ -169,3 +169,28 @@ def test_pinned_k_adapter_steps_reduce_all_k_adapters_once_and_nothing_of_the_ba
     assert not [r for r in once if r["in_loop"]]
     # + the loss's 8 B and the per-adapter norms' partial sums (split gradients: 3 x 8 B)
     assert sum(r["bytes"] for r in reduces) == 3 * adapter_bytes + 8 + 3 * 8
+
+
+@pytest.mark.numerics
+def test_each_adapter_saves_as_its_own_peft_folder_with_the_same_outputs(tmp_path):
+    """Two adapters of different configs on a tiny random Llama (transformers): each
+    `save_adapter(adapter(model, name), config, folder)` opens in peft
+    (`PeftModel.from_pretrained`) with the outputs zoo's routed rows of that adapter give."""
+    import peft
+    import transformers
+    from test_peft import TOKENS, assert_close, hf_folder, hf_outputs
+
+    folder = hf_folder("llama", str(tmp_path / "hf"))
+    base = zoo.hf.from_pretrained(folder)
+    configs = {
+        "q": LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), init_lora_weights=False),
+        "all": LoraConfig(r=2, lora_alpha=3, target_modules="all-linear", init_lora_weights=False),
+    }
+    model = stack_adapters({n: add_lora(base, c, key=jax.random.key(i)) for i, (n, c) in enumerate(configs.items())})
+    forward = eqx.filter_jit(lambda m, tokens, index: zoo.lora.route(m, index)(tokens))
+    for k, (name, config) in enumerate(configs.items()):
+        zoo.lora.save_adapter(adapter(model, name), config, tmp_path / name)
+        ours = np.asarray(forward(model, jnp.asarray(TOKENS), jnp.full(len(TOKENS), k, jnp.int32)))
+        hf = transformers.LlamaForCausalLM.from_pretrained(folder)
+        opened = peft.PeftModel.from_pretrained(hf, tmp_path / name)
+        assert_close(ours, hf_outputs(opened), f"adapter {name} in peft")
