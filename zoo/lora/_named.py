@@ -172,6 +172,10 @@ def stack_adapters(models: Mapping[str, Any], *, active: str | None = None) -> A
                 f"adapter {n!r} sits on a different model: its Linear layers {sorted(found)[:4]}... "
                 f"lack {missing[:4]}; stack adapters of one base model"
             )
+    for n, t in zip(names, trees):  # embedding LoRA, trainable tokens: refused, not dropped
+        for w, (path, _) in modules(t, ADAPTED).items():
+            if not isinstance(node_at(t, path), LoraLinear | MultiLoraLinear):
+                _plain_lora(node_at(t, path), n, w)
     adapted, replacements = [], []
     for w in where:
         path, stacked = layers[0][w]
