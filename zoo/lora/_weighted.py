@@ -11,14 +11,25 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
 from .._tree import node_at
 from ._apply import add_lora, modules, unload
 from ._config import LoraConfig
 from ._layer import LoraLinear
 from ._multi_linear import MultiLoraLinear
-from ._named import _first, _replace, _strip_multi, adapter, adapter_layers, adapter_names, set_adapter, stack_adapters
+from ._named import (
+    _first,
+    _replace,
+    _strip_multi,
+    adapter,
+    adapter_layers,
+    adapter_names,
+    branch,
+    plain_branch,
+    set_adapter,
+    stack_adapters,
+)
 
 COMBINATIONS = ("linear", "cat", "svd")
 
@@ -164,13 +175,7 @@ def add_weighted_adapter(
         if not parts:
             return layer.base
         a, b = _combine(layer, parts, combination_type, rank)
-        single = object.__new__(LoraLinear)
-        for f, v in dict(
-            base=layer.base, lora_A=a, lora_B=b, lora_magnitude_vector=None, dora_norm=None, r=rank,
-            scaling=scaling, dropout_rate=layer.dropout_rates[ks[0]], merged=False, use_dora=False,
-        ).items():  # fmt: skip
-            object.__setattr__(single, f, v)
-        return single
+        return plain_branch(layer.base, a, b, scaling, layer.dropout_rates[ks[0]])
 
     combined = _replace(model, one)
     active = _first(model).active
@@ -185,19 +190,12 @@ def _disable(model: Any) -> Any:
     return set_adapter(model, None)
 
 
-def _branch(layer: MultiLoraLinear, k: int) -> tuple[Array, Array]:
-    """Adapter `k`'s A `[..., in, r_k]` and B `[..., r_k, out]` at `layer`."""
-    stacked = layer.lora_A.ndim - 3
-    r = layer.ranks[k]
-    return jnp.take(layer.lora_A, k, axis=stacked)[..., :r], jnp.take(layer.lora_B, k, axis=stacked)[..., :r, :]
-
-
 def _combine(
     layer: MultiLoraLinear, parts: list[tuple[int, float]], kind: str, rank: int
 ) -> tuple[ArrayLike, ArrayLike]:
     """The combined A `[..., in, rank]` and B `[..., rank, out]` of `parts` (adapter index,
     weight) at `layer`, computed as peft computes them (peft's A is zoo's A transposed)."""
-    branches = [(*_branch(layer, k), w * layer.scalings[k]) for k, w in parts]
+    branches = [(*branch(layer, k), w * layer.scalings[k]) for k, w in parts]
     if kind == "linear":
         # peft: the sign on A only, √|w·s| on both, so B·A carries w·s.
         a = sum(math.copysign(math.sqrt(abs(ws)), ws) * a for a, _, ws in branches)
