@@ -324,6 +324,7 @@ def adapter_rows(model: Any, adapter_names: Any, b: int) -> np.ndarray | None:
 
 
 def _check_length(max_new_tokens: Any, s: int, max_len: int) -> int:
+    """`max_new_tokens` as an int, checked positive and to fit `max_len` after `s` prompt tokens."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if s + max_new_tokens > max_len:
