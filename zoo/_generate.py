@@ -26,6 +26,8 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 from ._checks import check_ids
 from ._reduced import gather_over
 from ._sampling import apply_repetition_penalty, check_sampling, next_token, seen_tokens
+from .lora._named import adapter_names as held_adapters
+from .lora._named import route
 from .models import Transformer
 from .nn._cache import KVCache, cached_block, empty_cache
 from .nn._sharding import entries, mesh_axes_of, sharding_spec
@@ -137,9 +139,10 @@ def _replicate_vocab(logits):
 
 
 @eqx.filter_jit
-def _generate_program(model, tokens, mask, key, settings, stream, prompt=None):
+def _generate_program(model, tokens, mask, key, settings, stream, prompt=None, rows=None):
     """The prompts as given (`prompt`, default `tokens`) followed by the new tokens of
-    the left-padded `tokens` and `mask`."""
+    the left-padded `tokens` and `mask`; `rows`: each row's adapter index (data: one
+    program for any mix), or `None`."""
     max_new, temperature, top_k, top_p, eos, pad, penalty = settings
     b, s = tokens.shape
     columns = s + max_new
@@ -149,6 +152,8 @@ def _generate_program(model, tokens, mask, key, settings, stream, prompt=None):
     data_axes = frozenset(a for a in ("data",) if not mesh.empty and a in mesh.axis_names)
     if batch_axes | data_axes:
         model = gather_over(model, axes=tuple(batch_axes | data_axes))
+    if rows is not None:  # every forward pass below (prefill, each step) routes each row
+        model = route(model, rows)
 
     def pick(logits, step, seen):
         step_key = None if key is None else jax.random.fold_in(key, step)
@@ -281,6 +286,55 @@ def _left_padded_prompts(tokens: Any, mask: Any) -> tuple[Any, Any, bool]:
     return tokens, np.take_along_axis(np.asarray(mask).astype(bool), order, axis=1), True
 
 
+BASE = "__base__"  # peft's name for the bare base in `adapter_names`
+
+
+def adapter_rows(model: Any, adapter_names: Any, b: int) -> np.ndarray | None:
+    """`generate`'s `adapter_names` as one adapter index per row (`-1`: the bare base), or
+    `None` when not given; names, `"__base__"` / `None` and indices are checked here."""
+    if adapter_names is None:
+        return None
+    held = held_adapters(model)
+    if not held:
+        raise ValueError(
+            "adapter_names: this model holds no named adapters; build one with zoo.lora.add_adapter or "
+            "zoo.lora.stack_adapters (a plain LoRA model has one adapter: call generate without adapter_names)"
+        )
+    if isinstance(adapter_names, str) or len(adapter_names) != b:
+        raise ValueError(
+            f"adapter_names must name one adapter per prompt ({b}), got {adapter_names!r}; "
+            f"choose from {list(held)}, {BASE!r} (or None) for the bare base, or their indices"
+        )
+    rows = []
+    for i, name in enumerate(adapter_names):
+        if name is None or name == BASE:
+            rows.append(-1)
+        elif isinstance(name, str):
+            if name not in held:
+                raise ValueError(f"adapter_names[{i}]: no adapter named {name!r}: this model holds {list(held)}")
+            rows.append(held.index(name))
+        elif isinstance(name, int | np.integer) and not isinstance(name, bool) and -1 <= name < len(held):
+            rows.append(int(name))
+        else:
+            raise ValueError(
+                f"adapter_names[{i}] = {name!r} is out of range: this model holds {len(held)} adapters {list(held)} "
+                f"(indices 0..{len(held) - 1}; -1, None or {BASE!r}: the bare base)"
+            )
+    return np.asarray(rows, np.int32)
+
+
+def _check_length(max_new_tokens: Any, s: int, max_len: int) -> int:
+    """`max_new_tokens` as an int, checked positive and to fit `max_len` after `s` prompt tokens."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if s + max_new_tokens > max_len:
+        raise ValueError(
+            f"prompt length {s} + max_new_tokens {max_new_tokens} = {s + max_new_tokens} exceeds the model's max_len "
+            f"{max_len}; lower max_new_tokens to at most {max(max_len - s, 0)} or shorten the prompts"
+        )
+    return int(max_new_tokens)
+
+
 def _check_vocabulary(vocab: int, tokens: Any, mask: Any, **ids: int | None) -> None:
     """Refuse a real token (where `mask`, when both are concrete) or an id of `ids` outside
     `[0, vocab)`: the embedding lookup would clamp it (finite, wrong logits)."""
@@ -306,6 +360,7 @@ def generate(
     repetition_penalty: float = 1.0,
     key: PRNGKeyArray | None = None,
     stream: Callable[[np.ndarray], Any] | None = None,
+    adapter_names: list[str | int | None] | None = None,
 ) -> Int[Array, "batch total"]:
     """Continue every prompt by `max_new_tokens` tokens with a decoder and a key/value cache.
 
@@ -339,6 +394,11 @@ def generate(
     - `stream`: called from the compiled loop (a host callback) with each step's new
       tokens (those the output gets: padding after a row's eos), a numpy `[batch]` array,
       in order, as they are chosen; every call has been made when `generate` returns.
+    - `adapter_names`: for a model holding named adapters (`zoo.lora.add_adapter`), the
+      adapter of each prompt, as peft's `generate(..., adapter_names=)`: a name,
+      `"__base__"` or `None` (the bare base), or an index; the prompt's forward pass and
+      every step route each row (`zoo.lora.route`). One compiled program for any mix.
+      Without it, every row uses the active adapter (`zoo.lora.set_adapter`).
 
     Compiled once per batch size, prompt length, `max_new_tokens` and sampling settings
     (a repeated call with the same shapes compiles nothing). On a mesh (under
@@ -356,15 +416,8 @@ def generate(
         )
     tokens_np = _tokens_of(tokens)
     b, s = tokens_np.shape
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
-    max_len = model.config.max_len
-    if s + max_new_tokens > max_len:
-        raise ValueError(
-            f"prompt length {s} + max_new_tokens {max_new_tokens} = {s + max_new_tokens} exceeds the model's max_len "
-            f"{max_len}; lower max_new_tokens to at most {max(max_len - s, 0)} or shorten the prompts"
-        )
+    max_new_tokens = _check_length(max_new_tokens, s, model.config.max_len)
+    rows_np = adapter_rows(model, adapter_names, b)
     mask_np = _mask_of(mask, b, s)
     _check_vocabulary(model.config.vocab_size, tokens_np, mask_np, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     prompt_np = tokens_np  # what the output starts with
@@ -390,15 +443,17 @@ def generate(
         mesh = jax.sharding.get_abstract_mesh()
         toks, msk = jnp.asarray(tokens_np, jnp.int32), jnp.asarray(mask_np, bool)
         prompt = jnp.asarray(prompt_np, jnp.int32) if moved else toks
+        rows = None if rows_np is None else jnp.asarray(rows_np)
         if not mesh.empty:
             data = mesh.shape.get("data", 1)
             spec = P("data") if data > 1 and b % data == 0 else P()
             toks, msk, prompt = (jax.device_put(x, spec) for x in (toks, msk, prompt))
+            rows = None if rows is None else jax.device_put(rows, spec)
         if stream is None:
-            return _generate_program(model, toks, msk, key, settings, None, prompt)
+            return _generate_program(model, toks, msk, key, settings, None, prompt, rows)
         _STREAMS[id(stream)] = _InOrder(stream)
         try:
-            out = _generate_program(model, toks, msk, key, settings, stream, prompt)
+            out = _generate_program(model, toks, msk, key, settings, stream, prompt, rows)
             jax.effects_barrier()  # every token handed over before returning
         finally:
             _STREAMS.pop(id(stream), None)

@@ -15,6 +15,7 @@ __getattr__, __dir__ = lazy_names(
         "._cast": ("cast_frozen",),
         "._config": ("LoraConfig",),
         "._embedding": ("LoraEmbedding",),
+        "._folders": ("load_adapters", "save_adapters"),
         "._io": ("load_adapter", "save_adapter", "tensors_sha256"),
         "._layer": ("LoraLinear",),
         "._multi_linear": ("MultiLoraLinear",),
@@ -29,6 +30,7 @@ __getattr__, __dir__ = lazy_names(
         "._names": ("hf_module_name",),
         "._routed": ("adapter_norms", "clip_per_adapter", "routed"),
         "._tokens": ("TrainableTokens",),
+        "._weighted": ("add_adapter", "add_weighted_adapter"),
     },
 )
 
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from ._cast import cast_frozen
     from ._config import LoraConfig
     from ._embedding import LoraEmbedding
+    from ._folders import load_adapters, save_adapters
     from ._io import load_adapter, save_adapter, tensors_sha256
     from ._layer import LoraLinear
     from ._multi_linear import MultiLoraLinear
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from ._names import hf_module_name
     from ._routed import adapter_norms, clip_per_adapter, routed
     from ._tokens import TrainableTokens
+    from ._weighted import add_adapter, add_weighted_adapter
 
 __all__ = [
     "OUTPUT_LAYERS",
@@ -71,17 +75,21 @@ __all__ = [
     "adapter",
     "adapter_names",
     "adapter_norms",
+    "add_adapter",
     "add_lora",
+    "add_weighted_adapter",
     "cast_frozen",
     "clip_per_adapter",
     "delete_adapter",
     "hf_module_name",
     "load_adapter",
+    "load_adapters",
     "merge",
     "modules",
     "route",
     "routed",
     "save_adapter",
+    "save_adapters",
     "set_adapter",
     "stack_adapters",
     "target_names",

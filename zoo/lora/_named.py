@@ -172,6 +172,10 @@ def stack_adapters(models: Mapping[str, Any], *, active: str | None = None) -> A
                 f"adapter {n!r} sits on a different model: its Linear layers {sorted(found)[:4]}... "
                 f"lack {missing[:4]}; stack adapters of one base model"
             )
+    for n, t in zip(names, trees):  # embedding LoRA, trainable tokens: refused, not dropped
+        for w, (path, _) in modules(t, ADAPTED).items():
+            if not isinstance(node_at(t, path), LoraLinear | MultiLoraLinear):
+                _plain_lora(node_at(t, path), n, w)
     adapted, replacements = [], []
     for w in where:
         path, stacked = layers[0][w]
@@ -247,19 +251,28 @@ def adapter(model: Any, name: str) -> Any:
     def one(layer: MultiLoraLinear) -> Any:
         if not layer.present[k]:
             return layer.base
-        stacked = layer.lora_A.ndim - 3
-        r = layer.ranks[k]
-        a = jnp.take(layer.lora_A, k, axis=stacked)[..., :r]
-        b = jnp.take(layer.lora_B, k, axis=stacked)[..., :r, :]
-        single = object.__new__(LoraLinear)
-        for f, v in dict(
-            base=layer.base, lora_A=a, lora_B=b, lora_magnitude_vector=None, dora_norm=None, r=r,
-            scaling=layer.scalings[k], dropout_rate=layer.dropout_rates[k], merged=False, use_dora=False,
-        ).items():  # fmt: skip
-            object.__setattr__(single, f, v)
-        return single
+        a, b = branch(layer, k)
+        return plain_branch(layer.base, a, b, layer.scalings[k], layer.dropout_rates[k])
 
     return _replace(model, one)
+
+
+def branch(layer: MultiLoraLinear, k: int) -> tuple[Array, Array]:
+    """Adapter `k`'s A `[..., in, r_k]` and B `[..., r_k, out]` at `layer` (its own rank)."""
+    stacked = layer.lora_A.ndim - 3
+    r = layer.ranks[k]
+    return jnp.take(layer.lora_A, k, axis=stacked)[..., :r], jnp.take(layer.lora_B, k, axis=stacked)[..., :r, :]
+
+
+def plain_branch(base: Any, a: Array, b: Array, scaling: float, dropout_rate: float) -> LoraLinear:
+    """A plain (unmerged, non-DoRA) `LoraLinear` on `base` holding `a`, `b` as they are."""
+    single = object.__new__(LoraLinear)
+    for f, v in dict(
+        base=base, lora_A=a, lora_B=b, lora_magnitude_vector=None, dora_norm=None, r=a.shape[-1],
+        scaling=scaling, dropout_rate=dropout_rate, merged=False, use_dora=False,
+    ).items():  # fmt: skip
+        object.__setattr__(single, f, v)
+    return single
 
 
 def delete_adapter(model: Any, name: str) -> Any:

@@ -1,0 +1,351 @@
+"""Several named adapters on one model against peft: per-row routing vs peft's
+`adapter_names=` (the bare base included), multi-adapter folders both ways,
+`add_weighted_adapter` (linear, cat, svd) vs peft's, mixed-adapter `zoo.generate` vs
+per-adapter runs and peft's generate, one compile for any mix; add / select / disable /
+delete; the clear errors."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from helpers import ACCURACY_MARGIN, largest
+from test_peft import BERT, DECODER, GPT2, is_adapter, perturb
+
+import zoo
+from zoo.lora import LoraConfig, adapter_names, add_adapter, add_lora, route, set_adapter
+
+TOLERANCE = 1e-5  # of the largest value: issue 27's bound
+MEASURED: dict[str, float] = {}  # docs/lora.md's table (`pytest -s` prints it)
+TOKENS = np.random.default_rng(3).integers(1, 32, (4, 6))
+MIX = ["default", "b", "__base__", "b"]  # peft's names per row
+MIX_INDEX = [0, 1, -1, 1]
+
+# family → (transformers class, config, adapter "default"'s targets, adapter "b"'s targets)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", DECODER | {"max_position_embeddings": 16}, ["q_proj", "v_proj"],
+              ["q_proj", "down_proj", "o_proj"]),
+    "gpt2": ("GPT2LMHeadModel", GPT2, ["c_attn"], ["c_attn", "c_fc"]),
+    "bert": ("BertModel", BERT, ["query", "value"], ["query", "key", "intermediate.dense"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    for what, diff in sorted(MEASURED.items()):
+        print(f"{what}: {diff:.1e}")
+
+
+def relative(got, want, what: str, tolerance: float = TOLERANCE) -> float:
+    """max|got − want| / max|want|, recorded under `what`, at most `tolerance`."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    got = got[..., : want.shape[-1]]  # a vocabulary padded for tensor parallelism
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    diff = largest(got - want) / largest(want)
+    MEASURED[what] = max(diff, MEASURED.get(what, 0.0))
+    assert diff <= tolerance, f"{what}: {diff:.3g} of the largest value > {tolerance}"
+    return diff
+
+
+@functools.cache
+def hf_base(family: str, root: str) -> str:
+    """A tiny random (perturbed) Hugging Face model saved under `root`."""
+    cls, config, _, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(transformers.AutoConfig.for_model(family, **config))
+    folder = f"{root}/{family}"
+    perturb(model, 1).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("named"))
+
+
+@functools.cache
+def peft_pair(family: str, root: str, rslora: bool = False):
+    """A peft model holding adapters "default" (r=2) and "b" (r=4, other targets and
+    scaling), every adapter leaf perturbed, saved with save_pretrained; and zoo's base."""
+    cls, _, first, second = FAMILIES[family]
+    folder = hf_base(family, root)
+    hf = getattr(transformers, cls).from_pretrained(folder)
+    torch.manual_seed(2)
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=first, use_rslora=rslora))
+    model.add_adapter("b", peft.LoraConfig(r=4, lora_alpha=3, target_modules=second, use_rslora=rslora))
+    perturb(model, 2, is_adapter)
+    model.eval()
+    saved = f"{root}/{family}-peft{'-rs' if rslora else ''}"
+    model.save_pretrained(saved)
+    return model, saved, zoo.hf.from_pretrained(folder)
+
+
+def peft_run(model, tokens=TOKENS, **kwargs):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long), **kwargs)
+    return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
+
+
+@jax.jit
+def routed(model, tokens, index):
+    return route(model, index)(tokens)
+
+
+@eqx.filter_jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+def zoo_run(model, tokens=TOKENS):
+    return np.asarray(_forward(model, jnp.asarray(tokens)))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_batch_and_folders_both_ways_vs_peft(family, root, tmp_path):
+    model, saved, base = peft_pair(family, root)
+    # peft folder (default at the root, "b" in b/) → zoo
+    zm, configs = zoo.lora.load_adapters(base, saved)
+    assert adapter_names(zm) == ("default", "b") and configs["b"].r == 4
+    want = peft_run(model, adapter_names=MIX)
+    got = np.asarray(routed(zm, jnp.asarray(TOKENS), jnp.asarray(MIX_INDEX)))
+    relative(got, want, f"{family}: routed forward vs peft adapter_names (peft folder → zoo)")
+    # each row equals its adapter alone, and the bare base
+    alone = {
+        "default": zoo_run(zoo.lora.adapter(zm, "default")),
+        "b": zoo_run(set_adapter(zm, "b")),
+        "__base__": zoo_run(set_adapter(zm, None)),
+    }
+    for row, name in enumerate(MIX):
+        relative(got[row], alone[name][row], f"{family}: mixed batch vs each adapter alone (zoo)", 1e-6)
+    # zoo → peft folder (save_adapters), opened as peft opens several adapters
+    zoo.lora.save_adapters(zm, configs, tmp_path / "z")
+    assert (tmp_path / "z/adapter_config.json").is_file() and (tmp_path / "z/b/adapter_config.json").is_file()
+    hf = getattr(transformers, FAMILIES[family][0]).from_pretrained(hf_base(family, root))
+    opened = peft.PeftModel.from_pretrained(hf, tmp_path / "z")
+    opened.load_adapter(tmp_path / "z/b", adapter_name="b")
+    opened.eval()
+    relative(got, peft_run(opened, adapter_names=MIX), f"{family}: routed forward vs peft adapter_names (zoo → peft)")
+    # and back: zoo's own folder loads to the same model
+    again, _ = zoo.lora.load_adapters(base, tmp_path / "z")
+    np.testing.assert_array_equal(np.asarray(routed(again, jnp.asarray(TOKENS), jnp.asarray(MIX_INDEX))), got)
+
+
+def peft_tensors(model, name, tmp_path):
+    model.save_pretrained(tmp_path / "pw", selected_adapters=[name])
+    return safetensors.numpy.load_file(tmp_path / "pw" / name / "adapter_model.safetensors")
+
+
+def svd_exact(model, adapters, weights, svd_rank) -> dict[str, np.ndarray]:
+    """peft module name → the float64 rank-`svd_rank` SVD truncation of Σ w·ΔW (`[out, in]`)."""
+    exact = {}
+    for name, module in model.named_modules():
+        present = [(a, w) for a, w in zip(adapters, weights) if a in getattr(module, "lora_A", {})]
+        if not present:
+            continue
+        delta = sum(w * module.get_delta_weight(a).detach().double().numpy() for a, w in present)
+        delta = delta.T if module.fan_in_fan_out else delta
+        u, s, vh = np.linalg.svd(delta)
+        r = svd_rank or max(model.peft_config[a].r for a in adapters)
+        exact[f"{name}"] = (u[:, :r] * s[:r]) @ vh[:r]
+    return exact
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    ("family", "kind", "svd_rank"),
+    [("llama", "linear", None), ("llama", "cat", None), ("llama", "svd", None), ("llama", "svd", 3),
+     ("bert", "cat", None), ("bert", "svd", None), ("gpt2", "cat", None), ("gpt2", "svd", 6)],
+)  # fmt: skip
+def test_weighted_adapter_vs_peft(family, kind, svd_rank, root, tmp_path):
+    model, saved, base = peft_pair(family, root)
+    zm, configs = zoo.lora.load_adapters(base, saved)
+    name = f"w-{kind}-{svd_rank}"
+    # linear needs one rank: "b" with itself (peft allows it; the sign handling exercised)
+    adapters, weights = (["default", "b"], [0.7, -0.4]) if kind != "linear" else (["b", "b"], [0.7, -0.4])
+    model.add_weighted_adapter(adapters, weights, name, combination_type=kind, svd_rank=svd_rank)
+    zm, config = zoo.lora.add_weighted_adapter(zm, adapters, weights, name, kind, svd_rank, configs=configs)
+    try:
+        model.set_adapter(name)
+        want = peft_run(model)
+    finally:
+        model.set_adapter("default")
+        model.delete_adapter(name)
+    got = zoo_run(set_adapter(zm, name))
+    relative(got, want, f"{family}: add_weighted_adapter {kind} outputs vs peft")
+    # the combined branches as each writes them (peft's names and layout)
+    zoo.lora.save_adapters(zm, configs | {name: config}, tmp_path / "z")
+    ours = safetensors.numpy.load_file(tmp_path / "z" / name / "adapter_model.safetensors")
+    model.add_weighted_adapter(adapters, weights, name, combination_type=kind, svd_rank=svd_rank)
+    try:
+        theirs = peft_tensors(model, name, tmp_path)
+    finally:
+        model.delete_adapter(name)
+    assert sorted(ours) == sorted(theirs)
+    exact = svd_exact(model, adapters, weights, svd_rank) if kind == "svd" else {}
+    for key in (k for k in theirs if "lora_A" in k):
+        b = key.replace("lora_A", "lora_B")
+        if kind == "svd":  # singular vectors carry a sign of their own: B·A, as accurate as peft's
+            want = exact[key.removesuffix(".lora_A.weight")]
+            zoo_error = largest(ours[b] @ ours[key] - want) / largest(want)
+            peft_error = largest(theirs[b] @ theirs[key] - want) / largest(want)
+            for who, error in (("zoo", zoo_error), ("peft", peft_error)):
+                what = f"{family}: svd combined B·A, {who}'s error vs a float64 SVD"
+                MEASURED[what] = max(error, MEASURED.get(what, 0.0))
+            assert zoo_error <= max(ACCURACY_MARGIN * peft_error, 1e-6), (key, zoo_error, peft_error)
+            relative(ours[b] @ ours[key], theirs[b] @ theirs[key], f"{family}: {kind} combined B·A vs peft's", 1e-4)
+        elif family == "gpt2":  # zoo writes c_attn's q/k/v branches block-diagonal (rank 3r): B·A
+            relative(ours[b] @ ours[key], theirs[b] @ theirs[key], f"{family}: {kind} combined B·A vs peft's")
+        else:
+            relative(ours[key], theirs[key], f"{family}: {kind} combined A vs peft's")
+            relative(ours[b], theirs[b], f"{family}: {kind} combined B vs peft's")
+
+
+@pytest.mark.numerics
+def test_weighted_adapter_rslora_scaling_as_peft(root):
+    """peft's combined config keeps use_rslora with r = lora_alpha: its scaling is √r, not 1."""
+    model, saved, base = peft_pair("llama", root, rslora=True)
+    zm, configs = zoo.lora.load_adapters(base, saved)
+    model.add_weighted_adapter(["default", "b"], [1.0, 1.0], "w", combination_type="cat")
+    try:
+        model.set_adapter("w")
+        want = peft_run(model)
+    finally:
+        model.set_adapter("default")
+        model.delete_adapter("w")
+    zm, config = zoo.lora.add_weighted_adapter(zm, ["default", "b"], [1.0, 1.0], "w", "cat", configs=configs)
+    assert config.use_rslora and config.r == 6 and config.scaling == pytest.approx(6**0.5)
+    relative(zoo_run(set_adapter(zm, "w")), want, "llama: add_weighted_adapter cat rsLoRA vs peft")
+
+
+def generate_settings():
+    return dict(max_new_tokens=5, eos_token_id=None)
+
+
+@pytest.mark.numerics
+def test_generate_mixed_adapters_one_program_equal_to_each_alone_and_peft(root):
+    model, saved, base = peft_pair("llama", root)
+    zm, _ = zoo.lora.load_adapters(base, saved)
+    prompts = TOKENS[:, :5]
+    names = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name", ""))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        mixed = np.asarray(zoo.generate(zm, prompts, adapter_names=MIX, **generate_settings()))
+        first = sum("_generate_program" in n for n in names)
+        other = np.asarray(zoo.generate(zm, prompts, adapter_names=["b", 0, None, "default"], **generate_settings()))
+        again = sum("_generate_program" in n for n in names) - first
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert first == 1 and again == 0, names
+    alone = {
+        "default": np.asarray(zoo.generate(set_adapter(zm, "default"), prompts, **generate_settings())),
+        "b": np.asarray(zoo.generate(set_adapter(zm, "b"), prompts, **generate_settings())),
+        "__base__": np.asarray(zoo.generate(set_adapter(zm, None), prompts, **generate_settings())),
+    }
+    for row, name in enumerate(MIX):
+        np.testing.assert_array_equal(mixed[row], alone[name][row])
+    for row, name in enumerate(["b", "default", "__base__", "default"]):
+        np.testing.assert_array_equal(other[row], alone[name][row])
+    assert len({tuple(alone[n][1, 5:]) for n in alone}) > 1  # the adapters choose differently
+    with torch.no_grad():
+        theirs = model.generate(
+            input_ids=torch.tensor(prompts), adapter_names=MIX, do_sample=False, max_new_tokens=5, pad_token_id=0
+        )
+    np.testing.assert_array_equal(mixed, theirs.numpy())
+
+
+@functools.cache
+def tiny():
+    from helpers import tiny_decoder
+
+    return tiny_decoder(jax.random.key(0))
+
+
+def tiny_adapter(r, targets, seed, **kw):
+    return add_lora(
+        tiny(), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, **kw),
+        key=jax.random.key(seed),
+    )  # fmt: skip
+
+
+@pytest.mark.numerics
+def test_add_select_disable_delete():
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)))
+    plain = tiny_adapter(2, ("q_proj",), 1)
+    config_b = LoraConfig(r=3, lora_alpha=6, target_modules=("v_proj", "down"), init_lora_weights=False)
+    m = add_adapter(plain, "b", config_b, key=jax.random.key(2))
+    assert adapter_names(m) == ("default", "b")  # a plain LoRA model's adapter is peft's "default"
+    b_alone = add_lora(tiny(), config_b, key=jax.random.key(2))
+    # the active adapter stays "default" (peft's add_adapter does not activate the new one)
+    relative(zoo_run(m, tokens), zoo_run(plain, tokens), "set_adapter: default", 1e-6)
+    relative(zoo_run(set_adapter(m, "b"), tokens), zoo_run(b_alone, tokens), "set_adapter: b", 1e-6)
+    relative(zoo_run(set_adapter(m, None), tokens), zoo_run(tiny(), tokens), "disabled: the bare base", 1e-6)
+    first = add_adapter(tiny(), "only", config_b, key=jax.random.key(2))  # a bare base gets its first
+    assert adapter_names(first) == ("only",)
+    relative(zoo_run(first, tokens), zoo_run(b_alone, tokens), "bare base + add_adapter", 1e-6)
+    left = zoo.lora.delete_adapter(m, "default")
+    assert adapter_names(left) == ("b",)
+    relative(zoo_run(set_adapter(left, "b"), tokens), zoo_run(b_alone, tokens), "after delete_adapter", 1e-6)
+    gone = zoo.lora.delete_adapter(left, "b")
+    assert not zoo.lora.modules(gone, zoo.lora.MultiLoraLinear)
+    np.testing.assert_array_equal(zoo_run(gone, tokens), zoo_run(tiny(), tokens))
+
+
+def test_bad_input_one_clear_error_each():
+    m = add_adapter(
+        tiny_adapter(2, ("q_proj",), 1), "b", LoraConfig(r=4, target_modules=("q_proj",)), key=jax.random.key(2)
+    )
+    tokens = np.zeros((2, 4), np.int32)
+    with pytest.raises(ValueError, match="no adapter named 'c': this model holds \\['default', 'b'\\]"):
+        set_adapter(m, "c")
+    with pytest.raises(ValueError, match="adapter_names\\[1\\]: no adapter named 'c'"):
+        zoo.generate(m, tokens, max_new_tokens=1, adapter_names=["b", "c"])
+    with pytest.raises(ValueError, match="adapter_names\\[0\\] = 2 is out of range: this model holds 2 adapters"):
+        zoo.generate(m, tokens, max_new_tokens=1, adapter_names=[2, 0])
+    with pytest.raises(ValueError, match="one adapter per prompt \\(2\\)"):
+        zoo.generate(m, tokens, max_new_tokens=1, adapter_names=["b"])
+    with pytest.raises(ValueError, match="adapter index 5 is out of range"):
+        route(m, [0, 5])
+    with pytest.raises(ValueError, match="holds no named adapters"):
+        zoo.generate(tiny(), tokens, max_new_tokens=1, adapter_names=["b", "b"])
+    with pytest.raises(ValueError, match="'linear' needs adapters of one rank"):
+        zoo.lora.add_weighted_adapter(m, ["default", "b"], [1, 1], "w", "linear")
+    with pytest.raises(ValueError, match="no adapter named \\['c'\\]"):
+        zoo.lora.add_weighted_adapter(m, ["default", "c"], [1, 1], "w")
+    with pytest.raises(ValueError, match="combination_type 'ties' is not supported"):
+        zoo.lora.add_weighted_adapter(m, ["default", "b"], [1, 1], "w", "ties")
+    with pytest.raises(ValueError, match="an adapter named 'b' exists already"):
+        add_adapter(m, "b", LoraConfig(r=2), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="is a DoRA adapter"):
+        add_adapter(m, "d", LoraConfig(r=2, target_modules=("q_proj",), use_dora=True), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="named adapters stack plain LoRA branches on Linear layers"):
+        add_adapter(m, "e", LoraConfig(r=2, target_modules=("token_embedding",)), key=jax.random.key(0))
+
+
+def test_generate_mixed_adapters_on_a_mesh_equals_one_device():
+    """dp, tp, fsdp: the per-row adapter index is split over data like the batch."""
+    from helpers import preset_mesh
+
+    m = add_adapter(tiny_adapter(2, ("q_proj", "v_proj"), 1), "b", LoraConfig(r=4, target_modules=("q_proj", "down"),
+                    init_lora_weights=False), key=jax.random.key(2))  # fmt: skip
+    tokens = np.random.default_rng(0).integers(0, 32, (8, 5))
+    names = ["default", "b", "__base__", "b", "default", None, 1, 0]
+    want = np.asarray(zoo.generate(m, tokens, max_new_tokens=3, adapter_names=names))
+    for preset in ("dp", "tp", "fsdp"):
+        mesh = preset_mesh(preset, 8)
+        with jax.set_mesh(mesh):
+            out = zoo.generate(zoo.shard(m, zoo.rules(preset), mesh), tokens, max_new_tokens=3, adapter_names=names)
+            assert out.sharding.spec[0] == "data"
+        np.testing.assert_array_equal(np.asarray(out), want, err_msg=preset)
