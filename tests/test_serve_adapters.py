@@ -17,11 +17,14 @@ import jax
 import numpy as np
 import peft
 import pytest
-from test_serve import _alone, _http, _ids, _Process, served  # noqa: F401  (served: a fixture)
+import test_serve
+from test_serve import _alone, _http, _ids, _Process
 
 import zoo
 from zoo.serve import Engine, Request
 from zoo.serve._engine import AdapterSlotsFull
+
+served = test_serve.served  # the tiny random Llama fixture, shared
 
 # name → (rank, alpha, peft target modules): different ranks, scalings and targets.
 ADAPTERS = {
@@ -165,6 +168,8 @@ def _text(served, model, prompt, max_tokens):
     return served[3].decode(ids[: ids.index(5)] if 5 in ids else ids)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_openai_client_names_an_adapter_in_model(served, adapters, server):
     import openai
 
@@ -197,9 +202,12 @@ def test_openai_client_names_an_adapter_in_model(served, adapters, server):
     assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_load_and_unload_over_http_while_a_stream_runs(served, adapters, server, tmp_path):
-    """vLLM's endpoints: an adapter loaded while another's stream runs answers at once; the
-    streamed adapter unloaded mid-stream finishes its stream whole; the errors' codes."""
+    """vLLM's endpoints: an adapter loaded while another's stream is read answers at once;
+    the streamed adapter, unloaded before its stream is read to the end, gives it whole (the
+    engine-level test above holds a request running across the unload); the errors' codes."""
     client = server.client()
     chunks = client.completions.create(model="sql", prompt="w1 w2", max_tokens=40, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})  # fmt: skip
