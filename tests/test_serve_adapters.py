@@ -273,7 +273,7 @@ def _http_text(base, path, body):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--adapter", "x=/nonexistent"], "--adapter x=/nonexistent: /nonexistent: no adapter_config.json there"),
+        (["--adapter", "x=/nonexistent"], "--adapter: /nonexistent: no adapter_config.json there"),
         (["--adapter", "tiny=/nonexistent"], "the base model is served as 'tiny'"),
         (["--max-lora-rank", 0], "--max-lora-rank must be >= 1, got 0"),
     ],

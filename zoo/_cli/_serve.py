@@ -38,18 +38,6 @@ def _adapter_flags(values: list[str]) -> dict[str, Path]:
     return out
 
 
-def _adapters(base, flags: dict[str, Path]) -> dict:
-    from zoo.serve._bank import read_adapter
-
-    out = {}
-    for name, path in flags.items():
-        try:
-            out[name] = read_adapter(base, path)
-        except ValueError as e:
-            raise CLIError(f"--adapter {name}={path}: {e}") from None
-    return out
-
-
 def cmd_serve(args) -> int:
     if args.slots < 1:
         raise CLIError(f"--slots must be >= 1, got {args.slots}")
@@ -84,16 +72,15 @@ def cmd_serve(args) -> int:
     name = args.name or _model_name(str(folder) if run_adapter is not None else args.source)
     if name in flags:
         raise CLIError(f"--adapter {name}: the base model is served as {name!r}; give the adapter another name")
-    adapters = _adapters(model, flags)
     try:
         engine = zoo.serve.Engine(
-            model, slots=args.slots, max_len=max_len, max_queue=args.max_queue, adapters=adapters,
+            model, slots=args.slots, max_len=max_len, max_queue=args.max_queue, adapters=flags,
             max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank,
         )  # fmt: skip
     except ValueError as e:
         raise CLIError(f"--adapter: {str(e).splitlines()[0]}") from None
     if engine.bank is not None:
-        where += f", {len(adapters)} adapters in {engine.bank.capacity} slots of rank <= {engine.bank.max_rank}"
+        where += f", {len(flags)} adapters in {engine.bank.capacity} slots of rank <= {engine.bank.max_rank}"
     print(f"zoo serve: {where}, {args.slots} slots of {max_len} tokens; compiling...", file=sys.stderr, flush=True)
     engine.warm_up()
     server = zoo.serve.Server(engine, model_name=name, tokenizer=text.tokenizer, chat_template=template, eos_id=eos,

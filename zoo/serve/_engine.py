@@ -20,6 +20,7 @@ steps compiles nothing.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from collections import deque
@@ -37,7 +38,7 @@ from .._generate import decode_step, prefill
 from .._jit import Jit
 from .._sampling import check_sampling, next_token_per_row
 from ..nn._cache import KVCache, empty_cache
-from ._bank import AdapterBank, bind_rows, lora_layers
+from ._bank import AdapterBank, bind_rows, lora_layers, read_adapter
 
 # Alternatives per token the engine reports (OpenAI's `logprobs` is at most 5).
 TOP_LOGPROBS = 5
@@ -214,8 +215,9 @@ class Engine:
     - `max_queue`: how many requests may wait for a slot; `submit` raises `QueueFull`
       beyond (None: no bound).
     - `adapters`: name → a model carrying one plain LoRA adapter over `model` (from
-      `zoo.lora.add_lora` or `load_adapter`; ranks and targets may differ), served beside
-      the bare base; a request picks one by `Request.adapter`.
+      `zoo.lora.add_lora` or `load_adapter`), or the folder of one (peft's, or a `zoo
+      finetune` run); ranks and targets may differ. Served beside the bare base; a request
+      picks one by `Request.adapter`.
     - `max_adapters`: adapter slots held (default `DEFAULT_MAX_ADAPTERS` or the number of
       `adapters`, when any; 0 without). `load_adapter` fills a free one while serving.
     - `max_lora_rank`: the largest rank a slot holds (default `DEFAULT_MAX_LORA_RANK`, or
@@ -344,8 +346,8 @@ class Engine:
         raise LookupError(f"no adapter named {name!r} is served; the adapters are {self.adapters}")
 
     def load_adapter(self, name: str, lora_model) -> int:
-        """Serve `lora_model` (a plain single-adapter LoRA model over the base) as `name`,
-        in a free adapter slot, between steps; returns the slot. Nothing compiles: the slot's
+        """Serve `lora_model` (a plain single-adapter LoRA model over the base, or the folder
+        of one) as `name`, in a free adapter slot, between steps; returns the slot. Nothing compiles: the slot's
         arrays keep their shapes. Raises `ValueError` (the fix in it) for a name already
         served, a full set of slots (`AdapterSlotsFull`), a rank above `max_lora_rank`, a
         layer without adapter room, or an engine without adapter slots."""
@@ -355,6 +357,8 @@ class Engine:
             )
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        if isinstance(lora_model, str | os.PathLike):
+            lora_model = read_adapter(self.bank.base, lora_model)
         self.bank.check(lora_model)
         with self._lock:
             if name in self.adapters:
@@ -595,6 +599,7 @@ def _bank(model, adapters: dict, max_adapters: int | None, max_lora_rank: int | 
             "serve adapters over the bare base: the engine's model already carries LoRA branches; pass "
             "zoo.lora.unload(model) as the model and the adapter models in adapters={name: model}"
         )
+    adapters = {n: read_adapter(model, m) if isinstance(m, str | os.PathLike) else m for n, m in adapters.items()}
     ranks = [layer.r for m in adapters.values() for layer in lora_layers(m).values()]
     capacity = max(DEFAULT_MAX_ADAPTERS, len(adapters)) if max_adapters is None else int(max_adapters)
     if capacity < len(adapters):

@@ -20,8 +20,8 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
-from ._bank import read_adapter
 from ._engine import AdapterSlotsFull, Engine, Handle, QueueFull, Request, Token
 
 try:
@@ -219,7 +219,6 @@ class Server:
     ):
         self.engine, self.model_name, self.text = engine, model_name, Text(tokenizer)
         self.adapter_paths = dict(adapter_paths or {})
-        self.base = None if engine.bank is None else engine.bank.base  # what loaded adapters go on
         self.chat_template, self.eos_id = chat_template, eos_id
         self.created = int(time.time())
         self.app = Starlette(
@@ -269,11 +268,10 @@ class Server:
             if name == self.model_name or name in self.engine.adapters:
                 raise BadRequest(f"the model {name!r} is already served; unload it first, or pick another name",
                                  "lora_name")  # fmt: skip
-            if self.base is None:
+            if self.engine.bank is None:
                 raise BadRequest("this server holds no adapter slots; restart it with --max-adapters N", "lora_name")
-            try:
-                model = await asyncio.to_thread(read_adapter, self.base, path)
-                await asyncio.to_thread(self.engine.load_adapter, name, model)
+            try:  # reading the folder takes a while: the event loop and the engine go on meanwhile
+                await asyncio.to_thread(self.engine.load_adapter, name, Path(path))
             except AdapterSlotsFull as e:
                 raise BadRequest(str(e), "lora_name", "adapter_slots_full", 409) from None
             except ValueError as e:
