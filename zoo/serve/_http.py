@@ -609,7 +609,9 @@ def serve(
     """
 
     def default(h, p):
-        print(f"zoo serve: http://{h}:{p}/v1  model {server.model_name}  ready", flush=True)
+        adapters = server.engine.adapters
+        more = f"  adapters {', '.join(adapters)}" if adapters else ""
+        print(f"zoo serve: http://{h}:{p}/v1  model {server.model_name}{more}  ready", flush=True)
 
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, lifespan="on")
     # uvicorn raises the caught signal again once it has shut down; a handler of our own
