@@ -18,12 +18,20 @@ lengths (16-64 tokens) and output lengths (16-128 new tokens):
 The engine's tokens are checked equal to zoo.generate's for the baseline requests. Prints
 one table with each row's throughput as a ratio of one-at-a-time zoo.generate.
 
-Run: `python benchmarks/serve.py [--clients 1 4 16 64 --requests 64 --baseline 8 --json out.json]`.
+`--adapters K` (default 4; 0 skips it) adds the many-adapter run at `--adapter-clients`
+clients: the same workload served (a) by one plain LoRA model (`add_lora`, the first of the
+K adapters, alone in the engine) and (b) by one engine holding all K adapters of different
+ranks and targets beside the base (`Engine(base, adapters=...)`), each request routed to
+adapter `i % K`; the two run side by side in one process. The requests of adapter 0 are
+checked to get the same tokens both ways. Goal: (b) ≥ 0.8× (a).
+
+Run: `python benchmarks/serve.py [--clients 1 4 16 64 --requests 64 --baseline 8 --adapters 4 --json out.json]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -63,11 +71,11 @@ def percentile(values, q):
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def run_engine(model, requests: list[Request], clients: int) -> dict:
+def run_engine(model, requests: list[Request], clients: int, adapters=None) -> dict:
     """C closed-loop clients over `requests`; timings from the engine thread's callbacks."""
-    engine = Engine(model, slots=clients, max_len=256)
+    engine = Engine(model, slots=clients, max_len=256, adapters=adapters)
     for width in (16, 32, 64):  # compile every bucket the workload uses, and the step
-        handle = engine.submit(Request([1] * width, max_tokens=2))
+        handle = engine.submit(Request([1] * width, max_tokens=2, adapter=next(iter(adapters or [None]))))
         engine.run_until_done()
         assert handle.done
     engine.start()
@@ -138,25 +146,81 @@ def run_transformers(hf, requests: list[Request]) -> tuple[float, list[list[int]
     return sum(r.max_tokens for r in requests) / (time.perf_counter() - start), outs
 
 
+# (rank, alpha, targets) of the K adapters, cycled: different ranks and target layers.
+ADAPTER_SHAPES = [
+    (8, 16, ("q_proj", "v_proj")),
+    (16, 16, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    (4, 8, ("up", "gate", "down")),
+    (8, 8, ("q_proj", "v_proj", "down")),
+]
+
+
+def make_adapters(model, k: int) -> dict:
+    """`k` single-adapter LoRA models over `model`, B filled with noise (trained-like)."""
+    import equinox as eqx
+
+    out = {}
+    for i in range(k):
+        r, alpha, targets = ADAPTER_SHAPES[i % len(ADAPTER_SHAPES)]
+        lora = zoo.lora.add_lora(model, zoo.lora.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets),
+                                 key=jax.random.key(i))  # fmt: skip
+        params, static = eqx.partition(lora, zoo.lora.trainable(lora))
+        params = jax.tree.map(
+            lambda x, i=i: x + 0.02 * jax.random.normal(jax.random.key(100 + i), x.shape, x.dtype), params
+        )
+        out[f"adapter{i}"] = eqx.combine(params, static)
+    return out
+
+
+def run_adapters(model, args) -> list[tuple[str, float, dict]]:
+    """One plain LoRA model alone vs K adapters mixed in one engine: the same requests,
+    `--adapter-rounds` times each, alternating (a shared machine's load drifts)."""
+    adapters = make_adapters(model, args.adapters)
+    names = list(adapters)
+    clients = args.adapter_clients
+    requests = workload(max(args.requests, 2 * clients), args.vocab, seed=1)
+    mixed_requests = [dataclasses.replace(r, adapter=names[i % len(names)]) for i, r in enumerate(requests)]
+    rows = []
+    for round_ in range(args.adapter_rounds):
+        single = run_engine(adapters[names[0]], requests, clients)
+        mixed = run_engine(model, mixed_requests, clients, adapters=adapters)
+        ratio = mixed["tokens_per_s"] / single["tokens_per_s"]
+        print(f"round {round_}: one adapter {single['tokens_per_s']:.0f} tokens/s, {len(names)} adapters mixed "
+              f"{mixed['tokens_per_s']:.0f} tokens/s: {ratio:.2f}x", flush=True)  # fmt: skip
+        same = [mixed["outputs"][i] == single["outputs"][i] for i in range(0, len(requests), len(names))]
+        assert all(same), "adapter 0's requests got other tokens mixed than alone"
+        rows += [(f"one LoRA adapter, {clients} clients (round {round_})", single["tokens_per_s"], single),
+                 (f"{len(names)} adapters mixed, {clients} clients (round {round_})", mixed["tokens_per_s"], mixed)]  # fmt: skip
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--clients", type=int, nargs="*", default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, default=64, help="requests per engine run (default 64)")
-    parser.add_argument("--baseline", type=int, default=8, help="requests timed one at a time (default 8)")
+    parser.add_argument("--baseline", type=int, default=8, help="requests timed one at a time (default 8; 0: skip)")
     parser.add_argument("--d", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--adapters", type=int, default=4, help="adapters in the mixed run (default 4; 0: skip)")
+    parser.add_argument("--adapter-clients", type=int, default=16, help="clients of the adapter runs (default 16)")
+    parser.add_argument("--adapter-rounds", type=int, default=2, help="alternating rounds of the two (default 2)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     hf, model = make_model(args)
     requests = workload(max(args.requests, args.baseline), args.vocab)
     base = requests[: args.baseline]
-    gen_rate, gen_outs = run_generate(model, base)
-    print(f"zoo.generate one at a time: {gen_rate:.0f} tokens/s", flush=True)
-    hf_rate, hf_outs = run_transformers(hf, base)
-    print(f"transformers one at a time: {hf_rate:.0f} tokens/s", flush=True)
-    rows = [("zoo.generate, one at a time", gen_rate, None), ("transformers generate, one at a time", hf_rate, None)]
+    rows, gen_rate, hf_rate, gen_outs, hf_outs = [], float("nan"), float("nan"), [], []
+    if base:
+        gen_rate, gen_outs = run_generate(model, base)
+        print(f"zoo.generate one at a time: {gen_rate:.0f} tokens/s", flush=True)
+        hf_rate, hf_outs = run_transformers(hf, base)
+        print(f"transformers one at a time: {hf_rate:.0f} tokens/s", flush=True)
+        rows = [
+            ("zoo.generate, one at a time", gen_rate, None),
+            ("transformers generate, one at a time", hf_rate, None),
+        ]
     same_hf = sum(a == b for a, b in zip(gen_outs, hf_outs))
     results = {"generate": gen_rate, "transformers": hf_rate, "engine": {}}
     for clients in args.clients:
@@ -167,6 +231,12 @@ def main():
         rows.append((f"engine, {clients} clients", result["tokens_per_s"], result))
         print(f"engine, {clients} clients: {result['tokens_per_s']:.0f} tokens/s", flush=True)
         results["engine"][clients] = {k: v for k, v in result.items() if k != "outputs"}
+    if args.adapters:
+        pairs = run_adapters(model, args)
+        rows += pairs
+        single, mixed = sum(r for _, r, _ in pairs[0::2]), sum(r for _, r, _ in pairs[1::2])
+        results["adapters"] = {"single": [r for _, r, _ in pairs[0::2]], "mixed": [r for _, r, _ in pairs[1::2]],
+                               "ratio": mixed / single}  # fmt: skip
     print(f"\nLlama d={args.d} layers={args.layers} vocab={args.vocab}, greedy, prompts 16-64, outputs 16-128 tokens, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}; "
           f"transformers' tokens equal zoo.generate's for {same_hf}/{len(base)} requests\n")  # fmt: skip
@@ -176,6 +246,9 @@ def main():
         lat = "" if r is None else f"{1e3 * r['ttft_p50']:.0f} / {1e3 * r['ttft_p99']:.0f}"
         tok = "" if r is None else f"{1e3 * r['token_p50']:.1f} / {1e3 * r['token_p99']:.1f}"
         print(f"| {name} | {rate:.0f} | {rate / gen_rate:.2f}× | {lat} | {tok} |")
+    if args.adapters:
+        ratio = results["adapters"]["ratio"]
+        print(f"\n{args.adapters} adapters mixed / one adapter alone, all rounds: {ratio:.2f}× (goal >= 0.8×)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -328,7 +328,6 @@ def test_openai_client_chat(served, server):
     ("body", "message", "param"),
     [
         (b"{not json", "the request body is not valid JSON", None),
-        (b'{"model": "gpt-4", "prompt": "w1"}', "the model 'gpt-4' does not exist; this server serves 'tiny'", "model"),
         (json.dumps({"model": "tiny", "prompt": "w1 " * 64}).encode(), "the prompt has 64 tokens but", "prompt"),
         (b'{"model": "tiny", "prompt": "w1", "temperature": 5}', "temperature must be in [0, 2], got 5", "temperature"),
         (b'{"model": "tiny", "prompt": "w1", "top_p": 0}', "top_p must be in (0, 1], got 0", "top_p"),
@@ -342,6 +341,14 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, message
     error = answer["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error" and error["param"] == param
     assert _health(server.base)["status"] == "ok"
+
+
+def test_an_unknown_model_gets_404_as_openai_answers(server):
+    status, _, answer = _http(server.base, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "w1"})
+    assert status == 404
+    error = answer["error"]
+    assert "the model 'gpt-4' does not exist; this server serves ['tiny']" in error["message"]
+    assert error["code"] == "model_not_found" and error["type"] == "invalid_request_error" and error["param"] == "model"
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(server):

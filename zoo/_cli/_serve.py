@@ -1,8 +1,9 @@
 """`zoo serve SOURCE`: an OpenAI-compatible server over a decoder (`zoo.serve`).
 
 SOURCE is read as `zoo generate` reads it (a Hugging Face folder, a cached model id, a
-`zoo train` / `zoo finetune` run folder with its adapter); the command parses, loads and
-hands the model to `zoo.serve.Engine` and `zoo.serve.Server`.
+`zoo train` / `zoo finetune` run folder; a LoRA run's adapter is served by the run's name
+beside its base); `--adapter NAME=DIR` adds adapters. The command parses, loads and hands
+the base and the adapters to `zoo.serve.Engine` and `zoo.serve.Server`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ._common import CLIError, init_devices
-from ._generate import add_source, chat_template, load
+from ._generate import add_source, chat_template, load, resolve_source
 
 
 def _model_name(source: str) -> str:
@@ -21,11 +22,32 @@ def _model_name(source: str) -> str:
     return folder.resolve().name if folder.exists() else source
 
 
+def _adapter_flags(values: list[str]) -> dict[str, Path]:
+    """`--adapter NAME=DIR` (or `DIR`: named by its folder, or its run's) → {name: folder}."""
+    out: dict[str, Path] = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep:
+            folder, name = value, ""
+        path = Path(folder).expanduser()
+        if not name:
+            name = (path.resolve().parent if path.name == "adapter" else path.resolve()).name
+        if name in out:
+            raise CLIError(f"--adapter {value}: the name {name!r} is given twice; name each adapter NAME=DIR")
+        out[name] = path
+    return out
+
+
 def cmd_serve(args) -> int:
     if args.slots < 1:
         raise CLIError(f"--slots must be >= 1, got {args.slots}")
     if args.max_queue < 0:
         raise CLIError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for flag in ("max_adapters", "max_lora_rank"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "max_adapters" else 1):
+            raise CLIError(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'max_adapters' else 1}, got {value}")
+    flags = _adapter_flags(args.adapter or [])
     init_devices(1)
     try:
         import zoo.serve
@@ -33,7 +55,11 @@ def cmd_serve(args) -> int:
         raise CLIError(str(e)) from e
     import zoo
 
-    model, text, eos, where = load(args.source, args.adapter, rules=None, mesh=None, dtype=args.dtype)
+    folder, run_adapter, _ = resolve_source(args.source, None)
+    model, text, eos, where = load(args.source, None, rules=None, mesh=None, dtype=args.dtype)
+    if run_adapter is not None:  # a LoRA run: its adapter by the run's name, beside the base
+        model = zoo.lora.unload(model)
+        flags = {Path(args.source).expanduser().resolve().name: run_adapter} | flags
     max_len = model.config.max_len if args.max_len is None else args.max_len
     if not 1 < max_len <= model.config.max_len:
         raise CLIError(f"--max-len must be in [2, {model.config.max_len}] (the model's max_len), got {max_len}")
@@ -43,11 +69,22 @@ def cmd_serve(args) -> int:
         if args.chat_template is not None:
             raise
         template = None  # /v1/chat/completions answers 400
-    name = args.name or _model_name(args.source)
-    engine = zoo.serve.Engine(model, slots=args.slots, max_len=max_len, max_queue=args.max_queue)
+    name = args.name or _model_name(str(folder) if run_adapter is not None else args.source)
+    if name in flags:
+        raise CLIError(f"--adapter {name}: the base model is served as {name!r}; give the adapter another name")
+    try:
+        engine = zoo.serve.Engine(
+            model, slots=args.slots, max_len=max_len, max_queue=args.max_queue, adapters=flags,
+            max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank,
+        )  # fmt: skip
+    except ValueError as e:
+        raise CLIError(f"--adapter: {str(e).splitlines()[0]}") from None
+    if engine.bank is not None:
+        where += f", {len(flags)} adapters in {engine.bank.capacity} slots of rank <= {engine.bank.max_rank}"
     print(f"zoo serve: {where}, {args.slots} slots of {max_len} tokens; compiling...", file=sys.stderr, flush=True)
     engine.warm_up()
-    server = zoo.serve.Server(engine, model_name=name, tokenizer=text.tokenizer, chat_template=template, eos_id=eos)
+    server = zoo.serve.Server(engine, model_name=name, tokenizer=text.tokenizer, chat_template=template, eos_id=eos,
+                              adapter_paths={n: str(p) for n, p in flags.items()})  # fmt: skip
     zoo.serve.serve(server, host=args.host, port=args.port)
     return 0
 
@@ -85,7 +122,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default the model's)")
     p.add_argument("--name", help="the model name clients give (default SOURCE's folder name, or the model id)")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (peft's layout) to load onto the model")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        metavar="NAME=DIR",
+        help="serve a LoRA adapter (a peft folder or a zoo finetune run) beside the base, as model NAME (default: "
+        "the folder's name); repeat for more. Requests name the base or an adapter in 'model'",
+    )
+    p.add_argument(
+        "--max-adapters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adapter slots held beside the base, for --adapter and POST /v1/load_lora_adapter (default 4, or the "
+        "number of --adapter, when any are given; else 0)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="the largest adapter rank a slot holds (default 16, or the largest --adapter's); larger ones get 400",
+    )
     p.add_argument("--chat-template", metavar="FILE", help="a jinja2 chat template file instead of the model's own")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     p.set_defaults(func=cmd_serve)

@@ -9,11 +9,18 @@ per-row `index`); the attention mask of a row holds only its own columns, so no 
 ever sees another's tokens. Sampling settings are per-slot arrays, so greedy and sampled
 requests share the program. The model side (`prefill`, `decode_step`, the cache and the
 sampling) is `zoo.generate`'s own.
+
+Adapters: with `adapters` (or `max_adapters`), the engine holds a fixed number of adapter
+slots beside the base (`_bank.AdapterBank`); each slot of the batch carries its request's
+adapter, and the programs take a `[rows, adapters]` row scale as data, so one decode step
+serves any mix of adapters and the bare base, and loading or unloading an adapter between
+steps compiles nothing.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from collections import deque
@@ -31,10 +38,14 @@ from .._generate import decode_step, prefill
 from .._jit import Jit
 from .._sampling import check_sampling, next_token_per_row
 from ..nn._cache import KVCache, empty_cache
+from ._bank import AdapterBank, bind_rows, lora_layers, read_adapter
 
 # Alternatives per token the engine reports (OpenAI's `logprobs` is at most 5).
 TOP_LOGPROBS = 5
 SMALLEST_BUCKET = 8
+# Adapter slots and rank when adapters are served and the caller does not say (vLLM's rank).
+DEFAULT_MAX_ADAPTERS = 4
+DEFAULT_MAX_LORA_RANK = 16
 
 
 @dataclass
@@ -51,8 +62,7 @@ class Request:
     - `prompt_logprobs`: also compute the prompt's token log-probabilities (`echo`).
     - `top_logprobs`: report each new token's `TOP_LOGPROBS` most likely alternatives
       (`Token.top`; a step computes them only when a slot asks).
-    - `adapter`: the adapter index of the slot (0: the base). Kept per slot for a model
-      whose LoRA branches gather per row; the decode step does not read it yet.
+    - `adapter`: the name of an adapter the engine serves (None: the bare base).
     """
 
     prompt: Sequence[int]
@@ -64,7 +74,7 @@ class Request:
     stop_ids: Sequence[int] = ()
     prompt_logprobs: bool = False
     top_logprobs: bool = False
-    adapter: int = 0
+    adapter: str | None = None
 
 
 @dataclass
@@ -97,6 +107,7 @@ class Handle:
     on_update: Callable[[Token | None], Any] | None = None
     _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
     _cancelled: bool = False
+    _slot: int = -1  # the adapter slot it uses (-1: none)
 
     @property
     def done(self) -> bool:
@@ -149,8 +160,12 @@ def _choose(logits, key_data, steps, temperature, top_k, top_p, wanted):
     return tokens, chosen, *_top_if(wanted, logprobs)
 
 
-def _prefill_program(model, cache: KVCache, slot, tokens, count, key_data, temperature, top_k, top_p, wanted, echo):
-    """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token."""
+def _prefill_program(
+    model, cache: KVCache, slot, tokens, count, key_data, temperature, top_k, top_p, wanted, row_scale, echo
+):
+    """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token
+    (`row_scale` `[1, adapters]`: its adapter, or None without adapter slots)."""
+    model = model if row_scale is None else bind_rows(model, row_scale)
     width = tokens.shape[1]
     mask = jnp.arange(width)[None, :] < count
     logits, small = prefill(model, tokens, mask, width, every_position=echo, last=None if echo else count - 1)
@@ -175,8 +190,10 @@ def _prefill_program(model, cache: KVCache, slot, tokens, count, key_data, tempe
     return cache, first, prompt
 
 
-def _decode_program(model, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p, wanted):
-    """One step of every slot: its last token in, its next token (and log-probabilities) out."""
+def _decode_program(model, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p, wanted, row_scale):
+    """One step of every slot: its last token in, its next token (and log-probabilities) out
+    (`row_scale` `[slots, adapters]`: each slot's adapter, or None without adapter slots)."""
+    model = model if row_scale is None else bind_rows(model, row_scale)
     logits, cache = decode_step(model, tokens, cache)
     return cache, _choose(logits, key_data, steps, temperature, top_k, top_p, wanted)
 
@@ -197,23 +214,49 @@ class Engine:
       model's `max_len`; at most it).
     - `max_queue`: how many requests may wait for a slot; `submit` raises `QueueFull`
       beyond (None: no bound).
+    - `adapters`: name → a model carrying one plain LoRA adapter over `model` (from
+      `zoo.lora.add_lora` or `load_adapter`), or the folder of one (peft's, or a `zoo
+      finetune` run); ranks and targets may differ. Served beside the bare base; a request
+      picks one by `Request.adapter`.
+    - `max_adapters`: adapter slots held (default `DEFAULT_MAX_ADAPTERS` or the number of
+      `adapters`, when any; 0 without). `load_adapter` fills a free one while serving.
+    - `max_lora_rank`: the largest rank a slot holds (default `DEFAULT_MAX_LORA_RANK`, or
+      the largest of `adapters`).
+    - `lora_targets`: the layers given adapter room (`LoraConfig.target_modules`; default
+      `"all-linear"`: every `Linear` but the output head).
 
     `submit(request)` returns a `Handle`; `step()` admits waiting requests (one prefill
     each, bucketed), then advances every active slot by one token; `run_until_done()`
     steps until nothing is left; `stream(request)` yields its `Token`s, stepping as needed.
     `start()` steps in a background thread (what the HTTP server does); `stop()` ends it
     once the requests in flight have finished. `compiles` counts the programs built:
-    `("decode",)` once, `("prefill", width, echo)` per bucket used.
+    `("decode",)` once, `("prefill", width, echo)` per bucket used; loading and unloading
+    adapters adds none.
     """
 
-    def __init__(self, model, *, slots: int = 8, max_len: int | None = None, max_queue: int | None = None):
+    def __init__(
+        self,
+        model,
+        *,
+        slots: int = 8,
+        max_len: int | None = None,
+        max_queue: int | None = None,
+        adapters=None,
+        max_adapters: int | None = None,
+        max_lora_rank: int | None = None,
+        lora_targets="all-linear",
+    ):
         limit = model.config.max_len
         max_len = limit if max_len is None else int(max_len)
         if not 1 < max_len <= limit:
             raise ValueError(f"max_len must be in [2, {limit}] (the model's max_len), got {max_len}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        self.model, self.slots, self.max_len, self.max_queue = model, int(slots), max_len, max_queue
+        self.slots, self.max_len, self.max_queue = int(slots), max_len, max_queue
+        self.bank = _bank(model, dict(adapters or {}), max_adapters, max_lora_rank, lora_targets)
+        self.model = model if self.bank is None else self.bank.model
+        self._draining: set[int] = set()  # unloaded adapters' slots, freed when their requests end
+        self._uses = np.zeros((0 if self.bank is None else self.bank.capacity,), np.int64)
         self.vocab = model.config.vocab_size
         self.compiles: dict[tuple, int] = {}
         self._prefill = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"))
@@ -236,6 +279,7 @@ class Engine:
         self._top_k = np.zeros((slots,), np.int32)
         self._top_p = np.ones((slots,), np.float32)
         self._wanted = np.zeros((slots,), bool)
+        self._adapter = np.full((slots,), -1, np.int32)  # each slot's adapter slot (-1: the base)
         self._active: list[_Slot | None] = [None] * slots
         self._waiting: deque[Handle] = deque()
         self._ids = itertools.count()
@@ -283,6 +327,76 @@ class Engine:
         check_sampling(float(request.temperature), request.top_k, request.top_p)
         if request.seed is not None and not 0 <= int(request.seed) < 2**63:
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {request.seed}")
+        if request.adapter is not None:
+            self._served_slot(request.adapter)
+
+    # -- adapters -----------------------------------------------------------------------
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the adapters served, in slot order (an unloaded one leaves at once)."""
+        if self.bank is None:
+            return []
+        return [n for k, n in enumerate(self.bank.names) if n is not None and k not in self._draining]
+
+    def _served_slot(self, name: str) -> int:
+        for k, n in enumerate([] if self.bank is None else self.bank.names):
+            if n == name and k not in self._draining:
+                return k
+        raise LookupError(f"no adapter named {name!r} is served; the adapters are {self.adapters}")
+
+    def load_adapter(self, name: str, lora_model) -> int:
+        """Serve `lora_model` (a plain single-adapter LoRA model over the base, or the folder
+        of one) as `name`, in a free adapter slot, between steps; returns the slot. Nothing compiles: the slot's
+        arrays keep their shapes. Raises `ValueError` (the fix in it) for a name already
+        served, a full set of slots (`AdapterSlotsFull`), a rank above `max_lora_rank`, a
+        layer without adapter room, or an engine without adapter slots."""
+        if self.bank is None:
+            raise ValueError(
+                "this engine holds no adapter slots; create it with max_adapters=N (zoo serve --max-adapters N)"
+            )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        if isinstance(lora_model, str | os.PathLike):
+            lora_model = read_adapter(self.bank.base, lora_model)
+        self.bank.check(lora_model)
+        with self._lock:
+            if name in self.adapters:
+                raise ValueError(f"an adapter named {name!r} is already served; unload it first, or pick another name")
+            slot = self.bank.free()
+            if slot is None:
+                raise AdapterSlotsFull(
+                    f"all {self.bank.capacity} adapter slots are taken ({self.adapters}); unload one first, or "
+                    "restart with a larger max_adapters (zoo serve --max-adapters)"
+                )
+            self.bank.write(slot, name, lora_model)
+            self.model = self.bank.model
+        return slot
+
+    def unload_adapter(self, name: str) -> int:
+        """Stop serving adapter `name`: new requests for it are refused at once; its slot is
+        zeroed and freed when the requests already using it have finished (none is dropped).
+        Returns how many such requests are still in flight. `LookupError` for an unknown name."""
+        with self._lock:
+            slot = self._served_slot(name)
+            left = int(self._uses[slot])
+            if left:
+                self._draining.add(slot)
+            else:
+                self.bank.clear(slot)
+                self.model = self.bank.model
+        return left
+
+    def _release(self, handle: Handle) -> None:
+        """`handle` ended: its adapter slot has one user less (and is freed if unloaded)."""
+        slot, handle._slot = handle._slot, -1
+        if slot < 0:
+            return
+        self._uses[slot] -= 1
+        if not self._uses[slot] and slot in self._draining:
+            self._draining.discard(slot)
+            self.bank.clear(slot)
+            self.model = self.bank.model
 
     # -- the public surface -------------------------------------------------------------
 
@@ -296,6 +410,9 @@ class Engine:
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests already wait for a slot; retry shortly")
             handle = Handle(next(self._ids), request, on_update=on_update)
+            if request.adapter is not None:
+                handle._slot = self._served_slot(request.adapter)
+                self._uses[handle._slot] += 1
             self._waiting.append(handle)
             self._lock.notify_all()
         return handle
@@ -311,6 +428,7 @@ class Engine:
                 handle = self._waiting.popleft()
                 if handle._cancelled:
                     handle.finish_reason = "cancelled"
+                    self._release(handle)
                     handle._emit(None)
                     continue
                 self._admit(self._active.index(None), handle)
@@ -381,6 +499,7 @@ class Engine:
                 while self._waiting:
                     handle = self._waiting.popleft()
                     handle.finish_reason = "error"
+                    self._release(handle)
                     handle._emit(None)
             raise
 
@@ -402,11 +521,13 @@ class Engine:
         settings = self._settings(request)
         self._key_data[index], self._temperature[index], self._top_k[index], self._top_p[index] = settings
         self._wanted[index] = bool(request.top_logprobs)
+        self._adapter[index] = handle._slot
         echo = bool(request.prompt_logprobs)
         rows = slice(index, index + 1)
         self._cache, first, prompt = self._prefill(
             self.model, self._cache, np.int32(index), tokens, np.asarray([n], np.int32), self._key_data[rows],
-            self._temperature[rows], self._top_k[rows], self._top_p[rows], self._wanted[rows], echo,
+            self._temperature[rows], self._top_k[rows], self._top_p[rows], self._wanted[rows],
+            self._row_scale(self._adapter[rows]), echo,
         )  # fmt: skip
         if prompt is not None:
             seen, ids, values = (np.asarray(x) for x in prompt)
@@ -421,13 +542,16 @@ class Engine:
         steps = np.asarray([0 if s is None else s.step for s in self._active], np.int32)
         self._cache, out = self._decode(
             self.model, self._cache, tokens, self._key_data, steps, self._temperature, self._top_k, self._top_p,
-            self._wanted,
+            self._wanted, self._row_scale(self._adapter),
         )  # fmt: skip
         token, chosen, ids, values = (np.asarray(x) for x in out)
         with self._lock:
             for i, slot in enumerate(self._active):
                 if slot is not None:
                     self._deliver(i, int(token[i]), float(chosen[i]), ids[i], values[i])
+
+    def _row_scale(self, slots: np.ndarray) -> np.ndarray | None:
+        return None if self.bank is None else self.bank.row_scale(slots)
 
     def _deliver(self, index: int, token: int, logprob: float, ids, values) -> None:
         slot = self._active[index]
@@ -448,10 +572,42 @@ class Engine:
         self._active[index] = None  # the slot is free for the next admission
         # ... and greedy, so the step's sampling and top-k branches follow the busy slots only
         self._temperature[index], self._top_k[index], self._top_p[index], self._wanted[index] = 0, 0, 1, False
+        self._adapter[index] = -1
         slot.handle.finish_reason = reason
+        self._release(slot.handle)
         self.finished[reason] = self.finished.get(reason, 0) + 1
         slot.handle._emit(None)
 
 
 class QueueFull(RuntimeError):
     """More requests than the engine's `max_queue` wait for a slot (or it is stopping)."""
+
+
+class AdapterSlotsFull(ValueError):
+    """`Engine.load_adapter` found every adapter slot taken."""
+
+
+def _bank(model, adapters: dict, max_adapters: int | None, max_lora_rank: int | None, targets) -> AdapterBank | None:
+    """The engine's adapter slots holding `adapters` (None: no slots asked for)."""
+    if not adapters and not max_adapters:
+        return None
+    from ..lora import modules
+    from ..lora._apply import ADAPTED
+
+    if modules(model, ADAPTED):
+        raise ValueError(
+            "serve adapters over the bare base: the engine's model already carries LoRA branches; pass "
+            "zoo.lora.unload(model) as the model and the adapter models in adapters={name: model}"
+        )
+    adapters = {n: read_adapter(model, m) if isinstance(m, str | os.PathLike) else m for n, m in adapters.items()}
+    ranks = [layer.r for m in adapters.values() for layer in lora_layers(m).values()]
+    capacity = max(DEFAULT_MAX_ADAPTERS, len(adapters)) if max_adapters is None else int(max_adapters)
+    if capacity < len(adapters):
+        raise ValueError(f"max_adapters={capacity} cannot hold the {len(adapters)} adapters given; raise it")
+    rank = max([DEFAULT_MAX_LORA_RANK, *ranks]) if max_lora_rank is None else int(max_lora_rank)
+    bank = AdapterBank(model, capacity=capacity, max_rank=rank, targets=targets)
+    for k, (name, lora_model) in enumerate(adapters.items()):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        bank.write(k, name, lora_model)
+    return bank

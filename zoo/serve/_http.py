@@ -1,6 +1,8 @@
 """The OpenAI HTTP API (the subset clients use) over an `Engine`, on Starlette + uvicorn.
 
-`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`.
+`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`, and
+vLLM's `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter`. A request's `model`
+names the base or an adapter the engine serves (unknown: 404 `model_not_found`, as OpenAI).
 Streaming is server-sent events as OpenAI sends them, ending with `data: [DONE]`. Bad
 input gets HTTP 400 with OpenAI's error body (`{"error": {"message", "type", "param",
 "code"}}`); a full queue 429 and a stopping server 503, both with `Retry-After`. The
@@ -18,14 +20,15 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
-from ._engine import Engine, Handle, QueueFull, Request, Token
+from ._engine import AdapterSlotsFull, Engine, Handle, QueueFull, Request, Token
 
 try:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request as HTTPRequest
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 except ImportError as e:  # pragma: no cover - the message is the test
     raise ImportError(
@@ -178,12 +181,13 @@ class _Sampling:
         options = body.get("stream_options") or {}
         self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
 
-    def request(self, prompt: list[int], choice: int, max_tokens: int, stop_ids, prompt_logprobs=False, top=False):
+    def request(self, prompt: list[int], choice: int, max_tokens: int, stop_ids, prompt_logprobs=False, top=False,
+                adapter=None):  # fmt: skip
         seed = None if self.seed is None else self.seed + choice
         return Request(
             prompt=prompt, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=None if self.top_p == 1 else self.top_p, seed=seed, stop_ids=stop_ids,
-            prompt_logprobs=prompt_logprobs, top_logprobs=top,
+            prompt_logprobs=prompt_logprobs, top_logprobs=top, adapter=adapter,
         )  # fmt: skip
 
 
@@ -199,13 +203,22 @@ class Server:
     - `chat_template`: a `zoo.data.ChatTemplate` for `/v1/chat/completions` (None: the
       endpoint answers 400).
     - `eos_id`: the id that ends a completion (finish reason `"stop"`).
+    - `adapter_paths`: name → folder of the engine's adapters (`/v1/models`' `root`).
+
+    With adapter slots (`Engine(max_adapters=...)`), `POST /v1/load_lora_adapter`
+    `{"lora_name", "lora_path"}` reads a peft folder (or a zoo run folder) onto the base and
+    serves it in a free slot; `POST /v1/unload_lora_adapter` `{"lora_name"}` stops serving
+    it (requests already using it finish first). Neither compiles anything.
 
     `app` is the Starlette application (any ASGI server runs it); `serve` runs it with
     uvicorn.
     """
 
-    def __init__(self, engine: Engine, *, model_name: str, tokenizer=None, chat_template=None, eos_id=None):
+    def __init__(
+        self, engine: Engine, *, model_name: str, tokenizer=None, chat_template=None, eos_id=None, adapter_paths=None
+    ):
         self.engine, self.model_name, self.text = engine, model_name, Text(tokenizer)
+        self.adapter_paths = dict(adapter_paths or {})
         self.chat_template, self.eos_id = chat_template, eos_id
         self.created = int(time.time())
         self.app = Starlette(
@@ -214,6 +227,8 @@ class Server:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             ],
             lifespan=self._lifespan,
         )
@@ -237,7 +252,50 @@ class Server:
 
     async def models(self, request: HTTPRequest):
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "zoo"}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [card] + [
+            card | {"id": name, "root": self.adapter_paths.get(name, name), "parent": self.model_name}
+            for name in self.engine.adapters
+        ]
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: HTTPRequest):
+        """vLLM's: `{"lora_name", "lora_path"}` → served as `lora_name` (200, plain text)."""
+        try:
+            body = await self._json(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise BadRequest("give lora_name and lora_path, both non-empty strings", "lora_name")
+            if name == self.model_name or name in self.engine.adapters:
+                raise BadRequest(f"the model {name!r} is already served; unload it first, or pick another name",
+                                 "lora_name")  # fmt: skip
+            if self.engine.bank is None:
+                raise BadRequest("this server holds no adapter slots; restart it with --max-adapters N", "lora_name")
+            try:  # reading the folder takes a while: the event loop and the engine go on meanwhile
+                await asyncio.to_thread(self.engine.load_adapter, name, Path(path))
+            except AdapterSlotsFull as e:
+                raise BadRequest(str(e), "lora_name", "adapter_slots_full", 409) from None
+            except ValueError as e:
+                raise BadRequest(str(e), "lora_path") from None
+        except BadRequest as e:
+            return _error(str(e), e.status, param=e.param, code=e.code)
+        self.adapter_paths[name] = path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: HTTPRequest):
+        """vLLM's: `{"lora_name"}` → no longer served (its requests in flight finish first)."""
+        try:
+            body = await self._json(request)
+            name = body.get("lora_name")
+            try:
+                left = self.engine.unload_adapter(name)
+            except LookupError:
+                raise BadRequest(f"the LoRA adapter {name!r} cannot be found; the adapters are "
+                                 f"{self.engine.adapters}", "lora_name", "model_not_found", 404) from None  # fmt: skip
+        except BadRequest as e:
+            return _error(str(e), e.status, param=e.param, code=e.code)
+        self.adapter_paths.pop(name, None)
+        after = f" (its slot is freed once the {left} requests using it finish)" if left else ""
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.{after}")
 
     async def completions(self, request: HTTPRequest):
         return await self._answer(request, chat=False)
@@ -254,7 +312,7 @@ class Server:
             handles = self._submit(plan)
         except BadRequest as e:
             headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-            kind = "invalid_request_error" if e.status == 400 else "server_error"
+            kind = "invalid_request_error" if e.status in (400, 404) else "server_error"
             return _error(str(e), e.status, kind=kind, param=e.param, code=e.code, headers=headers)
         if plan["sampling"].stream:
             stream = self._stream(plan, handles, chat)
@@ -265,19 +323,25 @@ class Server:
             for _, handle, _ in handles:
                 handle.cancel()  # a no-op once it finished; frees the slot when the client left
 
-    async def _body(self, request: HTTPRequest) -> dict:
+    async def _json(self, request: HTTPRequest) -> dict:
         try:
             body = json.loads(await request.body())
         except ValueError as e:
             raise BadRequest(f"the request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
+        return body
+
+    async def _body(self, request: HTTPRequest) -> dict:
+        body = await self._json(request)
         model = body.get("model")
-        if model != self.model_name:
+        if model != self.model_name and model not in self.engine.adapters:
+            served = [self.model_name, *self.engine.adapters]
             raise BadRequest(
-                f"the model {model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+                f"the model {model!r} does not exist; this server serves {served} (GET /v1/models)",
                 "model",
                 "model_not_found",
+                404,
             )
         return body
 
@@ -291,7 +355,8 @@ class Server:
         max_tokens = 16 if sampling.max_tokens is None else sampling.max_tokens
         if max_tokens == 0 and not echo:
             raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt's log-probabilities)", "max_tokens")
-        return {"sampling": sampling, "prompts": prompts, "echo": echo, "logprobs": logprobs, "max_tokens": max_tokens}
+        return {"sampling": sampling, "prompts": prompts, "echo": echo, "logprobs": logprobs, "max_tokens": max_tokens,
+                "adapter": self._adapter(body), "model": body["model"]}  # fmt: skip
 
     def _chat_plan(self, body: dict) -> dict:
         if self.chat_template is None:
@@ -310,7 +375,11 @@ class Server:
         max_tokens = self.engine.max_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
         if max_tokens < 1:
             raise BadRequest("max_tokens must be >= 1", "max_tokens")
-        return {"sampling": sampling, "prompts": [prompt], "echo": False, "logprobs": None, "max_tokens": max_tokens}
+        return {"sampling": sampling, "prompts": [prompt], "echo": False, "logprobs": None, "max_tokens": max_tokens,
+                "adapter": self._adapter(body), "model": body["model"]}  # fmt: skip
+
+    def _adapter(self, body: dict) -> str | None:
+        return None if body["model"] == self.model_name else body["model"]
 
     def _submit(self, plan: dict) -> list[tuple[int, Handle, asyncio.Queue]]:
         """Each (prompt, choice) submitted: `[(prompt index, handle, its token queue)]`."""
@@ -319,13 +388,20 @@ class Server:
         stop_ids = () if self.eos_id is None or sampling.ignore_eos else (self.eos_id,)
         want_prompt = plan["echo"] and plan["logprobs"] is not None
         requests = [
-            (i, sampling.request(p, j, max(plan["max_tokens"], 1), stop_ids, want_prompt, bool(plan["logprobs"])))
+            (
+                i,
+                sampling.request(
+                    p, j, max(plan["max_tokens"], 1), stop_ids, want_prompt, bool(plan["logprobs"]), plan["adapter"]
+                ),
+            )  # fmt: skip
             for i, p in enumerate(plan["prompts"])
             for j in range(sampling.n)
         ]
         for _, r in requests:
             try:
                 self.engine.check(r)
+            except LookupError as e:  # unloaded since the model was read
+                raise BadRequest(str(e), "model", "model_not_found", 404) from None
             except ValueError as e:
                 raise BadRequest(str(e), "prompt") from None
         handles = []
@@ -334,9 +410,11 @@ class Server:
                 queue: asyncio.Queue = asyncio.Queue()
                 handle = self.engine.submit(r, on_update=lambda t, q=queue: loop.call_soon_threadsafe(q.put_nowait, t))
                 handles.append((i, handle, queue))
-        except QueueFull as e:
+        except (QueueFull, LookupError) as e:
             for _, handle, _ in handles:
                 handle.cancel()
+            if isinstance(e, LookupError):
+                raise BadRequest(str(e), "model", "model_not_found", 404) from None
             stopping = "stopping" in str(e)
             code, status = ("server_shutting_down", 503) if stopping else ("queue_full", 429)
             raise BadRequest(str(e), None, code, status) from None
@@ -418,7 +496,7 @@ class Server:
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": plan["model"],
             "choices": choices,
             "usage": {
                 "prompt_tokens": prompt_tokens,
@@ -436,7 +514,7 @@ class Server:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices, usage=None):
-            body = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+            body = {"id": ident, "object": kind, "created": created, "model": plan["model"], "choices": choices}
             if usage is not None:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
@@ -531,7 +609,9 @@ def serve(
     """
 
     def default(h, p):
-        print(f"zoo serve: http://{h}:{p}/v1  model {server.model_name}  ready", flush=True)
+        adapters = server.engine.adapters
+        more = f"  adapters {', '.join(adapters)}" if adapters else ""
+        print(f"zoo serve: http://{h}:{p}/v1  model {server.model_name}{more}  ready", flush=True)
 
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, lifespan="on")
     # uvicorn raises the caught signal again once it has shut down; a handler of our own
