@@ -51,7 +51,9 @@ def key():
 def _timeout(item) -> float:
     """The test's own pytest-timeout limit (its `timeout` mark), 0 for the default one."""
     mark = item.get_closest_marker("timeout")
-    return float(mark.args[0]) if mark and mark.args else 0.0
+    if mark is None:
+        return 0.0
+    return float(mark.kwargs.get("timeout", mark.args[0] if mark.args else 0.0))
 
 
 def pytest_collection_modifyitems(config, items):
