@@ -55,15 +55,22 @@ test: lint
 # The float comparisons (-m numerics: zoo against transformers/peft/sentence-transformers,
 # sharded against one device) again on other CPU kernels, so that a tolerance only one
 # machine meets fails here: XLA restricted to AVX2 and Eigen's matmuls instead of
-# YNNPACK's, torch restricted to AVX2; one run single-threaded, one two-threaded, side by
-# side (one core each, mostly). docs/claims.md, "Numeric tolerances".
+# YNNPACK's, torch restricted to AVX2; every one single-threaded, and a subset
+# two-threaded, side by side. docs/claims.md, "Numeric tolerances".
+# Time: the single-threaded run has two workers (each process single-threaded: one core
+# each; one alone left a core idle once the short two-threaded run ended, and compiling,
+# most of the time here, is single-threaded in either); both collect only the files that
+# mark tests `numerics` (collecting every test file imports the suite's other modules for
+# nothing: ~15 s of CPU a process).
 OTHER_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 OTHER_XLA := --xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=
+NUMERICS_FILES = $(shell grep -l numerics tests/test_*.py)
 test-numerics: $(STAMP)
 	$(OTHER_KERNELS) OMP_NUM_THREADS=1 XLA_FLAGS="$(OTHER_XLA) --xla_cpu_multi_thread_eigen=false" \
-		$(PY) -m pytest -q -p no:cacheprovider -m numerics & one=$$!; \
+		$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m numerics $(NUMERICS_FILES) & one=$$!; \
 	$(OTHER_KERNELS) OMP_NUM_THREADS=2 XLA_FLAGS="$(OTHER_XLA)" \
-		$(PY) -m pytest -q -p no:cacheprovider -m numerics -k 'minilm or load_and_export or tolerances'; two=$$?; \
+		$(PY) -m pytest -q -p no:cacheprovider -m numerics -k 'minilm or load_and_export or tolerances' \
+		$(NUMERICS_FILES); two=$$?; \
 	wait $$one && exit $$two
 
 test-fast: $(STAMP)

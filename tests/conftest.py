@@ -46,3 +46,29 @@ import pytest
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+def _timeout(item) -> float:
+    """The test's own pytest-timeout limit (its `timeout` mark), 0 for the default one."""
+    mark = item.get_closest_marker("timeout")
+    if mark is None:
+        return 0.0
+    return float(mark.kwargs.get("timeout", mark.args[0] if mark.args else 0.0))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long tests first, so that the two workers of `make test` end together: a test given a
+    limit above the default (its `timeout` mark) is a long one; the longest limits first.
+
+    Under `--dist load` (the slow phase: one test at a time to a worker) test by test; else
+    file by file (a file's limit is its largest), its tests in their order: `--dist
+    loadfile` hands whole files out in that order, and a file's module fixtures may start
+    work its later tests use (test_checkpoints.py's first run)."""
+    dist = config.getoption("dist", "no") if config.pluginmanager.hasplugin("xdist") else "no"
+    if dist == "load":
+        items.sort(key=lambda item: -_timeout(item))  # stable: equal limits keep their order
+        return
+    limits = {}
+    for item in items:
+        limits[item.path] = max(limits.get(item.path, 0.0), _timeout(item))
+    items.sort(key=lambda item: -limits[item.path])

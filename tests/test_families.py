@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 import zoo
 from zoo.models import Transformer, TransformerConfig
 
-# Also run under other CPU kernels and thread counts (`make test-numerics`).
-pytestmark = pytest.mark.numerics
+# The tests that compare computed floats are marked `numerics`: `make test-numerics` runs
+# them again under other CPU kernels and thread counts (refusals, tokenizers and exact
+# copies of weights compute nothing a kernel could round differently).
 
 # Against transformers: helpers.assert_as_accurate (zoo as close to a float64 run of the
 # transformers model as transformers' own float32 run, within its margin). Measured maxima
@@ -145,6 +146,7 @@ def loaded(hf_dirs):
 # --------------------------------------------------------------------------- both directions
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", list(CASES))
 def test_load_and_export_match_transformers(name, hf_dirs, loaded, tokens, tmp_path):
     model = loaded[name]
@@ -168,6 +170,7 @@ def test_load_and_export_match_transformers(name, hf_dirs, loaded, tokens, tmp_p
         np.testing.assert_allclose(written[k], source[k], rtol=0, atol=bound, err_msg=k)
 
 
+@pytest.mark.numerics
 def test_mistral_window_is_applied(hf_dirs, loaded, tokens):
     """Past its window Mistral's logits differ from full attention's: the band matters."""
     model = loaded["mistral"]
@@ -178,6 +181,7 @@ def test_mistral_window_is_applied(hf_dirs, loaded, tokens):
     assert np.abs(np.asarray(a[:, 3:]) - np.asarray(b[:, 3:])).max() > 1e-3
 
 
+@pytest.mark.numerics
 def test_llama3_scaling_changes_the_frequencies():
     base = zoo.internal.rope_frequencies(16, theta=10000.0)
     scaled = zoo.internal.rope_frequencies(16, theta=10000.0, llama3=(8.0, 1.0, 4.0, 16))
@@ -202,6 +206,7 @@ def test_export_keeps_source_config_and_copies_tokenizer(hf_dirs, loaded, tmp_pa
     assert generation.eos_token_id == 2
 
 
+@pytest.mark.numerics
 def test_scratch_llama_is_exported_by_shape(tmp_path, tokens):
     """A Llama-shaped zoo model built from scratch (no family) is written as Llama, with a
     generation_config.json transformers reads."""
@@ -232,6 +237,7 @@ def test_activation_spelling_round_trips(tmp_path):
 # --------------------------------------------------------------------------- meshes
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("preset", "devices"), [("fsdp", 8), ("tp", 8), ("fsdp+tp", 4)])
 def test_sharded_loads_equal_unsharded(preset, devices, hf_dirs, loaded, tokens):
     """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62)."""
@@ -267,6 +273,7 @@ def test_padded_vocab_exports_the_real_rows(hf_dirs, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == VOCAB
 
 
+@pytest.mark.numerics
 def test_gpt2_and_bert_odd_vocabularies_load_under_tp(tmp_path):
     """The README's `from_pretrained(gpt2_dir, rules=zoo.rules("tp"))` with an odd
     vocabulary; BERT's over a model axis of 4."""
@@ -479,6 +486,7 @@ def test_cli_info_and_inspect_take_a_family_folder(hf_dirs):
     assert summary["in_loop_mesh_axes"] == ["model"]
 
 
+@pytest.mark.numerics
 def test_padded_vocab_gradients_equal_unpadded(hf_dirs, loaded, tokens):
     """Under tp the padded model's next-token gradients are the unpadded ones on the real
     rows and zero on the padding rows."""
