@@ -388,3 +388,19 @@ def save_word_tokenizer(words: list[str], folder) -> None:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
     tok.save(str(folder / "tokenizer.json"))
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """The names of the functions XLA compiles while inside (a list that grows)."""
+    names = []
+
+    def listen(event, _seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name", ""))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)

@@ -15,7 +15,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import ACCURACY_MARGIN, largest
+from helpers import ACCURACY_MARGIN, backend_compiles, largest
 from test_peft import BERT, DECODER, GPT2, is_adapter, perturb
 
 import zoo
@@ -234,20 +234,11 @@ def test_generate_mixed_adapters_one_program_equal_to_each_alone_and_peft(root):
     model, saved, base = peft_pair("llama", root)
     zm, _ = zoo.lora.load_adapters(base, saved)
     prompts = TOKENS[:, :5]
-    names = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(kwargs.get("fun_name", ""))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with backend_compiles() as names:
         mixed = np.asarray(zoo.generate(zm, prompts, adapter_names=MIX, **generate_settings()))
         first = sum("_generate_program" in n for n in names)
         other = np.asarray(zoo.generate(zm, prompts, adapter_names=["b", 0, None, "default"], **generate_settings()))
         again = sum("_generate_program" in n for n in names) - first
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert first == 1 and again == 0, names
     alone = {
         "default": np.asarray(zoo.generate(set_adapter(zm, "default"), prompts, **generate_settings())),

@@ -13,11 +13,11 @@ import json
 import threading
 import time
 
-import jax
 import numpy as np
 import peft
 import pytest
 import test_serve
+from helpers import backend_compiles
 from test_serve import _alone, _http, _ids, _Process
 
 import zoo
@@ -52,18 +52,6 @@ def adapters(served, tmp_path_factory):
     return out
 
 
-def _compiles():
-    """A list that grows with each XLA backend compile while registered; and its remover."""
-    seen = []
-
-    def count(event, _seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    return seen, lambda: jax.monitoring.unregister_event_duration_listener(count)
-
-
 def test_a_mixed_batch_gives_each_request_its_adapter_alone(served, adapters):
     """Staggered requests over three adapters of different ranks and targets and the bare
     base share one decode program: each gets zoo.generate's tokens with its adapter alone."""
@@ -75,8 +63,7 @@ def test_a_mixed_batch_gives_each_request_its_adapter_alone(served, adapters):
     # Two prompt lengths and one output length: the references compile once per model and shape.
     plan = [(5, "sql"), (11, "poet"), (5, None), (5, "chef"), (11, "sql"), (5, "poet"), (11, None), (5, "chef")]
     requests = [Request(rng.integers(6, 64, size=n).tolist(), max_tokens=8, adapter=a) for n, a in plan]
-    seen, stop = _compiles()
-    try:
+    with backend_compiles() as seen:
         handles = [engine.submit(r) for r in requests[:2]]
         engine.step()
         handles += [engine.submit(r) for r in requests[2:5]]
@@ -84,8 +71,6 @@ def test_a_mixed_batch_gives_each_request_its_adapter_alone(served, adapters):
         engine.step()
         handles += [engine.submit(r) for r in requests[5:]]
         engine.run_until_done()
-    finally:
-        stop()
     assert engine.compiles == {("decode",): 1, ("prefill", 8, False): 1, ("prefill", 16, False): 1}
     assert len(seen) == 3  # XLA's own count: nothing else compiled while serving the mix
     differ = 0
@@ -107,8 +92,7 @@ def test_load_and_unload_while_requests_run(served, adapters):
     engine.step()
     engine.step()
     before = dict(engine.compiles)
-    seen, stop = _compiles()
-    try:
+    with backend_compiles() as seen:
         assert engine.unload_adapter("sql") == 2  # two requests still use it
         assert engine.adapters == []
         with pytest.raises(LookupError, match="no adapter named 'sql' is served"):
@@ -122,8 +106,6 @@ def test_load_and_unload_while_requests_run(served, adapters):
         assert engine.load_adapter("chef", adapters["chef"][1]) == 0
         again = engine.submit(Request([12, 13, 14], max_tokens=16, adapter="chef"))
         engine.run_until_done()
-    finally:
-        stop()
     assert engine.compiles == before and seen == []
     for handle in running:
         assert handle.finish_reason == "length" and handle.ids == _alone(adapters["sql"][1], handle.request)

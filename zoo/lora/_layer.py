@@ -17,7 +17,19 @@ from ..nn import Linear, QuantizedLinear, dropout, project
 from ..nn._sharding import for_use, like_rows, sharding_spec
 
 
-class LoraLinear(eqx.Module):
+class LinearWrapper(eqx.Module):
+    """What a wrapper of a `Linear` (its `base`) shows of it: `in_features`, `out_features`."""
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+
+class LoraLinear(LinearWrapper):
     """A frozen `base` `Linear` (or its int8 `QuantizedLinear`) plus a trainable rank-`r` branch.
 
     `lora_A` is `[in, r]` and `lora_B` `[r, out]` (peft's `lora_A.weight` / `lora_B.weight`
@@ -88,14 +100,6 @@ class LoraLinear(eqx.Module):
             weight = float_weight(base, jnp.float32)
             delta = a.astype(jnp.float32) @ b.astype(jnp.float32)
             self.lora_magnitude_vector = column_norm(weight + scaling * delta).astype(dtype)
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     def __call__(self, x: Float[Array, "*batch in"], *, key: Any = None) -> Float[Array, "*batch out"]:
         """`base(x)` plus the branch (unless merged). `key`: per-example keys for the

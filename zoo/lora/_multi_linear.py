@@ -14,9 +14,10 @@ from jaxtyping import Array, Float
 from .._axes import field
 from ..nn import Linear, QuantizedLinear, dropout
 from ..nn._sharding import contract_spec, entries, for_use, sharding_spec
+from ._layer import LinearWrapper
 
 
-class MultiLoraLinear(eqx.Module):
+class MultiLoraLinear(LinearWrapper):
     """A frozen `base` `Linear` (or int8 `QuantizedLinear`) with `K` named LoRA branches.
 
     `lora_A` is `[K, in, r]` and `lora_B` `[K, r, out]`: adapter `k`'s branch (peft's
@@ -47,14 +48,6 @@ class MultiLoraLinear(eqx.Module):
     def merged(self) -> bool:
         """Never: named adapters are merged one at a time (`merge(adapter(model, name))`)."""
         return False
-
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     def __call__(self, x: Float[Array, "*batch in"], *, key: Any = None) -> Float[Array, "*batch out"]:
         """`base(x)` plus each row's adapter branch. `key`: per-example dropout keys, or `None`."""
