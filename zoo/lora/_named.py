@@ -284,8 +284,7 @@ def delete_adapter(model: Any, name: str) -> Any:
         return _strip_multi(model)
     current = _first(model).active
     keep = names[current] if current is not None and current != k else None
-    out = stack_adapters(rest)
-    return set_adapter(out, keep if keep is not None else None) if current != k else set_adapter(out, None)
+    return set_adapter(stack_adapters(rest), keep)  # deleting the active one leaves the bare base
 
 
 def _strip_multi(model: Any) -> Any:
