@@ -413,14 +413,22 @@ def test_skip_nonfinite_skips_and_counts_the_steps(tmp_path):
 BASE = ["--devices", "2", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--quiet"]
 
 
-@pytest.fixture
-def run4(tmp_path) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4, lr and seed not the defaults."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished_run4(tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4, lr and seed not the defaults:
+    trained once, each test resumes or damages a copy of it (`run4`)."""
+    out = tmp_path_factory.mktemp("run4") / "run"
     rc, _, err = zoo_main("train", "mlp", *BASE, "--steps", "4", "--checkpoint-every", "2", "--lr", "0.01",
                           "--seed", "3", "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
     assert rc == 0, err
     return out
+
+
+@pytest.fixture
+def run4(finished_run4, tmp_path) -> Path:
+    """A copy of `finished_run4` of the test's own (a run folder moved elsewhere resumes
+    from its own checkpoints: test_one_run.py resumes copies too)."""
+    return _copy(finished_run4, tmp_path / "run")
 
 
 def test_resume_refuses_every_flag_that_changes_the_run(run4):

@@ -141,16 +141,24 @@ def test_cast_frozen_stores_the_base_in_bfloat16_and_keeps_the_branches():
     assert 0 < diff.max() and np.all(diff <= bound), (diff.max(), np.max(diff / bound))
 
 
+@pytest.fixture(scope="module")
+def float32_step():
+    """The float32 model with random branches and its dp step's (loss, collectives): the
+    reference both cast dtypes compare against, compiled and run once."""
+    random_branches = dataclasses.replace(CONFIG, init_lora_weights=False)
+    model = add_lora(tiny_decoder(jax.random.key(0)), random_branches, key=jax.random.key(1))
+    _, ref_loss, ref_colls, _ = _dp_step(model)
+    return model, ref_loss, ref_colls
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
-def test_cast_frozen_step_has_the_same_single_all_reduce_and_leaves_the_base_alone(dtype):
+def test_cast_frozen_step_has_the_same_single_all_reduce_and_leaves_the_base_alone(dtype, float32_step):
     """A bfloat16 or int8 base: the same collectives as the float32 model's, in kind, place
     and bytes (the frozen base is never communicated), the frozen leaves bit-identical, and
     the 4-device gradients those of one device (random branches: no zero gradient)."""
-    random_branches = dataclasses.replace(CONFIG, init_lora_weights=False)
-    model = add_lora(tiny_decoder(jax.random.key(0)), random_branches, key=jax.random.key(1))
+    model, ref_loss, ref_colls = float32_step
     cast = cast_frozen(model, dtype, config=CONFIG)
     new, loss, colls, params = _dp_step(cast)
-    _, ref_loss, ref_colls, _ = _dp_step(model)
     assert [(c.kind, c.in_loop, c.bytes) for c in colls] == [(c.kind, c.in_loop, c.bytes) for c in ref_colls]
     assert zoo.count(colls, "all-reduce", in_loop=False) == 1 and zoo.count(colls, in_loop=True, kind=None) == 0
     assert colls[0].bytes == tree_bytes(params) + 8  # the float32 adapters (+ loss, count)

@@ -195,20 +195,22 @@ def _stack_frames(compiled: jax.stages.Compiled | None) -> dict[int, tuple[str, 
             frame = dict(_fields(value))
             frames.append((frame.get(1, 0), frame.get(2, 0)))
 
-    def line(location_id: int) -> str:
-        file_id, function_id, lineno = locations[location_id - 1]
+    def line(file_id: int, function_id: int, lineno: int) -> str:
         file = files[file_id - 1] if 0 < file_id <= len(files) else "?"
         function = functions[function_id - 1] if 0 < function_id <= len(functions) else "?"
         return f"{file}:{lineno} in {function}"
 
+    # Each location's text once: the walks below visit a location many times (a frame's
+    # chain is its parent's plus one), ~250k times for a small model's step.
+    lines = [line(*location) for location in locations]
     out: dict[int, tuple[str, ...]] = {}
     for frame_id in range(1, len(frames) + 1):
         chain, seen, current = [], set(), frame_id
         while 0 < current <= len(frames) and current not in seen and len(chain) < 256:
             seen.add(current)
             location_id, current = frames[current - 1]
-            if 0 < location_id <= len(locations) and (not chain or chain[-1] != line(location_id)):
-                chain.append(line(location_id))
+            if 0 < location_id <= len(locations) and (not chain or chain[-1] != lines[location_id - 1]):
+                chain.append(lines[location_id - 1])
         out[frame_id] = tuple(chain)
     return out
 

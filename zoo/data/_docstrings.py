@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import sysconfig
 from pathlib import Path
@@ -55,7 +56,9 @@ def _first_paragraph(doc: str, max_chars: int) -> str:
     return text[:max_chars]
 
 
-def _package_docstrings(folder: Path, min_chars: int, max_chars: int) -> list[str]:
+# Memoised: one process reads the same sources again for every run of the task.
+@functools.cache
+def _package_docstrings(folder: Path, min_chars: int, max_chars: int) -> tuple[str, ...]:
     texts = []
     for path in sorted(folder.rglob("*.py")):
         if any(part in ("test", "tests") for part in path.relative_to(folder).parts):
@@ -71,7 +74,7 @@ def _package_docstrings(folder: Path, min_chars: int, max_chars: int) -> list[st
                     text = _first_paragraph(doc, max_chars)
                     if len(text) >= min_chars:
                         texts.append(text)
-    return texts
+    return tuple(texts)
 
 
 def stdlib_docstrings(

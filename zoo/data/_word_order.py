@@ -4,6 +4,7 @@ docstring sentence as written, or was it cut in two and its halves swapped?"""
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import re
 import sysconfig
@@ -23,13 +24,16 @@ _PROSE = re.compile(r"[a-z][a-z ,'-]*")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def _module_sentences(path: Path, min_words: int, max_words: int) -> set[str]:
+# Memoised: parsing the standard library is most of a small classifier run's data time
+# (~3 s), and one process builds the task again for every run and evaluation of it.
+@functools.cache
+def _module_sentences(path: Path, min_words: int, max_words: int) -> frozenset[str]:
     """The prose sentences of one module's docstrings: lowercased, the final full stop
     (or comma) dropped, else its place would give a scramble away, `min_words` to `max_words` words."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, OSError):
-        return set()
+        return frozenset()
     out = set()
     for node in ast.walk(tree):
         if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -42,7 +46,7 @@ def _module_sentences(path: Path, min_words: int, max_words: int) -> set[str]:
                 # Four distinct words or more: a shuffle then always changes the sentence.
                 if min_words <= len(words) <= max_words and len(set(words)) >= 4 and _PROSE.fullmatch(sentence):
                     out.add(sentence)
-    return out
+    return frozenset(out)
 
 
 def _scramble(words: list[str], corruption: str, rng: np.random.Generator) -> list[str]:
