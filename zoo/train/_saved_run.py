@@ -26,7 +26,8 @@ import numpy as np
 from .._checkpoint import Checkpointer, CheckpointError
 from ..data import ChatTemplate, read_records
 from ..data._dataset import _labels as file_label_names
-from ..lora import load_adapter
+from ..lora import adapter_names, load_adapter, load_adapters
+from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
 from ._build import training_step
 from ._build_task import build_task
@@ -141,13 +142,15 @@ def load_run(folder: str | Path) -> SavedRun:
     spec = model_spec(c.model)
     names, notes = read_labels(folder), []
     adapter, hf = folder / "adapter", folder / "model"
-    if c.lora is not None and (adapter / "adapter_config.json").is_file():
+    several = c.lora is not None and _several(adapter)  # several adapters trained at once: adapter/NAME/
+    if several or (c.lora is not None and (adapter / "adapter_config.json").is_file()):
         model, tok_dir, names = _base(c, spec, folder, names, notes, what="the base model of its adapter")
         try:
-            model, _ = load_adapter(model, adapter)
+            model, _ = (load_adapters if several else load_adapter)(model, adapter)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"{adapter}: {str(e).splitlines()[0]}") from e
-        weights = f"{adapter} on {c.init or 'the ' + c.model}"
+        held = f" (adapters {', '.join(adapter_names(model))})" if several else ""
+        weights = f"{adapter}{held} on {c.init or 'the ' + c.model}"
     elif (hf / "config.json").is_file() and (not spec.classifier or (hf / HEAD_NAME).is_file()):
         keep = {k: v for k, v in c.model_config.items() if k in PRETRAINED_KEYS}
         model, tok_dir, names = _base(dataclasses.replace(c, init=str(hf), model_config=keep), spec, folder, names,
@@ -166,6 +169,11 @@ def load_run(folder: str | Path) -> SavedRun:
     if spec.kind == "lm":
         run.chat_template = _chat_template(c, folder, run.tokenizer_dir, notes)
     return run
+
+
+def _several(adapter: Path) -> bool:
+    """Whether a run's adapter/ holds named adapters in subfolders (peft's layout of several)."""
+    return adapter.is_dir() and any(s.is_dir() and (s / CONFIG_NAME).is_file() for s in adapter.iterdir())
 
 
 def _base(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: list[str], *, what: str):
