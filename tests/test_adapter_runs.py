@@ -35,15 +35,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     """A tiny random GPT-2 folder (the frozen base) and the adapters' data: a.jsonl and
     b.jsonl (prompt/completion records, b's of another style), and both in one file whose
     records name their adapter."""
-    import jax
-
-    import zoo
-    from zoo.train._task import init_compiled
+    import torch
+    import transformers
 
     root = tmp_path_factory.mktemp("adapter_runs")
-    config = zoo.models.TransformerConfig(vocab_size=256, d_model=32, num_heads=4, num_layers=1, max_len=SEQ)
-    gpt = init_compiled(("gpt", config), lambda k: zoo.models.Transformer(config, key=k), jax.random.key(0))
-    zoo.hf.save_pretrained(gpt, root / "base")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_head=4, n_layer=1, n_positions=SEQ)
+    transformers.GPT2LMHeadModel(config).save_pretrained(root / "base")
     rng = np.random.default_rng(0)
     records = {"a": _lines(rng, 30), "b": _lines(rng, 24, "Q: ")}
     for name, rows in records.items():
