@@ -85,12 +85,16 @@ def _located(path: Path, raw: bytes) -> tuple[str, list[dict[str, Any]], list[st
         raise ConfigError(f"--data: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    _check_kind(kind, path)
+    return kind, records, wheres
+
+
+def _check_kind(kind: str, path: Path) -> None:
     if kind not in LM_KINDS:
         raise ConfigError(
             f"--data {path} holds {kind.replace('_', '/')} records; several adapters train a decoder on text, "
             "prompt/completion or chat records (docs/training.md, Training several adapters at once)"
         )
-    return kind, records, wheres
 
 
 def read_adapter_records(source: str) -> AdapterRecords | None:
@@ -111,13 +115,13 @@ def read_adapter_records(source: str) -> AdapterRecords | None:
             return None  # a .txt / .csv has no fields to name adapters by
         raw = path.read_bytes()
         try:
-            _, records, wheres = read_located(path, data=raw)
+            kind, records, wheres = read_located(path, data=raw)
         except (DataFormatError, UnicodeDecodeError):
             return None  # the one-adapter reader names what is wrong
         named = [i for i, r in enumerate(records) if FIELD in r]
         if not named:
             return None
-        kind = _located(path, raw)[0]
+        _check_kind(kind, path)
         groups: dict[str, tuple[list, list]] = {}
         for record, where in zip(records, wheres):
             if FIELD not in record:
