@@ -32,52 +32,56 @@ def _lines(rng, n: int, prefix: str = "") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """A tiny random GPT-2 folder (the frozen base) and the adapters' data: a.jsonl and
-    b.jsonl (prompt/completion records, b's of another style), and both in one file whose
-    records name their adapter."""
-    import torch
-    import transformers
-
+    """The adapters' data: a.jsonl and b.jsonl (prompt/completion records, b's of another
+    style), and both in one file whose records name their adapter."""
     root = tmp_path_factory.mktemp("adapter_runs")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_head=4, n_layer=1, n_positions=SEQ)
-    transformers.GPT2LMHeadModel(config).save_pretrained(root / "base")
     rng = np.random.default_rng(0)
     records = {"a": _lines(rng, 30), "b": _lines(rng, 24, "Q: ")}
     for name, rows in records.items():
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     mixed = [r | {"adapter": n} for n, rows in records.items() for r in rows]
     (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
-    return {"base": root / "base", "a": root / "a.jsonl", "b": root / "b.jsonl", "mixed": root / "mixed.jsonl",
-            "root": root}  # fmt: skip
+    return {"a": root / "a.jsonl", "b": root / "b.jsonl", "mixed": root / "mixed.jsonl", "root": root}
+
+
+@pytest.fixture(scope="module")
+def base(files) -> Path:
+    """A tiny random GPT-2 folder (transformers'): the frozen base every run adapts."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_head=4, n_layer=1, n_positions=SEQ)
+    transformers.GPT2LMHeadModel(config).save_pretrained(files["root"] / "base")
+    return files["root"] / "base"
 
 
 def _flags(settings: dict) -> list[str]:
     return [a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def _library(files, out: Path, source, batch_size: int):
+def _library(base, out: Path, source, batch_size: int):
     import zoo
     from zoo.train import DataConfig, OptimizerConfig, RunConfig
 
     s = dict(SETTINGS)
     data = DataConfig(source=source, eval_size=s.pop("eval_size"), seq_len=s.pop("seq_len"))
     opt = OptimizerConfig(name=s.pop("optimizer"), lr=s.pop("lr"))
-    config = RunConfig(model="transformer", init=str(files["base"]), batch_size=batch_size, data=data, optimizer=opt,
+    config = RunConfig(model="transformer", init=str(base), batch_size=batch_size, data=data, optimizer=opt,
                        quiet=True, output=str(out), **s)  # fmt: skip
     return zoo.train.run(config, command="finetune")
 
 
 @pytest.fixture(scope="module")
-def runs(files):
+def runs(files, base):
     """The runs the tests share: the two adapters at once from the flags (one file per
     adapter) and from `zoo.train.run` (the records naming their adapter), and each adapter
     alone on its file, as a one-adapter fine-tune with half the batch (its share)."""
     root = files["root"]
-    flags = [*_flags(SETTINGS), "--batch-size", K_BATCH, "--init", files["base"], "--quiet"]
+    flags = [*_flags(SETTINGS), "--batch-size", K_BATCH, "--init", base, "--quiet"]
     zoo_ok("finetune", "transformer", "--data", f"a={files['a']},b={files['b']}", *flags, "--output", root / "flags")
-    library = _library(files, root / "library", str(files["mixed"]), K_BATCH)
-    alone = {n: _library(files, root / f"alone-{n}", str(files[n]), K_BATCH // 2) for n in ("a", "b")}
+    library = _library(base, root / "library", str(files["mixed"]), K_BATCH)
+    alone = {n: _library(base, root / f"alone-{n}", str(files[n]), K_BATCH // 2) for n in ("a", "b")}
     return {"flags": root / "flags", "library": library, "alone": alone}
 
 
@@ -153,7 +157,7 @@ def test_each_adapter_ends_where_it_ends_trained_alone(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.numerics
-def test_each_exported_adapter_opens_in_peft_with_zoos_logits(runs, files):
+def test_each_exported_adapter_opens_in_peft_with_zoos_logits(runs, base):
     """adapter/NAME opens in peft (`PeftModel.from_pretrained(base, folder,
     adapter_name=NAME)`) with the logits the trained run's model gives rows of NAME."""
     import equinox as eqx
@@ -169,7 +173,7 @@ def test_each_exported_adapter_opens_in_peft_with_zoos_logits(runs, files):
     forward = eqx.filter_jit(lambda m, t, index: zoo.lora.route(m, index)(t))
     for k, name in enumerate(("a", "b")):
         ours = np.asarray(forward(model, jnp.asarray(tokens), jnp.full(len(tokens), k, jnp.int32)))
-        hf = transformers.GPT2LMHeadModel.from_pretrained(files["base"])
+        hf = transformers.GPT2LMHeadModel.from_pretrained(base)
         opened = peft.PeftModel.from_pretrained(hf, runs["library"].output / "adapter" / name, adapter_name=name)
         with torch.no_grad():
             theirs = opened(torch.as_tensor(tokens)).logits.numpy()
@@ -201,11 +205,42 @@ def test_zoo_eval_runs_each_record_through_its_own_adapter(runs, files, tmp_path
     one_line_error(rc, err, "give each record its adapter's name")
 
 
+def test_each_batch_holds_each_adapters_own_rows_unmixed(files):
+    """A step's batch: `batch_size / K` rows of each adapter, each row one of that
+    adapter's own packed rows (no row mixes two adapters' documents), the rows its own
+    file gives a one-adapter run of batch `batch_size / K`; a file whose records name
+    their adapter reads as one file per adapter; `adapter_norm` is each adapter's share."""
+    from zoo.data import load
+    from zoo.lora import adapter_norms
+    from zoo.train._adapters import AdapterRows, read_adapter_records
+    from zoo.train._user_data import byte_tokenizer
+
+    pairs = read_adapter_records(f"a={files['a']},b={files['b']}")
+    mixed = read_adapter_records(str(files["mixed"]))
+    assert pairs.names == mixed.names == ("a", "b")
+    assert all(pairs.located[n][:2] == mixed.located[n][:2] for n in ("a", "b"))  # kind, records (not lines)
+    assert mixed.located["b"][2][0] == "mixed.jsonl line 31"
+    assert read_adapter_records(str(files["a"])) is None  # no names: a one-adapter run
+    own = {n: load(files[n], byte_tokenizer(), seq_len=SEQ, validation=0.1)[0] for n in ("a", "b")}
+    located = {n: load(files[n], byte_tokenizer(), seq_len=SEQ, validation=0.1, located=mixed.located[n], data=b"")[0]
+               for n in ("a", "b")}  # fmt: skip
+    source = AdapterRows(("a", "b"), (located["a"], located["b"]))
+    for step in (1, 2, 7):
+        batch = source.batch_at(step, K_BATCH, seed=3)
+        np.testing.assert_array_equal(batch["adapter"], [0, 0, 0, 0, 1, 1, 1, 1])
+        for k, name in enumerate(("a", "b")):
+            alone = own[name].batch_at(step, K_BATCH // 2, seed=3)
+            for key, value in alone.items():
+                np.testing.assert_array_equal(batch[key][4 * k : 4 * k + 4], value, err_msg=f"{name} {key}")
+        counts = batch["weights"][:, 1:].sum(axis=1)
+        np.testing.assert_array_equal(batch["adapter_norm"], adapter_norms(batch["adapter"], counts, 2))
+
+
 # --- bad input: one clear error each, before anything is trained ---------------------------------
 
 
-def _finetune(files, *args) -> tuple[int, str]:
-    rc, _, err = zoo_main("finetune", "transformer", "--init", files["base"], *_flags(SETTINGS), "--quiet", *args)
+def _finetune(base, *args) -> tuple[int, str]:
+    rc, _, err = zoo_main("finetune", "transformer", "--init", base, *_flags(SETTINGS), "--quiet", *args)
     return rc, err
 
 
@@ -215,7 +250,7 @@ def _write(files, name: str, lines: list[dict]) -> Path:
     return path
 
 
-def test_bad_adapter_data_is_refused_naming_the_file_and_line(files, tmp_path):
+def test_bad_adapter_data_is_refused_naming_the_file_and_line(files, base, tmp_path):
     good = {"prompt": "a to", "completion": "it is"}
     cases = {
         "missing": ([good | {"adapter": "a"}, good | {"adapter": "b"}, good], "missing.jsonl line 3 has no 'adapter'"),
@@ -224,15 +259,15 @@ def test_bad_adapter_data_is_refused_naming_the_file_and_line(files, tmp_path):
     }
     for what, (lines, message) in cases.items():
         path = _write(files, "missing.jsonl", lines)
-        rc, err = _finetune(files, "--data", path, "--batch-size", 4, "--output", tmp_path / what)
+        rc, err = _finetune(base, "--data", path, "--batch-size", 4, "--output", tmp_path / what)
         one_line_error(rc, err, message)
     # a pair's file holding another adapter's record
     other = _write(files, "other.jsonl", [good, good | {"adapter": "b"}])
-    rc, err = _finetune(files, "--data", f"a={other},b={files['b']}", "--batch-size", 8, "--output", tmp_path / "o")
+    rc, err = _finetune(base, "--data", f"a={other},b={files['b']}", "--batch-size", 8, "--output", tmp_path / "o")
     one_line_error(rc, err, "other.jsonl line 2 names adapter 'b'")
     # an adapter with too few rows for its share of the batch
     few = _write(files, "few.jsonl", [good] * 3)
-    rc, err = _finetune(files, "--data", f"a={files['a']},few={few}", "--batch-size", 8, "--output", tmp_path / "f")
+    rc, err = _finetune(base, "--data", f"a={files['a']},few={few}", "--batch-size", 8, "--output", tmp_path / "f")
     one_line_error(rc, err, "adapter 'few' (few.jsonl) has 1 training rows")
     # the batch must split evenly over the adapters; pairs name a file each, once each
     for data, batch, message in (
@@ -241,7 +276,7 @@ def test_bad_adapter_data_is_refused_naming_the_file_and_line(files, tmp_path):
         (f"a={files['a']},b=", 8, "is not NAME=FILE"),
         (f"a={files['a']},b={tmp_path / 'none.jsonl'}", 8, "no such file"),
     ):
-        rc, err = _finetune(files, "--data", data, "--batch-size", batch, "--output", tmp_path / "x")
+        rc, err = _finetune(base, "--data", data, "--batch-size", batch, "--output", tmp_path / "x")
         one_line_error(rc, err, message)
     # several adapters are a fine-tune's
     rc, _, err = zoo_main("train", "transformer", "--data", f"a={files['a']},b={files['b']}", "--quiet")
