@@ -29,6 +29,7 @@ from ..data._dataset import _labels as file_label_names
 from ..lora import adapter_names, load_adapter, load_adapters
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
+from ._adapters import adapter_files, read_adapter_records, stacked
 from ._build import training_step
 from ._build_task import build_task
 from ._config import RunConfig
@@ -226,7 +227,10 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
         model, tok_dir, names = _base(c, spec, folder, names, notes, what="its model")
         if c.lora is not None:
             model = add_lora(model, c.lora, c.seed)
-        step = training_step(c, _LOSSES[spec.kind], model)
+        adapters = _adapter_names(c, spec)
+        if adapters is not None:  # several adapters trained at once, named by its data
+            model = stacked(model, adapters)
+        step = training_step(c, _LOSSES[spec.kind], model, per_adapter=adapters is not None)
         params, frozen = step.partition(model)
         like = {"params": params, "opt_state": step.init(model), "key": jax.random.key(c.seed)}
         try:
@@ -234,6 +238,20 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
         except CheckpointError as e:
             raise ConfigError(f"{directory}: {str(e).splitlines()[0]}") from e
     return eqx.combine(state["params"], frozen), tok_dir, names, f"{directory} step {number}"
+
+
+def _adapter_names(c: RunConfig, spec: ModelSpec) -> tuple[str, ...] | None:
+    """The adapters a LoRA run of several trained, named by its data (None: one model)."""
+    source = c.data.source
+    if c.lora is None or spec.kind != "lm" or source is None or source in spec.datasets:
+        return None
+    if adapter_files(source) is None and not Path(source).expanduser().is_file():
+        return None  # a one-adapter run's data file gone: the checkpoint says which
+    try:
+        records = read_adapter_records(source)
+    except (ConfigError, OSError) as e:
+        raise ConfigError(f"the run's data {source} names its adapters but cannot be read: {e}") from None
+    return None if records is None else records.names
 
 
 def _chat_template(c: RunConfig, folder: Path, tok_dir: Path | None, notes: list[str]) -> ChatTemplate | None:
