@@ -113,14 +113,19 @@ class Dataset:
 
         **Arguments:** as `batches`; `mesh=None` with one process: the whole global batch.
         """
-        self._check_batch_size(batch_size)
-        epoch, index = divmod(step - 1, len(self) // batch_size)
-        rows = np.random.default_rng([seed, epoch]).permutation(len(self))[
-            index * batch_size : (index + 1) * batch_size
-        ]
+        rows = self.rows_at(step, batch_size, seed=seed)
         if jax.process_count() > 1:
             rows = rows[local_rows(batch_size, mesh, data_axes)]
         return {name: array[rows] for name, array in self.arrays.items()}
+
+    def rows_at(self, step: int, batch_size: int, *, seed: int = 0) -> np.ndarray:
+        """The indices of the rows of training step `step`'s global batch (every
+        process's): what `batch_at` takes, before it keeps this process's rows."""
+        self._check_batch_size(batch_size)
+        epoch, index = divmod(step - 1, len(self) // batch_size)
+        return np.random.default_rng([seed, epoch]).permutation(len(self))[
+            index * batch_size : (index + 1) * batch_size
+        ]
 
     def _check_batch_size(self, batch_size: int) -> None:
         if batch_size < 1 or batch_size > len(self):
@@ -185,6 +190,7 @@ def load(
     system: str | None = None,
     max_prompt_len: int | None = None,
     truncation: str = "keep_end",
+    located: tuple[Kind, list[dict[str, Any]], list[str]] | None = None,
 ) -> tuple[Dataset, Dataset]:
     """A data file as `(train, validation)` datasets, tokenised with a model's tokenizer.
 
@@ -206,6 +212,8 @@ def load(
     - `data`: the file's bytes when the caller has read them already (the file is then
       not opened again; as `read_records`).
     - `system`, `max_prompt_len`, `truncation`: preference pairs (`zoo.data.preference_rows`).
+    - `located`: `(kind, records, wheres)` to read instead of the file's (some of its
+      records, as `read_located` gives them: one adapter's); `data` is then only digested.
 
     **Returns:** `(train, validation)`, their `sha256` the digest of the bytes read; `validation` has no rows when `validation=0`.
     Raises `DataFormatError` for a file zoo cannot read.
@@ -223,7 +231,7 @@ def load(
     if data is None:
         data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
     digest = hashlib.sha256(data).hexdigest()
-    kind, records, wheres = read_located(path, data=data)
+    kind, records, wheres = read_located(path, data=data) if located is None else located
     if kind == "classification":
         ids, names = _labels(records, wheres)
         held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)

@@ -18,6 +18,7 @@ from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
+from ._adapters import stacked
 from ._build_task import build_task
 from ._config import RunConfig
 from ._errors import ConfigError
@@ -87,11 +88,12 @@ def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | N
     return f"RunConfig.rules {c.rules} cannot place the {c.model} on this mesh: {error.problem}; {fix}"
 
 
-def training_step(c: RunConfig, loss_fn: Any, model: Any) -> TrainStep:
+def training_step(c: RunConfig, loss_fn: Any, model: Any, *, per_adapter: bool = False) -> TrainStep:
     """The `zoo.TrainStep` of a run: its task's `loss_fn`, the run's optimizer (skipping
-    non-finite steps when asked), the LoRA branches (and `modules_to_save`) or every
-    weight trainable. What a checkpoint's `"params"` and `"opt_state"` are the state of."""
-    optimizer = c.optimizer.build(c.steps)
+    non-finite steps when asked; `per_adapter`: several adapters, each clipped at its own
+    norm), the LoRA branches (and `modules_to_save`) or every weight trainable. What a
+    checkpoint's `"params"` and `"opt_state"` are the state of."""
+    optimizer = c.optimizer.build(c.steps, per_adapter=per_adapter)
     if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were
         optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=c.steps + 1)
     trainable = lora_trainable(model, c.lora) if c.lora is not None else eqx.is_inexact_array
@@ -115,6 +117,8 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
     if c.probe and not task.classifier:
         raise ConfigError(f"--probe fits a classifier's head; {c.model} has none: drop --probe")
     model = task.model if lcfg is None else add_lora(task.model, lcfg, c.seed)
+    if task.adapter_names is not None:  # K adapters, each starting as a one-adapter run of this seed
+        model = stacked(model, task.adapter_names)
     if lcfg is not None and c.pooling == "mean" and any(n.startswith("head") for n in lora_modules(model, LoraLinear)):
         raise ConfigError("--lora: a mean-pooling classifier's head is saved whole (adapter/head.safetensors), so "
                           "it takes no LoRA branch: leave it out of targets (save=head trains it in full), or use "
@@ -132,7 +136,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
         if task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
             claim(plan.output, plan.checkpoints, [LABELS_NAME])
             write_json(plan.output / LABELS_NAME, {"labels": list(task.label_names)})
-    step = training_step(c, task.loss_fn, model)
+    step = training_step(c, task.loss_fn, model, per_adapter=task.adapter_names is not None)
     config = task.config or {}
     dropout = (
         bool(lcfg.lora_dropout) if lcfg is not None else bool(config.get("dropout") or config.get("attention_dropout"))

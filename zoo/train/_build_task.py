@@ -7,6 +7,8 @@ a `RunConfig`, so the same settings give the same model.
 
 from __future__ import annotations
 
+from ._adapters import read_adapter_records
+from ._adapters_task import adapters_task
 from ._config import RunConfig, check_fits_model
 from ._errors import ConfigError
 from ._memory import check_rows_fit
@@ -43,6 +45,9 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
     check_rows_fit("DataConfig.eval_size", config.data.eval_size, 4 * (config.data.seq_len or 1), "the held-out set")
     try:
         if config.data.source is not None and config.data.source not in spec.datasets:
+            adapters = read_adapter_records(config.data.source) if spec.kind == "lm" else None
+            if adapters is not None:  # several adapters, each on its own records
+                return adapters_task(config, adapters, rules=rules, mesh=mesh)
             return user_data_task(config, rules=rules, mesh=mesh)
         return spec.build(config, rules=rules, mesh=mesh)
     except MemoryError as e:

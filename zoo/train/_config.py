@@ -36,7 +36,8 @@ class DataConfig:
 
     - `source`: a built-in data set's name (`"teacher"`, `"code"`, `"prose"`, `"docstrings"`;
       which ones a model takes: `zoo train --help`), or a file (None: the model's default
-      for the command).
+      for the command), or one file per LoRA adapter to train at once, `{NAME: FILE}` (kept
+      as the text `"NAME=FILE,NAME=FILE"`, `--data`'s form).
     - `seq_len`: tokens per example, padded or cut (None: the model's default; the mlp has
       no sequences).
     - `eval_size`: held-out examples evaluated (0: the data set's default).
@@ -45,7 +46,9 @@ class DataConfig:
       conversations.
     """
 
-    source: str | None = flag(None, name="data", metavar="NAME|FILE", group="model and data", help="{data_sets}")
+    source: str | dict[str, str] | None = flag(
+        None, name="data", metavar="NAME|FILE", group="model and data", help="{data_sets}"
+    )
     seq_len: int | None = flag(None, metavar="L", help="tokens per example, padded or cut ({per_model})")
     eval_size: int = flag(0, metavar="N", group="evaluation and outputs", resume="safe",
                           help="held-out examples evaluated (default: all test texts; 256 LM windows; 1024 mlp "
@@ -67,6 +70,8 @@ class DataConfig:
                                   "refuse such pairs (default keep_end)")  # fmt: skip
 
     def __post_init__(self):
+        if isinstance(self.source, dict):  # one file per adapter: stored as --data's text
+            object.__setattr__(self, "source", ",".join(f"{name}={file}" for name, file in self.source.items()))
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise ConfigError(f"DataConfig.seq_len must be an integer >= 2 (or None), got {self.seq_len!r}")
         if not isinstance(self.eval_size, int) or self.eval_size < 0:
@@ -392,6 +397,10 @@ class RunConfig:
         source = self.data.source or spec.data_for(command)
         if source not in spec.datasets and Path(source).expanduser().exists():
             source = str(Path(source).expanduser().resolve())  # a file: the same wherever the run is resumed
+        elif source not in spec.datasets:
+            from ._adapters import absolute_files
+
+            source = absolute_files(source)  # NAME=FILE,...: each file's path absolute
         data = dataclasses.replace(
             self.data,
             source=source,

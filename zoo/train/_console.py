@@ -130,6 +130,9 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     for st in summary["stages"]:
         acc = f"{100 * st['accuracy']:17.1f}%" if has_acc and st.get("accuracy") is not None else ""
         say(f"  {st['name']:<{width - 2}}{st['loss']:8.4f}{acc}")
+    for name, own in (summary.get("adapters") or {}).items():  # several adapters: each on its own rows
+        say(f"  adapter {name}: {ev_name} loss {own['eval_loss_before']:.4f} -> {own['eval_loss_after']:.4f}, "
+            f"saved in {own['folder']}")  # fmt: skip
     probe, last = summary["probe"], summary["stages"][-1]
     if probe is not None and has_acc and last is not probe:  # what training the encoder bought
         margin = 100 * (last["accuracy"] - probe["accuracy"])

@@ -28,7 +28,8 @@ class Evaluator:
 
     def __call__(self, model, data: dict, *, features: bool = False) -> dict[str, Any]:
         """`{"loss", "accuracy" (None for regression), "examples", "features" (numpy, in
-        the rows' order, when asked)}` over every row of `data`; a classifier's also
+        the rows' order, when asked)}` over every row of `data` (several adapters: also
+        each one's `"loss/NAME"` on its own rows); a classifier's also
         `"macro_f1"` and `"per_class"` (`_scores.class_scores`), a language model's
         `"perplexity"` (of the mean next-token loss), a preference task's TRL metrics
         (`"rewards/chosen"`, ..., `"logps/rejected"`; ORPO's `"nll_loss"`, ...)."""
@@ -69,6 +70,8 @@ class Evaluator:
         }
         if self.task.kind == "lm":
             result["perplexity"] = perplexity(result["loss"])
+        for name in self.task.adapter_names or ():  # each adapter on its own held-out rows
+            result[f"loss/{name}"] = sums[f"loss/{name}"] / max(sums[f"weight/{name}"], 1e-12)
         if self.task.kind == "preference":  # TRL's metrics, means over the pairs ("accuracy": rewards/accuracies)
             result |= {k: v / max(sums["weight"], 1e-12) for k, v in sums.items() if "/" in k or k in ORPO_METRICS}
         if preds:  # a classifier's predictions, in the rows' order: its per-class scores

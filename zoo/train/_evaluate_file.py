@@ -13,6 +13,8 @@ import numpy as np
 
 from ..data import DataFormatError
 from ..data import load as load_data
+from ..lora import adapter_names, set_adapter
+from ._adapters import read_adapter_records
 from ._errors import ConfigError
 from ._predict import forward
 from ._scores import classification_scores
@@ -35,10 +37,16 @@ def _read(run: SavedRun, path: Path):
     if (kind in LM_KINDS) != (run.kind == "lm"):
         what = f"{kind.replace('_', '/')} records (language modelling)" if kind in LM_KINDS else "text/label records"
         raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
+    return _rows(run, path, raw)
+
+
+def _rows(run: SavedRun, path: Path, raw: bytes, located=None):
+    """The file's (or `located`'s: some of its records) rows, as the run read its data."""
     source = run.tokenizer_dir if run.tokenizer is not None else byte_tokenizer()
     packed = run.config.data.packed is not False
     try:
-        data, _ = load_data(path, source, seq_len=run.seq_len, packed=packed, chat_template=run.chat_template, data=raw)
+        data, _ = load_data(path, source, seq_len=run.seq_len, packed=packed, chat_template=run.chat_template, data=raw,
+                            located=located)  # fmt: skip
     except DataFormatError as e:
         raise ConfigError(f"--data: {str(e).splitlines()[0]}".replace("seq_len=", "--seq-len of the run ")) from None
     except ValueError as e:  # a template that cannot find the assistant turns
@@ -64,6 +72,33 @@ def _lm(run: SavedRun, arrays: dict[str, np.ndarray], batch_size: int) -> dict[s
     loss = sums["loss"] / max(sums["weight"], 1e-12)
     return {"kind": "lm", "rows": n, "tokens": int(round(sums["weight"])), "loss": loss,
             "perplexity": math.exp(min(loss, 700.0)), "accuracy": sums["correct"] / max(sums["weight"], 1e-12)}  # fmt: skip
+
+
+def _adapters(run: SavedRun, path: Path, batch_size: int) -> dict[str, Any]:
+    """A run of several adapters on a file whose records name their adapter: each
+    adapter's records through it, and all of them together (means over every target token)."""
+    import dataclasses
+
+    names = adapter_names(run.model)
+    records = read_adapter_records(str(path))
+    if records is None:
+        raise ConfigError(
+            f"--data {path}: {run.folder} trained the adapters {list(names)}; give each record its adapter's name "
+            '("adapter": NAME) to evaluate it through that adapter'
+        )
+    unknown = [n for n in records.names if n not in names]
+    if unknown:
+        raise ConfigError(f"--data {path}: adapters {unknown} are not among the run's {list(names)}; name one of those "
+                          "on each record")  # fmt: skip
+    per = {}
+    for name, located in records.located.items():
+        data = _rows(run, path, b"", located)
+        per[name] = _lm(dataclasses.replace(run, model=set_adapter(run.model, name)), dict(data.arrays), batch_size)
+    tokens = sum(r["tokens"] for r in per.values())
+    loss = sum(r["loss"] * r["tokens"] for r in per.values()) / max(tokens, 1)
+    return {"kind": "lm", "rows": sum(r["rows"] for r in per.values()), "tokens": tokens, "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "accuracy": sum(r["accuracy"] * r["tokens"] for r in per.values()) / max(tokens, 1), "adapters": per}  # fmt: skip
 
 
 def _classifier(run: SavedRun, data, path: Path, batch_size: int) -> dict[str, Any]:
@@ -92,6 +127,9 @@ def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> d
     counted as the run's loss counts them: completions, assistant turns); for a classifier
     `{"kind": "classification", "examples", "loss", "accuracy", "macro_f1", "per_class"}`
     (`zoo.train.classification_scores`; the file's labels matched to the run's by name).
+    A run of several adapters reads a `.jsonl` whose records name their adapter
+    (`"adapter": NAME`): each through its own, `"adapters": {NAME: scores}` beside the
+    scores of all of them.
     **Raises:** `ConfigError` (a file of the other kind, labels the run does not have, a
     regressor, which trains on its own data only).
     """
@@ -100,6 +138,8 @@ def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> d
                           "its held-out loss is summary.json's eval_after")  # fmt: skip
     path = Path(path).expanduser()
     data = _read(run, path)
+    if run.kind == "lm" and adapter_names(run.model):
+        return _adapters(run, path, batch_size)
     if run.kind == "lm":
         return _lm(run, dict(data.arrays), batch_size)
     return _classifier(run, data, path, batch_size)

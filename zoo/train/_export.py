@@ -8,7 +8,8 @@ from typing import Any
 
 from .._files import atomic_write
 from ..hf import save_pretrained
-from ..lora import save_adapter
+from ..lora import save_adapter, save_adapters
+from ..lora._folders import DEFAULT
 from ._folder import claim
 from ._head import save_head
 from ._hooks import Checkpoint, Hook, TrainState
@@ -24,7 +25,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class Export(Hook):
     """After the last step, writes the run's result: the LoRA adapter in peft's layout
     (OUTPUT/adapter; a classifier's with a README.md holding the recipe that computes its
-    logits in transformers + peft), else the model as a Hugging Face folder with its
+    logits in transformers + peft; several adapters: each in OUTPUT/adapter/NAME, peft's
+    layout of named adapters), else the model as a Hugging Face folder with its
     tokenizer's files (OUTPUT/model; a classifier's encoder, with its head in
     model/head.safetensors); a trained model neither holds (the mlp, a transformer GPT-2
     cannot express) and no checkpoint would keep is saved as a final checkpoint.
@@ -58,7 +60,14 @@ class Export(Hook):
 
     def on_end(self, state: TrainState) -> None:
         output, lcfg, task = self.plan.output, self.plan.config.lora, self.task
-        if lcfg is not None:
+        if lcfg is not None and task.adapter_names is not None:  # several: peft's folder of named adapters
+            self._claim("adapter")
+            names = task.adapter_names
+            self._claim("adapter", save_adapters(state.model, dict.fromkeys(names, lcfg), output / "adapter"))
+            self.outputs["adapter"] = str(output / "adapter")
+            self.outputs["adapters"] = {n: str(output / "adapter" / n) if n != DEFAULT else str(output / "adapter")
+                                        for n in names}  # fmt: skip
+        elif lcfg is not None:
             self._claim("adapter")
             written = save_adapter(state.model, lcfg, output / "adapter")
             if task.classifier and self.main:  # how transformers + peft compute its logits

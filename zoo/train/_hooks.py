@@ -124,9 +124,10 @@ def eval_row(step: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     evaluation (`eval_accuracy` None when it measures none; `eval_perplexity` of a
     language model; `eval_macro_f1` and `eval_per_class`, `{class: {"precision",
     "recall", "f1", "support"}}`, of a classifier; TRL's `eval_rewards/chosen`, ... of a
-    preference task)."""
+    preference task; `eval_loss/NAME` of each of several adapters)."""
     row = {"kind": "eval", "step": step, "eval_loss": evaluation["loss"], "eval_accuracy": evaluation.get("accuracy")}
-    return row | {f"eval_{k}": evaluation[k] for k in (*EVAL_KEYS[2:], *PREFERENCE_KEYS) if k in evaluation}
+    row |= {f"eval_{k}": evaluation[k] for k in (*EVAL_KEYS[2:], *PREFERENCE_KEYS) if k in evaluation}
+    return row | {f"eval_{k}": v for k, v in evaluation.items() if k.startswith("loss/")}  # each adapter's
 
 
 class Checkpoint(Hook):

@@ -159,14 +159,16 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
 
 def lora_json(model: Any, config: Any) -> dict[str, Any]:
     """The config (peft's field names), its scaling, and the modules that got a branch."""
-    from ..lora import LoraEmbedding, LoraLinear
+    from ..lora import LoraEmbedding, LoraLinear, MultiLoraLinear, adapter_names
     from ..lora import modules as lora_modules
 
     def plain(value):
         return list(value) if isinstance(value, tuple) else value
 
     fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    names = adapter_names(model)  # several adapters of this config, trained at once
     return fields | {
         "scaling": config.scaling,
-        "adapted_modules": sorted(lora_modules(model, (LoraLinear, LoraEmbedding))),
+        "adapted_modules": sorted(lora_modules(model, (LoraLinear, LoraEmbedding, MultiLoraLinear))),
+        **({"adapters": list(names)} if names else {}),
     }

@@ -110,10 +110,14 @@ class OptimizerConfig:
 
         return np.asarray(jax.vmap(self.schedule_fn(steps))(jnp.arange(steps)))
 
-    def build(self, steps: int):
+    def build(self, steps: int, *, per_adapter: bool = False):
         """The `optax.GradientTransformation` of a run of `steps` steps: global-norm clipping
-        at `clip` (if > 0), then the optimizer on `schedule_fn(steps)`."""
+        at `clip` (if > 0), then the optimizer on `schedule_fn(steps)`. `per_adapter`:
+        the trained leaves are the adapters of a `zoo.lora.stack_adapters` model, each
+        clipped at its own norm (`zoo.lora.clip_per_adapter`), as if trained alone."""
         import optax
+
+        from ..lora import clip_per_adapter
 
         rate = self.schedule_fn(steps)
         decay = self.weight_decay or 0.0  # unset outside a run: none
@@ -127,4 +131,7 @@ class OptimizerConfig:
             opt = optax.lion(rate, weight_decay=decay)
         else:
             opt = optax.adafactor(rate)
-        return optax.chain(optax.clip_by_global_norm(self.clip), opt) if self.clip > 0 else opt
+        if self.clip <= 0:
+            return opt
+        clip = clip_per_adapter(self.clip) if per_adapter else optax.clip_by_global_norm(self.clip)
+        return optax.chain(clip, opt)

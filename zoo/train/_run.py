@@ -152,7 +152,7 @@ def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, 
                   Progress(unit="tok" if task.unit == "tokens" else "ex", label="finetune" if c.lora else "train")]  # fmt: skip
     record.best = watch(c, record.evaluations, saver)  # after the evaluations, before the saves
     hooks += [record.evaluations, *([record.best] if record.best else []), saver]
-    if task.kind == "lm":  # a decoder shows what it learned: a greedy continuation
+    if task.kind == "lm" and task.adapter_names is None:  # a decoder shows what it learned: a greedy continuation
         record.sample = decoder_sample(built.model, task)
         hooks.append(record.sample)
     export = Export(plan, task, saver, checkpointed=checkpointed, main=main)

@@ -26,8 +26,10 @@ import numpy as np
 from .._checkpoint import Checkpointer, CheckpointError
 from ..data import ChatTemplate, read_records
 from ..data._dataset import _labels as file_label_names
-from ..lora import load_adapter
+from ..lora import adapter_names, load_adapter, load_adapters
+from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
+from ._adapters import adapter_files, read_adapter_records, stacked
 from ._build import training_step
 from ._build_task import build_task
 from ._config import RunConfig
@@ -141,13 +143,15 @@ def load_run(folder: str | Path) -> SavedRun:
     spec = model_spec(c.model)
     names, notes = read_labels(folder), []
     adapter, hf = folder / "adapter", folder / "model"
-    if c.lora is not None and (adapter / "adapter_config.json").is_file():
+    several = c.lora is not None and _several(adapter)  # several adapters trained at once: adapter/NAME/
+    if several or (c.lora is not None and (adapter / "adapter_config.json").is_file()):
         model, tok_dir, names = _base(c, spec, folder, names, notes, what="the base model of its adapter")
         try:
-            model, _ = load_adapter(model, adapter)
+            model, _ = (load_adapters if several else load_adapter)(model, adapter)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"{adapter}: {str(e).splitlines()[0]}") from e
-        weights = f"{adapter} on {c.init or 'the ' + c.model}"
+        held = f" (adapters {', '.join(adapter_names(model))})" if several else ""
+        weights = f"{adapter}{held} on {c.init or 'the ' + c.model}"
     elif (hf / "config.json").is_file() and (not spec.classifier or (hf / HEAD_NAME).is_file()):
         keep = {k: v for k, v in c.model_config.items() if k in PRETRAINED_KEYS}
         model, tok_dir, names = _base(dataclasses.replace(c, init=str(hf), model_config=keep), spec, folder, names,
@@ -166,6 +170,11 @@ def load_run(folder: str | Path) -> SavedRun:
     if spec.kind == "lm":
         run.chat_template = _chat_template(c, folder, run.tokenizer_dir, notes)
     return run
+
+
+def _several(adapter: Path) -> bool:
+    """Whether a run's adapter/ holds named adapters in subfolders (peft's layout of several)."""
+    return adapter.is_dir() and any(s.is_dir() and (s / CONFIG_NAME).is_file() for s in adapter.iterdir())
 
 
 def _base(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: list[str], *, what: str):
@@ -218,7 +227,10 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
         model, tok_dir, names = _base(c, spec, folder, names, notes, what="its model")
         if c.lora is not None:
             model = add_lora(model, c.lora, c.seed)
-        step = training_step(c, _LOSSES[spec.kind], model)
+        adapters = _adapter_names(c, spec)
+        if adapters is not None:  # several adapters trained at once, named by its data
+            model = stacked(model, adapters)
+        step = training_step(c, _LOSSES[spec.kind], model, per_adapter=adapters is not None)
         params, frozen = step.partition(model)
         like = {"params": params, "opt_state": step.init(model), "key": jax.random.key(c.seed)}
         try:
@@ -226,6 +238,20 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
         except CheckpointError as e:
             raise ConfigError(f"{directory}: {str(e).splitlines()[0]}") from e
     return eqx.combine(state["params"], frozen), tok_dir, names, f"{directory} step {number}"
+
+
+def _adapter_names(c: RunConfig, spec: ModelSpec) -> tuple[str, ...] | None:
+    """The adapters a LoRA run of several trained, named by its data (None: one model)."""
+    source = c.data.source
+    if c.lora is None or spec.kind != "lm" or source is None or source in spec.datasets:
+        return None
+    if adapter_files(source) is None and not Path(source).expanduser().is_file():
+        return None  # a one-adapter run's data file gone: the checkpoint says which
+    try:
+        records = read_adapter_records(source)
+    except (ConfigError, OSError) as e:
+        raise ConfigError(f"the run's data {source} names its adapters but cannot be read: {e}") from None
+    return None if records is None else records.names
 
 
 def _chat_template(c: RunConfig, folder: Path, tok_dir: Path | None, notes: list[str]) -> ChatTemplate | None:

@@ -129,6 +129,7 @@ class Summary(Hook):
                    if task.unit == "tokens" else {}),
             },
             "outputs": r.outputs,
+            "adapters": _adapters(r, after),
             "sample": None if sample is None else {k: sample[k] for k in ("prompt", "completion", "new_tokens")},
         }  # fmt: skip
         if self.main:
@@ -136,3 +137,14 @@ class Summary(Hook):
             output = r.plan.output
             plot_losses(read_metrics(output / "metrics.jsonl"), output / "loss.png", r.plan.title, baselines)
             write_json(output / "summary.json", r.summary)
+
+
+def _adapters(r: RunRecord, after: dict[str, Any]) -> dict[str, Any] | None:
+    """Several adapters trained at once: per adapter its held-out loss before and after,
+    and its peft folder (None for a one-model run)."""
+    names = r.built.task.adapter_names
+    if names is None:
+        return None
+    folders = r.outputs.get("adapters", {})
+    return {n: {"eval_loss_before": r.before.get(f"loss/{n}"), "eval_loss_after": after.get(f"loss/{n}"),
+                "folder": folders.get(n)} for n in names}  # fmt: skip

@@ -49,6 +49,8 @@ class Task:
     - `fingerprint`: the sha256 of a user's data file (`"data_sha256"`) and chat template
       file (`"chat_template_sha256"`) as they were read: saved with each checkpoint, so
       that a resume refuses files edited in between (`{}` for built-in data).
+    - `adapter_names`: several LoRA adapters trained at once (`_adapters.adapters_task`):
+      their names, in index order (each batch row's `"adapter"`); None: one model.
     """
 
     model: Any
@@ -68,6 +70,7 @@ class Task:
     config: dict | None = None
     init: str | None = None
     fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
+    adapter_names: tuple[str, ...] | None = None
 
     @property
     def classifier(self) -> bool:

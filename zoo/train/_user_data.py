@@ -22,6 +22,7 @@ from ..data import load as load_data
 from ..data._records import FORMATS
 from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
+from ._adapters import adapter_files
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._preference import preference_task
@@ -49,7 +50,22 @@ def check_data_file(c: RunConfig) -> None:
                           "--objective sft, or a decoder such as transformer")  # fmt: skip
     if data is None or data in spec.datasets:
         return
-    path = Path(data).expanduser()
+    files = adapter_files(data)  # NAME=FILE,...: one file per adapter
+    for name, file in (files or {None: data}).items():
+        _check_file(spec, file if name is None else f"{name}={file}", file)
+    if files is not None and (c.lora is None or c.objective != "sft" or spec.kind != "lm"):
+        raise ConfigError(
+            f"--data {data}: one file per adapter trains several LoRA adapters of a decoder on "
+            "next-token loss; run zoo finetune on a decoder (with --objective sft)"
+        )
+    template = c.data.chat_template
+    if template is not None and not Path(template).expanduser().is_file():
+        raise ConfigError(f"--chat-template {template}: no such file; pass a jinja2 chat template file")
+
+
+def _check_file(spec: ModelSpec, data: str, file: str) -> None:
+    """One data file's path (`data`: how `--data` names it)."""
+    path = Path(file).expanduser()
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise ConfigError(
@@ -60,9 +76,6 @@ def check_data_file(c: RunConfig) -> None:
     if not path.is_file():
         raise ConfigError(f"--data {data}: no such file; check the path")
     check_takes_files(spec, data)
-    template = c.data.chat_template
-    if template is not None and not Path(template).expanduser().is_file():
-        raise ConfigError(f"--chat-template {template}: no such file; pass a jinja2 chat template file")
 
 
 def check_takes_files(spec: ModelSpec, data: Any) -> None:
