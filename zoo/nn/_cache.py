@@ -35,12 +35,16 @@ class KVCache(eqx.Module):
       left-padded), or `[batch]`, one per row (`zoo.serve.Engine`: each slot is a request
       of its own length, written from column 0).
 
+    `split()` gives the same cache with `keys` and `values` as tuples of per-layer arrays
+    (`[batch, kv_heads, columns, head_dim]` each), which the decode steps use: see
+    `zoo._generate.split_layers`.
+
     Under a mesh the batch dimension follows the tokens (`data`) and `kv_heads` follows
     the key projection's output (`model` under tensor parallelism).
     """
 
-    keys: Float[Array, "layers batch kv_heads columns head_dim"]
-    values: Float[Array, "layers batch kv_heads columns head_dim"]
+    keys: Float[Array, "layers batch kv_heads columns head_dim"] | tuple
+    values: Float[Array, "layers batch kv_heads columns head_dim"] | tuple
     mask: Bool[Array, "batch columns"]
     positions: Int[Array, " batch"]
     index: Int[Array, "*rows"]
@@ -48,7 +52,14 @@ class KVCache(eqx.Module):
     @property
     def columns(self) -> int:
         """How many columns the cache holds (prompt + new tokens)."""
-        return self.keys.shape[3]
+        return (self.keys[0] if isinstance(self.keys, tuple) else self.keys).shape[-2]
+
+    def split(self) -> KVCache:
+        """The same cache with each layer's keys and values in arrays of their own (tuples),
+        as the decode loop over `split_layers` reads and writes them."""
+        layers = range(self.keys.shape[0])
+        return KVCache(tuple(self.keys[i] for i in layers), tuple(self.values[i] for i in layers), self.mask,
+                       self.positions, self.index)  # fmt: skip
 
 
 def _weight(linear) -> jax.Array:
