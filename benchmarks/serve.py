@@ -238,9 +238,10 @@ def main():
         single, mixed = sum(r for _, r, _ in pairs[0::2]), sum(r for _, r, _ in pairs[1::2])
         results["adapters"] = {"single": [r for _, r, _ in pairs[0::2]], "mixed": [r for _, r, _ in pairs[1::2]],
                                "ratio": mixed / single}  # fmt: skip
+    same = f"transformers' tokens equal zoo.generate's for {same_hf}/{len(base)} requests"
     print(f"\nLlama d={args.d} layers={args.layers} vocab={args.vocab}, greedy, prompts 16-64, outputs 16-128 tokens, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}; "
-          f"transformers' tokens equal zoo.generate's for {same_hf}/{len(base)} requests\n")  # fmt: skip
+          f"{same if args.transformers else 'transformers not run'}\n")  # fmt: skip
     print("| run | tokens/s | × zoo.generate | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) |")
     print("|---|---|---|---|---|")
     for name, rate, r in rows:
