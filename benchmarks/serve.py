@@ -205,6 +205,8 @@ def main():
     parser.add_argument("--adapters", type=int, default=4, help="adapters in the mixed run (default 4; 0: skip)")
     parser.add_argument("--adapter-clients", type=int, default=16, help="clients of the adapter runs (default 16)")
     parser.add_argument("--adapter-rounds", type=int, default=2, help="alternating rounds of the two (default 2)")
+    parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
+                        help="time transformers one at a time too (default yes; slow on a loaded machine)")  # fmt: skip
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -215,12 +217,11 @@ def main():
     if base:
         gen_rate, gen_outs = run_generate(model, base)
         print(f"zoo.generate one at a time: {gen_rate:.0f} tokens/s", flush=True)
-        hf_rate, hf_outs = run_transformers(hf, base)
-        print(f"transformers one at a time: {hf_rate:.0f} tokens/s", flush=True)
-        rows = [
-            ("zoo.generate, one at a time", gen_rate, None),
-            ("transformers generate, one at a time", hf_rate, None),
-        ]
+        rows = [("zoo.generate, one at a time", gen_rate, None)]
+        if args.transformers:
+            hf_rate, hf_outs = run_transformers(hf, base)
+            print(f"transformers one at a time: {hf_rate:.0f} tokens/s", flush=True)
+            rows.append(("transformers generate, one at a time", hf_rate, None))
     same_hf = sum(a == b for a, b in zip(gen_outs, hf_outs))
     results = {"generate": gen_rate, "transformers": hf_rate, "engine": {}}
     for clients in args.clients:
@@ -237,9 +238,10 @@ def main():
         single, mixed = sum(r for _, r, _ in pairs[0::2]), sum(r for _, r, _ in pairs[1::2])
         results["adapters"] = {"single": [r for _, r, _ in pairs[0::2]], "mixed": [r for _, r, _ in pairs[1::2]],
                                "ratio": mixed / single}  # fmt: skip
+    same = f"transformers' tokens equal zoo.generate's for {same_hf}/{len(base)} requests"
     print(f"\nLlama d={args.d} layers={args.layers} vocab={args.vocab}, greedy, prompts 16-64, outputs 16-128 tokens, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}; "
-          f"transformers' tokens equal zoo.generate's for {same_hf}/{len(base)} requests\n")  # fmt: skip
+          f"{same if args.transformers else 'transformers not run'}\n")  # fmt: skip
     print("| run | tokens/s | × zoo.generate | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) |")
     print("|---|---|---|---|---|")
     for name, rate, r in rows:

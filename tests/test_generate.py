@@ -277,7 +277,7 @@ def test_sharded_generation_equals_one_device(decoder, preset):
         toks, msk = jax.device_put(jnp.asarray(tokens), P("data")), jax.device_put(jnp.asarray(mask), P("data"))
         if preset == "tp":  # the cache is split like the heads: kv_heads over model, batch over data
             _, cache = _jitted()[0](placed, toks, msk, 12)
-            assert cache.keys.sharding.spec == P(None, "data", None, "model", None)
+            assert cache.keys.sharding.spec == P(None, "data", "model", None, None)
         if preset == "fsdp":  # gathered once for decoding: no all-gather inside the decode loop
             from zoo._generate import _generate_program
 

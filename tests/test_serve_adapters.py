@@ -258,11 +258,73 @@ def _http_text(base, path, body):
         (["--adapter", "x=/nonexistent"], "--adapter: /nonexistent: no adapter_config.json there"),
         (["--adapter", "tiny=/nonexistent"], "the base model is served as 'tiny'"),
         (["--max-lora-rank", 0], "--max-lora-rank must be >= 1, got 0"),
+        (["--lora-targets", "q_proj++v_proj"], "--lora-targets 'q_proj++v_proj': give Linear names joined by '+'"),
+        (
+            ["--lora-targets", "q_proj+v_proj", "--adapter", "poet"],
+            "targets 'layers.layers.attention.k_proj', where the server holds no adapter room",
+        ),  # fmt: skip
     ],
 )
 @pytest.mark.timeout(120)
-def test_cli_adapter_errors_are_one_line(served, extra, message):
+def test_cli_adapter_errors_are_one_line(served, adapters, extra, message):
     from helpers import one_line_error, zoo_main
 
+    extra = [str(adapters["poet"][0]) if e == "poet" else e for e in extra]  # the folder peft wrote
     rc, _, err = zoo_main("serve", served[0], "--name", "tiny", *extra)
     one_line_error(rc, err, message)
+
+
+@pytest.mark.timeout(120)
+def test_cli_lora_targets_reach_the_engine(served, adapters, monkeypatch):
+    """`--lora-targets q_proj+v_proj`: the engine holds adapter room on those layers only
+    (and serves an adapter on them); the server itself is not started."""
+    from helpers import zoo_main
+
+    import zoo.serve
+
+    engines = []
+
+    def no_server(server, **_):
+        engines.append(server.engine)
+
+    monkeypatch.setattr(zoo.serve, "serve", no_server)
+    rc, _, err = zoo_main("serve", served[0], "--lora-targets", "q_proj+v_proj", "--max-lora-rank", "8",
+                          "--adapter", f"sql={adapters['sql'][0]}")  # fmt: skip
+    assert rc == 0, err
+    (engine,) = engines
+    assert sorted(engine.bank.layers) == ["layers.layers.attention.q_proj", "layers.layers.attention.v_proj"]
+    assert engine.adapters == ["sql"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_finetune_run_as_source_serves_its_adapter_by_the_run_name(served, tmp_path, monkeypatch):
+    """`zoo serve RUN` (a `zoo finetune` LoRA run folder): the base under its folder's name,
+    the run's adapter beside it under the run's name, answering as zoo.generate does with
+    the adapter read by `zoo.lora.load_adapter`."""
+    from helpers import zoo_main, zoo_ok
+
+    import zoo.serve
+
+    rows = [{"text": " ".join(f"w{(7 * i + 3 * j) % 50 + 6}" for j in range(10))} for i in range(24)]
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "myrun"
+    zoo_ok("finetune", "transformer", "--init", served[0], "--data", data, "--lora", "r=4,alpha=8", "--lr", "1e-1",
+           "--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "16", "--steps", "3", "--quiet", "--output", run)  # fmt: skip
+    servers = []
+    monkeypatch.setattr(zoo.serve, "serve", lambda server, **_: servers.append(server))
+    rc, _, err = zoo_main("serve", run, "--max-len", 64, "--max-lora-rank", 8)
+    assert rc == 0, err
+    (server,) = servers
+    assert server.model_name == served[0].resolve().name and server.engine.adapters == ["myrun"]
+    tuned = zoo.lora.load_adapter(served[2], run / "adapter")[0]
+    prompt = _ids(served, "w1 w2 w3")
+    got = {}
+    for model in ("myrun", None):
+        handle = server.engine.submit(Request(prompt, max_tokens=10, adapter=model))
+        server.engine.run_until_done()
+        got[model] = handle.ids
+    assert got["myrun"] == _alone(tuned, Request(prompt, max_tokens=10))
+    assert got[None] == _alone(served[2], Request(prompt, max_tokens=10))
+    assert got["myrun"] != got[None]  # the adapter changed the answer

@@ -60,6 +60,34 @@ def _layers(model: Transformer, h, cache: KVCache, positions, allowed):
     return h, keys, values
 
 
+def split_layers(model: Transformer) -> list:
+    """Each layer of `model` as a module of its own, its arrays copied out of the stacked ones.
+
+    Why: in a `lax.scan` over the stacked layers, XLA's CPU backend copies each layer's
+    weights out of the `[layers, ...]` arrays (a dynamic slice) before every matmul, on every
+    step: for one decoded token that tripled the bytes moved. The decode loops slice once
+    (`zoo.generate`: per call, before its loop) and run the layers one after another on
+    arrays of their own; the prefill keeps the scan (one copy per prompt, and the program
+    holds one layer). Costs: a second copy of the layer weights while it lives, and a
+    decode program that holds every layer (longer to compile).
+    """
+    params, static = eqx.partition(model.layers.layers, eqx.is_array)
+    return [eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(model.config.num_layers)]
+
+
+def _split_layers(blocks: list, h, cache: KVCache, positions, allowed):
+    """`_layers` over `split_layers`' modules and a split cache (`KVCache.split`)."""
+    keys, values = list(cache.keys), list(cache.values)
+    zero = jnp.zeros((), jnp.int32)
+    for i, block in enumerate(blocks):
+        h, k, v = cached_block(
+            block, h, keys[i][None], values[i][None], layer=zero, positions=positions, index=cache.index,
+            allowed=allowed,
+        )  # fmt: skip
+        keys[i], values[i] = k[0], v[0]
+    return h, tuple(keys), tuple(values)
+
+
 def _head(model: Transformer, h) -> Float[Array, "batch seq vocab"]:
     h = model.final_norm(h)
     logits = model.token_embedding.attend(h) if model.lm_head is None else model.lm_head(h)
@@ -113,10 +141,11 @@ def prefill(
 
 
 def decode_step(
-    model: Transformer, token: Int[Array, " batch"], cache: KVCache
+    model: Transformer, token: Int[Array, " batch"], cache: KVCache, blocks: list | None = None
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
     """One new token per row through `model`, attending to the cache; each row writes at
-    the cache's `index` (shared, or its own).
+    the cache's `index` (shared, or its own). With `blocks` (`split_layers(model)`) the
+    layers run from those and the cache is a split one (`KVCache.split`).
 
     **Returns:** `(logits of the token after it [batch, vocab] (float32), updated cache)`.
     """
@@ -126,7 +155,10 @@ def decode_step(
     allowed = ((columns <= index) & mask)[:, None, :]
     positions = cache.positions[:, None]
     h = _embed(model, token[:, None], positions)
-    h, keys, values = _layers(model, h, cache, positions, allowed)
+    if blocks is None:
+        h, keys, values = _layers(model, h, cache, positions, allowed)
+    else:
+        h, keys, values = _split_layers(blocks, h, cache, positions, allowed)
     logits = _head(model, h)[:, 0]
     return logits, KVCache(keys, values, mask, cache.positions + 1, cache.index + 1)
 
@@ -175,6 +207,7 @@ def _generate_program(model, tokens, mask, key, settings, stream, prompt=None, r
         return out, done, tok
 
     logits, cache = prefill(model, tokens, mask, columns)
+    blocks, cache = split_layers(model), cache.split()  # copied once, not every step
     seen = None if penalty == 1 else seen_tokens(tokens, mask.astype(bool), logits.shape[-1])
     out = jnp.pad(tokens if prompt is None else prompt, ((0, 0), (0, max_new)), constant_values=pad)
     done = jnp.zeros((b,), bool, out_sharding=None if sharding_spec(tokens) is None else P(entries(tokens)[0]))
@@ -188,7 +221,7 @@ def _generate_program(model, tokens, mask, key, settings, stream, prompt=None, r
 
     def body(state):
         step, tok, cache, out, done, seen = state
-        logits, cache = decode_step(model, tok, cache)
+        logits, cache = decode_step(model, tok, cache, blocks)
         out, done, tok = write(out, done, pick(logits, step, seen), step)
         return step + 1, tok, cache, out, done, remember(seen, tok)
 

@@ -38,6 +38,16 @@ def _adapter_flags(values: list[str]) -> dict[str, Path]:
     return out
 
 
+def _targets_flag(value: str) -> str | tuple[str, ...]:
+    """`--lora-targets all-linear` or `NAME+NAME...` → `LoraConfig.target_modules`."""
+    if value == "all-linear":
+        return value
+    names = tuple(n.strip() for n in value.split("+"))
+    if not all(names):
+        raise CLIError(f"--lora-targets {value!r}: give Linear names joined by '+' (e.g. q_proj+v_proj), or all-linear")
+    return names
+
+
 def cmd_serve(args) -> int:
     if args.slots < 1:
         raise CLIError(f"--slots must be >= 1, got {args.slots}")
@@ -48,6 +58,7 @@ def cmd_serve(args) -> int:
         if value is not None and value < (0 if flag == "max_adapters" else 1):
             raise CLIError(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'max_adapters' else 1}, got {value}")
     flags = _adapter_flags(args.adapter or [])
+    targets = _targets_flag(args.lora_targets)
     init_devices(1)
     try:
         import zoo.serve
@@ -75,7 +86,7 @@ def cmd_serve(args) -> int:
     try:
         engine = zoo.serve.Engine(
             model, slots=args.slots, max_len=max_len, max_queue=args.max_queue, adapters=flags,
-            max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank,
+            max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank, lora_targets=targets,
         )  # fmt: skip
     except ValueError as e:
         raise CLIError(f"--adapter: {str(e).splitlines()[0]}") from None
@@ -143,6 +154,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         metavar="R",
         help="the largest adapter rank a slot holds (default 16, or the largest --adapter's); larger ones get 400",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        metavar="NAMES",
+        help="the layers given adapter room: Linear names joined by '+' (e.g. q_proj+v_proj: less memory and work "
+        "per step), or all-linear (default: every Linear but the output head); adapters on other layers get 400",
     )
     p.add_argument("--chat-template", metavar="FILE", help="a jinja2 chat template file instead of the model's own")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")

@@ -24,7 +24,8 @@ from ._sharding import entries, sharding_spec
 
 
 class KVCache(eqx.Module):
-    """Keys and values of every layer, `[layers, batch, columns, kv_heads, head_dim]`.
+    """Keys and values of every layer, `[layers, batch, kv_heads, columns, head_dim]`
+    (each head's columns contiguous: the attention products read them in place).
 
     - `keys`, `values`: rotated keys (RoPE applied) and values, in the compute dtype.
     - `mask`: `[batch, columns]`, `True` where a column holds a real token (written and
@@ -34,12 +35,16 @@ class KVCache(eqx.Module):
       left-padded), or `[batch]`, one per row (`zoo.serve.Engine`: each slot is a request
       of its own length, written from column 0).
 
+    `split()` gives the same cache with `keys` and `values` as tuples of per-layer arrays
+    (`[batch, kv_heads, columns, head_dim]` each), which the decode steps use: see
+    `zoo._generate.split_layers`.
+
     Under a mesh the batch dimension follows the tokens (`data`) and `kv_heads` follows
     the key projection's output (`model` under tensor parallelism).
     """
 
-    keys: Float[Array, "layers batch columns kv_heads head_dim"]
-    values: Float[Array, "layers batch columns kv_heads head_dim"]
+    keys: Float[Array, "layers batch kv_heads columns head_dim"] | tuple
+    values: Float[Array, "layers batch kv_heads columns head_dim"] | tuple
     mask: Bool[Array, "batch columns"]
     positions: Int[Array, " batch"]
     index: Int[Array, "*rows"]
@@ -47,7 +52,14 @@ class KVCache(eqx.Module):
     @property
     def columns(self) -> int:
         """How many columns the cache holds (prompt + new tokens)."""
-        return self.keys.shape[2]
+        return (self.keys[0] if isinstance(self.keys, tuple) else self.keys).shape[-2]
+
+    def split(self) -> KVCache:
+        """The same cache with each layer's keys and values in arrays of their own (tuples),
+        as the decode loop over `split_layers` reads and writes them."""
+        layers = range(self.keys.shape[0])
+        return KVCache(tuple(self.keys[i] for i in layers), tuple(self.values[i] for i in layers), self.mask,
+                       self.positions, self.index)  # fmt: skip
 
 
 def _weight(linear) -> jax.Array:
@@ -64,7 +76,7 @@ def empty_cache(
     the sharding of the key projection's output dimension (unless the batch already uses
     that mesh axis), so writing the projected keys into it moves no data.
     """
-    shape = (num_layers, batch, columns, attention.num_kv_heads, attention.head_dim)
+    shape = (num_layers, batch, attention.num_kv_heads, columns, attention.head_dim)
     spec = sharding_spec(tokens)
     if spec is None:
         cache_spec = mask_spec = None
@@ -76,7 +88,7 @@ def empty_cache(
         kv_size = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in kv_axes)
         if busy & kv_axes or attention.num_kv_heads % kv_size:
             kv_entry = None
-        cache_spec = jax.P(None, batch_entry, None, kv_entry, None)
+        cache_spec = jax.P(None, batch_entry, kv_entry, None, None)
         mask_spec = jax.P(batch_entry, None)
     zeros = jnp.zeros(shape, dtype, out_sharding=cache_spec)
     return KVCache(
@@ -104,8 +116,8 @@ def _rotate(x: Float[Array, "batch seq *heads head_dim"], positions: Int[Array, 
 def cached_attention(
     attention: Attention,
     x: Float[Array, "batch seq embed"],
-    keys: Float[Array, "layers batch columns kv_heads head_dim"],
-    values: Float[Array, "layers batch columns kv_heads head_dim"],
+    keys: Float[Array, "layers batch kv_heads columns head_dim"],
+    values: Float[Array, "layers batch kv_heads columns head_dim"],
     *,
     layer: Int[Array, ""],
     positions: Int[Array, "batch seq"],
@@ -132,25 +144,25 @@ def cached_attention(
         q, k = _rotate(q, positions, attention), _rotate(k, positions, attention)
     if jnp.ndim(index) == 0:
         zero = jnp.zeros((), jnp.int32)
-        start = (layer, zero, index, zero, zero)
-        keys = lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), start)
-        values = lax.dynamic_update_slice(values, v[None].astype(values.dtype), start)
-    else:  # each row at its own column: a scatter of `seq` columns per row
+        start = (layer, zero, zero, index, zero)
+        keys = lax.dynamic_update_slice(keys, jnp.swapaxes(k, 1, 2)[None].astype(keys.dtype), start)
+        values = lax.dynamic_update_slice(values, jnp.swapaxes(v, 1, 2)[None].astype(values.dtype), start)
+    else:  # each row at its own column: a scatter of `seq` columns per row (`[b, seq]` first)
         rows, cols = jnp.arange(b)[:, None], index[:, None] + jnp.arange(s)
-        keys = keys.at[layer, rows, cols].set(k.astype(keys.dtype))
-        values = values.at[layer, rows, cols].set(v.astype(values.dtype))
+        keys = keys.at[layer, rows, :, cols].set(k.astype(keys.dtype))
+        values = values.at[layer, rows, :, cols].set(v.astype(values.dtype))
     k_all = lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False).astype(x.dtype)
     v_all = lax.dynamic_index_in_dim(values, layer, 0, keepdims=False).astype(x.dtype)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k_all, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bskgd,bktd->bkgst", q, k_all, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(hd)
     window = getattr(attention, "sliding_window", None)
     if window is not None:  # Mistral's band: a query sees the `window` columns up to its own
         query_columns = jnp.reshape(index, (-1, 1)) + jnp.arange(s)  # [1 or batch, seq]
-        allowed = allowed & (query_columns[:, :, None] - jnp.arange(keys.shape[2]) < window)
+        allowed = allowed & (query_columns[:, :, None] - jnp.arange(keys.shape[3]) < window)
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(x.dtype), v_all)
+    out = jnp.einsum("bkgst,bktd->bskgd", probs.astype(x.dtype), v_all)
     return attention.o_proj(out.reshape(b, s, attention.num_heads * hd)), keys, values
 
 

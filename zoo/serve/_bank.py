@@ -112,7 +112,7 @@ class AdapterBank:
             if name not in self.layers:
                 raise ValueError(
                     f"the adapter targets {name!r}, where the server holds no adapter room (it holds "
-                    f"{sorted(self.layers)[:3]}...); restart it with that layer among its LoRA targets"
+                    f"{sorted(self.layers)[:3]}...); restart it with that layer among its LoRA targets (--lora-targets)"
                 )
             bank = node_at(self.model, self.layers[name][0])
             stacked = self.layers[name][1]

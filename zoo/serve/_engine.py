@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._generate import decode_step, prefill
+from .._generate import decode_step, prefill, split_layers
 from .._jit import Jit
 from .._sampling import check_sampling, next_token_per_row
 from ..nn._cache import KVCache, empty_cache
@@ -177,11 +177,11 @@ def _prefill_program(
     else:
         prompt = None
     zero = jnp.zeros((), jnp.int32)
-    start = (zero, slot, zero, zero, zero)
+    start = (slot, zero, zero, zero)  # the slot's row of each layer's keys and values (a split cache)
     mask_row = jnp.pad(mask, ((0, 0), (0, cache.columns - width)))
     cache = KVCache(
-        lax.dynamic_update_slice(cache.keys, small.keys, start),
-        lax.dynamic_update_slice(cache.values, small.values, start),
+        tuple(lax.dynamic_update_slice(k, small.keys[i], start) for i, k in enumerate(cache.keys)),
+        tuple(lax.dynamic_update_slice(v, small.values[i], start) for i, v in enumerate(cache.values)),
         lax.dynamic_update_slice(cache.mask, mask_row, (slot, zero)),
         cache.positions.at[slot].set(count[0]),
         cache.index.at[slot].set(count[0]),
@@ -190,11 +190,14 @@ def _prefill_program(
     return cache, first, prompt
 
 
-def _decode_program(model, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p, wanted, row_scale):
+def _decode_program(
+    model, blocks, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p, wanted, row_scale
+):
     """One step of every slot: its last token in, its next token (and log-probabilities) out
-    (`row_scale` `[slots, adapters]`: each slot's adapter, or None without adapter slots)."""
-    model = model if row_scale is None else bind_rows(model, row_scale)
-    logits, cache = decode_step(model, tokens, cache)
+    (`blocks`: `split_layers(model)`; `row_scale` `[slots, adapters]`: each slot's adapter,
+    or None without adapter slots)."""
+    blocks = blocks if row_scale is None else [bind_rows(b, row_scale) for b in blocks]
+    logits, cache = decode_step(model, tokens, cache, blocks)
     return cache, _choose(logits, key_data, steps, temperature, top_k, top_p, wanted)
 
 
@@ -254,13 +257,13 @@ class Engine:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.slots, self.max_len, self.max_queue = int(slots), max_len, max_queue
         self.bank = _bank(model, dict(adapters or {}), max_adapters, max_lora_rank, lora_targets)
-        self.model = model if self.bank is None else self.bank.model
+        self._use(model if self.bank is None else self.bank.model)
         self._draining: set[int] = set()  # unloaded adapters' slots, freed when their requests end
         self._uses = np.zeros((0 if self.bank is None else self.bank.capacity,), np.int64)
         self.vocab = model.config.vocab_size
         self.compiles: dict[tuple, int] = {}
         self._prefill = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"))
-        self._decode = Jit(_decode_program, donate=(1,), on_compile=self._count("decode"))
+        self._decode = Jit(_decode_program, donate=(2,), on_compile=self._count("decode"))
         attention = model.layers.layers.attention
         dummy = jnp.zeros((slots, 1), jnp.int32)
         cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
@@ -270,7 +273,7 @@ class Engine:
         self._cache = jax.device_put(
             KVCache(
                 cache.keys, jnp.zeros_like(cache.values), cache.mask, cache.positions, jnp.zeros((slots,), jnp.int32)
-            ),
+            ).split(),  # each layer's keys and values in arrays of their own, as the decode step uses them
             device,
         )
         # Each slot's sampling settings, as the decode step takes them (free slots: greedy).
@@ -291,6 +294,12 @@ class Engine:
         self.finished: dict[str, int] = {}  # requests ended, by finish reason
 
     # -- bookkeeping ------------------------------------------------------------------
+
+    def _use(self, model) -> None:
+        """Serve `model` from the next step: the prefills take it whole, the decode step its
+        layers as arrays of their own (`split_layers`: a second copy of the layer weights,
+        which spares the decode step a copy of every layer's weights per token)."""
+        self.model, self._blocks = model, split_layers(model)
 
     def _count(self, kind: str):
         def on_compile(_compiled, args):
@@ -370,7 +379,7 @@ class Engine:
                     "restart with a larger max_adapters (zoo serve --max-adapters)"
                 )
             self.bank.write(slot, name, lora_model)
-            self.model = self.bank.model
+            self._use(self.bank.model)
         return slot
 
     def unload_adapter(self, name: str) -> int:
@@ -384,7 +393,7 @@ class Engine:
                 self._draining.add(slot)
             else:
                 self.bank.clear(slot)
-                self.model = self.bank.model
+                self._use(self.bank.model)
         return left
 
     def _release(self, handle: Handle) -> None:
@@ -396,7 +405,7 @@ class Engine:
         if not self._uses[slot] and slot in self._draining:
             self._draining.discard(slot)
             self.bank.clear(slot)
-            self.model = self.bank.model
+            self._use(self.bank.model)
 
     # -- the public surface -------------------------------------------------------------
 
@@ -541,7 +550,8 @@ class Engine:
         tokens = np.asarray([0 if s is None else s.token for s in self._active], np.int32)
         steps = np.asarray([0 if s is None else s.step for s in self._active], np.int32)
         self._cache, out = self._decode(
-            self.model, self._cache, tokens, self._key_data, steps, self._temperature, self._top_k, self._top_p,
+            self.model, self._blocks, self._cache, tokens, self._key_data, steps, self._temperature, self._top_k,
+            self._top_p,
             self._wanted, self._row_scale(self._adapter),
         )  # fmt: skip
         token, chosen, ids, values = (np.asarray(x) for x in out)
