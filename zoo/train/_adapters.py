@@ -114,6 +114,8 @@ def read_adapter_records(source: str) -> AdapterRecords | None:
         if path.suffix.lower() != ".jsonl":
             return None  # a .txt / .csv has no fields to name adapters by
         raw = path.read_bytes()
+        if FIELD.encode() not in raw:
+            return None  # no record names an adapter: spare every one-adapter run a second parse
         try:
             kind, records, wheres = read_located(path, data=raw)
         except (DataFormatError, UnicodeDecodeError):
