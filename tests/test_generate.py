@@ -18,6 +18,7 @@ import transformers
 from helpers import (
     assert_as_accurate,
     assert_rounding_close,
+    backend_compiles,
     largest,
     noisy,
     preset_mesh,
@@ -383,22 +384,13 @@ def test_eos_rows_continue_with_padding(decoder):
 
 
 def test_compiles_once_per_shape_and_never_on_a_repeat(decoder):
-    names = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(kwargs.get("fun_name", ""))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with backend_compiles() as names:
         kw = dict(mask=MASK[:, 2:], max_new_tokens=5)
         zoo.generate(decoder, TOKENS[:, 2:], **kw)
         first = sum("_generate_program" in n for n in names)
         zoo.generate(decoder, TOKENS[:, 2:] + 1, **kw)  # new values, same shapes
         zoo.generate(decoder, TOKENS[::-1, 2:], **kw)
         repeat = sum("_generate_program" in n for n in names) - first
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert first == 1 and repeat == 0, names
 
 
