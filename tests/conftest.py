@@ -23,22 +23,26 @@ _xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_termi
 os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 jax.devices()  # initialise the backend with these flags
 # The CLI and examples turn on zoo's persistent compilation cache; tests never read or fill
-# the user's. `make test` gives the whole run one fresh folder of its own instead
-# (ZOO_TEST_COMPILE_CACHE, emptied first): the test processes and the CLI processes they
-# start share it, so a program compiled once (the same tiny step in a hundred CLI runs, a
-# run and its resume) is loaded, not compiled again. Unset: the cache is off, in process
-# and in subprocesses. The cache's own test turns it on with a temporary folder.
+# the user's. `make test` gives the CLI processes the tests start one fresh folder of their
+# own instead (ZOO_TEST_COMPILE_CACHE, emptied first): a program compiled once (the same tiny
+# step in a hundred CLI runs, a run and its resume) is loaded, not compiled again. Unset: the
+# cache is off in subprocesses. The cache's own test turns it on with a temporary folder.
+# The test processes themselves never use it, even where a test runs the CLI in process:
+# jax 0.10.2 aborted or segfaulted a pytest worker twice inside the cache write
+# (`executable.serialize()`), which took the worker and then the whole xdist run down;
+# their programs are compiled with other flags (above), so subprocesses never shared them.
 if os.environ.get("ZOO_TEST_COMPILE_CACHE"):
     os.environ["ZOO_COMPILE_CACHE_DIR"] = os.environ["ZOO_TEST_COMPILE_CACHE"]
     os.environ.pop("ZOO_NO_COMPILE_CACHE", None)
-    jax.config.update("jax_compilation_cache_dir", os.environ["ZOO_TEST_COMPILE_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # as zoo's CLI
 else:
     os.environ["ZOO_NO_COMPILE_CACHE"] = "1"
+jax.config.update("jax_enable_compilation_cache", False)  # this process only
 # Likewise zoo.keep_freed_memory (the CLI's --keep-memory) is a no-op here: the test
 # processes keep glibc's defaults; tests/test_host_memory.py checks it in subprocesses.
 os.environ["ZOO_NO_KEEP_MEMORY"] = "1"
 os.environ["XLA_FLAGS"] = _xla_flags
+
+import gc
 
 import pytest
 
@@ -46,6 +50,44 @@ import pytest
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+# Every program XLA compiles for the CPU holds three memory mappings (code, constants, data)
+# until it is freed, and jax's caches keep every program alive. One pytest worker compiles
+# tens of thousands over the suite: past Linux's limit of 65,530 mappings a process
+# (vm.max_map_count) the next compile or serialisation aborts or segfaults the worker,
+# and pytest-xdist then hangs waiting for it. So each test file's programs are let go when
+# the file ends (its own `functools.cache`s and jax's caches), and between tests too if
+# a file alone comes near the limit.
+MAX_MAPPINGS = 40_000
+
+
+def _mappings() -> int:
+    """How many memory mappings this process holds (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _free_compiled_programs(module=None) -> None:
+    for value in vars(module).values() if module is not None else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _programs_freed_after_each_file(request):
+    yield
+    _free_compiled_programs(request.module)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _mappings() > MAX_MAPPINGS:
+        _free_compiled_programs()
 
 
 def _timeout(item) -> float:
