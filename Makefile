@@ -30,7 +30,9 @@ demo: $(DEMO_STAMP)
 # test file each at a time): compiling is mostly single-threaded, so two keep both cores
 # of a small machine busy (4.6 instead of 7.1 minutes for the fast tests on 2 cores).
 # The slow runs are few and long: hand them out one by one (--dist load).
-PYTEST := $(PY) -m pytest -q -n 2
+# A worker that dies (a crash in XLA) ends the run at once: restarting it left
+# pytest-xdist's file-by-file scheduler waiting forever, until CI's limit ended the job.
+PYTEST := $(PY) -m pytest -q -n 2 --max-worker-restart=0
 
 # Lint and format check first: they take a second and fail fast.
 lint: $(STAMP)
@@ -67,7 +69,7 @@ OTHER_XLA := --xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=
 NUMERICS_FILES = $(shell grep -l numerics tests/test_*.py)
 test-numerics: $(STAMP)
 	$(OTHER_KERNELS) OMP_NUM_THREADS=1 XLA_FLAGS="$(OTHER_XLA) --xla_cpu_multi_thread_eigen=false" \
-		$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m numerics $(NUMERICS_FILES) & one=$$!; \
+		$(PY) -m pytest -q -p no:cacheprovider -n 2 --max-worker-restart=0 --dist loadfile -m numerics $(NUMERICS_FILES) & one=$$!; \
 	$(OTHER_KERNELS) OMP_NUM_THREADS=2 XLA_FLAGS="$(OTHER_XLA)" \
 		$(PY) -m pytest -q -p no:cacheprovider -m numerics -k 'minilm or load_and_export or tolerances' \
 		$(NUMERICS_FILES); two=$$?; \
