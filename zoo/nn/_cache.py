@@ -43,8 +43,14 @@ class KVCache(eqx.Module):
     the key projection's output (`model` under tensor parallelism).
     """
 
-    keys: Float[Array, "layers batch kv_heads columns head_dim"] | tuple
-    values: Float[Array, "layers batch kv_heads columns head_dim"] | tuple
+    keys: (
+        Float[Array, "layers batch kv_heads columns head_dim"]
+        | tuple[Float[Array, "batch kv_heads columns head_dim"], ...]
+    )
+    values: (
+        Float[Array, "layers batch kv_heads columns head_dim"]
+        | tuple[Float[Array, "batch kv_heads columns head_dim"], ...]
+    )
     mask: Bool[Array, "batch columns"]
     positions: Int[Array, " batch"]
     index: Int[Array, "*rows"]
