@@ -744,6 +744,31 @@ def test_the_commands_stderr_drops_only_closed_loop_tracebacks():
     stream.flush()
     assert sink.getvalue() == "first line\n" + other + "zoo: error: no space left\nprogress\r"
 
+    # A background thread's traceback comes a line at a time; the main thread's error line
+    # in between is written at once and does not end it (CI once got the first two lines of
+    # a closed-loop traceback before `zoo: error: ...`).
+    import threading
+
+    sink = io.StringIO()
+    stream = without_closed_loop_tracebacks(sink)
+    lines = closed.splitlines(keepends=True)
+    resume, written = threading.Event(), threading.Event()
+
+    def tensorstore_thread():
+        stream.write(lines[0] + lines[1])
+        written.set()
+        resume.wait(10)
+        stream.write(lines[2] + lines[3])
+
+    thread = threading.Thread(target=tensorstore_thread)
+    thread.start()
+    written.wait(10)
+    stream.write("zoo: error: no space left\n")
+    resume.set()
+    thread.join(10)
+    stream.flush()
+    assert sink.getvalue() == "zoo: error: no space left\n"
+
 
 # --- strict rules, meshes, config files ------------------------------------------------------
 

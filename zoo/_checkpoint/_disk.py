@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 
 _MARKS = ("No space left on device", "os_error_code='28'", "[Errno 28]")
 
@@ -67,35 +68,41 @@ class _WithoutClosedLoopTracebacks:
     closed`: after a failed save, tensorstore's writes still in flight complete into orbax's
     closed asyncio loop, and each prints one (C++ calls `PyErr_Display`, which writes to
     `sys.stderr`, bypassing `sys.excepthook`): noise around the one line that says the disk
-    is full. Every other traceback and line is written as it comes."""
+    is full. Every other traceback and line is written as it comes.
+
+    Lines are gathered per writing thread: a background thread's traceback comes a line
+    at a time, and the main thread's error line may arrive in between (it must neither
+    end that traceback nor be held with it)."""
 
     def __init__(self, stream):
         self._stream = stream
-        self._held: list[str] = []  # the lines of a traceback in progress
-        self._partial = ""
+        self._held: dict[int, list[str]] = {}  # each thread's traceback in progress
+        self._partial: dict[int, str] = {}  # each thread's unfinished line
 
     def write(self, text: str) -> int:
-        self._partial += text
-        *lines, self._partial = self._partial.split("\n")
+        thread = threading.get_ident()
+        *lines, self._partial[thread] = (self._partial.get(thread, "") + text).split("\n")
         for line in lines:
-            self._line(line + "\n")
+            self._line(thread, line + "\n")
         return len(text)
 
-    def _line(self, line: str) -> None:
-        if not self._held and not line.startswith("Traceback (most recent call last):"):
+    def _line(self, thread: int, line: str) -> None:
+        held = self._held.get(thread)
+        if not held and not line.startswith("Traceback (most recent call last):"):
             self._stream.write(line)
             return
-        self._held.append(line)
+        held = self._held.setdefault(thread, [])
+        held.append(line)
         if line.startswith((" ", "Traceback (most recent call last):")):
             return  # the traceback goes on
-        held, self._held = self._held, []
+        del self._held[thread]
         if line.rstrip("\n") != _CLOSED_LOOP:
             self._stream.write("".join(held))
 
     def flush(self) -> None:
-        if self._partial and not self._held:
-            self._stream.write(self._partial)
-            self._partial = ""
+        thread = threading.get_ident()
+        if self._partial.get(thread) and not self._held.get(thread):
+            self._stream.write(self._partial.pop(thread))
         self._stream.flush()
 
     def __getattr__(self, name: str):
