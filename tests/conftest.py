@@ -28,9 +28,8 @@ jax.devices()  # initialise the backend with these flags
 # step in a hundred CLI runs, a run and its resume) is loaded, not compiled again. Unset: the
 # cache is off in subprocesses. The cache's own test turns it on with a temporary folder.
 # The test processes themselves never use it, even where a test runs the CLI in process:
-# jax 0.10.2 aborted or segfaulted a pytest worker twice inside the cache write
-# (`executable.serialize()`), which took the worker and then the whole xdist run down;
-# their programs are compiled with other flags (above), so subprocesses never shared them.
+# their programs are compiled with other flags (above), so subprocesses never shared them,
+# and keying and writing every program cost the fast tests about half their time.
 if os.environ.get("ZOO_TEST_COMPILE_CACHE"):
     os.environ["ZOO_COMPILE_CACHE_DIR"] = os.environ["ZOO_TEST_COMPILE_CACHE"]
     os.environ.pop("ZOO_NO_COMPILE_CACHE", None)
@@ -52,7 +51,7 @@ def key():
     return jax.random.key(0)
 
 
-# Every program XLA compiles for the CPU holds three memory mappings (code, constants, data)
+# Every program XLA compiles for the CPU holds a few memory mappings (code, constants, data)
 # until it is freed, and jax's caches keep every program alive. One pytest worker compiles
 # tens of thousands over the suite: past Linux's limit of 65,530 mappings a process
 # (vm.max_map_count) the next compile or serialisation aborts or segfaults the worker,
@@ -72,8 +71,10 @@ def _mappings() -> int:
 
 
 def _free_compiled_programs(module=None) -> None:
+    """Clear `module`'s own `functools.cache`s (not those it imports from helpers.py, which
+    later files reuse), then jax's caches."""
     for value in vars(module).values() if module is not None else ():
-        if callable(getattr(value, "cache_clear", None)):
+        if getattr(value, "__module__", None) == module.__name__ and callable(getattr(value, "cache_clear", None)):
             value.cache_clear()
     jax.clear_caches()
     gc.collect()

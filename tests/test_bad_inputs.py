@@ -768,6 +768,12 @@ def test_the_commands_stderr_drops_only_closed_loop_tracebacks():
     thread.join(10)
     stream.flush()
     assert sink.getvalue() == "zoo: error: no space left\n"
+    # A thread's unfinished line is written by a flush from another (the exit's).
+    thread = threading.Thread(target=stream.write, args=("step 3/10\r",))
+    thread.start()
+    thread.join(10)
+    stream.flush()
+    assert sink.getvalue() == "zoo: error: no space left\nstep 3/10\r"
 
 
 # --- strict rules, meshes, config files ------------------------------------------------------

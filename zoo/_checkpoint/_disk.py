@@ -87,8 +87,7 @@ class _WithoutClosedLoopTracebacks:
         return len(text)
 
     def _line(self, thread: int, line: str) -> None:
-        held = self._held.get(thread)
-        if not held and not line.startswith("Traceback (most recent call last):"):
+        if thread not in self._held and not line.startswith("Traceback (most recent call last):"):
             self._stream.write(line)
             return
         held = self._held.setdefault(thread, [])
@@ -100,9 +99,10 @@ class _WithoutClosedLoopTracebacks:
             self._stream.write("".join(held))
 
     def flush(self) -> None:
-        thread = threading.get_ident()
-        if self._partial.get(thread) and not self._held.get(thread):
-            self._stream.write(self._partial.pop(thread))
+        for thread, partial in list(self._partial.items()):  # every thread's: exit flushes from one
+            if partial and not self._held.get(thread):
+                self._stream.write(partial)
+                self._partial[thread] = ""
         self._stream.flush()
 
     def __getattr__(self, name: str):
