@@ -74,10 +74,8 @@ def percentile(values, q):
 def run_engine(model, requests: list[Request], clients: int, adapters=None) -> dict:
     """C closed-loop clients over `requests`; timings from the engine thread's callbacks."""
     engine = Engine(model, slots=clients, max_len=256, adapters=adapters)
-    for width in (16, 32, 64):  # compile every bucket the workload uses, and the step
-        handle = engine.submit(Request([1] * width, max_tokens=2, adapter=next(iter(adapters or [None]))))
-        engine.run_until_done()
-        assert handle.done
+    # Compile every prefill bucket and decode span the workload uses before timing it.
+    engine.warm_up([len(r.prompt) for r in requests], max(len(r.prompt) + r.max_tokens for r in requests))
     engine.start()
     pending = list(range(len(requests)))
     lock = threading.Lock()

@@ -9,16 +9,18 @@ transformers' own forward pass and zoo's give the prompt log-probabilities.
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import noisy, save_word_tokenizer
+from helpers import noisy, save_word_tokenizer, tiny_decoder
 
 import zoo
 from zoo.serve import Engine, QueueFull, Request
+from zoo.serve._engine import span
 
 WORDS = ["[PAD]", "[UNK]", "user", "assistant", "system", "."] + [f"w{i}" for i in range(58)]
 VOCAB = len(WORDS)  # 64
@@ -91,14 +93,66 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
         engine.run_until_done()
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
-    assert len(compiles) == 4
     for request, handle in zip(requests, handles):
         assert handle.finish_reason == "length"
         assert handle.ids == _alone(model, request), request
-    # One decode program; one prefill per bucket (8, 16, 32) used.
-    assert engine.compiles == {("decode",): 1, ("prefill", 8, False): 1, ("prefill", 16, False): 1,
-                               ("prefill", 32, False): 1}  # fmt: skip
+    # One prefill per bucket (8, 16, 32) used; one decode program per number of rows used
+    # (as requests end, the rest move to the lowest slots and the step runs fewer rows), all
+    # reading the 64 columns; each built once, and XLA built nothing else.
+    decode = {k: v for k, v in engine.compiles.items() if k[0] == "decode"}
+    assert {("decode", 4, 64), ("decode", 2, 64), ("decode", 1, 64)} >= set(decode) >= {("decode", 4, 64)}
+    assert len(decode) >= 2, "the step should shrink as requests end"
+    prefill = {k: v for k, v in engine.compiles.items() if k[0] == "prefill"}
+    assert prefill == {("prefill", 8, False): 1, ("prefill", 16, False): 1, ("prefill", 32, False): 1}
+    assert set(engine.compiles.values()) == {1} and len(compiles) == len(engine.compiles)
     assert engine.active == 0 and engine.waiting == 0
+
+
+def test_a_request_crossing_attention_spans_keeps_its_tokens():
+    """A decode step's attention reads only the cache columns in use (`span`: at least 128,
+    then 192, 256, ...; one program each): a request that grows past 128 columns beside a
+    short one gets zoo.generate's tokens for it alone."""
+    model = tiny_decoder(jax.random.key(3), max_len=256, vocab_size=64)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), params)
+    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
+    engine = Engine(model, slots=2, max_len=256)
+    rng = np.random.default_rng(1)
+    requests = [Request(rng.integers(0, 64, size=120).tolist(), max_tokens=16), Request([5, 6, 7], max_tokens=4)]
+    handles = [engine.submit(r) for r in requests]
+    engine.run_until_done()  # the long one uses columns 121 to 136
+    for request, handle in zip(requests, handles):
+        assert handle.ids == _alone(model, request)
+        # ... and each token's log-probability is the full forward pass's, which sees every column
+        ids = request.prompt + handle.ids
+        full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
+        want = [full[len(request.prompt) - 1 + j, t] for j, t in enumerate(handle.ids)]
+        np.testing.assert_allclose([t.logprob for t in handle.tokens], want, atol=1e-5, rtol=0)
+    assert {k[2] for k in engine.compiles if k[0] == "decode"} == {128, 192}  # ("decode", rows, span)
+    assert [span(n, 256) for n in (1, 128, 129, 192, 193)] == [128, 128, 192, 192, 256]
+    assert span(100, 64) == 64  # a cache shorter than the smallest span is read whole
+
+
+def test_requests_left_running_move_down_and_the_step_shrinks(served):
+    """Four requests; the two in the lowest slots end first. The two left move into the
+    lowest slots (their cache rows and next tokens with them) and the step runs two rows,
+    then one: every request still gets zoo.generate's tokens for it alone, and each token's
+    log-probability is the full forward pass's."""
+    model = served[2]
+    engine = Engine(model, slots=4, max_len=MAX_LEN)
+    rng = np.random.default_rng(2)
+    lengths = [(6, 3), (9, 2), (4, 14), (7, 20)]  # (prompt, new tokens): slots 2 and 3 outlive 0 and 1
+    requests = [Request(rng.integers(6, VOCAB, size=n).tolist(), max_tokens=m) for n, m in lengths]
+    handles = [engine.submit(r) for r in requests]
+    engine.run_until_done()
+    assert engine.compiles.get(("move",)) == 1
+    assert {k[1] for k in engine.compiles if k[0] == "decode"} == {4, 2, 1}  # rows per step as requests end
+    for request, handle in zip(requests, handles):
+        assert handle.ids == _alone(model, request)
+        ids = request.prompt + handle.ids
+        full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
+        want = [full[len(request.prompt) - 1 + j, t] for j, t in enumerate(handle.ids)]
+        np.testing.assert_allclose([t.logprob for t in handle.tokens], want, atol=1e-5, rtol=0)
 
 
 def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):

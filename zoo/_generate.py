@@ -11,7 +11,7 @@ compiled program.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_ids
+from ._kernels import eigen_matmuls
 from ._reduced import gather_over
 from ._sampling import apply_repetition_penalty, check_sampling, next_token, seen_tokens
 from .lora._named import adapter_names as held_adapters
@@ -75,14 +76,14 @@ def split_layers(model: Transformer) -> list:
     return [eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(model.config.num_layers)]
 
 
-def _split_layers(blocks: list, h, cache: KVCache, positions, allowed):
+def _split_layers(blocks: Sequence, h, cache: KVCache, positions, allowed, span: int | None = None):
     """`_layers` over `split_layers`' modules and a split cache (`KVCache.split`)."""
     keys, values = list(cache.keys), list(cache.values)
     zero = jnp.zeros((), jnp.int32)
     for i, block in enumerate(blocks):
         h, k, v = cached_block(
             block, h, keys[i][None], values[i][None], layer=zero, positions=positions, index=cache.index,
-            allowed=allowed,
+            allowed=allowed, span=span,
         )  # fmt: skip
         keys[i], values[i] = k[0], v[0]
     return h, tuple(keys), tuple(values)
@@ -106,6 +107,7 @@ def prefill(
     *,
     every_position: bool = False,
     last: Int[Array, " batch"] | None = None,
+    blocks: Sequence | None = None,
 ) -> tuple[Float[Array, "batch *prompt vocab"], KVCache]:
     """Run the padded prompts through `model`, filling a cache of `columns` columns.
 
@@ -113,7 +115,9 @@ def prefill(
     tokens together, padded on the left as `zoo.generate` lays them out, or on the right
     as `zoo.serve.Engine` does), the cache length `columns` (prompt + new tokens),
     `every_position`: return the logits at every column, not only the next token's;
-    `last`: each row's last real column (default the last column: left padding).
+    `last`: each row's last real column (default the last column: left padding);
+    `blocks`: `split_layers(model)`, to run the layers from those (no copy of each layer's
+    weights out of the stacked arrays) and return a split cache (`KVCache.split`).
 
     **Returns:** `(logits of the token after each row's last real one [batch, vocab]
     (float32), or at every column [batch, prompt, vocab] with every_position; cache)`.
@@ -129,7 +133,10 @@ def prefill(
     causal = jnp.arange(columns)[None, :] <= jnp.arange(s)[:, None]
     allowed = causal[None] & column_mask[:, None, :]
     h = _embed(model, tokens, positions)
-    h, keys, values = _layers(model, h, cache, positions, allowed)
+    if blocks is None:
+        h, keys, values = _layers(model, h, cache, positions, allowed)
+    else:
+        h, keys, values = _split_layers(blocks, h, cache.split(), positions, allowed)
     count = jnp.sum(mask, axis=1, dtype=jnp.int32)
     if every_position:
         logits = _head(model, h)
@@ -141,11 +148,17 @@ def prefill(
 
 
 def decode_step(
-    model: Transformer, token: Int[Array, " batch"], cache: KVCache, blocks: list | None = None
+    model: Transformer,
+    token: Int[Array, " batch"],
+    cache: KVCache,
+    blocks: Sequence | None = None,
+    span: int | None = None,
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
     """One new token per row through `model`, attending to the cache; each row writes at
     the cache's `index` (shared, or its own). With `blocks` (`split_layers(model)`) the
-    layers run from those and the cache is a split one (`KVCache.split`).
+    layers run from those and the cache is a split one (`KVCache.split`); with `span` (and
+    `blocks`), attention reads only the cache's first `span` columns (every row's `index`
+    must be below it).
 
     **Returns:** `(logits of the token after it [batch, vocab] (float32), updated cache)`.
     """
@@ -158,7 +171,7 @@ def decode_step(
     if blocks is None:
         h, keys, values = _layers(model, h, cache, positions, allowed)
     else:
-        h, keys, values = _split_layers(blocks, h, cache, positions, allowed)
+        h, keys, values = _split_layers(blocks, h, cache, positions, allowed, span)
     logits = _head(model, h)[:, 0]
     return logits, KVCache(keys, values, mask, cache.positions + 1, cache.index + 1)
 
@@ -170,7 +183,7 @@ def _replicate_vocab(logits):
     return jax.reshard(logits, P(entries(logits)[0], None))
 
 
-@eqx.filter_jit
+@functools.partial(eqx.filter_jit, compiler_options=eigen_matmuls())  # zoo/_kernels.py
 def _generate_program(model, tokens, mask, key, settings, stream, prompt=None, rows=None):
     """The prompts as given (`prompt`, default `tokens`) followed by the new tokens of
     the left-padded `tokens` and `mask`; `rows`: each row's adapter index (data: one

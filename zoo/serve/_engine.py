@@ -2,7 +2,7 @@
 step for all of them, requests joining and leaving between steps.
 
 Each slot holds one request. A new request is prefilled alone (its prompt padded on the
-right to a power-of-two bucket, so few programs compile) and its cache row written into a
+right to a bucket width, so few programs compile: `bucket`) and its cache row written into a
 free slot; from the next step on, the shared decode step advances it with every other
 active slot. A slot's columns start at 0 and its writes go to its own column (the cache's
 per-row `index`); the attention mask of a row holds only its own columns, so no request
@@ -35,7 +35,8 @@ import numpy as np
 from jax import lax
 
 from .._generate import decode_step, prefill, split_layers
-from .._jit import Jit
+from .._jit import Flattened, Jit
+from .._kernels import EIGEN_PREFILL_ROWS, eigen_matmuls
 from .._sampling import check_sampling, next_token_per_row
 from ..nn._cache import KVCache, empty_cache
 from ._bank import AdapterBank, bind_rows, lora_layers, read_adapter
@@ -43,6 +44,7 @@ from ._bank import AdapterBank, bind_rows, lora_layers, read_adapter
 # Alternatives per token the engine reports (OpenAI's `logprobs` is at most 5).
 TOP_LOGPROBS = 5
 SMALLEST_BUCKET = 8
+SMALLEST_SPAN = 128
 # Adapter slots and rank when adapters are served and the caller does not say (vLLM's rank).
 DEFAULT_MAX_ADAPTERS = 4
 DEFAULT_MAX_LORA_RANK = 16
@@ -108,6 +110,8 @@ class Handle:
     _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
     _cancelled: bool = False
     _slot: int = -1  # the adapter slot it uses (-1: none)
+    _index: int = -1  # the batch slot it was admitted to
+    _limit: int = 0  # how many tokens it may have (max_tokens, or the cache's room)
 
     @property
     def done(self) -> bool:
@@ -128,12 +132,26 @@ class Handle:
 
 
 def bucket(length: int, limit: int) -> int:
-    """The prefill width of a prompt of `length` ids: the next power of two (at least
-    `SMALLEST_BUCKET`), at most `limit`."""
+    """The prefill width of a prompt of `length` ids, at most `limit`: the next of 8, 16,
+    32, 48, 64, 96, 128, 192, ... (powers of two from `SMALLEST_BUCKET`, and from 32 on the
+    midpoints between them: a prompt pays for at most a third more columns than it holds,
+    for two programs per doubling)."""
     width = SMALLEST_BUCKET
     while width < length:
+        if width >= 32 and width & (width - 1) == 0 and width * 3 // 2 >= length:
+            width = width * 3 // 2
+            break
         width *= 2
     return min(width, limit)
+
+
+def span(columns: int, limit: int) -> int:
+    """The cache columns a decode step's attention reads when its longest request uses
+    `columns`: `bucket(columns)`, at least `SMALLEST_SPAN`, at most `limit` (the cache's).
+    Reading fewer columns than the cache holds makes a step cheaper (attention's cost grows
+    with the columns read); each span is one program, so spans below `SMALLEST_SPAN`,
+    where attention costs little, share one."""
+    return min(max(SMALLEST_SPAN, bucket(columns, limit)), limit)
 
 
 def _top(logprobs):
@@ -161,14 +179,19 @@ def _choose(logits, key_data, steps, temperature, top_k, top_p, wanted):
 
 
 def _prefill_program(
-    model, cache: KVCache, slot, tokens, count, key_data, temperature, top_k, top_p, wanted, row_scale, echo
-):
+    weights: Flattened, cache: KVCache, next_tokens, slot, tokens, count, key_data, temperature, top_k, top_p,
+    wanted, row_scale, echo,
+):  # fmt: skip
     """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token
-    (`row_scale` `[1, adapters]`: its adapter, or None without adapter slots)."""
-    model = model if row_scale is None else bind_rows(model, row_scale)
+    and make it the slot's next input (`next_tokens`). `weights`: `(model, split_layers(model))`;
+    `row_scale` `[1, adapters]`: its adapter, or None without adapter slots."""
+    model, blocks = weights.tree
+    if row_scale is not None:
+        model, blocks = bind_rows(model, row_scale), [bind_rows(b, row_scale) for b in blocks]
     width = tokens.shape[1]
     mask = jnp.arange(width)[None, :] < count
-    logits, small = prefill(model, tokens, mask, width, every_position=echo, last=None if echo else count - 1)
+    last = None if echo else count - 1
+    logits, small = prefill(model, tokens, mask, width, every_position=echo, last=last, blocks=blocks)
     if echo:
         every = jax.nn.log_softmax(logits[0], axis=-1)  # [width, vocab]: row i predicts token i + 1
         seen = jnp.take_along_axis(every[:-1], tokens[0, 1:, None], axis=-1)[:, 0]
@@ -187,23 +210,58 @@ def _prefill_program(
         cache.index.at[slot].set(count[0]),
     )
     first = _choose(logits, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
-    return cache, first, prompt
+    return cache, next_tokens.at[slot].set(first[0][0]), first, prompt
 
 
 def _decode_program(
-    model, blocks, cache: KVCache, tokens, key_data, steps, temperature, top_k, top_p, wanted, row_scale
-):
-    """One step of every slot: its last token in, its next token (and log-probabilities) out
-    (`blocks`: `split_layers(model)`; `row_scale` `[slots, adapters]`: each slot's adapter,
-    or None without adapter slots)."""
+    weights: Flattened, cache: KVCache, next_tokens, key_data, steps, temperature, top_k, top_p, wanted, row_scale,
+    span,
+):  # fmt: skip
+    """One step of the first `rows` slots (`rows`: the length of `steps` and the other
+    per-row settings; the engine keeps its requests in the lowest slots): each one's last
+    token in (`next_tokens`, as the last step or prefill left it on the device), its next
+    token (and log-probabilities) out, and made its next input. `weights`: `(model,
+    split_layers(model))`; `row_scale` `[rows, adapters]`: each row's adapter, or None
+    without adapter slots; `span`: the cache columns attention reads (every active slot's
+    are below it)."""
+    model, blocks = weights.tree
     blocks = blocks if row_scale is None else [bind_rows(b, row_scale) for b in blocks]
-    logits, cache = decode_step(model, tokens, cache, blocks)
-    return cache, _choose(logits, key_data, steps, temperature, top_k, top_p, wanted)
+    rows, slots = steps.shape[0], next_tokens.shape[0]
+    # The rows in use, sliced out of the cache and written back in place (the cache is donated).
+    part = cache if rows == slots else jax.tree.map(lambda x: x[:rows] if x.ndim else x, cache)
+    logits, part = decode_step(model, next_tokens[:rows], part, blocks, span)
+    if rows < slots:
+        part = jax.tree.map(lambda whole, x: lax.dynamic_update_slice_in_dim(whole, x, 0, axis=0), cache, part)
+    out = _choose(logits, key_data, steps, temperature, top_k, top_p, wanted)
+    return part, next_tokens.at[:rows].set(out[0]), out
+
+
+def _move_program(cache: KVCache, next_tokens, source, target):
+    """Slot `source`'s request moved to slot `target`: its cache row (every layer's keys and
+    values, its mask, position and column) and its next input token."""
+
+    def move(x):
+        return lax.dynamic_update_index_in_dim(x, lax.dynamic_index_in_dim(x, source, 0, keepdims=False), target, 0)
+
+    return jax.tree.map(move, cache), move(next_tokens)
+
+
+def row_bucket(active: int, slots: int) -> int:
+    """How many rows a decode step runs for `active` requests: the next power of two, at
+    most `slots` (one program each; the requests are kept in the lowest slots)."""
+    rows = 1
+    while rows < active:
+        rows *= 2
+    return min(rows, slots)
 
 
 class _Slot:
-    def __init__(self, handle: Handle, token: int, step: int, length: int):
-        self.handle, self.token, self.step, self.length = handle, token, step, length
+    """A slot's request while its tokens are being dispatched: `dispatched` counts the
+    tokens whose computation has been queued (the prefill's first one included), `limit`
+    how many it may have (`max_tokens`, or the cache's room)."""
+
+    def __init__(self, handle: Handle, limit: int):
+        self.handle, self.limit, self.dispatched = handle, limit, 1
 
 
 class Engine:
@@ -233,7 +291,8 @@ class Engine:
     steps until nothing is left; `stream(request)` yields its `Token`s, stepping as needed.
     `start()` steps in a background thread (what the HTTP server does); `stop()` ends it
     once the requests in flight have finished. `compiles` counts the programs built:
-    `("decode",)` once, `("prefill", width, echo)` per bucket used; loading and unloading
+    `("decode", span)` per attention span used (`span`: one while requests fit in
+    `SMALLEST_SPAN` columns), `("prefill", width, echo)` per bucket used; loading and unloading
     adapters adds none.
     """
 
@@ -262,8 +321,12 @@ class Engine:
         self._uses = np.zeros((0 if self.bank is None else self.bank.capacity,), np.int64)
         self.vocab = model.config.vocab_size
         self.compiles: dict[tuple, int] = {}
-        self._prefill = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"))
-        self._decode = Jit(_decode_program, donate=(2,), on_compile=self._count("decode"))
+        # Few rows: Eigen's CPU matmuls; long prompts: XLA's default (zoo/_kernels.py).
+        eigen = eigen_matmuls()
+        self._prefill = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"), compiler_options=eigen)
+        self._prefill_long = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"))
+        self._decode = Jit(_decode_program, donate=(1,), on_compile=self._count("decode"), compiler_options=eigen)
+        self._move = Jit(_move_program, donate=(0,), on_compile=self._count("move"))
         attention = model.layers.layers.attention
         dummy = jnp.zeros((slots, 1), jnp.int32)
         cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
@@ -276,6 +339,10 @@ class Engine:
             ).split(),  # each layer's keys and values in arrays of their own, as the decode step uses them
             device,
         )
+        self._next = jax.device_put(np.zeros((slots,), np.int32), device)  # each slot's next input token
+        # Dispatched programs whose results the host has not read yet, oldest first:
+        # ("prefill", slot, handle, first, prompt) and ("decode", [(slot, handle)], out).
+        self._unread: deque[tuple] = deque()
         # Each slot's sampling settings, as the decode step takes them (free slots: greedy).
         self._key_data = np.zeros((slots,) + jax.random.key_data(jax.random.key(0)).shape, np.uint32)
         self._temperature = np.zeros((slots,), np.float32)
@@ -300,10 +367,14 @@ class Engine:
         layers as arrays of their own (`split_layers`: a second copy of the layer weights,
         which spares the decode step a copy of every layer's weights per token)."""
         self.model, self._blocks = model, split_layers(model)
+        self._weights = Flattened((model, tuple(self._blocks)))  # flattened once, not at every step
 
     def _count(self, kind: str):
         def on_compile(_compiled, args):
-            key = ("decode",) if kind == "decode" else ("prefill", args[3].shape[1], args[-1])
+            if kind == "decode":  # rows, span
+                key = ("decode", args[4].shape[0], args[-1])
+            else:
+                key = ("move",) if kind == "move" else ("prefill", args[4].shape[1], args[-1])
             self.compiles[key] = self.compiles.get(key, 0) + 1
 
         return on_compile
@@ -427,27 +498,21 @@ class Engine:
         return handle
 
     def step(self) -> int:
-        """Admit waiting requests into free slots, then advance every active slot by one
-        token. Returns how many slots are active after it."""
-        with self._lock:
-            for i, slot in enumerate(self._active):
-                if slot is not None and slot.handle._cancelled:
-                    self._finish(i, "cancelled")
-            while self._waiting and None in self._active:
-                handle = self._waiting.popleft()
-                if handle._cancelled:
-                    handle.finish_reason = "cancelled"
-                    self._release(handle)
-                    handle._emit(None)
-                    continue
-                self._admit(self._active.index(None), handle)
-        if any(s is not None for s in self._active):
-            self._advance()
+        """Admit waiting requests into free slots, advance every active slot by one token,
+        and hand each request the tokens computed. Returns how many slots are active after
+        it. (The background thread of `start()` overlaps the two: it reads a step's tokens
+        while the next step runs.)"""
+        self._dispatch()
+        self._collect(keep=0)
         return self.active
+
+    def _busy(self) -> bool:
+        """Whether a request waits, holds a slot, or has tokens not yet handed over."""
+        return bool(self._waiting) or bool(self._unread) or any(s is not None for s in self._active)
 
     def run_until_done(self) -> None:
         """Step until no request waits or runs."""
-        while self._waiting or any(s is not None for s in self._active):
+        while self._busy():
             self.step()
 
     def stream(self, request: Request) -> Iterator[Token]:
@@ -467,12 +532,30 @@ class Engine:
                 return
             yield token
 
-    def warm_up(self) -> None:
-        """Compile the decode step and the smallest prefill bucket (one short greedy request),
-        so the first client does not wait for them."""
-        handle = self.submit(Request([0], max_tokens=2))
-        while not handle.done:
-            self.step()
+    def warm_up(self, prompt_lengths: Sequence[int] = (1,), columns: int = 1) -> None:
+        """Compile ahead, so no client waits for it: the prefill of every bucket that
+        `prompt_lengths` fall in (a short greedy request each, served here) and the decode
+        step for every number of rows (`row_bucket`) and every attention span a request of
+        up to `columns` cache columns (prompt + new tokens) passes through (default: the
+        smallest span only). Call it before serving, while no request runs."""
+        for width in sorted({bucket(n, self.max_len) for n in prompt_lengths}):
+            handle = self.submit(Request([0] * min(width, self.max_len - 1), max_tokens=2))
+            while not handle.done:
+                self.step()
+        with self._lock:
+            if self._busy():
+                raise RuntimeError("warm_up runs before serving: requests are in flight")
+            spans = sorted({span(c, self.max_len) for c in range(1, min(columns, self.max_len) + 1)})
+            for n in sorted({row_bucket(a, self.slots) for a in range(1, self.slots + 1)}):
+                for width in spans:
+                    # Every slot free: the step's writes land in free rows, which an admission resets.
+                    self._cache, self._next, out = self._decode(
+                        self._weights, self._cache, self._next, self._key_data[:n].copy(), np.zeros((n,), np.int32),
+                        self._temperature[:n].copy(), self._top_k[:n].copy(), self._top_p[:n].copy(),
+                        self._wanted[:n].copy(), self._row_scale(self._adapter[:n]), width,
+                    )  # fmt: skip
+                    jax.block_until_ready(out)
+            self._cache, self._next = self._move(self._cache, self._next, np.int32(0), np.int32(0))
 
     def start(self) -> None:
         """Step in a background thread whenever there is work (until `stop()`)."""
@@ -494,23 +577,68 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not self._waiting and all(s is None for s in self._active) and not self._stopping:
+                    while not self._busy() and not self._stopping:
                         self._lock.wait()
-                    if self._stopping and not self._waiting and all(s is None for s in self._active):
+                    if self._stopping and not self._busy():
                         return
-                self.step()
+                # The step just dispatched stays in flight while the host reads the one before.
+                self._collect(keep=1 if self._dispatch() else 0)
         except BaseException as e:  # every handle learns it; the server reports it
             self.error = e
             with self._lock:
                 for i, slot in enumerate(self._active):
                     if slot is not None:
-                        self._finish(i, "error")
+                        self._free(i)
+                        self._end(slot.handle, "error")
+                for item in self._unread:
+                    for _, handle in item[1]:
+                        if not handle.done:
+                            self._end(handle, "error")
+                self._unread.clear()
                 while self._waiting:
-                    handle = self._waiting.popleft()
-                    handle.finish_reason = "error"
-                    self._release(handle)
-                    handle._emit(None)
+                    self._end(self._waiting.popleft(), "error")
             raise
+
+    def _dispatch(self) -> bool:
+        """Queue this step's programs without waiting for them: the prefill of each request
+        admitted, then one decode step of every active slot. Returns whether it queued a
+        decode step."""
+        with self._lock:
+            for i, slot in enumerate(self._active):
+                if slot is not None and slot.handle._cancelled:
+                    self._free(i)
+                    self._end(slot.handle, "cancelled")
+            while self._waiting and None in self._active:
+                handle = self._waiting.popleft()
+                if handle._cancelled:
+                    self._end(handle, "cancelled")
+                    continue
+                self._admit(self._active.index(None), handle)
+            if all(s is None for s in self._active):
+                return False
+            self._compact()
+            self._advance()
+            return True
+
+    def _collect(self, keep: int) -> None:
+        """Read back the programs dispatched, oldest first, until at most `keep` remain in
+        flight, and hand their tokens to the requests still running."""
+        while len(self._unread) > keep:
+            kind, rows, out = self._unread.popleft()
+            token, chosen, ids, values = (np.asarray(x) for x in out[0])
+            prompt = None if out[1] is None else [np.asarray(x) for x in out[1]]
+            tokens, chosen = token.tolist(), chosen.tolist()
+            with self._lock:
+                for row, (i, handle) in enumerate(rows):
+                    at = row if kind == "prefill" else i
+                    if prompt is not None:
+                        n = len(handle.request.prompt)
+                        seen, top_ids, top_values = prompt
+                        handle.prompt_logprobs = [None] + seen[: n - 1].tolist()
+                        handle.prompt_top = [[]] + [
+                            list(zip(top_ids[j].tolist(), top_values[j].tolist())) for j in range(n - 1)
+                        ]
+                    self._deliver(handle, tokens[at], chosen[at], ids[at], values[at])
 
     def _settings(self, request: Request):
         """`(key data, temperature, top_k, top_p)` of `request`, as one row of the arrays."""
@@ -520,6 +648,8 @@ class Engine:
         return key_data, float(request.temperature), top_k, top_p
 
     def _admit(self, index: int, handle: Handle) -> None:
+        """Queue `handle`'s prefill into slot `index`; the slot joins the next decode step
+        unless the first token is all the request may have."""
         request = handle.request
         if request.seed is None and request.temperature > 0:
             request.seed = int(self._seeds.integers(2**62))
@@ -533,60 +663,91 @@ class Engine:
         self._adapter[index] = handle._slot
         echo = bool(request.prompt_logprobs)
         rows = slice(index, index + 1)
-        self._cache, first, prompt = self._prefill(
-            self.model, self._cache, np.int32(index), tokens, np.asarray([n], np.int32), self._key_data[rows],
-            self._temperature[rows], self._top_k[rows], self._top_p[rows], self._wanted[rows],
-            self._row_scale(self._adapter[rows]), echo,
+        program = self._prefill if width <= EIGEN_PREFILL_ROWS else self._prefill_long
+        # Copies of the settings: a queued program may read its host arrays after this returns.
+        self._cache, self._next, first, prompt = program(
+            self._weights, self._cache, self._next, np.int32(index), tokens, np.asarray([n], np.int32),
+            self._key_data[rows].copy(), self._temperature[rows].copy(), self._top_k[rows].copy(),
+            self._top_p[rows].copy(), self._wanted[rows].copy(), self._row_scale(self._adapter[rows]), echo,
         )  # fmt: skip
-        if prompt is not None:
-            seen, ids, values = (np.asarray(x) for x in prompt)
-            handle.prompt_logprobs = [None] + [float(v) for v in seen[: n - 1]]
-            handle.prompt_top = [[]] + [list(zip(ids[i].tolist(), values[i].tolist())) for i in range(n - 1)]
-        self._active[index] = _Slot(handle, 0, 0, n)
-        token, chosen, ids, values = (np.asarray(x) for x in first)
-        self._deliver(index, int(token[0]), float(chosen[0]), ids[0], values[0])
+        handle._index, handle._limit = index, min(request.max_tokens, self.max_len - n)
+        self._unread.append(("prefill", [(index, handle)], (first, prompt)))
+        if handle._limit > 1:
+            self._active[index] = _Slot(handle, handle._limit)
+        else:
+            self._free(index)
 
     def _advance(self) -> None:
-        tokens = np.asarray([0 if s is None else s.token for s in self._active], np.int32)
-        steps = np.asarray([0 if s is None else s.step for s in self._active], np.int32)
-        self._cache, out = self._decode(
-            self.model, self._blocks, self._cache, tokens, self._key_data, steps, self._temperature, self._top_k,
-            self._top_p,
-            self._wanted, self._row_scale(self._adapter),
+        """Queue one decode step of every active slot; a slot whose last token it computes
+        is free for the next admission at once (its tokens are read later)."""
+        rows = [(i, s.handle) for i, s in enumerate(self._active) if s is not None]
+        steps = np.zeros((self.slots,), np.int32)
+        columns = 0  # the columns in use after this step: attention reads no others
+        for i, handle in rows:
+            steps[i] = self._active[i].dispatched
+            columns = max(columns, len(handle.request.prompt) + steps[i])
+        n = row_bucket(len(rows), self.slots)  # rows[-1][0] < n: `_compact` kept them low
+        self._cache, self._next, out = self._decode(
+            self._weights, self._cache, self._next, self._key_data[:n].copy(), steps[:n], self._temperature[:n].copy(),
+            self._top_k[:n].copy(), self._top_p[:n].copy(), self._wanted[:n].copy(),
+            self._row_scale(self._adapter[:n]), span(int(columns), self.max_len),
         )  # fmt: skip
-        token, chosen, ids, values = (np.asarray(x) for x in out)
-        with self._lock:
-            for i, slot in enumerate(self._active):
-                if slot is not None:
-                    self._deliver(i, int(token[i]), float(chosen[i]), ids[i], values[i])
+        self._unread.append(("decode", rows, (out, None)))
+        for i, _ in rows:
+            slot = self._active[i]
+            slot.dispatched += 1
+            if slot.dispatched >= slot.limit:
+                self._free(i)
+
+    def _compact(self) -> None:
+        """Move requests from the highest slots into free lower ones until the busy slots fit
+        in the rows the next decode step runs (`row_bucket`): fewer requests, a smaller step."""
+        busy = [i for i, s in enumerate(self._active) if s is not None]
+        rows = row_bucket(len(busy), self.slots)
+        while busy and busy[-1] >= rows:
+            source, target = busy.pop(), self._active.index(None)
+            self._cache, self._next = self._move(self._cache, self._next, np.int32(source), np.int32(target))
+            slot = self._active[target] = self._active[source]
+            slot.handle._index = target
+            for settings in (self._key_data, self._temperature, self._top_k, self._top_p, self._wanted, self._adapter):
+                settings[target] = settings[source]
+            self._free(source)
+            busy = sorted([*busy, target])
 
     def _row_scale(self, slots: np.ndarray) -> np.ndarray | None:
         return None if self.bank is None else self.bank.row_scale(slots)
 
-    def _deliver(self, index: int, token: int, logprob: float, ids, values) -> None:
-        slot = self._active[index]
-        assert slot is not None
-        slot.token, slot.step, slot.length = token, slot.step + 1, slot.length + 1
-        handle = slot.handle
-        handle.tokens.append(Token(token, logprob, list(zip(ids.tolist(), values.tolist()))))
-        handle._emit(handle.tokens[-1])
+    def _deliver(self, handle: Handle, token: int, logprob: float, ids, values) -> None:
+        if handle.done:  # it ended (a stop id, cancelled) while this token was computed
+            return
+        if handle._cancelled:
+            self._end(handle, "cancelled")
+            return
         request = handle.request
+        top = list(zip(ids.tolist(), values.tolist())) if request.top_logprobs else []
+        handle.tokens.append(Token(token, logprob, top))
+        handle._emit(handle.tokens[-1])
         if token in request.stop_ids:
-            self._finish(index, "stop")
-        elif len(handle.tokens) >= request.max_tokens or slot.length >= self.max_len:
-            self._finish(index, "length")
+            self._end(handle, "stop")
+        elif len(handle.tokens) >= handle._limit:
+            self._end(handle, "length")
 
-    def _finish(self, index: int, reason: str) -> None:
-        slot = self._active[index]
-        assert slot is not None
-        self._active[index] = None  # the slot is free for the next admission
-        # ... and greedy, so the step's sampling and top-k branches follow the busy slots only
+    def _free(self, index: int) -> None:
+        """Slot `index` takes the next admission; until then it decodes greedily, alone, so
+        the step's sampling and top-k branches follow the busy slots only."""
+        self._active[index] = None
         self._temperature[index], self._top_k[index], self._top_p[index], self._wanted[index] = 0, 0, 1, False
         self._adapter[index] = -1
-        slot.handle.finish_reason = reason
-        self._release(slot.handle)
+
+    def _end(self, handle: Handle, reason: str) -> None:
+        """`handle` is finished (`reason`): its slot is freed if it still holds one."""
+        index = handle._index
+        if 0 <= index and self._active[index] is not None and self._active[index].handle is handle:
+            self._free(index)
+        handle.finish_reason = reason
+        self._release(handle)
         self.finished[reason] = self.finished.get(reason, 0) + 1
-        slot.handle._emit(None)
+        handle._emit(None)
 
 
 class QueueFull(RuntimeError):

@@ -1,0 +1,35 @@
+"""Which CPU matmul kernels the inference programs are compiled with.
+
+XLA's CPU backend runs matmuls through YNNPACK by default. For the few rows of a decode
+step (one token per request) Eigen's matmuls are faster on the 2-core AVX2 machines this
+project measures on: the engine's decode step at 16 slots 1.24-1.50× faster, `zoo.generate`
+at batch 8 1.21-1.65× and at batch 32 1.21-1.47×, batch 1 unchanged (interleaved A/B in
+one process, docs/performance.md "CPU matmul kernels for decoding"). For a prompt of 64
+tokens and more YNNPACK was faster (the engine's prefill of 64, 96 and 128 tokens 1.16×,
+1.13× and 1.16× slower with Eigen's; of 32 and 48 tokens 1.31× and 1.15× faster), so the
+engine prefills long prompts with XLA's default. Training steps keep the default: the
+LoRA step was 1.04× slower with Eigen's matmuls (docs/performance.md).
+
+The choice is a per-program compile option (`jax.jit(..., compiler_options=...)`), so it
+touches no other program of the process; a user who names the kernels in `XLA_FLAGS`
+(`--xla_cpu_experimental_ynn_fusion_type=...`) keeps theirs. The option is a CPU one: other
+backends ignore it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_YNN = "xla_cpu_experimental_ynn_fusion_type"
+
+# A prefill of more rows (requests × prompt width) than this keeps XLA's default kernels.
+EIGEN_PREFILL_ROWS = 48
+
+
+def eigen_matmuls() -> dict[str, Any] | None:
+    """The compile options that give a program Eigen's CPU matmuls (YNNPACK's fusions off),
+    or None when `XLA_FLAGS` already chooses (the user's choice stands)."""
+    if _YNN in os.environ.get("XLA_FLAGS", ""):
+        return None
+    return {_YNN: ""}
