@@ -71,12 +71,22 @@ def percentile(values, q):
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def run_engine(model, requests: list[Request], clients: int, adapters=None) -> dict:
-    """C closed-loop clients over `requests`; timings from the engine thread's callbacks."""
+def run_engine(model, requests: list[Request], clients: int, adapters=None, rounds: int = 1, before=None) -> list:
+    """C closed-loop clients over `requests`, `rounds` times on one engine (compiled once;
+    `before()` is called before each round); timings from the engine thread's callbacks."""
     engine = Engine(model, slots=clients, max_len=256, adapters=adapters)
     # Compile every prefill bucket and decode span the workload uses before timing it.
     engine.warm_up([len(r.prompt) for r in requests], max(len(r.prompt) + r.max_tokens for r in requests))
     engine.start()
+    results = []
+    for _ in range(rounds):
+        extra = before() if before is not None else {}
+        results.append(closed_loop(engine, requests, clients) | extra)
+    engine.stop()
+    return results
+
+
+def closed_loop(engine, requests: list[Request], clients: int) -> dict:
     pending = list(range(len(requests)))
     lock = threading.Lock()
     done = threading.Event()
@@ -112,7 +122,6 @@ def run_engine(model, requests: list[Request], clients: int, adapters=None) -> d
         launch()
     done.wait()
     elapsed = time.perf_counter() - start
-    engine.stop()
     tokens = sum(len(v) for v in outputs.values())
     ttft = [stamps[i][0] - submitted[i] for i in stamps]
     gaps = [b - a for s in stamps.values() for a, b in zip(s, s[1:])]
@@ -180,8 +189,8 @@ def run_adapters(model, args) -> list[tuple[str, float, dict]]:
     mixed_requests = [dataclasses.replace(r, adapter=names[i % len(names)]) for i, r in enumerate(requests)]
     rows = []
     for round_ in range(args.adapter_rounds):
-        single = run_engine(adapters[names[0]], requests, clients)
-        mixed = run_engine(model, mixed_requests, clients, adapters=adapters)
+        single = run_engine(adapters[names[0]], requests, clients)[0]
+        mixed = run_engine(model, mixed_requests, clients, adapters=adapters)[0]
         ratio = mixed["tokens_per_s"] / single["tokens_per_s"]
         print(f"round {round_}: one adapter {single['tokens_per_s']:.0f} tokens/s, {len(names)} adapters mixed "
               f"{mixed['tokens_per_s']:.0f} tokens/s: {ratio:.2f}x", flush=True)  # fmt: skip
@@ -205,6 +214,8 @@ def main():
     parser.add_argument("--adapter-rounds", type=int, default=2, help="alternating rounds of the two (default 2)")
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                         help="time transformers one at a time too (default yes; slow on a loaded machine)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="engine runs per client count, each after timing zoo.generate again (default 1)")  # fmt: skip
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -224,12 +235,22 @@ def main():
     results = {"generate": gen_rate, "transformers": hf_rate, "engine": {}}
     for clients in args.clients:
         n = max(args.requests, 2 * clients)
-        result = run_engine(model, workload(n, args.vocab), clients)
-        same = [result["outputs"][i] == gen_outs[i] for i in range(len(base))]
-        assert all(same), f"engine tokens differ from zoo.generate's for requests {np.flatnonzero(~np.array(same))}"
-        rows.append((f"engine, {clients} clients", result["tokens_per_s"], result))
-        print(f"engine, {clients} clients: {result['tokens_per_s']:.0f} tokens/s", flush=True)
-        results["engine"][clients] = {k: v for k, v in result.items() if k != "outputs"}
+        # With --rounds R > 1, zoo.generate is timed again before each round (the load drifts).
+        before = (lambda: {"generate": run_generate(model, base)[0]}) if args.rounds > 1 and base else None
+        rounds = run_engine(model, workload(n, args.vocab), clients, rounds=args.rounds, before=before)
+        for k, result in enumerate(rounds):
+            same = [result["outputs"][i] == gen_outs[i] for i in range(len(base))]
+            assert all(same), f"engine tokens differ from zoo.generate's for requests {np.flatnonzero(~np.array(same))}"
+            result["ratio"] = result["tokens_per_s"] / result.get("generate", gen_rate)
+            print(f"engine, {clients} clients, round {k}: {result['tokens_per_s']:.0f} tokens/s, "
+                  f"zoo.generate {result.get('generate', gen_rate):.0f}: {result['ratio']:.2f}x", flush=True)  # fmt: skip
+        result = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]  # the median round
+        ratios = [r["ratio"] for r in rounds]
+        name = f"engine, {clients} clients"
+        if len(rounds) > 1:
+            name += f" (median of {len(rounds)} rounds: {result['ratio']:.2f}×, {min(ratios):.2f}-{max(ratios):.2f})"
+        rows.append((name, result["tokens_per_s"], result))
+        results["engine"][clients] = [{k: v for k, v in r.items() if k != "outputs"} for r in rounds]
     if args.adapters:
         pairs = run_adapters(model, args)
         rows += pairs
