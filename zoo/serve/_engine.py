@@ -10,6 +10,12 @@ ever sees another's tokens. Sampling settings are per-slot arrays, so greedy and
 requests share the program. The model side (`prefill`, `decode_step`, the cache and the
 sampling) is `zoo.generate`'s own.
 
+A step costs what is in use: requests are kept in the lowest slots (one moves down when
+another ends) and the decode step runs the next power of two of busy rows; its attention
+reads only the columns the longest request has reached (`span`). The background thread
+queues step t+1 before it reads step t's tokens (each slot's next input token stays on the
+device), so the host's bookkeeping overlaps the device's work.
+
 Adapters: with `adapters` (or `max_adapters`), the engine holds a fixed number of adapter
 slots beside the base (`_bank.AdapterBank`); each slot of the batch carries its request's
 adapter, and the programs take a `[rows, adapters]` row scale as data, so one decode step
@@ -291,9 +297,9 @@ class Engine:
     steps until nothing is left; `stream(request)` yields its `Token`s, stepping as needed.
     `start()` steps in a background thread (what the HTTP server does); `stop()` ends it
     once the requests in flight have finished. `compiles` counts the programs built:
-    `("decode", span)` per attention span used (`span`: one while requests fit in
-    `SMALLEST_SPAN` columns), `("prefill", width, echo)` per bucket used; loading and unloading
-    adapters adds none.
+    `("decode", rows, span)` per number of rows (`row_bucket`) and attention span (`span`)
+    used, `("prefill", width, echo)` per bucket used, `("move",)` once a request first moves
+    down a slot; `warm_up` builds them ahead. Loading and unloading adapters adds none.
     """
 
     def __init__(
@@ -340,8 +346,8 @@ class Engine:
             device,
         )
         self._next = jax.device_put(np.zeros((slots,), np.int32), device)  # each slot's next input token
-        # Dispatched programs whose results the host has not read yet, oldest first:
-        # ("prefill", slot, handle, first, prompt) and ("decode", [(slot, handle)], out).
+        # Dispatched programs whose results the host has not read yet, oldest first, as
+        # (kind, [(slot, handle), ...], (tokens and log-probabilities, prompt's or None)).
         self._unread: deque[tuple] = deque()
         # Each slot's sampling settings, as the decode step takes them (free slots: greedy).
         self._key_data = np.zeros((slots,) + jax.random.key_data(jax.random.key(0)).shape, np.uint32)
