@@ -61,6 +61,16 @@ def _alone(model, request: Request) -> list[int]:
     return np.asarray(out)[0, len(request.prompt) :].tolist()
 
 
+def _assert_logprobs_are_the_full_forward(model, prompt, handle):
+    """Each new token's log-probability is the full forward pass's at its position (float32
+    log-softmax of the same logits, summed in another order: 1e-5 as the echo checks).
+    Returns the full pass's log-probabilities `[prompt + new, vocab]`."""
+    full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt + handle.ids])).astype(jnp.float32), axis=-1))[0]
+    want = [full[len(prompt) - 1 + j, t] for j, t in enumerate(handle.ids)]
+    np.testing.assert_allclose([t.logprob for t in handle.tokens], want, atol=1e-5, rtol=0)
+    return full
+
+
 @pytest.fixture(scope="module")
 def engine(served):
     return Engine(served[2], slots=4, max_len=MAX_LEN)
@@ -123,11 +133,7 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     engine.run_until_done()  # the long one uses columns 121 to 136
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
-        # ... and each token's log-probability is the full forward pass's, which sees every column
-        ids = request.prompt + handle.ids
-        full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
-        want = [full[len(request.prompt) - 1 + j, t] for j, t in enumerate(handle.ids)]
-        np.testing.assert_allclose([t.logprob for t in handle.tokens], want, atol=1e-5, rtol=0)
+        _assert_logprobs_are_the_full_forward(model, request.prompt, handle)  # which sees every column
     assert {k[2] for k in engine.compiles if k[0] == "decode"} == {128, 192}  # ("decode", rows, span)
     assert [span(n, 256) for n in (1, 128, 129, 192, 193)] == [128, 128, 192, 192, 256]
     assert span(100, 64) == 64  # a cache shorter than the smallest span is read whole
@@ -149,10 +155,7 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served):
     assert {k[1] for k in engine.compiles if k[0] == "decode"} == {4, 2, 1}  # rows per step as requests end
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
-        ids = request.prompt + handle.ids
-        full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
-        want = [full[len(request.prompt) - 1 + j, t] for j, t in enumerate(handle.ids)]
-        np.testing.assert_allclose([t.logprob for t in handle.tokens], want, atol=1e-5, rtol=0)
+        _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
 
 
 def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):
@@ -181,11 +184,7 @@ def test_echo_logprobs_are_the_full_forward_passes(served, engine):
         torch_full = torch.log_softmax(hf(torch.tensor([prompt])).logits.float(), -1)[0].numpy()
     np.testing.assert_allclose(handle.prompt_logprobs[1:], [torch_full[i, prompt[i + 1]] for i in range(10)],
                                atol=1e-5, rtol=0)  # fmt: skip
-    # Each new token's log-probability is the full forward's at its position.
-    ids = prompt + handle.ids
-    full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
-    got = [t.logprob for t in handle.tokens]
-    np.testing.assert_allclose(got, [full[len(prompt) - 1 + j, t] for j, t in enumerate(handle.ids)], atol=1e-5)
+    full = _assert_logprobs_are_the_full_forward(model, prompt, handle)
     top = handle.tokens[0].top
     assert [i for i, _ in top] == np.argsort(-full[len(prompt) - 1])[:5].tolist()
 

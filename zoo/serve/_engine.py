@@ -263,11 +263,10 @@ def row_bucket(active: int, slots: int) -> int:
 
 class _Slot:
     """A slot's request while its tokens are being dispatched: `dispatched` counts the
-    tokens whose computation has been queued (the prefill's first one included), `limit`
-    how many it may have (`max_tokens`, or the cache's room)."""
+    tokens whose computation has been queued (the prefill's first one included)."""
 
-    def __init__(self, handle: Handle, limit: int):
-        self.handle, self.limit, self.dispatched = handle, limit, 1
+    def __init__(self, handle: Handle):
+        self.handle, self.dispatched = handle, 1
 
 
 class Engine:
@@ -555,12 +554,7 @@ class Engine:
             for n in sorted({row_bucket(a, self.slots) for a in range(1, self.slots + 1)}):
                 for width in spans:
                     # Every slot free: the step's writes land in free rows, which an admission resets.
-                    self._cache, self._next, out = self._decode(
-                        self._weights, self._cache, self._next, self._key_data[:n].copy(), np.zeros((n,), np.int32),
-                        self._temperature[:n].copy(), self._top_k[:n].copy(), self._top_p[:n].copy(),
-                        self._wanted[:n].copy(), self._row_scale(self._adapter[:n]), width,
-                    )  # fmt: skip
-                    jax.block_until_ready(out)
+                    jax.block_until_ready(self._decode_rows(np.zeros((n,), np.int32), width))
             self._cache, self._next = self._move(self._cache, self._next, np.int32(0), np.int32(0))
 
     def start(self) -> None:
@@ -679,7 +673,7 @@ class Engine:
         handle._index, handle._limit = index, min(request.max_tokens, self.max_len - n)
         self._unread.append(("prefill", [(index, handle)], (first, prompt)))
         if handle._limit > 1:
-            self._active[index] = _Slot(handle, handle._limit)
+            self._active[index] = _Slot(handle)
         else:
             self._free(index)
 
@@ -693,17 +687,25 @@ class Engine:
             steps[i] = self._active[i].dispatched
             columns = max(columns, len(handle.request.prompt) + steps[i])
         n = row_bucket(len(rows), self.slots)  # rows[-1][0] < n: `_compact` kept them low
-        self._cache, self._next, out = self._decode(
-            self._weights, self._cache, self._next, self._key_data[:n].copy(), steps[:n], self._temperature[:n].copy(),
-            self._top_k[:n].copy(), self._top_p[:n].copy(), self._wanted[:n].copy(),
-            self._row_scale(self._adapter[:n]), span(int(columns), self.max_len),
-        )  # fmt: skip
+        out = self._decode_rows(steps[:n], span(int(columns), self.max_len))
         self._unread.append(("decode", rows, (out, None)))
         for i, _ in rows:
             slot = self._active[i]
             slot.dispatched += 1
-            if slot.dispatched >= slot.limit:
+            if slot.dispatched >= slot.handle._limit:
                 self._free(i)
+
+    def _decode_rows(self, steps: np.ndarray, width: int):
+        """Queue the decode step of the first `len(steps)` slots, attention over `width`
+        columns; returns its (not yet read) tokens and log-probabilities. The settings go as
+        copies: a queued program may read its host arrays after this returns."""
+        n = len(steps)
+        self._cache, self._next, out = self._decode(
+            self._weights, self._cache, self._next, self._key_data[:n].copy(), steps, self._temperature[:n].copy(),
+            self._top_k[:n].copy(), self._top_p[:n].copy(), self._wanted[:n].copy(),
+            self._row_scale(self._adapter[:n]), width,
+        )  # fmt: skip
+        return out
 
     def _compact(self) -> None:
         """Move requests from the highest slots into free lower ones until the busy slots fit
