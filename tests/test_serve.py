@@ -8,6 +8,7 @@ transformers' own forward pass and zoo's give the prompt log-probabilities.
 """
 
 import json
+import time
 
 import equinox as eqx
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import noisy, save_word_tokenizer, tiny_decoder
+from helpers import backend_compiles, noisy, save_word_tokenizer, tiny_decoder
 
 import zoo
 from zoo.serve import Engine, QueueFull, Request
@@ -108,9 +109,11 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
         assert handle.ids == _alone(model, request), request
     # One prefill per bucket (8, 16, 32) used; one decode program per number of rows used
     # (as requests end, the rest move to the lowest slots and the step runs fewer rows), all
-    # reading the 64 columns; each built once, and XLA built nothing else.
-    decode = {k: v for k, v in engine.compiles.items() if k[0] == "decode"}
+    # reading the 64 columns, with Eigen's matmuls (no warm_up timed the kernels); each built
+    # once, and XLA built nothing else.
+    decode = {k[:3]: v for k, v in engine.compiles.items() if k[0] == "decode"}
     assert {("decode", 4, 64), ("decode", 2, 64), ("decode", 1, 64)} >= set(decode) >= {("decode", 4, 64)}
+    assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen"}
     assert len(decode) >= 2, "the step should shrink as requests end"
     prefill = {k: v for k, v in engine.compiles.items() if k[0] == "prefill"}
     assert prefill == {("prefill", 8, False): 1, ("prefill", 16, False): 1, ("prefill", 32, False): 1}
@@ -134,7 +137,7 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)  # which sees every column
-    assert {k[2] for k in engine.compiles if k[0] == "decode"} == {128, 192}  # ("decode", rows, span)
+    assert {k[2] for k in engine.compiles if k[0] == "decode"} == {128, 192}  # ("decode", rows, span, kernel)
     assert [span(n, 256) for n in (1, 128, 129, 192, 193)] == [128, 128, 192, 192, 256]
     assert span(100, 64) == 64  # a cache shorter than the smallest span is read whole
 
@@ -156,6 +159,38 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served):
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
+
+
+def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
+    """`warm_up` compiles the decode step with each CPU matmul kernel and times them: the
+    one made slower here (a sleep before each call) is never chosen, the other serves every
+    row count, and requests get zoo.generate's tokens with either. Choosing again compiles
+    nothing."""
+    model = served[2]
+    engine = Engine(model, slots=2, max_len=MAX_LEN)
+    programs = dict(engine._decode)
+    assert set(programs) == {"eigen", "xla"}
+
+    def slowed(program):
+        def run(*args):
+            time.sleep(0.03)
+            return program(*args)
+
+        return run
+
+    requests = [Request([5, 6, 7, 8], max_tokens=6), Request(list(range(6, 26)), max_tokens=9)]
+    for slow, fast in (("eigen", "xla"), ("xla", "eigen")):
+        engine._decode = {**programs, slow: slowed(programs[slow])}
+        engine.warm_up([4, 20])
+        assert engine.kernels == {1: fast, 2: fast}
+        with backend_compiles() as seen:
+            handles = [engine.submit(r) for r in requests]
+            engine.run_until_done()
+        assert seen == []  # warm_up built every program these requests use
+        for request, handle in zip(requests, handles):
+            assert handle.ids == _alone(model, request), (fast, request)
+    assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen", "xla"}
+    assert set(engine.compiles.values()) == {1}
 
 
 def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):

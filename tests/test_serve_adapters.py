@@ -74,7 +74,7 @@ def test_a_mixed_batch_gives_each_request_its_adapter_alone(served, adapters):
     # One prefill per bucket; one decode program per number of rows used (1 to 3), each once.
     prefill = {k: v for k, v in engine.compiles.items() if k[0] == "prefill"}
     assert prefill == {("prefill", 8, False): 1, ("prefill", 16, False): 1}
-    decode = {k for k in engine.compiles if k[0] == "decode"}
+    decode = {k[:3] for k in engine.compiles if k[0] == "decode"}
     assert {("decode", 1, 64), ("decode", 2, 64), ("decode", 3, 64)} >= decode >= {("decode", 3, 64)}
     assert set(engine.compiles.values()) == {1}
     assert len(seen) == len(engine.compiles)  # XLA's own count: nothing else compiled while serving the mix

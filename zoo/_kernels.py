@@ -10,6 +10,12 @@ tokens and more YNNPACK was faster (the engine's prefill of 64, 96 and 128 token
 engine prefills long prompts with XLA's default. Training steps keep the default: the
 LoRA step was 1.04× slower with Eigen's matmuls (docs/performance.md).
 
+Which kernels win depends on the CPU: on a 2-core AVX-512 machine XLA's default was the
+faster one for the engine's decode step at 8 and 16 rows (1.14×; 16 clients served 1.10×
+faster), at 1 to 4 rows the two were within noise. So the engine does not guess for its
+decode step: `Engine.warm_up` times both (`matmul_kernels`) at each row count on the
+machine it runs on and keeps the faster (`zoo.serve.Engine.kernels`).
+
 The choice is a per-program compile option (`jax.jit(..., compiler_options=...)`), so it
 touches no other program of the process; a user who names the kernels in `XLA_FLAGS`
 (`--xla_cpu_experimental_ynn_fusion_type=...`) keeps theirs. The option is a CPU one: other
@@ -27,9 +33,23 @@ _YNN = "xla_cpu_experimental_ynn_fusion_type"
 EIGEN_PREFILL_ROWS = 48
 
 
+# The kernels' names (`matmul_kernels`): Eigen's, and XLA's default (YNNPACK on CPU).
+EIGEN, XLA_DEFAULT = "eigen", "xla"
+
+
 def eigen_matmuls() -> dict[str, Any] | None:
     """The compile options that give a program Eigen's CPU matmuls (YNNPACK's fusions off),
     or None when `XLA_FLAGS` already chooses (the user's choice stands)."""
     if _YNN in os.environ.get("XLA_FLAGS", ""):
         return None
     return {_YNN: ""}
+
+
+def matmul_kernels(platform: str) -> dict[str, dict[str, Any] | None]:
+    """The matmul kernels a program can be compiled with on `platform`, by name, as their
+    compile options: `EIGEN` and `XLA_DEFAULT` on a CPU, XLA's default alone elsewhere or
+    when `XLA_FLAGS` already chooses (then there is nothing to choose between)."""
+    eigen = eigen_matmuls()
+    if platform != "cpu" or eigen is None:
+        return {XLA_DEFAULT: None}
+    return {EIGEN: eigen, XLA_DEFAULT: None}

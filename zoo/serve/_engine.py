@@ -29,6 +29,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from jax import lax
 
 from .._generate import decode_step, prefill, split_layers
 from .._jit import Flattened, Jit
-from .._kernels import EIGEN_PREFILL_ROWS, eigen_matmuls
+from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
 from .._sampling import check_sampling, next_token_per_row
 from ..nn._cache import KVCache, empty_cache
 from ._bank import AdapterBank, bind_rows, lora_layers, read_adapter
@@ -51,6 +52,8 @@ from ._bank import AdapterBank, bind_rows, lora_layers, read_adapter
 TOP_LOGPROBS = 5
 SMALLEST_BUCKET = 8
 SMALLEST_SPAN = 128
+# Timed calls of each kernel per row count when `warm_up` chooses the decode step's kernels.
+TUNING_CALLS = 5
 # Adapter slots and rank when adapters are served and the caller does not say (vLLM's rank).
 DEFAULT_MAX_ADAPTERS = 4
 DEFAULT_MAX_LORA_RANK = 16
@@ -296,9 +299,11 @@ class Engine:
     steps until nothing is left; `stream(request)` yields its `Token`s, stepping as needed.
     `start()` steps in a background thread (what the HTTP server does); `stop()` ends it
     once the requests in flight have finished. `compiles` counts the programs built:
-    `("decode", rows, span)` per number of rows (`row_bucket`) and attention span (`span`)
-    used, `("prefill", width, echo)` per bucket used, `("move",)` once a request first moves
-    down a slot; `warm_up` builds them ahead. Loading and unloading adapters adds none.
+    `("decode", rows, span, kernel)` per number of rows (`row_bucket`), attention span
+    (`span`) and CPU matmul kernel (`kernels`) used, `("prefill", width, echo)` per bucket
+    used, `("move",)` once a request first moves down a slot; `warm_up` builds them ahead
+    (and, on a CPU, picks each row count's faster kernel: `kernels`, rows → name). Loading
+    and unloading adapters adds none.
     """
 
     def __init__(
@@ -326,18 +331,24 @@ class Engine:
         self._uses = np.zeros((0 if self.bank is None else self.bank.capacity,), np.int64)
         self.vocab = model.config.vocab_size
         self.compiles: dict[tuple, int] = {}
-        # Few rows: Eigen's CPU matmuls; long prompts: XLA's default (zoo/_kernels.py).
+        # Short prompts: Eigen's CPU matmuls; long ones: XLA's default. The decode step: one
+        # program per kernel (zoo/_kernels.py), the one a row count uses chosen by `warm_up`.
+        device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
         eigen = eigen_matmuls()
         self._prefill = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"), compiler_options=eigen)
         self._prefill_long = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"))
-        self._decode = Jit(_decode_program, donate=(1,), on_compile=self._count("decode"), compiler_options=eigen)
+        self._decode = {
+            kernel: Jit(_decode_program, donate=(1,), on_compile=self._count("decode", kernel), compiler_options=options)
+            for kernel, options in matmul_kernels(device.platform).items()
+        }  # fmt: skip
+        self.kernels: dict[int, str] = {}  # rows → the decode step's kernel, where `warm_up` timed them
+        self._default_kernel = EIGEN if EIGEN in self._decode else next(iter(self._decode))
         self._move = Jit(_move_program, donate=(0,), on_compile=self._count("move"))
         attention = model.layers.layers.attention
         dummy = jnp.zeros((slots, 1), jnp.int32)
         cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
         # Keys and values in buffers of their own: the steps donate both. Placed (committed)
         # on the model's device as the steps' outputs are, so the first call's programs serve all.
-        device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
         self._cache = jax.device_put(
             KVCache(
                 cache.keys, jnp.zeros_like(cache.values), cache.mask, cache.positions, jnp.zeros((slots,), jnp.int32)
@@ -374,10 +385,10 @@ class Engine:
         self.model, self._blocks = model, split_layers(model)
         self._weights = Flattened((model, tuple(self._blocks)))  # flattened once, not at every step
 
-    def _count(self, kind: str):
+    def _count(self, kind: str, kernel: str | None = None):
         def on_compile(_compiled, args):
-            if kind == "decode":  # rows, span
-                key = ("decode", args[4].shape[0], args[-1])
+            if kind == "decode":  # rows, span, matmul kernel
+                key = ("decode", args[4].shape[0], args[-1], kernel)
             else:
                 key = ("move",) if kind == "move" else ("prefill", args[4].shape[1], args[-1])
             self.compiles[key] = self.compiles.get(key, 0) + 1
@@ -537,12 +548,16 @@ class Engine:
                 return
             yield token
 
-    def warm_up(self, prompt_lengths: Sequence[int] = (1,), columns: int = 1) -> None:
+    def warm_up(self, prompt_lengths: Sequence[int] = (1,), columns: int = 1, *, tune: bool = True) -> None:
         """Compile ahead, so no client waits for it: the prefill of every bucket that
         `prompt_lengths` fall in (a short greedy request each, served here) and the decode
         step for every number of rows (`row_bucket`) and every attention span a request of
         up to `columns` cache columns (prompt + new tokens) passes through (default: the
-        smallest span only). Call it before serving, while no request runs."""
+        smallest span only). With `tune` (on a CPU), the decode step of each number of rows
+        is first compiled with each matmul kernel (`zoo._kernels.matmul_kernels`) and timed
+        (`TUNING_CALLS` calls each, interleaved; the median): the faster one serves that
+        many rows from then on (`kernels`; untimed row counts use Eigen's). Call it before
+        serving, while no request runs."""
         for width in sorted({bucket(n, self.max_len) for n in prompt_lengths}):
             handle = self.submit(Request([0] * min(width, self.max_len - 1), max_tokens=2))
             while not handle.done:
@@ -551,11 +566,28 @@ class Engine:
             if self._busy():
                 raise RuntimeError("warm_up runs before serving: requests are in flight")
             spans = sorted({span(c, self.max_len) for c in range(1, min(columns, self.max_len) + 1)})
+            # Every slot free: the steps' writes land in free rows, which an admission resets.
             for n in sorted({row_bucket(a, self.slots) for a in range(1, self.slots + 1)}):
+                if tune and len(self._decode) > 1:
+                    self.kernels[n] = self._fastest_kernel(n, spans[0])
                 for width in spans:
-                    # Every slot free: the step's writes land in free rows, which an admission resets.
                     jax.block_until_ready(self._decode_rows(np.zeros((n,), np.int32), width))
             self._cache, self._next = self._move(self._cache, self._next, np.int32(0), np.int32(0))
+
+    def _fastest_kernel(self, rows: int, width: int) -> str:
+        """The kernel whose decode step of `rows` rows (attention over `width` columns) runs
+        faster here: each compiled, then timed `TUNING_CALLS` times, interleaved (a shared
+        machine's load drifts), and compared by their medians."""
+        steps = np.zeros((rows,), np.int32)
+        seconds: dict[str, list[float]] = {kernel: [] for kernel in self._decode}
+        for kernel in seconds:
+            jax.block_until_ready(self._decode_rows(steps, width, kernel))
+        for _ in range(TUNING_CALLS):
+            for kernel, times in seconds.items():
+                start = time.perf_counter()
+                jax.block_until_ready(self._decode_rows(steps, width, kernel))
+                times.append(time.perf_counter() - start)
+        return min(seconds, key=lambda kernel: float(np.median(seconds[kernel])))
 
     def start(self) -> None:
         """Step in a background thread whenever there is work (until `stop()`)."""
@@ -695,12 +727,14 @@ class Engine:
             if slot.dispatched >= slot.handle._limit:
                 self._free(i)
 
-    def _decode_rows(self, steps: np.ndarray, width: int):
+    def _decode_rows(self, steps: np.ndarray, width: int, kernel: str | None = None):
         """Queue the decode step of the first `len(steps)` slots, attention over `width`
-        columns; returns its (not yet read) tokens and log-probabilities. The settings go as
+        columns, compiled with `kernel` (default: the one `kernels` holds for that many
+        rows); returns its (not yet read) tokens and log-probabilities. The settings go as
         copies: a queued program may read its host arrays after this returns."""
         n = len(steps)
-        self._cache, self._next, out = self._decode(
+        program = self._decode[kernel or self.kernels.get(n, self._default_kernel)]
+        self._cache, self._next, out = program(
             self._weights, self._cache, self._next, self._key_data[:n].copy(), steps, self._temperature[:n].copy(),
             self._top_k[:n].copy(), self._top_p[:n].copy(), self._wanted[:n].copy(),
             self._row_scale(self._adapter[:n]), width,
