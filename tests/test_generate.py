@@ -29,8 +29,9 @@ from helpers import (
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from zoo._generate import decode_step, prefill
+from zoo._generate import decode_step, prefill, split_layers
 from zoo._sampling import apply_repetition_penalty, filter_logits, seen_tokens
+from zoo.nn._cache import KVCache
 
 # Left-padded prompts of lengths 6, 4, 2 and 5.
 TOKENS = np.array([[5, 9, 3, 17, 2, 11], [0, 0, 21, 4, 8, 30], [0, 0, 0, 0, 12, 6], [0, 7, 7, 19, 1, 25]], np.int32)
@@ -165,6 +166,42 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
 def test_sliding_window_cached_logits_equal_full_forward():
     model = tiny_decoder(jax.random.key(8), max_len=12, sliding_window=3)
     _check_cached_logits(model, TOKENS, MASK, NEW)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_blocked_cache_decodes_as_the_split_cache(window):
+    """zoo.serve.Engine's cache: each layer's keys and values in blocks of columns, the
+    step writing each row's new column into the block that holds it and reading only the
+    blocks that hold the first `span` columns, in place. From any state (random keys,
+    values, masks and per-row columns) a step gives the split cache's logits (which reads
+    a sliced copy of those columns) and writes the same keys and values."""
+    model = tiny_decoder(jax.random.key(5), max_len=24, sliding_window=window)
+    attention, rows, columns = model.layers.layers.attention, 3, 22
+    kvh, hd, layers = attention.num_kv_heads, attention.head_dim, model.config.num_layers
+    draws = jax.random.split(jax.random.key(6), 2 * layers + 1)
+    split = KVCache(
+        tuple(jax.random.normal(draws[i], (rows, kvh, columns, hd)) for i in range(layers)),
+        tuple(jax.random.normal(draws[layers + i], (rows, kvh, hd, columns)) for i in range(layers)),
+        jax.random.bernoulli(draws[-1], 0.7, (rows, columns)),
+        jnp.array([4, 11, 2], jnp.int32),
+        jnp.array([3, 17, 9], jnp.int32),  # each row's next column
+    )  # fmt: skip
+    blocks = split_layers(model)
+    step = eqx.filter_jit(decode_step)
+    token = jnp.array([1, 7, 30], jnp.int32)
+    for span in (18, 20, None):  # 18: inside a block (its whole block is read); 20: a block's end
+        want, after = step(model, token, split, blocks, span)
+        got, blocked = step(model, token, split.blocks(4), blocks, span)  # blocks of 4 columns, the last of 2
+        assert_rounding_close(np.asarray(got), np.asarray(want), **SUMS)
+        # The first layer writes the very same keys and values; the later ones differ in the
+        # last bits (their inputs went through sums in another order).
+        for i in range(layers):
+            check = (
+                np.testing.assert_array_equal if i == 0 else functools.partial(np.testing.assert_allclose, rtol=1e-5)
+            )
+            check(jnp.concatenate(blocked.keys[i], axis=2), after.keys[i])
+            check(jnp.concatenate(blocked.values[i], axis=3), after.values[i])
+        np.testing.assert_array_equal(blocked.mask, after.mask)
 
 
 def test_greedy_equals_transformers_llama_left_padded(llama):

@@ -123,13 +123,14 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
 
 def test_a_request_crossing_attention_spans_keeps_its_tokens():
     """A decode step's attention reads only the cache columns in use (`span`: at least 128,
-    then 192, 256, ...; one program each): a request that grows past 128 columns beside a
-    short one gets zoo.generate's tokens for it alone."""
+    then 192, 256, ...; one program each; the blocks of columns that hold them): a request
+    whose prompt fills two blocks and that grows past 128 columns beside a short one gets
+    zoo.generate's tokens for it alone."""
     model = tiny_decoder(jax.random.key(3), max_len=256, vocab_size=64)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), params)
     model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
-    engine = Engine(model, slots=2, max_len=256)
+    engine = Engine(model, slots=2, max_len=250)  # cache blocks of 64, 64, 64 and 58 columns
     rng = np.random.default_rng(1)
     requests = [Request(rng.integers(0, 64, size=120).tolist(), max_tokens=16), Request([5, 6, 7], max_tokens=4)]
     handles = [engine.submit(r) for r in requests]

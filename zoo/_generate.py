@@ -30,7 +30,7 @@ from ._sampling import apply_repetition_penalty, check_sampling, next_token, see
 from .lora._named import adapter_names as held_adapters
 from .lora._named import route
 from .models import Transformer
-from .nn._cache import KVCache, cached_block, empty_cache
+from .nn._cache import KVCache, blocked_attention, cached_block, empty_cache
 from .nn._sharding import entries, mesh_axes_of, sharding_spec
 
 
@@ -77,10 +77,17 @@ def split_layers(model: Transformer) -> list:
 
 
 def _split_layers(blocks: Sequence, h, cache: KVCache, positions, allowed, span: int | None = None):
-    """`_layers` over `split_layers`' modules and a split cache (`KVCache.split`)."""
+    """`_layers` over `split_layers`' modules and a split cache (`KVCache.split`), or a
+    blocked one (`KVCache.blocks`: `blocked_attention`)."""
     keys, values = list(cache.keys), list(cache.values)
     zero = jnp.zeros((), jnp.int32)
     for i, block in enumerate(blocks):
+        if isinstance(keys[i], tuple):
+            h, keys[i], values[i] = cached_block(
+                block, h, keys[i], values[i], attend=blocked_attention, positions=positions, index=cache.index,
+                allowed=allowed, span=span,
+            )  # fmt: skip
+            continue
         h, k, v = cached_block(
             block, h, keys[i][None], values[i][None], layer=zero, positions=positions, index=cache.index,
             allowed=allowed, span=span,
@@ -156,9 +163,10 @@ def decode_step(
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
     """One new token per row through `model`, attending to the cache; each row writes at
     the cache's `index` (shared, or its own). With `blocks` (`split_layers(model)`) the
-    layers run from those and the cache is a split one (`KVCache.split`); with `span` (and
-    `blocks`), attention reads only the cache's first `span` columns (every row's `index`
-    must be below it).
+    layers run from those and the cache is a split one (`KVCache.split`) or a blocked one
+    (`KVCache.blocks`); with `span` (and `blocks`), attention reads only the cache's first
+    `span` columns (every row's `index` must be below it): a split cache's are sliced (a
+    copy), a blocked cache's blocks holding them are read in place.
 
     **Returns:** `(logits of the token after it [batch, vocab] (float32), updated cache)`.
     """

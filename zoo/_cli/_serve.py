@@ -94,6 +94,9 @@ def cmd_serve(args) -> int:
         where += f", {len(flags)} adapters in {engine.bank.capacity} slots of rank <= {engine.bank.max_rank}"
     print(f"zoo serve: {where}, {args.slots} slots of {max_len} tokens; compiling...", file=sys.stderr, flush=True)
     engine.warm_up()
+    if engine.kernels:  # what the timing chose, per number of rows a step runs (docs/serving.md)
+        chosen = ", ".join(f"{n} row{'s' * (n > 1)} {kernel}" for n, kernel in sorted(engine.kernels.items()))
+        print(f"zoo serve: decode step matmul kernels, timed here: {chosen}", file=sys.stderr, flush=True)
     server = zoo.serve.Server(engine, model_name=name, tokenizer=text.tokenizer, chat_template=template, eos_id=eos,
                               adapter_paths={n: str(p) for n, p in flags.items()})  # fmt: skip
     zoo.serve.serve(server, host=args.host, port=args.port)

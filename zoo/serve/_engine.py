@@ -12,7 +12,8 @@ sampling) is `zoo.generate`'s own.
 
 A step costs what is in use: requests are kept in the lowest slots (one moves down when
 another ends) and the decode step runs the next power of two of busy rows; its attention
-reads only the columns the longest request has reached (`span`). The background thread
+reads only the columns the longest request has reached (`span`), from a cache kept in
+blocks of 64 columns (`KVCache.blocks`) so those are read in place. The background thread
 queues step t+1 before it reads step t's tokens (each slot's next input token stays on the
 device), so the host's bookkeeping overlaps the device's work.
 
@@ -209,17 +210,32 @@ def _prefill_program(
     else:
         prompt = None
     zero = jnp.zeros((), jnp.int32)
-    start = (slot, zero, zero, zero)  # the slot's row of each layer's keys and values (a split cache)
     mask_row = jnp.pad(mask, ((0, 0), (0, cache.columns - width)))
     cache = KVCache(
-        tuple(lax.dynamic_update_slice(k, small.keys[i], start) for i, k in enumerate(cache.keys)),
-        tuple(lax.dynamic_update_slice(v, small.values[i], start) for i, v in enumerate(cache.values)),
+        tuple(_write_row(blocks, small.keys[i], slot, axis=2) for i, blocks in enumerate(cache.keys)),
+        tuple(_write_row(blocks, small.values[i], slot, axis=3) for i, blocks in enumerate(cache.values)),
         lax.dynamic_update_slice(cache.mask, mask_row, (slot, zero)),
         cache.positions.at[slot].set(count[0]),
         cache.index.at[slot].set(count[0]),
     )
     first = _choose(logits, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
     return cache, next_tokens.at[slot].set(first[0][0]), first, prompt
+
+
+def _write_row(blocks: tuple, part, slot, *, axis: int) -> tuple:
+    """One layer's keys (`axis` 2: columns) or values (`axis` 3) of one prompt, `part`
+    `[1, kv_heads, ...]` of its width, written into row `slot` of a blocked cache layer
+    (`KVCache.blocks`) from column 0: each block gets the prompt's columns it holds."""
+    zero = jnp.zeros((), jnp.int32)
+    out, start, width = [], 0, part.shape[axis]
+    for block in blocks:
+        size = block.shape[axis]
+        if start < width:
+            piece = lax.slice_in_dim(part, start, min(width, start + size), axis=axis).astype(block.dtype)
+            block = lax.dynamic_update_slice(block, piece, (slot, zero, zero, zero))
+        out.append(block)
+        start += size
+    return tuple(out)
 
 
 def _decode_program(
@@ -352,7 +368,7 @@ class Engine:
         self._cache = jax.device_put(
             KVCache(
                 cache.keys, jnp.zeros_like(cache.values), cache.mask, cache.positions, jnp.zeros((slots,), jnp.int32)
-            ).split(),  # each layer's keys and values in arrays of their own, as the decode step uses them
+            ).blocks(),  # each layer's keys and values in blocks of columns, arrays of their own
             device,
         )
         self._next = jax.device_put(np.zeros((slots,), np.int32), device)  # each slot's next input token
