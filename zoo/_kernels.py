@@ -12,7 +12,7 @@ LoRA step was 1.04× slower with Eigen's matmuls (docs/performance.md).
 
 Which kernels win depends on the CPU: on a 2-core AVX-512 machine XLA's default was the
 faster one for the engine's decode step at 8 and 16 rows (1.14×; 16 clients served 1.10×
-faster), at 1 to 4 rows the two were within noise. So the engine does not guess for its
+faster); at 1 to 4 rows neither won every time. So the engine does not guess for its
 decode step: `Engine.warm_up` times both (`matmul_kernels`) at each row count on the
 machine it runs on and keeps the faster (`zoo.serve.Engine.kernels`).
 
