@@ -204,11 +204,11 @@ def blocked_attention(
     allowed: Bool[Array, "batch seq columns"],
     span: int | None = None,
 ):
-    """`cached_attention` over one layer of a blocked cache (`KVCache.blocks`): the new keys
-    and values are written into the blocks that hold columns `index … index+seq` (a
-    column past the cache is dropped), and attention reads only the blocks that hold the
-    first `span` columns (default all), each in place. Same arithmetic as
-    `cached_attention` but for the order of the sums over blocks.
+    """`cached_attention` over one layer of a blocked cache (`KVCache.blocks`): attention
+    reads only the blocks that hold the first `span` columns (default all), each in place,
+    and the new keys and values are written into those blocks at columns `index …
+    index+seq` (a column beyond them is dropped: the caller's rows write below `span`).
+    Same arithmetic as `cached_attention` but for the order of the sums over blocks.
 
     **Returns:** `(output [batch, seq, embed], keys, values)` (tuples of blocks).
     """

@@ -212,8 +212,8 @@ def _prefill_program(
     zero = jnp.zeros((), jnp.int32)
     mask_row = jnp.pad(mask, ((0, 0), (0, cache.columns - width)))
     cache = KVCache(
-        tuple(_write_row(blocks, small.keys[i], slot, axis=2) for i, blocks in enumerate(cache.keys)),
-        tuple(_write_row(blocks, small.values[i], slot, axis=3) for i, blocks in enumerate(cache.values)),
+        tuple(_write_row(layer, small.keys[i], slot, axis=2) for i, layer in enumerate(cache.keys)),
+        tuple(_write_row(layer, small.values[i], slot, axis=3) for i, layer in enumerate(cache.values)),
         lax.dynamic_update_slice(cache.mask, mask_row, (slot, zero)),
         cache.positions.at[slot].set(count[0]),
         cache.index.at[slot].set(count[0]),
