@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import io
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -404,3 +405,24 @@ def backend_compiles():
         yield names
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+# `[*ZOO_TAKING_CTRL_C, ARGS...]` runs `python -m zoo ARGS` with SIGINT at Python's default
+# handler and unblocked, as a process started from a terminal has it. A child inherits its
+# parent's ignored and blocked signals, and a test process may hold either from what ran in
+# it before (in full `make test` runs the Ctrl-C tests' children twice ignored SIGINT).
+ZOO_TAKING_CTRL_C = [
+    sys.executable, "-c",
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); runpy.run_module('zoo', run_name='__main__')",
+]  # fmt: skip
+
+
+def sigint_state(pid: int) -> str:
+    """Whether process `pid` blocks, ignores or catches SIGINT (from /proc; for messages)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        return f"(no /proc status: {e})"
+    return ", ".join(f"{k} {bool(int(v, 16) & 2)}" for k, v in fields.items())  # SIGINT is bit 1

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import one_line_error, zoo_main
+from helpers import ZOO_TAKING_CTRL_C, one_line_error, sigint_state, zoo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
@@ -496,7 +496,7 @@ LONG = ["--devices", "2", "--steps", "2000", "--warmup", "1", "--batch-size", "8
 
 def _start(out: Path, *extra) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *LONG, "--output", str(out), *extra],
+    return subprocess.Popen([*ZOO_TAKING_CTRL_C, "train", "mlp", *LONG, "--output", str(out), *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
@@ -539,9 +539,10 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, "--checkpoint-every", "5")
     _wait_for_training(proc, out, rows=7)
+    state = f"the run's SIGINT: {sigint_state(proc.pid)}; this process's: {sigint_state(os.getpid())}"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, f"{err!r}; {state}"
     assert err.strip() == "zoo: interrupted", err
     import zoo
 

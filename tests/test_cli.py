@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import one_line_error, zoo_main
+from helpers import ZOO_TAKING_CTRL_C, one_line_error, sigint_state, zoo_main
 from helpers import zoo_ok as ok
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -518,8 +518,9 @@ def test_more_devices_than_a_started_backend_has_is_one_line():
     one_line_error(rc, err, "asked for 99 devices but jax has 8 (cpu); pass --devices 8 or fewer")
 
 
-def _start(args, folder: Path, name: str) -> subprocess.Popen:
-    """`python -m zoo ARGS` in a fresh process, stdout/stderr to files (no pipe to fill)."""
+def _start(args, folder: Path, name: str, *, zoo=(sys.executable, "-m", "zoo")) -> subprocess.Popen:
+    """`python -m zoo ARGS` (or `[*zoo, *ARGS]`) in a fresh process, stdout/stderr to files
+    (no pipe to fill)."""
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
@@ -527,9 +528,7 @@ def _start(args, folder: Path, name: str) -> subprocess.Popen:
     )
     env.pop("XLA_FLAGS", None)  # a user's environment, not this process's
     with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
-        return subprocess.Popen(
-            [sys.executable, "-m", "zoo", *map(str, args)], stdout=out, stderr=err, cwd=folder, env=env
-        )
+        return subprocess.Popen([*zoo, *map(str, args)], stdout=out, stderr=err, cwd=folder, env=env)
 
 
 def _finish(procs: dict, timeout: float = 300) -> None:
@@ -600,21 +599,26 @@ def test_errors_in_fresh_processes(tmp_path):
 
 def test_interrupt_exits_130_in_one_line(tmp_path):
     """SIGINT (Ctrl-C) during training: exit 130, `zoo: interrupted`, no traceback."""
-    proc = _start(["train", "mlp", "--steps", "100000", "--quiet", "--output", "run"], tmp_path, "run")
+    proc = _start(["train", "mlp", "--steps", "100000", "--quiet", "--output", "run"], tmp_path, "run",
+                  zoo=ZOO_TAKING_CTRL_C)  # fmt: skip
     metrics = tmp_path / "run" / "metrics.jsonl"  # one row per step, flushed as written
     try:
         deadline = time.monotonic() + 240
         while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.err").read_text()
             time.sleep(0.1)
+        state = f"the run's SIGINT: {sigint_state(proc.pid)}; this process's: {sigint_state(os.getpid())}"
         proc.send_signal(signal.SIGINT)  # in the training loop now: a step is done
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"Ctrl-C did not stop the run within 60 s; {state}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
     err = (tmp_path / "run.err").read_text()
-    assert proc.returncode == 130 and err.strip() == "zoo: interrupted", (proc.returncode, err)
+    assert proc.returncode == 130 and err.strip() == "zoo: interrupted", (proc.returncode, err, state)
 
 
 def test_bad_lora_is_one_readable_line():
