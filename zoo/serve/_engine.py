@@ -572,7 +572,7 @@ class Engine:
         smallest span only). With `tune` (on a CPU), the decode step of each number of rows
         is first compiled with each matmul kernel (`zoo._kernels.matmul_kernels`) and timed
         (`TUNING_CALLS` calls each, interleaved; the median): the faster one serves that
-        many rows from then on (`kernels`; untimed row counts use Eigen's). Call it before
+        many rows from then on (`kernels`; untimed row counts: Eigen's, on a CPU). Call it before
         serving, while no request runs."""
         for width in sorted({bucket(n, self.max_len) for n in prompt_lengths}):
             handle = self.submit(Request([0] * min(width, self.max_len - 1), max_tokens=2))
