@@ -42,8 +42,18 @@ os.environ["ZOO_NO_KEEP_MEMORY"] = "1"
 os.environ["XLA_FLAGS"] = _xla_flags
 
 import gc
+import sys
 
 import pytest
+
+
+def pytest_configure(config):
+    # ZOO_TEST_TIMELINE=FOLDER: record what each test costs (tests/tools/timeline.py).
+    if os.environ.get("ZOO_TEST_TIMELINE"):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
+        import timeline
+
+        timeline.register(config)
 
 
 @pytest.fixture
