@@ -48,31 +48,39 @@ format: $(STAMP)
 # it again; never the user's cache.
 TEST_CACHE := $(CURDIR)/build/test-compile-cache
 
+# Each phase's wall time is printed at the end (build/phase-times; also after a failure).
+PHASES := build/phase-times
+phase = @s=$$(date +%s); $(2); rc=$$?; \
+	printf '%-9s %5ds  exit %s\n' '$(1)' $$(( $$(date +%s) - s )) $$rc >> $(PHASES); \
+	[ $$rc = 0 ] || { echo "phase wall times:"; cat $(PHASES); }; exit $$rc
+
 test: lint
-	rm -rf $(TEST_CACHE)
-	ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist loadfile -m 'not slow'
-	ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(MAKE) --no-print-directory test-numerics
-	ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist load -m slow
+	rm -rf $(TEST_CACHE) $(PHASES) && mkdir -p build
+	$(call phase,fast,ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist loadfile -m 'not slow')
+	$(call phase,numerics,ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(MAKE) --no-print-directory test-numerics)
+	$(call phase,slow,ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist load -m slow)
+	@echo "phase wall times:"; cat $(PHASES)
 
 # The float comparisons (-m numerics: zoo against transformers/peft/sentence-transformers,
 # sharded against one device) again on other CPU kernels, so that a tolerance only one
 # machine meets fails here: XLA restricted to AVX2 and Eigen's matmuls instead of
 # YNNPACK's, torch restricted to AVX2; every one single-threaded, and a subset
 # two-threaded, side by side. docs/claims.md, "Numeric tolerances".
+# Each kind of comparison once (tests/kernel_rerun.txt: the mutants, MiniLM, one family per
+# structural feature, the adapter kinds, sharded against one device, the objectives), not
+# every numerics test: the same comparison on another family sums the same way
+# (docs/testing.md). pytest refuses a listed test that no longer exists.
 # Time: the single-threaded run has two workers (each process single-threaded: one core
 # each; one alone left a core idle once the short two-threaded run ended, and compiling,
-# most of the time here, is single-threaded in either); both collect only the files that
-# mark tests `numerics` (collecting every test file imports the suite's other modules for
-# nothing: ~15 s of CPU a process).
+# most of the time here, is single-threaded in either).
 OTHER_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 OTHER_XLA := --xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=
-NUMERICS_FILES = $(shell grep -l numerics tests/test_*.py)
 test-numerics: $(STAMP)
 	$(OTHER_KERNELS) OMP_NUM_THREADS=1 XLA_FLAGS="$(OTHER_XLA) --xla_cpu_multi_thread_eigen=false" \
-		$(PY) -m pytest -q -p no:cacheprovider -n 2 --max-worker-restart=0 --dist loadfile -m numerics $(NUMERICS_FILES) & one=$$!; \
+		$(PY) -m pytest -q -p no:cacheprovider -n 2 --max-worker-restart=0 --dist loadfile -m numerics @tests/kernel_rerun.txt & one=$$!; \
 	$(OTHER_KERNELS) OMP_NUM_THREADS=2 XLA_FLAGS="$(OTHER_XLA)" \
 		$(PY) -m pytest -q -p no:cacheprovider -m numerics -k 'minilm or load_and_export or tolerances' \
-		$(NUMERICS_FILES); two=$$?; \
+		@tests/kernel_rerun.txt; two=$$?; \
 	wait $$one && exit $$two
 
 test-fast: $(STAMP)
