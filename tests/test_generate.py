@@ -498,19 +498,14 @@ def gpt2_with_tokenizer(gpt2, tmp_path_factory):
 
 
 def _zoo(*args):
+    """`zoo ARGS` in this process (the CLI's own entry; the process is not what these tests
+    check): the result as `subprocess.run` gives it."""
     import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.run(
-        [sys.executable, "-m", "zoo", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-        check=False,
-    )
+    from helpers import zoo_main
+
+    rc, out, err = zoo_main(*args)
+    return subprocess.CompletedProcess(args, rc, out, err)
 
 
 def _left_padded(tokenizer, texts):
