@@ -3,7 +3,8 @@
 A model placed by `zoo.shard` under every preset (dp, fsdp, tp, fsdp+tp) is called on host
 numpy, `jnp`, batch-split (`P("data")`) and replicated (`P()`) inputs, inside and outside
 `jax.set_mesh`, eager and under `jax.jit`, with batch sizes the data axis does and does not
-divide; every answer must equal the single-device model's. LoRA branches added to (or
+divide (every pair of those settings at least once); every answer must equal the
+single-device model's. LoRA branches added to (or
 loaded into) single-device and placed models, in either context, must sit on their base
 weight's devices and give the single-device answer.
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_rounding_close, preset_mesh, tiny_decoder, tiny_encoder_classifier
+from helpers import assert_rounding_close, pairwise, preset_mesh, tiny_decoder, tiny_encoder_classifier
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,10 +107,13 @@ def sizes(name, kind):
 # --------------------------------------------------------------------------- the call matrix
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("context", CONTEXTS)
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("name", ["decoder", "encoder", "mlp", "lora-decoder"])
+# Every pair of two axes' values meets once (16 cases, not the 128 of the full product):
+# the call boundary's paths depend on the input kind with the mesh context and the preset's
+# layout, each met with each model.
+MATRIX = pairwise(name=("decoder", "encoder", "mlp", "lora-decoder"), preset=PRESETS, context=CONTEXTS, kind=KINDS)
+
+
+@pytest.mark.parametrize("name, preset, context, kind", MATRIX, ids=["-".join(case) for case in MATRIX])
 def test_placed_model_gives_the_single_device_answer(name, preset, context, kind):
     model, mesh = placed(name, preset), preset_mesh(preset, DEVICES)
     for size in sizes(name, kind):

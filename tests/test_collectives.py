@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TokenRegressor, assert_tree_rounding_close, data_mesh, mse_per_example, token_batch, tree_bytes
+from helpers import (
+    TokenRegressor,
+    assert_tree_rounding_close,
+    data_mesh,
+    mse_per_example,
+    pairwise,
+    token_batch,
+    tree_bytes,
+)
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -40,9 +48,12 @@ def compiled_step_collectives(norm, scan, mode, trainable="all"):
     return colls, trainable_bytes
 
 
-@pytest.mark.parametrize("mode", ["explicit", "shard_map"])
-@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
-@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+# Every pair of two settings once (4 programs, not the product's 8): each norm scanned and
+# unrolled, each in either mode. tests/test_presets.py pins every preset's step whole.
+CASES = pairwise(norm=("layernorm", "rmsnorm"), scan=(True, False), mode=("explicit", "shard_map"))
+
+
+@pytest.mark.parametrize("norm, scan, mode", CASES, ids=[f"{n}-{'scan' if s else 'unrolled'}-{m}" for n, s, m in CASES])
 def test_exactly_one_all_reduce_outside_loops_and_nothing_else(norm, scan, mode):
     colls, trainable_bytes = compiled_step_collectives(norm, scan, mode)
     print(zoo.report(colls))
