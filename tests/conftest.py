@@ -65,10 +65,15 @@ def key():
 # until it is freed, and jax's caches keep every program alive. One pytest worker compiles
 # tens of thousands over the suite: past Linux's limit of 65,530 mappings a process
 # (vm.max_map_count) the next compile or serialisation aborts or segfaults the worker,
-# and pytest-xdist then hangs waiting for it. So each test file's programs are let go when
-# the file ends (its own `functools.cache`s and jax's caches), and between tests too if
-# a file alone comes near the limit.
+# and pytest-xdist then hangs waiting for it. So a test file's own `functools.cache`s are
+# let go when the file ends (its models and the programs only it calls), and jax's caches
+# too once the process holds FREE_AT_FILE_END mappings or FREE_AT_RSS bytes of memory (a
+# small CI machine runs two workers), or MAX_MAPPINGS between any two tests. Below those, jax's caches are kept across files: the programs later files share
+# with earlier ones (eager ops on the same shapes, zoo's own jitted functions) are not
+# compiled again (every file's end used to free them all).
 MAX_MAPPINGS = 40_000
+FREE_AT_FILE_END = 20_000
+FREE_AT_RSS = 4 * 2**30  # a worker holds ~2-3 GiB today with the caches freed at every file end
 
 
 def _mappings() -> int:
@@ -80,12 +85,25 @@ def _mappings() -> int:
         return 0
 
 
-def _free_compiled_programs(module=None) -> None:
+def _resident_bytes() -> int:
+    """This process's resident memory (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _free_module_caches(module) -> None:
     """Clear `module`'s own `functools.cache`s (not those it imports from helpers.py, which
-    later files reuse), then jax's caches."""
-    for value in vars(module).values() if module is not None else ():
+    later files reuse)."""
+    for value in vars(module).values():
         if getattr(value, "__module__", None) == module.__name__ and callable(getattr(value, "cache_clear", None)):
             value.cache_clear()
+
+
+def _free_compiled_programs() -> None:
+    """Clear jax's caches (every compiled program they hold)."""
     jax.clear_caches()
     gc.collect()
 
@@ -93,7 +111,23 @@ def _free_compiled_programs(module=None) -> None:
 @pytest.fixture(autouse=True, scope="module")
 def _programs_freed_after_each_file(request):
     yield
-    _free_compiled_programs(request.module)
+    _free_module_caches(request.module)
+    if _mappings() > FREE_AT_FILE_END or _resident_bytes() > FREE_AT_RSS:
+        _free_compiled_programs()
+    else:
+        gc.collect()
+
+
+# A test that counts what XLA compiles (a program compiled once, nothing compiled again)
+# starts from empty caches, as in a fresh process: what an earlier file compiled would
+# otherwise be a cache hit, and the count depend on which files its worker ran before.
+_COUNTS_COMPILES = {"backend_compiles", "register_event_duration_secs_listener", "compile_or_get_cached"}
+
+
+def pytest_runtest_setup(item):
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    if code is not None and _COUNTS_COMPILES & set(code.co_names):
+        _free_compiled_programs()
 
 
 def pytest_runtest_teardown(item, nextitem):
