@@ -54,11 +54,16 @@ phase = @s=$$(date +%s); $(2); rc=$$?; \
 	printf '%-9s %5ds  exit %s\n' '$(1)' $$(( $$(date +%s) - s )) $$rc >> $(PHASES); \
 	[ $$rc = 0 ] || { echo "phase wall times:"; cat $(PHASES); }; exit $$rc
 
+# What each test file cost (tests/tools/timeline.py, docs/testing.md): recorded per phase
+# in build/timeline/, the fast phase's costliest files printed at the end.
+TIMELINE := build/timeline
+
 test: lint
-	rm -rf $(TEST_CACHE) $(PHASES) && mkdir -p build
-	$(call phase,fast,ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist loadfile -m 'not slow')
+	rm -rf $(TEST_CACHE) $(PHASES) $(TIMELINE) && mkdir -p build
+	$(call phase,fast,ZOO_TEST_TIMELINE=$(TIMELINE)/fast ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist loadfile -m 'not slow')
 	$(call phase,numerics,ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(MAKE) --no-print-directory test-numerics)
-	$(call phase,slow,ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist load -m slow)
+	$(call phase,slow,ZOO_TEST_TIMELINE=$(TIMELINE)/slow ZOO_TEST_COMPILE_CACHE=$(TEST_CACHE) $(PYTEST) --durations=15 --dist load -m slow)
+	@$(PY) tests/tools/timeline.py $(TIMELINE)/fast --top 10
 	@echo "phase wall times:"; cat $(PHASES)
 
 # The float comparisons (-m numerics: zoo against transformers/peft/sentence-transformers,

@@ -121,12 +121,13 @@ def main(argv=None) -> None:
     parser.add_argument("folder", help="a ZOO_TEST_TIMELINE folder")
     parser.add_argument("after", nargs="?", help="a second folder: print both side by side")
     parser.add_argument("--tests", type=int, default=0, help="print the N costliest tests instead of files")
+    parser.add_argument("--top", type=int, default=0, help="print only the N costliest files (and the total)")
     parser.add_argument("--markdown", action="store_true", help="a markdown table (for docs/testing.md)")
     args = parser.parse_args(argv)
     before = _load(args.folder)
     key = "test" if args.tests else "file"
     rows = _per(before, key)
-    order = sorted(rows, key=lambda k: -rows[k]["cpu"])[: args.tests or None]
+    order = sorted(rows, key=lambda k: -rows[k]["cpu"])[: args.tests or args.top or None]
     total = _per([r | {"all": "total"} for r in before], "all")["total"]
     if args.after:
         after_rows = _per(_load(args.after), key)
