@@ -386,6 +386,24 @@ def zoo_ok(*args) -> str:
     return out
 
 
+# The XLA flags tests/conftest.py compiles the test processes with: LLVM's machine-code
+# optimisation off (about half of every compile); XLA's passes, which place the collectives,
+# unchanged.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def short_run_env() -> dict[str, str]:
+    """The environment of a `zoo` process a test starts for a short run (a few steps, or
+    one stopped by a signal): this process's (the suite's compile cache and collective
+    timeout), the repository on PYTHONPATH, and the fast-compile flags (a short run's time
+    is its compiling)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}"
+    return env
+
+
 def one_line_error(rc: int, err: str, message: str, code: int = 2) -> None:
     """A command's failure as the CLI promises it: exit `code`, one line on stderr holding
     `message`, no traceback."""

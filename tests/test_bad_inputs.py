@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ZOO_TAKING_CTRL_C, one_line_error, sigint_state, zoo_main
+from helpers import ZOO_TAKING_CTRL_C, one_line_error, short_run_env, sigint_state, zoo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
@@ -35,6 +35,7 @@ def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
     """Two real `python -m zoo train` into one folder: the second (even with --overwrite)
     is refused with one line while the first trains, and the first ends intact."""
     out = tmp_path / "run"
+    # Not short_run_env's fast compiling: the first run must outlive the second's start.
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     first_flags = ["--devices", "2", "--steps", "2000", "--batch-size", "8", "--microbatches", "1",
                    "--eval-size", "16", "--checkpoint-every", "1000", "--quiet", "--output", str(out)]  # fmt: skip
@@ -71,7 +72,7 @@ def test_two_runs_started_together_into_one_folder_one_is_refused(tmp_path):
     one runs (its metrics, checkpoints and summary whole, each step once), the other is
     refused with one line (the lock: whichever comes second, even a moment later)."""
     out = tmp_path / "run"
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    env = short_run_env()
     flags = ["--devices", "2", "--steps", "30", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
              "--checkpoint-every", "10", "--quiet", "--output", str(out)]  # fmt: skip
     procs = [subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *flags], cwd=ROOT, env=env,
@@ -495,7 +496,7 @@ LONG = ["--devices", "2", "--steps", "2000", "--warmup", "1", "--batch-size", "8
 
 
 def _start(out: Path, *extra) -> subprocess.Popen:
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    env = short_run_env()
     return subprocess.Popen([*ZOO_TAKING_CTRL_C, "train", "mlp", *LONG, "--output", str(out), *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -572,7 +573,7 @@ def test_ctrl_c_during_a_save_is_one_line(tmp_path):
     flags = ["--devices", "2", "--steps", "50", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
              "--quiet", "--checkpoint-every", "2", "--output", str(tmp_path / "run")]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_SAVE, "train", "mlp", *flags], cwd=ROOT,
-                          env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          env=short_run_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip() == "zoo: interrupted", proc.stderr
 
@@ -595,7 +596,7 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_full_disk_ends_with_one_line(tmp_path):
     out = tmp_path / "run"
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    env = short_run_env()
     proc = subprocess.run([sys.executable, "-c", _FULL_DISK, "train", "mlp", *TINY, "--checkpoint-every", "1",
                            "--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
@@ -625,7 +626,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_run_killed_after_its_final_checkpoint_is_finished_by_resume(tmp_path):
     out = tmp_path / "run"
     flags = [*TINY[:2], "--steps", "4", *TINY[4:], "--checkpoint-every", "2", "--output", str(out)]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    env = short_run_env()
     proc = subprocess.run([sys.executable, "-c", _KILLED_AT_THE_END, "train", "mlp", *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == -9, proc.stderr
@@ -692,7 +693,7 @@ def test_a_full_disk_during_an_async_checkpoint_save(tmp_path):
     copy = tmp_path / "copy"
     flags = ["--devices", "2", "--steps", "50", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16",
              "--quiet", "--checkpoint-every", "1", "--keep", "100"]  # fmt: skip
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    env = short_run_env()
     if _can_mount_tmpfs():
         mnt = tmp_path / "mnt"
         mnt.mkdir()
