@@ -420,12 +420,6 @@ def test_entry_point_help_and_one_line_usage_error():
     one_line_error(rc, err, "zoo train: error: argument --steps: invalid int value: 'x'")
 
 
-# Seconds a fresh `python -m zoo` may take to answer from its parser alone: ~0.2 s on a quiet
-# 2-core machine (importing jax alone takes 2 s there, 30 s under load); generous for a
-# loaded one.
-PARSER_SECONDS = 5.0
-
-
 @pytest.mark.parametrize(
     "args, code, expected",
     [
@@ -447,15 +441,15 @@ PARSER_SECONDS = 5.0
 )
 def test_help_and_usage_errors_answer_before_jax(args, code, expected):
     """`--help` and argparse's usage errors come from the parser alone: a fresh process
-    imports no jax (`-X importtime` lists every module it imports) and answers at once.
-    (ZOO_RUNTIME_CHECKS=1's import hook brings jax in: not set here.)"""
+    imports no jax (`-X importtime` lists every module it imports), so it answers at once.
+    Nothing is timed here (a loaded machine's seconds say nothing of the code): what made it
+    slow, importing jax, is what is checked. (ZOO_RUNTIME_CHECKS=1's import hook brings jax
+    in: not set here.)"""
     env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}
-    start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "zoo", *args],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
     )  # fmt: skip
-    seconds = time.perf_counter() - start
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
     assert "zoo._cli._main" in imported, imported  # the check sees the imports
@@ -464,7 +458,6 @@ def test_help_and_usage_errors_answer_before_jax(args, code, expected):
     assert expected in (proc.stdout if code == 0 else err), (proc.stdout, err)
     if code:
         one_line_error(proc.returncode, err, expected, code)
-    assert seconds < PARSER_SECONDS, f"zoo {' '.join(args)} took {seconds:.1f} s"
 
 
 @pytest.mark.parametrize(
