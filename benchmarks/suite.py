@@ -57,7 +57,8 @@ def _inspect_task(model: str):
     import zoo
     from zoo._cli._lora_flag import inspect_defaults
     from zoo._cli._tasks import build_inspect_task
-    from zoo.train._lora import add_lora, parse_lora
+    from zoo.train._lora import add_lora
+    from zoo.train._text import parse_lora
 
     if model == "decoder+lora":
         task = build_inspect_task("transformer", 0)

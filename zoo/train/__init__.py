@@ -34,14 +34,14 @@ __getattr__, __dir__ = lazy_names(
         "._errors": ("ConfigError", "Preempted", "RunStopped"),
         "._evaluate": ("Evaluator",),
         "._flags": ("Flag",),
-        "._hooks": ("Checkpoint", "Evaluate", "Hook", "MetricsLog", "Progress", "Sample", "TensorBoard", "TrainState"),
+        "._hooks": ("Checkpoint", "Evaluate", "MetricsLog", "Progress", "Sample", "TensorBoard"),
         "._optimizer": ("OPTIMIZERS", "SCHEDULES", "OptimizerConfig"),
         "._registry": ("ModelSpec", "init_families", "model_names", "model_spec", "register_model"),
         "._run": ("RunResult", "run"),
         "._saved_run": ("SavedRun", "load_run"),
         "._scores": ("classification_scores",),
         "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
-        "._trainer": ("Trainer",),
+        "._trainer": ("Hook", "TrainState", "Trainer"),
     },
 )
 
@@ -57,12 +57,10 @@ if TYPE_CHECKING:
     from ._flags import Flag as Flag
     from ._hooks import Checkpoint as Checkpoint
     from ._hooks import Evaluate as Evaluate
-    from ._hooks import Hook as Hook
     from ._hooks import MetricsLog as MetricsLog
     from ._hooks import Progress as Progress
     from ._hooks import Sample as Sample
     from ._hooks import TensorBoard as TensorBoard
-    from ._hooks import TrainState as TrainState
     from ._optimizer import OPTIMIZERS as OPTIMIZERS
     from ._optimizer import SCHEDULES as SCHEDULES
     from ._optimizer import OptimizerConfig as OptimizerConfig
@@ -81,7 +79,9 @@ if TYPE_CHECKING:
     from ._task import lm_metrics as lm_metrics
     from ._task import regression_loss as regression_loss
     from ._task import regression_metrics as regression_metrics
+    from ._trainer import Hook as Hook
     from ._trainer import Trainer as Trainer
+    from ._trainer import TrainState as TrainState
 
 __all__ = [
     "OPTIMIZERS",

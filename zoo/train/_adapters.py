@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,47 +19,10 @@ import numpy as np
 from ..data import DataFormatError, Dataset, local_batch
 from ..data._records import read_located
 from ._errors import ConfigError
+from ._text import adapter_files, check_name
 
 FIELD = "adapter"  # the record field naming a row's adapter
 LM_KINDS = ("text", "prompt_completion", "chat")
-
-
-def adapter_files(source: str | None) -> dict[str, str] | None:
-    """`--data NAME=FILE,NAME=FILE` as `{NAME: FILE}` (one data file per adapter, in the
-    order given); None for any other `--data` (a data set's name, or one file).
-
-    **Raises:** `ConfigError` for a malformed pair, a name given twice or one that
-    cannot be a folder's."""
-    if source is None or "=" not in source or Path(source).expanduser().exists():
-        return None
-    files: dict[str, str] = {}
-    for part in source.split(","):
-        name, eq, file = (s.strip() for s in part.partition("="))
-        if not eq or not name or not file:
-            raise ConfigError(
-                f"--data {source!r}: {part.strip()!r} is not NAME=FILE; one file per adapter is written "
-                "NAME=FILE pairs joined by commas, e.g. --data support=support.jsonl,billing=billing.jsonl"
-            )
-        check_name(name, f"--data {source!r}")
-        if name in files:
-            raise ConfigError(f"--data {source!r}: adapter {name!r} is named twice; give each adapter one file")
-        files[name] = file
-    return files
-
-
-def files_text(files: Mapping[str, str]) -> str:
-    """`{NAME: FILE}` as the `--data` text `NAME=FILE,NAME=FILE` (config.json's form)."""
-    return ",".join(f"{name}={file}" for name, file in files.items())
-
-
-def check_name(name: Any, where: str) -> None:
-    """An adapter's name: a non-empty string that can name its folder (adapter/NAME)."""
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"{where}: adapter name {name!r} is not a non-empty string; name each adapter with text")
-    if name in (".", "..") or "/" in name or os.sep in name or "," in name or "=" in name or name != name.strip():
-        raise ConfigError(
-            f"{where}: adapter name {name!r} cannot name a folder (adapter/{name}); use letters, digits, - or _"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,13 +193,3 @@ def stack_rows(parts: Mapping[str, Mapping[str, np.ndarray]], limit: int = 0) ->
     sizes = [len(next(iter(a.values()))) for a in arrays]
     out["adapter"] = np.repeat(np.arange(len(arrays), dtype=np.int32), sizes)
     return out
-
-
-def absolute_files(source: str) -> str:
-    """`NAME=FILE,...` with each existing file's path absolute (a resumed run finds them
-    from anywhere); any other `source` as it is."""
-    files = adapter_files(source)
-    if files is None:
-        return source
-    return files_text({n: str(Path(f).expanduser().resolve()) if Path(f).expanduser().exists() else f
-                       for n, f in files.items()})  # fmt: skip

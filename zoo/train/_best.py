@@ -7,8 +7,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ._hooks import Checkpoint, Evaluate, Hook, TrainState
+from ._hooks import Checkpoint, Evaluate
 from ._scores import WATCHED, watched_metric
+from ._trainer import Hook, TrainState
 
 
 class KeepBest(Hook):

@@ -12,10 +12,11 @@ from ..lora import save_adapter, save_adapters
 from ..lora._folders import DEFAULT
 from ._folder import claim
 from ._head import save_head
-from ._hooks import Checkpoint, Hook, TrainState
+from ._hooks import Checkpoint
 from ._plan import RunPlan
 from ._readme import classifier_readme
 from ._task import Task
+from ._trainer import Hook, TrainState
 
 # What the tokenizer of a saved model needs next to its weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",

@@ -10,64 +10,16 @@ run fails). Subclass `Hook` to get the optional methods as no-ops.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._checkpoint import Checkpointer
 from .._distributed import is_main_process
 from .._generate import generate
 from ._errors import ConfigError
-
-if TYPE_CHECKING:
-    from ._trainer import Trainer
-
-
-@dataclasses.dataclass
-class TrainState:
-    """What a hook sees.
-
-    **Fields:**
-
-    - `step`: steps done (the start step in `on_start`).
-    - `steps`: the run's last step.
-    - `model`, `opt_state`: after `step`.
-    - `loss`: the training loss of `step` (None in `on_start`).
-    - `trainer`: the `Trainer` (its `step`, `record`, `elapsed`, `stopped`).
-    """
-
-    step: int
-    steps: int
-    model: Any
-    opt_state: Any
-    loss: float | None
-    trainer: Trainer
-
-
-class Hook:
-    """The base of hooks: fires after every `every`-th step (0: never by step). Override
-    `__call__`, and any of `on_start`, `on_record`, `on_end`, `close`."""
-
-    every: int = 0
-
-    def on_start(self, state: TrainState) -> None:
-        """Before the first step (after a resumed run's restored step)."""
-
-    def __call__(self, state: TrainState) -> None:
-        """After step `state.step`, a multiple of `every`."""
-
-    def on_record(self, row: dict[str, Any]) -> None:
-        """A row the run recorded: `{"kind": "train", "step", "loss", "lr", ...}` after each
-        step, `{"kind": "eval", "step", "eval_loss", "eval_accuracy", ...}` after each
-        evaluation, `{"kind": "sample", ...}` after each sample."""
-
-    def on_end(self, state: TrainState) -> None:
-        """After the last step (not when the run fails)."""
-
-    def close(self) -> None:
-        """Last: release files and wait for saves, also when the run fails."""
+from ._trainer import Hook, TrainState
 
 
 def _main() -> bool:
@@ -193,6 +145,14 @@ class Checkpoint(Hook):
     def on_end(self, state: TrainState) -> None:
         if self.at_end:
             self.save(state)
+
+    def on_preempt(self, state: TrainState) -> str:
+        self.save(state)
+        self.close()
+        return f"checkpoint saved in {self.directory}"
+
+    def kept(self) -> str | None:
+        return f"step {self.last_saved} in {self.directory}" if self.last_saved else None
 
     def close(self) -> None:
         """Wait for a save in flight, then close the checkpointer (`save` reopens it)."""

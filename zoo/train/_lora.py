@@ -1,121 +1,16 @@
-"""A LoRA config as text and on a model: the `--lora KEY=VALUE,...` form of a
-`zoo.lora.LoraConfig` (`parse_lora`, `lora_text`: what config.json holds), adapters added
-by one compiled program (`add_lora`), and what a run reports about them (`lora_json`)."""
+"""A run's LoRA config on its model: adapters added by one compiled program (`add_lora`),
+and what a run reports about them (`lora_json`). Its text form is `_text.parse_lora`."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from ..lora import LoraConfig
 from ._errors import ConfigError
 
-# The text forms need no jax (the `zoo` command's help shows `LORA_EXAMPLE`): the adapters'
-# modules are imported by the functions that add or list them.
+# The adapters' modules are imported by the functions that add or list them (no jax at import).
 
-# `--lora` key → (LoraConfig field). Keys the user leaves out take the command's defaults
-# (`parse_lora(defaults=)`), then LoraConfig's (peft's: r=8, lora_alpha=8, lora_dropout=0).
-LORA_KEYS = {
-    "r": "r",
-    "alpha": "lora_alpha",
-    "dropout": "lora_dropout",
-    "targets": "target_modules",
-    "exclude": "exclude_modules",
-    "rslora": "use_rslora",
-    "save": "modules_to_save",
-    "use_dora": "use_dora",
-    "init_lora_weights": "init_lora_weights",
-    "ensure_weight_tying": "ensure_weight_tying",
-    "trainable_token_indices": "trainable_token_indices",
-}
-LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
 LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
-
-
-def _lora_value(key: str, value: str) -> Any:
-    """One `--lora` value, read as its LoraConfig field wants it; ValueError if it cannot."""
-    if key == "r":
-        if not value.isdigit():
-            raise ValueError(f"r must be a positive integer, got {value!r}")
-        return int(value)
-    if key in ("alpha", "dropout"):
-        number = float(value)  # ValueError names the value
-        return int(number) if key == "alpha" and number.is_integer() and "." not in value else number
-    if key == "trainable_token_indices":
-        ids = [i.strip() for i in value.split("+")]
-        if not all(i.isdigit() for i in ids):
-            raise ValueError(f"trainable_token_indices must be token ids joined by '+', e.g. 3+9+20, got {value!r}")
-        return tuple(int(i) for i in ids)
-    if key in ("rslora", "use_dora", "ensure_weight_tying"):
-        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(f"{key} must be true or false, got {value!r}")
-        return value.lower() in ("true", "1", "yes")
-    if key == "init_lora_weights":
-        return {"true": True, "false": False}.get(value.lower(), value)  # LoraConfig checks the names
-    names = tuple(n.strip() for n in value.split("+"))
-    if key == "targets" and value == "all-linear":
-        return value
-    if key == "save" and value.lower() == "none":
-        return None
-    if not all(names):
-        raise ValueError(f"{key} must be module names joined by '+', e.g. q_proj+v_proj, got {value!r}")
-    return names
-
-
-def parse_lora(text: str, defaults: dict[str, Any]):
-    """`"r=8,alpha=16,targets=q_proj+v_proj"` → a `zoo.lora.LoraConfig`: `defaults`
-    (LoraConfig field → value) where the text names no value. An empty text is the defaults."""
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(
-            f"bad --lora {text!r}: {why}; write key=value pairs joined by commas, e.g. {LORA_EXAMPLE}; "
-            f"keys: {', '.join(LORA_KEYS)}"
-        )
-
-    fields = dict(defaults)
-    seen: set[str] = set()
-    for part in text.split(",") if text.strip() else ():
-        key, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or not key or not value:
-            raise bad(f"{part.strip()!r} is not key=value")
-        if key not in LORA_KEYS:
-            raise bad(f"unknown key {key!r}")
-        if key in seen:
-            raise bad(f"key {key!r} appears twice")
-        seen.add(key)
-        try:
-            fields[LORA_KEYS[key]] = _lora_value(key, value)
-        except ValueError as e:
-            raise bad(str(e)) from e
-    try:
-        return LoraConfig(**fields)
-    except ValueError as e:
-        raise bad(str(e)) from e
-
-
-def lora_text(config) -> str:
-    """A `LoraConfig` written back as a `--lora` value (every key spelled out)."""
-
-    def names(value) -> str:
-        if value is None:
-            return "none"
-        return value if isinstance(value, str) else "+".join(value)
-
-    parts = [f"r={config.r}", f"alpha={config.lora_alpha:g}", f"dropout={config.lora_dropout:g}"]
-    parts.append(f"targets={names(config.target_modules)}")
-    if config.exclude_modules:
-        parts.append(f"exclude={names(config.exclude_modules)}")
-    parts.append(f"rslora={'true' if config.use_rslora else 'false'}")
-    parts.append(f"save={names(config.modules_to_save)}")
-    if config.use_dora:
-        parts.append("use_dora=true")
-    if config.ensure_weight_tying:
-        parts.append("ensure_weight_tying=true")
-    if config.trainable_token_indices:
-        parts.append("trainable_token_indices=" + "+".join(str(i) for i in config.trainable_token_indices))
-    if config.init_lora_weights is not True:
-        parts.append(f"init_lora_weights={str(config.init_lora_weights).lower()}")
-    return ",".join(parts)
 
 
 _LORA_WRAPPERS: dict[Any, tuple[Any, dict[str, Any]]] = {}

@@ -8,26 +8,7 @@ import math
 from .._presets import RULE_PRESETS
 from .._presets import rules as preset_rules
 from ._errors import ConfigError
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """`"data=4,model=2"` → `{"data": 4, "model": 2}`: the text form of `RunConfig.mesh`
-    (`--mesh`, a config.json), the one parser of it. A `ConfigError` naming
-    `RunConfig.mesh` unless every part is `name=size`, each name once, each size >= 1."""
-    mesh: dict[str, int] = {}
-    for part in text.split(","):
-        name, eq, size = (s.strip() for s in part.partition("="))
-        if not eq or not name.isidentifier() or not size.isdigit() or int(size) < 1:
-            raise ConfigError(f"bad RunConfig.mesh {text!r}: write it as name=size[,name=size], e.g. data=4,model=2")
-        if name in mesh:
-            raise ConfigError(f"bad RunConfig.mesh {text!r}: axis {name!r} appears twice")
-        mesh[name] = int(size)
-    return mesh
-
-
-def mesh_text(shape: dict[str, int]) -> str:
-    """`{"data": 4, "model": 2}` → `"data=4,model=2"` (what --mesh reads)."""
-    return ",".join(f"{k}={v}" for k, v in shape.items())
+from ._text import mesh_text
 
 
 def make_mesh(shape: dict[str, int]):

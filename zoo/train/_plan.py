@@ -14,8 +14,9 @@ from .._mismatch import shorten
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import owned, previous_outputs, remove_run
-from ._mesh import check_rules_fit_mesh, mesh_text
+from ._mesh import check_rules_fit_mesh
 from ._registry import model_spec
+from ._text import mesh_text
 from ._user_data import check_data_file
 
 _WHAT = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}

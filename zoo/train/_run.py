@@ -38,10 +38,9 @@ from ._lock import run_lock
 from ._mesh import make_mesh
 from ._nonfinite import nonfinite_advice
 from ._plan import RunPlan, check_checkpoints, plan_run
-from ._preemption import Preemption
 from ._resume import resume
 from ._summary import RunRecord, Summary
-from ._trainer import Trainer
+from ._trainer import Preemption, Trainer
 
 
 @dataclasses.dataclass
