@@ -37,7 +37,7 @@ __getattr__, __dir__ = lazy_names(
         "._hooks": ("Checkpoint", "Evaluate", "MetricsLog", "Progress", "Sample", "TensorBoard"),
         "._optimizer": ("OPTIMIZERS", "SCHEDULES", "OptimizerConfig"),
         "._registry": ("ModelSpec", "init_families", "model_names", "model_spec", "register_model"),
-        "._run": ("RunResult", "run"),
+        "._run": ("Inspection", "RunResult", "inspect", "run"),
         "._saved_run": ("SavedRun", "load_run"),
         "._scores": ("classification_scores",),
         "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
@@ -69,7 +69,9 @@ if TYPE_CHECKING:
     from ._registry import model_names as model_names
     from ._registry import model_spec as model_spec
     from ._registry import register_model as register_model
+    from ._run import Inspection as Inspection
     from ._run import RunResult as RunResult
+    from ._run import inspect as inspect
     from ._run import run as run
     from ._saved_run import SavedRun as SavedRun
     from ._saved_run import load_run as load_run
@@ -93,6 +95,7 @@ __all__ = [
     "Evaluator",
     "Flag",
     "Hook",
+    "Inspection",
     "KeepBest",
     "MetricsLog",
     "ModelSpec",
@@ -112,6 +115,7 @@ __all__ = [
     "classification_scores",
     "classifier_metrics",
     "init_families",
+    "inspect",
     "lm_metrics",
     "load_run",
     "model_names",

@@ -1,5 +1,6 @@
 """A run's build stage: the task of the model on its data, LoRA branches, placement on the
-mesh, the training step and its optimizer state (`build_run` → `BuiltRun`)."""
+mesh, the training step and its optimizer state (`build_run` → `BuiltRun`: what `run`
+trains and `inspect` compiles), and the files that record it (`write_run_files`)."""
 
 from __future__ import annotations
 
@@ -101,10 +102,9 @@ def training_step(c: RunConfig, loss_fn: Any, model: Any, *, per_adapter: bool =
                      preset=c.rules)  # fmt: skip
 
 
-def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool) -> BuiltRun:
+def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     """Build `plan`'s task on `mesh` (placed by `rules`), add its LoRA branches, make its
-    step and optimizer state, and write config.json and (a classifier) labels.json
-    (process 0; the run's folder is created here: a run that fails before leaves none).
+    step and optimizer state. Writes nothing.
 
     **Raises:** `ConfigError` for a setting the model cannot take."""
     c = plan.config
@@ -129,13 +129,6 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
         raise ConfigError(_unplaceable(c, e, task.config)) from e
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from e
-    plan.output.mkdir(parents=True, exist_ok=True)
-    if main:  # the run's files listed in its folder's marker before any is written
-        claim(plan.output, plan.checkpoints, RUN_FILES)
-        write_json(plan.output / "config.json", c.to_dict())
-        if task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
-            claim(plan.output, plan.checkpoints, [LABELS_NAME])
-            write_json(plan.output / LABELS_NAME, {"labels": list(task.label_names)})
     step = training_step(c, task.loss_fn, model, per_adapter=task.adapter_names is not None)
     config = task.config or {}
     dropout = (
@@ -147,3 +140,16 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
         model_bytes=tree_bytes(task.model), batch_size=c.batch_size, dropout=dropout, mesh=mesh,
         own_rows=local_rows(c.batch_size, mesh) if jax.process_count() > 1 else None,
     )  # fmt: skip
+
+
+def write_run_files(plan: RunPlan, built: BuiltRun, *, main: bool) -> None:
+    """Create the run's folder and write config.json and (a classifier) labels.json
+    (process 0), once the run is built: a run that fails before leaves no folder."""
+    plan.output.mkdir(parents=True, exist_ok=True)
+    if not main:
+        return
+    claim(plan.output, plan.checkpoints, RUN_FILES)  # the run's files listed in its folder's marker first
+    write_json(plan.output / "config.json", plan.config.to_dict())
+    if built.task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
+        claim(plan.output, plan.checkpoints, [LABELS_NAME])
+        write_json(plan.output / LABELS_NAME, {"labels": list(built.task.label_names)})

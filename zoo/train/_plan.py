@@ -47,11 +47,14 @@ class RunPlan:
         return dict(self.config.mesh)
 
 
-def plan_run(config: RunConfig, *, devices: int, command: str | None = None, title: str | None = None) -> RunPlan:
+def plan_run(
+    config: RunConfig, *, devices: int, command: str | None = None, title: str | None = None, weights: bool = True
+) -> RunPlan:
     """The `RunPlan` of `config` on `devices` devices: the run it resumes merged in and
     defaults applied (`RunConfig.resolved`), a fine-tune's `init` where the model needs
-    one, the mesh and the batch checked against each other, the folders named (not yet
-    created).
+    one (unless `weights` is False: `inspect` compiles the step of a model built from
+    scratch), the mesh and the batch checked against each other, the folders named (not
+    yet created).
 
     **Raises:** `ConfigError` naming the setting that cannot work."""
     command = command or ("finetune" if config.lora is not None else "train")
@@ -59,7 +62,7 @@ def plan_run(config: RunConfig, *, devices: int, command: str | None = None, tit
     # Every default applied here, once: config.json records the run as it trains.
     config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
     spec = model_spec(config.model)
-    if command != "train" and spec.finetune_needs_init and not config.init:
+    if weights and command != "train" and spec.finetune_needs_init and not config.init:
         raise ConfigError(
             f"zoo {command} {spec.name} needs RunConfig.init PATH: a Hugging Face folder or the output folder of a "
             f"`zoo train {spec.name}` run (e.g. one with RunConfig.output runs/base, then RunConfig.init runs/base)"
