@@ -57,7 +57,7 @@ def _inspect_task(model: str):
     import zoo
     from zoo._cli._lora_flag import inspect_defaults
     from zoo._cli._tasks import build_inspect_task
-    from zoo.train._lora import add_lora
+    from zoo.train._adapters import add_lora
     from zoo.train._text import parse_lora
 
     if model == "decoder+lora":
@@ -80,7 +80,7 @@ def collective_row(model: str, preset: str, n: int) -> dict:
     import optax
 
     import zoo
-    from zoo.train._report import tree_bytes
+    from zoo.train._output import tree_bytes
     from zoo.train._task import ONCE_COMPILER_OPTIONS
 
     shape = {"data": n // 2, "model": 2} if preset == "tp" else {"data": n}

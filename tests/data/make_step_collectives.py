@@ -71,7 +71,7 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     import zoo
     from zoo._cli._lora_flag import inspect_defaults
     from zoo._cli._tasks import build_inspect_task
-    from zoo.train._lora import add_lora
+    from zoo.train._adapters import add_lora
     from zoo.train._task import ONCE_COMPILER_OPTIONS
     from zoo.train._text import parse_lora
 

@@ -28,13 +28,12 @@ from . import _builtin  # noqa: F401 (registers the built-in models)
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "._best": ("KeepBest",),
         "._build_task": ("build_task",),
         "._config": ("DataConfig", "RunConfig"),
         "._errors": ("ConfigError", "Preempted", "RunStopped"),
         "._evaluate": ("Evaluator",),
         "._flags": ("Flag",),
-        "._hooks": ("Checkpoint", "Evaluate", "MetricsLog", "Progress", "Sample", "TensorBoard"),
+        "._hooks": ("Checkpoint", "Evaluate", "KeepBest", "MetricsLog", "Progress", "Sample", "TensorBoard"),
         "._optimizer": ("OPTIMIZERS", "SCHEDULES", "OptimizerConfig"),
         "._registry": ("ModelSpec", "init_families", "model_names", "model_spec", "register_model"),
         "._run": ("Inspection", "RunResult", "inspect", "run"),
@@ -46,7 +45,6 @@ __getattr__, __dir__ = lazy_names(
 )
 
 if TYPE_CHECKING:
-    from ._best import KeepBest as KeepBest
     from ._build_task import build_task as build_task
     from ._config import DataConfig as DataConfig
     from ._config import RunConfig as RunConfig
@@ -57,6 +55,7 @@ if TYPE_CHECKING:
     from ._flags import Flag as Flag
     from ._hooks import Checkpoint as Checkpoint
     from ._hooks import Evaluate as Evaluate
+    from ._hooks import KeepBest as KeepBest
     from ._hooks import MetricsLog as MetricsLog
     from ._hooks import Progress as Progress
     from ._hooks import Sample as Sample

@@ -5,6 +5,7 @@ trains and `inspect` compiles), and the files that record it (`write_run_files`)
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 import optax
 
+from .._checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from .._distributed import global_batch, local_rows
 from .._rules import PlacementError, shard
 from .._step import TrainStep
@@ -19,19 +21,17 @@ from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
-from ._adapters import stacked
-from ._build_task import build_task
+from ._adapters import add_lora, stacked
+from ._build_task import build_task, bytes_per_row, check_rows_fit
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
 from ._head import LABELS_NAME
-from ._lora import add_lora
-from ._memory import bytes_per_row, check_rows_fit
-from ._model_config import SIZES
-from ._output import write_json
+from ._output import tree_bytes, tree_size, write_json
 from ._plan import RunPlan
-from ._report import tree_bytes, tree_size
+from ._registry import SIZES
 from ._task import Task
+from ._user_data import check_fingerprint
 
 
 @dataclasses.dataclass
@@ -153,3 +153,42 @@ def write_run_files(plan: RunPlan, built: BuiltRun, *, main: bool) -> None:
     if built.task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
         claim(plan.output, plan.checkpoints, [LABELS_NAME])
         write_json(plan.output / LABELS_NAME, {"labels": list(built.task.label_names)})
+
+
+# --------------------------------------------------------------------------- resume: a saved run's state restored
+# A run's resume stage: the state of a checkpoint (by default the newest intact one) in
+# place of the freshly built one, refused if the data files changed since.
+
+
+def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
+    """Restore `built`'s model, optimizer state and key from `plan`'s checkpoints when the
+    run resumes (`config.resume`; `config.resume_step`, else the newest intact step, a
+    damaged newer one skipped with a warning and deleted).
+
+    **Returns:** `(start, checkpointer)`: the restored step (0 and None without resume) and
+    the open `Checkpointer`, which the run's checkpoints continue in.
+    **Raises:** `ConfigError` naming what cannot be restored and why."""
+    c = plan.config
+    if not c.resume:  # plan.check_checkpoints made sure there is one, before `steps`
+        return 0, None
+    # Keeping the best checkpoint, the run's Checkpoint hook rotates them itself (the best pinned).
+    checkpointer = Checkpointer(plan.checkpoints, keep=None if c.keep_best else c.keep)
+    params, frozen = built.step.partition(built.model)
+    like = {"params": params, "opt_state": built.opt_state, "key": built.key}
+    try:
+        (start, state, _), skipped = checkpointer.restore_intact(like, step=c.resume_step)
+    except CheckpointError as e:
+        first = str(e).splitlines()[0]
+        if not isinstance(e, DamagedCheckpointError):
+            hint = " (was it saved with other flags?)"  # a checkpoint that does not fit this run
+        else:
+            hint = "; start a new run (--overwrite)" if e.step is None else ""
+        raise ConfigError(f"--resume: {first}{hint}") from e
+    if skipped:
+        what = "; ".join(f"step {k}: {why}" for k, why in skipped)
+        print(f"zoo: warning: --resume skipped damaged checkpoints ({what}); they are removed, resuming from step "
+              f"{start}", file=sys.stderr, flush=True)  # fmt: skip
+    check_fingerprint(checkpointer.metadata(start), built.fingerprint, c.data.source, start)
+    built.model = eqx.combine(state["params"], frozen)
+    built.opt_state, built.key = state["opt_state"], state["key"]
+    return start, checkpointer

@@ -3,10 +3,11 @@ finetune` and `zoo demo`; and `zoo.train.inspect`: the same run's training step,
 and not run (`zoo inspect`).
 
 One straight line of stages, each in its own module: plan (`_plan`: settings, mesh,
-folders) → build (`_build`: the task, LoRA, placement, the step) → resume (`_resume`) →
+folders) → build (`_build`: the task, LoRA, placement, the step; then the run's files and
+the resumed state) →
 evaluate first (`_evaluate`: and the linear probe) → compile the step once (the program
 both run and inspected) → the `Trainer` with its hooks: metrics.jsonl, TensorBoard, the
-console (`_console`), progress, evaluations, the best one (`_best`: kept, early stopping),
+console (`_console`), progress, evaluations, the best one (`_hooks.KeepBest`: kept, early stopping),
 checkpoints, samples, then after the last step (or the one it stopped early at) the export
 (`_export`: adapter or Hugging Face folder), the summary (`_summary`: summary.json,
 loss.png) and the printed report.
@@ -17,30 +18,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._distributed import is_main_process
 from .._inspect import collectives
 from .._presets import rules as preset_rules
 from .._step import TrainStep
-from ._best import watch
-from ._build import build_run, write_run_files
+from ._build import build_run, resume, write_run_files
 from ._config import RunConfig
 from ._console import Header, Phases, Report
 from ._errors import ConfigError, Preempted
 from ._evaluate import Evaluator, first_evaluation, plain
 from ._export import Export
-from ._folder import claim
-from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample
-from ._lock import run_lock
-from ._mesh import make_mesh
-from ._nonfinite import nonfinite_advice
-from ._plan import RunPlan, check_checkpoints, plan_run
-from ._resume import resume
+from ._folder import claim, run_lock
+from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample, watch
+from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
 from ._summary import RunRecord, Summary
 from ._task import ONCE_COMPILER_OPTIONS, Task
 from ._trainer import Preemption, Trainer
@@ -245,3 +242,53 @@ def inspect(config: RunConfig, *, command: str | None = None) -> Inspection:
         mesh,
         found,
     )
+
+
+# --------------------------------------------------------------------------- what a run that went non-finite suggests
+# What a run that went non-finite suggests: the likely cause the run can see (a batch
+# with no target token, a weight decay that overturns the weights), else the learning rate.
+
+
+# Optimizers whose weight decay is scaled by the learning rate (decoupled, or added to the
+# gradient): lr · weight_decay >= 1 moves each weight past zero every step.
+_DECAYED = ("adamw", "sgd", "lion")
+
+
+def nonfinite_advice(c: RunConfig, batch_at: Callable[[int], Any]) -> Callable[[int], str]:
+    """The advice of a `RunStopped` at step `k`, as a function of `k` (`Trainer`'s
+    `advice`): names the config fields to change (the CLI shows them as its flags).
+
+    **Arguments:** `c`, the run's resolved config; `batch_at(k)`, the batch of step `k`
+    (this process's rows, host arrays; read again only when a step failed)."""
+    opt = c.optimizer
+
+    def advice(step: int) -> str:
+        weights = _weights(batch_at, step)
+        if weights is not None and not np.any(weights[:, 1:]):
+            return (
+                f"The batch of step {step} holds no target token (every next-token weight is 0), so its loss is "
+                "0/0: give every example a completion or assistant turn that fits in DataConfig.seq_len"
+            )
+        decay = opt.weight_decay or 0.0
+        if opt.name in _DECAYED and opt.lr is not None and opt.lr * decay >= 1:
+            return (
+                f"OptimizerConfig.weight_decay {decay:g} times OptimizerConfig.lr {opt.lr:g} is {opt.lr * decay:g} "
+                ">= 1, so each step pushes every weight past zero until it overflows: lower "
+                "OptimizerConfig.weight_decay (typically 0.01 to 0.1)"
+            )
+        return (
+            f"Lower OptimizerConfig.lr (now {opt.lr:g}), keep OptimizerConfig.clip > 0, or set "
+            "RunConfig.skip_nonfinite to skip such steps"
+        )
+
+    return advice
+
+
+def _weights(batch_at: Callable[[int], Any], step: int) -> np.ndarray | None:
+    """The next-token weights of step `step`'s batch (None when it has none)."""
+    try:
+        batch = batch_at(step)
+        weights = batch.get("weights") if isinstance(batch, dict) else None
+        return None if weights is None or np.ndim(weights) != 2 else np.asarray(weights)
+    except Exception:  # the advice must not hide the stop itself
+        return None

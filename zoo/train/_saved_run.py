@@ -35,18 +35,15 @@ from ..hf import save_pretrained
 from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapter
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
-from ._adapters import read_adapter_records, stacked
+from ._adapters import add_lora, read_adapter_records, stacked
 from ._build import training_step
 from ._build_task import build_task
-from ._config import RunConfig
-from ._continue import saved_config
+from ._config import RunConfig, saved_config
 from ._errors import ConfigError
 from ._export import TOKENIZER_FILES
 from ._head import HEAD_NAME, load_head, read_labels, save_head
-from ._lora import add_lora
-from ._model_config import PRETRAINED_KEYS
 from ._plan import checkpoint_dir
-from ._registry import ModelSpec, model_spec
+from ._registry import PRETRAINED_KEYS, ModelSpec, model_spec
 from ._scores import classification_scores
 from ._task import lm_metrics, regression_loss, tokenizer_of
 from ._text import adapter_files
