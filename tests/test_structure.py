@@ -137,6 +137,65 @@ def test_the_circle_check_sees_every_kind_of_import():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
+# docs/design.md "The layers": each package and the packages it may import.
+_CORE = "core"
+LAYERS = {
+    _CORE: set(),
+    "zoo.nn": {_CORE},
+    "zoo.models": {"zoo.nn", _CORE},
+    "zoo.hf": {"zoo.models", "zoo.nn", _CORE},
+    "zoo.lora": {"zoo.hf", "zoo.nn", _CORE},
+    "zoo.data": {"zoo.hf", _CORE},
+    "generate": {"zoo.lora", "zoo.models", "zoo.nn", _CORE},
+    "zoo.serve": {"generate", "zoo.lora", "zoo.models", "zoo.nn", _CORE},
+    "zoo.train": {"generate", "zoo.data", "zoo.hf", "zoo.lora", "zoo.models", "zoo.nn", _CORE},
+    "zoo.internal": {"zoo.train", "generate", "zoo.hf", "zoo.nn", _CORE},
+    "zoo": {
+        "generate",
+        "zoo.data",
+        "zoo.hf",
+        "zoo.internal",
+        "zoo.lora",
+        "zoo.models",
+        "zoo.nn",
+        "zoo.serve",
+        "zoo.train",
+        _CORE,
+    },
+    "zoo._cli": {"zoo", "zoo.internal", "zoo.serve", "zoo.train"},
+}
+
+
+def _layer(module: str) -> str:
+    """The floor of docs/design.md's layers a module stands on."""
+    parts = module.split(".")
+    if module in ("zoo._generate", "zoo._sampling"):
+        return "generate"
+    if module == "zoo.__main__":
+        return "zoo._cli"
+    if len(parts) > 1 and f"zoo.{parts[1]}" in LAYERS:
+        return f"zoo.{parts[1]}"
+    return "zoo" if module == "zoo" else _CORE
+
+
+def test_packages_import_only_the_floors_below():
+    assert [_layer(m) for m in ("zoo._tree", "zoo._checkpoint._disk", "zoo.presets", "zoo._generate")] == [
+        _CORE,
+        _CORE,
+        _CORE,
+        "generate",
+    ]
+    assert _layer("zoo.models._preference") == "zoo.models" and _layer("zoo.lora._apply") == "zoo.lora"
+    graph = _import_graph()
+    bad = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if _layer(d) != _layer(m) and _layer(d) not in LAYERS[_layer(m)]
+    )
+    assert not bad, "imports against docs/design.md's layers:\n" + "\n".join(bad)
+
+
 # The house's targets reached so far (issue 41): a folder by concept stays about the size of
 # the largest of Equinox or peft's LoRA tuner.
 TRAIN_FILES = 28
