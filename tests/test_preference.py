@@ -292,9 +292,7 @@ def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
     tests/test_compiled_steps.py) holds, for each DPO/ORPO step of the LoRA decoder: no
     all-reduce in a loop, one outside carrying the adapter gradients and the loss alone."""
     import test_compiled_steps as pinned
-
-    from zoo._cli._lora_flag import inspect_defaults
-    from zoo._cli._tasks import build_inspect_task
+    from fixed_tasks import build_inspect_task, inspect_defaults
 
     model = build_inspect_task("transformer", 0).model
     from zoo.train._text import parse_lora

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 FIXTURE = Path(__file__).with_name("step_collectives.json")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fixed models (fixed_tasks.py)
 MICROBATCHES = 2
 
 # (model, preset, mesh, mode): each zoo inspect model under every preset that fits it, on 8
@@ -67,10 +68,9 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     """(collectives, the budget sizes of its model) of one compiled step."""
     import jax
     import optax
+    from fixed_tasks import build_inspect_task, inspect_defaults
 
     import zoo
-    from zoo._cli._lora_flag import inspect_defaults
-    from zoo._cli._tasks import build_inspect_task
     from zoo.train._adapters import add_lora
     from zoo.train._task import ONCE_COMPILER_OPTIONS
     from zoo.train._text import parse_lora
