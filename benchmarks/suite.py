@@ -37,6 +37,8 @@ from pathlib import Path
 
 import _harness  # benchmarks/_harness.py: this script's folder is on sys.path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixed models (fixed_tasks.py)
+
 MODELS = ("mlp", "decoder", "encoder", "decoder+lora")
 PRESETS = ("dp", "fsdp", "fsdp-once", "tp", "zero1")
 COLL_MICROBATCHES = 4
@@ -54,10 +56,11 @@ QUICK_ROUNDS = {2: 4, 8: 4}
 
 def _inspect_task(model: str):
     """(InspectTask, trainable filter or None) of the CLI's tiny model `model`."""
+    from fixed_tasks import build_inspect_task, inspect_defaults
+
     import zoo
-    from zoo._cli._lora_flag import inspect_defaults
-    from zoo._cli._tasks import build_inspect_task
-    from zoo.train._lora import add_lora, parse_lora
+    from zoo.train._adapters import add_lora
+    from zoo.train._text import parse_lora
 
     if model == "decoder+lora":
         task = build_inspect_task("transformer", 0)
@@ -79,7 +82,7 @@ def collective_row(model: str, preset: str, n: int) -> dict:
     import optax
 
     import zoo
-    from zoo.train._report import tree_bytes
+    from zoo.train._output import tree_bytes
     from zoo.train._task import ONCE_COMPILER_OPTIONS
 
     shape = {"data": n // 2, "model": 2} if preset == "tp" else {"data": n}
@@ -117,11 +120,11 @@ def memory_rows(n: int) -> list[dict]:
     import jax.random as jr
     import lm_step_time
     import optax
+    from fixed_tasks import TINY_TRANSFORMER
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import zoo
-    from zoo._cli._tasks import TINY_TRANSFORMER
 
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     config = zoo.models.TransformerConfig(**(TINY_TRANSFORMER | {"max_len": MEM_SEQ}))

@@ -203,7 +203,7 @@ def test_init_errors_and_flag(root, tmp_path):
     with pytest.raises(ValueError, match="pissa_niter_2.*path_initial_model_for_weight_conversion"):
         load_adapter(base, tmp_path / "niter")
     # The command line's --lora takes init_lora_weights and writes it back.
-    from zoo.train._lora import lora_text, parse_lora
+    from zoo.train._text import lora_text, parse_lora
 
     parsed = parse_lora("r=4,init_lora_weights=pissa", {})
     assert parsed.init_lora_weights == "pissa" and parse_lora(lora_text(parsed), {}) == parsed
@@ -398,7 +398,7 @@ def test_trainable_tokens_errors(root):
     with pytest.raises(ValueError, match="trainable_token_indices and a LoRA branch on 'token_embedding' at once"):
         add_lora(base, LoraConfig(target_modules=["embed_tokens"], trainable_token_indices=[1]), key=jax.random.key(0))
     # The command line's --lora takes the new fields and writes them back.
-    from zoo.train._lora import lora_text, parse_lora
+    from zoo.train._text import lora_text, parse_lora
 
     parsed = parse_lora("targets=wte+lm_head,ensure_weight_tying=true,trainable_token_indices=3+9", {})
     assert parsed.trainable_token_indices == (3, 9) and parsed.ensure_weight_tying

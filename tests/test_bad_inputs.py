@@ -376,7 +376,7 @@ def test_a_batch_without_target_tokens_is_named_as_the_cause():
     import numpy as np
 
     import zoo
-    from zoo.train._nonfinite import nonfinite_advice
+    from zoo.train._run import nonfinite_advice
 
     config = zoo.train.RunConfig(model="transformer").resolved()
     empty = {"tokens": np.ones((2, 4), np.int32), "weights": np.zeros((2, 4), np.float32)}
@@ -388,7 +388,7 @@ def test_a_batch_without_target_tokens_is_named_as_the_cause():
 def test_rows_beyond_the_hosts_memory_are_one_line(tmp_path, monkeypatch):
     """A batch or held-out set that cannot fit is refused before it is drawn (a MemoryError
     naming terabytes before); the machine's memory is set small so the sizes stay small."""
-    monkeypatch.setattr("zoo.train._memory.host_memory", lambda: 2**20)
+    monkeypatch.setattr("zoo.train._build_task.host_memory", lambda: 2**20)
     flags = ["--devices", "2", "--steps", "3", "--microbatches", "1", "--quiet", "--output", tmp_path / "run"]
     rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", str(2**16))
     one_line_error(rc, err, "--batch-size 65536 makes one batch of")

@@ -77,8 +77,10 @@ def test_inspect_table_shard_map_and_custom_mesh():
 
 
 def test_inspect_transformer_tp_keeps_one_data_all_reduce():
-    """tp's in-loop all-reduces are its own, over `model`; the gradient's is the one over `data`."""
-    out = inspect_json("transformer", *SMALL_LM, "--mesh", "data=4,model=2", "--rules", "tp")
+    """tp's in-loop all-reduces are its own, over `model`; the gradient's is the one over `data`
+    (without clipping: the run's global norm over gradients sharded on `model` reduces its
+    own scalars outside loops, as `zoo inspect` with the run's flags shows)."""
+    out = inspect_json("transformer", *SMALL_LM, "--mesh", "data=4,model=2", "--rules", "tp", "--clip", "0")
     assert out["model"] == "transformer" and out["mesh"] == {"data": 4, "model": 2} and out["rules"] == "tp"
     outside = [c for c in out["collectives"] if not c["in_loop"]]
     inside = [c for c in out["collectives"] if c["in_loop"]]
@@ -99,8 +101,9 @@ def test_inspect_encoder_dp_reduces_trainable_bytes_once():
 
 
 def test_inspect_transformer_fsdp_once_gathers_outside_loops():
-    """`fsdp-once` brings `gather="once"`: every all-gather is hoisted out of the microbatch loop."""
-    out = inspect_json("transformer", *SMALL_LM, "--rules", "fsdp-once")
+    """`fsdp-once` brings `gather="once"`: every all-gather is hoisted out of the microbatch loop
+    (without clipping, whose global norm over sharded gradients reduces scalars of its own)."""
+    out = inspect_json("transformer", *SMALL_LM, "--rules", "fsdp-once", "--clip", "0")
     summary = out["summary"]
     assert summary["collectives_in_loop"] == 0 and summary["in_loop_mesh_axes"] == []
     assert summary["all_gather_outside"] > 0 and summary["all_gather_in_loop"] == 0

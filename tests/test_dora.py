@@ -278,7 +278,7 @@ def test_dora_errors_and_flag(root, tmp_path):
     with pytest.raises(ValueError, match=r"use_dora=True but this model's LoRA branches have use_dora=False"):
         load_adapter(plain, tmp_path / "dora")
     # The command line's --lora takes use_dora and writes it back.
-    from zoo.train._lora import lora_text, parse_lora
+    from zoo.train._text import lora_text, parse_lora
 
     parsed = parse_lora("r=4,use_dora=true", {})
     assert parsed.use_dora and "use_dora=true" in lora_text(parsed)

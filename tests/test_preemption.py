@@ -230,7 +230,7 @@ def test_sigterm_after_distributed_init_before_the_run_stops_both_after_the_firs
 
 
 def test_preemption_notes_sigterm_and_gives_the_handler_back():
-    from zoo.train._preemption import Preemption
+    from zoo.train._trainer import Preemption
 
     before = signal.getsignal(signal.SIGTERM)
     with Preemption(enabled=True) as p:
@@ -247,7 +247,7 @@ def test_preemption_notes_sigterm_and_gives_the_handler_back():
 
 
 def test_preemption_before_the_first_step_raises_early():
-    from zoo.train._preemption import Preemption
+    from zoo.train._trainer import Preemption
 
     class Early(Exception):
         pass

@@ -157,7 +157,9 @@ def test_dpo_loss_and_metrics_equal_trl(models, loss_type, beta, smoothing):
     peft_model, lora = models
     batch = pair_batch()
     want_loss, want = trl_dpo(peft_model, batch, loss_type, beta, smoothing)
-    objective = zoo.models.PreferenceLoss("dpo", beta=beta, loss_type=loss_type, label_smoothing=smoothing)
+    objective = zoo.models.PreferenceLoss(
+        "dpo", beta=beta, loss_type=loss_type, label_smoothing=smoothing, reference=zoo.lora.disabled_adapters
+    )
     got_loss, got = zoo_terms(objective, lora, batch)
     assert abs(got_loss - want_loss) <= 1e-5, (got_loss, want_loss)
     for name in zoo.models._preference.METRICS:
@@ -197,7 +199,7 @@ def _grads(objective, preset, n, microbatches):
     model, trainable = _lora_decoder()
     batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=5, pairs=6, seq=8).items()}
     batch["nll_norm"] = jnp.full(6, batch["chosen_mask"][:, 1:].sum(1).mean(), jnp.float32)
-    loss_fn = zoo.models.PreferenceLoss(objective, beta=0.5)
+    loss_fn = zoo.models.PreferenceLoss(objective, beta=0.5, reference=zoo.lora.disabled_adapters)
     if preset is None:
         step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=microbatches, trainable=trainable)
         loss, grads = step.loss_and_grads(model, batch)
@@ -237,8 +239,8 @@ def test_multi_device_gradients_equal_single_device(objective, preset, microbatc
 def test_the_reference_is_the_base_and_gets_no_gradient():
     model, trainable = _lora_decoder()
     batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=6, pairs=2, seq=8).items()}
-    dpo = zoo.models.PreferenceLoss("dpo")
-    base = zoo.models.disabled_adapters(model)
+    dpo = zoo.models.PreferenceLoss("dpo", reference=zoo.lora.disabled_adapters)
+    base = zoo.lora.disabled_adapters(model)
     assert not zoo.lora.modules(base, zoo.lora.LoraLinear)
     # The in-step reference equals log-probabilities precomputed on the base.
     precomputed = jax.jit(dpo.reference_logps)(base, batch)
@@ -252,8 +254,10 @@ def test_the_reference_is_the_base_and_gets_no_gradient():
     start = metrics(fresh, batch)
     np.testing.assert_allclose(start["rewards/margins"], 0, atol=1e-6)
     np.testing.assert_allclose(start["loss"], np.log(2), rtol=1e-6)
-    with pytest.raises(ValueError, match="needs a reference"):
+    with pytest.raises(ValueError, match="no adapters to disable"):
         dpo.loss(base, batch)
+    with pytest.raises(ValueError, match="needs a reference"):
+        zoo.models.PreferenceLoss("dpo").loss(model, batch)
 
 
 @pytest.mark.parametrize(
@@ -268,7 +272,7 @@ def test_every_adapter_kind_is_disabled_for_the_reference(kinds):
     """DoRA, embedding/head LoRA and trainable tokens are switched off too: the disabled
     model is the bare base, output for output; a merged adapter is refused."""
     model, _ = _lora_decoder()
-    base = zoo.models.disabled_adapters(model)
+    base = zoo.lora.disabled_adapters(model)
     tokens = jnp.asarray(pair_batch(seed=7, pairs=2, seq=8)["chosen_tokens"])
     want = base(tokens)
     config = zoo.lora.LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **kinds)
@@ -278,9 +282,9 @@ def test_every_adapter_kind_is_disabled_for_the_reference(kinds):
         rows = lambda m: [t.trainable_tokens_delta for t in jax.tree.leaves(m, is_leaf=is_rows) if is_rows(t)]
         adapted = eqx.tree_at(rows, adapted, [x + 0.1 for x in rows(adapted)])
     assert float(jnp.max(jnp.abs(adapted(tokens) - want))) > 1e-3  # the adapters change the output
-    np.testing.assert_array_equal(zoo.models.disabled_adapters(adapted)(tokens), want)
+    np.testing.assert_array_equal(zoo.lora.disabled_adapters(adapted)(tokens), want)
     with pytest.raises(ValueError, match="merged"):
-        zoo.models.disabled_adapters(zoo.lora.merge(adapted, unload=False))
+        zoo.lora.disabled_adapters(zoo.lora.merge(adapted, unload=False))
 
 
 def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
@@ -288,12 +292,10 @@ def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
     tests/test_compiled_steps.py) holds, for each DPO/ORPO step of the LoRA decoder: no
     all-reduce in a loop, one outside carrying the adapter gradients and the loss alone."""
     import test_compiled_steps as pinned
-
-    from zoo._cli._lora_flag import inspect_defaults
-    from zoo._cli._tasks import build_inspect_task
+    from fixed_tasks import build_inspect_task, inspect_defaults
 
     model = build_inspect_task("transformer", 0).model
-    from zoo.train._lora import parse_lora
+    from zoo.train._text import parse_lora
 
     lora = parse_lora("", inspect_defaults("transformer"))
     adapted = zoo.lora.add_lora(model, lora, key=jax.random.key(0))

@@ -387,7 +387,7 @@ def test_the_runs_lora_program_is_compiled_for_each_placement():
     refused its arguments' shardings)."""
     from helpers import tiny_decoder
 
-    from zoo.train._lora import add_lora
+    from zoo.train._adapters import add_lora
 
     config = zoo.lora.LoraConfig(r=2, target_modules=("q_proj",))
     for n in (1, 2):

@@ -6,9 +6,9 @@ all-reduce → optax update) → check the compiled step (`zoo.collectives`). Th
 transforms the step is built from live in `zoo.internal`.
 """
 
-import importlib.metadata
 from typing import TYPE_CHECKING
 
+from ._env import VERSION as _VERSION
 from ._env import runtime_checks as _runtime_checks
 from ._lazy import lazy_names
 
@@ -89,10 +89,8 @@ if TYPE_CHECKING:
     from ._rules import shard as shard
     from ._step import TrainStep as TrainStep
 
-try:
-    __version__ = importlib.metadata.version("eqx-zoo")
-except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-    __version__ = "0+unknown"
+
+__version__ = _VERSION
 
 __all__ = [
     "LAYERS",

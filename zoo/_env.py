@@ -1,9 +1,15 @@
-"""The package's environment switches, read in one place (no jax import: `zoo/__init__.py`
-reads them before anything else)."""
+"""The package's environment, read in one place: its switches and its installed version
+(no jax import: `zoo/__init__.py` reads them before anything else)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+
+try:
+    VERSION = importlib.metadata.version("eqx-zoo")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    VERSION = "0+unknown"
 
 
 def env_flag(name: str) -> bool:

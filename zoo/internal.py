@@ -49,22 +49,29 @@ __getattr__, __dir__ = lazy_names(
         ".nn._rope": ("rope_angles", "rope_frequencies"),
         ".nn._sharding": ("contract_spec", "for_use", "sharding_spec"),
         ".train._builtin": ("DEMO_PRETRAIN", "minilm_available"),
-        ".train._config": ("parse_scalar",),
-        ".train._lora": ("LORA_EXAMPLE", "add_lora", "lora_json", "lora_text", "parse_lora"),
-        ".train._mesh": ("check_rules_fit_mesh", "make_mesh", "mesh_text", "parse_mesh"),
-        ".train._model_config": ("PRETRAINED_KEYS",),
-        ".train._output": ("Metrics", "human_bytes", "plot_losses", "read_metrics", "write_json"),
-        ".train._plan": ("output_dir",),
+        ".train._adapters": ("add_lora", "lora_json"),
+        ".train._output": (
+            "Metrics",
+            "collective_summary",
+            "human_bytes",
+            "plot_losses",
+            "read_metrics",
+            "tree_bytes",
+            "tree_size",
+            "write_json",
+        ),
+        ".train._plan": ("check_rules_fit_mesh", "make_mesh", "output_dir"),
         ".train._registry": (
+            "PRETRAINED_KEYS",
             "CLASSIFIER_SAVE",
             "DATA_FILE_HELP",
             "OPTIONAL_DEFAULT_KEYS",
             "SHARED_DEFAULTS",
             "spec_for_init",
         ),
-        ".train._report": ("collective_summary", "tree_bytes", "tree_size"),
         ".train._sources": ("numpy_rng",),
         ".train._task": ("ONCE_COMPILER_OPTIONS", "init_compiled", "resolve_init"),
+        ".train._text": ("LORA_EXAMPLE", "lora_text", "mesh_text", "parse_lora", "parse_mesh", "parse_scalar"),
     },
 )
 
@@ -96,37 +103,37 @@ if TYPE_CHECKING:
     from .nn._sharding import contract_spec as contract_spec
     from .nn._sharding import for_use as for_use
     from .nn._sharding import sharding_spec as sharding_spec
+    from .train._adapters import add_lora as add_lora
+    from .train._adapters import lora_json as lora_json
     from .train._builtin import DEMO_PRETRAIN as DEMO_PRETRAIN
     from .train._builtin import minilm_available as minilm_available
-    from .train._config import parse_scalar as parse_scalar
-    from .train._lora import LORA_EXAMPLE as LORA_EXAMPLE
-    from .train._lora import add_lora as add_lora
-    from .train._lora import lora_json as lora_json
-    from .train._lora import lora_text as lora_text
-    from .train._lora import parse_lora as parse_lora
-    from .train._mesh import check_rules_fit_mesh as check_rules_fit_mesh
-    from .train._mesh import make_mesh as make_mesh
-    from .train._mesh import mesh_text as mesh_text
-    from .train._mesh import parse_mesh as parse_mesh
-    from .train._model_config import PRETRAINED_KEYS as PRETRAINED_KEYS
     from .train._output import Metrics as Metrics
+    from .train._output import collective_summary as collective_summary
     from .train._output import human_bytes as human_bytes
     from .train._output import plot_losses as plot_losses
     from .train._output import read_metrics as read_metrics
+    from .train._output import tree_bytes as tree_bytes
+    from .train._output import tree_size as tree_size
     from .train._output import write_json as write_json
+    from .train._plan import check_rules_fit_mesh as check_rules_fit_mesh
+    from .train._plan import make_mesh as make_mesh
     from .train._plan import output_dir as output_dir
     from .train._registry import CLASSIFIER_SAVE as CLASSIFIER_SAVE
     from .train._registry import DATA_FILE_HELP as DATA_FILE_HELP
     from .train._registry import OPTIONAL_DEFAULT_KEYS as OPTIONAL_DEFAULT_KEYS
+    from .train._registry import PRETRAINED_KEYS as PRETRAINED_KEYS
     from .train._registry import SHARED_DEFAULTS as SHARED_DEFAULTS
     from .train._registry import spec_for_init as spec_for_init
-    from .train._report import collective_summary as collective_summary
-    from .train._report import tree_bytes as tree_bytes
-    from .train._report import tree_size as tree_size
     from .train._sources import numpy_rng as numpy_rng
     from .train._task import ONCE_COMPILER_OPTIONS as ONCE_COMPILER_OPTIONS
     from .train._task import init_compiled as init_compiled
     from .train._task import resolve_init as resolve_init
+    from .train._text import LORA_EXAMPLE as LORA_EXAMPLE
+    from .train._text import lora_text as lora_text
+    from .train._text import mesh_text as mesh_text
+    from .train._text import parse_lora as parse_lora
+    from .train._text import parse_mesh as parse_mesh
+    from .train._text import parse_scalar as parse_scalar
 
 __all__ = [
     "CLASSIFIER_SAVE",

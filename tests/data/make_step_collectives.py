@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 FIXTURE = Path(__file__).with_name("step_collectives.json")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fixed models (fixed_tasks.py)
 MICROBATCHES = 2
 
 # (model, preset, mesh, mode): each zoo inspect model under every preset that fits it, on 8
@@ -67,12 +68,12 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     """(collectives, the budget sizes of its model) of one compiled step."""
     import jax
     import optax
+    from fixed_tasks import build_inspect_task, inspect_defaults
 
     import zoo
-    from zoo._cli._lora_flag import inspect_defaults
-    from zoo._cli._tasks import build_inspect_task
-    from zoo.train._lora import add_lora, parse_lora
+    from zoo.train._adapters import add_lora
     from zoo.train._task import ONCE_COMPILER_OPTIONS
+    from zoo.train._text import parse_lora
 
     model, _, objective = model.partition("+lora+")  # a preference step: transformer+lora+dpo
     if objective:
@@ -95,7 +96,9 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
         options = {}
         if lora is not None or several:
             options["trainable"] = zoo.lora.trainable(placed, lora)
-        loss_fn = zoo.models.PreferenceLoss(objective) if objective else task.loss_fn
+        loss_fn = (
+            zoo.models.PreferenceLoss(objective, reference=zoo.lora.disabled_adapters) if objective else task.loss_fn
+        )
         optimizer = optax.adamw(1e-3)
         if several:
             loss_fn, optimizer = zoo.lora.routed(loss_fn), optax.chain(zoo.lora.clip_per_adapter(1.0), optimizer)

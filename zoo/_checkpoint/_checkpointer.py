@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from .._env import VERSION
 from .._mismatch import listed
 from ._disk import disk_full_error, is_disk_full, quiet_disk_full_logs
 from ._fingerprint import compute_fingerprints
@@ -219,12 +220,10 @@ class Checkpointer:
         for path, value in compute_fingerprints(stored, numpy).items():
             entries[path]["fingerprint"] = value
 
-        from .. import __version__
-
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "zoo_version": __version__,
+            "zoo_version": VERSION,
             "jax_version": jax.__version__,
             "step": step,
             "process_count": jax.process_count(),

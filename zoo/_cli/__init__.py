@@ -1,8 +1,8 @@
 """`zoo` / `python -m zoo`: train, finetune, demo, inspect, info, generate, predict, eval, export.
 
 A private package of one module per concept: `_common` (errors, devices, the mesh flag),
-`_tasks` (the fixed tiny models of the collectives fixture; models are built by
-`zoo.train`'s registry), `_lora_flag` (`--lora`'s help), `_inspect`, `_info`, `_generate`,
+`_lora_flag` (`--lora`'s help), `_inspect` (the run's step through `zoo.train.inspect`),
+`_info`, `_generate`,
 `_use` (predict / eval / export of a finished run, through `zoo.train.load_run`), `_train`
 (the flags of train/finetune/demo, generated from the config fields' `zoo.train.Flag`s:
 a `zoo.train.RunConfig` handed to `zoo.train.run`, which holds the loop), `_output` (the

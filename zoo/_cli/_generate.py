@@ -419,21 +419,3 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     p.set_defaults(func=cmd_generate)
     return p
-
-
-def sample(model, task, *, prompt_len: int = 16, new_tokens: int = 32) -> dict[str, Any]:
-    """A short greedy continuation of the start of the first validation window, for the
-    end of `zoo train transformer` / `zoo finetune transformer`: `{"prompt", "completion",
-    "new_tokens"}` as text."""
-    import numpy as np
-
-    import zoo
-
-    max_len = model.config.max_len
-    prompt_len = min(prompt_len, max_len // 2)
-    new_tokens = min(new_tokens, max_len - prompt_len)
-    tokens = np.asarray(task.eval_data["tokens"][:1, :prompt_len], np.int32)
-    tokenizer = zoo.hf.Tokenizer.from_pretrained(task.tokenizer_dir) if task.tokenizer_dir is not None else None
-    text = Text(tokenizer)
-    out = first_row(zoo.generate(model, tokens, max_new_tokens=new_tokens))
-    return {"prompt": text.decode(tokens[0]), "completion": text.decode(out[0, prompt_len:]), "new_tokens": new_tokens}

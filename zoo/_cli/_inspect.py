@@ -1,5 +1,5 @@
-"""`zoo inspect MODEL`: compile one training step of the model `zoo train` (with `--lora`,
-`zoo finetune`) would build from the same flags, and list its collectives."""
+"""`zoo inspect MODEL`: compile the training step `zoo train` (with `--lora`, `zoo
+finetune`) would run with the same flags (`zoo.train.inspect`), and list its collectives."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import RULE_PRESETS, internal
 from ..train import RunConfig, model_names, model_spec
-from ._common import CLIError, init_devices, mesh_for
+from ._common import CLIError, init_devices
 from ._lora_flag import LORA_HELP
 from ._train import model_config_of
 
@@ -61,28 +61,28 @@ def resolve_model(args) -> tuple[Any, str | None, str]:
 
 
 def config_of(args, spec, init: str | None, command: str) -> RunConfig:
-    """The `zoo.train.RunConfig` of the flags, checked by the library as `zoo train`'s
-    are and resolved for `command`, without data (`data.source` None: `build_task`
-    builds the model alone)."""
+    """The `zoo.train.RunConfig` of the flags given, as `zoo train` makes it (a flag left
+    out: a field left unset) and without data unless `--data` is given; the library
+    resolves it (`zoo.train.inspect`, `RunConfig.resolved`)."""
     if args.seq_len is not None and spec.defaults_for(command)["seq_len"] is None:
         raise CLIError(f"--seq-len: the {spec.name} has no sequences; drop --seq-len")
-    given = {
-        "model": spec.name, "init": init, "seq_len": args.seq_len, "seed": args.seed, "dtype": args.dtype,
-        "model_config": model_config_of(args.model_config), "lora": args.lora,
-        "batch_size": getattr(args, "batch_size", None), "microbatches": getattr(args, "microbatches", None),
-    }  # fmt: skip
-    config = RunConfig.from_dict({k: v for k, v in given.items() if v is not None}).resolved(command)
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=None))
+    fields = {str(f.name) for f in RunConfig.flags()}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    given |= {"model": spec.name, "init": init, "model_config": model_config_of(args.model_config)}
+    return RunConfig.from_dict({k: v for k, v in given.items() if v is not None})
 
 
 def build_model(args, config: RunConfig, command: str, mesh_shape: dict[str, int], devices: int) -> Built:
     """Check `--rules` against the mesh, then build the model `zoo train` / `zoo
-    finetune` would from `config` (`config_of`; through `zoo.train.build_task`, on a
-    mesh of `mesh_shape`: pretrained weights are read onto it), with its LoRA adapters."""
+    finetune` would from `config` (`config_of`, resolved for `command`, no data; through
+    `zoo.train.build_task`, on a mesh of `mesh_shape`: pretrained weights are read onto
+    it), with its LoRA adapters."""
     import jax
 
     import zoo
 
+    config = config.resolved(command)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, source=None))
     spec = model_spec(config.model)
     internal.check_rules_fit_mesh(args.rules, mesh_shape, devices)
     lora = config.lora
@@ -106,91 +106,59 @@ def model_of(args, mesh_shape: dict[str, int], devices: int) -> Built:
 
 
 def cmd_inspect(args) -> int:
-    """Compile one step of `args.model` and print its collectives (table or JSON)."""
+    """Compile the training step `zoo train` (`zoo finetune` with `--lora`) would run with
+    these flags (`zoo.train.inspect`) and print its collectives (table or JSON)."""
     devices = init_devices(args.devices)
-    mesh_shape = mesh_for(args.mesh, devices)
     import equinox as eqx
     import jax
-    import optax
 
     import zoo
 
     spec, init, command = resolve_model(args)
-    config = config_of(args, spec, init, command)
-    microbatches, batch_size = config.microbatches, config.batch_size
-    data = mesh_shape.get("data", 1)
-    try:  # before building anything: the step would say the same after compiling the model
-        zoo.internal.check_batch(jax.ShapeDtypeStruct((batch_size,), "int32"), data, microbatches)
-    except ValueError as e:
-        raise CLIError(str(e)) from e
-    built = build_model(args, config, command, mesh_shape, devices)
-    task, lora = built.task, built.lora
-    mesh = internal.make_mesh(mesh_shape)
-    with jax.set_mesh(mesh):
-        try:
-            model = zoo.shard(task.model, zoo.rules(args.rules), mesh)
-        except ValueError as e:
-            raise CLIError(str(e)) from e
-        # The trainable leaves and batch of the run: the adapters (and modules_to_save)
-        # under LoRA, every float leaf else; dropout keys where the run passes them.
-        trainable = zoo.lora.trainable(model, lora) if lora is not None else eqx.is_inexact_array
-        step = zoo.TrainStep(
-            task.loss_fn, optax.adamw(1e-3), microbatches=microbatches, mode=args.mode, preset=args.rules,
-            trainable=trainable,
-        )  # fmt: skip
-        batch = task.batch_at(1, batch_size)
-        config = task.config or {}
-        if (lora is not None and lora.lora_dropout) or (
-            lora is None and (config.get("dropout") or config.get("attention_dropout"))
-        ):
-            batch = dict(batch, dropout_key=zoo.nn.example_keys(jax.random.key(1), batch_size))
-        try:
-            lowered = step.lower(model, step.init(model), batch)
-        except ValueError as e:
-            raise CLIError(str(e)) from e
-        # The step is only inspected, never run: skip LLVM's costly optimisations (about
-        # half the compile time on CPU); the collectives come out the same.
-        colls = zoo.collectives(lowered.compile(compiler_options=internal.ONCE_COMPILER_OPTIONS), mesh=mesh)
-        trained = step.partition(model)[0]
-        budget, sizes = step.budget_for(model), step.budget_sizes(model)
+    config = dataclasses.replace(config_of(args, spec, init, command), devices=devices)
+    ins = zoo.train.inspect(config, command=command)
+    c, model, colls, lora = ins.config, ins.model, ins.collectives, ins.config.lora
+    with jax.set_mesh(ins.mesh):
+        trained = ins.step.partition(model)[0]
+        budget, sizes = ins.step.budget_for(model), ins.step.budget_sizes(model)
     breaches = budget.breaches(colls, sizes)
     before = _collectives_of(args.against) if args.against else None
     diff = zoo.compare_collectives(before, colls) if before is not None else None
     result = {
         "model": args.model,
-        "command": built.command,
+        "command": ins.command,
         "devices": devices,
-        "microbatches": microbatches,
-        "mode": args.mode,
-        "rules": args.rules,
-        "mesh": mesh_shape,
-        "batch_size": batch_size,
-        "seq_len": built.config.data.seq_len,
-        "config": task.config,
-        "init": task.init,
-        "parameters": built.parameters,
+        "microbatches": c.microbatches,
+        "mode": c.mode,
+        "rules": c.rules,
+        "mesh": c.mesh,
+        "batch_size": c.batch_size,
+        "seq_len": c.data.seq_len,
+        "config": ins.task.config,
+        "init": ins.task.init,
+        "parameters": ins.parameters,
         "param_bytes": internal.tree_bytes(model),
         "trainable_bytes": internal.tree_bytes(trained),
         "lora": None if lora is None else internal.lora_json(model, lora),
         "adapter_bytes": internal.tree_bytes(eqx.filter(model, zoo.lora.trainable(model))),
-        "collectives": [c.to_json() for c in colls],
+        "collectives": [x.to_json() for x in colls],
         "summary": internal.collective_summary(colls),
         "budget": {"name": budget.name, "within": not breaches, "breaches": [b.problem for b in breaches]},
     }
     if diff is not None:
         result["against"] = {
             "path": args.against,
-            "added": [c.to_json() for c in diff.added],
-            "removed": [c.to_json() for c in diff.removed],
+            "added": [x.to_json() for x in diff.added],
+            "removed": [x.to_json() for x in diff.removed],
         }
     code = 4 if args.budget and breaches else 1 if diff else 0
     if args.json:
         print(json.dumps(result))
         return code
-    seq = "" if built.config.data.seq_len is None else f", seq-len {built.config.data.seq_len}"
+    seq = "" if c.data.seq_len is None else f", seq-len {c.data.seq_len}"
     print(
-        f"{args.model} (as zoo {built.command} builds it): {devices} devices, mesh {mesh_shape}, "
-        f"{microbatches} microbatches, mode {args.mode}, rules {args.rules}, batch {batch_size}{seq}"
+        f"{args.model} (as zoo {ins.command} builds it): {devices} devices, mesh {c.mesh}, "
+        f"{c.microbatches} microbatches, mode {c.mode}, rules {c.rules}, batch {c.batch_size}{seq}"
     )
     print(f"params {result['param_bytes']:,} bytes, trainable {result['trainable_bytes']:,} bytes")
     if lora is not None:
@@ -294,15 +262,34 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, step: bool) -> None:
     )
 
 
+def add_step_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `zoo train` / `zoo finetune` that shape the training step and that
+    `zoo inspect` has not declared itself (optimizer, clipping, objective, data, ...),
+    with their meaning and help: `zoo inspect` with a run's flags compiles that run's step.
+    A run's outputs, evaluations and checkpoints change no step and are left out."""
+    from ._train import help_context
+
+    context = help_context("train")
+    for f in RunConfig.flags():
+        if f.positional or f.group == "evaluation and outputs" or f.option in parser._option_string_actions:
+            continue
+        text = f.help.format_map(context)
+        if f.kind is bool:
+            parser.add_argument(f.option, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            kind = None if f.kind is str else f.kind
+            parser.add_argument(f.option, type=kind, metavar=f.metavar, choices=f.choices, help=text)
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `zoo inspect` and its flags."""
     ins = sub.add_parser(
         "inspect",
         help="list the collectives of a model's compiled training step",
-        description="Compile one training step of the model zoo train builds from the same flags (with "
-        "--lora: zoo finetune's step) on random batches of its shapes, on simulated CPU devices, and list its "
-        "collectives (all-reduces, all-gathers, ...), inside or outside loops, with the mesh axes "
-        "they span.",
+        description="Compile the training step zoo train runs with the same flags (with --lora: zoo "
+        "finetune's; zoo.train.inspect: the same model, optimizer, placement and batch shapes), on random "
+        "batches of its shapes unless --data is given, on simulated CPU devices, and list its collectives "
+        "(all-reduces, all-gathers, ...), inside or outside loops, with the mesh axes they span.",
         epilog="examples: zoo inspect mlp; zoo inspect transformer --rules fsdp-once --json; "
         "zoo inspect encoder --mesh data=4,model=2 --rules tp; "
         "zoo inspect transformer --model-config d_model=32,num_layers=2 --seq-len 16 --batch-size 16; "
@@ -321,6 +308,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--batch-size", type=int, metavar="B", help="global batch (default: the model's zoo train/finetune default)"
     )
     add_model_flags(ins)
+    add_step_flags(ins)
     ins.add_argument(
         "--budget",
         action="store_true",

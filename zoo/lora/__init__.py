@@ -11,7 +11,18 @@ from .._lazy import lazy_names
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "._apply": ("OUTPUT_LAYERS", "add_lora", "merge", "modules", "target_names", "trainable", "unload", "unmerge"),
+        "._apply": (
+            "OUTPUT_LAYERS",
+            "add_lora",
+            "disabled_adapters",
+            "is_adapter",
+            "merge",
+            "modules",
+            "target_names",
+            "trainable",
+            "unload",
+            "unmerge",
+        ),
         "._cast": ("cast_frozen",),
         "._config": ("LoraConfig",),
         "._embedding": ("LoraEmbedding",),
@@ -38,6 +49,8 @@ if TYPE_CHECKING:
     from ._apply import (
         OUTPUT_LAYERS,
         add_lora,
+        disabled_adapters,
+        is_adapter,
         merge,
         modules,
         target_names,
@@ -81,7 +94,9 @@ __all__ = [
     "cast_frozen",
     "clip_per_adapter",
     "delete_adapter",
+    "disabled_adapters",
     "hf_module_name",
+    "is_adapter",
     "load_adapter",
     "load_adapters",
     "merge",

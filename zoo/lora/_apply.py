@@ -34,16 +34,24 @@ ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens, MultiLoraLinear)
 TIED_HEAD = "lm_head"
 
 
-def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
+def is_adapter(x: Any) -> bool:
+    """Whether `x` is an adapter wrapper: a layer carrying adapter weights beside the frozen
+    base it wraps (`LoraLinear`, `LoraEmbedding`, `TrainableTokens`, `MultiLoraLinear`)."""
+    return isinstance(x, ADAPTED)
+
+
+def modules(model: Any, kind: Any = (Linear, LoraLinear)) -> dict[str, tuple[tuple, int]]:
     """Dotted name → (key path, number of `Stacked` levels above it) of every `kind` module.
 
-    Names are attribute paths, e.g. `layers.layers.attention.q_proj` (layers stacked for
-    `lax.scan` share one module, whose arrays carry a leading `layers` axis).
+    `kind` is a type, a tuple of types or a predicate (e.g. `is_adapter`). Names are
+    attribute paths, e.g. `layers.layers.attention.q_proj` (layers stacked for `lax.scan`
+    share one module, whose arrays carry a leading `layers` axis).
     """
     found: dict[str, tuple[tuple, int]] = {}
+    matches = (lambda node: isinstance(node, kind)) if isinstance(kind, type | tuple) else kind
 
     def walk(node: Any, path: tuple, stacked: int) -> None:
-        if isinstance(node, kind):
+        if matches(node):
             found[dotted_name(path)] = (path, stacked)
             return
         if isinstance(node, ADAPTED):
@@ -57,6 +65,37 @@ def modules(model: Any, kind: type | tuple[type, ...] = (Linear, LoraLinear)) ->
 
     walk(model, (), 0)
     return found
+
+
+def disabled_adapters(model: Any) -> Any:
+    """The model the adapters were added to (peft's `disable_adapter()`).
+
+    **Arguments:**
+
+    - `model`: a model holding adapter wrappers (`is_adapter`).
+
+    **Returns:** `model` with every adapter wrapper replaced by its frozen base (after a
+    PiSSA/OLoRA initialisation, as in peft, the residual base), sharing its arrays, no
+    copy. A `ValueError` for a model with no adapter, and for a merged adapter, whose
+    base already holds it.
+    """
+    if not modules(model, is_adapter):
+        raise ValueError(
+            f"this {type(model).__name__} has no adapters to disable (no LoRA layer, LoRA embedding or trainable "
+            "tokens): add them with zoo.lora.add_lora, or use the model itself"
+        )
+
+    def base_of(x):
+        if not is_adapter(x):
+            return x
+        if getattr(x, "merged", False):
+            raise ValueError(
+                f"a merged {type(x).__name__} cannot be disabled: its base weight already holds the adapter; "
+                "disable the adapters before merging (zoo.lora.merge), or keep them unmerged while training"
+            )
+        return x.base
+
+    return jax.tree.map(base_of, model, is_leaf=is_adapter)
 
 
 def target_names(model: Any, config: LoraConfig) -> list[str]:

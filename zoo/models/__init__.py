@@ -10,7 +10,7 @@ __getattr__, __dir__ = lazy_names(
         "._config": ("EncoderConfig", "TransformerConfig"),
         "._encoder": ("Encoder", "EncoderClassifier", "EncoderEmbeddings", "mean_pool"),
         "._loss": ("classification_loss", "cross_entropy", "next_token_loss"),
-        "._preference": ("PreferenceLoss", "disabled_adapters"),
+        "._preference": ("PreferenceLoss",),
         "._transformer": ("Transformer",),
     },
 )
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ._config import EncoderConfig, TransformerConfig
     from ._encoder import Encoder, EncoderClassifier, EncoderEmbeddings, mean_pool
     from ._loss import classification_loss, cross_entropy, next_token_loss
-    from ._preference import PreferenceLoss, disabled_adapters
+    from ._preference import PreferenceLoss
     from ._transformer import Transformer
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "TransformerConfig",
     "classification_loss",
     "cross_entropy",
-    "disabled_adapters",
     "mean_pool",
     "next_token_loss",
 ]

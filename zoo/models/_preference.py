@@ -13,6 +13,7 @@ global batch) and `dropout_key`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,38 +45,6 @@ def token_logps(model: Any, tokens: Any, *, key: Any = None) -> Float[Array, "ba
     return -cross_entropy(model(tokens, key=key)[:, :-1], tokens[:, 1:])  # a one-hot contraction: TP-safe
 
 
-def disabled_adapters(model: Any) -> Any:
-    """`model` with every adapter wrapper (`zoo.lora.LoraLinear`, `LoraEmbedding`,
-    `TrainableTokens`) replaced by its frozen base: the model the adapters were added to
-    (peft's `disable_adapter()`; after a PiSSA/OLoRA initialisation, as in peft, the
-    residual base), sharing its arrays, no copy. A `ValueError` for a merged adapter,
-    whose base already holds it."""
-    from ..lora._apply import ADAPTED
-
-    def is_adapted(x):
-        return isinstance(x, ADAPTED)
-
-    def base_of(x):
-        if not is_adapted(x):
-            return x
-        if getattr(x, "merged", False):
-            raise ValueError(
-                f"a merged {type(x).__name__} cannot be disabled: its base weight already holds the adapter; "
-                "disable the adapters before merging (zoo.lora.merge), or keep them unmerged while training"
-            )
-        return x.base
-
-    return jax.tree.map(base_of, model, is_leaf=is_adapted)
-
-
-def has_adapters(model: Any) -> bool:
-    """Whether `model` holds an adapter wrapper (`zoo.lora.LoraLinear`, `LoraEmbedding`,
-    `TrainableTokens`)."""
-    from ..lora._apply import ADAPTED
-
-    return any(isinstance(x, ADAPTED) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, ADAPTED)))
-
-
 def _log1mexp(x):
     """log(1 - exp(x)) for x < 0, stable on both sides of -log 2 (TRL's `log1mexp`)."""
     t = -0.6931471805599453
@@ -98,20 +67,24 @@ class PreferenceLoss:
     - `label_smoothing`: the flip probability in [0, 0.5) of `"robust"`; TRL 1.x uses it
       for no other of these loss types, so it must be 0 for them.
 
+    - `reference` (DPO): `reference(model)` → the reference model, e.g.
+      `zoo.lora.disabled_adapters` (the policy with its LoRA adapters switched off); None:
+      every batch carries its reference log-probabilities.
+
     Sequence log-probabilities are sums over completion tokens (prompt and padding
     masked). The reference log-probabilities are the batch's `ref_chosen_logps` /
-    `ref_rejected_logps` when it has them, else the same model with its LoRA adapters
-    disabled (`disabled_adapters`), computed in the same program under
-    `jax.lax.stop_gradient`: frozen weights only, so it adds no gradient and no collective.
-    Modules trained in full beside the adapters (LoRA `modules_to_save`) stay trained in
-    that model: then put reference log-probabilities computed before training
-    (`reference_logps`) in the batch instead.
+    `ref_rejected_logps` when it has them, else those of `reference(model)`, computed in the
+    same program under `jax.lax.stop_gradient`: with `zoo.lora.disabled_adapters`, frozen
+    weights only, so it adds no gradient and no collective. Modules trained in full beside
+    the adapters (LoRA `modules_to_save`) stay trained in that model: then put reference
+    log-probabilities computed before training (`reference_logps`) in the batch instead.
     """
 
     objective: str = "dpo"
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
+    reference: Callable[[Any], Any] | None = None
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -122,6 +95,8 @@ class PreferenceLoss:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if not isinstance(self.label_smoothing, int | float) or not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
+        if self.reference is not None and not callable(self.reference):
+            raise ValueError(f"reference must be a function model -> reference model, got {self.reference!r}")
         if self.label_smoothing and (self.objective != "dpo" or self.loss_type != "robust"):
             raise ValueError(
                 f"label_smoothing {self.label_smoothing} is used by loss_type 'robust' only (TRL 1.x ignores it "
@@ -153,13 +128,14 @@ class PreferenceLoss:
     def _reference(self, model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        if not has_adapters(model):
+        if self.reference is None:
             raise ValueError(
-                "DPO needs a reference: this model has no LoRA adapters (whose disabled form is the reference) and "
-                "the batch has no ref_chosen_logps / ref_rejected_logps; add LoRA adapters, or compute the reference "
-                "log-probabilities once before training (PreferenceLoss.reference_logps) and put them in the batch"
+                "DPO needs a reference: the batch has no ref_chosen_logps / ref_rejected_logps and this "
+                "PreferenceLoss no reference function; pass reference=zoo.lora.disabled_adapters (a LoRA model's "
+                "base), or compute the reference log-probabilities once before training "
+                "(PreferenceLoss.reference_logps) and put them in the batch"
             )
-        base = disabled_adapters(model)
+        base = self.reference(model)
         ref = []
         for side in SIDES:
             completion = batch[f"{side}_completion"].astype(jnp.float32)

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._finite import check_finite
 from .._tree import node_at
-from ..lora import LoraConfig, LoraLinear, MultiLoraLinear, add_lora, modules, stack_adapters, unload
-from ..lora._apply import ADAPTED
+from ..lora import LoraConfig, LoraLinear, MultiLoraLinear, add_lora, is_adapter, modules, stack_adapters, unload
 
 
 def _with(layer: MultiLoraLinear, **changes: Any) -> MultiLoraLinear:
@@ -51,7 +51,7 @@ def lora_layers(model: Any) -> dict[str, LoraLinear]:
     """The `LoraLinear` layers of a single-adapter model, by dotted name; a clear refusal of
     an adapter kind the bank cannot hold (DoRA, merged, embedding LoRA, trainable tokens)."""
     out = {}
-    for name, (path, _) in modules(model, ADAPTED).items():
+    for name, (path, _) in modules(model, is_adapter).items():
         layer = node_at(model, path)
         if not isinstance(layer, LoraLinear):
             raise ValueError(
@@ -196,13 +196,12 @@ def adapter_folder(path: str | Path) -> Path:
 def read_adapter(base: Any, path: str | Path) -> Any:
     """The adapter at `path` (a peft folder or a zoo run folder) on `base`, as a
     single-adapter LoRA model; ValueError (one line) for anything it cannot read."""
-    from .. import internal
     from ..lora import load_adapter
 
     folder = adapter_folder(path)
     try:
         model, _ = load_adapter(base, folder)
-        internal.check_finite(model, where=str(folder))
+        check_finite(model, where=str(folder))
     except (ValueError, FileNotFoundError, OSError) as e:
         raise ValueError(f"adapter {folder}: {str(e).splitlines()[0]}") from None
     return model

@@ -28,25 +28,23 @@ from . import _builtin  # noqa: F401 (registers the built-in models)
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "._best": ("KeepBest",),
         "._build_task": ("build_task",),
         "._config": ("DataConfig", "RunConfig"),
         "._errors": ("ConfigError", "Preempted", "RunStopped"),
         "._evaluate": ("Evaluator",),
         "._flags": ("Flag",),
-        "._hooks": ("Checkpoint", "Evaluate", "Hook", "MetricsLog", "Progress", "Sample", "TensorBoard", "TrainState"),
+        "._hooks": ("Checkpoint", "Evaluate", "KeepBest", "MetricsLog", "Progress", "Sample", "TensorBoard"),
         "._optimizer": ("OPTIMIZERS", "SCHEDULES", "OptimizerConfig"),
         "._registry": ("ModelSpec", "init_families", "model_names", "model_spec", "register_model"),
-        "._run": ("RunResult", "run"),
+        "._run": ("Inspection", "RunResult", "inspect", "run"),
         "._saved_run": ("SavedRun", "load_run"),
         "._scores": ("classification_scores",),
         "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
-        "._trainer": ("Trainer",),
+        "._trainer": ("Hook", "TrainState", "Trainer"),
     },
 )
 
 if TYPE_CHECKING:
-    from ._best import KeepBest as KeepBest
     from ._build_task import build_task as build_task
     from ._config import DataConfig as DataConfig
     from ._config import RunConfig as RunConfig
@@ -57,12 +55,11 @@ if TYPE_CHECKING:
     from ._flags import Flag as Flag
     from ._hooks import Checkpoint as Checkpoint
     from ._hooks import Evaluate as Evaluate
-    from ._hooks import Hook as Hook
+    from ._hooks import KeepBest as KeepBest
     from ._hooks import MetricsLog as MetricsLog
     from ._hooks import Progress as Progress
     from ._hooks import Sample as Sample
     from ._hooks import TensorBoard as TensorBoard
-    from ._hooks import TrainState as TrainState
     from ._optimizer import OPTIMIZERS as OPTIMIZERS
     from ._optimizer import SCHEDULES as SCHEDULES
     from ._optimizer import OptimizerConfig as OptimizerConfig
@@ -71,7 +68,9 @@ if TYPE_CHECKING:
     from ._registry import model_names as model_names
     from ._registry import model_spec as model_spec
     from ._registry import register_model as register_model
+    from ._run import Inspection as Inspection
     from ._run import RunResult as RunResult
+    from ._run import inspect as inspect
     from ._run import run as run
     from ._saved_run import SavedRun as SavedRun
     from ._saved_run import load_run as load_run
@@ -81,7 +80,9 @@ if TYPE_CHECKING:
     from ._task import lm_metrics as lm_metrics
     from ._task import regression_loss as regression_loss
     from ._task import regression_metrics as regression_metrics
+    from ._trainer import Hook as Hook
     from ._trainer import Trainer as Trainer
+    from ._trainer import TrainState as TrainState
 
 __all__ = [
     "OPTIMIZERS",
@@ -93,6 +94,7 @@ __all__ = [
     "Evaluator",
     "Flag",
     "Hook",
+    "Inspection",
     "KeepBest",
     "MetricsLog",
     "ModelSpec",
@@ -112,6 +114,7 @@ __all__ = [
     "classification_scores",
     "classifier_metrics",
     "init_families",
+    "inspect",
     "lm_metrics",
     "load_run",
     "model_names",

@@ -10,57 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..data import DataFormatError, Dataset, local_batch
+from ..data import DataFormatError, Dataset, describe, local_batch
+from ..data import load as load_data
 from ..data._records import read_located
+from ..lora import routed
+from ..models import next_token_loss
 from ._errors import ConfigError
+from ._registry import model_spec
+from ._task import Task, init_folder, tokenizer_of
+from ._text import adapter_files, check_name
+from ._user_data import _chat_template, _check_tokenizer, byte_tokenizer
 
 FIELD = "adapter"  # the record field naming a row's adapter
 LM_KINDS = ("text", "prompt_completion", "chat")
-
-
-def adapter_files(source: str | None) -> dict[str, str] | None:
-    """`--data NAME=FILE,NAME=FILE` as `{NAME: FILE}` (one data file per adapter, in the
-    order given); None for any other `--data` (a data set's name, or one file).
-
-    **Raises:** `ConfigError` for a malformed pair, a name given twice or one that
-    cannot be a folder's."""
-    if source is None or "=" not in source or Path(source).expanduser().exists():
-        return None
-    files: dict[str, str] = {}
-    for part in source.split(","):
-        name, eq, file = (s.strip() for s in part.partition("="))
-        if not eq or not name or not file:
-            raise ConfigError(
-                f"--data {source!r}: {part.strip()!r} is not NAME=FILE; one file per adapter is written "
-                "NAME=FILE pairs joined by commas, e.g. --data support=support.jsonl,billing=billing.jsonl"
-            )
-        check_name(name, f"--data {source!r}")
-        if name in files:
-            raise ConfigError(f"--data {source!r}: adapter {name!r} is named twice; give each adapter one file")
-        files[name] = file
-    return files
-
-
-def files_text(files: Mapping[str, str]) -> str:
-    """`{NAME: FILE}` as the `--data` text `NAME=FILE,NAME=FILE` (config.json's form)."""
-    return ",".join(f"{name}={file}" for name, file in files.items())
-
-
-def check_name(name: Any, where: str) -> None:
-    """An adapter's name: a non-empty string that can name its folder (adapter/NAME)."""
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"{where}: adapter name {name!r} is not a non-empty string; name each adapter with text")
-    if name in (".", "..") or "/" in name or os.sep in name or "," in name or "=" in name or name != name.strip():
-        raise ConfigError(
-            f"{where}: adapter name {name!r} cannot name a folder (adapter/{name}); use letters, digits, - or _"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,11 +201,142 @@ def stack_rows(parts: Mapping[str, Mapping[str, np.ndarray]], limit: int = 0) ->
     return out
 
 
-def absolute_files(source: str) -> str:
-    """`NAME=FILE,...` with each existing file's path absolute (a resumed run finds them
-    from anywhere); any other `source` as it is."""
-    files = adapter_files(source)
-    if files is None:
-        return source
-    return files_text({n: str(Path(f).expanduser().resolve()) if Path(f).expanduser().exists() else f
-                       for n, f in files.items()})  # fmt: skip
+# --------------------------------------------------------------------------- the task of several adapters
+# The task of several LoRA adapters fine-tuned in one run (`_adapters`): each adapter's
+# records read, held out and packed apart, batched by `AdapterRows`, trained by the routed
+# loss and evaluated per adapter.
+
+
+def _load(c, adapters: AdapterRecords, source) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
+    """Each adapter's `(train, validation)` datasets, read, split and packed apart."""
+    template, _ = _chat_template(c.data.chat_template, source if isinstance(source, Path) else None)
+    trains, vals = {}, {}
+    for name, located in adapters.located.items():
+        path = adapters.files[name]
+        try:
+            trains[name], vals[name] = load_data(path, source, seq_len=c.data.seq_len, packed=c.data.packed,
+                                                 validation=c.data.validation, chat_template=template, data=b"",
+                                                 located=located)  # fmt: skip
+        except DataFormatError as e:
+            hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
+            raise ConfigError(
+                f"--data: {str(e).splitlines()[0].replace('seq_len=', 'DataConfig.seq_len ')}{hint}"
+            ) from None
+        except ValueError as e:
+            raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
+    return trains, vals
+
+
+def _check_rows(c, adapters: AdapterRecords, trains: Mapping[str, Dataset]) -> None:
+    """Every adapter takes `batch_size / K` rows of its own training rows each step."""
+    k = len(trains)
+    if c.batch_size % k:
+        raise ConfigError(
+            f"--batch-size {c.batch_size}: each step takes the same number of rows of each of the {k} adapters "
+            f"{list(trains)}; use a multiple of {k} (and of data-parallel size x microbatches)"
+        )
+    for name, train in trains.items():
+        if len(train) < c.batch_size // k:
+            raise ConfigError(
+                f"--data: adapter {name!r} ({adapters.files[name].name}) has {len(train)} training rows after "
+                f"holding out --validation {c.data.validation}, fewer than the {c.batch_size // k} each step takes "
+                f"of it (--batch-size {c.batch_size} / {k} adapters); give it more rows, or lower --batch-size"
+            )
+
+
+def adapters_task(c, adapters: AdapterRecords, *, rules, mesh):
+    """The task of several LoRA adapters on decoder `c.model`, each on its own records
+    (`read_adapter_records`): their rows batched by `AdapterRows`, the loss
+    `zoo.lora.routed(next_token_loss)`, the held-out rows of every adapter evaluated
+    through their own (per adapter: `loss/NAME`).
+
+    **Raises:** `ConfigError` for a run that is no LoRA fine-tune on next-token loss, or
+    an adapter with too few rows."""
+    names = adapters.names
+    if c.lora is None or c.objective != "sft":
+        raise ConfigError(
+            f"--data names {len(names)} adapters {list(names)}: several LoRA adapters train with zoo finetune "
+            "(--objective sft); zoo train trains one model's every weight: drop the adapter names"
+        )
+    folder = init_folder(c)
+    tokenizer = tokenizer_of(folder)
+    source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
+    trains, vals = _load(c, adapters, source)
+    _check_rows(c, adapters, trains)
+    model, config, folder = model_spec(c.model).file_model(c, None, rules=rules, mesh=mesh)
+    _check_tokenizer(config, tokenizer, folder)
+    held = {n: vals[n].arrays if len(vals[n]) else trains[n].arrays for n in names}
+    what = "; ".join(f"{n}: {describe(trains[n])}, {len(vals[n])} validation rows" for n in names)
+    return Task(
+        model=model, kind="lm", loss_fn=routed(next_token_loss), metrics_fn=adapter_metrics(names),
+        train_source=AdapterRows(names, tuple(trains[n] for n in names)), seed=c.seed,
+        eval_data=stack_rows(held, c.data.eval_size), train_data=None,
+        data=f"{len(names)} adapters ({what}); {'tokenizer' if tokenizer else 'byte'} tokens, rows of {c.data.seq_len}",
+        unit="tokens", tokens_per_example=c.data.seq_len, hf_part=lambda m: m,
+        tokenizer_dir=folder if tokenizer is not None else None, config=config.to_dict(),
+        init=None if folder is None else str(folder), fingerprint={"data_sha256": adapters.sha256}, adapter_names=names,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- a run's LoRA config on its model
+# A run's LoRA config on its model: adapters added by one compiled program (`add_lora`),
+# and what a run reports about them (`lora_json`). Its text form is `_text.parse_lora`.
+
+
+LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
+
+
+_LORA_WRAPPERS: dict[Any, tuple[Any, dict[str, Any]]] = {}
+
+
+def add_lora(model: Any, config: Any, seed: int) -> Any:
+    """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled without
+    LLVM's costly optimisations (like `init_compiled`), once per (model structure and
+    placement, config).
+    A target matching nothing, a rank too large, ... → ConfigError with zoo's message."""
+    import equinox as eqx
+    import jax
+    import jax.random as jr
+
+    from ..lora import add_lora as add_branches
+    from ._task import ONCE_COMPILER_OPTIONS
+
+    key = jr.fold_in(jr.key(seed), LORA_KEY_SALT)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    # A compiled program takes only the placements it was compiled for: another mesh (a
+    # second run in this process on other devices) is another program.
+    cache_key = (treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves), config)
+    if cache_key not in _LORA_WRAPPERS:
+        out: dict[str, Any] = {}
+
+        def wrap(arrays, k):
+            lora_arrays, out["tree"] = eqx.partition(
+                add_branches(eqx.combine(arrays, static), config, key=k), eqx.is_array
+            )
+            return lora_arrays
+
+        try:
+            compiled = jax.jit(wrap).lower(arrays, key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
+        except ValueError as e:
+            raise ConfigError(f"--lora: {e}") from e
+        _LORA_WRAPPERS[cache_key] = (compiled, out)
+    compiled, out = _LORA_WRAPPERS[cache_key]
+    return eqx.combine(compiled(arrays, key), out["tree"])
+
+
+def lora_json(model: Any, config: Any) -> dict[str, Any]:
+    """The config (peft's field names), its scaling, and the modules that got a branch."""
+    from ..lora import LoraEmbedding, LoraLinear, MultiLoraLinear, adapter_names
+    from ..lora import modules as lora_modules
+
+    def plain(value):
+        return list(value) if isinstance(value, tuple) else value
+
+    fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    names = adapter_names(model)  # several adapters of this config, trained at once
+    return fields | {
+        "scaling": config.scaling,
+        "adapted_modules": sorted(lora_modules(model, (LoraLinear, LoraEmbedding, MultiLoraLinear))),
+        **({"adapters": list(names)} if names else {}),
+    }

@@ -1,9 +1,11 @@
 """A run's build stage: the task of the model on its data, LoRA branches, placement on the
-mesh, the training step and its optimizer state (`build_run` → `BuiltRun`)."""
+mesh, the training step and its optimizer state (`build_run` → `BuiltRun`: what `run`
+trains and `inspect` compiles), and the files that record it (`write_run_files`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -11,6 +13,7 @@ import jax
 import numpy as np
 import optax
 
+from .._checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from .._distributed import global_batch, local_rows
 from .._rules import PlacementError, shard
 from .._step import TrainStep
@@ -18,19 +21,17 @@ from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
-from ._adapters import stacked
-from ._build_task import build_task
+from ._adapters import add_lora, stacked
+from ._build_task import build_task, bytes_per_row, check_rows_fit
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
 from ._head import LABELS_NAME
-from ._lora import add_lora
-from ._memory import bytes_per_row, check_rows_fit
-from ._model_config import SIZES
-from ._output import write_json
+from ._output import tree_bytes, tree_size, write_json
 from ._plan import RunPlan
-from ._report import tree_bytes, tree_size
+from ._registry import SIZES
 from ._task import Task
+from ._user_data import check_fingerprint
 
 
 @dataclasses.dataclass
@@ -101,10 +102,9 @@ def training_step(c: RunConfig, loss_fn: Any, model: Any, *, per_adapter: bool =
                      preset=c.rules)  # fmt: skip
 
 
-def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool) -> BuiltRun:
+def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     """Build `plan`'s task on `mesh` (placed by `rules`), add its LoRA branches, make its
-    step and optimizer state, and write config.json and (a classifier) labels.json
-    (process 0; the run's folder is created here: a run that fails before leaves none).
+    step and optimizer state. Writes nothing.
 
     **Raises:** `ConfigError` for a setting the model cannot take."""
     c = plan.config
@@ -129,13 +129,6 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
         raise ConfigError(_unplaceable(c, e, task.config)) from e
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from e
-    plan.output.mkdir(parents=True, exist_ok=True)
-    if main:  # the run's files listed in its folder's marker before any is written
-        claim(plan.output, plan.checkpoints, RUN_FILES)
-        write_json(plan.output / "config.json", c.to_dict())
-        if task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
-            claim(plan.output, plan.checkpoints, [LABELS_NAME])
-            write_json(plan.output / LABELS_NAME, {"labels": list(task.label_names)})
     step = training_step(c, task.loss_fn, model, per_adapter=task.adapter_names is not None)
     config = task.config or {}
     dropout = (
@@ -147,3 +140,55 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any, *, main: bool)
         model_bytes=tree_bytes(task.model), batch_size=c.batch_size, dropout=dropout, mesh=mesh,
         own_rows=local_rows(c.batch_size, mesh) if jax.process_count() > 1 else None,
     )  # fmt: skip
+
+
+def write_run_files(plan: RunPlan, built: BuiltRun, *, main: bool) -> None:
+    """Create the run's folder and write config.json and (a classifier) labels.json
+    (process 0), once the run is built: a run that fails before leaves no folder."""
+    plan.output.mkdir(parents=True, exist_ok=True)
+    if not main:
+        return
+    claim(plan.output, plan.checkpoints, RUN_FILES)  # the run's files listed in its folder's marker first
+    write_json(plan.output / "config.json", plan.config.to_dict())
+    if built.task.label_names is not None:  # what predictions are called (`zoo.train.load_run`)
+        claim(plan.output, plan.checkpoints, [LABELS_NAME])
+        write_json(plan.output / LABELS_NAME, {"labels": list(built.task.label_names)})
+
+
+# --------------------------------------------------------------------------- resume: a saved run's state restored
+# A run's resume stage: the state of a checkpoint (by default the newest intact one) in
+# place of the freshly built one, refused if the data files changed since.
+
+
+def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
+    """Restore `built`'s model, optimizer state and key from `plan`'s checkpoints when the
+    run resumes (`config.resume`; `config.resume_step`, else the newest intact step, a
+    damaged newer one skipped with a warning and deleted).
+
+    **Returns:** `(start, checkpointer)`: the restored step (0 and None without resume) and
+    the open `Checkpointer`, which the run's checkpoints continue in.
+    **Raises:** `ConfigError` naming what cannot be restored and why."""
+    c = plan.config
+    if not c.resume:  # plan.check_checkpoints made sure there is one, before `steps`
+        return 0, None
+    # Keeping the best checkpoint, the run's Checkpoint hook rotates them itself (the best pinned).
+    checkpointer = Checkpointer(plan.checkpoints, keep=None if c.keep_best else c.keep)
+    params, frozen = built.step.partition(built.model)
+    like = {"params": params, "opt_state": built.opt_state, "key": built.key}
+    try:
+        (start, state, _), skipped = checkpointer.restore_intact(like, step=c.resume_step)
+    except CheckpointError as e:
+        first = str(e).splitlines()[0]
+        if not isinstance(e, DamagedCheckpointError):
+            hint = " (was it saved with other flags?)"  # a checkpoint that does not fit this run
+        else:
+            hint = "; start a new run (--overwrite)" if e.step is None else ""
+        raise ConfigError(f"--resume: {first}{hint}") from e
+    if skipped:
+        what = "; ".join(f"step {k}: {why}" for k, why in skipped)
+        print(f"zoo: warning: --resume skipped damaged checkpoints ({what}); they are removed, resuming from step "
+              f"{start}", file=sys.stderr, flush=True)  # fmt: skip
+    check_fingerprint(checkpointer.metadata(start), built.fingerprint, c.data.source, start)
+    built.model = eqx.combine(state["params"], frozen)
+    built.opt_state, built.key = state["opt_state"], state["key"]
+    return start, checkpointer

@@ -8,14 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
-from ._continue import check_unchanged, inherit, saved_config
 from ._errors import ConfigError
 from ._flags import Flag, fields_flags, flag
-from ._mesh import mesh_text, parse_mesh
-from ._model_config import check_model_config, check_pretrained_shape
 from ._optimizer import OptimizerConfig
-from ._registry import DATA_FILE_DEFAULTS, ModelSpec, model_names, model_spec
+from ._registry import (
+    DATA_FILE_DEFAULTS,
+    ModelSpec,
+    check_model_config,
+    check_pretrained_shape,
+    model_names,
+    model_spec,
+)
 from ._scores import WATCHED, watched_metric
+from ._text import absolute_files, lora_text, mesh_text, parse_lora, parse_mesh, parse_pairs, parse_scalar
 
 # What a decoder minimises: next-token loss, or a preference objective (zoo.models.PreferenceLoss).
 OBJECTIVES = ("sft", "dpo", "orpo")
@@ -309,11 +314,17 @@ class RunConfig:
 
     def preference_loss(self):
         """The `zoo.models.PreferenceLoss` of `objective` dpo / orpo (`beta`, `loss_type`,
-        `label_smoothing`)."""
+        `label_smoothing`), its reference the model with its adapters disabled."""
+        from ..lora import disabled_adapters
         from ..models._preference import PreferenceLoss
 
-        return PreferenceLoss(self.objective, beta=self.beta, loss_type=self.loss_type,
-                              label_smoothing=self.label_smoothing)  # fmt: skip
+        return PreferenceLoss(
+            self.objective,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            reference=disabled_adapters,
+        )
 
     @property
     def resuming(self) -> bool:
@@ -398,8 +409,6 @@ class RunConfig:
         if source not in spec.datasets and Path(source).expanduser().exists():
             source = str(Path(source).expanduser().resolve())  # a file: the same wherever the run is resumed
         elif source not in spec.datasets:
-            from ._adapters import absolute_files
-
             source = absolute_files(source)  # NAME=FILE,...: each file's path absolute
         data = dataclasses.replace(
             self.data,
@@ -452,8 +461,6 @@ class RunConfig:
                     flat[key] = inner
             elif f.name == "lora":
                 if value is not None:
-                    from ._lora import lora_text
-
                     flat["lora"] = lora_text(value)
             elif f.name == "mesh":
                 flat["mesh"] = None if value is None else mesh_text(value)
@@ -501,8 +508,6 @@ class RunConfig:
         data = {field: values.pop(key) for key, field in _DATA_KEYS.items() if key in values}
         opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
         if isinstance(values.get("lora"), str):
-            from ._lora import parse_lora
-
             # As `--lora`: keys the text leaves out take the model's LoRA defaults.
             defaults = model_spec(values["model"]).lora_defaults if values.get("model") is not None else {}
             values["lora"] = parse_lora(values["lora"], defaults)
@@ -510,7 +515,7 @@ class RunConfig:
             values["mesh"] = parse_mesh(values["mesh"])
         if isinstance(values.get("model_config"), str) or values.get("model_config") is None:
             text = values.get("model_config") or ""
-            values["model_config"] = _pairs(text, "model_config", parse_scalar) if text else {}
+            values["model_config"] = parse_pairs(text, "model_config", parse_scalar) if text else {}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -550,35 +555,53 @@ def _normal(key: str, value: Any) -> Any:
     if key == "model_config":
         if isinstance(value, dict):
             return value
-        return _pairs(value, "model_config", parse_scalar) if value else {}
+        return parse_pairs(value, "model_config", parse_scalar) if value else {}
     return json.loads(json.dumps(value, default=str))
 
 
-def _pairs(text: str, field: str, convert) -> dict[str, Any]:
-    """`"a=1,b=2"` → `{"a": convert("1"), ...}`; ConfigError naming `field` if malformed."""
-    out: dict[str, Any] = {}
-    for part in text.split(","):
-        key, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or not key or not value:
-            raise ConfigError(f"RunConfig.{field} {text!r}: {part.strip()!r} is not key=value")
-        try:
-            out[key] = convert(value)
-        except ValueError as e:
-            raise ConfigError(f"RunConfig.{field} {text!r}: bad value {value!r}") from e
-    return out
+# --------------------------------------------------------------------------- continuing a saved run: its config.json inherited, what it trains unchanged
+# A resumed run continues the run saved in its folder: the settings it leaves unset come
+# from that run's config.json, and a setting that would change what it trains is refused.
+# `RunConfig.resolved` does both, so `zoo train --resume` and `zoo.train.run(RunConfig(...,
+# resume=True))` continue a run alike. Works on the flat form (`RunConfig.to_dict`).
 
 
-def parse_scalar(value: str) -> Any:
-    """The value of a `key=value` pair (`--model-config`, `RunConfig.model_config` text) as
-    the Python scalar it spells: int, float, true/false, none, or else the string."""
-    lowered = value.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
+def saved_config(output: str | None) -> dict[str, Any] | None:
+    """The flat config (config.json) of the run saved in the folder `output`; None
+    without a folder or the file. A `ConfigError` if the file cannot be read."""
+    if not output:
         return None
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
+    path = Path(output).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"RunConfig.resume: cannot read {path}: {e}; fix or remove it") from e
+    if not isinstance(saved, dict):
+        raise ConfigError(f"RunConfig.resume: {path} is not a run's config.json (not a JSON object); fix or remove it")
+    return saved
+
+
+def inherit(given: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag]) -> dict[str, Any]:
+    """`given` (the flat keys a config sets) over the saved run's values of every key
+    that is not this launch's own (`Flag.resume != "launch"`)."""
+    inherited = {k for k, f in flags.items() if f.resume != "launch"}
+    return {k: v for k, v in saved.items() if k in inherited and v is not None} | given
+
+
+def check_unchanged(now: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag], normal) -> None:
+    """Refuse a resumed run whose flat config `now` changes a setting of the saved run
+    that changes what it trains (`Flag.resume == "fixed"`), naming each field.
+    `normal(key, value)` is the value's comparable form."""
+    changed = [
+        f"{flags[k].field} {now[k]} (was {saved[k]})"
+        for k in sorted(now)
+        if k in saved and k in flags and flags[k].resume == "fixed" and normal(k, now[k]) != normal(k, saved[k])
+    ]
+    if changed:
+        raise ConfigError(
+            f"RunConfig.resume: {', '.join(changed)} would change the run saved in {now['output']}; drop "
+            f"{'them' if len(changed) > 1 else 'it'} to continue that run, or start a new one (another "
+            "RunConfig.output, or RunConfig.overwrite without RunConfig.resume)"
+        )

@@ -12,10 +12,10 @@ import jax
 from .._inspect import report
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
-from ._hooks import Hook, TrainState
-from ._mesh import mesh_text
 from ._output import human_bytes
 from ._summary import RunRecord
+from ._text import mesh_text
+from ._trainer import Hook, TrainState
 
 
 class Phases:

@@ -11,11 +11,13 @@ from pathlib import Path
 
 from .._checkpoint import Checkpointer
 from .._mismatch import shorten
+from .._presets import RULE_PRESETS
+from .._presets import rules as preset_rules
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import owned, previous_outputs, remove_run
-from ._mesh import check_rules_fit_mesh, mesh_text
 from ._registry import model_spec
+from ._text import mesh_text
 from ._user_data import check_data_file
 
 _WHAT = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}
@@ -46,11 +48,14 @@ class RunPlan:
         return dict(self.config.mesh)
 
 
-def plan_run(config: RunConfig, *, devices: int, command: str | None = None, title: str | None = None) -> RunPlan:
+def plan_run(
+    config: RunConfig, *, devices: int, command: str | None = None, title: str | None = None, weights: bool = True
+) -> RunPlan:
     """The `RunPlan` of `config` on `devices` devices: the run it resumes merged in and
     defaults applied (`RunConfig.resolved`), a fine-tune's `init` where the model needs
-    one, the mesh and the batch checked against each other, the folders named (not yet
-    created).
+    one (unless `weights` is False: `inspect` compiles the step of a model built from
+    scratch), the mesh and the batch checked against each other, the folders named (not
+    yet created).
 
     **Raises:** `ConfigError` naming the setting that cannot work."""
     command = command or ("finetune" if config.lora is not None else "train")
@@ -58,7 +63,7 @@ def plan_run(config: RunConfig, *, devices: int, command: str | None = None, tit
     # Every default applied here, once: config.json records the run as it trains.
     config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
     spec = model_spec(config.model)
-    if command != "train" and spec.finetune_needs_init and not config.init:
+    if weights and command != "train" and spec.finetune_needs_init and not config.init:
         raise ConfigError(
             f"zoo {command} {spec.name} needs RunConfig.init PATH: a Hugging Face folder or the output folder of a "
             f"`zoo train {spec.name}` run (e.g. one with RunConfig.output runs/base, then RunConfig.init runs/base)"
@@ -185,4 +190,45 @@ def _check_new(output: Path, folder: Path, saved: list[int]) -> None:
         raise ConfigError(
             f"RunConfig.output {output} already holds another run's outputs ({', '.join(previous_outputs(output))}); "
             "pass RunConfig.overwrite to replace them, or choose another RunConfig.output"
+        )
+
+
+# --------------------------------------------------------------------------- the mesh
+# The device mesh of a run: made over the first devices, written as `--mesh` text, and
+# checked against the sharding rules before anything is built.
+
+
+def make_mesh(shape: dict[str, int]):
+    """A jax mesh of `shape` (axis name → size) over the first devices."""
+    import jax
+
+    n = math.prod(shape.values())
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=jax.devices()[:n])
+
+
+def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) -> None:
+    """Fail fast (before building a model) on an unknown rules preset, or one that uses
+    mesh axes the mesh lacks."""
+    if preset not in RULE_PRESETS:
+        raise ConfigError(f"unknown --rules {preset!r}; choose one of {list(RULE_PRESETS)}")
+    used: list[str] = []
+    for target in preset_rules(preset).values():
+        for ax in (target,) if isinstance(target, str) else (target or ()):
+            if ax not in used:
+                used.append(ax)
+    idle = [ax for ax, size in mesh_shape.items() if ax not in used and size > 1]
+    if idle:
+        raise ConfigError(
+            f"--mesh {mesh_text(mesh_shape)}: no rule of --rules {preset} uses mesh axes {idle}, so their devices "
+            f"would repeat the same work; drop them or give them size 1 (e.g. --mesh "
+            f"{mesh_text({k: v for k, v in mesh_shape.items() if k not in idle})}), or pick rules that use them"
+        )
+    missing = [ax for ax in used if ax not in mesh_shape]
+    if missing:
+        model = 2 if "model" in used and devices % 2 == 0 else 1
+        example = {"data": devices // model, "model": model}
+        example_text = ",".join(f"{k}={v}" for k, v in example.items() if k in used)
+        raise ConfigError(
+            f"--rules {preset} shards over mesh axes {used}, but the mesh {mesh_text(mesh_shape)} lacks "
+            f"{', '.join(map(repr, missing))}; pass a mesh with them, e.g. --mesh {example_text}"
         )

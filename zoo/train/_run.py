@@ -1,11 +1,13 @@
 """`zoo.train.run`: a whole run from a `RunConfig`, the one behind `zoo train`, `zoo
-finetune` and `zoo demo`.
+finetune` and `zoo demo`; and `zoo.train.inspect`: the same run's training step, compiled
+and not run (`zoo inspect`).
 
 One straight line of stages, each in its own module: plan (`_plan`: settings, mesh,
-folders) → build (`_build`: the task, LoRA, placement, the step) → resume (`_resume`) →
+folders) → build (`_build`: the task, LoRA, placement, the step; then the run's files and
+the resumed state) →
 evaluate first (`_evaluate`: and the linear probe) → compile the step once (the program
 both run and inspected) → the `Trainer` with its hooks: metrics.jsonl, TensorBoard, the
-console (`_console`), progress, evaluations, the best one (`_best`: kept, early stopping),
+console (`_console`), progress, evaluations, the best one (`_hooks.KeepBest`: kept, early stopping),
 checkpoints, samples, then after the last step (or the one it stopped early at) the export
 (`_export`: adapter or Hugging Face folder), the summary (`_summary`: summary.json,
 loss.png) and the printed report.
@@ -16,32 +18,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._distributed import is_main_process
 from .._inspect import collectives
 from .._presets import rules as preset_rules
-from ._best import watch
-from ._build import build_run
+from .._step import TrainStep
+from ._build import build_run, resume, write_run_files
 from ._config import RunConfig
 from ._console import Header, Phases, Report
 from ._errors import ConfigError, Preempted
 from ._evaluate import Evaluator, first_evaluation, plain
 from ._export import Export
-from ._folder import claim
-from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample
-from ._lock import run_lock
-from ._mesh import make_mesh
-from ._nonfinite import nonfinite_advice
-from ._plan import RunPlan, check_checkpoints, plan_run
-from ._preemption import Preemption
-from ._resume import resume
+from ._folder import claim, run_lock
+from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample, watch
+from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
 from ._summary import RunRecord, Summary
-from ._trainer import Trainer
+from ._task import ONCE_COMPILER_OPTIONS, Task
+from ._trainer import Preemption, Trainer
 
 
 @dataclasses.dataclass
@@ -77,15 +76,20 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
     before anything is written), `RunStopped` (the loss or weights went non-finite),
     `Preempted` (SIGTERM: a checkpoint was saved; resume with `resume=True`).
     """
-    devices = config.devices or len(jax.devices())
-    if devices > len(jax.devices()):
-        raise ConfigError(f"RunConfig.devices {devices}: jax has {len(jax.devices())} ({jax.default_backend()})")
-    plan = plan_run(config, devices=devices, command=command, title=title)
+    plan = plan_run(config, devices=_devices(config), command=command, title=title)
     # One run per folder, held before anything is read or written there. config.json is
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(plan.output, plan.checkpoints, main=is_main_process()):
         check_checkpoints(plan.config, plan.output)
         return _run(plan, hooks)
+
+
+def _devices(config: RunConfig) -> int:
+    """The devices a run spans: `config.devices`, else every device jax has."""
+    devices = config.devices or len(jax.devices())
+    if devices > len(jax.devices()):
+        raise ConfigError(f"RunConfig.devices {devices}: jax has {len(jax.devices())} ({jax.default_backend()})")
+    return devices
 
 
 def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
@@ -100,7 +104,8 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
 
     with jax.set_mesh(mesh), Preemption(enabled=True, early=early) as preemption:
         phase(f"loading {c.model} and its data...")
-        built = build_run(plan, mesh, rules, main=main)
+        built = build_run(plan, mesh, rules)
+        write_run_files(plan, built, main=main)
         start, checkpointer = resume(plan, built)
         record = RunRecord(plan, built, t_start, start=start)
         t_eval = time.perf_counter()
@@ -161,3 +166,129 @@ def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, 
     if main:
         hooks.append(Report(record))
     return hooks
+
+
+@dataclasses.dataclass
+class Inspection:
+    """A run's training step, built and compiled as `run` builds and compiles it, never run
+    (`zoo.train.inspect`).
+
+    **Fields:**
+
+    - `config`: the `RunConfig` resolved (its `devices` and `mesh` filled in); `command`.
+    - `task`: the model on its data (`Task`); `parameters`: the model's before LoRA (what
+      summary.json reports).
+    - `model`: the placed model the step trains (with its LoRA branches).
+    - `step`, `opt_state`, `batch`: the `zoo.TrainStep`, its optimizer state and the
+      batch of step 1.
+    - `mesh`, `collectives`: the run's mesh and the compiled step's collectives
+      (`zoo.collectives`: what summary.json lists).
+    """
+
+    config: RunConfig
+    command: str
+    task: Task
+    parameters: int
+    model: Any
+    step: TrainStep
+    opt_state: Any
+    batch: dict
+    mesh: Any
+    collectives: list
+
+
+def inspect(config: RunConfig, *, command: str | None = None) -> Inspection:
+    """The training step `run(config, command=command)` would compile: the same plan (the
+    config resolved once, the mesh and the batch checked), model, LoRA branches,
+    placement, trainable leaves, optimizer and batch of step 1, compiled but never run.
+    Nothing is written and no checkpoint restored (a resumed run's state has the same
+    shapes).
+
+    **Arguments:**
+
+    - `config`, `command`: as `run`'s. `config.data.source` None reads no data: the
+      batches are random ones of the shapes the run's data set gives; a fine-tune of a
+      model that needs `init` is built from scratch without one.
+
+    **Returns:** an `Inspection`. **Raises:** `ConfigError` as `run` does.
+
+    The program is compiled without LLVM's costly optimisations (about half the compile
+    time on CPU): its collectives are the run's (tests/test_inspect_run.py holds them
+    equal for every rules preset).
+    """
+    plan = plan_run(config, devices=_devices(config), command=command, weights=False)
+    if config.data.source is None:  # no data read: random batches of the run's shapes
+        data = dataclasses.replace(plan.config.data, source=None)
+        plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, data=data))
+    mesh, rules = make_mesh(plan.mesh_shape), preset_rules(plan.config.rules)
+    with jax.set_mesh(mesh):
+        built = build_run(plan, mesh, rules)
+        batch = built.batch_at(1)  # as `Trainer.compile` of a run from step 0
+        try:
+            lowered = built.step.lower(built.model, built.opt_state, batch)
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from e
+        compiled = lowered.compile(compiler_options=ONCE_COMPILER_OPTIONS)
+        found = collectives(compiled, mesh=mesh)
+    return Inspection(
+        plan.config,
+        plan.command,
+        built.task,
+        built.parameters,
+        built.model,
+        built.step,
+        built.opt_state,
+        batch,
+        mesh,
+        found,
+    )
+
+
+# --------------------------------------------------------------------------- what a run that went non-finite suggests
+# What a run that went non-finite suggests: the likely cause the run can see (a batch
+# with no target token, a weight decay that overturns the weights), else the learning rate.
+
+
+# Optimizers whose weight decay is scaled by the learning rate (decoupled, or added to the
+# gradient): lr · weight_decay >= 1 moves each weight past zero every step.
+_DECAYED = ("adamw", "sgd", "lion")
+
+
+def nonfinite_advice(c: RunConfig, batch_at: Callable[[int], Any]) -> Callable[[int], str]:
+    """The advice of a `RunStopped` at step `k`, as a function of `k` (`Trainer`'s
+    `advice`): names the config fields to change (the CLI shows them as its flags).
+
+    **Arguments:** `c`, the run's resolved config; `batch_at(k)`, the batch of step `k`
+    (this process's rows, host arrays; read again only when a step failed)."""
+    opt = c.optimizer
+
+    def advice(step: int) -> str:
+        weights = _weights(batch_at, step)
+        if weights is not None and not np.any(weights[:, 1:]):
+            return (
+                f"The batch of step {step} holds no target token (every next-token weight is 0), so its loss is "
+                "0/0: give every example a completion or assistant turn that fits in DataConfig.seq_len"
+            )
+        decay = opt.weight_decay or 0.0
+        if opt.name in _DECAYED and opt.lr is not None and opt.lr * decay >= 1:
+            return (
+                f"OptimizerConfig.weight_decay {decay:g} times OptimizerConfig.lr {opt.lr:g} is {opt.lr * decay:g} "
+                ">= 1, so each step pushes every weight past zero until it overflows: lower "
+                "OptimizerConfig.weight_decay (typically 0.01 to 0.1)"
+            )
+        return (
+            f"Lower OptimizerConfig.lr (now {opt.lr:g}), keep OptimizerConfig.clip > 0, or set "
+            "RunConfig.skip_nonfinite to skip such steps"
+        )
+
+    return advice
+
+
+def _weights(batch_at: Callable[[int], Any], step: int) -> np.ndarray | None:
+    """The next-token weights of step `step`'s batch (None when it has none)."""
+    try:
+        batch = batch_at(step)
+        weights = batch.get("weights") if isinstance(batch, dict) else None
+        return None if weights is None or np.ndim(weights) != 2 else np.asarray(weights)
+    except Exception:  # the advice must not hide the stop itself
+        return None

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,23 +26,28 @@ import jax
 import numpy as np
 
 from .._checkpoint import Checkpointer, CheckpointError
-from ..data import ChatTemplate, read_records
+from .._export_dir import check_export_dir
+from .._files import atomic_write
+from ..data import ChatTemplate, DataFormatError, read_records
+from ..data import load as load_data
 from ..data._dataset import _labels as file_label_names
-from ..lora import adapter_names, load_adapter, load_adapters
+from ..hf import save_pretrained
+from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapter
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
-from ._adapters import adapter_files, read_adapter_records, stacked
+from ._adapters import add_lora, read_adapter_records, stacked
 from ._build import training_step
 from ._build_task import build_task
-from ._config import RunConfig
-from ._continue import saved_config
+from ._config import RunConfig, saved_config
 from ._errors import ConfigError
-from ._head import HEAD_NAME, load_head, read_labels
-from ._lora import add_lora
-from ._model_config import PRETRAINED_KEYS
+from ._export import TOKENIZER_FILES
+from ._head import HEAD_NAME, load_head, read_labels, save_head
 from ._plan import checkpoint_dir
-from ._registry import ModelSpec, model_spec
-from ._task import regression_loss, tokenizer_of
+from ._registry import PRETRAINED_KEYS, ModelSpec, model_spec
+from ._scores import classification_scores
+from ._task import lm_metrics, regression_loss, tokenizer_of
+from ._text import adapter_files
+from ._user_data import LM_KINDS, byte_tokenizer, read_kind
 
 _LOSSES = {"regression": regression_loss, "lm": next_token_loss, "classification": classification_loss}
 
@@ -84,8 +91,6 @@ class SavedRun:
         tokenizer or UTF-8 bytes, cut and padded to its `seq_len`); a regressor's outputs
         `[n, out]` of numbers `[n, in]`. float32 numpy, computed `batch_size` rows at a
         time. A `ConfigError` for a language model (it generates) or inputs of the wrong kind."""
-        from ._predict import predict
-
         return predict(self, inputs, batch_size=batch_size)
 
     def evaluate(self, path: str | Path, *, batch_size: int = 64) -> dict[str, Any]:
@@ -100,8 +105,6 @@ class SavedRun:
         (`zoo.train.classification_scores`), the file's labels matched to the run's by
         name. **Raises:** `ConfigError` for a file of the other kind, labels the run lacks,
         or a regressor (it trains on its own data only)."""
-        from ._evaluate_file import evaluate_file
-
         return evaluate_file(self, path, batch_size=batch_size)
 
     def export(self, directory: str | Path) -> list[Path]:
@@ -115,8 +118,6 @@ class SavedRun:
 
         **Returns:** the paths written. **Raises:** `ConfigError` for a regressor (no
         Hugging Face form) or a decoder no Hugging Face family expresses."""
-        from ._merged import export_merged
-
         return export_merged(self, directory)
 
 
@@ -264,3 +265,242 @@ def _chat_template(c: RunConfig, folder: Path, tok_dir: Path | None, notes: list
             return ChatTemplate.from_pretrained(tok_dir, template=path.read_text(encoding="utf-8"))
         notes.append(f"the run's chat template {given} is gone: chat data is read with the tokenizer's own, if any")
     return None if tok_dir is None else ChatTemplate.from_pretrained(tok_dir)
+
+
+# --------------------------------------------------------------------------- predictions
+# A saved run's predictions: a classifier's logits of texts, a regressor's outputs of numbers
+# (`SavedRun.predict`, `zoo predict`).
+
+
+@eqx.filter_jit
+def _classify(model, batch):
+    return model(batch["tokens"], mask=batch["mask"], token_types=batch.get("token_types"))
+
+
+@eqx.filter_jit
+def _regress(model, batch):
+    return model(batch["x"])
+
+
+def encode(run: SavedRun, texts: Sequence[str]) -> dict[str, np.ndarray]:
+    """Texts as a classifier run's examples: its tokenizer (or UTF-8 bytes), cut and padded
+    to its `seq_len`, as its training rows were."""
+    tokenizer = run.tokenizer if run.tokenizer is not None else byte_tokenizer()
+    return tokenizer(list(texts), max_len=run.seq_len, pad_to=run.seq_len)
+
+
+def forward(run: SavedRun, arrays: dict[str, np.ndarray], *, batch_size: int = 64) -> np.ndarray:
+    """The model's outputs on every row of `arrays` (`tokens`/`mask`/`token_types`, or `x`),
+    float32 numpy, in chunks of `batch_size` rows (the last padded: one compiled shape)."""
+    fn = _regress if run.kind == "regression" else _classify
+    n = len(next(iter(arrays.values())))
+    rows = max(1, min(n, batch_size))
+    outs = []
+    for start in range(0, n, rows):
+        chunk = {k: v[start : start + rows] for k, v in arrays.items()}
+        m = len(next(iter(chunk.values())))
+        if m < rows:  # copies of the first row, dropped below
+            chunk = {k: np.concatenate([v, np.repeat(v[:1], rows - m, axis=0)]) for k, v in chunk.items()}
+        outs.append(np.asarray(fn(run.model, chunk), np.float32)[:m])
+    return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
+
+
+def predict(run: SavedRun, inputs: Sequence[str] | Any, *, batch_size: int = 64) -> np.ndarray:
+    """A classifier's logits `[n, labels]` of texts, or a regressor's outputs `[n, out]` of
+    numbers `[n, in]`; a `ConfigError` for a language model (it generates) or inputs of the
+    wrong kind."""
+    if run.kind == "lm":
+        raise ConfigError(
+            f"{run.folder} is a language model run: it predicts no labels; continue text with zoo generate"
+        )
+    if run.kind == "classification":
+        texts = list(inputs)
+        if not all(isinstance(t, str) for t in texts):
+            raise ConfigError(f"{run.folder} is a classifier run: its inputs are texts")
+        return forward(run, encode(run, texts), batch_size=batch_size)
+    x = np.asarray(inputs, np.float32)
+    width = getattr(run.model, "in_size", None)
+    if x.ndim != 2 or (width is not None and x.shape[1] != width):
+        raise ConfigError(f"{run.folder} is a regressor of {width} inputs: give rows of {width} numbers, got shape "
+                          f"{x.shape}")  # fmt: skip
+    return forward(run, {"x": x}, batch_size=batch_size)
+
+
+# --------------------------------------------------------------------------- evaluation on a data file
+# A saved run evaluated on a data file in the formats `zoo train` reads (`SavedRun.evaluate`,
+# `zoo eval`): a language model's loss, perplexity and next-token accuracy; a classifier's
+# loss, accuracy, macro-F1 and per-class scores, its labels matched by name.
+
+
+_lm_metrics = eqx.filter_jit(lm_metrics)
+
+
+def _read(run: SavedRun, path: Path):
+    """The file as the run read its data (its tokenizer, `seq_len`, packing and chat
+    template), every row kept; a one-line `ConfigError` for a file it cannot read."""
+    if not path.is_file():
+        raise ConfigError(f"--data {path}: no such file; check the path")
+    raw, kind = read_kind(path)
+    wanted = "text, prompt/completion or chat records" if run.kind == "lm" else "text/label records"
+    if (kind in LM_KINDS) != (run.kind == "lm"):
+        what = f"{kind.replace('_', '/')} records (language modelling)" if kind in LM_KINDS else "text/label records"
+        raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
+    return _rows(run, path, raw)
+
+
+def _rows(run: SavedRun, path: Path, raw: bytes, located=None):
+    """The file's (or `located`'s: some of its records) rows, as the run read its data."""
+    source = run.tokenizer_dir if run.tokenizer is not None else byte_tokenizer()
+    packed = run.config.data.packed is not False
+    try:
+        data, _ = load_data(path, source, seq_len=run.seq_len, packed=packed, chat_template=run.chat_template, data=raw,
+                            located=located)  # fmt: skip
+    except DataFormatError as e:
+        raise ConfigError(f"--data: {str(e).splitlines()[0]}".replace("seq_len=", "--seq-len of the run ")) from None
+    except ValueError as e:  # a template that cannot find the assistant turns
+        raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
+    if len(data) == 0:
+        raise ConfigError(f"--data {path}: no examples in it")
+    return data
+
+
+def _lm(run: SavedRun, arrays: dict[str, np.ndarray], batch_size: int) -> dict[str, Any]:
+    n = len(arrays["tokens"])
+    rows = max(1, min(n, batch_size))
+    sums = {"loss": 0.0, "weight": 0.0, "correct": 0.0}
+    for start in range(0, n, rows):
+        chunk = {k: v[start : start + rows] for k, v in arrays.items()}
+        m = len(chunk["tokens"])
+        if m < rows:  # copies of the first row, weighted 0
+            chunk = {k: np.concatenate([v, np.repeat(v[:1], rows - m, axis=0)]) for k, v in chunk.items()}
+        chunk["weight"] = (np.arange(rows) < m).astype(np.float32)
+        out = _lm_metrics(run.model, chunk)
+        for k in sums:
+            sums[k] += float(np.sum(np.asarray(out[k], np.float64)))
+    loss = sums["loss"] / max(sums["weight"], 1e-12)
+    return {"kind": "lm", "rows": n, "tokens": int(round(sums["weight"])), "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)), "accuracy": sums["correct"] / max(sums["weight"], 1e-12)}  # fmt: skip
+
+
+def _adapters(run: SavedRun, path: Path, batch_size: int) -> dict[str, Any]:
+    """A run of several adapters on a file whose records name their adapter: each
+    adapter's records through it, and all of them together (means over every target token)."""
+    import dataclasses
+
+    names = adapter_names(run.model)
+    records = read_adapter_records(str(path))
+    if records is None:
+        raise ConfigError(
+            f"--data {path}: {run.folder} trained the adapters {list(names)}; give each record its adapter's name "
+            '("adapter": NAME) to evaluate it through that adapter'
+        )
+    unknown = [n for n in records.names if n not in names]
+    if unknown:
+        raise ConfigError(f"--data {path}: adapters {unknown} are not among the run's {list(names)}; name one of those "
+                          "on each record")  # fmt: skip
+    per = {}
+    for name, located in records.located.items():
+        data = _rows(run, path, b"", located)
+        per[name] = _lm(dataclasses.replace(run, model=set_adapter(run.model, name)), dict(data.arrays), batch_size)
+    tokens = sum(r["tokens"] for r in per.values())
+    loss = sum(r["loss"] * r["tokens"] for r in per.values()) / max(tokens, 1)
+    return {"kind": "lm", "rows": sum(r["rows"] for r in per.values()), "tokens": tokens, "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "accuracy": sum(r["accuracy"] * r["tokens"] for r in per.values()) / max(tokens, 1), "adapters": per}  # fmt: skip
+
+
+def _classifier(run: SavedRun, data, path: Path, batch_size: int) -> dict[str, Any]:
+    names = list(run.label_names or ())
+    unknown = [name for name in data.label_names if name not in names]
+    if unknown:
+        raise ConfigError(
+            f"--data {path}: labels {unknown} are not among the run's {names}; evaluate on examples of its classes"
+        )
+    index = np.asarray([names.index(name) for name in data.label_names], np.int32)
+    labels = index[data.arrays["labels"]]
+    logits = forward(run, {k: v for k, v in data.arrays.items() if k != "labels"}, batch_size=batch_size)
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    loss = float(-log_probs[np.arange(len(labels)), labels].mean())
+    return {"kind": "classification", "loss": loss, **classification_scores(labels, logits.argmax(axis=1), names)}
+
+
+def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> dict[str, Any]:
+    """`run`'s model on every example of the data file `path` (`.txt`, `.jsonl`, `.csv`, as
+    `zoo train --data` reads them, with the run's tokenizer, `seq_len`, packing and chat
+    template).
+
+    **Returns:** for a language model `{"kind": "lm", "rows", "tokens" (target tokens),
+    "loss" (mean next-token cross-entropy, nats), "perplexity", "accuracy"}` (the tokens
+    counted as the run's loss counts them: completions, assistant turns); for a classifier
+    `{"kind": "classification", "examples", "loss", "accuracy", "macro_f1", "per_class"}`
+    (`zoo.train.classification_scores`; the file's labels matched to the run's by name).
+    A run of several adapters reads a `.jsonl` whose records name their adapter
+    (`"adapter": NAME`): each through its own, `"adapters": {NAME: scores}` beside the
+    scores of all of them.
+    **Raises:** `ConfigError` (a file of the other kind, labels the run does not have, a
+    regressor, which trains on its own data only).
+    """
+    if run.kind == "regression":
+        raise ConfigError(f"{run.folder} is a regressor trained on its own synthetic data, which reads no data file; "
+                          "its held-out loss is summary.json's eval_after")  # fmt: skip
+    path = Path(path).expanduser()
+    data = _read(run, path)
+    if run.kind == "lm" and adapter_names(run.model):
+        return _adapters(run, path, batch_size)
+    if run.kind == "lm":
+        return _lm(run, dict(data.arrays), batch_size)
+    return _classifier(run, data, path, batch_size)
+
+
+# --------------------------------------------------------------------------- a merged Hugging Face export
+# A saved run as one Hugging Face folder, LoRA merged into the base (`SavedRun.export`,
+# `zoo export --merge`): a decoder transformers opens as its family's causal LM; a
+# classifier's encoder (`BertModel`) with its head beside it (`head.safetensors`) and its
+# label names in config.json (`id2label`). The tokenizer's files travel with it.
+
+
+def export_merged(run: SavedRun, directory: str | Path) -> list[Path]:
+    """Write `run`'s model, LoRA branches merged (`zoo.lora.merge`), as a Hugging Face
+    folder at `directory` (created; a folder holding files of the names written must be a
+    Hugging Face model folder already: a user's own files are never replaced).
+
+    A decoder is written by `zoo.hf.save_pretrained` (transformers'
+    `AutoModelForCausalLM` opens it and computes the same logits); a classifier's encoder
+    likewise (`BertModel`: the same hidden states), its head in `head.safetensors` (zoo's
+    `[in, out]` layout: logits = pooled hidden states @ `head.weight` + `head.bias`, the
+    pooling named in the file's metadata) and its label names as config.json's
+    `id2label` / `label2id`. The tokenizer's files are copied in (none for byte-level
+    models: their ids are the text's UTF-8 bytes).
+
+    **Returns:** the paths written. **Raises:** `ConfigError` for a regressor (no Hugging
+    Face form) or a decoder no family expresses; `FileExistsError` as `save_pretrained`.
+    """
+    if run.kind == "regression":
+        raise ConfigError(f"{run.folder}: the {run.config.model} has no Hugging Face form; its weights are its "
+                          "checkpoints (zoo.Checkpointer)")  # fmt: skip
+    directory = Path(directory).expanduser()
+    model = merge(run.model)
+    part = model if run.kind == "lm" else model.encoder
+    source = getattr(part.config, "source_dir", None)
+    tok_dir = run.tokenizer_dir
+    tokenizer = [n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
+    tokenizer = [n for n in tokenizer if source is None or not (Path(source) / n).is_file()]  # else save_pretrained's
+    extra = tokenizer + ([HEAD_NAME] if run.kind == "classification" else [])
+    check_export_dir(directory, extra, writer="zoo export", config="config.json", key="model_type",
+                     weights="model.safetensors", kind="a Hugging Face model folder")  # fmt: skip
+    try:
+        written = save_pretrained(part, directory)
+    except ValueError as e:  # a config no Hugging Face family expresses
+        raise ConfigError(f"{run.folder}: {str(e).splitlines()[0]}") from e
+    for name in tokenizer:
+        atomic_write(directory / name, lambda tmp, name=name: shutil.copyfile(tok_dir / name, tmp))
+        written.append(directory / name)
+    if run.kind == "classification":
+        written += save_head(model, directory)
+        config = json.loads((directory / "config.json").read_text())
+        names = list(run.label_names or ())
+        config |= {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
+        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(text))
+    return written

@@ -13,13 +13,12 @@ import jax
 
 from .._inspect import Collective
 from ..lora import trainable as lora_trainable
-from ._best import KeepBest
+from ._adapters import lora_json
 from ._build import BuiltRun
-from ._hooks import Evaluate, Hook, Sample, TrainState
-from ._lora import lora_json
-from ._output import plot_losses, read_metrics, write_json
+from ._hooks import Evaluate, KeepBest, Sample
+from ._output import collective_summary, plot_losses, read_metrics, tree_bytes, tree_size, write_json
 from ._plan import RunPlan
-from ._report import collective_summary, tree_bytes, tree_size
+from ._trainer import Hook, TrainState
 
 
 @dataclasses.dataclass

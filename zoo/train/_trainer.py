@@ -1,18 +1,181 @@
-"""The training loop: a compiled `zoo.TrainStep` over batches, with hooks every N steps."""
+"""The training loop: a compiled `zoo.TrainStep` over batches, with hooks every N steps.
+
+The loop's contract with its hooks (`TrainState`, `Hook`) lives here, beside the loop;
+the hooks the runs use are in `_hooks.py`. SIGTERM (a scheduler's preemption notice) is
+turned into a clean stop at a step every process agrees on (`Preemption`), where each hook
+saves what it must (`Hook.on_preempt`).
+
+A process that gets SIGTERM only notes it. The training loop asks `stop_at(step)` after
+each step: in a single-process run that is the note itself; in a multi-process run the
+processes exchange their notes (one tiny all-gather across processes, outside the compiled
+training step, at the same steps in every process), so all of them see the signal at the
+same step even when only one process got it, and all save that step's checkpoint
+together. Signal handlers cannot agree on a step themselves: each process sees the signal
+between other bytecodes of its own loop.
+
+Why not jax's own preemption service (`multihost_utils.reached_preemption_sync_point`,
+set up by `jax.distributed.initialize`)? Its sync point is the fastest process's last
+step + 1 as the processes last reported it, and a process reports nothing before its
+first call: a signal during loading or compiling finds no counters and is dropped (and its
+SIGTERM handler has then swallowed the signal). An all-gather at fixed steps has no such
+gap and needs no background protocol.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._distributed import sigterm_noted
 from ._errors import Preempted, RunStopped
-from ._hooks import Checkpoint, TrainState
-from ._preemption import Preemption
 
 _ADVICE = "lower the learning rate, keep gradient clipping on, or skip such steps (skip_nonfinite)"
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a hook sees.
+
+    **Fields:**
+
+    - `step`: steps done (the start step in `on_start`).
+    - `steps`: the run's last step.
+    - `model`, `opt_state`: after `step`.
+    - `loss`: the training loss of `step` (None in `on_start`).
+    - `trainer`: the `Trainer` (its `step`, `record`, `elapsed`, `stopped`).
+    """
+
+    step: int
+    steps: int
+    model: Any
+    opt_state: Any
+    loss: float | None
+    trainer: Trainer
+
+
+class Hook:
+    """The base of hooks: fires after every `every`-th step (0: never by step). Override
+    `__call__`, and any of `on_start`, `on_record`, `on_end`, `on_preempt`, `kept`, `close`."""
+
+    every: int = 0
+
+    def on_start(self, state: TrainState) -> None:
+        """Before the first step (after a resumed run's restored step)."""
+
+    def __call__(self, state: TrainState) -> None:
+        """After step `state.step`, a multiple of `every`."""
+
+    def on_record(self, row: dict[str, Any]) -> None:
+        """A row the run recorded: `{"kind": "train", "step", "loss", "lr", ...}` after each
+        step, `{"kind": "eval", "step", "eval_loss", "eval_accuracy", ...}` after each
+        evaluation, `{"kind": "sample", ...}` after each sample."""
+
+    def on_end(self, state: TrainState) -> None:
+        """After the last step (not when the run fails)."""
+
+    def on_preempt(self, state: TrainState) -> str | None:
+        """SIGTERM: the run stops after `state.step` (every process at the same step); save
+        what must outlive it. Returns what was saved, in words ("checkpoint saved in DIR"),
+        or None if nothing."""
+        return None
+
+    def kept(self) -> str | None:
+        """Where this hook's last good save is ("step 40 in DIR"), named when the run stops
+        on a non-finite loss; None if it keeps none."""
+        return None
+
+    def close(self) -> None:
+        """Last: release files and wait for saves, also when the run fails."""
+
+
+class Preemption:
+    """SIGTERM noted instead of ending the process, and the step at which to stop.
+
+    Install it (construct it, or use it as a context manager) before loading and
+    compiling; call `stop_at(step)` after every training step in every process; call
+    `restore()` (or leave the `with` block) when the run ends.
+
+    **Arguments:**
+
+    - `enabled`: whether to take over SIGTERM at all (False: the signal keeps its
+      handler, `stop_at` is always False). Only the main thread can install a handler;
+      elsewhere this is off too.
+    - `early`: what a SIGTERM before the first `stop_at` call raises, from the signal
+      handler, in a single-process run: an exception to stop loading or compiling at once
+      (nothing is being trained yet, so there is nothing to save). `None`: the signal is
+      only noted and the run stops after its first step. Multi-process runs always note
+      it (one process stopping alone would leave the others waiting in their first
+      collective), so they stop after the first step, at the same step.
+    - `every`: in a multi-process run, compare the processes' notes at the first step and
+      then every `every` steps (each comparison is one small all-gather that waits for
+      every process). 1 stops at the next step; more trades a little latency for less
+      waiting.
+    """
+
+    def __init__(self, *, enabled: bool, early: Callable[[], BaseException] | None = None, every: int = 1):
+        import jax
+
+        if every < 1:
+            raise ValueError(f"Preemption: every must be >= 1, got {every}")
+        # This process got SIGTERM (maybe already between `zoo.distributed_init` and now).
+        self.requested = sigterm_noted()
+        self.every = every
+        self._multi = jax.process_count() > 1
+        self._early = None if self._multi else early
+        self._started = False  # stop_at was called: the training loop runs
+        self._first: int | None = None  # the first step asked about
+        self._installed = False
+        self._previous: Any = None
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+            self._installed = True
+
+    def _note(self, signum, frame) -> None:
+        self.requested = True
+        if not self._started and self._early is not None:
+            raise self._early()
+
+    def stop_at(self, step: int) -> bool:
+        """Whether to stop after `step` (and save it). In a multi-process run every process
+        must call this after every step, with the same steps; it returns the same answer in
+        all of them: True from the first compared step after any process got SIGTERM."""
+        self._started = True
+        if not self._installed:
+            return False
+        if not self._multi:
+            return self.requested
+        if self._first is None:
+            self._first = step
+        if step != self._first and step % self.every:
+            return False
+        return self._anyone(self.requested)
+
+    @staticmethod
+    def _anyone(flag: bool) -> bool:
+        """Whether `flag` is True in any process (an all-gather across processes)."""
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+    def restore(self) -> None:
+        """Give SIGTERM back the handler it had (the default one if that was not set from
+        Python, e.g. jax's preemption notifier's)."""
+        if self._installed:
+            self._installed = False
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+
+    def __enter__(self) -> Preemption:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 class Trainer:
@@ -32,10 +195,11 @@ class Trainer:
     - `tokens_per_example`: logged throughput in tokens too.
     - `skip_nonfinite`: the optimizer skips non-finite steps (`optax.apply_if_finite`):
       count them instead of stopping.
-    - `handle_sigterm`: on SIGTERM, finish the step in progress, save it with the
-      `Checkpoint` hook and raise `Preempted`; in a multi-process run every process stops
-      after the same step (`zoo.train._preemption.Preemption`: the processes compare their
-      notes after each step, outside the compiled step).
+    - `handle_sigterm`: on SIGTERM, finish the step in progress, let each hook save what
+      it must (`Hook.on_preempt`: the `Checkpoint` hook saves the step) and raise
+      `Preempted`; in a multi-process run every process stops after the same step
+      (`Preemption`: the processes compare their notes after each step, outside the
+      compiled step).
     - `preemption`: a `Preemption` installed earlier (before loading and compiling, as
       `zoo.train.run` does) to use instead of one of the loop's own.
     - `advice`: what a `RunStopped` message suggests: text, or a function of the step
@@ -98,9 +262,8 @@ class Trainer:
     def stopped(self, why: str, step: int) -> RunStopped:
         """The `RunStopped` of a run that must stop at `step`: `why`, then the last good
         checkpoint, then the advice."""
-        saved = [h for h in self.hooks if isinstance(h, Checkpoint) and h.last_saved]
-        kept = (f"the last good checkpoint is step {saved[0].last_saved} in {saved[0].directory}" if saved
-                else "no checkpoint was saved")  # fmt: skip
+        saved = [k for h in self.hooks if (k := getattr(h, "kept", lambda: None)()) is not None]
+        kept = f"the last good checkpoint is {saved[0]}" if saved else "no checkpoint was saved"
         advice = self.advice(step) if callable(self.advice) else self.advice
         return RunStopped(f"{why}: training stopped, nothing saved from it; {kept}. {advice}")
 
@@ -111,6 +274,14 @@ class Trainer:
 
         if not all_finite(self.step.partition(state.model)[0]):
             raise self.stopped(f"step {state.step}: the weights hold NaN or inf", state.step)
+
+    def _preempted(self, state: TrainState) -> Preempted:
+        """SIGTERM after `state.step`: each hook saves what it must; the `Preempted` to raise."""
+        saved = [s for h in self.hooks if (s := getattr(h, "on_preempt", lambda _: None)(state)) is not None]
+        where = f"stopped after step {state.step} of {state.steps}"
+        if not saved:
+            return Preempted(f"SIGTERM: {where}; nothing saved (no Checkpoint hook)")
+        return Preempted(f"SIGTERM: {where}, {', '.join(saved)}; continue with the same command and --resume")
 
     def run(self, model, opt_state, *, start: int = 0):
         """Steps `start + 1` … `steps` from `model` and `opt_state` (as after step `start`).
@@ -190,14 +361,7 @@ class Trainer:
                     self.last_step = i
                     break
                 if stop and i != steps:
-                    saver = next((h for h in self.hooks if isinstance(h, Checkpoint)), None)
-                    if saver is None:
-                        raise Preempted(f"SIGTERM: stopped after step {i} of {steps}; nothing saved (no Checkpoint "
-                                        "hook)")  # fmt: skip
-                    saver.save(state)
-                    saver.close()
-                    raise Preempted(f"SIGTERM: stopped after step {i} of {steps}, checkpoint saved in "
-                                    f"{saver.directory}; continue with the same command and --resume")  # fmt: skip
+                    raise self._preempted(state)
             flush()
             self.train_seconds = time.perf_counter() - train_t0 - self.hook_seconds
             loss = self.losses[-1] if self.losses else None

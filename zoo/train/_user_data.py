@@ -22,12 +22,12 @@ from ..data import load as load_data
 from ..data._records import FORMATS
 from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
-from ._adapters import adapter_files
 from ._config import RunConfig
 from ._errors import ConfigError
 from ._preference import preference_task
 from ._registry import ModelSpec, model_names, model_spec
 from ._task import Task, check_vocab, classifier_metrics, init_folder, init_name, lm_metrics, tokenizer_of
+from ._text import adapter_files
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")

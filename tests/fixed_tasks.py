@@ -1,9 +1,8 @@
 """The fixed tiny models (random batches) whose compiled steps `tests/data/make_step_collectives.py`
 records and `benchmarks/suite.py` measures, kept fixed so their numbers stay comparable
-across versions; and, for the CLI's modules, the names `zoo.train` now holds.
-
-The commands build their models through the registry (`zoo.train.model_spec`,
-`zoo.train.build_task`): `zoo info` / `zoo inspect` the same model `zoo train` would.
+across versions, and their LoRA (`inspect_defaults`). Test and benchmark fixtures, not
+part of the package (they lived in `zoo/_cli/_tasks.py`): the commands build their models
+through the registry (`zoo.train.model_spec`, `zoo.train.build_task`).
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..internal import init_compiled, minilm_available, numpy_rng
-from ..train import Task, build_task
+from zoo.internal import CLASSIFIER_SAVE, init_compiled, minilm_available, numpy_rng
+from zoo.train import Task, build_task
 
 # --- the fixed tiny models ---------------------------------------------------------------------
 
@@ -160,3 +159,14 @@ __all__ = [
     "build_task",
     "minilm_available",
 ]
+
+
+def inspect_defaults(model: str) -> dict[str, Any]:
+    """The LoRA of the pinned collectives (tests/data/step_collectives.json) and the
+    benchmarks: the attention's query and value projections
+    (peft's default for LLaMA/BERT-style models; every hidden Linear for the MLP, which has
+    no attention), the classifier's head trained in full."""
+    fields: dict[str, Any] = {"target_modules": "all-linear" if model == "mlp" else ("q_proj", "v_proj")}
+    if model in ("encoder", "minilm"):
+        fields["modules_to_save"] = CLASSIFIER_SAVE
+    return fields

@@ -1,0 +1,55 @@
+"""`zoo inspect` with a run's flags compiles that run's training step (`zoo.train.inspect`
+builds it as `zoo.train.run` does: the same model, optimizer, placement and batch shapes):
+for every rules preset, the collectives it lists (kind, inside or outside a loop, bytes,
+mesh axes) are the ones the run's summary.json lists. One tiny decoder run per preset, on
+2 or 4 devices, in-process.
+"""
+
+import json
+
+import pytest
+from helpers import zoo_main, zoo_ok
+
+import zoo
+
+# A tiny decoder (the smallest whose steps keep every preset's budget, which a run holds);
+# the optimizer left to the defaults (adamw, clipping at norm 1), which `zoo inspect` must
+# take as the run does.
+STEP = ["--model-config", "d_model=32,num_layers=2,num_heads=2", "--seq-len", "16"]
+STEP += ["--batch-size", "8", "--microbatches", "2"]
+# What the run alone takes: its length, held-out set and outputs.
+RUN_ONLY = ["--steps", "1", "--eval-size", "8", "--quiet"]
+
+
+def _layout(preset: str) -> list[str]:
+    """Devices and mesh: a `model` axis for the presets that shard over one."""
+    if "tp" in preset:
+        return ["--devices", "4", "--mesh", "data=2,model=2"]
+    return ["--devices", "2"]
+
+
+@pytest.mark.parametrize("preset", zoo.RULE_PRESETS)
+def test_inspect_lists_the_collectives_of_the_run_with_the_same_flags(preset, tmp_path):
+    flags = [*STEP, *_layout(preset), "--rules", preset]
+    zoo_ok("train", "transformer", *flags, *RUN_ONLY, "--output", tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    ran = [zoo.Collective.from_json(row) for row in summary["collectives"]["list"]]
+    assert any(c.kind == "all-reduce" and not c.in_loop for c in ran), summary["collectives"]
+    rc, out, err = zoo_main("inspect", "transformer", *flags, "--against", tmp_path / "run" / "summary.json", "--json")
+    assert rc == 0, (rc, err)  # exit 1: the collectives differ from the run's
+    inspected = json.loads(out)
+    assert inspected["against"] == {"path": str(tmp_path / "run" / "summary.json"), "added": [], "removed": []}
+    key = lambda c: (c.kind, c.in_loop, c.bytes, tuple(c.mesh_axes))  # noqa: E731
+    got = sorted(key(zoo.Collective.from_json(row)) for row in inspected["collectives"])
+    assert got == sorted(key(c) for c in ran)
+    assert inspected["rules"] == preset and inspected["command"] == "train"
+
+
+def test_inspect_takes_the_step_flags_of_a_run():
+    """The flags that shape a run's step (optimizer, clipping, skipping non-finite steps)
+    change the inspected step as they change the run's: without clipping (`--clip 0`), no
+    global norm is reduced over the sharded gradients of fsdp."""
+    base = ["transformer", *STEP, "--devices", "2", "--rules", "fsdp", "--json"]
+    clipped = json.loads(zoo_ok("inspect", *base))
+    plain = json.loads(zoo_ok("inspect", *base, "--clip", "0", "--optimizer", "sgd"))
+    assert clipped["collectives"] != plain["collectives"]
