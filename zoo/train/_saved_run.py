@@ -16,6 +16,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -217,8 +218,9 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
     """The model of the run's newest intact checkpoint, its tokenizer's folder, label names
     and where it came from."""
     directory = checkpoint_dir(c, folder)
-    with Checkpointer(directory, keep=None, async_save=False) as checkpointer:
-        if not checkpointer.steps():
+    # Read-only: a run may still be training into it (its saves in flight stay untouched).
+    with Checkpointer(directory, read_only=True) if directory.is_dir() else nullcontext() as checkpointer:
+        if checkpointer is None or not checkpointer.steps():
             saved = "a classifier's head (model/head.safetensors), " if spec.classifier else ""
             raise ConfigError(
                 f"{folder} holds no trained weights: no adapter/, model/ ({saved}written at a run's end) or checkpoint "
