@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._finite import check_finite_once
 from .._generate import decode_step, prefill, split_layers
 from .._jit import Flattened, Jit
 from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
@@ -341,6 +342,8 @@ class Engine:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.slots, self.max_len, self.max_queue = int(slots), max_len, max_queue
+        # Weights holding NaN give NaN logits, whose argmax (token 0) looks like an answer.
+        check_finite_once(model, where="the Engine's model")
         self.bank = _bank(model, dict(adapters or {}), max_adapters, max_lora_rank, lora_targets)
         self._use(model if self.bank is None else self.bank.model)
         self._draining: set[int] = set()  # unloaded adapters' slots, freed when their requests end
@@ -472,6 +475,7 @@ class Engine:
         if isinstance(lora_model, str | os.PathLike):
             lora_model = read_adapter(self.bank.base, lora_model)
         self.bank.check(lora_model)
+        check_finite_once(lora_model, where=f"adapter {name!r}")
         with self._lock:
             if name in self.adapters:
                 raise ValueError(f"an adapter named {name!r} is already served; unload it first, or pick another name")
