@@ -64,6 +64,10 @@ def cmd_serve(args) -> int:
         import zoo.serve
     except ImportError as e:
         raise CLIError(str(e)) from e
+    try:  # before anything loads or compiles
+        zoo.serve.check_address(args.host, args.port)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     import zoo
 
     folder, run_adapter, _ = resolve_source(args.source, None)
