@@ -5,6 +5,7 @@ by one compiled program (`add_lora`), and what a run reports about them (`lora_j
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ..lora import LoraConfig
@@ -40,6 +41,12 @@ def _lora_value(key: str, value: str) -> Any:
         return int(value)
     if key in ("alpha", "dropout"):
         number = float(value)  # ValueError names the value
+        if not math.isfinite(number):
+            raise ValueError(f"{key}={value} is not a finite number")
+        if key == "alpha" and number == 0:  # the branches' scale: every adapter's output times 0
+            raise ValueError(
+                "alpha=0 scales every adapter's output by 0, so the run would learn nothing; give alpha > 0"
+            )
         return int(number) if key == "alpha" and number.is_integer() and "." not in value else number
     if key == "trainable_token_indices":
         ids = [i.strip() for i in value.split("+")]
