@@ -36,6 +36,8 @@ def encode(run: SavedRun, texts: Sequence[str]) -> dict[str, np.ndarray]:
 def forward(run: SavedRun, arrays: dict[str, np.ndarray], *, batch_size: int = 64) -> np.ndarray:
     """The model's outputs on every row of `arrays` (`tokens`/`mask`/`token_types`, or `x`),
     float32 numpy, in chunks of `batch_size` rows (the last padded: one compiled shape)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1 (rows per forward pass), got {batch_size!r}")
     fn = _regress if run.kind == "regression" else _classify
     n = len(next(iter(arrays.values())))
     rows = max(1, min(n, batch_size))
