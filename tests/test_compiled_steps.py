@@ -38,6 +38,9 @@ _FAST = {
     "transformer+3adapters/dp/data=8/explicit",
     "mlp/dp/data=8/shard_map",
     "mlp/zero1/data=8/shard_map",
+    "transformer/tp/data=1,model=2/explicit",
+    "transformer/zero1/data=1/explicit",
+    "mlp/dp/data=1/shard_map",
 }
 
 
@@ -62,10 +65,15 @@ def test_step_collectives_unchanged_and_within_the_preset_budget(case):
         f"{make.case_name(*case)}: the compiled step's collectives changed.\n got: {got}\nwant: {want}\n"
         "If the change is intended, regenerate: python tests/data/make_step_collectives.py"
     )
-    # The preset's budget holds its step exactly: its gradient reduction carries the
-    # gradients' bytes plus the loss scalars, nothing less and nothing more.
-    budget = zoo.preset(case[1]).budget
+    # The preset's budget on the case's mesh holds its step exactly: its gradient reduction
+    # carries the gradients' bytes plus the loss scalars, nothing less and nothing more.
+    mesh = case[2]
+    budget = zoo.preset(case[1]).budget_on(mesh)
     assert budget.breaches(colls, sizes) == [], zoo.report(colls)
+    if mesh["data"] == 1:  # nothing to add up over one data replica: no reduction over data at all
+        assert not any("data" in c.mesh_axes for c in colls), zoo.report(colls)
+        assert all(a.what == "tensor parallelism" for a in budget.allowances), budget.allowances
+        return
     tight = dataclasses.replace(budget.allowances[0], slack=0)
     loose = dataclasses.replace(budget, allowances=(tight,) + budget.allowances[1:])
     assert len(loose.breaches(colls, sizes)) == 1, "the loss scalars ride with the gradients"

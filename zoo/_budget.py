@@ -281,7 +281,13 @@ def step_budget(
       per-use gathers (FSDP) all-gathers and gradient reductions over data inside loops.
     - Otherwise, small all-reduces of scalars outside loops (an optimizer's own).
     - Tensor parallelism: anything over `other_axes` (never over the data axes).
+
+    With no data axes (every one of size 1 on the mesh) there is nothing to reduce over
+    data: the budget is tensor parallelism's alone.
     """
+    if not data_axes:
+        tp = (Allowance("tensor parallelism", COLLECTIVE_KINDS, "anywhere", tuple(other_axes)),) if other_axes else ()
+        return Budget(name, tp)
     splits = split_over_data or shard_optimizer
     # Gradients split over the data axes are reduced into their shards: XLA may emit
     # several reductions and merge an optimizer's per-leaf scalars into them.

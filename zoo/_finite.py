@@ -50,3 +50,24 @@ def check_finite(tree: Any, *, where: str) -> None:
         f"{where}: the weight {path_str(path)} holds NaN or inf ({bad} of its {leaf.size} values), so every output "
         "would be NaN; the checkpoint is damaged or was saved from a diverged run: use another checkpoint"
     )
+
+
+# Models already found finite, by id: a weak reference each (dropped with the model), so a
+# model is checked once however many times it generates.
+_FINITE: dict[int, Any] = {}
+
+
+def check_finite_once(model: Any, *, where: str) -> None:
+    """`check_finite(model, where=where)`, once per model object: later calls with the same
+    (immutable) model cost a dictionary look-up."""
+    import weakref
+
+    ref = _FINITE.get(id(model))
+    if ref is not None and ref() is model:
+        return
+    check_finite(model, where=where)
+    key = id(model)
+    try:
+        _FINITE[key] = weakref.ref(model, lambda _, key=key: _FINITE.pop(key, None))
+    except TypeError:  # not weakly referable: checked at every call
+        pass

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_ids
+from ._finite import check_finite_once
 from ._kernels import eigen_matmuls
 from ._reduced import gather_over
 from ._sampling import apply_repetition_penalty, check_sampling, next_token, seen_tokens
@@ -468,6 +469,8 @@ def generate(
         raise TypeError(
             f"generate needs a decoder (zoo.models.Transformer), got {type(model).__name__}; encoders do not generate text"
         )
+    # Weights holding NaN give NaN logits, whose argmax (token 0) looks like an answer.
+    check_finite_once(model, where="zoo.generate's model")
     tokens_np = _tokens_of(tokens)
     b, s = tokens_np.shape
     max_new_tokens = _check_length(max_new_tokens, s, model.config.max_len)

@@ -57,11 +57,32 @@ class Preset:
     def budget(self) -> Budget:
         """The collectives a `zoo.TrainStep` with this preset may hold (`zoo.Budget`): the
         gradient reduction over the batch's mesh axes once outside loops, the gathers its
-        layout implies, and anything over the other mesh axes it names (tensor parallelism)."""
+        layout implies, and anything over the other mesh axes it names (tensor parallelism).
+        Every mesh axis is taken to have several devices; `budget_on(mesh)` is the budget
+        on one mesh (where an axis of size 1 communicates nothing)."""
+        return self.budget_on(None)
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh axes its layout names, in order of first use."""
+        return tuple(dict.fromkeys(a for value in self.layout.values() for a in _axes_tuple(value)))
+
+    def budget_on(self, mesh: Any) -> Budget:
+        """This preset's budget on `mesh` (a `Mesh`, an abstract mesh, a `{axis: size}`
+        mapping, or `None` for `budget`'s): mesh axes of size 1 carry no collective, so a
+        data axis of size 1 holds no gradient reduction (nothing to add up) and splits
+        nothing over it, and a model axis of size 1 no tensor parallelism.
+
+        **Returns:** a `zoo.Budget`."""
         from ._budget import step_budget
 
-        data = _axes_tuple(self.layout.get("batch"))
-        named = {a for value in self.layout.values() for a in _axes_tuple(value)}
+        shape = None if mesh is None else dict(getattr(mesh, "shape", mesh))
+
+        def several(axis: str) -> bool:  # an axis the mesh lacks has one device
+            return shape is None or shape.get(axis, 1) > 1
+
+        data = tuple(a for a in _axes_tuple(self.layout.get("batch")) if several(a))
+        named = {a for value in self.layout.values() for a in _axes_tuple(value) if several(a)}
         split = any(set(_axes_tuple(v)) & set(data) for k, v in self.layout.items() if k != "batch")
         return step_budget(
             self.name,

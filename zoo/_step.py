@@ -256,10 +256,12 @@ class TrainStep:
         """The budget this step's program is checked against for `model` (see `budget`)."""
         if self.budget != "default":
             return self.budget
-        if self.preset is not None:
-            return self.preset.budget
         mesh = jax.sharding.get_abstract_mesh()
-        data = tuple(a for a in self.data_axes if a in mesh.shape)
+        if self.preset is not None:
+            # Its budget for several devices on every axis, unless the mesh gives one axis one device.
+            single = not mesh.empty and any(mesh.shape.get(a, 1) == 1 for a in self.preset.mesh_axes)
+            return self.preset.budget_on(mesh) if single else self.preset.budget
+        data = tuple(a for a in self.data_axes if mesh.shape.get(a, 1) > 1)
         return step_budget(
             "this step's",
             data_axes=data,

@@ -54,6 +54,17 @@ CASES += [(f"transformer+lora+{objective}", preset, _DP_MESH, "explicit")
 CASES += [("transformer+3adapters", preset, _DP_MESH, "explicit") for preset in ("dp", "fsdp-once")]
 K_ADAPTERS = 3
 
+# Meshes with axes of size 1, which every preset accepts: a data axis of size 1 holds no
+# gradient reduction (nothing to add up over it; the preset's budget on that mesh,
+# `Preset.budget_on`, expects none), a model axis of size 1 no tensor parallelism.
+CASES += [("transformer", preset, {"data": 1}, "explicit") for preset in ("dp", "fsdp", "fsdp-once", "zero1")]
+CASES += [
+    ("transformer", preset, mesh, "explicit")
+    for preset in ("tp", "fsdp+tp")
+    for mesh in ({"data": 1, "model": 2}, {"data": 4, "model": 1})
+]
+CASES += [("mlp", "dp", {"data": 1}, "shard_map"), ("transformer+lora", "tp", {"data": 1, "model": 2}, "explicit")]
+
 
 def case_name(model: str, preset: str, mesh: dict, mode: str) -> str:
     return f"{model}/{preset}/{','.join(f'{k}={v}' for k, v in mesh.items())}/{mode}"

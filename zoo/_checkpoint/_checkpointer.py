@@ -306,7 +306,10 @@ class Checkpointer:
 
         Without `step`, a damaged newer checkpoint (unreadable, truncated, an empty folder)
         is skipped and deleted: it can never be restored, and the next saves would collide
-        with its step. Every process must call it alike (each deletes what it can).
+        with its step. Every process must call it alike (each deletes what it can). A
+        read-only checkpointer deletes nothing (the run writing the directory owns it), and
+        a checkpoint that vanished while it was read (a writer's `keep` deleted it) is no
+        damage: it looks again at the steps there now.
 
         **Returns:** `(restored, skipped)`: the `Restored` checkpoint and the `(step, why)`
         of each damaged checkpoint deleted on the way (newest first).
@@ -317,26 +320,42 @@ class Checkpointer:
         import logging
         import shutil
 
-        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         skipped: list[tuple[int, str]] = []
         absl = logging.getLogger("absl")
-        for n in candidates:
-            level = absl.level
-            absl.setLevel(max(level, logging.ERROR))  # orbax's own warnings about the damage: ours names it
-            try:
-                restored = self.restore(like, step=n)
-            except DamagedCheckpointError as e:
-                if step is not None:
-                    raise
-                skipped.append((n, e.reason))
-                continue
-            finally:
-                absl.setLevel(level)
-            if skipped:
-                for k, _ in skipped:
-                    shutil.rmtree(os.path.join(self.directory, str(k)), ignore_errors=True)
-                self._manager.reload()  # it lists the steps it saw when opened
-            return restored, skipped
+        # A read-only look at a directory a run is saving into may find its newest steps gone
+        # (the writer's `keep`): it looks again at what is there now, a few times.
+        for _ in range(3 if self.read_only and step is None else 1):
+            vanished = False
+            for n in [step] if step is not None else sorted(self.steps(), reverse=True):
+                if any(k == n for k, _ in skipped):
+                    continue
+                level = absl.level
+                absl.setLevel(max(level, logging.ERROR))  # orbax's own warnings about the damage: ours names it
+                try:
+                    restored = self.restore(like, step=n)
+                except DamagedCheckpointError as e:
+                    if step is not None:
+                        raise
+                    if self.read_only and not os.path.isdir(os.path.join(self.directory, str(n))):
+                        vanished = True  # deleted by the writer while we read it: not damaged
+                        continue
+                    skipped.append((n, e.reason))
+                    continue
+                finally:
+                    absl.setLevel(level)
+                if skipped and not self.read_only:
+                    for k, _ in skipped:
+                        shutil.rmtree(os.path.join(self.directory, str(k)), ignore_errors=True)
+                    self._manager.reload()  # it lists the steps it saw when opened
+                return restored, skipped
+            if not vanished:
+                break
+            self._manager.reload()
+        if not skipped:
+            raise CheckpointError(
+                f"the checkpoints of {self.directory} were deleted while being read (a run saving into it keeps "
+                "only its newest); try again"
+            )
         what = "; ".join(f"step {k}: {why}" for k, why in skipped)
         raise DamagedCheckpointError(
             f"every checkpoint in {self.directory} is damaged ({what})", step=None, reason=what

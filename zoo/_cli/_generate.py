@@ -146,7 +146,15 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
     if _hf_folder(folder / "model"):
         return folder / "model", adapter_dir, f"the model of the run {folder}"
     run = _read_json(folder / "config.json")
-    if run is not None and (folder / "adapter" / "adapter_config.json").is_file():
+    named = _named_adapters(folder / "adapter") if run is not None else []
+    if named and adapter_dir is None:  # several adapters trained at once: which one is the user's to say
+        first = folder / "adapter" / named[0]
+        raise CLIError(
+            f"SOURCE {source}: a run of {len(named)} adapters ({', '.join(named)}); zoo generate takes one: "
+            f"--adapter {first} (any adapter/NAME); zoo serve BASE serves them all: --adapter {named[0]}={first} "
+            "for each, BASE its config.json's init"
+        )
+    if run is not None and ((folder / "adapter" / "adapter_config.json").is_file() or named):
         init = run.get("init")
         if not init:
             raise CLIError(f"SOURCE {source}: its config.json names no --init base model for the adapter in adapter/")
@@ -166,6 +174,13 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
         f"SOURCE {source}: neither a Hugging Face model folder (config.json with model_type + model.safetensors) "
         "nor a `zoo train` / `zoo finetune` output folder"
     )
+
+
+def _named_adapters(folder: Path) -> list[str]:
+    """The adapters of a run that trained several (`adapter/NAME/adapter_config.json`)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if (p / "adapter_config.json").is_file())
 
 
 def _refusal(message: str, error: BaseException) -> CLIError:

@@ -64,6 +64,10 @@ def cmd_serve(args) -> int:
         import zoo.serve
     except ImportError as e:
         raise CLIError(str(e)) from e
+    try:  # before anything loads or compiles
+        zoo.serve.check_address(args.host, args.port)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     import zoo
 
     folder, run_adapter, _ = resolve_source(args.source, None)
@@ -88,6 +92,8 @@ def cmd_serve(args) -> int:
             model, slots=args.slots, max_len=max_len, max_queue=args.max_queue, adapters=flags,
             max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank, lora_targets=targets,
         )  # fmt: skip
+    except MemoryError as e:  # the cache or queue asked for: the line names the flag and a value that fits
+        raise CLIError(str(e)) from None
     except ValueError as e:
         raise CLIError(f"--adapter: {str(e).splitlines()[0]}") from None
     if engine.bank is not None:

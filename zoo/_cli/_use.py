@@ -16,6 +16,11 @@ from typing import Any
 from ._common import CLIError, init_devices
 
 
+def _check_batch_size(args) -> None:
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be >= 1 (rows per forward pass), got {args.batch_size}")
+
+
 def _load(folder: str, command: str):
     """The run in `folder` on one device; its notes on stderr."""
     init_devices(1)
@@ -67,6 +72,7 @@ def _read_inputs(path: Path, regressor: bool) -> list[Any]:
 
 def cmd_predict(args) -> int:
     """Load RUN, read the inputs, print one prediction per input."""
+    _check_batch_size(args)
     run = _load(args.run, "predict")
     if run.kind == "lm":
         raise CLIError(f"RUN {args.run} is a language model run: it predicts no labels; use zoo generate {args.run}")
@@ -108,6 +114,7 @@ def _table(scores: dict[str, Any]) -> list[str]:
 
 def cmd_eval(args) -> int:
     """Load RUN, evaluate it on --data, print the scores."""
+    _check_batch_size(args)
     run = _load(args.run, "eval")
     scores = run.evaluate(args.data, batch_size=args.batch_size)
     if args.json:

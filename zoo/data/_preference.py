@@ -77,6 +77,7 @@ def preference_rows(
     arrays = {f"{side}_{k}": np.full((n, seq_len), pad_id if k == "tokens" else 0, np.int32)
               for side in ("chosen", "rejected") for k in ("tokens", "mask", "completion")}  # fmt: skip
     cut = 0
+    same: list[tuple[str, bool]] = []  # pairs whose two completions train as one: (where, made so by the cut)
     for i, (record, where) in enumerate(zip(records, wheres)):
         prompt_text, chosen_text, rejected_text = _texts(record, chat_template, system, where)
         conversation = not isinstance(record["prompt"], str)
@@ -99,9 +100,21 @@ def preference_rows(
             if len(prompt) > max_prompt:
                 prompt = prompt[-max_prompt:] if truncation == "keep_end" else prompt[:max_prompt]
             completions = [ids[: seq_len - len(prompt)] for ids in completions]
+        if completions[0] == completions[1]:
+            same.append((where, chosen_text != rejected_text))
+            continue
         for name, ids in zip(("chosen", "rejected"), completions):
             row = prompt + ids
             arrays[f"{name}_tokens"][i, : len(row)] = row
             arrays[f"{name}_mask"][i, : len(row)] = 1
             arrays[f"{name}_completion"][i, len(prompt) : len(row)] = 1
+    if same:
+        # Identical completions have equal log-probabilities under any model: the pair's loss
+        # has no gradient, so it teaches nothing (and a file of only such pairs, nothing at all).
+        where, by_cut = same[0]
+        why = f" once cut to seq_len {seq_len} (raise seq_len)" if by_cut else ""
+        raise DataFormatError(
+            f"{where}: chosen and rejected are the same{why}, so the pair teaches nothing; {len(same)} of the "
+            f"{n} pairs are so: remove them or make their completions differ"
+        )
     return arrays, cut

@@ -103,6 +103,9 @@ class LoraConfig:
             )
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError(f"LoraConfig.r must be a positive int, got {self.r!r}")
+        alpha = self.lora_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+            raise ValueError(f"LoraConfig.lora_alpha must be a finite number, got {alpha!r}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.init_lora_weights not in INITS:

@@ -6,7 +6,7 @@
 - `Request`, `Handle`, `Token`, `QueueFull`: what goes in and comes out.
 - `Server` / `serve(...)`: the OpenAI API subset (`/v1/models`, `/v1/completions`,
   `/v1/chat/completions`, `/health`) over an `Engine`, on Starlette + uvicorn (the `serve`
-  extra: `pip install 'eqx-zoo[serve]'`).
+  extra: `pip install 'eqx-zoo[serve]'`); `check_address(host, port)`: whether it can listen there.
 
 docs/serving.md tells the whole story.
 """
@@ -19,12 +19,12 @@ __getattr__, __dir__ = lazy_names(
     __name__,
     {
         "._engine": ("Engine", "Handle", "QueueFull", "Request", "Token"),
-        "._http": ("Server", "serve"),
+        "._http": ("Server", "check_address", "serve"),
     },
 )
 
 if TYPE_CHECKING:
     from ._engine import Engine, Handle, QueueFull, Request, Token
-    from ._http import Server, serve
+    from ._http import Server, check_address, serve
 
-__all__ = ["Engine", "Handle", "QueueFull", "Request", "Server", "Token", "serve"]
+__all__ = ["Engine", "Handle", "QueueFull", "Request", "Server", "Token", "check_address", "serve"]

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._finite import check_finite_once
 from .._generate import decode_step, prefill, split_layers
 from .._jit import Flattened, Jit
 from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
@@ -340,7 +341,12 @@ class Engine:
             raise ValueError(f"max_len must be in [2, {limit}] (the model's max_len), got {max_len}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0):
+            raise ValueError(f"max_queue must be an int >= 0 or None, got {max_queue!r}")
         self.slots, self.max_len, self.max_queue = int(slots), max_len, max_queue
+        check_room(model, self.slots, max_len, max_queue)  # before anything is allocated
+        # Weights holding NaN give NaN logits, whose argmax (token 0) looks like an answer.
+        check_finite_once(model, where="the Engine's model")
         self.bank = _bank(model, dict(adapters or {}), max_adapters, max_lora_rank, lora_targets)
         self._use(model if self.bank is None else self.bank.model)
         self._draining: set[int] = set()  # unloaded adapters' slots, freed when their requests end
@@ -472,6 +478,7 @@ class Engine:
         if isinstance(lora_model, str | os.PathLike):
             lora_model = read_adapter(self.bank.base, lora_model)
         self.bank.check(lora_model)
+        check_finite_once(lora_model, where=f"adapter {name!r}")
         with self._lock:
             if name in self.adapters:
                 raise ValueError(f"an adapter named {name!r} is already served; unload it first, or pick another name")
@@ -806,6 +813,64 @@ class Engine:
         self._release(handle)
         self.finished[reason] = self.finished.get(reason, 0) + 1
         handle._emit(None)
+
+
+# Host bytes a waiting request may hold per token of its prompt (a Python list of ints).
+_QUEUED_TOKEN_BYTES = 40
+
+
+def free_bytes(device) -> int | None:
+    """Bytes free for new buffers on `device`: its allocator's limit less what is in use
+    (an accelerator), else the host's available memory (`MemAvailable`); None if unknown."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cache_bytes(config, slots: int, max_len: int) -> int:
+    """Bytes of an engine's key/value cache: keys and values of every layer, `slots` rows of
+    `max_len` columns, in the model's compute dtype (and the decode step's copy of a row's
+    logits, float32)."""
+    head_dim = config.head_dim or config.d_model // config.num_heads
+    kv_heads = config.kv_heads
+    itemsize = jnp.dtype(config.compute_dtype).itemsize
+    return 2 * config.num_layers * slots * max_len * kv_heads * head_dim * itemsize + 4 * slots * config.vocab_size
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_room(model, slots: int, max_len: int, max_queue: int | None) -> None:
+    """Raise `MemoryError` (one line: the limit at fault and a value that fits) unless the
+    cache of `slots` x `max_len` and a full queue fit in the memory free on the model's device."""
+    device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
+    free = free_bytes(device)
+    if free is None:
+        return
+    need = cache_bytes(model.config, slots, max_len)
+    if need > free:
+        fits = max(free // max(cache_bytes(model.config, 1, max_len), 1), 0)
+        hint = f"at most {fits:,} slots of {max_len} tokens fit" if fits else "lower max_len"
+        raise MemoryError(
+            f"slots={slots:,} x max_len={max_len:,}: the key/value cache needs {_size(need)} and {_size(free)} is free "
+            f"on {device.platform}: {hint} (zoo serve --slots / --max-len)"
+        )
+    queued = 0 if max_queue is None else max_queue * max_len * _QUEUED_TOKEN_BYTES
+    if queued > free - need:
+        fits = max((free - need) // (max_len * _QUEUED_TOKEN_BYTES), 0)
+        raise MemoryError(
+            f"max_queue={max_queue:,}: a full queue of prompts of up to {max_len} tokens needs {_size(queued)} and "
+            f"{_size(free - need)} is left beside the cache: at most {fits:,} fit (zoo serve --max-queue)"
+        )
 
 
 class QueueFull(RuntimeError):

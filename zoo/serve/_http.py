@@ -14,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import dataclasses
 import json
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ._engine import AdapterSlotsFull, Engine, Handle, QueueFull, Request, Token
+from ._engine import TOP_LOGPROBS, AdapterSlotsFull, Engine, Handle, QueueFull, Request, Token
 
 try:
     import uvicorn
@@ -69,6 +71,12 @@ class Text:
         if self.tokenizer is None:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return self.tokenizer.decode(ids)
+
+    def token_bytes(self, token: int) -> list[int]:
+        """One token's own bytes (chat logprobs' `bytes`)."""
+        if self.tokenizer is None:
+            return [token] if token < 256 else []
+        return list(self.decode([token]).encode("utf-8"))
 
     def piece(self, token: int) -> str:
         """One token's own text (logprobs' `tokens`)."""
@@ -158,6 +166,98 @@ def _prompts(body: dict, text: Text) -> list[list[int]]:
     )
 
 
+# -- what the API has that the engine does not do ------------------------------------------
+
+# OpenAI request fields this server does not implement, refused (400 naming the field) unless
+# given as their "off" value, so a client never believes it got what it asked for.
+_NOT_DONE = {
+    "tools": "tool calls",
+    "tool_choice": "tool calls",
+    "functions": "function calls",
+    "function_call": "function calls",
+    "parallel_tool_calls": "tool calls",
+    "response_format": "structured output (only {'type': 'text'})",
+    "suffix": "insertion (suffix)",
+    "best_of": "best_of above 1",
+    "logit_bias": "logit_bias",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "audio": "audio output",
+    "modalities": "modalities other than text",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "reasoning_effort": "reasoning_effort",
+}
+
+
+def _off(name: str, value) -> bool:
+    """Whether `value` of the refused field `name` asks for nothing (its default)."""
+    if value is None or value in ([], {}, ""):
+        return True
+    if name == "response_format":
+        return value == {"type": "text"}
+    if name == "modalities":
+        return value == ["text"]
+    if name in ("presence_penalty", "frequency_penalty"):
+        return not isinstance(value, bool) and value == 0
+    if name == "best_of":
+        return not isinstance(value, bool) and value == 1
+    if name in ("tool_choice", "function_call"):
+        return value == "none"
+    return name == "parallel_tool_calls" and isinstance(value, bool)
+
+
+def refuse_unsupported(body: dict) -> None:
+    """Raise `BadRequest` naming the first field of `body` this server does not implement
+    (`_NOT_DONE`), unless it is given as its off value."""
+    for name, what in _NOT_DONE.items():
+        if name in body and not _off(name, body[name]):
+            raise BadRequest(f"{name}: this server does not implement {what}; leave {name} out", name,
+                             "unsupported_parameter")  # fmt: skip
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One chat message, checked: `role` (`developer` is rendered as `system`) and its text
+    (a string, or OpenAI content parts of type `text`, joined)."""
+
+    role: str
+    content: str
+
+    @classmethod
+    def read(cls, value, index: int) -> Message:
+        where = f"messages[{index}]"
+        if not isinstance(value, dict):
+            raise BadRequest(f"{where} must be an object with role and content", "messages")
+        role = value.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"{where}.role must be one of {list(_ROLES)}, got {role!r}", f"{where}.role")
+        for name in ("tool_calls", "function_call", "audio"):
+            if value.get(name) is not None:
+                raise BadRequest(f"{where}.{name}: this server does not implement tool calls", f"{where}.{name}",
+                                 "unsupported_parameter")  # fmt: skip
+        content = value.get("content")
+        if isinstance(content, list):
+            texts = []
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(
+                        f"{where}.content[{k}]: only parts of type 'text' with a string 'text' are served, got "
+                        f"{kind if kind is not None else type(part).__name__!r}",
+                        f"{where}.content",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            got = "no content" if content is None else f"content of type {type(content).__name__}"
+            raise BadRequest(f"{where} has {got}: give a string or a list of text parts", f"{where}.content")
+        return cls("system" if role == "developer" else role, content)
+
+
 class _Sampling:
     """The sampling fields common to both endpoints, checked."""
 
@@ -221,6 +321,9 @@ class Server:
         self.adapter_paths = dict(adapter_paths or {})
         self.chat_template, self.eos_id = chat_template, eos_id
         self.created = int(time.time())
+        # Set by the first SIGTERM / SIGINT (`serve`): new requests get 503 while those in
+        # flight finish; the server then stops.
+        self.draining = False
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -307,6 +410,9 @@ class Server:
 
     async def _answer(self, request: HTTPRequest, *, chat: bool):
         try:
+            if self.draining:
+                raise BadRequest("the server is shutting down and takes no new requests; retry on another server",
+                                 None, "server_shutting_down", 503)  # fmt: skip
             body = await self._body(request)
             plan = self._chat_plan(body) if chat else self._completion_plan(body)
             handles = self._submit(plan)
@@ -346,6 +452,7 @@ class Server:
         return body
 
     def _completion_plan(self, body: dict) -> dict:
+        refuse_unsupported(body)
         sampling = _Sampling(body, self.engine.vocab)
         prompts = _prompts(body, self.text)
         echo = body.get("echo", False)
@@ -361,22 +468,31 @@ class Server:
     def _chat_plan(self, body: dict) -> dict:
         if self.chat_template is None:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+        refuse_unsupported(body)
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+        messages = [Message.read(m, i) for i, m in enumerate(messages)]
         sampling = _Sampling(body, self.engine.vocab)
         if body.get("max_completion_tokens") is not None:
             sampling.max_tokens = _number(body, "max_completion_tokens", None, int, 1)
+        logprobs = body.get("logprobs", False)
+        if not isinstance(logprobs, bool | None):
+            raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+        top = _number(body, "top_logprobs", None, int, 0, TOP_LOGPROBS)
+        if top is not None and not logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         try:
-            rendered = self.chat_template.render(messages, add_generation_prompt=True)
+            rendered = self.chat_template.render([dataclasses.asdict(m) for m in messages], add_generation_prompt=True)
         except Exception as e:  # a template's raise_exception, a missing field
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
         prompt = self.text.encode(rendered, special_tokens=False)
         max_tokens = self.engine.max_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
         if max_tokens < 1:
             raise BadRequest("max_tokens must be >= 1", "max_tokens")
-        return {"sampling": sampling, "prompts": [prompt], "echo": False, "logprobs": None, "max_tokens": max_tokens,
-                "adapter": self._adapter(body), "model": body["model"]}  # fmt: skip
+        return {"sampling": sampling, "prompts": [prompt], "echo": False, "max_tokens": max_tokens,
+                "logprobs": (top or 0) if logprobs else None, "adapter": self._adapter(body),
+                "model": body["model"]}  # fmt: skip
 
     def _adapter(self, body: dict) -> str | None:
         return None if body["model"] == self.model_name else body["model"]
@@ -397,6 +513,15 @@ class Server:
             for i, p in enumerate(plan["prompts"])
             for j in range(sampling.n)
         ]
+        room = self.engine.max_queue
+        if room is not None and len(requests) > room:  # never fits, however long the client waits: no 429
+            param = "n" if sampling.n > 1 else "prompt"
+            raise BadRequest(
+                f"this request asks for {len(requests)} completions ({len(plan['prompts'])} prompts x n={sampling.n}), "
+                f"more than this server's queue ever holds ({room}, zoo serve --max-queue); send at most {room} "
+                "per request",
+                param,
+            )
         for _, r in requests:
             try:
                 self.engine.check(r)
@@ -432,6 +557,14 @@ class Server:
             "top_logprobs": [{self.text.piece(i): v for i, v in t.top[:top]} for t in tokens],
             "text_offset": offsets,
         }
+
+    def _chat_logprob(self, token: Token, top: int) -> dict:
+        """One token's entry of a chat choice's `logprobs.content`, as OpenAI writes it."""
+
+        def entry(ident: int, value: float) -> dict:
+            return {"token": self.text.decode([ident]), "logprob": value, "bytes": self.text.token_bytes(ident)}
+
+        return entry(token.id, token.logprob) | {"top_logprobs": [entry(i, v) for i, v in token.top[:top]]}
 
     def _prompt_part(self, prompt: list[int], handle: Handle, top: int) -> tuple[str, dict | None]:
         text = self.text.decode(prompt)
@@ -479,7 +612,9 @@ class Server:
             completion_tokens += count
             if chat:
                 message = {"role": "assistant", "content": text}
-                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
+                shown = [t for t in tokens if t.id not in handle.request.stop_ids]
+                logprobs = None if top is None else {"content": [self._chat_logprob(t, top) for t in shown]}
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
                 continue
             logprobs = None
             prefix = ""
@@ -521,7 +656,8 @@ class Server:
 
         def choice(index, text, reason=None, logprobs=None):
             if chat:
-                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
+                out = {"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
+                return out | ({"logprobs": logprobs} if logprobs is not None else {})
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         merged: asyncio.Queue = asyncio.Queue()
@@ -562,8 +698,13 @@ class Server:
                 piece = detok.add(token.id)
                 if detok.stopped:
                     handle.cancel()
-                if piece or (top is not None and not chat):
-                    logprobs = None if top is None else self._logprobs([token], top, 0)
+                if piece or top is not None:
+                    if top is None:
+                        logprobs = None
+                    elif chat:
+                        logprobs = {"content": [self._chat_logprob(token, top)]}
+                    else:
+                        logprobs = self._logprobs([token], top, 0)
                     yield chunk([choice(k, piece, None, logprobs)])
             if sampling.include_usage:
                 prompt_tokens = sum(len(p) for p in plan["prompts"])
@@ -579,17 +720,53 @@ class Server:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, saying where it listens and "ready" once it does."""
+    """uvicorn's server, saying where it listens and "ready" once it does. The first
+    SIGTERM / SIGINT drains: the app answers new requests 503 (`Server.draining`) while the
+    engine finishes those in flight, then uvicorn shuts down; a second Ctrl-C forces it."""
 
-    def __init__(self, config, announce):
+    def __init__(self, config, announce, app: Server | None = None):
         super().__init__(config)
-        self.announce = announce
+        self.announce, self.app = announce, app
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.app is None or self.app.draining:
+            return super().handle_exit(sig, frame)
+        self.app.draining = True
+        engine = self.app.engine
+
+        def drain():
+            while engine.error is None and (engine.active or engine.waiting):
+                time.sleep(0.02)
+            super(_Uvicorn, self).handle_exit(sig, frame)
+
+        threading.Thread(target=drain, name="zoo-serve-drain", daemon=True).start()
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self.announce(host, port)
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise `ValueError` (one line, the fix in it) unless `host:port` can be listened on:
+    `port` in [0, 65535] (0: any free one), `host` an address of this machine, the port free."""
+    import socket
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port is in [0, 65535] (0: any free port)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r}: not an address or name of this machine ({e}); e.g. 127.0.0.1") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
+                             "pick another --port (0: any free one)") from None  # fmt: skip
 
 
 def serve(
@@ -618,7 +795,7 @@ def serve(
     # turns that into a clean return (exit 0 after a graceful SIGTERM).
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        _Uvicorn(config, announce or default).run()
+        _Uvicorn(config, announce or default, server).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
     if server.engine.error is not None:

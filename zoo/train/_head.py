@@ -17,6 +17,7 @@ import numpy as np
 import safetensors.numpy
 
 from .._files import atomic_write, to_host
+from ._errors import ConfigError
 
 LABELS_NAME = "labels.json"
 HEAD_NAME = "head.safetensors"
@@ -27,13 +28,27 @@ _PARTS = ("pooler", "head")
 
 def read_labels(folder: Path) -> tuple[str, ...] | None:
     """The label names a run folder's labels.json holds (label `i` is the `i`-th), or None
-    without one (a run of an older zoo, or no classifier)."""
-    try:
-        value = json.loads((folder / LABELS_NAME).read_text())
-    except (OSError, ValueError):
+    without one (a run of an older zoo, or no classifier).
+
+    **Raises:** `ConfigError` for a labels.json that is there but damaged (not JSON, no
+    list of names, a name repeated): reading on would name the classes wrongly."""
+    path = folder / LABELS_NAME
+    if not path.is_file():
         return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is damaged ({type(e).__name__}: {str(e).splitlines()[0]}); restore it, or train "
+                          "the run again") from None  # fmt: skip
     labels = value.get("labels") if isinstance(value, dict) else None
-    return tuple(str(x) for x in labels) if isinstance(labels, list) else None
+    if not isinstance(labels, list) or not labels or not all(isinstance(x, str | int) for x in labels):
+        raise ConfigError(
+            f'{path} is damaged: it holds no {{"labels": [names...]}}; restore it, or train the run again'
+        )
+    names = tuple(str(x) for x in labels)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path} is damaged: a label name appears twice; restore it, or train the run again")
+    return names
 
 
 def head_tensors(model: Any) -> dict[str, np.ndarray]:

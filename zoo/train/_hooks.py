@@ -189,9 +189,14 @@ class MetricsLog(Hook):
         # A resumed run keeps the rows up to its start; at the last step (a run killed after
         # its final checkpoint) the final evaluation is redone.
         redo = ("eval", state.step) if state.step == state.steps else None
+
+        def torn(number: int, text: str) -> None:  # said, not dropped silently
+            print(f"zoo: note: {self.path} line {number} was cut off mid-write ({text[:40]!r}...) by the run that "
+                  f"stopped: dropped (the resumed run records the steps after {state.step} anew)", file=sys.stderr)  # fmt: skip
+
         kept = [
             r
-            for r in (read_metrics(self.path) if state.step else [])
+            for r in (read_metrics(self.path, torn) if state.step else [])
             if r.get("step", 0) <= state.step and (r.get("kind"), r.get("step")) != redo
         ]
         self._file = Metrics(self.path)

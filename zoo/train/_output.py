@@ -62,8 +62,9 @@ class Metrics:
         self._file.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (for the plot of a resumed run, and for tests)."""
+def read_metrics(path: Path, on_torn: Any = None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (for the plot of a resumed run, and for tests). A last
+    line cut off by a crash mid-write is dropped, and `on_torn(line number, its text)` told."""
     if not path.exists():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -73,6 +74,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             rows.append(json.loads(line))
         except ValueError:
             if i == len(lines) - 1:  # a last line cut off by a crash mid-write: dropped
+                if on_torn is not None:
+                    on_torn(i + 1, line)
                 break
             raise
     return rows

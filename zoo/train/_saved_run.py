@@ -18,6 +18,7 @@ import math
 import re
 import shutil
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -218,8 +219,9 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
     """The model of the run's newest intact checkpoint, its tokenizer's folder, label names
     and where it came from."""
     directory = checkpoint_dir(c, folder)
-    with Checkpointer(directory, keep=None, async_save=False) as checkpointer:
-        if not checkpointer.steps():
+    # Read-only: a run may still be training into it (its saves in flight stay untouched).
+    with Checkpointer(directory, read_only=True) if directory.is_dir() else nullcontext() as checkpointer:
+        if checkpointer is None or not checkpointer.steps():
             saved = "a classifier's head (model/head.safetensors), " if spec.classifier else ""
             raise ConfigError(
                 f"{folder} holds no trained weights: no adapter/, model/ ({saved}written at a run's end) or checkpoint "
@@ -292,6 +294,8 @@ def encode(run: SavedRun, texts: Sequence[str]) -> dict[str, np.ndarray]:
 def forward(run: SavedRun, arrays: dict[str, np.ndarray], *, batch_size: int = 64) -> np.ndarray:
     """The model's outputs on every row of `arrays` (`tokens`/`mask`/`token_types`, or `x`),
     float32 numpy, in chunks of `batch_size` rows (the last padded: one compiled shape)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1 (rows per forward pass), got {batch_size!r}")
     fn = _regress if run.kind == "regression" else _classify
     n = len(next(iter(arrays.values())))
     rows = max(1, min(n, batch_size))

@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+# Classifiers with at most this many classes list every one in `per_class`.
+ALL_CLASSES_UP_TO = 1024
+
 
 def classification_scores(labels: Any, predictions: Any, label_names: Sequence[str]) -> dict[str, Any]:
     """Accuracy, macro-F1 and per-class scores of predicted label ids against the true ones.
@@ -24,7 +27,10 @@ def classification_scores(labels: Any, predictions: Any, label_names: Sequence[s
     `label_names[i]`), `label_names` every class's name.
 
     **Returns:** `{"examples", "accuracy", "macro_f1", "per_class": {name: {"precision",
-    "recall", "f1", "support"}}}` (every class of `label_names`, in order).
+    "recall", "f1", "support"}}}` (every class of `label_names`, in order; beyond
+    `ALL_CLASSES_UP_TO` classes, those that occur among the labels or the predictions).
+    Counted over the classes that occur, so sparse ids (labels 0 and 1000000) cost what
+    their examples do, not a dense table over the id range.
     """
     labels, predictions = np.asarray(labels).reshape(-1), np.asarray(predictions).reshape(-1)
     if labels.shape != predictions.shape:
@@ -32,27 +38,30 @@ def classification_scores(labels: Any, predictions: Any, label_names: Sequence[s
     k = len(label_names)
     if labels.size and not (0 <= min(labels.min(), predictions.min()) and max(labels.max(), predictions.max()) < k):
         raise ValueError(f"label ids must be in [0, {k}) for the {k} label_names")
-    both = np.zeros((k, k), np.int64)  # both[true, predicted]
-    np.add.at(both, (labels, predictions), 1)
+    occur, index = np.unique(np.concatenate([labels, predictions]), return_inverse=True)
+    m = len(occur)
+    both = np.zeros((m, m), np.int64)  # both[true, predicted], over the classes that occur
+    np.add.at(both, (index[: labels.size], index[labels.size :]), 1)
     hits, support, predicted = np.diag(both), both.sum(axis=1), both.sum(axis=0)
-    precision = np.divide(hits, predicted, out=np.zeros(k), where=predicted > 0)
-    recall = np.divide(hits, support, out=np.zeros(k), where=support > 0)
+    precision = np.divide(hits, predicted, out=np.zeros(m), where=predicted > 0)
+    recall = np.divide(hits, support, out=np.zeros(m), where=support > 0)
     total = precision + recall
-    f1 = np.divide(2 * precision * recall, total, out=np.zeros(k), where=total > 0)
-    present = (support > 0) | (predicted > 0)
+    f1 = np.divide(2 * precision * recall, total, out=np.zeros(m), where=total > 0)
+    at = {int(c): i for i, c in enumerate(occur)}
+    shown = range(k) if k <= ALL_CLASSES_UP_TO else occur.tolist()
+
+    def scores(c: int) -> dict[str, Any]:
+        i = at.get(c)
+        if i is None:  # neither a label nor a prediction
+            return {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 0}
+        return {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]),
+                "support": int(support[i])}  # fmt: skip
+
     return {
         "examples": int(labels.size),
         "accuracy": float(hits.sum() / labels.size) if labels.size else None,
-        "macro_f1": float(f1[present].mean()) if present.any() else None,
-        "per_class": {
-            str(name): {
-                "precision": float(precision[i]),
-                "recall": float(recall[i]),
-                "f1": float(f1[i]),
-                "support": int(support[i]),
-            }
-            for i, name in enumerate(label_names)
-        },  # fmt: skip
+        "macro_f1": float(f1.mean()) if m else None,
+        "per_class": {str(label_names[c]): scores(int(c)) for c in shown},
     }
 
 

@@ -41,6 +41,12 @@ def _lora_value(key: str, value: str) -> Any:
         return int(value)
     if key in ("alpha", "dropout"):
         number = float(value)  # ValueError names the value
+        if not math.isfinite(number):
+            raise ValueError(f"{key}={value} is not a finite number")
+        if key == "alpha" and number == 0:  # the branches' scale: every adapter's output times 0
+            raise ValueError(
+                "alpha=0 scales every adapter's output by 0, so the run would learn nothing; give alpha > 0"
+            )
         return int(number) if key == "alpha" and number.is_integer() and "." not in value else number
     if key == "trainable_token_indices":
         ids = [i.strip() for i in value.split("+")]

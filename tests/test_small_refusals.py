@@ -1,0 +1,56 @@
+"""The smaller refusals: `zoo predict/eval --batch-size 0`, a damaged labels.json, a torn
+metrics row on resume (said, not dropped silently); each one line, no traceback."""
+
+import json
+
+import pytest
+from helpers import one_line_error, zoo_main
+
+from zoo.train._errors import ConfigError
+from zoo.train._head import read_labels
+from zoo.train._hooks import MetricsLog, TrainState
+
+
+@pytest.mark.parametrize("command", ["predict", "eval"])
+@pytest.mark.parametrize("size", ["0", "-3"])
+def test_batch_size_below_1_is_refused_before_loading(command, size, tmp_path):
+    extra = ["--text", "x"] if command == "predict" else ["--data", tmp_path / "d.jsonl"]
+    rc, _, err = zoo_main(command, tmp_path / "no-run", *extra, "--batch-size", size)
+    one_line_error(rc, err, f"--batch-size must be >= 1 (rows per forward pass), got {size}")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"labels": ["a", "b"', "is damaged (JSONDecodeError"),
+        ('{"labels": "ab"}', 'is damaged: it holds no {"labels": [names...]}'),
+        ("[1, 2]", 'is damaged: it holds no {"labels": [names...]}'),
+        ('{"labels": []}', 'is damaged: it holds no {"labels": [names...]}'),
+        ('{"labels": ["a", "a"]}', "is damaged: a label name appears twice"),
+    ],
+)
+def test_a_damaged_labels_json_is_refused(tmp_path, text, message):
+    (tmp_path / "labels.json").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        read_labels(tmp_path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert "restore it, or train the run again" in str(e.value)
+
+
+def test_labels_json_absent_or_whole_reads_as_before(tmp_path):
+    assert read_labels(tmp_path) is None
+    (tmp_path / "labels.json").write_text(json.dumps({"labels": ["cats", "dogs", 3]}))
+    assert read_labels(tmp_path) == ("cats", "dogs", "3")
+
+
+def test_a_torn_metrics_row_on_resume_is_said(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "st')
+    log = MetricsLog(path)
+    log.on_start(TrainState(step=3, steps=10, model=None, opt_state=None, loss=None, trainer=None))
+    log.close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"zoo: note: {path} line 4 was cut off mid-write" in err, err
+    assert "the resumed run records the steps after 3 anew" in err
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
