@@ -6,6 +6,7 @@ one data file per adapter, `--data NAME=FILE,...` (`adapter_files`, `files_text`
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
