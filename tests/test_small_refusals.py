@@ -54,3 +54,14 @@ def test_a_torn_metrics_row_on_resume_is_said(tmp_path, capsys):
     assert err.count("\n") == 1 and f"zoo: note: {path} line 4 was cut off mid-write" in err, err
     assert "the resumed run records the steps after 3 anew" in err
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_torn_row_after_the_resume_step_is_recorded_again_without_a_note(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "step": 4, "lo')
+    log = MetricsLog(path)
+    log.on_start(TrainState(step=2, steps=10, model=None, opt_state=None, loss=None, trainer=None))
+    log.close()
+    assert capsys.readouterr().err == ""  # nothing of the kept steps is lost: the run records 3 and 4 again
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
