@@ -61,7 +61,7 @@ def _snapshot(folder: Path) -> dict[str, tuple]:
 
 def test_readers_leave_a_save_in_flight_untouched(tmp_path):
     """A run mid-training (checkpoints, no model/ yet) with a save in flight (orbax's
-    temporary folder): every reader reads the newest committed step and leaves every file
+    temporary folder) and a step folder still empty: every reader reads the newest committed step and leaves every file
     and folder of the run as it was (opening the checkpoints for writing deleted the
     temporary folder, and the run died at its next save)."""
     data = tmp_path / "labels.jsonl"
@@ -77,6 +77,7 @@ def test_readers_leave_a_save_in_flight_untouched(tmp_path):
     flight = run / "checkpoints" / "3.orbax-checkpoint-tmp"
     (flight / "state").mkdir(parents=True)
     (flight / "state" / "partial").write_bytes(b"half a save")
+    (run / "checkpoints" / "4").mkdir()  # a step folder whose save has not begun writing
     before = _snapshot(run)
     texts = tmp_path / "texts.txt"
     texts.write_text("cat mat\n")

@@ -43,14 +43,25 @@ def test_labels_json_absent_or_whole_reads_as_before(tmp_path):
     assert read_labels(tmp_path) == ("cats", "dogs", "3")
 
 
+def _resume_metrics(path, torn: str, step: int) -> list[int]:
+    """Steps 1-3 then the `torn` last line in metrics.jsonl; a run resumed at `step` opens
+    it (MetricsLog.on_start); the steps of the rows it keeps."""
+    rows = [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + torn)
+    log = MetricsLog(path)
+    log.on_start(TrainState(step=step, steps=10, model=None, opt_state=None, loss=None, trainer=None))
+    log.close()
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
 def test_a_torn_metrics_row_on_resume_is_said(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    rows = [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "st')
-    log = MetricsLog(path)
-    log.on_start(TrainState(step=3, steps=10, model=None, opt_state=None, loss=None, trainer=None))
-    log.close()
+    assert _resume_metrics(path, '{"kind": "train", "st', 3) == [1, 2, 3]
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"zoo: note: {path} line 4 was cut off mid-write" in err, err
     assert "the resumed run records the steps after 3 anew" in err
-    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_torn_row_after_the_resume_step_is_recorded_again_without_a_note(tmp_path, capsys):
+    assert _resume_metrics(tmp_path / "metrics.jsonl", '{"kind": "train", "step": 4, "lo', 2) == [1, 2]
+    assert capsys.readouterr().err == ""  # nothing of the kept steps is lost: the run records 3 and 4 again

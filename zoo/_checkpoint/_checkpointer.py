@@ -31,6 +31,15 @@ from ._manifest import (
 from ._restore import plan
 
 
+def _has_files(folder: str) -> bool:
+    """Whether `folder` exists and holds anything."""
+    try:
+        with os.scandir(folder) as entries:
+            return any(True for _ in entries)
+    except OSError:
+        return False
+
+
 class Restored(NamedTuple):
     """What `Checkpointer.restore` returns: unpack it as `step, state, metadata = ...`."""
 
@@ -153,6 +162,8 @@ class Checkpointer:
         # orbax lists a step as soon as its save starts.
         if self._pending in steps and self._manager.is_saving_in_progress():
             steps.remove(self._pending)
+        if self.read_only and "://" not in self.directory:  # another process's save not begun: no step yet
+            steps = [n for n in steps if _has_files(os.path.join(self.directory, str(n)))]
         return steps
 
     def delete(self, step: int) -> None:
@@ -336,8 +347,9 @@ class Checkpointer:
                 except DamagedCheckpointError as e:
                     if step is not None:
                         raise
-                    if self.read_only and not os.path.isdir(os.path.join(self.directory, str(n))):
-                        vanished = True  # deleted by the writer while we read it: not damaged
+                    if self.read_only and not _has_files(os.path.join(self.directory, str(n))):
+                        # Deleted by the writer while we read it, or a save not begun: not damaged.
+                        vanished = True
                         continue
                     skipped.append((n, e.reason))
                     continue
@@ -350,7 +362,12 @@ class Checkpointer:
                 return restored, skipped
             if not vanished:
                 break
-            self._manager.reload()
+            level = absl.level
+            absl.setLevel(max(level, logging.ERROR))
+            try:
+                self._manager.reload()
+            finally:
+                absl.setLevel(level)
         if not skipped:
             raise CheckpointError(
                 f"the checkpoints of {self.directory} were deleted while being read (a run saving into it keeps "

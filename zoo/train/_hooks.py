@@ -10,7 +10,9 @@ run fails). Subclass `Hook` to get the optional methods as no-ops.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -190,15 +192,17 @@ class MetricsLog(Hook):
         # its final checkpoint) the final evaluation is redone.
         redo = ("eval", state.step) if state.step == state.steps else None
 
-        def torn(number: int, text: str) -> None:  # said, not dropped silently
-            print(f"zoo: note: {self.path} line {number} was cut off mid-write ({text[:40]!r}...) by the run that "
-                  f"stopped: dropped (the resumed run records the steps after {state.step} anew)", file=sys.stderr)  # fmt: skip
-
-        kept = [
-            r
-            for r in (read_metrics(self.path, torn) if state.step else [])
-            if r.get("step", 0) <= state.step and (r.get("kind"), r.get("step")) != redo
-        ]
+        cut: list[tuple[int, str]] = []
+        rows = read_metrics(self.path, lambda number, text: cut.append((number, text))) if state.step else []
+        kept = [r for r in rows if r.get("step", 0) <= state.step and (r.get("kind"), r.get("step")) != redo]
+        if cut:  # a row cut off mid-write: said when it was one of the kept steps' (not recorded again)
+            number, text = cut[0]
+            found = re.search(r'"step": *(\d+)', text)
+            step = int(found[1]) if found else (rows[-1].get("step", 0) if rows else 0)
+            if step <= state.step:
+                print(f"zoo: note: {self.path} line {number} was cut off mid-write ({text[:40]!r}...) by the run that "
+                      f"stopped: dropped (the resumed run records the steps after {state.step} anew)",
+                      file=sys.stderr)  # fmt: skip
         self._file = Metrics(self.path)
         for row in kept:
             self._file.write(row)
