@@ -10,7 +10,6 @@ run fails). Subclass `Hook` to get the optional methods as no-ops.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import sys
