@@ -885,10 +885,9 @@ def _bank(model, adapters: dict, max_adapters: int | None, max_lora_rank: int | 
     """The engine's adapter slots holding `adapters` (None: no slots asked for)."""
     if not adapters and not max_adapters:
         return None
-    from ..lora import modules
-    from ..lora._apply import ADAPTED
+    from ..lora import is_adapter, modules
 
-    if modules(model, ADAPTED):
+    if modules(model, is_adapter):
         raise ValueError(
             "serve adapters over the bare base: the engine's model already carries LoRA branches; pass "
             "zoo.lora.unload(model) as the model and the adapter models in adapters={name: model}"
