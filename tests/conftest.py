@@ -40,6 +40,10 @@ jax.config.update("jax_enable_compilation_cache", False)  # this process only
 # processes keep glibc's defaults; tests/test_host_memory.py checks it in subprocesses.
 os.environ["ZOO_NO_KEEP_MEMORY"] = "1"
 os.environ["XLA_FLAGS"] = _xla_flags
+# Tests download nothing: a model id missing from the cache (or a path that does not exist,
+# read as one) is refused offline instead of asking the Hub. tests/test_hub.py turns it off
+# against its local server.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import gc
 import sys

@@ -418,7 +418,9 @@ def test_entry_point_help_and_one_line_usage_error():
     commands = ("train", "finetune", "demo", "inspect", "info", "generate", "serve", "predict", "eval", "export")
     assert proc.returncode == 0 and all(c in proc.stdout for c in commands)
     rc, _, err = zoo_main("train", "mlp", "--stepz", "3")  # argparse's errors, in-process
-    one_line_error(rc, err, "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)")
+    one_line_error(
+        rc, err, "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)"
+    )
     rc, _, err = zoo_main("train", "mlp", "--steps", "x")
     one_line_error(rc, err, "zoo train: error: argument --steps: invalid int value: 'x'")
 
@@ -432,7 +434,7 @@ def test_entry_point_help_and_one_line_usage_error():
         (
             ["train", "mlp", "--stepz", "3"],
             2,
-            "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)",
+            "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)",
         ),
         (["train", "mlp", "--optimizer", "adamz"], 2, "argument --optimizer: invalid choice: 'adamz'"),
         (["info"], 2, "zoo info: error: the following arguments are required: model (see zoo info --help)"),
@@ -552,7 +554,7 @@ def test_errors_in_fresh_processes(tmp_path):
                   ("zoo: error: --batch-size 36 is not divisible by data-parallel size 8 x microbatches 4 = 32; "
                    "use a multiple of 32, e.g. 32")),
         "flag": (["train", "mlp", "--stepz", "3"], 2,
-                 "zoo train: error: unrecognized arguments: --stepz 3 (see zoo train --help)"),
+                 "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)"),
         "model": (["train", "mlpx"], 2,
                   "zoo: error: unknown model 'mlpx'; choose one of ['mlp', 'transformer', 'encoder', 'minilm']"),
         "mesh": (["train", "mlp", "--mesh", "data4"], 2,
@@ -608,8 +610,9 @@ def test_errors_in_fresh_processes(tmp_path):
     assert info["devices"] == 3 and info["mesh"] == {"data": 3}
 
 
-# Ctrl-C (exit 130, `zoo: interrupted` alone on stderr): tests/test_bad_inputs.py's
-# test_ctrl_c_exits_130_with_one_line, the one place it is tested.
+# Ctrl-C (exit 130, one line naming the saved step and the command that continues the run):
+# tests/test_bad_inputs.py's test_ctrl_c_exits_130_with_one_line, the one place it is tested
+# (tests/test_user_path.py runs the command it names).
 
 
 def test_bad_lora_is_one_readable_line():

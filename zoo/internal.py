@@ -67,10 +67,13 @@ __getattr__, __dir__ = lazy_names(
             "DATA_FILE_HELP",
             "OPTIONAL_DEFAULT_KEYS",
             "SHARED_DEFAULTS",
+            "check_model_name",
+            "model_and_init",
+            "resolve_init",
             "spec_for_init",
         ),
         ".train._sources": ("numpy_rng",),
-        ".train._task": ("ONCE_COMPILER_OPTIONS", "init_compiled", "resolve_init"),
+        ".train._task": ("ONCE_COMPILER_OPTIONS", "init_compiled"),
         ".train._text": ("LORA_EXAMPLE", "lora_text", "mesh_text", "parse_lora", "parse_mesh", "parse_scalar"),
     },
 )
@@ -123,11 +126,13 @@ if TYPE_CHECKING:
     from .train._registry import OPTIONAL_DEFAULT_KEYS as OPTIONAL_DEFAULT_KEYS
     from .train._registry import PRETRAINED_KEYS as PRETRAINED_KEYS
     from .train._registry import SHARED_DEFAULTS as SHARED_DEFAULTS
+    from .train._registry import check_model_name as check_model_name
+    from .train._registry import model_and_init as model_and_init
+    from .train._registry import resolve_init as resolve_init
     from .train._registry import spec_for_init as spec_for_init
     from .train._sources import numpy_rng as numpy_rng
     from .train._task import ONCE_COMPILER_OPTIONS as ONCE_COMPILER_OPTIONS
     from .train._task import init_compiled as init_compiled
-    from .train._task import resolve_init as resolve_init
     from .train._text import LORA_EXAMPLE as LORA_EXAMPLE
     from .train._text import lora_text as lora_text
     from .train._text import mesh_text as mesh_text
@@ -150,6 +155,7 @@ __all__ = [
     "add_lora",
     "check_batch",
     "check_finite",
+    "check_model_name",
     "check_rules_fit_mesh",
     "check_sampling",
     "collective_summary",
@@ -166,6 +172,7 @@ __all__ = [
     "manual_specs",
     "mesh_text",
     "minilm_available",
+    "model_and_init",
     "numpy_rng",
     "output_dir",
     "parse_lora",

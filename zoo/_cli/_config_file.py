@@ -18,7 +18,7 @@ from typing import Any
 from ._common import CLIError
 
 # Keys that are not flags of the file's command but may appear in a run's config.json.
-IGNORED_KEYS = ("command",)
+IGNORED_KEYS = ("command", "derived")
 # Flags that make no sense in a file.
 _NOT_IN_FILES = ("config", "help")
 
@@ -145,9 +145,12 @@ def config_defaults(path: str, parser: argparse.ArgumentParser, command: str) ->
     actions = _actions(parser)
     out: dict[str, Any] = {}
     unknown = []
+    # A run's config.json lists the values it derived (RunConfig.derived: a warmup from its
+    # steps, ...): left out, so that this run derives them from its own flags.
+    derived = {str(k).replace("-", "_") for k in values.get("derived") or ()}
     for raw_key, value in values.items():
         key = str(raw_key).replace("-", "_")
-        if key in IGNORED_KEYS:
+        if key in IGNORED_KEYS or key in derived:
             continue
         if key not in actions:
             unknown.append(str(raw_key))

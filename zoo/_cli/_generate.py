@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import RULE_PRESETS, internal
-from ..train import ConfigError, init_families
+from ..train import ConfigError, init_families, model_names, model_spec
 from ._common import CLIError, init_devices, mesh_for
 
 DEFAULT_NEW_TOKENS = 64
@@ -129,18 +129,28 @@ def _hf_folder(folder: Path) -> bool:
 def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None, str]:
     """`(Hugging Face folder, adapter folder or None, what it is in words)` of SOURCE."""
     folder = Path(source).expanduser()
+    if not folder.exists() and source in model_names():
+        raise CLIError(
+            f"SOURCE {source}: a registered model's name, which holds no weights; give a Hugging Face folder, a "
+            "`zoo train`/`zoo finetune` run or a Hub id (org/name)"
+        )
     if not folder.exists():
         import zoo
 
-        try:  # a model id already in the local Hugging Face cache
+        try:  # a model id: in the local Hugging Face cache, else fetched from the Hub
             folder = zoo.hf.resolve_model_dir(source)
         except FileNotFoundError as e:
-            raise CLIError(f"SOURCE {source}: no such folder, and {str(e).split(': ', 1)[-1]}") from None
+            raise CLIError(f"SOURCE {source}: {e}") from None
     adapter_dir = Path(adapter).expanduser() if adapter else None
     if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
         raise CLIError(
             f"--adapter {adapter}: no adapter_config.json there (a `zoo finetune` run's adapter/ folder, or peft's)"
         )
+    run = _read_json(folder / "config.json")
+    if run is not None and "model_type" not in run and run.get("model") in model_names():
+        if model_spec(run["model"]).classifier:
+            raise CLIError(f"SOURCE {source}: a classifier run (the {run['model']}), which generates no text: use zoo "
+                           f"predict {source} --text TEXT")  # fmt: skip
     if _hf_folder(folder):
         return folder, adapter_dir, f"the Hugging Face folder {folder}"
     if _hf_folder(folder / "model"):

@@ -39,23 +39,14 @@ class Built:
     parameters: int  # the model's before LoRA: what zoo train's summary.json reports
 
 
-def _is_path(name: str) -> bool:
-    return name not in model_names() and ("/" in name or Path(name).expanduser().exists())
-
-
 def resolve_model(args) -> tuple[Any, str | None, str]:
-    """`(spec, init, command)` of `args.model`: a registered name, or a checkpoint folder
-    (the spec whose --init takes it, with `init` the folder). `command` is `finetune`
-    with `--lora` (when the model has finetune defaults), else `train`: its defaults
-    (`seq_len`, `batch_size`, `microbatches`) fill the flags not given."""
-    init = args.init
-    if _is_path(args.model):
-        if init:
-            raise CLIError(f"give the checkpoint once: zoo {args.command} MODEL --init {init}, or zoo {args.command} "
-                           f"{args.model} alone")  # fmt: skip
-        spec, init = internal.spec_for_init(internal.resolve_init(args.model)), args.model
-    else:
-        spec = model_spec(args.model)
+    """`(spec, init, command)` of `args.model`: a registered name, a family with `--init`,
+    or a checkpoint (the spec whose --init takes it, with `init` the checkpoint:
+    `zoo.internal.model_and_init`). `command` is `finetune` with `--lora` (when the model
+    has finetune defaults), else `train`: its defaults (`seq_len`, `batch_size`,
+    `microbatches`) fill the flags not given."""
+    name, init = internal.model_and_init(args.model, args.init)
+    spec = model_spec(name)
     command = "finetune" if args.lora is not None and "finetune" in spec.defaults else "train"
     return spec, init, command
 

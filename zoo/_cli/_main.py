@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import logging
 import os
 import sys
 
 from ..internal import without_closed_loop_tracebacks
-from ..train import ConfigError, Preempted, RunStopped
+from ..train import ConfigError, Interrupted, Preempted, RunStopped
 from ._common import CLIError, flag_names
 
 DESCRIPTION = (
@@ -36,11 +37,20 @@ KEEP_MEMORY_HELP = (
 
 # How `main` reports the library's errors: (prefix, exit code). A ConfigError is 2, as a
 # usage error; SIGTERM is 143 = 128 + 15, as a shell reports a process the signal ended.
-_EXITS = {ConfigError: ("error", 2), RunStopped: ("error", 3), Preempted: ("stopped", 143)}
+# Ctrl-C is 130 (128 + 2) whether it saved a checkpoint (Interrupted) or stopped at once.
+_EXITS = {ConfigError: ("error", 2), RunStopped: ("error", 3), Interrupted: ("interrupted", 130),
+          Preempted: ("stopped", 143)}  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line naming the fix (`--help`), not a usage block."""
+    """An ArgumentParser whose errors are one line naming the fix (`--help`), not a usage
+    block, and that takes flags as written only: argparse's prefix matching would read
+    `--step 3` as `--steps 3` (a typo becomes another setting). Its commands' parsers are
+    of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -80,8 +90,38 @@ def _parse(parser, commands, argv) -> argparse.Namespace:
     unrecognized arguments: ... (see zoo train --help)`)."""
     args, extra = parser.parse_known_args(argv)
     if extra:
-        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        command = commands[args.command]
+        flags = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+        close = [m for e in extra if e.startswith("--") for m in difflib.get_close_matches(e.split("=")[0], flags, 1)]
+        hint = f"; did you mean {' / '.join(dict.fromkeys(close))}?" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     return args
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    """Refuse a MODEL no command takes before anything imports jax (a second or more): a
+    misspelt name (`zoo.internal.check_model_name`), or a registered one the command does
+    not take (`zoo finetune mlp`). Reads the registries only."""
+    model = getattr(args, "model", None)
+    if not isinstance(model, str):
+        return
+    from ..internal import check_model_name
+    from ..train import model_names, model_spec
+
+    check_model_name(model)
+    if model in model_names() and args.command in ("train", "finetune", "demo"):
+        model_spec(model).defaults_for(args.command)
+
+
+def _continue(e: Interrupted, argv: list[str] | None) -> str:
+    """The command that continues a run Ctrl-C stopped: this one, with its --output and
+    --resume (and without --overwrite, which would delete what was saved)."""
+    import shlex
+
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--resume", "--overwrite")]
+    if e.output is not None and not any(a == "--output" or a.startswith("--output=") for a in args):
+        args += ["--output", str(e.output)]
+    return f"; continue with: zoo {shlex.join(args + ['--resume'])}"
 
 
 def _not_an_interrupt(record: logging.LogRecord) -> bool:
@@ -120,6 +160,7 @@ def _main(argv: list[str] | None) -> int:
             commands[args.command].set_defaults(**config_defaults(args.config, commands[args.command], args.command))
             args = _parse(parser, commands, argv)
             debug = bool(getattr(args, "debug", False))
+        _check_model(args)
         import zoo
 
         if getattr(args, "keep_memory", False):
@@ -144,7 +185,7 @@ def _main(argv: list[str] | None) -> int:
             prefix, code = e.prefix, e.exit_code
         else:
             prefix, code = next(v for k, v in _EXITS.items() if isinstance(e, k))
-        print(f"zoo: {prefix}: {e}", file=sys.stderr)
+        print(f"zoo: {prefix}: {e}" + (_continue(e, argv) if isinstance(e, Interrupted) else ""), file=sys.stderr)
         return code
     except KeyboardInterrupt:
         if debug:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import internal
 from ._common import CLIError, init_devices
 
 
@@ -145,11 +146,19 @@ def cmd_export(args) -> int:
             f"RUN {args.run} is a LoRA run: pass --merge to fold its adapter into the base model (the adapter "
             f"itself, in peft's layout, is {run.folder / 'adapter'})"
         )
+    folder = Path(args.output).expanduser()
+    before = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     try:
         written = run.export(args.output)
     except FileExistsError as e:
         raise CLIError(str(e).splitlines()[0].replace("zoo export: ", "--output: ")) from e
-    print(f"zoo export: {run.weights} → {args.output}: {', '.join(sorted(p.name for p in written))}")
+    size = sum(p.stat().st_size for p in written if p.is_file())
+    names = sorted(p.name for p in written)
+    print(f"zoo export: {run.weights} → {args.output}: {', '.join(names)} ({internal.human_bytes(size)})")
+    others = [n for n in before if n not in names]
+    if others:  # the user's own files: said, never touched
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        print(f"zoo export: {args.output} also holds {len(others)} files it did not write, left as they were: {shown}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Hugging Face interop without torch: load the checkpoints of every registered family
 (`zoo.hf.families()`: BERT, GPT-2, Llama, …) into zoo models, placed straight onto a
-mesh; write zoo models back as checkpoints transformers loads; fast tokenizers;
+mesh (a folder, or a Hub id fetched into the local cache: `zoo.hf.download`); write zoo models back as checkpoints transformers loads; fast tokenizers;
 sentence-transformers embeddings (all-MiniLM-L6-v2 ships packaged).
 
 ```python
@@ -24,10 +24,11 @@ from . import _families  # noqa: F401 (registers the families: `families()` list
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "._classifier": ("load_bert_classifier",),
+        "._classifier": ("load_bert_classifier", "save_bert_classifier"),
         "._export": ("hf_tensors", "save_pretrained"),
         "._family": ("Family", "families", "family_of", "get_family", "register"),
-        "._files": ("minilm_path", "resolve_model_dir"),
+        "._files": ("minilm_path",),
+        "._hub": ("download", "resolve_model_dir"),
         "._load": ("from_pretrained",),
         "._sentence": ("load_minilm", "sentence_embeddings"),
         "._tokenizer": ("Tokenizer",),
@@ -35,10 +36,11 @@ __getattr__, __dir__ = lazy_names(
 )
 
 if TYPE_CHECKING:
-    from ._classifier import load_bert_classifier
+    from ._classifier import load_bert_classifier, save_bert_classifier
     from ._export import hf_tensors, save_pretrained
     from ._family import Family, families, family_of, get_family, register
-    from ._files import minilm_path, resolve_model_dir
+    from ._files import minilm_path
+    from ._hub import download, resolve_model_dir
     from ._load import from_pretrained
     from ._sentence import load_minilm, sentence_embeddings
     from ._tokenizer import Tokenizer
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Family",
     "Tokenizer",
+    "download",
     "families",
     "family_of",
     "from_pretrained",
@@ -56,6 +59,7 @@ __all__ = [
     "minilm_path",
     "register",
     "resolve_model_dir",
+    "save_bert_classifier",
     "save_pretrained",
     "sentence_embeddings",
 ]

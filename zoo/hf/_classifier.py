@@ -1,23 +1,30 @@
-"""Hugging Face `BertForSequenceClassification` → `zoo.models.EncoderClassifier` with
-BERT's own pooling (the `[CLS]` state through `bert.pooler.dense` and tanh)."""
+"""Hugging Face `BertForSequenceClassification` ↔ `zoo.models.EncoderClassifier` with
+BERT's own pooling (the `[CLS]` state through `bert.pooler.dense` and tanh): read
+(`load_bert_classifier`) and written (`save_bert_classifier`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 from jaxtyping import PRNGKeyArray
 
+from .._files import atomic_write, to_host
 from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, partition_specs
 from ..models import EncoderClassifier
-from ._files import Checkpoint, resolve_model_dir
+from ._export import save_pretrained
+from ._files import CONFIG_NAME, WEIGHTS_NAME, Checkpoint
+from ._hub import resolve_model_dir
 from ._load import load_family
 
 # classifier leaf → checkpoint tensor names (task-model file, bare BertModel file), transposed
@@ -111,4 +118,58 @@ def load_bert_classifier(
     return eqx.tree_at(lambda m: [getattr(getattr(m, mod), p) for mod, p in values], model, replace=new)
 
 
-__all__ = ["load_bert_classifier"]
+def save_bert_classifier(
+    model: EncoderClassifier, directory: str | os.PathLike, *, label_names: list[str] | None = None
+) -> list[Path]:
+    """Write a `pooling="cls"` `zoo.models.EncoderClassifier` (LoRA merged first) as a
+    Hugging Face `BertForSequenceClassification` folder: transformers'
+    `AutoModelForSequenceClassification.from_pretrained(directory)` computes its logits,
+    and `load_bert_classifier(directory)` reads it back.
+
+    The encoder as `zoo.hf.save_pretrained` writes it (its tensors under `bert.`), the
+    pooler as `bert.pooler.dense.*` and the head as `classifier.*` (torch's `[out, in]`
+    layout); config.json's `architectures` is `["BertForSequenceClassification"]`,
+    `id2label` / `label2id` name the classes (`label_names`, default `LABEL_i`).
+
+    **Returns:** the paths written (none on processes other than 0). Raises `ValueError`
+    for a mean-pooled classifier (no Hugging Face class computes its logits) and as
+    `save_pretrained`.
+    """
+    if model.pooling != "cls":
+        raise ValueError(
+            f"a {model.pooling}-pooled classifier is no BertForSequenceClassification (which reads the [CLS] state "
+            "through the pooler); write its encoder with zoo.hf.save_pretrained and its head apart"
+        )
+    names = list(label_names) if label_names is not None else [f"LABEL_{i}" for i in range(model.num_labels)]
+    if len(names) != model.num_labels:
+        raise ValueError(f"{len(names)} label names for a classifier of {model.num_labels} labels")
+    extra = {
+        "bert.pooler.dense.weight": to_host(model.pooler.weight).T,
+        "bert.pooler.dense.bias": to_host(model.pooler.bias),
+        "classifier.weight": to_host(model.head.weight).T,
+        "classifier.bias": to_host(model.head.bias),
+    }
+    written = save_pretrained(model.encoder, directory)
+    if jax.process_index() != 0:
+        return written
+    directory = Path(directory)
+    with Checkpoint(directory) as checkpoint:
+        tensors = {
+            (k if k.startswith("bert.") else f"bert.{k}"): np.array(checkpoint.read(k, ())) for k in checkpoint.keys()
+        }
+    tensors |= {k: np.ascontiguousarray(v) for k, v in extra.items()}
+    atomic_write(
+        directory / WEIGHTS_NAME, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
+    )
+    config = json.loads((directory / CONFIG_NAME).read_text())
+    config |= {
+        "architectures": ["BertForSequenceClassification"],
+        "id2label": {str(i): n for i, n in enumerate(names)},
+        "label2id": {n: i for i, n in enumerate(names)},
+    }
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+    return written
+
+
+__all__ = ["load_bert_classifier", "save_bert_classifier"]

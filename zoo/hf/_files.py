@@ -56,46 +56,6 @@ def hub_cache() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
-    """The model folder `path_or_id` names: a local folder, or a model id (`org/name`)
-    already in the local Hugging Face hub cache (`models--org--name/snapshots/<rev>/`,
-    the revision `refs/main` points at, else the only snapshot). Nothing is downloaded.
-
-    **Returns:** the folder. Raises `FileNotFoundError` saying where it looked.
-    """
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    text = str(path_or_id)
-    looks_like_id = text.count("/") <= 1 and not text.startswith((".", "/", "~")) and text.strip("/") == text
-    if not looks_like_id:
-        raise FileNotFoundError(
-            f"no model directory at {text!r}: pass the folder that holds {CONFIG_NAME} and "
-            f"{WEIGHTS_NAME} (what `save_pretrained` writes), or a model id in the local Hugging Face cache"
-        )
-    cache = hub_cache()
-    repo = cache / ("models--" + text.replace("/", "--"))
-    snapshots = repo / "snapshots"
-    ref = repo / "refs" / "main"
-    candidates = []
-    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
-        candidates = [snapshots / ref.read_text().strip()]
-    elif snapshots.is_dir():
-        candidates = sorted(p for p in snapshots.iterdir() if p.is_dir())
-    if len(candidates) == 1:
-        return candidates[0]
-    if len(candidates) > 1:
-        raise FileNotFoundError(
-            f"{text!r} has {len(candidates)} snapshots in {snapshots} and no refs/main to choose one; "
-            f"pass the snapshot folder itself (one of {[p.name for p in candidates]})"
-        )
-    raise FileNotFoundError(
-        f"{text!r} is neither a local folder nor a model in the local Hugging Face cache ({repo} does not exist; "
-        "the cache is HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub). zoo never downloads: "
-        f"fetch it once (`huggingface-cli download {text}`, or transformers' from_pretrained) or pass its folder"
-    )
-
-
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The `config.json` of a Hugging Face model directory, as a dict."""
     directory = Path(directory)

@@ -20,7 +20,8 @@ from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partit
 from ..models import Encoder, Transformer
 from . import _families  # noqa: F401  (registers the families)
 from ._family import Family, get_family
-from ._files import Checkpoint, read_config, resolve_model_dir
+from ._files import Checkpoint, read_config
+from ._hub import resolve_model_dir
 from ._place import place
 
 

@@ -12,7 +12,8 @@ model registry.
 - `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
   built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import);
   `Task`, `build_task`: a model on its data, built from a `RunConfig`.
-- `ConfigError` (settings that cannot run), `RunStopped` (non-finite), `Preempted` (SIGTERM).
+- `ConfigError` (settings that cannot run), `RunStopped` (non-finite), `Preempted` (SIGTERM), `Interrupted` (Ctrl-C, after
+  saving a checkpoint).
 - `load_run(folder)` → `SavedRun`: a finished run's trained model read back, to predict,
   evaluate on a data file and export merged (`zoo predict` / `zoo eval` / `zoo export`);
   `classification_scores`: accuracy, macro-F1 and per-class scores of predictions.
@@ -30,7 +31,7 @@ __getattr__, __dir__ = lazy_names(
     {
         "._build_task": ("build_task",),
         "._config": ("DataConfig", "RunConfig"),
-        "._errors": ("ConfigError", "Preempted", "RunStopped"),
+        "._errors": ("ConfigError", "Interrupted", "Preempted", "RunStopped"),
         "._evaluate": ("Evaluator",),
         "._flags": ("Flag",),
         "._hooks": ("Checkpoint", "Evaluate", "KeepBest", "MetricsLog", "Progress", "Sample", "TensorBoard"),
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from ._config import DataConfig as DataConfig
     from ._config import RunConfig as RunConfig
     from ._errors import ConfigError as ConfigError
+    from ._errors import Interrupted as Interrupted
     from ._errors import Preempted as Preempted
     from ._errors import RunStopped as RunStopped
     from ._evaluate import Evaluator as Evaluator
@@ -95,6 +97,7 @@ __all__ = [
     "Flag",
     "Hook",
     "Inspection",
+    "Interrupted",
     "KeepBest",
     "MetricsLog",
     "ModelSpec",

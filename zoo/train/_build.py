@@ -28,7 +28,7 @@ from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
 from ._head import LABELS_NAME
 from ._output import tree_bytes, tree_size, write_json
-from ._plan import RunPlan
+from ._plan import RunPlan, fit_batch
 from ._registry import SIZES
 from ._task import Task
 from ._user_data import check_fingerprint
@@ -63,6 +63,7 @@ class BuiltRun:
     dropout: bool
     mesh: Any
     own_rows: Any = None
+    config: Any = None  # the plan's RunConfig, its derived batch fitted to the data's rows
 
     def batch_at(self, i: int) -> dict:
         """The batch of step `i`: the task's source gives this process's rows of it
@@ -110,6 +111,8 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     c = plan.config
     lcfg = c.lora
     task = build_task(c, rules=rules, mesh=mesh)
+    if "batch_size" in c.derived and hasattr(task.train_source, "__len__"):  # a data file: its rows bound the batch
+        c = fit_batch(c, rows=len(task.train_source))
     # A training batch holds the rows the held-out examples hold: refuse one that cannot fit.
     check_rows_fit("RunConfig.batch_size", c.batch_size, bytes_per_row(task.eval_data or {}), "one batch")
     if lcfg is not None and task.kind == "regression":
@@ -137,7 +140,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     return BuiltRun(
         task=task, model=model, step=step, opt_state=step.init(model), key=jax.random.key(c.seed),
         rates=c.optimizer.rates(c.steps), fingerprint=task.fingerprint, parameters=tree_size(task.model),
-        model_bytes=tree_bytes(task.model), batch_size=c.batch_size, dropout=dropout, mesh=mesh,
+        model_bytes=tree_bytes(task.model), batch_size=c.batch_size, dropout=dropout, mesh=mesh, config=c,
         own_rows=local_rows(c.batch_size, mesh) if jax.process_count() > 1 else None,
     )  # fmt: skip
 

@@ -16,6 +16,7 @@ from ._registry import (
     ModelSpec,
     check_model_config,
     check_pretrained_shape,
+    model_and_init,
     model_names,
     model_spec,
 )
@@ -145,6 +146,8 @@ class RunConfig:
       `eval_loss`) has not improved for this many evaluations (0: never).
     - `skip_nonfinite`: skip a step whose gradients are NaN/inf instead of stopping.
     - `quiet`: print only the summary; `tensorboard`: a folder for TensorBoard event files.
+    - `derived`: the fields `resolved` computed rather than took (set by it; config.json
+      lists them and a replay derives them again).
     """
 
     model: str | None = flag(None, positional=True, help="{models}")
@@ -241,6 +244,11 @@ class RunConfig:
                                    help="also write TensorBoard event files (loss, lr, eval_loss, eval_accuracy, "
                                    "eval_perplexity, eval_macro_f1, per-class precision/recall/f1) into "
                                    "DIR; needs tensorboardX (pip install 'eqx-zoo[tensorboard]')")  # fmt: skip
+    # Not a flag: the fields `resolved` computed from the others rather than took (`warmup`
+    # and `eval_every` from `steps`, `batch_size` / `microbatches` from the model's defaults
+    # fitted to the mesh and the data). config.json lists them, so a replay with other
+    # values (`zoo train --config config.json --steps 5`) derives them again.
+    derived: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.check()
@@ -373,6 +381,9 @@ class RunConfig:
         command = command or ("finetune" if self.lora is not None else "train")
         saved = saved_config(self.output) if self.resuming else None
         base = self if saved is None else self._inherit(saved)
+        if base.model is not None and base.model not in model_names():  # a family or a checkpoint: its model
+            model, init = model_and_init(base.model, base.init)
+            base = dataclasses.replace(base, model=model, init=init)
         done = base._with_defaults(command)
         if saved is not None:
             check_unchanged(done.to_dict(), saved, _flags_by_key(), _normal)
@@ -383,7 +394,10 @@ class RunConfig:
         mine, blank = self.to_dict(), RunConfig().to_dict()
         given = {k: v for k, v in mine.items() if k not in blank or v != blank[k]}
         merged = RunConfig.from_dict(inherit(given, saved, _flags_by_key()))
-        return dataclasses.replace(merged, resume=True, resume_step=self.resume_step, overwrite=self.overwrite)
+        # Still the saved run's values, and derived (a config resolved already keeps its own).
+        derived = tuple(sorted(set(self.derived) | {k for k in saved.get("derived") or () if k not in given}))
+        return dataclasses.replace(merged, resume=True, resume_step=self.resume_step, overwrite=self.overwrite,
+                                   derived=derived)  # fmt: skip
 
     def _with_defaults(self, command: str) -> RunConfig:
         """`resolved` of a config already merged with the run it resumes."""
@@ -420,11 +434,17 @@ class RunConfig:
         lora = self.lora
         if lora is None and command != "train":
             lora = LoraConfig(**spec.lora_defaults)
+        derived = set(self.derived)
+        derived |= {"batch_size"} if self.batch_size is None else set()
+        derived |= {"microbatches"} if self.microbatches is None else set()
+        derived |= {"warmup"} if warmup is None else set()
+        derived |= {"eval_every"} if pick(self.eval_every, "eval_every") is None else set()
         done = dataclasses.replace(
             self, steps=steps, batch_size=pick(self.batch_size, "batch_size"),
             microbatches=pick(self.microbatches, "microbatches"), probe=pick(self.probe, "probe"),
             eval_every=pick(self.eval_every, "eval_every"), optimizer=optimizer, data=data, lora=lora,
             resume=self.resuming, pooling=self.pooling or (table["pooling"] if spec.classifier else None),
+            derived=tuple(sorted(derived)),
         )  # fmt: skip
         return dataclasses.replace(done, eval_every=done.eval_interval)
 
@@ -468,6 +488,9 @@ class RunConfig:
                 flat["model_config"] = ",".join(f"{k}={v}" for k, v in value.items()) or None
             elif f.name in ("resume_step", "overwrite"):
                 continue
+            elif f.name == "derived":
+                if value:
+                    flat["derived"] = sorted(value)
             elif f.name in ("objective", "beta", "loss_type", "label_smoothing") and self.objective == "sft":
                 continue  # next-token training: no preference settings to replay
             elif (f.name in ("tensorboard", "pooling", "keep_best") and value is None) or (
@@ -505,6 +528,8 @@ class RunConfig:
         """A `RunConfig` from its flat form (`to_dict`, a config.json, the CLI's resolved
         flags). An unknown key raises `ConfigError` naming it."""
         values = dict(flat)
+        if values.get("model") is not None and values["model"] not in model_names():  # a family or a checkpoint
+            values["model"], values["init"] = model_and_init(values["model"], values.get("init"))
         data = {field: values.pop(key) for key, field in _DATA_KEYS.items() if key in values}
         opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
         if isinstance(values.get("lora"), str):
@@ -513,6 +538,8 @@ class RunConfig:
             values["lora"] = parse_lora(values["lora"], defaults)
         if isinstance(values.get("mesh"), str):
             values["mesh"] = parse_mesh(values["mesh"])
+        if isinstance(values.get("derived"), list | tuple):
+            values["derived"] = tuple(str(k) for k in values["derived"])
         if isinstance(values.get("model_config"), str) or values.get("model_config") is None:
             text = values.get("model_config") or ""
             values["model_config"] = parse_pairs(text, "model_config", parse_scalar) if text else {}

@@ -13,6 +13,7 @@ from .._inspect import report
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ._output import human_bytes
+from ._registry import model_spec
 from ._summary import RunRecord
 from ._text import mesh_text
 from ._trainer import Hook, TrainState
@@ -47,10 +48,22 @@ class Header(Hook):
         sizes = r.step_sizes(state.model)
         _print_header(_say, c, r.built.task, r.plan.title, c.devices, r.plan.mesh_shape, c.lora, state.model,
                       r.built.parameters, r.built.model_bytes, sizes["trainable"], sizes["adapter"],
-                      r.seconds["compile"], r.start, c.optimizer.warmup_steps(c.steps))  # fmt: skip
+                      r.seconds["compile"], r.start, c.optimizer.warmup_steps(c.steps), _chosen(r))  # fmt: skip
         every = c.eval_interval
         cadence = "" if not every else ", evaluating after every step" if every == 1 else f", evaluating every {every}"
         self.phases(f"training steps {r.start + 1} to {c.steps}{cadence}...")
+
+
+def _chosen(r: RunRecord) -> str:
+    """What the header says of a batch `RunConfig.resolved` chose below the model's default
+    (`--batch-size` unset: the largest the mesh and the data's rows allow), else nothing."""
+    c = r.plan.config
+    default = model_spec(c.model).defaults_for(r.plan.command)["batch_size"]
+    if "batch_size" not in c.derived or c.batch_size == default:
+        return ""
+    source = r.built.task.train_source
+    rows = f" and the {len(source)} training rows" if hasattr(source, "__len__") else ""
+    return f" (--batch-size unset: the largest up to the default {default} that the mesh{rows} allow)"
 
 
 class Report(Hook):
@@ -66,7 +79,7 @@ class Report(Hook):
 
 
 def _print_header(say, c, task, title, devices, mesh_shape, lcfg, model, base_params, base_bytes,
-                  trainable_bytes, adapter_bytes, compile_s, start, warmup) -> None:  # fmt: skip
+                  trainable_bytes, adapter_bytes, compile_s, start, warmup, chosen="") -> None:  # fmt: skip
     backend = jax.default_backend()
     where = "simulated CPU devices" if backend == "cpu" else f"{backend.upper()} devices"
     say(f"zoo {title}")
@@ -79,7 +92,7 @@ def _print_header(say, c, task, title, devices, mesh_shape, lcfg, model, base_pa
     where += f" in {procs} processes" if procs > 1 else ""
     say(f"devices: {devices} {where}, mesh {mesh_text(mesh_shape)}, rules {c.rules}, mode {c.mode}")
     say(
-        f"steps: {c.steps} of global batch {c.batch_size} in {c.microbatches} microbatches, {c.optimizer.name} "
+        f"steps: {c.steps} of global batch {c.batch_size}{chosen} in {c.microbatches} microbatches, {c.optimizer.name} "
         f"lr {c.optimizer.lr:g} ({c.optimizer.schedule}, warmup {warmup}), {c.dtype} compute"
         + (f"; resumed at step {start}" if start else "")
     )

@@ -18,3 +18,11 @@ class RunStopped(RuntimeError):
 class Preempted(RuntimeError):
     """SIGTERM (a scheduler's preemption): the run saved a checkpoint after the step in
     progress and stopped; resuming continues it. `zoo train` exits 143 (128 + SIGTERM)."""
+
+
+class Interrupted(Preempted):
+    """The run stopped at a step boundary on Ctrl-C (SIGINT) after saving that step's
+    checkpoint, as on SIGTERM; a second Ctrl-C stops at once. `output` is the run's
+    folder (set by `zoo.train.run`), which `--resume` continues."""
+
+    output = None

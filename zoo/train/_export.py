@@ -103,6 +103,12 @@ class Export(Hook):
 # logits.
 
 
+# What transformers prints when peft's recipe opens the base as a classifier, and why it is fine.
+_MISSING_NOTE = (
+    '\ntransformers reports `classifier.weight` and `classifier.bias` as MISSING ("newly initialized") when it '
+    "builds `BertForSequenceClassification` from the base `BertModel`: expected. peft then puts the adapter's "
+    "trained head (`modules_to_save`) in their place, and the logits are the ones above.\n"
+)
 # The texts a recipe classifies, as written in it.
 _TEXTS = '["Return the number of items in a container.", "items in a container. Return the number of"]'
 
@@ -177,8 +183,10 @@ def classifier_readme(adapter: Path, *, pooling: str, title: str, seq_len: int, 
     return (
         f"# {title}: LoRA adapter\n\nThis folder holds {what}\n\n"
         f"Its logits, as zoo computes them (texts cut at {seq_len} tokens):\n\n```python\n{recipe}```\n{extra}"
-        "\nIn zoo: `zoo.lora.load_adapter(classifier, ADAPTER)` on the `zoo.models.EncoderClassifier` the run built "
-        f'(`pooling="{pooling}"`, {n} labels).\n'
+        + (_MISSING_NOTE if pooling == "cls" else "")
+        + "\nIn zoo: `model, config = zoo.lora.load_adapter(classifier, ADAPTER)` (the classifier with its "
+        f'adapter, and the adapter\'s `LoraConfig`) on the `zoo.models.EncoderClassifier` the run built (`pooling="{pooling}"`, '
+        f"{n} labels).\n"
     )
 
 
@@ -195,4 +203,37 @@ def _sentence_transformers(base: str, seq_len: int, common: str, d_model: int, n
         f'head = torch.nn.Linear({d_model}, {n})\nhead.load_state_dict(load_file(f"{{ADAPTER}}/head.safetensors"))\n'
         "with torch.no_grad():\n    logits = head(features.encode(texts, convert_to_tensor=True))\n"
         "print([LABELS[i] for i in logits.argmax(-1).tolist()])\n```\n"
+    )
+
+
+def merged_readme(folder: Path, *, title: str, seq_len: int, label_names, tokenized: bool, pad_id: int) -> str:
+    """The README.md of a mean-pooled classifier's merged export (`zoo export --merge`):
+    no Hugging Face class computes its logits (the mean of the last hidden states over
+    the real tokens, then the head), so it says exactly what to run instead: transformers'
+    `AutoModel` for the hidden states and the head of `head.safetensors` (zoo's `[in, out]`
+    layout)."""
+    labels = list(label_names)
+    tokenize = _tokenize(folder if tokenized else None, seq_len, pad_id)
+    recipe = (
+        "import torch\nfrom safetensors.torch import load_file\nfrom transformers import AutoModel"
+        + (", AutoTokenizer" if tokenized else "")
+        + f'\n\nFOLDER = "{folder}"\nLABELS = {labels!r}\ntexts = {_TEXTS}\n'
+        "encoder = AutoModel.from_pretrained(FOLDER).eval()\n"
+        'head = load_file(f"{FOLDER}/head.safetensors")  # zoo\'s layout: head.weight is [hidden, labels]\n'
+        f"{tokenize}with torch.no_grad():\n"
+        "    hidden = encoder(**batch).last_hidden_state\n"
+        '    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)\n'
+        "    features = (hidden * mask).sum(1) / mask.sum(1)  # the mean over real tokens\n"
+        '    logits = features @ head["head.weight"] + head["head.bias"]\n'
+        "print([LABELS[i] for i in logits.argmax(-1).tolist()])\n"
+    )
+    return (
+        f"# {title}\n\nThis folder holds a classifier trained with `--pooling mean`: its encoder as `BertModel` "
+        f"(`config.json`, `model.safetensors`; `id2label` names its {len(labels)} classes) and its head in "
+        "`head.safetensors`. It reads the mean of the last hidden states over the real tokens, which no Hugging Face "
+        "class computes: `AutoModelForSequenceClassification` would read the `[CLS]` state through a pooler this "
+        "model does not have, with a new random head, and its logits would not be zoo's. Run this instead "
+        f"(texts cut at {seq_len} tokens, as zoo cut them):\n\n```python\n{recipe}```\n\n"
+        "`--pooling cls` (the default for minilm) trains a classifier that `zoo export --merge` writes as "
+        "`BertForSequenceClassification`, which `AutoModelForSequenceClassification` opens as it is.\n"
     )

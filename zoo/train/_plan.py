@@ -62,6 +62,7 @@ def plan_run(
     mesh_shape = mesh_shape_of(config, devices)
     # Every default applied here, once: config.json records the run as it trains.
     config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
+    config = fit_batch(config, rows=None)  # a batch left unset: the most the mesh takes, up to the default
     spec = model_spec(config.model)
     if weights and command != "train" and spec.finetune_needs_init and not config.init:
         raise ConfigError(
@@ -103,9 +104,29 @@ def check_layout(config: RunConfig, mesh_shape: dict[str, int], devices: int) ->
     if bsz % (data * m):
         unit = data * m
         raise ConfigError(
-            f"--batch-size {bsz} is not divisible by data-parallel size {data} x microbatches {m} = {unit}; "
+            f"RunConfig.batch_size {bsz} is not divisible by data-parallel size {data} x microbatches {m} = {unit}; "
             f"use a multiple of {unit}, e.g. {max(unit, round(bsz / unit) * unit)}"
         )
+
+
+def fit_batch(config: RunConfig, rows: int | None) -> RunConfig:
+    """`config` with a derived batch (`RunConfig.derived`: `batch_size` left unset) made
+    the largest valid one up to it: a multiple of the data axis x microbatches, at most
+    `rows` (the training rows of a data file, once read). When even one row per device
+    and microbatch is more than `rows`, a derived `microbatches` is lowered too. A batch
+    or microbatches that were given are kept (then `check_layout` / the data say what is
+    wrong)."""
+    if "batch_size" not in config.derived:
+        return config
+    data = dict(config.mesh or {}).get("data", 1)
+    cap = config.batch_size if rows is None else min(config.batch_size, rows)
+    choices = range(config.microbatches, 0, -1) if "microbatches" in config.derived else [config.microbatches]
+    for m in choices:
+        if cap >= data * m:
+            return dataclasses.replace(config, batch_size=cap // (data * m) * data * m, microbatches=m)
+    if rows is None:  # the default is below one row per device and microbatch: take that
+        return dataclasses.replace(config, batch_size=data * config.microbatches)
+    return config  # fewer rows than devices: the data's check names the fix
 
 
 def output_dir(output: str | None, model: str, command: str) -> Path:

@@ -15,7 +15,11 @@ at a zoo model class: a spec names the class its `--init` builds (`init_class`,
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
+import json
 import math
+import os
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -357,3 +361,167 @@ def check_pretrained_shape(model: str, values: dict[str, Any], fixed: bool) -> N
             f"RunConfig.model_config: the pretrained {model}'s shape is fixed; only dropout, attention_dropout and "
             "remat can change"
         )
+
+
+# --------------------------------------------------------------------------- what a run's model and init name
+# What a run's `model` names: a registered model (`transformer`), a Hugging Face family
+# (`llama`, with the checkpoint as `init`), or the checkpoint itself (a folder, a `zoo
+# train` run, or a Hub id `org/name`, fetched into the local cache when it is not there):
+# `zoo finetune Qwen/Qwen3-0.6B` is `zoo finetune transformer --init Qwen/Qwen3-0.6B`.
+# Also the folder an `init` names (`resolve_init`).
+#
+# Loads no jax: the CLI answers a misspelt name before anything starts (`check_model_name`).
+
+
+def _families() -> list[str]:
+    from .. import hf
+
+    return list(hf.families())
+
+
+def _spec_of_family(family: str):
+    """The first registered model built from scratch whose `init` takes `family`."""
+    for name in model_names():
+        spec = model_spec(name)
+        declared = vars(type(spec))["init_class"].declared(spec)
+        if declared is not None and spec.pretrained is None and family in init_families(declared):
+            return spec
+    raise ConfigError(f"RunConfig.model {family!r}: no registered model takes {family} checkpoints")
+
+
+def is_checkpoint_name(model: str) -> bool:
+    """Whether `model` names a checkpoint rather than a registered model or family: an
+    existing path, or anything with a `/` (a path or a Hub id `org/name`)."""
+    return "/" in model or Path(model).expanduser().exists()
+
+
+def check_model_name(model: str | None) -> None:
+    """Refuse a `model` that is neither registered, nor a family, nor a checkpoint's name
+    (`is_checkpoint_name`): a `ConfigError` listing the names, with the nearest ones
+    (`did you mean`). Reads nothing but the registries."""
+    if model is None or model in model_names() or model in _families() or is_checkpoint_name(model):
+        return
+    close = difflib.get_close_matches(model, model_names() + _families(), n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ConfigError(
+        f"unknown model {model!r}; choose one of {model_names()}{hint}, a Hugging Face family with its checkpoint "
+        f"as RunConfig.init ({', '.join(_families())}), or a checkpoint: a folder, a `zoo train` run or a Hub id "
+        "(org/name)"
+    )
+
+
+def model_and_init(model: str | None, init: str | None) -> tuple[str | None, str | None]:
+    """`(registered model, init)` of a run's `model` and `init`.
+
+    - a registered name: as given;
+    - a family (`llama`, `bert`; `zoo.hf.families()`): the model whose `init` takes it
+      (`transformer`, `encoder`), `init` required;
+    - a checkpoint (`is_checkpoint_name`: a Hugging Face folder, a `zoo train` run, a Hub
+      id): the model whose `init` takes it, with `init` the checkpoint (a Hub id not in the
+      cache is fetched now, `zoo.hf.download`); `init` must not be given too.
+
+    **Returns:** the pair; a `ConfigError` naming what was tried otherwise.
+    """
+    if model is None or model in model_names():
+        return model, init
+    check_model_name(model)
+    if model in _families():
+        spec = _spec_of_family(model)
+        if not init:
+            raise ConfigError(
+                f"RunConfig.model {model!r} names a family: give its checkpoint as RunConfig.init (a {model} folder, "
+                f"a `zoo train` run or a Hub id), or the checkpoint itself as RunConfig.model"
+            )
+        return spec.name, init
+    if init:
+        raise ConfigError(
+            f"RunConfig.model {model!r} is a checkpoint and RunConfig.init {init!r} another: give the checkpoint once "
+            "(as RunConfig.model, or RunConfig.init with a registered model)"
+        )
+    run = Path(model).expanduser()
+    if (run / "adapter").is_dir() and (run / "config.json").is_file():  # a `zoo finetune` run: its own model
+        name = json.loads((run / "config.json").read_text()).get("model")
+        if name in model_names():
+            return name, model
+    folder = resolve_init(model, what="RunConfig.model")
+    return spec_for_init(folder).name, model
+
+
+def resolve_init(path: str, *, what: str = "--init") -> Path:
+    """The Hugging Face model folder `--init PATH` names: PATH itself (`config.json` +
+    `model.safetensors`), the `model/` folder of a `zoo train` output folder, a `zoo
+    finetune` run's model, its adapter merged into its base (`merged_folder`:
+    written once into zoo's cache by `zoo.train.run`), or a model
+    id (`org/name`) in the local Hugging Face cache, fetched from the Hub when it is not
+    there (`zoo.hf.resolve_model_dir`); a `ConfigError` naming what was tried (`what`:
+    the setting that named it)."""
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder / "model"):
+        if (candidate / "config.json").is_file() and any(candidate.glob("model*.safetensors*")):
+            if "model_type" in json.loads((candidate / "config.json").read_text()):
+                return candidate
+    if not folder.exists():
+        from .. import hf
+        from ..hf._hub import looks_like_id
+
+        if "/" not in path or not looks_like_id(path):
+            raise ConfigError(
+                f"{what} {path}: no such folder; pass a Hugging Face model folder, a `zoo train` run or a Hub id "
+                "(org/name)"
+            )
+        try:  # a model id: in the local Hugging Face cache, else fetched from the Hub
+            return resolve_init(str(hf.resolve_model_dir(path)), what=what)
+        except FileNotFoundError as e:
+            raise ConfigError(f"{what} {path}: {e}") from None
+    if (folder / "adapter").is_dir() and (folder / "config.json").is_file():  # a `zoo finetune` run
+        return merged_folder(folder, what)
+    raise ConfigError(
+        f"{what} {path}: neither a Hugging Face model folder (config.json with model_type + model.safetensors) "
+        "nor a `zoo train` output folder holding one in model/ (the mlp's runs have none)"
+    )
+
+
+# --------------------------------------------------------------------------- a finetune run as init
+# A `zoo finetune` run as the pretrained weights of another (`--init runs/sft`, e.g. SFT
+# then DPO): its adapter merged into its base (`zoo.lora.merge`), written once as a Hugging
+# Face folder into zoo's cache and read from there as any `--init` folder. This module
+# names the folder (`merged_path`, for `resolve_init`); `zoo.train.run` writes it first
+# (`_saved_run.merge_run`), so that reading an `--init` never loads a run.
+#
+# Merged, not stacked under the new adapter: the new run then starts from exactly the
+# model the first one ended with (its outputs equal the first run's), trains one adapter of
+# its own that peft opens on that merged base, and DPO's reference (the base with the new
+# adapter off) is the SFT model, as TRL's recipe has it.
+
+
+def merged_cache() -> Path:
+    """`$XDG_CACHE_HOME/zoo/merged`, or `~/.cache/zoo/merged`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "zoo" / "merged"
+
+
+def merged_path(run: Path, what: str = "--init") -> Path:
+    """Where the merged model of the `zoo finetune` run `run` is: `merged_cache()/DIGEST`
+    (the digest of the run's config.json and adapter weights: a run trained further gets
+    a new folder). Raises `ConfigError` for a run of several adapters (export the one to
+    start from: `zoo export RUN --merge --output DIR`, then `--init DIR`)."""
+    weights = run / "adapter" / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(
+            f"{what} {run}: a `zoo finetune` run of several adapters (adapter/NAME/); merge the one to start from: "
+            f"zoo export {run} --merge --output DIR, then pass DIR"
+        )
+    digest = hashlib.sha256((run / "config.json").read_bytes() + weights.read_bytes()).hexdigest()[:20]
+    return merged_cache() / digest
+
+
+def merged_folder(run: Path, what: str = "--init") -> Path:
+    """`merged_path(run)` once written (by `zoo.train.run`, `_saved_run.merge_run`); a
+    `ConfigError` saying how to get it otherwise."""
+    folder = merged_path(run, what)
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    raise ConfigError(
+        f"{what} {run}: a `zoo finetune` run, which zoo train / zoo finetune merge into its base when they start; "
+        f"here, export it first: zoo export {run} --merge --output DIR, then pass DIR"
+    )

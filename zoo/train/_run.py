@@ -32,12 +32,13 @@ from .._step import TrainStep
 from ._build import build_run, resume, write_run_files
 from ._config import RunConfig
 from ._console import Header, Phases, Report
-from ._errors import ConfigError, Preempted
+from ._errors import ConfigError, Interrupted, Preempted
 from ._evaluate import Evaluator, first_evaluation, plain
 from ._export import Export
 from ._folder import claim, run_lock
 from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample, watch
 from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
+from ._saved_run import merge_run
 from ._summary import RunRecord, Summary
 from ._task import ONCE_COMPILER_OPTIONS, Task
 from ._trainer import Preemption, Trainer
@@ -76,7 +77,9 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
     before anything is written), `RunStopped` (the loss or weights went non-finite),
     `Preempted` (SIGTERM: a checkpoint was saved; resume with `resume=True`).
     """
-    plan = plan_run(config, devices=_devices(config), command=command, title=title)
+    devices = _devices(config)
+    merge_run(config.init)  # a `zoo finetune` run as init: its merged model, written once (`_registry.merged_path`)
+    plan = plan_run(config, devices=devices, command=command, title=title)
     # One run per folder, held before anything is read or written there. config.json is
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(plan.output, plan.checkpoints, main=is_main_process()):
@@ -105,6 +108,9 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
     with jax.set_mesh(mesh), Preemption(enabled=True, early=early) as preemption:
         phase(f"loading {c.model} and its data...")
         built = build_run(plan, mesh, rules)
+        if built.config is not None and built.config != c:  # a derived batch fitted to the data's rows
+            plan = dataclasses.replace(plan, config=built.config)
+            c = plan.config
         write_run_files(plan, built, main=main)
         start, checkpointer = resume(plan, built)
         record = RunRecord(plan, built, t_start, start=start)
@@ -129,7 +135,11 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
             raise ConfigError(str(e).splitlines()[0]) from e
         record.seconds["compile"] = time.perf_counter() - t0
         record.collectives = collectives(compiled, mesh=mesh)
-        model, _ = trainer.run(built.model, built.opt_state, start=start)
+        try:
+            model, _ = trainer.run(built.model, built.opt_state, start=start)
+        except Interrupted as e:  # Ctrl-C: the folder that --resume continues
+            e.output = plan.output
+            raise
     return RunResult(record.summary, plan.output, model)
 
 

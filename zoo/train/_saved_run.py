@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from .._files import atomic_write
 from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import load as load_data
 from ..data._dataset import _labels as file_label_names
-from ..hf import save_pretrained
+from ..hf import save_bert_classifier, save_pretrained
 from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapter
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
@@ -41,10 +42,10 @@ from ._build import training_step
 from ._build_task import build_task
 from ._config import RunConfig, saved_config
 from ._errors import ConfigError
-from ._export import TOKENIZER_FILES
+from ._export import TOKENIZER_FILES, merged_readme
 from ._head import HEAD_NAME, load_head, read_labels, save_head
 from ._plan import checkpoint_dir
-from ._registry import PRETRAINED_KEYS, ModelSpec, model_spec
+from ._registry import PRETRAINED_KEYS, ModelSpec, merged_path, model_spec
 from ._scores import classification_scores
 from ._task import lm_metrics, regression_loss, tokenizer_of
 from ._text import adapter_files
@@ -490,21 +491,66 @@ def export_merged(run: SavedRun, directory: str | Path) -> list[Path]:
     tok_dir = run.tokenizer_dir
     tokenizer = [n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
     tokenizer = [n for n in tokenizer if source is None or not (Path(source) / n).is_file()]  # else save_pretrained's
-    extra = tokenizer + ([HEAD_NAME] if run.kind == "classification" else [])
+    cls = run.kind == "classification" and model.pooling == "cls"  # transformers' BertForSequenceClassification
+    mean = run.kind == "classification" and not cls
+    extra = tokenizer + ([HEAD_NAME, "README.md"] if mean else [])
     check_export_dir(directory, extra, writer="zoo export", config="config.json", key="model_type",
                      weights="model.safetensors", kind="a Hugging Face model folder")  # fmt: skip
     try:
-        written = save_pretrained(part, directory)
+        if cls:
+            written = save_bert_classifier(model, directory, label_names=list(run.label_names or ()) or None)
+        else:
+            written = save_pretrained(part, directory)
     except ValueError as e:  # a config no Hugging Face family expresses
         raise ConfigError(f"{run.folder}: {str(e).splitlines()[0]}") from e
     for name in tokenizer:
         atomic_write(directory / name, lambda tmp, name=name: shutil.copyfile(tok_dir / name, tmp))
         written.append(directory / name)
-    if run.kind == "classification":
+    if mean:
         written += save_head(model, directory)
+        tokenized = (directory / "tokenizer.json").is_file()
+        text = merged_readme(directory, title=f"zoo export {run.folder} --merge", seq_len=run.config.data.seq_len,
+                             label_names=run.label_names or (), tokenized=tokenized,
+                             pad_id=getattr(part.config, "pad_token_id", None) or 0)  # fmt: skip
+        atomic_write(directory / "README.md", lambda tmp: Path(tmp).write_text(text))
+        written.append(directory / "README.md")
         config = json.loads((directory / "config.json").read_text())
         names = list(run.label_names or ())
         config |= {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
         text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(text))
     return written
+
+
+# --------------------------------------------------------------------------- a finetune run as init, merged
+# Writing the merged model of a `zoo finetune` run given as another run's `init`
+# (`_registry.merged_path`): done by `zoo.train.run` before it plans the run, on one device, outside
+# the run's mesh.
+
+
+def merge_run(init: str | None) -> None:
+    """When `init` names a `zoo finetune` run, write its model, adapter merged into its
+    base, at `merged_path` (once: a folder already there is kept). Anything else: nothing.
+    Raises `ConfigError` for a classifier run (export it first: `zoo export RUN --merge`)."""
+    run = Path(init).expanduser() if init else None
+    if run is None or not (run / "adapter").is_dir() or not (run / "config.json").is_file():
+        return
+    folder = merged_path(run)
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return
+    saved = load_run(run)
+    if saved.kind != "lm":
+        raise ConfigError(
+            f"--init {run}: a {saved.config.model} classifier run; export it first (zoo export {run} --merge "
+            "--output DIR), then pass DIR"
+        )
+    temporary = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        saved.export(temporary)
+        temporary.replace(folder)  # whole or not at all
+    except OSError:
+        if not (folder / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)

@@ -1,12 +1,11 @@
 """A model on its data: `Task` (built from a `RunConfig` by `zoo.train.build_task`). Also
-the pieces a model's builder shares: loading an `--init` checkpoint (`resolve_init`,
-`load_pretrained`), configs from dicts, and the traced metric functions of each task kind.
+the pieces a model's builder shares: loading an `--init` checkpoint (`load_pretrained`,
+of the folder `_registry.resolve_init` names), configs from dicts, and the traced metric functions of each task kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,7 @@ from ..data import BatchSource
 from ..models import cross_entropy, next_token_loss
 from ..models._loss import target_weights
 from ._errors import ConfigError
-from ._registry import check_init_family, init_families, model_spec
+from ._registry import check_init_family, init_families, model_spec, resolve_init
 
 if TYPE_CHECKING:  # _config imports _lora, which imports this module
     from ._config import RunConfig
@@ -164,28 +163,6 @@ def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
         _INITIALISERS[name] = (compiled, static)
     compiled, static = _INITIALISERS[name]
     return eqx.combine(compiled(key), static["tree"])
-
-
-def resolve_init(path: str) -> Path:
-    """The Hugging Face model folder `--init PATH` names: PATH itself (`config.json` +
-    `model.safetensors`), the `model/` folder of a `zoo train` output folder, or a model
-    id in the local Hugging Face cache; a `ConfigError` naming what is missing."""
-    folder = Path(path).expanduser()
-    for candidate in (folder, folder / "model"):
-        if (candidate / "config.json").is_file() and any(candidate.glob("model*.safetensors*")):
-            if "model_type" in json.loads((candidate / "config.json").read_text()):
-                return candidate
-    if not folder.exists():
-        from .. import hf
-
-        try:  # a model id already in the local Hugging Face cache
-            return resolve_init(str(hf.resolve_model_dir(path)))
-        except FileNotFoundError as e:
-            raise ConfigError(f"--init {path}: no such folder, and {str(e).split(': ', 1)[-1]}") from None
-    raise ConfigError(
-        f"--init {path}: neither a Hugging Face model folder (config.json with model_type + model.safetensors) "
-        "nor a `zoo train` output folder holding one in model/ (the mlp's runs have none)"
-    )
 
 
 def load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rules, mesh):

@@ -1,8 +1,8 @@
 """The training loop: a compiled `zoo.TrainStep` over batches, with hooks every N steps.
 
 The loop's contract with its hooks (`TrainState`, `Hook`) lives here, beside the loop;
-the hooks the runs use are in `_hooks.py`. SIGTERM (a scheduler's preemption notice) is
-turned into a clean stop at a step every process agrees on (`Preemption`), where each hook
+the hooks the runs use are in `_hooks.py`. SIGTERM (a scheduler's preemption notice) and a
+first Ctrl-C are turned into a clean stop at a step every process agrees on (`Preemption`), where each hook
 saves what it must (`Hook.on_preempt`).
 
 A process that gets SIGTERM only notes it. The training loop asks `stop_at(step)` after
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._distributed import sigterm_noted
-from ._errors import Preempted, RunStopped
+from ._errors import Interrupted, Preempted, RunStopped
 
 _ADVICE = "lower the learning rate, keep gradient clipping on, or skip such steps (skip_nonfinite)"
 
@@ -80,7 +80,7 @@ class Hook:
         """After the last step (not when the run fails)."""
 
     def on_preempt(self, state: TrainState) -> str | None:
-        """SIGTERM: the run stops after `state.step` (every process at the same step); save
+        """SIGTERM or a first Ctrl-C: the run stops after `state.step` (every process at the same step); save
         what must outlive it. Returns what was saved, in words ("checkpoint saved in DIR"),
         or None if nothing."""
         return None
@@ -132,14 +132,26 @@ class Preemption:
         self._first: int | None = None  # the first step asked about
         self._installed = False
         self._previous: Any = None
+        self._previous_int: Any = None
+        self.interrupted = False  # Ctrl-C asked for the stop (not SIGTERM)
         if enabled and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._note)
             self._installed = True
+            # Ctrl-C too, where it would raise KeyboardInterrupt (not where it is ignored).
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous_int = signal.signal(signal.SIGINT, self._note_interrupt)
 
     def _note(self, signum, frame) -> None:
         self.requested = True
         if not self._started and self._early is not None:
             raise self._early()
+
+    def _note_interrupt(self, signum, frame) -> None:
+        """Ctrl-C: noted, as SIGTERM, so the run saves the step in progress and stops; a
+        second one, or one before training started, stops at once (KeyboardInterrupt)."""
+        if self.interrupted or not self._started:
+            raise KeyboardInterrupt
+        self.interrupted = self.requested = True
 
     def stop_at(self, step: int) -> bool:
         """Whether to stop after `step` (and save it). In a multi-process run every process
@@ -170,6 +182,8 @@ class Preemption:
         if self._installed:
             self._installed = False
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+            if self._previous_int is not None:
+                signal.signal(signal.SIGINT, self._previous_int)
 
     def __enter__(self) -> Preemption:
         return self
@@ -275,13 +289,16 @@ class Trainer:
         if not all_finite(self.step.partition(state.model)[0]):
             raise self.stopped(f"step {state.step}: the weights hold NaN or inf", state.step)
 
-    def _preempted(self, state: TrainState) -> Preempted:
-        """SIGTERM after `state.step`: each hook saves what it must; the `Preempted` to raise."""
+    def _preempted(self, state: TrainState, *, interrupted: bool = False) -> Preempted:
+        """SIGTERM (or a first Ctrl-C: `interrupted`) after `state.step`: each hook saves
+        what it must; the `Preempted` (`Interrupted`) to raise."""
         saved = [s for h in self.hooks if (s := getattr(h, "on_preempt", lambda _: None)(state)) is not None]
+        kind, signal_name = (Interrupted, "Ctrl-C") if interrupted else (Preempted, "SIGTERM")
         where = f"stopped after step {state.step} of {state.steps}"
         if not saved:
-            return Preempted(f"SIGTERM: {where}; nothing saved (no Checkpoint hook)")
-        return Preempted(f"SIGTERM: {where}, {', '.join(saved)}; continue with the same command and --resume")
+            return kind(f"{signal_name}: {where}; nothing saved (no Checkpoint hook)")
+        then = "" if interrupted else "; continue with the same command and --resume"
+        return kind(f"{signal_name}: {where}, {', '.join(saved)}{then}")
 
     def run(self, model, opt_state, *, start: int = 0):
         """Steps `start + 1` … `steps` from `model` and `opt_state` (as after step `start`).
@@ -361,7 +378,7 @@ class Trainer:
                     self.last_step = i
                     break
                 if stop and i != steps:
-                    raise self._preempted(state)
+                    raise self._preempted(state, interrupted=preemption.interrupted)
             flush()
             self.train_seconds = time.perf_counter() - train_t0 - self.hook_seconds
             loss = self.losses[-1] if self.losses else None

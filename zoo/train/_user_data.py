@@ -199,10 +199,17 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
         raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
     if len(train) == 0:
         raise ConfigError(f"--data {path}: no training rows are left after holding out --validation {validation}")
-    if c.batch_size is not None and c.batch_size > len(train):
+    # A derived batch is fitted to the rows later (`_plan.fit_batch`): it needs a row per device and microbatch.
+    m = 1 if "microbatches" in c.derived else c.microbatches
+    unit = dict(c.mesh or {}).get("data", 1) * m if "batch_size" in c.derived else c.batch_size
+    if c.batch_size is not None and (unit or 0) > len(train):
         raise ConfigError(
-            f"--batch-size {c.batch_size} is more than the training rows of {path.name} ({len(train)}); lower "
-            "--batch-size (or --seq-len: shorter rows are more rows)"
+            f"RunConfig.batch_size {c.batch_size} is more than the training rows of {path.name} ({len(train)}); lower "
+            "RunConfig.batch_size (or DataConfig.seq_len: shorter rows are more rows)"
+            if unit == c.batch_size
+            else f"{path.name} has {len(train)} training rows, fewer than one per device of the data axis and "
+            f"microbatch ({unit}); give it more rows, or use fewer devices or microbatches (RunConfig.devices, "
+            "RunConfig.microbatches)"
         )
     tokens_kind = "byte" if tokenizer is None else "tokenizer"
     fingerprint = {"data_sha256": train.sha256, **template_digest}

@@ -1,0 +1,187 @@
+"""Models by Hub id: `zoo.hf.download` and every command's MODEL / SOURCE fetching a model
+id missing from the local cache through `huggingface_hub`, against a local HTTP server on
+127.0.0.1 that answers as the Hub's endpoints do (`/api/models/{id}/revision/{rev}`, and
+`HEAD`/`GET /{id}/resolve/{rev}/{file}` with `X-Repo-Commit`, `ETag`, `Content-Length`).
+Nothing leaves the machine: `HF_ENDPOINT` points at the server, `HF_HOME` at a temporary
+folder."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import threading
+import urllib.parse
+from pathlib import Path
+
+import huggingface_hub  # noqa: F401  imported offline (tests/conftest.py): zoo's fetch follows the environment as it is then
+import jax
+import pytest
+from helpers import one_line_error, save_word_tokenizer, tiny_decoder, zoo_main, zoo_ok
+
+REPO = "tiny-org/tiny-llama"
+SHA = "0123456789abcdef0123456789abcdef01234567"
+WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "log"]
+
+
+class Hub(http.server.ThreadingHTTPServer):
+    """The Hub's model endpoints over `repos` (`{id: {file name: bytes}}`), each at commit
+    `SHA`; `requests` records `(method, path, Authorization header)`."""
+
+    def __init__(self, repos: dict[str, dict[str, bytes]]):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.repos, self.requests = repos, []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: Hub
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _answer(self, body: bytes | None):
+        path = urllib.parse.urlparse(self.path).path
+        self.server.requests.append((self.command, path, self.headers.get("Authorization")))
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) >= 4:  # /api/models/org/name[/revision/rev]
+            repo = "/".join(parts[2:4])
+            if repo not in self.server.repos:
+                return self._error(404, "RepoNotFound", f"Repository {repo} not found")
+            info = {"id": repo, "sha": SHA, "siblings": [{"rfilename": f} for f in sorted(self.server.repos[repo])]}
+            return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
+        if len(parts) >= 5 and parts[2] == "resolve":  # /org/name/resolve/rev/file
+            repo, name = "/".join(parts[:2]), "/".join(parts[4:])
+            files = self.server.repos.get(repo)
+            if files is None:
+                return self._error(404, "RepoNotFound", f"Repository {repo} not found")
+            if name not in files:
+                return self._error(404, "EntryNotFound", f"{name} does not exist")
+            data = files[name]
+            headers = {
+                "X-Repo-Commit": SHA,
+                "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                "Content-Type": "application/octet-stream",
+            }
+            return self._send(200, data, headers, body)
+        return self._error(404, "EntryNotFound", path)
+
+    def _error(self, status: int, code: str, message: str):
+        payload = json.dumps({"error": message}).encode()
+        self._send(status, payload, {"X-Error-Code": code, "X-Error-Message": message}, payload)
+
+    def _send(self, status: int, data: bytes, headers: dict[str, str], body):
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body is not None and self.command == "GET":
+            self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer(b"")
+
+    def do_HEAD(self):
+        self._answer(None)
+
+
+@pytest.fixture(scope="module")
+def llama_files(tmp_path_factory) -> dict[str, bytes]:
+    """A tiny Llama (zoo's export of `tiny_decoder`) with a word tokenizer, as the repo's
+    files, plus files zoo does not fetch (a torch copy, a README)."""
+    import zoo
+
+    folder = tmp_path_factory.mktemp("llama")
+    model = tiny_decoder(jax.random.key(0), vocab_size=len(WORDS), max_len=64)
+    zoo.hf.save_pretrained(model, folder)
+    save_word_tokenizer(WORDS, folder)
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    return files | {"pytorch_model.bin": b"not fetched", "README.md": b"# tiny"}
+
+
+@pytest.fixture
+def hub(llama_files, tmp_path, monkeypatch):
+    """The local Hub serving `REPO`, the environment pointed at it and at an empty cache."""
+    server = Hub({REPO: llama_files, "tiny-org/torch-only": {"config.json": llama_files["config.json"],
+                                                             "pytorch_model.bin": b"x"}})  # fmt: skip
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_fetches_the_config_weights_and_tokenizer_only(hub, llama_files, tmp_path, monkeypatch):
+    import zoo
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    folder = zoo.hf.download(REPO)
+    assert folder == tmp_path / "hf_home" / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / SHA
+    fetched = sorted(p.name for p in folder.iterdir())
+    assert fetched == sorted(n for n in llama_files if n not in ("pytorch_model.bin", "README.md")), fetched
+    for name in fetched:
+        assert (folder / name).read_bytes() == llama_files[name]
+    model_requests = [r for r in hub.requests if "/api/models/" in r[1] or "/resolve/" in r[1]]
+    assert all(auth == "Bearer hf_secret" for _, _, auth in model_requests), hub.requests
+    assert ("GET", f"/api/models/{REPO}", "Bearer hf_secret") in hub.requests
+    # The id alone now finds the snapshot in the cache, without asking the Hub again.
+    hub.requests.clear()
+    assert zoo.hf.resolve_model_dir(REPO) == folder
+    assert not [r for r in hub.requests if "/api/models/" in r[1] or "/resolve/" in r[1]]
+    model = zoo.hf.from_pretrained(REPO)
+    assert model.config.vocab_size == len(WORDS)
+
+
+def test_download_errors_name_what_was_tried(hub, tmp_path, monkeypatch):
+    import zoo
+
+    cache = tmp_path / "hf_home" / "hub"
+    with pytest.raises(FileNotFoundError, match=rf"{cache}.*{hub.url}/api/models/tiny-org/absent.*has no such model"):
+        zoo.hf.download("tiny-org/absent")
+    with pytest.raises(FileNotFoundError, match=r"holds no safetensors weights \(it holds \['pytorch_model.bin'\]\)"):
+        zoo.hf.download("tiny-org/torch-only")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.requests.clear()
+    with pytest.raises(FileNotFoundError, match=rf"nor a model in the local Hugging Face cache \({cache}\).*OFFLINE"):
+        zoo.hf.resolve_model_dir(REPO)
+    assert not [r for r in hub.requests if "/api/models/" in r[1] or "/resolve/" in r[1]]
+
+
+def test_commands_take_a_hub_id_as_model(hub, tmp_path):
+    """`zoo finetune ORG/NAME` fetches the model into the temporary cache and trains it;
+    `zoo info` and `zoo generate` take the id too (then from the cache)."""
+    data = tmp_path / "notes.jsonl"
+    data.write_text("".join(json.dumps({"text": "the cat sat on the mat a dog ran"}) + "\n" for _ in range(16)))
+    out = tmp_path / "run"
+    tiny = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "8", "--steps", "2", "--quiet"]
+    zoo_ok("finetune", REPO, "--data", data, "--lora", "r=2,alpha=4", "--output", out, *tiny)
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["model"], saved["init"]) == ("transformer", REPO)
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert Path(adapter["base_model_name_or_path"]).name == SHA  # the snapshot it trained on
+    assert any(path.endswith("model.safetensors") for _, path, _ in hub.requests)
+    hub.requests.clear()
+    info = json.loads(zoo_ok("info", REPO, "--devices", "2", "--json"))
+    assert info["config"]["vocab_size"] == len(WORDS)
+    out_text = zoo_ok("generate", REPO, "--prompt", "the cat", "--max-new-tokens", "3", "--json")
+    assert json.loads(out_text)[0]["prompt"] == "the cat"
+    assert not [r for r in hub.requests if "/resolve/" in r[1]]  # from the cache
+
+
+def test_offline_mode_refuses_a_missing_model_in_one_line(hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf_home" / "hub"
+    for args in (["finetune", REPO], ["info", REPO], ["generate", REPO, "--prompt", "a"], ["train", "llama", "--init",
+                 REPO]):  # fmt: skip
+        rc, _, err = zoo_main(*args)
+        one_line_error(rc, err, f"nor a model in the local Hugging Face cache ({cache}), and HF_HUB_OFFLINE is set")
+    assert not [r for r in hub.requests if "/api/models/" in r[1] or "/resolve/" in r[1]]
