@@ -3,6 +3,7 @@ and `zoo.train.run` (resume, phase lines)."""
 
 import dataclasses
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -420,6 +421,30 @@ def test_a_resumed_run_sees_the_same_batches_and_ends_where_an_uninterrupted_one
     config = json.loads((tmp_path / "cut" / "config.json").read_text())
     expected = _mlp(tmp_path / "cut", resume=True).resolved("train")
     assert RunConfig.from_dict(config) == dataclasses.replace(expected, mesh={"data": 2})
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(tmp_path, capsys):
+    """A run that crashed before any checkpoint (the default: none until its end) is resumed:
+    it starts again from step 0, says so, and ends as a fresh run does (the crashed run's
+    rows gone). A finished run without checkpoints is refused, its outputs kept."""
+    config = _mlp(tmp_path / "cut", steps=4, checkpoint_every=0)
+    fresh = zoo.train.run(_mlp(tmp_path / "fresh", steps=4, checkpoint_every=0))
+    with pytest.raises(RuntimeError, match="crash after step 2"):
+        zoo.train.run(config, hooks=[Crash(2)])
+    assert not (tmp_path / "cut" / "checkpoints").exists()
+    restarted = zoo.train.run(dataclasses.replace(config, resume=True))
+    assert "stopped before its first checkpoint; it starts again from step 0" in capsys.readouterr().err
+    for a, b in zip(jax.tree.leaves(eqx.filter(fresh.model, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(restarted.model, eqx.is_array)), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [r["step"] for r in read_rows(tmp_path / "cut" / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert not json.loads((tmp_path / "cut" / "config.json").read_text()).get("resume")
+    # The mlp keeps its weights as a final checkpoint; a model exported as a Hugging Face
+    # folder keeps none (--checkpoint-every 0): as here once that checkpoint is gone.
+    shutil.rmtree(tmp_path / "cut" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"finished without checkpoints .*cannot be continued; train further from"):
+        zoo.train.run(dataclasses.replace(config, resume=True, steps=6))
+    assert (tmp_path / "cut" / "summary.json").exists()
 
 
 def test_a_run_whose_eval_loss_rises_keeps_its_best_checkpoint_and_stops_early(tmp_path):

@@ -147,12 +147,17 @@ def checkpoint_dir(config: RunConfig, output: Path) -> Path:
     return Path(config.checkpoint_dir).expanduser() if config.checkpoint_dir else output / "checkpoints"
 
 
-def check_checkpoints(config: RunConfig, output: Path) -> None:
+def check_checkpoints(config: RunConfig, output: Path) -> str | None:
     """`resume` needs a checkpoint before `steps`; a run without it must not write into a
     folder of checkpoints or of another run's outputs (it would mix two runs), unless
     `overwrite`, which deletes only what zoo wrote (`_folder.remove_run`: a folder holding
     files zoo did not write is refused). Checked (read-only) once the folder's lock is
-    held, before anything is written."""
+    held, before anything is written.
+
+    A `resume` of a run that stopped before its first checkpoint (killed or crashed: its
+    outputs but no summary.json) starts it again from step 0, as a fresh run would: its
+    outputs are removed (zoo's only) and the returned line says so (None otherwise); the
+    caller trains with `resume` off."""
     folder = checkpoint_dir(config, output)
     saved = []
     if folder.is_dir():
@@ -165,10 +170,7 @@ def check_checkpoints(config: RunConfig, output: Path) -> None:
         return
     if config.resume:
         if not saved:
-            raise ConfigError(
-                f"--resume: no checkpoint in {folder}; run without --resume, or point --checkpoint-dir "
-                "(or --output) at the earlier run's"
-            )
+            return _restart(config, output, folder)
         n = config.resume_step
         if n is not None:
             if n not in saved:
@@ -192,6 +194,30 @@ def check_checkpoints(config: RunConfig, output: Path) -> None:
             )
     else:
         _check_new(output, folder, saved)
+    return None
+
+
+def _restart(config: RunConfig, output: Path, folder: Path) -> str:
+    """`resume` without a checkpoint: a run that stopped before its first one starts again
+    (its outputs removed); anything else is refused, naming why."""
+    if not previous_outputs(output):
+        raise ConfigError(
+            f"--resume: no checkpoint in {folder} and no earlier run in {output}; run without --resume, or point "
+            "--checkpoint-dir (or --output) at the earlier run's"
+        )
+    if config.resume_step is not None:
+        raise ConfigError(f"--resume-step {config.resume_step}: no checkpoint in {folder}; resume without --resume-step")
+    if (output / "summary.json").exists():  # finished: its outputs are all it has, never deleted here
+        raise ConfigError(
+            f"--resume: the run in {output} finished without checkpoints (--checkpoint-every 0), so it cannot be "
+            f"continued; train further from its result in a new run (--init {output} --output NEW), or pass "
+            "--checkpoint-every N next time"
+        )
+    remove_run(output, folder)
+    return (
+        f"--resume: the run in {output} stopped before its first checkpoint; it starts again from step 0 "
+        "(pass --checkpoint-every N to keep steps)"
+    )
 
 
 def _check_new(output: Path, folder: Path, saved: list[int]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -83,7 +84,11 @@ def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = N
     # One run per folder, held before anything is read or written there. config.json is
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(plan.output, plan.checkpoints, main=is_main_process()):
-        check_checkpoints(plan.config, plan.output)
+        restart = check_checkpoints(plan.config, plan.output)
+        if restart:  # a run stopped before its first checkpoint: trained again as a fresh one
+            plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, resume=False))
+            if is_main_process():  # quiet or not: what happened to the folder is never silent
+                print(f"zoo: {restart}", file=sys.stderr, flush=True)
         return _run(plan, hooks)
 
 
