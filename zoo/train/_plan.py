@@ -206,7 +206,9 @@ def _restart(config: RunConfig, output: Path, folder: Path) -> str:
             "--checkpoint-dir (or --output) at the earlier run's"
         )
     if config.resume_step is not None:
-        raise ConfigError(f"--resume-step {config.resume_step}: no checkpoint in {folder}; resume without --resume-step")
+        raise ConfigError(
+            f"--resume-step {config.resume_step}: no checkpoint in {folder}; resume without --resume-step"
+        )
     if (output / "summary.json").exists():  # finished: its outputs are all it has, never deleted here
         raise ConfigError(
             f"--resume: the run in {output} finished without checkpoints (--checkpoint-every 0), so it cannot be "
