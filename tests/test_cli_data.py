@@ -255,6 +255,35 @@ def test_train_transformer_on_a_txt_file_from_scratch_with_byte_tokens(tmp_path,
     assert config["data"] == str(data_files["txt"].resolve()) and config["packed"] is True
 
 
+def test_epochs_set_the_steps_from_the_data_files_rows(tmp_path, data_files):
+    """`--epochs E`: E passes over the file's training rows, E x rows / batch steps rounded
+    up, recorded in config.json as derived (with the warmup that follows them); given with
+    --steps, or on data without an end, one line."""
+    import math
+
+    rows = len(_task("transformer", data_files["txt"], None).train_source)
+    out = tmp_path / "run"
+    args = ["train", "transformer", "--data", data_files["txt"], *TINY, "--model-config", "d_model=32,num_layers=1"]
+    ok(*args, "--epochs", "1.5", "--output", out)
+    steps = math.ceil(1.5 * rows / 4)
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == list(range(1, steps + 1))
+    config = json.loads((out / "config.json").read_text())
+    assert config["epochs"] == 1.5 and config["steps"] == steps and {"steps", "warmup"} <= set(config["derived"])
+    assert config["warmup"] == max(1, steps // 20)
+    # A resumed run takes more epochs: its steps derived again, it continues where it stopped.
+    more = tmp_path / "more"
+    ok(*args, "--epochs", "1", "--checkpoint-every", "1000", "--output", more)
+    ok("train", "--output", more, "--resume", "--epochs", "2", "--devices", "2", "--quiet")
+    train = [r["step"] for r in read_jsonl(more / "metrics.jsonl") if r["kind"] == "train"]
+    assert train == list(range(1, math.ceil(2 * rows / 4) + 1))
+    rc, _, err = zoo_main(*args, "--epochs", "2", "--steps", "3", "--output", tmp_path / "both")
+    one_line_error(rc, err, "--steps 3 and --epochs 2.0 are both set; give one")
+    rc, _, err = zoo_main("train", "mlp", "--epochs", "2", "--output", tmp_path / "stream", "--quiet")
+    one_line_error(rc, err, "--epochs counts passes over a data file's training rows")
+    rc, _, err = zoo_main(*args, "--epochs", "0", "--output", tmp_path / "zero")
+    one_line_error(rc, err, "--epochs must be a finite number > 0")
+
+
 def test_resume_refuses_a_data_file_edited_since_the_checkpoint(tmp_path, data_files):
     """Each checkpoint holds the data file's sha256: `--resume` after the file changed is
     one line (the resumed steps would see other rows); with the file restored it resumes."""

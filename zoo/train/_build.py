@@ -28,7 +28,7 @@ from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
 from ._head import LABELS_NAME
 from ._output import tree_bytes, tree_size, write_json
-from ._plan import RunPlan, fit_batch
+from ._plan import RunPlan, fit_batch, fit_epochs
 from ._registry import SIZES
 from ._task import Task
 from ._user_data import check_fingerprint
@@ -113,6 +113,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     task = build_task(c, rules=rules, mesh=mesh)
     if "batch_size" in c.derived and hasattr(task.train_source, "__len__"):  # a data file: its rows bound the batch
         c = fit_batch(c, rows=len(task.train_source))
+    c = fit_epochs(c, rows=len(task.train_source) if hasattr(task.train_source, "__len__") else None)
     # A training batch holds the rows the held-out examples hold: refuse one that cannot fit.
     check_rows_fit("RunConfig.batch_size", c.batch_size, bytes_per_row(task.eval_data or {}), "one batch")
     if lcfg is not None and task.kind == "regression":
@@ -191,6 +192,9 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
         what = "; ".join(f"step {k}: {why}" for k, why in skipped)
         print(f"zoo: warning: --resume skipped damaged checkpoints ({what}); they are removed, resuming from step "
               f"{start}", file=sys.stderr, flush=True)  # fmt: skip
+    if start >= c.steps and c.epochs is not None:
+        raise ConfigError(f"--resume: the checkpoint is at step {start}, not before the {c.steps} steps of --epochs "
+                          f"{c.epochs}; raise --epochs to train further")  # fmt: skip
     check_fingerprint(checkpointer.metadata(start), built.fingerprint, c.data.source, start)
     built.model = eqx.combine(state["params"], frozen)
     built.opt_state, built.key = state["opt_state"], state["key"]

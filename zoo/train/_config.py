@@ -152,6 +152,8 @@ class RunConfig:
 
     model: str | None = flag(None, positional=True, help="{models}")
     steps: int | None = flag(None, metavar="N", resume="safe", help="optimizer steps ({per_model})")
+    epochs: float | int | None = flag(None, metavar="E", resume="safe", help="passes over a data file's training rows "
+                                      "instead of --steps: the steps are E x rows / batch, rounded up")  # fmt: skip
     batch_size: int | None = flag(None, metavar="B", help="global batch, a multiple of data axis x microbatches "
                                   "({per_model})")  # fmt: skip
     microbatches: int | None = flag(None, metavar="M", resume="safe", help="microbatches per step ({per_model})")
@@ -272,6 +274,9 @@ class RunConfig:
                 raise bad(field, "an integer >= 0")
         if self.seed > MAX_SEED:
             raise bad("seed", f"below 2**32 (at most {MAX_SEED}: the seeds jax and numpy take)")
+        if self.epochs is not None and (isinstance(self.epochs, bool) or not isinstance(self.epochs, int | float)
+                                        or not 0 < self.epochs < MAX_COUNT):  # fmt: skip
+            raise bad("epochs", "a finite number > 0 (or None)")
         for field in ("steps", "batch_size", "microbatches", "eval_every", "probe", "resume_step", "devices"):
             value = getattr(self, field)
             low = 0 if field in ("eval_every", "probe") else 1
@@ -411,7 +416,13 @@ class RunConfig:
         def pick(value: Any, key: str) -> Any:
             return table[key] if value is None else value
 
-        steps = pick(self.steps, "steps")
+        if self.epochs is not None and self.steps is not None and "steps" not in self.derived:
+            raise ConfigError(
+                f"RunConfig.steps {self.steps} and RunConfig.epochs {self.epochs} are both set; give one (epochs sets "
+                "the steps from the data file's rows)"
+            )
+        # With epochs, the model's steps stand in until the data's rows are known (`_plan.fit_epochs`).
+        steps = pick(None if self.epochs is not None else self.steps, "steps")
         optimizer = dataclasses.replace(
             self.optimizer,
             lr=pick(self.optimizer.lr, "lr"),
@@ -435,6 +446,7 @@ class RunConfig:
         if lora is None and command != "train":
             lora = LoraConfig(**spec.lora_defaults)
         derived = set(self.derived)
+        derived |= {"steps"} if self.epochs is not None else set()
         derived |= {"batch_size"} if self.batch_size is None else set()
         derived |= {"microbatches"} if self.microbatches is None else set()
         derived |= {"warmup"} if warmup is None else set()

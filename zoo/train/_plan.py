@@ -13,7 +13,7 @@ from .._checkpoint import Checkpointer
 from .._mismatch import shorten
 from .._presets import RULE_PRESETS
 from .._presets import rules as preset_rules
-from ._config import RunConfig
+from ._config import MAX_COUNT, RunConfig
 from ._errors import ConfigError
 from ._folder import owned, previous_outputs, remove_run
 from ._registry import model_spec
@@ -129,6 +129,35 @@ def fit_batch(config: RunConfig, rows: int | None) -> RunConfig:
     return config  # fewer rows than devices: the data's check names the fix
 
 
+def fit_epochs(config: RunConfig, rows: int | None) -> RunConfig:
+    """`config` with its steps set by `epochs` (`RunConfig.derived`): `epochs` x `rows`
+    (the training rows of a data file) / `batch_size`, rounded up; a derived warmup and
+    evaluation interval follow the new steps. Unchanged without `epochs`.
+
+    **Raises:** `ConfigError` when the data has no rows to count (a built-in stream)."""
+    if config.epochs is None:
+        return config
+    if rows is None:
+        raise ConfigError(
+            f"RunConfig.epochs counts passes over a data file's training rows, but {config.data.source} is a "
+            "stream without an end: set RunConfig.steps instead, or pass a data file"
+        )
+    steps = max(1, math.ceil(config.epochs * rows / config.batch_size))
+    if steps > MAX_COUNT:
+        raise ConfigError(f"RunConfig.epochs {config.epochs} over {rows} rows is {steps} steps, more than {MAX_COUNT}")
+    optimizer = config.optimizer
+    if "warmup" in config.derived:
+        optimizer = dataclasses.replace(
+            optimizer, warmup=dataclasses.replace(optimizer, warmup=None).warmup_steps(steps)
+        )
+    else:
+        optimizer.warmup_steps(steps)  # a warmup given must be below the steps
+    fitted = dataclasses.replace(config, steps=steps, optimizer=optimizer)
+    if "eval_every" in config.derived:
+        fitted = dataclasses.replace(fitted, eval_every=dataclasses.replace(fitted, eval_every=None).eval_interval)
+    return fitted
+
+
 def output_dir(output: str | None, model: str, command: str) -> Path:
     """A run's folder: `output`, else a new `runs/COMMAND-MODEL-UTCTIME`."""
     if output:
@@ -186,6 +215,8 @@ def check_checkpoints(config: RunConfig, output: Path) -> str | None:
             with Checkpointer(folder, keep=None, async_save=False) as ckpt:
                 for k in later:
                     ckpt.delete(k)
+        elif config.epochs is not None:
+            pass  # the steps are known once the data is read: `_build.resume` checks the bound
         elif saved[-1] > steps or (saved[-1] == steps and (output / "summary.json").exists()):
             # (at --steps without a summary: killed after its final checkpoint; the run finishes it)
             raise ConfigError(
