@@ -1,0 +1,108 @@
+"""4-bit weights (issue 46's first piece): zoo's NF4 against bitsandbytes' own CPU
+quantiser byte for byte (codes, scales, double-quantised scales, dequantised weights), and
+int4 per group within half a step."""
+
+from __future__ import annotations
+
+import bitsandbytes.functional as bnb
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from zoo.nn._four_bit import (
+    NF4_CODE,
+    dequantize_scales,
+    dynamic_code,
+    int4_dequantize,
+    int4_quantize,
+    nf4_dequantize,
+    nf4_quantize,
+    pack_int4,
+    quantize_blockwise,
+    quantize_scales,
+    unpack_int4,
+)
+
+# Random and real-shaped matrices ([out, in], as torch holds a Linear's weight), block sizes
+# bitsandbytes takes; one block all zeros (a pruned row's start).
+SHAPES = [((128, 64), 64), ((48, 256), 64), ((96, 512), 128), ((256, 2048), 64), ((64, 4096), 256)]
+
+
+def _weight(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    w[0, :64] = 0.0
+    w[1, 3] = 0.4  # an outlier: its block's other values fall on few levels
+    return w
+
+
+def test_the_code_books_are_bitsandbytes():
+    assert np.array_equal(NF4_CODE, bnb.get_4bit_type("nf4", device="cpu").numpy())
+    theirs = bnb.create_dynamic_map().numpy().copy()
+    theirs[0] = -1.0  # as its CPU quantiser leaves the cached map (it sets the first entry)
+    assert np.array_equal(dynamic_code(), theirs)
+
+
+@pytest.mark.parametrize(("shape", "block"), SHAPES)
+def test_nf4_codes_scales_and_weights_equal_bitsandbytes(shape, block):
+    w = _weight(shape)
+    packed, state = bnb.quantize_4bit(torch.from_numpy(w), blocksize=block, quant_type="nf4")
+    codes, absmax = nf4_quantize(jnp.asarray(w), block)
+    assert codes.dtype == jnp.uint8 and codes.shape == (shape[0], shape[1] // 2)
+    np.testing.assert_array_equal(np.asarray(codes).reshape(-1), packed.numpy().reshape(-1))
+    np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), state.absmax.numpy())
+    theirs = bnb.dequantize_4bit(packed, state).numpy()
+    np.testing.assert_array_equal(np.asarray(nf4_dequantize(codes, absmax)), theirs)
+    assert np.array_equal(np.asarray(nf4_dequantize(codes, absmax, jnp.bfloat16)).astype(np.float32),
+                          theirs.astype(np.float32).astype(jnp.bfloat16).astype(np.float32))  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "block"), SHAPES)
+def test_double_quantised_scales_read_as_bitsandbytes_reads_them(shape, block):
+    """A bitsandbytes state with `compress_statistics` (as transformers saves QLoRA bases):
+    zoo dequantises its stored codes, nested scales and offset to bitsandbytes' weights bit
+    for bit. zoo's own double quantisation takes the nearest code where bitsandbytes'
+    approximate search does: equal wherever bitsandbytes' choice is the nearest."""
+    w = _weight(shape, seed=1)
+    packed, state = bnb.quantize_4bit(torch.from_numpy(w), blocksize=block, quant_type="nf4", compress_statistics=True)
+    codes, absmax = nf4_quantize(jnp.asarray(w), block)
+    offset = jnp.float32(state.offset.item())
+    scales = dequantize_scales(jnp.asarray(state.absmax.numpy()).reshape(absmax.shape),
+                               jnp.asarray(state.state2.absmax.numpy()), offset)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(nf4_dequantize(codes, scales)), bnb.dequantize_4bit(packed, state).numpy())
+    # Quantising the scales with bitsandbytes' offset: its codes and nested absmax.
+    values = np.asarray(absmax).reshape(-1) - np.float32(state.offset.item())
+    ours, nested = quantize_blockwise(jnp.asarray(values), dynamic_code(), 256)
+    np.testing.assert_array_equal(np.asarray(nested), state.state2.absmax.numpy())
+    ours, theirs, code = np.asarray(ours), state.absmax.numpy(), dynamic_code()
+    normed = values / np.repeat(np.asarray(nested), 256)[: values.size]
+    distance = lambda q: np.abs(normed - code[q.astype(np.int64)])  # noqa: E731
+    assert np.all(distance(ours) <= distance(theirs))  # ours is the nearest level
+    nearest = distance(theirs) <= distance(ours)
+    np.testing.assert_array_equal(ours[nearest], theirs[nearest])
+    assert np.all(np.abs(ours.astype(int) - theirs.astype(int)) <= 1)  # elsewhere its next code
+    # zoo's own offset: the exact mean rounded once; the weights within one step of the scale's 8-bit code.
+    c, n, off = quantize_scales(absmax)
+    assert abs(float(off) - state.offset.item()) <= 2 * np.spacing(np.float32(state.offset.item()))
+    back = np.asarray(dequantize_scales(c, n, off))
+    step = np.repeat(np.asarray(n), 256)[: back.size].reshape(back.shape) * np.max(np.diff(code))
+    assert np.all(np.abs(back - np.asarray(absmax)) <= step)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_per_group_is_within_half_a_step_and_packs_two_per_byte(group):
+    w = _weight((64, 256), seed=2)
+    q, scale = int4_quantize(jnp.asarray(w), group)
+    assert q.dtype == jnp.int8 and int(jnp.max(jnp.abs(q))) <= 7 and scale.shape == (64, 256 // group)
+    back = np.asarray(int4_dequantize(q, scale))
+    half = np.repeat(np.asarray(scale), group, axis=1) / 2
+    assert np.all(np.abs(back - w) <= half * (1 + 1e-6))
+    packed = pack_int4(q)
+    assert packed.dtype == jnp.uint8 and packed.shape == (64, 128)
+    np.testing.assert_array_equal(np.asarray(unpack_int4(packed)), np.asarray(q))
+
+
+def test_a_matrix_that_does_not_split_into_blocks_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"multiple of the block size 64 .*got shape \(4, 96\)"):
+        nf4_quantize(jnp.zeros((4, 96)), 64)
