@@ -395,6 +395,36 @@ def sft_base(tmp_path_factory):
     return root, _write(root / "pairs.jsonl", PAIRS_TEXT)
 
 
+def test_the_preference_defaults_are_trls():
+    """A dpo / orpo run's unset learning rate, beta, loss and label smoothing are TRL's
+    `DPOConfig` / `ORPOConfig` defaults (an sft run keeps the model's learning rate)."""
+    import dataclasses
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl import DPOConfig
+    from trl.experimental.orpo import ORPOConfig
+
+    from zoo.train import RunConfig
+
+    def default(config, name):
+        field = config.__dataclass_fields__[name]
+        return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+    for objective, trl_config in (("dpo", DPOConfig), ("orpo", ORPOConfig)):
+        ours = RunConfig(model="transformer", objective=objective).resolved("finetune")
+        assert ours.optimizer.lr == default(trl_config, "learning_rate"), objective
+        assert ours.beta == default(trl_config, "beta"), objective
+    dpo = RunConfig(model="transformer", objective="dpo").resolved("finetune")
+    assert [dpo.loss_type] == default(DPOConfig, "loss_type") and dpo.label_smoothing == default(
+        DPOConfig, "label_smoothing"
+    )
+    sft = RunConfig(model="transformer").resolved("finetune")
+    assert sft.optimizer.lr == 1e-2  # the model's (an SFT learning rate)
+    given = RunConfig(model="transformer", objective="dpo", optimizer=dataclasses.replace(sft.optimizer, lr=5e-5))
+    assert given.resolved("finetune").optimizer.lr == 5e-5
+
+
 def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
     from helpers import zoo_main
 

@@ -13,6 +13,7 @@ from ._flags import Flag, fields_flags, flag
 from ._optimizer import OptimizerConfig
 from ._registry import (
     DATA_FILE_DEFAULTS,
+    PREFERENCE_DEFAULTS,
     ModelSpec,
     check_model_config,
     check_pretrained_shape,
@@ -425,7 +426,7 @@ class RunConfig:
         steps = pick(None if self.epochs is not None else self.steps, "steps")
         optimizer = dataclasses.replace(
             self.optimizer,
-            lr=pick(self.optimizer.lr, "lr"),
+            lr=pick(self.optimizer.lr, "lr") if self.objective == "sft" else self.optimizer.lr or PREFERENCE_DEFAULTS["lr"],
             weight_decay=pick(self.optimizer.weight_decay, "weight_decay"),
         )
         warmup = pick(optimizer.warmup, "warmup")

@@ -47,6 +47,10 @@ SHARED_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
     "demo": types.MappingProxyType({"weight_decay": 0.0, "warmup": None, "eval_every": None, "probe": 0,
                                     "pooling": "mean"}),
 })  # fmt: skip
+# What the preference objectives (dpo, orpo) take where the run does not say: TRL's
+# `DPOConfig` / `ORPOConfig` defaults (tests/test_preference.py compares them), over the
+# model's own learning rate, which is an SFT one.
+PREFERENCE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"lr": 1e-6})
 # The LoRA of `zoo finetune` (a `zoo.lora.LoraConfig`'s fields): rank 8, scaling 2, on every
 # Linear layer but the output head (peft's `all-linear`); a classifier's new head, which
 # LoRA cannot adapt from nothing, trained in full (peft's modules_to_save=["classifier"]).
