@@ -426,7 +426,9 @@ class RunConfig:
         steps = pick(None if self.epochs is not None else self.steps, "steps")
         optimizer = dataclasses.replace(
             self.optimizer,
-            lr=pick(self.optimizer.lr, "lr") if self.objective == "sft" else self.optimizer.lr or PREFERENCE_DEFAULTS["lr"],
+            lr=pick(self.optimizer.lr, "lr")
+            if self.objective == "sft"
+            else self.optimizer.lr or PREFERENCE_DEFAULTS["lr"],
             weight_decay=pick(self.optimizer.weight_decay, "weight_decay"),
         )
         warmup = pick(optimizer.warmup, "warmup")
