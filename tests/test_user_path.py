@@ -9,9 +9,6 @@ import json
 import jax
 import pytest
 from helpers import one_line_error, zoo_main
-from test_cli_data import llama_dir
-
-__all__ = ["llama_dir"]  # the module-scoped fixture of test_cli_data, built here when used
 
 
 def _checkpoint(folder, model_type="llama"):
@@ -47,28 +44,25 @@ def test_model_names_a_registered_model_a_family_or_a_checkpoint(tmp_path):
         model_and_init("transfomer", None)
 
 
-def test_a_finetune_run_is_the_init_of_the_next_sft_then_dpo(llama_dir, tmp_path, monkeypatch):
+def test_a_finetune_run_is_the_init_of_the_next_sft_then_dpo(llama_dir, chat_run, tmp_path, monkeypatch):
     """`zoo finetune --init runs/sft --objective dpo`: the SFT run's adapter merged into its
     base (once, into zoo's cache) is the model DPO starts from: its logits are the SFT
-    run's (float32 rounding: the merge adds B·A into W)."""
+    run's (float32 rounding: the merge adds B·A into W). The SFT run is the shared finished
+    chat SFT run (LoRA on the tiny Llama, tests/conftest.py), read, not changed."""
     import numpy as np
     from helpers import assert_rounding_close, zoo_ok
+    from tiny_runs import TINY
 
     import zoo
     from zoo.train._registry import merged_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    sft_data = tmp_path / "sft.jsonl"
-    sft_data.write_text("".join(json.dumps({"prompt": "the cat sat on the", "completion": " mat"}) + "\n"
-                                for _ in range(24)))  # fmt: skip
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": "the cat sat on the", "chosen": " mat", "rejected": " log"}) + "\n"
                              for _ in range(24)))  # fmt: skip
-    small = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "16", "--steps", "2",
-             "--lora", "r=4,alpha=8", "--lr", "1e-2", "--quiet"]  # fmt: skip
-    sft, dpo = tmp_path / "runs" / "sft", tmp_path / "runs" / "dpo"
-    zoo_ok("finetune", "transformer", "--init", llama_dir, "--data", sft_data, *small, "--output", sft)
-    zoo_ok("finetune", "transformer", "--init", sft, "--data", pairs, "--objective", "dpo", *small, "--output", dpo)
+    sft, dpo = chat_run, tmp_path / "runs" / "dpo"
+    zoo_ok("finetune", "transformer", "--init", sft, "--data", pairs, "--objective", "dpo", "--lora", "r=4,alpha=8",
+           *TINY, "--steps", "2", "--lr", "1e-2", "--output", dpo)  # fmt: skip
     assert json.loads((dpo / "config.json").read_text())["init"] == str(sft)
     (merged,) = merged_cache().iterdir()
     tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)
@@ -202,7 +196,7 @@ def test_a_first_chat_file_trains_with_no_other_flags(llama_dir, tmp_path, monke
     default batch (64 in 4 microbatches on 8 devices) does not fit the file's rows, so the
     run takes the largest that does and says so."""
     import numpy as np
-    from test_cli_data import _sentence
+    from tiny_runs import _sentence
 
     rng = np.random.default_rng(0)
     chats = [{"messages": [{"role": "user", "content": _sentence(rng, 3)},
