@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ZOO_TAKING_CTRL_C, one_line_error, short_run_env, sigint_state, zoo_main
+from helpers import ZOO_TAKING_CTRL_C, one_line_error, short_run_env, zoo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
@@ -532,25 +532,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     rc, _, err = zoo_main("train", "mlp", *LONG[:2], "--steps", str(steps[0] + 2), "--output", out, "--resume")
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["resumed_from"] == steps[0]
-
-
-def test_ctrl_c_exits_130_with_one_line(tmp_path):
-    import signal
-
-    out = tmp_path / "run"
-    proc = _start(out, "--checkpoint-every", "5")
-    _wait_for_training(proc, out, rows=7)
-    state = f"the run's SIGINT: {sigint_state(proc.pid)}; this process's: {sigint_state(os.getpid())}"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, f"{err!r}; {state}"
-    # The step in progress saved, as on SIGTERM, and the command that continues it named
-    # (tests/test_user_path.py runs that command).
-    assert err.startswith("zoo: interrupted: Ctrl-C: stopped after step ") and len(err.strip().splitlines()) == 1, err
-    assert " --resume" in err, err
-    import zoo
-
-    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps()  # the saves before it are whole
 
 
 # Ctrl-C while the main thread waits for a save to finish: orbax logs "Save Finalize thread

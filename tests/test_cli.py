@@ -6,7 +6,7 @@ simulated CPU devices (conftest) and shares jax's caches, which keeps each test 
 model's compiles. What a user sees of an error (exit code, exactly one line on stderr, no
 traceback; `--debug`'s traceback; exit 1) is checked through `python -m zoo` in a few
 fresh processes, which also carry everything the in-process redirect hides (warnings,
-absl's and XLA's output on file descriptor 2); Ctrl-C's exit 130 in tests/test_bad_inputs.py.
+absl's and XLA's output on file descriptor 2); Ctrl-C's exit 130 in tests/test_user_path.py.
 """
 
 import json
@@ -611,8 +611,8 @@ def test_errors_in_fresh_processes(tmp_path):
 
 
 # Ctrl-C (exit 130, one line naming the saved step and the command that continues the run):
-# tests/test_bad_inputs.py's test_ctrl_c_exits_130_with_one_line, the one place it is tested
-# (tests/test_user_path.py runs the command it names).
+# tests/test_user_path.py's test_ctrl_c_saves_the_step_and_the_printed_command_continues_it, the
+# one place it is tested (it also runs the command it names).
 
 
 def test_bad_lora_is_one_readable_line():

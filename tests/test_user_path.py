@@ -213,51 +213,52 @@ def test_a_first_chat_file_trains_with_no_other_flags(llama_dir, tmp_path, monke
 
 
 @pytest.mark.timeout(900)
-def test_ctrl_c_saves_the_step_and_the_printed_command_continues_it(tmp_path):
+def test_ctrl_c_saves_the_step_and_the_printed_command_continues_it(tmp_path, monkeypatch):
     """Ctrl-C mid-way through a run with the default settings (no --checkpoint-every):
-    the step in progress is saved, one line names the exact command that continues it,
-    and that command's final weights equal an uninterrupted run's. The process is the
-    subject: a fresh one, taking Ctrl-C as from a terminal."""
+    exit 130, the step in progress is saved, one line names the exact command that
+    continues it, and that command's final weights equal an uninterrupted run's. The
+    interrupted run is the subject: a fresh process taking Ctrl-C as from a terminal
+    (the suite's one Ctrl-C test of a run; test_bad_inputs.py's Ctrl-C during a save is
+    the other case). It compiles as this process does (helpers.short_run_env), so the
+    continued and the uninterrupted run, in this process, run the same programs."""
     import os
     import shlex
     import signal
     import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import numpy as np
-    from helpers import ZOO_TAKING_CTRL_C
+    from helpers import ZOO_TAKING_CTRL_C, short_run_env, sigint_state
 
     import zoo
 
-    root = Path(__file__).resolve().parent.parent
     flags = ["train", "mlp", "--devices", "2", "--steps", "400", "--batch-size", "8", "--microbatches", "1",
              "--eval-size", "16", "--quiet"]  # fmt: skip
     out = tmp_path / "run"
     proc = subprocess.Popen([*ZOO_TAKING_CTRL_C, *flags, "--output", str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(root)})  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, env=short_run_env())  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = out / "metrics.jsonl"
         if metrics.exists() and metrics.read_text().count('"kind": "train"') >= 5:
             break
         time.sleep(0.05)
+    state = f"the run's SIGINT: {sigint_state(proc.pid)}; this process's: {sigint_state(os.getpid())}"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, f"{err!r}; {state}"
     one_line_error(proc.returncode, err, "zoo: interrupted: Ctrl-C: stopped after step ", code=130)
     saved = zoo.Checkpointer(out / "checkpoints", read_only=True).steps()
     assert len(saved) == 1 and 5 <= saved[0] < 400, (saved, err)
     assert f"checkpoint saved in {out / 'checkpoints'}; continue with: zoo " in err
     command = shlex.split(err.split("continue with: ", 1)[1])
     assert command[0] == "zoo" and command[-1] == "--resume"
-    # Both runs in fresh processes as the first part ran: the same compiled programs.
-    env = os.environ | {"PYTHONPATH": str(root)}
+    # The printed command and the uninterrupted run, here (where the user's shell was).
+    monkeypatch.chdir(tmp_path)
     whole = tmp_path / "whole"
     for args in (command[1:], [*flags, "--output", str(whole)]):
-        done = subprocess.run([sys.executable, "-m", "zoo", *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
-        assert done.returncode == 0, done.stderr
+        rc, _, run_err = zoo_main(*args)
+        assert rc == 0, run_err
     # The mlp's weights are its final checkpoint (it has no Hugging Face folder).
     final = {}
     for name, folder in (("continued", out), ("whole", whole)):
