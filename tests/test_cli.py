@@ -425,44 +425,83 @@ def test_entry_point_help_and_one_line_usage_error():
     one_line_error(rc, err, "zoo train: error: argument --steps: invalid int value: 'x'")
 
 
-@pytest.mark.parametrize(
-    "args, code, expected",
-    [
-        (["--help"], 0, "usage: zoo [-h]"),
-        (["train", "--help"], 0, "usage: zoo train [-h]"),
-        (["generate", "--help"], 0, "usage: zoo generate [-h]"),
-        (
-            ["train", "mlp", "--stepz", "3"],
-            2,
-            "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)",
-        ),
-        (["train", "mlp", "--optimizer", "adamz"], 2, "argument --optimizer: invalid choice: 'adamz'"),
-        (["info"], 2, "zoo info: error: the following arguments are required: model (see zoo info --help)"),
-        (["predict", "--help"], 0, "usage: zoo predict [-h]"),
-        (["predict", "runs/x"], 2, "zoo predict: error: one of the arguments --input --text is required"),
-        (["eval", "runs/x"], 2, "zoo eval: error: the following arguments are required: --data"),
-        (["export", "runs/x", "--merge"], 2, "zoo export: error: the following arguments are required: --output"),
-    ],
-)
-def test_help_and_usage_errors_answer_before_jax(args, code, expected):
+# `--help` and argparse's usage errors: (argv, exit code, what stdout or the one stderr line holds).
+USAGE_CASES = [
+    (["--help"], 0, "usage: zoo [-h]"),
+    (["train", "--help"], 0, "usage: zoo train [-h]"),
+    (["generate", "--help"], 0, "usage: zoo generate [-h]"),
+    (
+        ["train", "mlp", "--stepz", "3"],
+        2,
+        "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)",
+    ),
+    (["train", "mlp", "--optimizer", "adamz"], 2, "argument --optimizer: invalid choice: 'adamz'"),
+    (["info"], 2, "zoo info: error: the following arguments are required: model (see zoo info --help)"),
+    (["predict", "--help"], 0, "usage: zoo predict [-h]"),
+    (["predict", "runs/x"], 2, "zoo predict: error: one of the arguments --input --text is required"),
+    (["eval", "runs/x"], 2, "zoo eval: error: the following arguments are required: --data"),
+    (["export", "runs/x", "--merge"], 2, "zoo export: error: the following arguments are required: --output"),
+]
+
+# One fresh process answers every case of USAGE_CASES in turn through `python -m zoo`'s own
+# entry (runpy runs zoo/__main__.py for each, its exit caught), each case's stdout and stderr
+# captured apart, and prints them as JSON; `-X importtime` lists every module the process
+# imported, all the cases together. (One process, not one per case: what a process shows
+# here, that no case imports jax, holds for each case if it holds for them all.)
+_USAGE_PROCESS = """
+import contextlib, io, json, runpy, sys
+answers = []
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = ["zoo", *args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module('zoo', run_name='__main__')  # counted as a zoo process by the timeline
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    answers.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(answers))
+"""
+
+
+@pytest.fixture(scope="module")
+def usage_answers() -> tuple[list[str], list[tuple[int, str, str]]]:
+    """(the modules the process imported, (exit code, stdout, stderr) per case of USAGE_CASES)."""
+    env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}
+    argvs = json.dumps([args for args, _, _ in USAGE_CASES])
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", _USAGE_PROCESS, argvs],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    answers = json.loads(proc.stdout)
+    # importtime writes to sys.stderr: the real one, or a case's while it ran.
+    lines = [*proc.stderr.splitlines(), *(line for _, _, err in answers for line in err.splitlines())]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")]
+    cleaned = [
+        (code, out, "\n".join(line for line in err.splitlines() if not line.startswith("import time:")))
+        for code, out, err in answers
+    ]
+    return imported, cleaned
+
+
+@pytest.mark.parametrize("case", range(len(USAGE_CASES)), ids=[" ".join(args) for args, _, _ in USAGE_CASES])
+def test_help_and_usage_errors_answer_before_jax(case, usage_answers):
     """`--help` and argparse's usage errors come from the parser alone: a fresh process
     imports no jax (`-X importtime` lists every module it imports), so it answers at once.
     Nothing is timed here (a loaded machine's seconds say nothing of the code): what made it
     slow, importing jax, is what is checked. (ZOO_RUNTIME_CHECKS=1's import hook brings jax
     in: not set here.)"""
-    env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "zoo", *args],
-        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
-    )  # fmt: skip
-    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
-    err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    args, code, expected = USAGE_CASES[case]
+    imported, answers = usage_answers
     assert "zoo._cli._main" in imported, imported  # the check sees the imports
     assert not [m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "equinox", "optax")], imported
-    assert proc.returncode == code, (proc.returncode, err)
-    assert expected in (proc.stdout if code == 0 else err), (proc.stdout, err)
+    rc, out, err = answers[case]
+    assert rc == code, (rc, err)
+    assert expected in (out if code == 0 else err), (out, err)
     if code:
-        one_line_error(proc.returncode, err, expected, code)
+        one_line_error(rc, err, expected, code)
 
 
 @pytest.mark.parametrize(
