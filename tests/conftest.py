@@ -209,3 +209,12 @@ def lora_classifier_run(tmp_path_factory, classifier_run, data_files):
     from tiny_runs import train_lora_classifier_run
 
     return train_lora_classifier_run(tmp_path_factory.mktemp("runs") / "cls-lora", classifier_run, data_files)
+
+
+@pytest.fixture(scope="session")
+def finished_mlp_run(tmp_path_factory):
+    """A finished 4-step mlp run (checkpoints 2 and 4; lr, seed, model config not the
+    defaults) that resume tests copy (tiny_runs.train_finished_mlp_run)."""
+    from tiny_runs import train_finished_mlp_run
+
+    return train_finished_mlp_run(tmp_path_factory.mktemp("run4") / "run")

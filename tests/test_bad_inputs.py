@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ZOO_TAKING_CTRL_C, one_line_error, short_run_env, zoo_main
+from tiny_runs import TINY_MLP
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
@@ -415,14 +416,12 @@ BASE = ["--devices", "2", "--batch-size", "8", "--microbatches", "1", "--eval-si
 
 
 @pytest.fixture(scope="module")
-def finished_run4(tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4, lr and seed not the defaults:
-    trained once, each test resumes or damages a copy of it (`run4`)."""
-    out = tmp_path_factory.mktemp("run4") / "run"
-    rc, _, err = zoo_main("train", "mlp", *BASE, "--steps", "4", "--checkpoint-every", "2", "--lr", "0.01",
-                          "--seed", "3", "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
-    assert rc == 0, err
-    return out
+def finished_run4(finished_mlp_run) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4, lr and seed not the defaults
+    (`BASE`'s flags): trained once for the suite's worker (conftest's `finished_mlp_run`,
+    test_one_run.py's `saved_run` too), each test resumes or damages a copy of it (`run4`)."""
+    assert BASE == TINY_MLP
+    return finished_mlp_run
 
 
 @pytest.fixture

@@ -125,3 +125,16 @@ def train_chat_run(out: Path, llama_dir: Path, data_files: dict[str, Path]) -> P
     zoo_ok("finetune", "transformer", "--init", llama_dir, "--data", data_files["chat"], "--lora", "r=4,alpha=8",
            *TINY, "--steps", "2", "--lr", "1e-2", "--output", out)  # fmt: skip
     return out
+
+
+# The tiny mlp run on 2 devices (the mlp's own model and data): every in-process mlp run of
+# these shapes reuses one set of compiled programs (jax's caches, kept across files).
+TINY_MLP = ["--devices", "2", "--batch-size", "8", "--microbatches", "1", "--eval-size", "16", "--quiet"]
+
+
+def train_finished_mlp_run(out: Path) -> Path:
+    """A finished 4-step mlp run, checkpoints at steps 2 and 4; lr, seed and model config
+    not the defaults: what a resume continues, and must refuse to change."""
+    zoo_ok("train", "mlp", *TINY_MLP, "--steps", "4", "--checkpoint-every", "2", "--lr", "0.01", "--seed", "3",
+           "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
+    return out
