@@ -412,11 +412,12 @@ def test_help_lists_every_flag(command):
         assert "--lora" in flags and "--init" in flags
 
 
-def test_entry_point_help_and_one_line_usage_error():
-    """`python -m zoo --help` lists the commands; a bad flag is one line naming the fix."""
-    proc = run_zoo("--help")
+def test_entry_point_help_and_one_line_usage_error(usage_answers):
+    """`python -m zoo --help` lists the commands (read from the fresh process of
+    `usage_answers`, which runs that entry); a bad flag is one line naming the fix."""
+    rc, stdout, _ = usage_answers[1][[args for args, _, _ in USAGE_CASES].index(["--help"])]
     commands = ("train", "finetune", "demo", "inspect", "info", "generate", "serve", "predict", "eval", "export")
-    assert proc.returncode == 0 and all(c in proc.stdout for c in commands)
+    assert rc == 0 and all(c in stdout for c in commands)
     rc, _, err = zoo_main("train", "mlp", "--stepz", "3")  # argparse's errors, in-process
     one_line_error(
         rc, err, "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)"
