@@ -163,3 +163,58 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         limits[item.path] = max(limits.get(item.path, 0.0), _timeout(item))
     items.sort(key=lambda item: -limits[item.path])
+
+
+# --- the tiny folders and finished runs the CLI tests share (tests/tiny_runs.py) --------------
+# Session-scoped: made once per test process (each xdist worker) and read by every file that
+# asks, instead of once per file: a finished run costs a training run's compiles. Tests only
+# read them; a test that changes one copies it first.
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """A tiny random Llama saved by transformers, a word-level tokenizer and a chat template."""
+    from tiny_runs import make_llama_dir
+
+    return make_llama_dir(tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="session")
+def data_files(tmp_path_factory):
+    """The CLI tests' tiny data files by kind (tiny_runs.make_data_files)."""
+    from tiny_runs import make_data_files
+
+    return make_data_files(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory, llama_dir, data_files):
+    """A finished chat SFT run: LoRA on the tiny Llama (tiny_runs.train_chat_run)."""
+    from tiny_runs import train_chat_run
+
+    return train_chat_run(tmp_path_factory.mktemp("runs") / "chat", llama_dir, data_files)
+
+
+@pytest.fixture(scope="session")
+def classifier_run(tmp_path_factory, data_files):
+    """A finished classifier run: a tiny BERT from scratch on string labels."""
+    from tiny_runs import train_classifier_run
+
+    return train_classifier_run(tmp_path_factory.mktemp("runs") / "cls", data_files)
+
+
+@pytest.fixture(scope="session")
+def lora_classifier_run(tmp_path_factory, classifier_run, data_files):
+    """A finished LoRA fine-tune of classifier_run's encoder, its head trained in full."""
+    from tiny_runs import train_lora_classifier_run
+
+    return train_lora_classifier_run(tmp_path_factory.mktemp("runs") / "cls-lora", classifier_run, data_files)
+
+
+@pytest.fixture(scope="session")
+def finished_mlp_run(tmp_path_factory):
+    """A finished 4-step mlp run (checkpoints 2 and 4; lr, seed, model config not the
+    defaults) that resume tests copy (tiny_runs.train_finished_mlp_run)."""
+    from tiny_runs import train_finished_mlp_run
+
+    return train_finished_mlp_run(tmp_path_factory.mktemp("run4") / "run")

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ZOO_TAKING_CTRL_C, one_line_error, short_run_env, sigint_state, zoo_main
+from helpers import ZOO_TAKING_CTRL_C, one_line_error, short_run_env, zoo_main
+from tiny_runs import TINY_MLP
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny mlp run on 2 devices: 3 steps of batch 8, no microbatching.
@@ -415,14 +416,12 @@ BASE = ["--devices", "2", "--batch-size", "8", "--microbatches", "1", "--eval-si
 
 
 @pytest.fixture(scope="module")
-def finished_run4(tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4, lr and seed not the defaults:
-    trained once, each test resumes or damages a copy of it (`run4`)."""
-    out = tmp_path_factory.mktemp("run4") / "run"
-    rc, _, err = zoo_main("train", "mlp", *BASE, "--steps", "4", "--checkpoint-every", "2", "--lr", "0.01",
-                          "--seed", "3", "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
-    assert rc == 0, err
-    return out
+def finished_run4(finished_mlp_run) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4, lr and seed not the defaults
+    (`BASE`'s flags): trained once for the suite's worker (conftest's `finished_mlp_run`,
+    test_one_run.py's `saved_run` too), each test resumes or damages a copy of it (`run4`)."""
+    assert BASE == TINY_MLP
+    return finished_mlp_run
 
 
 @pytest.fixture
@@ -532,25 +531,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     rc, _, err = zoo_main("train", "mlp", *LONG[:2], "--steps", str(steps[0] + 2), "--output", out, "--resume")
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["resumed_from"] == steps[0]
-
-
-def test_ctrl_c_exits_130_with_one_line(tmp_path):
-    import signal
-
-    out = tmp_path / "run"
-    proc = _start(out, "--checkpoint-every", "5")
-    _wait_for_training(proc, out, rows=7)
-    state = f"the run's SIGINT: {sigint_state(proc.pid)}; this process's: {sigint_state(os.getpid())}"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, f"{err!r}; {state}"
-    # The step in progress saved, as on SIGTERM, and the command that continues it named
-    # (tests/test_user_path.py runs that command).
-    assert err.startswith("zoo: interrupted: Ctrl-C: stopped after step ") and len(err.strip().splitlines()) == 1, err
-    assert " --resume" in err, err
-    import zoo
-
-    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps()  # the saves before it are whole
 
 
 # Ctrl-C while the main thread waits for a save to finish: orbax logs "Save Finalize thread

@@ -6,7 +6,7 @@ simulated CPU devices (conftest) and shares jax's caches, which keeps each test 
 model's compiles. What a user sees of an error (exit code, exactly one line on stderr, no
 traceback; `--debug`'s traceback; exit 1) is checked through `python -m zoo` in a few
 fresh processes, which also carry everything the in-process redirect hides (warnings,
-absl's and XLA's output on file descriptor 2); Ctrl-C's exit 130 in tests/test_bad_inputs.py.
+absl's and XLA's output on file descriptor 2); Ctrl-C's exit 130 in tests/test_user_path.py.
 """
 
 import json
@@ -412,11 +412,12 @@ def test_help_lists_every_flag(command):
         assert "--lora" in flags and "--init" in flags
 
 
-def test_entry_point_help_and_one_line_usage_error():
-    """`python -m zoo --help` lists the commands; a bad flag is one line naming the fix."""
-    proc = run_zoo("--help")
+def test_entry_point_help_and_one_line_usage_error(usage_answers):
+    """`python -m zoo --help` lists the commands (read from the fresh process of
+    `usage_answers`, which runs that entry); a bad flag is one line naming the fix."""
+    rc, stdout, _ = usage_answers[1][[args for args, _, _ in USAGE_CASES].index(["--help"])]
     commands = ("train", "finetune", "demo", "inspect", "info", "generate", "serve", "predict", "eval", "export")
-    assert proc.returncode == 0 and all(c in proc.stdout for c in commands)
+    assert rc == 0 and all(c in stdout for c in commands)
     rc, _, err = zoo_main("train", "mlp", "--stepz", "3")  # argparse's errors, in-process
     one_line_error(
         rc, err, "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)"
@@ -425,44 +426,83 @@ def test_entry_point_help_and_one_line_usage_error():
     one_line_error(rc, err, "zoo train: error: argument --steps: invalid int value: 'x'")
 
 
-@pytest.mark.parametrize(
-    "args, code, expected",
-    [
-        (["--help"], 0, "usage: zoo [-h]"),
-        (["train", "--help"], 0, "usage: zoo train [-h]"),
-        (["generate", "--help"], 0, "usage: zoo generate [-h]"),
-        (
-            ["train", "mlp", "--stepz", "3"],
-            2,
-            "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)",
-        ),
-        (["train", "mlp", "--optimizer", "adamz"], 2, "argument --optimizer: invalid choice: 'adamz'"),
-        (["info"], 2, "zoo info: error: the following arguments are required: model (see zoo info --help)"),
-        (["predict", "--help"], 0, "usage: zoo predict [-h]"),
-        (["predict", "runs/x"], 2, "zoo predict: error: one of the arguments --input --text is required"),
-        (["eval", "runs/x"], 2, "zoo eval: error: the following arguments are required: --data"),
-        (["export", "runs/x", "--merge"], 2, "zoo export: error: the following arguments are required: --output"),
-    ],
-)
-def test_help_and_usage_errors_answer_before_jax(args, code, expected):
+# `--help` and argparse's usage errors: (argv, exit code, what stdout or the one stderr line holds).
+USAGE_CASES = [
+    (["--help"], 0, "usage: zoo [-h]"),
+    (["train", "--help"], 0, "usage: zoo train [-h]"),
+    (["generate", "--help"], 0, "usage: zoo generate [-h]"),
+    (
+        ["train", "mlp", "--stepz", "3"],
+        2,
+        "zoo train: error: unrecognized arguments: --stepz 3; did you mean --steps? (see zoo train --help)",
+    ),
+    (["train", "mlp", "--optimizer", "adamz"], 2, "argument --optimizer: invalid choice: 'adamz'"),
+    (["info"], 2, "zoo info: error: the following arguments are required: model (see zoo info --help)"),
+    (["predict", "--help"], 0, "usage: zoo predict [-h]"),
+    (["predict", "runs/x"], 2, "zoo predict: error: one of the arguments --input --text is required"),
+    (["eval", "runs/x"], 2, "zoo eval: error: the following arguments are required: --data"),
+    (["export", "runs/x", "--merge"], 2, "zoo export: error: the following arguments are required: --output"),
+]
+
+# One fresh process answers every case of USAGE_CASES in turn through `python -m zoo`'s own
+# entry (runpy runs zoo/__main__.py for each, its exit caught), each case's stdout and stderr
+# captured apart, and prints them as JSON; `-X importtime` lists every module the process
+# imported, all the cases together. (One process, not one per case: what a process shows
+# here, that no case imports jax, holds for each case if it holds for them all.)
+_USAGE_PROCESS = """
+import contextlib, io, json, runpy, sys
+answers = []
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = ["zoo", *args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module('zoo', run_name='__main__')  # counted as a zoo process by the timeline
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    answers.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(answers))
+"""
+
+
+@pytest.fixture(scope="module")
+def usage_answers() -> tuple[list[str], list[tuple[int, str, str]]]:
+    """(the modules the process imported, (exit code, stdout, stderr) per case of USAGE_CASES)."""
+    env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}
+    argvs = json.dumps([args for args, _, _ in USAGE_CASES])
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", _USAGE_PROCESS, argvs],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    answers = json.loads(proc.stdout)
+    # importtime writes to sys.stderr: the real one, or a case's while it ran.
+    lines = [*proc.stderr.splitlines(), *(line for _, _, err in answers for line in err.splitlines())]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")]
+    cleaned = [
+        (code, out, "\n".join(line for line in err.splitlines() if not line.startswith("import time:")))
+        for code, out, err in answers
+    ]
+    return imported, cleaned
+
+
+@pytest.mark.parametrize("case", range(len(USAGE_CASES)), ids=[" ".join(args) for args, _, _ in USAGE_CASES])
+def test_help_and_usage_errors_answer_before_jax(case, usage_answers):
     """`--help` and argparse's usage errors come from the parser alone: a fresh process
     imports no jax (`-X importtime` lists every module it imports), so it answers at once.
     Nothing is timed here (a loaded machine's seconds say nothing of the code): what made it
     slow, importing jax, is what is checked. (ZOO_RUNTIME_CHECKS=1's import hook brings jax
     in: not set here.)"""
-    env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "zoo", *args],
-        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
-    )  # fmt: skip
-    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
-    err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    args, code, expected = USAGE_CASES[case]
+    imported, answers = usage_answers
     assert "zoo._cli._main" in imported, imported  # the check sees the imports
     assert not [m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "equinox", "optax")], imported
-    assert proc.returncode == code, (proc.returncode, err)
-    assert expected in (proc.stdout if code == 0 else err), (proc.stdout, err)
+    rc, out, err = answers[case]
+    assert rc == code, (rc, err)
+    assert expected in (out if code == 0 else err), (out, err)
     if code:
-        one_line_error(proc.returncode, err, expected, code)
+        one_line_error(rc, err, expected, code)
 
 
 @pytest.mark.parametrize(
@@ -611,8 +651,8 @@ def test_errors_in_fresh_processes(tmp_path):
 
 
 # Ctrl-C (exit 130, one line naming the saved step and the command that continues the run):
-# tests/test_bad_inputs.py's test_ctrl_c_exits_130_with_one_line, the one place it is tested
-# (tests/test_user_path.py runs the command it names).
+# tests/test_user_path.py's test_ctrl_c_saves_the_step_and_the_printed_command_continues_it, the
+# one place it is tested (it also runs the command it names).
 
 
 def test_bad_lora_is_one_readable_line():

@@ -10,95 +10,17 @@ import numpy as np
 import pytest
 from helpers import assert_as_accurate, assert_rounding_close, one_line_error, torch_reference, zoo_main
 from helpers import zoo_ok as ok
-
-WORDS = "the a cat dog sat ran on under mat log red blue big small".split()
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>"]
-VOCAB = {t: i for i, t in enumerate(SPECIAL + WORDS)}
-# No generation blocks: the assistant turns are found by rendering prefixes.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<' + m['role'] + '> ' + m['content'] + ' </s> ' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}"
+from tiny_runs import (  # noqa: F401  (names other test files import from here)
+    CHAT_TEMPLATE,
+    FORWARD,
+    LOSS_DEPTH,
+    SEQ,
+    TINY,
+    VOCAB,
+    _sentence,
+    read_jsonl,
+    write_jsonl,
 )
-SEQ = 32
-# 2 devices, 1 microbatch, batch 4: the smallest runs that still split the batch.
-# The tiny Llama's float32 sums (helpers.rounding_bound): <= 48 wide (its MLP), 2 layers of
-# ~6 chained sums and the head, then a loss's log-sum-exp and sum over the tokens.
-FORWARD = {"terms": 48, "depth": 2 * 6 + 1}
-LOSS_DEPTH = FORWARD["depth"] + 2
-TINY = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", str(SEQ), "--quiet"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama saved by transformers, a word-level tokenizer (BOS added to
-    each text, EOS `</s>`) and a chat template beside it."""
-    import tokenizers
-    import torch
-    import transformers
-
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(VOCAB, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIAL)
-    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    folder = tmp_path_factory.mktemp("hf") / "llama"
-    folder.mkdir()
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
-    return folder
-
-
-def _sentence(rng, n: int) -> str:
-    return " ".join(rng.choice(WORDS, n))
-
-
-@pytest.fixture(scope="module")
-def data_files(tmp_path_factory) -> dict[str, Path]:
-    rng = np.random.default_rng(0)
-    folder = tmp_path_factory.mktemp("data")
-    files = {}
-    files["txt"] = folder / "notes.txt"
-    files["txt"].write_text("def f(x):\n    return x + 1  # héllo\n" * 40)
-    files["text"] = write_jsonl(folder / "text.jsonl", [{"text": _sentence(rng, 6)} for _ in range(40)])
-    pc = []
-    for _ in range(40):  # the completion names the prompt's animal's place: learnable
-        animal, place = rng.choice(["cat", "dog"]), rng.choice(["mat", "log"])
-        pc.append({"prompt": f"the {animal} sat on the {place}", "completion": f"{place} {animal}"})
-    files["pc"] = write_jsonl(folder / "pc.jsonl", pc)
-    chats = []
-    for _ in range(30):
-        turns = [{"role": "user", "content": _sentence(rng, 3)}, {"role": "assistant", "content": _sentence(rng, 2)}]
-        if rng.random() < 0.5:
-            turns += [
-                {"role": "user", "content": _sentence(rng, 2)},
-                {"role": "assistant", "content": _sentence(rng, 3)},
-            ]
-        chats.append({"messages": turns})
-    files["chat"] = write_jsonl(folder / "chat.jsonl", chats)
-    labelled = [("the cat sat on the mat", "cats"), ("a dog ran under a log", "dogs"), ("red blue big", "colours")]
-    files["labels"] = write_jsonl(
-        folder / "labels.jsonl",
-        [{"text": f"{t} {_sentence(rng, 2)}", "label": label} for _ in range(8) for t, label in labelled],
-    )
-    rows = [f'"{t} {_sentence(rng, 2)}",{i}' for _ in range(12) for i, (t, _) in enumerate(labelled[:2])]
-    files["csv"] = folder / "labels.csv"
-    files["csv"].write_text("text,label\n" + "\n".join(rows) + "\n")
-    return files
 
 
 def _task(name: str, data: Path, init: Path | None, seq_len: int = SEQ, **options):

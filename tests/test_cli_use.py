@@ -12,45 +12,18 @@ import pytest
 import safetensors.numpy
 from helpers import assert_rounding_close, one_line_error, zoo_main
 from helpers import zoo_ok as ok
-from test_cli_data import CHAT_TEMPLATE, FORWARD, LOSS_DEPTH, TINY, data_files, llama_dir, read_jsonl, write_jsonl
+from tiny_runs import CHAT_TEMPLATE, FORWARD, LOSS_DEPTH, read_jsonl, write_jsonl
 
-__all__ = ["data_files", "llama_dir"]  # module-scoped fixtures of test_cli_data, built once here too
+# The finished runs (chat_run, classifier_run, lora_classifier_run) and their data are
+# tests/conftest.py's session fixtures (tests/tiny_runs.py), shared with other files.
 
 TEXTS = ["the cat sat on the mat", "red blue big log", "a dog ran under a log"]
 # A tiny BERT from scratch on byte tokens (test_cli_data's classifier runs), and its float32
 # sums (helpers.rounding_bound): <= 128 wide (its MLP), 1 layer of ~6 chained sums, the
 # pooling and the head; a loss adds its log-sum-exp and mean.
-ENCODER = ["--model-config", "d_model=32,num_layers=1", "--seq-len", "32"]
 ENCODER_SUMS = {"terms": 128, "depth": 6 + 2}
 # Measured: export vs zoo, and predict vs the reference, differ by < 1e-6 on these tiny models.
 EXPORT_TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def classifier_run(tmp_path_factory, data_files):
-    """`zoo train encoder` on string labels (cats, colours, dogs): model/ + head.safetensors."""
-    out = tmp_path_factory.mktemp("runs") / "cls"
-    ok("train", "encoder", "--data", data_files["labels"], *TINY[:-3], *ENCODER, "--steps", "2", "--quiet",
-       "--output", out)  # fmt: skip
-    return out
-
-
-@pytest.fixture(scope="module")
-def lora_classifier_run(tmp_path_factory, classifier_run, data_files):
-    """`zoo finetune encoder --init` the classifier run's encoder: a LoRA adapter with the head."""
-    out = tmp_path_factory.mktemp("runs") / "cls-lora"
-    ok("finetune", "encoder", "--init", classifier_run, "--data", data_files["labels"], *TINY[:-3], "--seq-len", "32",
-       "--steps", "2", "--lr", "1e-2", "--quiet", "--output", out)  # fmt: skip
-    return out
-
-
-@pytest.fixture(scope="module")
-def chat_run(tmp_path_factory, llama_dir, data_files):
-    """A chat SFT run: LoRA on the tiny Llama, its chat template from tokenizer_config.json."""
-    out = tmp_path_factory.mktemp("runs") / "chat"
-    ok("finetune", "transformer", "--init", llama_dir, "--data", data_files["chat"], "--lora", "r=4,alpha=8", *TINY,
-       "--steps", "2", "--lr", "1e-2", "--output", out)  # fmt: skip
-    return out
 
 
 def _held_out(path, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import one_line_error, zoo_main, zoo_ok
+from tiny_runs import TINY_MLP
 
 # The settings given, as flags; everything else (lr, weight decay, warmup, schedule,
 # microbatches, seq_len, evaluation cadence, data, LoRA) is left to the defaults.
@@ -145,13 +146,12 @@ MLP_FLAGS = ["--devices", "2", "--batch-size", "8", "--microbatches", "1", "--qu
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory) -> Path:
-    """A finished 4-step mlp run, checkpoints at 2 and 4, lr, seed and model config not the
-    defaults: what a resume continues."""
-    out = tmp_path_factory.mktemp("saved") / "run"
-    zoo_ok("train", "mlp", *MLP_FLAGS, "--eval-size", "16", "--steps", "4", "--checkpoint-every", "2", "--lr",
-           "0.01", "--seed", "3", "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
-    return out
+def saved_run(finished_mlp_run) -> Path:
+    """A finished 4-step mlp run on `MLP_FLAGS` (eval size 16), checkpoints at 2 and 4, lr,
+    seed and model config not the defaults: what a resume continues (conftest's
+    `finished_mlp_run`, shared with test_bad_inputs.py; tests copy it, never change it)."""
+    assert [*MLP_FLAGS[:-1], "--eval-size", "16", "--quiet"] == TINY_MLP
+    return finished_mlp_run
 
 
 def _library_error(command: str, **fields) -> str:

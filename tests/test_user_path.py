@@ -9,9 +9,6 @@ import json
 import jax
 import pytest
 from helpers import one_line_error, zoo_main
-from test_cli_data import llama_dir
-
-__all__ = ["llama_dir"]  # the module-scoped fixture of test_cli_data, built here when used
 
 
 def _checkpoint(folder, model_type="llama"):
@@ -47,28 +44,25 @@ def test_model_names_a_registered_model_a_family_or_a_checkpoint(tmp_path):
         model_and_init("transfomer", None)
 
 
-def test_a_finetune_run_is_the_init_of_the_next_sft_then_dpo(llama_dir, tmp_path, monkeypatch):
+def test_a_finetune_run_is_the_init_of_the_next_sft_then_dpo(llama_dir, chat_run, tmp_path, monkeypatch):
     """`zoo finetune --init runs/sft --objective dpo`: the SFT run's adapter merged into its
     base (once, into zoo's cache) is the model DPO starts from: its logits are the SFT
-    run's (float32 rounding: the merge adds B·A into W)."""
+    run's (float32 rounding: the merge adds B·A into W). The SFT run is the shared finished
+    chat SFT run (LoRA on the tiny Llama, tests/conftest.py), read, not changed."""
     import numpy as np
     from helpers import assert_rounding_close, zoo_ok
+    from tiny_runs import TINY
 
     import zoo
     from zoo.train._registry import merged_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    sft_data = tmp_path / "sft.jsonl"
-    sft_data.write_text("".join(json.dumps({"prompt": "the cat sat on the", "completion": " mat"}) + "\n"
-                                for _ in range(24)))  # fmt: skip
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": "the cat sat on the", "chosen": " mat", "rejected": " log"}) + "\n"
                              for _ in range(24)))  # fmt: skip
-    small = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "16", "--steps", "2",
-             "--lora", "r=4,alpha=8", "--lr", "1e-2", "--quiet"]  # fmt: skip
-    sft, dpo = tmp_path / "runs" / "sft", tmp_path / "runs" / "dpo"
-    zoo_ok("finetune", "transformer", "--init", llama_dir, "--data", sft_data, *small, "--output", sft)
-    zoo_ok("finetune", "transformer", "--init", sft, "--data", pairs, "--objective", "dpo", *small, "--output", dpo)
+    sft, dpo = chat_run, tmp_path / "runs" / "dpo"
+    zoo_ok("finetune", "transformer", "--init", sft, "--data", pairs, "--objective", "dpo", "--lora", "r=4,alpha=8",
+           *TINY, "--steps", "2", "--lr", "1e-2", "--output", dpo)  # fmt: skip
     assert json.loads((dpo / "config.json").read_text())["init"] == str(sft)
     (merged,) = merged_cache().iterdir()
     tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)
@@ -202,7 +196,7 @@ def test_a_first_chat_file_trains_with_no_other_flags(llama_dir, tmp_path, monke
     default batch (64 in 4 microbatches on 8 devices) does not fit the file's rows, so the
     run takes the largest that does and says so."""
     import numpy as np
-    from test_cli_data import _sentence
+    from tiny_runs import _sentence
 
     rng = np.random.default_rng(0)
     chats = [{"messages": [{"role": "user", "content": _sentence(rng, 3)},
@@ -219,51 +213,52 @@ def test_a_first_chat_file_trains_with_no_other_flags(llama_dir, tmp_path, monke
 
 
 @pytest.mark.timeout(900)
-def test_ctrl_c_saves_the_step_and_the_printed_command_continues_it(tmp_path):
+def test_ctrl_c_saves_the_step_and_the_printed_command_continues_it(tmp_path, monkeypatch):
     """Ctrl-C mid-way through a run with the default settings (no --checkpoint-every):
-    the step in progress is saved, one line names the exact command that continues it,
-    and that command's final weights equal an uninterrupted run's. The process is the
-    subject: a fresh one, taking Ctrl-C as from a terminal."""
+    exit 130, the step in progress is saved, one line names the exact command that
+    continues it, and that command's final weights equal an uninterrupted run's. The
+    interrupted run is the subject: a fresh process taking Ctrl-C as from a terminal
+    (the suite's one Ctrl-C test of a run; test_bad_inputs.py's Ctrl-C during a save is
+    the other case). It compiles as this process does (helpers.short_run_env), so the
+    continued and the uninterrupted run, in this process, run the same programs."""
     import os
     import shlex
     import signal
     import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import numpy as np
-    from helpers import ZOO_TAKING_CTRL_C
+    from helpers import ZOO_TAKING_CTRL_C, short_run_env, sigint_state
 
     import zoo
 
-    root = Path(__file__).resolve().parent.parent
     flags = ["train", "mlp", "--devices", "2", "--steps", "400", "--batch-size", "8", "--microbatches", "1",
              "--eval-size", "16", "--quiet"]  # fmt: skip
     out = tmp_path / "run"
     proc = subprocess.Popen([*ZOO_TAKING_CTRL_C, *flags, "--output", str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(root)})  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, env=short_run_env())  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = out / "metrics.jsonl"
         if metrics.exists() and metrics.read_text().count('"kind": "train"') >= 5:
             break
         time.sleep(0.05)
+    state = f"the run's SIGINT: {sigint_state(proc.pid)}; this process's: {sigint_state(os.getpid())}"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, f"{err!r}; {state}"
     one_line_error(proc.returncode, err, "zoo: interrupted: Ctrl-C: stopped after step ", code=130)
     saved = zoo.Checkpointer(out / "checkpoints", read_only=True).steps()
     assert len(saved) == 1 and 5 <= saved[0] < 400, (saved, err)
     assert f"checkpoint saved in {out / 'checkpoints'}; continue with: zoo " in err
     command = shlex.split(err.split("continue with: ", 1)[1])
     assert command[0] == "zoo" and command[-1] == "--resume"
-    # Both runs in fresh processes as the first part ran: the same compiled programs.
-    env = os.environ | {"PYTHONPATH": str(root)}
+    # The printed command and the uninterrupted run, here (where the user's shell was).
+    monkeypatch.chdir(tmp_path)
     whole = tmp_path / "whole"
     for args in (command[1:], [*flags, "--output", str(whole)]):
-        done = subprocess.run([sys.executable, "-m", "zoo", *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
-        assert done.returncode == 0, done.stderr
+        rc, _, run_err = zoo_main(*args)
+        assert rc == 0, run_err
     # The mlp's weights are its final checkpoint (it has no Hugging Face folder).
     final = {}
     for name, folder in (("continued", out), ("whole", whole)):
