@@ -447,6 +447,29 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(tmp
     assert (tmp_path / "cut" / "summary.json").exists()
 
 
+def test_a_first_ctrl_c_stops_at_the_step_and_a_second_one_at_once():
+    """Ctrl-C during training is noted (the run saves the step in progress and stops there,
+    as on SIGTERM); a second Ctrl-C raises KeyboardInterrupt at once; the handler is given
+    back after."""
+    import os
+    import signal
+
+    from zoo.train._trainer import Preemption
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's (xdist's workers ignore it)
+    try:
+        with Preemption(enabled=True) as preemption:
+            assert not preemption.stop_at(1)  # the loop runs
+            os.kill(os.getpid(), signal.SIGINT)
+            assert preemption.interrupted and preemption.stop_at(2)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs at the next bytecode
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_run_whose_eval_loss_rises_keeps_its_best_checkpoint_and_stops_early(tmp_path):
     """The mlp at a learning rate 100 times its own: the held-out loss falls, then rises
     and jumps. The run keeps the checkpoint of its lowest evaluation, stops once three
