@@ -101,14 +101,9 @@ COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         (CHAT, "tool_choice", "auto"),
         (CHAT, "functions", [{"name": "f"}]),
         (CHAT, "response_format", {"type": "json_object"}),
-        (CHAT, "logit_bias", {"65": 100}),
-        (CHAT, "presence_penalty", 0.5),
-        (CHAT, "frequency_penalty", -1),
         (CHAT, "modalities", ["text", "audio"]),
         (COMPLETION, "suffix", " end"),
         (COMPLETION, "best_of", 3),
-        (COMPLETION, "logit_bias", {"65": -100}),
-        (COMPLETION, "presence_penalty", 1.0),
     ],
 )
 def test_what_it_does_not_implement_is_refused_naming_the_field(running, base, field, value):
@@ -133,6 +128,38 @@ def test_what_it_does_not_implement_is_refused_naming_the_field(running, base, f
 def test_their_off_values_are_served(running, field, value):
     status, _, answer = running.post("/v1/chat/completions", CHAT | {field: value})
     assert status == 200, answer
+
+
+def test_logit_bias_and_penalties_are_served_through_the_openai_client(running):
+    """logit_bias +100 on a byte makes every greedy token that byte, -100 bans it; the
+    penalties are taken (tests/test_steering.py holds their arithmetic)."""
+    client = running.client()
+    forced = client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0, logit_bias={"65": 100})
+    assert forced.choices[0].text == "AAA"
+    plain = client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
+    first = plain.choices[0].text.encode()[0]
+    banned = client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0,
+                                       logit_bias={str(first): -100})  # fmt: skip
+    assert banned.choices[0].text.encode()[0] != first
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          temperature=0, presence_penalty=1.5, frequency_penalty=-0.5)  # fmt: skip
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -3, "frequency_penalty must be in [-2, 2]"),
+        ("logit_bias", {"65": 101}, "logit_bias: the bias of token 65 must be a number in [-100, 100]"),
+        ("logit_bias", {"256": 1}, "logit_bias: '256' is no token id of the model's vocabulary [0, 256)"),
+        ("logit_bias", {"x": 1}, "logit_bias: 'x' is no token id"),
+        ("logit_bias", [65], "logit_bias must be an object"),
+    ],
+)
+def test_bias_and_penalties_out_of_range_are_400_naming_the_field(running, field, value, message):
+    error, _ = _error(running, "/v1/completions", COMPLETION | {field: value})
+    assert error["param"] == field and error["message"].startswith(message), error
 
 
 @pytest.mark.parametrize(

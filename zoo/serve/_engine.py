@@ -32,15 +32,16 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jaxtyping import Array
 
 from .._finite import check_finite_once
 from .._generate import decode_step, prefill, split_layers
@@ -76,6 +77,11 @@ class Request:
     - `top_logprobs`: report each new token's `TOP_LOGPROBS` most likely alternatives
       (`Token.top`; a step computes them only when a slot asks).
     - `adapter`: the name of an adapter the engine serves (None: the bare base).
+    - `logit_bias`: token id → a bias in [-100, 100] added to its logit before every choice
+      (OpenAI's `logit_bias`: -100 bans a token, 100 all but forces it).
+    - `presence_penalty`, `frequency_penalty`: in [-2, 2], OpenAI's and vLLM's: before each
+      choice a token's logit loses `presence_penalty` once it has been generated, and
+      `frequency_penalty` times the number of times it has (the prompt's tokens do not count).
     """
 
     prompt: Sequence[int]
@@ -88,6 +94,28 @@ class Request:
     prompt_logprobs: bool = False
     top_logprobs: bool = False
     adapter: str | None = None
+    logit_bias: Mapping[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class Steering(NamedTuple):
+    """What each slot's next choice depends on besides the model, kept on the device and
+    carried from step to step: its next input token, its logit bias and the counts of the
+    tokens it generated (`[slots, vocab]`), and its presence and frequency penalties."""
+
+    tokens: Array
+    bias: Array
+    counts: Array
+    presence: Array
+    frequency: Array
+
+
+def _steered(logits, steering: Steering, rows: int):
+    """The logits of the first `rows` slots as their bias and penalties make them."""
+    counts = steering.counts[:rows]
+    penalty = steering.presence[:rows, None] * (counts > 0) + steering.frequency[:rows, None] * counts
+    return logits.astype(jnp.float32) + steering.bias[:rows] - penalty
 
 
 @dataclass
@@ -179,22 +207,24 @@ def _top_if(wanted, logprobs):
     return lax.cond(jnp.any(wanted), _top, none, logprobs)
 
 
-def _choose(logits, key_data, steps, temperature, top_k, top_p, wanted):
-    """Every row's next token and its log-probabilities (chosen, top ids, top values;
-    zeros when no row in `wanted` asks for the top ones)."""
+def _choose(logits, steered, key_data, steps, temperature, top_k, top_p, wanted):
+    """Every row's next token, chosen from the `steered` logits (bias and penalties
+    applied), and its log-probabilities under the model's `logits` (chosen, top ids, top
+    values; zeros when no row in `wanted` asks for the top ones)."""
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), steps)
-    tokens = next_token_per_row(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = next_token_per_row(steered, keys, temperature=temperature, top_k=top_k, top_p=top_p)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen, *_top_if(wanted, logprobs)
 
 
 def _prefill_program(
-    weights: Flattened, cache: KVCache, next_tokens, slot, tokens, count, key_data, temperature, top_k, top_p,
-    wanted, row_scale, echo,
+    weights: Flattened, cache: KVCache, steering: Steering, slot, tokens, count, key_data, temperature, top_k, top_p,
+    wanted, row_scale, bias, presence, frequency, echo,
 ):  # fmt: skip
     """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token
-    and make it the slot's next input (`next_tokens`). `weights`: `(model, split_layers(model))`;
+    and make it the slot's next input (`steering`, which also takes the request's `bias`
+    `[vocab]` and penalties and starts its counts at its first token). `weights`: `(model, split_layers(model))`;
     `row_scale` `[1, adapters]`: its adapter, or None without adapter slots."""
     model, blocks = weights.tree
     if row_scale is not None:
@@ -219,8 +249,17 @@ def _prefill_program(
         cache.positions.at[slot].set(count[0]),
         cache.index.at[slot].set(count[0]),
     )
-    first = _choose(logits, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
-    return cache, next_tokens.at[slot].set(first[0][0]), first, prompt
+    steered = logits.astype(jnp.float32) + bias[None]  # nothing generated yet: no penalty
+    first = _choose(logits, steered, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
+    token = first[0][0]
+    steering = Steering(
+        steering.tokens.at[slot].set(token),
+        steering.bias.at[slot].set(bias),
+        steering.counts.at[slot].set(jax.nn.one_hot(token, bias.shape[0], dtype=steering.counts.dtype)),
+        steering.presence.at[slot].set(presence),
+        steering.frequency.at[slot].set(frequency),
+    )
+    return cache, steering, first, prompt
 
 
 def _write_row(blocks: tuple, part, slot, *, axis: int) -> tuple:
@@ -240,36 +279,39 @@ def _write_row(blocks: tuple, part, slot, *, axis: int) -> tuple:
 
 
 def _decode_program(
-    weights: Flattened, cache: KVCache, next_tokens, key_data, steps, temperature, top_k, top_p, wanted, row_scale,
-    span,
+    weights: Flattened, cache: KVCache, steering: Steering, key_data, steps, temperature, top_k, top_p, wanted,
+    row_scale, span,
 ):  # fmt: skip
     """One step of the first `rows` slots (`rows`: the length of `steps` and the other
     per-row settings; the engine keeps its requests in the lowest slots): each one's last
-    token in (`next_tokens`, as the last step or prefill left it on the device), its next
-    token (and log-probabilities) out, and made its next input. `weights`: `(model,
+    token in (`steering.tokens`, as the last step or prefill left it on the device), its
+    next token (and log-probabilities) out, chosen with its bias and penalties, made its
+    next input and counted. `weights`: `(model,
     split_layers(model))`; `row_scale` `[rows, adapters]`: each row's adapter, or None
     without adapter slots; `span`: the cache columns attention reads (every active slot's
     are below it)."""
     model, blocks = weights.tree
     blocks = blocks if row_scale is None else [bind_rows(b, row_scale) for b in blocks]
-    rows, slots = steps.shape[0], next_tokens.shape[0]
+    rows, slots = steps.shape[0], steering.tokens.shape[0]
     # The rows in use, sliced out of the cache and written back in place (the cache is donated).
     part = cache if rows == slots else jax.tree.map(lambda x: x[:rows] if x.ndim else x, cache)
-    logits, part = decode_step(model, next_tokens[:rows], part, blocks, span)
+    logits, part = decode_step(model, steering.tokens[:rows], part, blocks, span)
     if rows < slots:
         part = jax.tree.map(lambda whole, x: lax.dynamic_update_slice_in_dim(whole, x, 0, axis=0), cache, part)
-    out = _choose(logits, key_data, steps, temperature, top_k, top_p, wanted)
-    return part, next_tokens.at[:rows].set(out[0]), out
+    out = _choose(logits, _steered(logits, steering, rows), key_data, steps, temperature, top_k, top_p, wanted)
+    counts = steering.counts.at[jnp.arange(rows), out[0]].add(1.0)
+    return part, steering._replace(tokens=steering.tokens.at[:rows].set(out[0]), counts=counts), out
 
 
-def _move_program(cache: KVCache, next_tokens, source, target):
+def _move_program(cache: KVCache, steering: Steering, source, target):
     """Slot `source`'s request moved to slot `target`: its cache row (every layer's keys and
-    values, its mask, position and column) and its next input token."""
+    values, its mask, position and column) and its steering (next input token, bias,
+    counts, penalties)."""
 
     def move(x):
         return lax.dynamic_update_index_in_dim(x, lax.dynamic_index_in_dim(x, source, 0, keepdims=False), target, 0)
 
-    return jax.tree.map(move, cache), move(next_tokens)
+    return jax.tree.map(move, cache), Steering(*map(move, steering))
 
 
 def row_bucket(active: int, slots: int) -> int:
@@ -357,15 +399,15 @@ class Engine:
         # program per kernel (zoo/_kernels.py), the one a row count uses chosen by `warm_up`.
         device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
         eigen = eigen_matmuls()
-        self._prefill = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"), compiler_options=eigen)
-        self._prefill_long = Jit(_prefill_program, donate=(1,), on_compile=self._count("prefill"))
+        self._prefill = Jit(_prefill_program, donate=(1, 2), on_compile=self._count("prefill"), compiler_options=eigen)
+        self._prefill_long = Jit(_prefill_program, donate=(1, 2), on_compile=self._count("prefill"))
         self._decode = {
-            kernel: Jit(_decode_program, donate=(1,), on_compile=self._count("decode", kernel), compiler_options=options)
+            kernel: Jit(_decode_program, donate=(1, 2), on_compile=self._count("decode", kernel), compiler_options=options)
             for kernel, options in matmul_kernels(device.platform).items()
         }  # fmt: skip
         self.kernels: dict[int, str] = {}  # rows → the decode step's kernel, where `warm_up` timed them
         self._default_kernel = EIGEN if EIGEN in self._decode else next(iter(self._decode))
-        self._move = Jit(_move_program, donate=(0,), on_compile=self._count("move"))
+        self._move = Jit(_move_program, donate=(0, 1), on_compile=self._count("move"))
         attention = model.layers.layers.attention
         dummy = jnp.zeros((slots, 1), jnp.int32)
         cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
@@ -377,7 +419,12 @@ class Engine:
             ).blocks(),  # each layer's keys and values in blocks of columns, arrays of their own
             device,
         )
-        self._next = jax.device_put(np.zeros((slots,), np.int32), device)  # each slot's next input token
+        vocab = model.config.vocab_size
+        self._next = jax.device_put(  # each slot's next input token, bias, counts and penalties
+            Steering(np.zeros((slots,), np.int32), np.zeros((slots, vocab), np.float32),
+                     np.zeros((slots, vocab), np.float32), np.zeros((slots,), np.float32), np.zeros((slots,), np.float32)),
+            device,
+        )  # fmt: skip
         # Dispatched programs whose results the host has not read yet, oldest first, as
         # (kind, [(slot, handle), ...], (tokens and log-probabilities, prompt's or None)).
         self._unread: deque[tuple] = deque()
@@ -447,6 +494,7 @@ class Engine:
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {request.seed}")
         if request.adapter is not None:
             self._served_slot(request.adapter)
+        check_steering(request.logit_bias, request.presence_penalty, request.frequency_penalty, self.vocab)
 
     # -- adapters -----------------------------------------------------------------------
 
@@ -702,6 +750,13 @@ class Engine:
         top_p = 1.0 if request.top_p is None else float(request.top_p)
         return key_data, float(request.temperature), top_k, top_p
 
+    def _bias_row(self, request: Request) -> np.ndarray:
+        """`request.logit_bias` as a `[vocab]` row (zeros without)."""
+        row = np.zeros((self.vocab,), np.float32)
+        for token, bias in (request.logit_bias or {}).items():
+            row[int(token)] = float(bias)
+        return row
+
     def _admit(self, index: int, handle: Handle) -> None:
         """Queue `handle`'s prefill into slot `index`; the slot joins the next decode step
         unless the first token is all the request may have."""
@@ -723,7 +778,8 @@ class Engine:
         self._cache, self._next, first, prompt = program(
             self._weights, self._cache, self._next, np.int32(index), tokens, np.asarray([n], np.int32),
             self._key_data[rows].copy(), self._temperature[rows].copy(), self._top_k[rows].copy(),
-            self._top_p[rows].copy(), self._wanted[rows].copy(), self._row_scale(self._adapter[rows]), echo,
+            self._top_p[rows].copy(), self._wanted[rows].copy(), self._row_scale(self._adapter[rows]),
+            self._bias_row(request), np.float32(request.presence_penalty), np.float32(request.frequency_penalty), echo,
         )  # fmt: skip
         handle._index, handle._limit = index, min(request.max_tokens, self.max_len - n)
         self._unread.append(("prefill", [(index, handle)], (first, prompt)))
@@ -819,6 +875,20 @@ class Engine:
 _QUEUED_TOKEN_BYTES = 40
 
 
+def check_steering(logit_bias, presence_penalty, frequency_penalty, vocab: int) -> None:
+    """Raise `ValueError` (one line, OpenAI's ranges in it) for a bias or penalty the engine
+    does not take: bias ids outside the vocabulary or values outside [-100, 100], penalties
+    outside [-2, 2] or not finite."""
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+            raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+    for token, bias in (logit_bias or {}).items():
+        if isinstance(token, bool) or not isinstance(token, int | np.integer) or not 0 <= token < vocab:
+            raise ValueError(f"logit_bias: token id {token!r} is outside the model's vocabulary [0, {vocab})")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {bias!r}")
+
+
 def free_bytes(device) -> int | None:
     """Bytes free for new buffers on `device`: its allocator's limit less what is in use
     (an accelerator), else the host's available memory (`MemAvailable`); None if unknown."""
@@ -838,11 +908,11 @@ def free_bytes(device) -> int | None:
 def cache_bytes(config, slots: int, max_len: int) -> int:
     """Bytes of an engine's key/value cache: keys and values of every layer, `slots` rows of
     `max_len` columns, in the model's compute dtype (and the decode step's copy of a row's
-    logits, float32)."""
+    logits, float32; each slot's logit bias and token counts, `Steering`, float32)."""
     head_dim = config.head_dim or config.d_model // config.num_heads
     kv_heads = config.kv_heads
     itemsize = jnp.dtype(config.compute_dtype).itemsize
-    return 2 * config.num_layers * slots * max_len * kv_heads * head_dim * itemsize + 4 * slots * config.vocab_size
+    return 2 * config.num_layers * slots * max_len * kv_heads * head_dim * itemsize + 3 * 4 * slots * config.vocab_size
 
 
 def _size(n: int) -> str:

@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - the message is the test
 
 MAX_N = 64
 MAX_STOPS = 4
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 class BadRequest(ValueError):
@@ -142,6 +143,25 @@ def _number(body: dict, name: str, default, kind, low=None, high=None, *, low_op
     return kind(value)
 
 
+def _logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: token ids (as strings, JSON's keys) → a bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
+    bias = {}
+    for key, number in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if token is None or not 0 <= token < vocab:
+            raise BadRequest(f"logit_bias: {key!r} is no token id of the model's vocabulary [0, {vocab})", "logit_bias")
+        if isinstance(number, bool) or not isinstance(number, int | float) or not -100 <= number <= 100:
+            raise BadRequest(f"logit_bias: the bias of token {key} must be a number in [-100, 100], got {number!r}",
+                             "logit_bias")  # fmt: skip
+        bias[token] = float(number)
+    return bias
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -179,9 +199,6 @@ _NOT_DONE = {
     "response_format": "structured output (only {'type': 'text'})",
     "suffix": "insertion (suffix)",
     "best_of": "best_of above 1",
-    "logit_bias": "logit_bias",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
     "audio": "audio output",
     "modalities": "modalities other than text",
     "prediction": "predicted outputs",
@@ -198,8 +215,6 @@ def _off(name: str, value) -> bool:
         return value == {"type": "text"}
     if name == "modalities":
         return value == ["text"]
-    if name in ("presence_penalty", "frequency_penalty"):
-        return not isinstance(value, bool) and value == 0
     if name == "best_of":
         return not isinstance(value, bool) and value == 1
     if name in ("tool_choice", "function_call"):
@@ -269,6 +284,9 @@ class _Sampling:
         self.top_k = None if top_k in (-1, 0) else top_k
         self.seed = _number(body, "seed", None, int, 0, 2**63 - 1)
         self.n = _number(body, "n", 1, int, 1, MAX_N)
+        self.presence_penalty = _number(body, "presence_penalty", 0.0, float, -2, 2)
+        self.frequency_penalty = _number(body, "frequency_penalty", 0.0, float, -2, 2)
+        self.logit_bias = _logit_bias(body, vocab)
         self.stops = _stops(body)
         ignore_eos = body.get("ignore_eos", False)  # vLLM's: only max_tokens and stop end it
         if not isinstance(ignore_eos, bool):
@@ -287,7 +305,8 @@ class _Sampling:
         return Request(
             prompt=prompt, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
             top_p=None if self.top_p == 1 else self.top_p, seed=seed, stop_ids=stop_ids,
-            prompt_logprobs=prompt_logprobs, top_logprobs=top, adapter=adapter,
+            prompt_logprobs=prompt_logprobs, top_logprobs=top, adapter=adapter, logit_bias=self.logit_bias,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
         )  # fmt: skip
 
 
