@@ -58,3 +58,38 @@ def test_generate_picks_one_adapter_of_the_run(run, name):
     from zoo._cli._generate import Text
 
     assert json.loads(text)[0]["completion"] == Text().decode(want[0, 2:].tolist())
+
+
+def test_export_merges_the_adapter_named_and_transformers_opens_it(llama_dir, data_files, tmp_path):
+    """`zoo export RUN --merge` of a run of several adapters (trained by zoo finetune) names
+    them and the flag in one line; `--adapter NAME` merges that one: a folder
+    transformers opens with the logits of the run's base carrying that adapter."""
+    import torch
+    import transformers
+    from helpers import assert_rounding_close
+    from tiny_runs import TINY
+
+    out = tmp_path / "run"
+    data = f"alpha={data_files['text']},beta={data_files['chat']}"
+    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data, *TINY, "--steps", "2",
+                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--output", out)  # fmt: skip
+    assert rc == 0, err
+    rc, _, err = zoo_main("export", out, "--merge", "--output", tmp_path / "none")
+    one_line_error(rc, err, f"{out}: a run of 2 adapters (alpha, beta); no adapter named one to merge: --adapter NAME")
+    rc, _, err = zoo_main("export", out, "--output", tmp_path / "none")
+    one_line_error(rc, err, f"is {out / 'adapter'}/NAME for NAME in alpha, beta")
+    rc, _, err = zoo_main("export", out, "--merge", "--adapter", "gamma", "--output", tmp_path / "none")
+    one_line_error(rc, err, "adapter 'gamma' is not one of them")
+    assert not (tmp_path / "none").exists()
+    run = zoo.train.load_run(out)
+    tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)
+    logits = {}
+    for name in ("alpha", "beta"):
+        rc, _, err = zoo_main("export", out, "--merge", "--adapter", name, "--output", tmp_path / name)
+        assert rc == 0, err
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        with torch.no_grad():
+            logits[name] = hf(torch.from_numpy(tokens).long()).logits.numpy()
+        want = np.asarray(zoo.lora.adapter(run.model, name)(tokens))
+        assert_rounding_close(logits[name], want, terms=48, depth=14, what=f"merged adapter {name} vs zoo")
+    assert np.abs(logits["alpha"] - logits["beta"]).max() > 1e-4  # two adapters, two models

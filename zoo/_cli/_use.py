@@ -141,15 +141,19 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     """Load RUN, write its merged Hugging Face folder."""
     run = _load(args.run, "export")
+    import zoo  # loaded already by _load
+
     if run.config.lora is not None and not args.merge:
+        several = zoo.lora.adapter_names(run.model)
+        where = f"{run.folder / 'adapter'}/NAME for NAME in {', '.join(several)}" if several else run.folder / "adapter"
         raise CLIError(
             f"RUN {args.run} is a LoRA run: pass --merge to fold its adapter into the base model (the adapter "
-            f"itself, in peft's layout, is {run.folder / 'adapter'})"
+            f"itself, in peft's layout, is {where})"
         )
     folder = Path(args.output).expanduser()
     before = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     try:
-        written = run.export(args.output)
+        written = run.export(args.output, adapter=args.adapter)
     except FileExistsError as e:
         raise CLIError(str(e).splitlines()[0].replace("zoo export: ", "--output: ")) from e
     size = sum(p.stat().st_size for p in written if p.is_file())
@@ -217,6 +221,7 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
     export.add_argument("run", metavar="RUN", help=RUN_HELP)
     export.add_argument("--merge", action="store_true", help="fold the LoRA adapter into the base weights (LoRA runs)")
     export.add_argument("--output", required=True, metavar="DIR", help="the folder to write")
+    export.add_argument("--adapter", metavar="NAME", help="of a run of several adapters: the one to merge")
     export.set_defaults(func=cmd_export)
     for p in (predict, evaluate):
         p.add_argument("--batch-size", type=int, default=64, metavar="N", help="rows per forward pass (default 64)")

@@ -448,7 +448,7 @@ def merge(model: Any, *, unload: bool = True) -> Any:
     update to rounding).
     """
 
-    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens):
+    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear):
         if isinstance(layer, MultiLoraLinear):
             raise ValueError(
                 f"merge: this model holds several named adapters {layer.names}; merge one of them: "

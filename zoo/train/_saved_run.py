@@ -34,6 +34,7 @@ from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import load as load_data
 from ..data._dataset import _labels as file_label_names
 from ..hf import save_bert_classifier, save_pretrained
+from ..lora import adapter as lora_adapter
 from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapter
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
@@ -109,18 +110,20 @@ class SavedRun:
         or a regressor (it trains on its own data only)."""
         return evaluate_file(self, path, batch_size=batch_size)
 
-    def export(self, directory: str | Path) -> list[Path]:
+    def export(self, directory: str | Path, *, adapter: str | None = None) -> list[Path]:
         """Write the model as a Hugging Face folder, LoRA branches merged (`zoo.lora.merge`),
         the tokenizer's files beside it: a decoder transformers opens as its family's causal
         LM (the same logits); a classifier's encoder (`BertModel`: the same hidden states)
         with its head in `head.safetensors` (zoo's `[in, out]` layout, the pooling in its
         metadata) and its label names as config.json's `id2label`. A folder holding files of
         the names written must already be a Hugging Face model folder (a user's own files
-        are never replaced: `FileExistsError`).
+        are never replaced: `FileExistsError`). A run of several adapters exports one:
+        `adapter` names it (`zoo.lora.adapter`).
 
         **Returns:** the paths written. **Raises:** `ConfigError` for a regressor (no
-        Hugging Face form) or a decoder no Hugging Face family expresses."""
-        return export_merged(self, directory)
+        Hugging Face form), a decoder no Hugging Face family expresses, or a run of several
+        adapters without `adapter` (or one it does not hold)."""
+        return export_merged(self, directory, adapter=adapter)
 
 
 def load_run(folder: str | Path) -> SavedRun:
@@ -465,7 +468,7 @@ def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> d
 # label names in config.json (`id2label`). The tokenizer's files travel with it.
 
 
-def export_merged(run: SavedRun, directory: str | Path) -> list[Path]:
+def export_merged(run: SavedRun, directory: str | Path, *, adapter: str | None = None) -> list[Path]:
     """Write `run`'s model, LoRA branches merged (`zoo.lora.merge`), as a Hugging Face
     folder at `directory` (created; a folder holding files of the names written must be a
     Hugging Face model folder already: a user's own files are never replaced).
@@ -478,14 +481,17 @@ def export_merged(run: SavedRun, directory: str | Path) -> list[Path]:
     `id2label` / `label2id`. The tokenizer's files are copied in (none for byte-level
     models: their ids are the text's UTF-8 bytes).
 
+    A run of several adapters merges the one `adapter` names.
+
     **Returns:** the paths written. **Raises:** `ConfigError` for a regressor (no Hugging
-    Face form) or a decoder no family expresses; `FileExistsError` as `save_pretrained`.
+    Face form), a decoder no family expresses, or a run of several adapters without
+    `adapter`; `FileExistsError` as `save_pretrained`.
     """
     if run.kind == "regression":
         raise ConfigError(f"{run.folder}: the {run.config.model} has no Hugging Face form; its weights are its "
                           "checkpoints (zoo.Checkpointer)")  # fmt: skip
     directory = Path(directory).expanduser()
-    model = merge(run.model)
+    model = merge(_one_adapter(run, adapter))
     part = model if run.kind == "lm" else model.encoder
     source = getattr(part.config, "source_dir", None)
     tok_dir = run.tokenizer_dir
@@ -520,6 +526,23 @@ def export_merged(run: SavedRun, directory: str | Path) -> list[Path]:
         text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(text))
     return written
+
+
+def _one_adapter(run: SavedRun, name: str | None) -> Any:
+    """`run`'s model with one adapter: the run's own, or of a run of several the one `name`
+    picks (`zoo.lora.adapter`)."""
+    names = adapter_names(run.model)
+    if not names:
+        if name is not None:
+            raise ConfigError(f"{run.folder}: a run of one adapter; export it without an adapter name")
+        return run.model
+    if name not in names:
+        given = "no adapter named" if name is None else f"adapter {name!r} is not one of them; name"
+        raise ConfigError(
+            f"{run.folder}: a run of {len(names)} adapters ({', '.join(names)}); {given} one to merge: "
+            f"--adapter NAME (each adapter, in peft's layout, is {run.folder / 'adapter'}/NAME)"
+        )
+    return lora_adapter(run.model, name)
 
 
 # --------------------------------------------------------------------------- a finetune run as init, merged
