@@ -84,7 +84,10 @@ def test_double_quantised_scales_read_as_bitsandbytes_reads_them(shape, block):
     assert np.all(np.abs(ours.astype(int) - theirs.astype(int)) <= 1)  # elsewhere its next code
     # zoo's own offset: the exact mean rounded once; the weights within one step of the scale's 8-bit code.
     c, n, off = quantize_scales(absmax)
-    assert abs(float(off) - state.offset.item()) <= 2 * np.spacing(np.float32(state.offset.item()))
+    # torch sums the float32 scales in an order that depends on the CPU's vector width:
+    # a pairwise sum of n non-negative terms is within ceil(log2 n) ulp of the exact one.
+    bound = (np.ceil(np.log2(absmax.size)) + 1) * np.spacing(np.float32(state.offset.item()))
+    assert abs(float(off) - state.offset.item()) <= bound
     back = np.asarray(dequantize_scales(c, n, off))
     step = np.repeat(np.asarray(n), 256)[: back.size].reshape(back.shape) * np.max(np.diff(code))
     assert np.all(np.abs(back - np.asarray(absmax)) <= step)
