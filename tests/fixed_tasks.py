@@ -12,8 +12,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from zoo.internal import CLASSIFIER_SAVE, init_compiled, minilm_available, numpy_rng
 from zoo.train import Task, build_task
+from zoo.train._builtin import minilm_available
+from zoo.train._registry import CLASSIFIER_SAVE
+from zoo.train._sources import numpy_rng
+from zoo.train._task import init_compiled
 
 # --- the fixed tiny models ---------------------------------------------------------------------
 

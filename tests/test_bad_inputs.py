@@ -564,7 +564,7 @@ def test_ctrl_c_during_a_save_is_one_line(tmp_path):
 # A run whose writes fail with ENOSPC once `after` bytes went to metrics.jsonl, then on every write.
 _FULL_DISK = """
 import errno, sys
-import zoo._cli._output as output
+import zoo.train._output as output
 
 real = output.Metrics.write
 def write(self, row):

@@ -9,6 +9,7 @@ models (`--model-config d_model=32 --seq-len 16`).
 
 import json
 import math
+import re
 
 import pytest
 from helpers import zoo_main
@@ -115,16 +116,21 @@ def test_build_task_checks_the_settings_against_the_spec():
 def test_cli_help_and_choices_come_from_the_registry():
     import zoo
     from zoo._cli._inspect import model_help as inspect_help
-    from zoo._cli._train import _table, data_choices, data_help, model_help
 
+    texts = {c: zoo.train.RunConfig.help_texts(c) for c in ("train", "finetune", "demo")}
     for name in zoo.train.model_names():
         spec = zoo.train.model_spec(name)
-        assert f"{name} ({spec.help})" in model_help() and f"{name} ({spec.help})" in inspect_help()
+        assert f"{name} ({spec.help})" in texts["train"]["models"] and f"{name} ({spec.help})" in inspect_help()
         for command, values in spec.defaults.items():  # the --help tables of the model defaults
-            assert f"{name}: steps {values['steps']}, batch-size {values['batch_size']}," in _table(command)
-    assert [row.split(":")[0] for row in _table("finetune").split("; ")] == zoo.train.model_names("finetune")
-    assert data_choices() == ["code", "docstrings", "prose", "swapped-halves", "teacher"]
-    assert "prose (transformer: pydoc_data.topics" in data_help()
+            assert f"{name}: steps {values['steps']}, batch-size {values['batch_size']}," in texts[command]["defaults"]
+    assert [row.split(":")[0] for row in texts["finetune"]["defaults"].split("; ")] == zoo.train.model_names("finetune")
+    assert "prose (transformer: pydoc_data.topics" in texts["train"]["data_sets"]
+    for command in texts:  # the library fills every flag's help in: no {field} is left for the CLI
+        flags = zoo.train.RunConfig.flags(command)
+        assert flags and all(not re.search(r"\{\w+\}", f.help) and command in f.commands for f in flags), command
+    assert {str(f.name) for f in zoo.train.RunConfig.flags("finetune")} - {
+        str(f.name) for f in zoo.train.RunConfig.flags("train")
+    } == {"lora"}
 
 
 # --- a model a user registers ---------------------------------------------------------------------

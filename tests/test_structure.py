@@ -149,7 +149,7 @@ LAYERS = {
     "generate": {"zoo.lora", "zoo.models", "zoo.nn", _CORE},
     "zoo.serve": {"generate", "zoo.lora", "zoo.models", "zoo.nn", _CORE},
     "zoo.train": {"generate", "zoo.data", "zoo.hf", "zoo.lora", "zoo.models", "zoo.nn", _CORE},
-    "zoo.internal": {"zoo.train", "generate", "zoo.hf", "zoo.nn", _CORE},
+    "zoo.internal": {"generate", "zoo.lora", "zoo.nn", _CORE},
     "zoo": {
         "generate",
         "zoo.data",
@@ -208,6 +208,25 @@ def test_zoo_train_is_a_folder_of_concepts_not_of_steps():
     assert len(files) <= TRAIN_FILES, f"zoo/train has {len(files)} files (at most {TRAIN_FILES}): {files}"
 
 
+# `zoo.internal` is low-level again (issue 41): like `equinox.internal`, a short list of the
+# step's transforms and what the layers share, at the bottom of the import graph.
+INTERNAL_NAMES = 30
+
+
+def test_zoo_internal_is_short_and_imports_nothing_from_zoo_train():
+    """`zoo.internal` holds at most `INTERNAL_NAMES` names and imports nothing from
+    zoo/train (its lazy table names the modules of its `TYPE_CHECKING` imports, which the
+    graph counts): the command line uses `zoo.train`'s public names instead."""
+    import zoo.internal
+
+    names = _public_names(zoo.internal)
+    assert len(names) <= INTERNAL_NAMES, f"zoo.internal has {len(names)} names (at most {INTERNAL_NAMES})"
+    deps = _import_graph()["zoo.internal"]
+    assert "zoo._reduced" in deps, deps  # the graph reads its imports
+    train = sorted(d for d in deps if d == "zoo.train" or d.startswith("zoo.train."))
+    assert not train, f"zoo.internal imports from zoo/train: {train}"
+
+
 def test_the_checks_see_the_package():
     """The walks above read the real tree (so an empty pass means something)."""
     assert "zoo.train._run" in MODULES and "zoo.nn._linear" in MODULES and len(MODULES) > 80
@@ -263,11 +282,11 @@ def test_the_check_sees_private_imports():
     """The check itself: each way of importing a private module is caught."""
     for module in ("zoo._presets", "zoo.train._registry", "zoo.train._task.resolve_init", "zoo._tree.path_str"):
         assert _private(module), module
-    for module in ("zoo", "zoo.train", "zoo.internal.parse_mesh", "zoo._cli._common", "zoo.train.RunConfig"):
+    for module in ("zoo", "zoo.train", "zoo.internal.path_str", "zoo._cli._common", "zoo.train.RunConfig"):
         assert not _private(module), module
-    source = CLI / "_common.py"
+    source = CLI / "_main.py"
     resolved = {m for _, m in _imports(source)}
-    assert {"zoo.internal.parse_mesh", "zoo.train.ConfigError"} <= resolved, resolved
+    assert {"zoo.internal.without_closed_loop_tracebacks", "zoo.train.ConfigError"} <= resolved, resolved
 
 
 # --- the public surface ---------------------------------------------------------------------------

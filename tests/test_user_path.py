@@ -22,7 +22,7 @@ def _checkpoint(folder, model_type="llama"):
 
 def test_model_names_a_registered_model_a_family_or_a_checkpoint(tmp_path):
     import zoo
-    from zoo.internal import model_and_init
+    from zoo.train import model_and_init
 
     llama = _checkpoint(tmp_path / "llama")
     bert = _checkpoint(tmp_path / "bert", "bert")

@@ -559,3 +559,23 @@ def compare_collectives(before: Any, after: Any) -> CollectiveDiff:  # lists of 
         else:
             remaining.pop(match)
     return CollectiveDiff(tuple(added), tuple(remaining))
+
+
+def collective_summary(colls) -> dict[str, Any]:
+    """Counts of the collectives by kind and place, and the mesh axes they span."""
+
+    def axes(in_loop: bool) -> list[str]:
+        return sorted({a for c in colls if c.in_loop == in_loop for a in c.mesh_axes})
+
+    return {
+        "all_reduce_in_loop": count(colls, "all-reduce", in_loop=True),
+        "all_reduce_outside": count(colls, "all-reduce", in_loop=False),
+        "all_gather_in_loop": count(colls, "all-gather", in_loop=True),
+        "all_gather_outside": count(colls, "all-gather", in_loop=False),
+        "reduce_scatter_in_loop": count(colls, "reduce-scatter", in_loop=True),
+        "reduce_scatter_outside": count(colls, "reduce-scatter", in_loop=False),
+        "collectives_in_loop": sum(c.in_loop for c in colls),
+        "collectives_total": len(colls),
+        "in_loop_mesh_axes": axes(True),
+        "outside_mesh_axes": axes(False),
+    }

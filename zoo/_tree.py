@@ -1,4 +1,5 @@
-"""Key paths of pytrees: their names (via `jax.tree_util.keystr`) and walking them."""
+"""Key paths of pytrees: their names (via `jax.tree_util.keystr`) and walking them; the
+sizes of their array leaves (`tree_bytes`, `tree_size`, `human_bytes`)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,26 @@ def key_path(tree: Any, name: str) -> KeyPath:
             path.append(GetAttrKey(part))
         node = child_named(node, part)
     return tuple(path)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes held by the array leaves of a pytree."""
+    import equinox as eqx
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+def tree_size(tree) -> int:
+    """Number of elements in the array leaves of a pytree."""
+    import equinox as eqx
+
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+def human_bytes(n: int | float) -> str:
+    """1234567 → '1.2 MB' (decimal units)."""
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError  # unreachable: TB takes every size

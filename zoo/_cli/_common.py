@@ -1,5 +1,5 @@
 """What every command shares: the one-line error and the library's errors in flag names,
-devices, the --mesh flag, key=value lists.
+and the devices.
 
 Nothing here imports jax when the module loads: the number of simulated CPU devices must
 be set (`init_devices`) before jax starts its backend.
@@ -7,11 +7,9 @@ be set (`init_devices`) before jax starts its backend.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 
-from ..internal import parse_mesh
 from ..train import ConfigError, RunConfig
 
 
@@ -42,7 +40,7 @@ def flag_names(message: str) -> str:
 DEFAULT_CPU_DEVICES = 8
 
 
-# --- devices and meshes --------------------------------------------------------------------
+# --- devices --------------------------------------------------------------------------------------
 
 
 def init_devices_env() -> None:
@@ -80,31 +78,3 @@ def init_devices(devices: int | None) -> int:
             f"asked for {devices} devices but jax has {have} ({jax.default_backend()}); pass --devices {have} or fewer"
         )
     return devices
-
-
-def mesh_for(text: str | None, devices: int) -> dict[str, int]:
-    """The mesh of `--mesh` (`zoo.internal.parse_mesh`) over `devices` devices; default:
-    all of them on `data`."""
-    if not text:
-        return {"data": devices}
-    mesh = parse_mesh(text)
-    total = math.prod(mesh.values())
-    if total > devices:
-        raise CLIError(f"--mesh {text} needs {total} devices but only {devices} were asked for; raise --devices")
-    return mesh
-
-
-# --- key=value lists (--lora, --model-config) ------------------------------------------------
-
-
-def parse_pairs(text: str, flag: str, example: str) -> dict[str, str]:
-    """`"a=1,b=x"` → `{"a": "1", "b": "x"}`, each key once; CLIError naming `flag` else."""
-    pairs: dict[str, str] = {}
-    for part in text.split(","):
-        key, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or not key or not value:
-            raise CLIError(f"bad {flag} {text!r}: {part.strip()!r} is not key=value; write e.g. {example}")
-        if key in pairs:
-            raise CLIError(f"bad {flag} {text!r}: key {key!r} appears twice")
-        pairs[key] = value
-    return pairs

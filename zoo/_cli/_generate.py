@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import RULE_PRESETS, internal
-from ..train import ConfigError, init_families, model_names, model_spec
-from ._common import CLIError, init_devices, mesh_for
+from ..train import ConfigError, init_families, model_names, model_spec, resolve_init
+from ._common import CLIError, init_devices
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -169,7 +169,7 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
         if not init:
             raise CLIError(f"SOURCE {source}: its config.json names no --init base model for the adapter in adapter/")
         try:
-            base = internal.resolve_init(init)
+            base = resolve_init(init)
         except ConfigError as e:
             raise CLIError(f"SOURCE {source}: the base model of its adapter: {e}") from e
         return base, adapter_dir or folder / "adapter", f"the LoRA run {folder} on {base}"
@@ -302,8 +302,11 @@ def _new_tokens(args, model, tokens) -> int:
 def cmd_generate(args) -> int:
     """Load SOURCE, encode the prompts (as chat turns with --chat), generate, print."""
     devices = init_devices(args.devices if args.devices is not None else 1)
-    mesh_shape = mesh_for(args.mesh, devices)
-    internal.check_rules_fit_mesh(args.rules, mesh_shape, devices)
+    import jax
+
+    import zoo
+
+    mesh = zoo.train.make_mesh(args.mesh, rules=args.rules, devices=devices)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
@@ -317,11 +320,6 @@ def cmd_generate(args) -> int:
     prompts = list(args.prompt)
     if template is not None:
         prompts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    import jax
-
-    import zoo
-
-    mesh = internal.make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
         model, text, eos, where = load(args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh)
         pad = text.tokenizer.pad_id if text.tokenizer is not None else 0
@@ -330,7 +328,7 @@ def cmd_generate(args) -> int:
         printer = Printer(text, eos, args.stop) if len(prompts) == 1 and not args.json else None
         if not args.json:
             print(f"zoo generate: {where} ({text.kind}{', chat template' if chat else ''}), {_how(args, new)}, "
-                  f"mesh {internal.mesh_text(mesh_shape)} rules {args.rules}", file=sys.stderr, flush=True)  # fmt: skip
+                  f"mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())} rules {args.rules}", file=sys.stderr, flush=True)  # fmt: skip
         if printer is not None and not chat:  # a chat prints the reply alone
             sys.stdout.write(args.prompt[0])
             sys.stdout.flush()

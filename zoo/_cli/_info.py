@@ -9,7 +9,8 @@ import math
 from typing import Any
 
 from .. import internal
-from ._common import CLIError, init_devices, mesh_for
+from ..train import RunConfig
+from ._common import CLIError, init_devices
 from ._inspect import add_mesh_flags, add_model_flags, model_help, model_of
 
 
@@ -55,14 +56,15 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
 def cmd_info(args) -> int:
     """Build `args.model` (no step) and print its leaf table (or JSON)."""
     devices = init_devices(args.devices)
-    mesh_shape = mesh_for(args.mesh, devices)
     import equinox as eqx
     import jax
     import jax.numpy as jnp
 
     import zoo
 
-    built = model_of(args, mesh_shape, devices)
+    real = zoo.train.make_mesh(args.mesh, rules=args.rules, devices=devices)
+    mesh_shape = dict(real.shape)
+    built = model_of(args, real)
     model, lora = built.task.model, built.lora
     # The specs are checked against an abstract mesh of the same axes and sizes (only a
     # pretrained model's weights were read onto devices, as zoo train reads them).
@@ -151,7 +153,7 @@ def add_parser(sub):
         "(zoo.partition_specs), whether it is trained, and its bytes per device (its bytes over the "
         "product of the mesh axis sizes its spec splits it over); then the totals.",
         epilog="examples: zoo info transformer; zoo info transformer --rules tp --mesh data=4,model=2; "
-        f"zoo info encoder --lora {internal.LORA_EXAMPLE} --json; zoo info minilm --lora r=8,targets=all-linear",
+        f"zoo info encoder --lora {RunConfig.help_texts('train')['lora_example']} --json; zoo info minilm --lora r=8,targets=all-linear",
     )
     info.add_argument("model", help=model_help())
     add_mesh_flags(info, step=False)

@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import RULE_PRESETS, internal
-from ..train import RunConfig, model_names, model_spec
+from ..train import RunConfig, model_and_init, model_names, model_spec
 from ._common import CLIError, init_devices
-from ._lora_flag import LORA_HELP
-from ._train import model_config_of
 
 
 def model_help() -> str:
@@ -42,10 +40,10 @@ class Built:
 def resolve_model(args) -> tuple[Any, str | None, str]:
     """`(spec, init, command)` of `args.model`: a registered name, a family with `--init`,
     or a checkpoint (the spec whose --init takes it, with `init` the checkpoint:
-    `zoo.internal.model_and_init`). `command` is `finetune` with `--lora` (when the model
+    `zoo.train.model_and_init`). `command` is `finetune` with `--lora` (when the model
     has finetune defaults), else `train`: its defaults (`seq_len`, `batch_size`,
     `microbatches`) fill the flags not given."""
-    name, init = internal.model_and_init(args.model, args.init)
+    name, init = model_and_init(args.model, args.init)
     spec = model_spec(name)
     command = "finetune" if args.lora is not None and "finetune" in spec.defaults else "train"
     return spec, init, command
@@ -59,15 +57,14 @@ def config_of(args, spec, init: str | None, command: str) -> RunConfig:
         raise CLIError(f"--seq-len: the {spec.name} has no sequences; drop --seq-len")
     fields = {str(f.name) for f in RunConfig.flags()}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    given |= {"model": spec.name, "init": init, "model_config": model_config_of(args.model_config)}
+    given |= {"model": spec.name, "init": init, "model_config": args.model_config}  # its text: the library's to read
     return RunConfig.from_dict({k: v for k, v in given.items() if v is not None})
 
 
-def build_model(args, config: RunConfig, command: str, mesh_shape: dict[str, int], devices: int) -> Built:
-    """Check `--rules` against the mesh, then build the model `zoo train` / `zoo
-    finetune` would from `config` (`config_of`, resolved for `command`, no data; through
-    `zoo.train.build_task`, on a mesh of `mesh_shape`: pretrained weights are read onto
-    it), with its LoRA adapters."""
+def build_model(args, config: RunConfig, command: str, mesh) -> Built:
+    """Build the model `zoo train` / `zoo finetune` would from `config` (`config_of`,
+    resolved for `command`, no data; through `zoo.train.build_task`, on `mesh`: pretrained
+    weights are read onto it), with its LoRA adapters."""
     import jax
 
     import zoo
@@ -75,43 +72,39 @@ def build_model(args, config: RunConfig, command: str, mesh_shape: dict[str, int
     config = config.resolved(command)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, source=None))
     spec = model_spec(config.model)
-    internal.check_rules_fit_mesh(args.rules, mesh_shape, devices)
     lora = config.lora
     if lora is not None and lora.lora_dropout and spec.kind == "regression":
         raise CLIError(
             f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="
         )
-    mesh = internal.make_mesh(mesh_shape)
     with jax.set_mesh(mesh):
         task = zoo.train.build_task(config, rules=zoo.rules(args.rules), mesh=mesh)
-    parameters = internal.tree_size(task.model)
-    if lora is not None:
-        task.model = internal.add_lora(task.model, lora, config.seed)
+        parameters = internal.tree_size(task.model)
+        if lora is not None:
+            try:  # the branches' values do not matter here: only their shapes and axes are shown
+                task.model = zoo.lora.add_lora(task.model, lora, key=jax.random.key(config.seed))
+            except ValueError as e:
+                raise CLIError(f"--lora: {e}") from e
     return Built(task, lora, command, spec, config, parameters)
 
 
-def model_of(args, mesh_shape: dict[str, int], devices: int) -> Built:
-    """`build_model` of the flags (`resolve_model`, `config_of`)."""
+def model_of(args, mesh) -> Built:
+    """`build_model` of the flags (`resolve_model`, `config_of`) on `mesh`."""
     spec, init, command = resolve_model(args)
-    return build_model(args, config_of(args, spec, init, command), command, mesh_shape, devices)
+    return build_model(args, config_of(args, spec, init, command), command, mesh)
 
 
 def cmd_inspect(args) -> int:
     """Compile the training step `zoo train` (`zoo finetune` with `--lora`) would run with
     these flags (`zoo.train.inspect`) and print its collectives (table or JSON)."""
     devices = init_devices(args.devices)
-    import equinox as eqx
-    import jax
-
     import zoo
 
     spec, init, command = resolve_model(args)
     config = dataclasses.replace(config_of(args, spec, init, command), devices=devices)
     ins = zoo.train.inspect(config, command=command)
-    c, model, colls, lora = ins.config, ins.model, ins.collectives, ins.config.lora
-    with jax.set_mesh(ins.mesh):
-        trained = ins.step.partition(model)[0]
-        budget, sizes = ins.step.budget_for(model), ins.step.budget_sizes(model)
+    c, colls, lora = ins.config, ins.collectives, ins.config.lora
+    budget, sizes = ins.budget()
     breaches = budget.breaches(colls, sizes)
     before = _collectives_of(args.against) if args.against else None
     diff = zoo.compare_collectives(before, colls) if before is not None else None
@@ -127,13 +120,9 @@ def cmd_inspect(args) -> int:
         "seq_len": c.data.seq_len,
         "config": ins.task.config,
         "init": ins.task.init,
-        "parameters": ins.parameters,
-        "param_bytes": internal.tree_bytes(model),
-        "trainable_bytes": internal.tree_bytes(trained),
-        "lora": None if lora is None else internal.lora_json(model, lora),
-        "adapter_bytes": internal.tree_bytes(eqx.filter(model, zoo.lora.trainable(model))),
+        **ins.sizes(),
         "collectives": [x.to_json() for x in colls],
-        "summary": internal.collective_summary(colls),
+        "summary": ins.summary(),
         "budget": {"name": budget.name, "within": not breaches, "breaches": [b.problem for b in breaches]},
     }
     if diff is not None:
@@ -203,6 +192,7 @@ def _collectives_of(path: str) -> list:
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """--init, --model-config, --dtype, --seq-len, --seed, --lora: the flags of `zoo train`
     / `zoo finetune` that choose the model, with the same meaning and defaults."""
+    lora = RunConfig.help_texts("finetune")  # `--lora`'s keys in words, as zoo finetune's help
     parser.add_argument(
         "--init",
         metavar="PATH",
@@ -230,8 +220,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE,...",
         help="the model zoo finetune trains: LoRA adapters (zoo.lora.add_lora), only they (and modules_to_save) "
         "trainable; finetune's defaults (r=8, alpha=16, targets all-linear, save=head for classifiers) and "
-        f"its per-model defaults of --seq-len, --batch-size, --microbatches. {LORA_HELP}. E.g. --lora "
-        f"{internal.LORA_EXAMPLE}",
+        f"its per-model defaults of --seq-len, --batch-size, --microbatches. {lora['lora_keys']}. E.g. --lora "
+        f"{lora['lora_example']}",
     )
 
 
@@ -258,13 +248,10 @@ def add_step_flags(parser: argparse.ArgumentParser) -> None:
     `zoo inspect` has not declared itself (optimizer, clipping, objective, data, ...),
     with their meaning and help: `zoo inspect` with a run's flags compiles that run's step.
     A run's outputs, evaluations and checkpoints change no step and are left out."""
-    from ._train import help_context
-
-    context = help_context("train")
-    for f in RunConfig.flags():
+    for f in RunConfig.flags("train"):
         if f.positional or f.group == "evaluation and outputs" or f.option in parser._option_string_actions:
             continue
-        text = f.help.format_map(context)
+        text = f.help
         if f.kind is bool:
             parser.add_argument(f.option, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
@@ -284,7 +271,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="examples: zoo inspect mlp; zoo inspect transformer --rules fsdp-once --json; "
         "zoo inspect encoder --mesh data=4,model=2 --rules tp; "
         "zoo inspect transformer --model-config d_model=32,num_layers=2 --seq-len 16 --batch-size 16; "
-        f"zoo inspect transformer --lora {internal.LORA_EXAMPLE}",
+        f"zoo inspect transformer --lora {RunConfig.help_texts('train')['lora_example']}",
     )
     ins.add_argument("model", help=model_help())
     add_mesh_flags(ins, step=True)

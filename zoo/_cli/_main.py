@@ -100,13 +100,12 @@ def _parse(parser, commands, argv) -> argparse.Namespace:
 
 def _check_model(args: argparse.Namespace) -> None:
     """Refuse a MODEL no command takes before anything imports jax (a second or more): a
-    misspelt name (`zoo.internal.check_model_name`), or a registered one the command does
+    misspelt name (`zoo.train.check_model_name`), or a registered one the command does
     not take (`zoo finetune mlp`). Reads the registries only."""
     model = getattr(args, "model", None)
     if not isinstance(model, str):
         return
-    from ..internal import check_model_name
-    from ..train import model_names, model_spec
+    from ..train import check_model_name, model_names, model_spec
 
     check_model_name(model)
     if model in model_names() and args.command in ("train", "finetune", "demo"):

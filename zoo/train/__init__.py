@@ -10,8 +10,11 @@ model registry.
 - `Flag`: how a config field is `zoo train`'s flag (its help, how `--resume` treats it);
   `RunConfig.flags()` lists them, one per flat key.
 - `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
-  built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import);
-  `Task`, `build_task`: a model on its data, built from a `RunConfig`.
+  built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import); a
+  model argument that may be a family or a checkpoint (`check_model_name`,
+  `model_and_init`) and the folder an `init` names (`resolve_init`);
+  `Task`, `build_task`: a model on its data, built from a `RunConfig`; `make_mesh`: the
+  mesh a run lays it out on, checked against its rules.
 - `ConfigError` (settings that cannot run), `RunStopped` (non-finite), `Preempted` (SIGTERM), `Interrupted` (Ctrl-C, after
   saving a checkpoint).
 - `load_run(folder)` → `SavedRun`: a finished run's trained model read back, to predict,
@@ -36,7 +39,18 @@ __getattr__, __dir__ = lazy_names(
         "._flags": ("Flag",),
         "._hooks": ("Checkpoint", "Evaluate", "KeepBest", "MetricsLog", "Progress", "Sample", "TensorBoard"),
         "._optimizer": ("OPTIMIZERS", "SCHEDULES", "OptimizerConfig"),
-        "._registry": ("ModelSpec", "init_families", "model_names", "model_spec", "register_model"),
+        "._plan": ("make_mesh",),
+        "._registry": (
+            "ModelSpec",
+            "check_model_name",
+            "init_families",
+            "model_and_init",
+            "model_names",
+            "model_spec",
+            "register_model",
+            "resolve_init",
+            "resolve_init",
+        ),
         "._run": ("Inspection", "RunResult", "inspect", "run"),
         "._saved_run": ("SavedRun", "load_run"),
         "._scores": ("classification_scores",),
@@ -65,11 +79,15 @@ if TYPE_CHECKING:
     from ._optimizer import OPTIMIZERS as OPTIMIZERS
     from ._optimizer import SCHEDULES as SCHEDULES
     from ._optimizer import OptimizerConfig as OptimizerConfig
+    from ._plan import make_mesh as make_mesh
     from ._registry import ModelSpec as ModelSpec
+    from ._registry import check_model_name as check_model_name
     from ._registry import init_families as init_families
+    from ._registry import model_and_init as model_and_init
     from ._registry import model_names as model_names
     from ._registry import model_spec as model_spec
     from ._registry import register_model as register_model
+    from ._registry import resolve_init as resolve_init
     from ._run import Inspection as Inspection
     from ._run import RunResult as RunResult
     from ._run import inspect as inspect
@@ -114,16 +132,20 @@ __all__ = [
     "TrainState",
     "Trainer",
     "build_task",
+    "check_model_name",
     "classification_scores",
     "classifier_metrics",
     "init_families",
     "inspect",
     "lm_metrics",
     "load_run",
+    "make_mesh",
+    "model_and_init",
     "model_names",
     "model_spec",
     "register_model",
     "regression_loss",
     "regression_metrics",
+    "resolve_init",
     "run",
 ]

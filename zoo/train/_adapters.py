@@ -280,7 +280,7 @@ def adapters_task(c, adapters: AdapterRecords, *, rules, mesh):
 
 # --------------------------------------------------------------------------- a run's LoRA config on its model
 # A run's LoRA config on its model: adapters added by one compiled program (`add_lora`),
-# and what a run reports about them (`lora_json`). Its text form is `_text.parse_lora`.
+# and what a run reports about them (`zoo.lora._named.lora_json`). Its text form is `_text.parse_lora`.
 
 
 LORA_KEY_SALT = 0x10A  # the adapters' key: fold_in(key(seed), this), apart from the model's
@@ -323,20 +323,3 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
         _LORA_WRAPPERS[cache_key] = (compiled, out)
     compiled, out = _LORA_WRAPPERS[cache_key]
     return eqx.combine(compiled(arrays, key), out["tree"])
-
-
-def lora_json(model: Any, config: Any) -> dict[str, Any]:
-    """The config (peft's field names), its scaling, and the modules that got a branch."""
-    from ..lora import LoraEmbedding, LoraLinear, MultiLoraLinear, adapter_names
-    from ..lora import modules as lora_modules
-
-    def plain(value):
-        return list(value) if isinstance(value, tuple) else value
-
-    fields = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    names = adapter_names(model)  # several adapters of this config, trained at once
-    return fields | {
-        "scaling": config.scaling,
-        "adapted_modules": sorted(lora_modules(model, (LoraLinear, LoraEmbedding, MultiLoraLinear))),
-        **({"adapters": list(names)} if names else {}),
-    }

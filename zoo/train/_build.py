@@ -17,6 +17,7 @@ from .._checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from .._distributed import global_batch, local_rows
 from .._rules import PlacementError, shard
 from .._step import TrainStep
+from .._tree import tree_bytes, tree_size
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
@@ -27,7 +28,7 @@ from ._config import RunConfig
 from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
 from ._head import LABELS_NAME
-from ._output import tree_bytes, tree_size, write_json
+from ._output import write_json
 from ._plan import RunPlan, fit_batch, fit_epochs
 from ._registry import SIZES
 from ._task import Task

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from .._tree import human_bytes
 from ._adapters import adapters_task, read_adapter_records
 from ._config import RunConfig, check_fits_model
 from ._errors import ConfigError
-from ._output import human_bytes
 from ._registry import model_spec
 from ._task import Task
 from ._user_data import check_data_file, user_data_task

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
 from ._errors import ConfigError
-from ._flags import Flag, fields_flags, flag
+from ._flags import Flag, fields_flags, flag, help_texts
 from ._optimizer import OptimizerConfig
 from ._registry import (
     DATA_FILE_DEFAULTS,
@@ -517,11 +518,15 @@ class RunConfig:
         return flat
 
     @classmethod
-    def flags(cls) -> tuple[Flag, ...]:
+    def flags(cls, command: str | None = None) -> tuple[Flag, ...]:
         """Every field as its flag (`zoo train`'s run flags), in field order, the fields of
         `data` and `optimizer` in their place: each `Flag` names its flat key
         (`Flag.name`), the field it sets (`Flag.field`), its help and how `--resume`
-        treats it. The CLI's parser is generated from these."""
+        treats it. The CLI's parser is generated from these.
+
+        With a `command` (`train`, `finetune`, `demo`): the flags it takes, each help
+        filled in for it from the registry (`help_texts`); without: every flag, its help
+        a template."""
         nested = {"data": DataConfig, "optimizer": OptimizerConfig}
         own = dict(fields_flags(cls))
         out: list[Flag] = []
@@ -530,7 +535,20 @@ class RunConfig:
                 out += [inner for _, inner in fields_flags(nested[f.name])]
             elif f.name in own:
                 out.append(own[f.name])
-        return tuple(out)
+        if command is None:
+            return tuple(out)
+        texts = help_texts(command)
+        return tuple(dataclasses.replace(f, help=f.help.format_map(texts)) for f in out if command in f.commands)
+
+    @staticmethod
+    def help_texts(command: str) -> dict[str, str]:
+        """What the flags' help leaves to `command`, filled in from the registry (its
+        models, data sets, defaults; `defaults`: each model's defaults for it, as a table)."""
+        return help_texts(command)
+
+    def output_path(self, command: str) -> Path:
+        """The folder the run writes: `output`, else a new `runs/COMMAND-MODEL-UTCTIME`."""
+        return output_dir(self.output, str(self.model), command)
 
     @classmethod
     def flat_keys(cls) -> tuple[str, ...]:
@@ -563,6 +581,19 @@ class RunConfig:
         if unknown:
             raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {sorted(cls.flat_keys())}")
         return cls(data=DataConfig(**data), optimizer=OptimizerConfig(**opt), **values)
+
+
+def output_dir(output: str | None, model: str, command: str) -> Path:
+    """A run's folder: `output`, else a new `runs/COMMAND-MODEL-UTCTIME`."""
+    if output:
+        return Path(output).expanduser()
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{command}-{model}-{stamp}"
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = Path(f"{base}-{n}")
+    return folder
 
 
 def check_fits_model(config: RunConfig, spec: ModelSpec) -> None:

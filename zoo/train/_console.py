@@ -10,9 +10,9 @@ from pathlib import Path
 import jax
 
 from .._inspect import report
+from .._tree import human_bytes
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
-from ._output import human_bytes
 from ._registry import model_spec
 from ._summary import RunRecord
 from ._text import mesh_text

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .._files import atomic_write
-from .._inspect import count as count_collectives
 
 
 def _json_default(value: Any) -> Any:
@@ -134,15 +133,6 @@ def plot_losses(
     plt.close(fig)
 
 
-def human_bytes(n: int | float) -> str:
-    """1234567 → '1.2 MB' (decimal units)."""
-    for unit in ("bytes", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
-        n /= 1000
-    raise AssertionError  # unreachable: TB takes every size
-
-
 def _clock(seconds: int | float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 60}:{seconds % 60:02d}"
@@ -201,44 +191,3 @@ class Progress:
         if self.tty and self._width and not self.quiet:
             self.stream.write("\n")
             self.stream.flush()
-
-
-# --------------------------------------------------------------------------- sizes and the collectives' summary
-# What a run reports about its model and its compiled step: array sizes and the
-# collectives the step holds, by kind and place.
-
-
-def tree_bytes(tree) -> int:
-    """Bytes held by the array leaves of a pytree."""
-    import equinox as eqx
-    import jax
-
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
-
-
-def tree_size(tree) -> int:
-    """Number of elements in the array leaves of a pytree."""
-    import equinox as eqx
-    import jax
-
-    return sum(x.size for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
-
-
-def collective_summary(colls) -> dict[str, Any]:
-    """Counts of the collectives by kind and place, and the mesh axes they span."""
-
-    def axes(in_loop: bool) -> list[str]:
-        return sorted({a for c in colls if c.in_loop == in_loop for a in c.mesh_axes})
-
-    return {
-        "all_reduce_in_loop": count_collectives(colls, "all-reduce", in_loop=True),
-        "all_reduce_outside": count_collectives(colls, "all-reduce", in_loop=False),
-        "all_gather_in_loop": count_collectives(colls, "all-gather", in_loop=True),
-        "all_gather_outside": count_collectives(colls, "all-gather", in_loop=False),
-        "reduce_scatter_in_loop": count_collectives(colls, "reduce-scatter", in_loop=True),
-        "reduce_scatter_outside": count_collectives(colls, "reduce-scatter", in_loop=False),
-        "collectives_in_loop": sum(c.in_loop for c in colls),
-        "collectives_total": len(colls),
-        "in_loop_mesh_axes": axes(True),
-        "outside_mesh_axes": axes(False),
-    }

@@ -5,7 +5,6 @@ held (`check_checkpoints`)."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 from pathlib import Path
 
@@ -13,11 +12,11 @@ from .._checkpoint import Checkpointer
 from .._mismatch import shorten
 from .._presets import RULE_PRESETS
 from .._presets import rules as preset_rules
-from ._config import MAX_COUNT, RunConfig
+from ._config import MAX_COUNT, RunConfig, output_dir
 from ._errors import ConfigError
 from ._folder import owned, previous_outputs, remove_run
 from ._registry import model_spec
-from ._text import mesh_text
+from ._text import mesh_text, parse_mesh
 from ._user_data import check_data_file
 
 _WHAT = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}
@@ -59,7 +58,7 @@ def plan_run(
 
     **Raises:** `ConfigError` naming the setting that cannot work."""
     command = command or ("finetune" if config.lora is not None else "train")
-    mesh_shape = mesh_shape_of(config, devices)
+    mesh_shape = mesh_shape_of(config.mesh, devices)
     # Every default applied here, once: config.json records the run as it trains.
     config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
     config = fit_batch(config, rows=None)  # a batch left unset: the most the mesh takes, up to the default
@@ -81,15 +80,16 @@ def plan_run(
     return RunPlan(config, command, title, output, checkpoints)
 
 
-def mesh_shape_of(config: RunConfig, devices: int) -> dict[str, int]:
-    """The mesh a run uses: `config.mesh`, or every device on `data`."""
-    if config.mesh is None:
+def mesh_shape_of(mesh: dict[str, int] | None, devices: int) -> dict[str, int]:
+    """The mesh a run on `devices` devices uses: `mesh` (`RunConfig.mesh`), or every
+    device on `data`."""
+    if mesh is None:
         return {"data": devices}
-    total = math.prod(config.mesh.values())
+    total = math.prod(mesh.values())
     if total > devices:
-        raise ConfigError(f"--mesh {mesh_text(config.mesh)} needs {total} devices but only {devices} were asked for; "
+        raise ConfigError(f"--mesh {mesh_text(mesh)} needs {total} devices but only {devices} were asked for; "
                           "raise --devices")  # fmt: skip
-    return dict(config.mesh)
+    return dict(mesh)
 
 
 def check_layout(config: RunConfig, mesh_shape: dict[str, int], devices: int) -> None:
@@ -156,19 +156,6 @@ def fit_epochs(config: RunConfig, rows: int | None) -> RunConfig:
     if "eval_every" in config.derived:
         fitted = dataclasses.replace(fitted, eval_every=dataclasses.replace(fitted, eval_every=None).eval_interval)
     return fitted
-
-
-def output_dir(output: str | None, model: str, command: str) -> Path:
-    """A run's folder: `output`, else a new `runs/COMMAND-MODEL-UTCTIME`."""
-    if output:
-        return Path(output).expanduser()
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{command}-{model}-{stamp}"
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = Path(f"{base}-{n}")
-    return folder
 
 
 def checkpoint_dir(config: RunConfig, output: Path) -> Path:
@@ -278,10 +265,28 @@ def _check_new(output: Path, folder: Path, saved: list[int]) -> None:
 # checked against the sharding rules before anything is built.
 
 
-def make_mesh(shape: dict[str, int]):
-    """A jax mesh of `shape` (axis name → size) over the first devices."""
+def make_mesh(mesh: dict[str, int] | str | None = None, *, rules: str | None = None, devices: int | None = None):
+    """The jax mesh a run lays its arrays out on (`run` and `inspect` build theirs with it).
+
+    **Arguments:**
+
+    - `mesh`: axis name → size, or its text form `"data=4,model=2"` (`RunConfig.mesh`,
+      `--mesh`); None: every device on `data`.
+    - `rules`: a sharding rules preset (`zoo.RULE_PRESETS`) checked against the mesh first:
+      an unknown one, one that shards over an axis the mesh lacks, or a mesh axis over 1
+      that no rule uses is refused.
+    - `devices`: how many of jax's devices the mesh may span (None: all of them).
+
+    **Returns:** a `jax.sharding.Mesh` over the first devices. **Raises:** `ConfigError`
+    saying what to change (a bad text form, more devices than `devices`, rules that do not
+    fit).
+    """
     import jax
 
+    count = len(jax.devices()) if devices is None else devices
+    shape = mesh_shape_of(parse_mesh(mesh) if isinstance(mesh, str) else mesh, count)
+    if rules is not None:
+        check_rules_fit_mesh(rules, shape, count)
     n = math.prod(shape.values())
     return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=jax.devices()[:n])
 

@@ -23,13 +23,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 
 from .._distributed import is_main_process
-from .._inspect import collectives
+from .._inspect import collective_summary, collectives
 from .._presets import rules as preset_rules
 from .._step import TrainStep
+from .._tree import tree_bytes
+from ..lora import trainable as lora_trainable
+from ..lora._named import lora_json
 from ._build import build_run, resume, write_run_files
 from ._config import RunConfig
 from ._console import Header, Phases, Report
@@ -210,6 +214,32 @@ class Inspection:
     batch: dict
     mesh: Any
     collectives: list
+
+    def sizes(self) -> dict[str, Any]:
+        """The model's sizes: `parameters` (before LoRA, as summary.json), `param_bytes`,
+        `trainable_bytes` (what the step trains), `lora` (the LoRA config, its scaling and
+        the adapted modules; None without) and `adapter_bytes` (the adapters' own)."""
+        lora = self.config.lora
+        with jax.set_mesh(self.mesh):
+            trained = self.step.partition(self.model)[0]
+        return {
+            "parameters": self.parameters,
+            "param_bytes": tree_bytes(self.model),
+            "trainable_bytes": tree_bytes(trained),
+            "lora": None if lora is None else lora_json(self.model, lora),
+            "adapter_bytes": tree_bytes(eqx.filter(self.model, lora_trainable(self.model))),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The collectives counted by kind and place (inside loops or not) and the mesh
+        axes they span, as summary.json counts them."""
+        return collective_summary(self.collectives)
+
+    def budget(self) -> tuple[Any, Any]:
+        """`(budget, sizes)`: the step's collective budget (its preset's,
+        `zoo.TrainStep.budget_for`) and the sizes it is checked with (`Budget.breaches`)."""
+        with jax.set_mesh(self.mesh):
+            return self.step.budget_for(self.model), self.step.budget_sizes(self.model)
 
 
 def inspect(config: RunConfig, *, command: str | None = None) -> Inspection:

@@ -11,12 +11,13 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .._inspect import Collective
+from .._inspect import Collective, collective_summary
+from .._tree import tree_bytes, tree_size
 from ..lora import trainable as lora_trainable
-from ._adapters import lora_json
+from ..lora._named import lora_json
 from ._build import BuiltRun
 from ._hooks import Evaluate, KeepBest, Sample
-from ._output import collective_summary, plot_losses, read_metrics, tree_bytes, tree_size, write_json
+from ._output import plot_losses, read_metrics, write_json
 from ._plan import RunPlan
 from ._trainer import Hook, TrainState
 

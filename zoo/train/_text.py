@@ -33,6 +33,18 @@ LORA_KEYS = {
 
 LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
 
+# `--lora`'s keys in words (the flags' help, `help_texts`).
+LORA_HELP = (
+    "Keys: r (rank), alpha (lora_alpha; scaling alpha/r), dropout (the branches' input dropout), "
+    "targets (Linear names joined by '+', e.g. q_proj+v_proj, or all-linear), exclude (names joined "
+    "by '+'), rslora (true/false: scaling alpha/sqrt(r)), save (modules_to_save, names joined by '+', "
+    "trained in full; a classifier's default is head, its new classification head; save=none "
+    "freezes it), use_dora (true/false: DoRA, a trained magnitude per output), "
+    "init_lora_weights (true, gaussian, pissa or olora: peft's initialisations), ensure_weight_tying "
+    "(true/false: a tied head adapted with its embedding, targets embedding+lm_head), trainable_token_indices "
+    "(token ids joined by '+': only those embedding rows train)"
+)
+
 
 def _lora_value(key: str, value: str) -> Any:
     """One `--lora` value, read as its LoraConfig field wants it; ValueError if it cannot."""
@@ -152,7 +164,12 @@ def parse_pairs(text: str, field: str, convert) -> dict[str, Any]:
     for part in text.split(","):
         key, eq, value = (s.strip() for s in part.partition("="))
         if not eq or not key or not value:
-            raise ConfigError(f"RunConfig.{field} {text!r}: {part.strip()!r} is not key=value")
+            raise ConfigError(
+                f"RunConfig.{field} {text!r}: {part.strip()!r} is not key=value; write key=value pairs joined by "
+                "commas, e.g. d_model=64,num_layers=2"
+            )
+        if key in out:
+            raise ConfigError(f"RunConfig.{field} {text!r}: key {key!r} appears twice")
         try:
             out[key] = convert(value)
         except ValueError as e:
