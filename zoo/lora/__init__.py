@@ -27,7 +27,7 @@ __getattr__, __dir__ = lazy_names(
         "._config": ("LoraConfig",),
         "._embedding": ("LoraEmbedding",),
         "._folders": ("load_adapters", "save_adapters"),
-        "._io": ("load_adapter", "save_adapter", "tensors_sha256"),
+        "._io": ("load_adapter", "save_adapter"),
         "._layer": ("LoraLinear",),
         "._multi_linear": ("MultiLoraLinear",),
         "._named": (
@@ -40,6 +40,7 @@ __getattr__, __dir__ = lazy_names(
         ),
         "._names": ("hf_module_name",),
         "._routed": ("adapter_norms", "clip_per_adapter", "routed"),
+        "._safetensors": ("tensors_sha256",),
         "._tokens": ("TrainableTokens",),
         "._weighted": ("add_adapter", "add_weighted_adapter"),
     },
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from ._config import LoraConfig
     from ._embedding import LoraEmbedding
     from ._folders import load_adapters, save_adapters
-    from ._io import load_adapter, save_adapter, tensors_sha256
+    from ._io import load_adapter, save_adapter
     from ._layer import LoraLinear
     from ._multi_linear import MultiLoraLinear
     from ._named import (
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
     )
     from ._names import hf_module_name
     from ._routed import adapter_norms, clip_per_adapter, routed
+    from ._safetensors import tensors_sha256
     from ._tokens import TrainableTokens
     from ._weighted import add_adapter, add_weighted_adapter
 
