@@ -9,7 +9,11 @@ import ast
 from pathlib import Path
 
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
-LONGEST_FUNCTION = 120  # lines
+LONGEST_FUNCTION = 100  # lines
+LONGEST_FILE = 700  # lines: a module over it mixes concerns (issue 41)
+# Files over LONGEST_FILE being split now (the serve engine's programs and the HTTP
+# requests' reading move to modules of their own); the split takes them off this list.
+LONG_FILES_BEING_SPLIT = ("zoo/serve/_engine.py", "zoo/serve/_http.py")
 LONGEST_RUN = 80  # zoo/train/_run.py's _run: the stages, nothing else
 
 
@@ -56,6 +60,39 @@ def test_no_function_is_longer_than_the_limit():
         if f.end_lineno - f.lineno + 1 > LONGEST_FUNCTION
     ]
     assert not long, f"functions over {LONGEST_FUNCTION} lines: {long}"
+
+
+def test_no_file_is_longer_than_the_limit():
+    """No module of zoo/ is over `LONGEST_FILE` lines, but those being split now; and
+    those still are (the list is emptied as they are split)."""
+    lengths = {str(p.relative_to(ZOO.parent)): len(p.read_text().splitlines()) for p in MODULES.values()}
+    long = {f: n for f, n in lengths.items() if n > LONGEST_FILE}
+    assert set(long) <= set(LONG_FILES_BEING_SPLIT), f"files over {LONGEST_FILE} lines: {long}"
+    split = [f for f in LONG_FILES_BEING_SPLIT if lengths.get(f, 0) <= LONGEST_FILE]
+    assert not split, f"{split} are {LONGEST_FILE} lines or fewer now: take them off LONG_FILES_BEING_SPLIT"
+
+
+# `# fmt: skip` keeps a hand-aligned table aligned (the files and how many each holds);
+# everywhere else ruff formats. The files other helpers edit this session are formatted
+# once their work lands (issue 41): then this tuple goes.
+FMT_SKIP_TABLES = {"zoo/_inspect.py": 1, "zoo/nn/_four_bit.py": 1, "zoo/train/_registry.py": 1}
+FMT_SKIP_NOT_YET = (
+    "zoo/serve/",
+    "zoo/train/_config.py",
+    "zoo/train/_trainer.py",
+    "zoo/_cli/_train.py",
+    "zoo/_cli/_main.py",
+)
+
+
+def test_fmt_skip_only_on_aligned_tables():
+    counts = {
+        f: n
+        for p in MODULES.values()
+        if (n := p.read_text().count("# fmt: skip"))
+        and not (f := str(p.relative_to(ZOO.parent))).startswith(FMT_SKIP_NOT_YET)
+    }
+    assert counts == FMT_SKIP_TABLES, f"`# fmt: skip` outside the aligned tables: {counts}"
 
 
 def test_the_run_is_a_short_line_of_stages():

@@ -142,7 +142,9 @@ def test_peft_comparison_fails_a_lora_scaling_of_alpha_over_sqrt_r(rslora_mutant
     reference = _hf_reference(opened)
     if rslora_mutant:  # read as alpha / sqrt(r) both where zoo scales and where it checks peft's file
         monkeypatch.setattr(zoo.lora.LoraConfig, "scaling", property(lambda c: c.lora_alpha / c.r**0.5))
-        monkeypatch.setattr(zoo.lora._peft_config, "_peft_scaling", lambda values, module, r: values["lora_alpha"] / r**0.5)
+        monkeypatch.setattr(
+            zoo.lora._peft_config, "_peft_scaling", lambda values, module, r: values["lora_alpha"] / r**0.5
+        )
     model, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(folder), tmp_path)
     got = _zoo(model)
     if not rslora_mutant:

@@ -156,8 +156,9 @@ class Budget:
         stray: list[Collective] = []
         for c in sorted(colls, key=lambda c: -payload(c)):
             admitting = [i for i, a in enumerate(self.allowances) if a.admits(c)]
-            with_room = [i for i in admitting if self.allowances[i].count is None or
-                         len(given[i]) < self.allowances[i].count]  # fmt: skip
+            with_room = [
+                i for i in admitting if self.allowances[i].count is None or len(given[i]) < self.allowances[i].count
+            ]
             if with_room or admitting:
                 given[(with_room or admitting)[0]].append(c)
             else:
@@ -223,8 +224,10 @@ def summary_line(colls: Sequence[Collective]) -> str:
     groups: dict[tuple[str, bool], int] = {}
     for c in colls:
         groups[(c.kind, c.in_loop)] = groups.get((c.kind, c.in_loop), 0) + 1
-    parts = [f"{n} {kind}{'s' if n > 1 else ''} {'inside loops' if inside else 'outside'}"
-             for (kind, inside), n in sorted(groups.items())]  # fmt: skip
+    parts = [
+        f"{n} {kind}{'s' if n > 1 else ''} {'inside loops' if inside else 'outside'}"
+        for (kind, inside), n in sorted(groups.items())
+    ]
     return f"{', '.join(parts)}, {sum(payload(c) for c in colls):,} B"
 
 

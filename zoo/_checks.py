@@ -27,8 +27,9 @@ _FIX = {
 }
 
 
-def check_array(x: Any, *, where: str, name: str, kind: Kind, ndim: int | None = None, min_ndim: int = 0,
-                last: int | None = None) -> None:  # fmt: skip
+def check_array(
+    x: Any, *, where: str, name: str, kind: Kind, ndim: int | None = None, min_ndim: int = 0, last: int | None = None
+) -> None:
     """Raise a `TypeError` / `ValueError` naming `where` and the fix unless `x` is an array of
     dtype kind `kind`, rank `ndim` (or at least `min_ndim`), with last dimension `last`."""
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)

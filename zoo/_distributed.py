@@ -151,8 +151,10 @@ def _process_slices(mesh, data_axes: tuple[str, ...], rows: int) -> list[tuple[i
     """The distinct `(start, stop)` row ranges of a `[rows]` array split over the data axes
     that this process's devices hold, in order."""
     sharding = NamedSharding(mesh, P(data_entry(data_axes)))
-    ranges = {(idx[0].start or 0, rows if idx[0].stop is None else idx[0].stop)
-              for idx in sharding.addressable_devices_indices_map((rows,)).values()}  # fmt: skip
+    ranges = {
+        (idx[0].start or 0, rows if idx[0].stop is None else idx[0].stop)
+        for idx in sharding.addressable_devices_indices_map((rows,)).values()
+    }
     return sorted(ranges)
 
 

@@ -35,8 +35,9 @@ def is_safetensors(path: Path) -> bool:
         return False
 
 
-def check_export_dir(directory: str | Path, names: Iterable[str], *, writer: str, config: str, key: str,
-                     weights: str, kind: str) -> None:  # fmt: skip
+def check_export_dir(
+    directory: str | Path, names: Iterable[str], *, writer: str, config: str, key: str, weights: str, kind: str
+) -> None:
     """Refuse to write the files `names` into `directory` when some already exist there and
     the folder is not an export of this kind: its `config` file is no JSON object with
     `key`, and its `weights` file (what an interrupted save leaves alone: weights are

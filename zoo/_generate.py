@@ -85,14 +85,28 @@ def _split_layers(blocks: Sequence, h, cache: KVCache, positions, allowed, span:
     for i, block in enumerate(blocks):
         if isinstance(keys[i], tuple):
             h, keys[i], values[i] = cached_block(
-                block, h, keys[i], values[i], attend=blocked_attention, positions=positions, index=cache.index,
-                allowed=allowed, span=span,
-            )  # fmt: skip
+                block,
+                h,
+                keys[i],
+                values[i],
+                attend=blocked_attention,
+                positions=positions,
+                index=cache.index,
+                allowed=allowed,
+                span=span,
+            )
             continue
         h, k, v = cached_block(
-            block, h, keys[i][None], values[i][None], layer=zero, positions=positions, index=cache.index,
-            allowed=allowed, span=span,
-        )  # fmt: skip
+            block,
+            h,
+            keys[i][None],
+            values[i][None],
+            layer=zero,
+            positions=positions,
+            index=cache.index,
+            allowed=allowed,
+            span=span,
+        )
         keys[i], values[i] = k[0], v[0]
     return h, tuple(keys), tuple(values)
 
@@ -479,13 +493,25 @@ def generate(
     _check_vocabulary(model.config.vocab_size, tokens_np, mask_np, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     prompt_np = tokens_np  # what the output starts with
     tokens_np, mask_np, moved = _left_padded_prompts(tokens_np, mask_np)
+    settings = _settings(max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id, repetition_penalty)
+    if settings[1] > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs a PRNG key: pass key=jax.random.key(seed)")
+    key = None if settings[1] == 0 else key
+    run = functools.partial(_run, model, (tokens_np, mask_np, prompt_np, rows_np), moved, key, settings, stream)
+    if jax.sharding.get_abstract_mesh().empty and (mesh := _model_mesh(model)) is not None:
+        with jax.set_mesh(mesh):
+            return run()
+    return run()
+
+
+def _settings(max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id, repetition_penalty) -> tuple:
+    """`generate`'s settings, checked, as the compiled program's static argument: greedy
+    decoding drops the sampling filters, `pad_token_id` defaults to `eos_token_id` (else 0)."""
     temperature = float(temperature)
     check_sampling(temperature, top_k, top_p, float(repetition_penalty))
-    if temperature > 0 and key is None:
-        raise ValueError("sampling (temperature > 0) needs a PRNG key: pass key=jax.random.key(seed)")
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    settings = (
+    return (
         max_new_tokens,
         temperature,
         None if temperature == 0 else top_k,
@@ -494,29 +520,27 @@ def generate(
         int(pad_token_id),
         float(repetition_penalty),
     )
-    key = None if temperature == 0 else key
 
-    def run():
-        mesh = jax.sharding.get_abstract_mesh()
-        toks, msk = jnp.asarray(tokens_np, jnp.int32), jnp.asarray(mask_np, bool)
-        prompt = jnp.asarray(prompt_np, jnp.int32) if moved else toks
-        rows = None if rows_np is None else jnp.asarray(rows_np)
-        if not mesh.empty:
-            data = mesh.shape.get("data", 1)
-            spec = P("data") if data > 1 and b % data == 0 else P()
-            toks, msk, prompt = (jax.device_put(x, spec) for x in (toks, msk, prompt))
-            rows = None if rows is None else jax.device_put(rows, spec)
-        if stream is None:
-            return _generate_program(model, toks, msk, key, settings, None, prompt, rows)
-        _STREAMS[id(stream)] = _InOrder(stream)
-        try:
-            out = _generate_program(model, toks, msk, key, settings, stream, prompt, rows)
-            jax.effects_barrier()  # every token handed over before returning
-        finally:
-            _STREAMS.pop(id(stream), None)
-        return out
 
-    if jax.sharding.get_abstract_mesh().empty and (mesh := _model_mesh(model)) is not None:
-        with jax.set_mesh(mesh):
-            return run()
-    return run()
+def _run(model, arrays: tuple, moved: bool, key, settings: tuple, stream) -> Array:
+    """`generate`'s program on the host arrays `(tokens, mask, prompt, rows)`, placed on
+    the current mesh (the batch over `data` when its size divides), streaming in order."""
+    tokens_np, mask_np, prompt_np, rows_np = arrays
+    mesh = jax.sharding.get_abstract_mesh()
+    toks, msk = jnp.asarray(tokens_np, jnp.int32), jnp.asarray(mask_np, bool)
+    prompt = jnp.asarray(prompt_np, jnp.int32) if moved else toks
+    rows = None if rows_np is None else jnp.asarray(rows_np)
+    if not mesh.empty:
+        data = mesh.shape.get("data", 1)
+        spec = P("data") if data > 1 and toks.shape[0] % data == 0 else P()
+        toks, msk, prompt = (jax.device_put(x, spec) for x in (toks, msk, prompt))
+        rows = None if rows is None else jax.device_put(rows, spec)
+    if stream is None:
+        return _generate_program(model, toks, msk, key, settings, None, prompt, rows)
+    _STREAMS[id(stream)] = _InOrder(stream)
+    try:
+        out = _generate_program(model, toks, msk, key, settings, stream, prompt, rows)
+        jax.effects_barrier()  # every token handed over before returning
+    finally:
+        _STREAMS.pop(id(stream), None)
+    return out

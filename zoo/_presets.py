@@ -132,10 +132,15 @@ def _axes_tuple(value: MeshAxes) -> tuple[str, ...]:
 
 def _check_mesh_axes(name: str, value: Any) -> None:
     """A rule's value: a mesh axis name, a tuple of distinct names, or None."""
-    ok = value is None or (isinstance(value, str) and value) or (
-        isinstance(value, tuple | list) and all(isinstance(v, str) and v for v in value) and
-        len(set(value)) == len(value)
-    )  # fmt: skip
+    ok = (
+        value is None
+        or (isinstance(value, str) and value)
+        or (
+            isinstance(value, tuple | list)
+            and all(isinstance(v, str) and v for v in value)
+            and len(set(value)) == len(value)
+        )
+    )
     if not ok:
         raise TypeError(
             f"zoo.rules(..., {name}={value!r}): a rule maps a logical axis to a mesh axis name ({name}='data'), "

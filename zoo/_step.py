@@ -83,6 +83,24 @@ def partition_trainable(model: Any, trainable: FilterSpec) -> tuple[Any, Any]:
     return params, eqx.combine(frozen, extra)
 
 
+def _check_arguments(loss_fn: Any, optimizer: Any, mode: Any, budget: Any) -> None:
+    """`TrainStep`'s arguments of the wrong kind: a one-line error naming the fix."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (model, batch) -> losses, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__} {optimizer!r}; "
+            "build one, e.g. optax.adam(1e-3) (or zoo.train.OptimizerConfig(...).build(steps))"
+        )
+    if mode not in ("explicit", "shard_map"):
+        raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
+    if not (budget is None or budget == "default" or isinstance(budget, Budget)):
+        raise TypeError(
+            f"budget must be a zoo.Budget, 'default' or None, got {type(budget).__name__} {budget!r}; "
+            "e.g. budget=zoo.preset('dp').budget, or budget=None to not check"
+        )
+
+
 class TrainStep:
     """A compiled training step whose gradient all-reduce runs exactly once, after the loop.
 
@@ -159,20 +177,7 @@ class TrainStep:
           (`step.budget_for(model)`). `budget.warn_only()` warns instead; `None` does
           not check.
         """
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be a function (model, batch) -> losses, got {type(loss_fn).__name__}")
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(
-                f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__} {optimizer!r}; "
-                "build one, e.g. optax.adam(1e-3) (or zoo.train.OptimizerConfig(...).build(steps))"
-            )
-        if mode not in ("explicit", "shard_map"):
-            raise ValueError(f"mode must be 'explicit' or 'shard_map', got {mode!r}")
-        if not (budget is None or budget == "default" or isinstance(budget, Budget)):
-            raise TypeError(
-                f"budget must be a zoo.Budget, 'default' or None, got {type(budget).__name__} {budget!r}; "
-                "e.g. budget=zoo.preset('dp').budget, or budget=None to not check"
-            )
+        _check_arguments(loss_fn, optimizer, mode, budget)
         self.preset = _preset(preset) if preset is not None else None
         options = self.preset.step_options if preset is not None else {}
         gather = options.get("gather", "per_use") if gather is None else gather
@@ -283,7 +288,7 @@ class TrainStep:
         return {
             "gradients": sum(
                 replica_bytes(x, self.data_axes) for x in params if not (per_use and split_over(x, self.data_axes))
-            ),  # fmt: skip
+            ),
             "parameters": sum(replica_bytes(x, self.data_axes) for x in arrays),
             "scalars": LOSS_SCALAR_BYTES + LEAF_SCALAR_BYTES * len(params),
         }

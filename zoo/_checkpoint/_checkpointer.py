@@ -176,8 +176,9 @@ class Checkpointer:
                 f"this Checkpointer of {self.directory} was opened with read_only=True: it cannot delete"
             )
         if step not in self._manager.all_steps():
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; the steps there are "
-                                  f"{self.steps()}")  # fmt: skip
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; the steps there are {self.steps()}"
+            )
         self._manager.delete(step)
 
     def latest_step(self) -> int | None:

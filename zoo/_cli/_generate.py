@@ -149,8 +149,10 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
     run = _read_json(folder / "config.json")
     if run is not None and "model_type" not in run and run.get("model") in model_names():
         if model_spec(run["model"]).classifier:
-            raise CLIError(f"SOURCE {source}: a classifier run (the {run['model']}), which generates no text: use zoo "
-                           f"predict {source} --text TEXT")  # fmt: skip
+            raise CLIError(
+                f"SOURCE {source}: a classifier run (the {run['model']}), which generates no text: use zoo "
+                f"predict {source} --text TEXT"
+            )
     if _hf_folder(folder):
         return folder, adapter_dir, f"the Hugging Face folder {folder}"
     if _hf_folder(folder / "model"):
@@ -327,17 +329,29 @@ def cmd_generate(args) -> int:
         new = _new_tokens(args, model, tokens)
         printer = Printer(text, eos, args.stop) if len(prompts) == 1 and not args.json else None
         if not args.json:
-            print(f"zoo generate: {where} ({text.kind}{', chat template' if chat else ''}), {_how(args, new)}, "
-                  f"mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())} rules {args.rules}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"zoo generate: {where} ({text.kind}{', chat template' if chat else ''}), {_how(args, new)}, "
+                f"mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())} rules {args.rules}",
+                file=sys.stderr,
+                flush=True,
+            )
         if printer is not None and not chat:  # a chat prints the reply alone
             sys.stdout.write(args.prompt[0])
             sys.stdout.flush()
         try:
             out = zoo.generate(
-                model, tokens, mask=mask, max_new_tokens=new, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, eos_token_id=eos, repetition_penalty=args.repetition_penalty,
-                key=jax.random.key(args.seed), stream=printer,
-            )  # fmt: skip
+                model,
+                tokens,
+                mask=mask,
+                max_new_tokens=new,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                eos_token_id=eos,
+                repetition_penalty=args.repetition_penalty,
+                key=jax.random.key(args.seed),
+                stream=printer,
+            )
         except ValueError as e:
             raise CLIError(str(e).splitlines()[0]) from e
         rows = first_row(out)

@@ -175,14 +175,17 @@ def _collectives_of(path: str) -> list:
     try:
         data = json.loads(Path(path).expanduser().read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CLIError(f"--against {path}: cannot read it as JSON ({e}); give the output of zoo inspect --json "
-                       "or a run's summary.json") from e  # fmt: skip
+        raise CLIError(
+            f"--against {path}: cannot read it as JSON ({e}); give the output of zoo inspect --json "
+            "or a run's summary.json"
+        ) from e
     rows = data.get("collectives") if isinstance(data, dict) else None
     if isinstance(rows, dict):  # a run's summary.json
         rows = rows.get("list")
     if not isinstance(rows, list):
-        raise CLIError(f"--against {path}: it holds no collectives; give the output of zoo inspect --json or a "
-                       "run's summary.json")  # fmt: skip
+        raise CLIError(
+            f"--against {path}: it holds no collectives; give the output of zoo inspect --json or a run's summary.json"
+        )
     try:
         return [zoo.Collective.from_json(row) for row in rows]
     except (TypeError, ValueError) as e:

@@ -89,9 +89,15 @@ def cmd_serve(args) -> int:
         raise CLIError(f"--adapter {name}: the base model is served as {name!r}; give the adapter another name")
     try:
         engine = zoo.serve.Engine(
-            model, slots=args.slots, max_len=max_len, max_queue=args.max_queue, adapters=flags,
-            max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank, lora_targets=targets,
-        )  # fmt: skip
+            model,
+            slots=args.slots,
+            max_len=max_len,
+            max_queue=args.max_queue,
+            adapters=flags,
+            max_adapters=args.max_adapters,
+            max_lora_rank=args.max_lora_rank,
+            lora_targets=targets,
+        )
     except MemoryError as e:  # the cache or queue asked for: the line names the flag and a value that fits
         raise CLIError(str(e)) from None
     except ValueError as e:
@@ -103,8 +109,14 @@ def cmd_serve(args) -> int:
     if engine.kernels:  # what the timing chose, per number of rows a step runs (docs/serving.md)
         chosen = ", ".join(f"{n} row{'s' * (n > 1)} {kernel}" for n, kernel in sorted(engine.kernels.items()))
         print(f"zoo serve: decode step matmul kernels, timed here: {chosen}", file=sys.stderr, flush=True)
-    server = zoo.serve.Server(engine, model_name=name, tokenizer=text.tokenizer, chat_template=template, eos_id=eos,
-                              adapter_paths={n: str(p) for n, p in flags.items()})  # fmt: skip
+    server = zoo.serve.Server(
+        engine,
+        model_name=name,
+        tokenizer=text.tokenizer,
+        chat_template=template,
+        eos_id=eos,
+        adapter_paths={n: str(p) for n, p in flags.items()},
+    )
     zoo.serve.serve(server, host=args.host, port=args.port)
     return 0
 

@@ -123,14 +123,20 @@ def cmd_eval(args) -> int:
         return 0
     print(f"zoo eval: {run.weights} on {args.data}")
     if scores["kind"] == "lm":
-        print(f"loss {scores['loss']:.4f}  perplexity {scores['perplexity']:.4g}  next-token accuracy "
-              f"{100 * scores['accuracy']:.1f}%  ({scores['tokens']} target tokens in {scores['rows']} rows)")  # fmt: skip
+        print(
+            f"loss {scores['loss']:.4f}  perplexity {scores['perplexity']:.4g}  next-token accuracy "
+            f"{100 * scores['accuracy']:.1f}%  ({scores['tokens']} target tokens in {scores['rows']} rows)"
+        )
         for name, own in scores.get("adapters", {}).items():  # a run of several adapters: each on its records
-            print(f"  adapter {name}: loss {own['loss']:.4f}  perplexity {own['perplexity']:.4g}  ({own['tokens']} "
-                  f"target tokens)")  # fmt: skip
+            print(
+                f"  adapter {name}: loss {own['loss']:.4f}  perplexity {own['perplexity']:.4g}  ({own['tokens']} "
+                f"target tokens)"
+            )
         return 0
-    print(f"loss {scores['loss']:.4f}  accuracy {100 * scores['accuracy']:.1f}%  macro-F1 {scores['macro_f1']:.3f}  "
-          f"({scores['examples']} examples)")  # fmt: skip
+    print(
+        f"loss {scores['loss']:.4f}  accuracy {100 * scores['accuracy']:.1f}%  macro-F1 {scores['macro_f1']:.3f}  "
+        f"({scores['examples']} examples)"
+    )
     print("\n".join(_table(scores)))
     return 0
 

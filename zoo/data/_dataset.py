@@ -233,60 +233,25 @@ def load(
     digest = hashlib.sha256(data).hexdigest()
     kind, records, wheres = read_located(path, data=data) if located is None else located
     if kind == "classification":
-        ids, names = _labels(records, wheres)
-        held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
-        arrays = tokenizer([str(r["text"]) for r in records], max_len=seq_len, pad_to=seq_len)
-        arrays["labels"] = ids
-        return tuple(
-            Dataset({k: v[rows] for k, v in arrays.items()}, kind, label_names=names, sha256=digest)
-            for rows in (~held, held)
-        )
+        return _classification(records, wheres, tokenizer, seq_len, validation, digest)
     rust = tokenizer.tokenizer
     rust.no_truncation()  # `Tokenizer.__call__` leaves its last truncation switched on
     if kind == "preference":
-        return _pairs(records, wheres, rust, validation, digest, seq_len=seq_len, pad_id=tokenizer.pad_id, eos_id=eos_id,
-                      chat_template=chat_template, system=system, max_prompt_len=max_prompt_len, truncation=truncation)  # fmt: skip
-    documents: list[Document] = []
-    keys: list[bytes] = []
-    truncated = 0
-    if kind == "text":
-        for r, where in zip(records, wheres):
-            ids = np.asarray(rust.encode(str(r["text"])).ids, np.int32)
-            _check_targets(kind, np.ones(len(ids), np.float32), seq_len, where)
-            # A long text is cut into pieces of seq_len (a .txt is one long text).
-            for start in range(0, len(ids), seq_len):
-                piece = ids[start : start + seq_len]
-                documents.append((piece, np.ones(len(piece), np.float32)))
-                keys.append(piece.tobytes())
-    for r, where in zip(records, wheres) if kind != "text" else ():
-        if kind == "prompt_completion":
-            prompt = rust.encode(str(r["prompt"])).ids
-            completion = rust.encode(str(r["completion"]), add_special_tokens=False).ids
-            completion += [] if eos_id is None else [eos_id]
-            ids = np.asarray(prompt + completion, np.int32)
-            weights = np.concatenate([np.zeros(len(prompt), np.float32), np.ones(len(completion), np.float32)])
-        else:
-            if chat_template is None:
-                raise DataFormatError(
-                    f"{str(path)!r} holds chat messages but the tokenizer has no chat template; pass a model folder whose "
-                    "tokenizer_config.json has chat_template (or chat_template.jinja), or chat_template="
-                )
-            text, spans = chat_template.assistant_spans(r["messages"])
-            encoding = rust.encode(text, add_special_tokens=False)
-            ids = np.asarray(encoding.ids, np.int32)
-            weights = np.zeros(len(ids), np.float32)
-            # Every token overlapping an assistant span (transformers' return_assistant_tokens_mask
-            # marks the tokens of a span's first and last characters and those between:
-            # the same tokens, also when a span starts or ends on whitespace no token holds).
-            offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
-            for start, end in spans:
-                weights[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1.0
-        _check_targets(kind, weights, seq_len, where)
-        if len(ids) > seq_len:
-            truncated += 1
-            ids, weights = ids[:seq_len], weights[:seq_len]
-        documents.append((ids, weights))
-        keys.append(json.dumps(r, sort_keys=True).encode())
+        return _pairs(
+            records,
+            wheres,
+            rust,
+            validation,
+            digest,
+            seq_len=seq_len,
+            pad_id=tokenizer.pad_id,
+            eos_id=eos_id,
+            chat_template=chat_template,
+            system=system,
+            max_prompt_len=max_prompt_len,
+            truncation=truncation,
+        )
+    documents, keys, truncated = _documents(kind, records, wheres, rust, seq_len, eos_id, chat_template, path)
     held = _held_out(keys, validation)
     return tuple(
         Dataset(
@@ -299,13 +264,96 @@ def load(
     )
 
 
+def _documents(
+    kind: str,
+    records: list[dict[str, Any]],
+    wheres: list[str],
+    rust: Any,
+    seq_len: int,
+    eos_id: int | None,
+    chat_template: ChatTemplate | None,
+    path: str | os.PathLike,
+) -> tuple[list[Document], list[bytes], int]:
+    """`(documents, keys, truncated)` of `text`, `prompt_completion` or `chat` records:
+    each document's ids and loss weights (a long text cut into pieces of `seq_len`, any
+    other record cut to it), the content key that holds it out or not, and how many
+    records were cut."""
+    documents: list[Document] = []
+    keys: list[bytes] = []
+    truncated = 0
+    if kind == "text":
+        for r, where in zip(records, wheres):
+            ids = np.asarray(rust.encode(str(r["text"])).ids, np.int32)
+            _check_targets(kind, np.ones(len(ids), np.float32), seq_len, where)
+            # A long text is cut into pieces of seq_len (a .txt is one long text).
+            for start in range(0, len(ids), seq_len):
+                piece = ids[start : start + seq_len]
+                documents.append((piece, np.ones(len(piece), np.float32)))
+                keys.append(piece.tobytes())
+    if kind == "chat" and chat_template is None:
+        raise DataFormatError(
+            f"{str(path)!r} holds chat messages but the tokenizer has no chat template; pass a model folder whose "
+            "tokenizer_config.json has chat_template (or chat_template.jinja), or chat_template="
+        )
+    for r, where in zip(records, wheres) if kind != "text" else ():
+        ids, weights = _encoded(kind, r, rust, eos_id, chat_template)
+        _check_targets(kind, weights, seq_len, where)
+        if len(ids) > seq_len:
+            truncated += 1
+            ids, weights = ids[:seq_len], weights[:seq_len]
+        documents.append((ids, weights))
+        keys.append(json.dumps(r, sort_keys=True).encode())
+    return documents, keys, truncated
+
+
+def _classification(
+    records: list[dict[str, Any]], wheres: list[str], tokenizer: Tokenizer, seq_len: int, validation: float, digest: str
+) -> tuple[Dataset, Dataset]:
+    """`text`/`label` records as `(train, validation)` datasets: each text one row of
+    `seq_len` tokens, its label's index; the held-out records chosen by content hash."""
+    ids, names = _labels(records, wheres)
+    held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
+    arrays = tokenizer([str(r["text"]) for r in records], max_len=seq_len, pad_to=seq_len)
+    arrays["labels"] = ids
+    return tuple(
+        Dataset({k: v[rows] for k, v in arrays.items()}, "classification", label_names=names, sha256=digest)
+        for rows in (~held, held)
+    )
+
+
+def _encoded(
+    kind: str, record: dict[str, Any], rust: Any, eos_id: int | None, chat_template: ChatTemplate | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(ids, weights)` of one `prompt_completion` or `chat` record: the loss weights 1 on
+    the completion (and its eos) or on every token of an assistant turn, 0 elsewhere."""
+    if kind == "prompt_completion":
+        prompt = rust.encode(str(record["prompt"])).ids
+        completion = rust.encode(str(record["completion"]), add_special_tokens=False).ids
+        completion += [] if eos_id is None else [eos_id]
+        ids = np.asarray(prompt + completion, np.int32)
+        return ids, np.concatenate([np.zeros(len(prompt), np.float32), np.ones(len(completion), np.float32)])
+    text, spans = chat_template.assistant_spans(record["messages"])
+    encoding = rust.encode(text, add_special_tokens=False)
+    ids = np.asarray(encoding.ids, np.int32)
+    weights = np.zeros(len(ids), np.float32)
+    # Every token overlapping an assistant span (transformers' return_assistant_tokens_mask
+    # marks the tokens of a span's first and last characters and those between:
+    # the same tokens, also when a span starts or ends on whitespace no token holds).
+    offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+    for start, end in spans:
+        weights[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1.0
+    return ids, weights
+
+
 def _pairs(records, wheres, rust, validation: float, digest: str, **options) -> tuple[Dataset, Dataset]:
     """Preference pairs as `(train, validation)` datasets, one pair per row
     (`preference_rows` with `options`), the held-out pairs chosen by content hash."""
     arrays, cut = preference_rows(records, wheres, rust, **options)
     held = _held_out([json.dumps(r, sort_keys=True).encode() for r in records], validation)
-    return tuple(Dataset({k: v[rows] for k, v in arrays.items()}, "preference", truncated=cut, sha256=digest)
-                 for rows in (~held, held))  # fmt: skip
+    return tuple(
+        Dataset({k: v[rows] for k, v in arrays.items()}, "preference", truncated=cut, sha256=digest)
+        for rows in (~held, held)
+    )
 
 
 def _check_targets(kind: Kind, weights: np.ndarray, seq_len: int, where: str) -> None:

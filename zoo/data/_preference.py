@@ -74,8 +74,11 @@ def preference_rows(
             f"max_prompt_len must leave room for a completion: 1 <= it < seq_len {seq_len}, got {max_prompt}"
         )
     n = len(records)
-    arrays = {f"{side}_{k}": np.full((n, seq_len), pad_id if k == "tokens" else 0, np.int32)
-              for side in ("chosen", "rejected") for k in ("tokens", "mask", "completion")}  # fmt: skip
+    arrays = {
+        f"{side}_{k}": np.full((n, seq_len), pad_id if k == "tokens" else 0, np.int32)
+        for side in ("chosen", "rejected")
+        for k in ("tokens", "mask", "completion")
+    }
     cut = 0
     same: list[tuple[str, bool]] = []  # pairs whose two completions train as one: (where, made so by the cut)
     for i, (record, where) in enumerate(zip(records, wheres)):

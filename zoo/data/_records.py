@@ -98,8 +98,10 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
 def _check_preference(record: dict[str, Any], where: str) -> None:
     """A pair's fields: all texts, or all conversations (lists of messages, the prompt's
     ending on a user turn), with non-empty completions."""
-    forms = {k: "text" if isinstance(record[k], str) else "messages" if isinstance(record[k], list) else None
-             for k in PREFERENCE_FIELDS}  # fmt: skip
+    forms = {
+        k: "text" if isinstance(record[k], str) else "messages" if isinstance(record[k], list) else None
+        for k in PREFERENCE_FIELDS
+    }
     for k, form in forms.items():
         if form is None:
             raise DataFormatError(
@@ -113,11 +115,16 @@ def _check_preference(record: dict[str, Any], where: str) -> None:
         )
     for k in ("chosen", "rejected"):
         value = record[k]
-        empty = not value.strip() if isinstance(value, str) else not value or not any(
-            isinstance(m, dict) and str(m.get("content", "")).strip() for m in value)  # fmt: skip
+        empty = (
+            not value.strip()
+            if isinstance(value, str)
+            else not value or not any(isinstance(m, dict) and str(m.get("content", "")).strip() for m in value)
+        )
         if empty:
-            raise DataFormatError(f"{where} field {k!r} is empty; a preference pair needs two non-empty completions "
-                                  "(fill it in or remove the line)")  # fmt: skip
+            raise DataFormatError(
+                f"{where} field {k!r} is empty; a preference pair needs two non-empty completions "
+                "(fill it in or remove the line)"
+            )
     if forms["prompt"] == "messages":
         for k in PREFERENCE_FIELDS:
             for i, m in enumerate(record[k]):

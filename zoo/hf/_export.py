@@ -145,8 +145,15 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
     tensors = hf_tensors(model)  # every process: sharded leaves are gathered
     if jax.process_index() != 0:
         return []
-    check_export_dir(directory, names, writer="zoo.hf.save_pretrained", config=CONFIG_NAME, key="model_type",
-                     weights=WEIGHTS_NAME, kind="a Hugging Face model folder")  # fmt: skip
+    check_export_dir(
+        directory,
+        names,
+        writer="zoo.hf.save_pretrained",
+        config=CONFIG_NAME,
+        key="model_type",
+        weights=WEIGHTS_NAME,
+        kind="a Hugging Face model folder",
+    )
     values["dtype"] = _dtype_name(tensors)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(

@@ -374,8 +374,14 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
             return False
         name = dotted_name(path)
         last = name.split(".")[-1]
-        if last in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B",
-                    "trainable_tokens_delta"):  # fmt: skip
+        if last in (
+            "lora_A",
+            "lora_B",
+            "lora_magnitude_vector",
+            "lora_embedding_A",
+            "lora_embedding_B",
+            "trainable_tokens_delta",
+        ):
             return True
         prefix = name
         while "." in prefix:

@@ -52,9 +52,15 @@ class LoraEmbedding(TableWrapper):
     merged: bool = eqx.field(static=True)
 
     def __init__(
-        self, base: Embedding, r: int, *, scaling: float, init: bool | str = True, tie_head: bool = False,
+        self,
+        base: Embedding,
+        r: int,
+        *,
+        scaling: float,
+        init: bool | str = True,
+        tie_head: bool = False,
         key: PRNGKeyArray,
-    ):  # fmt: skip
+    ):
         """**Arguments:** the `base` table, rank `r`, the branch's `scaling`, `init` (`True` or
         `"gaussian"`: A = 0, B normal(0, 1), as peft initialises an embedding's branch;
         `False`: A normal too, for tests), `tie_head`, PRNG `key`."""

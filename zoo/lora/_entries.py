@@ -72,9 +72,12 @@ def _embedding_entries(model: Any, names: Any, name: str, path: tuple, layer: Lo
         head = f"{PREFIX}{(names.module(TIED_HEAD) if names is not None else None) or TIED_HEAD}"
         entries += [
             _Entry(b_path, Source.of((f"{head}.lora_A.weight",), b_core, stacked=0, transpose=False), tied=True),
-            _Entry(a_path, Source.of((f"{head}.lora_B.weight",), a_core, stacked=0, transpose=False, valid=valid_a),
-                   tied=True),
-        ]  # fmt: skip
+            _Entry(
+                a_path,
+                Source.of((f"{head}.lora_B.weight",), a_core, stacked=0, transpose=False, valid=valid_a),
+                tied=True,
+            ),
+        ]
     return entries
 
 

@@ -94,9 +94,9 @@ def _unfuse(
     )
 
 
-def _file_tensors(model: Any, config: LoraConfig, entries: list[_Entry]) -> tuple[
-    dict[str, np.ndarray], dict[str, Any], dict[str, int], dict[str, float]
-]:  # fmt: skip
+def _file_tensors(
+    model: Any, config: LoraConfig, entries: list[_Entry]
+) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, int], dict[str, float]]:
     """The adapter's tensors as peft's file holds them (fused modules' branches fused), the
     fused modules, and the `rank_pattern` / `alpha_pattern` those need."""
     tensors: dict[str, np.ndarray] = {}

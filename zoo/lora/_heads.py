@@ -40,8 +40,9 @@ def _apart_tensors(model: Any, names: Any, found: dict[str, Any]) -> dict[str, n
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def _read_apart(tensors: dict[str, np.ndarray], values: dict[str, Any], meta: Any, names: Any,
-                directory: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:  # fmt: skip
+def _read_apart(
+    tensors: dict[str, np.ndarray], values: dict[str, Any], meta: Any, names: Any, directory: Path
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`(peft's tensors, the head's)` of an adapter loaded into a mean-pooling classifier:
     the head from `head.safetensors` (checked against zoo_adapter.json's hash), or, from
     an adapter zoo wrote before it kept the head apart (a SEQ_CLS adapter of a mean-pooling
@@ -51,8 +52,11 @@ def _read_apart(tensors: dict[str, np.ndarray], values: dict[str, Any], meta: An
     if values.get("task_type") == "SEQ_CLS" and isinstance(meta, dict) and meta.get("pooling") == "mean":
         old, head_name = PREFIX + names.family.prefix, PREFIX + names.module(names.apart[0]) + "."
         head = {k.removeprefix(head_name): v for k, v in tensors.items() if k.startswith(head_name)}
-        rest = {(PREFIX + k.removeprefix(old) if k.startswith(old) else k): v for k, v in tensors.items()
-                if not k.startswith(head_name)}  # fmt: skip
+        rest = {
+            (PREFIX + k.removeprefix(old) if k.startswith(old) else k): v
+            for k, v in tensors.items()
+            if not k.startswith(head_name)
+        }
         return rest, head
     path = directory / HEAD_NAME
     if not path.is_file():
@@ -62,8 +66,9 @@ def _read_apart(tensors: dict[str, np.ndarray], values: dict[str, Any], meta: An
     return tensors, head
 
 
-def _head_values(model: Any, names: Any, apart: dict[str, np.ndarray], directory: Path,
-                 meta: Any) -> tuple[list[tuple], list[Any]]:  # fmt: skip
+def _head_values(
+    model: Any, names: Any, apart: dict[str, np.ndarray], directory: Path, meta: Any
+) -> tuple[list[tuple], list[Any]]:
     """`(paths, values)` of the head's leaves from its file's tensors (torch's
     orientation), each like the leaf it replaces (dtype, placement); a `ValueError` when a
     shape differs."""
@@ -73,8 +78,10 @@ def _head_values(model: Any, names: Any, apart: dict[str, np.ndarray], directory
         old = node_at(model, head + (GetAttrKey(param),))
         value = np.asarray(value.T if param == "weight" else value).astype(old.dtype)
         if value.shape != old.shape:
-            raise ValueError(f"{directory / HEAD_NAME}: {param} is {list(value.shape)} in zoo's layout, this "
-                             f"model's head holds {list(old.shape)}{_first_diff(model, meta)}")  # fmt: skip
+            raise ValueError(
+                f"{directory / HEAD_NAME}: {param} is {list(value.shape)} in zoo's layout, this "
+                f"model's head holds {list(old.shape)}{_first_diff(model, meta)}"
+            )
         paths.append(head + (GetAttrKey(param),))
         new.append(jax.device_put(value, old.sharding) if isinstance(old, jax.Array) else jnp.asarray(value))
     return paths, new

@@ -261,10 +261,11 @@ def load_adapter(
     directory = Path(directory)
     values, meta = _read_config(directory)
     tensors = _read_checked(
-        directory / WEIGHTS_NAME, None if meta is None else meta.get("tensors_sha256"),
+        directory / WEIGHTS_NAME,
+        None if meta is None else meta.get("tensors_sha256"),
         f"the adapter was changed or its save was interrupted; save it again. If you changed the weights on purpose "
         f"(e.g. trained further with peft), delete {ZOO_NAME} to load it as a peft adapter.",
-    )  # fmt: skip
+    )
 
     base = _replace_lora(model, lambda layer: layer.base)
     names = adapter_names(base)

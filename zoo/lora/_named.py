@@ -269,9 +269,17 @@ def plain_branch(base: Any, a: Array, b: Array, scaling: float, dropout_rate: fl
     """A plain (unmerged, non-DoRA) `LoraLinear` on `base` holding `a`, `b` as they are."""
     single = object.__new__(LoraLinear)
     for f, v in dict(
-        base=base, lora_A=a, lora_B=b, lora_magnitude_vector=None, dora_norm=None, r=a.shape[-1],
-        scaling=scaling, dropout_rate=dropout_rate, merged=False, use_dora=False,
-    ).items():  # fmt: skip
+        base=base,
+        lora_A=a,
+        lora_B=b,
+        lora_magnitude_vector=None,
+        dora_norm=None,
+        r=a.shape[-1],
+        scaling=scaling,
+        dropout_rate=dropout_rate,
+        merged=False,
+        use_dora=False,
+    ).items():
         object.__setattr__(single, f, v)
     return single
 

@@ -274,9 +274,11 @@ def _why_not(values: dict[str, Any], unexpected: list[str], misshaped: list[str]
     hints = []
     pattern = {m: r for m, r in (values.get("rank_pattern") or {}).items() if r != values.get("r")}
     if pattern and misshaped:
-        hints.append(f"rank_pattern gives {shorten(sorted(f'{m}: {r}' for m, r in pattern.items()), 3)} another "
-                     f"rank than r {values.get('r')}, but zoo gives every branch one rank: train it without "
-                     "rank_pattern")  # fmt: skip
+        hints.append(
+            f"rank_pattern gives {shorten(sorted(f'{m}: {r}' for m, r in pattern.items()), 3)} another "
+            f"rank than r {values.get('r')}, but zoo gives every branch one rank: train it without "
+            "rank_pattern"
+        )
     return "".join(f"; {h}" for h in hints)
 
 

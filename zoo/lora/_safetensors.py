@@ -31,18 +31,31 @@ def tensors_sha256(tensors: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def _write(directory: Path, tensors: dict[str, np.ndarray], values: dict[str, Any], meta: dict[str, Any],
-           apart: dict[str, np.ndarray]) -> list[Path]:  # fmt: skip
+def _write(
+    directory: Path,
+    tensors: dict[str, np.ndarray],
+    values: dict[str, Any],
+    meta: dict[str, Any],
+    apart: dict[str, np.ndarray],
+) -> list[Path]:
     """An adapter's files into `directory` (refused if it holds a user's files of their
     names), weights first; the paths written."""
-    check_export_dir(directory, FILE_NAMES, writer="zoo.lora.save_adapter", config=CONFIG_NAME, key="peft_type",
-                     weights=WEIGHTS_NAME, kind="a LoRA adapter folder")  # fmt: skip
+    check_export_dir(
+        directory,
+        FILE_NAMES,
+        writer="zoo.lora.save_adapter",
+        config=CONFIG_NAME,
+        key="peft_type",
+        weights=WEIGHTS_NAME,
+        kind="a LoRA adapter folder",
+    )
     directory.mkdir(parents=True, exist_ok=True)
     written = [WEIGHTS_NAME] + ([HEAD_NAME] if apart else []) + [CONFIG_NAME, ZOO_NAME]
     for name, arrays in ((WEIGHTS_NAME, tensors), (HEAD_NAME, apart)):
         if arrays:
-            atomic_write(directory / name,
-                         lambda tmp, a=arrays: safetensors.numpy.save_file(a, tmp, metadata={"format": "pt"}))  # fmt: skip
+            atomic_write(
+                directory / name, lambda tmp, a=arrays: safetensors.numpy.save_file(a, tmp, metadata={"format": "pt"})
+            )
     for file, contents in ((CONFIG_NAME, values), (ZOO_NAME, meta)):
         text = json.dumps(_json_safe(contents), indent=2, sort_keys=True) + "\n"
         atomic_write(directory / file, lambda tmp, text=text: Path(tmp).write_text(text))

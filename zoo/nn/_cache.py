@@ -71,8 +71,13 @@ class KVCache(eqx.Module):
         """The same cache with each layer's keys and values in arrays of their own (tuples),
         as the decode loop over `split_layers` reads and writes them."""
         layers = range(self.keys.shape[0])
-        return KVCache(tuple(self.keys[i] for i in layers), tuple(self.values[i] for i in layers), self.mask,
-                       self.positions, self.index)  # fmt: skip
+        return KVCache(
+            tuple(self.keys[i] for i in layers),
+            tuple(self.values[i] for i in layers),
+            self.mask,
+            self.positions,
+            self.index,
+        )
 
     def blocks(self, size: int | None = None) -> KVCache:
         """The same cache with each layer's keys and values split into blocks of `size`

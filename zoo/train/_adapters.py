@@ -214,9 +214,16 @@ def _load(c, adapters: AdapterRecords, source) -> tuple[dict[str, Dataset], dict
     for name, located in adapters.located.items():
         path = adapters.files[name]
         try:
-            trains[name], vals[name] = load_data(path, source, seq_len=c.data.seq_len, packed=c.data.packed,
-                                                 validation=c.data.validation, chat_template=template, data=b"",
-                                                 located=located)  # fmt: skip
+            trains[name], vals[name] = load_data(
+                path,
+                source,
+                seq_len=c.data.seq_len,
+                packed=c.data.packed,
+                validation=c.data.validation,
+                chat_template=template,
+                data=b"",
+                located=located,
+            )
         except DataFormatError as e:
             hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
             raise ConfigError(
@@ -268,14 +275,24 @@ def adapters_task(c, adapters: AdapterRecords, *, rules, mesh):
     held = {n: vals[n].arrays if len(vals[n]) else trains[n].arrays for n in names}
     what = "; ".join(f"{n}: {describe(trains[n])}, {len(vals[n])} validation rows" for n in names)
     return Task(
-        model=model, kind="lm", loss_fn=routed(next_token_loss), metrics_fn=adapter_metrics(names),
-        train_source=AdapterRows(names, tuple(trains[n] for n in names)), seed=c.seed,
-        eval_data=stack_rows(held, c.data.eval_size), train_data=None,
+        model=model,
+        kind="lm",
+        loss_fn=routed(next_token_loss),
+        metrics_fn=adapter_metrics(names),
+        train_source=AdapterRows(names, tuple(trains[n] for n in names)),
+        seed=c.seed,
+        eval_data=stack_rows(held, c.data.eval_size),
+        train_data=None,
         data=f"{len(names)} adapters ({what}); {'tokenizer' if tokenizer else 'byte'} tokens, rows of {c.data.seq_len}",
-        unit="tokens", tokens_per_example=c.data.seq_len, hf_part=lambda m: m,
-        tokenizer_dir=folder if tokenizer is not None else None, config=config.to_dict(),
-        init=None if folder is None else str(folder), fingerprint={"data_sha256": adapters.sha256}, adapter_names=names,
-    )  # fmt: skip
+        unit="tokens",
+        tokens_per_example=c.data.seq_len,
+        hf_part=lambda m: m,
+        tokenizer_dir=folder if tokenizer is not None else None,
+        config=config.to_dict(),
+        init=None if folder is None else str(folder),
+        fingerprint={"data_sha256": adapters.sha256},
+        adapter_names=names,
+    )
 
 
 # --------------------------------------------------------------------------- a run's LoRA config on its model

@@ -100,8 +100,7 @@ def training_step(c: RunConfig, loss_fn: Any, model: Any, *, per_adapter: bool =
     if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were
         optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=c.steps + 1)
     trainable = lora_trainable(model, c.lora) if c.lora is not None else eqx.is_inexact_array
-    return TrainStep(loss_fn, optimizer, microbatches=c.microbatches, trainable=trainable, mode=c.mode,
-                     preset=c.rules)  # fmt: skip
+    return TrainStep(loss_fn, optimizer, microbatches=c.microbatches, trainable=trainable, mode=c.mode, preset=c.rules)
 
 
 def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
@@ -125,9 +124,11 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     if task.adapter_names is not None:  # K adapters, each starting as a one-adapter run of this seed
         model = stacked(model, task.adapter_names)
     if lcfg is not None and c.pooling == "mean" and any(n.startswith("head") for n in lora_modules(model, LoraLinear)):
-        raise ConfigError("--lora: a mean-pooling classifier's head is saved whole (adapter/head.safetensors), so "
-                          "it takes no LoRA branch: leave it out of targets (save=head trains it in full), or use "
-                          "--pooling cls")  # fmt: skip
+        raise ConfigError(
+            "--lora: a mean-pooling classifier's head is saved whole (adapter/head.safetensors), so "
+            "it takes no LoRA branch: leave it out of targets (save=head trains it in full), or use "
+            "--pooling cls"
+        )
     try:
         model = shard(model, rules, mesh)
     except PlacementError as e:
@@ -140,11 +141,21 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
         bool(lcfg.lora_dropout) if lcfg is not None else bool(config.get("dropout") or config.get("attention_dropout"))
     )
     return BuiltRun(
-        task=task, model=model, step=step, opt_state=step.init(model), key=jax.random.key(c.seed),
-        rates=c.optimizer.rates(c.steps), fingerprint=task.fingerprint, parameters=tree_size(task.model),
-        model_bytes=tree_bytes(task.model), batch_size=c.batch_size, dropout=dropout, mesh=mesh, config=c,
+        task=task,
+        model=model,
+        step=step,
+        opt_state=step.init(model),
+        key=jax.random.key(c.seed),
+        rates=c.optimizer.rates(c.steps),
+        fingerprint=task.fingerprint,
+        parameters=tree_size(task.model),
+        model_bytes=tree_bytes(task.model),
+        batch_size=c.batch_size,
+        dropout=dropout,
+        mesh=mesh,
+        config=c,
         own_rows=local_rows(c.batch_size, mesh) if jax.process_count() > 1 else None,
-    )  # fmt: skip
+    )
 
 
 def write_run_files(plan: RunPlan, built: BuiltRun, *, main: bool) -> None:
@@ -191,11 +202,17 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
         raise ConfigError(f"--resume: {first}{hint}") from e
     if skipped:
         what = "; ".join(f"step {k}: {why}" for k, why in skipped)
-        print(f"zoo: warning: --resume skipped damaged checkpoints ({what}); they are removed, resuming from step "
-              f"{start}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"zoo: warning: --resume skipped damaged checkpoints ({what}); they are removed, resuming from step "
+            f"{start}",
+            file=sys.stderr,
+            flush=True,
+        )
     if start >= c.steps and c.epochs is not None:
-        raise ConfigError(f"--resume: the checkpoint is at step {start}, not before the {c.steps} steps of --epochs "
-                          f"{c.epochs}; raise --epochs to train further")  # fmt: skip
+        raise ConfigError(
+            f"--resume: the checkpoint is at step {start}, not before the {c.steps} steps of --epochs "
+            f"{c.epochs}; raise --epochs to train further"
+        )
     check_fingerprint(checkpointer.metadata(start), built.fingerprint, c.data.source, start)
     built.model = eqx.combine(state["params"], frozen)
     built.opt_state, built.key = state["opt_state"], state["key"]

@@ -46,9 +46,24 @@ class Header(Hook):
         r = self.record
         c = r.plan.config
         sizes = r.step_sizes(state.model)
-        _print_header(_say, c, r.built.task, r.plan.title, c.devices, r.plan.mesh_shape, c.lora, state.model,
-                      r.built.parameters, r.built.model_bytes, sizes["trainable"], sizes["adapter"],
-                      r.seconds["compile"], r.start, c.optimizer.warmup_steps(c.steps), _chosen(r))  # fmt: skip
+        _print_header(
+            _say,
+            c,
+            r.built.task,
+            r.plan.title,
+            c.devices,
+            r.plan.mesh_shape,
+            c.lora,
+            state.model,
+            r.built.parameters,
+            r.built.model_bytes,
+            sizes["trainable"],
+            sizes["adapter"],
+            r.seconds["compile"],
+            r.start,
+            c.optimizer.warmup_steps(c.steps),
+            _chosen(r),
+        )
         every = c.eval_interval
         cadence = "" if not every else ", evaluating after every step" if every == 1 else f", evaluating every {every}"
         self.phases(f"training steps {r.start + 1} to {c.steps}{cadence}...")
@@ -78,13 +93,31 @@ class Report(Hook):
         _print_summary(_say, r.summary, r.built.task, r.collectives, r.plan.output, r.plan.config.lora)
 
 
-def _print_header(say, c, task, title, devices, mesh_shape, lcfg, model, base_params, base_bytes,
-                  trainable_bytes, adapter_bytes, compile_s, start, warmup, chosen="") -> None:  # fmt: skip
+def _print_header(
+    say,
+    c,
+    task,
+    title,
+    devices,
+    mesh_shape,
+    lcfg,
+    model,
+    base_params,
+    base_bytes,
+    trainable_bytes,
+    adapter_bytes,
+    compile_s,
+    start,
+    warmup,
+    chosen="",
+) -> None:
     backend = jax.default_backend()
     where = "simulated CPU devices" if backend == "cpu" else f"{backend.upper()} devices"
     say(f"zoo {title}")
-    say(f"model: {c.model}, {base_params:,} parameters ({human_bytes(base_bytes)})"
-        + (f", from {task.init}" if task.init else ", initialised from scratch"))  # fmt: skip
+    say(
+        f"model: {c.model}, {base_params:,} parameters ({human_bytes(base_bytes)})"
+        + (f", from {task.init}" if task.init else ", initialised from scratch")
+    )
     say(f"data: {task.data}")
     if task.label_names:
         say(f"classes: {', '.join(task.label_names)}")
@@ -122,8 +155,10 @@ def _print_best(say, summary) -> None:
         say(f"stopped early after step {stop['step']} of {summary['steps']}: {stop['reason']}")
     best = summary.get("best")
     if best and best["checkpoint"]:
-        say(f"best checkpoint: step {best['step']} ({best['metric']} {best['value']:.4f}) in {best['checkpoint']} "
-            f"(continue from it with --resume-step {best['step']})")  # fmt: skip
+        say(
+            f"best checkpoint: step {best['step']} ({best['metric']} {best['value']:.4f}) in {best['checkpoint']} "
+            f"(continue from it with --resume-step {best['step']})"
+        )
     elif best and best["step"] is None:
         say(f"best checkpoint: none (no evaluation after a step measured a finite {best['metric']})")
 
@@ -144,8 +179,10 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         acc = f"{100 * st['accuracy']:17.1f}%" if has_acc and st.get("accuracy") is not None else ""
         say(f"  {st['name']:<{width - 2}}{st['loss']:8.4f}{acc}")
     for name, own in (summary.get("adapters") or {}).items():  # several adapters: each on its own rows
-        say(f"  adapter {name}: {ev_name} loss {own['eval_loss_before']:.4f} -> {own['eval_loss_after']:.4f}, "
-            f"saved in {own['folder']}")  # fmt: skip
+        say(
+            f"  adapter {name}: {ev_name} loss {own['eval_loss_before']:.4f} -> {own['eval_loss_after']:.4f}, "
+            f"saved in {own['folder']}"
+        )
     probe, last = summary["probe"], summary["stages"][-1]
     if probe is not None and has_acc and last is not probe:  # what training the encoder bought
         margin = 100 * (last["accuracy"] - probe["accuracy"])
@@ -202,7 +239,9 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         say(f"  (no Hugging Face model/ folder: {summary['outputs']['model_not_saved']})")
     if summary.get("sample"):
         smp = summary["sample"]
-        say(f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation window): "
-            f"{smp['prompt']!r} -> {smp['completion']!r}")  # fmt: skip
+        say(
+            f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation window): "
+            f"{smp['prompt']!r} -> {smp['completion']!r}"
+        )
     b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
     say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {b:.4f} -> {a:.4f})")

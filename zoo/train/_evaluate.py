@@ -152,8 +152,12 @@ def first_evaluation(evaluate: Evaluator, model, *, probe_steps: int, start: int
 
     task = evaluate.task
     if not (probe_steps and start == 0):
-        return [{"name": "before training" if start == 0 else f"resumed at step {start}",
-                 **plain(evaluate(model, task.eval_data))}]  # fmt: skip
+        return [
+            {
+                "name": "before training" if start == 0 else f"resumed at step {start}",
+                **plain(evaluate(model, task.eval_data)),
+            }
+        ]
     # Training itself starts from the new head: on a thousand texts a head fitted this
     # close to the training set leaves fine-tuning nothing to learn but overconfidence.
     if not isinstance(model.head, Linear) or model.head.bias is None:
@@ -166,6 +170,10 @@ def first_evaluation(evaluate: Evaluator, model, *, probe_steps: int, start: int
     train_probe = head_metrics(train["features"], task.train_data["labels"], w, b)
     return [
         {"name": "pretrained encoder + new head", **plain(test)},
-        {"name": "frozen encoder + fitted head (linear probe)", **probe, "train_accuracy": train_probe["accuracy"],
-         "baseline": True},
-    ]  # fmt: skip
+        {
+            "name": "frozen encoder + fitted head (linear probe)",
+            **probe,
+            "train_accuracy": train_probe["accuracy"],
+            "baseline": True,
+        },
+    ]

@@ -19,8 +19,13 @@ from ._task import Task
 from ._trainer import Hook, TrainState
 
 # What the tokenizer of a saved model needs next to its weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                   "sentence_bert_config.json")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "sentence_bert_config.json",
+)
 
 
 class Export(Hook):
@@ -53,9 +58,16 @@ class Export(Hook):
         its logits in other tools (`_readme.classifier_readme`)."""
         c, task = self.plan.config, self.task
         config = task.config or {}
-        text = classifier_readme(adapter, pooling=c.pooling or "mean", title=self.plan.title, seq_len=c.data.seq_len,
-                                 label_names=task.label_names or (), d_model=config["d_model"],
-                                 tokenizer_dir=task.tokenizer_dir, pad_id=config.get("pad_token_id", 0))  # fmt: skip
+        text = classifier_readme(
+            adapter,
+            pooling=c.pooling or "mean",
+            title=self.plan.title,
+            seq_len=c.data.seq_len,
+            label_names=task.label_names or (),
+            d_model=config["d_model"],
+            tokenizer_dir=task.tokenizer_dir,
+            pad_id=config.get("pad_token_id", 0),
+        )
         atomic_write(adapter / "README.md", lambda tmp: Path(tmp).write_text(text))
         return adapter / "README.md"
 
@@ -66,8 +78,9 @@ class Export(Hook):
             names = task.adapter_names
             self._claim("adapter", save_adapters(state.model, dict.fromkeys(names, lcfg), output / "adapter"))
             self.outputs["adapter"] = str(output / "adapter")
-            self.outputs["adapters"] = {n: str(output / "adapter" / n) if n != DEFAULT else str(output / "adapter")
-                                        for n in names}  # fmt: skip
+            self.outputs["adapters"] = {
+                n: str(output / "adapter" / n) if n != DEFAULT else str(output / "adapter") for n in names
+            }
         elif lcfg is not None:
             self._claim("adapter")
             written = save_adapter(state.model, lcfg, output / "adapter")
@@ -130,8 +143,17 @@ def _tokenize(tokenizer_dir: Path | None, seq_len: int, pad_id: int) -> str:
     )
 
 
-def classifier_readme(adapter: Path, *, pooling: str, title: str, seq_len: int, label_names, d_model: int,
-                      tokenizer_dir: Path | None, pad_id: int) -> str:  # fmt: skip
+def classifier_readme(
+    adapter: Path,
+    *,
+    pooling: str,
+    title: str,
+    seq_len: int,
+    label_names,
+    d_model: int,
+    tokenizer_dir: Path | None,
+    pad_id: int,
+) -> str:
     """The README.md of a classifier run's adapter folder `adapter` (written already: its
     adapter_config.json names the base model): what the adapter is and the recipe that
     computes the run's logits in transformers + peft (`pooling="cls"`: a `SEQ_CLS` adapter
@@ -149,11 +171,14 @@ def classifier_readme(adapter: Path, *, pooling: str, title: str, seq_len: int, 
         what = (
             f"a peft LoRA adapter (`task_type` `SEQ_CLS`) of `{base}` as `BertForSequenceClassification`: the "
             f"`[CLS]` state through BERT's pooler (dense + tanh), then the head (`classifier`, {n} labels"
-            + (", trained in full). peft opens it as the classifier zoo trained" if saved else
-               ", not trained: --lora save=none). Without the head in the adapter peft starts a new random one, "
-               "so its logits are not zoo's: train the head (save=head) to use it elsewhere")
+            + (
+                ", trained in full). peft opens it as the classifier zoo trained"
+                if saved
+                else ", not trained: --lora save=none). Without the head in the adapter peft starts a new random one, "
+                "so its logits are not zoo's: train the head (save=head) to use it elsewhere"
+            )
             + "; pass `num_labels` (transformers' default is 2)."
-        )  # fmt: skip
+        )
         recipe = (
             f"{imports}from peft import AutoPeftModelForSequenceClassification\n\n{common}"
             f"model = AutoPeftModelForSequenceClassification.from_pretrained(ADAPTER, num_labels={n}).eval()\n"

@@ -99,8 +99,9 @@ def fields_flags(cls: type) -> list[tuple[str, Flag]]:
     for f in dataclasses.fields(cls):
         if "flag" in f.metadata:
             meta = f.metadata["flag"]
-            done = dataclasses.replace(meta, name=meta.name or f.name, field=f"{cls.__name__}.{f.name}",
-                                       kind=_kind(f.type))  # fmt: skip
+            done = dataclasses.replace(
+                meta, name=meta.name or f.name, field=f"{cls.__name__}.{f.name}", kind=_kind(f.type)
+            )
             out.append((f.name, done))
     return out
 
@@ -135,19 +136,27 @@ def _defaults_table(command: str) -> str:
     shared = SHARED_DEFAULTS[command]
     for model in model_names(command):
         d = model_spec(model).defaults_for(command)
-        extra = "".join(f", {k.replace('_', '-')} {d[k]:g}" if not isinstance(d[k], str) else f", {k} {d[k]}"
-                        for k in OPTIONAL_DEFAULT_KEYS if d[k] is not None and d[k] != shared[k])  # fmt: skip
+        extra = "".join(
+            f", {k.replace('_', '-')} {d[k]:g}" if not isinstance(d[k], str) else f", {k} {d[k]}"
+            for k in OPTIONAL_DEFAULT_KEYS
+            if d[k] is not None and d[k] != shared[k]
+        )
         seq = f", seq-len {d['seq_len']}" if d.get("seq_len") else ""
-        rows.append(f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
-                    f"lr {d['lr']:g}{seq}{extra}")  # fmt: skip
+        rows.append(
+            f"{model}: steps {d['steps']}, batch-size {d['batch_size']}, microbatches {d['microbatches']}, "
+            f"lr {d['lr']:g}{seq}{extra}"
+        )
     return "; ".join(rows)
 
 
 def _pooling_default(command: str) -> str:
     """The classifiers' default pooling for `command`, and the models that differ."""
     shared = SHARED_DEFAULTS[command]["pooling"]
-    others = [f"{m}: {d['pooling']}" for m in model_names(command)
-              if model_spec(m).classifier and (d := model_spec(m).defaults_for(command))["pooling"] != shared]  # fmt: skip
+    others = [
+        f"{m}: {d['pooling']}"
+        for m in model_names(command)
+        if model_spec(m).classifier and (d := model_spec(m).defaults_for(command))["pooling"] != shared
+    ]
     return shared + (f"; {', '.join(others)}" if others else "")
 
 

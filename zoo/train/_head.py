@@ -38,8 +38,9 @@ def read_labels(folder: Path) -> tuple[str, ...] | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is damaged ({type(e).__name__}: {str(e).splitlines()[0]}); restore it, or train "
-                          "the run again") from None  # fmt: skip
+        raise ConfigError(
+            f"{path} is damaged ({type(e).__name__}: {str(e).splitlines()[0]}); restore it, or train the run again"
+        ) from None
     labels = value.get("labels") if isinstance(value, dict) else None
     if not isinstance(labels, list) or not labels or not all(isinstance(x, str | int) for x in labels):
         raise ConfigError(

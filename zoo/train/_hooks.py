@@ -20,6 +20,8 @@ from typing import Any
 from .._checkpoint import Checkpointer
 from .._distributed import is_main_process
 from .._generate import generate
+from ..models._preference import METRICS as PAIR_METRICS
+from ..models._preference import ORPO_METRICS
 from ._errors import ConfigError
 from ._scores import WATCHED, watched_metric
 from ._trainer import Hook, TrainState
@@ -43,8 +45,15 @@ class Evaluate(Hook):
     `results` lists `(step, evaluation)` in order.
     """
 
-    def __init__(self, evaluate: Callable[[Any], dict[str, Any]], *, every: int = 0, at_start: bool = True,
-                 at_end: bool = True, first: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        evaluate: Callable[[Any], dict[str, Any]],
+        *,
+        every: int = 0,
+        at_start: bool = True,
+        at_end: bool = True,
+        first: dict[str, Any] | None = None,
+    ):
         self.evaluate, self.every, self.at_start, self.at_end, self.first = evaluate, every, at_start, at_end, first
         self.results: list[tuple[int, dict[str, Any]]] = []
 
@@ -70,8 +79,7 @@ class Evaluate(Hook):
 # An evaluation's numbers as its row names them (`eval_` + the evaluation's key).
 EVAL_KEYS = ("loss", "accuracy", "perplexity", "macro_f1", "per_class")
 # A preference task's (TRL's names): `eval_rewards/chosen`, ..., ORPO's `eval_nll_loss`, ...
-PREFERENCE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                   "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")  # fmt: skip
+PREFERENCE_KEYS = (*PAIR_METRICS, *ORPO_METRICS)
 
 
 def eval_row(step: int, evaluation: dict[str, Any]) -> dict[str, Any]:
@@ -107,10 +115,20 @@ class Checkpoint(Hook):
       the hook then deletes the others itself, after each save and when it closes.
     """
 
-    def __init__(self, directory: str | Path, *, every: int = 0, keep: int = 3, at_end: bool = False,
-                 extra: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None, checkpointer=None,
-                 last_saved: int | None = None, notes: Callable[[], dict[str, Any]] | None = None,
-                 pinned: Callable[[], set[int]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every: int = 0,
+        keep: int = 3,
+        at_end: bool = False,
+        extra: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        checkpointer=None,
+        last_saved: int | None = None,
+        notes: Callable[[], dict[str, Any]] | None = None,
+        pinned: Callable[[], set[int]] | None = None,
+    ):
         self.directory, self.every, self.keep, self.at_end = Path(directory), every, keep, at_end
         self.extra, self.metadata = dict(extra or {}), dict(metadata or {})
         self.checkpointer, self.last_saved = checkpointer, last_saved
@@ -125,8 +143,9 @@ class Checkpoint(Hook):
             self.checkpointer = Checkpointer(self.directory, keep=None if self.pinned else self.keep)
         params = state.trainer.step.partition(state.model)[0]
         metadata = {"step": state.step, **self.metadata, **(self.notes() if self.notes else {})}
-        self.checkpointer.save(state.step, {"params": params, "opt_state": state.opt_state, **self.extra},
-                               metadata=metadata)  # fmt: skip
+        self.checkpointer.save(
+            state.step, {"params": params, "opt_state": state.opt_state, **self.extra}, metadata=metadata
+        )
         self.last_saved = state.step
         self._rotate(self.checkpointer)
 
@@ -199,9 +218,11 @@ class MetricsLog(Hook):
             found = re.search(r'"step": *(\d+)', text)
             step = int(found[1]) if found else (rows[-1].get("step", 0) if rows else 0)
             if step <= state.step:
-                print(f"zoo: note: {self.path} line {number} was cut off mid-write ({text[:40]!r}...) by the run that "
-                      f"stopped: dropped (the resumed run records the steps after {state.step} anew)",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"zoo: note: {self.path} line {number} was cut off mid-write ({text[:40]!r}...) by the run that "
+                    f"stopped: dropped (the resumed run records the steps after {state.step} anew)",
+                    file=sys.stderr,
+                )
         self._file = Metrics(self.path)
         for row in kept:
             self._file.write(row)
@@ -270,8 +291,9 @@ class Progress(Hook):
         from ._output import Progress as Bar
 
         if _main():
-            self._bar = Bar(state.steps, start=state.step, unit=self.unit, label=self.label,
-                            stream=self.stream or sys.stderr)  # fmt: skip
+            self._bar = Bar(
+                state.steps, start=state.step, unit=self.unit, label=self.label, stream=self.stream or sys.stderr
+            )
             self._span = (state.step, state.steps)
 
     def on_record(self, row: dict[str, Any]) -> None:
@@ -283,10 +305,16 @@ class Progress(Hook):
         elif row.get("kind") == "eval" and row["step"] not in self._span:
             acc = row.get("eval_accuracy")
             # A preference run's: TRL's names, as its logs print them.
-            trl = "".join(f", {k} {row[f'eval_{k}']:.4f}" for k in PREFERENCE_KEYS[:6]
-                          if k != "rewards/accuracies" and row.get(f"eval_{k}") is not None)  # fmt: skip
-            self._bar.note(f"step {row['step']}: eval loss {row['eval_loss']:.4f}"
-                           + ("" if acc is None else f", accuracy {100 * acc:.1f}%") + trl)  # fmt: skip
+            trl = "".join(
+                f", {k} {row[f'eval_{k}']:.4f}"
+                for k in PREFERENCE_KEYS[:6]
+                if k != "rewards/accuracies" and row.get(f"eval_{k}") is not None
+            )
+            self._bar.note(
+                f"step {row['step']}: eval loss {row['eval_loss']:.4f}"
+                + ("" if acc is None else f", accuracy {100 * acc:.1f}%")
+                + trl
+            )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -308,8 +336,15 @@ class Sample(Hook):
     `results` lists the rows in order.
     """
 
-    def __init__(self, prompt, *, every: int = 0, new_tokens: int = 32,
-                 decode: Callable[[Any], Any] | None = None, at_end: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        prompt,
+        *,
+        every: int = 0,
+        new_tokens: int = 32,
+        decode: Callable[[Any], Any] | None = None,
+        at_end: bool = True,
+    ):
         import numpy as np
 
         self.prompt = np.asarray(prompt, np.int32)
@@ -324,8 +359,13 @@ class Sample(Hook):
         # This process's copy of the rows (any process count).
         ids = np.asarray(out.addressable_data(0)) if out.is_fully_replicated else np.asarray(out)
         n = self.prompt.shape[1]
-        row = {"kind": "sample", "step": state.step, "prompt": self.decode(self.prompt[0]),
-               "completion": self.decode(ids[0, n:]), "new_tokens": self.new_tokens}  # fmt: skip
+        row = {
+            "kind": "sample",
+            "step": state.step,
+            "prompt": self.decode(self.prompt[0]),
+            "completion": self.decode(ids[0, n:]),
+            "new_tokens": self.new_tokens,
+        }
         self.results.append(row)
         state.trainer.record(row)
 
@@ -384,8 +424,7 @@ class KeepBest(Hook):
     `record()` is what summary.json's `"best"` holds.
     """
 
-    def __init__(self, metric: str, evaluations: Evaluate, saver: Checkpoint, *, keep: bool, patience: int,
-                 every: int):  # fmt: skip
+    def __init__(self, metric: str, evaluations: Evaluate, saver: Checkpoint, *, keep: bool, patience: int, every: int):
         self.metric, self.evaluations, self.saver = metric, evaluations, saver
         self.keep, self.patience, self.every = keep, patience, every
         self.mode = WATCHED[metric][0]
@@ -395,8 +434,9 @@ class KeepBest(Hook):
         self.checked: int | None = None
         if keep:
             saver.pinned = lambda: set() if self.step is None else {self.step}
-        saver.notes = lambda: {"best": {"metric": self.metric, "value": self.value, "step": self.step,
-                                        "since": self.since}}  # fmt: skip
+        saver.notes = lambda: {
+            "best": {"metric": self.metric, "value": self.value, "step": self.step, "since": self.since}
+        }
 
     def on_start(self, state: TrainState) -> None:
         checkpointer = self.saver.checkpointer
@@ -439,8 +479,14 @@ class KeepBest(Hook):
         """summary.json's `"best"`: the metric, whether lower or higher is better, the best
         value and its step, the evaluations since, and the kept checkpoint's folder."""
         kept = self.keep and self.step is not None
-        return {"metric": self.metric, "mode": self.mode, "value": self.value, "step": self.step,
-                "evaluations_since": self.since, "checkpoint": str(directory / str(self.step)) if kept else None}  # fmt: skip
+        return {
+            "metric": self.metric,
+            "mode": self.mode,
+            "value": self.value,
+            "step": self.step,
+            "evaluations_since": self.since,
+            "checkpoint": str(directory / str(self.step)) if kept else None,
+        }
 
 
 def watch(config: Any, evaluations: Evaluate, saver: Checkpoint) -> KeepBest | None:
@@ -448,5 +494,11 @@ def watch(config: Any, evaluations: Evaluate, saver: Checkpoint) -> KeepBest | N
     (`RunConfig.keep_best`, `early_stop`), or None."""
     if config.keep_best is None and not config.early_stop:
         return None
-    return KeepBest(watched_metric(config.keep_best), evaluations, saver, keep=config.keep_best is not None,
-                    patience=config.early_stop, every=config.eval_interval)  # fmt: skip
+    return KeepBest(
+        watched_metric(config.keep_best),
+        evaluations,
+        saver,
+        keep=config.keep_best is not None,
+        patience=config.early_stop,
+        every=config.eval_interval,
+    )

@@ -36,16 +36,25 @@ class OptimizerConfig:
     # Plain `str`s, checked in __post_init__: a bad name is a ConfigError listing the choices.
     name: str = flag("adamw", name="optimizer", choices=OPTIMIZERS, help="optimizer (default adamw)")
     lr: float | int | None = flag(None, metavar="LR", help="peak learning rate ({per_model})")
-    schedule: str = flag("cosine", choices=SCHEDULES, help="after the warmup: cosine decay to lr/10 at the last "
-                         "step, linear decay to lr/10, or constant (default cosine); the warmup rises linearly from "
-                         "lr/warmup at step 1 to lr at step --warmup")  # fmt: skip
-    warmup: int | None = flag(None, metavar="STEPS", help="linear warmup steps (default: a twentieth of --steps, "
-                              "at least 1)")  # fmt: skip
-    weight_decay: float | int | None = flag(None, metavar="WD", help="weight decay of adamw/lion/sgd (default "
-                                            "{weight_decays}, unless the model says otherwise)")  # fmt: skip
+    schedule: str = flag(
+        "cosine",
+        choices=SCHEDULES,
+        help="after the warmup: cosine decay to lr/10 at the last "
+        "step, linear decay to lr/10, or constant (default cosine); the warmup rises linearly from "
+        "lr/warmup at step 1 to lr at step --warmup",
+    )
+    warmup: int | None = flag(
+        None, metavar="STEPS", help="linear warmup steps (default: a twentieth of --steps, at least 1)"
+    )
+    weight_decay: float | int | None = flag(
+        None,
+        metavar="WD",
+        help="weight decay of adamw/lion/sgd (default {weight_decays}, unless the model says otherwise)",
+    )
     clip: float | int = flag(1.0, metavar="NORM", help="clip gradients at this global norm, 0 for none (default 1)")
-    end_lr_fraction: float | int = flag(0.1, metavar="F", help="where the cosine and linear schedules end, as a "
-                                        "fraction of --lr (default 0.1)")  # fmt: skip
+    end_lr_fraction: float | int = flag(
+        0.1, metavar="F", help="where the cosine and linear schedules end, as a fraction of --lr (default 0.1)"
+    )
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -58,10 +67,12 @@ class OptimizerConfig:
                 continue  # the run's default
             ok = isinstance(value, int | float) and math.isfinite(value) and (value > 0 if strict else value >= 0)
             if not ok:
-                raise ConfigError(f"OptimizerConfig.{field} must be a finite number {'> 0' if strict else '>= 0'}, "
-                                  f"got {value!r}")  # fmt: skip
-        if self.warmup is not None and (isinstance(self.warmup, bool) or not isinstance(self.warmup, int)
-                                        or self.warmup < 0):  # fmt: skip
+                raise ConfigError(
+                    f"OptimizerConfig.{field} must be a finite number {'> 0' if strict else '>= 0'}, got {value!r}"
+                )
+        if self.warmup is not None and (
+            isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0
+        ):
             raise ConfigError(f"OptimizerConfig.warmup must be an integer >= 0 (or None), got {self.warmup!r}")
 
     def warmup_steps(self, steps: int) -> int:
@@ -82,8 +93,10 @@ class OptimizerConfig:
 
         warmup = self.warmup_steps(steps)
         if self.lr is None:
-            raise ConfigError("OptimizerConfig.lr is not set; pass lr=..., or run it through zoo.train.run, which "
-                              "takes the model's default (RunConfig.resolved)")  # fmt: skip
+            raise ConfigError(
+                "OptimizerConfig.lr is not set; pass lr=..., or run it through zoo.train.run, which "
+                "takes the model's default (RunConfig.resolved)"
+            )
         end = self.lr * self.end_lr_fraction
         # Counts warmup, warmup + 1, ..., steps - 1 (steps warmup + 1 ... steps) decay, so the
         # last step runs at `end` exactly.

@@ -94,8 +94,9 @@ def plot_losses(
 
     train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("kind") == "eval" and r.get("eval_loss") is not None]
-    accs = [(r["step"], r["eval_accuracy"]) for r in rows
-            if r.get("kind") == "eval" and r.get("eval_accuracy") is not None]  # fmt: skip
+    accs = [
+        (r["step"], r["eval_accuracy"]) for r in rows if r.get("kind") == "eval" and r.get("eval_accuracy") is not None
+    ]
     if accs:
         fig, (ax, ax_acc) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True, height_ratios=(2, 1))
     else:
@@ -105,8 +106,10 @@ def plot_losses(
         ax.plot(steps, losses, color="tab:blue", alpha=0.35, lw=1, label="train loss")
         window = max(1, len(losses) // 10)
         if window > 1:
-            smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
-                      for i in range(len(losses))]  # fmt: skip
+            smooth = [
+                sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
+                for i in range(len(losses))
+            ]
             ax.plot(steps, smooth, color="tab:blue", lw=2, label=f"train loss (mean of {window})")
     if evals:
         steps, losses = zip(*evals)
@@ -143,8 +146,16 @@ class Progress:
     tenth of the run otherwise (logs, CI). Shows the step, the loss, the throughput and
     the time left."""
 
-    def __init__(self, total: int, *, start: int = 0, unit: str = "ex", label: str = "train", quiet: bool = False,
-                 stream: Any = None):  # fmt: skip
+    def __init__(
+        self,
+        total: int,
+        *,
+        start: int = 0,
+        unit: str = "ex",
+        label: str = "train",
+        quiet: bool = False,
+        stream: Any = None,
+    ):
         self.total, self.start, self.unit, self.label, self.quiet = total, start, unit, label, quiet
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()

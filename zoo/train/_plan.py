@@ -87,8 +87,9 @@ def mesh_shape_of(mesh: dict[str, int] | None, devices: int) -> dict[str, int]:
         return {"data": devices}
     total = math.prod(mesh.values())
     if total > devices:
-        raise ConfigError(f"--mesh {mesh_text(mesh)} needs {total} devices but only {devices} were asked for; "
-                          "raise --devices")  # fmt: skip
+        raise ConfigError(
+            f"--mesh {mesh_text(mesh)} needs {total} devices but only {devices} were asked for; raise --devices"
+        )
     return dict(mesh)
 
 

@@ -230,8 +230,10 @@ def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
             raise ConfigError(f"model {spec.name!r}: the {command} defaults lack {missing}")
         unknown = sorted(set(values) - set(DEFAULT_KEYS) - set(OPTIONAL_DEFAULT_KEYS))
         if unknown:
-            raise ConfigError(f"model {spec.name!r}: the {command} defaults hold {unknown}, which no model sets; "
-                              f"a spec's defaults are {list(DEFAULT_KEYS + OPTIONAL_DEFAULT_KEYS)}")  # fmt: skip
+            raise ConfigError(
+                f"model {spec.name!r}: the {command} defaults hold {unknown}, which no model sets; "
+                f"a spec's defaults are {list(DEFAULT_KEYS + OPTIONAL_DEFAULT_KEYS)}"
+            )
     if not spec.datasets:
         raise ConfigError(f"model {spec.name!r}: datasets is empty; name at least one data set")
     _REGISTRY[spec.name] = spec
@@ -319,8 +321,19 @@ def spec_for_init(folder: Path) -> ModelSpec:
 
 # Keys by kind: sizes (ints >= 1), ids (ints >= 0), probabilities in [0, 1), positive
 # floats; other keys are left to the model's config class.
-SIZES = ("width", "depth", "vocab_size", "d_model", "num_heads", "num_layers", "mlp_dim", "max_len", "num_kv_heads",
-         "head_dim", "type_vocab_size")  # fmt: skip
+SIZES = (
+    "width",
+    "depth",
+    "vocab_size",
+    "d_model",
+    "num_heads",
+    "num_layers",
+    "mlp_dim",
+    "max_len",
+    "num_kv_heads",
+    "head_dim",
+    "type_vocab_size",
+)
 IDS = ("pad_token_id",)
 PROBABILITIES = ("dropout", "attention_dropout")
 POSITIVE = ("norm_eps", "init_std", "rope_theta")

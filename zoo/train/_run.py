@@ -59,8 +59,9 @@ class RunResult:
     model: Any = None
 
 
-def run(config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = None,
-        title: str | None = None) -> RunResult:  # fmt: skip
+def run(
+    config: RunConfig, *, hooks: Sequence[Any] = (), command: str | None = None, title: str | None = None
+) -> RunResult:
     """Train `config.model` (every weight, or LoRA adapters when `config.lora` is set) on
     the devices jax has, writing into `config.output`: config.json (`config.to_dict()`),
     metrics.jsonl, loss.png, summary.json, checkpoints/, and adapter/ or model/ (a
@@ -131,11 +132,16 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
         record.before = {k: v for k, v in record.stages[0].items() if k != "name"}
         record.seconds = {"load": t_eval - t_start, "evaluate_before": time.perf_counter() - t_eval}
         trainer = Trainer(
-            built.step, built.batch_at, steps=c.steps, hooks=_hooks(plan, record, checkpointer, evaluate, phase, main,
-            hooks), lr=lambda i: built.rates[i - 1], skip_nonfinite=c.skip_nonfinite, preemption=preemption,
+            built.step,
+            built.batch_at,
+            steps=c.steps,
+            hooks=_hooks(plan, record, checkpointer, evaluate, phase, main, hooks),
+            lr=lambda i: built.rates[i - 1],
+            skip_nonfinite=c.skip_nonfinite,
+            preemption=preemption,
             tokens_per_example=built.task.tokens_per_example if built.task.unit == "tokens" else None,
             advice=nonfinite_advice(c, lambda k: built.task.batch_at(k, c.batch_size, mesh=mesh)),
-        )  # fmt: skip
+        )
         phase("compiling the training step...")  # once: the program that runs is the one inspected
         t0 = time.perf_counter()
         try:
@@ -152,19 +158,37 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
     return RunResult(record.summary, plan.output, model)
 
 
-def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, phase: Phases, main: bool,
-           user_hooks: Sequence[Any]) -> list[Any]:  # fmt: skip
+def _hooks(
+    plan: RunPlan,
+    record: RunRecord,
+    checkpointer,
+    evaluate: Evaluator,
+    phase: Phases,
+    main: bool,
+    user_hooks: Sequence[Any],
+) -> list[Any]:
     """The run's own hooks, in the order they fire, with `user_hooks` after the per-step ones."""
     c, built = plan.config, record.built
     task = built.task
-    record.evaluations = Evaluate(lambda m: plain(evaluate(m, task.eval_data)), every=c.eval_interval,
-                                  at_start=record.start == 0, first=record.before)  # fmt: skip
+    record.evaluations = Evaluate(
+        lambda m: plain(evaluate(m, task.eval_data)),
+        every=c.eval_interval,
+        at_start=record.start == 0,
+        first=record.before,
+    )
     # A checkpointed run saves every `checkpoint_every` steps and its end; so does a
     # resumed one (its checkpoints continue).
     checkpointed = bool(c.resume or c.checkpoint_every)
-    saver = Checkpoint(plan.checkpoints, every=c.checkpoint_every, keep=c.keep, at_end=checkpointed,
-                       extra={"key": built.key}, metadata={"model": c.model, **built.fingerprint},
-                       checkpointer=checkpointer, last_saved=record.start or None)  # fmt: skip
+    saver = Checkpoint(
+        plan.checkpoints,
+        every=c.checkpoint_every,
+        keep=c.keep,
+        at_end=checkpointed,
+        extra={"key": built.key},
+        metadata={"model": c.model, **built.fingerprint},
+        checkpointer=checkpointer,
+        last_saved=record.start or None,
+    )
     hooks: list[Any] = [MetricsLog(plan.output / "metrics.jsonl")]
     if c.tensorboard:
         logdir = Path(c.tensorboard).resolve()
@@ -172,8 +196,10 @@ def _hooks(plan: RunPlan, record: RunRecord, checkpointer, evaluate: Evaluator, 
             claim(plan.output, plan.checkpoints, [logdir.relative_to(plan.output.resolve()).as_posix() + "/"])
         hooks.append(TensorBoard(c.tensorboard))
     if not phase.quiet:
-        hooks += [Header(record, phase),
-                  Progress(unit="tok" if task.unit == "tokens" else "ex", label="finetune" if c.lora else "train")]  # fmt: skip
+        hooks += [
+            Header(record, phase),
+            Progress(unit="tok" if task.unit == "tokens" else "ex", label="finetune" if c.lora else "train"),
+        ]
     record.best = watch(c, record.evaluations, saver)  # after the evaluations, before the saves
     hooks += [record.evaluations, *([record.best] if record.best else []), saver]
     if task.kind == "lm" and task.adapter_names is None:  # a decoder shows what it learned: a greedy continuation

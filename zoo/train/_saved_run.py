@@ -160,8 +160,9 @@ def load_run(folder: str | Path) -> SavedRun:
         weights = f"{adapter}{held} on {c.init or 'the ' + c.model}"
     elif (hf / "config.json").is_file() and (not spec.classifier or (hf / HEAD_NAME).is_file()):
         keep = {k: v for k, v in c.model_config.items() if k in PRETRAINED_KEYS}
-        model, tok_dir, names = _base(dataclasses.replace(c, init=str(hf), model_config=keep), spec, folder, names,
-                                      notes, what="its model/")  # fmt: skip
+        model, tok_dir, names = _base(
+            dataclasses.replace(c, init=str(hf), model_config=keep), spec, folder, names, notes, what="its model/"
+        )
         if spec.classifier:
             try:
                 model = load_head(model, hf / HEAD_NAME)
@@ -171,8 +172,17 @@ def load_run(folder: str | Path) -> SavedRun:
     else:
         model, tok_dir, names, weights = _from_checkpoint(c, spec, folder, names, notes)
     tokenizer = tokenizer_of(tok_dir) if spec.kind != "regression" else None
-    run = SavedRun(folder, c, spec.kind, model, names, tokenizer, tok_dir if tokenizer is not None else None,
-                   weights=weights, notes=notes)  # fmt: skip
+    run = SavedRun(
+        folder,
+        c,
+        spec.kind,
+        model,
+        names,
+        tokenizer,
+        tok_dir if tokenizer is not None else None,
+        weights=weights,
+        notes=notes,
+    )
     if spec.kind == "lm":
         run.chat_template = _chat_template(c, folder, run.tokenizer_dir, notes)
     return run
@@ -329,8 +339,9 @@ def predict(run: SavedRun, inputs: Sequence[str] | Any, *, batch_size: int = 64)
     x = np.asarray(inputs, np.float32)
     width = getattr(run.model, "in_size", None)
     if x.ndim != 2 or (width is not None and x.shape[1] != width):
-        raise ConfigError(f"{run.folder} is a regressor of {width} inputs: give rows of {width} numbers, got shape "
-                          f"{x.shape}")  # fmt: skip
+        raise ConfigError(
+            f"{run.folder} is a regressor of {width} inputs: give rows of {width} numbers, got shape {x.shape}"
+        )
     return forward(run, {"x": x}, batch_size=batch_size)
 
 
@@ -361,8 +372,9 @@ def _rows(run: SavedRun, path: Path, raw: bytes, located=None):
     source = run.tokenizer_dir if run.tokenizer is not None else byte_tokenizer()
     packed = run.config.data.packed is not False
     try:
-        data, _ = load_data(path, source, seq_len=run.seq_len, packed=packed, chat_template=run.chat_template, data=raw,
-                            located=located)  # fmt: skip
+        data, _ = load_data(
+            path, source, seq_len=run.seq_len, packed=packed, chat_template=run.chat_template, data=raw, located=located
+        )
     except DataFormatError as e:
         raise ConfigError(f"--data: {str(e).splitlines()[0]}".replace("seq_len=", "--seq-len of the run ")) from None
     except ValueError as e:  # a template that cannot find the assistant turns
@@ -386,8 +398,14 @@ def _lm(run: SavedRun, arrays: dict[str, np.ndarray], batch_size: int) -> dict[s
         for k in sums:
             sums[k] += float(np.sum(np.asarray(out[k], np.float64)))
     loss = sums["loss"] / max(sums["weight"], 1e-12)
-    return {"kind": "lm", "rows": n, "tokens": int(round(sums["weight"])), "loss": loss,
-            "perplexity": math.exp(min(loss, 700.0)), "accuracy": sums["correct"] / max(sums["weight"], 1e-12)}  # fmt: skip
+    return {
+        "kind": "lm",
+        "rows": n,
+        "tokens": int(round(sums["weight"])),
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "accuracy": sums["correct"] / max(sums["weight"], 1e-12),
+    }
 
 
 def _adapters(run: SavedRun, path: Path, batch_size: int) -> dict[str, Any]:
@@ -404,17 +422,24 @@ def _adapters(run: SavedRun, path: Path, batch_size: int) -> dict[str, Any]:
         )
     unknown = [n for n in records.names if n not in names]
     if unknown:
-        raise ConfigError(f"--data {path}: adapters {unknown} are not among the run's {list(names)}; name one of those "
-                          "on each record")  # fmt: skip
+        raise ConfigError(
+            f"--data {path}: adapters {unknown} are not among the run's {list(names)}; name one of those on each record"
+        )
     per = {}
     for name, located in records.located.items():
         data = _rows(run, path, b"", located)
         per[name] = _lm(dataclasses.replace(run, model=set_adapter(run.model, name)), dict(data.arrays), batch_size)
     tokens = sum(r["tokens"] for r in per.values())
     loss = sum(r["loss"] * r["tokens"] for r in per.values()) / max(tokens, 1)
-    return {"kind": "lm", "rows": sum(r["rows"] for r in per.values()), "tokens": tokens, "loss": loss,
-            "perplexity": math.exp(min(loss, 700.0)),
-            "accuracy": sum(r["accuracy"] * r["tokens"] for r in per.values()) / max(tokens, 1), "adapters": per}  # fmt: skip
+    return {
+        "kind": "lm",
+        "rows": sum(r["rows"] for r in per.values()),
+        "tokens": tokens,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "accuracy": sum(r["accuracy"] * r["tokens"] for r in per.values()) / max(tokens, 1),
+        "adapters": per,
+    }
 
 
 def _classifier(run: SavedRun, data, path: Path, batch_size: int) -> dict[str, Any]:
@@ -450,8 +475,10 @@ def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> d
     regressor, which trains on its own data only).
     """
     if run.kind == "regression":
-        raise ConfigError(f"{run.folder} is a regressor trained on its own synthetic data, which reads no data file; "
-                          "its held-out loss is summary.json's eval_after")  # fmt: skip
+        raise ConfigError(
+            f"{run.folder} is a regressor trained on its own synthetic data, which reads no data file; "
+            "its held-out loss is summary.json's eval_after"
+        )
     path = Path(path).expanduser()
     data = _read(run, path)
     if run.kind == "lm" and adapter_names(run.model):
@@ -488,8 +515,10 @@ def export_merged(run: SavedRun, directory: str | Path, *, adapter: str | None =
     `adapter`; `FileExistsError` as `save_pretrained`.
     """
     if run.kind == "regression":
-        raise ConfigError(f"{run.folder}: the {run.config.model} has no Hugging Face form; its weights are its "
-                          "checkpoints (zoo.Checkpointer)")  # fmt: skip
+        raise ConfigError(
+            f"{run.folder}: the {run.config.model} has no Hugging Face form; its weights are its "
+            "checkpoints (zoo.Checkpointer)"
+        )
     directory = Path(directory).expanduser()
     model = merge(_one_adapter(run, adapter))
     part = model if run.kind == "lm" else model.encoder
@@ -500,8 +529,15 @@ def export_merged(run: SavedRun, directory: str | Path, *, adapter: str | None =
     cls = run.kind == "classification" and model.pooling == "cls"  # transformers' BertForSequenceClassification
     mean = run.kind == "classification" and not cls
     extra = tokenizer + ([HEAD_NAME, "README.md"] if mean else [])
-    check_export_dir(directory, extra, writer="zoo export", config="config.json", key="model_type",
-                     weights="model.safetensors", kind="a Hugging Face model folder")  # fmt: skip
+    check_export_dir(
+        directory,
+        extra,
+        writer="zoo export",
+        config="config.json",
+        key="model_type",
+        weights="model.safetensors",
+        kind="a Hugging Face model folder",
+    )
     try:
         if cls:
             written = save_bert_classifier(model, directory, label_names=list(run.label_names or ()) or None)
@@ -515,9 +551,14 @@ def export_merged(run: SavedRun, directory: str | Path, *, adapter: str | None =
     if mean:
         written += save_head(model, directory)
         tokenized = (directory / "tokenizer.json").is_file()
-        text = merged_readme(directory, title=f"zoo export {run.folder} --merge", seq_len=run.config.data.seq_len,
-                             label_names=run.label_names or (), tokenized=tokenized,
-                             pad_id=getattr(part.config, "pad_token_id", None) or 0)  # fmt: skip
+        text = merged_readme(
+            directory,
+            title=f"zoo export {run.folder} --merge",
+            seq_len=run.config.data.seq_len,
+            label_names=run.label_names or (),
+            tokenized=tokenized,
+            pad_id=getattr(part.config, "pad_token_id", None) or 0,
+        )
         atomic_write(directory / "README.md", lambda tmp: Path(tmp).write_text(text))
         written.append(directory / "README.md")
         config = json.loads((directory / "config.json").read_text())

@@ -54,8 +54,12 @@ def classification_scores(labels: Any, predictions: Any, label_names: Sequence[s
         i = at.get(c)
         if i is None:  # neither a label nor a prediction
             return {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 0}
-        return {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]),
-                "support": int(support[i])}  # fmt: skip
+        return {
+            "precision": float(precision[i]),
+            "recall": float(recall[i]),
+            "f1": float(f1[i]),
+            "support": int(support[i]),
+        }
 
     return {
         "examples": int(labels.size),

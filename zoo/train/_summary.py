@@ -83,8 +83,13 @@ class Summary(Hook):
         c, task, trainer = r.plan.config, r.built.task, state.trainer
         opt, steps, start, last = c.optimizer, c.steps, r.start, state.step  # last: < steps when stopped early
         after = r.evaluations.results[-1][1]
-        r.stages.append({"name": ("LoRA" + (" + head" if task.classifier else "") if c.lora is not None else "trained")
-                         + f" after {last} steps", **after})  # fmt: skip
+        r.stages.append(
+            {
+                "name": ("LoRA" + (" + head" if task.classifier else "") if c.lora is not None else "trained")
+                + f" after {last} steps",
+                **after,
+            }
+        )
         colls = r.collectives
         grads = [
             x for x in colls if not x.in_loop and "data" in x.mesh_axes and x.kind in ("all-reduce", "reduce-scatter")
@@ -94,15 +99,34 @@ class Summary(Hook):
         rates = r.built.rates
         sample = r.sample.results[-1] if r.sample is not None and r.sample.results else None
         r.summary = {
-            "command": r.plan.command, "model": c.model, "title": r.plan.title, "data": task.data, "init": task.init,
-            "devices": c.devices, "processes": jax.process_count(), "backend": jax.default_backend(),
-            "mesh": r.plan.mesh_shape, "rules": c.rules, "microbatches": c.microbatches, "batch_size": c.batch_size,
-            "steps": steps, "last_step": last, "resumed_from": start or None,
+            "command": r.plan.command,
+            "model": c.model,
+            "title": r.plan.title,
+            "data": task.data,
+            "init": task.init,
+            "devices": c.devices,
+            "processes": jax.process_count(),
+            "backend": jax.default_backend(),
+            "mesh": r.plan.mesh_shape,
+            "rules": c.rules,
+            "microbatches": c.microbatches,
+            "batch_size": c.batch_size,
+            "steps": steps,
+            "last_step": last,
+            "resumed_from": start or None,
             "stopped_early": None if trainer.stop_reason is None else {"step": last, "reason": trainer.stop_reason},
             "best": None if r.best is None else r.best.record(r.plan.checkpoints),
-            "optimizer": {"name": opt.name, "lr": opt.lr, "schedule": opt.schedule, "warmup": opt.warmup_steps(steps),
-                          "first_lr": float(rates[0]), "last_lr": float(rates[-1])},
-            "eval_every": c.eval_interval, "eval_before": r.before, "eval_after": after,
+            "optimizer": {
+                "name": opt.name,
+                "lr": opt.lr,
+                "schedule": opt.schedule,
+                "warmup": opt.warmup_steps(steps),
+                "first_lr": float(rates[0]),
+                "last_lr": float(rates[-1]),
+            },
+            "eval_every": c.eval_interval,
+            "eval_before": r.before,
+            "eval_after": after,
             "evals": [{"step": i, **ev} for i, ev in r.evaluations.results if 0 < i < last and i != start],
             "stages": r.stages,
             "probe": next((st for st in r.stages if st.get("baseline")), None),
@@ -110,28 +134,39 @@ class Summary(Hook):
             "train_loss_first": trainer.losses[0] if trainer.losses else None,
             "train_loss_last": trainer.losses[-1] if trainer.losses else None,
             "skipped_nonfinite_steps": trainer.skipped if c.skip_nonfinite else None,
-            "parameters": r.built.parameters, "model_bytes": r.built.model_bytes,
+            "parameters": r.built.parameters,
+            "model_bytes": r.built.model_bytes,
             "trainable_parameters": tree_size(r.built.step.partition(state.model)[0]),
-            "trainable_bytes": sizes["trainable"], "trainable_bytes_per_device": sizes["per_device"],
+            "trainable_bytes": sizes["trainable"],
+            "trainable_bytes_per_device": sizes["per_device"],
             "adapter_bytes": sizes["adapter"] if c.lora is not None else None,
             "lora": None if c.lora is None else lora_json(state.model, c.lora),
             "collectives": {
-                **collective_summary(colls), "gradient_reductions": len(grads),
+                **collective_summary(colls),
+                "gradient_reductions": len(grads),
                 "gradient_reduction_kinds": sorted({x.kind for x in grads}),
-                "gradient_bytes": sum(x.bytes for x in grads), "list": [x.to_json() for x in colls],
+                "gradient_bytes": sum(x.bytes for x in grads),
+                "list": [x.to_json() for x in colls],
                 "budget": r.built.step.budget_verdict,
             },
-            "seconds": {**r.seconds, "train": train_s, "hooks": trainer.hook_seconds,
-                        "total": time.perf_counter() - r.t_start},
+            "seconds": {
+                **r.seconds,
+                "train": train_s,
+                "hooks": trainer.hook_seconds,
+                "total": time.perf_counter() - r.t_start,
+            },
             "throughput": {
                 "examples_per_s": (last - start) * c.batch_size / max(train_s, 1e-9),
-                **({"tokens_per_s": (last - start) * c.batch_size * task.tokens_per_example / max(train_s, 1e-9)}
-                   if task.unit == "tokens" else {}),
+                **(
+                    {"tokens_per_s": (last - start) * c.batch_size * task.tokens_per_example / max(train_s, 1e-9)}
+                    if task.unit == "tokens"
+                    else {}
+                ),
             },
             "outputs": r.outputs,
             "adapters": _adapters(r, after),
             "sample": None if sample is None else {k: sample[k] for k in ("prompt", "completion", "new_tokens")},
-        }  # fmt: skip
+        }
         if self.main:
             baselines = {f"{st['name']}, eval": st["loss"] for st in r.stages if st.get("baseline")}
             output = r.plan.output
@@ -146,5 +181,11 @@ def _adapters(r: RunRecord, after: dict[str, Any]) -> dict[str, Any] | None:
     if names is None:
         return None
     folders = r.outputs.get("adapters", {})
-    return {n: {"eval_loss_before": r.before.get(f"loss/{n}"), "eval_loss_after": after.get(f"loss/{n}"),
-                "folder": folders.get(n)} for n in names}  # fmt: skip
+    return {
+        n: {
+            "eval_loss_before": r.before.get(f"loss/{n}"),
+            "eval_loss_after": after.get(f"loss/{n}"),
+            "folder": folders.get(n),
+        }
+        for n in names
+    }

@@ -191,8 +191,9 @@ def load_cls_classifier(folder: Path, num_labels: int, overrides: dict[str, Any]
     from .. import hf
 
     try:
-        return hf.load_bert_classifier(folder, num_labels=num_labels, key=key, rules=rules, mesh=mesh,
-                                       config_overrides=overrides)  # fmt: skip
+        return hf.load_bert_classifier(
+            folder, num_labels=num_labels, key=key, rules=rules, mesh=mesh, config_overrides=overrides
+        )
     except (ValueError, TypeError, FileNotFoundError) as e:
         if "no BERT pooler" in str(e):
             raise ConfigError(

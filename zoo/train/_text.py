@@ -237,5 +237,6 @@ def absolute_files(source: str) -> str:
     files = adapter_files(source)
     if files is None:
         return source
-    return files_text({n: str(Path(f).expanduser().resolve()) if Path(f).expanduser().exists() else f
-                       for n, f in files.items()})  # fmt: skip
+    return files_text(
+        {n: str(Path(f).expanduser().resolve()) if Path(f).expanduser().exists() else f for n, f in files.items()}
+    )

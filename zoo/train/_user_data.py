@@ -46,8 +46,10 @@ def check_data_file(c: RunConfig) -> None:
             f"rejected on each line (docs/training.md, Preference tuning); {data or 'the default data'} holds none"
         )
     if c.objective != "sft" and spec.kind != "lm":
-        raise ConfigError(f"--objective {c.objective} tunes a decoder (a language model); {spec.name} is none: use "
-                          "--objective sft, or a decoder such as transformer")  # fmt: skip
+        raise ConfigError(
+            f"--objective {c.objective} tunes a decoder (a language model); {spec.name} is none: use "
+            "--objective sft, or a decoder such as transformer"
+        )
     if data is None or data in spec.datasets:
         return
     files = adapter_files(data)  # NAME=FILE,...: one file per adapter
@@ -81,8 +83,10 @@ def _check_file(spec: ModelSpec, data: str, file: str) -> None:
 def check_takes_files(spec: ModelSpec, data: Any) -> None:
     """Refuse a data file for a model whose spec has no `file_model`."""
     if spec.file_model is None:
-        raise ConfigError(f"--data {data}: the {spec.name} trains on its own data sets only "
-                          f"({', '.join(spec.datasets)}); a data file trains {_file_models_text()}")  # fmt: skip
+        raise ConfigError(
+            f"--data {data}: the {spec.name} trains on its own data sets only "
+            f"({', '.join(spec.datasets)}); a data file trains {_file_models_text()}"
+        )
 
 
 def check_kind(spec: ModelSpec, kind: str, data: Any) -> None:
@@ -110,8 +114,11 @@ def _file_models(kind: str) -> list[str]:
 
 
 def _file_models_text() -> str:
-    parts = [f"{' / '.join(names)} ({what})" for kind, what in (("lm", "text"), ("classification", "text + label"))
-             if (names := _file_models(kind))]  # fmt: skip
+    parts = [
+        f"{' / '.join(names)} ({what})"
+        for kind, what in (("lm", "text"), ("classification", "text + label"))
+        if (names := _file_models(kind))
+    ]
     return " or ".join(parts) or "no registered model"
 
 
@@ -187,9 +194,18 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
     template, template_digest = _chat_template(c.data.chat_template, folder)
     try:
-        train, val = load_data(path, source, seq_len=c.data.seq_len, packed=c.data.packed, validation=validation,
-                               chat_template=template, data=raw, system=c.data.system_prompt,
-                               max_prompt_len=c.data.max_prompt_len, truncation=c.data.prompt_truncation)  # fmt: skip
+        train, val = load_data(
+            path,
+            source,
+            seq_len=c.data.seq_len,
+            packed=c.data.packed,
+            validation=validation,
+            chat_template=template,
+            data=raw,
+            system=c.data.system_prompt,
+            max_prompt_len=c.data.max_prompt_len,
+            truncation=c.data.prompt_truncation,
+        )
     except DataFormatError as e:
         hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
         # load names its argument (seq_len=N); the run's field is the CLI's flag.
@@ -226,9 +242,14 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     _check_tokenizer(config, tokenizer, folder)
     if train.kind == "preference":
         task = preference_task(c, model, train, val, data=f"{path.name}, {describe_data(train)}", tokens=tokens_kind)
-        return dataclasses.replace(task, hf_part=lambda m: m, tokenizer_dir=folder if tokenizer is not None else None,
-                                   config=config.to_dict(), init=None if folder is None else str(folder),
-                                   fingerprint=fingerprint)  # fmt: skip
+        return dataclasses.replace(
+            task,
+            hf_part=lambda m: m,
+            tokenizer_dir=folder if tokenizer is not None else None,
+            config=config.to_dict(),
+            init=None if folder is None else str(folder),
+            fingerprint=fingerprint,
+        )
     eval_data = dict(val.arrays if len(val) else train.arrays)
     if c.data.eval_size:
         eval_data = {k: v[: c.data.eval_size] for k, v in eval_data.items()}
@@ -273,8 +294,10 @@ def _read(path: Path, spec: ModelSpec, objective: str = "sft") -> bytes:
     check_kind(spec, kind, path)
     if (kind == "preference") != (objective != "sft"):
         if kind == "preference":
-            raise ConfigError(f"--data {path} holds preference pairs (prompt, chosen, rejected): tune on them with "
-                              "--objective dpo or --objective orpo")  # fmt: skip
+            raise ConfigError(
+                f"--data {path} holds preference pairs (prompt, chosen, rejected): tune on them with "
+                "--objective dpo or --objective orpo"
+            )
         raise ConfigError(
             f"--objective {objective} trains on preference pairs, but --data {path} holds {kind.replace('_', '/')} "
             'records; give it a .jsonl of {"prompt", "chosen", "rejected"} lines (or use --objective sft)'
