@@ -85,7 +85,9 @@ test: lint
 # each; one alone left a core idle once the short two-threaded run ended, and compiling,
 # most of the time here, is single-threaded in either).
 OTHER_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
-OTHER_XLA := --xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=
+# The fusion emitters XLA uses by default (the user's), not the older ones the fast phase
+# compiles with for speed (tests/conftest.py): each comparison also meets the other code path.
+OTHER_XLA := --xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type= --xla_cpu_use_fusion_emitters=true
 test-numerics: $(STAMP)
 	$(OTHER_KERNELS) OMP_NUM_THREADS=1 XLA_FLAGS="$(OTHER_XLA) --xla_cpu_multi_thread_eigen=false" \
 		$(PY) -m pytest -q -p no:cacheprovider -n 2 --max-worker-restart=0 --dist loadfile -m numerics @tests/kernel_rerun.txt & one=$$!; \

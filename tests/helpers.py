@@ -389,7 +389,9 @@ def zoo_ok(*args) -> str:
 # The XLA flags tests/conftest.py compiles the test processes with: LLVM's machine-code
 # optimisation off (about half of every compile); XLA's passes, which place the collectives,
 # unchanged.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+)
 
 
 def short_run_env() -> dict[str, str]:
