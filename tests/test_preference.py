@@ -434,6 +434,7 @@ def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
                             "--beta", 0.5, "--eval-every", 1, "--output", root / "cli",
                             "--tensorboard", root / "cli" / "tb")  # fmt: skip
     assert rc == 0, err
+    assert "warning" not in err  # beta 0.5: in TRL's documented range
     assert "preference acc." in out and "reference: the base model (LoRA adapters disabled" in out
     assert "step 1: eval loss" in err and "rewards/margins" in err and "logps/chosen" in err  # the console: TRL's names
     rows = [json.loads(line) for line in (root / "cli" / "metrics.jsonl").read_text().splitlines()]
@@ -457,6 +458,25 @@ def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
                                  output=str(root / "cli"),
                                  data=zoo.train.DataConfig(source=str(pairs), seq_len=16))  # fmt: skip
     assert zoo.train.RunConfig.from_dict(saved) == python.resolved("finetune")
+
+
+def test_a_huge_beta_trains_with_one_warning_line_naming_the_usual_range(sft_base):
+    """--beta 50 (a slip for 0.5, say) is legal but saturates the loss: the run trains, and
+    stderr says so once, before training, also with --quiet."""
+    from helpers import zoo_main
+
+    root, pairs = sft_base
+    rc, out, err = zoo_main("finetune", "transformer", "--init", root / "sft", "--data", pairs, "--seq-len", 16,
+                            "--steps", 1, "--batch-size", 8, "--microbatches", 2, "--devices", 2, "--objective", "dpo",
+                            "--beta", 50, "--quiet", "--output", root / "huge-beta")  # fmt: skip
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert warnings == [err.strip().splitlines()[0]], err  # one line, the first
+    assert "--beta 50 is far past the usual range (DPO's beta: 0.1-0.5" in warnings[0] and "--beta 0.1" in warnings[0]
+    assert (root / "huge-beta" / "adapter" / "adapter_model.safetensors").is_file()
+    assert zoo.train._preference.beta_warning("dpo", 10.0) is None  # the edge: at most 10 is quiet
+    assert "ORPO's lambda" in zoo.train._preference.beta_warning("orpo", 10.5)
+    assert zoo.train._preference.beta_warning("sft", 50.0) is None
 
 
 @pytest.mark.slow

@@ -139,3 +139,32 @@ def test_readers_in_a_loop_leave_a_saving_run_bit_identical(tmp_path):
     for name in want:
         assert np.array_equal(got[name], want[name]), f"{name} differs from the undisturbed run's"
     assert not list((busy / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
+def test_predict_on_a_damaged_newest_checkpoint_says_so_and_never_deletes(finished_mlp_run, tmp_path):
+    """An mlp run's weights are its checkpoints. `zoo predict` with the newest one damaged
+    predicts from the newest intact one and says which step it skipped and why in one note
+    (it used to be silent); every checkpoint damaged: one line, no traceback. Nothing in the
+    run's folder is deleted either way."""
+    from helpers import one_line_error
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_mlp_run, run)
+    row = " ".join(["0.5"] * 16)
+    rc, newest, _ = zoo_main("predict", run, "--text", row)  # step 4
+    assert rc == 0
+    for data in (run / "checkpoints" / "4").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[:10])  # a truncated copy, as a full disk leaves one
+    rc, out, err = zoo_main("predict", run, "--text", row)
+    assert rc == 0, err
+    note, header = err.strip().splitlines()
+    assert note.startswith("zoo predict: note: ") and "step 4 is damaged (its array data cannot be read" in note, err
+    assert "the weights are the newest intact step, 2" in note and header.endswith("step 2, 1 inputs"), err
+    assert out != newest  # step 2's weights, not step 4's
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]
+    for data in (run / "checkpoints" / "2").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[:10])
+    rc, _, err = zoo_main("predict", run, "--text", row)
+    one_line_error(rc, err, "every checkpoint in")
+    assert "step 4: its array data cannot be read" in err and "step 2: its array data cannot be read" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]

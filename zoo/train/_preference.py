@@ -17,6 +17,11 @@ import numpy as np
 from ..data import Dataset
 from ._task import Task
 
+# Past this β (DPO) or λ (ORPO) a run still trains, but not as the user likely meant: TRL
+# documents 0.1-0.5, and at β x margin of tens the sigmoid loss saturates, so clipping
+# leaves a sign-like update.
+LARGE_BETA = 10.0
+
 REFERENCE_IN_STEP = "reference: the base model (LoRA adapters disabled, in the training step)"
 REFERENCE_PRECOMPUTED = "reference: the initial model's log-probabilities, computed once before training"
 
@@ -108,4 +113,19 @@ def preference_task(c, model, train: Dataset, val: Dataset, *, data: str, tokens
         data=f"{data}; {held}; {tokens} tokens, rows of {c.data.seq_len}; {c.objective} ({c.loss_type if c.objective == 'dpo' else 'odds ratio + NLL'}, beta {c.beta}){reference}",
         unit="examples",
         tokens_per_example=2 * c.data.seq_len,
+    )
+
+
+def beta_warning(objective: str, beta: float) -> str | None:
+    """A warning for a preference run's `beta` far past the usual range (> `LARGE_BETA`),
+    or None. Such a value is legal (it is not refused) but most likely a slip: a learning
+    rate or a percentage typed into `--beta`."""
+    if objective not in ("dpo", "orpo") or beta <= LARGE_BETA:
+        return None
+    what = "DPO's beta" if objective == "dpo" else "ORPO's lambda (the odds-ratio weight)"
+    usual = "0.1-0.5" if objective == "dpo" else "about 0.1"
+    return (
+        f"--beta {beta:g} is far past the usual range ({what}: {usual}; TRL's default 0.1): "
+        f"the loss saturates and the update becomes the sign of the gradient. Pass --beta 0.1 "
+        f"unless this is meant"
     )

@@ -43,6 +43,7 @@ from ._export import Export
 from ._folder import claim, run_lock
 from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample, watch
 from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
+from ._preference import beta_warning
 from ._saved_run import merge_run
 from ._summary import RunRecord, Summary
 from ._task import ONCE_COMPILER_OPTIONS, Task
@@ -89,6 +90,9 @@ def run(
     # One run per folder, held before anything is read or written there. config.json is
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(plan.output, plan.checkpoints, main=is_main_process()):
+        warning = beta_warning(plan.config.objective, plan.config.beta)
+        if warning and is_main_process():  # quiet or not: a setting that defeats the run is never silent
+            print(f"zoo: warning: {warning}", file=sys.stderr, flush=True)
         restart = check_checkpoints(plan.config, plan.output)
         if restart:  # a run stopped before its first checkpoint: trained again as a fresh one
             plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, resume=False))

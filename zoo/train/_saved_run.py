@@ -251,9 +251,11 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
         params, frozen = step.partition(model)
         like = {"params": params, "opt_state": step.init(model), "key": jax.random.key(c.seed)}
         try:
-            (number, state, _), _ = checkpointer.restore_intact(like)
+            (number, state, _), skipped = checkpointer.restore_intact(like)
         except CheckpointError as e:
             raise ConfigError(f"{directory}: {str(e).splitlines()[0]}") from e
+    for n, why in skipped:  # read-only: left in place (the run that wrote them owns them), never silent
+        notes.append(f"{directory} step {n} is damaged ({why}): the weights are the newest intact step, {number}")
     return eqx.combine(state["params"], frozen), tok_dir, names, f"{directory} step {number}"
 
 
