@@ -201,13 +201,16 @@ def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, 
         parent = node_at(model, path[:-1])
         source = family.source(dotted_name(path[:-1]), dotted_name(path[-1:]), parent, tuple(leaf.shape), config)
         if source is None:
-            (quantized if isinstance(parent, nn.QuantizedLinear) else unknown).append(dotted_name(path))
+            (quantized if isinstance(parent, nn.QuantizedLinear | nn.FourBitLinear) else unknown).append(
+                dotted_name(path)
+            )
         else:
             out.append((path, leaf, source))
     if quantized:
         raise ValueError(
-            f"these leaves of the {type(model).__name__} are int8 (zoo.nn.QuantizedLinear, from "
-            f"zoo.lora.cast_frozen(model, jnp.int8)): {quantized}. Hugging Face checkpoints hold float weights: "
+            f"these leaves of the {type(model).__name__} are int8 or 4-bit (zoo.nn.QuantizedLinear / FourBitLinear, "
+            f"from zoo.lora.cast_frozen(model, jnp.int8 | 'nf4' | 'int4')): {quantized}. Hugging Face checkpoints "
+            "hold float weights: "
             "merge the LoRA branches (zoo.lora.merge dequantises them into float32 Linear layers) or dequantise "
             "the model first with zoo.nn.dequantize(model)."
         )

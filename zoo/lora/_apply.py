@@ -15,7 +15,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._mismatch import shorten
 from .._tree import dotted_name, node_at
-from ..nn import Embedding, Linear, QuantizedLinear, Stacked
+from ..nn import Embedding, FourBitLinear, Linear, QuantizedLinear, Stacked
 from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
 from ._layer import LoraLinear, mutated_init
@@ -27,7 +27,8 @@ from ._tokens import TrainableTokens
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
 
 # The layers a branch can wrap: a float `Linear` or its int8 form; an `Embedding` when named.
-LINEARS = (Linear, QuantizedLinear)
+LINEARS = (Linear, QuantizedLinear, FourBitLinear)
+QUANTIZED = (QuantizedLinear, FourBitLinear)  # frozen bases stored in int8 or 4 bits
 # The layers carrying a branch.
 ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens, MultiLoraLinear)
 # The name of a tied output head (the token embedding itself), as peft names it.
@@ -186,7 +187,7 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
         keys = jr.fold_in(key, i)
         for _ in range(stacked):  # one key per stacked layer, built like the layers were
             wrap = eqx.filter_vmap(wrap)
-        lead = base.weight.shape[:stacked]
+        lead = jax.tree.leaves(base)[0].shape[:stacked]  # the weight, or the codes of a 4-bit base
         keys = jr.split(keys, lead) if stacked else keys
         layer = eqx.tree_at(lambda layer: layer.base, wrap(base, keys), base)
         if config.init_lora_weights in MUTATING:
@@ -260,11 +261,12 @@ def _embedding_branch(base: Embedding, name: str, config: LoraConfig, tie: bool,
 
 def _mutate(layer: LoraLinear, name: str, config: LoraConfig) -> LoraLinear:
     """PiSSA / OLoRA: the branch from the base weight, the base keeping the residual."""
-    if isinstance(layer.base, QuantizedLinear):
+    if isinstance(layer.base, QUANTIZED):
+        bits = "int8" if isinstance(layer.base, QuantizedLinear) else layer.base.kind
         raise ValueError(
-            f"init_lora_weights={config.init_lora_weights!r} decomposes the base weight of {name!r}, which is int8: "
-            "add the branches to the float model, then store the residual base in int8 with "
-            "zoo.lora.cast_frozen(model, jnp.int8, config=config)"
+            f"init_lora_weights={config.init_lora_weights!r} decomposes the base weight of {name!r}, which is {bits}: "
+            f"add the branches to the float model, then store the residual base in {bits} with "
+            f"zoo.lora.cast_frozen(model, {'jnp.int8' if bits == 'int8' else repr(bits)}, config=config)"
         )
     weight = layer.base.weight
     a, b, residual = mutated_init(weight, config.r, config.scaling, config.init_lora_weights)
@@ -297,7 +299,7 @@ def branch_shardings(weight: jax.Array, stacked: int) -> tuple[Any, Any]:
 def _place_branch(layer: LoraLinear, stacked: int) -> LoraLinear:
     """The new branch on its base weight's devices (random keys make it wherever the
     default device or an active mesh puts new arrays)."""
-    a_sharding, b_sharding = branch_shardings(layer.base.weight, stacked)
+    a_sharding, b_sharding = branch_shardings(jax.tree.leaves(layer.base)[0], stacked)  # weight or 4-bit codes
     if a_sharding is None:
         return layer
     placed = (jax.device_put(layer.lora_A, a_sharding), jax.device_put(layer.lora_B, b_sharding))
@@ -419,8 +421,8 @@ def _fold(layer: LoraLinear, sign: float) -> tuple[Linear, Any]:
     `W = W' · ‖W + Δ‖ / m - Δ` with the norms kept from the merge.
     """
     base = layer.base
-    if isinstance(base, QuantizedLinear):
-        # W + ΔW is no int8 matrix: the merged layer is the dequantised float32 Linear.
+    if isinstance(base, QUANTIZED):
+        # W + ΔW is no int8 or 4-bit matrix: the merged layer is the dequantised float32 Linear.
         base = base.dequantize()
     weight = base.weight
     w, delta = weight.astype(jnp.float32), layer.delta()
@@ -469,12 +471,13 @@ def merge(model: Any, *, unload: bool = True) -> Any:
             # One table: a tied head (the same weight) gets the update too, as in peft's merge.
             base = _fold_table(layer, +1.0)
             return base if unload else _with(layer, base=base, merged=True)
-        if not unload and isinstance(layer.base, QuantizedLinear):
+        if not unload and isinstance(layer.base, QUANTIZED):
+            bits = "int8" if isinstance(layer.base, QuantizedLinear) else layer.base.kind
             raise ValueError(
-                "merge(model, unload=False) cannot fold a LoRA branch into an int8 base (the merged weight is no "
-                "int8 matrix and unmerge could not restore the base): keep the branches unmerged (the int8 model "
-                "computes them as they are), merge with unload=True for a float32 model, or dequantise the base "
-                "first with zoo.lora.cast_frozen(model, jnp.float32, config=config)"
+                f"merge(model, unload=False) cannot fold a LoRA branch into an {bits} base (the merged weight is no "
+                f"{bits} matrix and unmerge could not restore the base): keep the branches unmerged (the {bits} "
+                "model computes them as they are), merge with unload=True for a float32 model, or dequantise the "
+                "base first with zoo.lora.cast_frozen(model, jnp.float32, config=config)"
             )
         base, norm = _fold(layer, +1.0)
         if unload:

@@ -1,4 +1,5 @@
-"""Storing the frozen base of a LoRA model in a narrower dtype: bfloat16, float16 or int8."""
+"""Storing the frozen base of a LoRA model in a narrower dtype: bfloat16, float16, int8, or 4 bits
+(NF4, int4: QLoRA)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._tree import node_at
-from ..nn import QuantizedLinear, dequantize
+from .._tree import dotted_name, node_at
+from ..nn import FourBitLinear, QuantizedLinear, dequantize
 from ._apply import ADAPTED, modules, trainable
 from ._config import LoraConfig
 from ._layer import LoraLinear
 
 
-def cast_frozen(model: Any, dtype: Any = jnp.bfloat16, *, config: LoraConfig | None = None) -> Any:
-    """The model with its frozen leaves stored in `dtype` (default bfloat16), or in int8.
+def cast_frozen(
+    model: Any, dtype: Any = jnp.bfloat16, *, config: LoraConfig | None = None, block_size: int | None = None
+) -> Any:
+    """The model with its frozen leaves stored in `dtype` (default bfloat16), or in int8, NF4 or int4.
 
     The leaves `zoo.lora.trainable(model, config)` marks trainable — every `lora_A` /
     `lora_B` and the `config.modules_to_save` modules — keep their dtype (float32); the
@@ -35,25 +38,41 @@ def cast_frozen(model: Any, dtype: Any = jnp.bfloat16, *, config: LoraConfig | N
     dequantises its `QuantizedLinear` layers first (`cast_frozen(model, jnp.float32)`
     gives back float weights).
 
+    `dtype="nf4"` or `"int4"` (QLoRA) stores those base `Linear`s as `zoo.nn.FourBitLinear`
+    (4-bit codes, one float32 scale per block of `block_size` input features: NF4 as
+    bitsandbytes stores it, blocks of 64 by default; int4 symmetric per group, 128 by
+    default), the other frozen floating leaves in bfloat16, as for int8.
+
     **Arguments:**
 
     - `model`: a model with LoRA branches (`zoo.lora.add_lora`).
-    - `dtype`: the storage dtype of the frozen leaves: a floating-point dtype, or int8.
+    - `dtype`: the storage dtype of the frozen leaves: a floating-point dtype, int8, or
+      `"nf4"` / `"int4"`.
+    - `block_size`: with `"nf4"` / `"int4"`, the input features per scale (default 64 /
+      128; it must divide every adapted layer's input features).
     - `config`: the `LoraConfig` the branches were added with (its `modules_to_save` stay
       trainable and uncast); `None` keeps only the branches.
 
     **Returns:** the model with the frozen leaves cast; train it with
     `zoo.TrainStep(..., trainable=zoo.lora.trainable(model, config))`.
     """
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError as e:
-        raise ValueError(f"cast_frozen: {dtype!r} is not a dtype; use jnp.bfloat16, jnp.float16 or jnp.int8") from e
-    quantize = dtype == jnp.int8
+    four_bit = dtype if isinstance(dtype, str) and dtype in ("nf4", "int4") else None
+    if four_bit is None:
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError as e:
+            raise ValueError(
+                f"cast_frozen: {dtype!r} is not a dtype; use jnp.bfloat16, jnp.float16, jnp.int8, 'nf4' or 'int4'"
+            ) from e
+    elif block_size is not None and (block_size < 2 or block_size % 2):
+        raise ValueError(f"cast_frozen: block_size must be an even number >= 2, got {block_size}")
+    if block_size is not None and four_bit is None:
+        raise ValueError(f"cast_frozen: block_size is for dtype 'nf4' or 'int4', not {dtype}")
+    quantize = four_bit is not None or dtype == jnp.int8
     if not quantize and not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
-            f"cast_frozen stores the frozen base in a floating-point dtype or int8, got {dtype}; "
-            "use jnp.bfloat16, jnp.float16 or jnp.int8 (int8 is the only integer storage zoo quantises to)"
+            f"cast_frozen stores the frozen base in a floating-point dtype, int8 or 4 bits, got {dtype}; "
+            "use jnp.bfloat16, jnp.float16, jnp.int8, 'nf4' or 'int4'"
         )
     if not modules(model, ADAPTED):
         raise ValueError(
@@ -63,10 +82,10 @@ def cast_frozen(model: Any, dtype: Any = jnp.bfloat16, *, config: LoraConfig | N
     found = modules(model, LoraLinear)
     if quantize and any(node_at(model, p).merged for p, _ in found.values()):
         raise ValueError(
-            "cast_frozen(model, jnp.int8) cannot quantise a base that holds a merged LoRA branch: "
+            f"cast_frozen(model, {four_bit or 'jnp.int8'!s}) cannot quantise a base that holds a merged LoRA branch: "
             "unmerge the model first (zoo.lora.unmerge)"
         )
-    model = dequantize(model)  # int8 layers back to float32; re-quantising them is exact
+    model = dequantize(model)  # int8 / 4-bit layers back to float32; re-quantising them is exact
     keep = trainable(model, config)
     storage = jnp.dtype(jnp.bfloat16) if quantize else dtype
 
@@ -82,7 +101,14 @@ def cast_frozen(model: Any, dtype: Any = jnp.bfloat16, *, config: LoraConfig | N
     paths = [p for p, _ in found.values() if not node_at(keep, p).base.weight]
 
     def quantized(path):
-        layer = QuantizedLinear.quantize(node_at(model, path).base)
+        base = node_at(model, path).base
+        if four_bit is None:
+            layer = QuantizedLinear.quantize(base)
+        else:
+            try:
+                layer = FourBitLinear.quantize(base, four_bit, block_size=block_size)
+            except ValueError as e:
+                raise ValueError(f"cast_frozen(model, {four_bit!r}) at {dotted_name(path)}: {e}") from None
         bias = node_at(cast, path).base.bias
         return layer if bias is None else eqx.tree_at(lambda q: q.bias, layer, bias)
 

@@ -13,7 +13,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._axes import field
 from .._reduced import plain_spec
-from ..nn import Linear, QuantizedLinear, dropout, project
+from ..nn import FourBitLinear, Linear, QuantizedLinear, dropout, project
+from ..nn._four_bit_linear import dequantize_codes
 from ..nn._sharding import for_use, like_rows, sharding_spec
 
 
@@ -30,7 +31,8 @@ class LinearWrapper(eqx.Module):
 
 
 class LoraLinear(LinearWrapper):
-    """A frozen `base` `Linear` (or its int8 `QuantizedLinear`) plus a trainable rank-`r` branch.
+    """A frozen `base` `Linear` (or its int8 `QuantizedLinear`, or 4-bit `FourBitLinear`: QLoRA)
+    plus a trainable rank-`r` branch.
 
     `lora_A` is `[in, r]` and `lora_B` `[r, out]` (peft's `lora_A.weight` / `lora_B.weight`
     transposed, like every zoo weight). Their logical axes follow the base weight's: A keeps
@@ -45,7 +47,7 @@ class LoraLinear(LinearWrapper):
     (`merge(..., unload=False)`), so `unmerge` can undo it; it is `None` otherwise.
     """
 
-    base: Linear | QuantizedLinear
+    base: Linear | QuantizedLinear | FourBitLinear
     lora_A: Float[Array, "in_features r"] = field(axes=lambda self: (self.base.in_axis, None))
     lora_B: Float[Array, "r out_features"] = field(axes=lambda self: (None, self.base.out_axis))
     lora_magnitude_vector: Float[Array, " out_features"] | None = field(axes=lambda self: (self.base.out_axis,))
@@ -58,7 +60,7 @@ class LoraLinear(LinearWrapper):
 
     def __init__(
         self,
-        base: Linear | QuantizedLinear,
+        base: Linear | QuantizedLinear | FourBitLinear,
         r: int,
         *,
         scaling: float,
@@ -78,8 +80,8 @@ class LoraLinear(LinearWrapper):
                 "a rank that large is no low-rank update: choose r <= min(in, out)"
             )
         ka, kb = jr.split(key)
-        # An int8 base keeps its float dtype in its scale.
-        dtype = base.scale.dtype if isinstance(base, QuantizedLinear) else base.weight.dtype
+        # An int8 or 4-bit base keeps its float dtype in its scale.
+        dtype = base.scale.dtype if isinstance(base, QuantizedLinear | FourBitLinear) else base.weight.dtype
         if init == "gaussian":
             a = jr.normal(ka, (n_in, r), dtype) / r
         else:
@@ -124,7 +126,8 @@ class LoraLinear(LinearWrapper):
         delta = a @ b
         norm = jax.lax.stop_gradient(column_norm(weight + self.scaling * delta))
         if self.dropout_rate > 0 and key is not None:
-            base = project(dropped, self.base.weight)  # peft: the base on the dropped input, no bias
+            # peft: the base on the dropped input, no bias (a 4-bit base: the float weight above)
+            base = project(dropped, weight if isinstance(self.base, FourBitLinear) else self.base.weight)
             if isinstance(self.base, QuantizedLinear):
                 base = base * like_rows(self.base.scale.astype(base.dtype), base)
         else:
@@ -138,9 +141,14 @@ class LoraLinear(LinearWrapper):
         return self.scaling * (a @ b)
 
 
-def float_weight(base: Linear | QuantizedLinear, dtype: Any, like: Array | None = None) -> Array:
-    """The base's weight `[*layers, in, out]` as floats of `dtype` (an int8 one dequantised;
-    gathered for use with activation `like`, as its matmul gathers it)."""
+def float_weight(base: Linear | QuantizedLinear | FourBitLinear, dtype: Any, like: Array | None = None) -> Array:
+    """The base's weight `[*layers, in, out]` as floats of `dtype` (an int8 or 4-bit one
+    dequantised; gathered for use with activation `like`, as its matmul gathers it)."""
+    if isinstance(base, FourBitLinear):
+        codes, scale = base.codes, base.scale
+        if like is not None:
+            codes, scale = (for_use(v, like, lead_ndim=like.ndim - 1) for v in (codes, scale))
+        return dequantize_codes(codes, scale, base.kind, dtype)
     if isinstance(base, QuantizedLinear):
         q, scale = base.weight, base.scale
         if like is not None:

@@ -12,13 +12,13 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .._axes import field
-from ..nn import Linear, QuantizedLinear, dropout
+from ..nn import FourBitLinear, Linear, QuantizedLinear, dropout
 from ..nn._sharding import contract_spec, entries, for_use, sharding_spec
 from ._layer import LinearWrapper
 
 
 class MultiLoraLinear(LinearWrapper):
-    """A frozen `base` `Linear` (or int8 `QuantizedLinear`) with `K` named LoRA branches.
+    """A frozen `base` `Linear` (or int8 `QuantizedLinear`, 4-bit `FourBitLinear`) with `K` named LoRA branches.
 
     `lora_A` is `[K, in, r]` and `lora_B` `[K, r, out]`: adapter `k`'s branch (peft's
     `lora_A.<name>` / `lora_B.<name>`, transposed) padded with zeros to the largest rank
@@ -33,7 +33,7 @@ class MultiLoraLinear(LinearWrapper):
     adapters, and gradients that reach each adapter only from its own rows.
     """
 
-    base: Linear | QuantizedLinear
+    base: Linear | QuantizedLinear | FourBitLinear
     lora_A: Float[Array, "adapters in_features r"] = field(axes=lambda self: (None, self.base.in_axis, None))
     lora_B: Float[Array, "adapters r out_features"] = field(axes=lambda self: (None, None, self.base.out_axis))
     row_scale: Float[Array, "batch adapters"] | None = field(axes=lambda self: ("batch", None))

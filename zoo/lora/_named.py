@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int
 
 from .._tree import node_at
-from ..nn import Linear, QuantizedLinear
+from ..nn import FourBitLinear, Linear, QuantizedLinear
 from ..nn._sharding import sharding_spec
 from ._apply import ADAPTED, LINEARS, modules, unload
 from ._embedding import LoraEmbedding
@@ -132,7 +132,7 @@ def _with(layer: MultiLoraLinear, **changes: Any) -> MultiLoraLinear:
 def _plain_lora(layer: Any, name: str, where: str) -> LoraLinear | None:
     """`layer` as one adapter's branch (`None`: that adapter leaves it alone), or a clear
     refusal of what a stacked layer cannot hold."""
-    if isinstance(layer, Linear | QuantizedLinear):
+    if isinstance(layer, Linear | QuantizedLinear | FourBitLinear):
         return None
     if isinstance(layer, MultiLoraLinear):
         raise ValueError(f"adapter {name!r} already holds named adapters at {where!r}: pass single-adapter models")

@@ -12,6 +12,7 @@ __getattr__, __dir__ = lazy_names(
         "._dropout": ("ExampleKeys", "dropout", "example_keys", "fold_in"),
         "._embedding": ("Embedding",),
         "._feedforward": ("ACTIVATIONS", "FeedForward"),
+        "._four_bit_linear": ("FourBitLinear",),
         "._inputs": ("place_inputs",),
         "._linear": ("Linear", "project"),
         "._mlp": ("MLP", "MLPBlock"),
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from ._dropout import ExampleKeys, dropout, example_keys, fold_in
     from ._embedding import Embedding
     from ._feedforward import ACTIVATIONS, FeedForward
+    from ._four_bit_linear import FourBitLinear
     from ._inputs import place_inputs
     from ._linear import Linear, project
     from ._mlp import MLP, MLPBlock
@@ -46,6 +48,7 @@ __all__ = [
     "Embedding",
     "ExampleKeys",
     "FeedForward",
+    "FourBitLinear",
     "LayerNorm",
     "Linear",
     "MLPBlock",

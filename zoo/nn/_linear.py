@@ -122,6 +122,17 @@ def _matmul(spec: str, x: Array, weight: Array, out_sharding: Any) -> Array:
     return matmul(x, weight)
 
 
+def linear_from(weight: Array, bias: Array | None, *, in_axis: str | None, out_axis: str | None) -> Linear:
+    """A `Linear` holding these arrays as they are (`Linear.__init__` draws new weights): a
+    dequantised base (`QuantizedLinear`, `FourBitLinear`) as a float layer."""
+    linear = object.__new__(Linear)
+    n_in, n_out = weight.shape[-2:]
+    fields = dict(weight=weight, bias=bias, in_features=n_in, out_features=n_out, in_axis=in_axis, out_axis=out_axis)
+    for name, value in fields.items():
+        object.__setattr__(linear, name, value)
+    return linear
+
+
 def flatten_rows(x: Float[Array, "*batch i"]) -> tuple[Array, Callable[[Array], Array]]:
     """`x` as one matrix of rows `[prod(batch), i]`, and the function that restores the
     leading dims of a result `[prod(batch), o]` (what `project` does around its matmul).

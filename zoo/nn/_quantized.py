@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int8
 
 from .._axes import field
-from ._linear import Linear, project
+from ._four_bit_linear import FourBitLinear
+from ._linear import Linear, linear_from, project
 from ._sharding import broadcast_like
 
 
@@ -82,17 +83,7 @@ class QuantizedLinear(eqx.Module):
         dtype = self.scale.dtype if dtype is None else dtype
         w = (self.weight.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, :]).astype(dtype)
         w = _like(w, self.weight)
-        linear = object.__new__(Linear)  # the fields as they are: Linear's __init__ draws new weights
-        for name, value in dict(
-            weight=w,
-            bias=self.bias,
-            in_features=self.in_features,
-            out_features=self.out_features,
-            in_axis=self.in_axis,
-            out_axis=self.out_axis,
-        ).items():
-            object.__setattr__(linear, name, value)
-        return linear
+        return linear_from(w, self.bias, in_axis=self.in_axis, out_axis=self.out_axis)
 
     def __call__(
         self, x: Float[Array, "*batch {self.in_features}"], *, key: Any = None
@@ -111,12 +102,14 @@ class QuantizedLinear(eqx.Module):
 
 
 def dequantize(tree: Any, dtype: Any = None) -> Any:
-    """`tree` with every `QuantizedLinear` replaced by its float `Linear` (`dequantize(dtype)`),
-    e.g. before merging LoRA branches into it or exporting the model to Hugging Face."""
+    """`tree` with every `QuantizedLinear` (int8) and `FourBitLinear` (NF4, int4) replaced
+    by its float `Linear` (`dequantize(dtype)`), e.g. before merging LoRA branches into it
+    or exporting the model to Hugging Face."""
+    quantized = (QuantizedLinear, FourBitLinear)
     return jax.tree.map(
-        lambda node: node.dequantize(dtype) if isinstance(node, QuantizedLinear) else node,
+        lambda node: node.dequantize(dtype) if isinstance(node, quantized) else node,
         tree,
-        is_leaf=lambda node: isinstance(node, QuantizedLinear),
+        is_leaf=lambda node: isinstance(node, quantized),
     )
 
 

@@ -1,0 +1,195 @@
+"""The 4-bit frozen base (QLoRA): `zoo.nn.FourBitLinear` (NF4 as bitsandbytes stores it, int4
+per group) and `zoo.lora.cast_frozen(model, "nf4" | "int4")`. The pure NF4 functions are
+held to bitsandbytes in tests/test_four_bit.py."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_rounding_close, assert_tree_rounding_close, lm_batch, preset_mesh, tiny_decoder, tree_bytes
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from zoo._tree import node_at
+from zoo.lora import LoraConfig, add_lora, cast_frozen, trainable
+from zoo.nn import FourBitLinear, Linear
+
+CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+BATCH = 4
+BLOCK = 4  # the tiny decoder is 16 wide: blocks of 4 inputs, so FSDP can split the scales too
+FORWARD = {"terms": 32, "depth": 2 * 6 + 1}
+GRADIENTS = {"terms": BATCH * 8, "depth": 2 * FORWARD["depth"]}
+
+
+def _lora_model(config=CONFIG):
+    return add_lora(tiny_decoder(jax.random.key(0)), config, key=jax.random.key(1))
+
+
+def _q_proj(model):
+    return model.layers.layers.attention.q_proj
+
+
+def test_nf4_layer_is_bitsandbytes_quantize_4bit_transposed():
+    """A Llama-shaped projection (and a stacked one): the layer's codes, scales and float
+    weight are bitsandbytes' `quantize_4bit` / `dequantize_4bit` of the torch weight
+    `[out, in]`, transposed, bit for bit; the forward pass is that weight's matmul."""
+    import bitsandbytes.functional as F
+    import torch
+
+    key = jax.random.key(0)
+    linear = Linear(256, 96, key=key)
+    linear = eqx.tree_at(lambda lin: lin.weight, linear, jax.random.normal(key, (256, 96)) * 0.02)
+    layer = FourBitLinear.quantize(linear, "nf4")
+    assert layer.codes.shape == (128, 96) and layer.codes.dtype == jnp.uint8 and layer.scale.shape == (4, 96)
+    torch_weight = torch.from_numpy(np.asarray(linear.weight).T.copy())
+    packed, state = F.quantize_4bit(torch_weight, blocksize=64, quant_type="nf4", compress_statistics=False)
+    np.testing.assert_array_equal(np.asarray(layer.codes).T, packed.numpy().reshape(96, 128))
+    np.testing.assert_array_equal(np.asarray(layer.scale).T, state.absmax.numpy().reshape(96, 4))
+    weight = F.dequantize_4bit(packed, state).numpy()
+    np.testing.assert_array_equal(np.asarray(layer.dequantized_weight()), weight.T)
+    x = jax.random.normal(jax.random.key(1), (2, 3, 256))
+    assert_rounding_close(layer(x), x @ weight.T + linear.bias, terms=256, depth=1)
+    # Stacked layers (zoo.nn.Stacked): each layer quantised as on its own.
+    stacked = jax.vmap(lambda k: Linear(128, 32, key=k))(jax.random.split(key, 3))
+    layers = FourBitLinear.quantize(stacked, "nf4")
+    assert layers.codes.shape == (3, 64, 32) and layers.scale.shape == (3, 2, 32)
+    one = FourBitLinear.quantize(jax.tree.map(lambda a: a[1], stacked), "nf4")
+    np.testing.assert_array_equal(layers.dequantized_weight()[1], one.dequantized_weight())
+
+
+def test_int4_is_within_half_a_step_per_group_and_the_errors_name_the_fix():
+    linear = Linear(64, 10, key=jax.random.key(2))
+    layer = FourBitLinear.quantize(linear, "int4", block_size=16)
+    assert layer.scale.shape == (4, 10) and layer.block_size == 16 and layer.kind == "int4"
+    error = np.abs(np.asarray(layer.dequantized_weight()) - np.asarray(linear.weight))
+    step = np.repeat(np.asarray(layer.scale), 16, axis=0)
+    assert np.all(error <= step / 2 * (1 + 1e-6)) and error.max() > 0
+    # The levels are integers in [-7, 7]: 7 x scale is each group's absmax.
+    groups = np.abs(np.asarray(linear.weight)).reshape(4, 16, 10).max(axis=1)
+    np.testing.assert_allclose(np.asarray(layer.scale) * 7, groups, rtol=1e-6)
+    with pytest.raises(
+        ValueError, match="block of 48 input features does not divide this layer's 64 inputs.*16, 32, 64"
+    ):
+        FourBitLinear.quantize(linear, "nf4", block_size=48)
+    with pytest.raises(ValueError, match="kind must be 'nf4' or 'int4', got 'fp4'"):
+        FourBitLinear.quantize(linear, "fp4")
+    with pytest.raises(TypeError, match="uint8 codes"):
+        FourBitLinear(jnp.zeros((32, 10), jnp.int8), jnp.ones((4, 10)))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int4"])
+def test_cast_frozen_four_bit_changes_storage_not_the_lora_gradients(kind):
+    """QLoRA: every adapted projection's base is 4-bit, the branches stay float32, and the
+    outputs and LoRA gradients are those of the float32 model holding the dequantised
+    weights; the parameter bytes of the 4-bit layers are under 0.3x their float32 ones."""
+    model = _lora_model()
+    cast = cast_frozen(model, kind, config=CONFIG, block_size=BLOCK)
+    adapted = zoo.lora.modules(cast, zoo.lora.LoraLinear)
+    assert len(adapted) == 7 and all(isinstance(node_at(cast, p).base, FourBitLinear) for p, _ in adapted.values())
+    assert _q_proj(cast).base.kind == kind and _q_proj(cast).base.block_size == BLOCK
+    np.testing.assert_array_equal(_q_proj(cast).lora_A, _q_proj(model).lora_A)
+    four_bit = sum(tree_bytes(node_at(cast, p).base) for p, _ in adapted.values())
+    float32 = sum(tree_bytes(node_at(model, p).base) for p, _ in adapted.values())
+    assert four_bit < 0.3 * float32 + 0.5 * float32 * 4 / BLOCK, (four_bit, float32)  # scales: 32 bits per block
+    dequantised = cast_frozen(cast, jnp.float32, config=CONFIG)
+    assert isinstance(_q_proj(dequantised).base, Linear)
+    batch = lm_batch(jax.random.key(3), BATCH)
+    tokens = batch["tokens"]
+    assert_rounding_close(eqx.filter_jit(lambda m: m(tokens))(cast), dequantised(tokens), **FORWARD)
+    grads = {}
+    for name, m in ((kind, cast), ("float32", dequantised)):
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(1e-2), trainable=trainable(m, CONFIG))
+        _, grads[name] = eqx.filter_jit(step.loss_and_grads)(m, batch)
+    flat = [jax.tree.leaves(g) for g in grads.values()]
+    assert len(flat[0]) == len(flat[1]) == 2 * 7  # A and B of every branch: the 4-bit base has none
+    for g, want in zip(*flat, strict=True):
+        assert float(jnp.max(jnp.abs(want))) > 0
+        assert_rounding_close(g, want, **GRADIENTS)
+    # Quantising the dequantised base again gives the same codes and scales.
+    again = cast_frozen(dequantised, kind, config=CONFIG, block_size=BLOCK)
+    np.testing.assert_array_equal(_q_proj(again).base.codes, _q_proj(cast).base.codes)
+    assert_tree_rounding_close(_q_proj(again).base, _q_proj(cast).base, terms=1, depth=1)
+
+
+def test_qdora_gradients_are_the_dequantised_models():
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "down"), use_dora=True, init_lora_weights=False)
+    cast = cast_frozen(_lora_model(config), "nf4", config=config, block_size=BLOCK)
+    dequantised = cast_frozen(cast, jnp.float32, config=config)
+    batch = lm_batch(jax.random.key(3), BATCH)
+    grads = []
+    for m in (cast, dequantised):
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(1e-2), trainable=trainable(m, config))
+        grads.append(eqx.filter_jit(step.loss_and_grads)(m, batch)[1])
+    flat = [jax.tree.leaves(g) for g in grads]
+    assert len(flat[0]) == len(flat[1]) == 3 * 2  # A, B and the magnitude of both branches
+    for g, want in zip(*flat, strict=True):
+        assert float(jnp.max(jnp.abs(want))) > 0
+        assert_rounding_close(g, want, **GRADIENTS)
+
+
+def test_under_fsdp_the_four_bit_bytes_are_gathered_and_the_promise_holds():
+    """The 4-bit base is placed like the float one (codes and scales on the weight's axes),
+    gathered as 4-bit bytes under FSDP, never reduced; the step's all-reduces are the
+    float model's (the branches' gradients), the gradients the single-device ones; under tensor parallelism the codes split like the weight."""
+    model = _lora_model()
+    cast = cast_frozen(model, "nf4", config=CONFIG, block_size=BLOCK)
+    batch = lm_batch(jax.random.key(3), 2 * BATCH)  # 4 devices x 2 microbatches
+    mesh = preset_mesh("fsdp", 4)
+    colls = {}
+    for name, m in (("float32", model), ("nf4", cast)):
+        step = zoo.TrainStep(
+            zoo.models.next_token_loss, optax.adamw(1e-2), trainable=trainable(m, CONFIG), microbatches=2
+        )
+        with jax.set_mesh(mesh):
+            placed = zoo.shard(m, zoo.rules("fsdp"), mesh)
+            colls[name] = zoo.collectives(step.compile(placed, step.init(placed), batch), mesh=mesh)
+            _, grads = step.loss_and_grads(placed, batch)
+        bound = dict(GRADIENTS, terms=2 * GRADIENTS["terms"])
+        assert_tree_rounding_close(grads, step.loss_and_grads(m, batch)[1], **bound, what=name)
+    assert "data" in str(_q_proj(placed).base.codes.sharding.spec)
+    # In the layers' scan each base weight is gathered for its use: V float32 values in the
+    # float model, V/2 bytes of codes plus a float32 scale per block in the 4-bit one (the
+    # embeddings, head and branches gathered alike in both).
+    gathered = {k: sum(c.bytes for c in v if c.kind == "all-gather" and c.in_loop) for k, v in colls.items()}
+    layers = model.layers.layers
+    values = sum(
+        node_at(layers, p).base.weight[0].size for p, _ in zoo.lora.modules(layers, zoo.lora.LoraLinear).values()
+    )
+    assert gathered["nf4"] == gathered["float32"] - 4 * values + values // 2 + 4 * values // BLOCK, gathered
+    reduced = {k: [(c.in_loop, c.bytes) for c in v if c.kind == "all-reduce"] for k, v in colls.items()}
+    assert reduced["nf4"] == reduced["float32"]  # the float model's, pinned per preset by test_presets.py
+    tp = preset_mesh("tp", 4)
+    with jax.set_mesh(tp):
+        rules = zoo.rules("tp")
+        placed, ref = zoo.shard(cast, rules, tp), zoo.shard(model, rules, tp)
+        for proj in ("q_proj", "o_proj"):
+            got, want = getattr(placed.layers.layers.attention, proj), getattr(ref.layers.layers.attention, proj)
+            assert got.base.codes.sharding.spec == got.base.scale.sharding.spec == want.base.weight.sharding.spec
+        out = eqx.filter_jit(lambda m, t: m(t))(placed, jax.device_put(batch["tokens"], P("data", None)))
+    assert_rounding_close(out, eqx.filter_jit(lambda m: m(batch["tokens"]))(cast), **FORWARD)
+
+
+def test_four_bit_bases_refuse_what_cannot_hold_and_merge_by_dequantising(tmp_path):
+    model = _lora_model()
+    with pytest.raises(ValueError, match=r"cast_frozen\(model, 'nf4'\) at layers.*block of 64 .*pass block_size="):
+        cast_frozen(model, "nf4", config=CONFIG)  # 64 does not divide the 16 inputs
+    with pytest.raises(ValueError, match="block_size is for dtype 'nf4' or 'int4'"):
+        cast_frozen(model, jnp.int8, config=CONFIG, block_size=4)
+    cast = cast_frozen(model, "nf4", config=CONFIG, block_size=BLOCK)
+    with pytest.raises(ValueError, match="into an nf4 base.*unload=True"):
+        zoo.lora.merge(cast, unload=False)
+    pissa = LoraConfig(r=2, target_modules=("q_proj",), init_lora_weights="pissa")
+    plain = zoo.lora.unload(cast)
+    assert isinstance(_q_proj(plain), FourBitLinear)
+    with pytest.raises(ValueError, match=r"which is nf4: .*cast_frozen\(model, 'nf4'"):
+        add_lora(plain, pissa, key=jax.random.key(2))
+    merged = zoo.lora.merge(cast)  # unload=True: the float32 weight plus the branch
+    assert isinstance(_q_proj(merged), Linear) and _q_proj(merged).weight.dtype == jnp.float32
+    base, delta = _q_proj(cast).base.dequantized_weight(), _q_proj(cast).delta()
+    np.testing.assert_allclose(_q_proj(merged).weight, base + delta, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"are int8 or 4-bit .*FourBitLinear.*zoo.nn.dequantize"):
+        zoo.hf.save_pretrained(plain, tmp_path / "out")
+    zoo.hf.save_pretrained(merged, tmp_path / "merged")  # merging dequantises
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
