@@ -758,7 +758,7 @@ def test_every_run_flag_is_a_config_field_and_every_field_a_flag(command):
     """The flags of train/finetune/demo are the flat `RunConfig` fields
     (`RunConfig.flat_keys()`: DataConfig's and OptimizerConfig's inside), generated from
     their `zoo.train.Flag`s, plus only the documented launch flags (`CLI_ONLY`) and
-    `zoo`'s own; `--lora` is finetune's and demo's."""
+    `zoo`'s own; `--lora` and `--quantize` are finetune's and demo's."""
     from zoo._cli._main import build_parsers
     from zoo._cli._train import CLI_ONLY
     from zoo.train import RunConfig
@@ -766,7 +766,7 @@ def test_every_run_flag_is_a_config_field_and_every_field_a_flag(command):
     parser = build_parsers()[1][command]
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     zoo_own = {"no_compile_cache", "keep_memory"}
-    fields = set(RunConfig.flat_keys()) - ({"lora"} if command == "train" else set())
+    fields = set(RunConfig.flat_keys()) - ({"lora", "quantize"} if command == "train" else set())
     assert dests - set(CLI_ONLY) - zoo_own == fields
     assert set(CLI_ONLY) <= dests and not set(CLI_ONLY) & set(RunConfig.flat_keys())
     # Each field's flag is spelled from its flat key and carries its field's help.

@@ -2,6 +2,8 @@
 per group) and `zoo.lora.cast_frozen(model, "nf4" | "int4")`. The pure NF4 functions are
 held to bitsandbytes in tests/test_four_bit.py."""
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -193,3 +195,30 @@ def test_four_bit_bases_refuse_what_cannot_hold_and_merge_by_dequantising(tmp_pa
         zoo.hf.save_pretrained(plain, tmp_path / "out")
     zoo.hf.save_pretrained(merged, tmp_path / "merged")  # merging dequantises
     assert (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama_dir, data_files, tmp_path):
+    """`zoo finetune --quantize nf4:16`: the run trains LoRA on an NF4 base, writes the
+    setting in config.json, and `load_run` (predict, eval, generate) rebuilds that base
+    under the adapter; a block that does not fit, a full-weight run and an unknown kind are
+    one line each, naming the fix."""
+    from helpers import one_line_error, zoo_main
+    from tiny_runs import TINY
+
+    run = tmp_path / "qlora"
+    common = ["finetune", "transformer", "--init", llama_dir, "--data", data_files["chat"], "--lora", "r=4,alpha=8",
+              *TINY, "--steps", "2", "--lr", "1e-2"]  # fmt: skip
+    rc, _, err = zoo_main(*common, "--quantize", "nf4:16", "--output", run)
+    assert rc == 0, err
+    assert json.loads((run / "config.json").read_text())["quantize"] == "nf4:16"
+    loaded = zoo.train.load_run(run)
+    q_proj = _q_proj(loaded.model)
+    assert isinstance(q_proj.base, FourBitLinear) and q_proj.base.kind == "nf4" and q_proj.base.block_size == 16
+    assert q_proj.lora_A.dtype == jnp.float32
+    rc, _, err = zoo_main(*common, "--quantize", "nf4", "--output", tmp_path / "bad")
+    one_line_error(rc, err, "--quantize nf4: cast_frozen(model, 'nf4') at layers.layers.attention.q_proj")
+    assert "pass --quantize nf4:BLOCK, BLOCK one of [16, 32]" in err and not (tmp_path / "bad").exists()
+    rc, _, err = zoo_main(*common, "--quantize", "fp4", "--output", tmp_path / "bad")
+    one_line_error(rc, err, "--quantize 'fp4': give nf4, int4 or int8")
+    with pytest.raises(zoo.train.ConfigError, match="stores the frozen base of LoRA adapters"):
+        zoo.train.RunConfig(model="transformer", quantize="int8").resolved("train")

@@ -103,8 +103,10 @@ def block_columns(columns: int, size: int | None = None) -> list[tuple[int, int]
 
 
 def _weight(linear) -> jax.Array:
-    """The weight of a `Linear`, or of the base of a LoRA-wrapped one."""
-    return linear.base.weight if hasattr(linear, "base") else linear.weight
+    """The weight of a `Linear`, or of the base of a LoRA-wrapped one (a 4-bit base: its
+    codes, which lie on the weight's axes)."""
+    base = linear.base if hasattr(linear, "base") else linear
+    return base.codes if hasattr(base, "codes") else base.weight
 
 
 def empty_cache(

@@ -118,7 +118,10 @@ class FourBitLinear(eqx.Module):
                 f"FourBitLinear.quantize: a block of {size} input features does not divide this layer's {n_in} "
                 f"inputs ({kind}); pass block_size= one of {fits or 'an even divisor of ' + str(n_in)}"
             )
-        rows = jnp.swapaxes(linear.weight.astype(jnp.float32), -1, -2).reshape(-1, n_in)  # torch's [out, in]
+        weight = linear.weight
+        if not isinstance(weight, jax.core.Tracer):  # a placed weight: quantised on the host's device, placed again
+            weight = jnp.asarray(np.asarray(jax.device_get(weight), np.float32))  # by zoo.shard, as any new array
+        rows = jnp.swapaxes(weight.astype(jnp.float32), -1, -2).reshape(-1, n_in)  # torch's [out, in]
         if kind == "nf4":
             packed, scale = nf4_quantize(rows, size)
         else:

@@ -340,3 +340,25 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
         _LORA_WRAPPERS[cache_key] = (compiled, out)
     compiled, out = _LORA_WRAPPERS[cache_key]
     return eqx.combine(compiled(arrays, key), out["tree"])
+
+
+def quantize_base(model: Any, config: Any) -> Any:
+    """`model` (its LoRA branches added) with the frozen base stored as `config.quantize`
+    asks (`zoo.lora.cast_frozen`: nf4 / int4 `FourBitLinear`, int8 `QuantizedLinear`, the
+    other frozen leaves in bfloat16); unchanged without it.
+
+    **Raises:** `ConfigError` when a 4-bit block does not divide a layer's inputs, naming
+    the `--quantize KIND:BLOCK` that fits."""
+    import jax.numpy as jnp
+
+    from ..lora import cast_frozen
+    from ._text import quantize_kind
+
+    if config.quantize is None:
+        return model
+    kind, block = quantize_kind(config.quantize)
+    try:
+        return cast_frozen(model, jnp.int8 if kind == "int8" else kind, config=config.lora, block_size=block)
+    except ValueError as e:
+        first = str(e).splitlines()[0].replace("pass block_size= one of", f"pass --quantize {kind}:BLOCK, BLOCK one of")
+        raise ConfigError(f"--quantize {config.quantize}: {first}") from None

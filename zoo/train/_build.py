@@ -22,7 +22,7 @@ from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
 from ..nn import example_keys
-from ._adapters import add_lora, stacked
+from ._adapters import add_lora, quantize_base, stacked
 from ._build_task import build_task, bytes_per_row, check_rows_fit
 from ._config import RunConfig
 from ._errors import ConfigError
@@ -120,7 +120,13 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
         raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
     if c.probe and not task.classifier:
         raise ConfigError(f"--probe fits a classifier's head; {c.model} has none: drop --probe")
-    model = task.model if lcfg is None else add_lora(task.model, lcfg, c.seed)
+    # The base quantised (--quantize) once the branches are on it: they are made from the float weights.
+    model = task.model if lcfg is None else quantize_base(add_lora(task.model, lcfg, c.seed), c)
+    if task.adapter_names is not None and c.quantize is not None:
+        raise ConfigError(
+            f"--quantize {c.quantize} with several adapters in one run ({', '.join(task.adapter_names)}) is not "
+            "supported yet: train each adapter in its own run on the quantised base, or drop --quantize"
+        )
     if task.adapter_names is not None:  # K adapters, each starting as a one-adapter run of this seed
         model = stacked(model, task.adapter_names)
     if lcfg is not None and c.pooling == "mean" and any(n.startswith("head") for n in lora_modules(model, LoraLinear)):

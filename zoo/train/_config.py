@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
+from . import _text
 from ._errors import ConfigError
 from ._flags import Flag, fields_flags, flag, help_texts
 from ._optimizer import OptimizerConfig
@@ -164,6 +165,11 @@ class RunConfig:
     lora: LoraConfig | None = flag(None, metavar="KEY=VALUE,...", group="model and data", commands=("finetune", "demo"),
                                    help="LoRA adapters; only they (and modules_to_save) train. Default r=8,alpha=16,"
                                    "targets=all-linear (+ save=head for classifiers). {lora_keys}")  # fmt: skip
+    quantize: str | None = flag(None, metavar="KIND", group="model and data", commands=("finetune", "demo"),
+                                help="store the frozen base of the LoRA adapters in nf4 (QLoRA: bitsandbytes' 4-bit "
+                                "NormalFloat, a scale per 64 inputs), int4 (symmetric, a scale per 128 inputs) or int8 "
+                                "(a scale per output); KIND:BLOCK sets a 4-bit block, e.g. nf4:32 (default: the "
+                                "float base)")  # fmt: skip
     objective: str = flag("sft", choices=OBJECTIVES, group="training", resume="fixed",
                           help="what a decoder minimises: sft (next-token loss), dpo (a reference: the base with the "
                           "LoRA adapters off, or log-probabilities computed once before training without LoRA) or orpo "
@@ -308,6 +314,8 @@ class RunConfig:
                 raise ConfigError(f"RunConfig: {e}") from None
         if self.dtype not in ("float32", "bfloat16"):
             raise bad("dtype", "'float32' or 'bfloat16'")
+        if self.quantize is not None:
+            _text.quantize_kind(self.quantize)
         if self.mode not in ("explicit", "shard_map"):
             raise bad("mode", "'explicit' or 'shard_map'")
         if not isinstance(self.data, DataConfig):
@@ -462,6 +470,11 @@ class RunConfig:
             resume=self.resuming, pooling=self.pooling or (table["pooling"] if spec.classifier else None),
             derived=tuple(sorted(derived)),
         )  # fmt: skip
+        if done.quantize is not None and done.lora is None:
+            raise ConfigError(
+                f"RunConfig.quantize {done.quantize!r} stores the frozen base of LoRA adapters, and this run trains "
+                "every weight: fine-tune with LoRA (zoo finetune, RunConfig.lora) or drop --quantize"
+            )
         return dataclasses.replace(done, eval_every=done.eval_interval)
 
     def _check_fits(self, spec: ModelSpec) -> None:
@@ -509,7 +522,7 @@ class RunConfig:
                     flat["derived"] = sorted(value)
             elif f.name in ("objective", "beta", "loss_type", "label_smoothing") and self.objective == "sft":
                 continue  # next-token training: no preference settings to replay
-            elif (f.name in ("tensorboard", "pooling", "keep_best") and value is None) or (
+            elif (f.name in ("tensorboard", "pooling", "keep_best", "quantize") and value is None) or (
                 f.name == "early_stop" and not value
             ):
                 continue

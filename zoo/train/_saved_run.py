@@ -38,7 +38,7 @@ from ..lora import adapter as lora_adapter
 from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapter
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
-from ._adapters import add_lora, read_adapter_records, stacked
+from ._adapters import add_lora, quantize_base, read_adapter_records, stacked
 from ._build import training_step
 from ._build_task import build_task
 from ._config import RunConfig, saved_config
@@ -156,6 +156,7 @@ def load_run(folder: str | Path) -> SavedRun:
             model, _ = (load_adapters if several else load_adapter)(model, adapter)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"{adapter}: {str(e).splitlines()[0]}") from e
+        model = quantize_base(model, c)  # the base the adapter trained on (--quantize), as the run built it
         held = f" (adapters {', '.join(adapter_names(model))})" if several else ""
         weights = f"{adapter}{held} on {c.init or 'the ' + c.model}"
     elif (hf / "config.json").is_file() and (not spec.classifier or (hf / HEAD_NAME).is_file()):
@@ -243,7 +244,7 @@ def _from_checkpoint(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: 
             )
         model, tok_dir, names = _base(c, spec, folder, names, notes, what="its model")
         if c.lora is not None:
-            model = add_lora(model, c.lora, c.seed)
+            model = quantize_base(add_lora(model, c.lora, c.seed), c)
         adapters = _adapter_names(c, spec)
         if adapters is not None:  # several adapters trained at once, named by its data
             model = stacked(model, adapters)
