@@ -222,3 +222,66 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
     one_line_error(rc, err, "--quantize 'fp4': give nf4, int4 or int8")
     with pytest.raises(zoo.train.ConfigError, match="stores the frozen base of LoRA adapters"):
         zoo.train.RunConfig(model="transformer", quantize="int8").resolved("train")
+
+
+@pytest.mark.numerics
+def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tmp_path):
+    """QLoRA across libraries: transformers loads a Llama with bitsandbytes' NF4
+    (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`, blocks of 64, as
+    zoo's default) and peft puts zoo's adapter (trained on zoo's NF4 base) on it: the same
+    logits. The reverse: peft's adapter on that base, loaded by zoo onto its NF4 base."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "llama")
+    bnb = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+
+    def bnb_base():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "llama", quantization_config=bnb, device_map="cpu"
+        ).eval()
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = add_lora(zoo.hf.from_pretrained(tmp_path / "llama"), config, key=jax.random.key(1))
+    # The bases in NF4, every other leaf float32 as transformers keeps them (cast_frozen
+    # would store those in bfloat16).
+    paths = [p for p, _ in zoo.lora.modules(model, zoo.lora.LoraLinear).values()]
+    nf4 = eqx.tree_at(
+        lambda m: [node_at(m, p).base for p in paths],
+        model,
+        replace=[FourBitLinear.quantize(node_at(model, p).base, "nf4") for p in paths],
+    )
+    tokens = np.array([[1, 5, 9, 2, 33, 7, 60, 4], [3, 3, 8, 41, 12, 0, 17, 9]])
+
+    def close(ours, theirs, what):
+        ours, theirs = np.asarray(ours), theirs.detach().numpy()
+        assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, np.abs(theirs).max()), what
+
+    zoo.lora.save_adapter(nf4, config, tmp_path / "zoo-adapter")
+    opened = peft.PeftModel.from_pretrained(bnb_base(), tmp_path / "zoo-adapter").eval()
+    assert "Linear4bit" in type(opened.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__
+    with torch.no_grad():
+        close(nf4(tokens), opened(torch.tensor(tokens)).logits, "zoo's QLoRA adapter in peft on bitsandbytes' NF4")
+    # The NF4 base alone matters: on the float base the same adapter gives other logits.
+    with torch.no_grad():
+        theirs = opened(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(np.asarray(model(tokens)) - theirs).max() > 1e-3
+    # The reverse: a peft adapter (random B) made on bitsandbytes' base, loaded by zoo onto its NF4 base.
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    theirs = peft.get_peft_model(bnb_base(), lora).eval()
+    theirs.save_pretrained(tmp_path / "peft-adapter")
+    plain = zoo.lora.unload(nf4)
+    assert isinstance(_q_proj(plain), FourBitLinear)
+    loaded, _ = zoo.lora.load_adapter(plain, tmp_path / "peft-adapter")
+    assert isinstance(_q_proj(loaded).base, FourBitLinear)
+    with torch.no_grad():
+        close(loaded(tokens), theirs(torch.tensor(tokens)).logits, "peft's QLoRA adapter in zoo on zoo's NF4")
