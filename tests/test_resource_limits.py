@@ -10,7 +10,7 @@ import pytest
 from helpers import one_line_error, tiny_decoder
 
 import zoo.serve
-from zoo.serve._engine import cache_bytes, free_bytes
+from zoo.serve._limits import cache_bytes, free_bytes
 from zoo.train._scores import ALL_CLASSES_UP_TO, classification_scores
 
 

@@ -21,7 +21,7 @@ from helpers import backend_compiles, noisy, save_word_tokenizer, tiny_decoder
 
 import zoo
 from zoo.serve import Engine, QueueFull, Request
-from zoo.serve._engine import span
+from zoo.serve._programs import span
 
 WORDS = ["[PAD]", "[UNK]", "user", "assistant", "system", "."] + [f"w{i}" for i in range(58)]
 VOCAB = len(WORDS)  # 64

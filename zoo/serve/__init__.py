@@ -18,13 +18,15 @@ from .._lazy import lazy_names
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "._engine": ("Engine", "Handle", "QueueFull", "Request", "Token"),
+        "._engine": ("Engine", "QueueFull"),
+        "._requests": ("Handle", "Request", "Token"),
         "._http": ("Server", "check_address", "serve"),
     },
 )
 
 if TYPE_CHECKING:
-    from ._engine import Engine, Handle, QueueFull, Request, Token
+    from ._engine import Engine, QueueFull
     from ._http import Server, check_address, serve
+    from ._requests import Handle, Request, Token
 
 __all__ = ["Engine", "Handle", "QueueFull", "Request", "Server", "Token", "check_address", "serve"]

@@ -28,299 +28,41 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jaxtyping import Array
 
 from .._finite import check_finite_once
-from .._generate import decode_step, prefill, split_layers
+from .._generate import split_layers
 from .._jit import Flattened, Jit
 from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
-from .._sampling import check_sampling, next_token_per_row
+from .._sampling import check_sampling
 from ..nn._cache import KVCache, empty_cache
-from ._bank import AdapterBank, bind_rows, lora_layers, read_adapter
+from ._bank import AdapterBank, lora_layers, read_adapter
+from ._limits import check_room, check_steering
+from ._programs import (
+    Steering,
+    _decode_program,
+    _move_program,
+    _prefill_program,
+    bucket,
+    row_bucket,
+    span,
+)
+from ._requests import Handle, Request, Token
 
-# Alternatives per token the engine reports (OpenAI's `logprobs` is at most 5).
-TOP_LOGPROBS = 5
-SMALLEST_BUCKET = 8
-SMALLEST_SPAN = 128
 # Timed calls of each kernel per row count when `warm_up` chooses the decode step's kernels.
 TUNING_CALLS = 5
 # Adapter slots and rank when adapters are served and the caller does not say (vLLM's rank).
 DEFAULT_MAX_ADAPTERS = 4
 DEFAULT_MAX_LORA_RANK = 16
-
-
-@dataclass
-class Request:
-    """One completion request, in token ids.
-
-    - `prompt`: the prompt's ids (at least one).
-    - `max_tokens`: the most new tokens (the slot's room in the cache may end it first).
-    - `temperature`: 0 greedy; above 0 a draw after `top_k` / `top_p` filtering
-      (`zoo.generate`'s rules).
-    - `seed`: the draws' key is `jax.random.key(seed)` folded with the token's index, as
-      `zoo.generate(key=jax.random.key(seed))` draws them (None: a fresh seed).
-    - `stop_ids`: ids that end the request (kept as its last token, reason `"stop"`).
-    - `prompt_logprobs`: also compute the prompt's token log-probabilities (`echo`).
-    - `top_logprobs`: report each new token's `TOP_LOGPROBS` most likely alternatives
-      (`Token.top`; a step computes them only when a slot asks).
-    - `adapter`: the name of an adapter the engine serves (None: the bare base).
-    - `logit_bias`: token id → a bias in [-100, 100] added to its logit before every choice
-      (OpenAI's `logit_bias`: -100 bans a token, 100 all but forces it).
-    - `presence_penalty`, `frequency_penalty`: in [-2, 2], OpenAI's and vLLM's: before each
-      choice a token's logit loses `presence_penalty` once it has been generated, and
-      `frequency_penalty` times the number of times it has (the prompt's tokens do not count).
-    """
-
-    prompt: Sequence[int]
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop_ids: Sequence[int] = ()
-    prompt_logprobs: bool = False
-    top_logprobs: bool = False
-    adapter: str | None = None
-    logit_bias: Mapping[int, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-
-class Steering(NamedTuple):
-    """What each slot's next choice depends on besides the model, kept on the device and
-    carried from step to step: its next input token, its logit bias and the counts of the
-    tokens it generated (`[slots, vocab]`), and its presence and frequency penalties."""
-
-    tokens: Array
-    bias: Array
-    counts: Array
-    presence: Array
-    frequency: Array
-
-
-def _steered(logits, steering: Steering, rows: int):
-    """The logits of the first `rows` slots as their bias and penalties make them."""
-    counts = steering.counts[:rows]
-    penalty = steering.presence[:rows, None] * (counts > 0) + steering.frequency[:rows, None] * counts
-    return logits.astype(jnp.float32) + steering.bias[:rows] - penalty
-
-
-@dataclass
-class Token:
-    """One generated token: its id, its log-probability under the model (before any
-    temperature or filtering) and the `TOP_LOGPROBS` most likely ids with theirs."""
-
-    id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class Handle:
-    """A submitted request: its tokens as they come, and how it ended.
-
-    `tokens` grows as the engine steps; `finish_reason` is None while it runs, then
-    `"stop"` (a stop id), `"length"` (`max_tokens` or the cache's end) or `"cancelled"`.
-    `prompt_logprobs` (with `Request.prompt_logprobs`): one per prompt token, None for the
-    first. `on_update` (optional) is called from the engine's thread with each new `Token`,
-    then with None when the request finishes.
-    """
-
-    id: int
-    request: Request
-    tokens: list[Token] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
-    on_update: Callable[[Token | None], Any] | None = None
-    _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
-    _cancelled: bool = False
-    _slot: int = -1  # the adapter slot it uses (-1: none)
-    _index: int = -1  # the batch slot it was admitted to
-    _limit: int = 0  # how many tokens it may have (max_tokens, or the cache's room)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def ids(self) -> list[int]:
-        return [t.id for t in self.tokens]
-
-    def cancel(self) -> None:
-        """Stop the request (a client went away): its slot is freed before the next step."""
-        self._cancelled = True
-
-    def _emit(self, token: Token | None) -> None:
-        self._events.put(token)
-        if self.on_update is not None:
-            self.on_update(token)
-
-
-def bucket(length: int, limit: int) -> int:
-    """The prefill width of a prompt of `length` ids, at most `limit`: the next of 8, 16,
-    32, 48, 64, 96, 128, 192, ... (powers of two from `SMALLEST_BUCKET`, and from 32 on the
-    midpoints between them: a prompt pays for at most a third more columns than it holds,
-    for two programs per doubling)."""
-    width = SMALLEST_BUCKET
-    while width < length:
-        if width >= 32 and width & (width - 1) == 0 and width * 3 // 2 >= length:
-            width = width * 3 // 2
-            break
-        width *= 2
-    return min(width, limit)
-
-
-def span(columns: int, limit: int) -> int:
-    """The cache columns a decode step's attention reads when its longest request uses
-    `columns`: `bucket(columns)`, at least `SMALLEST_SPAN`, at most `limit` (the cache's).
-    Reading fewer columns than the cache holds makes a step cheaper (attention's cost grows
-    with the columns read); each span is one program, so spans below `SMALLEST_SPAN`,
-    where attention costs little, share one."""
-    return min(max(SMALLEST_SPAN, bucket(columns, limit)), limit)
-
-
-def _top(logprobs):
-    values, ids = lax.top_k(logprobs, TOP_LOGPROBS)
-    return ids.astype(jnp.int32), values
-
-
-def _top_if(wanted, logprobs):
-    """`_top` when any row wants it (a runtime branch: top-k over the vocabulary sorts)."""
-
-    def none(x):
-        return jnp.zeros(x.shape[:-1] + (TOP_LOGPROBS,), jnp.int32), jnp.zeros(x.shape[:-1] + (TOP_LOGPROBS,), x.dtype)
-
-    return lax.cond(jnp.any(wanted), _top, none, logprobs)
-
-
-def _choose(logits, steered, key_data, steps, temperature, top_k, top_p, wanted):
-    """Every row's next token, chosen from the `steered` logits (bias and penalties
-    applied), and its log-probabilities under the model's `logits` (chosen, top ids, top
-    values; zeros when no row in `wanted` asks for the top ones)."""
-    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), steps)
-    tokens = next_token_per_row(steered, keys, temperature=temperature, top_k=top_k, top_p=top_p)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen, *_top_if(wanted, logprobs)
-
-
-def _prefill_program(
-    weights: Flattened, cache: KVCache, steering: Steering, slot, tokens, count, key_data, temperature, top_k, top_p,
-    wanted, row_scale, bias, presence, frequency, echo,
-):  # fmt: skip
-    """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token
-    and make it the slot's next input (`steering`, which also takes the request's `bias`
-    `[vocab]` and penalties and starts its counts at its first token). `weights`: `(model, split_layers(model))`;
-    `row_scale` `[1, adapters]`: its adapter, or None without adapter slots."""
-    model, blocks = weights.tree
-    if row_scale is not None:
-        model, blocks = bind_rows(model, row_scale), [bind_rows(b, row_scale) for b in blocks]
-    width = tokens.shape[1]
-    mask = jnp.arange(width)[None, :] < count
-    last = None if echo else count - 1
-    logits, small = prefill(model, tokens, mask, width, every_position=echo, last=last, blocks=blocks)
-    if echo:
-        every = jax.nn.log_softmax(logits[0], axis=-1)  # [width, vocab]: row i predicts token i + 1
-        seen = jnp.take_along_axis(every[:-1], tokens[0, 1:, None], axis=-1)[:, 0]
-        prompt = (seen, *_top(every[:-1]))
-        logits = lax.dynamic_index_in_dim(logits, count[0] - 1, 1, keepdims=False)
-    else:
-        prompt = None
-    zero = jnp.zeros((), jnp.int32)
-    mask_row = jnp.pad(mask, ((0, 0), (0, cache.columns - width)))
-    cache = KVCache(
-        tuple(_write_row(layer, small.keys[i], slot, axis=2) for i, layer in enumerate(cache.keys)),
-        tuple(_write_row(layer, small.values[i], slot, axis=3) for i, layer in enumerate(cache.values)),
-        lax.dynamic_update_slice(cache.mask, mask_row, (slot, zero)),
-        cache.positions.at[slot].set(count[0]),
-        cache.index.at[slot].set(count[0]),
-    )
-    steered = logits.astype(jnp.float32) + bias[None]  # nothing generated yet: no penalty
-    first = _choose(logits, steered, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
-    token = first[0][0]
-    steering = Steering(
-        steering.tokens.at[slot].set(token),
-        steering.bias.at[slot].set(bias),
-        steering.counts.at[slot].set(jax.nn.one_hot(token, bias.shape[0], dtype=steering.counts.dtype)),
-        steering.presence.at[slot].set(presence),
-        steering.frequency.at[slot].set(frequency),
-    )
-    return cache, steering, first, prompt
-
-
-def _write_row(blocks: tuple, part, slot, *, axis: int) -> tuple:
-    """One layer's keys (`axis` 2: columns) or values (`axis` 3) of one prompt, `part`
-    `[1, kv_heads, ...]` of its width, written into row `slot` of a blocked cache layer
-    (`KVCache.blocks`) from column 0: each block gets the prompt's columns it holds."""
-    zero = jnp.zeros((), jnp.int32)
-    out, start, width = [], 0, part.shape[axis]
-    for block in blocks:
-        size = block.shape[axis]
-        if start < width:
-            piece = lax.slice_in_dim(part, start, min(width, start + size), axis=axis).astype(block.dtype)
-            block = lax.dynamic_update_slice(block, piece, (slot, zero, zero, zero))
-        out.append(block)
-        start += size
-    return tuple(out)
-
-
-def _decode_program(
-    weights: Flattened, cache: KVCache, steering: Steering, key_data, steps, temperature, top_k, top_p, wanted,
-    row_scale, span,
-):  # fmt: skip
-    """One step of the first `rows` slots (`rows`: the length of `steps` and the other
-    per-row settings; the engine keeps its requests in the lowest slots): each one's last
-    token in (`steering.tokens`, as the last step or prefill left it on the device), its
-    next token (and log-probabilities) out, chosen with its bias and penalties, made its
-    next input and counted. `weights`: `(model,
-    split_layers(model))`; `row_scale` `[rows, adapters]`: each row's adapter, or None
-    without adapter slots; `span`: the cache columns attention reads (every active slot's
-    are below it)."""
-    model, blocks = weights.tree
-    blocks = blocks if row_scale is None else [bind_rows(b, row_scale) for b in blocks]
-    rows, slots = steps.shape[0], steering.tokens.shape[0]
-    # The rows in use, sliced out of the cache and written back in place (the cache is donated).
-    part = cache if rows == slots else jax.tree.map(lambda x: x[:rows] if x.ndim else x, cache)
-    logits, part = decode_step(model, steering.tokens[:rows], part, blocks, span)
-    if rows < slots:
-        part = jax.tree.map(lambda whole, x: lax.dynamic_update_slice_in_dim(whole, x, 0, axis=0), cache, part)
-    out = _choose(logits, _steered(logits, steering, rows), key_data, steps, temperature, top_k, top_p, wanted)
-    counts = steering.counts.at[jnp.arange(rows), out[0]].add(1.0)
-    return part, steering._replace(tokens=steering.tokens.at[:rows].set(out[0]), counts=counts), out
-
-
-def _move_program(cache: KVCache, steering: Steering, source, target):
-    """Slot `source`'s request moved to slot `target`: its cache row (every layer's keys and
-    values, its mask, position and column) and its steering (next input token, bias,
-    counts, penalties)."""
-
-    def move(x):
-        return lax.dynamic_update_index_in_dim(x, lax.dynamic_index_in_dim(x, source, 0, keepdims=False), target, 0)
-
-    return jax.tree.map(move, cache), Steering(*map(move, steering))
-
-
-def row_bucket(active: int, slots: int) -> int:
-    """How many rows a decode step runs for `active` requests: the next power of two, at
-    most `slots` (one program each; the requests are kept in the lowest slots)."""
-    rows = 1
-    while rows < active:
-        rows *= 2
-    return min(rows, slots)
 
 
 class _Slot:
@@ -869,78 +611,6 @@ class Engine:
         self._release(handle)
         self.finished[reason] = self.finished.get(reason, 0) + 1
         handle._emit(None)
-
-
-# Host bytes a waiting request may hold per token of its prompt (a Python list of ints).
-_QUEUED_TOKEN_BYTES = 40
-
-
-def check_steering(logit_bias, presence_penalty, frequency_penalty, vocab: int) -> None:
-    """Raise `ValueError` (one line, OpenAI's ranges in it) for a bias or penalty the engine
-    does not take: bias ids outside the vocabulary or values outside [-100, 100], penalties
-    outside [-2, 2] or not finite."""
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
-            raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-    for token, bias in (logit_bias or {}).items():
-        if isinstance(token, bool) or not isinstance(token, int | np.integer) or not 0 <= token < vocab:
-            raise ValueError(f"logit_bias: token id {token!r} is outside the model's vocabulary [0, {vocab})")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
-            raise ValueError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {bias!r}")
-
-
-def free_bytes(device) -> int | None:
-    """Bytes free for new buffers on `device`: its allocator's limit less what is in use
-    (an accelerator), else the host's available memory (`MemAvailable`); None if unknown."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def cache_bytes(config, slots: int, max_len: int) -> int:
-    """Bytes of an engine's key/value cache: keys and values of every layer, `slots` rows of
-    `max_len` columns, in the model's compute dtype (and the decode step's copy of a row's
-    logits, float32; each slot's logit bias and token counts, `Steering`, float32)."""
-    head_dim = config.head_dim or config.d_model // config.num_heads
-    kv_heads = config.kv_heads
-    itemsize = jnp.dtype(config.compute_dtype).itemsize
-    return 2 * config.num_layers * slots * max_len * kv_heads * head_dim * itemsize + 3 * 4 * slots * config.vocab_size
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def check_room(model, slots: int, max_len: int, max_queue: int | None) -> None:
-    """Raise `MemoryError` (one line: the limit at fault and a value that fits) unless the
-    cache of `slots` x `max_len` and a full queue fit in the memory free on the model's device."""
-    device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
-    free = free_bytes(device)
-    if free is None:
-        return
-    need = cache_bytes(model.config, slots, max_len)
-    if need > free:
-        fits = max(free // max(cache_bytes(model.config, 1, max_len), 1), 0)
-        hint = f"at most {fits:,} slots of {max_len} tokens fit" if fits else "lower max_len"
-        raise MemoryError(
-            f"slots={slots:,} x max_len={max_len:,}: the key/value cache needs {_size(need)} and {_size(free)} is free "
-            f"on {device.platform}: {hint} (zoo serve --slots / --max-len)"
-        )
-    queued = 0 if max_queue is None else max_queue * max_len * _QUEUED_TOKEN_BYTES
-    if queued > free - need:
-        fits = max((free - need) // (max_len * _QUEUED_TOKEN_BYTES), 0)
-        raise MemoryError(
-            f"max_queue={max_queue:,}: a full queue of prompts of up to {max_len} tokens needs {_size(queued)} and "
-            f"{_size(free - need)} is left beside the cache: at most {fits:,} fit (zoo serve --max-queue)"
-        )
 
 
 class QueueFull(RuntimeError):

@@ -24,7 +24,9 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ._engine import TOP_LOGPROBS, AdapterSlotsFull, Engine, Handle, QueueFull, Request, Token
+from ._engine import AdapterSlotsFull, Engine, QueueFull
+from ._programs import TOP_LOGPROBS
+from ._requests import Handle, Request, Token
 
 try:
     import uvicorn
