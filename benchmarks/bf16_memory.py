@@ -1,17 +1,23 @@
-"""Memory and accuracy of a bfloat16 or int8 frozen base (`zoo.lora.cast_frozen`) against float32.
+"""Memory and accuracy of a bfloat16, int8 or NF4 frozen base (`zoo.lora.cast_frozen`) against float32.
 
 For `vs_torch.py`'s two LoRA workloads (all-MiniLM-L6-v2 with r=8 on every linear layer and
 a trained 8-way head; the ~30M Llama-shaped decoder with r=8 on q/k/v/o and the MLP), the
 zoo LoRA step is compiled on one CPU device with the frozen base in float32, in bfloat16
-and in int8 (the adapted projections int8 with a float32 scale per output channel, the
+in int8 (the adapted projections int8 with a float32 scale per output channel, the
 other frozen leaves bfloat16; LoRA A/B and the head stay float32; compute is float32, the
-weights are upcast where used). Printed per variant: resident parameter bytes, the compiled step's
+weights are upcast where used) and in NF4 (QLoRA: the adapted projections 4-bit, a float32
+scale per 64 inputs, the rest as for int8). Printed per variant: resident parameter bytes, the compiled step's
 `memory_analysis()` (arguments = parameters + optimizer state + batch, outputs, peak
 temporaries), the step time (interleaved rounds), and the output difference against
 float32 (MiniLM: the mean-pooled sentence embeddings, max |diff| and the lowest cosine
 similarity; decoder: max |logit diff| and the loss).
 
-    python benchmarks/bf16_memory.py [--rounds 3]
+Then, at real size (issue 46: at least 0.3B parameters), a Llama-shaped decoder of ~0.35B
+parameters with LoRA r=8 on every projection: its parameter bytes with the frozen base in
+float32, bfloat16, int8 and NF4, and each one's ratio to float32 (measured on the arrays,
+not computed from shapes; no step: one takes tens of seconds on two cores).
+
+    python benchmarks/bf16_memory.py [--rounds 3] [--no-large]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ def mib(n: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-large", action="store_true", help="skip the ~0.35B model's parameter bytes")
     args = p.parse_args()
 
     import equinox as eqx
@@ -47,6 +54,7 @@ def main() -> None:
             "float32": model,
             "bfloat16": zoo.lora.cast_frozen(model, jnp.bfloat16, config=config),
             "int8": zoo.lora.cast_frozen(model, jnp.int8, config=config),
+            "nf4": zoo.lora.cast_frozen(model, "nf4", config=config),
         }
         compiled, outputs, steps = {}, {}, {}
         for dtype, m in variants.items():
@@ -103,6 +111,38 @@ def main() -> None:
     print()
     print("\n".join(_harness.table(header, rows, left=2)))
     print(f"loadavg {vs_torch.loadavg()}")
+    if not args.no_large:
+        large_parameter_bytes()
+
+
+def large_parameter_bytes() -> None:
+    """Parameter bytes of a ~0.35B Llama-shaped LoRA model per frozen-base storage."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+    from zoo.models import Transformer, TransformerConfig
+
+    config = TransformerConfig(
+        vocab_size=32000, d_model=1024, num_heads=16, num_kv_heads=8, num_layers=24, mlp_dim=2816, max_len=2048,
+        activation="swiglu", norm="rmsnorm", positions="rope", tie_embeddings=False, use_bias=False,
+    )  # fmt: skip
+    lora = zoo.lora.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    model = zoo.lora.add_lora(Transformer(config, key=jax.random.key(0)), lora, key=jax.random.key(1))
+
+    def size(m) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))
+
+    count = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    full = size(model)
+    rows = [["float32", mib(full), "1.00"]]
+    for name, dtype in (("bfloat16", jnp.bfloat16), ("int8", jnp.int8), ("nf4", "nf4")):
+        cast = zoo.lora.cast_frozen(model, dtype, config=lora)
+        rows.append([name, mib(size(cast)), f"{size(cast) / full:.2f}"])
+        del cast
+    print(f"\nLlama-shaped decoder, {count / 1e9:.2f}B parameters (LoRA r=8 on every projection):")
+    print("\n".join(_harness.table(["frozen base", "params MiB", "vs float32"], rows, left=1)))
 
 
 if __name__ == "__main__":
