@@ -180,8 +180,8 @@ def test_cast_frozen_step_has_the_same_single_all_reduce_and_leaves_the_base_alo
 
 def test_cast_frozen_refuses_bad_input():
     model = _lora_model()
-    with pytest.raises(ValueError, match="floating-point dtype or int8, got int4"):
-        cast_frozen(model, "int4", config=CONFIG)
+    with pytest.raises(ValueError, match="'int3' is not a dtype; use .*jnp.int8, 'nf4' or 'int4'"):
+        cast_frozen(model, "int3", config=CONFIG)
     with pytest.raises(ValueError, match="no LoRA branches.*add_lora"):
         cast_frozen(tiny_decoder(jax.random.key(0)))
 

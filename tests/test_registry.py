@@ -130,7 +130,7 @@ def test_cli_help_and_choices_come_from_the_registry():
         assert flags and all(not re.search(r"\{\w+\}", f.help) and command in f.commands for f in flags), command
     assert {str(f.name) for f in zoo.train.RunConfig.flags("finetune")} - {
         str(f.name) for f in zoo.train.RunConfig.flags("train")
-    } == {"lora"}
+    } == {"lora", "quantize"}
 
 
 # --- a model a user registers ---------------------------------------------------------------------
