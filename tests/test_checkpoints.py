@@ -4,6 +4,7 @@ mismatched targets, and bit-exact resume in a fresh process."""
 import functools
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -440,3 +441,27 @@ def test_a_resumed_run_is_bit_exact(first_run):
             got = data[f"{run}/{name}"]
             want = value[rows] if name == "losses" else value
             assert got.dtype == want.dtype and np.array_equal(got, want), (run, name)
+
+
+def test_a_reader_opening_while_keep_deletes_a_step_lists_the_steps_left(tmp_path, monkeypatch):
+    """orbax lists the step folders, then reads each one's metadata and time: a writer
+    deleting the oldest in between (its `keep`) must not fail a reader (it did, once,
+    in test_readers' loop of readers beside a saving run)."""
+    from orbax.checkpoint._src.path import step as orbax_steps
+
+    with Checkpointer(tmp_path, keep=3, async_save=False) as ckpt:
+        for step in range(3):
+            ckpt.save(step, {"x": jnp.full((2,), step)})
+    listed, vanished = orbax_steps._StandardNameFormat.find_all, []
+
+    def find_all_racing_a_writer(self, base_path):
+        found = list(listed(self, base_path))
+        if not vanished:  # the writer's keep, between orbax's listing and its reads
+            shutil.rmtree(os.path.join(tmp_path, "0"))
+            vanished.append(0)
+        return iter(found)
+
+    monkeypatch.setattr(orbax_steps._StandardNameFormat, "find_all", find_all_racing_a_writer)
+    with Checkpointer(tmp_path, read_only=True) as reader:
+        assert vanished, "the race was not staged: orbax no longer lists steps this way"
+        assert reader.steps() == [1, 2]

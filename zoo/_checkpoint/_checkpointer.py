@@ -31,6 +31,10 @@ from ._manifest import (
 from ._restore import plan
 
 
+# A reader's listing races a writer deleting old steps; each retry sees the steps left.
+_LIST_ATTEMPTS = 8
+
+
 def _has_files(folder: str) -> bool:
     """Whether `folder` exists and holds anything."""
     try:
@@ -116,11 +120,29 @@ class Checkpointer:
         if read_only:  # orbax's "Given directory is read only" warning says what the caller asked for
             absl.setLevel(max(level, logging.ERROR))
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+            self._manager = self._open_manager(options)
         finally:
             absl.setLevel(level)
         self._pending: int | None = None  # the step of the last save started
         quiet_disk_full_logs()
+
+    def _open_manager(self, options: Any) -> Any:
+        """orbax's manager of the directory; a reader looks again when a step vanishes.
+
+        orbax lists the step folders, then reads each one's time: a writer's `keep`
+        deleting the oldest step in between raises `FileNotFoundError` for a folder
+        that was never the reader's concern, so a read-only opener lists again.
+        """
+        ocp = self._ocp
+        for attempt in range(_LIST_ATTEMPTS):
+            try:
+                return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+            except FileNotFoundError as e:
+                gone = os.fspath(e.filename or "")
+                inside = gone.startswith(self.directory + os.sep) and os.path.isdir(self.directory)
+                if not self.read_only or not inside or attempt == _LIST_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _disk_full(self, error: Exception) -> Exception:
         """A full disk as `OSError(ENOSPC)` naming the directory; any other error as it is."""
