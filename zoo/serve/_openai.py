@@ -126,8 +126,9 @@ def logit_bias_field(body: dict, vocab: int) -> dict[int, float] | None:
         if token is None or not 0 <= token < vocab:
             raise BadRequest(f"logit_bias: {key!r} is no token id of the model's vocabulary [0, {vocab})", "logit_bias")
         if isinstance(number, bool) or not isinstance(number, int | float) or not -100 <= number <= 100:
-            raise BadRequest(f"logit_bias: the bias of token {key} must be a number in [-100, 100], got {number!r}",
-                             "logit_bias")  # fmt: skip
+            raise BadRequest(
+                f"logit_bias: the bias of token {key} must be a number in [-100, 100], got {number!r}", "logit_bias"
+            )
         bias[token] = float(number)
     return bias
 
@@ -197,8 +198,9 @@ def refuse_unsupported(body: dict) -> None:
     (`_NOT_DONE`), unless it is given as its off value."""
     for name, what in _NOT_DONE.items():
         if name in body and not _off(name, body[name]):
-            raise BadRequest(f"{name}: this server does not implement {what}; leave {name} out", name,
-                             "unsupported_parameter")  # fmt: skip
+            raise BadRequest(
+                f"{name}: this server does not implement {what}; leave {name} out", name, "unsupported_parameter"
+            )
 
 
 _ROLES = ("system", "developer", "user", "assistant")
@@ -222,8 +224,11 @@ class Message:
             raise BadRequest(f"{where}.role must be one of {list(_ROLES)}, got {role!r}", f"{where}.role")
         for name in ("tool_calls", "function_call", "audio"):
             if value.get(name) is not None:
-                raise BadRequest(f"{where}.{name}: this server does not implement tool calls", f"{where}.{name}",
-                                 "unsupported_parameter")  # fmt: skip
+                raise BadRequest(
+                    f"{where}.{name}: this server does not implement tool calls",
+                    f"{where}.{name}",
+                    "unsupported_parameter",
+                )
         content = value.get("content")
         if isinstance(content, list):
             texts = []
@@ -269,12 +274,22 @@ class Sampling:
         options = body.get("stream_options") or {}
         self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
 
-    def request(self, prompt: list[int], choice: int, max_tokens: int, stop_ids, prompt_logprobs=False, top=False,
-                adapter=None):  # fmt: skip
+    def request(
+        self, prompt: list[int], choice: int, max_tokens: int, stop_ids, prompt_logprobs=False, top=False, adapter=None
+    ):
         seed = None if self.seed is None else self.seed + choice
         return Request(
-            prompt=prompt, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-            top_p=None if self.top_p == 1 else self.top_p, seed=seed, stop_ids=stop_ids,
-            prompt_logprobs=prompt_logprobs, top_logprobs=top, adapter=adapter, logit_bias=self.logit_bias,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-        )  # fmt: skip
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=None if self.top_p == 1 else self.top_p,
+            seed=seed,
+            stop_ids=stop_ids,
+            prompt_logprobs=prompt_logprobs,
+            top_logprobs=top,
+            adapter=adapter,
+            logit_bias=self.logit_bias,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )

@@ -234,11 +234,20 @@ class Trainer:
     `stop_reason` (None unless a hook stopped the run).
     """
 
-    def __init__(self, step, batch_at: Callable[[int], Any], *, steps: int, hooks: Sequence[Any] = (),
-                 lr: Callable[[int], float] | None = None, tokens_per_example: int | None = None,
-                 skip_nonfinite: bool = False, handle_sigterm: bool = True,
-                 advice: str | Callable[[int], str] = _ADVICE,
-                 preemption: Preemption | None = None):  # fmt: skip
+    def __init__(
+        self,
+        step,
+        batch_at: Callable[[int], Any],
+        *,
+        steps: int,
+        hooks: Sequence[Any] = (),
+        lr: Callable[[int], float] | None = None,
+        tokens_per_example: int | None = None,
+        skip_nonfinite: bool = False,
+        handle_sigterm: bool = True,
+        advice: str | Callable[[int], str] = _ADVICE,
+        preemption: Preemption | None = None,
+    ):
         self.step, self.batch_at, self.steps, self.hooks = step, batch_at, steps, list(hooks)
         self.lr, self.tokens_per_example, self.skip_nonfinite = lr, tokens_per_example, skip_nonfinite
         self.handle_sigterm, self.advice, self.preemption = handle_sigterm, advice, preemption
