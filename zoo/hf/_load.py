@@ -16,8 +16,10 @@ import numpy as np
 
 from .._finite import check_finite
 from .._presets import rules as preset_rules
-from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partition_specs
+from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partition_specs, shard
+from .._tree import dotted_name
 from ..models import Encoder, Transformer
+from ..nn import FourBitLinear, Linear, QuantizedLinear, Stacked
 from . import _families  # noqa: F401  (registers the families)
 from ._family import Family, get_family
 from ._files import Checkpoint, read_config
@@ -55,9 +57,12 @@ def _load(
     mesh: Any,
     dtype: Any,
     config_overrides: Mapping[str, Any] | None,
+    quantize: str | None = None,
+    block_size: int | None = None,
 ) -> Any:
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating dtype (the parameters' dtype), got {dtype!r}")
+    _check_quantize(quantize, block_size)
     overrides = {"family": layout.name, "source_dir": str(Path(path).resolve())} | dict(config_overrides or {})
     config = layout.config_from_hf(values, **overrides)
     specs, concrete = None, None
@@ -68,10 +73,61 @@ def _load(
     skeleton = eqx.filter_eval_shape(layout.model_class, config, key=jax.random.key(0))
     if concrete is not None:
         specs = partition_specs(_placeholders(skeleton), rules, concrete)
+    convert = _quantizers(skeleton, quantize, block_size, str(path))
     with Checkpoint(path) as checkpoint:
-        model = place(layout, skeleton, config, checkpoint, specs=specs, mesh=concrete, dtype=dtype, where=str(path))
+        model = place(
+            layout, skeleton, config, checkpoint, specs=specs, mesh=concrete, dtype=dtype, where=str(path),
+            convert=convert,
+        )  # fmt: skip
+    if convert and concrete is not None:  # the quantised layers' codes and scales, placed as annotated
+        model = shard(model, rules, concrete)
     check_finite(model, where=str(path))  # NaN weights would give NaN logits, argmax token 0
     return model
+
+
+QUANTIZE_KINDS = ("nf4", "int4", "int8")
+
+
+def _check_quantize(quantize: str | None, block_size: int | None) -> None:
+    if quantize is not None and quantize not in QUANTIZE_KINDS:
+        raise ValueError(f"quantize must be one of {list(QUANTIZE_KINDS)} or None (float weights), got {quantize!r}")
+    if block_size is not None and quantize not in ("nf4", "int4"):
+        raise ValueError(f"block_size is the 4-bit block (quantize='nf4' or 'int4'), not for quantize={quantize!r}")
+
+
+def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, where: str) -> dict[str, Any]:
+    """Dotted name → the function that quantises it, for every `Linear` of the layer stack
+    (attention and MLP projections; embeddings, norms and an untied head stay float, as
+    bitsandbytes leaves `lm_head`). A block that does not divide a layer's inputs is
+    refused here, before anything is read."""
+    if quantize is None:
+        return {}
+    if quantize == "int8":
+        quantizer = QuantizedLinear.quantize
+    else:
+
+        def quantizer(linear: Linear) -> FourBitLinear:
+            return FourBitLinear.quantize(linear, quantize, block_size=block_size)
+
+    found: dict[str, Any] = {}
+
+    def walk(node: Any, path: tuple, stacked: bool) -> None:
+        if isinstance(node, Linear):
+            if stacked:
+                found[dotted_name(path)] = node
+            return
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        for key, child in children:
+            if isinstance(child, eqx.Module | list | tuple | dict):
+                walk(child, path + key, stacked or isinstance(node, Stacked))
+
+    walk(skeleton, (), False)
+    for name, linear in found.items():
+        try:
+            eqx.filter_eval_shape(quantizer, linear)
+        except ValueError as e:
+            raise ValueError(f"{where}: cannot quantize {name} as {quantize}: {e}") from None
+    return dict.fromkeys(found, quantizer)
 
 
 _COMMON_DOC = """
@@ -94,6 +150,16 @@ _COMMON_DOC = """
       config's `dtype` field, settable through `config_overrides`).
     - `config_overrides`: zoo config fields to set on top of the converted config.json
       (e.g. `{"dropout": 0.0, "remat": "dots_saveable"}`).
+    - `quantize`: `"nf4"` or `"int4"` (`zoo.nn.FourBitLinear`) or `"int8"`
+      (`zoo.nn.QuantizedLinear`): every projection of the layer stack is quantised as it is
+      read, one stacked projection at a time, so the float model never exists in memory
+      (peak host memory: the quantised model plus one float projection of all layers;
+      benchmarks/quantized_load.py). Embeddings, norms and an untied head stay float
+      (`dtype`), as bitsandbytes leaves `lm_head`. The same codes and scales as
+      `FourBitLinear.quantize` / `QuantizedLinear.quantize` of the float model; add LoRA
+      on top (`zoo.lora.add_lora`) to train it (QLoRA). Default None: float weights.
+    - `block_size`: with `"nf4"` / `"int4"`, the input features per scale (default 64 /
+      128); it must divide every projection's input features.
 
     A `ValueError` lists every missing, unexpected and mis-shaped tensor, names the
     unsupported config option, or names a weight holding NaN or inf. Files of task models (`bert.` / `transformer.` prefixes)
@@ -128,6 +194,8 @@ def from_pretrained(
     mesh: Any = None,
     dtype: Any = jnp.float32,
     config_overrides: Mapping[str, Any] | None = None,
+    quantize: str | None = None,
+    block_size: int | None = None,
 ) -> Encoder | Transformer:
     """A zoo model holding a Hugging Face checkpoint, its family chosen by `config.json`'s
     `model_type` from the registry (`zoo.hf.families()`: `"bert"` → `zoo.models.Encoder`,
@@ -139,7 +207,10 @@ def from_pretrained(
     values = read_config(path)
     model_type = values.get("model_type")
     family = get_family(model_type, str(Path(path) / "config.json"))
-    return _load(family, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+    return _load(
+        family, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides,
+        quantize=quantize, block_size=block_size,
+    )  # fmt: skip
 
 
 from_pretrained.__doc__ = (from_pretrained.__doc__ or "").rstrip() + "\n" + _COMMON_DOC

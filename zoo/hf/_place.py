@@ -10,15 +10,17 @@ hold, never the whole model, never a copy per device.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._mismatch import mismatch_lines, shorten, summary
-from .._tree import dotted_name
+from .._tree import dotted_name, key_path, node_at
 from ._family import Family
 from ._files import Checkpoint
 from ._layout import Source, leaf_sources
@@ -100,11 +102,16 @@ def read_leaf(
     if source.valid is not None:  # a padded vocabulary: read what the file has, zeros after
         core = tuple(slice(min(s.start, v), min(s.stop, v)) for s, v in zip(core, source.valid, strict=True))
     file_index = source.file_index(core)
-    parts = [
-        source.from_file(checkpoint.read(mapping[source.names[i]], file_index).astype(dtype, copy=False), wanted)
-        for i in layers
-    ]
-    return np.ascontiguousarray(np.stack(parts) if source.stacked else parts[0])
+
+    def one(i: int) -> np.ndarray:
+        return source.from_file(checkpoint.read(mapping[source.names[i]], file_index).astype(dtype, copy=False), wanted)
+
+    if not source.stacked:
+        return np.ascontiguousarray(one(0))
+    out = np.empty((len(layers), *wanted), dtype)  # filled layer by layer: no second copy of the stack
+    for n, i in enumerate(layers):
+        out[n] = one(i)
+    return out
 
 
 def _target_dtype(leaf_dtype: Any, dtype: Any) -> Any:
@@ -121,6 +128,7 @@ def place(
     mesh: Any,
     dtype: Any,
     where: str,
+    convert: Mapping[str, Callable[[Any], Any]] | None = None,
 ) -> Any:
     """The model `skeleton` describes (leaves: `jax.ShapeDtypeStruct`), its leaves read
     from `checkpoint`.
@@ -136,6 +144,11 @@ def place(
     - `mesh`: the concrete mesh the specs refer to (unused without specs).
     - `dtype`: the dtype of the floating leaves.
     - `where`: the checkpoint's path, for messages.
+    - `convert`: dotted module name → a function of that module once its leaves are read
+      (`from_pretrained(quantize=...)`: a `Linear` to its 4-bit or int8 form). Each
+      module is converted as soon as its last leaf is read and its float arrays dropped,
+      so the process holds one such module's float arrays at a time, not the model's.
+      The converted module's arrays are returned where the function put them.
     """
     entries = list(leaf_sources(family, skeleton, config))
     mapping = check_tensors(family, [s for _, _, s in entries], checkpoint, config, where)
@@ -147,6 +160,12 @@ def place(
         spec_leaves = {dotted_name(p): s for p, s in flat}
     single = SingleDeviceSharding(jax.local_devices()[0])
     built: dict[str, jax.Array] = {}
+    convert = dict(convert or {})
+    pending = {owner: 0 for owner in convert}  # each converted module's leaves not read yet
+    for path, _, _ in entries:
+        if (owner := _owner(dotted_name(path), pending)) is not None:
+            pending[owner] += 1
+    converted: dict[str, Any] = {}
     for path, leaf, source in entries:
         shape, target = tuple(leaf.shape), _target_dtype(leaf.dtype, dtype)
         sharding = single if specs is None else NamedSharding(mesh, spec_leaves[dotted_name(path)])
@@ -160,5 +179,27 @@ def place(
                 cache[key] = read_leaf(checkpoint, mapping, source, bounds, target)
             return cache[key]
 
-        built[dotted_name(path)] = jax.make_array_from_callback(shape, sharding, callback)
-    return jax.tree_util.tree_map_with_path(lambda p, x: built.get(dotted_name(p), x), skeleton)
+        name = dotted_name(path)
+        built[name] = jax.make_array_from_callback(shape, sharding, callback)
+        owner = _owner(name, pending)
+        if owner is not None:
+            pending[owner] -= 1
+            if not pending[owner]:  # its last leaf: convert it now, drop its float arrays
+                module = node_at(skeleton, key_path(skeleton, owner))
+                module = jax.tree_util.tree_map_with_path(
+                    lambda p, x, owner=owner: built.pop(f"{owner}.{dotted_name(p)}", x), module
+                )
+                converted[owner] = convert[owner](module)
+    model = jax.tree_util.tree_map_with_path(lambda p, x: built.get(dotted_name(p), x), skeleton)
+    for owner, module in converted.items():
+        model = eqx.tree_at(lambda m, owner=owner: node_at(m, key_path(m, owner)), model, module)
+    return model
+
+
+def _owner(name: str, modules: Mapping[str, int]) -> str | None:
+    """The module of `modules` (dotted names) that holds leaf `name`, if any."""
+    parts = name.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        if (prefix := ".".join(parts[:n])) in modules:
+            return prefix
+    return None

@@ -119,16 +119,16 @@ class FourBitLinear(eqx.Module):
                 f"inputs ({kind}); pass block_size= one of {fits or 'an even divisor of ' + str(n_in)}"
             )
         weight = linear.weight
-        if not isinstance(weight, jax.core.Tracer):  # a placed weight: quantised on the host's device, placed again
-            weight = jnp.asarray(np.asarray(jax.device_get(weight), np.float32))  # by zoo.shard, as any new array
-        rows = jnp.swapaxes(weight.astype(jnp.float32), -1, -2).reshape(-1, n_in)  # torch's [out, in]
-        if kind == "nf4":
-            packed, scale = nf4_quantize(rows, size)
-        else:
-            q, scale = int4_quantize(rows, size)
-            packed = pack_int4(q)
-        codes = jnp.swapaxes(packed.reshape(*layers, n_out, n_in // 2), -1, -2)
-        scale = jnp.swapaxes(scale.reshape(*layers, n_out, n_in // size), -1, -2)
+        if isinstance(weight, jax.core.Tracer):
+            codes, scale = _quantize_layers(weight.reshape(-1, n_in, n_out), kind, size)
+        else:  # a placed weight: quantised on the host's device one layer at a time (each
+            # layer's temporaries, not the stack's), placed again by zoo.shard as any new array
+            host = np.asarray(jax.device_get(weight)).reshape(-1, n_in, n_out)
+            parts = [
+                jax.device_get(_quantize_layers(jnp.asarray(host[i : i + 1]), kind, size)) for i in range(len(host))
+            ]
+            codes, scale = (jnp.asarray(np.concatenate(p)) for p in zip(*parts, strict=True))
+        codes, scale = codes.reshape(*layers, n_in // 2, n_out), scale.reshape(*layers, n_in // size, n_out)
         return cls(codes, scale, linear.bias, kind=kind, in_axis=linear.in_axis, out_axis=linear.out_axis)
 
     def dequantized_weight(self, dtype: Any = jnp.float32) -> Float[Array, "*layers in_features out_features"]:
@@ -211,3 +211,20 @@ def _plain(x: Array) -> Array:
     if spec is None or not (spec.reduced or spec.unreduced):
         return x
     return jax.reshard(x, plain_spec(x))
+
+
+@eqx.filter_jit
+def _quantize_layers(
+    weight: Float[Array, "layers in_features out_features"], kind: str, size: int
+) -> tuple[UInt8[Array, "layers half out_features"], Float[Array, "layers blocks out_features"]]:
+    """The codes and scales of a stack of weights `[layers, in, out]`, quantised as
+    bitsandbytes quantises torch's `[out, in]` (rows of input features)."""
+    layers, n_in, n_out = weight.shape
+    rows = jnp.swapaxes(weight.astype(jnp.float32), -1, -2).reshape(-1, n_in)  # torch's [out, in]
+    if kind == "nf4":
+        packed, scale = nf4_quantize(rows, size)
+    else:
+        q, scale = int4_quantize(rows, size)
+        packed = pack_int4(q)
+    codes = jnp.swapaxes(packed.reshape(layers, n_out, n_in // 2), -1, -2)
+    return codes, jnp.swapaxes(scale.reshape(layers, n_out, n_in // size), -1, -2)
