@@ -569,7 +569,7 @@ def test_quantize_while_loading_equals_quantizing_the_float_model(llama_dir, kin
     `QuantizedLinear.quantize`), placed as annotated; embeddings and the head stay float."""
     mesh = preset_mesh(preset, 2 if preset == "fsdp" else 4) if preset else None  # 2 blocks of 16 inputs: 2 shards
     rules = zoo.rules(preset) if preset else None
-    got = from_pretrained(llama_dir, quantize=kind, block_size=block, rules=rules, mesh=mesh)
+    got = from_pretrained(llama_dir, quantize=f"{kind}:{block}" if block else kind, rules=rules, mesh=mesh)
     floats = _projections(from_pretrained(llama_dir))
     layers = {n: m for n, m in _projections(got).items() if ".layers." in n}
     assert len(layers) == 7, sorted(layers)  # q, k, v, o, gate, up, down
@@ -590,10 +590,11 @@ def test_quantize_while_loading_equals_quantizing_the_float_model(llama_dir, kin
 
 
 def test_quantize_while_loading_refuses_what_cannot_be_quantized(llama_dir):
-    with pytest.raises(ValueError, match=r"quantize must be one of \['nf4', 'int4', 'int8'\]"):
-        from_pretrained(llama_dir, quantize="fp4")
-    with pytest.raises(ValueError, match="block_size is the 4-bit block"):
-        from_pretrained(llama_dir, quantize="int8", block_size=16)
+    for text in ("fp4", "int8:16", "nf4:3", "nf4:"):
+        with pytest.raises(
+            ValueError, match=rf"quantize '{text}': give nf4, int4 or int8, or a 4-bit kind .* e.g. nf4:32"
+        ):
+            from_pretrained(llama_dir, quantize=text)
     # The tiny Llama's 32 and 48 inputs: NF4's default block of 64 divides neither; said
     # before anything is read, naming the blocks that fit.
     with pytest.raises(ValueError, match=r"cannot quantize layers\..*a block of 64 .* block_size= one of \[16"):

@@ -222,6 +222,16 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
     one_line_error(rc, err, "--quantize 'fp4': give nf4, int4 or int8")
     with pytest.raises(zoo.train.ConfigError, match="stores the frozen base of LoRA adapters"):
         zoo.train.RunConfig(model="transformer", quantize="int8").resolved("train")
+    # zoo generate RUN: the adapter on the NF4 base it trained on, as load_run builds it.
+    rc, out, err = zoo_main("generate", run, "--prompt", "the cat", "--max-new-tokens", 3, "--json")
+    assert rc == 0, err
+    tokenizer = zoo.hf.Tokenizer.from_pretrained(llama_dir)
+    tokens = tokenizer(["the cat"])["tokens"]
+    ids = np.asarray(zoo.generate(loaded.model, tokens, max_new_tokens=3))[0, tokens.shape[1] :].tolist()
+    ids = ids[: ids.index(2)] if 2 in ids else ids
+    assert json.loads(out)[0]["completion"] == tokenizer.decode(ids)
+    rc, _, err = zoo_main("generate", run, "--prompt", "the cat", "--max-new-tokens", 1)
+    assert rc == 0 and "on its nf4 base" in err, err
 
 
 @pytest.mark.numerics
@@ -285,3 +295,41 @@ def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tm
     assert isinstance(_q_proj(loaded).base, FourBitLinear)
     with torch.no_grad():
         close(loaded(tokens), theirs(torch.tensor(tokens)).logits, "peft's QLoRA adapter in zoo on zoo's NF4")
+
+
+def test_generate_and_serve_quantize_the_base_as_they_load(llama_dir, tmp_path):
+    """`zoo generate SOURCE --quantize nf4:16` continues a prompt as zoo.generate does with
+    `from_pretrained(SOURCE, quantize="nf4:16")` (and says so on stderr); `zoo serve`'s
+    engine on that base gives zoo.generate's tokens for the base and for a LoRA adapter on
+    it; a kind that is none is one line naming --quantize."""
+    from helpers import one_line_error, zoo_main
+
+    from zoo.serve import Engine, Request
+
+    prompt = "the cat sat on"
+    rc, out, err = zoo_main("generate", llama_dir, "--prompt", prompt, "--max-new-tokens", 5, "--quantize", "nf4:16")
+    assert rc == 0, err
+    assert "its projections nf4" in err
+    model = zoo.hf.from_pretrained(llama_dir, quantize="nf4:16")
+    assert isinstance(model.layers.layers.attention.q_proj, FourBitLinear)
+    tokenizer = zoo.hf.Tokenizer.from_pretrained(llama_dir)
+    tokens = tokenizer([prompt])["tokens"]
+    ids = np.asarray(zoo.generate(model, tokens, max_new_tokens=5))[0, tokens.shape[1] :].tolist()
+    ids = ids[: ids.index(2)] if 2 in ids else ids  # config.json's eos ends the text
+    assert out == prompt + tokenizer.decode(ids) + "\n"
+
+    # The engine serves the 4-bit base and a LoRA adapter on it (float branches) side by side.
+    config = zoo.lora.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    adapted = zoo.lora.add_lora(model, config, key=jax.random.key(1))
+    adapted = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.1 if "lora_B" in jax.tree_util.keystr(p) else x, adapted
+    )  # B = 0 would be the base
+    zoo.lora.save_adapter(adapted, config, tmp_path / "adapter")
+    engine = Engine(model, slots=2, max_len=32, adapters={"tuned": tmp_path / "adapter"})
+    handles = [engine.submit(Request(tokens[0].tolist(), max_tokens=5, adapter=a)) for a in (None, "tuned")]
+    engine.run_until_done()
+    for handle, served in zip(handles, (model, adapted), strict=True):
+        assert handle.ids == np.asarray(zoo.generate(served, tokens, max_new_tokens=5))[0, tokens.shape[1] :].tolist()
+
+    rc, _, err = zoo_main("generate", llama_dir, "--prompt", prompt, "--quantize", "fp4")
+    one_line_error(rc, err, "--quantize: quantize 'fp4': give nf4, int4 or int8")

@@ -204,28 +204,43 @@ def _refusal(message: str, error: BaseException) -> CLIError:
     return refusal
 
 
-def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = None):
+def _run_quantize(source: str) -> str | None:
+    """The `--quantize` a `zoo finetune` run SOURCE trained its adapter on, if any."""
+    run = _read_json(Path(source).expanduser() / "config.json") or {}
+    return None if "model_type" in run else run.get("quantize")
+
+
+def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = None, quantize: str | None = None):
     """`(model, Text, eos id or None, description)` of SOURCE (with --adapter), computing
-    in `dtype` (default the folder's)."""
+    in `dtype` (default the folder's), its projections stored as `quantize` says (quantised
+    while loading; default float, or for a run that trained on a quantised base, that base
+    rebuilt as the run built it)."""
     import zoo
 
     folder, adapter_dir, where = resolve_source(source, adapter)
+    trained_on = _run_quantize(source) if quantize is None and adapter_dir is not None else None
     overrides = {"dropout": 0.0, "attention_dropout": 0.0} | ({} if dtype is None else {"dtype": dtype})
     try:
-        model = zoo.hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides=overrides)
+        model = zoo.hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides=overrides, quantize=quantize)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise _refusal(f"SOURCE {source}: {str(e).splitlines()[0]}", e) from e
+        flag = "--quantize" if quantize is not None and "quantiz" in str(e) else f"SOURCE {source}"
+        raise _refusal(f"{flag}: {str(e).splitlines()[0]}", e) from e
+    if quantize is not None:
+        where += f", its projections {quantize.partition(':')[0]}"
     if not isinstance(model, zoo.models.Transformer):
         raise CLIError(
             f"SOURCE {source} holds a {type(model).__name__}; zoo generate needs a decoder (GPT-2, Llama, ...)"
         )
     if adapter_dir is not None:
         try:
-            model, _ = zoo.lora.load_adapter(model, adapter_dir)
+            model, lora = zoo.lora.load_adapter(model, adapter_dir)
             zoo.internal.check_finite(model, where="the model with it")
         except (ValueError, FileNotFoundError) as e:
             raise _refusal(f"adapter {adapter_dir}: {str(e).splitlines()[0]}", e) from e
         where += f" with the adapter {adapter_dir}"
+        if trained_on is not None:  # the base the adapter trained on, as the run built it
+            model = _quantized_as_the_run(model, lora, trained_on, rules, mesh)
+            where += f" on its {trained_on.partition(':')[0]} base"
     tokenizer = zoo.hf.Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
     if tokenizer is None and model.config.vocab_size < 256:
         raise CLIError(
@@ -235,6 +250,19 @@ def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = N
     eos = eos[0] if isinstance(eos, list) and eos else eos
     eos = eos if isinstance(eos, int) and eos < model.config.vocab_size else None
     return model, Text(tokenizer), eos, where
+
+
+def _quantized_as_the_run(model, lora, quantize: str, rules, mesh):
+    """`model` (a LoRA run's base with its adapter) with the frozen base stored as the run
+    stored it (`zoo.lora.cast_frozen`, the run's `--quantize`), placed again."""
+    import jax.numpy as jnp
+
+    import zoo
+
+    kind, _, block = quantize.partition(":")  # checked when the run began
+    storage = jnp.int8 if kind == "int8" else kind
+    model = zoo.lora.cast_frozen(model, storage, config=lora, block_size=int(block) if block else None)
+    return zoo.shard(model, rules, mesh) if mesh is not None else model
 
 
 def first_row(out):
@@ -323,7 +351,9 @@ def cmd_generate(args) -> int:
     if template is not None:
         prompts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
     with jax.set_mesh(mesh):
-        model, text, eos, where = load(args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh)
+        model, text, eos, where = load(
+            args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh, quantize=args.quantize
+        )
         pad = text.tokenizer.pad_id if text.tokenizer is not None else 0
         tokens, mask = text.encode(prompts, pad, special_tokens=template is None)
         new = _new_tokens(args, model, tokens)
@@ -377,6 +407,17 @@ def cmd_generate(args) -> int:
 SOURCE_HELP = (
     "a Hugging Face folder (or a model id in the local Hugging Face cache), or a zoo train / finetune output folder"
 )
+
+
+def add_quantize(p: argparse.ArgumentParser) -> None:
+    """--quantize, read by `load` (zoo generate, zoo serve)."""
+    p.add_argument(
+        "--quantize",
+        metavar="KIND",
+        help="store the projections of the model's layers as it loads: nf4 or int4 (4 bits, KIND:BLOCK for another "
+        "block of inputs per scale, e.g. nf4:32) or int8; embeddings, norms and head stay float (default: float, "
+        "or the base a --quantize finetune run trained on)",
+    )
 
 
 def add_source(p: argparse.ArgumentParser) -> None:
@@ -452,6 +493,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help=f"how the model is placed: {', '.join(RULE_PRESETS)} (default dp: replicated); the batch is "
         "split over data when it divides, heads over model under tp; fsdp presets are gathered for decoding",
     )
+    add_quantize(p)
     p.add_argument("--json", action="store_true", help="print [{prompt, completion}] as JSON, nothing streamed")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     p.set_defaults(func=cmd_generate)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ._common import CLIError, init_devices
-from ._generate import add_source, chat_template, load, resolve_source
+from ._generate import add_quantize, add_source, chat_template, load, resolve_source
 
 
 def _model_name(source: str) -> str:
@@ -71,7 +71,7 @@ def cmd_serve(args) -> int:
     import zoo
 
     folder, run_adapter, _ = resolve_source(args.source, None)
-    model, text, eos, where = load(args.source, None, rules=None, mesh=None, dtype=args.dtype)
+    model, text, eos, where = load(args.source, None, rules=None, mesh=None, dtype=args.dtype, quantize=args.quantize)
     if run_adapter is not None:  # a LoRA run: its adapter by the run's name, beside the base
         model = zoo.lora.unload(model)
         flags = {Path(args.source).expanduser().resolve().name: run_adapter} | flags
@@ -153,6 +153,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="requests that may wait for a slot; beyond, 429 with Retry-After (default 256)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default the model's)")
+    add_quantize(p)
     p.add_argument("--name", help="the model name clients give (default SOURCE's folder name, or the model id)")
     p.add_argument(
         "--adapter",

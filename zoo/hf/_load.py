@@ -58,11 +58,10 @@ def _load(
     dtype: Any,
     config_overrides: Mapping[str, Any] | None,
     quantize: str | None = None,
-    block_size: int | None = None,
 ) -> Any:
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating dtype (the parameters' dtype), got {dtype!r}")
-    _check_quantize(quantize, block_size)
+    kind, block_size = quantize_kind(quantize) if quantize is not None else (None, None)
     overrides = {"family": layout.name, "source_dir": str(Path(path).resolve())} | dict(config_overrides or {})
     config = layout.config_from_hf(values, **overrides)
     specs, concrete = None, None
@@ -73,12 +72,19 @@ def _load(
     skeleton = eqx.filter_eval_shape(layout.model_class, config, key=jax.random.key(0))
     if concrete is not None:
         specs = partition_specs(_placeholders(skeleton), rules, concrete)
-    convert = _quantizers(skeleton, quantize, block_size, str(path))
+    convert = _quantizers(skeleton, kind, block_size, str(path))
     with Checkpoint(path) as checkpoint:
         model = place(
-            layout, skeleton, config, checkpoint, specs=specs, mesh=concrete, dtype=dtype, where=str(path),
+            layout,
+            skeleton,
+            config,
+            checkpoint,
+            specs=specs,
+            mesh=concrete,
+            dtype=dtype,
+            where=str(path),
             convert=convert,
-        )  # fmt: skip
+        )
     if convert and concrete is not None:  # the quantised layers' codes and scales, placed as annotated
         model = shard(model, rules, concrete)
     check_finite(model, where=str(path))  # NaN weights would give NaN logits, argmax token 0
@@ -88,11 +94,19 @@ def _load(
 QUANTIZE_KINDS = ("nf4", "int4", "int8")
 
 
-def _check_quantize(quantize: str | None, block_size: int | None) -> None:
-    if quantize is not None and quantize not in QUANTIZE_KINDS:
-        raise ValueError(f"quantize must be one of {list(QUANTIZE_KINDS)} or None (float weights), got {quantize!r}")
-    if block_size is not None and quantize not in ("nf4", "int4"):
-        raise ValueError(f"block_size is the 4-bit block (quantize='nf4' or 'int4'), not for quantize={quantize!r}")
+def quantize_kind(text: str) -> tuple[str, int | None]:
+    """A quantised base's text form read: `(kind, block size or None)` from "nf4", "int4",
+    "int8", or "nf4:32" / "int4:64" (a 4-bit block of inputs per scale).
+
+    **Raises:** `ValueError` naming the forms."""
+    kind, colon, block = str(text).partition(":")
+    fits = kind in QUANTIZE_KINDS and (not colon or (kind != "int8" and block.isdigit() and int(block) % 2 == 0))
+    if not fits or (block and int(block) < 2):
+        raise ValueError(
+            f"quantize {text!r}: give nf4, int4 or int8, or a 4-bit kind with an even block of inputs per scale, "
+            "e.g. nf4:32"
+        )
+    return kind, int(block) if block else None
 
 
 def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, where: str) -> dict[str, Any]:
@@ -150,16 +164,16 @@ _COMMON_DOC = """
       config's `dtype` field, settable through `config_overrides`).
     - `config_overrides`: zoo config fields to set on top of the converted config.json
       (e.g. `{"dropout": 0.0, "remat": "dots_saveable"}`).
-    - `quantize`: `"nf4"` or `"int4"` (`zoo.nn.FourBitLinear`) or `"int8"`
-      (`zoo.nn.QuantizedLinear`): every projection of the layer stack is quantised as it is
+    - `quantize`: `"nf4"` or `"int4"` (`zoo.nn.FourBitLinear`; `"nf4:32"` for a block of
+      32 inputs per scale, default 64 / 128: it must divide every projection's inputs) or
+      `"int8"` (`zoo.nn.QuantizedLinear`), as `RunConfig.quantize` and `--quantize` take
+      it: every projection of the layer stack is quantised as it is
       read, one stacked projection at a time, so the float model never exists in memory
       (peak host memory: the quantised model plus one float projection of all layers;
       benchmarks/quantized_load.py). Embeddings, norms and an untied head stay float
       (`dtype`), as bitsandbytes leaves `lm_head`. The same codes and scales as
       `FourBitLinear.quantize` / `QuantizedLinear.quantize` of the float model; add LoRA
       on top (`zoo.lora.add_lora`) to train it (QLoRA). Default None: float weights.
-    - `block_size`: with `"nf4"` / `"int4"`, the input features per scale (default 64 /
-      128); it must divide every projection's input features.
 
     A `ValueError` lists every missing, unexpected and mis-shaped tensor, names the
     unsupported config option, or names a weight holding NaN or inf. Files of task models (`bert.` / `transformer.` prefixes)
@@ -195,7 +209,6 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     config_overrides: Mapping[str, Any] | None = None,
     quantize: str | None = None,
-    block_size: int | None = None,
 ) -> Encoder | Transformer:
     """A zoo model holding a Hugging Face checkpoint, its family chosen by `config.json`'s
     `model_type` from the registry (`zoo.hf.families()`: `"bert"` → `zoo.models.Encoder`,
@@ -208,9 +221,15 @@ def from_pretrained(
     model_type = values.get("model_type")
     family = get_family(model_type, str(Path(path) / "config.json"))
     return _load(
-        family, path, values, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides,
-        quantize=quantize, block_size=block_size,
-    )  # fmt: skip
+        family,
+        path,
+        values,
+        rules=rules,
+        mesh=mesh,
+        dtype=dtype,
+        config_overrides=config_overrides,
+        quantize=quantize,
+    )
 
 
 from_pretrained.__doc__ = (from_pretrained.__doc__ or "").rstrip() + "\n" + _COMMON_DOC

@@ -242,17 +242,13 @@ def absolute_files(source: str) -> str:
     )
 
 
-QUANTIZE_KINDS = ("nf4", "int4", "int8")
-
-
 def quantize_kind(text: str) -> tuple[str, int | None]:
     """`RunConfig.quantize` read: `(kind, block size or None)` from "nf4", "int4", "int8" or
-    "nf4:32" / "int4:64" (a 4-bit block of inputs). **Raises:** `ConfigError` naming the forms."""
-    kind, _, block = str(text).partition(":")
-    fits = kind in QUANTIZE_KINDS and (not block or (kind != "int8" and block.isdigit() and int(block) % 2 == 0))
-    if not fits or (block and int(block) < 2):
-        raise ConfigError(
-            f"RunConfig.quantize {text!r}: give nf4, int4 or int8, or a 4-bit kind with an even block of inputs per "
-            "scale, e.g. nf4:32"
-        )
-    return kind, int(block) if block else None
+    "nf4:32" / "int4:64" (a 4-bit block of inputs), as `zoo.hf.from_pretrained(quantize=)`
+    reads it. **Raises:** `ConfigError` naming the forms."""
+    from ..hf._load import quantize_kind as read
+
+    try:
+        return read(text)
+    except ValueError as e:
+        raise ConfigError(f"RunConfig.{e}") from None
