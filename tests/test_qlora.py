@@ -333,3 +333,52 @@ def test_generate_and_serve_quantize_the_base_as_they_load(llama_dir, tmp_path):
 
     rc, _, err = zoo_main("generate", llama_dir, "--prompt", prompt, "--quantize", "fp4")
     one_line_error(rc, err, "--quantize: quantize 'fp4': give nf4, int4 or int8")
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "float-absmax"])
+def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(tmp_path, double_quant):
+    """A model transformers saved with a bitsandbytes 4-bit NF4 `quantization_config` (a
+    QLoRA base, as `*-bnb-4bit` checkpoints are): `from_pretrained` reads it into NF4
+    `FourBitLinear`s whose dequantised weights are bitsandbytes' `dequantize_4bit`, bit for
+    bit (double quantisation's 8-bit absmax too), and gives transformers' logits."""
+    import bitsandbytes.functional as bnb_functional
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "llama")
+    bnb = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.float32,
+    )  # fmt: skip
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "llama", quantization_config=bnb, device_map="cpu"
+    ).eval()
+    theirs.save_pretrained(tmp_path / "nf4")
+    ours = zoo.hf.from_pretrained(tmp_path / "nf4")
+    for i, layer in enumerate(theirs.model.layers):
+        attention = [
+            (ours.layers.layers.attention, layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+        mlp = [(ours.layers.layers.mlp, layer.mlp, n) for n in ("gate", "up", "down")]
+        for zoo_part, torch_part, name in attention + mlp:
+            mine = getattr(zoo_part, name)
+            assert isinstance(mine, FourBitLinear) and mine.kind == "nf4" and mine.block_size == 64
+            w = getattr(torch_part, name if name.endswith("_proj") else f"{name}_proj").weight
+            want = bnb_functional.dequantize_4bit(w.data, w.quant_state).numpy()
+            assert np.array_equal(np.asarray(mine.dequantized_weight())[i].T, want), f"layer {i} {name}"
+    tokens = np.array([[1, 5, 9, 2, 33, 7, 60, 4]])
+    with torch.no_grad():
+        want = theirs(torch.tensor(tokens)).logits.numpy()
+    assert_rounding_close(ours(tokens), want, **FORWARD, what="logits of the NF4 checkpoint")
+    # 8-bit checkpoints and other methods are named, with the way to load the model.
+    values = json.loads((tmp_path / "nf4" / "config.json").read_text())
+    values["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (tmp_path / "nf4" / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=r"8-bit \(LLM.int8\) checkpoint, .* quantize='int8'"):
+        zoo.hf.from_pretrained(tmp_path / "nf4")

@@ -21,6 +21,7 @@ from .._tree import dotted_name
 from ..models import Encoder, Transformer
 from ..nn import FourBitLinear, Linear, QuantizedLinear, Stacked
 from . import _families  # noqa: F401  (registers the families)
+from ._bnb import FourBitCheckpoint, bnb_quantize
 from ._family import Family, get_family
 from ._files import Checkpoint, read_config
 from ._hub import resolve_model_dir
@@ -61,7 +62,10 @@ def _load(
 ) -> Any:
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating dtype (the parameters' dtype), got {dtype!r}")
-    kind, block_size = quantize_kind(quantize) if quantize is not None else (None, None)
+    four_bit = bnb_quantize(values, str(path))  # a bitsandbytes 4-bit checkpoint: read as float, quantised again
+    values = {k: v for k, v in values.items() if k != "quantization_config"}
+    if quantize is not None:
+        quantize_kind(quantize)  # its mistakes before anything is read
     overrides = {"family": layout.name, "source_dir": str(Path(path).resolve())} | dict(config_overrides or {})
     config = layout.config_from_hf(values, **overrides)
     specs, concrete = None, None
@@ -72,8 +76,12 @@ def _load(
     skeleton = eqx.filter_eval_shape(layout.model_class, config, key=jax.random.key(0))
     if concrete is not None:
         specs = partition_specs(_placeholders(skeleton), rules, concrete)
-    convert = _quantizers(skeleton, kind, block_size, str(path))
     with Checkpoint(path) as checkpoint:
+        if four_bit is not None:
+            checkpoint = FourBitCheckpoint(checkpoint, str(path))
+            quantize = quantize or f"{four_bit}:{checkpoint.block_size()}"
+        kind, block_size = quantize_kind(quantize) if quantize is not None else (None, None)
+        convert = _quantizers(skeleton, kind, block_size, str(path))
         model = place(
             layout,
             skeleton,
@@ -173,7 +181,11 @@ _COMMON_DOC = """
       benchmarks/quantized_load.py). Embeddings, norms and an untied head stay float
       (`dtype`), as bitsandbytes leaves `lm_head`. The same codes and scales as
       `FourBitLinear.quantize` / `QuantizedLinear.quantize` of the float model; add LoRA
-      on top (`zoo.lora.add_lora`) to train it (QLoRA). Default None: float weights.
+      on top (`zoo.lora.add_lora`) to train it (QLoRA). Default None: float weights, or
+      for a checkpoint transformers saved with a bitsandbytes 4-bit NF4
+      `quantization_config` (QLoRA bases such as `*-bnb-4bit`), that NF4 and block: the
+      same codes and scales, its double-quantised absmax read as the float32 it stands for
+      (`zoo.nn.dequantize(model)` gives float weights).
 
     A `ValueError` lists every missing, unexpected and mis-shaped tensor, names the
     unsupported config option, or names a weight holding NaN or inf. Files of task models (`bert.` / `transformer.` prefixes)

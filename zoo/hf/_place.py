@@ -21,13 +21,14 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._mismatch import mismatch_lines, shorten, summary
 from .._tree import dotted_name, key_path, node_at
+from ._bnb import FourBitCheckpoint
 from ._family import Family
 from ._files import Checkpoint
 from ._layout import Source, leaf_sources
 
 
 def check_tensors(
-    family: Family, sources: list[Source], checkpoint: Checkpoint, config: Any, where: str
+    family: Family, sources: list[Source], checkpoint: Checkpoint | FourBitCheckpoint, config: Any, where: str
 ) -> dict[str, str]:
     """Check the checkpoint holds exactly the tensors `sources` need, with their shapes.
 
@@ -90,7 +91,11 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
 
 
 def read_leaf(
-    checkpoint: Checkpoint, mapping: dict[str, str], source: Source, index: tuple[slice, ...], dtype: Any
+    checkpoint: Checkpoint | FourBitCheckpoint,
+    mapping: dict[str, str],
+    source: Source,
+    index: tuple[slice, ...],
+    dtype: Any,
 ) -> np.ndarray:
     """The part `index` (bounded slices, one per leaf dimension) of a leaf, read from the
     checkpoint as `dtype`: only those layers, only that slice of each file tensor."""
@@ -122,7 +127,7 @@ def place(
     family: Family,
     skeleton: Any,
     config: Any,
-    checkpoint: Checkpoint,
+    checkpoint: Checkpoint | FourBitCheckpoint,
     *,
     specs: Any,
     mesh: Any,
