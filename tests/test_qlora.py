@@ -234,6 +234,20 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
     assert rc == 0 and "on its nf4 base" in err, err
 
 
+def _save_llama_64_wide(folder):
+    """A random Llama saved by transformers whose widths (64, 128) hold bitsandbytes'
+    blocks of 64 inputs within each row, as real models' do."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
+
+
 @pytest.mark.numerics
 def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tmp_path):
     """QLoRA across libraries: transformers loads a Llama with bitsandbytes' NF4
@@ -244,12 +258,7 @@ def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tm
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "llama")
+    _save_llama_64_wide(tmp_path / "llama")
     bnb = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
     )
@@ -346,12 +355,7 @@ def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(tmp_path, d
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "llama")
+    _save_llama_64_wide(tmp_path / "llama")
     bnb = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=torch.float32,
