@@ -327,8 +327,23 @@ def _spec_axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
 
 
-def replica_bytes(x: Any, data_axes: tuple[str, ...]) -> int:
-    """Bytes of `x` as one data replica holds it: split by its non-data mesh axes only."""
+def wire_itemsize(dtype: Any) -> int:
+    """Bytes per element a collective of `dtype` carries on this backend: XLA's CPU backend
+    widens bfloat16 / float16 collectives to float32 (its float normalisation: a bfloat16
+    frozen base gathered under FSDP moves 4 bytes a value there); GPUs and TPUs carry them
+    as they are."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype)
+    if jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return 4
+    return dtype.itemsize
+
+
+def replica_bytes(x: Any, data_axes: tuple[str, ...], *, on_the_wire: bool = False) -> int:
+    """Bytes of `x` as one data replica holds it: split by its non-data mesh axes only (as
+    a collective carries them with `on_the_wire`: `wire_itemsize`)."""
     sharding = getattr(x, "sharding", None)
     spec = getattr(sharding, "spec", None)
     mesh_shape = dict(getattr(getattr(sharding, "mesh", None), "shape", {}) or {})
@@ -336,7 +351,7 @@ def replica_bytes(x: Any, data_axes: tuple[str, ...]) -> int:
     if spec is not None:
         for entry in spec:
             n //= math.prod(mesh_shape.get(a, 1) for a in _spec_axes(entry) if a not in data_axes)
-    return n * x.dtype.itemsize
+    return n * (wire_itemsize(x.dtype) if on_the_wire else x.dtype.itemsize)
 
 
 def split_over(x: Any, axes: tuple[str, ...]) -> bool:

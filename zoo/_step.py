@@ -280,7 +280,8 @@ class TrainStep:
         """The symbolic sizes a budget's allowances may name, for `model` on the current
         mesh: `"gradients"`, the trainable bytes reduced after the loop (per data replica;
         with per-use gathers, those of the leaves not split over the data axes),
-        `"parameters"`, the whole model's bytes per data replica, and `"scalars"`, the loss
+        `"parameters"`, the whole model's bytes per data replica as collectives carry them
+        (`zoo._budget.wire_itemsize`: bfloat16 widened to float32 on CPU), and `"scalars"`, the loss
         sums and an optimizer's per-leaf scalars (see `zoo.Allowance`)."""
         params = jax.tree.leaves(self.partition(model)[0])
         arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
@@ -289,7 +290,8 @@ class TrainStep:
             "gradients": sum(
                 replica_bytes(x, self.data_axes) for x in params if not (per_use and split_over(x, self.data_axes))
             ),
-            "parameters": sum(replica_bytes(x, self.data_axes) for x in arrays),
+            # What gathering them moves (a bfloat16 leaf 4 bytes a value on CPU).
+            "parameters": sum(replica_bytes(x, self.data_axes, on_the_wire=True) for x in arrays),
             "scalars": LOSS_SCALAR_BYTES + LEAF_SCALAR_BYTES * len(params),
         }
 

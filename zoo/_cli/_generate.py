@@ -239,7 +239,7 @@ def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = N
             raise _refusal(f"adapter {adapter_dir}: {str(e).splitlines()[0]}", e) from e
         where += f" with the adapter {adapter_dir}"
         if trained_on is not None:  # the base the adapter trained on, as the run built it
-            model = _quantized_as_the_run(model, lora, trained_on, rules, mesh)
+            model = quantized_as_the_run(model, lora, trained_on, rules, mesh)
             where += f" on its {trained_on.partition(':')[0]} base"
     tokenizer = zoo.hf.Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
     if tokenizer is None and model.config.vocab_size < 256:
@@ -252,7 +252,7 @@ def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = N
     return model, Text(tokenizer), eos, where
 
 
-def _quantized_as_the_run(model, lora, quantize: str, rules, mesh):
+def quantized_as_the_run(model, lora, quantize: str, rules, mesh):
     """`model` (a LoRA run's base with its adapter) with the frozen base stored as the run
     stored it (`zoo.lora.cast_frozen`, the run's `--quantize`), placed again."""
     import jax.numpy as jnp

@@ -85,6 +85,13 @@ def build_model(args, config: RunConfig, command: str, mesh) -> Built:
                 task.model = zoo.lora.add_lora(task.model, lora, key=jax.random.key(config.seed))
             except ValueError as e:
                 raise CLIError(f"--lora: {e}") from e
+        if config.quantize is not None:  # the base as zoo finetune --quantize stores it
+            from ._generate import quantized_as_the_run
+
+            try:
+                task.model = quantized_as_the_run(task.model, lora, config.quantize, zoo.rules(args.rules), mesh)
+            except ValueError as e:
+                raise CLIError(f"--quantize {config.quantize}: {str(e).splitlines()[0]}") from e
     return Built(task, lora, command, spec, config, parameters)
 
 
@@ -193,8 +200,8 @@ def _collectives_of(path: str) -> list:
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """--init, --model-config, --dtype, --seq-len, --seed, --lora: the flags of `zoo train`
-    / `zoo finetune` that choose the model, with the same meaning and defaults."""
+    """--init, --model-config, --dtype, --seq-len, --seed, --lora, --quantize: the flags of
+    `zoo train` / `zoo finetune` that choose the model, with the same meaning and defaults."""
     lora = RunConfig.help_texts("finetune")  # `--lora`'s keys in words, as zoo finetune's help
     parser.add_argument(
         "--init",
@@ -225,6 +232,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "trainable; finetune's defaults (r=8, alpha=16, targets all-linear, save=head for classifiers) and "
         f"its per-model defaults of --seq-len, --batch-size, --microbatches. {lora['lora_keys']}. E.g. --lora "
         f"{lora['lora_example']}",
+    )
+    quantize = next(f for f in RunConfig.flags("finetune") if f.name == "quantize")
+    parser.add_argument(
+        quantize.option, metavar=quantize.metavar, help=f"with --lora, as zoo finetune: {quantize.help}"
     )
 
 

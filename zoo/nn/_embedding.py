@@ -57,5 +57,8 @@ class Embedding(eqx.Module):
 
         Returns `[*batch, vocab]` in `x`'s dtype, split over the mesh axes of the vocab
         dim (tensor parallelism) like the table.
+
+        Under FSDP the table is gathered as the lookup gathers it, then transposed: the
+        same all-gather of the same array, which XLA merges into one per step.
         """
-        return project(x, self.weight.T)
+        return project(x, for_use(self.weight, x, lead_ndim=x.ndim - 1).T)
