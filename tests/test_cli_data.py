@@ -374,20 +374,15 @@ def _killed_after_step_2(whole: Path, to: Path) -> Path:
 
 def _zoo_process(*args) -> None:
     """`zoo ARGS` as a process of its own, as a user runs it (nothing kept in memory between
-    a run and its resume), compiling as this session does (its XLA flags, so its programs
-    and their numbers are the same across the processes of a test)."""
-    import os
+    a run and its resume), compiling as this process does (`helpers.short_run_env`: the same
+    XLA flags, so its programs and their numbers are those of the runs made here)."""
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true",
-    }
-    proc = subprocess.run([sys.executable, "-m", "zoo", *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=500, check=False)  # fmt: skip
+    from helpers import short_run_env
+
+    proc = subprocess.run([sys.executable, "-m", "zoo", *map(str, args)], env=short_run_env(), capture_output=True,
+                          text=True, timeout=500, check=False)  # fmt: skip
     assert proc.returncode == 0, f"zoo {' '.join(map(str, args))} exited {proc.returncode}\n{proc.stderr}"
 
 
@@ -402,22 +397,26 @@ def _final_state(folder: Path, step: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "kind, devices",
+    "kind, devices, across",
     # Every kind once, one device and several (2 and 8) each more than once: the restore
     # (the key's one-device sharding, the leaves' placements) is the same code for every
     # kind; what differs by kind (the data source, the LoRA split, the head) is device-blind.
-    [("own data decoder", 1), ("own data decoder", 8), ("built-in data", 2), ("LoRA fine-tune", 2),
-     ("classifier", 1)],
+    # The process boundary is the subject once (a fresh process resumes the LoRA
+    # fine-tune, the kind with the most state: its base from a folder, the adapter split, a
+    # chat file mid-epoch); the other kinds resume in this process, from the files alone.
+    [("own data decoder", 1, False), ("own data decoder", 8, False), ("built-in data", 2, False),
+     ("LoRA fine-tune", 2, True), ("classifier", 1, False)],
 )  # fmt: skip
-def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_files, kind, devices):
-    """Every kind of run, on 1 device and on several (2 and 8), each run a process
-    of its own: a run killed after its step-2 checkpoint and
-    resumed by the same command with --resume ends as the run never interrupted, bit for
-    bit: each step's training loss in metrics.jsonl (the killed run's later row dropped), the
-    final checkpoint's every leaf, the exported weights. Before it resumes, an own-data run
-    whose file was edited since the checkpoint is refused (and resumes once it is restored).
-    On 1 device the resume used to fail restoring the PRNG key (a rank-2 sharding for its
-    rank-1 data)."""
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_files, kind, devices, across):
+    """Every kind of run, on 1 device and on several (2 and 8): a run killed after its
+    step-2 checkpoint and resumed by the same command with --resume ends as the run never
+    interrupted, bit for bit: each step's training loss in metrics.jsonl (the killed run's
+    later row dropped), the final checkpoint's every leaf, the exported weights. The
+    LoRA fine-tune resumes in a process of its own (nothing kept in memory but the files);
+    the runs in this process compile as that process does. Before it resumes, an own-data
+    run whose file was edited since the checkpoint is refused (and resumes once it is
+    restored). On 1 device the resume used to fail restoring the PRNG key (a rank-2
+    sharding for its rank-1 data)."""
     import safetensors.numpy
 
     command, data, lora, steps, export = RESUMED[kind]
@@ -428,7 +427,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
             "--steps", str(steps), "--checkpoint-every", "2", "--eval-every", "0", "--quiet",
             *(["--data", source] if source else []), *(["--init", llama_dir] if lora else [])]  # fmt: skip
     whole = tmp_path / "whole"
-    _zoo_process(*args, "--output", whole)
+    ok(*args, "--output", whole)
     resumed = _killed_after_step_2(whole, tmp_path / "resumed")
     if data == "text":
         original = source.read_text()
@@ -436,7 +435,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
         rc, _, err = zoo_main(*args, "--output", resumed, "--resume")
         one_line_error(rc, err, "text.jsonl changed since checkpoint step 2")
         source.write_text(original)
-    _zoo_process(*args, "--output", resumed, "--resume")
+    (_zoo_process if across else ok)(*args, "--output", resumed, "--resume")
     losses = [[(r["step"], r["loss"]) for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"]
               for d in (whole, resumed)]  # fmt: skip
     assert [s for s, _ in losses[1]] == list(range(1, steps + 1))
