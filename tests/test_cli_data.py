@@ -374,8 +374,8 @@ def _killed_after_step_2(whole: Path, to: Path) -> Path:
 
 def _zoo_process(*args) -> None:
     """`zoo ARGS` as a process of its own, as a user runs it (nothing kept in memory between
-    a run and its resume), compiling as this process does (`helpers.short_run_env`: the same
-    XLA flags, so its programs and their numbers are those of the runs made here)."""
+    a run and its resume), compiling as the tests do (`helpers.short_run_env`'s XLA flags:
+    a short run's time is its compiling)."""
     import subprocess
     import sys
 
@@ -401,9 +401,10 @@ def _final_state(folder: Path, step: int) -> dict:
     # Every kind once, one device and several (2 and 8) each more than once: the restore
     # (the key's one-device sharding, the leaves' placements) is the same code for every
     # kind; what differs by kind (the data source, the LoRA split, the head) is device-blind.
-    # The process boundary is the subject once (a fresh process resumes the LoRA
-    # fine-tune, the kind with the most state: its base from a folder, the adapter split, a
-    # chat file mid-epoch); the other kinds resume in this process, from the files alone.
+    # The process boundary is the subject once (the LoRA fine-tune, the kind with the most
+    # state: its base from a folder, the adapter split, a chat file mid-epoch, runs and
+    # resumes in processes of its own); the other kinds resume in this process, from the
+    # files alone.
     [("own data decoder", 1, False), ("own data decoder", 8, False), ("built-in data", 2, False),
      ("LoRA fine-tune", 2, True), ("classifier", 1, False)],
 )  # fmt: skip
@@ -412,8 +413,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
     step-2 checkpoint and resumed by the same command with --resume ends as the run never
     interrupted, bit for bit: each step's training loss in metrics.jsonl (the killed run's
     later row dropped), the final checkpoint's every leaf, the exported weights. The
-    LoRA fine-tune resumes in a process of its own (nothing kept in memory but the files);
-    the runs in this process compile as that process does. Before it resumes, an own-data
+    LoRA fine-tune runs and resumes in processes of their own (nothing kept in memory but
+    the files); the other kinds run and resume in this process. Before it resumes, an own-data
     run whose file was edited since the checkpoint is refused (and resumes once it is
     restored). On 1 device the resume used to fail restoring the PRNG key (a rank-2
     sharding for its rank-1 data)."""
@@ -427,7 +428,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
             "--steps", str(steps), "--checkpoint-every", "2", "--eval-every", "0", "--quiet",
             *(["--data", source] if source else []), *(["--init", llama_dir] if lora else [])]  # fmt: skip
     whole = tmp_path / "whole"
-    ok(*args, "--output", whole)
+    run = _zoo_process if across else ok
+    run(*args, "--output", whole)
     resumed = _killed_after_step_2(whole, tmp_path / "resumed")
     if data == "text":
         original = source.read_text()
@@ -435,7 +437,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
         rc, _, err = zoo_main(*args, "--output", resumed, "--resume")
         one_line_error(rc, err, "text.jsonl changed since checkpoint step 2")
         source.write_text(original)
-    (_zoo_process if across else ok)(*args, "--output", resumed, "--resume")
+    run(*args, "--output", resumed, "--resume")
     losses = [[(r["step"], r["loss"]) for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"]
               for d in (whole, resumed)]  # fmt: skip
     assert [s for s, _ in losses[1]] == list(range(1, steps + 1))

@@ -173,8 +173,10 @@ def test_two_processes_train_like_one(tmp_path):
 @pytest.mark.slow
 def test_zoo_train_on_two_processes(tmp_path):
     """`zoo train mlp` on 2 processes × 2 devices: only process 0 prints and writes metrics;
-    the losses equal those of one process with --devices 4; the checkpoint is written by
-    both."""
+    the losses equal those of one process with --devices 4 (run here: compared within a
+    rounding bound, not bit for bit); the checkpoint is written by both."""
+    from helpers import zoo_ok
+
     py = sys.executable
     common = ["train", "mlp", "--steps", "5", "--quiet"]
 
@@ -183,10 +185,11 @@ def test_zoo_train_on_two_processes(tmp_path):
             [py, "-m", "zoo", *common, "--devices", "2", "--num-processes", "2", "--process-id", str(i),
              "--coordinator", f"127.0.0.1:{port}", "--output", str(tmp_path / "two")]
             for i in range(2)
-        ] + [[py, "-m", "zoo", *common, "--devices", "4", "--output", str(tmp_path / "one")]]  # fmt: skip
+        ]  # fmt: skip
 
     results = _launch(commands, tmp_path / "logs")
     _check_ok(results)
+    zoo_ok(*common, "--devices", "4", "--output", tmp_path / "one")
     assert "loss fell" in results[0][1] and "loss fell" not in results[1][1]
 
     def losses(folder):

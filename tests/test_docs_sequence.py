@@ -28,7 +28,7 @@ def _the_sequence():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(600)
 def test_sft_then_dpo_then_serve_as_docs_training_md_writes_them(tmp_path, monkeypatch):
     shell, client_block = _the_sequence()
     assert client_block.lang == "python" and "openai.OpenAI" in client_block.text

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import zoo_main
+from helpers import FAST_COMPILE_FLAGS, zoo_main
 
 import zoo
 
@@ -35,13 +35,12 @@ END = 100  # the steps the interrupted run is finished to (it is stopped after a
 
 def _env(cache: Path | None = None) -> dict[str, str]:
     """The children's environment: this checkout importable; the test session's XLA flags
-    (a long collective timeout) plus quick compilation (tiny programs: optimised code would
-    not pay for itself); no cluster variables. With `cache`, zoo's compilation cache in that
+    (a long collective timeout) plus its quick compilation (`helpers.FAST_COMPILE_FLAGS`:
+    tiny programs, optimised code would not pay for itself); no cluster variables. With `cache`, zoo's compilation cache in that
     folder, so the later runs of the test reuse the first ones' programs."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true")  # fmt: skip
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}"
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
     if cache is not None:

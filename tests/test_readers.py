@@ -39,8 +39,15 @@ def _env() -> dict[str, str]:
 
 
 def _train(data: Path, out: Path) -> subprocess.Popen:
+    """A run in a process of its own, compiling as the tests do (`helpers.short_run_env`'s
+    XLA flags: a tiny model's compile is most of its time)."""
+    from helpers import short_run_env
+
+    env = short_run_env()
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(name, None)
     return subprocess.Popen([sys.executable, "-m", "zoo", *TRAIN, "--data", str(data), "--output", str(out)],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 def _weights(run: Path) -> dict[str, np.ndarray]:
@@ -91,7 +98,7 @@ def test_readers_leave_a_save_in_flight_untouched(tmp_path):
     assert _snapshot(run) == before
 
 
-@pytest.mark.slow  # ~3 min on 2 cores: two runs saving every step, readers looping meanwhile
+@pytest.mark.slow  # two runs saving every step, readers looping meanwhile
 @pytest.mark.timeout(900)
 def test_readers_in_a_loop_leave_a_saving_run_bit_identical(tmp_path):
     data = tmp_path / "labels.jsonl"
