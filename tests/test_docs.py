@@ -15,8 +15,11 @@ block (invisible on GitHub) say how:
 - `<!-- doc-test: not-code (REASON) -->`: output, a diff, a table: not run.
 - `<!-- doc-test: slow -->`: the chain runs with `-m slow` only.
 
-Python blocks run in a subprocess with the test suite's XLA flags and compilation cache
-(tests/conftest.py), `HF_HUB_OFFLINE=1`, cwd a temporary folder. Shell blocks: every `zoo`
+Python blocks run with cwd a temporary folder and `HF_HUB_OFFLINE=1`: in the test process
+(a fresh namespace, `__name__` "__main__") where the chain changes nothing of its process
+(`_in_test_process`), else in a subprocess with the test suite's XLA flags and compilation
+cache (tests/conftest.py): a chain that sets jax's devices or configuration, starts a
+distributed job, sets a mesh, registers a model, or reads an environment of its own. Shell blocks: every `zoo`
 command line is parsed by the CLI's own parser (a wrong flag or choice fails); `--help`,
 `zoo info` of a built-in model and `zoo inspect mlp` also run (in the test process).
 """
@@ -257,22 +260,61 @@ def test_every_slow_chain_is_a_chain():
     """A README/docs edit moves a chain's first line: a stale name in SLOW would silently put
     a long chain back into the fast suite (README.md:70 did, 67 s in CI)."""
     assert SLOW <= {chain[0].name for chain in CHAINS}, SLOW - {chain[0].name for chain in CHAINS}
+    names = {chain[0].name for chain in CHAINS}  # likewise for the chains kept in a process of their own
+    assert TYPES_WIDER_THAN_ANNOTATED <= names, TYPES_WIDER_THAN_ANNOTATED - names
+
+
+def _is_slow(chain: list[Block]) -> bool:
+    return chain[0].name in SLOW or any(b.marker("slow") is not None for b in chain)
 
 
 def _chain_params():
     for chain in CHAINS:
-        slow = chain[0].name in SLOW or any(b.marker("slow") is not None for b in chain)
-        yield pytest.param(chain, id=chain[0].name, marks=[pytest.mark.slow] if slow else [])
+        yield pytest.param(chain, id=chain[0].name, marks=[pytest.mark.slow] if _is_slow(chain) else [])
+
+
+# What a chain does to its process that the test process must not share or has already done
+# otherwise: jax's device count and configuration, a distributed job, the current mesh, the
+# model registry, the environment (a hub cache, a job's variables), signals.
+OWN_PROCESS = re.compile(
+    r"jax_num_cpu_devices|jax\.config|jax\.distributed|jax\.devices|device_count|make_mesh|set_mesh"
+    r"|register_model|os\.environ|signal|\bsys\."
+)
+ENV_FIXTURES = {"one_process", "hub_llama"}
+# Chains that pass values zoo's annotations do not name (a jax array to Tokenizer.decode,
+# numpy targets to the loss): they run as a user runs them, but the test process checks
+# every zoo call's types at run time (pyproject's jaxtyping hook) and would refuse them.
+TYPES_WIDER_THAN_ANNOTATED = {"docs/generation.md:11", "docs/training.md:343"}
+
+
+def _in_test_process(chain: list[Block]) -> bool:
+    """Whether the chain runs in the test process: a fast chain that changes nothing of its
+    process (above) and needs no environment of its own. Its subject is the code of the
+    block, not a process: one that imports zoo and compiles its tiny programs afresh costs a
+    few seconds more for nothing (issue 40)."""
+    kinds = {pair.split("=")[1] for b in chain for pair in (b.marker("fixtures") or "").split()}
+    return (
+        not _is_slow(chain)
+        and chain[0].name not in TYPES_WIDER_THAN_ANNOTATED
+        and not kinds & ENV_FIXTURES
+        and not any(OWN_PROCESS.search(b.text) for b in chain)
+    )
 
 
 @pytest.mark.parametrize("chain", list(_chain_params()))
-def test_python_block_runs_as_written(chain, tmp_path, made):
+def test_python_block_runs_as_written(chain, tmp_path, made, monkeypatch):
     env = subprocess_env()
     for b in chain:
         spec = b.marker("fixtures")
         for pair in (spec or "").split():
             path, kind = pair.split("=")
             _place(tmp_path, path, kind, made, env)
+    if _in_test_process(chain):  # the same blocks, in one namespace, cwd the same folder
+        monkeypatch.chdir(tmp_path)
+        namespace = {"__name__": "__main__"}
+        for b in chain:
+            exec(compile("\n" * (b.line - 1) + b.text, str(b.file.relative_to(ROOT)), "exec"), namespace)
+        return
     blocks = [[str(b.file.relative_to(ROOT)), b.line, b.text] for b in chain]
     (tmp_path / "_blocks.json").write_text(json.dumps(blocks))
     (tmp_path / "_runner.py").write_text(RUNNER)
