@@ -33,8 +33,9 @@ def train_rows(folder: Path) -> list[dict]:
 
 
 def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
-    """Two real `python -m zoo train` into one folder: the second (even with --overwrite)
-    is refused with one line while the first trains, and the first ends intact."""
+    """A real `python -m zoo train` trains into a folder; a second run into it (even with
+    --overwrite; started in this process: what is tested is the first process's lock) is
+    refused with one line while the first trains, and the first ends intact."""
     out = tmp_path / "run"
     # Not short_run_env's fast compiling: the first run must outlive the second's start.
     env = os.environ | {"PYTHONPATH": str(ROOT)}
@@ -42,19 +43,16 @@ def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
                    "--eval-size", "16", "--checkpoint-every", "1000", "--quiet", "--output", str(out)]  # fmt: skip
     first = subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *first_flags], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lock = out / ".zoo.lock"
+    held = lambda: lock.exists() and "pid" in lock.read_text()  # noqa: E731  (written once locked)
     try:
         deadline = time.monotonic() + 120
-        while not (out / ".zoo.lock").exists() and time.monotonic() < deadline and first.poll() is None:
+        while not held() and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.1)
-        assert (out / ".zoo.lock").exists(), first.communicate()
-        second = subprocess.run(
-            [sys.executable, "-m", "zoo", "train", "mlp", *TINY, "--output", str(out), "--overwrite"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        assert held(), first.communicate()
+        rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--overwrite")
         assert first.poll() is None, "the first run ended before the second tried: the test proved nothing"
-        one_line_error(
-            second.returncode, second.stderr, f"--output {out} is in use by another zoo run (pid {first.pid}"
-        )
+        one_line_error(rc, err, f"--output {out} is in use by another zoo run (pid {first.pid}")
         stdout, stderr = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
@@ -916,7 +914,7 @@ print(json.dumps(out))
 
 def _boundaries(**env) -> dict:
     proc = subprocess.run([sys.executable, "-c", _BOUNDARIES], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"} | env)  # fmt: skip
+                          env=short_run_env() | {"JAX_PLATFORMS": "cpu"} | env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -285,10 +285,14 @@ class _Process:
         import sys
         from pathlib import Path
 
+        from helpers import short_run_env
+
         root = Path(__file__).resolve().parents[1]
+        # The tests' fast-compile flags: what is served is the same, its programs compile in
+        # half the time (the process is the server, not its code's speed).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "zoo", "serve", str(folder), "--port", "0", "--name", "tiny", *map(str, flags)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root, env=short_run_env(),
         )  # fmt: skip
         self.line = self.proc.stdout.readline()  # "zoo serve: http://127.0.0.1:PORT/v1  model tiny  ready"
         if "ready" not in self.line:
