@@ -597,5 +597,7 @@ def test_quantize_while_loading_refuses_what_cannot_be_quantized(llama_dir):
             from_pretrained(llama_dir, quantize=text)
     # The tiny Llama's 32 and 48 inputs: NF4's default block of 64 divides neither; said
     # before anything is read, naming the blocks that fit.
-    with pytest.raises(ValueError, match=r"cannot quantize layers\..*a block of 64 .* block_size= one of \[16"):
+    with pytest.raises(
+        ValueError, match=r"cannot quantize layers\..*a block of 64 .* pass quantize='nf4:BLOCK', BLOCK one of \[16"
+    ):
         from_pretrained(llama_dir, quantize="nf4")

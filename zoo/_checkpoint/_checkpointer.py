@@ -132,16 +132,16 @@ class Checkpointer:
         deleting the oldest step in between raises `FileNotFoundError` for a folder
         that was never the reader's concern, so a read-only opener lists again.
         """
-        ocp = self._ocp
-        for attempt in range(_LIST_ATTEMPTS):
+        attempts = 1
+        while True:
             try:
-                return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
+                return self._ocp.CheckpointManager(self.directory, options=options, item_names=("state", "manifest"))
             except FileNotFoundError as e:
                 gone = os.fspath(e.filename or "")
                 inside = gone.startswith(self.directory + os.sep) and os.path.isdir(self.directory)
-                if not self.read_only or not inside or attempt == _LIST_ATTEMPTS - 1:
+                if not self.read_only or not inside or attempts == _LIST_ATTEMPTS:
                     raise
-        raise AssertionError("unreachable")
+                attempts += 1
 
     def _disk_full(self, error: Exception) -> Exception:
         """A full disk as `OSError(ENOSPC)` naming the directory; any other error as it is."""

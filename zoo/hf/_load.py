@@ -148,7 +148,9 @@ def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, whe
         try:
             eqx.filter_eval_shape(quantizer, linear)
         except ValueError as e:
-            raise ValueError(f"{where}: cannot quantize {name} as {quantize}: {e}") from None
+            # FourBitLinear.quantize names its own argument; here the block is in the text form.
+            hint = str(e).replace("pass block_size= one of", f"pass quantize='{quantize}:BLOCK', BLOCK one of")
+            raise ValueError(f"{where}: cannot quantize {name} as {quantize}: {hint}") from None
     return dict.fromkeys(found, quantizer)
 
 
