@@ -399,6 +399,23 @@ def test_the_runs_lora_program_is_compiled_for_each_placement():
         assert {x.sharding.mesh for x in jax.tree.leaves(eqx.filter(adapted, eqx.is_array))} == {mesh}
 
 
+def test_the_runs_initialiser_is_compiled_for_each_mesh():
+    """A run's model initialiser is one compiled program cached per configuration: a
+    second build in the process under another mesh gets one of its own (it used to get the
+    first one's, whose arrays lay on the first mesh: `zoo inspect --devices 8` then
+    `--devices 2` in one process failed with 'incompatible devices')."""
+    from zoo.train._task import init_compiled
+
+    def build(k):
+        return zoo.nn.Linear(4, 3, key=k)
+
+    for n in (4, 2):
+        mesh = data_mesh(n)
+        with jax.set_mesh(mesh):
+            model = init_compiled(("linear", 4, 3), build, jax.random.key(0))
+        assert {x.sharding.mesh for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))} == {mesh}
+
+
 @pytest.mark.slow
 def test_a_resumed_run_sees_the_same_batches_and_ends_where_an_uninterrupted_one_does(tmp_path, capsys):
     whole = zoo.train.run(_mlp(tmp_path / "whole"))

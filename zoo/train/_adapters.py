@@ -323,7 +323,8 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
     leaves, treedef = jax.tree.flatten(arrays)
     # A compiled program takes only the placements it was compiled for: another mesh (a
     # second run in this process on other devices) is another program.
-    cache_key = (treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves), config)
+    placements = tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
+    cache_key = (treedef, placements, config, jax.sharding.get_mesh())
     if cache_key not in _LORA_WRAPPERS:
         out: dict[str, Any] = {}
 

@@ -148,10 +148,13 @@ def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
     """`build(key)` as one jitted program compiled without LLVM's costly optimisations:
     about half the CPU time of running the initialisers op by op, each compiled alone.
     Same values as running it eagerly, up to float rounding. Compiled once per `name`
-    (which must name the model's configuration too)."""
+    (which must name the model's configuration too) and mesh set by `jax.set_mesh`."""
     import equinox as eqx
     import jax
 
+    # The arrays come out on the mesh set when it was compiled: another mesh (a second
+    # run in this process on other devices) is another program.
+    name = (name, jax.sharding.get_mesh())
     if name not in _INITIALISERS:
         static: dict[str, Any] = {}
 
