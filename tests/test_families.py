@@ -1,4 +1,4 @@
-"""The zoo.hf architecture registry: Llama, Mistral, Qwen2, Gemma, Phi-3 (and GPT-2, BERT)
+"""The zoo.hf architecture registry: Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3 (and GPT-2, BERT)
 both ways against transformers, sharded loads, vocabulary padding, cache ids, refusals."""
 
 import json
@@ -67,6 +67,8 @@ CASES = {
     # Mistral with a window shorter than the sequence.
     "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
+    # Qwen3: q/k heads RMS-normalised before RoPE, a head_dim ≠ hidden/heads, a tied head.
+    "qwen3": (transformers.Qwen3Config, SMALL | {"tie_word_embeddings": True, "head_dim": 16}),
     # Gemma: embeddings × sqrt(hidden), RMSNorm by (1 + weight), GeGLU, tied head.
     "gemma": (transformers.GemmaConfig, SMALL | {"head_dim": 8}),
     # Phi-3: q | k | v fused in qkv_proj (blocks 32, 16, 16 wide under GQA), gate | up in gate_up_proj.
@@ -238,18 +240,22 @@ def test_activation_spelling_round_trips(tmp_path):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize(("preset", "devices"), [("fsdp", 8), ("tp", 8), ("fsdp+tp", 4)])
-def test_sharded_loads_equal_unsharded(preset, devices, hf_dirs, loaded, tokens):
-    """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62)."""
+@pytest.mark.parametrize(
+    ("name", "preset", "devices"),
+    [("qwen2", "fsdp", 8), ("qwen3", "fsdp", 8), ("qwen3", "tp", 8), ("qwen2", "fsdp+tp", 4)],
+)
+def test_sharded_loads_equal_unsharded(name, preset, devices, hf_dirs, loaded, tokens):
+    """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62). Qwen3's
+    q/k norms act on heads split over `model` under tp."""
     mesh = preset_mesh(preset, devices)
-    model = zoo.hf.from_pretrained(hf_dirs["qwen2"], rules=zoo.rules(preset), mesh=mesh)
+    model = zoo.hf.from_pretrained(hf_dirs[name], rules=zoo.rules(preset), mesh=mesh)
     padded = "tp" in preset
     assert model.config.padded_vocab == (62 if padded else VOCAB)
     assert isinstance(model.token_embedding.weight.sharding, NamedSharding)
     tokens, mask = _rows8(tokens), _rows8(_masks()["left"])
     with jax.set_mesh(mesh):
         got = np.asarray(forward(model, *_placed(mesh, tokens, mask)))
-    want = np.asarray(forward(loaded["qwen2"], tokens, mask))
+    want = np.asarray(forward(loaded[name], tokens, mask))
     assert_rounding_close(got[..., :VOCAB], want, **SUMS)
     if padded:
         assert (got[..., VOCAB:] == np.finfo(np.float32).min).all()
@@ -305,7 +311,8 @@ def test_gpt2_and_bert_odd_vocabularies_load_under_tp(tmp_path):
 def _config_only(tmp_path, name, **values):
     directory = tmp_path / name
     directory.mkdir()
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[values.pop("kind", "llama")]
+    kinds = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    cls = kinds[values.pop("kind", "llama")]
     cls(**(SMALL | values)).save_pretrained(directory)
     return directory
 
@@ -361,6 +368,10 @@ def test_model_ids_load_from_the_local_cache_first(hf_dirs, loaded, tmp_path, mo
             {"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
             "only some layers",
         ),
+        (
+            {"kind": "qwen3", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+            "only some layers",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):
@@ -411,9 +422,19 @@ def test_export_refuses_what_the_family_cannot_express():
         llama.config_to_hf(TransformerConfig(**base | {"norm": "layernorm", "activation": "gelu"}))
     with pytest.raises(ValueError, match="Qwen2 has biases on q, k and v only"):
         zoo.hf.get_family("qwen2").config_to_hf(TransformerConfig(**base, use_bias=False))
-    # Chosen by shape: a window → Mistral, q/k/v-only biases → Qwen2.
+    with pytest.raises(ValueError, match="qk_norm=True.*Qwen3 does"):
+        llama.config_to_hf(TransformerConfig(**base, use_bias=False, qk_norm=True))
+    with pytest.raises(ValueError, match="qk_norm=False"):
+        zoo.hf.get_family("qwen3").config_to_hf(TransformerConfig(**base, use_bias=False))
+    # Chosen by shape: a window → Mistral, q/k/v-only biases → Qwen2, q/k norms → Qwen3.
     assert zoo.hf.family_of(TransformerConfig(**base, sliding_window=4, use_bias=False)).name == "mistral"
     assert zoo.hf.family_of(TransformerConfig(**base, use_bias=False, qkv_bias=True)).name == "qwen2"
+    qwen3 = zoo.hf.get_family("qwen3")
+    for extra in ({}, {"sliding_window": 4}, {"qkv_bias": True, "o_bias": True}):
+        config = TransformerConfig(**base, use_bias=False, qk_norm=True, **extra)
+        assert zoo.hf.family_of(config).name == "qwen3"
+        written = qwen3.config_to_hf(config)
+        assert qwen3.config_to_hf(qwen3.config_from_hf(written)) == written
 
 
 @pytest.mark.parametrize("name", list(zoo.hf.families()))

@@ -67,6 +67,7 @@ CAUSAL_LM = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
@@ -74,6 +75,8 @@ CAUSAL_LM = {
 GATE = {"phi3": "gate_up_proj"}
 # Gemma: its own head size, the head tied to the embedding (no lm_head to save).
 GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
+# Qwen3: q/k norms over a head_dim ≠ hidden/heads.
+EXTRA = {"gemma": GEMMA, "qwen3": {"head_dim": 8}}
 
 
 def perturb(module, seed, which=lambda name: True, scale=0.1):
@@ -102,7 +105,7 @@ def hf_folder(kind, root):
     elif kind == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
     else:
-        extra = GEMMA if kind == "gemma" else {}
+        extra = EXTRA.get(kind, {})
         model = getattr(transformers, CAUSAL_LM[kind])(transformers.AutoConfig.for_model(kind, **DECODER | extra))
     folder = f"{root}/{kind}"
     perturb(model, 1).save_pretrained(folder)
@@ -407,7 +410,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
         load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
 
 
-# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Gemma, Phi-3
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3
 
 
 @pytest.mark.parametrize("family", sorted(CAUSAL_LM))

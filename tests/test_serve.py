@@ -125,8 +125,9 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     """A decode step's attention reads only the cache columns in use (`span`: at least 128,
     then 192, 256, ...; one program each; the blocks of columns that hold them): a request
     whose prompt fills two blocks and that grows past 128 columns beside a short one gets
-    zoo.generate's tokens for it alone."""
-    model = tiny_decoder(jax.random.key(3), max_len=256, vocab_size=64)
+    zoo.generate's tokens for it alone. The model normalises its query and key heads
+    (`qk_norm`, Qwen3's: test_generate holds zoo.generate to transformers for it)."""
+    model = tiny_decoder(jax.random.key(3), max_len=256, vocab_size=64, qk_norm=True)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), params)
     model = eqx.combine(params, static)  # peaked logits: no near-ties between programs

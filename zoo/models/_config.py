@@ -119,7 +119,8 @@ class TransformerConfig(_Common):
     `qkv_bias`, `o_bias`, `mlp_bias` overriding it per projection group), `sliding_window`
     (banded causal attention), `rope_scaling="llama3"` with `rope_factor`,
     `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, `embed_scale`
-    (the token embeddings' multiplier, Gemma's `sqrt(d_model)`), `pre_norm`
+    (the token embeddings' multiplier, Gemma's `sqrt(d_model)`), `qk_norm` (each query and
+    key head RMS-normalised over `head_dim` before RoPE, Qwen3's), `pre_norm`
     (post-LN when false), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
     parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
     `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
@@ -143,6 +144,7 @@ class TransformerConfig(_Common):
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     embed_scale: float = 1.0  # token embeddings multiplied by this (Gemma: sqrt(d_model))
+    qk_norm: bool = False  # each query/key head RMS-normalised before RoPE (Qwen3)
 
     def __post_init__(self):
         super().__post_init__()

@@ -57,6 +57,8 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         init_std=config.init_std,
         rope_llama3=_llama3(config) if rope else None,
         sliding_window=getattr(config, "sliding_window", None),
+        qk_norm=getattr(config, "qk_norm", False),
+        norm_eps=config.norm_eps,
         key=ka,
     )
     mlp = FeedForward(

@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._dropout import ExampleKeys, dropout, fold_in
 from ._linear import Linear, flatten_rows
+from ._norm import RMSNorm
 from ._rope import apply_rope, rope_angles, rope_tables
 
 
@@ -43,7 +44,9 @@ class Attention(eqx.Module):
     Hugging Face `nn.Linear`/`Conv1D` and LoRA can wrap any of them. Query head `h` reads
     key/value head `h // (num_heads // num_kv_heads)` (grouped-query attention, as HF's
     `repeat_kv`). Logical axes: `("embed", "heads")`, `("embed", "kv_heads")`,
-    `("heads", "embed")` — tensor parallelism splits heads over `model`.
+    `("heads", "embed")` — tensor parallelism splits heads over `model`. With `qk_norm`,
+    each query and key head is RMS-normalised over its `head_dim` before RoPE (`q_norm`,
+    `k_norm`, one scale of `head_dim` shared by the heads: Qwen3, Gemma 3, OLMo 2).
     """
 
     q_proj: Linear
@@ -58,6 +61,8 @@ class Attention(eqx.Module):
     dropout_rate: float = eqx.field(static=True)
     rope_llama3: tuple[float, float, float, int] | None = eqx.field(static=True, default=None)
     sliding_window: int | None = eqx.field(static=True, default=None)
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
 
     def __init__(
         self,
@@ -73,6 +78,8 @@ class Attention(eqx.Module):
         init_std: float | None = 0.02,
         rope_llama3: tuple[float, float, float, int] | None = None,
         sliding_window: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -91,6 +98,8 @@ class Attention(eqx.Module):
           low_freq_factor, high_freq_factor, original_max_len)` (see `zoo.internal.rope_frequencies`).
         - `sliding_window`: with `causal`, position `s` attends only to positions `t` with
           `s - window < t ≤ s` (Mistral's banded mask); `None`: every earlier position.
+        - `qk_norm`: RMS-normalise each query and key head before RoPE, with a learned
+          scale of `head_dim` (init 1) and epsilon `norm_eps`.
         - `key`: PRNG key.
         """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -117,6 +126,9 @@ class Attention(eqx.Module):
         self.dropout_rate = dropout_rate
         self.rope_llama3 = rope_llama3
         self.sliding_window = sliding_window
+        # The scale is per head dimension, shared by every head: nothing of it to split.
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps, axis=None) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps, axis=None) if qk_norm else None
 
     def __call__(
         self,
@@ -152,6 +164,8 @@ class Attention(eqx.Module):
         q = restore(self.q_proj(rows, key=keys[1])).reshape(b, s, kvh, g, hd)
         k = restore(self.k_proj(rows, key=keys[2])).reshape(b, s, kvh, hd)
         v = restore(self.v_proj(rows, key=keys[3])).reshape(b, s, kvh, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             if positions is None:
                 cos, sin = rope_tables(s, hd, theta=self.rope_theta, llama3=self.rope_llama3)

@@ -248,6 +248,8 @@ def _project(attention: Attention, x, positions):
     q = attention.q_proj(x).reshape(b, s, kvh, g, hd)
     k = attention.k_proj(x).reshape(b, s, kvh, hd)
     v = attention.v_proj(x).reshape(b, s, kvh, hd)
+    if attention.q_norm is not None:
+        q, k = attention.q_norm(q), attention.k_norm(k)
     if attention.rope_theta is not None:
         q, k = _rotate(q, positions, attention), _rotate(k, positions, attention)
     return q, k, v

@@ -72,7 +72,12 @@ class Gemma(Llama):
         return out | {"hidden_act": act if act in _GELU_TANH else "gelu_pytorch_tanh"}
 
     def claims(self, config: Any) -> bool:
-        return isinstance(config, self.config_class) and config.positions == "rope" and config.activation == "geglu"
+        return (
+            isinstance(config, self.config_class)
+            and config.positions == "rope"
+            and config.activation == "geglu"
+            and not config.qk_norm
+        )
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
         source = super().source(module, param, parent, shape, config)

@@ -208,6 +208,8 @@ class Llama(Family):
             problems.append(f"qkv_bias={qkv} with o_bias={o} ({self.name} has one attention_bias for q, k, v and o)")
         if config.sliding_window is not None:
             problems.append(f"sliding_window={config.sliding_window} ({self.name} has no sliding window; Mistral has)")
+        if config.qk_norm:
+            problems.append(f"qk_norm=True ({self.name} does not normalise query and key heads; Qwen3 does)")
         return problems
 
     def config_to_hf(self, config: TransformerConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -245,6 +247,7 @@ class Llama(Family):
             and config.positions == "rope"
             and config.activation == "swiglu"
             and config.sliding_window is None
+            and not config.qk_norm
             and _bias(config, "qkv_bias") == _bias(config, "o_bias")
         )
 

@@ -22,31 +22,15 @@ class Qwen2(Llama):
     name = "qwen2"
     architecture = "Qwen2ForCausalLM"
 
-    def _layer_types(self, values: dict[str, Any]) -> list[str]:
-        layers = values.get("num_hidden_layers", 0)
-        if values.get("layer_types"):
-            return list(values["layer_types"])
-        sliding = values.get("use_sliding_window", False) and values.get("sliding_window") is not None
-        first = values.get("max_window_layers", layers)
-        return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
-
     def unsupported(self, values: dict[str, Any]) -> list[str]:
-        problems = super().unsupported(values)
-        kinds = set(self._layer_types(values))
-        if len(kinds) > 1:
-            problems.append(
-                "use_sliding_window=True with only some layers sliding (max_window_layers / layer_types): zoo's "
-                "scanned layers share one attention pattern; set max_window_layers to 0 or use_sliding_window false"
-            )
-        return problems
+        return super().unsupported(values) + window_problems(values)
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
-        sliding = self._layer_types(values)[:1] == ["sliding_attention"]
         return super().fields(values) | {
             "qkv_bias": True,
             "o_bias": None,
             "mlp_bias": None,
-            "sliding_window": values.get("sliding_window") if sliding else None,
+            "sliding_window": window_of(values),
         }
 
     def export_problems(self, config: Any) -> list[str]:
@@ -61,13 +45,7 @@ class Qwen2(Llama):
     def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
         out = super().config_to_hf(config, base)
         del out["attention_bias"], out["mlp_bias"]
-        sliding = config.sliding_window is not None
-        return out | {
-            "use_sliding_window": sliding,
-            "sliding_window": config.sliding_window,
-            "max_window_layers": 0 if sliding else config.num_layers,
-            "layer_types": [("sliding_attention" if sliding else "full_attention")] * config.num_layers,
-        }
+        return out | window_to_hf(config)
 
     def claims(self, config: Any) -> bool:
         return (
@@ -76,4 +54,43 @@ class Qwen2(Llama):
             and config.activation == "swiglu"
             and _bias(config, "qkv_bias")
             and not _bias(config, "o_bias")
+            and not config.qk_norm
         )
+
+
+def _layer_types(values: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind, `"sliding_attention"` or `"full_attention"`, as
+    transformers derives it (`layer_types`, else `use_sliding_window` from layer
+    `max_window_layers` on)."""
+    layers = values.get("num_hidden_layers", 0)
+    if values.get("layer_types"):
+        return list(values["layer_types"])
+    sliding = values.get("use_sliding_window", False) and values.get("sliding_window") is not None
+    first = values.get("max_window_layers", layers)
+    return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
+
+
+def window_problems(values: dict[str, Any]) -> list[str]:
+    """A Qwen config's window options zoo's layers cannot hold: a window on some layers only."""
+    if len(set(_layer_types(values))) <= 1:
+        return []
+    return [
+        "use_sliding_window=True with only some layers sliding (max_window_layers / layer_types): zoo's "
+        "scanned layers share one attention pattern; set max_window_layers to 0 or use_sliding_window false"
+    ]
+
+
+def window_of(values: dict[str, Any]) -> int | None:
+    """`TransformerConfig.sliding_window` of a Qwen config (every layer sliding, or None)."""
+    return values.get("sliding_window") if _layer_types(values)[:1] == ["sliding_attention"] else None
+
+
+def window_to_hf(config: Any) -> dict[str, Any]:
+    """A Qwen config's window options for `config.sliding_window` (on every layer, or off)."""
+    sliding = config.sliding_window is not None
+    return {
+        "use_sliding_window": sliding,
+        "sliding_window": config.sliding_window,
+        "max_window_layers": 0 if sliding else config.num_layers,
+        "layer_types": [("sliding_attention" if sliding else "full_attention")] * config.num_layers,
+    }
