@@ -633,7 +633,5 @@ def test_padded_vocabulary_rows_are_never_generated():
         zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW, temperature=2.0, key=jax.random.key(0))
     )
     assert greedy[:, 6:].max() < 32 and sampled[:, 6:].max() < 32
-    from zoo._generate import _head
-
-    logits = np.asarray(_head(model, jax.random.normal(jax.random.key(1), (2, 1, 16))))
+    logits = np.asarray(model.head(jax.random.normal(jax.random.key(1), (2, 1, 16))))
     assert (logits[..., 32:] == np.finfo(np.float32).min).all() and np.isfinite(logits[..., :32]).all()

@@ -427,3 +427,113 @@ def test_import_zoo_loads_no_jax_and_every_public_name_reads():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["42"], proc.stdout
+
+
+# --- one forward pass (issue 44) ------------------------------------------------------------------
+
+# The modules of inference: they run the model's own forward pass (`Transformer.extend`,
+# `Transformer.head`) with a `KVCache`, and never a copy of its layers.
+INFERENCE = ("zoo._generate", "zoo.serve", "zoo.nn._cache")
+# A definition named like a layer of the forward pass (`cached_block`, `cached_attention`,
+# `blocked_attention`, `_embed`, `_layers`, `_head` were such copies).
+FORWARD_NAME = r"(?i)attention|attend|(^|_)(transformer_?)?block$|^_?(embed|layers|head)$"
+# The parts of a layer and of the model: calling one of them by hand is running a layer
+# outside `TransformerBlock` / `Transformer`.
+LAYER_PARTS = {
+    "attention",
+    "attention_norm",
+    "mlp",
+    "mlp_norm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "token_embedding",
+    "position_embedding",
+    "final_norm",
+    "lm_head",
+}
+# The attention math and RoPE: only `zoo.nn._attention` (and `zoo.nn._rope`) compute them.
+ATTENTION_MATH = {"softmax", "dot_product_attention"}
+ROPE = {"apply_rope", "rope_angles", "rope_tables", "rope_frequencies"}
+ATTENTION_MODULE = "zoo.nn._attention"
+# Modules whose softmax is no attention's, with why.
+OTHER_SOFTMAX = {"zoo._sampling": "sampling's probabilities over the vocabulary"}
+
+
+def _callee(call: ast.Call) -> str | None:
+    """The last name of what `call` calls (`jax.nn.softmax(...)` → `softmax`)."""
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+
+
+def _second_forward(trees: dict[str, ast.AST]) -> list[str]:
+    """Where `trees` (module → AST) hold a second copy of the forward pass: an inference
+    module defining a block, attention, embedding or head of its own, or calling a layer's
+    parts, the attention math or RoPE; any module but `zoo.nn._attention` defining or
+    calling the attention's softmax."""
+    import re
+
+    found = []
+    for module, tree in trees.items():
+        inference = any(module == p or module.startswith(p + ".") for p in INFERENCE)
+        for node in ast.walk(tree):
+            where = f"{module}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if inference and re.search(FORWARD_NAME, node.name):
+                    found.append(f"{where} defines {node.name}")
+                if node.name in ATTENTION_MATH and module != ATTENTION_MODULE:
+                    found.append(f"{where} defines {node.name} (the attention's is zoo.nn._attention's)")
+            if not isinstance(node, ast.Call):
+                continue
+            name = _callee(node)
+            if inference and isinstance(node.func, ast.Attribute) and name in LAYER_PARTS:
+                found.append(f"{where} calls a layer's part .{name}(...)")
+            if inference and name in ROPE:
+                found.append(f"{where} calls {name}")
+            if name in ATTENTION_MATH and module != ATTENTION_MODULE and module not in OTHER_SOFTMAX:
+                found.append(f"{where} calls {name}")
+    return found
+
+
+def test_inference_runs_the_training_forward_pass():
+    """Generation and the serving engine run training's embedding, blocks, attention and
+    head (`Transformer.extend` / `head` with a `KVCache`): no inference module holds a
+    block or an attention of its own, and the attention's softmax is written once."""
+    found = _second_forward(TREES)
+    assert not found, (
+        "a second copy of the forward pass; give the model's own layers the feature "
+        "(Attention / TransformerBlock take cache=) instead:\n" + "\n".join(found)
+    )
+    assert sum(isinstance(n, ast.FunctionDef) and n.name == "softmax" for n in ast.walk(TREES[ATTENTION_MODULE])) == 1
+
+
+def test_the_forward_pass_check_sees_a_copy():
+    """The check itself: the cached copies it replaced, put back, are each caught."""
+    copies = {
+        "zoo.nn._cache": ast.parse(
+            "def cached_attention(attention, x, keys, values):\n"
+            "    q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)\n"
+            "    return jax.nn.softmax(q @ k) @ v\n"
+        ),
+        "zoo._generate": ast.parse(
+            "def run(model, h, keys, values):\n"
+            "    for block in model.layers:\n"
+            "        h = h + block.attention(block.attention_norm(h))\n"
+            "    return h\n"
+        ),
+        "zoo.serve._programs": ast.parse("def step(q, k):\n    return apply_rope(q, k)\n"),
+        "zoo.nn._linear": ast.parse("def softmax(x):\n    return x\n"),
+    }
+    found = "\n".join(_second_forward(copies))
+    for expected in (
+        "zoo.nn._cache:1 defines cached_attention",
+        "calls a layer's part .q_proj",
+        "zoo.nn._cache:3 calls softmax",
+        "calls a layer's part .attention(",
+        "calls a layer's part .attention_norm",
+        "zoo.serve._programs:2 calls apply_rope",
+        "zoo.nn._linear:1 defines softmax",
+    ):
+        assert expected in found, (expected, found)
+    assert not _second_forward({"zoo._sampling": ast.parse("p = jax.nn.softmax(logits)")})

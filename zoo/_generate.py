@@ -31,35 +31,9 @@ from ._sampling import apply_repetition_penalty, check_sampling, next_token, see
 from .lora._named import adapter_names as held_adapters
 from .lora._named import route
 from .models import Transformer
-from .nn._cache import KVCache, blocked_attention, cached_block, empty_cache
+from .nn._cache import KVCache, empty_cache
 from .nn._sharding import entries, mesh_axes_of, sharding_spec
-
-
-def _embed(model: Transformer, tokens: Int[Array, "batch seq"], positions: Int[Array, "batch seq"]):
-    dtype = model.config.compute_dtype
-    h = model.token_embedding(tokens).astype(dtype)
-    scale = getattr(model.config, "embed_scale", 1.0)
-    if scale != 1.0:  # Gemma's sqrt(d_model), as the model's own forward
-        h = h * jnp.asarray(scale, dtype)
-    if model.position_embedding is not None:
-        h = h + model.position_embedding(positions).astype(dtype)
-    return h
-
-
-def _layers(model: Transformer, h, cache: KVCache, positions, allowed):
-    params, static = eqx.partition(model.layers.layers, eqx.is_array)
-
-    def body(carry, xs):
-        h, keys, values = carry
-        layer_params, layer = xs
-        block = eqx.combine(layer_params, static)
-        h, keys, values = cached_block(
-            block, h, keys, values, layer=layer, positions=positions, index=cache.index, allowed=allowed
-        )
-        return (h, keys, values), None
-
-    (h, keys, values), _ = lax.scan(body, (h, cache.keys, cache.values), (params, jnp.arange(model.config.num_layers)))
-    return h, keys, values
+from .nn._stacked import Unstacked
 
 
 def split_layers(model: Transformer) -> list:
@@ -69,56 +43,18 @@ def split_layers(model: Transformer) -> list:
     weights out of the `[layers, ...]` arrays (a dynamic slice) before every matmul, on every
     step: for one decoded token that tripled the bytes moved. The decode loops slice once
     (`zoo.generate`: per call, before its loop) and run the layers one after another on
-    arrays of their own; the prefill keeps the scan (one copy per prompt, and the program
-    holds one layer). Costs: a second copy of the layer weights while it lives, and a
-    decode program that holds every layer (longer to compile).
+    arrays of their own (`zoo.nn.Stacked.unstack`); the prefill keeps the scan (one copy per
+    prompt, and the program holds one layer). Costs: a second copy of the layer weights
+    while it lives, and a decode program that holds every layer (longer to compile).
     """
-    params, static = eqx.partition(model.layers.layers, eqx.is_array)
-    return [eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(model.config.num_layers)]
+    return list(model.layers.unstack().layers)
 
 
-def _split_layers(blocks: Sequence, h, cache: KVCache, positions, allowed, span: int | None = None):
-    """`_layers` over `split_layers`' modules and a split cache (`KVCache.split`), or a
-    blocked one (`KVCache.blocks`: `blocked_attention`)."""
-    keys, values = list(cache.keys), list(cache.values)
-    zero = jnp.zeros((), jnp.int32)
-    for i, block in enumerate(blocks):
-        if isinstance(keys[i], tuple):
-            h, keys[i], values[i] = cached_block(
-                block,
-                h,
-                keys[i],
-                values[i],
-                attend=blocked_attention,
-                positions=positions,
-                index=cache.index,
-                allowed=allowed,
-                span=span,
-            )
-            continue
-        h, k, v = cached_block(
-            block,
-            h,
-            keys[i][None],
-            values[i][None],
-            layer=zero,
-            positions=positions,
-            index=cache.index,
-            allowed=allowed,
-            span=span,
-        )
-        keys[i], values[i] = k[0], v[0]
-    return h, tuple(keys), tuple(values)
-
-
-def _head(model: Transformer, h) -> Float[Array, "batch seq vocab"]:
-    h = model.final_norm(h)
-    logits = model.token_embedding.attend(h) if model.lm_head is None else model.lm_head(h)
-    logits = logits.astype(jnp.float32)
-    vocab = model.config.vocab_size
-    if logits.shape[-1] != vocab:  # rows padded to `vocab_multiple` are never chosen
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, jnp.finfo(jnp.float32).min)
-    return logits
+def _unrolled(model: Transformer, blocks: Sequence | None) -> Transformer:
+    """`model` running `blocks` (`split_layers`) one after another, or as it is."""
+    if blocks is None:
+        return model
+    return eqx.tree_at(lambda m: m.layers, model, Unstacked(tuple(blocks)))
 
 
 def prefill(
@@ -145,28 +81,18 @@ def prefill(
     (float32), or at every column [batch, prompt, vocab] with every_position; cache)`.
     The cache's `index` is the prompt width `prompt` (the next column to write).
     """
-    b, s = tokens.shape
-    attention = model.layers.layers.attention
-    cache = empty_cache(attention, model.config.num_layers, b, columns, model.config.compute_dtype, tokens)
-    mask = mask.astype(bool)
-    # As transformers: a row's positions count its real tokens (padding sits at 0, masked).
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
-    column_mask = jnp.pad(mask, ((0, 0), (0, columns - s)))
-    causal = jnp.arange(columns)[None, :] <= jnp.arange(s)[:, None]
-    allowed = causal[None] & column_mask[:, None, :]
-    h = _embed(model, tokens, positions)
-    if blocks is None:
-        h, keys, values = _layers(model, h, cache, positions, allowed)
-    else:
-        h, keys, values = _split_layers(blocks, h, cache.split(), positions, allowed)
-    count = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    b, _ = tokens.shape
+    cache = empty_cache(
+        model.layers.layers.attention, model.config.num_layers, b, columns, model.config.compute_dtype, tokens
+    )
+    h, cache = _unrolled(model, blocks).extend(tokens, cache if blocks is None else cache.split(), mask=mask)
     if every_position:
-        logits = _head(model, h)
+        logits = model.head(h)
     elif last is None:
-        logits = _head(model, h[:, -1:])[:, 0]
+        logits = model.head(h[:, -1:])[:, 0]
     else:  # right padding: each row's own last real token
-        logits = _head(model, jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
-    return logits, KVCache(keys, values, column_mask, count, jnp.asarray(s, jnp.int32))
+        logits = model.head(jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
+    return logits, cache
 
 
 def decode_step(
@@ -185,18 +111,8 @@ def decode_step(
 
     **Returns:** `(logits of the token after it [batch, vocab] (float32), updated cache)`.
     """
-    columns = jnp.arange(cache.columns)
-    index = jnp.reshape(cache.index, (-1, 1))  # [1 or batch, 1]
-    mask = cache.mask | (columns == index)
-    allowed = ((columns <= index) & mask)[:, None, :]
-    positions = cache.positions[:, None]
-    h = _embed(model, token[:, None], positions)
-    if blocks is None:
-        h, keys, values = _layers(model, h, cache, positions, allowed)
-    else:
-        h, keys, values = _split_layers(blocks, h, cache, positions, allowed, span)
-    logits = _head(model, h)[:, 0]
-    return logits, KVCache(keys, values, mask, cache.positions + 1, cache.index + 1)
+    h, cache = _unrolled(model, blocks).extend(token[:, None], cache.reading(span))
+    return model.head(h)[:, 0], cache
 
 
 def _replicate_vocab(logits):

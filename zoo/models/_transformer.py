@@ -21,8 +21,10 @@ from ..nn import (
     dropout,
     fold_in,
 )
+from ..nn._cache import KVCache
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
 from ..nn._inputs import place_inputs
+from ..nn._stacked import Unstacked
 from ._config import TransformerConfig
 
 
@@ -102,7 +104,7 @@ class Transformer(eqx.Module):
 
     token_embedding: Embedding
     position_embedding: Embedding | None
-    layers: Stacked[TransformerBlock]
+    layers: Stacked[TransformerBlock] | Unstacked[TransformerBlock]
     final_norm: LayerNorm | RMSNorm
     lm_head: Linear | None
     config: TransformerConfig = eqx.field(static=True)
@@ -174,6 +176,21 @@ class Transformer(eqx.Module):
         seq = tokens.shape[1]
         if seq > self.config.max_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_len}")
+        h = self.embed(tokens, positions, key=key)
+        packing = (
+            {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        )
+        return self.head(self.layers(h, mask=mask, key=key, **packing))
+
+    def embed(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"] | None = None,
+        *,
+        key: ExampleKeys | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        """The layers' input: the token embedding in the compute dtype (times `embed_scale`),
+        plus the learned positions (at `positions`, default `0..seq-1`), dropout with `key`."""
         dtype = self.config.compute_dtype
         h = self.token_embedding(tokens).astype(dtype)
         if self.config.embed_scale != 1.0:
@@ -181,12 +198,12 @@ class Transformer(eqx.Module):
         if self.position_embedding is not None and positions is not None:
             h = h + self.position_embedding(positions).astype(dtype)
         elif self.position_embedding is not None:
-            h = h + broadcast_like(self.position_embedding.weight[:seq].astype(dtype), h)
-        h = dropout(h, self.config.dropout, None if key is None else fold_in(key, EMBEDDING_STREAM))
-        packing = (
-            {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
-        )
-        h = self.layers(h, mask=mask, key=key, **packing)
+            h = h + broadcast_like(self.position_embedding.weight[: tokens.shape[1]].astype(dtype), h)
+        return dropout(h, self.config.dropout, None if key is None else fold_in(key, EMBEDDING_STREAM))
+
+    def head(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch {self.config.padded_vocab}"]:
+        """The last layer's output `h` → float32 logits: final norm, output head (the token
+        embedding when tied), the padded vocabulary's entries at the float32 minimum."""
         h = self.final_norm(h)
         logits = self.token_embedding.attend(h) if self.lm_head is None else self.lm_head(h)
         logits = logits.astype(jnp.float32)
@@ -194,3 +211,25 @@ class Transformer(eqx.Module):
             real = jnp.arange(self.config.padded_vocab) < self.config.vocab_size
             logits = jnp.where(real, logits, jnp.finfo(jnp.float32).min)
         return logits
+
+    def extend(
+        self, tokens: Int[Array, "batch seq"], cache: KVCache, *, mask: Bool[Array, "batch seq"] | None = None
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache]:
+        """The forward pass of inference: `tokens` after the columns `cache` holds.
+
+        The same embedding and layers as `__call__` (no dropout), each layer reading and
+        writing its keys and values in `cache` (`KVCache`: stacked for the scanned layers;
+        split or in blocks when `layers` is `Unstacked`). A prompt's prefill is an empty
+        cache extended by the prompt; a decode step, the cache extended by one token.
+
+        **Arguments:** `tokens` `[batch, seq]` (written at the cache's columns `index …
+        index+seq`), the `cache`, `mask` `[batch, seq]` (`True` at real tokens; default
+        all): each row's positions count on from the cache's.
+
+        **Returns:** `(the last layer's output [batch, seq, embed] (`head` gives the
+        logits), the cache holding the new columns, its positions and index moved on)`.
+        """
+        mask = jnp.ones_like(tokens, dtype=bool) if mask is None else mask
+        cache, positions = cache.extend(mask)
+        h, cache = self.layers(self.embed(tokens, positions), positions=positions, cache=cache)
+        return h, cache.advance(mask)

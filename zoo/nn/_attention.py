@@ -11,6 +11,7 @@ import jax.random as jr
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ._cache import KEYS_LAYOUT, VALUES_LAYOUT, KVCache
 from ._dropout import ExampleKeys, dropout, fold_in
 from ._linear import Linear, flatten_rows
 from ._norm import RMSNorm
@@ -138,8 +139,9 @@ class Attention(eqx.Module):
         segment_ids: Int[Array, "batch seq"] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
-    ) -> Float[Array, "batch seq embed"]:
-        """Attend over `x`.
+        cache: KVCache | None = None,
+    ) -> Float[Array, "batch seq embed"] | tuple[Float[Array, "batch seq embed"], KVCache]:
+        """Attend over `x` (and, with a `cache`, over the columns it holds).
 
         **Arguments:**
 
@@ -151,8 +153,15 @@ class Attention(eqx.Module):
         - `positions`: `[batch, seq]` RoPE positions (restarting at each packed document);
           `None`: `0..seq-1`.
         - `key`: one PRNG key per example (`[batch]`) for attention dropout, or `None`.
+        - `cache`: this layer's `KVCache` (inference): `x` is the tokens of its columns
+          `index … index+seq`, whose keys and values are written there; each query attends
+          to the columns the cache's mask marks up to its own (causal: the cache's columns
+          are the token positions; with a `sliding_window`, the last `window` of them).
+          `mask` and `segment_ids` are not used with it: the cache's mask says which
+          columns hold real tokens.
 
-        **Returns:** `[batch, seq, embed]`, in `x`'s dtype.
+        **Returns:** `[batch, seq, embed]`, in `x`'s dtype; with a `cache`, `(that, the
+        cache with this call's keys and values written)`.
         """
         b, s, _ = x.shape
         kvh, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -172,19 +181,49 @@ class Attention(eqx.Module):
             else:
                 cos, sin = rope_angles(positions, hd, theta=self.rope_theta, llama3=self.rope_llama3)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(hd)
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("attention over a cache takes no segment_ids: one document per row")
+            cache = cache.write(k, v)
+            parts_k, parts_v = cache.read()
+            parts_k, parts_v = [p.astype(x.dtype) for p in parts_k], [p.astype(x.dtype) for p in parts_v]
+            t = sum(p.shape[2] for p in parts_k)
+            allowed = cache.mask[:, None, :t]  # [batch, 1, columns read]
+            if self.causal:  # a query's column is its position in the cache
+                query_columns = jnp.reshape(cache.index, (-1, 1)) + jnp.arange(s)  # [1 or batch, seq]
+                allowed = allowed & self._causal(query_columns, jnp.arange(t))
+            out = self._weigh(q, parts_k, parts_v, allowed[:, None, None], layout=(KEYS_LAYOUT, VALUES_LAYOUT))
+            return self.o_proj(out.reshape(b, s, self.num_heads * hd)), cache
         allowed = None
         if self.causal:
-            allowed = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
-            if self.sliding_window is not None:
-                allowed = allowed & (jnp.arange(s)[:, None] - jnp.arange(s)[None, :] < self.sliding_window)
+            allowed = self._causal(jnp.arange(s), jnp.arange(s))
         if segment_ids is not None:
             same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
             allowed = same if allowed is None else allowed & same
         if mask is not None:
             keys_ok = mask.astype(bool)[:, None, None, None, :]
             allowed = keys_ok if allowed is None else allowed & keys_ok
+        out = self._weigh(q, [k], [v], allowed, key=keys[0])
+        return self.o_proj(out.reshape(b, s, self.num_heads * hd), key=keys[4])
+
+    def _causal(self, query_columns: Int[Array, "*rows seq"], key_columns: Int[Array, " columns"]):
+        """`[*rows, seq, columns]`: a query sees the keys at its own column and before (and,
+        with a `sliding_window`, only the last `window` of them: Mistral's band)."""
+        allowed = query_columns[..., :, None] >= key_columns
+        if self.sliding_window is not None:
+            allowed = allowed & (query_columns[..., :, None] - key_columns < self.sliding_window)
+        return allowed
+
+    def _weigh(self, q, keys: list, values: list, allowed, *, key=None, layout=("btkd", "btkd")):
+        """The attention of the queries `q` `[batch, seq, kv_heads, group, head_dim]` over
+        keys and values given in parts whose columns follow each other (`layout`: how each
+        part's dimensions lie, einsum letters, `t` the columns), at the columns `allowed`
+        marks: `[batch, seq, kv_heads, group, head_dim]` in `q`'s dtype. Scores in float32;
+        `key`: dropout on the probabilities."""
+        key_layout, value_layout = layout
+        scores = [jnp.einsum(f"bskgd,{key_layout}->bkgst", q, k, preferred_element_type=jnp.float32) for k in keys]
+        scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
+        scores = scores / math.sqrt(self.head_dim)
         if allowed is not None:
             # An additive bias (0 or the float32 minimum) in the mask's own, smaller shape,
             # rather than `where` on the scores: the same probabilities (exp of the minimum
@@ -192,6 +231,11 @@ class Attention(eqx.Module):
             # [batch, heads, seq, seq] mask (docs/performance.md).
             scores = scores + jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
         probs = softmax(scores)
-        probs = dropout(probs, self.dropout_rate, keys[0])
-        out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(x.dtype), v)
-        return self.o_proj(out.reshape(b, s, self.num_heads * hd), key=keys[4])
+        probs = dropout(probs, self.dropout_rate, key).astype(q.dtype)
+        out, start = None, 0
+        for v in values:  # each part's columns of the probabilities times its values
+            n = v.shape[value_layout.index("t")]
+            part = probs if len(values) == 1 else probs[..., start : start + n]
+            part = jnp.einsum(f"bkgst,{value_layout}->bskgd", part, v)
+            out, start = part if out is None else out + part, start + n
+        return out

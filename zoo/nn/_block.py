@@ -6,6 +6,7 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int
 
 from ._attention import Attention
+from ._cache import KVCache
 from ._dropout import ExampleKeys, dropout, fold_in
 from ._feedforward import FeedForward
 from ._norm import LayerNorm, RMSNorm
@@ -53,19 +54,31 @@ class TransformerBlock(eqx.Module):
         segment_ids: Int[Array, "batch seq"] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
-    ) -> Float[Array, "batch seq embed"]:
+        cache: KVCache | None = None,
+    ) -> Float[Array, "batch seq embed"] | tuple[Float[Array, "batch seq embed"], KVCache]:
         """Apply the layer. `mask`: `True` at real tokens; `segment_ids`, `positions`: packed
-        documents (see `Attention`); `key`: per-example keys or `None`."""
+        documents (see `Attention`); `key`: per-example keys or `None`; `cache`: this
+        layer's `KVCache` (inference, see `Attention`): then returns `(output, cache)`."""
         packing = (
             {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
         )
         keys = [None] * 4 if key is None else [fold_in(key, i) for i in range(4)]
+        new_cache = None
 
         def drop(h, k):
             return dropout(h, self.dropout_rate, k)
 
+        def attend(h):
+            nonlocal new_cache
+            if cache is None:
+                return self.attention(h, mask=mask, key=keys[0], **packing)
+            out, new_cache = self.attention(h, mask=mask, key=keys[0], cache=cache, **packing)
+            return out
+
         if self.pre_norm:
-            h = x + drop(self.attention(self.attention_norm(x), mask=mask, key=keys[0], **packing), keys[1])
-            return h + drop(self.mlp(self.mlp_norm(h), key=keys[3]), keys[2])
-        h = self.attention_norm(x + drop(self.attention(x, mask=mask, key=keys[0], **packing), keys[1]))
-        return self.mlp_norm(h + drop(self.mlp(h, key=keys[3]), keys[2]))
+            h = x + drop(attend(self.attention_norm(x)), keys[1])
+            out = h + drop(self.mlp(self.mlp_norm(h), key=keys[3]), keys[2])
+        else:
+            h = self.attention_norm(x + drop(attend(x), keys[1]))
+            out = self.mlp_norm(h + drop(self.mlp(h, key=keys[3]), keys[2]))
+        return out if cache is None else (out, new_cache)

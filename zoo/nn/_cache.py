@@ -1,10 +1,16 @@
-"""A key/value cache for autoregressive decoding, and the layers' cached forward pass.
+"""A key/value cache for autoregressive decoding, threaded through the model's own layers.
 
 The cache holds every layer's keys and values for a fixed number of columns
 (`prompt + new tokens`), stacked on a leading `"layers"` axis like `Stacked`'s
 parameters, so one `lax.scan` over layers reads and writes it. Column `c` of the cache is
 column `c` of the token buffer; a column's *position* (for RoPE and learned positions) is
 its row's count of real tokens before it, so left-padded prompts decode as if unpadded.
+
+There is no cached copy of the layers: `Transformer.extend` runs the same embedding,
+blocks, attention and head as training with a `KVCache` passed down (`Stacked` and
+`Unstacked` hand each layer its own keys and values, `Attention` writes the new ones
+with `KVCache.write` and attends over `KVCache.read`). This module only stores, writes
+and reads columns.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._attention import Attention
-from ._block import TransformerBlock
-from ._rope import rope_frequencies
 from ._sharding import entries, sharding_spec
+
+# How `Attention` contracts what `KVCache.read` returns (einsum letters: b batch, k
+# kv_heads, t columns, d head_dim).
+KEYS_LAYOUT = "bktd"
+VALUES_LAYOUT = "bkdt"
 
 
 class KVCache(eqx.Module):
@@ -37,30 +45,39 @@ class KVCache(eqx.Module):
     - `index`: the next column to write: one for every row (`zoo.generate`: prompts are
       left-padded), or `[batch]`, one per row (`zoo.serve.Engine`: each slot is a request
       of its own length, written from column 0).
+    - `span` (static): attention reads only the first `span` columns (`None`: all); the
+      caller knows no row uses the others (`zoo.serve.Engine`'s decode step).
 
     `split()` gives the same cache with `keys` and `values` as tuples of per-layer arrays
-    (without the `layers` dimension), which the decode steps use: see
+    (without the `layers` dimension), which `Unstacked` layers read and write: see
     `zoo._generate.split_layers`. `blocks()` splits each layer's further into blocks of
     `CACHE_BLOCK` columns (`zoo.serve.Engine`'s cache: a step that reads the first columns
     only reads whole blocks in place, where a slice of one array would be copied first).
+    Inside a layer (`Attention`), `keys` and `values` are that layer's: one array, or a
+    tuple of blocks.
 
     Under a mesh the batch dimension follows the tokens (`data`) and `kv_heads` follows
     the key projection's output (`model` under tensor parallelism).
     """
 
+    # Every layer's (stacked, or a tuple of per-layer arrays or of per-layer blocks), or,
+    # inside a layer, its own (one array, or a tuple of blocks).
     keys: (
-        Float[Array, "layers batch kv_heads columns head_dim"]
-        | tuple[Float[Array, "batch kv_heads columns head_dim"], ...]
-        | tuple[tuple[Float[Array, "batch kv_heads _block head_dim"], ...], ...]
+        Float[Array, "_layers batch kv_heads _columns head_dim"]
+        | Float[Array, "batch kv_heads _columns head_dim"]
+        | tuple[Float[Array, "batch kv_heads _columns head_dim"], ...]
+        | tuple[tuple[Float[Array, "batch kv_heads _columns head_dim"], ...], ...]
     )
     values: (
-        Float[Array, "layers batch kv_heads head_dim columns"]
-        | tuple[Float[Array, "batch kv_heads head_dim columns"], ...]
-        | tuple[tuple[Float[Array, "batch kv_heads head_dim _block"], ...], ...]
+        Float[Array, "_layers batch kv_heads head_dim _columns"]
+        | Float[Array, "batch kv_heads head_dim _columns"]
+        | tuple[Float[Array, "batch kv_heads head_dim _columns"], ...]
+        | tuple[tuple[Float[Array, "batch kv_heads head_dim _columns"], ...], ...]
     )
     mask: Bool[Array, "batch columns"]
     positions: Int[Array, " batch"]
     index: Int[Array, "*rows"]
+    span: int | None = eqx.field(static=True, default=None)
 
     @property
     def columns(self) -> int:
@@ -69,25 +86,102 @@ class KVCache(eqx.Module):
 
     def split(self) -> KVCache:
         """The same cache with each layer's keys and values in arrays of their own (tuples),
-        as the decode loop over `split_layers` reads and writes them."""
+        as `Unstacked` layers read and write them."""
         layers = range(self.keys.shape[0])
-        return KVCache(
-            tuple(self.keys[i] for i in layers),
-            tuple(self.values[i] for i in layers),
-            self.mask,
-            self.positions,
-            self.index,
-        )
+        return self.holding(tuple(self.keys[i] for i in layers), tuple(self.values[i] for i in layers))
 
     def blocks(self, size: int | None = None) -> KVCache:
         """The same cache with each layer's keys and values split into blocks of `size`
         columns (default `CACHE_BLOCK`; the last block holds the rest), arrays of their own:
-        `keys[layer][block]`, as `blocked_attention` reads and writes them."""
+        `keys[layer][block]`."""
         cache = self.split() if not isinstance(self.keys, tuple) else self
         parts = block_columns(self.columns, size)
         keys = tuple(tuple(k[:, :, a : a + n] for a, n in parts) for k in cache.keys)
         values = tuple(tuple(v[..., a : a + n] for a, n in parts) for v in cache.values)
-        return KVCache(keys, values, self.mask, self.positions, self.index)
+        return self.holding(keys, values)
+
+    def holding(self, keys, values) -> KVCache:
+        """The same cache (mask, positions, index, span) over other `keys` and `values`: a
+        layer's own (`Stacked`, `Unstacked`), or every layer's again."""
+        return KVCache(keys, values, self.mask, self.positions, self.index, self.span)
+
+    def reading(self, span: int | None) -> KVCache:
+        """The same cache whose attention reads only the first `span` columns."""
+        return KVCache(self.keys, self.values, self.mask, self.positions, self.index, span)
+
+    def extend(self, mask: Bool[Array, "batch seq"]) -> tuple[KVCache, Int[Array, "batch seq"]]:
+        """Open `seq` new columns at `index` for tokens whose real ones `mask` marks.
+
+        **Returns:** `(the cache with those columns marked in its mask, the new tokens'
+        positions)`: each row counts on from its `positions` (padding takes its row's
+        last position, masked).
+        """
+        mask = mask.astype(bool)
+        s = mask.shape[1]
+        if jnp.ndim(self.index) == 0:
+            columns = lax.dynamic_update_slice(self.mask, mask, (jnp.zeros((), jnp.int32), self.index))
+        else:  # each row at its own column
+            rows, cols = jnp.arange(mask.shape[0])[:, None], self.index[:, None] + jnp.arange(s)
+            columns = self.mask.at[rows, cols].set(mask, mode="drop")
+        # As transformers: a row's positions count its real tokens (padding sits at 0, masked).
+        positions = jnp.maximum(self.positions[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        return KVCache(self.keys, self.values, columns, self.positions, self.index, self.span), positions
+
+    def advance(self, mask: Bool[Array, "batch seq"]) -> KVCache:
+        """After the layers wrote the columns `extend` opened: the next position and column
+        of each row (the span is the caller's, per call: dropped)."""
+        count = jnp.sum(mask.astype(bool), axis=1, dtype=jnp.int32)
+        return KVCache(self.keys, self.values, self.mask, self.positions + count, self.index + mask.shape[1])
+
+    def _read_blocks(self) -> int:
+        """How many of one layer's blocks attention reads: those holding the first `span`."""
+        used, start, n = self.span if self.span is not None else self.columns, 0, 0
+        while n < len(self.keys) and start < used:
+            start, n = start + self.keys[n].shape[2], n + 1
+        return n
+
+    def write(self, k: Float[Array, "batch seq kv_heads head_dim"], v: Float[Array, "batch seq kv_heads head_dim"]):
+        """One layer's cache with the new keys `k` and values `v` written at columns `index …
+        index+seq` (a scalar: every row's; `[batch]`: each row's own). A blocked layer
+        writes only into the blocks attention reads (a column beyond them is dropped: the
+        caller's rows write below `span`)."""
+        b, s = k.shape[:2]
+        if isinstance(self.keys, tuple):  # blocks
+            columns = jnp.broadcast_to(jnp.reshape(self.index, (-1, 1)) + jnp.arange(s), (b, s))
+            rows = jnp.arange(b)[:, None]
+            keys, values, start = list(self.keys), list(self.values), 0
+            for i in range(self._read_blocks()):
+                size = keys[i].shape[2]
+                at = jnp.where((columns >= start) & (columns < start + size), columns - start, size)  # size: dropped
+                keys[i] = keys[i].at[rows, :, at].set(k.astype(keys[i].dtype), mode="drop")
+                values[i] = values[i].at[rows, :, :, at].set(v.astype(values[i].dtype), mode="drop")
+                start += size
+            return self.holding(tuple(keys), tuple(values))
+        if jnp.ndim(self.index) == 0:
+            zero = jnp.zeros((), jnp.int32)
+            keys = lax.dynamic_update_slice(
+                self.keys, jnp.swapaxes(k, 1, 2).astype(self.keys.dtype), (zero, zero, self.index, zero)
+            )  # [batch, kv_heads, seq, head_dim]
+            values = lax.dynamic_update_slice(
+                self.values, jnp.transpose(v, (0, 2, 3, 1)).astype(self.values.dtype), (zero, zero, zero, self.index)
+            )  # [batch, kv_heads, head_dim, seq]
+        else:  # each row at its own column: a scatter of `seq` columns per row (`[b, seq]` first)
+            rows, cols = jnp.arange(b)[:, None], self.index[:, None] + jnp.arange(s)
+            keys = self.keys.at[rows, :, cols].set(k.astype(self.keys.dtype))
+            values = self.values.at[rows, :, :, cols].set(v.astype(self.values.dtype))
+        return self.holding(keys, values)
+
+    def read(self) -> tuple[list[Array], list[Array]]:
+        """One layer's keys (`KEYS_LAYOUT`) and values (`VALUES_LAYOUT`) that attention reads,
+        in parts whose columns follow each other from column 0: the whole array (its first
+        `span` columns, sliced: a copy), or the blocks holding the first `span` columns,
+        each in place."""
+        if isinstance(self.keys, tuple):
+            n = self._read_blocks()
+            return list(self.keys[:n]), list(self.values[:n])
+        if self.span is not None and self.span < self.columns:
+            return [self.keys[:, :, : self.span]], [self.values[..., : self.span]]
+        return [self.keys], [self.values]
 
 
 # Columns per block of a blocked cache (`KVCache.blocks`): the engine's attention spans are
@@ -110,9 +204,9 @@ def _weight(linear) -> jax.Array:
 
 
 def empty_cache(
-    attention: Attention, num_layers: int, batch: int, columns: int, dtype, tokens: Int[Array, "batch seq"]
+    attention, num_layers: int, batch: int, columns: int, dtype, tokens: Int[Array, "batch seq"]
 ) -> KVCache:
-    """A zero cache for `num_layers` layers shaped like `attention` (the stacked module).
+    """A zero cache for `num_layers` layers shaped like `attention` (the stacked `Attention`).
 
     Its batch dimension takes the sharding of `tokens`' batch, its `kv_heads` dimension
     the sharding of the key projection's output dimension (unless the batch already uses
@@ -139,157 +233,3 @@ def empty_cache(
         positions=jnp.zeros((batch,), jnp.int32, out_sharding=None if spec is None else jax.P(entries(tokens)[0])),
         index=jnp.zeros((), jnp.int32),
     )
-
-
-def _rotate(x: Float[Array, "batch seq *heads head_dim"], positions: Int[Array, "batch seq"], attention: Attention):
-    """RoPE at per-row `positions` (`zoo.nn.apply_rope`'s half-split layout and arithmetic)."""
-    hd = x.shape[-1]
-    half = hd // 2
-    inv_freq = rope_frequencies(hd, theta=attention.rope_theta, llama3=getattr(attention, "rope_llama3", None))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, half]
-    shape = x.shape[:2] + (1,) * (x.ndim - 3) + (half,)
-    c, s = jnp.cos(angles).reshape(shape), jnp.sin(angles).reshape(shape)
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-def cached_attention(
-    attention: Attention,
-    x: Float[Array, "batch seq embed"],
-    keys: Float[Array, "layers batch kv_heads columns head_dim"],
-    values: Float[Array, "layers batch kv_heads head_dim columns"],
-    *,
-    layer: Int[Array, ""],
-    positions: Int[Array, "batch seq"],
-    index: Int[Array, "*rows"],
-    allowed: Bool[Array, "batch seq columns"],
-    span: int | None = None,
-):
-    """`attention` over `x` (columns `index … index+seq`) and every cached column.
-
-    Writes the new keys and values into layer `layer` of the stacked `keys`/`values` at
-    column `index` (a scalar: every row's; `[batch]`: each row's own), then attends from
-    each new query to the columns `allowed` marks (and, with a `sliding_window`, only to
-    the last `window` columns up to its own: the cache keeps every column, the band is a
-    mask). With `span`, only the first `span` columns are read (the caller knows no row
-    uses the others; `zoo.serve.Engine`'s decode step).
-    Same arithmetic as `Attention.__call__` (scores in float32, the same softmax), so a
-    cached step equals the full forward pass on the prefix.
-
-    **Returns:** `(output [batch, seq, embed], keys, values)`.
-    """
-    b, s, _ = x.shape
-    q, k, v = _project(attention, x, positions)
-    if jnp.ndim(index) == 0:
-        zero = jnp.zeros((), jnp.int32)
-        keys = lax.dynamic_update_slice(
-            keys, jnp.swapaxes(k, 1, 2)[None].astype(keys.dtype), (layer, zero, zero, index, zero)
-        )  # [1, batch, kv_heads, seq, head_dim]
-        values = lax.dynamic_update_slice(
-            values, jnp.transpose(v, (0, 2, 3, 1))[None].astype(values.dtype), (layer, zero, zero, zero, index)
-        )  # [1, batch, kv_heads, head_dim, seq]
-    else:  # each row at its own column: a scatter of `seq` columns per row (`[b, seq]` first)
-        rows, cols = jnp.arange(b)[:, None], index[:, None] + jnp.arange(s)
-        keys = keys.at[layer, rows, :, cols].set(k.astype(keys.dtype))
-        values = values.at[layer, rows, :, :, cols].set(v.astype(values.dtype))
-    k_all = lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False).astype(x.dtype)
-    v_all = lax.dynamic_index_in_dim(values, layer, 0, keepdims=False).astype(x.dtype)
-    if span is not None and span < keys.shape[3]:  # only the first `span` columns are in use
-        k_all, v_all, allowed = k_all[:, :, :span], v_all[..., :span], allowed[..., :span]
-    return _attend(attention, q, [k_all], [v_all], index, allowed, x.dtype), keys, values
-
-
-def blocked_attention(
-    attention: Attention,
-    x: Float[Array, "batch seq embed"],
-    keys: tuple[Float[Array, "batch kv_heads _block head_dim"], ...],
-    values: tuple[Float[Array, "batch kv_heads head_dim _block"], ...],
-    *,
-    positions: Int[Array, "batch seq"],
-    index: Int[Array, "*rows"],
-    allowed: Bool[Array, "batch seq columns"],
-    span: int | None = None,
-):
-    """`cached_attention` over one layer of a blocked cache (`KVCache.blocks`): attention
-    reads only the blocks that hold the first `span` columns (default all), each in place,
-    and the new keys and values are written into those blocks at columns `index …
-    index+seq` (a column beyond them is dropped: the caller's rows write below `span`).
-    Same arithmetic as `cached_attention` but for the order of the sums over blocks.
-
-    **Returns:** `(output [batch, seq, embed], keys, values)` (tuples of blocks).
-    """
-    b, s, _ = x.shape
-    q, k, v = _project(attention, x, positions)
-    columns = jnp.reshape(index, (-1, 1)) + jnp.arange(s)  # [1 or batch, seq]: where each row writes
-    columns = jnp.broadcast_to(columns, (b, s))
-    rows = jnp.arange(b)[:, None]
-    keys, values, start = list(keys), list(values), 0
-    used = span if span is not None else allowed.shape[-1]
-    read = 0  # the blocks attention reads: every block that holds one of the first `span` columns
-    while read < len(keys) and start < used:
-        size = keys[read].shape[2]
-        inside = (columns >= start) & (columns < start + size)
-        at = jnp.where(inside, columns - start, size)  # out of the block: dropped
-        keys[read] = keys[read].at[rows, :, at].set(k.astype(keys[read].dtype), mode="drop")
-        values[read] = values[read].at[rows, :, :, at].set(v.astype(values[read].dtype), mode="drop")
-        start, read = start + size, read + 1
-    parts_k = [kb.astype(x.dtype) for kb in keys[:read]]
-    parts_v = [vb.astype(x.dtype) for vb in values[:read]]
-    out = _attend(attention, q, parts_k, parts_v, index, allowed[..., :start], x.dtype)
-    return out, tuple(keys), tuple(values)
-
-
-def _project(attention: Attention, x, positions):
-    """The queries `[batch, seq, kv_heads, group, head_dim]`, keys and values `[batch, seq,
-    kv_heads, head_dim]` of `x`, queries and keys rotated at `positions` (RoPE)."""
-    b, s, _ = x.shape
-    kvh, g, hd = attention.num_kv_heads, attention.num_heads // attention.num_kv_heads, attention.head_dim
-    q = attention.q_proj(x).reshape(b, s, kvh, g, hd)
-    k = attention.k_proj(x).reshape(b, s, kvh, hd)
-    v = attention.v_proj(x).reshape(b, s, kvh, hd)
-    if attention.q_norm is not None:
-        q, k = attention.q_norm(q), attention.k_norm(k)
-    if attention.rope_theta is not None:
-        q, k = _rotate(q, positions, attention), _rotate(k, positions, attention)
-    return q, k, v
-
-
-def _attend(attention: Attention, q, keys: list, values: list, index, allowed, dtype):
-    """Attention of the queries `q` over the cache columns in `keys` and `values` (parts of
-    the columns, in order, as long together as `allowed`'s last dimension), through the
-    output projection. Scores in float32, the same softmax as `Attention.__call__`."""
-    b, s = q.shape[:2]
-    hd = attention.head_dim
-    scores = [jnp.einsum("bskgd,bktd->bkgst", q, k, preferred_element_type=jnp.float32) for k in keys]
-    scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)) / math.sqrt(hd)
-    window = getattr(attention, "sliding_window", None)
-    if window is not None:  # Mistral's band: a query sees the `window` columns up to its own
-        query_columns = jnp.reshape(index, (-1, 1)) + jnp.arange(s)  # [1 or batch, seq]
-        allowed = allowed & (query_columns[:, :, None] - jnp.arange(allowed.shape[-1]) < window)
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(dtype)
-    out, start = None, 0
-    for v in values:  # each part's columns of the probabilities times its values
-        n = v.shape[-1]
-        part = jnp.einsum("bkgst,bkdt->bskgd", probs[..., start : start + n] if len(values) > 1 else probs, v)
-        out, start = part if out is None else out + part, start + n
-    return attention.o_proj(out.reshape(b, s, attention.num_heads * hd))
-
-
-def cached_block(
-    block: TransformerBlock, x: Float[Array, "batch seq embed"], keys, values, *, attend=cached_attention, **kwargs
-):
-    """`TransformerBlock.__call__` (inference: no dropout) with `cached_attention` (or
-    `attend`: `blocked_attention` over a blocked cache).
-
-    **Returns:** `(output, keys, values)`.
-    """
-    if block.pre_norm:
-        a, keys, values = attend(block.attention, block.attention_norm(x), keys, values, **kwargs)
-        h = x + a
-        return h + block.mlp(block.mlp_norm(h)), keys, values
-    a, keys, values = attend(block.attention, x, keys, values, **kwargs)
-    h = block.attention_norm(x + a)
-    return block.mlp_norm(h + block.mlp(h)), keys, values

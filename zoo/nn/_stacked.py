@@ -13,6 +13,7 @@ from jax import lax
 from jaxtyping import PRNGKeyArray
 
 from .._axes import stacked_field
+from ._cache import KVCache
 from ._dropout import fold_in
 
 Layer = TypeVar("Layer", bound=eqx.Module)
@@ -61,13 +62,28 @@ class Stacked(eqx.Module, Generic[Layer]):
         self.num_layers = num_layers
         self.remat = remat
 
-    def __call__(self, x, *args, key=None, **kwargs):
+    def __call__(self, x, *args, key=None, cache: KVCache | None = None, **kwargs):
         """Run `x` through every layer in order; extra arguments go to each layer call.
 
         `key` (optional): one PRNG key per example (`[batch]`); layer `i` gets those keys
         folded with `i`, so every layer draws its own dropout masks.
+        `cache` (optional, inference): a `KVCache` whose keys and values are stacked on a
+        leading `layers` axis; the scan hands layer `i` its own and collects what it
+        wrote. Then returns `(output, cache)`.
         """
         params, static = eqx.partition(self.layers, eqx.is_array)
+        if cache is not None:
+
+            def cached(h, xs):
+                layer_params, index, kv = xs
+                more = {} if key is None else {"key": fold_in(key, index)}
+                layer = eqx.combine(layer_params, static)
+                h, layer_cache = layer(h, *args, cache=cache.holding(*kv), **more, **kwargs)
+                return h, (layer_cache.keys, layer_cache.values)
+
+            xs = (params, jnp.arange(self.num_layers), (cache.keys, cache.values))
+            out, (keys, values) = lax.scan(cached, x, xs)
+            return out, cache.holding(keys, values)
 
         def body(h, xs):
             layer_params, index = xs
@@ -80,6 +96,41 @@ class Stacked(eqx.Module, Generic[Layer]):
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat])
         out, _ = lax.scan(body, x, (params, jnp.arange(self.num_layers)))
         return out
+
+    def unstack(self) -> Unstacked[Layer]:
+        """Each layer as a module of its own, its arrays copied out of the stacked ones
+        (`Unstacked`)."""
+        params, static = eqx.partition(self.layers, eqx.is_array)
+        return Unstacked(
+            tuple(eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(self.num_layers))
+        )
+
+
+class Unstacked(eqx.Module, Generic[Layer]):
+    """The layers of a `Stacked` as modules of their own, run one after another (unrolled).
+
+    Called like `Stacked` (the same arguments, keys folded the same way; a `cache` of
+    per-layer keys and values, `KVCache.split` or `KVCache.blocks`). Why: in a `lax.scan`
+    over stacked layers, XLA's CPU backend copies each layer's weights out of the
+    `[layers, ...]` arrays (a dynamic slice) before every matmul, on every call: for one
+    decoded token that tripled the bytes moved. The decode loops run these instead; the
+    program then holds every layer (longer to compile).
+    """
+
+    layers: tuple[Layer, ...]
+
+    def __call__(self, x, *args, key=None, cache: KVCache | None = None, **kwargs):
+        """As `Stacked.__call__`, layer by layer."""
+        keys = None if cache is None else list(cache.keys)
+        values = None if cache is None else list(cache.values)
+        for i, layer in enumerate(self.layers):
+            more = {} if key is None else {"key": fold_in(key, i)}
+            if cache is None:
+                x = layer(x, *args, **more, **kwargs)
+                continue
+            x, layer_cache = layer(x, *args, cache=cache.holding(keys[i], values[i]), **more, **kwargs)
+            keys[i], values[i] = layer_cache.keys, layer_cache.values
+        return x if cache is None else (x, cache.holding(tuple(keys), tuple(values)))
 
 
 REMAT_POLICIES = tuple(_REMAT_POLICIES)
