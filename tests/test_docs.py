@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shlex
 import shutil
@@ -38,7 +37,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import zoo_main
+from helpers import short_run_env, zoo_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -231,12 +230,9 @@ def _place(cwd: Path, path: str, kind: str, made, env: dict) -> None:
 
 def subprocess_env() -> dict[str, str]:
     """The test suite's settings (tests/conftest.py has set them in os.environ: the compile
-    cache, the collective timeout), plus its fast-compile XLA flags; nothing downloaded."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["XLA_FLAGS"] = (
-        f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    )
+    cache, the collective timeout), plus its fast-compile XLA flags (`helpers.short_run_env`:
+    a block's subject is its code, not how XLA optimises it); nothing downloaded."""
+    env = short_run_env()
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     return env
@@ -260,8 +256,6 @@ def test_every_slow_chain_is_a_chain():
     """A README/docs edit moves a chain's first line: a stale name in SLOW would silently put
     a long chain back into the fast suite (README.md:70 did, 67 s in CI)."""
     assert SLOW <= {chain[0].name for chain in CHAINS}, SLOW - {chain[0].name for chain in CHAINS}
-    names = {chain[0].name for chain in CHAINS}  # likewise for the chains kept in a process of their own
-    assert TYPES_WIDER_THAN_ANNOTATED <= names, TYPES_WIDER_THAN_ANNOTATED - names
 
 
 def _is_slow(chain: list[Block]) -> bool:
@@ -281,10 +275,6 @@ OWN_PROCESS = re.compile(
     r"|register_model|os\.environ|signal|\bsys\."
 )
 ENV_FIXTURES = {"one_process", "hub_llama"}
-# Chains that pass values zoo's annotations do not name (a jax array to Tokenizer.decode,
-# numpy targets to the loss): they run as a user runs them, but the test process checks
-# every zoo call's types at run time (pyproject's jaxtyping hook) and would refuse them.
-TYPES_WIDER_THAN_ANNOTATED = {"docs/generation.md:11", "docs/training.md:343"}
 
 
 def _in_test_process(chain: list[Block]) -> bool:
@@ -293,12 +283,7 @@ def _in_test_process(chain: list[Block]) -> bool:
     block, not a process: one that imports zoo and compiles its tiny programs afresh costs a
     few seconds more for nothing (issue 40)."""
     kinds = {pair.split("=")[1] for b in chain for pair in (b.marker("fixtures") or "").split()}
-    return (
-        not _is_slow(chain)
-        and chain[0].name not in TYPES_WIDER_THAN_ANNOTATED
-        and not kinds & ENV_FIXTURES
-        and not any(OWN_PROCESS.search(b.text) for b in chain)
-    )
+    return not _is_slow(chain) and not kinds & ENV_FIXTURES and not any(OWN_PROCESS.search(b.text) for b in chain)
 
 
 @pytest.mark.parametrize("chain", list(_chain_params()))

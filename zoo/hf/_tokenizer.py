@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import tokenizers
@@ -13,6 +14,14 @@ from ._files import read_json
 
 DEFAULT_MAX_LEN = 512
 PADDING_SIDES = ("right", "left")
+
+
+@runtime_checkable
+class _Array(Protocol):
+    """A numpy or jax array (or anything `np.asarray` reads as one); named without
+    importing jax, which loading a tokenizer does not need."""
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray: ...
 
 
 def _check_side(padding_side: str) -> str:
@@ -166,6 +175,7 @@ class Tokenizer:
             mask[row, cols] = np.asarray(e.attention_mask, bool)
         return {"tokens": tokens, "mask": mask, "token_types": types}
 
-    def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
-        """The text of one row of ids (special tokens, hence BERT's padding, dropped by default)."""
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int] | _Array, *, skip_special_tokens: bool = True) -> str:
+        """The text of one row of ids (a list, a numpy or a jax array; special tokens, hence
+        BERT's padding, dropped by default)."""
+        return self.tokenizer.decode([int(i) for i in np.asarray(ids)], skip_special_tokens=skip_special_tokens)

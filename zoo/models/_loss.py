@@ -6,10 +6,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 
-def cross_entropy(logits: Float[Array, "*batch vocab"], targets: Int[Array, "*batch"]) -> Float[Array, "*batch"]:
+def cross_entropy(
+    logits: Float[Array, "*batch vocab"], targets: Int[Array | np.ndarray, "*batch"]
+) -> Float[Array, "*batch"]:
     """Negative log-likelihood of `targets` under `logits`, float32.
 
     Written with a one-hot contraction rather than a gather, so it works unchanged when
