@@ -33,8 +33,7 @@ __getattr__, __dir__ = lazy_names(
     __name__,
     {
         "._build_task": ("build_task",),
-        "._config": ("RunConfig",),
-        "._sources": ("DataConfig",),
+        "._config": ("DataConfig", "RunConfig"),
         "._errors": ("ConfigError", "Interrupted", "Preempted", "RunStopped"),
         "._evaluate": ("Evaluator",),
         "._flags": ("Flag",),
@@ -62,6 +61,7 @@ __getattr__, __dir__ = lazy_names(
 
 if TYPE_CHECKING:
     from ._build_task import build_task as build_task
+    from ._config import DataConfig as DataConfig
     from ._config import RunConfig as RunConfig
     from ._errors import ConfigError as ConfigError
     from ._errors import Interrupted as Interrupted
@@ -95,7 +95,6 @@ if TYPE_CHECKING:
     from ._saved_run import SavedRun as SavedRun
     from ._saved_run import load_run as load_run
     from ._scores import classification_scores as classification_scores
-    from ._sources import DataConfig as DataConfig
     from ._task import Task as Task
     from ._task import classifier_metrics as classifier_metrics
     from ._task import lm_metrics as lm_metrics

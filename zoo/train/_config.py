@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from pathlib import Path
 from typing import Any
 
 from ..lora import LoraConfig
 from . import _text
 from ._errors import ConfigError
-from ._flags import (
-    Flag,
-    check_unchanged,
-    fields_flags,
-    flag,
-    flat_entries,
-    help_texts,
-    inherit,
-    normal_value,
-    saved_config,
-)
+from ._flags import Flag, fields_flags, flag, help_texts
 from ._optimizer import OptimizerConfig
 from ._registry import (
     DATA_FILE_DEFAULTS,
@@ -33,7 +24,6 @@ from ._registry import (
     model_spec,
 )
 from ._scores import WATCHED, watched_metric
-from ._sources import MAX_COUNT, DataConfig
 from ._text import absolute_files, lora_text, mesh_text, parse_lora, parse_mesh, parse_pairs, parse_scalar
 
 # What a decoder minimises: next-token loss, or a preference objective (zoo.models.PreferenceLoss).
@@ -41,16 +31,84 @@ OBJECTIVES = ("sft", "dpo", "orpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 # What a classifier's head reads (`zoo.models.EncoderClassifier`'s pooling).
 POOLINGS = ("cls", "mean")
-# Seeds are 32-bit, as numpy's and jax's PRNG seeds are portably.
+# The largest count a run takes (steps, rows, intervals): compiled programs count steps and
+# rows in int32. Seeds are 32-bit, as numpy's and jax's PRNG seeds are portably.
+MAX_COUNT = 2**31 - 1
 MAX_SEED = 2**32 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What a run trains on.
+
+    **Fields:**
+
+    - `source`: a built-in data set's name (`"teacher"`, `"code"`, `"prose"`, `"docstrings"`;
+      which ones a model takes: `zoo train --help`), or a file (None: the model's default
+      for the command), or one file per LoRA adapter to train at once, `{NAME: FILE}` (kept
+      as the text `"NAME=FILE,NAME=FILE"`, `--data`'s form).
+    - `seq_len`: tokens per example, padded or cut (None: the model's default; the mlp has
+      no sequences).
+    - `eval_size`: held-out examples evaluated (0: the data set's default).
+    - `packed`, `validation`, `chat_template`: how a user's file is read (None: packed,
+      0.1): texts packed into full windows, the held-out fraction, the chat template of
+      conversations.
+    """
+
+    source: str | dict[str, str] | None = flag(
+        None, name="data", metavar="NAME|FILE", group="model and data", help="{data_sets}"
+    )
+    seq_len: int | None = flag(None, metavar="L", help="tokens per example, padded or cut ({per_model})")
+    eval_size: int = flag(0, metavar="N", group="evaluation and outputs", resume="safe",
+                          help="held-out examples evaluated (default: all test texts; 256 LM windows; 1024 mlp "
+                          "examples)")  # fmt: skip
+    packed: bool | None = flag(None, group="model and data", help="--data FILE (language modelling): pack short "
+                               "documents into each row (default yes)")  # fmt: skip
+    validation: float | int | None = flag(None, metavar="FRACTION", group="model and data", help="--data FILE: "
+                                          "the fraction of its documents held out for evaluation (default 0.1)")  # fmt: skip
+    chat_template: str | None = flag(None, metavar="FILE", group="model and data", help="--data FILE of chat "
+                                     "messages: a jinja2 chat template (default: the tokenizer's)")  # fmt: skip
+    system_prompt: str | None = flag(None, metavar="TEXT", group="training", help="preference pairs: a "
+                                     "system prompt put before every prompt (a system turn of conversations that "
+                                     "have none) (default: none)")  # fmt: skip
+    max_prompt_len: int | None = flag(None, metavar="N", group="training", help="preference pairs too long "
+                                      "for --seq-len: the prompt is cut to N tokens, then the completions to what is "
+                                      "left (default: half of --seq-len)")  # fmt: skip
+    prompt_truncation: str = flag("keep_end", choices=("keep_end", "keep_start", "error"), group="training",
+                                  help="which end of a too-long prompt is kept (TRL's truncation_mode), or error to "
+                                  "refuse such pairs (default keep_end)")  # fmt: skip
+
+    def __post_init__(self):
+        if isinstance(self.source, dict):  # one file per adapter: stored as --data's text
+            object.__setattr__(self, "source", ",".join(f"{name}={file}" for name, file in self.source.items()))
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
+            raise ConfigError(f"DataConfig.seq_len must be an integer >= 2 (or None), got {self.seq_len!r}")
+        if not isinstance(self.eval_size, int) or self.eval_size < 0:
+            raise ConfigError(f"DataConfig.eval_size must be an integer >= 0, got {self.eval_size!r}")
+        for field in ("seq_len", "eval_size"):
+            if (getattr(self, field) or 0) > MAX_COUNT:
+                raise ConfigError(
+                    f"DataConfig.{field} must be at most {MAX_COUNT} (2**31 - 1: compiled programs count in int32), "
+                    f"got {getattr(self, field)}"
+                )
+        if self.max_prompt_len is not None and (
+            not isinstance(self.max_prompt_len, int)
+            or self.max_prompt_len < 1
+            or self.seq_len is not None
+            and self.max_prompt_len >= self.seq_len
+        ):
+            raise ConfigError(f"DataConfig.max_prompt_len must be an integer from 1 to seq_len - 1 (room for a "
+                              f"completion), got {self.max_prompt_len!r}")  # fmt: skip
+        if self.prompt_truncation not in ("keep_end", "keep_start", "error"):
+            raise ConfigError(f"DataConfig.prompt_truncation must be keep_end, keep_start or error, got "
+                              f"{self.prompt_truncation!r}")  # fmt: skip
+        if self.validation is not None and not (isinstance(self.validation, int | float) and 0 <= self.validation < 1):
+            raise ConfigError(f"DataConfig.validation must be a fraction in [0, 1), got {self.validation!r}")
 
 
 # The flat keys of the nested configs' fields (`DataConfig.source` is `data`), from their flags.
 _DATA_KEYS = {f.name: field for field, f in fields_flags(DataConfig)}
 _OPTIMIZER_KEYS = {f.name: field for field, f in fields_flags(OptimizerConfig)}
-# The data settings the flat form leaves out while unset: the loader's defaults.
-_DATA_UNSET = dict.fromkeys(("packed", "validation", "chat_template", "system_prompt", "max_prompt_len"))
-_DATA_UNSET["prompt_truncation"] = "keep_end"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +401,7 @@ class RunConfig:
             base = dataclasses.replace(base, model=model, init=init)
         done = base._with_defaults(command)
         if saved is not None:
-            check_unchanged(done.to_dict(), saved, _flags_by_key(), normal_value)
+            check_unchanged(done.to_dict(), saved, _flags_by_key(), _normal)
         return done
 
     def _inherit(self, saved: dict[str, Any]) -> RunConfig:
@@ -436,8 +494,20 @@ class RunConfig:
         flat: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("data", "optimizer"):  # at their defaults: no flag to replay
-                flat |= flat_entries(value, _DATA_UNSET if f.name == "data" else {"end_lr_fraction": 0.1})
+            if f.name in ("data", "optimizer"):
+                keys = _DATA_KEYS if f.name == "data" else _OPTIMIZER_KEYS
+                for key, field in keys.items():
+                    inner = getattr(value, field)
+                    if (
+                        key in ("packed", "validation", "chat_template", "system_prompt", "max_prompt_len")
+                        and inner is None
+                    ):
+                        continue  # not set: the loader's default (and no flag to replay)
+                    if key == "prompt_truncation" and inner == "keep_end":
+                        continue
+                    if key == "end_lr_fraction" and inner == 0.1:
+                        continue
+                    flat[key] = inner
             elif f.name == "lora":
                 if value is not None:
                     flat["lora"] = lora_text(value)
@@ -564,3 +634,60 @@ def check_fits_model(config: RunConfig, spec: ModelSpec) -> None:
 def _flags_by_key() -> dict[str, Flag]:
     """`RunConfig.flags()` by flat key."""
     return {str(f.name): f for f in RunConfig.flags()}
+
+
+def _normal(key: str, value: Any) -> Any:
+    """A flat value in the form two configs compare in (a model config's keys in any order)."""
+    if key == "model_config":
+        if isinstance(value, dict):
+            return value
+        return parse_pairs(value, "model_config", parse_scalar) if value else {}
+    return json.loads(json.dumps(value, default=str))
+
+
+# --------------------------------------------------------------------------- continuing a saved run: its config.json inherited, what it trains unchanged
+# A resumed run continues the run saved in its folder: the settings it leaves unset come
+# from that run's config.json, and a setting that would change what it trains is refused.
+# `RunConfig.resolved` does both, so `zoo train --resume` and `zoo.train.run(RunConfig(...,
+# resume=True))` continue a run alike. Works on the flat form (`RunConfig.to_dict`).
+
+
+def saved_config(output: str | None) -> dict[str, Any] | None:
+    """The flat config (config.json) of the run saved in the folder `output`; None
+    without a folder or the file. A `ConfigError` if the file cannot be read."""
+    if not output:
+        return None
+    path = Path(output).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"RunConfig.resume: cannot read {path}: {e}; fix or remove it") from e
+    if not isinstance(saved, dict):
+        raise ConfigError(f"RunConfig.resume: {path} is not a run's config.json (not a JSON object); fix or remove it")
+    return saved
+
+
+def inherit(given: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag]) -> dict[str, Any]:
+    """`given` (the flat keys a config sets) over the saved run's values of every key
+    that is not this launch's own (`Flag.resume != "launch"`)."""
+    inherited = {k for k, f in flags.items() if f.resume != "launch"}
+    return {k: v for k, v in saved.items() if k in inherited and v is not None} | given
+
+
+def check_unchanged(now: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag], normal) -> None:
+    """Refuse a resumed run whose flat config `now` changes a setting of the saved run
+    that changes what it trains (`Flag.resume == "fixed"`), naming each field.
+    `normal(key, value)` is the value's comparable form."""
+    changed = [
+        f"{flags[k].field} {now[k]} (was {saved[k]})"
+        for k in sorted(now)
+        if k in saved and k in flags and flags[k].resume == "fixed" and normal(k, now[k]) != normal(k, saved[k])
+    ]
+    if changed:
+        raise ConfigError(
+            f"RunConfig.resume: {', '.join(changed)} would change the run saved in {now['output']}; drop "
+            f"{'them' if len(changed) > 1 else 'it'} to continue that run, or start a new one (another "
+            "RunConfig.output, or RunConfig.overwrite without RunConfig.resume)"
+        )

@@ -7,14 +7,11 @@ the library's errors, which name fields (`RunConfig.batch_size`), to flags (`--b
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any, ClassVar
 
 from .._presets import RULE_PRESETS
-from ._errors import ConfigError
 from ._registry import DATA_FILE_HELP, OPTIONAL_DEFAULT_KEYS, SHARED_DEFAULTS, model_names, model_spec
-from ._text import LORA_EXAMPLE, LORA_HELP, parse_pairs, parse_scalar
+from ._text import LORA_EXAMPLE, LORA_HELP
 
 # How --resume treats a flag. "fixed": it changes what is trained, so a resumed run
 # refuses a new value and takes the saved run's (config.json) when not given; "safe": how
@@ -93,18 +90,6 @@ def _kind(annotation: Any) -> type:
     if parts == {"float", "int"}:
         return float
     return str
-
-
-def flat_entries(config: Any, omitted: dict[str, Any]) -> dict[str, Any]:
-    """The flat form's entries of a nested config (`DataConfig`, `OptimizerConfig`): each
-    flag field under its flag's name, but those at their value in `omitted` (a default
-    that no flag needs to replay)."""
-    out = {}
-    for field, f in fields_flags(type(config)):
-        value = getattr(config, field)
-        if not (f.name in omitted and value == omitted[f.name]):
-            out[f.name] = value
-    return out
 
 
 def fields_flags(cls: type) -> list[tuple[str, Flag]]:
@@ -196,60 +181,3 @@ def help_texts(command: str) -> dict[str, str]:
         "pooling_default": _pooling_default(command),
         "defaults": _defaults_table(command),
     }
-
-
-# --------------------------------------------------------------------------- continuing a saved run: its config.json inherited, what it trains unchanged
-# A resumed run continues the run saved in its folder: the settings it leaves unset come
-# from that run's config.json, and a setting that would change what it trains is refused.
-# `RunConfig.resolved` does both, so `zoo train --resume` and `zoo.train.run(RunConfig(...,
-# resume=True))` continue a run alike. Works on the flat form (`RunConfig.to_dict`).
-
-
-def saved_config(output: str | None) -> dict[str, Any] | None:
-    """The flat config (config.json) of the run saved in the folder `output`; None
-    without a folder or the file. A `ConfigError` if the file cannot be read."""
-    if not output:
-        return None
-    path = Path(output).expanduser() / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"RunConfig.resume: cannot read {path}: {e}; fix or remove it") from e
-    if not isinstance(saved, dict):
-        raise ConfigError(f"RunConfig.resume: {path} is not a run's config.json (not a JSON object); fix or remove it")
-    return saved
-
-
-def inherit(given: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag]) -> dict[str, Any]:
-    """`given` (the flat keys a config sets) over the saved run's values of every key
-    that is not this launch's own (`Flag.resume != "launch"`)."""
-    inherited = {k for k, f in flags.items() if f.resume != "launch"}
-    return {k: v for k, v in saved.items() if k in inherited and v is not None} | given
-
-
-def check_unchanged(now: dict[str, Any], saved: dict[str, Any], flags: dict[str, Flag], normal) -> None:
-    """Refuse a resumed run whose flat config `now` changes a setting of the saved run
-    that changes what it trains (`Flag.resume == "fixed"`), naming each field.
-    `normal(key, value)` is the value's comparable form."""
-    changed = [
-        f"{flags[k].field} {now[k]} (was {saved[k]})"
-        for k in sorted(now)
-        if k in saved and k in flags and flags[k].resume == "fixed" and normal(k, now[k]) != normal(k, saved[k])
-    ]
-    if changed:
-        raise ConfigError(
-            f"RunConfig.resume: {', '.join(changed)} would change the run saved in {now['output']}; drop "
-            f"{'them' if len(changed) > 1 else 'it'} to continue that run, or start a new one (another "
-            "RunConfig.output, or RunConfig.overwrite without RunConfig.resume)"
-        )
-
-
-def normal_value(key: str, value: Any) -> Any:
-    """A flat value in the form two configs compare in (a model config's keys in any order)."""
-    if key == "model_config":
-        if isinstance(value, dict):
-            return value
-        return parse_pairs(value, "model_config", parse_scalar) if value else {}
-    return json.loads(json.dumps(value, default=str))

@@ -41,10 +41,9 @@ from ..models import classification_loss, next_token_loss
 from ._adapters import add_lora, quantize_base, read_adapter_records, stacked
 from ._build import training_step
 from ._build_task import build_task
-from ._config import RunConfig
+from ._config import RunConfig, saved_config
 from ._errors import ConfigError
 from ._export import TOKENIZER_FILES, merged_readme
-from ._flags import saved_config
 from ._head import HEAD_NAME, load_head, read_labels, save_head
 from ._plan import checkpoint_dir
 from ._registry import PRETRAINED_KEYS, ModelSpec, merged_path, model_spec
