@@ -61,6 +61,12 @@ def lora_decoder(key):
     return zoo.lora.add_lora(tiny_decoder(key), zoo.lora.LoraConfig(**LORA), key=jax.random.fold_in(key, 1))
 
 
+def qk_norm_decoder(key):
+    """The decoder with Qwen3's q/k norms (`qk_norm`): scales of `head_dim` replicated while
+    the heads they scale are split over `model`."""
+    return tiny_decoder(key, qk_norm=True)
+
+
 def lora_trainable(model):
     return zoo.lora.trainable(model, zoo.lora.LoraConfig(**LORA))
 
@@ -71,6 +77,7 @@ MODELS = {
     "decoder": (tiny_decoder, lm_batch, zoo.models.next_token_loss, None),
     "encoder": (tiny_encoder_classifier, classification_batch, zoo.models.classification_loss, None),
     "decoder+lora": (lora_decoder, lm_batch, zoo.models.next_token_loss, lora_trainable),
+    "decoder+qk_norm": (qk_norm_decoder, lm_batch, zoo.models.next_token_loss, None),
 }
 # Every preset in explicit mode; shard_map mode where parameters are replicated off `data`
 # inside the loop (dp, and fsdp-once gathered before it).
@@ -84,8 +91,12 @@ PRESET_MODES = [
     ("fsdp+tp", "explicit"),
     ("zero1", "explicit"),
 ]
+# The q/k-norm decoder differs from the decoder in two replicated leaves per layer: the
+# presets that place them differently from the heads they scale (dp: the base case).
+QK_NORM_PRESETS = ("dp", "fsdp", "tp")
 CASES = [(model, preset, mode) for model in MODELS for preset, mode in PRESET_MODES
-         if mode == "explicit" or model in ("decoder", "encoder")]  # fmt: skip
+         if (mode == "explicit" or model in ("decoder", "encoder"))
+         and (model != "decoder+qk_norm" or preset in QK_NORM_PRESETS)]  # fmt: skip
 
 
 def case_id(model, preset, mode):
@@ -357,6 +368,28 @@ EXPECTED = {
         "all-gather outside data 1024 x1",
         "all-reduce outside data 3336 x1",
     ],
+    "decoder+qk_norm-dp": [
+        "all-reduce outside data 23944 x1",
+    ],
+    "decoder+qk_norm-fsdp": [
+        "all-gather loop data 64 x4",
+        "all-gather loop data 512 x2",
+        "all-gather loop data 1024 x2",
+        "all-gather loop data 2048 x3",
+        "all-gather outside data 64 x1",
+        "all-gather outside data 2048 x2",
+        "all-reduce loop data 4160 x1",
+        "all-reduce loop data 9472 x1",
+        "all-reduce outside data 840 x1",
+    ],
+    "decoder+qk_norm-tp": [
+        "all-reduce loop model 112 x2",
+        "all-reduce loop model 2048 x2",
+        "all-reduce loop model 2160 x2",
+        "all-reduce loop model 4096 x1",
+        "all-reduce loop model 6176 x1",
+        "all-reduce outside data 12296 x1",
+    ],
 }
 
 
@@ -495,7 +528,7 @@ def docs_table() -> str:
 
     lines = ["| model | preset | mesh | in loops | outside loops |", "|---|---|---|---|---|"]
     for name, rows in EXPECTED.items():
-        model, preset = re.fullmatch(r"(mlp|decoder\+lora|decoder|encoder)-(.+)", name).groups()
+        model, preset = re.fullmatch(r"(mlp|decoder\+lora|decoder\+qk_norm|decoder|encoder)-(.+)", name).groups()
         mesh = ",".join(f"{k}={v}" for k, v in preset_mesh(preset, N).shape.items())
         lines.append(f"| {model} | `{preset}` | {mesh} | {cell(rows, 'loop')} | {cell(rows, 'outside')} |")
     return "\n".join(lines)
