@@ -502,7 +502,8 @@ def test_full_weight_runs_dpo_against_precomputed_log_probs_and_orpo(sft_base, o
         (["--objective", "dpo", "--data", "SFT"], "holds prompt/completion records"),
         (["--data", "PAIRS"], "holds preference pairs (prompt, chosen, rejected): tune on them with --objective dpo"),
         (["--objective", "dpo", "--label-smoothing", "0.1", "--data", "PAIRS"], "used by loss_type 'robust' only"),
-        (["--objective", "orpo", "--beta", "0", "--data", "PAIRS"], "beta must be a number > 0"),
+        (["--objective", "orpo", "--beta", "0", "--data", "PAIRS"], "beta must be a finite number > 0, got 0"),
+        (["--objective", "dpo", "--beta", "inf", "--data", "PAIRS"], "beta must be a finite number > 0, got inf"),
     ],
 )
 def test_cli_refuses_preference_settings_in_one_line(sft_base, args, message):

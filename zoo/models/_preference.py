@@ -13,6 +13,7 @@ global batch) and `dropout_key`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -89,8 +90,8 @@ class PreferenceLoss:
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if not isinstance(self.beta, int | float) or not self.beta > 0:
-            raise ValueError(f"beta must be a number > 0, got {self.beta!r}")
+        if not isinstance(self.beta, int | float) or not 0 < self.beta < math.inf:
+            raise ValueError(f"beta must be a finite number > 0, got {self.beta!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if not isinstance(self.label_smoothing, int | float) or not 0 <= self.label_smoothing < 0.5:
