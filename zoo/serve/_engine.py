@@ -144,9 +144,11 @@ class Engine:
         self._prefill = Jit(_prefill_program, donate=(1, 2), on_compile=self._count("prefill"), compiler_options=eigen)
         self._prefill_long = Jit(_prefill_program, donate=(1, 2), on_compile=self._count("prefill"))
         self._decode = {
-            kernel: Jit(_decode_program, donate=(1, 2), on_compile=self._count("decode", kernel), compiler_options=options)
+            kernel: Jit(
+                _decode_program, donate=(1, 2), on_compile=self._count("decode", kernel), compiler_options=options
+            )
             for kernel, options in matmul_kernels(device.platform).items()
-        }  # fmt: skip
+        }
         self.kernels: dict[int, str] = {}  # rows → the decode step's kernel, where `warm_up` timed them
         self._default_kernel = EIGEN if EIGEN in self._decode else next(iter(self._decode))
         self._move = Jit(_move_program, donate=(0, 1), on_compile=self._count("move"))
@@ -163,10 +165,15 @@ class Engine:
         )
         vocab = model.config.vocab_size
         self._next = jax.device_put(  # each slot's next input token, bias, counts and penalties
-            Steering(np.zeros((slots,), np.int32), np.zeros((slots, vocab), np.float32),
-                     np.zeros((slots, vocab), np.float32), np.zeros((slots,), np.float32), np.zeros((slots,), np.float32)),
+            Steering(
+                np.zeros((slots,), np.int32),
+                np.zeros((slots, vocab), np.float32),
+                np.zeros((slots, vocab), np.float32),
+                np.zeros((slots,), np.float32),
+                np.zeros((slots,), np.float32),
+            ),
             device,
-        )  # fmt: skip
+        )
         # Dispatched programs whose results the host has not read yet, oldest first, as
         # (kind, [(slot, handle), ...], (tokens and log-probabilities, prompt's or None)).
         self._unread: deque[tuple] = deque()
@@ -518,11 +525,23 @@ class Engine:
         program = self._prefill if width <= EIGEN_PREFILL_ROWS else self._prefill_long
         # Copies of the settings: a queued program may read its host arrays after this returns.
         self._cache, self._next, first, prompt = program(
-            self._weights, self._cache, self._next, np.int32(index), tokens, np.asarray([n], np.int32),
-            self._key_data[rows].copy(), self._temperature[rows].copy(), self._top_k[rows].copy(),
-            self._top_p[rows].copy(), self._wanted[rows].copy(), self._row_scale(self._adapter[rows]),
-            self._bias_row(request), np.float32(request.presence_penalty), np.float32(request.frequency_penalty), echo,
-        )  # fmt: skip
+            self._weights,
+            self._cache,
+            self._next,
+            np.int32(index),
+            tokens,
+            np.asarray([n], np.int32),
+            self._key_data[rows].copy(),
+            self._temperature[rows].copy(),
+            self._top_k[rows].copy(),
+            self._top_p[rows].copy(),
+            self._wanted[rows].copy(),
+            self._row_scale(self._adapter[rows]),
+            self._bias_row(request),
+            np.float32(request.presence_penalty),
+            np.float32(request.frequency_penalty),
+            echo,
+        )
         handle._index, handle._limit = index, min(request.max_tokens, self.max_len - n)
         self._unread.append(("prefill", [(index, handle)], (first, prompt)))
         if handle._limit > 1:
@@ -556,10 +575,18 @@ class Engine:
         n = len(steps)
         program = self._decode[kernel or self.kernels.get(n, self._default_kernel)]
         self._cache, self._next, out = program(
-            self._weights, self._cache, self._next, self._key_data[:n].copy(), steps, self._temperature[:n].copy(),
-            self._top_k[:n].copy(), self._top_p[:n].copy(), self._wanted[:n].copy(),
-            self._row_scale(self._adapter[:n]), width,
-        )  # fmt: skip
+            self._weights,
+            self._cache,
+            self._next,
+            self._key_data[:n].copy(),
+            steps,
+            self._temperature[:n].copy(),
+            self._top_k[:n].copy(),
+            self._top_p[:n].copy(),
+            self._wanted[:n].copy(),
+            self._row_scale(self._adapter[:n]),
+            width,
+        )
         return out
 
     def _compact(self) -> None:

@@ -92,9 +92,23 @@ def _choose(logits, steered, key_data, steps, temperature, top_k, top_p, wanted)
 
 
 def _prefill_program(
-    weights: Flattened, cache: KVCache, steering: Steering, slot, tokens, count, key_data, temperature, top_k, top_p,
-    wanted, row_scale, bias, presence, frequency, echo,
-):  # fmt: skip
+    weights: Flattened,
+    cache: KVCache,
+    steering: Steering,
+    slot,
+    tokens,
+    count,
+    key_data,
+    temperature,
+    top_k,
+    top_p,
+    wanted,
+    row_scale,
+    bias,
+    presence,
+    frequency,
+    echo,
+):
     """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token
     and make it the slot's next input (`steering`, which also takes the request's `bias`
     `[vocab]` and penalties and starts its counts at its first token). `weights`: `(model, split_layers(model))`;
@@ -152,9 +166,18 @@ def _write_row(blocks: tuple, part, slot, *, axis: int) -> tuple:
 
 
 def _decode_program(
-    weights: Flattened, cache: KVCache, steering: Steering, key_data, steps, temperature, top_k, top_p, wanted,
-    row_scale, span,
-):  # fmt: skip
+    weights: Flattened,
+    cache: KVCache,
+    steering: Steering,
+    key_data,
+    steps,
+    temperature,
+    top_k,
+    top_p,
+    wanted,
+    row_scale,
+    span,
+):
     """One step of the first `rows` slots (`rows`: the length of `steps` and the other
     per-row settings; the engine keeps its requests in the lowest slots): each one's last
     token in (`steering.tokens`, as the last step or prefill left it on the device), its
