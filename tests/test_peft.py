@@ -68,6 +68,7 @@ CAUSAL_LM = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
@@ -75,8 +76,9 @@ CAUSAL_LM = {
 GATE = {"phi3": "gate_up_proj"}
 # Gemma: its own head size, the head tied to the embedding (no lm_head to save).
 GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
-# Qwen3: q/k norms over a head_dim ≠ hidden/heads.
-EXTRA = {"gemma": GEMMA, "qwen3": {"head_dim": 8}}
+# Qwen3: q/k norms over a head_dim ≠ hidden/heads. OLMo 2: q/k norms over the whole
+# projections (32 and 16 wide), norms after the sub-layers, attention biases.
+EXTRA = {"gemma": GEMMA, "qwen3": {"head_dim": 8}, "olmo2": {"head_dim": 8, "attention_bias": True}}
 
 
 def perturb(module, seed, which=lambda name: True, scale=0.1):
@@ -410,7 +412,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
         load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
 
 
-# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma, Phi-3
 
 
 @pytest.mark.parametrize("family", sorted(CAUSAL_LM))
