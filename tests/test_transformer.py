@@ -308,6 +308,9 @@ def test_logical_axes_of_the_models():
     assert olmo.attention.k_norm.weight.names == ("layers", "kv_heads")
     assert olmo.attention_out_norm.weight.names == olmo.mlp_out_norm.weight.names == ("layers", "embed")
     assert olmo.attention_norm is None and olmo.mlp_norm is None
+    sandwich = zoo.logical_axes(tiny_decoder(jax.random.key(0), norm_placement="sandwich")).layers.layers
+    norms = (sandwich.attention_norm, sandwich.mlp_norm, sandwich.attention_out_norm, sandwich.mlp_out_norm)
+    assert all(n.weight.names == ("layers", "embed") for n in norms)  # Gemma 2/3: all four
     # Without the options a layer has no new leaves.
     assert axes.layers.layers.attention_out_norm is None and axes.layers.layers.attention.q_norm is None
     encoder = tiny_encoder_classifier(jax.random.key(0)).encoder
