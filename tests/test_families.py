@@ -1,4 +1,4 @@
-"""The zoo.hf architecture registry: Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3 (and GPT-2, BERT)
+"""The zoo.hf architecture registry: Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma, Phi-3 (and GPT-2, BERT)
 both ways against transformers, sharded loads, vocabulary padding, cache ids, refusals."""
 
 import json
@@ -69,6 +69,12 @@ CASES = {
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
     # Qwen3: q/k heads RMS-normalised before RoPE, a head_dim ≠ hidden/heads, a tied head.
     "qwen3": (transformers.Qwen3Config, SMALL | {"tie_word_embeddings": True, "head_dim": 16}),
+    # OLMo 2: norms on the sub-layers' outputs only, q/k RMS-normalised over the whole
+    # projections (64 and 32 wide), a head_dim ≠ hidden/heads, attention biases, its eps.
+    "olmo2": (
+        transformers.Olmo2Config,
+        SMALL | {"head_dim": 16, "attention_bias": True, "rms_norm_eps": 1e-5, "rope_theta": 50000.0},
+    ),
     # Gemma: embeddings × sqrt(hidden), RMSNorm by (1 + weight), GeGLU, tied head.
     "gemma": (transformers.GemmaConfig, SMALL | {"head_dim": 8}),
     # Phi-3: q | k | v fused in qkv_proj (blocks 32, 16, 16 wide under GQA), gate | up in gate_up_proj.
@@ -242,11 +248,14 @@ def test_activation_spelling_round_trips(tmp_path):
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     ("name", "preset", "devices"),
-    [("qwen2", "fsdp", 8), ("qwen3", "fsdp", 8), ("qwen3", "tp", 8), ("qwen2", "fsdp+tp", 4)],
-)
+    [
+        ("qwen2", "fsdp", 8), ("qwen3", "fsdp", 8), ("qwen3", "tp", 8), ("qwen2", "fsdp+tp", 4),
+        ("olmo2", "fsdp", 8), ("olmo2", "tp", 8),
+    ],
+)  # fmt: skip
 def test_sharded_loads_equal_unsharded(name, preset, devices, hf_dirs, loaded, tokens):
     """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62). Qwen3's
-    q/k norms act on heads split over `model` under tp."""
+    q/k norms act on heads split over `model` under tp; OLMo 2's sum squares across them."""
     mesh = preset_mesh(preset, devices)
     model = zoo.hf.from_pretrained(hf_dirs[name], rules=zoo.rules(preset), mesh=mesh)
     padded = "tp" in preset
@@ -311,7 +320,10 @@ def test_gpt2_and_bert_odd_vocabularies_load_under_tp(tmp_path):
 def _config_only(tmp_path, name, **values):
     directory = tmp_path / name
     directory.mkdir()
-    kinds = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    kinds = {
+        "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "olmo2": transformers.Olmo2Config,
+    }  # fmt: skip
     cls = kinds[values.pop("kind", "llama")]
     cls(**(SMALL | values)).save_pretrained(directory)
     return directory
@@ -372,6 +384,8 @@ def test_model_ids_load_from_the_local_cache_first(hf_dirs, loaded, tmp_path, mo
             {"kind": "qwen3", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
             "only some layers",
         ),
+        ({"kind": "olmo2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "olmo2 config.*of type 'yarn'"),
+        ({"kind": "olmo2", "hidden_act": "gelu"}, "olmo2 config.*hidden_act='gelu'"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):
@@ -435,6 +449,26 @@ def test_export_refuses_what_the_family_cannot_express():
         assert zoo.hf.family_of(config).name == "qwen3"
         written = qwen3.config_to_hf(config)
         assert qwen3.config_to_hf(qwen3.config_from_hf(written)) == written
+    # OLMo 2: output norms and whole-projection q/k norms, each refused where not built.
+    olmo2 = zoo.hf.get_family("olmo2")
+    shape = dict(use_bias=False, qk_norm=True, qk_norm_scope="projection", norm_placement="output")
+    with pytest.raises(ValueError, match="norm_placement='output'.*llama normalises each sub-layer's input"):
+        llama.config_to_hf(TransformerConfig(**base, use_bias=False, norm_placement="output"))
+    with pytest.raises(ValueError, match="qk_norm_scope='projection'.*qwen3 has each query and key head"):
+        qwen3.config_to_hf(TransformerConfig(**base | shape | {"norm_placement": "input"}))
+    with pytest.raises(ValueError, match="qk_norm_scope='head'.*olmo2 has the whole query and key projections"):
+        olmo2.config_to_hf(TransformerConfig(**base | shape | {"qk_norm_scope": "head"}))
+    with pytest.raises(ValueError, match="norm_placement='sandwich'.*olmo2 normalises each sub-layer's output"):
+        olmo2.config_to_hf(TransformerConfig(**base | shape | {"norm_placement": "sandwich"}))
+    with pytest.raises(ValueError, match="mlp_bias=True.*no biases"):
+        olmo2.config_to_hf(TransformerConfig(**base | shape | {"mlp_bias": True}))
+    with pytest.raises(ValueError, match="post-LN.*takes norm_placement='input'"):
+        TransformerConfig(**base, norm_placement="output", pre_norm=False)
+    for extra in ({}, {"qkv_bias": True, "o_bias": True}):
+        config = TransformerConfig(**base | shape | extra)
+        assert zoo.hf.family_of(config).name == "olmo2"
+        written = olmo2.config_to_hf(config)
+        assert olmo2.config_to_hf(olmo2.config_from_hf(written)) == written
 
 
 @pytest.mark.parametrize("name", list(zoo.hf.families()))

@@ -146,13 +146,16 @@ def _saved(tmp_path_factory, cls, config_cls, **fields):
     return hf, zoo.hf.from_pretrained(directory)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "olmo2"])
 def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
     if family == "llama":
         hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
     elif family == "qwen3":  # q/k norms before RoPE, in the prompt's pass and every cached step
         hf, model = _saved(tmp_path_factory, transformers.Qwen3ForCausalLM, transformers.Qwen3Config, head_dim=8)
         assert model.config.qk_norm
+    elif family == "olmo2":  # q/k norms over the whole projections, norms after the sub-layers
+        hf, model = _saved(tmp_path_factory, transformers.Olmo2ForCausalLM, transformers.Olmo2Config, head_dim=8)
+        assert (model.config.qk_norm_scope, model.config.norm_placement) == ("projection", "output")
     elif family == "phi3":  # q | k | v and gate | up fused in the file
         hf, model = _saved(tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config)
         assert model.config.family == "phi3"

@@ -4,6 +4,7 @@ family; GPT-2's fused c_attn, rsLoRA, modules_to_save, SEQ_CLS, all-linear, inte
 
 import functools
 import json
+import operator
 import types
 import warnings
 from pathlib import Path
@@ -68,6 +69,7 @@ CAUSAL_LM = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
@@ -75,8 +77,9 @@ CAUSAL_LM = {
 GATE = {"phi3": "gate_up_proj"}
 # Gemma: its own head size, the head tied to the embedding (no lm_head to save).
 GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
-# Qwen3: q/k norms over a head_dim ≠ hidden/heads.
-EXTRA = {"gemma": GEMMA, "qwen3": {"head_dim": 8}}
+# Qwen3: q/k norms over a head_dim ≠ hidden/heads. OLMo 2: q/k norms over the whole
+# projections (32 and 16 wide), norms after the sub-layers, attention biases.
+EXTRA = {"gemma": GEMMA, "qwen3": {"head_dim": 8}, "olmo2": {"head_dim": 8, "attention_bias": True}}
 
 
 def perturb(module, seed, which=lambda name: True, scale=0.1):
@@ -410,7 +413,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
         load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
 
 
-# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma, Phi-3
 
 
 @pytest.mark.parametrize("family", sorted(CAUSAL_LM))
@@ -520,15 +523,35 @@ def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_p
 # --------------------------------------------------------------------------- modules_to_save by suffix
 
 # peft saves every module whose name ends with a modules_to_save entry (a plain string
-# suffix): "norm" is each layer's input_layernorm and post_attention_layernorm, and model.norm.
-NORMS = ["input_layernorm", "post_attention_layernorm"]
+# suffix): "norm" is each layer's input_layernorm and post_attention_layernorm, and
+# model.norm; in OLMo 2 each layer's post_attention_layernorm, post_feedforward_layernorm
+# and its attention's q_norm and k_norm (as wide as the projections), and model.norm.
+NORMS = {
+    "llama": ["input_layernorm", "post_attention_layernorm"],
+    "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm", "self_attn.k_norm", "self_attn.q_norm"],
+}
+# The zoo modules they are, in the order zoo lists them.
+ZOO_NORMS = {
+    "llama": ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm"),
+    "olmo2": (
+        "layers.layers.attention.q_norm", "layers.layers.attention.k_norm", "layers.layers.attention_out_norm",
+        "layers.layers.mlp_out_norm", "final_norm",
+    ),
+}  # fmt: skip
 
 
-def norm_names(layers=2):
-    return sorted([f"model.layers.{i}.{n}" for i in range(layers) for n in NORMS] + ["model.norm"])
+def norm_names(family, layers=2):
+    norms = NORMS.get(family, NORMS["llama"])
+    return sorted([f"model.layers.{i}.{n}" for i in range(layers) for n in norms] + ["model.norm"])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])  # Gemma: its norms are stored as weight - 1
+def zoo_norms(family, model):
+    """The weights of `model`'s norms that "norm" names, in ZOO_NORMS' order."""
+    return [operator.attrgetter(name)(model).weight for name in ZOO_NORMS.get(family, ZOO_NORMS["llama"])]
+
+
+# Gemma: its norms are stored as weight - 1; OLMo 2: other norms, q/k ones among them.
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
 def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tmp_path):
     folder = hf_folder(family, root)
     hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
@@ -538,43 +561,42 @@ def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tm
     opened = peft_adapter(hf, config, tmp_path / "p")  # perturbs the saved norms' copies too
     tensors = safetensors.torch.load_file(tmp_path / "p/adapter_model.safetensors")
     assert sorted(k.removeprefix("base_model.model.").removesuffix(".weight") for k in tensors if "lora_" not in k) == (
-        norm_names()
+        norm_names(family)
     )
     base = zoo.hf.from_pretrained(folder)
     model, loaded = load_adapter(base, tmp_path / "p")
-    assert loaded.modules_to_save == ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm")
-    for norm in (lambda m: m.layers.layers.attention_norm, lambda m: m.layers.layers.mlp_norm, lambda m: m.final_norm):
-        assert not np.allclose(norm(model).weight, norm(base).weight)  # every layer's saved norm arrived
+    assert loaded.modules_to_save == ZOO_NORMS.get(family, ZOO_NORMS["llama"])
+    for got, was in zip(zoo_norms(family, model), zoo_norms(family, base), strict=True):
+        assert not np.allclose(got, was)  # every layer's saved norm arrived
     assert_close(zoo_outputs(model), hf_outputs(opened), f"{family} modules_to_save=['norm'], peft → zoo")
     assert not np.allclose(zoo_outputs(model), zoo_outputs(add_lora(base, loaded, key=jax.random.key(0))), atol=1e-3)
     # trainable marks the same modules; saved again, the file holds the same keys.
     trainable = zoo.lora.trainable(model, loaded)
-    assert trainable.layers.layers.attention_norm.weight is True and trainable.final_norm.weight is True
+    assert all(w is True for w in zoo_norms(family, trainable))
     save_adapter(model, loaded, tmp_path / "z")
     assert set(safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")) == set(tensors)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
 def test_zoo_modules_to_save_norm_suffix_opens_in_peft(family, root, tmp_path):
     folder = hf_folder(family, root)
     base = zoo.hf.from_pretrained(folder)
     config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=["norm"], init_lora_weights=False)
     model = add_lora(base, config, key=jax.random.key(1))
     trainable = zoo.lora.trainable(model, config)  # every layer's norms and the final one, nothing else
-    assert trainable.layers.layers.attention_norm.weight is True and trainable.layers.layers.mlp_norm.weight is True
-    assert trainable.final_norm.weight is True and trainable.token_embedding.weight is False
+    assert all(w is True for w in zoo_norms(family, trainable)) and trainable.token_embedding.weight is False
     rng = np.random.default_rng(5)
-    norms = lambda m: (m.layers.layers.attention_norm.weight, m.layers.layers.mlp_norm.weight, m.final_norm.weight)
+    norms = functools.partial(zoo_norms, family)
     model = eqx.tree_at(norms, model, [w + 0.1 * rng.standard_normal(w.shape, np.float32) for w in norms(model)])
     save_adapter(model, config, tmp_path / "z")
     values = json.loads((tmp_path / "z/adapter_config.json").read_text())
-    assert values["modules_to_save"] == norm_names()  # every layer's, by full name: peft picks exactly these
+    assert values["modules_to_save"] == norm_names(family)  # every layer's, by full name: peft picks exactly these
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z")
     no_peft_warnings(record)
     wrapped = sorted(n for n, m in auto.named_modules() if isinstance(m, peft.utils.ModulesToSaveWrapper))
-    assert [n.removeprefix("base_model.model.") for n in wrapped] == norm_names()
+    assert [n.removeprefix("base_model.model.") for n in wrapped] == norm_names(family)
     assert_close(zoo_outputs(model), hf_outputs(auto), f"{family} modules_to_save=['norm'], zoo → peft")
     loaded, loaded_config = load_adapter(base, tmp_path / "z")
     assert loaded_config == config and tree_allclose(loaded, model, rtol=0, atol=0)

@@ -67,6 +67,14 @@ def qk_norm_decoder(key):
     return tiny_decoder(key, qk_norm=True)
 
 
+def olmo2_norms_decoder(key):
+    """The decoder with OLMo 2's norms: on each sub-layer's output only (`norm_placement=
+    "output"`), and q/k RMSNorms over the whole projections (`qk_norm_scope="projection"`),
+    whose scales are split over `model` with the heads and whose mean of squares sums
+    across them under tp."""
+    return tiny_decoder(key, qk_norm=True, qk_norm_scope="projection", norm_placement="output")
+
+
 def lora_trainable(model):
     return zoo.lora.trainable(model, zoo.lora.LoraConfig(**LORA))
 
@@ -78,6 +86,7 @@ MODELS = {
     "encoder": (tiny_encoder_classifier, classification_batch, zoo.models.classification_loss, None),
     "decoder+lora": (lora_decoder, lm_batch, zoo.models.next_token_loss, lora_trainable),
     "decoder+qk_norm": (qk_norm_decoder, lm_batch, zoo.models.next_token_loss, None),
+    "decoder+olmo2_norms": (olmo2_norms_decoder, lm_batch, zoo.models.next_token_loss, None),
 }
 # Every preset in explicit mode; shard_map mode where parameters are replicated off `data`
 # inside the loop (dp, and fsdp-once gathered before it).
@@ -92,11 +101,12 @@ PRESET_MODES = [
     ("zero1", "explicit"),
 ]
 # The q/k-norm decoder differs from the decoder in two replicated leaves per layer: the
-# presets that place them differently from the heads they scale (dp: the base case).
+# presets that place them differently from the heads they scale (dp: the base case). The
+# OLMo 2-norms decoder in its norms' leaves and places: the same presets.
 QK_NORM_PRESETS = ("dp", "fsdp", "tp")
 CASES = [(model, preset, mode) for model in MODELS for preset, mode in PRESET_MODES
          if (mode == "explicit" or model in ("decoder", "encoder"))
-         and (model != "decoder+qk_norm" or preset in QK_NORM_PRESETS)]  # fmt: skip
+         and (model not in ("decoder+qk_norm", "decoder+olmo2_norms") or preset in QK_NORM_PRESETS)]  # fmt: skip
 
 
 def case_id(model, preset, mode):
@@ -390,6 +400,30 @@ EXPECTED = {
         "all-reduce loop model 6176 x1",
         "all-reduce outside data 12296 x1",
     ],
+    "decoder+olmo2_norms-dp": [
+        "all-reduce outside data 24072 x1",
+    ],
+    "decoder+olmo2_norms-fsdp": [
+        "all-gather loop data 64 x4",
+        "all-gather loop data 512 x2",
+        "all-gather loop data 1024 x2",
+        "all-gather loop data 2048 x3",
+        "all-gather outside data 64 x1",
+        "all-gather outside data 2048 x2",
+        "all-reduce loop data 4160 x1",
+        "all-reduce loop data 9472 x1",
+        "all-reduce outside data 968 x1",
+    ],
+    "decoder+olmo2_norms-tp": [
+        "all-reduce loop model 112 x2",
+        "all-reduce loop model 128 x1",
+        "all-reduce loop model 256 x1",
+        "all-reduce loop model 2048 x3",
+        "all-reduce loop model 2160 x2",
+        "all-reduce loop model 4096 x1",
+        "all-reduce loop model 4224 x1",
+        "all-reduce outside data 12328 x1",
+    ],
 }
 
 
@@ -528,7 +562,9 @@ def docs_table() -> str:
 
     lines = ["| model | preset | mesh | in loops | outside loops |", "|---|---|---|---|---|"]
     for name, rows in EXPECTED.items():
-        model, preset = re.fullmatch(r"(mlp|decoder\+lora|decoder\+qk_norm|decoder|encoder)-(.+)", name).groups()
+        model, preset = re.fullmatch(
+            r"(mlp|decoder\+lora|decoder\+qk_norm|decoder\+olmo2_norms|decoder|encoder)-(.+)", name
+        ).groups()
         mesh = ",".join(f"{k}={v}" for k, v in preset_mesh(preset, N).shape.items())
         lines.append(f"| {model} | `{preset}` | {mesh} | {cell(rows, 'loop')} | {cell(rows, 'outside')} |")
     return "\n".join(lines)

@@ -144,6 +144,23 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     assert span(100, 64) == 64  # a cache shorter than the smallest span is read whole
 
 
+def test_the_engine_runs_olmo2_norms():
+    """A model with OLMo 2's norms (after each sub-layer only; q/k over the whole
+    projections: test_generate holds zoo.generate to transformers for them), two requests
+    side by side: each gets zoo.generate's tokens for it alone."""
+    model = tiny_decoder(jax.random.key(3), max_len=32, vocab_size=64, qk_norm=True, qk_norm_scope="projection",
+                         norm_placement="output")  # fmt: skip
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), params)
+    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
+    engine = Engine(model, slots=2, max_len=32)
+    requests = [Request([9, 4, 33, 17, 2, 50], max_tokens=8), Request([5, 6, 7], max_tokens=5)]
+    handles = [engine.submit(r) for r in requests]
+    engine.run_until_done()
+    for request, handle in zip(requests, handles):
+        assert handle.ids == _alone(model, request)
+
+
 def test_requests_left_running_move_down_and_the_step_shrinks(served):
     """Four requests; the two in the lowest slots end first. The two left move into the
     lowest slots (their cache rows and next tokens with them) and the step runs two rows,

@@ -172,6 +172,19 @@ def test_feedforward_and_blocks_match_formulas():
     assert_rounding_close(pre(x), h + ff(ln2(h)), **block)
     h = ln1(x + attn(x))
     assert_rounding_close(post(x), ln2(h + ff(h)), **block)
+    # Norms on the sub-layers' outputs only (OLMo 2), and on inputs and outputs (Gemma 2/3).
+    ln3, ln4 = (
+        eqx.tree_at(lambda n: n.weight, zoo.nn.LayerNorm(8), 1 + 0.1 * jax.random.normal(jax.random.key(i), (8,)))
+        for i in (3, 4)
+    )
+    after = zoo.nn.TransformerBlock(attn, ff, None, None, attention_out_norm=ln3, mlp_out_norm=ln4)
+    h = x + ln3(attn(x))
+    assert_rounding_close(after(x), h + ln4(ff(h)), **block)
+    sandwich = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, attention_out_norm=ln3, mlp_out_norm=ln4)
+    h = x + ln3(attn(ln1(x)))
+    assert_rounding_close(sandwich(x), h + ln4(ff(ln2(h))), **block | {"depth": block["depth"] + 2 * 2})
+    with pytest.raises(ValueError, match="post-LN TransformerBlock.*no output norms"):
+        zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=False, mlp_out_norm=ln4)
 
 
 def test_dropout_follows_each_examples_key():
@@ -288,6 +301,18 @@ def test_logical_axes_of_the_models():
     assert axes.layers.layers.mlp.down.weight.names == ("layers", "mlp", "embed")
     assert axes.token_embedding.weight.names == ("vocab", "embed")
     assert axes.lm_head.weight.names == ("embed", "vocab")
+    # OLMo 2's norms: q/k scales as wide as (and split as) their projections, output norms.
+    olmo = zoo.logical_axes(tiny_decoder(jax.random.key(0), qk_norm=True, qk_norm_scope="projection",
+                                         norm_placement="output")).layers.layers  # fmt: skip
+    assert olmo.attention.q_norm.weight.names == ("layers", "heads")
+    assert olmo.attention.k_norm.weight.names == ("layers", "kv_heads")
+    assert olmo.attention_out_norm.weight.names == olmo.mlp_out_norm.weight.names == ("layers", "embed")
+    assert olmo.attention_norm is None and olmo.mlp_norm is None
+    sandwich = zoo.logical_axes(tiny_decoder(jax.random.key(0), norm_placement="sandwich")).layers.layers
+    norms = (sandwich.attention_norm, sandwich.mlp_norm, sandwich.attention_out_norm, sandwich.mlp_out_norm)
+    assert all(n.weight.names == ("layers", "embed") for n in norms)  # Gemma 2/3: all four
+    # Without the options a layer has no new leaves.
+    assert axes.layers.layers.attention_out_norm is None and axes.layers.layers.attention.q_norm is None
     encoder = tiny_encoder_classifier(jax.random.key(0)).encoder
     enc_axes = zoo.logical_axes(encoder)
     assert enc_axes.embeddings.position_embeddings.weight.names == (None, "embed")

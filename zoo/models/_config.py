@@ -120,8 +120,11 @@ class TransformerConfig(_Common):
     (banded causal attention), `rope_scaling="llama3"` with `rope_factor`,
     `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, `embed_scale`
     (the token embeddings' multiplier, Gemma's `sqrt(d_model)`), `qk_norm` (each query and
-    key head RMS-normalised over `head_dim` before RoPE, Qwen3's), `pre_norm`
-    (post-LN when false), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
+    key head RMS-normalised over `head_dim` before RoPE, Qwen3's; with
+    `qk_norm_scope="projection"`, the whole query and key projections, OLMo 2's), `pre_norm`
+    (post-LN when false), `norm_placement` (where a pre-LN layer's norms sit: `"input"`, on
+    each sub-layer's input, Llama's; `"output"`, on each sub-layer's output before its
+    residual add, OLMo 2's; `"sandwich"`, both, Gemma 2/3's), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
     parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
     `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
     the float32 minimum, so softmax, loss and argmax equal the unpadded model's), `family`
@@ -145,6 +148,8 @@ class TransformerConfig(_Common):
     rope_original_max_len: int = 8192
     embed_scale: float = 1.0  # token embeddings multiplied by this (Gemma: sqrt(d_model))
     qk_norm: bool = False  # each query/key head RMS-normalised before RoPE (Qwen3)
+    qk_norm_scope: str = "head"  # "head" (over head_dim: Qwen3) or "projection" (over heads × head_dim: OLMo 2)
+    norm_placement: str = "input"  # "input" (pre-LN), "output" (OLMo 2) or "sandwich" (Gemma 2/3)
 
     def __post_init__(self):
         super().__post_init__()
@@ -155,6 +160,19 @@ class TransformerConfig(_Common):
         _check(
             self.rope_scaling in (None, "llama3"),
             f"TransformerConfig.rope_scaling must be None or 'llama3', got {self.rope_scaling!r}",
+        )
+        _check(
+            self.qk_norm_scope in ("head", "projection"),
+            f"TransformerConfig.qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}",
+        )
+        _check(
+            self.norm_placement in ("input", "output", "sandwich"),
+            f"TransformerConfig.norm_placement must be 'input', 'output' or 'sandwich', got {self.norm_placement!r}",
+        )
+        _check(
+            self.pre_norm or self.norm_placement == "input",
+            f"TransformerConfig.norm_placement={self.norm_placement!r} places norms in a pre-LN layer; "
+            "pre_norm=False (post-LN) takes norm_placement='input'",
         )
         _check(
             self.norm in ("layernorm", "rmsnorm"),

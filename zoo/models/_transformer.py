@@ -59,7 +59,7 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         init_std=config.init_std,
         rope_llama3=_llama3(config) if rope else None,
         sliding_window=getattr(config, "sliding_window", None),
-        qk_norm=getattr(config, "qk_norm", False),
+        qk_norm=getattr(config, "qk_norm", False) and getattr(config, "qk_norm_scope", "head"),
         norm_eps=config.norm_eps,
         key=ka,
     )
@@ -83,13 +83,23 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
 
         biases = [jnp.zeros((getattr(attention, p).out_features,)) if want else None for p in projections]
         attention = eqx.tree_at(where, attention, biases, is_leaf=lambda x: x is None)
+    # Where the layer's norms sit: on each sub-layer's input, its output (OLMo 2), or both.
+    placement = getattr(config, "norm_placement", "input")
+    inputs, outputs = placement in ("input", "sandwich"), placement in ("output", "sandwich")
+
+    def norms(wanted: bool) -> list[LayerNorm | RMSNorm | None]:
+        return [make_norm(norm, config.d_model, config.norm_eps) if wanted else None for _ in range(2)]
+
+    (attention_norm, mlp_norm), (attention_out_norm, mlp_out_norm) = norms(inputs), norms(outputs)
     return TransformerBlock(
         attention,
         mlp,
-        make_norm(norm, config.d_model, config.norm_eps),
-        make_norm(norm, config.d_model, config.norm_eps),
+        attention_norm,
+        mlp_norm,
         pre_norm=pre_norm,
         dropout_rate=config.dropout,
+        attention_out_norm=attention_out_norm,
+        mlp_out_norm=mlp_out_norm,
     )
 
 

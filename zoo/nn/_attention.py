@@ -47,7 +47,10 @@ class Attention(eqx.Module):
     `repeat_kv`). Logical axes: `("embed", "heads")`, `("embed", "kv_heads")`,
     `("heads", "embed")` — tensor parallelism splits heads over `model`. With `qk_norm`,
     each query and key head is RMS-normalised over its `head_dim` before RoPE (`q_norm`,
-    `k_norm`, one scale of `head_dim` shared by the heads: Qwen3, Gemma 3, OLMo 2).
+    `k_norm`, one scale of `head_dim` shared by the heads: Qwen3, Gemma 3); with
+    `qk_norm="projection"`, the whole query and key projections are, before they are split
+    into heads (scales of `heads × head_dim` and `kv_heads × head_dim`, split over `model`
+    as the heads are, the mean of squares a sum across them: OLMo 2).
     """
 
     q_proj: Linear
@@ -79,7 +82,7 @@ class Attention(eqx.Module):
         init_std: float | None = 0.02,
         rope_llama3: tuple[float, float, float, int] | None = None,
         sliding_window: int | None = None,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
         key: PRNGKeyArray,
     ):
@@ -100,7 +103,8 @@ class Attention(eqx.Module):
         - `sliding_window`: with `causal`, position `s` attends only to positions `t` with
           `s - window < t ≤ s` (Mistral's banded mask); `None`: every earlier position.
         - `qk_norm`: RMS-normalise each query and key head before RoPE, with a learned
-          scale of `head_dim` (init 1) and epsilon `norm_eps`.
+          scale of `head_dim` (init 1) and epsilon `norm_eps`; `"projection"`: the whole
+          query and key projections instead (scales of their widths).
         - `key`: PRNG key.
         """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -127,9 +131,14 @@ class Attention(eqx.Module):
         self.dropout_rate = dropout_rate
         self.rope_llama3 = rope_llama3
         self.sliding_window = sliding_window
-        # The scale is per head dimension, shared by every head: nothing of it to split.
-        self.q_norm = RMSNorm(head_dim, eps=norm_eps, axis=None) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps=norm_eps, axis=None) if qk_norm else None
+        if qk_norm not in (False, True, "head", "projection"):
+            raise ValueError(f"qk_norm must be a bool, 'head' or 'projection', got {qk_norm!r}")
+        if qk_norm == "projection":  # scales as wide as the projections, split as they are
+            self.q_norm = RMSNorm(num_heads * head_dim, eps=norm_eps, axis="heads")
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, eps=norm_eps, axis="kv_heads")
+        else:  # per head dimension, shared by every head: nothing of it to split
+            self.q_norm = RMSNorm(head_dim, eps=norm_eps, axis=None) if qk_norm else None
+            self.k_norm = RMSNorm(head_dim, eps=norm_eps, axis=None) if qk_norm else None
 
     def __call__(
         self,
@@ -170,10 +179,15 @@ class Attention(eqx.Module):
         # One flattened copy of x for the three projections' backward pass; with per-example
         # dropout keys (LoRA branches) x keeps its batch dim first.
         rows, restore = flatten_rows(x) if key is None else (x, lambda y: y)
-        q = restore(self.q_proj(rows, key=keys[1])).reshape(b, s, kvh, g, hd)
-        k = restore(self.k_proj(rows, key=keys[2])).reshape(b, s, kvh, hd)
+        q, k = restore(self.q_proj(rows, key=keys[1])), restore(self.k_proj(rows, key=keys[2]))
+        # A q norm wider than a head spans the projection (OLMo 2): before the split into
+        # heads. (With one query head the two scopes are the same sums.)
+        whole = self.q_norm is not None and self.q_norm.dim != hd
+        if whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.reshape(b, s, kvh, g, hd), k.reshape(b, s, kvh, hd)
         v = restore(self.v_proj(rows, key=keys[3])).reshape(b, s, kvh, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             if positions is None:

@@ -1,4 +1,4 @@
-"""A transformer layer: attention and feed-forward, each with a residual and a norm."""
+"""A transformer layer: attention and feed-forward, each with a residual and its norms."""
 
 from __future__ import annotations
 
@@ -13,38 +13,58 @@ from ._norm import LayerNorm, RMSNorm
 
 
 class TransformerBlock(eqx.Module):
-    """One transformer layer, pre-LN (GPT-2, Llama) or post-LN (BERT).
+    """One transformer layer, pre-LN (GPT-2, Llama), post-LN (BERT), or with norms on the
+    sub-layers' outputs (OLMo 2; both, "sandwich": Gemma 2/3).
 
     Pre-LN: `h = x + attn(norm(x)); out = h + mlp(norm(h))`.
     Post-LN: `h = norm(x + attn(x)); out = norm(h + mlp(h))`.
+    Each pre-LN norm is optional (`attention_norm`, `mlp_norm`: on the sub-layer's input),
+    and so is a norm on each sub-layer's output before its residual add
+    (`attention_out_norm`, `mlp_out_norm`): OLMo 2 has the output norms only,
+    `h = x + norm(attn(x)); out = h + norm(mlp(h))`; Gemma 2/3 all four. Absent norms
+    are `None` (no leaves: a pre-LN block's pytree is the same with or without the option).
     Dropout (`dropout_rate`) is applied to each sub-layer's output before the residual add.
     """
 
     attention: Attention
-    attention_norm: LayerNorm | RMSNorm
+    attention_norm: LayerNorm | RMSNorm | None
     mlp: FeedForward
-    mlp_norm: LayerNorm | RMSNorm
+    mlp_norm: LayerNorm | RMSNorm | None
     pre_norm: bool = eqx.field(static=True)
     dropout_rate: float = eqx.field(static=True)
+    attention_out_norm: LayerNorm | RMSNorm | None = None
+    mlp_out_norm: LayerNorm | RMSNorm | None = None
 
     def __init__(
         self,
         attention: Attention,
         mlp: FeedForward,
-        attention_norm: LayerNorm | RMSNorm,
-        mlp_norm: LayerNorm | RMSNorm,
+        attention_norm: LayerNorm | RMSNorm | None,
+        mlp_norm: LayerNorm | RMSNorm | None,
         *,
         pre_norm: bool = True,
         dropout_rate: float = 0.0,
+        attention_out_norm: LayerNorm | RMSNorm | None = None,
+        mlp_out_norm: LayerNorm | RMSNorm | None = None,
     ):
-        """**Arguments:** the `attention` and `mlp` sub-layers, their norms, `pre_norm`
-        (else post-LN), residual `dropout_rate`."""
+        """**Arguments:** the `attention` and `mlp` sub-layers, the norms of their inputs
+        (`None`: none; both required post-LN), `pre_norm` (else post-LN), residual
+        `dropout_rate`, the norms of the sub-layers' outputs (`attention_out_norm`,
+        `mlp_out_norm`, pre-LN only; `None`: none)."""
+        has_out = attention_out_norm is not None or mlp_out_norm is not None
+        if not pre_norm and (attention_norm is None or mlp_norm is None or has_out):
+            raise ValueError(
+                "a post-LN TransformerBlock (pre_norm=False) normalises each residual sum: it takes "
+                "attention_norm and mlp_norm and no output norms"
+            )
         self.attention = attention
         self.attention_norm = attention_norm
         self.mlp = mlp
         self.mlp_norm = mlp_norm
         self.pre_norm = pre_norm
         self.dropout_rate = dropout_rate
+        self.attention_out_norm = attention_out_norm
+        self.mlp_out_norm = mlp_out_norm
 
     def __call__(
         self,
@@ -75,9 +95,12 @@ class TransformerBlock(eqx.Module):
             out, new_cache = self.attention(h, mask=mask, key=keys[0], cache=cache, **packing)
             return out
 
+        def norm(f, h):
+            return h if f is None else f(h)
+
         if self.pre_norm:
-            h = x + drop(attend(self.attention_norm(x)), keys[1])
-            out = h + drop(self.mlp(self.mlp_norm(h), key=keys[3]), keys[2])
+            h = x + drop(norm(self.attention_out_norm, attend(norm(self.attention_norm, x))), keys[1])
+            out = h + drop(norm(self.mlp_out_norm, self.mlp(norm(self.mlp_norm, h), key=keys[3])), keys[2])
         else:
             h = self.attention_norm(x + drop(attend(x), keys[1]))
             out = self.mlp_norm(h + drop(self.mlp(h, key=keys[3]), keys[2]))

@@ -76,7 +76,7 @@ class Gemma(Llama):
             isinstance(config, self.config_class)
             and config.positions == "rope"
             and config.activation == "geglu"
-            and not config.qk_norm
+            and self.norms_match(config)
         )
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:

@@ -158,6 +158,10 @@ def transformer_config_to_hf(config: TransformerConfig) -> dict[str, Any]:
         problems.append(f"sliding_window={config.sliding_window} (GPT-2 attends to every earlier position)")
     if config.embed_scale != 1.0:
         problems.append(f"embed_scale={config.embed_scale} (GPT-2 does not scale its embeddings)")
+    if config.qk_norm:
+        problems.append("qk_norm=True (GPT-2 does not normalise queries and keys)")
+    if config.norm_placement != "input":
+        problems.append(f"norm_placement={config.norm_placement!r} (GPT-2 normalises each sub-layer's input)")
     if problems:
         raise ValueError("this TransformerConfig cannot be written as a GPT-2 config: " + "; ".join(problems))
     return {

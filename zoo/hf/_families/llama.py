@@ -24,7 +24,7 @@ Every projection is a torch `nn.Linear` (`[out, in]`, transposed). Old files' ro
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._family import Family, register
 
@@ -55,6 +55,7 @@ LLAMA_NAMES: dict[str, str] = {
     "lm_head": "lm_head",
 }
 
+_PLACEMENT = {"input": "input", "output": "output", "sandwich": "input and output"}
 _BUFFER = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -133,6 +134,8 @@ class Llama(Family):
     }
     vocab_axes = {"token_embedding.weight": 0, "lm_head.weight": 1}
     tie_default = False  # transformers' default for tie_word_embeddings
+    qk_norm_scope: ClassVar[str | None] = None  # q/k norms: None, "head" (Qwen3) or "projection" (OLMo 2)
+    norm_placement: ClassVar[str] = "input"  # where the layer norms sit (TransformerConfig.norm_placement)
 
     # -- config.json → zoo --
 
@@ -208,9 +211,33 @@ class Llama(Family):
             problems.append(f"qkv_bias={qkv} with o_bias={o} ({self.name} has one attention_bias for q, k, v and o)")
         if config.sliding_window is not None:
             problems.append(f"sliding_window={config.sliding_window} ({self.name} has no sliding window; Mistral has)")
-        if config.qk_norm:
-            problems.append(f"qk_norm=True ({self.name} does not normalise query and key heads; Qwen3 does)")
+        return problems + self.norm_problems(config)
+
+    def norm_problems(self, config: TransformerConfig) -> list[str]:
+        """`config`'s q/k norms and norm placement where they are not this architecture's
+        (`qk_norm_scope`, `norm_placement` of the class)."""
+        problems = []
+        if (config.qk_norm_scope if config.qk_norm else None) != self.qk_norm_scope:
+            want = {
+                None: "no q/k norms: qk_norm=False",
+                "head": "each query and key head normalised: qk_norm=True, qk_norm_scope='head'",
+                "projection": "the whole query and key projections normalised: qk_norm=True, "
+                "qk_norm_scope='projection'",
+            }[self.qk_norm_scope]
+            problems.append(
+                f"qk_norm={config.qk_norm}, qk_norm_scope={config.qk_norm_scope!r} ({self.name} has {want}; "
+                "Qwen3 does per head, OLMo 2 over the whole projections)"
+            )
+        if config.norm_placement != self.norm_placement:
+            problems.append(
+                f"norm_placement={config.norm_placement!r} ({self.name} normalises each sub-layer's "
+                f"{_PLACEMENT[self.norm_placement]}: {self.norm_placement!r})"
+            )
         return problems
+
+    def norms_match(self, config: TransformerConfig) -> bool:
+        """Whether `config`'s q/k norms and norm placement are this architecture's."""
+        return not self.norm_problems(config)
 
     def config_to_hf(self, config: TransformerConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """This family's `config.json` dict for `config`; fields it cannot express raise one
@@ -247,7 +274,7 @@ class Llama(Family):
             and config.positions == "rope"
             and config.activation == "swiglu"
             and config.sliding_window is None
-            and not config.qk_norm
+            and self.norms_match(config)
             and _bias(config, "qkv_bias") == _bias(config, "o_bias")
         )
 

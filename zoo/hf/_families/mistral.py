@@ -47,5 +47,5 @@ class Mistral(Llama):
             and config.positions == "rope"
             and config.activation == "swiglu"
             and config.sliding_window is not None
-            and not config.qk_norm
+            and self.norms_match(config)
         )

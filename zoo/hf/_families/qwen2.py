@@ -54,7 +54,7 @@ class Qwen2(Llama):
             and config.activation == "swiglu"
             and _bias(config, "qkv_bias")
             and not _bias(config, "o_bias")
-            and not config.qk_norm
+            and self.norms_match(config)
         )
 
 

@@ -26,6 +26,7 @@ class Qwen3(Llama):
 
     name = "qwen3"
     architecture = "Qwen3ForCausalLM"
+    qk_norm_scope = "head"
     module_names = LLAMA_NAMES | {f"layers.layers.{zoo}": f"model.layers.{{0}}.{hf}" for zoo, hf in _NORMS.items()}
 
     def unsupported(self, values: dict[str, Any]) -> list[str]:
@@ -35,11 +36,9 @@ class Qwen3(Llama):
         return super().fields(values) | {"qk_norm": True, "sliding_window": window_of(values)}
 
     def export_problems(self, config: Any) -> list[str]:
-        problems = [p for p in super().export_problems(config) if not p.startswith(("qk_norm", "sliding_window"))]
+        problems = [p for p in super().export_problems(config) if not p.startswith("sliding_window")]
         if _bias(config, "mlp_bias"):
             problems.append("mlp_bias=True (Qwen3's feed-forward has no biases)")
-        if not config.qk_norm:
-            problems.append("qk_norm=False (Qwen3 normalises each query and key head: qk_norm=True)")
         return problems
 
     def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -52,6 +51,6 @@ class Qwen3(Llama):
             isinstance(config, self.config_class)
             and config.positions == "rope"
             and config.activation == "swiglu"
-            and config.qk_norm
+            and self.norms_match(config)
             and _bias(config, "qkv_bias") == _bias(config, "o_bias")
         )
