@@ -67,8 +67,28 @@ CASES = {
     # Mistral with a window shorter than the sequence.
     "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
+    # Qwen2 with a window (shorter than the sequence) on the layers from max_window_layers on.
+    "qwen2_windowed": (
+        transformers.Qwen2Config,
+        SMALL | {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+    ),
     # Qwen3: q/k heads RMS-normalised before RoPE, a head_dim ≠ hidden/heads, a tied head.
     "qwen3": (transformers.Qwen3Config, SMALL | {"tie_word_embeddings": True, "head_dim": 16}),
+    # SmolLM3: every 2nd layer without RoPE (no_rope_layer_interval), a window shorter than
+    # the sequence on layers 0 and 3 (a RoPE and a NoPE one), an untied head.
+    "smollm3": (
+        transformers.SmolLM3Config,
+        SMALL
+        | {
+            "num_hidden_layers": 4,
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 3,
+            "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+        },
+    ),
     # Gemma: embeddings × sqrt(hidden), RMSNorm by (1 + weight), GeGLU, tied head.
     "gemma": (transformers.GemmaConfig, SMALL | {"head_dim": 8}),
     # Phi-3: q | k | v fused in qkv_proj (blocks 32, 16, 16 wide under GQA), gate | up in gate_up_proj.
@@ -184,6 +204,28 @@ def test_mistral_window_is_applied(hf_dirs, loaded, tokens):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize(
+    ("name", "patterns", "uniform"),
+    [
+        ("smollm3", {"rope_layers": (True, False, True, False)}, {"rope_layers": None}),
+        ("smollm3", {"sliding_layers": (True, False, False, True)}, {"sliding_layers": None, "sliding_window": None}),
+        ("qwen2_windowed", {"sliding_layers": (False, True, True)}, {"sliding_layers": None}),
+        ("qwen2_windowed", {"sliding_window": 3}, {"sliding_layers": None, "sliding_window": None}),
+    ],
+)
+def test_layer_patterns_are_read_and_applied(name, patterns, uniform, hf_dirs, loaded, tokens):
+    """The per-layer patterns come from the config (SmolLM3's NoPE layers from
+    no_rope_layer_interval, its windows from layer_types; Qwen2's from max_window_layers),
+    and each changes the logits: the same weights with the pattern made uniform differ."""
+    model = loaded[name]
+    for field, value in patterns.items():
+        assert getattr(model.config, field) == value
+    other = zoo.hf.from_pretrained(hf_dirs[name], config_overrides=uniform)
+    mask = np.ones((3, SEQ), bool)
+    assert np.abs(np.asarray(forward(model, tokens, mask)) - np.asarray(forward(other, tokens, mask))).max() > 1e-3
+
+
+@pytest.mark.numerics
 def test_llama3_scaling_changes_the_frequencies():
     base = zoo.internal.rope_frequencies(16, theta=10000.0)
     scaled = zoo.internal.rope_frequencies(16, theta=10000.0, llama3=(8.0, 1.0, 4.0, 16))
@@ -242,11 +284,19 @@ def test_activation_spelling_round_trips(tmp_path):
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     ("name", "preset", "devices"),
-    [("qwen2", "fsdp", 8), ("qwen3", "fsdp", 8), ("qwen3", "tp", 8), ("qwen2", "fsdp+tp", 4)],
+    [
+        ("qwen2", "fsdp", 8),
+        ("qwen3", "fsdp", 8),
+        ("qwen3", "tp", 8),
+        ("qwen2", "fsdp+tp", 4),
+        ("smollm3", "fsdp", 8),
+        ("smollm3", "tp", 8),
+    ],
 )
 def test_sharded_loads_equal_unsharded(name, preset, devices, hf_dirs, loaded, tokens):
     """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62). Qwen3's
-    q/k norms act on heads split over `model` under tp."""
+    q/k norms act on heads split over `model` under tp; SmolLM3's per-layer pattern (NoPE
+    and sliding layers) is scanned beside sharded parameters."""
     mesh = preset_mesh(preset, devices)
     model = zoo.hf.from_pretrained(hf_dirs[name], rules=zoo.rules(preset), mesh=mesh)
     padded = "tp" in preset
@@ -311,7 +361,10 @@ def test_gpt2_and_bert_odd_vocabularies_load_under_tp(tmp_path):
 def _config_only(tmp_path, name, **values):
     directory = tmp_path / name
     directory.mkdir()
-    kinds = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    kinds = {
+        "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "smollm3": transformers.SmolLM3Config,
+    }  # fmt: skip
     cls = kinds[values.pop("kind", "llama")]
     cls(**(SMALL | values)).save_pretrained(directory)
     return directory
@@ -365,12 +418,16 @@ def test_model_ids_load_from_the_local_cache_first(hf_dirs, loaded, tmp_path, mo
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling of type 'linear'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'.*SwiGLU"),
         (
-            {"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-            "only some layers",
+            {"kind": "qwen2", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+            "layer_types marks sliding layers without use_sliding_window",
         ),
         (
-            {"kind": "qwen3", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-            "only some layers",
+            {"kind": "qwen3", "layer_types": ["full_attention", "chunked_attention"]},
+            r"layer_types \['chunked_attention'\]",
+        ),
+        (
+            {"kind": "smollm3", "no_rope_layers": [1], "layer_types": ["full_attention"] * 2},
+            r"no_rope_layers=\[1\] \(one 0 or 1 for each of the 2 layers",
         ),
     ],
 )

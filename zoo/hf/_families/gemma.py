@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._family import refuse, register
 from .._layout import Source
-from .llama import Llama, _bias
+from .llama import Llama, _bias, uniform_rope
 
 if TYPE_CHECKING:
     from ...models import TransformerConfig
@@ -77,6 +77,7 @@ class Gemma(Llama):
             and config.positions == "rope"
             and config.activation == "geglu"
             and not config.qk_norm
+            and uniform_rope(config)
         )
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:

@@ -210,6 +210,10 @@ class Llama(Family):
             problems.append(f"sliding_window={config.sliding_window} ({self.name} has no sliding window; Mistral has)")
         if config.qk_norm:
             problems.append(f"qk_norm=True ({self.name} does not normalise query and key heads; Qwen3 does)")
+        if config.rope_layers is not None:
+            problems.append(f"rope_layers=... ({self.name} applies RoPE on every layer; SmolLM3 has layers without)")
+        if config.rope_thetas is not None:
+            problems.append(f"rope_thetas=... ({self.name} has one RoPE base for every layer)")
         return problems
 
     def config_to_hf(self, config: TransformerConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -249,10 +253,16 @@ class Llama(Family):
             and config.sliding_window is None
             and not config.qk_norm
             and _bias(config, "qkv_bias") == _bias(config, "o_bias")
+            and uniform_rope(config)
         )
 
     def ignored(self, name: str, config: Any) -> bool:
         return bool(_BUFFER.fullmatch(name)) or (name == "lm_head.weight" and config.tie_embeddings)
+
+
+def uniform_rope(config: TransformerConfig) -> bool:
+    """Whether every layer of `config` applies RoPE, with one base."""
+    return config.rope_layers is None and config.rope_thetas is None
 
 
 def _bias(config: TransformerConfig, name: str) -> bool:
