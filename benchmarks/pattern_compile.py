@@ -7,7 +7,8 @@ SwiGLU, RMSNorm. The pattern: Gemma 3's five sliding layers (window 128) to one 
 every fourth layer without RoPE (SmolLM3's), and two RoPE bases (10k on sliding layers, 1M
 on global ones). Timed: `jax.jit(...).lower(...).compile()` of the training step (loss and
 gradients) and of the forward pass on a `[4, 256]` batch, each in a fresh process (no
-in-process or persistent cache), the median of `--repeats` runs.
+in-process or persistent cache), the median of `--repeats` runs, the two models' runs
+interleaved.
 
     python benchmarks/pattern_compile.py [--repeats 3]
 """
@@ -64,10 +65,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    runs = {"uniform": [], "patterned": []}
+    for _ in range(args.repeats):  # interleaved: a shared machine's load falls on both alike
+        for kind in runs:
+            runs[kind].append(_time(kind))
     results = {}
-    for kind in ("uniform", "patterned"):
-        runs = [_time(kind) for _ in range(args.repeats)]
-        results[kind] = tuple(statistics.median(r[i] for r in runs) for i in range(2))
+    for kind, times in runs.items():
+        results[kind] = tuple(statistics.median(r[i] for r in times) for i in range(2))
         print(f"{kind:9s}: step {results[kind][0]:.2f} s, forward {results[kind][1]:.2f} s (median of {args.repeats})")
     (us, uf), (ps, pf) = results["uniform"], results["patterned"]
     print(f"patterned / uniform: step {ps / us:.2f}x, forward {pf / uf:.2f}x")

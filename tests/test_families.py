@@ -494,6 +494,27 @@ def test_export_refuses_what_the_family_cannot_express():
         assert qwen3.config_to_hf(qwen3.config_from_hf(written)) == written
 
 
+@pytest.mark.parametrize("interval", [4, 3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_smollm3_patterns_are_derived_as_transformers_derives_them(interval, window):
+    """A config.json without `no_rope_layers` / `layer_types` / a RoPE base (older files):
+    zoo derives them from `no_rope_layer_interval` and `use_sliding_window`, and the base
+    SmolLM3's, as SmolLM3Config does."""
+    values = SMALL | {"num_hidden_layers": 8, "no_rope_layer_interval": interval, "pad_token_id": 0}
+    values |= {"use_sliding_window": window is not None, "sliding_window": window}
+    hf = transformers.SmolLM3Config(**values)
+    derived = ("no_rope_layers", "layer_types", "rope_parameters", "rope_theta", "rope_scaling")
+    written = {k: v for k, v in hf.to_dict().items() if k not in derived}
+    config = zoo.hf.get_family("smollm3").config_from_hf(written)
+    assert (config.rope_layers or (True,) * 8) == tuple(bool(f) for f in hf.no_rope_layers)
+    sliding = tuple(t == "sliding_attention" for t in hf.layer_types)
+    assert config.sliding_window == (window if any(sliding) else None)
+    assert (config.sliding_layers or (config.sliding_window is not None,) * 8) == sliding
+    assert config.rope_theta == hf.rope_parameters["rope_theta"] == 2e6
+    back = zoo.hf.get_family("smollm3").config_to_hf(config)
+    assert back["no_rope_layers"] == hf.no_rope_layers and back["layer_types"] == hf.layer_types
+
+
 @pytest.mark.parametrize("name", list(zoo.hf.families()))
 def test_registry_tables_name_every_projection(name):
     family = zoo.hf.get_family(name)

@@ -336,6 +336,19 @@ def test_a_layer_pattern_is_each_layer_built_alone():
         assert max_abs_diff(eqx.filter_jit(lambda m, t: m(t))(other, tokens), got) > 1e-3, field
 
 
+def test_a_patterned_stack_is_one_scanned_layer_body():
+    """The patterned 4-layer decoder lowers to the uniform one's program shape: one loop
+    over the layers and the same matrix products (one layer's), not a layer per setting."""
+    tokens = lm_batch(jax.random.key(4), 3)["tokens"]
+
+    def program(model):
+        text = eqx.filter_jit(lambda m, t: m(t)).lower(model, tokens).as_text()
+        return text.count("stablehlo.while"), text.count("stablehlo.dot_general")
+
+    patterned = program(tiny_decoder(jax.random.key(3), **PATTERN))
+    assert patterned == program(tiny_decoder(jax.random.key(3), num_layers=4)) and patterned[0] == 1
+
+
 def test_layer_pattern_config_errors_say_what_to_fix():
     base = dict(vocab_size=8, d_model=16, num_heads=4, num_layers=2, positions="rope")
     with pytest.raises(ValueError, match="sliding_layers holds 3 values for 2 layers"):

@@ -7,9 +7,11 @@ Gemma (1) is `llama.py` with: the token embeddings multiplied by `sqrt(hidden_si
 feed-forward (`hidden_act: "gelu_pytorch_tanh"` on the gate: activation `"geglu"`); the
 head is tied by default. Tensor names are Llama's.
 
-Gemma 2 and 3 also soft-cap attention scores and logits and alternate sliding-window and
-global layers (Gemma 3 with two RoPE bases), which the zoo's scanned layers (one shared
-attention pattern) cannot: they are refused.
+Gemma 2 and 3 also soft-cap attention scores and logits, normalise after each sub-layer
+and scale queries by `query_pre_attn_scalar`, which zoo's blocks do not: they are refused.
+(Their alternating sliding-window / global layers and Gemma 3's two RoPE bases are
+per-layer patterns zoo's scanned layers read: `TransformerConfig.sliding_layers`,
+`rope_thetas`.)
 """
 
 from __future__ import annotations
@@ -88,9 +90,9 @@ class Gemma(Llama):
 
 
 _WHY = (
-    "zoo.models.Transformer cannot express it: attention-score and logit soft-capping, and alternating "
-    "sliding-window / global layers (zoo's scanned layers share one attention pattern)"
+    "zoo.models.Transformer cannot express it: attention-score and logit soft-capping, norms after each "
+    "sub-layer (post_attention_layernorm, post_feedforward_layernorm) and query_pre_attn_scalar"
 )
 refuse("gemma2", _WHY)
-refuse("gemma3_text", _WHY + "; also two RoPE bases (local and global layers)")
+refuse("gemma3_text", _WHY)
 refuse("gemma3", _WHY + "; also a vision tower (zoo loads text decoders)")
