@@ -146,13 +146,19 @@ def _saved(tmp_path_factory, cls, config_cls, **fields):
     return hf, zoo.hf.from_pretrained(directory)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3"])
 def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
     if family == "llama":
         hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
     elif family == "qwen3":  # q/k norms before RoPE, in the prompt's pass and every cached step
         hf, model = _saved(tmp_path_factory, transformers.Qwen3ForCausalLM, transformers.Qwen3Config, head_dim=8)
         assert model.config.qk_norm
+    elif family == "qwen2":  # a window of 3 columns on layer 1 only (max_window_layers 1)
+        hf, model = _saved(
+            tmp_path_factory, transformers.Qwen2ForCausalLM, transformers.Qwen2Config, use_sliding_window=True,
+            sliding_window=3, max_window_layers=1,
+        )  # fmt: skip
+        assert model.config.sliding_layers == (False, True)
     elif family == "smollm3":  # NoPE layers 1 and 3; a window of 3 columns on layers 0 and 3
         layers = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
         hf, model = _saved(
