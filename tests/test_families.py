@@ -67,10 +67,18 @@ CASES = {
     # Mistral with a window shorter than the sequence.
     "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
-    # Qwen2 with a window (shorter than the sequence) on the layers from max_window_layers on.
+    # Qwen2 with a window (shorter than the sequence) on the layers from max_window_layers on,
+    # a tied head.
     "qwen2_windowed": (
         transformers.Qwen2Config,
-        SMALL | {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+        SMALL
+        | {
+            "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "sliding_window": 3,
+            "max_window_layers": 1,
+            "tie_word_embeddings": True,
+        },
     ),
     # Qwen3: q/k heads RMS-normalised before RoPE, a head_dim ≠ hidden/heads, a tied head.
     "qwen3": (transformers.Qwen3Config, SMALL | {"tie_word_embeddings": True, "head_dim": 16}),
