@@ -242,13 +242,18 @@ def test_compare_collectives_names_what_a_change_added_and_removed():
 _FAST_PAIRS = {
     ("llama", "dp"), ("llama_bias_tied", "fsdp"), ("llama3_scaled", "fsdp-once"), ("mistral", "zero1"),
     ("qwen2", "tp"), ("qwen3", "fsdp+tp"), ("gemma", "fsdp+tp"), ("phi3", "tp"), ("phi3", "zero1"), ("olmo2", "tp"),
+    ("qwen2_windowed", "dp"), ("smollm3", "fsdp"),
 }  # fmt: skip
 # Families whose placed parameters are those of another family under every preset (the same
 # paths and partition specs; test_stand_ins_place_their_parameters_as_the_families_they_stand_for;
 # phi3's fused projections are split at load): the rest of their step (a banded mask, other
-# RoPE frequencies) works on activations and adds no collective, so their slow pairs would
+# RoPE frequencies, a per-layer pattern of windows and NoPE layers: scanned data, not a
+# parameter) works on activations and adds no collective, so their slow pairs would
 # compile the stand-in's program again. Each still compiles its fast pair(s).
-_STAND_INS = {"llama3_scaled": "llama", "mistral": "llama", "phi3": "llama", "qwen2": "llama_bias_tied"}
+_STAND_INS = {
+    "llama3_scaled": "llama", "mistral": "llama", "phi3": "llama", "qwen2": "llama_bias_tied",
+    "qwen2_windowed": "llama_bias_tied", "smollm3": "llama",
+}  # fmt: skip
 
 
 def _family_cases():
@@ -295,7 +300,8 @@ def test_stand_ins_place_their_parameters_as_the_families_they_stand_for(family_
     """What lets the slow family x preset pairs skip a family (`_STAND_INS`): under every
     preset its parameters are placed as its stand-in's (the same specs; shapes too where the
     stand-in has the same sizes). qwen2's biases are a subset of llama_bias_tied's (which
-    also has o_proj and MLP biases and another head_dim)."""
+    also has o_proj and MLP biases and another head_dim), as are qwen2_windowed's (3 layers);
+    smollm3's 4 layers are placed as llama's 2."""
     # The vocabulary padded as placing it on 8 devices would (a multiple of 8 splits it under every preset).
     names = {*_STAND_INS, *_STAND_INS.values()}
     models = {n: zoo.hf.from_pretrained(family_dirs[n], config_overrides={"vocab_multiple": 8}) for n in names}
@@ -303,9 +309,12 @@ def test_stand_ins_place_their_parameters_as_the_families_they_stand_for(family_
         for name, stand_in in _STAND_INS.items():
             ours, theirs = _specs(models[name], preset), _specs(models[stand_in], preset)
             assert ours.keys() <= theirs.keys(), (name, preset, ours.keys() - theirs.keys())
-            if name == "qwen2":
+            if name in ("qwen2", "qwen2_windowed"):
                 assert ours.keys() < theirs.keys()
                 assert {k: s for k, (_, s) in ours.items()} == {k: theirs[k][1] for k in ours}, (name, preset)
+            elif name == "smollm3":  # 4 layers (its pattern needs them) on llama's 2: the same specs
+                assert ours.keys() == theirs.keys()
+                assert {k: s for k, (_, s) in ours.items()} == {k: s for k, (_, s) in theirs.items()}, (name, preset)
             else:
                 assert ours == theirs, (name, preset)
 

@@ -67,6 +67,19 @@ CASES = {
     # Mistral with a window shorter than the sequence.
     "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
+    # Qwen2 with a window (shorter than the sequence) on the layers from max_window_layers on,
+    # a tied head.
+    "qwen2_windowed": (
+        transformers.Qwen2Config,
+        SMALL
+        | {
+            "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "sliding_window": 3,
+            "max_window_layers": 1,
+            "tie_word_embeddings": True,
+        },
+    ),
     # Qwen3: q/k heads RMS-normalised before RoPE, a head_dim ≠ hidden/heads, a tied head.
     "qwen3": (transformers.Qwen3Config, SMALL | {"tie_word_embeddings": True, "head_dim": 16}),
     # OLMo 2: norms on the sub-layers' outputs only, q/k RMS-normalised over the whole
@@ -74,6 +87,21 @@ CASES = {
     "olmo2": (
         transformers.Olmo2Config,
         SMALL | {"head_dim": 16, "attention_bias": True, "rms_norm_eps": 1e-5, "rope_theta": 50000.0},
+    ),
+    # SmolLM3: every 2nd layer without RoPE (no_rope_layer_interval), a window shorter than
+    # the sequence on layers 0 and 3 (a RoPE and a NoPE one), an untied head.
+    "smollm3": (
+        transformers.SmolLM3Config,
+        SMALL
+        | {
+            "num_hidden_layers": 4,
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 3,
+            "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+        },
     ),
     # Gemma: embeddings × sqrt(hidden), RMSNorm by (1 + weight), GeGLU, tied head.
     "gemma": (transformers.GemmaConfig, SMALL | {"head_dim": 8}),
@@ -190,6 +218,28 @@ def test_mistral_window_is_applied(hf_dirs, loaded, tokens):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize(
+    ("name", "patterns", "uniform"),
+    [
+        ("smollm3", {"rope_layers": (True, False, True, False)}, {"rope_layers": None}),
+        ("smollm3", {"sliding_layers": (True, False, False, True)}, {"sliding_layers": None, "sliding_window": None}),
+        ("qwen2_windowed", {"sliding_layers": (False, True, True)}, {"sliding_layers": None}),
+        ("qwen2_windowed", {"sliding_window": 3}, {"sliding_layers": None, "sliding_window": None}),
+    ],
+)
+def test_layer_patterns_are_read_and_applied(name, patterns, uniform, hf_dirs, loaded, tokens):
+    """The per-layer patterns come from the config (SmolLM3's NoPE layers from
+    no_rope_layer_interval, its windows from layer_types; Qwen2's from max_window_layers),
+    and each changes the logits: the same weights with the pattern made uniform differ."""
+    model = loaded[name]
+    for field, value in patterns.items():
+        assert getattr(model.config, field) == value
+    other = zoo.hf.from_pretrained(hf_dirs[name], config_overrides=uniform)
+    mask = np.ones((3, SEQ), bool)
+    assert np.abs(np.asarray(forward(model, tokens, mask)) - np.asarray(forward(other, tokens, mask))).max() > 1e-3
+
+
+@pytest.mark.numerics
 def test_llama3_scaling_changes_the_frequencies():
     base = zoo.internal.rope_frequencies(16, theta=10000.0)
     scaled = zoo.internal.rope_frequencies(16, theta=10000.0, llama3=(8.0, 1.0, 4.0, 16))
@@ -250,12 +300,14 @@ def test_activation_spelling_round_trips(tmp_path):
     ("name", "preset", "devices"),
     [
         ("qwen2", "fsdp", 8), ("qwen3", "fsdp", 8), ("qwen3", "tp", 8), ("qwen2", "fsdp+tp", 4),
-        ("olmo2", "fsdp", 8), ("olmo2", "tp", 8),
+        ("olmo2", "fsdp", 8), ("olmo2", "tp", 8), ("smollm3", "fsdp", 8), ("smollm3", "tp", 8),
     ],
 )  # fmt: skip
 def test_sharded_loads_equal_unsharded(name, preset, devices, hf_dirs, loaded, tokens):
     """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62). Qwen3's
-    q/k norms act on heads split over `model` under tp; OLMo 2's sum squares across them."""
+    q/k norms act on heads split over `model` under tp; OLMo 2's sum squares across them;
+    SmolLM3's per-layer pattern (NoPE and sliding layers) is scanned beside sharded
+    parameters."""
     mesh = preset_mesh(preset, devices)
     model = zoo.hf.from_pretrained(hf_dirs[name], rules=zoo.rules(preset), mesh=mesh)
     padded = "tp" in preset
@@ -323,6 +375,7 @@ def _config_only(tmp_path, name, **values):
     kinds = {
         "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
         "olmo2": transformers.Olmo2Config,
+        "smollm3": transformers.SmolLM3Config,
     }  # fmt: skip
     cls = kinds[values.pop("kind", "llama")]
     cls(**(SMALL | values)).save_pretrained(directory)
@@ -377,12 +430,16 @@ def test_model_ids_load_from_the_local_cache_first(hf_dirs, loaded, tmp_path, mo
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling of type 'linear'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'.*SwiGLU"),
         (
-            {"kind": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-            "only some layers",
+            {"kind": "qwen2", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+            "layer_types marks sliding layers without use_sliding_window",
         ),
         (
-            {"kind": "qwen3", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-            "only some layers",
+            {"kind": "qwen3", "layer_types": ["full_attention", "chunked_attention"]},
+            r"layer_types \['chunked_attention'\]",
+        ),
+        (
+            {"kind": "smollm3", "no_rope_layers": [1], "layer_types": ["full_attention"] * 2},
+            r"no_rope_layers=\[1\] \(one 0 or 1 for each of the 2 layers",
         ),
         ({"kind": "olmo2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "olmo2 config.*of type 'yarn'"),
         ({"kind": "olmo2", "hidden_act": "gelu"}, "olmo2 config.*hidden_act='gelu'"),
@@ -469,6 +526,27 @@ def test_export_refuses_what_the_family_cannot_express():
         assert zoo.hf.family_of(config).name == "olmo2"
         written = olmo2.config_to_hf(config)
         assert olmo2.config_to_hf(olmo2.config_from_hf(written)) == written
+
+
+@pytest.mark.parametrize("interval", [4, 3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_smollm3_patterns_are_derived_as_transformers_derives_them(interval, window):
+    """A config.json without `no_rope_layers` / `layer_types` / a RoPE base (older files):
+    zoo derives them from `no_rope_layer_interval` and `use_sliding_window`, and the base
+    SmolLM3's, as SmolLM3Config does."""
+    values = SMALL | {"num_hidden_layers": 8, "no_rope_layer_interval": interval, "pad_token_id": 0}
+    values |= {"use_sliding_window": window is not None, "sliding_window": window}
+    hf = transformers.SmolLM3Config(**values)
+    derived = ("no_rope_layers", "layer_types", "rope_parameters", "rope_theta", "rope_scaling")
+    written = {k: v for k, v in hf.to_dict().items() if k not in derived}
+    config = zoo.hf.get_family("smollm3").config_from_hf(written)
+    assert (config.rope_layers or (True,) * 8) == tuple(bool(f) for f in hf.no_rope_layers)
+    sliding = tuple(t == "sliding_attention" for t in hf.layer_types)
+    assert config.sliding_window == (window if any(sliding) else None)
+    assert (config.sliding_layers or (config.sliding_window is not None,) * 8) == sliding
+    assert config.rope_theta == hf.rope_parameters["rope_theta"] == 2e6
+    back = zoo.hf.get_family("smollm3").config_to_hf(config)
+    assert back["no_rope_layers"] == hf.no_rope_layers and back["layer_types"] == hf.layer_types
 
 
 @pytest.mark.parametrize("name", list(zoo.hf.families()))

@@ -146,7 +146,7 @@ def _saved(tmp_path_factory, cls, config_cls, **fields):
     return hf, zoo.hf.from_pretrained(directory)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen2", "qwen3", "olmo2", "smollm3"])
 def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
     if family == "llama":
         hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
@@ -156,6 +156,20 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
     elif family == "olmo2":  # q/k norms over the whole projections, norms after the sub-layers
         hf, model = _saved(tmp_path_factory, transformers.Olmo2ForCausalLM, transformers.Olmo2Config, head_dim=8)
         assert (model.config.qk_norm_scope, model.config.norm_placement) == ("projection", "output")
+    elif family == "qwen2":  # a window of 3 columns on layer 1 only (max_window_layers 1)
+        hf, model = _saved(
+            tmp_path_factory, transformers.Qwen2ForCausalLM, transformers.Qwen2Config, use_sliding_window=True,
+            sliding_window=3, max_window_layers=1,
+        )  # fmt: skip
+        assert model.config.sliding_layers == (False, True)
+    elif family == "smollm3":  # NoPE layers 1 and 3; a window of 3 columns on layers 0 and 3
+        layers = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+        hf, model = _saved(
+            tmp_path_factory, transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config, num_hidden_layers=4,
+            no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3, layer_types=layers,
+        )  # fmt: skip
+        assert model.config.rope_layers == (True, False, True, False)
+        assert model.config.sliding_layers == (True, False, False, True)
     elif family == "phi3":  # q | k | v and gate | up fused in the file
         hf, model = _saved(tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config)
         assert model.config.family == "phi3"
@@ -169,8 +183,15 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
     )
 
 
-def test_sliding_window_cached_logits_equal_full_forward():
-    model = tiny_decoder(jax.random.key(8), max_len=12, sliding_window=3)
+@pytest.mark.parametrize(
+    "pattern",
+    [{}, {"sliding_layers": (False, True, True), "rope_layers": (True, False, True), "rope_thetas": (1e4, 1e4, 1e2)}],
+)
+def test_sliding_window_cached_logits_equal_full_forward(pattern):
+    """A window of 3 on every layer, or on layers 1 and 2 with layer 1 without RoPE and
+    layer 2 at another RoPE base: the cached steps (split layers) read the same pattern as
+    the scanned forward."""
+    model = tiny_decoder(jax.random.key(8), max_len=12, sliding_window=3, num_layers=3, **pattern)
     _check_cached_logits(model, TOKENS, MASK, NEW)
 
 

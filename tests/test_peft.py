@@ -72,6 +72,7 @@ CAUSAL_LM = {
     "olmo2": "Olmo2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # Phi-3 fuses gate | up into gate_up_proj (and q | k | v into qkv_proj): that HF name picks both.
 GATE = {"phi3": "gate_up_proj"}
@@ -79,7 +80,20 @@ GATE = {"phi3": "gate_up_proj"}
 GEMMA = {"head_dim": 4, "tie_word_embeddings": True}
 # Qwen3: q/k norms over a head_dim ≠ hidden/heads. OLMo 2: q/k norms over the whole
 # projections (32 and 16 wide), norms after the sub-layers, attention biases.
-EXTRA = {"gemma": GEMMA, "qwen3": {"head_dim": 8}, "olmo2": {"head_dim": 8, "attention_bias": True}}
+# SmolLM3: layers 1 and 3 without RoPE, a window of 3 (< SEQ) on layers 0 and 3.
+SMOLLM3 = {
+    "num_hidden_layers": 4,
+    "no_rope_layer_interval": 2,
+    "use_sliding_window": True,
+    "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+}
+EXTRA = {
+    "gemma": GEMMA,
+    "qwen3": {"head_dim": 8},
+    "olmo2": {"head_dim": 8, "attention_bias": True},
+    "smollm3": SMOLLM3,
+}
 
 
 def perturb(module, seed, which=lambda name: True, scale=0.1):

@@ -75,6 +75,17 @@ def olmo2_norms_decoder(key):
     return tiny_decoder(key, qk_norm=True, qk_norm_scope="projection", norm_placement="output")
 
 
+def patterned_decoder(key):
+    """The decoder whose two layers differ (`TransformerConfig`'s per-layer patterns): layer
+    0 global with RoPE at base 10k, layer 1 sliding (a window of 3, shorter than the batch's
+    8 tokens) without RoPE (SmolLM3's NoPE), its base 500 scanned all the same. The pattern
+    is data the scan reads beside the parameters, not a leaf: the collectives are the
+    decoder's."""
+    return tiny_decoder(
+        key, sliding_window=3, sliding_layers=(False, True), rope_layers=(True, False), rope_thetas=(1e4, 5e2)
+    )
+
+
 def lora_trainable(model):
     return zoo.lora.trainable(model, zoo.lora.LoraConfig(**LORA))
 
@@ -87,6 +98,7 @@ MODELS = {
     "decoder+lora": (lora_decoder, lm_batch, zoo.models.next_token_loss, lora_trainable),
     "decoder+qk_norm": (qk_norm_decoder, lm_batch, zoo.models.next_token_loss, None),
     "decoder+olmo2_norms": (olmo2_norms_decoder, lm_batch, zoo.models.next_token_loss, None),
+    "decoder+pattern": (patterned_decoder, lm_batch, zoo.models.next_token_loss, None),
 }
 # Every preset in explicit mode; shard_map mode where parameters are replicated off `data`
 # inside the loop (dp, and fsdp-once gathered before it).
@@ -104,9 +116,13 @@ PRESET_MODES = [
 # presets that place them differently from the heads they scale (dp: the base case). The
 # OLMo 2-norms decoder in its norms' leaves and places: the same presets.
 QK_NORM_PRESETS = ("dp", "fsdp", "tp")
+# The patterned decoder scans its per-layer settings beside the parameters it shares with
+# the decoder: the same presets.
+PATTERN_PRESETS = QK_NORM_PRESETS
 CASES = [(model, preset, mode) for model in MODELS for preset, mode in PRESET_MODES
          if (mode == "explicit" or model in ("decoder", "encoder"))
-         and (model not in ("decoder+qk_norm", "decoder+olmo2_norms") or preset in QK_NORM_PRESETS)]  # fmt: skip
+         and (model not in ("decoder+qk_norm", "decoder+olmo2_norms") or preset in QK_NORM_PRESETS)
+         and (model != "decoder+pattern" or preset in PATTERN_PRESETS)]  # fmt: skip
 
 
 def case_id(model, preset, mode):
@@ -424,6 +440,28 @@ EXPECTED = {
         "all-reduce loop model 4224 x1",
         "all-reduce outside data 12328 x1",
     ],
+    "decoder+pattern-dp": [
+        "all-reduce outside data 23880 x1",
+    ],
+    "decoder+pattern-fsdp": [
+        "all-gather loop data 64 x4",
+        "all-gather loop data 512 x2",
+        "all-gather loop data 1024 x2",
+        "all-gather loop data 2048 x3",
+        "all-gather outside data 64 x1",
+        "all-gather outside data 2048 x2",
+        "all-reduce loop data 4160 x1",
+        "all-reduce loop data 9472 x1",
+        "all-reduce outside data 776 x1",
+    ],
+    "decoder+pattern-tp": [
+        "all-reduce loop model 112 x2",
+        "all-reduce loop model 2048 x2",
+        "all-reduce loop model 2160 x2",
+        "all-reduce loop model 4096 x1",
+        "all-reduce loop model 6144 x1",
+        "all-reduce outside data 12232 x1",
+    ],
 }
 
 
@@ -563,7 +601,7 @@ def docs_table() -> str:
     lines = ["| model | preset | mesh | in loops | outside loops |", "|---|---|---|---|---|"]
     for name, rows in EXPECTED.items():
         model, preset = re.fullmatch(
-            r"(mlp|decoder\+lora|decoder\+qk_norm|decoder\+olmo2_norms|decoder|encoder)-(.+)", name
+            r"(mlp|decoder\+lora|decoder\+qk_norm|decoder\+olmo2_norms|decoder\+pattern|decoder|encoder)-(.+)", name
         ).groups()
         mesh = ",".join(f"{k}={v}" for k, v in preset_mesh(preset, N).shape.items())
         lines.append(f"| {model} | `{preset}` | {mesh} | {cell(rows, 'loop')} | {cell(rows, 'outside')} |")

@@ -161,6 +161,30 @@ def test_the_engine_runs_olmo2_norms():
         assert handle.ids == _alone(model, request)
 
 
+def test_a_patterned_model_serves_as_it_generates():
+    """Layers that differ (SmolLM3's NoPE layers, a window of 4 columns on some layers, a
+    RoPE base per layer: `TransformerConfig`'s per-layer patterns, scanned as data): the
+    engine's blocked cache and per-row columns give each request zoo.generate's tokens for
+    it alone (test_generate holds those to transformers), and each token's log-probability
+    is the full forward pass's, windows bitten within the prompts and past them."""
+    pattern = dict(
+        num_layers=4, sliding_window=4, sliding_layers=(True, False, False, True),
+        rope_layers=(True, False, True, False), rope_thetas=(1e4, 1e4, 5e2, 1e4),
+    )  # fmt: skip
+    model = tiny_decoder(jax.random.key(7), max_len=64, vocab_size=64, **pattern)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(8), x.shape, x.dtype), params)
+    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
+    engine = Engine(model, slots=2, max_len=48)
+    rng = np.random.default_rng(2)
+    requests = [Request(rng.integers(0, 64, size=n).tolist(), max_tokens=m) for n, m in [(9, 8), (3, 10), (14, 5)]]
+    handles = [engine.submit(r) for r in requests]
+    engine.run_until_done()
+    for request, handle in zip(requests, handles):
+        assert handle.ids == _alone(model, request)
+        _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
+
+
 def test_requests_left_running_move_down_and_the_step_shrinks(served):
     """Four requests; the two in the lowest slots end first. The two left move into the
     lowest slots (their cache rows and next tokens with them) and the step runs two rows,

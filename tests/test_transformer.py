@@ -1,5 +1,7 @@
 """Transformer building blocks and models against direct reference formulas, on one device."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -317,3 +319,69 @@ def test_logical_axes_of_the_models():
     enc_axes = zoo.logical_axes(encoder)
     assert enc_axes.embeddings.position_embeddings.weight.names == (None, "embed")
     assert enc_axes.embeddings.token_type_embeddings.weight.names == (None, "embed")
+
+
+# Layers 0-3: RoPE on 0 and 2 (base 10k and 100), none on 1 and 3; a window of 2 on 1 and 2
+# (weights drawn wide enough that attention is far from uniform: each setting shows).
+PATTERN = dict(
+    init_std=0.3,
+    num_layers=4,
+    sliding_window=2,
+    sliding_layers=(False, True, True, False),
+    rope_layers=(True, False, True, False),
+    rope_thetas=(1e4, 1e4, 1e2, 1e4),
+)
+
+
+def test_a_layer_pattern_is_each_layer_built_alone():
+    """A patterned stack (one scanned layer body reading each layer's settings as data)
+    equals its layers run one after another, each an `Attention` built with its own static
+    settings (RoPE or none, its base, its window); the pattern adds no parameter leaf, and
+    every field of it changes the output."""
+    model = tiny_decoder(jax.random.key(3), **PATTERN)
+    tokens = lm_batch(jax.random.key(4), 3)["tokens"]
+    h = model.embed(tokens)
+    for i in range(4):  # layer i of a uniform model with layer i's settings, the same weights
+        alone = tiny_decoder(
+            jax.random.key(5),
+            num_layers=4,
+            positions="rope" if PATTERN["rope_layers"][i] else "none",
+            rope_theta=PATTERN["rope_thetas"][i],
+            sliding_window=PATTERN["sliding_window"] if PATTERN["sliding_layers"][i] else None,
+        )
+        alone = eqx.tree_at(lambda m: jax.tree.leaves(m.layers), alone, jax.tree.leaves(model.layers))
+        h = alone.layers.unstack().layers[i](h)
+    want = model.head(h)
+    got = eqx.filter_jit(lambda m, t: m(t))(model, tokens)
+    assert_rounding_close(got, want, **SUMS)
+    uniform = tiny_decoder(jax.random.key(3), num_layers=4, init_std=0.3)
+    assert [x.shape for x in jax.tree.leaves(model)] == [x.shape for x in jax.tree.leaves(uniform)]
+    for field in ("sliding_layers", "rope_layers", "rope_thetas"):
+        other = Transformer(dataclasses.replace(model.config, **{field: None}), key=jax.random.key(3))
+        assert max_abs_diff(eqx.filter_jit(lambda m, t: m(t))(other, tokens), got) > 1e-3, field
+
+
+def test_a_patterned_stack_is_one_scanned_layer_body():
+    """The patterned 4-layer decoder lowers to the uniform one's program shape: one loop
+    over the layers and the same matrix products (one layer's), not a layer per setting."""
+    tokens = lm_batch(jax.random.key(4), 3)["tokens"]
+
+    def program(model):
+        text = eqx.filter_jit(lambda m, t: m(t)).lower(model, tokens).as_text()
+        return text.count("stablehlo.while"), text.count("stablehlo.dot_general")
+
+    patterned = program(tiny_decoder(jax.random.key(3), **PATTERN))
+    assert patterned == program(tiny_decoder(jax.random.key(3), num_layers=4)) and patterned[0] == 1
+
+
+def test_layer_pattern_config_errors_say_what_to_fix():
+    base = dict(vocab_size=8, d_model=16, num_heads=4, num_layers=2, positions="rope")
+    with pytest.raises(ValueError, match="sliding_layers holds 3 values for 2 layers"):
+        TransformerConfig(**base, sliding_window=2, sliding_layers=(True, False, True))
+    with pytest.raises(ValueError, match="sliding_layers is set without a sliding_window"):
+        TransformerConfig(**base, sliding_layers=(True, False))
+    with pytest.raises(ValueError, match="rope_layers / rope_thetas need positions='rope'"):
+        TransformerConfig(**base | {"positions": "learned"}, rope_layers=(True, False))
+    config = TransformerConfig(**base, rope_layers=[True, False], rope_thetas=[1e4, 5e5])  # as JSON reads them
+    assert config.rope_layers == (True, False) and hash(config)
+    assert TransformerConfig.from_dict(config.to_dict()) == config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -117,7 +118,10 @@ class TransformerConfig(_Common):
     `"none"`), `rope_theta`, `activation` (`"gelu"`, `"gelu_tanh"`, `"relu"`, `"swiglu"`, `"geglu"`),
     `tie_embeddings` (the output head is the token embedding), `use_bias` (with
     `qkv_bias`, `o_bias`, `mlp_bias` overriding it per projection group), `sliding_window`
-    (banded causal attention), `rope_scaling="llama3"` with `rope_factor`,
+    (banded causal attention), per-layer patterns (one value per layer, scanned as data:
+    one compiled layer body): `sliding_layers` (which layers use `sliding_window`; default
+    all), `rope_layers` (which layers apply RoPE; SmolLM3's NoPE layers are `False`),
+    `rope_thetas` (each layer's RoPE base), `rope_scaling="llama3"` with `rope_factor`,
     `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, `embed_scale`
     (the token embeddings' multiplier, Gemma's `sqrt(d_model)`), `qk_norm` (each query and
     key head RMS-normalised over `head_dim` before RoPE, Qwen3's; with
@@ -150,9 +154,30 @@ class TransformerConfig(_Common):
     qk_norm: bool = False  # each query/key head RMS-normalised before RoPE (Qwen3)
     qk_norm_scope: str = "head"  # "head" (over head_dim: Qwen3) or "projection" (over heads × head_dim: OLMo 2)
     norm_placement: str = "input"  # "input" (pre-LN), "output" (OLMo 2) or "sandwich" (Gemma 2/3)
+    sliding_layers: Sequence[bool] | None = None  # per layer: uses sliding_window (default: all)
+    rope_layers: Sequence[bool] | None = None  # per layer: applies RoPE (default: all, with positions="rope")
+    rope_thetas: Sequence[float] | None = None  # per layer: its RoPE base (default: rope_theta)
 
     def __post_init__(self):
         super().__post_init__()
+        for field, kind in (("sliding_layers", bool), ("rope_layers", bool), ("rope_thetas", float)):
+            values = getattr(self, field)
+            if values is None:
+                continue
+            # A config read back from JSON holds lists: tuples keep it hashable (a static field).
+            object.__setattr__(self, field, tuple(kind(v) for v in values))
+            _check(
+                len(getattr(self, field)) == self.num_layers,
+                f"TransformerConfig.{field} holds {len(values)} values for {self.num_layers} layers: give one per layer",
+            )
+        _check(
+            self.sliding_layers is None or self.sliding_window is not None,
+            "TransformerConfig.sliding_layers is set without a sliding_window: set the window its layers use",
+        )
+        _check(
+            (self.rope_layers is None and self.rope_thetas is None) or self.positions == "rope",
+            f"TransformerConfig.rope_layers / rope_thetas need positions='rope', got {self.positions!r}",
+        )
         _check(
             self.sliding_window is None or self.sliding_window >= 1,
             f"TransformerConfig.sliding_window must be None or >= 1, got {self.sliding_window}",

@@ -24,6 +24,7 @@ from ..nn import (
 from ..nn._cache import KVCache
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
 from ..nn._inputs import place_inputs
+from ..nn._pattern import LayerPattern
 from ..nn._stacked import Unstacked
 from ._config import TransformerConfig
 
@@ -44,21 +45,46 @@ def _llama3(config) -> tuple[float, float, float, int] | None:
     return (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_max_len)
 
 
+def layer_settings(config) -> dict[str, tuple]:
+    """Each layer's attention settings (`window`: `None` on a global layer; `rope`;
+    `rope_theta`), one value per layer, from a config's per-layer patterns."""
+    layers = range(config.num_layers)
+    window = getattr(config, "sliding_window", None)
+    sliding = getattr(config, "sliding_layers", None) or (True,) * config.num_layers
+    rope = getattr(config, "rope_layers", None) or (getattr(config, "positions", None) == "rope",) * config.num_layers
+    thetas = getattr(config, "rope_thetas", None) or (getattr(config, "rope_theta", None),) * config.num_layers
+    return {
+        "window": tuple(window if sliding[i] else None for i in layers),
+        "rope": tuple(rope),
+        "rope_theta": tuple(thetas),
+    }
+
+
+def layer_pattern(config) -> LayerPattern | None:
+    """The settings in which a config's layers differ, as the arrays `Stacked` scans
+    (`LayerPattern`), or `None`: every layer alike."""
+    return LayerPattern.of_layers(**layer_settings(config))
+
+
 def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, key: PRNGKeyArray) -> TransformerBlock:
-    """One `TransformerBlock` as a config describes it."""
+    """One `TransformerBlock` as a config describes it: the attention settings its layers
+    share are the block's own; those that differ come per layer (`layer_pattern`)."""
     ka, km = jr.split(key)
+    settings = layer_settings(config)
+    window = settings["window"][0] if len(set(settings["window"])) == 1 else None
+    rope = rope and any(settings["rope"])
     attention = Attention(
         config.d_model,
         config.num_heads,
         num_kv_heads=config.kv_heads,
         head_dim=config.head_dim,
         causal=causal,
-        rope_theta=getattr(config, "rope_theta", None) if rope else None,
+        rope_theta=settings["rope_theta"][0] if rope else None,
         dropout_rate=config.attention_dropout,
         use_bias=config.use_bias,
         init_std=config.init_std,
         rope_llama3=_llama3(config) if rope else None,
-        sliding_window=getattr(config, "sliding_window", None),
+        sliding_window=window,
         qk_norm=getattr(config, "qk_norm", False) and getattr(config, "qk_norm_scope", "head"),
         norm_eps=config.norm_eps,
         key=ka,
@@ -190,7 +216,7 @@ class Transformer(eqx.Module):
         packing = (
             {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
         )
-        return self.head(self.layers(h, mask=mask, key=key, **packing))
+        return self.head(self.layers(h, mask=mask, key=key, **packing, **self._pattern()))
 
     def embed(
         self,
@@ -241,5 +267,10 @@ class Transformer(eqx.Module):
         """
         mask = jnp.ones_like(tokens, dtype=bool) if mask is None else mask
         cache, positions = cache.extend(mask)
-        h, cache = self.layers(self.embed(tokens, positions), positions=positions, cache=cache)
+        h, cache = self.layers(self.embed(tokens, positions), positions=positions, cache=cache, **self._pattern())
         return h, cache.advance(mask)
+
+    def _pattern(self) -> dict[str, LayerPattern]:
+        """`pattern=` the layers' `LayerPattern` where they differ (none: uniform layers)."""
+        pattern = layer_pattern(self.config)
+        return {} if pattern is None else {"pattern": pattern}

@@ -15,6 +15,7 @@ from ._cache import KEYS_LAYOUT, VALUES_LAYOUT, KVCache
 from ._dropout import ExampleKeys, dropout, fold_in
 from ._linear import Linear, flatten_rows
 from ._norm import RMSNorm
+from ._pattern import LayerPattern
 from ._rope import apply_rope, rope_angles, rope_tables
 
 
@@ -149,6 +150,7 @@ class Attention(eqx.Module):
         positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
         cache: KVCache | None = None,
+        pattern: LayerPattern | None = None,
     ) -> Float[Array, "batch seq embed"] | tuple[Float[Array, "batch seq embed"], KVCache]:
         """Attend over `x` (and, with a `cache`, over the columns it holds).
 
@@ -168,6 +170,10 @@ class Attention(eqx.Module):
           are the token positions; with a `sliding_window`, the last `window` of them).
           `mask` and `segment_ids` are not used with it: the cache's mask says which
           columns hold real tokens.
+        - `pattern`: this layer's `LayerPattern` values in a stack whose layers differ
+          (scalars, traced inside `Stacked`'s scan): whether it applies RoPE (this module's
+          `rope_theta` must be set for any to), its window and its RoPE base, each in place
+          of this module's own setting where given.
 
         **Returns:** `[batch, seq, embed]`, in `x`'s dtype; with a `cache`, `(that, the
         cache with this call's keys and values written)`.
@@ -189,12 +195,19 @@ class Attention(eqx.Module):
         v = restore(self.v_proj(rows, key=keys[3])).reshape(b, s, kvh, hd)
         if self.q_norm is not None and not whole:
             q, k = self.q_norm(q), self.k_norm(k)
+        pattern = LayerPattern() if pattern is None else pattern
+        window = self.sliding_window if pattern.window is None else pattern.window
         if self.rope_theta is not None:
+            theta = self.rope_theta if pattern.rope_theta is None else pattern.rope_theta
             if positions is None:
-                cos, sin = rope_tables(s, hd, theta=self.rope_theta, llama3=self.rope_llama3)
+                cos, sin = rope_tables(s, hd, theta=theta, llama3=self.rope_llama3)
             else:
-                cos, sin = rope_angles(positions, hd, theta=self.rope_theta, llama3=self.rope_llama3)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                cos, sin = rope_angles(positions, hd, theta=theta, llama3=self.rope_llama3)
+            rotated_q, rotated_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if pattern.rope is None:
+                q, k = rotated_q, rotated_k
+            else:  # a layer without RoPE (NoPE) keeps them as projected
+                q, k = jnp.where(pattern.rope, rotated_q, q), jnp.where(pattern.rope, rotated_k, k)
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("attention over a cache takes no segment_ids: one document per row")
@@ -205,12 +218,12 @@ class Attention(eqx.Module):
             allowed = cache.mask[:, None, :t]  # [batch, 1, columns read]
             if self.causal:  # a query's column is its position in the cache
                 query_columns = jnp.reshape(cache.index, (-1, 1)) + jnp.arange(s)  # [1 or batch, seq]
-                allowed = allowed & self._causal(query_columns, jnp.arange(t))
+                allowed = allowed & _causal(query_columns, jnp.arange(t), window)
             out = self._weigh(q, parts_k, parts_v, allowed[:, None, None], layout=(KEYS_LAYOUT, VALUES_LAYOUT))
             return self.o_proj(out.reshape(b, s, self.num_heads * hd)), cache
         allowed = None
         if self.causal:
-            allowed = self._causal(jnp.arange(s), jnp.arange(s))
+            allowed = _causal(jnp.arange(s), jnp.arange(s), window)
         if segment_ids is not None:
             same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
             allowed = same if allowed is None else allowed & same
@@ -219,14 +232,6 @@ class Attention(eqx.Module):
             allowed = keys_ok if allowed is None else allowed & keys_ok
         out = self._weigh(q, [k], [v], allowed, key=keys[0])
         return self.o_proj(out.reshape(b, s, self.num_heads * hd), key=keys[4])
-
-    def _causal(self, query_columns: Int[Array, "*rows seq"], key_columns: Int[Array, " columns"]):
-        """`[*rows, seq, columns]`: a query sees the keys at its own column and before (and,
-        with a `sliding_window`, only the last `window` of them: Mistral's band)."""
-        allowed = query_columns[..., :, None] >= key_columns
-        if self.sliding_window is not None:
-            allowed = allowed & (query_columns[..., :, None] - key_columns < self.sliding_window)
-        return allowed
 
     def _weigh(self, q, keys: list, values: list, allowed, *, key=None, layout=("btkd", "btkd")):
         """The attention of the queries `q` `[batch, seq, kv_heads, group, head_dim]` over
@@ -253,3 +258,13 @@ class Attention(eqx.Module):
             part = jnp.einsum(f"bkgst,{value_layout}->bskgd", part, v)
             out, start = part if out is None else out + part, start + n
         return out
+
+
+def _causal(query_columns: Int[Array, "*rows seq"], key_columns: Int[Array, " columns"], window):
+    """`[*rows, seq, columns]`: a query sees the keys at its own column and before (and,
+    with a `window` (an int, or a layer's traced one), only the last `window` of them:
+    Mistral's band)."""
+    allowed = query_columns[..., :, None] >= key_columns
+    if window is not None:
+        allowed = allowed & (query_columns[..., :, None] - key_columns < window)
+    return allowed

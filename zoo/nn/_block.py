@@ -10,6 +10,7 @@ from ._cache import KVCache
 from ._dropout import ExampleKeys, dropout, fold_in
 from ._feedforward import FeedForward
 from ._norm import LayerNorm, RMSNorm
+from ._pattern import LayerPattern
 
 
 class TransformerBlock(eqx.Module):
@@ -75,13 +76,15 @@ class TransformerBlock(eqx.Module):
         positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
         cache: KVCache | None = None,
+        pattern: LayerPattern | None = None,
     ) -> Float[Array, "batch seq embed"] | tuple[Float[Array, "batch seq embed"], KVCache]:
         """Apply the layer. `mask`: `True` at real tokens; `segment_ids`, `positions`: packed
         documents (see `Attention`); `key`: per-example keys or `None`; `cache`: this
-        layer's `KVCache` (inference, see `Attention`): then returns `(output, cache)`."""
-        packing = (
-            {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
-        )
+        layer's `KVCache` (inference, see `Attention`): then returns `(output, cache)`;
+        `pattern`: this layer's attention settings in a patterned stack (`LayerPattern`)."""
+        more = {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        if pattern is not None:
+            more["pattern"] = pattern
         keys = [None] * 4 if key is None else [fold_in(key, i) for i in range(4)]
         new_cache = None
 
@@ -91,8 +94,8 @@ class TransformerBlock(eqx.Module):
         def attend(h):
             nonlocal new_cache
             if cache is None:
-                return self.attention(h, mask=mask, key=keys[0], **packing)
-            out, new_cache = self.attention(h, mask=mask, key=keys[0], cache=cache, **packing)
+                return self.attention(h, mask=mask, key=keys[0], **more)
+            out, new_cache = self.attention(h, mask=mask, key=keys[0], cache=cache, **more)
             return out
 
         def norm(f, h):

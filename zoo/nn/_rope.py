@@ -5,13 +5,17 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 
 def rope_frequencies(
-    head_dim: int, *, theta: float = 10000.0, llama3: tuple[float, float, float, int] | None = None
+    head_dim: int,
+    *,
+    theta: float | Float[ArrayLike, ""] = 10000.0,
+    llama3: tuple[float, float, float, int] | None = None,
 ) -> Float[Array, " half"]:
-    """The inverse frequencies `theta^(-2i/head_dim)`, `[head_dim/2]`.
+    """The inverse frequencies `theta^(-2i/head_dim)`, `[head_dim/2]` (`theta`: a number,
+    or a layer's traced base in a patterned stack).
 
     `llama3`: `(factor, low_freq_factor, high_freq_factor, original_max_len)` rescales them
     as Llama 3.1 does (`rope_type: "llama3"`, transformers' `_compute_llama3_parameters`):
@@ -33,7 +37,11 @@ def rope_frequencies(
 
 
 def rope_tables(
-    seq_len: int, head_dim: int, *, theta: float = 10000.0, llama3: tuple[float, float, float, int] | None = None
+    seq_len: int,
+    head_dim: int,
+    *,
+    theta: float | Float[ArrayLike, ""] = 10000.0,
+    llama3: tuple[float, float, float, int] | None = None,
 ) -> tuple[Float[Array, "seq half"], Float[Array, "seq half"]]:
     """`(cos, sin)` of the rotation angles `p · theta^(-2i/head_dim)`, `[seq, head_dim/2]`
     (`llama3`: the frequencies rescaled, see `rope_frequencies`)."""
@@ -46,7 +54,7 @@ def rope_angles(
     positions: Int[Array, "batch seq"],
     head_dim: int,
     *,
-    theta: float = 10000.0,
+    theta: float | Float[ArrayLike, ""] = 10000.0,
     llama3: tuple[float, float, float, int] | None = None,
 ) -> tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]:
     """`(cos, sin)` as `rope_tables`, at given per-row `positions` `[batch, seq]` (packed

@@ -15,6 +15,7 @@ from jaxtyping import PRNGKeyArray
 from .._axes import stacked_field
 from ._cache import KVCache
 from ._dropout import fold_in
+from ._pattern import LayerPattern
 
 Layer = TypeVar("Layer", bound=eqx.Module)
 
@@ -62,7 +63,7 @@ class Stacked(eqx.Module, Generic[Layer]):
         self.num_layers = num_layers
         self.remat = remat
 
-    def __call__(self, x, *args, key=None, cache: KVCache | None = None, **kwargs):
+    def __call__(self, x, *args, key=None, cache: KVCache | None = None, pattern: LayerPattern | None = None, **kwargs):
         """Run `x` through every layer in order; extra arguments go to each layer call.
 
         `key` (optional): one PRNG key per example (`[batch]`); layer `i` gets those keys
@@ -70,31 +71,37 @@ class Stacked(eqx.Module, Generic[Layer]):
         `cache` (optional, inference): a `KVCache` whose keys and values are stacked on a
         leading `layers` axis; the scan hands layer `i` its own and collects what it
         wrote. Then returns `(output, cache)`.
+        `pattern` (optional): a `LayerPattern` of `[layers]` arrays, scanned beside the
+        parameters; layer `i` is called with `pattern=` its own values (traced scalars).
         """
         params, static = eqx.partition(self.layers, eqx.is_array)
+        # A uniform stack scans no pattern: its program is the one without.
+        patterned = () if pattern is None else (pattern,)
         if cache is not None:
 
             def cached(h, xs):
-                layer_params, index, kv = xs
+                layer_params, index, kv, *rows = xs
                 more = {} if key is None else {"key": fold_in(key, index)}
+                more |= {"pattern": rows[0]} if rows else {}
                 layer = eqx.combine(layer_params, static)
                 h, layer_cache = layer(h, *args, cache=cache.holding(*kv), **more, **kwargs)
                 return h, (layer_cache.keys, layer_cache.values)
 
-            xs = (params, jnp.arange(self.num_layers), (cache.keys, cache.values))
+            xs = (params, jnp.arange(self.num_layers), (cache.keys, cache.values), *patterned)
             out, (keys, values) = lax.scan(cached, x, xs)
             return out, cache.holding(keys, values)
 
         def body(h, xs):
-            layer_params, index = xs
+            layer_params, index, *rows = xs
             layer = eqx.combine(layer_params, static)
+            more = {"pattern": rows[0]} if rows else {}
             if key is None:
-                return layer(h, *args, **kwargs), None
-            return layer(h, *args, key=fold_in(key, index), **kwargs), None
+                return layer(h, *args, **more, **kwargs), None
+            return layer(h, *args, key=fold_in(key, index), **more, **kwargs), None
 
         if self.remat is not None:
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat])
-        out, _ = lax.scan(body, x, (params, jnp.arange(self.num_layers)))
+        out, _ = lax.scan(body, x, (params, jnp.arange(self.num_layers), *patterned))
         return out
 
     def unstack(self) -> Unstacked[Layer]:
@@ -119,12 +126,14 @@ class Unstacked(eqx.Module, Generic[Layer]):
 
     layers: tuple[Layer, ...]
 
-    def __call__(self, x, *args, key=None, cache: KVCache | None = None, **kwargs):
-        """As `Stacked.__call__`, layer by layer."""
+    def __call__(self, x, *args, key=None, cache: KVCache | None = None, pattern: LayerPattern | None = None, **kwargs):
+        """As `Stacked.__call__`, layer by layer (layer `i` gets row `i` of `pattern`)."""
         keys = None if cache is None else list(cache.keys)
         values = None if cache is None else list(cache.values)
         for i, layer in enumerate(self.layers):
             more = {} if key is None else {"key": fold_in(key, i)}
+            if pattern is not None:
+                more["pattern"] = jax.tree.map(lambda a, i=i: a[i], pattern)
             if cache is None:
                 x = layer(x, *args, **more, **kwargs)
                 continue

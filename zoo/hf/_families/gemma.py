@@ -7,9 +7,11 @@ Gemma (1) is `llama.py` with: the token embeddings multiplied by `sqrt(hidden_si
 feed-forward (`hidden_act: "gelu_pytorch_tanh"` on the gate: activation `"geglu"`); the
 head is tied by default. Tensor names are Llama's.
 
-Gemma 2 and 3 also soft-cap attention scores and logits and alternate sliding-window and
-global layers (Gemma 3 with two RoPE bases), which the zoo's scanned layers (one shared
-attention pattern) cannot: they are refused.
+Gemma 2 and 3 also soft-cap attention scores and logits and scale queries by
+`query_pre_attn_scalar`, which zoo's attention does not: they are refused. (Their norms
+before and after each sub-layer are `TransformerConfig.norm_placement="sandwich"`; their
+alternating sliding-window / global layers and Gemma 3's two RoPE bases are per-layer
+patterns zoo's scanned layers read: `sliding_layers`, `rope_thetas`.)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._family import refuse, register
 from .._layout import Source
-from .llama import Llama, _bias
+from .llama import Llama, _bias, uniform_rope
 
 if TYPE_CHECKING:
     from ...models import TransformerConfig
@@ -77,6 +79,7 @@ class Gemma(Llama):
             and config.positions == "rope"
             and config.activation == "geglu"
             and self.norms_match(config)
+            and uniform_rope(config)
         )
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
@@ -86,10 +89,7 @@ class Gemma(Llama):
         return source
 
 
-_WHY = (
-    "zoo.models.Transformer cannot express it: attention-score and logit soft-capping, and alternating "
-    "sliding-window / global layers (zoo's scanned layers share one attention pattern)"
-)
+_WHY = "zoo.models.Transformer cannot express it: attention-score and logit soft-capping and query_pre_attn_scalar"
 refuse("gemma2", _WHY)
-refuse("gemma3_text", _WHY + "; also two RoPE bases (local and global layers)")
+refuse("gemma3_text", _WHY)
 refuse("gemma3", _WHY + "; also a vision tower (zoo loads text decoders)")

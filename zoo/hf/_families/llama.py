@@ -211,6 +211,10 @@ class Llama(Family):
             problems.append(f"qkv_bias={qkv} with o_bias={o} ({self.name} has one attention_bias for q, k, v and o)")
         if config.sliding_window is not None:
             problems.append(f"sliding_window={config.sliding_window} ({self.name} has no sliding window; Mistral has)")
+        if config.rope_layers is not None:
+            problems.append(f"rope_layers=... ({self.name} applies RoPE on every layer; SmolLM3 has layers without)")
+        if config.rope_thetas is not None:
+            problems.append(f"rope_thetas=... ({self.name} has one RoPE base for every layer)")
         return problems + self.norm_problems(config)
 
     def norm_problems(self, config: TransformerConfig) -> list[str]:
@@ -276,10 +280,16 @@ class Llama(Family):
             and config.sliding_window is None
             and self.norms_match(config)
             and _bias(config, "qkv_bias") == _bias(config, "o_bias")
+            and uniform_rope(config)
         )
 
     def ignored(self, name: str, config: Any) -> bool:
         return bool(_BUFFER.fullmatch(name)) or (name == "lm_head.weight" and config.tie_embeddings)
+
+
+def uniform_rope(config: TransformerConfig) -> bool:
+    """Whether every layer of `config` applies RoPE, with one base."""
+    return config.rope_layers is None and config.rope_thetas is None
 
 
 def _bias(config: TransformerConfig, name: str) -> bool:

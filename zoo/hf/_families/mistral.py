@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._family import register
-from .llama import Llama, _bias
+from .llama import Llama, _bias, uniform_rope
 
 
 @register
@@ -34,6 +34,8 @@ class Mistral(Llama):
         for name in ("qkv_bias", "o_bias", "mlp_bias"):
             if _bias(config, name):  # `None` is `use_bias`
                 problems.append(f"{name}=True (Mistral's projections have no biases)")
+        if config.sliding_layers is not None:
+            problems.append(f"sliding_layers=... ({self.name}'s window applies to every layer; Qwen2 has it on some)")
         return problems
 
     def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -48,4 +50,6 @@ class Mistral(Llama):
             and config.activation == "swiglu"
             and config.sliding_window is not None
             and self.norms_match(config)
+            and config.sliding_layers is None
+            and uniform_rope(config)
         )

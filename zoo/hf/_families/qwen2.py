@@ -2,9 +2,10 @@
 
 Qwen2 is `llama.py` with biases on the q, k and v projections only (none on o or the
 feed-forward), the head usually tied in small models (`tie_word_embeddings`), and a
-sliding window that is off unless `use_sliding_window` (zoo's layers share one attention
-pattern, so the window must apply to every layer: `max_window_layers` 0, or
-`layer_types` all `"sliding_attention"`). Tensor names are Llama's.
+sliding window that is off unless `use_sliding_window`, on the layers from
+`max_window_layers` on (or those `layer_types` marks `"sliding_attention"`):
+`TransformerConfig.sliding_layers`, a pattern the scanned layers read as data. Tensor
+names are Llama's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._family import register
-from .llama import Llama, _bias
+from .llama import Llama, _bias, uniform_rope
 
 
 @register
@@ -26,12 +27,15 @@ class Qwen2(Llama):
         return super().unsupported(values) + window_problems(values)
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
-        return super().fields(values) | {
-            "qkv_bias": True,
-            "o_bias": None,
-            "mlp_bias": None,
-            "sliding_window": window_of(values),
-        }
+        return (
+            super().fields(values)
+            | {
+                "qkv_bias": True,
+                "o_bias": None,
+                "mlp_bias": None,
+            }
+            | window_fields(values)
+        )
 
     def export_problems(self, config: Any) -> list[str]:
         problems = [p for p in super().export_problems(config) if not p.startswith(("qkv_bias", "sliding_window"))]
@@ -55,6 +59,7 @@ class Qwen2(Llama):
             and _bias(config, "qkv_bias")
             and not _bias(config, "o_bias")
             and self.norms_match(config)
+            and uniform_rope(config)
         )
 
 
@@ -64,33 +69,74 @@ def _layer_types(values: dict[str, Any]) -> list[str]:
     `max_window_layers` on)."""
     layers = values.get("num_hidden_layers", 0)
     if values.get("layer_types"):
-        return list(values["layer_types"])
+        return layer_types(values)
     sliding = values.get("use_sliding_window", False) and values.get("sliding_window") is not None
     first = values.get("max_window_layers", layers)
     return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
 
 
+def layer_types(values: dict[str, Any]) -> list[str]:
+    """A config's `layer_types` in transformers' current spelling (`"attention"` is
+    `"full_attention"`)."""
+    return ["full_attention" if t == "attention" else t for t in values["layer_types"]]
+
+
+def types_problems(types: list[str], values: dict[str, Any]) -> list[str]:
+    """What of per-layer attention kinds `types` zoo cannot build: kinds other than full and
+    sliding attention, sliding layers without a window (`use_sliding_window` and
+    `sliding_window`), or a count other than `num_hidden_layers`."""
+    problems = []
+    other = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if other:
+        problems.append(f"layer_types {other} (zoo builds 'full_attention' and 'sliding_attention' layers)")
+    if "sliding_attention" in types and not (values.get("use_sliding_window") and values.get("sliding_window")):
+        problems.append(
+            "layer_types marks sliding layers without use_sliding_window and a sliding_window (transformers' "
+            "attention kernels disagree on what they attend to): set both, or mark them 'full_attention'"
+        )
+    if len(types) != values.get("num_hidden_layers", len(types)):
+        problems.append(f"layer_types holds {len(types)} layers for num_hidden_layers={values['num_hidden_layers']}")
+    return problems
+
+
+def types_fields(types: list[str], values: dict[str, Any]) -> dict[str, Any]:
+    """`TransformerConfig.sliding_window` and `sliding_layers` of per-layer attention kinds
+    `types` (checked by `types_problems`): no window, one on every layer, or a pattern."""
+    sliding = tuple(t == "sliding_attention" for t in types)
+    if not any(sliding):
+        return {"sliding_window": None, "sliding_layers": None}
+    return {"sliding_window": values["sliding_window"], "sliding_layers": None if all(sliding) else sliding}
+
+
+def types_to_hf(config: Any) -> dict[str, Any]:
+    """`use_sliding_window`, `sliding_window` and `layer_types` of `config`'s windows (one
+    on every layer, on the `sliding_layers`, or none)."""
+    sliding = config.sliding_layers or (config.sliding_window is not None,) * config.num_layers
+    on = config.sliding_window is not None and any(sliding)
+    return {
+        "use_sliding_window": on,
+        "sliding_window": config.sliding_window,
+        "layer_types": ["sliding_attention" if on and s else "full_attention" for s in sliding],
+    }
+
+
 def window_problems(values: dict[str, Any]) -> list[str]:
-    """A Qwen config's window options zoo's layers cannot hold: a window on some layers only."""
-    if len(set(_layer_types(values))) <= 1:
-        return []
-    return [
-        "use_sliding_window=True with only some layers sliding (max_window_layers / layer_types): zoo's "
-        "scanned layers share one attention pattern; set max_window_layers to 0 or use_sliding_window false"
-    ]
+    """A Qwen config's window options zoo's layers cannot hold."""
+    return types_problems(_layer_types(values), values)
 
 
-def window_of(values: dict[str, Any]) -> int | None:
-    """`TransformerConfig.sliding_window` of a Qwen config (every layer sliding, or None)."""
-    return values.get("sliding_window") if _layer_types(values)[:1] == ["sliding_attention"] else None
+def window_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """`TransformerConfig.sliding_window` and `sliding_layers` of a Qwen config: the layers
+    from `max_window_layers` on slide (or those `layer_types` marks)."""
+    return types_fields(_layer_types(values), values)
 
 
 def window_to_hf(config: Any) -> dict[str, Any]:
-    """A Qwen config's window options for `config.sliding_window` (on every layer, or off)."""
-    sliding = config.sliding_window is not None
-    return {
-        "use_sliding_window": sliding,
-        "sliding_window": config.sliding_window,
-        "max_window_layers": 0 if sliding else config.num_layers,
-        "layer_types": [("sliding_attention" if sliding else "full_attention")] * config.num_layers,
-    }
+    """A Qwen config's window options for `config`'s windows; `max_window_layers` is the
+    first sliding layer when the sliding layers are the last ones (what it can say;
+    `layer_types`, which transformers reads first, holds any pattern)."""
+    out = types_to_hf(config)
+    sliding = [t == "sliding_attention" for t in out["layer_types"]]
+    first = sliding.index(True) if any(sliding) else config.num_layers
+    tail = all(sliding[first:])
+    return out | {"max_window_layers": first if tail else config.num_layers}

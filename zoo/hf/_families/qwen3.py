@@ -4,9 +4,8 @@ Qwen3 is `llama.py` with each query and key head RMS-normalised over its `head_d
 before RoPE (`self_attn.q_norm`, `self_attn.k_norm`: `TransformerConfig.qk_norm`), one
 `attention_bias` for q, k, v and o as Llama's (off in the released models), an explicit
 `head_dim` (128 in the released models, whatever the width), and Qwen2's sliding window,
-off unless `use_sliding_window` (zoo's layers share one attention pattern, so the window
-must apply to every layer: `max_window_layers` 0, or `layer_types` all
-`"sliding_attention"`).
+off unless `use_sliding_window`, on the layers from `max_window_layers` on or those
+`layer_types` marks (`TransformerConfig.sliding_layers`).
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from .._family import register
-from .llama import LLAMA_NAMES, Llama, _bias
-from .qwen2 import window_of, window_problems, window_to_hf
+from .llama import LLAMA_NAMES, Llama, _bias, uniform_rope
+from .qwen2 import window_fields, window_problems, window_to_hf
 
 _NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
 
@@ -33,7 +32,7 @@ class Qwen3(Llama):
         return super().unsupported(values) + window_problems(values)
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
-        return super().fields(values) | {"qk_norm": True, "sliding_window": window_of(values)}
+        return super().fields(values) | {"qk_norm": True} | window_fields(values)
 
     def export_problems(self, config: Any) -> list[str]:
         problems = [p for p in super().export_problems(config) if not p.startswith("sliding_window")]
@@ -53,4 +52,5 @@ class Qwen3(Llama):
             and config.activation == "swiglu"
             and self.norms_match(config)
             and _bias(config, "qkv_bias") == _bias(config, "o_bias")
+            and uniform_rope(config)
         )
