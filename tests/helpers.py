@@ -478,3 +478,35 @@ def sigint_state(pid: int) -> str:
     except OSError as e:
         return f"(no /proc status: {e})"
     return ", ".join(f"{k} {bool(int(v, 16) & 2)}" for k, v in fields.items())  # SIGINT is bit 1
+
+
+def peft_lora_llama(root, llama: dict, *, temperature: float = 1.0, outputs: tuple[str, ...] = ("log_probs",)):
+    """(a peft LoRA Llama with TRL's fused head, the same model in zoo): a tiny random Llama
+    of `llama`'s `LlamaConfig` fields, its weights perturbed, saved by transformers under
+    `root`, TRL's fused head (`temperature`, `outputs`) added, a peft adapter on every
+    linear layer with perturbed (non-zero) branches, in eval mode; zoo loads the base and
+    the adapter."""
+    import peft
+    import torch
+    import transformers
+    from trl.trainer.utils import add_fused_lm_head
+
+    import zoo
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    hf.save_pretrained(root / "base")
+    add_fused_lm_head(hf, temperature=temperature, outputs=outputs)
+    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    peft_model.save_pretrained(root / "adapter")
+    peft_model.eval()
+    lora, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(root / "base"), root / "adapter")
+    return peft_model, lora

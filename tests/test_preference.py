@@ -47,30 +47,11 @@ def pair_batch(seed=0, pairs=PAIRS, seq=SEQ, vocab=VOCAB):
 def models(tmp_path_factory):
     """(the peft LoRA Llama with TRL's fused head, the same in zoo): a tiny random Llama
     saved by transformers, a peft adapter with perturbed (non-zero) branches."""
-    torch = pytest.importorskip("torch")
-    import peft
-    import transformers
-    from trl.trainer.utils import add_fused_lm_head
+    pytest.importorskip("torch")
+    from helpers import peft_lora_llama
 
-    root = tmp_path_factory.mktemp("pref")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=generator))
-    hf.save_pretrained(root / "base")
-    add_fused_lm_head(hf, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=generator))
-    peft_model.save_pretrained(root / "adapter")
-    peft_model.eval()
-    base = zoo.hf.from_pretrained(root / "base")
-    lora, _ = zoo.lora.load_adapter(base, root / "adapter")
-    return peft_model, lora
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    return peft_lora_llama(tmp_path_factory.mktemp("pref"), LLAMA, outputs=outputs)
 
 
 class _Accelerator:

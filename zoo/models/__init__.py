@@ -9,6 +9,7 @@ __getattr__, __dir__ = lazy_names(
     {
         "._config": ("EncoderConfig", "TransformerConfig"),
         "._encoder": ("Encoder", "EncoderClassifier", "EncoderEmbeddings", "mean_pool"),
+        "._grpo": ("GRPOLoss", "group_advantages"),
         "._loss": ("classification_loss", "cross_entropy", "next_token_loss"),
         "._preference": ("PreferenceLoss",),
         "._transformer": ("Transformer",),
@@ -18,6 +19,7 @@ __getattr__, __dir__ = lazy_names(
 if TYPE_CHECKING:
     from ._config import EncoderConfig, TransformerConfig
     from ._encoder import Encoder, EncoderClassifier, EncoderEmbeddings, mean_pool
+    from ._grpo import GRPOLoss, group_advantages
     from ._loss import classification_loss, cross_entropy, next_token_loss
     from ._preference import PreferenceLoss
     from ._transformer import Transformer
@@ -27,11 +29,13 @@ __all__ = [
     "EncoderClassifier",
     "EncoderConfig",
     "EncoderEmbeddings",
+    "GRPOLoss",
     "PreferenceLoss",
     "Transformer",
     "TransformerConfig",
     "classification_loss",
     "cross_entropy",
+    "group_advantages",
     "mean_pool",
     "next_token_loss",
 ]
