@@ -235,6 +235,62 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
     assert rc == 0 and "on its nf4 base" in err, err
 
 
+def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_models(llama_dir, data_files, tmp_path):
+    """`zoo finetune --quantize nf4:16 --data alpha=...,beta=...`: both named adapters train
+    on one NF4 base; `load_run` rebuilds it (codes of the float base's weights, the same
+    bytes), and each adapter routed through the stacked model gives the logits of the float
+    model holding the dequantised weights with that adapter alone (rounding bound);
+    `zoo generate --adapter RUN/adapter/NAME` decodes on that base, `zoo export --merge
+    --adapter NAME` writes the merged dequantised model transformers opens."""
+    import torch
+    import transformers
+    from helpers import zoo_main
+    from tiny_runs import FORWARD, TINY
+
+    run = tmp_path / "two"
+    data = f"alpha={data_files['text']},beta={data_files['chat']}"
+    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data, *TINY, "--steps", "2",
+                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--quantize", "nf4:16", "--output", run)  # fmt: skip
+    assert rc == 0, err
+    loaded = zoo.train.load_run(run)
+    q_proj = _q_proj(loaded.model)
+    assert isinstance(q_proj, zoo.lora.MultiLoraLinear) and q_proj.names == ("alpha", "beta")
+    assert isinstance(q_proj.base, FourBitLinear) and (q_proj.base.kind, q_proj.base.block_size) == ("nf4", 16)
+    float_base = zoo.hf.from_pretrained(llama_dir)
+    want_codes = FourBitLinear.quantize(_q_proj(float_base), "nf4", block_size=16)
+    np.testing.assert_array_equal(np.asarray(q_proj.base.codes), np.asarray(want_codes.codes))
+    tokens = np.array([[1, 6, 8, 10, 12, 6, 14], [1, 7, 9, 11, 13, 7, 15]], np.int32)
+    logits, want = {}, {}
+    for k, name in enumerate(("alpha", "beta")):
+        alone, lora = zoo.lora.load_adapter(float_base, run / "adapter" / name)
+        # The float model: the base's weights as NF4 holds them, the other frozen leaves as stored.
+        want_model = zoo.nn.dequantize(cast_frozen(alone, "nf4", config=lora, block_size=16))
+        assert not any(isinstance(x, FourBitLinear) for x in jax.tree.leaves(want_model, is_leaf=eqx.is_array))
+        want[name] = np.asarray(want_model(tokens))
+        logits[name] = np.asarray(zoo.lora.route(loaded.model, [k, k])(tokens))
+        assert_rounding_close(logits[name], want[name], **FORWARD, what=f"adapter {name} on NF4 vs dequantised")
+    assert np.abs(logits["alpha"] - logits["beta"]).max() > 1e-4  # two adapters, two models
+    # zoo generate RUN --adapter RUN/adapter/alpha: that adapter on the NF4 base, as load_run builds it.
+    rc, out, err = zoo_main("generate", run, "--adapter", run / "adapter" / "alpha", "--prompt", "the cat",
+                            "--max-new-tokens", 3, "--json")  # fmt: skip
+    assert rc == 0, err
+    tokenizer = zoo.hf.Tokenizer.from_pretrained(llama_dir)
+    prompt = tokenizer(["the cat"])["tokens"]
+    ids = np.asarray(zoo.generate(zoo.lora.adapter(loaded.model, "alpha"), prompt, max_new_tokens=3))
+    ids = ids[0, prompt.shape[1] :].tolist()
+    assert json.loads(out)[0]["completion"] == tokenizer.decode(ids[: ids.index(2)] if 2 in ids else ids)
+    rc, _, err = zoo_main("generate", run, "--adapter", run / "adapter" / "alpha", "--prompt", "the",
+                          "--max-new-tokens", 1)  # fmt: skip
+    assert rc == 0 and "on its nf4 base" in err, err
+    # zoo export RUN --merge --adapter beta: the dequantised base with beta merged, in transformers.
+    rc, _, err = zoo_main("export", run, "--merge", "--adapter", "beta", "--output", tmp_path / "beta")
+    assert rc == 0, err
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "beta", torch_dtype=torch.float32)
+    with torch.no_grad():
+        exported = hf(torch.from_numpy(tokens).long()).logits.numpy()
+    assert_rounding_close(exported, want["beta"], **FORWARD, what="merged adapter beta in transformers")
+
+
 def _save_llama_64_wide(folder):
     """A random Llama saved by transformers whose widths (64, 128) hold bitsandbytes'
     blocks of 64 inputs within each row, as real models' do."""

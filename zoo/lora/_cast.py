@@ -14,6 +14,7 @@ from ..nn import FourBitLinear, QuantizedLinear, dequantize
 from ._apply import ADAPTED, modules, trainable
 from ._config import LoraConfig
 from ._layer import LoraLinear
+from ._multi_linear import MultiLoraLinear
 
 
 def cast_frozen(
@@ -31,7 +32,8 @@ def cast_frozen(
     weights; set the config's `dtype` to `"bfloat16"` for bfloat16 compute as well.
     Casting keeps each leaf's sharding.
 
-    `dtype=jnp.int8` stores the base `Linear` of every (unmerged) LoRA branch as a
+    `dtype=jnp.int8` stores the base `Linear` of every (unmerged) LoRA branch (a
+    `LoraLinear`, or the `MultiLoraLinear` of several named adapters) as a
     `zoo.nn.QuantizedLinear` (int8 weight, one float32 scale per output channel: an error
     of at most absmax/254 per channel) and every other frozen floating leaf (embeddings,
     norms, biases, a frozen head) in bfloat16. Casting such a model to a floating dtype
@@ -45,7 +47,8 @@ def cast_frozen(
 
     **Arguments:**
 
-    - `model`: a model with LoRA branches (`zoo.lora.add_lora`).
+    - `model`: a model with LoRA branches (`zoo.lora.add_lora`; several named adapters:
+      `zoo.lora.stack_adapters`, `load_adapters`).
     - `dtype`: the storage dtype of the frozen leaves: a floating-point dtype, int8, or
       `"nf4"` / `"int4"`.
     - `block_size`: with `"nf4"` / `"int4"`, the input features per scale (default 64 /
@@ -79,7 +82,7 @@ def cast_frozen(
             "cast_frozen found no LoRA branches in the model: add them first with "
             "zoo.lora.add_lora(model, config, key=...), or the whole model would be frozen"
         )
-    found = modules(model, LoraLinear)
+    found = modules(model, (LoraLinear, MultiLoraLinear))  # one adapter, or several named ones
     if quantize and any(node_at(model, p).merged for p, _ in found.values()):
         raise ValueError(
             f"cast_frozen(model, {four_bit or 'jnp.int8'!s}) cannot quantise a base that holds a merged LoRA branch: "
