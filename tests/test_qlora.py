@@ -242,15 +242,17 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
     model holding the dequantised weights with that adapter alone (rounding bound);
     `zoo generate --adapter RUN/adapter/NAME` decodes on that base, `zoo export --merge
     --adapter NAME` writes the merged dequantised model transformers opens."""
+    import shutil
+
     import torch
     import transformers
-    from helpers import zoo_main
+    from helpers import one_line_error, zoo_main
     from tiny_runs import FORWARD, TINY
 
     run = tmp_path / "two"
     data = f"alpha={data_files['text']},beta={data_files['chat']}"
     rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data, *TINY, "--steps", "2",
-                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--quantize", "nf4:16", "--output", run)  # fmt: skip
+                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--quantize", "nf4:16", "--checkpoint-every", "2", "--output", run)  # fmt: skip
     assert rc == 0, err
     loaded = zoo.train.load_run(run)
     q_proj = _q_proj(loaded.model)
@@ -282,6 +284,9 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
     rc, _, err = zoo_main("generate", run, "--adapter", run / "adapter" / "alpha", "--prompt", "the",
                           "--max-new-tokens", 1)  # fmt: skip
     assert rc == 0 and "on its nf4 base" in err, err
+    rc, _, err = zoo_main("serve", run, "--port", "0")  # how to serve them all: on the base they trained on
+    one_line_error(rc, err, f"--adapter alpha={run / 'adapter' / 'alpha'} for each, BASE its config.json's init with ")
+    assert "with --quantize nf4:16, as they trained" in err, err
     # zoo export RUN --merge --adapter beta: the dequantised base with beta merged, in transformers.
     rc, _, err = zoo_main("export", run, "--merge", "--adapter", "beta", "--output", tmp_path / "beta")
     assert rc == 0, err
@@ -289,6 +294,12 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
     with torch.no_grad():
         exported = hf(torch.from_numpy(tokens).long()).logits.numpy()
     assert_rounding_close(exported, want["beta"], **FORWARD, what="merged adapter beta in transformers")
+    # A run stopped before its end (no adapter/): its checkpoint's adapters on the same NF4 base.
+    shutil.rmtree(run / "adapter")
+    stopped = zoo.train.load_run(run)
+    assert "checkpoints" in stopped.weights and isinstance(_q_proj(stopped.model).base, FourBitLinear)
+    for k, name in enumerate(("alpha", "beta")):
+        np.testing.assert_array_equal(np.asarray(zoo.lora.route(stopped.model, [k, k])(tokens)), logits[name])
 
 
 def _save_llama_64_wide(folder):
