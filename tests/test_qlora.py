@@ -116,6 +116,33 @@ def test_cast_frozen_four_bit_changes_storage_not_the_lora_gradients(kind):
     assert_tree_rounding_close(_q_proj(again).base, _q_proj(cast).base, terms=1, depth=1)
 
 
+def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
+    """`cast_frozen(model, "nf4:4")` (the form `--quantize` and `RunConfig.quantize` take)
+    is `cast_frozen(model, "nf4", block_size=4)`, leaf for leaf; the projections
+    `from_pretrained(quantize=)` stores are `cast_frozen`'s of the same float weights (one
+    quantiser for both, `zoo.nn._quantized.quantizer`); a block given twice or a bad text form is one line."""
+    model = _lora_model()
+    for text, dtype, block in (("nf4:4", "nf4", 4), ("int4:8", "int4", 8), ("int8", jnp.int8, None)):
+        got = cast_frozen(model, text, config=CONFIG)
+        want = cast_frozen(model, dtype, config=CONFIG, block_size=block)
+        assert jax.tree.structure(got) == jax.tree.structure(want), text
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert g.dtype == w.dtype, text
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match=r"^cast_frozen: 'nf4:4' gives the block already; drop block_size=8$"):
+        cast_frozen(model, "nf4:4", config=CONFIG, block_size=8)
+    with pytest.raises(ValueError, match=r"^cast_frozen: quantize 'nf4:3': give nf4, int4 or int8"):
+        cast_frozen(model, "nf4:3", config=CONFIG)
+    base = zoo.lora.unload(model)
+    zoo.hf.save_pretrained(base, tmp_path / "base")
+    loaded = zoo.hf.from_pretrained(tmp_path / "base", quantize="int4:8")
+    cast = cast_frozen(add_lora(zoo.hf.from_pretrained(tmp_path / "base"), CONFIG, key=jax.random.key(1)), "int4:8")
+    got, want = _q_proj(loaded), _q_proj(cast).base
+    assert isinstance(got, FourBitLinear) and (got.kind, got.block_size) == ("int4", 8)
+    np.testing.assert_array_equal(got.codes, want.codes)
+    np.testing.assert_array_equal(got.scale, want.scale)
+
+
 def test_qdora_gradients_are_the_dequantised_models():
     config = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "down"), use_dora=True, init_lora_weights=False)
     cast = cast_frozen(_lora_model(config), "nf4", config=config, block_size=BLOCK)

@@ -256,14 +256,10 @@ def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = N
 
 def quantized_as_the_run(model, lora, quantize: str, rules, mesh):
     """`model` (a LoRA run's base with its adapter) with the frozen base stored as the run
-    stored it (`zoo.lora.cast_frozen`, the run's `--quantize`), placed again."""
-    import jax.numpy as jnp
-
+    stored it (`zoo.lora.cast_frozen` of the run's `--quantize` text, as `load_run`), placed again."""
     import zoo
 
-    kind, _, block = quantize.partition(":")  # checked when the run began
-    storage = jnp.int8 if kind == "int8" else kind
-    model = zoo.lora.cast_frozen(model, storage, config=lora, block_size=int(block) if block else None)
+    model = zoo.lora.cast_frozen(model, quantize, config=lora)
     return zoo.shard(model, rules, mesh) if mesh is not None else model
 
 
