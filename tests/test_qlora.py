@@ -116,6 +116,33 @@ def test_cast_frozen_four_bit_changes_storage_not_the_lora_gradients(kind):
     assert_tree_rounding_close(_q_proj(again).base, _q_proj(cast).base, terms=1, depth=1)
 
 
+def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
+    """`cast_frozen(model, "nf4:4")` (the form `--quantize` and `RunConfig.quantize` take)
+    is `cast_frozen(model, "nf4", block_size=4)`, leaf for leaf; the projections
+    `from_pretrained(quantize=)` stores are `cast_frozen`'s of the same float weights (one
+    quantiser for both, `zoo.nn._quantized.quantizer`); a block given twice or a bad text form is one line."""
+    model = _lora_model()
+    for text, dtype, block in (("nf4:4", "nf4", 4), ("int4:8", "int4", 8), ("int8", jnp.int8, None)):
+        got = cast_frozen(model, text, config=CONFIG)
+        want = cast_frozen(model, dtype, config=CONFIG, block_size=block)
+        assert jax.tree.structure(got) == jax.tree.structure(want), text
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert g.dtype == w.dtype, text
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match=r"^cast_frozen: 'nf4:4' gives the block already; drop block_size=8$"):
+        cast_frozen(model, "nf4:4", config=CONFIG, block_size=8)
+    with pytest.raises(ValueError, match=r"^cast_frozen: quantize 'nf4:3': give nf4, int4 or int8"):
+        cast_frozen(model, "nf4:3", config=CONFIG)
+    base = zoo.lora.unload(model)
+    zoo.hf.save_pretrained(base, tmp_path / "base")
+    loaded = zoo.hf.from_pretrained(tmp_path / "base", quantize="int4:8")
+    cast = cast_frozen(add_lora(zoo.hf.from_pretrained(tmp_path / "base"), CONFIG, key=jax.random.key(1)), "int4:8")
+    got, want = _q_proj(loaded), _q_proj(cast).base
+    assert isinstance(got, FourBitLinear) and (got.kind, got.block_size) == ("int4", 8)
+    np.testing.assert_array_equal(got.codes, want.codes)
+    np.testing.assert_array_equal(got.scale, want.scale)
+
+
 def test_qdora_gradients_are_the_dequantised_models():
     config = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "down"), use_dora=True, init_lora_weights=False)
     cast = cast_frozen(_lora_model(config), "nf4", config=config, block_size=BLOCK)
@@ -233,6 +260,73 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
     assert json.loads(out)[0]["completion"] == tokenizer.decode(ids)
     rc, _, err = zoo_main("generate", run, "--prompt", "the cat", "--max-new-tokens", 1)
     assert rc == 0 and "on its nf4 base" in err, err
+
+
+def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_models(llama_dir, data_files, tmp_path):
+    """`zoo finetune --quantize nf4:16 --data alpha=...,beta=...`: both named adapters train
+    on one NF4 base; `load_run` rebuilds it (codes of the float base's weights, the same
+    bytes), and each adapter routed through the stacked model gives the logits of the float
+    model holding the dequantised weights with that adapter alone (rounding bound);
+    `zoo generate --adapter RUN/adapter/NAME` decodes on that base, `zoo export --merge
+    --adapter NAME` writes the merged dequantised model transformers opens."""
+    import shutil
+
+    import torch
+    import transformers
+    from helpers import one_line_error, zoo_main
+    from tiny_runs import FORWARD, TINY
+
+    run = tmp_path / "two"
+    data = f"alpha={data_files['text']},beta={data_files['chat']}"
+    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data, *TINY, "--steps", "2",
+                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--quantize", "nf4:16", "--checkpoint-every", "2", "--output", run)  # fmt: skip
+    assert rc == 0, err
+    loaded = zoo.train.load_run(run)
+    q_proj = _q_proj(loaded.model)
+    assert isinstance(q_proj, zoo.lora.MultiLoraLinear) and q_proj.names == ("alpha", "beta")
+    assert isinstance(q_proj.base, FourBitLinear) and (q_proj.base.kind, q_proj.base.block_size) == ("nf4", 16)
+    float_base = zoo.hf.from_pretrained(llama_dir)
+    want_codes = FourBitLinear.quantize(_q_proj(float_base), "nf4", block_size=16)
+    np.testing.assert_array_equal(np.asarray(q_proj.base.codes), np.asarray(want_codes.codes))
+    tokens = np.array([[1, 6, 8, 10, 12, 6, 14], [1, 7, 9, 11, 13, 7, 15]], np.int32)
+    logits, want = {}, {}
+    for k, name in enumerate(("alpha", "beta")):
+        alone, lora = zoo.lora.load_adapter(float_base, run / "adapter" / name)
+        # The float model: the base's weights as NF4 holds them, the other frozen leaves as stored.
+        want_model = zoo.nn.dequantize(cast_frozen(alone, "nf4", config=lora, block_size=16))
+        assert not any(isinstance(x, FourBitLinear) for x in jax.tree.leaves(want_model, is_leaf=eqx.is_array))
+        want[name] = np.asarray(want_model(tokens))
+        logits[name] = np.asarray(zoo.lora.route(loaded.model, [k, k])(tokens))
+        assert_rounding_close(logits[name], want[name], **FORWARD, what=f"adapter {name} on NF4 vs dequantised")
+    assert np.abs(logits["alpha"] - logits["beta"]).max() > 1e-4  # two adapters, two models
+    # zoo generate RUN --adapter RUN/adapter/alpha: that adapter on the NF4 base, as load_run builds it.
+    rc, out, err = zoo_main("generate", run, "--adapter", run / "adapter" / "alpha", "--prompt", "the cat",
+                            "--max-new-tokens", 3, "--json")  # fmt: skip
+    assert rc == 0, err
+    tokenizer = zoo.hf.Tokenizer.from_pretrained(llama_dir)
+    prompt = tokenizer(["the cat"])["tokens"]
+    ids = np.asarray(zoo.generate(zoo.lora.adapter(loaded.model, "alpha"), prompt, max_new_tokens=3))
+    ids = ids[0, prompt.shape[1] :].tolist()
+    assert json.loads(out)[0]["completion"] == tokenizer.decode(ids[: ids.index(2)] if 2 in ids else ids)
+    rc, _, err = zoo_main("generate", run, "--adapter", run / "adapter" / "alpha", "--prompt", "the",
+                          "--max-new-tokens", 1)  # fmt: skip
+    assert rc == 0 and "on its nf4 base" in err, err
+    rc, _, err = zoo_main("serve", run, "--port", "0")  # how to serve them all: on the base they trained on
+    one_line_error(rc, err, f"--adapter alpha={run / 'adapter' / 'alpha'} for each, BASE its config.json's init with ")
+    assert "with --quantize nf4:16, as they trained" in err, err
+    # zoo export RUN --merge --adapter beta: the dequantised base with beta merged, in transformers.
+    rc, _, err = zoo_main("export", run, "--merge", "--adapter", "beta", "--output", tmp_path / "beta")
+    assert rc == 0, err
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "beta", torch_dtype=torch.float32)
+    with torch.no_grad():
+        exported = hf(torch.from_numpy(tokens).long()).logits.numpy()
+    assert_rounding_close(exported, want["beta"], **FORWARD, what="merged adapter beta in transformers")
+    # A run stopped before its end (no adapter/): its checkpoint's adapters on the same NF4 base.
+    shutil.rmtree(run / "adapter")
+    stopped = zoo.train.load_run(run)
+    assert "checkpoints" in stopped.weights and isinstance(_q_proj(stopped.model).base, FourBitLinear)
+    for k, name in enumerate(("alpha", "beta")):
+        np.testing.assert_array_equal(np.asarray(zoo.lora.route(stopped.model, [k, k])(tokens)), logits[name])
 
 
 def _save_llama_64_wide(folder):

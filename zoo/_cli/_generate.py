@@ -161,10 +161,12 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
     named = _named_adapters(folder / "adapter") if run is not None else []
     if named and adapter_dir is None:  # several adapters trained at once: which one is the user's to say
         first = folder / "adapter" / named[0]
+        quantize = run.get("quantize")  # their adapted layers quantised as in training
+        on = f" with --quantize {quantize}, as they trained" if quantize else ""
         raise CLIError(
             f"SOURCE {source}: a run of {len(named)} adapters ({', '.join(named)}); zoo generate takes one: "
             f"--adapter {first} (any adapter/NAME); zoo serve BASE serves them all: --adapter {named[0]}={first} "
-            "for each, BASE its config.json's init"
+            f"for each, BASE its config.json's init{on}"
         )
     if run is not None and ((folder / "adapter" / "adapter_config.json").is_file() or named):
         init = run.get("init")
@@ -254,14 +256,10 @@ def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = N
 
 def quantized_as_the_run(model, lora, quantize: str, rules, mesh):
     """`model` (a LoRA run's base with its adapter) with the frozen base stored as the run
-    stored it (`zoo.lora.cast_frozen`, the run's `--quantize`), placed again."""
-    import jax.numpy as jnp
-
+    stored it (`zoo.lora.cast_frozen` of the run's `--quantize` text, as `load_run`), placed again."""
     import zoo
 
-    kind, _, block = quantize.partition(":")  # checked when the run began
-    storage = jnp.int8 if kind == "int8" else kind
-    model = zoo.lora.cast_frozen(model, storage, config=lora, block_size=int(block) if block else None)
+    model = zoo.lora.cast_frozen(model, quantize, config=lora)
     return zoo.shard(model, rules, mesh) if mesh is not None else model
 
 

@@ -19,7 +19,8 @@ from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partition_specs, shard
 from .._tree import dotted_name
 from ..models import Encoder, Transformer
-from ..nn import FourBitLinear, Linear, QuantizedLinear, Stacked
+from ..nn import Linear, Stacked
+from ..nn._quantized import quantize_kind, quantizer
 from . import _families  # noqa: F401  (registers the families)
 from ._bnb import FourBitCheckpoint, bnb_quantize
 from ._family import Family, get_family
@@ -99,24 +100,6 @@ def _load(
     return model
 
 
-QUANTIZE_KINDS = ("nf4", "int4", "int8")
-
-
-def quantize_kind(text: str) -> tuple[str, int | None]:
-    """A quantised base's text form read: `(kind, block size or None)` from "nf4", "int4",
-    "int8", or "nf4:32" / "int4:64" (a 4-bit block of inputs per scale).
-
-    **Raises:** `ValueError` naming the forms."""
-    kind, colon, block = str(text).partition(":")
-    fits = kind in QUANTIZE_KINDS and (not colon or (kind != "int8" and block.isdigit() and int(block) % 2 == 0))
-    if not fits or (block and int(block) < 2):
-        raise ValueError(
-            f"quantize {text!r}: give nf4, int4 or int8, or a 4-bit kind with an even block of inputs per scale, "
-            "e.g. nf4:32"
-        )
-    return kind, int(block) if block else None
-
-
 def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, where: str) -> dict[str, Any]:
     """Dotted name → the function that quantises it, for every `Linear` of the layer stack
     (attention and MLP projections; embeddings, norms and an untied head stay float, as
@@ -124,13 +107,7 @@ def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, whe
     refused here, before anything is read."""
     if quantize is None:
         return {}
-    if quantize == "int8":
-        quantizer = QuantizedLinear.quantize
-    else:
-
-        def quantizer(linear: Linear) -> FourBitLinear:
-            return FourBitLinear.quantize(linear, quantize, block_size=block_size)
-
+    convert = quantizer(quantize, block_size)
     found: dict[str, Any] = {}
 
     def walk(node: Any, path: tuple, stacked: bool) -> None:
@@ -146,12 +123,12 @@ def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, whe
     walk(skeleton, (), False)
     for name, linear in found.items():
         try:
-            eqx.filter_eval_shape(quantizer, linear)
+            eqx.filter_eval_shape(convert, linear)
         except ValueError as e:
             # FourBitLinear.quantize names its own argument; here the block is in the text form.
             hint = str(e).replace("pass block_size= one of", f"pass quantize='{quantize}:BLOCK', BLOCK one of")
             raise ValueError(f"{where}: cannot quantize {name} as {quantize}: {hint}") from None
-    return dict.fromkeys(found, quantizer)
+    return dict.fromkeys(found, convert)
 
 
 _COMMON_DOC = """

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from .._tree import dotted_name, node_at
-from ..nn import FourBitLinear, QuantizedLinear, dequantize
+from ..nn import dequantize
+from ..nn._quantized import quantize_kind, quantizer
 from ._apply import ADAPTED, modules, trainable
 from ._config import LoraConfig
 from ._layer import LoraLinear
+from ._multi_linear import MultiLoraLinear
 
 
 def cast_frozen(
@@ -31,7 +33,8 @@ def cast_frozen(
     weights; set the config's `dtype` to `"bfloat16"` for bfloat16 compute as well.
     Casting keeps each leaf's sharding.
 
-    `dtype=jnp.int8` stores the base `Linear` of every (unmerged) LoRA branch as a
+    `dtype=jnp.int8` stores the base `Linear` of every (unmerged) LoRA branch (a
+    `LoraLinear`, or the `MultiLoraLinear` of several named adapters) as a
     `zoo.nn.QuantizedLinear` (int8 weight, one float32 scale per output channel: an error
     of at most absmax/254 per channel) and every other frozen floating leaf (embeddings,
     norms, biases, a frozen head) in bfloat16. Casting such a model to a floating dtype
@@ -45,9 +48,11 @@ def cast_frozen(
 
     **Arguments:**
 
-    - `model`: a model with LoRA branches (`zoo.lora.add_lora`).
+    - `model`: a model with LoRA branches (`zoo.lora.add_lora`; several named adapters:
+      `zoo.lora.stack_adapters`, `load_adapters`).
     - `dtype`: the storage dtype of the frozen leaves: a floating-point dtype, int8, or
-      `"nf4"` / `"int4"`.
+      `"nf4"` / `"int4"`; the text forms `RunConfig.quantize` and `--quantize` take are
+      read too (`"int8"`, `"nf4:32"`: a 4-bit block of 32).
     - `block_size`: with `"nf4"` / `"int4"`, the input features per scale (default 64 /
       128; it must divide every adapted layer's input features).
     - `config`: the `LoraConfig` the branches were added with (its `modules_to_save` stay
@@ -56,18 +61,7 @@ def cast_frozen(
     **Returns:** the model with the frozen leaves cast; train it with
     `zoo.TrainStep(..., trainable=zoo.lora.trainable(model, config))`.
     """
-    four_bit = dtype if isinstance(dtype, str) and dtype in ("nf4", "int4") else None
-    if four_bit is None:
-        try:
-            dtype = jnp.dtype(dtype)
-        except TypeError as e:
-            raise ValueError(
-                f"cast_frozen: {dtype!r} is not a dtype; use jnp.bfloat16, jnp.float16, jnp.int8, 'nf4' or 'int4'"
-            ) from e
-    elif block_size is not None and (block_size < 2 or block_size % 2):
-        raise ValueError(f"cast_frozen: block_size must be an even number >= 2, got {block_size}")
-    if block_size is not None and four_bit is None:
-        raise ValueError(f"cast_frozen: block_size is for dtype 'nf4' or 'int4', not {dtype}")
+    dtype, four_bit, block_size = _storage(dtype, block_size)
     quantize = four_bit is not None or dtype == jnp.int8
     if not quantize and not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
@@ -79,7 +73,7 @@ def cast_frozen(
             "cast_frozen found no LoRA branches in the model: add them first with "
             "zoo.lora.add_lora(model, config, key=...), or the whole model would be frozen"
         )
-    found = modules(model, LoraLinear)
+    found = modules(model, (LoraLinear, MultiLoraLinear))  # one adapter, or several named ones
     if quantize and any(node_at(model, p).merged for p, _ in found.values()):
         raise ValueError(
             f"cast_frozen(model, {four_bit or 'jnp.int8'!s}) cannot quantise a base that holds a merged LoRA branch: "
@@ -101,15 +95,37 @@ def cast_frozen(
     paths = [p for p, _ in found.values() if not node_at(keep, p).base.weight]
 
     def quantized(path):
-        base = node_at(model, path).base
-        if four_bit is None:
-            layer = QuantizedLinear.quantize(base)
-        else:
-            try:
-                layer = FourBitLinear.quantize(base, four_bit, block_size=block_size)
-            except ValueError as e:
-                raise ValueError(f"cast_frozen(model, {four_bit!r}) at {dotted_name(path)}: {e}") from None
+        try:  # the quantiser loading uses too (zoo.hf.from_pretrained(quantize=))
+            layer = quantizer(four_bit or "int8", block_size)(node_at(model, path).base)
+        except ValueError as e:
+            raise ValueError(f"cast_frozen(model, {four_bit or 'int8'!r}) at {dotted_name(path)}: {e}") from None
         bias = node_at(cast, path).base.bias
         return layer if bias is None else eqx.tree_at(lambda q: q.bias, layer, bias)
 
     return eqx.tree_at(lambda m: [node_at(m, p).base for p in paths], cast, replace=[quantized(p) for p in paths])
+
+
+def _storage(dtype: Any, block_size: int | None) -> tuple[Any, str | None, int | None]:
+    """`cast_frozen`'s `dtype` and `block_size` read: `(dtype, "nf4" | "int4" | None, block)`,
+    the text form ("nf4:32") split. **Raises:** `ValueError` naming what to give."""
+    four_bit = None
+    if isinstance(dtype, str) and dtype.partition(":")[0] in ("nf4", "int4"):  # "nf4", or the text form "nf4:32"
+        try:
+            four_bit, block = quantize_kind(dtype)
+        except ValueError as e:
+            raise ValueError(f"cast_frozen: {e}") from None
+        if block is not None and block_size is not None:
+            raise ValueError(f"cast_frozen: {dtype!r} gives the block already; drop block_size={block_size}")
+        block_size = block_size if block is None else block
+    if four_bit is None:
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError as e:
+            raise ValueError(
+                f"cast_frozen: {dtype!r} is not a dtype; use jnp.bfloat16, jnp.float16, jnp.int8, 'nf4' or 'int4'"
+            ) from e
+    elif block_size is not None and (block_size < 2 or block_size % 2):
+        raise ValueError(f"cast_frozen: block_size must be an even number >= 2, got {block_size}")
+    if block_size is not None and four_bit is None:
+        raise ValueError(f"cast_frozen: block_size is for dtype 'nf4' or 'int4', not {dtype}")
+    return dtype, four_bit, block_size

@@ -1,7 +1,10 @@
-"""A `Linear` whose weight is stored in int8, one float32 scale per output channel."""
+"""A `Linear` whose weight is stored in int8, one float32 scale per output channel; and the
+one mapping of a quantised base's kind ("nf4", "int4", "int8", "nf4:32") to the frozen layer
+storing it, both ways."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -99,6 +102,44 @@ class QuantizedLinear(eqx.Module):
         if self.bias is not None:
             y = y + broadcast_like(self.bias.astype(y.dtype), y)
         return y
+
+
+QUANTIZE_KINDS = ("nf4", "int4", "int8")
+
+
+def quantize_kind(text: str) -> tuple[str, int | None]:
+    """A quantised base's text form read: `(kind, block size or None)` from "nf4", "int4",
+    "int8", or "nf4:32" / "int4:64" (a 4-bit block of inputs per scale).
+
+    **Raises:** `ValueError` naming the forms."""
+    kind, colon, block = str(text).partition(":")
+    fits = kind in QUANTIZE_KINDS and (not colon or (kind != "int8" and block.isdigit() and int(block) % 2 == 0))
+    if not fits or (block and int(block) < 2):
+        raise ValueError(
+            f"quantize {text!r}: give nf4, int4 or int8, or a 4-bit kind with an even block of inputs per scale, "
+            "e.g. nf4:32"
+        )
+    return kind, int(block) if block else None
+
+
+def quantizer(kind: str, block_size: int | None = None) -> Callable[[Linear], QuantizedLinear | FourBitLinear]:
+    """The function storing a float `Linear` as `kind` says: `"int8"` a `QuantizedLinear`
+    (`QuantizedLinear.quantize`), `"nf4"` / `"int4"` a `FourBitLinear` of `block_size`
+    inputs per scale (`FourBitLinear.quantize`; default 64 / 128). What loading
+    (`zoo.hf.from_pretrained(quantize=)`) and `zoo.lora.cast_frozen` both quantise with.
+
+    **Raises:** `ValueError` for another kind, or a block with int8."""
+    if kind not in QUANTIZE_KINDS:
+        raise ValueError(f"quantize {kind!r}: give nf4, int4 or int8")
+    if kind == "int8":
+        if block_size is not None:
+            raise ValueError(f"quantize int8 stores one scale per output channel: it takes no block ({block_size})")
+        return QuantizedLinear.quantize
+
+    def four_bit(linear: Linear) -> FourBitLinear:
+        return FourBitLinear.quantize(linear, kind, block_size=block_size)
+
+    return four_bit
 
 
 def dequantize(tree: Any, dtype: Any = None) -> Any:

@@ -350,16 +350,13 @@ def quantize_base(model: Any, config: Any) -> Any:
 
     **Raises:** `ConfigError` when a 4-bit block does not divide a layer's inputs, naming
     the `--quantize KIND:BLOCK` that fits."""
-    import jax.numpy as jnp
-
     from ..lora import cast_frozen
-    from ._text import quantize_kind
 
     if config.quantize is None:
         return model
-    kind, block = quantize_kind(config.quantize)
     try:
-        return cast_frozen(model, jnp.int8 if kind == "int8" else kind, config=config.lora, block_size=block)
+        return cast_frozen(model, config.quantize, config=config.lora)  # its text form, "nf4:32" too
     except ValueError as e:
+        kind = config.quantize.partition(":")[0]
         first = str(e).splitlines()[0].replace("pass block_size= one of", f"pass --quantize {kind}:BLOCK, BLOCK one of")
         raise ConfigError(f"--quantize {config.quantize}: {first}") from None

@@ -122,12 +122,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
         raise ConfigError(f"--probe fits a classifier's head; {c.model} has none: drop --probe")
     # The base quantised (--quantize) once the branches are on it: they are made from the float weights.
     model = task.model if lcfg is None else quantize_base(add_lora(task.model, lcfg, c.seed), c)
-    if task.adapter_names is not None and c.quantize is not None:
-        raise ConfigError(
-            f"--quantize {c.quantize} with several adapters in one run ({', '.join(task.adapter_names)}) is not "
-            "supported yet: train each adapter in its own run on the quantised base, or drop --quantize"
-        )
-    if task.adapter_names is not None:  # K adapters, each starting as a one-adapter run of this seed
+    if task.adapter_names is not None:  # K adapters, each starting as a one-adapter run of this seed, one base
         model = stacked(model, task.adapter_names)
     if lcfg is not None and c.pooling == "mean" and any(n.startswith("head") for n in lora_modules(model, LoraLinear)):
         raise ConfigError(

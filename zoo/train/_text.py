@@ -246,7 +246,7 @@ def quantize_kind(text: str) -> tuple[str, int | None]:
     """`RunConfig.quantize` read: `(kind, block size or None)` from "nf4", "int4", "int8" or
     "nf4:32" / "int4:64" (a 4-bit block of inputs), as `zoo.hf.from_pretrained(quantize=)`
     reads it. **Raises:** `ConfigError` naming the forms."""
-    from ..hf._load import quantize_kind as read
+    from ..nn._quantized import quantize_kind as read
 
     try:
         return read(text)
