@@ -164,7 +164,9 @@ class GRPOLoss:
     def loss(self, model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
         """`(loss_sums, weights)` per completion, both `[batch]`: the step's loss is
         `sum(loss_sums) / sum(weights)` over the global batch (see `loss_type`)."""
-        t = self._terms(model, batch)
+        return self._sums(self._terms(model, batch))
+
+    def _sums(self, t: dict[str, Any]) -> tuple[Any, Any]:
         mask = t["mask"]
         sums = jnp.sum(t["per_token"] * mask, axis=1)
         tokens = jnp.sum(mask, axis=1)
@@ -182,7 +184,7 @@ class GRPOLoss:
         matters: below with a negative advantage, above with a positive one)."""
         t = self._terms(model, batch)
         mask, ratio, adv = t["mask"], t["ratio"], t["advantages"]
-        sums, weights = self.loss(model, batch)
+        sums, weights = self._sums(t)
 
         def token_mean(x):
             if x.shape[1] == 1:  # one value per sequence (GSPO)
