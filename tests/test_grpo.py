@@ -259,6 +259,46 @@ def test_group_advantages_refuse_bad_input(args, kwargs, message):
         zoo.models.group_advantages(*args, **kwargs)
 
 
+def test_reward_table_calls_each_function_as_trl_does():
+    prompts, completions = ["2+2=", "2+2=", "1+1=", "1+1="], ["4", "5", "2", "two"]
+
+    def exact(prompts, completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    def digits_only(prompts, completions, **columns):
+        return [None if not c.isdigit() else 0.5 for c in completions]
+
+    table = zoo.models.reward_table([exact, digits_only], prompts, completions, answer=["4", "4", "2", "2"])
+    np.testing.assert_array_equal(table[:, 0], [1, 0, 1, 0])
+    np.testing.assert_array_equal(np.isnan(table[:, 1]), [False, False, False, True])
+    advantages, total = zoo.models.group_advantages(table, 2, weights=[1.0, 2.0])
+    np.testing.assert_allclose(total, [2, 1, 2, 0])
+    assert advantages[0] > 0 > advantages[1] and advantages[2] > 0 > advantages[3]
+    named = zoo.models.reward_table({"a": exact, "b": exact}, prompts, completions, answer=["4"] * 4)
+    assert named.shape == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        (lambda prompts, completions: [1.0], "reward function '<lambda>' returned 1 values for 2 completions"),
+        (
+            lambda prompts, completions: [1.0, float("nan")],
+            "returned nan for completion 1; return a finite number, or None",
+        ),
+        (lambda prompts, completions: [1.0, "high"], "returned 'high' for completion 1; return a number"),
+        (lambda prompts, completions: 1.0, "returned float for 2 completions"),
+        (lambda prompts, completions: 1 / 0, "reward function '<lambda>' raised ZeroDivisionError: division by zero"),
+        (lambda prompts, completions, answer: [0, 0], "raised TypeError: .*missing 1 required .*answer"),
+    ],
+    ids=["count", "nan", "text", "scalar", "raises", "missing-column"],
+)
+def test_reward_table_names_the_function_that_misbehaves(function, message):
+    with pytest.raises(ValueError, match=message) as e:
+        zoo.models.reward_table(function, ["p", "p"], ["a", "b"])
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -9,7 +9,7 @@ __getattr__, __dir__ = lazy_names(
     {
         "._config": ("EncoderConfig", "TransformerConfig"),
         "._encoder": ("Encoder", "EncoderClassifier", "EncoderEmbeddings", "mean_pool"),
-        "._grpo": ("GRPOLoss", "group_advantages"),
+        "._grpo": ("GRPOLoss", "group_advantages", "reward_table"),
         "._loss": ("classification_loss", "cross_entropy", "next_token_loss"),
         "._preference": ("PreferenceLoss",),
         "._transformer": ("Transformer",),
@@ -19,7 +19,7 @@ __getattr__, __dir__ = lazy_names(
 if TYPE_CHECKING:
     from ._config import EncoderConfig, TransformerConfig
     from ._encoder import Encoder, EncoderClassifier, EncoderEmbeddings, mean_pool
-    from ._grpo import GRPOLoss, group_advantages
+    from ._grpo import GRPOLoss, group_advantages, reward_table
     from ._loss import classification_loss, cross_entropy, next_token_loss
     from ._preference import PreferenceLoss
     from ._transformer import Transformer
@@ -38,4 +38,5 @@ __all__ = [
     "group_advantages",
     "mean_pool",
     "next_token_loss",
+    "reward_table",
 ]

@@ -207,6 +207,77 @@ class GRPOLoss:
         return jax.tree.map(jax.lax.stop_gradient, out)
 
 
+def reward_table(functions: Any, prompts: list, completions: list, **columns: Any) -> np.ndarray:
+    """Each reward function's score of each completion, `[completions, functions]` float32,
+    with TRL's calling convention: `function(prompts=..., completions=..., **columns)` →
+    one number (or `None`: the function does not apply to that completion, NaN here) per
+    completion.
+
+    **Arguments:**
+
+    - `functions`: a callable, a sequence of them, or a dict name → callable.
+    - `prompts`, `completions`: one per completion (each prompt repeated for its group).
+    - `columns`: the data set's other columns, one value per completion, passed by name.
+
+    **Raises** `ValueError` in one line naming the function: when it raises, returns the
+    wrong count, a value that is no number, or NaN / infinity (use `None` for "not
+    applicable").
+    """
+    named = _named(functions)
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"reward_table: {len(prompts)} prompts for {n} completions; give one prompt per completion")
+    for key, values in columns.items():
+        if len(values) != n:
+            raise ValueError(f"reward_table: column {key!r} has {len(values)} values for {n} completions")
+    out = np.full((n, len(named)), np.nan, np.float32)
+    for j, (name, function) in enumerate(named.items()):
+        try:
+            got = function(prompts=prompts, completions=completions, **columns)
+        except Exception as e:  # the user's code: name it, keep its message
+            raise ValueError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        if not hasattr(got, "__len__") or len(got) != n:
+            what = f"{len(got)} values" if hasattr(got, "__len__") else type(got).__name__
+            raise ValueError(f"reward function {name!r} returned {what} for {n} completions; return one per completion")
+        for i, value in enumerate(got):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+                raise ValueError(
+                    f"reward function {name!r} returned {value!r} for completion {i}; return a number, or None "
+                    f"where the reward does not apply"
+                )
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"reward function {name!r} returned {value} for completion {i}; return a finite number, or "
+                    f"None where the reward does not apply"
+                )
+            out[i, j] = value
+    return out
+
+
+def _named(functions: Any) -> dict[str, Any]:
+    """`functions` as a dict name → callable (names from `__name__`, made unique)."""
+    if isinstance(functions, dict):
+        items = list(functions.items())
+    else:
+        items = [
+            (getattr(f, "__name__", type(f).__name__), f)
+            for f in (functions if isinstance(functions, list | tuple) else [functions])
+        ]
+    named: dict[str, Any] = {}
+    for name, f in items:
+        if not callable(f):
+            raise ValueError(f"reward function {name!r} is {type(f).__name__}, not a function")
+        unique, k = str(name), 2
+        while unique in named:
+            unique, k = f"{name}_{k}", k + 1
+        named[unique] = f
+    if not named:
+        raise ValueError("reward_table needs at least one reward function")
+    return named
+
+
 def group_advantages(
     rewards: Any, num_generations: int, *, weights: Any = None, scale_rewards: str = "group"
 ) -> tuple[np.ndarray, np.ndarray]:
