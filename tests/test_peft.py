@@ -73,6 +73,8 @@ CAUSAL_LM = {
     "gemma": "GemmaForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Phi-3 fuses gate | up into gate_up_proj (and q | k | v into qkv_proj): that HF name picks both.
 GATE = {"phi3": "gate_up_proj"}
@@ -88,8 +90,25 @@ SMOLLM3 = {
     "sliding_window": 3,
     "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
 }
+# Gemma 2: norms around each sub-layer, a window of 3 (< SEQ) on layer 0, scores and
+# logits soft-capped low enough to bite. Gemma 3: its q/k norms, a window of 3 on layer 0
+# at RoPE base 10k and layer 1 at 1M, the logits soft-capped.
+GEMMA2 = GEMMA | {
+    "sliding_window": 3,
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+    "query_pre_attn_scalar": 6,
+}
+GEMMA3 = GEMMA | {
+    "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "final_logit_softcapping": 3.0,
+    "query_pre_attn_scalar": 6,
+}
 EXTRA = {
     "gemma": GEMMA,
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3,
     "qwen3": {"head_dim": 8},
     "olmo2": {"head_dim": 8, "attention_bias": True},
     "smollm3": SMOLLM3,
@@ -427,7 +446,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
         load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
 
 
-# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma, Phi-3
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma 1/2/3, Phi-3, SmolLM3
 
 
 @pytest.mark.parametrize("family", sorted(CAUSAL_LM))
@@ -437,7 +456,7 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     padded = {"vocab_multiple": 48} if family == "llama" else {}
     base = zoo.hf.from_pretrained(folder, config_overrides=padded)
     # zoo → peft, targets named the HF way and the zoo way at once.
-    head = [] if family == "gemma" else ["lm_head"]  # Gemma's head is the tied embedding
+    head = [] if family.startswith("gemma") else ["lm_head"]  # Gemma's head is the tied embedding
     gate = GATE.get(family, "gate_proj")
     config = LoraConfig(
         r=2,
