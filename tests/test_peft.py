@@ -558,16 +558,24 @@ def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_p
 # peft saves every module whose name ends with a modules_to_save entry (a plain string
 # suffix): "norm" is each layer's input_layernorm and post_attention_layernorm, and
 # model.norm; in OLMo 2 each layer's post_attention_layernorm, post_feedforward_layernorm
-# and its attention's q_norm and k_norm (as wide as the projections), and model.norm.
+# and its attention's q_norm and k_norm (as wide as the projections), and model.norm; in
+# Gemma 2 each layer's four (input, post-attention, pre- and post-feedforward).
 NORMS = {
     "llama": ["input_layernorm", "post_attention_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm", "self_attn.k_norm", "self_attn.q_norm"],
-}
+    "gemma2": [
+        "input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm",
+    ],
+}  # fmt: skip
 # The zoo modules they are, in the order zoo lists them.
 ZOO_NORMS = {
     "llama": ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm"),
     "olmo2": (
         "layers.layers.attention.q_norm", "layers.layers.attention.k_norm", "layers.layers.attention_out_norm",
+        "layers.layers.mlp_out_norm", "final_norm",
+    ),
+    "gemma2": (
+        "layers.layers.attention_norm", "layers.layers.mlp_norm", "layers.layers.attention_out_norm",
         "layers.layers.mlp_out_norm", "final_norm",
     ),
 }  # fmt: skip
@@ -583,8 +591,9 @@ def zoo_norms(family, model):
     return [operator.attrgetter(name)(model).weight for name in ZOO_NORMS.get(family, ZOO_NORMS["llama"])]
 
 
-# Gemma: its norms are stored as weight - 1; OLMo 2: other norms, q/k ones among them.
-@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+# Gemma: its norms are stored as weight - 1; OLMo 2: other norms, q/k ones among them;
+# Gemma 2: four a layer, each stored as weight - 1.
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "gemma2"])
 def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tmp_path):
     folder = hf_folder(family, root)
     hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
@@ -610,7 +619,7 @@ def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tm
     assert set(safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")) == set(tensors)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "gemma2"])
 def test_zoo_modules_to_save_norm_suffix_opens_in_peft(family, root, tmp_path):
     folder = hf_folder(family, root)
     base = zoo.hf.from_pretrained(folder)
