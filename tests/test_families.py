@@ -546,6 +546,12 @@ def test_gemma_2_and_3_configs_round_trip_and_are_chosen_by_shape():
     assert written["rope_parameters"] == hf.rope_parameters and written["layer_types"] == hf.layer_types
     assert gemma3.config_to_hf(gemma3.config_from_hf(written)) == written
     assert zoo.hf.family_of(dataclasses.replace(config, family=None)).name == "gemma3_text"
+    every3 = transformers.Gemma3TextConfig(**values, sliding_window_pattern=3)
+    assert (
+        gemma3.config_from_hf(old | {"sliding_window_pattern": 3}).sliding_layers
+        == tuple(t == "sliding_attention" for t in every3.layer_types)
+        == (True, True, False) * 2
+    )
     gemma2 = zoo.hf.get_family("gemma2")
     config2 = gemma2.config_from_hf(values | {"model_type": "gemma2"})
     assert config2.sliding_layers == (True, False) * 3

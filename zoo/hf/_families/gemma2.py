@@ -38,12 +38,13 @@ SANDWICH_NORMS = _NORMS + ("layers.layers.attention_out_norm", "layers.layers.ml
 _CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
-def gemma_types(values: dict[str, Any], every: int) -> list[str]:
-    """Each layer's attention kind: `layer_types`, else every `every`-th layer global and
-    the others sliding (transformers' default: Gemma 2 every 2nd, Gemma 3 every 6th)."""
+def gemma_types(values: dict[str, Any], every: int, every_key: str | None = None) -> list[str]:
+    """Each layer's attention kind: `layer_types`, else every `every`-th layer global (or
+    the config's `every_key`: Gemma 3's older `sliding_window_pattern`) and the others
+    sliding (transformers' default: Gemma 2 every 2nd, Gemma 3 every 6th)."""
     if values.get("layer_types"):
         return layer_types(values)
-    every = values.get("sliding_window_pattern", every)
+    every = values.get(every_key, every) if every_key else every
     kinds = ("full_attention", "sliding_attention")
     return [kinds[bool((i + 1) % every)] for i in range(values.get("num_hidden_layers", 0))]
 
@@ -60,13 +61,14 @@ class Gemma2(Gemma):
     module_names = SANDWICH_NAMES
     offset_norms = SANDWICH_NORMS
     global_every: ClassVar[int] = 2  # the default pattern: every 2nd layer global
+    global_every_key: ClassVar[str | None] = None  # a config key that overrides it
     cap_defaults: ClassVar[dict[str, float | None]] = {  # transformers' Gemma2Config defaults
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
     }
 
     def _types(self, values: dict[str, Any]) -> list[str]:
-        return gemma_types(values, self.global_every)
+        return gemma_types(values, self.global_every, self.global_every_key)
 
     def unsupported(self, values: dict[str, Any]) -> list[str]:
         # Gemma's window needs no use_sliding_window: a sliding layer uses sliding_window.

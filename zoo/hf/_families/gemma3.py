@@ -69,6 +69,7 @@ class Gemma3Text(Gemma2):
     module_names = SANDWICH_NAMES | {f"layers.layers.{zoo}": f"model.layers.{{0}}.{hf}" for zoo, hf in _QK.items()}
     offset_norms = SANDWICH_NORMS + tuple(f"layers.layers.{zoo}" for zoo in _QK)
     global_every = 6
+    global_every_key = "sliding_window_pattern"  # older files' Gemma3TextConfig kwarg
     cap_defaults: ClassVar[dict[str, float | None]] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
 
     def unsupported(self, values: dict[str, Any]) -> list[str]:
