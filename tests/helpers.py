@@ -122,6 +122,32 @@ class Reference:
         return Reference(self.f32[index], self.f64[index])
 
 
+def _float64_eager() -> str:
+    """The name of an attention kernel registered with transformers: its eager attention
+    (scaling, soft-capping, the additive mask) with the softmax in the inputs' dtype. Its
+    own eager kernel upcasts to float32 only, which in float64 turns the mask value to
+    -inf (fully masked padding rows give NaN that spreads) and rounds the probabilities
+    to float32."""
+    import torch
+    import transformers
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    def attention(module, query, key, value, attention_mask, scaling=None, softcap=None, dropout=0.0, **kwargs):
+        groups = module.num_key_value_groups
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        scores = torch.matmul(query, key.transpose(2, 3)) * (module.head_dim**-0.5 if scaling is None else scaling)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+    transformers.AttentionInterface.register("eager_float64", attention)
+    transformers.AttentionMaskInterface.register("eager_float64", transformers.masking_utils.eager_mask)
+    return "eager_float64"
+
+
 def torch_reference(run, model) -> Reference:
     """`run(model)` and `run(a float64 copy of model)`, both as numpy float64 arrays."""
     import torch
@@ -133,8 +159,12 @@ def torch_reference(run, model) -> Reference:
     exact = copy.deepcopy(model).double()
     # transformers' eager attention turns fully masked (padding) rows into NaN in float64
     # (its mask value twice overflows to -inf), and 0 x NaN spreads them; its sdpa does not.
-    if getattr(getattr(exact, "config", None), "_attn_implementation", None) == "eager":
+    # (Models without sdpa, Gemma 2's soft-capped scores, stay eager.)
+    eager = getattr(getattr(exact, "config", None), "_attn_implementation", None) == "eager"
+    if eager and getattr(exact, "_supports_sdpa", True):
         exact.set_attn_implementation("sdpa")
+    elif eager:  # Gemma 2's soft-capped scores: eager, with its softmax kept in float64
+        exact.set_attn_implementation(_float64_eager())
     with torch.no_grad():
         f32 = value(run(model))
         f64 = value(run(exact))

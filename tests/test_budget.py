@@ -242,7 +242,7 @@ def test_compare_collectives_names_what_a_change_added_and_removed():
 _FAST_PAIRS = {
     ("llama", "dp"), ("llama_bias_tied", "fsdp"), ("llama3_scaled", "fsdp-once"), ("mistral", "zero1"),
     ("qwen2", "tp"), ("qwen3", "fsdp+tp"), ("gemma", "fsdp+tp"), ("phi3", "tp"), ("phi3", "zero1"), ("olmo2", "tp"),
-    ("qwen2_windowed", "dp"), ("smollm3", "fsdp"),
+    ("qwen2_windowed", "dp"), ("smollm3", "fsdp"), ("gemma2", "tp"), ("gemma3_text", "fsdp"),
 }  # fmt: skip
 # Families whose placed parameters are those of another family under every preset (the same
 # paths and partition specs; test_stand_ins_place_their_parameters_as_the_families_they_stand_for;

@@ -1,6 +1,7 @@
-"""The zoo.hf architecture registry: Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma, Phi-3 (and GPT-2, BERT)
+"""The zoo.hf architecture registry: Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3, Gemma 1/2/3, Phi-3 (and GPT-2, BERT)
 both ways against transformers, sharded loads, vocabulary padding, cache ids, refusals."""
 
+import dataclasses
 import json
 import shutil
 
@@ -105,6 +106,37 @@ CASES = {
     ),
     # Gemma: embeddings × sqrt(hidden), RMSNorm by (1 + weight), GeGLU, tied head.
     "gemma": (transformers.GemmaConfig, SMALL | {"head_dim": 8}),
+    # Gemma 2: norms before and after each sub-layer, a window shorter than the sequence on
+    # layer 0 (the default alternation), scores and logits soft-capped low enough to bite,
+    # scores scaled by query_pre_attn_scalar (12, not head_dim 8).
+    "gemma2": (
+        transformers.Gemma2Config,
+        SMALL
+        | {
+            "head_dim": 8,
+            "sliding_window": 3,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 12,
+        },
+    ),
+    # Gemma 3's text decoder: Gemma 2's layers with q/k norms, two sliding layers around a
+    # global one, their RoPE bases transformers' defaults (10k local, 1M global), logits
+    # soft-capped, scores scaled by query_pre_attn_scalar (attn_logit_softcapping set: its
+    # transformers attention ignores it, and so does zoo).
+    "gemma3_text": (
+        transformers.Gemma3TextConfig,
+        SMALL
+        | {
+            "num_hidden_layers": 3,
+            "head_dim": 8,
+            "sliding_window": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 12,
+        },
+    ),
     # Phi-3: q | k | v fused in qkv_proj (blocks 32, 16, 16 wide under GQA), gate | up in gate_up_proj.
     "phi3": (transformers.Phi3Config, SMALL | {"pad_token_id": 0}),
 }
@@ -202,7 +234,7 @@ def test_load_and_export_match_transformers(name, hf_dirs, loaded, tokens, tmp_p
     written = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
     assert sorted(written) == sorted(k for k in source if not k.endswith("inv_freq"))
     for k in written:  # Gemma's norms go through fl(1 + w) − 1 (exact): off by one rounding of 1 + w
-        bound = UNIT_ROUNDOFF * largest(1 + source[k]) if name == "gemma" and "norm" in k else 0
+        bound = UNIT_ROUNDOFF * largest(1 + source[k]) if name.startswith("gemma") and "norm" in k else 0
         np.testing.assert_allclose(written[k], source[k], rtol=0, atol=bound, err_msg=k)
 
 
@@ -225,12 +257,18 @@ def test_mistral_window_is_applied(hf_dirs, loaded, tokens):
         ("smollm3", {"sliding_layers": (True, False, False, True)}, {"sliding_layers": None, "sliding_window": None}),
         ("qwen2_windowed", {"sliding_layers": (False, True, True)}, {"sliding_layers": None}),
         ("qwen2_windowed", {"sliding_window": 3}, {"sliding_layers": None, "sliding_window": None}),
+        ("gemma2", {"sliding_layers": (True, False)}, {"sliding_layers": None, "sliding_window": None}),
+        ("gemma2", {"attn_logit_softcapping": 2.0}, {"attn_logit_softcapping": None}),
+        ("gemma2", {"final_logit_softcapping": 3.0}, {"final_logit_softcapping": None}),
+        ("gemma2", {"query_pre_attn_scalar": 12.0}, {"query_pre_attn_scalar": None}),
+        ("gemma3_text", {"rope_thetas": (1e4, 1e6, 1e4)}, {"rope_thetas": None}),
     ],
 )
 def test_layer_patterns_are_read_and_applied(name, patterns, uniform, hf_dirs, loaded, tokens):
     """The per-layer patterns come from the config (SmolLM3's NoPE layers from
-    no_rope_layer_interval, its windows from layer_types; Qwen2's from max_window_layers),
-    and each changes the logits: the same weights with the pattern made uniform differ."""
+    no_rope_layer_interval, its windows from layer_types; Qwen2's from max_window_layers;
+    Gemma 2's alternation and soft-caps, Gemma 3's two RoPE bases), and each changes the
+    logits: the same weights with the pattern made uniform (the cap off) differ."""
     model = loaded[name]
     for field, value in patterns.items():
         assert getattr(model.config, field) == value
@@ -301,13 +339,14 @@ def test_activation_spelling_round_trips(tmp_path):
     [
         ("qwen2", "fsdp", 8), ("qwen3", "fsdp", 8), ("qwen3", "tp", 8), ("qwen2", "fsdp+tp", 4),
         ("olmo2", "fsdp", 8), ("olmo2", "tp", 8), ("smollm3", "fsdp", 8), ("smollm3", "tp", 8),
+        ("gemma2", "fsdp", 8), ("gemma2", "tp", 8), ("gemma3_text", "fsdp", 8), ("gemma3_text", "tp", 8),
     ],
 )  # fmt: skip
 def test_sharded_loads_equal_unsharded(name, preset, devices, hf_dirs, loaded, tokens):
     """data=8/4/2 × model=2; the tp presets also pad the odd vocabulary (61 → 62). Qwen3's
     q/k norms act on heads split over `model` under tp; OLMo 2's sum squares across them;
     SmolLM3's per-layer pattern (NoPE and sliding layers) is scanned beside sharded
-    parameters."""
+    parameters; Gemma 2/3's soft-capped logits are capped before the padded entries are set."""
     mesh = preset_mesh(preset, devices)
     model = zoo.hf.from_pretrained(hf_dirs[name], rules=zoo.rules(preset), mesh=mesh)
     padded = "tp" in preset
@@ -464,10 +503,78 @@ def test_phi3_long_context_rope_and_partial_rotary_are_refused_by_name(values, m
         zoo.hf.from_pretrained(tmp_path)
 
 
-def test_gemma2_is_refused_with_the_reason(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
-    with pytest.raises(ValueError, match="'gemma2' is not supported.*soft-capping"):
+def test_multimodal_gemma3_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    with pytest.raises(ValueError, match="'gemma3' is not supported.*vision tower.*'gemma3_text'"):
         zoo.hf.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+            r"rope_parameters\['full_attention'\] of type 'linear'",
+        ),
+        ({"hidden_activation": "gelu"}, "hidden_act='gelu'"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+        ({"layer_types": ["chunked_attention", "full_attention"]}, r"layer_types \['chunked_attention'\]"),
+    ],
+)
+def test_gemma3_options_zoo_cannot_build_are_refused_by_name(values, message, tmp_path):
+    transformers.Gemma3TextConfig(**SMALL | {"head_dim": 8} | values).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"gemma3_text config.*{message}"):
+        zoo.hf.from_pretrained(tmp_path)
+
+
+def test_gemma_2_and_3_configs_round_trip_and_are_chosen_by_shape():
+    """Old config.json files (no layer_types, Gemma 3's `rope_theta` / `rope_local_base_freq`)
+    read as transformers reads them; written back, they read the same; a scratch config of
+    their shape is written as theirs; what they cannot say is refused by name."""
+    values = SMALL | {"num_hidden_layers": 6, "head_dim": 8, "sliding_window": 3}
+    old = {"rope_theta": 5e5, "rope_local_base_freq": 2e4} | values | {"model_type": "gemma3_text"}
+    hf = transformers.Gemma3TextConfig(**values, rope_theta=5e5, rope_local_base_freq=2e4)
+    gemma3 = zoo.hf.get_family("gemma3_text")
+    config = gemma3.config_from_hf(old)
+    sliding = tuple(t == "sliding_attention" for t in hf.layer_types)
+    assert config.sliding_layers == sliding == (True,) * 5 + (False,)
+    assert config.rope_thetas == tuple(2e4 if s else 5e5 for s in sliding)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping, config.query_pre_attn_scalar) == (
+        None, None, 256.0,
+    )  # fmt: skip
+    written = gemma3.config_to_hf(config)
+    assert written["rope_parameters"] == hf.rope_parameters and written["layer_types"] == hf.layer_types
+    assert gemma3.config_to_hf(gemma3.config_from_hf(written)) == written
+    assert zoo.hf.family_of(dataclasses.replace(config, family=None)).name == "gemma3_text"
+    every3 = transformers.Gemma3TextConfig(**values, sliding_window_pattern=3)
+    assert (
+        gemma3.config_from_hf(old | {"sliding_window_pattern": 3}).sliding_layers
+        == tuple(t == "sliding_attention" for t in every3.layer_types)
+        == (True, True, False) * 2
+    )
+    gemma2 = zoo.hf.get_family("gemma2")
+    config2 = gemma2.config_from_hf(values | {"model_type": "gemma2"})
+    assert config2.sliding_layers == (True, False) * 3
+    assert (config2.attn_logit_softcapping, config2.final_logit_softcapping) == (50.0, 30.0)  # Gemma2Config's
+    written = gemma2.config_to_hf(config2)
+    assert written["layer_types"] == transformers.Gemma2Config(**values).layer_types
+    assert gemma2.config_to_hf(gemma2.config_from_hf(written)) == written
+    assert zoo.hf.family_of(dataclasses.replace(config2, family=None)).name == "gemma2"
+    with pytest.raises(ValueError, match="attn_logit_softcapping=2.0.*Gemma 3 does not apply it"):
+        gemma3.config_to_hf(dataclasses.replace(config, attn_logit_softcapping=2.0))
+    with pytest.raises(ValueError, match="rope_thetas with .* on the sliding_attention layers"):
+        gemma3.config_to_hf(dataclasses.replace(config, rope_thetas=(1.0, 2.0) + config.rope_thetas[2:]))
+    with pytest.raises(ValueError, match="rope_thetas=.*one RoPE base"):
+        gemma2.config_to_hf(dataclasses.replace(config2, rope_thetas=(1.0,) * 6))
+    with pytest.raises(ValueError, match="final_logit_softcapping=3.0 .*llama has none; Gemma 2 and 3 have"):
+        zoo.hf.get_family("llama").config_to_hf(
+            TransformerConfig(**_LLAMA_SHAPE, use_bias=False, final_logit_softcapping=3.0)
+        )
+
+
+_LLAMA_SHAPE = dict(
+    vocab_size=11, d_model=16, num_heads=2, num_layers=1, positions="rope", norm="rmsnorm", activation="swiglu"
+)
 
 
 def test_qwen2_sliding_window_on_every_layer_loads(tmp_path):

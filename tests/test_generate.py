@@ -146,7 +146,9 @@ def _saved(tmp_path_factory, cls, config_cls, **fields):
     return hf, zoo.hf.from_pretrained(directory)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen2", "qwen3", "olmo2", "smollm3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "phi3", "qwen2", "qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text"]
+)
 def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
     if family == "llama":
         hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
@@ -170,6 +172,19 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
         )  # fmt: skip
         assert model.config.rope_layers == (True, False, True, False)
         assert model.config.sliding_layers == (True, False, False, True)
+    elif family == "gemma2":  # a window of 3 columns on layer 0, norms around each sub-layer, soft-caps
+        hf, model = _saved(
+            tmp_path_factory, transformers.Gemma2ForCausalLM, transformers.Gemma2Config, head_dim=8,
+            sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=12,
+        )  # fmt: skip
+        assert model.config.sliding_layers == (True, False) and model.config.norm_placement == "sandwich"
+    elif family == "gemma3_text":  # q/k norms; windows of 3 on layers 0 and 2 with RoPE base 10k, layer 1 at 1M
+        layers = ["sliding_attention", "full_attention", "sliding_attention"]
+        hf, model = _saved(
+            tmp_path_factory, transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig, num_hidden_layers=3,
+            head_dim=8, sliding_window=3, layer_types=layers, final_logit_softcapping=3.0, query_pre_attn_scalar=12,
+        )  # fmt: skip
+        assert model.config.rope_thetas == (1e4, 1e6, 1e4)
     elif family == "phi3":  # q | k | v and gate | up fused in the file
         hf, model = _saved(tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config)
         assert model.config.family == "phi3"

@@ -73,6 +73,8 @@ CAUSAL_LM = {
     "gemma": "GemmaForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Phi-3 fuses gate | up into gate_up_proj (and q | k | v into qkv_proj): that HF name picks both.
 GATE = {"phi3": "gate_up_proj"}
@@ -88,8 +90,25 @@ SMOLLM3 = {
     "sliding_window": 3,
     "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
 }
+# Gemma 2: norms around each sub-layer, a window of 3 (< SEQ) on layer 0, scores and
+# logits soft-capped low enough to bite. Gemma 3: its q/k norms, a window of 3 on layer 0
+# at RoPE base 10k and layer 1 at 1M, the logits soft-capped.
+GEMMA2 = GEMMA | {
+    "sliding_window": 3,
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+    "query_pre_attn_scalar": 6,
+}
+GEMMA3 = GEMMA | {
+    "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "final_logit_softcapping": 3.0,
+    "query_pre_attn_scalar": 6,
+}
 EXTRA = {
     "gemma": GEMMA,
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3,
     "qwen3": {"head_dim": 8},
     "olmo2": {"head_dim": 8, "attention_bias": True},
     "smollm3": SMOLLM3,
@@ -427,7 +446,7 @@ def test_gpt2_peft_c_attn_branch_loads_as_three_zoo_branches_sharing_a(root, tmp
         load_adapter(zoo.hf.from_pretrained(folder), tmp_path / "p")
 
 
-# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma, Phi-3
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Qwen3, OLMo 2, Gemma 1/2/3, Phi-3, SmolLM3
 
 
 @pytest.mark.parametrize("family", sorted(CAUSAL_LM))
@@ -437,7 +456,7 @@ def test_decoder_families_both_ways(family, root, tmp_path):
     padded = {"vocab_multiple": 48} if family == "llama" else {}
     base = zoo.hf.from_pretrained(folder, config_overrides=padded)
     # zoo → peft, targets named the HF way and the zoo way at once.
-    head = [] if family == "gemma" else ["lm_head"]  # Gemma's head is the tied embedding
+    head = [] if family.startswith("gemma") else ["lm_head"]  # Gemma's head is the tied embedding
     gate = GATE.get(family, "gate_proj")
     config = LoraConfig(
         r=2,
@@ -539,16 +558,24 @@ def test_resaved_identical_tensors_load_and_changed_ones_are_refused(root, tmp_p
 # peft saves every module whose name ends with a modules_to_save entry (a plain string
 # suffix): "norm" is each layer's input_layernorm and post_attention_layernorm, and
 # model.norm; in OLMo 2 each layer's post_attention_layernorm, post_feedforward_layernorm
-# and its attention's q_norm and k_norm (as wide as the projections), and model.norm.
+# and its attention's q_norm and k_norm (as wide as the projections), and model.norm; in
+# Gemma 2 each layer's four (input, post-attention, pre- and post-feedforward).
 NORMS = {
     "llama": ["input_layernorm", "post_attention_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm", "self_attn.k_norm", "self_attn.q_norm"],
-}
+    "gemma2": [
+        "input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm",
+    ],
+}  # fmt: skip
 # The zoo modules they are, in the order zoo lists them.
 ZOO_NORMS = {
     "llama": ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm"),
     "olmo2": (
         "layers.layers.attention.q_norm", "layers.layers.attention.k_norm", "layers.layers.attention_out_norm",
+        "layers.layers.mlp_out_norm", "final_norm",
+    ),
+    "gemma2": (
+        "layers.layers.attention_norm", "layers.layers.mlp_norm", "layers.layers.attention_out_norm",
         "layers.layers.mlp_out_norm", "final_norm",
     ),
 }  # fmt: skip
@@ -564,8 +591,9 @@ def zoo_norms(family, model):
     return [operator.attrgetter(name)(model).weight for name in ZOO_NORMS.get(family, ZOO_NORMS["llama"])]
 
 
-# Gemma: its norms are stored as weight - 1; OLMo 2: other norms, q/k ones among them.
-@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+# Gemma: its norms are stored as weight - 1; OLMo 2: other norms, q/k ones among them;
+# Gemma 2: four a layer, each stored as weight - 1.
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "gemma2"])
 def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tmp_path):
     folder = hf_folder(family, root)
     hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
@@ -591,7 +619,7 @@ def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tm
     assert set(safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")) == set(tensors)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "gemma2"])
 def test_zoo_modules_to_save_norm_suffix_opens_in_peft(family, root, tmp_path):
     folder = hf_folder(family, root)
     base = zoo.hf.from_pretrained(folder)

@@ -86,6 +86,17 @@ def patterned_decoder(key):
     )
 
 
+def gemma2_decoder(key):
+    """The decoder with Gemma 2's layers: norms before and after each sub-layer
+    (`norm_placement="sandwich"`), a window of 3 on layer 0 only, attention scores and
+    logits soft-capped and scores scaled by `query_pre_attn_scalar` (static settings, no
+    leaf: the extra norms' leaves are the only change the collectives see)."""
+    return tiny_decoder(
+        key, norm_placement="sandwich", sliding_window=3, sliding_layers=(True, False), attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, query_pre_attn_scalar=12.0,
+    )  # fmt: skip
+
+
 def lora_trainable(model):
     return zoo.lora.trainable(model, zoo.lora.LoraConfig(**LORA))
 
@@ -99,6 +110,7 @@ MODELS = {
     "decoder+qk_norm": (qk_norm_decoder, lm_batch, zoo.models.next_token_loss, None),
     "decoder+olmo2_norms": (olmo2_norms_decoder, lm_batch, zoo.models.next_token_loss, None),
     "decoder+pattern": (patterned_decoder, lm_batch, zoo.models.next_token_loss, None),
+    "decoder+gemma2": (gemma2_decoder, lm_batch, zoo.models.next_token_loss, None),
 }
 # Every preset in explicit mode; shard_map mode where parameters are replicated off `data`
 # inside the loop (dp, and fsdp-once gathered before it).
@@ -117,12 +129,12 @@ PRESET_MODES = [
 # OLMo 2-norms decoder in its norms' leaves and places: the same presets.
 QK_NORM_PRESETS = ("dp", "fsdp", "tp")
 # The patterned decoder scans its per-layer settings beside the parameters it shares with
-# the decoder: the same presets.
+# the decoder, the Gemma 2 decoder adds two norms a layer: the same presets.
 PATTERN_PRESETS = QK_NORM_PRESETS
 CASES = [(model, preset, mode) for model in MODELS for preset, mode in PRESET_MODES
          if (mode == "explicit" or model in ("decoder", "encoder"))
          and (model not in ("decoder+qk_norm", "decoder+olmo2_norms") or preset in QK_NORM_PRESETS)
-         and (model != "decoder+pattern" or preset in PATTERN_PRESETS)]  # fmt: skip
+         and (model not in ("decoder+pattern", "decoder+gemma2") or preset in PATTERN_PRESETS)]  # fmt: skip
 
 
 def case_id(model, preset, mode):
@@ -462,6 +474,28 @@ EXPECTED = {
         "all-reduce loop model 6144 x1",
         "all-reduce outside data 12232 x1",
     ],
+    "decoder+gemma2-dp": [
+        "all-reduce outside data 24136 x1",
+    ],
+    "decoder+gemma2-fsdp": [
+        "all-gather loop data 64 x6",
+        "all-gather loop data 512 x2",
+        "all-gather loop data 1024 x2",
+        "all-gather loop data 2048 x3",
+        "all-gather outside data 64 x1",
+        "all-gather outside data 2048 x2",
+        "all-reduce loop data 4160 x1",
+        "all-reduce loop data 9600 x1",
+        "all-reduce outside data 776 x1",
+    ],
+    "decoder+gemma2-tp": [
+        "all-reduce loop model 112 x2",
+        "all-reduce loop model 2048 x2",
+        "all-reduce loop model 2160 x2",
+        "all-reduce loop model 4096 x1",
+        "all-reduce loop model 6144 x1",
+        "all-reduce outside data 12488 x1",
+    ],
 }
 
 
@@ -601,7 +635,8 @@ def docs_table() -> str:
     lines = ["| model | preset | mesh | in loops | outside loops |", "|---|---|---|---|---|"]
     for name, rows in EXPECTED.items():
         model, preset = re.fullmatch(
-            r"(mlp|decoder\+lora|decoder\+qk_norm|decoder\+olmo2_norms|decoder\+pattern|decoder|encoder)-(.+)", name
+            r"(mlp|decoder\+lora|decoder\+qk_norm|decoder\+olmo2_norms|decoder\+pattern|decoder\+gemma2|decoder|encoder)-(.+)",
+            name,
         ).groups()
         mesh = ",".join(f"{k}={v}" for k, v in preset_mesh(preset, N).shape.items())
         lines.append(f"| {model} | `{preset}` | {mesh} | {cell(rows, 'loop')} | {cell(rows, 'outside')} |")

@@ -161,6 +161,31 @@ def test_the_engine_runs_olmo2_norms():
         assert handle.ids == _alone(model, request)
 
 
+def test_the_engine_runs_gemma2_layers():
+    """A model with Gemma 2's layers (norms before and after each sub-layer, a window of 4
+    columns on every other layer, attention scores and logits soft-capped, scores scaled by
+    query_pre_attn_scalar: test_generate holds zoo.generate to transformers for them), three
+    requests past the window: each gets zoo.generate's tokens for it alone, each token's
+    log-probability the full forward pass's (the caps are the same code in both)."""
+    gemma2 = dict(
+        num_layers=2, norm="rmsnorm", norm_placement="sandwich", sliding_window=4, sliding_layers=(True, False),
+        attn_logit_softcapping=2.0, final_logit_softcapping=10.0, query_pre_attn_scalar=12.0,
+    )  # fmt: skip
+    model = tiny_decoder(jax.random.key(5), max_len=64, vocab_size=64, **gemma2)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(6), x.shape, x.dtype), params)
+    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
+    assert model.layers.layers.attention.logit_softcap == 2.0
+    engine = Engine(model, slots=2, max_len=48)
+    rng = np.random.default_rng(3)
+    requests = [Request(rng.integers(0, 64, size=n).tolist(), max_tokens=m) for n, m in [(9, 8), (3, 10), (14, 5)]]
+    handles = [engine.submit(r) for r in requests]
+    engine.run_until_done()
+    for request, handle in zip(requests, handles):
+        assert handle.ids == _alone(model, request)
+        _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
+
+
 def test_a_patterned_model_serves_as_it_generates():
     """Layers that differ (SmolLM3's NoPE layers, a window of 4 columns on some layers, a
     RoPE base per layer: `TransformerConfig`'s per-layer patterns, scanned as data): the

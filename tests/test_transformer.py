@@ -74,7 +74,9 @@ def np_attention(attn, x, mask=None):
     for bi in range(b):
         for head in range(h):
             kv = head // (h // kvh)  # HF's repeat_kv: query head h reads kv head h // groups
-            scores = q[bi, :, head] @ k[bi, :, kv].T / np.sqrt(hd)
+            scores = q[bi, :, head] @ k[bi, :, kv].T / np.sqrt(attn.query_scale or hd)
+            if attn.logit_softcap is not None:  # Gemma 2's cap, before the mask
+                scores = attn.logit_softcap * np.tanh(scores / attn.logit_softcap)
             allowed = np.ones((s, s), bool)
             if attn.causal:
                 allowed &= np.tril(np.ones((s, s), bool))
@@ -372,6 +374,32 @@ def test_a_patterned_stack_is_one_scanned_layer_body():
 
     patterned = program(tiny_decoder(jax.random.key(3), **PATTERN))
     assert patterned == program(tiny_decoder(jax.random.key(3), num_layers=4)) and patterned[0] == 1
+
+
+def test_soft_capped_attention_matches_reference():
+    """Gemma 2's attention: scores divided by sqrt(query_pre_attn_scalar) (12, not head_dim
+    4) and soft-capped at 1.5 (low enough to bite: the scores reach several times that),
+    before the mask and softmax; the cap's tanh adds two roundings to the chain."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    common = dict(num_kv_heads=2, causal=True, rope_theta=1e4, init_std=0.6, key=k1)
+    attn = zoo.nn.Attention(16, 4, logit_softcap=1.5, query_scale=12.0, **common)
+    x = jax.random.normal(k2, (2, 6, 16))
+    mask = jnp.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
+    assert_rounding_close(attn(x, mask=mask), np_attention(attn, x, mask), terms=16, depth=ATTENTION["depth"] + 2)
+    plain = zoo.nn.Attention(16, 4, **common)  # the same weights
+    assert np.abs(np.asarray(attn(x, mask=mask)) - np.asarray(plain(x, mask=mask))).max() > 1e-2
+
+
+def test_soft_capped_logits_and_their_config_errors():
+    model = tiny_decoder(jax.random.key(1), final_logit_softcapping=0.5)
+    logits = np.asarray(model(jnp.array([[3, 1, 4, 1, 5]])))
+    assert np.abs(logits).max() < 0.5
+    uncapped = Transformer(dataclasses.replace(model.config, final_logit_softcapping=None), key=jax.random.key(1))
+    want = 0.5 * np.tanh(np.asarray(uncapped(jnp.array([[3, 1, 4, 1, 5]]))) / 0.5)
+    assert_rounding_close(logits, want, terms=32, depth=2 * 6 + 3)
+    for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        with pytest.raises(ValueError, match=f"TransformerConfig.{field} must be None or > 0, got 0.0"):
+            dataclasses.replace(model.config, **{field: 0.0})
 
 
 def test_layer_pattern_config_errors_say_what_to_fix():

@@ -128,7 +128,10 @@ class TransformerConfig(_Common):
     `qk_norm_scope="projection"`, the whole query and key projections, OLMo 2's), `pre_norm`
     (post-LN when false), `norm_placement` (where a pre-LN layer's norms sit: `"input"`, on
     each sub-layer's input, Llama's; `"output"`, on each sub-layer's output before its
-    residual add, OLMo 2's; `"sandwich"`, both, Gemma 2/3's), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
+    residual add, OLMo 2's; `"sandwich"`, both, Gemma 2/3's), `attn_logit_softcapping` and
+    `final_logit_softcapping` (attention scores and logits soft-capped, `cap * tanh(x / cap)`,
+    Gemma 2's), `query_pre_attn_scalar` (scores divided by its square root instead of
+    `head_dim`'s, Gemma 2/3's), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
     parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
     `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
     the float32 minimum, so softmax, loss and argmax equal the unpadded model's), `family`
@@ -157,6 +160,9 @@ class TransformerConfig(_Common):
     sliding_layers: Sequence[bool] | None = None  # per layer: uses sliding_window (default: all)
     rope_layers: Sequence[bool] | None = None  # per layer: applies RoPE (default: all, with positions="rope")
     rope_thetas: Sequence[float] | None = None  # per layer: its RoPE base (default: rope_theta)
+    attn_logit_softcapping: float | None = None  # scores soft-capped: cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits soft-capped the same way (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # scores / sqrt(this) instead of sqrt(head_dim) (Gemma 2/3)
 
     def __post_init__(self):
         super().__post_init__()
@@ -199,6 +205,9 @@ class TransformerConfig(_Common):
             f"TransformerConfig.norm_placement={self.norm_placement!r} places norms in a pre-LN layer; "
             "pre_norm=False (post-LN) takes norm_placement='input'",
         )
+        for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, field)
+            _check(value is None or value > 0, f"TransformerConfig.{field} must be None or > 0, got {value}")
         _check(
             self.norm in ("layernorm", "rmsnorm"),
             f"TransformerConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}",

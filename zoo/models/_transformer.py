@@ -87,6 +87,8 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         sliding_window=window,
         qk_norm=getattr(config, "qk_norm", False) and getattr(config, "qk_norm_scope", "head"),
         norm_eps=config.norm_eps,
+        logit_softcap=getattr(config, "attn_logit_softcapping", None),
+        query_scale=getattr(config, "query_pre_attn_scalar", None),
         key=ka,
     )
     mlp = FeedForward(
@@ -239,10 +241,14 @@ class Transformer(eqx.Module):
 
     def head(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch {self.config.padded_vocab}"]:
         """The last layer's output `h` → float32 logits: final norm, output head (the token
-        embedding when tied), the padded vocabulary's entries at the float32 minimum."""
+        embedding when tied), soft-capped with `final_logit_softcapping` (`cap * tanh(logits /
+        cap)`), the padded vocabulary's entries at the float32 minimum."""
         h = self.final_norm(h)
         logits = self.token_embedding.attend(h) if self.lm_head is None else self.lm_head(h)
         logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
         if self.config.padded_vocab != self.config.vocab_size:
             real = jnp.arange(self.config.padded_vocab) < self.config.vocab_size
             logits = jnp.where(real, logits, jnp.finfo(jnp.float32).min)

@@ -66,6 +66,8 @@ class Attention(eqx.Module):
     dropout_rate: float = eqx.field(static=True)
     rope_llama3: tuple[float, float, float, int] | None = eqx.field(static=True, default=None)
     sliding_window: int | None = eqx.field(static=True, default=None)
+    logit_softcap: float | None = eqx.field(static=True, default=None)
+    query_scale: float | None = eqx.field(static=True, default=None)
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
 
@@ -85,6 +87,8 @@ class Attention(eqx.Module):
         sliding_window: int | None = None,
         qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
+        logit_softcap: float | None = None,
+        query_scale: float | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -106,6 +110,10 @@ class Attention(eqx.Module):
         - `qk_norm`: RMS-normalise each query and key head before RoPE, with a learned
           scale of `head_dim` (init 1) and epsilon `norm_eps`; `"projection"`: the whole
           query and key projections instead (scales of their widths).
+        - `logit_softcap`: soft-cap the scores, `cap * tanh(scores / cap)`, before the
+          mask and softmax (Gemma 2's `attn_logit_softcapping`); `None`: none.
+        - `query_scale`: the scores are divided by `sqrt(query_scale)` instead of
+          `sqrt(head_dim)` (Gemma 2/3's `query_pre_attn_scalar`); `None`: `head_dim`.
         - `key`: PRNG key.
         """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -132,6 +140,8 @@ class Attention(eqx.Module):
         self.dropout_rate = dropout_rate
         self.rope_llama3 = rope_llama3
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        self.query_scale = query_scale
         if qk_norm not in (False, True, "head", "projection"):
             raise ValueError(f"qk_norm must be a bool, 'head' or 'projection', got {qk_norm!r}")
         if qk_norm == "projection":  # scales as wide as the projections, split as they are
@@ -242,7 +252,9 @@ class Attention(eqx.Module):
         key_layout, value_layout = layout
         scores = [jnp.einsum(f"bskgd,{key_layout}->bkgst", q, k, preferred_element_type=jnp.float32) for k in keys]
         scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
-        scores = scores / math.sqrt(self.head_dim)
+        scores = scores / math.sqrt(self.head_dim if self.query_scale is None else self.query_scale)
+        if self.logit_softcap is not None:  # Gemma 2: scores bounded to (-cap, cap) before the mask
+            scores = self.logit_softcap * jnp.tanh(scores / self.logit_softcap)
         if allowed is not None:
             # An additive bias (0 or the float32 minimum) in the mask's own, smaller shape,
             # rather than `where` on the scores: the same probabilities (exp of the minimum

@@ -1,5 +1,5 @@
-"""Hugging Face Gemma ↔ `zoo.models.Transformer`: Llama with three changes; Gemma 2 and 3
-refused, with the reason.
+"""Hugging Face Gemma ↔ `zoo.models.Transformer`: Llama with three changes; multimodal
+Gemma 3 refused, with the reason.
 
 Gemma (1) is `llama.py` with: the token embeddings multiplied by `sqrt(hidden_size)`
 (`TransformerConfig.embed_scale`), RMSNorm scaling by `1 + weight` (the zoo leaf holds
@@ -7,18 +7,16 @@ Gemma (1) is `llama.py` with: the token embeddings multiplied by `sqrt(hidden_si
 feed-forward (`hidden_act: "gelu_pytorch_tanh"` on the gate: activation `"geglu"`); the
 head is tied by default. Tensor names are Llama's.
 
-Gemma 2 and 3 also soft-cap attention scores and logits and scale queries by
-`query_pre_attn_scalar`, which zoo's attention does not: they are refused. (Their norms
-before and after each sub-layer are `TransformerConfig.norm_placement="sandwich"`; their
-alternating sliding-window / global layers and Gemma 3's two RoPE bases are per-layer
-patterns zoo's scanned layers read: `sliding_layers`, `rope_thetas`.)
+Gemma 2 and Gemma 3's text decoder are this class with more changes (`gemma2.py`,
+`gemma3.py`); multimodal Gemma 3 checkpoints (`model_type` `"gemma3"`) are refused for
+their vision tower.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._family import refuse, register
 from .._layout import Source
@@ -38,6 +36,7 @@ class Gemma(Llama):
     name = "gemma"
     architecture = "GemmaForCausalLM"
     tie_default = True
+    offset_norms: ClassVar[tuple[str, ...]] = _NORMS  # zoo modules whose scale is `1 + weight`
 
     def _act(self, values: dict[str, Any]) -> str:
         return values.get("hidden_activation") or values.get("hidden_act", "gelu_pytorch_tanh")
@@ -84,12 +83,13 @@ class Gemma(Llama):
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
         source = super().source(module, param, parent, shape, config)
-        if source is not None and module in _NORMS:
+        if source is not None and module in self.offset_norms:
             source = dataclasses.replace(source, offset=1.0)
         return source
 
 
-_WHY = "zoo.models.Transformer cannot express it: attention-score and logit soft-capping and query_pre_attn_scalar"
-refuse("gemma2", _WHY)
-refuse("gemma3_text", _WHY)
-refuse("gemma3", _WHY + "; also a vision tower (zoo loads text decoders)")
+refuse(
+    "gemma3",
+    "a vision tower (zoo loads text decoders); a text-only Gemma 3 checkpoint (model_type 'gemma3_text', "
+    "Gemma3ForCausalLM) loads",
+)

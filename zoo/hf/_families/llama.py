@@ -136,6 +136,7 @@ class Llama(Family):
     tie_default = False  # transformers' default for tie_word_embeddings
     qk_norm_scope: ClassVar[str | None] = None  # q/k norms: None, "head" (Qwen3) or "projection" (OLMo 2)
     norm_placement: ClassVar[str] = "input"  # where the layer norms sit (TransformerConfig.norm_placement)
+    soft_caps: ClassVar[bool] = False  # soft-capping and query_pre_attn_scalar expressible (Gemma 2/3)
 
     # -- config.json → zoo --
 
@@ -218,9 +219,12 @@ class Llama(Family):
         return problems + self.norm_problems(config)
 
     def norm_problems(self, config: TransformerConfig) -> list[str]:
-        """`config`'s q/k norms and norm placement where they are not this architecture's
-        (`qk_norm_scope`, `norm_placement` of the class)."""
+        """`config`'s q/k norms, norm placement and score scaling where they are not this
+        architecture's (`qk_norm_scope`, `norm_placement`, `soft_caps` of the class)."""
         problems = []
+        for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            if not self.soft_caps and getattr(config, field) is not None:
+                problems.append(f"{field}={getattr(config, field)} ({self.name} has none; Gemma 2 and 3 have)")
         if (config.qk_norm_scope if config.qk_norm else None) != self.qk_norm_scope:
             want = {
                 None: "no q/k norms: qk_norm=False",

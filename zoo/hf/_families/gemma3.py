@@ -1,0 +1,140 @@
+"""Hugging Face Gemma 3 (text) ↔ `zoo.models.Transformer`: Gemma 2 with q/k norms and a
+RoPE base for each kind of layer.
+
+Gemma 3's text decoder (`model_type` `"gemma3_text"`, `Gemma3ForCausalLM`) is `gemma2.py`
+with three changes. Each query and key head is RMS-normalised over `head_dim` before RoPE
+(`self_attn.q_norm`, `self_attn.k_norm`, scaling by `1 + weight` as Gemma's other norms:
+`TransformerConfig.qk_norm`). The sliding layers rotate with one base
+(`rope_parameters["sliding_attention"]`, formerly `rope_local_base_freq`, 10,000 by
+default), the global layers with another (`rope_parameters["full_attention"]`, formerly
+`rope_theta`, 1,000,000 by default): `TransformerConfig.rope_thetas`. By default every 6th
+layer is global. Soft-capping is off by default, and transformers' Gemma 3 attention never
+applies `attn_logit_softcapping` (it keeps the value, its kernels are not given it): zoo
+reads it as transformers runs it, not at all, and writes the logits' cap only. RoPE scalings (the larger checkpoints'
+`linear` one on the global layers) are refused by name: zoo's RoPE has no linear scaling.
+
+| zoo `Transformer`, layer `i` | Gemma 3 (`Gemma3ForCausalLM`) |
+|---|---|
+| `layers.layers.attention.{q,k}_norm.weight` | `model.layers.{i}.self_attn.{q,k}_norm.weight` |
+
+The rest as Gemma 2's table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from .._family import register
+from .gemma2 import SANDWICH_NAMES, SANDWICH_NORMS, Gemma2
+
+_QK = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
+_KINDS = ("sliding_attention", "full_attention")
+_DEFAULT_THETA = {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}  # Gemma3TextConfig.default_theta
+
+
+def _ropes(values: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
+    """Each attention kind's RoPE base, as transformers' `Gemma3TextConfig` reads them
+    (`rope_parameters` per kind, else `rope_theta` with `rope_scaling` for the global
+    layers and `rope_local_base_freq` for the sliding ones), and what zoo cannot build."""
+    params = values.get("rope_parameters") or {}
+    if not any(kind in params for kind in _KINDS):
+        params = {
+            "full_attention": (values.get("rope_scaling") or {}) | {"rope_theta": values.get("rope_theta")},
+            "sliding_attention": {"rope_theta": values.get("rope_local_base_freq")},
+        }
+    thetas, problems = {}, []
+    for kind in _KINDS:
+        kind_params = params.get(kind) or {}
+        theta = kind_params.get("rope_theta")
+        thetas[kind] = float(_DEFAULT_THETA[kind] if theta is None else theta)
+        rope_type = kind_params.get("rope_type", kind_params.get("type")) or "default"
+        if rope_type == "linear" and float(kind_params.get("factor", 1.0)) == 1.0:
+            continue  # a linear scaling by 1 is none
+        if rope_type != "default":
+            problems.append(
+                f"rope_parameters[{kind!r}] of type {rope_type!r} (zoo's RoPE on Gemma 3 implements 'default')"
+            )
+    return thetas, problems
+
+
+@register
+class Gemma3Text(Gemma2):
+    """Gemma 3's text decoder (`Gemma3ForCausalLM`) ↔ a `zoo.models.Transformer` with
+    Gemma 2's layers, `qk_norm` and `rope_thetas`."""
+
+    name = "gemma3_text"
+    architecture = "Gemma3ForCausalLM"
+    qk_norm_scope = "head"
+    module_names = SANDWICH_NAMES | {f"layers.layers.{zoo}": f"model.layers.{{0}}.{hf}" for zoo, hf in _QK.items()}
+    offset_norms = SANDWICH_NORMS + tuple(f"layers.layers.{zoo}" for zoo in _QK)
+    global_every = 6
+    global_every_key = "sliding_window_pattern"  # older files' Gemma3TextConfig kwarg
+    cap_defaults: ClassVar[dict[str, float | None]] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+    def unsupported(self, values: dict[str, Any]) -> list[str]:
+        return super().unsupported(values) + _ropes(values)[1]
+
+    def config_from_hf(self, values: dict[str, Any], **overrides: Any):
+        thetas, problems = _ropes(values)
+        if problems:  # raised with the others, by name
+            return super().config_from_hf(values, **overrides)
+        # The bases per layer go in `fields`; Llama's RoPE reading sees the first layer's.
+        types = self._types(values) or ["full_attention"]
+        first = thetas.get(types[0], thetas["full_attention"])  # (other kinds are refused by name)
+        params = {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in thetas.items()}
+        plain = values | {"rope_parameters": params, "rope_scaling": None, "rope_theta": first}
+        return super().config_from_hf(plain, **overrides)
+
+    def fields(self, values: dict[str, Any]) -> dict[str, Any]:
+        thetas = _ropes(values)[0]
+        per_layer = tuple(thetas[kind] for kind in self._types(values))
+        uniform = len(set(per_layer)) <= 1
+        fields = super().fields(values) | {"qk_norm": True, "rope_thetas": None if uniform else per_layer}
+        return fields | {"attn_logit_softcapping": None}  # transformers' Gemma 3 does not apply it
+
+    def export_problems(self, config: Any) -> list[str]:
+        problems = self._rope_problems(config)
+        if config.attn_logit_softcapping is not None:
+            problems.append(
+                f"attn_logit_softcapping={config.attn_logit_softcapping} (transformers' Gemma 3 does not apply it; "
+                "Gemma 2 does)"
+            )
+        return problems
+
+    def _rope_problems(self, config: Any) -> list[str]:
+        problems = [p for p in super().export_problems(config) if not p.startswith("rope_thetas")]
+        if config.rope_scaling is not None:
+            problems.append(f"rope_scaling={config.rope_scaling!r} (zoo writes Gemma 3 with the 'default' RoPE)")
+        if config.rope_thetas is not None:
+            for kind, bases in self._bases(config).items():
+                if len(bases) > 1:
+                    problems.append(
+                        f"rope_thetas with {sorted(bases)} on the {kind} layers (Gemma 3 has one base for its "
+                        "sliding layers and one for its global ones)"
+                    )
+        return problems
+
+    def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = super().config_to_hf(config, base)
+        del out["rope_theta"], out["rope_scaling"]
+        bases = self._bases(config)
+        params = {
+            kind: {"rope_type": "default", "rope_theta": next(iter(bases[kind]), config.rope_theta)} for kind in _KINDS
+        }
+        return out | {"rope_parameters": params}
+
+    def claims(self, config: Any) -> bool:
+        # Gemma's shape with this class's norms, a RoPE base per layer allowed.
+        return (
+            isinstance(config, self.config_class)
+            and config.attn_logit_softcapping is None
+            and super().claims(dataclasses.replace(config, rope_thetas=None))
+        )
+
+    @staticmethod
+    def _bases(config: Any) -> dict[str, set[float]]:
+        """The RoPE bases `config` gives its sliding and its global layers."""
+        thetas = config.rope_thetas or (config.rope_theta,) * config.num_layers
+        sliding = config.sliding_layers or (config.sliding_window is not None,) * config.num_layers
+        return {kind: {t for t, s in zip(thetas, sliding) if s == (kind == _KINDS[0])} for kind in _KINDS}
