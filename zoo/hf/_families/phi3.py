@@ -15,6 +15,11 @@ top level in older files) is read and written: RoPE rotates the first
 
 Refused by name: `rope_scaling` of type `longrope` (`su` / `yarn` in older files: the
 long-context models' per-frequency short/long factors), a `hidden_act` other than `silu`.
+(transformers picks longrope's short or long factors per forward call, long when the
+batch's largest position + 1 exceeds `original_max_position_embeddings`, and its
+`generate` drops the KV cache at the step the sequence first passes that length and runs
+the whole sequence again with the long factors, every layer's keys and values changing;
+zoo's decode loops would have to re-run their prompt at that step to match it.)
 
 | zoo `Transformer`, layer `i` | Phi-3 (`Phi3ForCausalLM`) |
 |---|---|
