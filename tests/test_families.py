@@ -139,6 +139,9 @@ CASES = {
     ),
     # Phi-3: q | k | v fused in qkv_proj (blocks 32, 16, 16 wide under GQA), gate | up in gate_up_proj.
     "phi3": (transformers.Phi3Config, SMALL | {"pad_token_id": 0}),
+    # Phi-4-mini's partial rotary: RoPE on the first half of each head (4 of 8 dimensions,
+    # frequencies those of a 4-wide head), the other 4 passed through.
+    "phi3_partial": (transformers.Phi3Config, SMALL | {"pad_token_id": 0, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -340,6 +343,7 @@ def test_activation_spelling_round_trips(tmp_path):
         ("qwen2", "fsdp", 8), ("qwen3", "fsdp", 8), ("qwen3", "tp", 8), ("qwen2", "fsdp+tp", 4),
         ("olmo2", "fsdp", 8), ("olmo2", "tp", 8), ("smollm3", "fsdp", 8), ("smollm3", "tp", 8),
         ("gemma2", "fsdp", 8), ("gemma2", "tp", 8), ("gemma3_text", "fsdp", 8), ("gemma3_text", "tp", 8),
+        ("phi3_partial", "fsdp", 8), ("phi3_partial", "tp", 8),
     ],
 )  # fmt: skip
 def test_sharded_loads_equal_unsharded(name, preset, devices, hf_dirs, loaded, tokens):
@@ -494,10 +498,10 @@ def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):
     [
         ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}, "of type 'su'"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "of type 'longrope'"),
-        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 \(zoo's RoPE rotates every head dimension"),
+        ({"partial_rotary_factor": 0.375}, r"partial_rotary_factor=0.375 must be .* it rotates 3"),
     ],
 )
-def test_phi3_long_context_rope_and_partial_rotary_are_refused_by_name(values, message, tmp_path):
+def test_phi3_long_context_rope_and_odd_partial_rotary_are_refused_by_name(values, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"} | SMALL | values))
     with pytest.raises(ValueError, match=message):
         zoo.hf.from_pretrained(tmp_path)
@@ -604,6 +608,15 @@ def test_export_refuses_what_the_family_cannot_express():
         llama.config_to_hf(TransformerConfig(**base, use_bias=False, qk_norm=True))
     with pytest.raises(ValueError, match="qk_norm=False"):
         zoo.hf.get_family("qwen3").config_to_hf(TransformerConfig(**base, use_bias=False))
+    # Partial rotary: Phi-3 writes it, Llama refuses it and does not claim such a model.
+    partial = TransformerConfig(**base, use_bias=False, partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5 \(llama rotates every head dimension"):
+        llama.config_to_hf(partial)
+    assert not llama.claims(partial)
+    phi3 = zoo.hf.get_family("phi3")
+    written = phi3.config_to_hf(partial)
+    assert written["rope_parameters"]["partial_rotary_factor"] == written["partial_rotary_factor"] == 0.5
+    assert phi3.config_from_hf(written).partial_rotary_factor == 0.5
     # Chosen by shape: a window → Mistral, q/k/v-only biases → Qwen2, q/k norms → Qwen3.
     assert zoo.hf.family_of(TransformerConfig(**base, sliding_window=4, use_bias=False)).name == "mistral"
     assert zoo.hf.family_of(TransformerConfig(**base, use_bias=False, qkv_bias=True)).name == "qwen2"

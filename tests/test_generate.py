@@ -185,9 +185,11 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
             head_dim=8, sliding_window=3, layer_types=layers, final_logit_softcapping=3.0, query_pre_attn_scalar=12,
         )  # fmt: skip
         assert model.config.rope_thetas == (1e4, 1e6, 1e4)
-    elif family == "phi3":  # q | k | v and gate | up fused in the file
-        hf, model = _saved(tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config)
-        assert model.config.family == "phi3"
+    elif family == "phi3":  # q | k | v and gate | up fused in the file; RoPE on half of each head
+        hf, model = _saved(
+            tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config, partial_rotary_factor=0.5
+        )
+        assert (model.config.family, model.config.partial_rotary_factor) == ("phi3", 0.5)
     else:  # a window of 3 columns bites within the prompts and the new tokens
         hf, model = _saved(
             tmp_path_factory, transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=3

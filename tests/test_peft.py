@@ -112,6 +112,7 @@ EXTRA = {
     "qwen3": {"head_dim": 8},
     "olmo2": {"head_dim": 8, "attention_bias": True},
     "smollm3": SMOLLM3,
+    "phi3": {"partial_rotary_factor": 0.5},  # Phi-4-mini's partial rotary: RoPE on half of each head
 }
 
 

@@ -144,12 +144,21 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     assert span(100, 64) == 64  # a cache shorter than the smallest span is read whole
 
 
-def test_the_engine_runs_olmo2_norms():
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"qk_norm": True, "qk_norm_scope": "projection", "norm_placement": "output"},
+        {"head_dim": 8, "partial_rotary_factor": 0.5},
+    ],
+    ids=["olmo2_norms", "partial_rotary"],
+)
+def test_the_engine_runs_olmo2_norms_and_a_partial_rotary(options):
     """A model with OLMo 2's norms (after each sub-layer only; q/k over the whole
-    projections: test_generate holds zoo.generate to transformers for them), two requests
-    side by side: each gets zoo.generate's tokens for it alone."""
-    model = tiny_decoder(jax.random.key(3), max_len=32, vocab_size=64, qk_norm=True, qk_norm_scope="projection",
-                         norm_placement="output")  # fmt: skip
+    projections), or with RoPE on 4 of 8 head dimensions (Phi-4-mini's
+    partial_rotary_factor; test_generate holds zoo.generate to transformers for both), two
+    requests side by side at their own positions: each gets zoo.generate's tokens for it
+    alone, each token's log-probability the full forward pass's."""
+    model = tiny_decoder(jax.random.key(3), max_len=32, vocab_size=64, **options)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), params)
     model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
@@ -159,6 +168,9 @@ def test_the_engine_runs_olmo2_norms():
     engine.run_until_done()
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
+        _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
+    if "partial_rotary_factor" in options:
+        assert model.layers.layers.attention.rope_dim == 4
 
 
 def test_the_engine_runs_gemma2_layers():

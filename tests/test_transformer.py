@@ -103,6 +103,18 @@ def test_attention_matches_reference(causal, rope, kv_heads):
     assert_rounding_close(got, expected, **ATTENTION)
 
 
+def test_partial_rope_rotates_the_first_dimensions_and_passes_the_rest():
+    """Tables for 4 of 8 head dimensions (Phi-4-mini's partial rotary): the first 4 are
+    rotated as a 4-wide head, the other 4 pass through, bit for bit."""
+    x = jax.random.normal(jax.random.key(0), (2, 7, 2, 8))
+    cos, sin = zoo.nn.rope_tables(7, 4)
+    got = np.asarray(zoo.nn.apply_rope(x, cos, sin))
+    np.testing.assert_array_equal(got[..., :4], np.asarray(zoo.nn.apply_rope(x[..., :4], cos, sin)))
+    np.testing.assert_array_equal(got[..., 4:], np.asarray(x[..., 4:]))
+    with pytest.raises(ValueError, match="rope_dim must be even and in"):
+        zoo.nn.Attention(16, 2, rope_theta=1e4, rope_dim=3, key=jax.random.key(1))
+
+
 def test_rope_matches_formula_and_depends_on_relative_position():
     x = jax.random.normal(jax.random.key(0), (1, 7, 2, 8))
     cos, sin = zoo.nn.rope_tables(7, 8)

@@ -131,7 +131,9 @@ class TransformerConfig(_Common):
     residual add, OLMo 2's; `"sandwich"`, both, Gemma 2/3's), `attn_logit_softcapping` and
     `final_logit_softcapping` (attention scores and logits soft-capped, `cap * tanh(x / cap)`,
     Gemma 2's), `query_pre_attn_scalar` (scores divided by its square root instead of
-    `head_dim`'s, Gemma 2/3's), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
+    `head_dim`'s, Gemma 2/3's), `partial_rotary_factor` (RoPE rotates the first
+    `int(head_dim · factor)` dimensions of each head, its frequencies those of a head that
+    wide, and passes the rest through: Phi-4-mini's 0.75), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
     parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
     `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
     the float32 minimum, so softmax, loss and argmax equal the unpadded model's), `family`
@@ -163,6 +165,7 @@ class TransformerConfig(_Common):
     attn_logit_softcapping: float | None = None  # scores soft-capped: cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits soft-capped the same way (Gemma 2)
     query_pre_attn_scalar: float | None = None  # scores / sqrt(this) instead of sqrt(head_dim) (Gemma 2/3)
+    partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim * this) dims of each head (Phi-4-mini)
 
     def __post_init__(self):
         super().__post_init__()
@@ -191,6 +194,13 @@ class TransformerConfig(_Common):
         _check(
             self.rope_scaling in (None, "llama3"),
             f"TransformerConfig.rope_scaling must be None or 'llama3', got {self.rope_scaling!r}",
+        )
+        rotary = int((self.head_dim or self.d_model // self.num_heads) * self.partial_rotary_factor)
+        _check(
+            self.partial_rotary_factor == 1.0
+            or (0.0 < self.partial_rotary_factor < 1.0 and rotary >= 2 and rotary % 2 == 0),
+            f"TransformerConfig.partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and rotate an "
+            f"even number (>= 2) of head dimensions, int(head_dim * factor); it rotates {rotary}",
         )
         _check(
             self.qk_norm_scope in ("head", "projection"),

@@ -45,6 +45,15 @@ def _llama3(config) -> tuple[float, float, float, int] | None:
     return (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_max_len)
 
 
+def rotary_dim(config) -> int | None:
+    """The head dimensions RoPE rotates, `int(head_dim · partial_rotary_factor)` as
+    transformers computes it; `None`: all of them."""
+    factor = getattr(config, "partial_rotary_factor", 1.0)
+    if factor == 1.0:
+        return None
+    return int((config.head_dim or config.d_model // config.num_heads) * factor)
+
+
 def layer_settings(config) -> dict[str, tuple]:
     """Each layer's attention settings (`window`: `None` on a global layer; `rope`;
     `rope_theta`), one value per layer, from a config's per-layer patterns."""
@@ -89,6 +98,7 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         norm_eps=config.norm_eps,
         logit_softcap=getattr(config, "attn_logit_softcapping", None),
         query_scale=getattr(config, "query_pre_attn_scalar", None),
+        rope_dim=rotary_dim(config) if rope else None,
         key=ka,
     )
     mlp = FeedForward(

@@ -68,6 +68,7 @@ class Attention(eqx.Module):
     sliding_window: int | None = eqx.field(static=True, default=None)
     logit_softcap: float | None = eqx.field(static=True, default=None)
     query_scale: float | None = eqx.field(static=True, default=None)
+    rope_dim: int | None = eqx.field(static=True, default=None)
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
 
@@ -89,6 +90,7 @@ class Attention(eqx.Module):
         norm_eps: float = 1e-6,
         logit_softcap: float | None = None,
         query_scale: float | None = None,
+        rope_dim: int | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -114,6 +116,9 @@ class Attention(eqx.Module):
           mask and softmax (Gemma 2's `attn_logit_softcapping`); `None`: none.
         - `query_scale`: the scores are divided by `sqrt(query_scale)` instead of
           `sqrt(head_dim)` (Gemma 2/3's `query_pre_attn_scalar`); `None`: `head_dim`.
+        - `rope_dim`: RoPE rotates only the first `rope_dim` (even) dimensions of each head
+          (partial rotary, its frequencies those of a `rope_dim`-wide head) and passes the
+          rest through; `None`: all `head_dim`.
         - `key`: PRNG key.
         """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -142,6 +147,9 @@ class Attention(eqx.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.query_scale = query_scale
+        if rope_dim is not None and not (0 < rope_dim <= head_dim and rope_dim % 2 == 0):
+            raise ValueError(f"rope_dim must be even and in (0, head_dim={head_dim}], got {rope_dim}")
+        self.rope_dim = None if rope_dim == head_dim else rope_dim
         if qk_norm not in (False, True, "head", "projection"):
             raise ValueError(f"qk_norm must be a bool, 'head' or 'projection', got {qk_norm!r}")
         if qk_norm == "projection":  # scales as wide as the projections, split as they are
@@ -209,10 +217,11 @@ class Attention(eqx.Module):
         window = self.sliding_window if pattern.window is None else pattern.window
         if self.rope_theta is not None:
             theta = self.rope_theta if pattern.rope_theta is None else pattern.rope_theta
+            rd = hd if self.rope_dim is None else self.rope_dim
             if positions is None:
-                cos, sin = rope_tables(s, hd, theta=theta, llama3=self.rope_llama3)
+                cos, sin = rope_tables(s, rd, theta=theta, llama3=self.rope_llama3)
             else:
-                cos, sin = rope_angles(positions, hd, theta=theta, llama3=self.rope_llama3)
+                cos, sin = rope_angles(positions, rd, theta=theta, llama3=self.rope_llama3)
             rotated_q, rotated_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if pattern.rope is None:
                 q, k = rotated_q, rotated_k

@@ -69,17 +69,26 @@ def apply_rope(
     cos: Float[Array, "*rows seq half"],
     sin: Float[Array, "*rows seq half"],
 ) -> Float[Array, "batch seq *heads head_dim"]:
-    """Rotate each pair `(x[i], x[i + head_dim/2])` of every head by its position's angle.
+    """Rotate each pair `(x[i], x[i + half])` of every head by its position's angle, `half`
+    being `cos`'s last size.
 
     `cos`/`sin`: `[seq, half]` (every row at positions `0..seq-1`) or `[batch, seq, half]`
-    (per-row positions, `rope_angles`).
+    (per-row positions, `rope_angles`). With `2·half < head_dim` (partial rotary, Phi-4-mini's
+    `partial_rotary_factor`) only the first `2·half` dimensions of each head are rotated, in
+    the same split layout, and the rest pass through unchanged, as transformers' Phi-3 does.
 
     Computed in float32, returned in `x`'s dtype.
     """
-    half = x.shape[-1] // 2
+    half = cos.shape[-1]
+    rotary = 2 * half
+    if rotary > x.shape[-1]:
+        raise ValueError(f"apply_rope: cos/sin rotate {rotary} dimensions of heads {x.shape[-1]} wide")
     extra = x.ndim - 3  # head dims between seq and head_dim
     shape = (x.shape[0] if cos.ndim == 3 else 1, x.shape[1]) + (1,) * extra + (half,)
     c, s = cos.reshape(shape), sin.reshape(shape)
     x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    x1, x2 = x32[..., :half], x32[..., half:rotary]
+    parts = [x1 * c - x2 * s, x2 * c + x1 * s]
+    if rotary < x.shape[-1]:  # partial rotary: the tail is not rotated
+        parts.append(x32[..., rotary:])
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)

@@ -216,6 +216,11 @@ class Llama(Family):
             problems.append(f"rope_layers=... ({self.name} applies RoPE on every layer; SmolLM3 has layers without)")
         if config.rope_thetas is not None:
             problems.append(f"rope_thetas=... ({self.name} has one RoPE base for every layer)")
+        if config.partial_rotary_factor != 1.0:
+            problems.append(
+                f"partial_rotary_factor={config.partial_rotary_factor} ({self.name} rotates every head dimension; "
+                "Phi-3 rotates part)"
+            )
         return problems + self.norm_problems(config)
 
     def norm_problems(self, config: TransformerConfig) -> list[str]:
@@ -292,8 +297,8 @@ class Llama(Family):
 
 
 def uniform_rope(config: TransformerConfig) -> bool:
-    """Whether every layer of `config` applies RoPE, with one base."""
-    return config.rope_layers is None and config.rope_thetas is None
+    """Whether every layer of `config` applies RoPE, with one base, to every head dimension."""
+    return config.rope_layers is None and config.rope_thetas is None and config.partial_rotary_factor == 1.0
 
 
 def _bias(config: TransformerConfig, name: str) -> bool:

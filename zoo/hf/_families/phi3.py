@@ -9,9 +9,17 @@ with dropout 0, as every decoder family). Each zoo projection reads its block of
 tensor (`Family.fused`, `_layout.Block`); LoRA branches on q/k/v (or gate/up) are written
 as one peft branch on the fused module, as GPT-2's `c_attn`.
 
+`partial_rotary_factor` (Phi-4-mini's 0.75; in `rope_parameters` in transformers 5, at the
+top level in older files) is read and written: RoPE rotates the first
+`int(head_dim · factor)` dimensions of each head (`TransformerConfig.partial_rotary_factor`).
+
 Refused by name: `rope_scaling` of type `longrope` (`su` / `yarn` in older files: the
-long-context models' per-frequency short/long factors), a `partial_rotary_factor` below 1
-(zoo rotates every head dimension), a `hidden_act` other than `silu`.
+long-context models' per-frequency short/long factors), a `hidden_act` other than `silu`.
+(transformers picks longrope's short or long factors per forward call, long when the
+batch's largest position + 1 exceeds `original_max_position_embeddings`, and its
+`generate` drops the KV cache at the step the sequence first passes that length and runs
+the whole sequence again with the long factors, every layer's keys and values changing;
+zoo's decode loops would have to re-run their prompt at that step to match it.)
 
 | zoo `Transformer`, layer `i` | Phi-3 (`Phi3ForCausalLM`) |
 |---|---|
@@ -57,15 +65,21 @@ class Phi3(Mistral):
         "up": "gate_up_proj",
     }
 
-    def unsupported(self, values: dict[str, Any]) -> list[str]:
-        problems = super().unsupported(values)
+    def fields(self, values: dict[str, Any]) -> dict[str, Any]:
         params = values.get("rope_parameters") or {}
         partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            problems.append(
-                f"partial_rotary_factor={partial} (zoo's RoPE rotates every head dimension: partial_rotary_factor 1.0)"
-            )
-        return problems
+        return super().fields(values) | {"partial_rotary_factor": float(partial)}
+
+    def export_problems(self, config: Any) -> list[str]:
+        return [p for p in super().export_problems(config) if not p.startswith("partial_rotary_factor")]
+
+    def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = super().config_to_hf(config, base)
+        factor = config.partial_rotary_factor
+        return out | {
+            "rope_parameters": out["rope_parameters"] | {"partial_rotary_factor": factor},
+            "partial_rotary_factor": factor,
+        }
 
     def claims(self, config: Any) -> bool:
         return False  # a model built from scratch is written as Llama / Mistral; Phi-3 when loaded as one
