@@ -486,6 +486,14 @@ def test_model_ids_load_from_the_local_cache_first(hf_dirs, loaded, tmp_path, mo
         ),
         ({"kind": "olmo2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "olmo2 config.*of type 'yarn'"),
         ({"kind": "olmo2", "hidden_act": "gelu"}, "olmo2 config.*hidden_act='gelu'"),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 \(llama rotates every head dimension"),
+        (
+            {
+                "kind": "qwen2",
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            },
+            r"partial_rotary_factor=0.5 \(qwen2",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):

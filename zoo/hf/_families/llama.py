@@ -136,6 +136,7 @@ class Llama(Family):
     tie_default = False  # transformers' default for tie_word_embeddings
     qk_norm_scope: ClassVar[str | None] = None  # q/k norms: None, "head" (Qwen3) or "projection" (OLMo 2)
     norm_placement: ClassVar[str] = "input"  # where the layer norms sit (TransformerConfig.norm_placement)
+    partial_rotary: ClassVar[bool] = False  # reads partial_rotary_factor (Phi-3); else refuses one below 1
     soft_caps: ClassVar[bool] = False  # soft-capping and query_pre_attn_scalar expressible (Gemma 2/3)
 
     # -- config.json → zoo --
@@ -146,6 +147,13 @@ class Llama(Family):
         act = values.get("hidden_act", "silu")
         if act != "silu":
             problems.append(f"hidden_act={act!r} (zoo's gated feed-forward is SwiGLU: hidden_act 'silu')")
+        params = values.get("rope_parameters") or {}
+        partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
+        if partial != 1.0 and not self.partial_rotary:
+            problems.append(
+                f"partial_rotary_factor={partial} ({self.name} rotates every head dimension; Phi-3 and Phi-4-mini "
+                "rotate part of each head)"
+            )
         return problems
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:

@@ -65,6 +65,8 @@ class Phi3(Mistral):
         "up": "gate_up_proj",
     }
 
+    partial_rotary = True
+
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
         params = values.get("rope_parameters") or {}
         partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
