@@ -149,7 +149,7 @@ class Llama(Family):
             problems.append(f"hidden_act={act!r} (zoo's gated feed-forward is SwiGLU: hidden_act 'silu')")
         params = values.get("rope_parameters") or {}
         partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
-        if partial != 1.0 and not self.partial_rotary:
+        if partial not in (None, 1, 1.0) and not self.partial_rotary:  # None: transformers reads 1
             problems.append(
                 f"partial_rotary_factor={partial} ({self.name} rotates every head dimension; Phi-3 and Phi-4-mini "
                 "rotate part of each head)"

@@ -70,7 +70,7 @@ class Phi3(Mistral):
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
         params = values.get("rope_parameters") or {}
         partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
-        return super().fields(values) | {"partial_rotary_factor": float(partial)}
+        return super().fields(values) | {"partial_rotary_factor": 1.0 if partial is None else float(partial)}
 
     def export_problems(self, config: Any) -> list[str]:
         return [p for p in super().export_problems(config) if not p.startswith("partial_rotary_factor")]
