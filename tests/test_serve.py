@@ -144,76 +144,41 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     assert span(100, 64) == 64  # a cache shorter than the smallest span is read whole
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"qk_norm": True, "qk_norm_scope": "projection", "norm_placement": "output"},
-        {"head_dim": 8, "partial_rotary_factor": 0.5},
-    ],
-    ids=["olmo2_norms", "partial_rotary"],
-)
-def test_the_engine_runs_olmo2_norms_and_a_partial_rotary(options):
-    """A model with OLMo 2's norms (after each sub-layer only; q/k over the whole
-    projections), or with RoPE on 4 of 8 head dimensions (Phi-4-mini's
-    partial_rotary_factor; test_generate holds zoo.generate to transformers for both), two
-    requests side by side at their own positions: each gets zoo.generate's tokens for it
-    alone, each token's log-probability the full forward pass's."""
-    model = tiny_decoder(jax.random.key(3), max_len=32, vocab_size=64, **options)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), params)
-    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
-    engine = Engine(model, slots=2, max_len=32)
-    requests = [Request([9, 4, 33, 17, 2, 50], max_tokens=8), Request([5, 6, 7], max_tokens=5)]
-    handles = [engine.submit(r) for r in requests]
-    engine.run_until_done()
-    for request, handle in zip(requests, handles):
-        assert handle.ids == _alone(model, request)
-        _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
-    if "partial_rotary_factor" in options:
-        assert model.layers.layers.attention.rope_dim == 4
-
-
-def test_the_engine_runs_gemma2_layers():
-    """A model with Gemma 2's layers (norms before and after each sub-layer, a window of 4
-    columns on every other layer, attention scores and logits soft-capped, scores scaled by
-    query_pre_attn_scalar: test_generate holds zoo.generate to transformers for them), three
-    requests past the window: each gets zoo.generate's tokens for it alone, each token's
-    log-probability the full forward pass's (the caps are the same code in both)."""
-    gemma2 = dict(
-        num_layers=2, norm="rmsnorm", norm_placement="sandwich", sliding_window=4, sliding_layers=(True, False),
+# The layer variants of the families zoo reads, each as a tiny decoder (test_generate holds
+# zoo.generate to transformers for each family).
+ARCHITECTURES = {
+    # OLMo 2: norms after each sub-layer only, q/k norms over the whole projections.
+    "olmo2_norms": dict(qk_norm=True, qk_norm_scope="projection", norm_placement="output"),
+    # Phi-4-mini: RoPE on 4 of 8 head dimensions.
+    "partial_rotary": dict(head_dim=8, partial_rotary_factor=0.5),
+    # Gemma 2: norms before and after each sub-layer, a window of 4 on every other layer,
+    # scores and logits soft-capped, scores scaled by query_pre_attn_scalar.
+    "gemma2": dict(
+        num_layers=2, norm_placement="sandwich", sliding_window=4, sliding_layers=(True, False),
         attn_logit_softcapping=2.0, final_logit_softcapping=10.0, query_pre_attn_scalar=12.0,
-    )  # fmt: skip
-    model = tiny_decoder(jax.random.key(5), max_len=64, vocab_size=64, **gemma2)
+    ),
+    # Per-layer patterns scanned as data: SmolLM3's NoPE layers, a window of 4 on some
+    # layers, a RoPE base per layer.
+    "pattern": dict(
+        num_layers=4, sliding_window=4, sliding_layers=(True, False, False, True),
+        rope_layers=(True, False, True, False), rope_thetas=(1e4, 1e4, 5e2, 1e4),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_engine_serves_each_architecture_as_it_generates(name):
+    """Three requests side by side at their own positions, past every window: each gets
+    zoo.generate's tokens for it alone, each token's log-probability the full forward
+    pass's (caps, norms, partial rotary and per-layer patterns are the same code in both)."""
+    model = tiny_decoder(jax.random.key(5), max_len=64, vocab_size=64, **ARCHITECTURES[name])
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(6), x.shape, x.dtype), params)
     model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
-    assert model.layers.layers.attention.logit_softcap == 2.0
+    attention = model.layers.layers.attention
+    assert {"partial_rotary": attention.rope_dim == 4, "gemma2": attention.logit_softcap == 2.0}.get(name, True)
     engine = Engine(model, slots=2, max_len=48)
     rng = np.random.default_rng(3)
-    requests = [Request(rng.integers(0, 64, size=n).tolist(), max_tokens=m) for n, m in [(9, 8), (3, 10), (14, 5)]]
-    handles = [engine.submit(r) for r in requests]
-    engine.run_until_done()
-    for request, handle in zip(requests, handles):
-        assert handle.ids == _alone(model, request)
-        _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
-
-
-def test_a_patterned_model_serves_as_it_generates():
-    """Layers that differ (SmolLM3's NoPE layers, a window of 4 columns on some layers, a
-    RoPE base per layer: `TransformerConfig`'s per-layer patterns, scanned as data): the
-    engine's blocked cache and per-row columns give each request zoo.generate's tokens for
-    it alone (test_generate holds those to transformers), and each token's log-probability
-    is the full forward pass's, windows bitten within the prompts and past them."""
-    pattern = dict(
-        num_layers=4, sliding_window=4, sliding_layers=(True, False, False, True),
-        rope_layers=(True, False, True, False), rope_thetas=(1e4, 1e4, 5e2, 1e4),
-    )  # fmt: skip
-    model = tiny_decoder(jax.random.key(7), max_len=64, vocab_size=64, **pattern)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(8), x.shape, x.dtype), params)
-    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
-    engine = Engine(model, slots=2, max_len=48)
-    rng = np.random.default_rng(2)
     requests = [Request(rng.integers(0, 64, size=n).tolist(), max_tokens=m) for n, m in [(9, 8), (3, 10), (14, 5)]]
     handles = [engine.submit(r) for r in requests]
     engine.run_until_done()
