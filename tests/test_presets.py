@@ -78,12 +78,14 @@ def olmo2_norms_decoder(key):
 def patterned_decoder(key):
     """The decoder whose two layers differ (`TransformerConfig`'s per-layer patterns): layer
     0 global with RoPE at base 10k, layer 1 sliding (a window of 3, shorter than the batch's
-    8 tokens) without RoPE (SmolLM3's NoPE), its base 500 scanned all the same. The pattern
-    is data the scan reads beside the parameters, not a leaf: the collectives are the
-    decoder's."""
+    8 tokens) without RoPE (SmolLM3's NoPE), its base 500 scanned all the same; RoPE on 2
+    of each head's 4 dimensions (Phi-4-mini's partial rotary: a slice within a head, which
+    tp does not split). The pattern is data the scan reads beside the parameters, not a
+    leaf: the collectives are the decoder's."""
     return tiny_decoder(
-        key, sliding_window=3, sliding_layers=(False, True), rope_layers=(True, False), rope_thetas=(1e4, 5e2)
-    )
+        key, sliding_window=3, sliding_layers=(False, True), rope_layers=(True, False), rope_thetas=(1e4, 5e2),
+        partial_rotary_factor=0.5,
+    )  # fmt: skip
 
 
 def gemma2_decoder(key):
