@@ -26,7 +26,8 @@ LossFn = Callable[[Any, Any], Any]
 LOSS_CONTRACT = (
     "loss_fn(model, batch) must return per-example losses `[batch]` (the step averages them "
     "over the global batch), or a pair `(loss_sums, weights)` of `[batch]` arrays (the step "
-    "returns sum(loss_sums) / sum(weights) over the global batch, e.g. token-weighted means)."
+    "returns sum(loss_sums) / sum(weights) over the global batch, e.g. token-weighted means; a "
+    "batch whose weights sum to 0 gives loss 0 and zero gradients)."
 )
 
 
@@ -350,5 +351,9 @@ class TrainStep:
         )
         if weight is None:
             weight = size
+        else:
+            # A batch with no weight at all (e.g. GRPO completions all empty) has zero sums:
+            # loss 0 and zero gradients, as TRL's `mask.sum().clamp(min=1)`, not 0/0.
+            weight = jnp.where(weight > 0, weight, 1.0)
         grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
         return loss_sum / weight, grads

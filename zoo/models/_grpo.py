@@ -196,7 +196,7 @@ class GRPOLoss:
         low = ((ratio < t["low"]) & (adv < 0)).astype(jnp.float32)
         high = ((ratio > t["high"]) & (adv > 0)).astype(jnp.float32)
         out = {
-            "loss": jnp.sum(sums) / jnp.sum(weights),
+            "loss": jnp.sum(sums) / jnp.maximum(jnp.sum(weights), 1.0),  # TRL clamps so too
             "entropy": token_mean(entropy),
             "clip_ratio/low_mean": token_mean(low),
             "clip_ratio/high_mean": token_mean(high),
