@@ -24,38 +24,61 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = [*TINY_MLP, "--steps", "3"]
 
 
+# A `zoo train` process that waits, holding its folder, after writing step 2's row: until the
+# file named by ZOO_TEST_GO exists (it writes ZOO_TEST_GO.paused first). The second run tries
+# the folder while the first is surely mid-run, whatever the machine's load.
+_PAUSED_AT_STEP_2 = """
+import os, sys, time
+import zoo.train._output as output
+
+real = output.Metrics.write
+def write(self, row):
+    real(self, row)
+    if row.get("kind") == "train" and row.get("step") == 2:
+        go = os.environ["ZOO_TEST_GO"]
+        open(go + ".paused", "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.05)
+output.Metrics.write = write
+from zoo._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_two_processes_into_one_folder_the_second_is_refused(tmp_path):
-    """A real `python -m zoo train` trains into a folder; a second run into it (even with
+    """A `zoo train` process trains into a folder; a second run into it (even with
     --overwrite; started in this process: what is tested is the first process's lock) is
-    refused with one line while the first trains, and the first ends intact."""
-    out = tmp_path / "run"
-    # Not short_run_env's fast compiling: the first run must outlive the second's start.
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    first_flags = ["--devices", "2", "--steps", "2000", "--batch-size", "8", "--microbatches", "1",
-                   "--eval-size", "16", "--checkpoint-every", "1000", "--quiet", "--output", str(out)]  # fmt: skip
-    first = subprocess.Popen([sys.executable, "-m", "zoo", "train", "mlp", *first_flags], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    refused with one line while the first trains (held after its second step until the
+    second run has tried), and the first then ends intact."""
+    out, go = tmp_path / "run", tmp_path / "go"
+    first_flags = [*TINY_MLP, "--steps", "4", "--checkpoint-every", "2", "--output", str(out)]
+    first = subprocess.Popen([sys.executable, "-c", _PAUSED_AT_STEP_2, "train", "mlp", *first_flags], cwd=ROOT,
+                             env=short_run_env() | {"ZOO_TEST_GO": str(go)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     lock = out / ".zoo.lock"
-    held = lambda: lock.exists() and "pid" in lock.read_text()  # noqa: E731  (written once locked)
+    paused = tmp_path / "go.paused"
     try:
-        deadline = time.monotonic() + 120
-        while not held() and time.monotonic() < deadline and first.poll() is None:
-            time.sleep(0.1)
-        assert held(), first.communicate()
+        deadline = time.monotonic() + 180
+        while not paused.exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert paused.exists(), first.communicate()
+        assert "pid" in lock.read_text()  # written once locked
         rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out, "--overwrite")
         assert first.poll() is None, "the first run ended before the second tried: the test proved nothing"
         one_line_error(rc, err, f"--output {out} is in use by another zoo run (pid {first.pid}")
-        stdout, stderr = first.communicate(timeout=600)
+        go.touch()
+        stdout, stderr = first.communicate(timeout=300)
     finally:
         if first.poll() is None:
             first.kill()
+            first.wait()
     assert first.returncode == 0, stderr
     assert "loss fell" in stdout
-    assert [r["step"] for r in train_rows(out)] == list(range(1, 2001))
+    assert [r["step"] for r in train_rows(out)] == [1, 2, 3, 4]
     import zoo
 
-    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [1000, 2000]
-    assert json.loads((out / "config.json").read_text())["steps"] == 2000
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [2, 4]
+    assert json.loads((out / "config.json").read_text())["steps"] == 4
 
 
 def test_two_runs_started_together_into_one_folder_one_is_refused(tmp_path):
