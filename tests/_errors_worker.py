@@ -1,10 +1,13 @@
 """A fresh process for tests/test_errors.py: zoo as a user imports it, without jaxtyping's
 import hook, so the library's own argument checks are what raises.
 
-    python tests/_errors_worker.py          # one JSON object on stdout: case -> [type, text]
+    python tests/_errors_worker.py             # {"cases": {case: [type, text]}, "boundaries": {...}}
+    python tests/_errors_worker.py boundaries  # {"boundaries": {...}} only
 
-Every case fails before anything is compiled (the process stays cheap). conftest is not
-imported: the pytest process's hook and XLA flags stay out.
+`cases`: every one fails before anything is compiled. `boundaries`: calls at the models'
+entry points and a training step's loss (shapes, dtypes, ids outside the vocabulary), what a
+user gets by default (ZOO_RUNTIME_CHECKS=0) or with ZOO_RUNTIME_CHECKS=1 (read as zoo is
+imported: a process each). conftest is not imported: the pytest process's hook stays out.
 """
 
 import json
@@ -104,15 +107,76 @@ CASES = {
 }
 
 
+def _error(f) -> str | None:
+    """The exception `f()` raises, as "Type: first line of its text" (None if none)."""
+    try:
+        f()
+    except Exception as e:  # noqa: BLE001 (the type is the result)
+        return type(e).__name__ + ": " + str(e).splitlines()[0]
+    return None
+
+
+def _full_error(f) -> str | None:
+    """As `_error`, the whole text: equinox's runtime errors put the message below a first
+    line of their own."""
+    try:
+        f()
+    except Exception as e:  # noqa: BLE001 (the type is the result)
+        return type(e).__name__ + ": " + str(e)
+    return None
+
+
+def boundaries() -> dict[str, str | None]:
+    """Calls at the models' entry points and a step's loss, each one's error (None: none)."""
+    import equinox as eqx
+
+    mlp = zoo.nn.MLP(4, 1, 8, 2, key=jax.random.key(0))
+    config = {"vocab_size": 32, "d_model": 16, "num_heads": 2, "num_layers": 1, "max_len": 8}
+    lm = zoo.models.Transformer(zoo.models.TransformerConfig(**config), key=jax.random.key(0))
+    enc = zoo.models.Encoder(zoo.models.EncoderConfig(**config), key=jax.random.key(0))
+    emb = zoo.nn.Embedding(10, 4, key=jax.random.key(0))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    step = zoo.TrainStep(lambda m, b: (m(b["x"]) - b["y"]) ** 2, optax.sgd(0.1))
+    int_loss = zoo.TrainStep(lambda m, b: (m(b["x"])[:, 0] > 0).astype(jnp.int32), optax.sgd(0.1))
+    batch = {"x": jnp.ones((4, 4)), "y": jnp.ones((4, 1))}
+    lm_step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1))
+    bad_ids = jnp.full((2, 8), 40, jnp.int32)  # vocab 32: a lookup clamps them to row 31
+    with jax.set_mesh(mesh):
+        placed = zoo.shard(mlp, zoo.rules("dp"), mesh)
+        placed_lm = zoo.shard(lm, zoo.rules("dp"), mesh)
+
+        def lm_step_on_bad_ids():
+            jax.block_until_ready(lm_step(placed_lm, lm_step.init(placed_lm), {"tokens": bad_ids}))
+
+        return {
+            "lm_ids_eager": _error(lambda: lm(bad_ids)),
+            "lm_ids_jit": _full_error(lambda: jax.block_until_ready(eqx.filter_jit(lm)(bad_ids))),
+            "lm_ids_step": _full_error(lm_step_on_bad_ids),
+            "mlp_int": _error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4), jnp.int32))),
+            "mlp_width": _error(lambda: mlp(jnp.ones((3, 5)))),
+            "lm_float": _error(lambda: lm(jnp.ones((2, 4)))),
+            "lm_rank": _error(lambda: lm(jnp.ones((4,), jnp.int32))),
+            "encoder_float": _error(lambda: enc(jnp.ones((2, 4)))),
+            "embedding_float": _error(lambda: emb(jnp.ones((3,)))),
+            "loss_2d": _error(lambda: step(placed, step.init(placed), batch)),
+            "loss_int": _error(lambda: int_loss(placed, int_loss.init(placed), batch)),
+            "linear_width": _error(lambda: zoo.nn.Linear(4, 3, key=jax.random.key(0))(jnp.ones((2, 5)))),
+            "ok": _error(lambda: eqx.filter_jit(mlp)(jnp.ones((3, 4)))),
+        }
+
+
 def main() -> None:
     results = {}
-    for name, case in CASES.items():
-        try:
-            case()
-        except Exception as e:  # noqa: BLE001 (the type is the result: a TypeCheckError here is a failure)
-            results[name] = [f"{type(e).__module__}.{type(e).__qualname__}", str(e)]
-        else:
-            results[name] = ["no error", ""]
+    if sys.argv[1:] != ["boundaries"]:
+        results["cases"] = {}
+        for name, case in CASES.items():
+            try:
+                case()
+            except Exception as e:  # noqa: BLE001 (the type is the result: a TypeCheckError here is a failure)
+                results["cases"][name] = [f"{type(e).__module__}.{type(e).__qualname__}", str(e)]
+            else:
+                results["cases"][name] = ["no error", ""]
+    results["boundaries"] = boundaries()
     json.dump(results, sys.stdout)
 
 

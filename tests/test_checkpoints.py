@@ -384,29 +384,11 @@ def test_mismatched_like_lists_every_difference(saved):
         ckpt.restore(like, step=3)
 
 
-RESUME_TEST = "test_a_resumed_run_is_bit_exact"
-
-
 def _worker_train(directory: Path, out: Path, *args: str, log: Path) -> subprocess.Popen:
     with open(log, "w") as f:  # a file, not a pipe: nothing can block on a full pipe
         return subprocess.Popen(
             [sys.executable, str(WORKER), "train", str(directory), str(out), *args], stdout=f, stderr=subprocess.STDOUT
         )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def first_run(request, tmp_path_factory):
-    """The resume test's first process, started with the module so that it runs (on the
-    second core) while the in-process tests do. Not started unless that test runs."""
-    if not any(item.name == RESUME_TEST for item in request.session.items):
-        yield None
-        return
-    root = tmp_path_factory.mktemp("resume")
-    proc = _worker_train(root / "ckpt", root / "first.npz", "--steps", "6", "--save-at", "3", log=root / "first.log")
-    yield root, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 def _finished(proc: subprocess.Popen, log: Path) -> None:
@@ -420,18 +402,23 @@ def _finished(proc: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.mark.timeout(1320)
-def test_a_resumed_run_is_bit_exact(first_run):
+def test_a_resumed_run_is_bit_exact(tmp_path):
     """6 steps straight (dropout on, AdamW, FSDP on 8 devices x 2 microbatches) against 3
     steps, save, then a fresh process restoring and running 3 more: the same losses and
-    final state, bit for bit. The first process also repeats the run with the save in the
-    middle (its step donating the buffers the asynchronous save was just given)."""
-    root, proc = first_run
-    _finished(proc, root / "first.log")
+    final state, bit for bit. The straight run and the run with the save in the middle (its
+    step donating the buffers the asynchronous save was just given) run in this process
+    (tests/_checkpoint_worker.py's `train`, the code the fresh process runs; that process
+    imports conftest: the same devices and XLA flags, so the same compiled programs); what
+    is resumed is the process that restores from the files alone."""
+    from _checkpoint_worker import train
+
+    train(str(tmp_path / "ckpt"), str(tmp_path / "first.npz"), 6, 3, False, "fsdp", 8)
     _finished(
-        _worker_train(root / "ckpt", root / "resumed.npz", "--steps", "6", "--resume", log=root / "resumed.log"),
-        root / "resumed.log",
-    )
-    first, resumed = np.load(root / "first.npz"), np.load(root / "resumed.npz")
+        _worker_train(tmp_path / "ckpt", tmp_path / "resumed.npz", "--steps", "6", "--resume",
+                      log=tmp_path / "resumed.log"),
+        tmp_path / "resumed.log",
+    )  # fmt: skip
+    first, resumed = np.load(tmp_path / "first.npz"), np.load(tmp_path / "resumed.npz")
     straight = {k[len("straight/") :]: first[k] for k in first.files if k.startswith("straight/")}
     assert len(straight) > 50 and straight["losses"].shape == (6,)
     assert np.all(np.isfinite(straight["losses"]))

@@ -1,10 +1,13 @@
-"""The library's own error messages, as a user without runtime type checks sees them.
+"""The library's own error messages, as a user without runtime type checks sees them, and
+what `ZOO_RUNTIME_CHECKS=1` adds.
 
 This suite runs with jaxtyping's import hook on (`--jaxtyping-packages` in pyproject), so
 for an argument an annotation also refuses (a `Literal`, an array shape) beartype raises
 first and the library's own `ValueError` never runs in-process. Those checks are all a user
 without the hook gets: one fresh process (tests/_errors_worker.py, plain `import zoo`) runs
-a table of bad calls and reports each exception's type and text, checked here.
+a table of bad calls and the models' entry points with bad shapes, dtypes and ids, and
+reports each exception's type and text, checked here; a second process imports zoo with
+ZOO_RUNTIME_CHECKS=1 (read at import) and calls the same entry points.
 """
 
 import json
@@ -13,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import short_run_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,19 +65,31 @@ TYPE_ERRORS = {"shard_rules_none", "shard_rules_name", "collectives_plain_functi
                "count_not_a_list", "step_optimizer_name"}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def unchecked():
-    """Each case's `[exception type, message]`, from a process without the jaxtyping hook."""
+def _worker(*args: str, checks: str) -> dict:
+    """tests/_errors_worker.py's JSON, from a fresh process with ZOO_RUNTIME_CHECKS=`checks`."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_errors_worker.py")],
+        [sys.executable, str(HERE / "_errors_worker.py"), *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=HERE.parent,
+        env=short_run_env() | {"JAX_PLATFORMS": "cpu", "ZOO_RUNTIME_CHECKS": checks},
         check=False,  # the code is asserted below
     )
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def unchecked_process() -> dict:
+    """The worker's results without the jaxtyping hook: what a user gets by default."""
+    return _worker(checks="0")
+
+
+@pytest.fixture(scope="module")
+def unchecked(unchecked_process):
+    """Each case's `[exception type, message]`, from a process without the jaxtyping hook."""
+    return unchecked_process["cases"]
 
 
 def test_every_case_is_checked(unchecked):
@@ -103,3 +119,36 @@ def test_the_suite_itself_type_checks():
     keys = zoo.nn.example_keys(jax.random.key(0), 2)
     with pytest.raises(jaxtyping.TypeCheckError):
         zoo.nn.dropout(jnp.ones((4, 3)), 0.5, keys)
+
+
+# --- shapes and dtypes at model boundaries -----------------------------------------------------
+
+
+def test_model_entry_points_check_rank_and_dtype_by_default(unchecked_process):
+    out = unchecked_process["boundaries"]
+    assert out["ok"] is None
+    assert out["mlp_int"] == ("TypeError: MLP: x must be a float array, got int32 of shape (3, 4); cast it with "
+                              ".astype(jnp.float32)")  # fmt: skip
+    assert out["mlp_width"] == "ValueError: MLP: x must end with a dimension of size 4, got shape (3, 5)"
+    assert out["lm_float"].startswith("TypeError: Transformer: tokens must be an int array, got float32")
+    assert out["lm_rank"] == "ValueError: Transformer: tokens must have 2 dimensions, got shape (4,)"
+    assert out["encoder_float"].startswith("TypeError: Encoder: tokens must be an int array")
+    assert out["embedding_float"].startswith("TypeError: Embedding: ids must be an int array")
+    assert out["loss_2d"].startswith("ValueError: loss_fn(model, batch) must return per-example losses `[batch]`")
+    assert "Got losses of shape (4, 1) for a microbatch of 4 examples (reduce the other axes first" in out["loss_2d"]
+    assert "Got losses of dtype int32: cast them to float32" in out["loss_int"]
+    # Without the runtime checks a Linear's width mismatch is jnp's own error.
+    assert out["linear_width"].startswith("ValueError") and "TypeCheckError" not in out["linear_width"]
+    # Ids outside the vocabulary: refused where concrete; compiled code holds no check by default.
+    assert out["lm_ids_eager"].startswith("ValueError: Embedding of 32 rows: ids holds 40 at position (0, 0)")
+    assert out["lm_ids_jit"] is None and out["lm_ids_step"] is None
+
+
+def test_zoo_runtime_checks_turns_on_beartype_for_the_package():
+    out = _worker("boundaries", checks="1")["boundaries"]
+    assert out["ok"] is None
+    assert out["linear_width"].startswith("TypeCheckError: Type-check error whilst checking the parameters of "
+                                          "zoo.nn._linear.Linear.__call__")  # fmt: skip
+    # ... and checks ids inside compiled code too: a jitted call and a training step.
+    for case in ("lm_ids_jit", "lm_ids_step"):
+        assert out[case] is not None and "Embedding of 32 rows: ids outside [0, 32)" in out[case], out[case]

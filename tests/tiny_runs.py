@@ -138,3 +138,8 @@ def train_finished_mlp_run(out: Path) -> Path:
     zoo_ok("train", "mlp", *TINY_MLP, "--steps", "4", "--checkpoint-every", "2", "--lr", "0.01", "--seed", "3",
            "--model-config", "width=16,depth=2", "--output", out)  # fmt: skip
     return out
+
+
+def train_rows(folder: Path) -> list[dict]:
+    """The training rows of a run's metrics.jsonl."""
+    return [r for r in read_jsonl(folder / "metrics.jsonl") if r["kind"] == "train"]
