@@ -12,6 +12,7 @@ from helpers import assert_as_accurate, assert_rounding_close, one_line_error, t
 from helpers import zoo_ok as ok
 from tiny_runs import (  # noqa: F401  (names other test files import from here)
     CHAT_TEMPLATE,
+    ENCODER,
     FORWARD,
     LOSS_DEPTH,
     SEQ,
@@ -484,18 +485,23 @@ def test_finetune_minilm_on_string_labels(tmp_path, data_files):
 
 
 def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
-    """(e) `zoo train encoder --data labels.csv`: integer labels, 2 classes, byte tokens."""
-    task = _task("encoder", data_files["csv"], None)
-    assert task.label_names == ("0", "1") and task.kind == "classification"
-    assert task.model.head.weight.shape[-1] == 2  # the head has as many outputs as the file has labels
+    """(e) `zoo train encoder --data labels.csv`: integer labels, byte tokens. The texts of
+    labels.jsonl with their labels' indices: 3 classes, the shapes of the shared classifier
+    run (tests/conftest.py's `classifier_run`, the same flags), whose programs either reuses."""
+    records = read_jsonl(data_files["labels"])
+    names = sorted({r["label"] for r in records})
+    csv = tmp_path / "labels.csv"
+    csv.write_text("text,label\n" + "".join(f'"{r["text"]}",{names.index(r["label"])}\n' for r in records))
+    task = _task("encoder", csv, None)
+    assert task.label_names == ("0", "1", "2") and task.kind == "classification"
+    assert task.model.head.weight.shape[-1] == 3  # the head has as many outputs as the file has labels
     batch = task.batch_at(1, 4)
     assert set(batch) == {"tokens", "mask", "token_types", "labels"} and batch["tokens"].max() < 256
     out = tmp_path / "encoder"
-    text = ok("train", "encoder", "--data", data_files["csv"], *TINY[:-1], "--steps", "2", "--model-config",
-              "d_model=32,num_layers=1", "--output", out)  # fmt: skip
-    assert "classes: 0, 1" in text, text
+    text = ok("train", "encoder", "--data", csv, *TINY[:-3], *ENCODER, "--steps", "2", "--output", out)
+    assert "classes: 0, 1, 2" in text, text
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
-    assert json.loads((out / "summary.json").read_text())["data"].startswith("labels.csv, 2 classes")
+    assert json.loads((out / "summary.json").read_text())["data"].startswith("labels.csv, 3 classes")
 
 
 @pytest.mark.parametrize(
