@@ -12,6 +12,7 @@ from helpers import assert_as_accurate, assert_rounding_close, one_line_error, t
 from helpers import zoo_ok as ok
 from tiny_runs import (  # noqa: F401  (names other test files import from here)
     CHAT_TEMPLATE,
+    ENCODER,
     FORWARD,
     LOSS_DEPTH,
     SEQ,
@@ -162,42 +163,80 @@ def test_byte_tokenizer_ids_are_the_utf8_bytes():
     assert tok.decode(encoding.ids) == text
 
 
-def test_train_transformer_on_a_txt_file_from_scratch_with_byte_tokens(tmp_path, data_files):
+@pytest.fixture(scope="module")
+def txt_run(tmp_path_factory, data_files):
+    """One `zoo train transformer --data notes.txt` run from scratch (byte tokens, the tiny
+    decoder on TINY's flags) for `--epochs 1.5`, then its `--resume --epochs 2`: refused
+    once while the file is edited since the checkpoint, taken once the file is restored.
+    What each command left and how often it opened the file are recorded; the tests of a
+    .txt file, of --epochs, of the edited file and of the one read each read their part
+    (one run and its resume instead of four runs of the same shapes)."""
+    import builtins
+    import io
+    import os
+    import types
+
+    folder = tmp_path_factory.mktemp("txt")
+    data = folder / "notes.txt"
+    data.write_text("".join(data_files["txt"].read_text().splitlines(keepends=True)[:24]))  # 12 of its 40 functions
+    rows = len(_task("transformer", data, None).train_source)
+    out = folder / "run"
+    args = ["train", "transformer", "--data", data, *TINY, "--model-config", "d_model=32,num_layers=1"]
+    opens, real_open = [], io.open
+
+    def counting_open(file, *a, **kw):
+        if isinstance(file, str | os.PathLike) and Path(file).resolve() == data.resolve():
+            opens.append(a[0] if a else kw.get("mode", "r"))
+        return real_open(file, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(io, "open", counting_open)  # pathlib's open
+        patch.setattr(builtins, "open", counting_open)
+        text = ok(*args, "--epochs", "1.5", "--checkpoint-every", "1000", "--output", out)
+        opened = {"run": list(opens)}
+        first = {name: (out / name).read_text() for name in ("metrics.jsonl", "config.json", "summary.json")}
+        original = data.read_text()
+        data.write_text(original.replace("x + 1", "x + 2"))
+        del opens[:]
+        refused = zoo_main(*args, "--epochs", "2", "--checkpoint-every", "1000", "--output", out, "--resume")
+        opened["refused"] = list(opens)
+        data.write_text(original)
+        del opens[:]
+        ok("train", "--output", out, "--resume", "--epochs", "2", "--devices", "2", "--quiet")
+        opened["resume"] = list(opens)
+    return types.SimpleNamespace(data=data, rows=rows, out=out, args=args, text=text, first=first, refused=refused,
+                                 opened=opened)  # fmt: skip
+
+
+def test_train_transformer_on_a_txt_file_from_scratch_with_byte_tokens(txt_run):
     """(a) `zoo train transformer --data notes.txt`: byte tokens, one `"kind": "train"`
     record per step, a GPT-2 folder written."""
-    out = tmp_path / "txt"
-    text = ok("train", "transformer", "--data", data_files["txt"], *TINY, "--steps", "3", "--model-config",
-              "d_model=32,num_layers=1", "--output", out)  # fmt: skip
-    rows = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
-    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in txt_run.first["metrics.jsonl"].splitlines()]
+    steps = json.loads(txt_run.first["config.json"])["steps"]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, steps + 1))
+    summary = json.loads(txt_run.first["summary.json"])
     assert summary["data"].startswith("notes.txt, text:") and "byte tokens" in summary["data"], summary["data"]
-    assert (out / "model" / "config.json").is_file(), text
-    config = json.loads((out / "config.json").read_text())
-    assert config["data"] == str(data_files["txt"].resolve()) and config["packed"] is True
+    assert (txt_run.out / "model" / "config.json").is_file(), txt_run.text
+    config = json.loads(txt_run.first["config.json"])
+    assert config["data"] == str(txt_run.data.resolve()) and config["packed"] is True
 
 
-def test_epochs_set_the_steps_from_the_data_files_rows(tmp_path, data_files):
+def test_epochs_set_the_steps_from_the_data_files_rows(txt_run, tmp_path):
     """`--epochs E`: E passes over the file's training rows, E x rows / batch steps rounded
     up, recorded in config.json as derived (with the warmup that follows them); given with
     --steps, or on data without an end, one line."""
     import math
 
-    rows = len(_task("transformer", data_files["txt"], None).train_source)
-    out = tmp_path / "run"
-    args = ["train", "transformer", "--data", data_files["txt"], *TINY, "--model-config", "d_model=32,num_layers=1"]
-    ok(*args, "--epochs", "1.5", "--output", out)
-    steps = math.ceil(1.5 * rows / 4)
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == list(range(1, steps + 1))
-    config = json.loads((out / "config.json").read_text())
+    steps = math.ceil(1.5 * txt_run.rows / 4)
+    rows = [json.loads(line) for line in txt_run.first["metrics.jsonl"].splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, steps + 1))
+    config = json.loads(txt_run.first["config.json"])
     assert config["epochs"] == 1.5 and config["steps"] == steps and {"steps", "warmup"} <= set(config["derived"])
     assert config["warmup"] == max(1, steps // 20)
     # A resumed run takes more epochs: its steps derived again, it continues where it stopped.
-    more = tmp_path / "more"
-    ok(*args, "--epochs", "1", "--checkpoint-every", "1000", "--output", more)
-    ok("train", "--output", more, "--resume", "--epochs", "2", "--devices", "2", "--quiet")
-    train = [r["step"] for r in read_jsonl(more / "metrics.jsonl") if r["kind"] == "train"]
-    assert train == list(range(1, math.ceil(2 * rows / 4) + 1))
+    train = [r["step"] for r in read_jsonl(txt_run.out / "metrics.jsonl") if r["kind"] == "train"]
+    assert train == list(range(1, math.ceil(2 * txt_run.rows / 4) + 1))
+    args = txt_run.args
     rc, _, err = zoo_main(*args, "--epochs", "2", "--steps", "3", "--output", tmp_path / "both")
     one_line_error(rc, err, "--steps 3 and --epochs 2.0 are both set; give one")
     rc, _, err = zoo_main("train", "mlp", "--epochs", "2", "--output", tmp_path / "stream", "--quiet")
@@ -206,54 +245,31 @@ def test_epochs_set_the_steps_from_the_data_files_rows(tmp_path, data_files):
     one_line_error(rc, err, "--epochs must be a finite number > 0")
 
 
-def test_resume_refuses_a_data_file_edited_since_the_checkpoint(tmp_path, data_files):
+def test_resume_refuses_a_data_file_edited_since_the_checkpoint(txt_run):
     """Each checkpoint holds the data file's sha256: `--resume` after the file changed is
     one line (the resumed steps would see other rows); with the file restored it resumes."""
-    data = tmp_path / "notes.txt"
-    original = data_files["txt"].read_text()
-    data.write_text(original)
-    args = ["train", "transformer", "--data", data, *TINY, "--model-config", "d_model=32,num_layers=1",
-            "--checkpoint-every", "2", "--output", tmp_path / "run"]  # fmt: skip
-    ok(*args, "--steps", "2")
-    data.write_text(original.replace("x + 1", "x + 2"))
-    rc, _, err = zoo_main(*args, "--steps", "3", "--resume")
-    one_line_error(rc, err, "notes.txt changed since checkpoint step 2")
-    data.write_text(original)
-    ok(*args, "--steps", "3", "--resume")
-    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    steps = json.loads(txt_run.first["config.json"])["steps"]
+    rc, _, err = txt_run.refused
+    one_line_error(rc, err, f"notes.txt changed since checkpoint step {steps}")
+    summary = json.loads((txt_run.out / "summary.json").read_text())
+    assert summary["resumed_from"] == steps and summary["last_step"] > steps
+    train = [r["step"] for r in read_jsonl(txt_run.out / "metrics.jsonl") if r["kind"] == "train"]
+    assert train == list(range(1, summary["last_step"] + 1))
 
 
-def test_a_runs_data_file_is_read_once(tmp_path, data_files, monkeypatch):
+def test_a_runs_data_file_is_read_once(txt_run):
     """`zoo train --data FILE` and its `--resume` each open the file once (the command line
     reads no data; the run's records, rows and fingerprint come from the same bytes), and
     the checkpoint's `data_sha256` is the digest of those bytes."""
-    import builtins
     import hashlib
-    import io
-    import os
 
     import zoo
 
-    data = tmp_path / "notes.txt"
-    data.write_bytes(data_files["txt"].read_bytes())
-    opens, real_open = [], io.open
-
-    def counting_open(file, *args, **kwargs):
-        if isinstance(file, str | os.PathLike) and Path(file).resolve() == data.resolve():
-            opens.append(args[0] if args else kwargs.get("mode", "r"))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(io, "open", counting_open)  # pathlib's open
-    monkeypatch.setattr(builtins, "open", counting_open)
-    args = ["train", "transformer", "--data", data, *TINY, "--model-config", "d_model=32,num_layers=1",
-            "--checkpoint-every", "2", "--output", tmp_path / "run"]  # fmt: skip
-    ok(*args, "--steps", "2")
-    assert opens == ["rb"], opens
-    ok(*args, "--steps", "3", "--resume")
-    assert opens == ["rb", "rb"], opens
-    monkeypatch.undo()
-    saved = zoo.Checkpointer(tmp_path / "run" / "checkpoints", read_only=True).metadata(3)
-    assert saved["data_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    # The refused resume, too, read the file once (to find it changed).
+    assert txt_run.opened == {"run": ["rb"], "refused": ["rb"], "resume": ["rb"]}, txt_run.opened
+    checkpoints = zoo.Checkpointer(txt_run.out / "checkpoints", read_only=True)
+    saved = checkpoints.metadata(checkpoints.steps()[-1])
+    assert saved["data_sha256"] == hashlib.sha256(txt_run.data.read_bytes()).hexdigest()
 
 
 def test_every_task_gives_the_same_batch_of_a_step_every_time(data_files):
@@ -469,18 +485,23 @@ def test_finetune_minilm_on_string_labels(tmp_path, data_files):
 
 
 def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
-    """(e) `zoo train encoder --data labels.csv`: integer labels, 2 classes, byte tokens."""
-    task = _task("encoder", data_files["csv"], None)
-    assert task.label_names == ("0", "1") and task.kind == "classification"
-    assert task.model.head.weight.shape[-1] == 2  # the head has as many outputs as the file has labels
+    """(e) `zoo train encoder --data labels.csv`: integer labels, byte tokens. The texts of
+    labels.jsonl with their labels' indices: 3 classes, the shapes of the shared classifier
+    run (tests/conftest.py's `classifier_run`, the same flags), whose programs either reuses."""
+    records = read_jsonl(data_files["labels"])
+    names = sorted({r["label"] for r in records})
+    csv = tmp_path / "labels.csv"
+    csv.write_text("text,label\n" + "".join(f'"{r["text"]}",{names.index(r["label"])}\n' for r in records))
+    task = _task("encoder", csv, None)
+    assert task.label_names == ("0", "1", "2") and task.kind == "classification"
+    assert task.model.head.weight.shape[-1] == 3  # the head has as many outputs as the file has labels
     batch = task.batch_at(1, 4)
     assert set(batch) == {"tokens", "mask", "token_types", "labels"} and batch["tokens"].max() < 256
     out = tmp_path / "encoder"
-    text = ok("train", "encoder", "--data", data_files["csv"], *TINY[:-1], "--steps", "2", "--model-config",
-              "d_model=32,num_layers=1", "--output", out)  # fmt: skip
-    assert "classes: 0, 1" in text, text
+    text = ok("train", "encoder", "--data", csv, *TINY[:-3], *ENCODER, "--steps", "2", "--output", out)
+    assert "classes: 0, 1, 2" in text, text
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
-    assert json.loads((out / "summary.json").read_text())["data"].startswith("labels.csv, 2 classes")
+    assert json.loads((out / "summary.json").read_text())["data"].startswith("labels.csv, 3 classes")
 
 
 @pytest.mark.parametrize(

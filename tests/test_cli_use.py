@@ -72,21 +72,20 @@ def test_predict_names_a_classifiers_labels_from_texts_and_files(classifier_run,
         assert [float(line.split("\t")[1]) for line in lines] == pytest.approx(p.max(1) / p.sum(1), abs=1e-3)
 
 
-def test_predict_a_regressors_outputs(tmp_path):
+def test_predict_a_regressors_outputs(finished_mlp_run, tmp_path):
+    """The shared finished mlp run (tests/conftest.py: 4 steps, checkpoints at 2 and 4),
+    read, not changed."""
     import zoo
 
-    out = tmp_path / "mlp"
-    ok("train", "mlp", "--devices", "2", "--batch-size", "32", "--microbatches", "1", "--steps", "2", "--eval-size",
-       "16", "--model-config", "width=16,depth=1", "--quiet", "--output", out)  # fmt: skip
+    out = finished_mlp_run
     x = np.random.default_rng(0).normal(size=(3, 16)).round(3)
     (tmp_path / "x.csv").write_text("".join(",".join(map(str, row)) + "\n" for row in x))
     records = [json.loads(line) for line in ok("predict", out, "--input", tmp_path / "x.csv", "--json").splitlines()]
     assert [r["input"] for r in records] == x.tolist()
     # The mlp's weights are its last checkpoint (it has no Hugging Face form).
-    with zoo.Checkpointer(out / "checkpoints") as ckpt:
-        assert ckpt.steps() == [2]
+    assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [2, 4]
     run = zoo.train.load_run(out)
-    assert run.weights.endswith("step 2") and run.kind == "regression"
+    assert run.weights.endswith("step 4") and run.kind == "regression"
     want = np.asarray(run.model(x.astype(np.float32)))
     np.testing.assert_allclose([r["prediction"] for r in records], want, rtol=1e-6)
     one = ok("predict", out, "--text", ",".join(map(str, x[0])))

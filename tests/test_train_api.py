@@ -377,8 +377,11 @@ class Crash(Hook):
 
 
 def _mlp(output: Path, **overrides) -> RunConfig:
-    values = dict(model="mlp", steps=6, batch_size=16, devices=2, checkpoint_every=3, output=str(output),
-                  quiet=True, data=DataConfig(eval_size=32), model_config={"width": 16, "depth": 1})  # fmt: skip
+    """The tiny mlp run of the suite (tiny_runs.TINY_MLP with conftest's finished_mlp_run's
+    model): the same shapes, so the same compiled programs."""
+    values = dict(model="mlp", steps=6, batch_size=8, microbatches=1, devices=2, checkpoint_every=3,
+                  output=str(output), quiet=True, data=DataConfig(eval_size=16),
+                  model_config={"width": 16, "depth": 2})  # fmt: skip
     return RunConfig(**(values | overrides))
 
 
@@ -551,11 +554,11 @@ def test_zoo_train_tensorboard_flag_writes_the_runs_scalars(tmp_path):
     """`zoo train --tensorboard DIR`: DIR's event files hold every step's loss and lr and
     every evaluation, as metrics.jsonl does."""
     from helpers import zoo_main
+    from tiny_runs import TINY_MLP
 
     out, tb = tmp_path / "run", tmp_path / "tb"
-    rc, _, err = zoo_main("train", "mlp", "--devices", "2", "--steps", "4", "--batch-size", "8", "--microbatches", "1",
-                          "--eval-size", "16", "--eval-every", "2", "--quiet", "--output", str(out),
-                          "--tensorboard", str(tb))  # fmt: skip
+    rc, _, err = zoo_main("train", "mlp", *TINY_MLP, "--model-config", "width=16,depth=2", "--steps", "4",
+                          "--eval-every", "2", "--output", str(out), "--tensorboard", str(tb))  # fmt: skip
     assert rc == 0, err
     scalars = _tensorboard_scalars(tb)
     rows = read_rows(out / "metrics.jsonl")

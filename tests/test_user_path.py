@@ -229,11 +229,13 @@ def test_ctrl_c_saves_the_step_and_the_printed_command_continues_it(tmp_path, mo
 
     import numpy as np
     from helpers import ZOO_TAKING_CTRL_C, short_run_env, sigint_state
+    from tiny_runs import TINY_MLP
 
     import zoo
 
-    flags = ["train", "mlp", "--devices", "2", "--steps", "400", "--batch-size", "8", "--microbatches", "1",
-             "--eval-size", "16", "--quiet"]  # fmt: skip
+    # The suite's tiny mlp run (tiny_runs.TINY_MLP, conftest's finished_mlp_run's model): the
+    # continued and the uninterrupted run reuse the programs other files compiled.
+    flags = ["train", "mlp", *TINY_MLP, "--model-config", "width=16,depth=2", "--steps", "400"]
     out = tmp_path / "run"
     proc = subprocess.Popen([*ZOO_TAKING_CTRL_C, *flags, "--output", str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=short_run_env())  # fmt: skip
