@@ -241,7 +241,7 @@ def test_compare_collectives_names_what_a_change_added_and_removed():
 # other pairs run in the slow suite.
 _FAST_PAIRS = {
     ("llama", "dp"), ("llama_bias_tied", "fsdp"), ("llama3_scaled", "fsdp-once"), ("mistral", "zero1"),
-    ("qwen2", "tp"), ("qwen3", "fsdp+tp"), ("gemma", "fsdp+tp"), ("phi3", "tp"), ("phi3", "zero1"), ("olmo2", "tp"),
+    ("qwen2", "tp"), ("qwen3", "fsdp+tp"), ("gemma", "fsdp+tp"), ("phi3", "tp"), ("phi3_partial", "zero1"), ("olmo2", "tp"),
     ("qwen2_windowed", "dp"), ("smollm3", "fsdp"), ("gemma2", "tp"), ("gemma3_text", "fsdp"),
 }  # fmt: skip
 # Families whose placed parameters are those of another family under every preset (the same
@@ -250,9 +250,16 @@ _FAST_PAIRS = {
 # RoPE frequencies, a per-layer pattern of windows and NoPE layers: scanned data, not a
 # parameter) works on activations and adds no collective, so their slow pairs would
 # compile the stand-in's program again. Each still compiles its fast pair(s).
+# Gemma 3's text decoder holds the parameter kinds of Qwen3 (q/k norms over head_dim, a tied
+# head), Gemma (a tied head; its (1 + weight) norms and sqrt(hidden) embedding scale are
+# arithmetic on activations) and Gemma 2 (a norm before and after each sub-layer): theirs
+# are a subset of its leaves, placed alike under every preset (Qwen3's head_dim 16 of
+# another size: llama_bias_tied's head_dim 16 runs every preset); Phi-3's partial rotary
+# rotates a slice of each head, no parameter: placed as llama.
 _STAND_INS = {
     "llama3_scaled": "llama", "mistral": "llama", "phi3": "llama", "qwen2": "llama_bias_tied",
-    "qwen2_windowed": "llama_bias_tied", "smollm3": "llama",
+    "qwen2_windowed": "llama_bias_tied", "smollm3": "llama", "phi3_partial": "llama",
+    "qwen3": "gemma3_text", "gemma": "gemma3_text", "gemma2": "gemma3_text",
 }  # fmt: skip
 
 
@@ -301,7 +308,8 @@ def test_stand_ins_place_their_parameters_as_the_families_they_stand_for(family_
     preset its parameters are placed as its stand-in's (the same specs; shapes too where the
     stand-in has the same sizes). qwen2's biases are a subset of llama_bias_tied's (which
     also has o_proj and MLP biases and another head_dim), as are qwen2_windowed's (3 layers);
-    smollm3's 4 layers are placed as llama's 2."""
+    smollm3's 4 layers are placed as llama's 2; qwen3's, gemma's and gemma2's leaves are a
+    subset of gemma3_text's (3 layers; qwen3's heads 16 wide), their specs the same."""
     # The vocabulary padded as placing it on 8 devices would (a multiple of 8 splits it under every preset).
     names = {*_STAND_INS, *_STAND_INS.values()}
     models = {n: zoo.hf.from_pretrained(family_dirs[n], config_overrides={"vocab_multiple": 8}) for n in names}
@@ -309,7 +317,7 @@ def test_stand_ins_place_their_parameters_as_the_families_they_stand_for(family_
         for name, stand_in in _STAND_INS.items():
             ours, theirs = _specs(models[name], preset), _specs(models[stand_in], preset)
             assert ours.keys() <= theirs.keys(), (name, preset, ours.keys() - theirs.keys())
-            if name in ("qwen2", "qwen2_windowed"):
+            if name in ("qwen2", "qwen2_windowed", "qwen3", "gemma", "gemma2"):
                 assert ours.keys() < theirs.keys()
                 assert {k: s for k, (_, s) in ours.items()} == {k: theirs[k][1] for k in ours}, (name, preset)
             elif name == "smollm3":  # 4 layers (its pattern needs them) on llama's 2: the same specs
