@@ -2,6 +2,7 @@
 per group) and `zoo.lora.cast_frozen(model, "nf4" | "int4")`. The pure NF4 functions are
 held to bitsandbytes in tests/test_four_bit.py."""
 
+import functools
 import json
 
 import equinox as eqx
@@ -25,8 +26,10 @@ FORWARD = {"terms": 32, "depth": 2 * 6 + 1}
 GRADIENTS = {"terms": BATCH * 8, "depth": 2 * FORWARD["depth"]}
 
 
-def _lora_model(config=CONFIG):
-    return add_lora(tiny_decoder(jax.random.key(0)), config, key=jax.random.key(1))
+@functools.cache  # built once per file: every test reads it, none changes it
+def _lora_model(config=CONFIG, tied=False):
+    overrides = {"tie_embeddings": True} if tied else {}
+    return add_lora(tiny_decoder(jax.random.key(0), **overrides), config, key=jax.random.key(1))
 
 
 def _q_proj(model):
@@ -159,37 +162,49 @@ def test_qdora_gradients_are_the_dequantised_models():
         assert_rounding_close(g, want, **GRADIENTS)
 
 
-def test_under_fsdp_the_four_bit_bytes_are_gathered_and_the_promise_holds():
-    """The 4-bit base is placed like the float one (codes and scales on the weight's axes),
-    gathered as 4-bit bytes under FSDP, never reduced; the step's all-reduces are the
-    float model's (the branches' gradients), the gradients the single-device ones; under tensor parallelism the codes split like the weight."""
-    model = _lora_model()
+def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold():
+    """The int8 and 4-bit bases are placed like the float one (codes and scales on the
+    weight's axes), gathered as int8 / 4-bit bytes under FSDP, never reduced; the step's
+    all-reduces are the float model's (the branches' gradients), the gradients the
+    single-device ones, and each compiled step is within the fsdp preset's budget (as `zoo
+    inspect --quantize ... --rules fsdp --budget` checks it: XLA's CPU backend gathers the
+    bfloat16 leaves around a quantised base in float32, which the budget counts,
+    `wire_itemsize`; the tied embedding is gathered once, the head reusing the lookup's
+    gather). Under tensor parallelism the codes split like the weight."""
+    model = _lora_model(tied=True)
     cast = cast_frozen(model, "nf4", config=CONFIG, block_size=BLOCK)
     batch = lm_batch(jax.random.key(3), 2 * BATCH)  # 4 devices x 2 microbatches
     mesh = preset_mesh("fsdp", 4)
     colls = {}
-    for name, m in (("float32", model), ("nf4", cast)):
+    for name, m in (("float32", model), ("int8", cast_frozen(model, jnp.int8, config=CONFIG)), ("nf4", cast)):
         step = zoo.TrainStep(
-            zoo.models.next_token_loss, optax.adamw(1e-2), trainable=trainable(m, CONFIG), microbatches=2
-        )
+            zoo.models.next_token_loss, optax.adamw(1e-2), trainable=trainable(m, CONFIG), microbatches=2,
+            preset="fsdp",
+        )  # fmt: skip
         with jax.set_mesh(mesh):
             placed = zoo.shard(m, zoo.rules("fsdp"), mesh)
             colls[name] = zoo.collectives(step.compile(placed, step.init(placed), batch), mesh=mesh)
+            # The preset's budget, checked as the step compiled (a breach raises zoo.BudgetError).
+            assert step.budget_verdict.startswith("within the fsdp budget"), step.budget_verdict
             _, grads = step.loss_and_grads(placed, batch)
         bound = dict(GRADIENTS, terms=2 * GRADIENTS["terms"])
         assert_tree_rounding_close(grads, step.loss_and_grads(m, batch)[1], **bound, what=name)
     assert "data" in str(_q_proj(placed).base.codes.sharding.spec)
     # In the layers' scan each base weight is gathered for its use: V float32 values in the
     # float model, V/2 bytes of codes plus a float32 scale per block in the 4-bit one (the
-    # embeddings, head and branches gathered alike in both).
+    # embeddings and branches gathered alike in both); int8 moves fewer bytes in all.
     gathered = {k: sum(c.bytes for c in v if c.kind == "all-gather" and c.in_loop) for k, v in colls.items()}
     layers = model.layers.layers
     values = sum(
         node_at(layers, p).base.weight[0].size for p, _ in zoo.lora.modules(layers, zoo.lora.LoraLinear).values()
     )
     assert gathered["nf4"] == gathered["float32"] - 4 * values + values // 2 + 4 * values // BLOCK, gathered
+    every = {k: sum(c.bytes for c in v if c.kind == "all-gather") for k, v in colls.items()}
+    assert 0 < every["int8"] < 0.6 * every["float32"], every
     reduced = {k: [(c.in_loop, c.bytes) for c in v if c.kind == "all-reduce"] for k, v in colls.items()}
-    assert reduced["nf4"] == reduced["float32"]  # the float model's, pinned per preset by test_presets.py
+    assert (
+        reduced["nf4"] == reduced["int8"] == reduced["float32"]
+    )  # the float model's, pinned per preset by test_presets.py
     tp = preset_mesh("tp", 4)
     with jax.set_mesh(tp):
         rules = zoo.rules("tp")
@@ -289,14 +304,15 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
     want_codes = FourBitLinear.quantize(_q_proj(float_base), "nf4", block_size=16)
     np.testing.assert_array_equal(np.asarray(q_proj.base.codes), np.asarray(want_codes.codes))
     tokens = np.array([[1, 6, 8, 10, 12, 6, 14], [1, 7, 9, 11, 13, 7, 15]], np.int32)
+    forward = eqx.filter_jit(lambda m: m(tokens))  # one program per model, not one per op
     logits, want = {}, {}
     for k, name in enumerate(("alpha", "beta")):
         alone, lora = zoo.lora.load_adapter(float_base, run / "adapter" / name)
         # The float model: the base's weights as NF4 holds them, the other frozen leaves as stored.
         want_model = zoo.nn.dequantize(cast_frozen(alone, "nf4", config=lora, block_size=16))
         assert not any(isinstance(x, FourBitLinear) for x in jax.tree.leaves(want_model, is_leaf=eqx.is_array))
-        want[name] = np.asarray(want_model(tokens))
-        logits[name] = np.asarray(zoo.lora.route(loaded.model, [k, k])(tokens))
+        want[name] = np.asarray(forward(want_model))
+        logits[name] = np.asarray(forward(zoo.lora.route(loaded.model, [k, k])))
         assert_rounding_close(logits[name], want[name], **FORWARD, what=f"adapter {name} on NF4 vs dequantised")
     assert np.abs(logits["alpha"] - logits["beta"]).max() > 1e-4  # two adapters, two models
     # zoo generate RUN --adapter RUN/adapter/alpha: that adapter on the NF4 base, as load_run builds it.
@@ -326,7 +342,7 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
     stopped = zoo.train.load_run(run)
     assert "checkpoints" in stopped.weights and isinstance(_q_proj(stopped.model).base, FourBitLinear)
     for k, name in enumerate(("alpha", "beta")):
-        np.testing.assert_array_equal(np.asarray(zoo.lora.route(stopped.model, [k, k])(tokens)), logits[name])
+        np.testing.assert_array_equal(np.asarray(forward(zoo.lora.route(stopped.model, [k, k]))), logits[name])
 
 
 def _save_llama_64_wide(folder):
@@ -483,20 +499,3 @@ def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(tmp_path, d
     (tmp_path / "nf4" / "config.json").write_text(json.dumps(values))
     with pytest.raises(ValueError, match=r"8-bit \(LLM.int8\) checkpoint, .* quantize='int8'"):
         zoo.hf.from_pretrained(tmp_path / "nf4")
-
-
-def test_a_quantized_fine_tune_under_fsdp_is_within_its_budget():
-    """`--quantize` under `--rules fsdp`: the per-use gathers stay within the preset's
-    parameter bytes. It broke two ways: XLA's CPU backend gathers the bfloat16 leaves
-    around the 4-bit base in float32 (the budget counts what a collective carries now,
-    `wire_itemsize`), and a tied embedding was gathered twice (lookup and head; now the
-    head reuses the lookup's gather)."""
-    from helpers import zoo_main
-
-    for kind in ("nf4:16", "int8"):
-        rc, out, err = zoo_main(
-            "inspect", "transformer", "--lora", "r=4", "--quantize", kind, "--model-config", "d_model=32,num_layers=2",
-            "--seq-len", 16, "--batch-size", 8, "--devices", 2, "--rules", "fsdp", "--budget",
-        )  # fmt: skip
-        assert rc == 0, out + err
-        assert "collectives: within the fsdp budget" in out, out

@@ -1,12 +1,14 @@
 """4-bit weights: NF4 as bitsandbytes stores it (blockwise absmax over its code book, two
 codes per byte, the scales optionally quantised again to 8 bits) and symmetric int4 per
 group. Pure functions on `[rows, cols]` matrices in torch's `nn.Linear` orientation
-(`[out, in]`: the blocks run along `in`, as bitsandbytes flattens a weight row by row)."""
+(`[out, in]`: the blocks run along `in`, as bitsandbytes flattens a weight row by row), each
+one compiled program per shape (`jax.jit`), not one per operation."""
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8, UInt8
@@ -57,6 +59,7 @@ def _check_blocks(shape: tuple[int, ...], block_size: int, what: str) -> None:
         )
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def nf4_quantize(
     weight: Float[Array, "rows cols"], block_size: int = 64
 ) -> tuple[UInt8[Array, "rows half"], Float[Array, "rows blocks"]]:
@@ -78,6 +81,7 @@ def nf4_quantize(
     return (q[:, 0::2] << 4) | q[:, 1::2], absmax
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def nf4_dequantize(
     codes: UInt8[Array, "rows half"], absmax: Float[Array, "rows blocks"], dtype=jnp.float32
 ) -> Float[Array, "rows cols"]:
@@ -111,6 +115,7 @@ def quantize_scales(
     return codes.reshape(absmax.shape), nested, offset
 
 
+@jax.jit
 def dequantize_scales(
     codes: UInt8[Array, "*shape"], nested_absmax: Float[Array, " nested"], offset: Float[Array, ""]
 ) -> Float[Array, "*shape"]:
@@ -120,8 +125,9 @@ def dequantize_scales(
     return (flat + offset.astype(jnp.float32)).reshape(codes.shape)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def quantize_blockwise(
-    values: Float[Array, " n"], code: np.ndarray, block_size: int
+    values: Float[Array, " n"], code: Float[np.ndarray | Array, " levels"], block_size: int
 ) -> tuple[UInt8[Array, " n"], Float[Array, " blocks"]]:
     """bitsandbytes' 8-bit blockwise quantiser on the CPU: per block of `block_size` (the
     last may be shorter) its absmax; each value divided by it, then the code book's
@@ -139,8 +145,12 @@ def quantize_blockwise(
     return jnp.where(closer, right, left).astype(jnp.uint8), absmax
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def dequantize_blockwise(
-    codes: UInt8[Array, " n"], absmax: Float[Array, " blocks"], code: np.ndarray, block_size: int
+    codes: UInt8[Array, " n"],
+    absmax: Float[Array, " blocks"],
+    code: Float[np.ndarray | Array, " levels"],
+    block_size: int,
 ) -> Float[Array, " n"]:
     """`quantize_blockwise`'s inverse: each code's value times its block's absmax (float32)."""
     n = codes.shape[0]
@@ -148,6 +158,7 @@ def dequantize_blockwise(
     return jnp.asarray(code)[codes.astype(jnp.int32)] * scale
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
 def int4_quantize(
     weight: Float[Array, "rows cols"], group_size: int = 128
 ) -> tuple[Int8[Array, "rows cols"], Float[Array, "rows groups"]]:
@@ -165,6 +176,7 @@ def int4_quantize(
     return q.reshape(rows, cols), scale
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def int4_dequantize(
     q: Int8[Array, "rows cols"], scale: Float[Array, "rows groups"], dtype=jnp.float32
 ) -> Float[Array, "rows cols"]:
@@ -174,12 +186,14 @@ def int4_dequantize(
     return out.reshape(rows, cols).astype(dtype)
 
 
+@jax.jit
 def pack_int4(q: Int8[Array, "rows cols"]) -> UInt8[Array, "rows half"]:
     """Two int4 values per byte (two's complement nibbles, the first in the high one)."""
     nibbles = q.astype(jnp.uint8) & 0xF
     return (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]
 
 
+@jax.jit
 def unpack_int4(packed: UInt8[Array, "rows half"]) -> Int8[Array, "rows cols"]:
     """`pack_int4`'s inverse."""
     nibbles = jnp.stack([packed >> 4, packed & 0xF], axis=-1).reshape(packed.shape[0], -1).astype(jnp.int8)

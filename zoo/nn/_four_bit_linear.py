@@ -133,8 +133,9 @@ class FourBitLinear(eqx.Module):
 
     def dequantized_weight(self, dtype: Any = jnp.float32) -> Float[Array, "*layers in_features out_features"]:
         """The float weight `[*layers, in, out]` the codes stand for, computed in float32
-        (as bitsandbytes' `dequantize_4bit`) and returned in `dtype`."""
-        return dequantize_codes(self.codes, self.scale, self.kind, dtype)
+        (as bitsandbytes' `dequantize_4bit`) and returned in `dtype`: one compiled program
+        per shape, not one per operation."""
+        return _dequantize_codes_jit(self.codes, self.scale, self.kind, dtype)
 
     def dequantize(self, dtype: Any = None) -> Linear:
         """The float `Linear` this layer stands for (weight in `dtype`, default the
@@ -188,6 +189,9 @@ def dequantize_codes(
     high, low = (_levels(nibbles, kind) * scale for nibbles in (codes >> 4, codes & 0xF))
     w = jnp.stack([high, low], axis=-2)  # rows 2i (high nibble), 2i + 1 (low)
     return w.reshape(*layers, 2 * packed, n_out, out_sharding=spec).astype(dtype)
+
+
+_dequantize_codes_jit = jax.jit(dequantize_codes, static_argnames=("kind", "dtype"))
 
 
 def _levels(nibbles: Array, kind: str) -> Array:

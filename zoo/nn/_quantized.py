@@ -4,6 +4,7 @@ storing it, both ways."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -73,10 +74,7 @@ class QuantizedLinear(eqx.Module):
         `scale = absmax / 127` over the input axis, `weight = round(W / scale)`); its bias
         is kept as it is. Works on a stacked `Linear` (weight `[*layers, in, out]`) too, and
         keeps each array's sharding (the scale takes the bias's, i.e. the output axis's)."""
-        w = linear.weight.astype(jnp.float32)
-        absmax = jnp.max(jnp.abs(w), axis=-2)
-        scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-        q = jnp.clip(jnp.round(w / scale[..., None, :]), -127, 127).astype(jnp.int8)
+        q, scale = _int8_quantize(linear.weight)
         q, scale = _like(q, linear.weight), _like(scale, linear.bias)
         return cls(q, scale, linear.bias, in_axis=linear.in_axis, out_axis=linear.out_axis)
 
@@ -84,8 +82,7 @@ class QuantizedLinear(eqx.Module):
         """The float `Linear` this layer stands for: weight `weight · scale` in `dtype`
         (default the scale's, float32), the bias as it is."""
         dtype = self.scale.dtype if dtype is None else dtype
-        w = (self.weight.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, :]).astype(dtype)
-        w = _like(w, self.weight)
+        w = _like(_int8_dequantize(self.weight, self.scale, dtype), self.weight)
         return linear_from(w, self.bias, in_axis=self.in_axis, out_axis=self.out_axis)
 
     def __call__(
@@ -102,6 +99,23 @@ class QuantizedLinear(eqx.Module):
         if self.bias is not None:
             y = y + broadcast_like(self.bias.astype(y.dtype), y)
         return y
+
+
+# One compiled program per shape each (not one per operation: a model's layers are
+# quantised and dequantised eagerly, one call per layer).
+@jax.jit
+def _int8_quantize(weight: Float[Array, "*layers n_in n_out"]) -> tuple[Int8[Array, "*layers n_in n_out"], Array]:
+    """Symmetric per-output-channel int8: `(round(W / scale), scale = absmax / 127)`."""
+    w = weight.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(w), axis=-2)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    return jnp.clip(jnp.round(w / scale[..., None, :]), -127, 127).astype(jnp.int8), scale
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _int8_dequantize(weight: Int8[Array, "*layers n_in n_out"], scale: Array, dtype: Any) -> Array:
+    """`weight · scale` in `dtype`, computed in float32."""
+    return (weight.astype(jnp.float32) * scale.astype(jnp.float32)[..., None, :]).astype(dtype)
 
 
 QUANTIZE_KINDS = ("nf4", "int4", "int8")
