@@ -586,7 +586,7 @@ def test_quantize_while_loading_equals_quantizing_the_float_model(llama_dir, kin
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(placed), strict=True):
             assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
     tokens = jnp.array([[1, 5, 6, 7]])
-    assert np.isfinite(np.asarray(got(tokens))).all()
+    assert np.isfinite(np.asarray(forward(got, tokens))).all()
 
 
 def test_quantize_while_loading_refuses_what_cannot_be_quantized(llama_dir):

@@ -69,14 +69,17 @@ def test_mlp_scan_equals_unrolled(key):
     # 4 layers of an (<= 8-wide) matmul and a LayerNorm's 2 sums; gradients twice that, and
     # a sum over the 5 examples.
     sums = {"terms": 8, "depth": 4 * 3}
-    assert_rounding_close(scanned(x), unrolled(x), **sums)
+    # Compiled (eager calls compile every op alone): one program per model.
+    forward = eqx.filter_jit(lambda m, x: m(x))
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: m(x).sum()))
+    assert_rounding_close(forward(scanned, x), forward(unrolled, x), **sums)
     remat = eqx.tree_at(
         lambda m: m.hidden, scanned, zoo.nn.Stacked(lambda k: unrolled.hidden[0], 3, remat="dots_saveable", key=key)
     )
     remat = eqx.tree_at(lambda m: m.hidden.layers, remat, stacked)
     assert_rounding_close(
-        jax.grad(lambda m: m(x).sum())(remat).input_block.linear.weight,
-        jax.grad(lambda m: m(x).sum())(scanned).input_block.linear.weight,
+        grads(remat, x).input_block.linear.weight,
+        grads(scanned, x).input_block.linear.weight,
         terms=sums["terms"],
         depth=2 * sums["depth"] + 1,
     )

@@ -3,8 +3,9 @@
 against the Hugging Face architecture registry, and `zoo info` / `zoo inspect` / `zoo
 train` building the same model from the same flags.
 
-Commands run in-process (`zoo_main`) on the 8 simulated CPU devices of conftest, on small
-models (`--model-config d_model=32 --seq-len 16`).
+Commands run in-process (`zoo_main`), on small models: the mlp run of
+tests/tiny_runs.py's `TINY_MLP` (2 devices; the shapes of the session's finished mlp run, so
+the programs are shared), the Hugging Face kinds as small (`d_model=32,num_layers=1`).
 """
 
 import json
@@ -14,9 +15,12 @@ import re
 import pytest
 from helpers import zoo_main
 from helpers import zoo_ok as ok
+from tiny_runs import TINY_MLP
 
-# A small transformer as zoo train builds it from the registry's scratch config.
-SMALL_LM = ["--model-config", "d_model=32", "--seq-len", "16"]
+# A small transformer (or encoder) as zoo train builds it from the registry's scratch config.
+SMALL_LM = ["--model-config", "d_model=32,num_layers=1", "--seq-len", "16"]
+# The run's sizes: 2 devices, batch 8, 1 microbatch, 16 eval rows (tiny_runs.TINY_MLP).
+RUN = TINY_MLP[:-1]
 
 
 def one_line_error(args, message: str) -> str:
@@ -330,8 +334,8 @@ def test_init_is_taken_by_the_spec_whose_class_the_family_builds(llama_dir):
     "model, flags",
     [
         ("transformer", SMALL_LM),
-        pytest.param("encoder", SMALL_LM, marks=pytest.mark.slow),
-        ("mlp", ["--model-config", "width=32,depth=3"]),
+        ("encoder", SMALL_LM),
+        ("mlp", ["--model-config", "width=16,depth=2"]),  # the session's finished mlp run's model
     ],
 )
 def test_info_inspect_and_train_build_the_same_model(model, flags, tmp_path):
@@ -344,20 +348,19 @@ def test_info_inspect_and_train_build_the_same_model(model, flags, tmp_path):
     import zoo
     from zoo._tree import path_str
 
-    info = json.loads(ok("info", model, *flags, "--json"))
-    report = json.loads(ok("inspect", model, *flags, "--batch-size", "16", "--microbatches", "1", "--json"))
+    info = json.loads(ok("info", model, *flags, "--devices", "2", "--json"))
+    report = json.loads(ok("inspect", model, *flags, *RUN[:6], "--json"))
     out = tmp_path / "run"
-    run_flags = ["--steps", "1", "--batch-size", "16", "--microbatches", "1", "--eval-size", "16", "--quiet"]
-    ok("train", model, *flags, *run_flags, "--output", out)
+    ok("train", model, *flags, *RUN, "--steps", "1", "--quiet", "--output", out)
     summary = json.loads((out / "summary.json").read_text())
 
     assert info["parameters"] == info["totals"]["parameters"] == report["parameters"] == summary["parameters"]
     assert info["config"] == report["config"]
     assert sum(math.prod(leaf["shape"]) for leaf in info["leaves"]) == summary["parameters"]
     if model == "mlp":
-        assert info["config"]["width"] == 32 and info["config"]["depth"] == 3
+        assert info["config"]["width"] == 16 and info["config"]["depth"] == 2
         return
-    assert info["config"]["d_model"] == 32 and info["config"]["max_len"] == 16
+    assert info["config"]["d_model"] == 32 and info["config"]["num_layers"] == 1 and info["config"]["max_len"] == 16
     saved = zoo.hf.from_pretrained(out / "model")  # what train wrote, read back
     shapes = {
         path_str(path): list(x.shape)
@@ -371,40 +374,24 @@ def test_info_inspect_and_train_build_the_same_model(model, flags, tmp_path):
     assert info_shapes == shapes
 
 
-# Run after docs/models.md's "A model of your own" block, in the same process: what its last
-# comment says the registered model now does.
-_DOCS_MODEL_THEN = """
-import json, sys
-from pathlib import Path
-from zoo._cli import main
-
-out = Path(sys.argv[1])
-for argv in (["info", "tiny-regressor"], ["inspect", "tiny-regressor", "--json"],
-             ["train", "tiny-regressor", "--steps", "2", "--quiet", "--output", str(out)]):
-    rc = main(argv)
-    assert rc == 0, (argv, rc)
-summary = json.loads((out / "summary.json").read_text())
-assert summary["model"] == "tiny-regressor" and summary["steps"] == 2, summary
-print("ran", summary["collectives"]["gradient_reductions"])
-"""
-
-
-@pytest.mark.slow
-def test_the_docs_model_of_your_own_runs_as_written(tmp_path):
-    """docs/models.md's "A model of your own" block, verbatim, in a fresh process, then
-    `zoo info` / `inspect` / `train` of the model it registers."""
-    import os
-    import subprocess
-    import sys
+def test_the_docs_model_of_your_own_runs_as_written(tmp_path, monkeypatch):
+    """docs/models.md's "A model of your own" block, verbatim, run in a namespace of its own
+    (it imports all it uses), then what its last comment says the registered model now does
+    in this process: `zoo info` / `inspect` / `train` of it (through the CLI's entry; the
+    registry restored after the test)."""
     from pathlib import Path
 
+    from zoo.train import _registry
+
+    monkeypatch.setattr(_registry, "_REGISTRY", dict(_registry._REGISTRY))
     root = Path(__file__).resolve().parent.parent
     text = (root / "docs" / "models.md").read_text()
     block = text.split("A model of your own:\n\n```python\n", 1)[1].split("```", 1)[0]
-    script = tmp_path / "model_of_your_own.py"
-    script.write_text(block + _DOCS_MODEL_THEN)
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "ran 1" in proc.stdout, proc.stdout[-2000:]
+    exec(compile(block, "docs/models.md", "exec"), {"__name__": "model_of_your_own"})
+    out = tmp_path / "run"
+    ok("info", "tiny-regressor")
+    json.loads(ok("inspect", "tiny-regressor", "--json"))
+    ok("train", "tiny-regressor", "--steps", "2", "--quiet", "--output", out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "tiny-regressor" and summary["steps"] == 2, summary
+    assert summary["collectives"]["gradient_reductions"] == 1, summary["collectives"]

@@ -89,6 +89,23 @@ def np_attention(attn, x, mask=None):
     return out.reshape(b, s, h * hd) @ np.asarray(attn.o_proj.weight, np.float64) + np.asarray(attn.o_proj.bias)
 
 
+@eqx.filter_jit
+def _attend(attn, x, mask):
+    """An attention layer's output, compiled (eager calls compile every op alone)."""
+    return attn(x, mask=mask)
+
+
+@eqx.filter_jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+@eqx.filter_jit
+def _loss_grads(model, batch):
+    """The gradients of the summed next-token loss, compiled."""
+    return eqx.filter_grad(lambda m: zoo.models.next_token_loss(m, batch)[0].sum())(model)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("rope", [None, 10000.0])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -98,7 +115,7 @@ def test_attention_matches_reference(causal, rope, kv_heads):
     x = jax.random.normal(k2, (2, 6, 16))
     mask = jnp.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
     expected = np_attention(attn, x, mask)
-    got = attn(x, mask=mask)
+    got = _attend(attn, x, mask)
     # Rows of fully masked queries are arbitrary (no key allowed); compare the real ones.
     assert_rounding_close(got, expected, **ATTENTION)
 
@@ -118,11 +135,12 @@ def test_partial_rope_rotates_the_first_dimensions_and_passes_the_rest():
 def test_rope_matches_formula_and_depends_on_relative_position():
     x = jax.random.normal(jax.random.key(0), (1, 7, 2, 8))
     cos, sin = zoo.nn.rope_tables(7, 8)
-    assert_rounding_close(zoo.nn.apply_rope(x, cos, sin), np_rope(x), terms=1, depth=ROPE_DEPTH, scale=2 * largest(x))
+    rope = jax.jit(zoo.nn.apply_rope)
+    assert_rounding_close(rope(x, cos, sin), np_rope(x), terms=1, depth=ROPE_DEPTH, scale=2 * largest(x))
     # <rope(q, m), rope(k, n)> depends only on m - n.
     q = jnp.broadcast_to(jax.random.normal(jax.random.key(1), (8,)), (1, 7, 1, 8))
     k = jnp.broadcast_to(jax.random.normal(jax.random.key(2), (8,)), (1, 7, 1, 8))
-    rq, rk = zoo.nn.apply_rope(q, cos, sin)[0, :, 0], zoo.nn.apply_rope(k, cos, sin)[0, :, 0]
+    rq, rk = rope(q, cos, sin)[0, :, 0], rope(k, cos, sin)[0, :, 0]
     dots = rq @ rk.T
     # An 8-term dot of rotated vectors: its sum, and each side's rotation error (ROPE_DEPTH
     # ulps), all of |q| |k|.
@@ -168,37 +186,46 @@ def test_feedforward_and_blocks_match_formulas():
     key = jax.random.key(0)
     x = jax.random.normal(key, (2, 3, 8))
     ff = zoo.nn.FeedForward(8, 16, activation="swiglu", init_std=0.3, key=key)
-
-    def lin(layer, h):
-        return h @ layer.weight + layer.bias
-
-    swiglu = lin(ff.down, jax.nn.silu(lin(ff.gate, x)) * lin(ff.up, x))
-    assert_rounding_close(ff(x), swiglu, **FEEDFORWARD)
     ff_gelu = zoo.nn.FeedForward(8, 16, activation="gelu", init_std=0.3, key=key)
-    assert_rounding_close(
-        ff_gelu(x), lin(ff_gelu.down, jax.nn.gelu(lin(ff_gelu.up, x), approximate=False)), **FEEDFORWARD
-    )
-
     attn = zoo.nn.Attention(8, 2, init_std=0.3, key=key)
     ln1, ln2 = zoo.nn.LayerNorm(8), zoo.nn.LayerNorm(8)
-    pre = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=True)
-    post = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=False)
-    h = x + attn(ln1(x))
-    block = {"terms": 16, "depth": ATTENTION["depth"] + FEEDFORWARD["depth"] + 2 * 2}  # + 2 norms' sums
-    assert_rounding_close(pre(x), h + ff(ln2(h)), **block)
-    h = ln1(x + attn(x))
-    assert_rounding_close(post(x), ln2(h + ff(h)), **block)
     # Norms on the sub-layers' outputs only (OLMo 2), and on inputs and outputs (Gemma 2/3).
     ln3, ln4 = (
         eqx.tree_at(lambda n: n.weight, zoo.nn.LayerNorm(8), 1 + 0.1 * jax.random.normal(jax.random.key(i), (8,)))
         for i in (3, 4)
     )
-    after = zoo.nn.TransformerBlock(attn, ff, None, None, attention_out_norm=ln3, mlp_out_norm=ln4)
-    h = x + ln3(attn(x))
-    assert_rounding_close(after(x), h + ln4(ff(h)), **block)
-    sandwich = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, attention_out_norm=ln3, mlp_out_norm=ln4)
-    h = x + ln3(attn(ln1(x)))
-    assert_rounding_close(sandwich(x), h + ln4(ff(ln2(h))), **block | {"depth": block["depth"] + 2 * 2})
+
+    def lin(layer, h):
+        return h @ layer.weight + layer.bias
+
+    @eqx.filter_jit  # every module and formula in one program (eager calls compile each op alone)
+    def outputs_and_formulas(ff, ff_gelu, attn, ln1, ln2, ln3, ln4, x):
+        out = {
+            "swiglu": (ff(x), lin(ff.down, jax.nn.silu(lin(ff.gate, x)) * lin(ff.up, x))),
+            "gelu": (ff_gelu(x), lin(ff_gelu.down, jax.nn.gelu(lin(ff_gelu.up, x), approximate=False))),
+        }
+        pre = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=True)
+        h = x + attn(ln1(x))
+        out["pre"] = (pre(x), h + ff(ln2(h)))
+        post = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=False)
+        h = ln1(x + attn(x))
+        out["post"] = (post(x), ln2(h + ff(h)))
+        after = zoo.nn.TransformerBlock(attn, ff, None, None, attention_out_norm=ln3, mlp_out_norm=ln4)
+        h = x + ln3(attn(x))
+        out["after"] = (after(x), h + ln4(ff(h)))
+        sandwich = zoo.nn.TransformerBlock(attn, ff, ln1, ln2, attention_out_norm=ln3, mlp_out_norm=ln4)
+        h = x + ln3(attn(ln1(x)))
+        out["sandwich"] = (sandwich(x), h + ln4(ff(ln2(h))))
+        return out
+
+    out = outputs_and_formulas(ff, ff_gelu, attn, ln1, ln2, ln3, ln4, x)
+    assert_rounding_close(*out["swiglu"], **FEEDFORWARD)
+    assert_rounding_close(*out["gelu"], **FEEDFORWARD)
+    block = {"terms": 16, "depth": ATTENTION["depth"] + FEEDFORWARD["depth"] + 2 * 2}  # + 2 norms' sums
+    assert_rounding_close(*out["pre"], **block)
+    assert_rounding_close(*out["post"], **block)
+    assert_rounding_close(*out["after"], **block)
+    assert_rounding_close(*out["sandwich"], **block | {"depth": block["depth"] + 2 * 2})
     with pytest.raises(ValueError, match="post-LN TransformerBlock.*no output norms"):
         zoo.nn.TransformerBlock(attn, ff, ln1, ln2, pre_norm=False, mlp_out_norm=ln4)
 
@@ -251,15 +278,14 @@ def test_tied_head_is_the_embedding_and_remat_changes_nothing():
     h = jnp.ones((1, 1, 16))
     assert_rounding_close(tied.token_embedding.attend(h)[0, 0], tied.token_embedding.weight @ jnp.ones(16), terms=16)
     batch = lm_batch(jax.random.key(1), 4)
-
-    def grads(model):
-        return eqx.filter_grad(lambda m: zoo.models.next_token_loss(m, batch)[0].sum())(model)
-
     remat = tiny_decoder(jax.random.key(0), remat="nothing_saveable")
     plain = tiny_decoder(jax.random.key(0))
     # (The configs differ in `remat`, a static field, so compare the leaves.) Recomputed
     # activations: the same sums, perhaps in another order; a loss summed over 4 x 8 tokens.
-    for a, b in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(grads(plain)), strict=True):
+    # Compiled, as a training step runs them (the remat policy acts on the compiled program).
+    for a, b in zip(
+        jax.tree.leaves(_loss_grads(remat, batch)), jax.tree.leaves(_loss_grads(plain, batch)), strict=True
+    ):
         assert_rounding_close(a, b, terms=4 * 8, depth=2 * SUMS["depth"])
 
 
@@ -270,16 +296,12 @@ def test_mixed_precision_computes_in_bf16_keeps_f32_params_and_grads():
     batch = lm_batch(jax.random.key(1), 4)
     jaxpr = jax.make_jaxpr(lambda m: m(batch["tokens"]))(bf16)
     assert "bf16" in str(jaxpr)  # activations really run in bfloat16
-    logits = bf16(batch["tokens"])
+    logits = _forward(bf16, batch["tokens"])
     assert logits.dtype == jnp.float32
-    want = f32(batch["tokens"])
+    want = _forward(f32, batch["tokens"])
     bound = BF16_FORWARD_ROUNDINGS * BF16_ROUNDOFF * largest(want)
     assert_within(logits, want, bound + 2 * SUMS["depth"] * SUMS["terms"] * UNIT_ROUNDOFF * largest(want), "bf16")
-
-    def grads(model):
-        return eqx.filter_grad(lambda m: zoo.models.next_token_loss(m, batch)[0].sum())(model)
-
-    g16, g32 = grads(bf16), grads(f32)
+    g16, g32 = _loss_grads(bf16, batch), _loss_grads(f32, batch)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))
     scale = max(largest(x) for x in jax.tree.leaves(g32))
     assert max_abs_diff(g16, g32) <= 2 * BF16_FORWARD_ROUNDINGS * BF16_ROUNDOFF * scale
@@ -304,7 +326,7 @@ def test_config_errors_say_what_to_fix():
 def test_config_round_trips_through_a_dict():
     config = TransformerConfig(vocab_size=8, d_model=16, num_heads=4, num_layers=1, positions="rope")
     assert TransformerConfig.from_dict(config.to_dict()) == config
-    assert Transformer(config, key=jax.random.key(0)).config == config
+    assert eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0)).config == config
 
 
 def test_logical_axes_of_the_models():
@@ -354,25 +376,33 @@ def test_a_layer_pattern_is_each_layer_built_alone():
     every field of it changes the output."""
     model = tiny_decoder(jax.random.key(3), **PATTERN)
     tokens = lm_batch(jax.random.key(4), 3)["tokens"]
-    h = model.embed(tokens)
+    stacks = []
     for i in range(4):  # layer i of a uniform model with layer i's settings, the same weights
-        alone = tiny_decoder(
+        alone = eqx.filter_eval_shape(
+            tiny_decoder,
             jax.random.key(5),
             num_layers=4,
             positions="rope" if PATTERN["rope_layers"][i] else "none",
             rope_theta=PATTERN["rope_thetas"][i],
             sliding_window=PATTERN["sliding_window"] if PATTERN["sliding_layers"][i] else None,
         )
-        alone = eqx.tree_at(lambda m: jax.tree.leaves(m.layers), alone, jax.tree.leaves(model.layers))
-        h = alone.layers.unstack().layers[i](h)
-    want = model.head(h)
-    got = eqx.filter_jit(lambda m, t: m(t))(model, tokens)
+        stacks.append(eqx.tree_at(lambda s: jax.tree.leaves(s), alone.layers, jax.tree.leaves(model.layers)))
+
+    @eqx.filter_jit
+    def layer_by_layer(model, stacks, tokens):
+        h = model.embed(tokens)
+        for i, stack in enumerate(stacks):
+            h = stack.unstack().layers[i](h)
+        return model.head(h)
+
+    want = layer_by_layer(model, stacks, tokens)
+    got = _forward(model, tokens)
     assert_rounding_close(got, want, **SUMS)
-    uniform = tiny_decoder(jax.random.key(3), num_layers=4, init_std=0.3)
+    uniform = eqx.filter_eval_shape(tiny_decoder, jax.random.key(3), num_layers=4, init_std=0.3)
     assert [x.shape for x in jax.tree.leaves(model)] == [x.shape for x in jax.tree.leaves(uniform)]
     for field in ("sliding_layers", "rope_layers", "rope_thetas"):
         other = Transformer(dataclasses.replace(model.config, **{field: None}), key=jax.random.key(3))
-        assert max_abs_diff(eqx.filter_jit(lambda m, t: m(t))(other, tokens), got) > 1e-3, field
+        assert max_abs_diff(_forward(other, tokens), got) > 1e-3, field
 
 
 def test_a_patterned_stack_is_one_scanned_layer_body():
@@ -397,17 +427,18 @@ def test_soft_capped_attention_matches_reference():
     attn = zoo.nn.Attention(16, 4, logit_softcap=1.5, query_scale=12.0, **common)
     x = jax.random.normal(k2, (2, 6, 16))
     mask = jnp.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
-    assert_rounding_close(attn(x, mask=mask), np_attention(attn, x, mask), terms=16, depth=ATTENTION["depth"] + 2)
+    got = _attend(attn, x, mask)
+    assert_rounding_close(got, np_attention(attn, x, mask), terms=16, depth=ATTENTION["depth"] + 2)
     plain = zoo.nn.Attention(16, 4, **common)  # the same weights
-    assert np.abs(np.asarray(attn(x, mask=mask)) - np.asarray(plain(x, mask=mask))).max() > 1e-2
+    assert np.abs(np.asarray(got) - np.asarray(_attend(plain, x, mask))).max() > 1e-2
 
 
 def test_soft_capped_logits_and_their_config_errors():
     model = tiny_decoder(jax.random.key(1), final_logit_softcapping=0.5)
-    logits = np.asarray(model(jnp.array([[3, 1, 4, 1, 5]])))
+    logits = np.asarray(_forward(model, jnp.array([[3, 1, 4, 1, 5]])))
     assert np.abs(logits).max() < 0.5
     uncapped = Transformer(dataclasses.replace(model.config, final_logit_softcapping=None), key=jax.random.key(1))
-    want = 0.5 * np.tanh(np.asarray(uncapped(jnp.array([[3, 1, 4, 1, 5]]))) / 0.5)
+    want = 0.5 * np.tanh(np.asarray(_forward(uncapped, jnp.array([[3, 1, 4, 1, 5]]))) / 0.5)
     assert_rounding_close(logits, want, terms=32, depth=2 * 6 + 3)
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
         with pytest.raises(ValueError, match=f"TransformerConfig.{field} must be None or > 0, got 0.0"):
