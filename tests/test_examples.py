@@ -71,9 +71,11 @@ def test_train_lm_learns_below_unigram_entropy():
     assert "OK: final val loss" in out
 
 
-# Tiny: a one-layer, 32-wide byte LM pretrained 100 steps on stdlib code, then 60 LoRA
-# steps (r=4, all-linear, dropout on) on pydoc prose; the prose loss falls by ~0.1 nats.
-# About 35-40 s on two CPU cores, most of it compiling the two steps.
+# Tiny: a one-layer, 32-wide byte LM pretrained 50 steps on stdlib code, then 30 LoRA
+# steps (r=4, all-linear, dropout on) on pydoc prose; the prose loss falls by 0.083 nats
+# (measured; 0.12 after 100 + 60 steps), past the 0.05 asked below. Every other claim
+# (the files, the one all-reduce of the adapter's bytes, merged and reloaded losses) is
+# the same at any length. 31 CPU s (40 at 100 + 60), most of it compiling the two steps.
 LORA_FLAGS = [
     "--devices", "8",
     "--microbatches", "4",
@@ -82,8 +84,8 @@ LORA_FLAGS = [
     "--d-model", "32",
     "--layers", "1",
     "--heads", "4",
-    "--pretrain-steps", "100",
-    "--finetune-steps", "60",
+    "--pretrain-steps", "50",
+    "--finetune-steps", "30",
     "--rank", "4",
     "--alpha", "8",
     "--eval-windows", "64",
