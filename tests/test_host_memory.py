@@ -19,8 +19,6 @@ _SCRIPT = textwrap.dedent(
     import resource, sys, warnings
     import jax, jax.numpy as jnp
     import zoo
-    if sys.argv[1] == "late":
-        jax.devices()  # the backend starts before the settings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept = zoo.keep_freed_memory() if sys.argv[1] != "default" else None
@@ -62,9 +60,30 @@ def test_keep_freed_memory_stops_the_per_call_page_faults():
     # Without it (glibc's defaults) every call faults the block in again.
     _, _, faults_default, _ = _run("default")
     assert faults_default > 0.5 * pages
-    # Called after jax's backend started: False and a warning (the settings may miss XLA's threads).
-    kept_late, _, _, warned_late = _run("late")
-    assert kept_late == "False" and warned_late == 1
+
+
+def test_keep_freed_memory_after_the_backend_started_says_false_and_warns(monkeypatch):
+    """Called after jax's backend started (this process's has): False and a warning (the
+    settings may miss XLA's threads). glibc's `mallopt` is a recorder here: the settings
+    are process-wide and would stay for the rest of the test run."""
+    import warnings
+
+    import zoo._host_memory as host_memory
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.delenv("ZOO_NO_KEEP_MEMORY")
+    monkeypatch.setattr(host_memory, "_glibc", Libc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = zoo.keep_freed_memory()
+    assert kept is False and len(caught) == 1 and "after jax started its backend" in str(caught[0].message)
+    assert calls == list(host_memory._SETTINGS)  # applied all the same
 
 
 def test_the_opt_out_leaves_malloc_alone():
