@@ -304,10 +304,10 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(served, engine):
     """The module's engine, every slot taken and one place in its queue (the first test's
     request shape for the one that waits: its reference is compiled)."""
     model = served[2]
+    running = [engine.submit(Request([6, 7], max_tokens=20)) for _ in range(engine.slots)]
+    engine.step()
     engine.max_queue = 1
     try:
-        running = [engine.submit(Request([6, 7], max_tokens=20)) for _ in range(engine.slots)]
-        engine.step()
         waiting = engine.submit(Request([8, 9, 10], max_tokens=12))
         with pytest.raises(QueueFull, match="already wait for a slot"):
             engine.submit(Request([8], max_tokens=4))
