@@ -55,8 +55,9 @@ def test_project_is_the_einsum_with_its_gradients():
         def branch(f):
             return lambda x_, a, b: jnp.sum(jnp.sin(f(f(x_, a), b)))
 
-        got = jax.grad(branch(zoo.nn.project), argnums=(0, 1, 2))(x, a, b)
-        want = jax.grad(branch(_einsum_project), argnums=(0, 1, 2))(x, a, b)
+        # Compiled: one program per shape each (eagerly, every operation of the gradients compiles).
+        got = jax.jit(jax.grad(branch(zoo.nn.project), argnums=(0, 1, 2)))(x, a, b)
+        want = jax.jit(jax.grad(branch(_einsum_project), argnums=(0, 1, 2)))(x, a, b)
         assert zoo.nn.project(x, a).shape == shape[:-1] + (4,)
         # sin(x a b) and its gradients: two matmuls (<= 24 wide, or a sum over <= 30 rows)
         # forward, two back.
@@ -265,12 +266,13 @@ def _derivatives_agree(got, want, x, order=2):
     a 12-wide function (two sums over the last axis and ~4 elementwise roundings), its
     derivatives each chaining as many again."""
     sums = {"terms": 12, "depth": 4}
-    assert_rounding_close(got(x), want(x), **sums)
+    # Each side compiled whole (eagerly, every operation of each derivative compiles).
+    assert_rounding_close(jax.jit(got)(x), jax.jit(want)(x), **sums)
     w = jax.random.normal(jax.random.key(9), want(x).shape)
     g, f = got, want
     for k in range(1, order + 1):
         g, f = (jax.grad(lambda x, h=h: jnp.sum(jnp.sin(h(x)) * w)) for h in (g, f))
-        assert_rounding_close(g(x), f(x), terms=sums["terms"], depth=(k + 1) * sums["depth"])
+        assert_rounding_close(jax.jit(g)(x), jax.jit(f)(x), terms=sums["terms"], depth=(k + 1) * sums["depth"])
 
 
 @pytest.mark.parametrize("name", ["softmax", "standardize", "rms_scale", "silu"])
@@ -377,10 +379,13 @@ def test_a_lora_layer_saves_fewer_residuals(monkeypatch):
     """One LoRA'd decoder layer (frozen base): its backward pass keeps at most 65 % of the
     activation bytes the plain formulas keep (the attention's mask and softmax intermediates, the
     norms' centred inputs and broadcast scales, three copies of the q/k/v input are gone)."""
-    model = add_lora(tiny_decoder(jax.random.key(0), d_model=64, mlp_dim=128), CONFIG, key=jax.random.key(1))
-    layers = model.layers.layers
-    params, static = eqx.partition(layers, eqx.is_array)
-    layer = eqx.combine(jax.tree.map(lambda x: x[0], params), static)
+
+    def first_layer():  # built in one compiled program (eagerly, each initialiser compiles)
+        model = add_lora(tiny_decoder(jax.random.key(0), d_model=64, mlp_dim=128), CONFIG, key=jax.random.key(1))
+        params, static = eqx.partition(model.layers.layers, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda x: x[0], params), static)
+
+    layer = eqx.filter_jit(first_layer)()
     lora, frozen = eqx.partition(layer, jax.tree.map(lambda x: x, trainable(layer, CONFIG)))
     batch = lm_batch(jax.random.key(3), 4)
     x = jax.random.normal(jax.random.key(4), (4, 8, 64))

@@ -62,11 +62,23 @@ def _alone(model, request: Request) -> list[int]:
     return np.asarray(out)[0, len(request.prompt) :].tolist()
 
 
+@eqx.filter_jit
+def _full_logprobs_program(model, tokens):
+    return jax.nn.log_softmax(model(tokens).astype(jnp.float32), axis=-1)
+
+
+def full_logprobs(model, ids) -> np.ndarray:
+    """The model's full forward pass over `ids` (one row), as float32 log-probabilities
+    `[len(ids), vocab]`: one compiled program per length (an eager pass compiles each of
+    its operations for each length)."""
+    return np.asarray(_full_logprobs_program(model, jnp.asarray([list(ids)], jnp.int32)))[0]
+
+
 def _assert_logprobs_are_the_full_forward(model, prompt, handle):
     """Each new token's log-probability is the full forward pass's at its position (float32
     log-softmax of the same logits, summed in another order: 1e-5 as the echo checks).
     Returns the full pass's log-probabilities `[prompt + new, vocab]`."""
-    full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt + handle.ids])).astype(jnp.float32), axis=-1))[0]
+    full = full_logprobs(model, prompt + handle.ids)
     want = [full[len(prompt) - 1 + j, t] for j, t in enumerate(handle.ids)]
     np.testing.assert_allclose([t.logprob for t in handle.tokens], want, atol=1e-5, rtol=0)
     return full
@@ -121,16 +133,28 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
     assert engine.active == 0 and engine.waiting == 0
 
 
+def _peaked_decoder(seed: int, noise_seed: int, **config):
+    """`tiny_decoder(key(seed), **config)` with noise of 0.3 (key(noise_seed)) added to every
+    weight: peaked logits, no near-ties between programs. Built in one compiled program
+    (eagerly, each initialiser and draw compiles for each shape)."""
+
+    def build():
+        model = tiny_decoder(jax.random.key(seed), **config)
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        noise = jax.random.key(noise_seed)
+        params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(noise, x.shape, x.dtype), params)
+        return eqx.combine(params, static)
+
+    return eqx.filter_jit(build)()
+
+
 def test_a_request_crossing_attention_spans_keeps_its_tokens():
     """A decode step's attention reads only the cache columns in use (`span`: at least 128,
     then 192, 256, ...; one program each; the blocks of columns that hold them): a request
     whose prompt fills two blocks and that grows past 128 columns beside a short one gets
     zoo.generate's tokens for it alone. The model normalises its query and key heads
     (`qk_norm`, Qwen3's: test_generate holds zoo.generate to transformers for it)."""
-    model = tiny_decoder(jax.random.key(3), max_len=256, vocab_size=64, qk_norm=True)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), params)
-    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
+    model = _peaked_decoder(3, 4, max_len=256, vocab_size=64, qk_norm=True)
     engine = Engine(model, slots=2, max_len=250)  # cache blocks of 64, 64, 64 and 58 columns
     rng = np.random.default_rng(1)
     requests = [Request(rng.integers(0, 64, size=120).tolist(), max_tokens=16), Request([5, 6, 7], max_tokens=4)]
@@ -171,10 +195,7 @@ def test_the_engine_serves_each_architecture_as_it_generates(name):
     """Three requests side by side at their own positions, past every window: each gets
     zoo.generate's tokens for it alone, each token's log-probability the full forward
     pass's (caps, norms, partial rotary and per-layer patterns are the same code in both)."""
-    model = tiny_decoder(jax.random.key(5), max_len=64, vocab_size=64, **ARCHITECTURES[name])
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(6), x.shape, x.dtype), params)
-    model = eqx.combine(params, static)  # peaked logits: no near-ties between programs
+    model = _peaked_decoder(5, 6, max_len=64, vocab_size=64, **ARCHITECTURES[name])
     attention = model.layers.layers.attention
     assert {"partial_rotary": attention.rope_dim == 4, "gemma2": attention.logit_softcap == 2.0}.get(name, True)
     engine = Engine(model, slots=2, max_len=48)
@@ -187,20 +208,30 @@ def test_the_engine_serves_each_architecture_as_it_generates(name):
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
 
 
-def test_requests_left_running_move_down_and_the_step_shrinks(served):
+def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
     """Four requests; the two in the lowest slots end first. The two left move into the
     lowest slots (their cache rows and next tokens with them) and the step runs two rows,
     then one: every request still gets zoo.generate's tokens for it alone, and each token's
-    log-probability is the full forward pass's."""
+    log-probability is the full forward pass's. (The module's engine: the rows and moves of
+    this test's steps are recorded as they are queued; the move program built once.)"""
     model = served[2]
-    engine = Engine(model, slots=4, max_len=MAX_LEN)
     rng = np.random.default_rng(2)
-    lengths = [(6, 3), (9, 2), (4, 14), (7, 20)]  # (prompt, new tokens): slots 2 and 3 outlive 0 and 1
+    # (prompt, new tokens): slots 2 and 3 outlive 0 and 1. The shapes of the first test's
+    # requests: their references (zoo.generate alone) are compiled already.
+    lengths = [(17, 3), (12, 6), (3, 12), (1, 14)]
     requests = [Request(rng.integers(6, VOCAB, size=n).tolist(), max_tokens=m) for n, m in lengths]
-    handles = [engine.submit(r) for r in requests]
-    engine.run_until_done()
-    assert engine.compiles.get(("move",)) == 1
-    assert {k[1] for k in engine.compiles if k[0] == "decode"} == {4, 2, 1}  # rows per step as requests end
+    rows, moves = [], []
+    decode_rows, move = engine._decode_rows, engine._move
+    engine._decode_rows = lambda steps, *a: (rows.append(len(steps)), decode_rows(steps, *a))[1]
+    engine._move = lambda *a: (moves.append((int(a[2]), int(a[3]))), move(*a))[1]
+    try:
+        handles = [engine.submit(r) for r in requests]
+        engine.run_until_done()
+    finally:
+        del engine._decode_rows
+        engine._move = move
+    assert sorted(moves) == [(2, 1), (3, 0)] and engine.compiles[("move",)] == 1  # both moved down, one program
+    assert [n for i, n in enumerate(rows) if i == 0 or rows[i - 1] != n] == [4, 2, 1]  # rows per step as requests end
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
@@ -256,7 +287,7 @@ def test_echo_logprobs_are_the_full_forward_passes(served, engine):
     prompt = [6, 31, 12, 40, 9, 22, 17, 50, 3, 11, 44]
     handle = engine.submit(Request(prompt, max_tokens=3, prompt_logprobs=True, top_logprobs=True))
     engine.run_until_done()
-    full = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt])).astype(jnp.float32), axis=-1))[0]
+    full = full_logprobs(model, prompt)
     want = [full[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
     assert handle.prompt_logprobs[0] is None
     np.testing.assert_allclose(handle.prompt_logprobs[1:], want, atol=1e-5, rtol=0)
@@ -269,18 +300,24 @@ def test_echo_logprobs_are_the_full_forward_passes(served, engine):
     assert [i for i, _ in top] == np.argsort(-full[len(prompt) - 1])[:5].tolist()
 
 
-def test_cancel_frees_the_slot_and_the_queue_is_bounded(served):
+def test_cancel_frees_the_slot_and_the_queue_is_bounded(served, engine):
+    """The module's engine, every slot taken and one place in its queue (the first test's
+    request shape for the one that waits: its reference is compiled)."""
     model = served[2]
-    engine = Engine(model, slots=1, max_len=32, max_queue=1)
-    running = engine.submit(Request([6, 7], max_tokens=20))
+    running = [engine.submit(Request([6, 7], max_tokens=20)) for _ in range(engine.slots)]
     engine.step()
-    waiting = engine.submit(Request([8, 9, 10], max_tokens=4))
-    with pytest.raises(QueueFull, match="already wait for a slot"):
-        engine.submit(Request([8], max_tokens=4))
-    running.cancel()
-    engine.step()  # the cancelled request leaves, the waiting one takes its slot
-    assert running.finish_reason == "cancelled" and len(running.ids) == 2
-    engine.run_until_done()
+    engine.max_queue = 1
+    try:
+        waiting = engine.submit(Request([8, 9, 10], max_tokens=12))
+        with pytest.raises(QueueFull, match="already wait for a slot"):
+            engine.submit(Request([8], max_tokens=4))
+        running[0].cancel()
+        engine.step()  # the cancelled request leaves, the waiting one takes its slot
+        assert running[0].finish_reason == "cancelled" and len(running[0].ids) == 2
+        assert waiting._index == 0 and engine.waiting == 0
+        engine.run_until_done()
+    finally:
+        engine.max_queue = None
     assert waiting.ids == _alone(model, waiting.request)
 
 
@@ -302,20 +339,24 @@ def test_bad_requests_are_refused_with_the_fix(engine, request_, message):
     assert message in str(e.value)
 
 
-def test_stream_and_background_thread(served):
+def test_stream_and_background_thread(served, engine):
+    """The module's engine (the first test's request shapes: its programs and references
+    are compiled), stopped at the end and then made to take requests again."""
     model = served[2]
-    engine = Engine(model, slots=2, max_len=32)
-    request = Request([6, 7, 8], max_tokens=6)
+    request = Request([6, 7, 8], max_tokens=12)
     want = _alone(model, request)
     assert [t.id for t in engine.stream(request)] == want  # steps itself
     engine.start()
     try:
-        handles = [engine.submit(Request([6, 7, 8], max_tokens=6)) for _ in range(3)]
+        handles = [engine.submit(Request([6, 7, 8], max_tokens=12)) for _ in range(3)]
         assert [[t.id for t in engine.tokens(h)] for h in handles] == [want] * 3
     finally:
         engine.stop()
-    with pytest.raises(QueueFull, match="stopping"):
-        engine.submit(request)
+    try:
+        with pytest.raises(QueueFull, match="stopping"):
+            engine.submit(request)
+    finally:  # for the module's later tests: a stopped engine takes no request
+        engine._stopping, engine._thread = False, None
 
 
 # --- the HTTP server, through the official openai client ----------------------------------
@@ -357,11 +398,56 @@ class _Process:
         return self.proc.wait(timeout=60)
 
 
+class _InProcess:
+    """`zoo serve FOLDER --port 0 --name tiny FLAGS` in this process: the CLI's own entry
+    (`helpers.zoo_main`) builds the server from the flags (the model, tokenizer and chat
+    template read, the engine made and warmed up); uvicorn then serves it in a thread on a
+    free port of 127.0.0.1, as `zoo.serve.serve` does in the process. What only a process
+    shows (its "ready" line, SIGTERM draining, exit code 0) is
+    test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight's, with `_Process`."""
+
+    def __init__(self, folder, *flags):
+        import threading
+
+        import uvicorn
+        from helpers import zoo_main
+
+        import zoo.serve
+        from zoo.serve._http import _Uvicorn
+
+        built = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(zoo.serve, "serve", lambda server, **address: built.append((server, address)))
+            rc, _, err = zoo_main("serve", folder, "--port", 0, "--name", "tiny", *flags)
+        assert rc == 0, err
+        ((self.server, address),) = built
+        ready = threading.Event()
+
+        def announce(host, port):
+            self.base = f"http://{host}:{port}/v1"
+            ready.set()
+
+        config = uvicorn.Config(self.server.app, **address, log_level="warning", lifespan="on")
+        self.uvicorn = _Uvicorn(config, announce, self.server)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        assert ready.wait(120), "the server did not start"
+
+    client = _Process.client
+
+    def stop(self) -> None:
+        import signal
+
+        self.uvicorn.handle_exit(signal.SIGTERM, None)  # as uvicorn's signal handler calls it
+        self.thread.join(60)
+        assert not self.thread.is_alive() and self.server.engine.error is None
+
+
 @pytest.fixture(scope="module")
 def server(served):
-    process = _Process(served[0], "--slots", 4, "--max-len", MAX_LEN)
-    yield process
-    assert process.stop() == 0
+    running = _InProcess(served[0], "--slots", 4, "--max-len", MAX_LEN)
+    yield running
+    running.stop()
 
 
 def _http(base, method, path, body=None):
@@ -439,7 +525,7 @@ def test_openai_client_echo_logprobs_are_the_full_forward(served, server):
     ids = _ids(served, prompt)
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     lp = out.choices[0].logprobs
-    full = np.asarray(jax.nn.log_softmax(served[2](jnp.asarray([ids])).astype(jnp.float32), axis=-1))[0]
+    full = full_logprobs(served[2], ids)
     assert out.choices[0].text == prompt and lp.tokens == prompt.split()
     assert lp.token_logprobs[0] is None
     np.testing.assert_allclose(lp.token_logprobs[1:], [full[i, ids[i + 1]] for i in range(len(ids) - 1)], atol=1e-5)
@@ -608,7 +694,7 @@ def test_lm_eval_local_completions_scores_as_zoo_does(served, server, tmp_path):
     for sample in samples:
         for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
             whole, ctx = tokenizer.encode(context + continuation).ids, tokenizer.encode(context).ids
-            logprobs = np.asarray(jax.nn.log_softmax(model(jnp.asarray([whole])).astype(jnp.float32), -1))[0]
+            logprobs = full_logprobs(model, whole)
             want = sum(logprobs[j - 1, whole[j]] for j in range(len(ctx), len(whole)))
             np.testing.assert_allclose(float(response[0][0]), want, atol=1e-5, rtol=0)
             checked += 1

@@ -92,7 +92,9 @@ def test_load_and_unload_while_requests_run(served, adapters):
     serves it at the next step. No program is built after the first ones."""
     base = served[2]
     engine = Engine(base, slots=3, max_len=64, adapters={"sql": adapters["sql"][1]}, max_adapters=2, max_lora_rank=8)
-    engine.warm_up()  # the decode step for 1 to 3 rows, and the prefill of these short prompts
+    # The decode step for 1 to 3 rows, and the prefill of these short prompts (the default
+    # kernel: timing the kernels is test_serve.py's warm_up test).
+    engine.warm_up(tune=False)
     running = [engine.submit(Request([6, 7, 8], max_tokens=16, adapter="sql")) for _ in range(2)]
     plain = engine.submit(Request([10, 11, 12], max_tokens=16))
     engine.step()
@@ -146,6 +148,9 @@ def server(served, adapters):
     flags = ["--slots", 4, "--max-len", 64, "--max-adapters", 3, "--max-lora-rank", 8]
     for name in ("sql", "poet"):
         flags += ["--adapter", f"{name}={adapters[name][0]}"]
+    # A process of its own: in the test process jaxtyping's import hook checks zoo's
+    # annotations, and loading an adapter over HTTP fails one (zoo.lora's unmerge is annotated
+    # without MultiLoraLinear, which it is handed here); a server process does not check them.
     process = _Process(served[0], *flags)
     yield process
     assert process.stop() == 0
@@ -283,7 +288,9 @@ def test_cli_adapter_errors_are_one_line(served, adapters, extra, message):
 @pytest.mark.timeout(120)
 def test_cli_lora_targets_reach_the_engine(served, adapters, monkeypatch):
     """`--lora-targets q_proj+v_proj`: the engine holds adapter room on those layers only
-    (and serves an adapter on them); the server itself is not started."""
+    (and serves an adapter on them); the server itself is not started, nor the engine
+    warmed up (what warm_up compiles: test_serve.py's warm_up test, and every server the
+    tests start through the CLI)."""
     from helpers import zoo_main
 
     import zoo.serve
@@ -294,6 +301,7 @@ def test_cli_lora_targets_reach_the_engine(served, adapters, monkeypatch):
         engines.append(server.engine)
 
     monkeypatch.setattr(zoo.serve, "serve", no_server)
+    monkeypatch.setattr(zoo.serve.Engine, "warm_up", lambda self, *a, **k: None)
     rc, _, err = zoo_main("serve", served[0], "--lora-targets", "q_proj+v_proj", "--max-lora-rank", "8",
                           "--adapter", f"sql={adapters['sql'][0]}")  # fmt: skip
     assert rc == 0, err
@@ -320,6 +328,7 @@ def test_a_finetune_run_as_source_serves_its_adapter_by_the_run_name(served, tmp
            "--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "16", "--steps", "3", "--quiet", "--output", run)  # fmt: skip
     servers = []
     monkeypatch.setattr(zoo.serve, "serve", lambda server, **_: servers.append(server))
+    monkeypatch.setattr(zoo.serve.Engine, "warm_up", lambda self, *a, **k: None)  # it compiles what it serves
     rc, _, err = zoo_main("serve", run, "--max-len", 64, "--max-lora-rank", 8)
     assert rc == 0, err
     (server,) = servers

@@ -49,10 +49,11 @@ class Request:
 @dataclass
 class Token:
     """One generated token: its id, its log-probability under the model (before any
-    temperature or filtering) and the `TOP_LOGPROBS` most likely ids with theirs."""
+    temperature or filtering) and the `TOP_LOGPROBS` most likely ids with theirs. (A
+    prompt's tokens echoed back are Tokens too: the first has no log-probability, None.)"""
 
     id: int
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, float]]
 
 
