@@ -113,7 +113,11 @@ def _free_module_caches(module) -> None:
 
 
 def _free_compiled_programs() -> None:
-    """Clear jax's caches (every compiled program they hold)."""
+    """Clear jax's caches and zoo's programs shared between `Jit`s (every compiled program
+    they hold)."""
+    from zoo._jit import clear_programs
+
+    clear_programs()
     jax.clear_caches()
     gc.collect()
 

@@ -416,3 +416,47 @@ def test_train_step_takes_a_preset():
     assert zoo.TrainStep(loss, optax.sgd(0.1), preset="fsdp-once", gather="per_use").gather == "per_use"
     with pytest.raises(ValueError, match="unknown rules preset"):
         zoo.TrainStep(loss, optax.sgd(0.1), preset="fsdp_once")
+
+
+def test_a_step_built_again_runs_the_program_already_compiled(setup):
+    """A TrainStep built anew for the same computation (a run built again in one process)
+    compiles nothing: `Jit`s share programs by their lowered text. Another mesh's devices,
+    another learning rate (a constant of the program) or other compiler options each get a
+    program of their own, and each step's update is its own."""
+    from helpers import backend_compiles
+
+    from zoo._jit import Jit, clear_programs
+
+    model, batch, *_ = setup
+    clear_programs()
+    jax.clear_caches()
+
+    def update(lr, devices):
+        mesh = jax.make_mesh((2,), ("data",), devices=devices, axis_types=(AxisType.Explicit,))
+        with jax.set_mesh(mesh):
+            placed = zoo.shard(model, zoo.rules("dp"), mesh)
+            step = zoo.TrainStep(mse_per_example, optax.sgd(lr), microbatches=2)
+            state = step.init(placed)
+            with backend_compiles() as names:
+                new, _, _ = step(placed, state, batch)
+        return jax.device_get(new), [n for n in names if "train_step" in n]
+
+    first, compiled = update(0.1, jax.devices()[:2])
+    assert len(compiled) == 1
+    again, compiled = update(0.1, jax.devices()[:2])
+    assert compiled == [] and eqx.tree_equal(again, first)
+    other_devices, compiled = update(0.1, jax.devices()[2:4])
+    assert len(compiled) == 1 and eqx.tree_equal(other_devices, first)
+    other_lr, compiled = update(0.2, jax.devices()[:2])
+    assert len(compiled) == 1 and not eqx.tree_equal(other_lr, first)
+
+    def double(x):
+        return 2 * x
+
+    x = jnp.arange(4.0)
+    seen = []
+    for options in (None, None, {"xla_cpu_enable_fast_math": True}):
+        with backend_compiles() as names:
+            Jit(double, on_compile=lambda *_: None, compiler_options=options)(x)
+        seen.append(len(names))
+    assert seen == [1, 0, 1]

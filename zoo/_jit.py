@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -110,6 +112,36 @@ def _signature(arg, arrays) -> tuple:
     return tuple((a.shape, a.dtype, getattr(a, "sharding", None)) if a is not None else None for a in arrays)
 
 
+# Compiled programs by what they compute: a `Jit` built anew for the same computation (a
+# run's step built again in one process, a second engine of the same model) runs the
+# program already compiled instead of compiling it again (jax's own caches key programs by
+# the Python function, which each `Jit` makes anew). A few are kept: each holds its code.
+_PROGRAMS: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
+PROGRAMS_KEPT = 16
+
+
+def clear_programs() -> None:
+    """Forget the compiled programs `Jit`s share (their memory is freed with the last user)."""
+    _PROGRAMS.clear()
+
+
+def _devices(sharding) -> tuple:
+    """The devices a sharding places on, in its order (the HLO text names positions only)."""
+    try:
+        return tuple(d.id for d in sharding._device_assignment)
+    except AttributeError:
+        return tuple(sorted(d.id for d in sharding.device_set))
+
+
+def _program_key(lowered: jax.stages.Lowered, groups, compiler_options) -> tuple:
+    """The lowered program's text (shapes, shardings, donations, the computation itself),
+    the compiler options and the devices its arguments are placed on."""
+    text = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    shardings = {getattr(leaf, "sharding", None) for group in groups for leaf in group if leaf is not None}
+    devices = tuple(sorted({_devices(s) for s in shardings if s is not None}))
+    return text, repr(sorted((compiler_options or {}).items())), devices
+
+
 class Jit:
     """`jax.jit` over a function of pytrees holding arrays and static leaves.
 
@@ -140,6 +172,7 @@ class Jit:
     ):
         self._out_static: dict[Any, Any] = {}
         self._on_compile = on_compile
+        self._compiler_options = compiler_options
         self._seen: dict[Any, jax.stages.Compiled] = {}
 
         def run(static, *dynamic):
@@ -182,18 +215,26 @@ class Jit:
     def __call__(self, *args):
         static, groups = self._prepare(args)
         if self._on_compile is not None:
-            self._compiled(static, groups, args)
+            # The program handed to `on_compile` is the one that runs.
+            return self._unflatten(static, self._compiled(static, groups, args)(*groups), groups)
         return self._unflatten(static, self._jitted(static, *groups), groups)
 
     def _compiled(self, static, groups, args) -> jax.stages.Compiled:
         """The program for these arguments; a new one is handed to `on_compile` first.
-
-        jax keeps what `lower(...).compile()` built, so the call after it (or a call
-        before it) compiles nothing again."""
+        A program another `Jit` compiled for the same computation is reused (`_PROGRAMS`)."""
         key = (static, tuple(_signature(arg, group) for arg, group in zip(args, groups)))
         compiled = self._seen.get(key)
         if compiled is None:
-            compiled = self._jitted.lower(static, *groups).compile()
+            lowered = self._jitted.lower(static, *groups)
+            program = _program_key(lowered, groups, self._compiler_options)
+            compiled = _PROGRAMS.get(program)
+            if compiled is None:
+                compiled = lowered.compile()
+                _PROGRAMS[program] = compiled
+                while len(_PROGRAMS) > PROGRAMS_KEPT:
+                    _PROGRAMS.popitem(last=False)
+            else:
+                _PROGRAMS.move_to_end(program)
             if self._on_compile is not None:
                 self._on_compile(compiled, args)
             self._seen[key] = compiled
