@@ -394,3 +394,19 @@ def test_microbatches_and_devices_give_the_one_device_gradients_with_one_all_red
         parts = np.array_split(np.arange(8), 2 * microbatches)  # per device and microbatch
         per_microbatch = np.mean([float(sums[p].sum() / tokens[p].sum()) for p in parts])
         assert abs(per_microbatch - want_loss) > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_a_batch_with_no_completion_tokens_gives_loss_zero_not_nan(loss_type):
+    """dapo and bnpo divide by the global token count: a batch whose completions are all
+    empty (every one truncated and masked, say) gives loss 0 and zero gradients, as TRL's
+    clamped count does, not 0/0; the optimizer's state stays finite."""
+    model, trainable = _lora_decoder()
+    batch = _step_batch()
+    batch = batch | {"completion": jnp.zeros_like(batch["completion"])}
+    loss_fn = zoo.models.GRPOLoss(loss_type=loss_type, max_completion_length=5)
+    step = zoo.TrainStep(loss_fn, optax.adamw(0.1), microbatches=2, trainable=trainable)
+    loss, grads = step.loss_and_grads(model, batch)
+    assert float(loss) == 0.0
+    assert all(float(np.max(np.abs(g))) == 0.0 for g in jax.tree.leaves(step.partition(grads)[0]))
+    assert float(loss_fn.metrics(model, batch)["loss"]) == 0.0

@@ -2,7 +2,7 @@
 
 The fixture `step_collectives.json` beside this file pins what every compiled step
 communicates (kind, inside or outside loops, bytes, mesh axes, group size of each
-collective); `tests/test_refactor.py` recompiles the same steps and compares. Regenerate it
+collective); `tests/test_compiled_steps.py` recompiles the same steps and compares. Regenerate it
 (only when a change to the compiled steps is intended) with one command:
 
     python tests/data/make_step_collectives.py [CASE_NAME ...]   # names: only those cases
