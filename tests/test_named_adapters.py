@@ -308,6 +308,8 @@ def test_add_select_disable_delete():
     gone = zoo.lora.delete_adapter(left, "b")
     assert not zoo.lora.modules(gone, zoo.lora.MultiLoraLinear)
     np.testing.assert_array_equal(zoo_run(gone, tokens), zoo_run(tiny(), tokens))
+    # unload drops every named adapter too (unmerge passes MultiLoraLinear layers as they are)
+    np.testing.assert_array_equal(zoo_run(zoo.lora.unload(m), tokens), zoo_run(tiny(), tokens))
 
 
 def test_bad_input_one_clear_error_each():

@@ -490,8 +490,8 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 def unmerge(model: Any) -> Any:
     """Undo `merge(model, unload=False)`: subtract each branch from its base weight again."""
 
-    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens):
-        if not layer.merged:
+    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear):
+        if not layer.merged:  # MultiLoraLinear never is
             return layer
         if isinstance(layer, TrainableTokens):
             base = eqx.tree_at(lambda e: e.weight, layer.base, layer.table(layer.trainable_tokens_original))
