@@ -379,3 +379,23 @@ def test_shell_block_parses(block, tmp_path, monkeypatch):
     for argv in filter(_cheap, commands):
         rc, _, err = zoo_main(*argv)
         assert rc == 0, f"{block.name}: `zoo {shlex.join(argv)}` failed:\n{err[-3000:]}"
+
+
+TEST_REFERENCE = re.compile(r"tests/((?:\w+/)*test_\w+\.py)(?:::(\w+))?")
+
+
+def test_every_test_the_docs_name_exists():
+    """The docs, the package and the tests name tests as `tests/FILE` or `tests/FILE::NAME`
+    (docs/claims.md's evidence, docs/testing.md's costs): each such file exists and defines
+    that test, so moving or renaming a test cannot leave a claim pointing at nothing."""
+    sources = [*DOCS, *sorted((ROOT / "zoo").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py"))]
+    missing = []
+    for source in sources:
+        for match in TEST_REFERENCE.finditer(source.read_text()):
+            path, name = ROOT / "tests" / match.group(1), match.group(2)
+            where = f"{source.relative_to(ROOT)}: {match.group(0)}"
+            if not path.exists():
+                missing.append(f"{where} (no such file)")
+            elif name and not re.search(rf"^(?:async )?def {name}\b", path.read_text(), re.M):
+                missing.append(f"{where} (no such test)")
+    assert not missing, "\n".join(missing)
