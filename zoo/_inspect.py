@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
 from collections import deque
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import numpy as np
@@ -142,6 +143,9 @@ def _program(obj: Any, args: tuple, kwargs: dict) -> tuple[str, jax.stages.Compi
     return obj.as_text(), obj
 
 
+# The two readers below run ~10k times per program: runtime type checks (the tests'
+# import hook) would cost a second per program for nothing, so they are exempt.
+@no_type_check
 def _varint(data: bytes, i: int) -> tuple[int, int]:
     value = shift = 0
     while True:
@@ -153,6 +157,7 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
             return value, i
 
 
+@no_type_check
 def _fields(data: bytes):
     """(field number, value) of a protobuf message, read from the wire format."""
     i = 0
@@ -172,10 +177,12 @@ def _fields(data: bytes):
         yield number, value
 
 
-def _stack_frames(compiled: jax.stages.Compiled | None) -> dict[int, tuple[str, ...]]:
-    """`stack_frame_id` → source lines (innermost first), from the HLO module's stack frame
-    index (HloModuleProto field 17: file and function names, locations, frames; ids 1-based).
-    Empty when the program does not expose it."""
+def _stack_frames(compiled: jax.stages.Compiled | None, wanted: set[int]) -> dict[int, tuple[str, ...]]:
+    """`stack_frame_id` → source lines (innermost first) for the ids in `wanted`, from the HLO
+    module's stack frame index (HloModuleProto field 17: file and function names, locations,
+    frames; ids 1-based). Empty when the program does not expose it."""
+    if not wanted:
+        return {}
     try:
         module = compiled.runtime_executable().hlo_modules()[0]
         proto = module.as_serialized_hlo_module_proto()
@@ -189,28 +196,31 @@ def _stack_frames(compiled: jax.stages.Compiled | None) -> dict[int, tuple[str, 
         elif number == 2:
             functions.append(value.decode(errors="replace"))
         elif number == 3:
-            loc = dict(_fields(value))
-            locations.append((loc.get(1, 0), loc.get(2, 0), loc.get(3, 0)))
+            locations.append(value)  # read when a wanted frame's chain reaches it
         elif number == 4:
-            frame = dict(_fields(value))
-            frames.append((frame.get(1, 0), frame.get(2, 0)))
+            frames.append(value)
 
-    def line(file_id: int, function_id: int, lineno: int) -> str:
+    @functools.cache
+    def frame(frame_id: int) -> tuple[int, int]:
+        fields = dict(_fields(frames[frame_id - 1]))
+        return fields.get(1, 0), fields.get(2, 0)  # location id, parent frame id
+
+    @functools.cache
+    def line(location_id: int) -> str:
+        fields = dict(_fields(locations[location_id - 1]))
+        file_id, function_id, lineno = fields.get(1, 0), fields.get(2, 0), fields.get(3, 0)
         file = files[file_id - 1] if 0 < file_id <= len(files) else "?"
         function = functions[function_id - 1] if 0 < function_id <= len(functions) else "?"
         return f"{file}:{lineno} in {function}"
 
-    # Each location's text once: the walks below visit a location many times (a frame's
-    # chain is its parent's plus one), ~250k times for a small model's step.
-    lines = [line(*location) for location in locations]
     out: dict[int, tuple[str, ...]] = {}
-    for frame_id in range(1, len(frames) + 1):
+    for frame_id in wanted:
         chain, seen, current = [], set(), frame_id
         while 0 < current <= len(frames) and current not in seen and len(chain) < 256:
             seen.add(current)
-            location_id, current = frames[current - 1]
-            if 0 < location_id <= len(locations) and (not chain or chain[-1] != lines[location_id - 1]):
-                chain.append(lines[location_id - 1])
+            location_id, current = frame(current)
+            if 0 < location_id <= len(locations) and (not chain or chain[-1] != line(location_id)):
+                chain.append(line(location_id))
         out[frame_id] = tuple(chain)
     return out
 
@@ -410,7 +420,6 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
     if num_devices is None and mesh is not None:
         num_devices = math.prod(mesh.shape.values())
 
-    sources = _stack_frames(compiled)
     calls: dict[str, set[str]] = {}
     loop_roots: set[str] = set()
     found: list[tuple[str, str, str, str]] = []  # (computation, kind, type, line)
@@ -446,14 +455,15 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
         in_loop.add(name)
         queue.extend(calls.get(name, ()))
 
+    frame_ids = [re.search(r"stack_frame_id=(\d+)", line) for *_, line in found]
+    sources = _stack_frames(compiled, {int(f.group(1)) for f in frame_ids if f})
     out = []
-    for comp, kind, type_str, line in found:
+    for (comp, kind, type_str, line), frame in zip(found, frame_ids):
         parts = _split_top(type_str)
         if kind in ("all-gather", "collective-permute", "all-to-all") and len(parts) > 1 and "-start(" in line:
             type_str = parts[1]  # async start: (operand, result, ...)
         groups = _parse_groups(line, num_devices)
         op_name = re.search(r'op_name="([^"]*)"', line)
-        frame = re.search(r"stack_frame_id=(\d+)", line)
         out.append(
             Collective(
                 kind=kind,
