@@ -32,7 +32,7 @@ from . import _builtin  # noqa: F401 (registers the built-in models)
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "._build_task": ("build_task",),
+        "._build": ("build_task",),
         "._config": ("DataConfig", "RunConfig"),
         "._errors": ("ConfigError", "Interrupted", "Preempted", "RunStopped"),
         "._evaluate": ("Evaluator",),
@@ -49,7 +49,6 @@ __getattr__, __dir__ = lazy_names(
             "model_spec",
             "register_model",
             "resolve_init",
-            "resolve_init",
         ),
         "._run": ("Inspection", "RunResult", "inspect", "run"),
         "._saved_run": ("SavedRun", "load_run"),
@@ -60,7 +59,7 @@ __getattr__, __dir__ = lazy_names(
 )
 
 if TYPE_CHECKING:
-    from ._build_task import build_task as build_task
+    from ._build import build_task as build_task
     from ._config import DataConfig as DataConfig
     from ._config import RunConfig as RunConfig
     from ._errors import ConfigError as ConfigError
