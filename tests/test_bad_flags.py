@@ -97,7 +97,7 @@ def test_bad_numbers_in_a_config_file(tmp_path):
 def test_rows_beyond_the_hosts_memory_are_one_line(tmp_path, monkeypatch):
     """A batch or held-out set that cannot fit is refused before it is drawn (a MemoryError
     naming terabytes before); the machine's memory is set small so the sizes stay small."""
-    monkeypatch.setattr("zoo.train._build_task.host_memory", lambda: 2**20)
+    monkeypatch.setattr("zoo.train._build.host_memory", lambda: 2**20)
     flags = ["--devices", "2", "--steps", "3", "--microbatches", "1", "--quiet", "--output", tmp_path / "run"]
     rc, _, err = zoo_main("train", "mlp", *flags, "--batch-size", str(2**16))
     one_line_error(rc, err, "--batch-size 65536 makes one batch of")

@@ -70,19 +70,12 @@ def test_no_file_is_longer_than_the_limit():
 
 
 # `# fmt: skip` keeps a hand-aligned table aligned (the files and how many each holds);
-# everywhere else ruff formats. The files of FMT_SKIP_NOT_YET are not formatted yet (issue 41).
+# everywhere else ruff formats.
 FMT_SKIP_TABLES = {"zoo/_inspect.py": 1, "zoo/nn/_four_bit.py": 1, "zoo/train/_registry.py": 1}
-# zoo/train/_config.py formatted is 873 lines, over the limit: split its flag table first.
-FMT_SKIP_NOT_YET = ("zoo/train/_config.py",)
 
 
 def test_fmt_skip_only_on_aligned_tables():
-    counts = {
-        f: n
-        for p in MODULES.values()
-        if (n := p.read_text().count("# fmt: skip"))
-        and not (f := str(p.relative_to(ZOO.parent))).startswith(FMT_SKIP_NOT_YET)
-    }
+    counts = {str(p.relative_to(ZOO.parent)): n for p in MODULES.values() if (n := p.read_text().count("# fmt: skip"))}
     assert counts == FMT_SKIP_TABLES, f"`# fmt: skip` outside the aligned tables: {counts}"
 
 

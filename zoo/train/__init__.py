@@ -32,8 +32,8 @@ from . import _builtin  # noqa: F401 (registers the built-in models)
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "._build_task": ("build_task",),
-        "._config": ("DataConfig", "RunConfig"),
+        "._build": ("build_task",),
+        "._config": ("RunConfig",),
         "._errors": ("ConfigError", "Interrupted", "Preempted", "RunStopped"),
         "._evaluate": ("Evaluator",),
         "._flags": ("Flag",),
@@ -49,19 +49,18 @@ __getattr__, __dir__ = lazy_names(
             "model_spec",
             "register_model",
             "resolve_init",
-            "resolve_init",
         ),
         "._run": ("Inspection", "RunResult", "inspect", "run"),
         "._saved_run": ("SavedRun", "load_run"),
         "._scores": ("classification_scores",),
+        "._settings": ("DataConfig",),
         "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
         "._trainer": ("Hook", "TrainState", "Trainer"),
     },
 )
 
 if TYPE_CHECKING:
-    from ._build_task import build_task as build_task
-    from ._config import DataConfig as DataConfig
+    from ._build import build_task as build_task
     from ._config import RunConfig as RunConfig
     from ._errors import ConfigError as ConfigError
     from ._errors import Interrupted as Interrupted
@@ -95,6 +94,7 @@ if TYPE_CHECKING:
     from ._saved_run import SavedRun as SavedRun
     from ._saved_run import load_run as load_run
     from ._scores import classification_scores as classification_scores
+    from ._settings import DataConfig as DataConfig
     from ._task import Task as Task
     from ._task import classifier_metrics as classifier_metrics
     from ._task import lm_metrics as lm_metrics

@@ -12,10 +12,11 @@ from .._checkpoint import Checkpointer
 from .._mismatch import shorten
 from .._presets import RULE_PRESETS
 from .._presets import rules as preset_rules
-from ._config import MAX_COUNT, RunConfig, output_dir
+from ._config import RunConfig, output_dir
 from ._errors import ConfigError
 from ._folder import owned, previous_outputs, remove_run
 from ._registry import model_spec
+from ._settings import MAX_COUNT
 from ._text import mesh_text, parse_mesh
 from ._user_data import check_data_file
 

@@ -39,8 +39,7 @@ from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapte
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
 from ._adapters import add_lora, quantize_base, read_adapter_records, stacked
-from ._build import training_step
-from ._build_task import build_task
+from ._build import build_task, training_step
 from ._config import RunConfig, saved_config
 from ._errors import ConfigError
 from ._export import TOKENIZER_FILES, merged_readme
