@@ -78,7 +78,7 @@ def key():
 # and pytest-xdist then hangs waiting for it. So a test file's own `functools.cache`s are
 # let go when the file ends (its models and the programs only it calls), and jax's caches
 # too once the process holds FREE_AT_FILE_END mappings or FREE_AT_RSS bytes of memory (a
-# small CI machine runs two workers), or MAX_MAPPINGS between any two tests. Below those, jax's caches are kept across files: the programs later files share
+# small CI machine runs three fast-phase workers: ~11 GiB at the peak of 24), or MAX_MAPPINGS between any two tests. Below those, jax's caches are kept across files: the programs later files share
 # with earlier ones (eager ops on the same shapes, zoo's own jitted functions) are not
 # compiled again (every file's end used to free them all).
 MAX_MAPPINGS = 40_000
@@ -158,7 +158,7 @@ def _timeout(item) -> float:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Long tests first, so that the two workers of `make test` end together: a test given a
+    """Long tests first, so that the workers of each `make test` phase end together: a test given a
     limit above the default (its `timeout` mark) is a long one; the longest limits first.
 
     Under `--dist load` (the slow phase: one test at a time to a worker) test by test; else
