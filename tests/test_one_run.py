@@ -210,17 +210,23 @@ def test_the_library_refuses_what_the_cli_refuses_in_the_same_words(saved_run):
     assert (saved_run / "config.json").read_text() == before
 
 
-def test_a_library_resume_inherits_what_zoo_train_resume_does(saved_run, tmp_path):
+def test_a_library_resume_inherits_what_zoo_train_resume_does(saved_run, tmp_path, monkeypatch):
     """`RunConfig(output=RUN, resume=True, steps=6)` and `zoo train --output RUN --resume
     --steps 6`, neither naming the model, lr, seed or model config: both continue the saved
-    run with its own settings, into the same config.json and the same losses."""
+    run with its own settings, into the same config.json and the same losses. Each resolves
+    its config once (the run's plan; the CLI only parses)."""
     import shutil
 
     import zoo
 
+    resolutions = []
+    resolved = zoo.train.RunConfig.resolved
+    monkeypatch.setattr(zoo.train.RunConfig, "resolved", lambda self, *a: resolutions.append(a) or resolved(self, *a))
     outs = {how: shutil.copytree(saved_run, tmp_path / how) for how in ("flags", "library")}
     zoo_ok("train", "--output", outs["flags"], "--resume", "--steps", "6", "--devices", "2")
+    assert len(resolutions) == 1, resolutions
     zoo.train.run(zoo.train.RunConfig(output=str(outs["library"]), resume=True, steps=6, devices=2))
+    assert len(resolutions) == 2, resolutions
     configs = {how: json.loads((out / "config.json").read_text()) for how, out in outs.items()}
     for config in configs.values():
         config.pop("output")

@@ -1,8 +1,10 @@
 """The smaller refusals: `zoo predict/eval --batch-size 0`, a damaged labels.json, a torn
-metrics row on resume (said, not dropped silently); each one line, no traceback."""
+metrics row on resume (said, not dropped silently), a linear probe in a multi-process run;
+each one line, no traceback."""
 
 import json
 
+import jax
 import pytest
 from helpers import one_line_error, zoo_main
 
@@ -17,6 +19,17 @@ def test_batch_size_below_1_is_refused_before_loading(command, size, tmp_path):
     extra = ["--text", "x"] if command == "predict" else ["--data", tmp_path / "d.jsonl"]
     rc, _, err = zoo_main(command, tmp_path / "no-run", *extra, "--batch-size", size)
     one_line_error(rc, err, f"--batch-size must be >= 1 (rows per forward pass), got {size}")
+
+
+@pytest.mark.parametrize("flags", [["train", "encoder", "--probe", "5"], ["demo", "minilm"]], ids=["given", "demo"])
+def test_a_probe_is_refused_in_a_multi_process_run_given_or_by_default(flags, monkeypatch, tmp_path):
+    """The probe fits on one process's features: the run's plan refuses it when the run spans
+    several, given as a flag or as the command's default (the MiniLM demo's: only the
+    resolved config knows it), before anything is built or written."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    rc, _, err = zoo_main(*flags, "--output", tmp_path / "run")
+    one_line_error(rc, err, "--probe runs in one process only, and this run has 2: set --probe 0")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -45,13 +45,15 @@ def test_model_names_a_registered_model_a_family_or_a_checkpoint(tmp_path):
 
 
 def test_a_finetune_run_is_the_init_of_the_next_sft_then_dpo(llama_dir, chat_run, tmp_path, monkeypatch):
-    """`zoo finetune --init runs/sft --objective dpo`: the SFT run's adapter merged into its
-    base (once, into zoo's cache) is the model DPO starts from: its logits are the SFT
-    run's (float32 rounding: the merge adds B·A into W). The SFT run is the shared finished
-    chat SFT run (LoRA on the tiny Llama, tests/conftest.py), read, not changed."""
+    """A DPO fine-tune of the SFT run (`zoo finetune --init runs/sft --objective dpo`; here
+    the library's `RunConfig(model="runs/sft")`, the run named as the checkpoint, which only
+    the resolved config turns into `init`): the SFT run's adapter merged into its base
+    (once, into zoo's cache) is the model DPO starts from: its logits are the SFT run's
+    (float32 rounding: the merge adds B·A into W). The SFT run is the shared finished chat
+    SFT run (LoRA on the tiny Llama, tests/conftest.py), read, not changed."""
     import numpy as np
-    from helpers import assert_rounding_close, zoo_ok
-    from tiny_runs import TINY
+    from helpers import assert_rounding_close
+    from tiny_runs import SEQ
 
     import zoo
     from zoo.train._registry import merged_cache
@@ -61,8 +63,12 @@ def test_a_finetune_run_is_the_init_of_the_next_sft_then_dpo(llama_dir, chat_run
     pairs.write_text("".join(json.dumps({"prompt": "the cat sat on the", "chosen": " mat", "rejected": " log"}) + "\n"
                              for _ in range(24)))  # fmt: skip
     sft, dpo = chat_run, tmp_path / "runs" / "dpo"
-    zoo_ok("finetune", "transformer", "--init", sft, "--data", pairs, "--objective", "dpo", "--lora", "r=4,alpha=8",
-           *TINY, "--steps", "2", "--lr", "1e-2", "--output", dpo)  # fmt: skip
+    config = zoo.train.RunConfig(
+        model=str(sft), data=zoo.train.DataConfig(source=str(pairs), seq_len=SEQ), objective="dpo", steps=2,
+        lora=zoo.lora.LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj")), devices=2, batch_size=4,
+        microbatches=1, quiet=True, output=str(dpo), optimizer=zoo.train.OptimizerConfig(lr=1e-2),
+    )  # fmt: skip
+    zoo.train.run(config, command="finetune")
     assert json.loads((dpo / "config.json").read_text())["init"] == str(sft)
     (merged,) = merged_cache().iterdir()
     tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)

@@ -37,10 +37,11 @@ def _flags(command: str) -> dict[str, Flag]:
     return {str(f.name): f for f in RunConfig.flags(command)}
 
 
-def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, dict[str, Any]]:
-    """The run of the flags (a resolved `RunConfig`) and this launch's own flags. The CLI
-    only parses: the flags given become the fields set (`--model-config` text a dict), and
-    the library does the rest (`RunConfig.resolved`): every check of the values, for
+def config_of_flags(args: argparse.Namespace, command: str) -> tuple[RunConfig, dict[str, Any]]:
+    """The run of the flags (a `RunConfig` with the flags given as its fields set, the others
+    unset) and this launch's own flags. The CLI only parses: `--model-config` text becomes
+    a dict, and the library does the rest when the run plans itself (`zoo.train.run`
+    resolves the config once, `RunConfig.resolved`): every check of the values, for
     `--resume` the saved run's config.json (its flags where none are given, a changed
     fixed one refused), then the model's defaults for the command. Its errors name fields,
     which `zoo._cli._main` shows as flags."""
@@ -56,15 +57,15 @@ def resolve_config(args: argparse.Namespace, command: str) -> tuple[RunConfig, d
             f"--process-id {index} is not below --num-processes {count}: the processes are numbered 0 to "
             f"{count - 1}; give each its own --process-id in that range"
         )
-    # Every value checked and the defaults applied; a data file is the library's to check
-    # and read (once, when the run builds its task).
-    return RunConfig.from_dict(given).resolved(command), launch
+    # The flags given, as fields: `zoo.train.run` resolves them (once, in its plan).
+    return RunConfig.from_dict(given), launch
 
 
 def resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """`resolve_config` in the flat form (`RunConfig.to_dict`, with `resume_step`,
-    `overwrite` and the launch flags): what `zoo COMMAND ARGS` would run, for tests."""
-    config, launch = resolve_config(args, command)
+    """What `zoo COMMAND ARGS` would run, for tests: `config_of_flags` resolved, in the flat
+    form (`RunConfig.to_dict`, with `resume_step`, `overwrite` and the launch flags)."""
+    config, launch = config_of_flags(args, command)
+    config = config.resolved(command)
     return config.to_dict() | {"resume_step": config.resume_step, "overwrite": config.overwrite} | launch
 
 
@@ -89,14 +90,6 @@ def _defaults(command: str) -> str:
     return RunConfig.help_texts(command)["defaults"]
 
 
-def _title(command: str, config: RunConfig) -> str | None:
-    """The demo's title (train and finetune: `zoo.train.run`'s own)."""
-    if command != "demo":
-        return None
-    what = "the pretrained all-MiniLM-L6-v2" if config.model == "minilm" else "a pretrained byte LM"
-    return f"demo: LoRA fine-tuning of {what} on {config.data.source}"
-
-
 def _multi_process(s: dict[str, Any]) -> bool:
     """Whether the flags or the environment ask for more than one process."""
     import os
@@ -119,8 +112,6 @@ def init_processes(config: RunConfig, launch: dict[str, Any]) -> int:
 
     import zoo
 
-    if config.probe:
-        raise CLIError("--probe runs in one process only; drop --probe or --num-processes")
     if not config.output:
         raise CLIError("multi-process runs need --output DIR (the same folder in every process: shared storage)")
     init_devices_env()
@@ -141,22 +132,22 @@ def init_processes(config: RunConfig, launch: dict[str, Any]) -> int:
 
 
 def execute(config: RunConfig, launch: dict[str, Any], command: str, *, title: str | None = None):
-    """Devices (and processes), then `zoo.train.run` of the resolved `config` on them."""
+    """Devices (and processes), then `zoo.train.run` of `config` on them (which resolves it)."""
     import zoo
 
     config = dataclasses.replace(config, devices=init_processes(config, launch))
-    return zoo.train.run(config, command=command, title=title or _title(command, config))
+    return zoo.train.run(config, command=command, title=title)
 
 
 def cmd_train(args) -> int:
     """`zoo train MODEL`: train every weight."""
-    execute(*resolve_config(args, "train"), "train")
+    execute(*config_of_flags(args, "train"), "train")
     return 0
 
 
 def cmd_finetune(args) -> int:
     """`zoo finetune MODEL`: LoRA adapters (+ a classifier's head), base frozen."""
-    execute(*resolve_config(args, "finetune"), "finetune")
+    execute(*config_of_flags(args, "finetune"), "finetune")
     return 0
 
 
@@ -184,12 +175,12 @@ def cmd_demo(args) -> int:
         base = {k: v for k, v in vars(args).items() if k not in skip}
         base |= {k: v for k, v in DEMO_PRETRAIN.items() if base.get(k) is None}  # its data is always code
         base["output"] = str(out / "pretrain")
-        pre = resolve_config(argparse.Namespace(**base), "train")
+        pre = config_of_flags(argparse.Namespace(**base), "train")
         execute(*pre, "train", title="demo, part 1: pretraining a byte-level LM on Python code")
         args.init = str(out / "pretrain")
         args.output = str(out)
         print(flush=True)
-    result = execute(*resolve_config(args, "demo"), "demo")
+    result = execute(*config_of_flags(args, "demo"), "demo")
     return 0 if result.summary["loss_fell"] else 1
 
 
@@ -295,4 +286,4 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
     return parsers
 
 
-__all__ = ["CLI_ONLY", "add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "resolve", "resolve_config"]
+__all__ = ["CLI_ONLY", "add_parsers", "cmd_demo", "cmd_finetune", "cmd_train", "config_of_flags", "resolve"]

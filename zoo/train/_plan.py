@@ -8,6 +8,8 @@ import dataclasses
 import math
 from pathlib import Path
 
+import jax
+
 from .._checkpoint import Checkpointer
 from .._mismatch import shorten
 from .._presets import RULE_PRESETS
@@ -20,7 +22,7 @@ from ._settings import MAX_COUNT
 from ._text import mesh_text, parse_mesh
 from ._user_data import check_data_file
 
-_WHAT = {"train": "training", "finetune": "LoRA fine-tuning", "demo": "demo: LoRA fine-tuning"}
+_WHAT = {"train": "training", "finetune": "LoRA fine-tuning"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,11 @@ def plan_run(
             f"zoo {command} {spec.name} needs RunConfig.init PATH: a Hugging Face folder or the output folder of a "
             f"`zoo train {spec.name}` run (e.g. one with RunConfig.output runs/base, then RunConfig.init runs/base)"
         )
+    if config.probe and jax.process_count() > 1:  # the probe fits on one process's copy of the features
+        raise ConfigError(
+            f"RunConfig.probe runs in one process only, and this run has {jax.process_count()}: set "
+            "RunConfig.probe 0 (--probe 0), or run in one process"
+        )
     check_layout(config, mesh_shape, devices)
     check_data_file(config)  # the paths only: the build reads the file, once
     output = output_dir(config.output, config.model, command)
@@ -76,9 +83,17 @@ def plan_run(
     for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoints)):
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
-    what = _WHAT.get(command, command)
-    title = title or f"{command} {config.model} ({what} of {config.model} on {config.data.source})"
+    title = title or default_title(config, command)
     return RunPlan(config, command, title, output, checkpoints)
+
+
+def default_title(config: RunConfig, command: str) -> str:
+    """How a run of the resolved `config` names itself in its outputs when not told."""
+    if command == "demo":
+        base = "the pretrained all-MiniLM-L6-v2" if config.model == "minilm" else "a pretrained byte LM"
+        return f"demo: LoRA fine-tuning of {base} on {config.data.source}"
+    what = _WHAT.get(command, command)
+    return f"{command} {config.model} ({what} of {config.model} on {config.data.source})"
 
 
 def mesh_shape_of(mesh: dict[str, int] | None, devices: int) -> dict[str, int]:

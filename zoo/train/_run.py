@@ -84,9 +84,10 @@ def run(
     before anything is written), `RunStopped` (the loss or weights went non-finite),
     `Preempted` (SIGTERM: a checkpoint was saved; resume with `resume=True`).
     """
-    devices = _devices(config)
-    merge_run(config.init)  # a `zoo finetune` run as init: its merged model, written once (`_registry.merged_path`)
-    plan = plan_run(config, devices=devices, command=command, title=title)
+    plan = plan_run(config, devices=_devices(config), command=command, title=title)  # the config resolved, once
+    merge_run(
+        plan.config.init
+    )  # a `zoo finetune` run as init: its merged model, written once (`_registry.merged_path`)
     # One run per folder, held before anything is read or written there. config.json is
     # written once the model is built: a run that fails before leaves no folder.
     with run_lock(plan.output, plan.checkpoints, main=is_main_process()):

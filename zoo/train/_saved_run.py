@@ -590,7 +590,7 @@ def _one_adapter(run: SavedRun, name: str | None) -> Any:
 
 # --------------------------------------------------------------------------- a finetune run as init, merged
 # Writing the merged model of a `zoo finetune` run given as another run's `init`
-# (`_registry.merged_path`): done by `zoo.train.run` before it plans the run, on one device, outside
+# (`_registry.merged_path`): done by `zoo.train.run` once it has planned the run, on one device, outside
 # the run's mesh.
 
 
