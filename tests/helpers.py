@@ -209,13 +209,17 @@ def storage_errors(model, config, dtype):
     """Per leaf of `model`, how far `cast_frozen(model, dtype, config=config)` may store it
     from its value (None for the trainable leaves, kept exactly)."""
     from zoo.lora import trainable
+    from zoo.nn._quantized import stack_projections
 
+    # int8: every projection of the layer stack (adapted: its base), and adapted bases outside it.
+    stack = {jax.tree_util.keystr((*p, jax.tree_util.GetAttrKey("weight"))) for p in stack_projections(model)}
     errors = []
     flags = jax.tree.leaves(trainable(model, config))
     for (path, w), train in zip(jax.tree_util.tree_leaves_with_path(model), flags, strict=True):
+        name = jax.tree_util.keystr(path)
         if train or not jnp.issubdtype(w.dtype, jnp.floating):
             errors.append(None)
-        elif dtype == jnp.int8 and jax.tree_util.keystr(path).endswith("base.weight"):
+        elif dtype == jnp.int8 and (name in stack or name.endswith("base.weight")):
             errors.append(jnp.max(jnp.abs(w), axis=-2, keepdims=True) / 127 / 2)
         else:
             errors.append(BF16_ROUNDOFF * jnp.abs(w))

@@ -123,7 +123,8 @@ def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
     """`cast_frozen(model, "nf4:4")` (the form `--quantize` and `RunConfig.quantize` take)
     is `cast_frozen(model, "nf4", block_size=4)`, leaf for leaf; the projections
     `from_pretrained(quantize=)` stores are `cast_frozen`'s of the same float weights (one
-    quantiser for both, `zoo.nn._quantized.quantizer`); a block given twice or a bad text form is one line."""
+    quantiser for both, `zoo.nn._quantized.quantizer`), adapted or not; a block given twice
+    or a bad text form is one line."""
     model = _lora_model()
     for text, dtype, block in (("nf4:4", "nf4", 4), ("int4:8", "int4", 8), ("int8", jnp.int8, None)):
         got = cast_frozen(model, text, config=CONFIG)
@@ -144,6 +145,21 @@ def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
     assert isinstance(got, FourBitLinear) and (got.kind, got.block_size) == ("int4", 8)
     np.testing.assert_array_equal(got.codes, want.codes)
     np.testing.assert_array_equal(got.scale, want.scale)
+    # Adapted or not, every projection of the stack is stored as loading stores it (as
+    # bitsandbytes' QLoRA base): LoRA on q_proj alone leaves no float projection.
+    narrow = LoraConfig(r=4, target_modules=("q_proj",))
+    cast = cast_frozen(add_lora(zoo.hf.from_pretrained(tmp_path / "base"), narrow, key=jax.random.key(1)), "int4:8")
+    is_layer = lambda x: isinstance(x, FourBitLinear | Linear)  # noqa: E731
+    layers = {
+        name: [x for x in jax.tree.leaves(tree, is_leaf=is_layer) if is_layer(x)]
+        for name, tree in (("loaded", loaded), ("cast", zoo.lora.unload(cast)))
+    }
+    assert [type(x) for x in layers["cast"]] == [type(x) for x in layers["loaded"]]
+    assert sum(isinstance(x, FourBitLinear) for x in layers["cast"]) == 7  # q, k, v, o, up, gate, down
+    for got, want in zip(layers["loaded"], layers["cast"], strict=True):
+        if isinstance(got, FourBitLinear):
+            np.testing.assert_array_equal(got.codes, want.codes)
+            np.testing.assert_array_equal(got.scale, want.scale)
 
 
 def test_qdora_gradients_are_the_dequantised_models():
@@ -279,7 +295,8 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
 
 def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_models(llama_dir, data_files, tmp_path):
     """`zoo finetune --quantize nf4:16 --data alpha=...,beta=...`: both named adapters train
-    on one NF4 base; `load_run` rebuilds it (codes of the float base's weights, the same
+    on one NF4 base, a step, then one more after `--resume` (its checkpoint restored onto
+    that base); `load_run` rebuilds it (codes of the float base's weights, the same
     bytes), and each adapter routed through the stacked model gives the logits of the float
     model holding the dequantised weights with that adapter alone (rounding bound);
     `zoo generate --adapter RUN/adapter/NAME` decodes on that base, `zoo export --merge
@@ -293,9 +310,15 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
 
     run = tmp_path / "two"
     data = f"alpha={data_files['text']},beta={data_files['chat']}"
-    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data, *TINY, "--steps", "2",
-                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--quantize", "nf4:16", "--checkpoint-every", "2", "--output", run)  # fmt: skip
+    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data, *TINY, "--steps", "1",
+                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--quantize", "nf4:16", "--checkpoint-every", "1", "--output", run)  # fmt: skip
     assert rc == 0, err
+    # Continued (--resume): the step-1 checkpoint restored onto the same quantised, stacked base.
+    rc, _, err = zoo_main("finetune", "--output", run, "--resume", "--steps", "2", "--devices", "2")
+    assert rc == 0, err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2]
+    assert json.loads((run / "config.json").read_text())["quantize"] == "nf4:16"
     loaded = zoo.train.load_run(run)
     q_proj = _q_proj(loaded.model)
     assert isinstance(q_proj, zoo.lora.MultiLoraLinear) and q_proj.names == ("alpha", "beta")

@@ -161,7 +161,7 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
     named = _named_adapters(folder / "adapter") if run is not None else []
     if named and adapter_dir is None:  # several adapters trained at once: which one is the user's to say
         first = folder / "adapter" / named[0]
-        quantize = run.get("quantize")  # their adapted layers quantised as in training
+        quantize = run.get("quantize")  # their base quantised as in training
         on = f" with --quantize {quantize}, as they trained" if quantize else ""
         raise CLIError(
             f"SOURCE {source}: a run of {len(named)} adapters ({', '.join(named)}); zoo generate takes one: "

@@ -17,10 +17,9 @@ import numpy as np
 from .._finite import check_finite
 from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partition_specs, shard
-from .._tree import dotted_name
+from .._tree import dotted_name, node_at
 from ..models import Encoder, Transformer
-from ..nn import Linear, Stacked
-from ..nn._quantized import quantize_kind, quantizer
+from ..nn._quantized import quantize_kind, quantizer, stack_projections
 from . import _families  # noqa: F401  (registers the families)
 from ._bnb import FourBitCheckpoint, bnb_quantize
 from ._family import Family, get_family
@@ -102,25 +101,13 @@ def _load(
 
 def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, where: str) -> dict[str, Any]:
     """Dotted name → the function that quantises it, for every `Linear` of the layer stack
-    (attention and MLP projections; embeddings, norms and an untied head stay float, as
-    bitsandbytes leaves `lm_head`). A block that does not divide a layer's inputs is
+    (`stack_projections`: attention and MLP projections; embeddings, norms and an untied
+    head stay float, as bitsandbytes leaves `lm_head`). A block that does not divide a layer's inputs is
     refused here, before anything is read."""
     if quantize is None:
         return {}
     convert = quantizer(quantize, block_size)
-    found: dict[str, Any] = {}
-
-    def walk(node: Any, path: tuple, stacked: bool) -> None:
-        if isinstance(node, Linear):
-            if stacked:
-                found[dotted_name(path)] = node
-            return
-        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-        for key, child in children:
-            if isinstance(child, eqx.Module | list | tuple | dict):
-                walk(child, path + key, stacked or isinstance(node, Stacked))
-
-    walk(skeleton, (), False)
+    found = {dotted_name(path): node_at(skeleton, path) for path in stack_projections(skeleton)}
     for name, linear in found.items():
         try:
             eqx.filter_eval_shape(convert, linear)

@@ -15,7 +15,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._mismatch import shorten
 from .._tree import dotted_name, node_at
-from ..nn import Embedding, FourBitLinear, Linear, QuantizedLinear, Stacked
+from ..nn import Embedding, FourBitLinear, Linear, QuantizedLinear, Stacked, dequantize
 from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
 from ._layer import LoraLinear, mutated_init
@@ -451,9 +451,11 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 
     `unload=True` (peft's `merge_and_unload`) returns a plain model without branches;
     `unload=False` (peft's `merge_adapter`) keeps them, marked merged, for `unmerge`.
-    An int8 base (`cast_frozen(model, jnp.int8)`) is dequantised: the merged layer is a
-    float32 `Linear` (`unload=True` only; requantising the merged weight would lose the
-    update to rounding).
+    An int8 or 4-bit base (`cast_frozen(model, jnp.int8 | "nf4" | "int4")`) is
+    dequantised: the merged layer is a float32 `Linear` (`unload=True` only; requantising
+    the merged weight would lose the update to rounding), and so is every other int8 or
+    4-bit projection of such a model (a quantised base stores the unadapted ones too), so
+    the merged model is a float one that `zoo.hf.save_pretrained` writes.
     """
 
     def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear):
@@ -484,7 +486,11 @@ def merge(model: Any, *, unload: bool = True) -> Any:
             return base
         return _with(layer, base=base, merged=True, dora_norm=norm)
 
-    return _replace_lora(model, one)
+    quantized = any(
+        isinstance(getattr(node_at(model, p), "base", None), QUANTIZED) for p, _ in modules(model, ADAPTED).values()
+    )
+    merged = _replace_lora(model, one)
+    return dequantize(merged) if unload and quantized else merged
 
 
 def unmerge(model: Any) -> Any:

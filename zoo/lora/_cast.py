@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .._tree import dotted_name, node_at
 from ..nn import dequantize
-from ..nn._quantized import quantize_kind, quantizer
+from ..nn._quantized import quantize_kind, quantizer, stack_projections
 from ._apply import ADAPTED, modules, trainable
 from ._config import LoraConfig
 from ._layer import LoraLinear
@@ -33,15 +33,17 @@ def cast_frozen(
     weights; set the config's `dtype` to `"bfloat16"` for bfloat16 compute as well.
     Casting keeps each leaf's sharding.
 
-    `dtype=jnp.int8` stores the base `Linear` of every (unmerged) LoRA branch (a
-    `LoraLinear`, or the `MultiLoraLinear` of several named adapters) as a
-    `zoo.nn.QuantizedLinear` (int8 weight, one float32 scale per output channel: an error
-    of at most absmax/254 per channel) and every other frozen floating leaf (embeddings,
-    norms, biases, a frozen head) in bfloat16. Casting such a model to a floating dtype
-    dequantises its `QuantizedLinear` layers first (`cast_frozen(model, jnp.float32)`
+    `dtype=jnp.int8` stores every frozen projection of the layer stack, adapted or not
+    (what `zoo.hf.from_pretrained(quantize=)` and bitsandbytes' QLoRA quantise), and the
+    base `Linear` of every (unmerged) LoRA branch (a `LoraLinear`, or the
+    `MultiLoraLinear` of several named adapters) as a `zoo.nn.QuantizedLinear` (int8
+    weight, one float32 scale per output channel: an error of at most absmax/254 per
+    channel), and every other frozen floating leaf (embeddings, norms, biases, a frozen
+    head) in bfloat16. Casting such a model to a floating dtype dequantises its
+    `QuantizedLinear` layers first (`cast_frozen(model, jnp.float32)`
     gives back float weights).
 
-    `dtype="nf4"` or `"int4"` (QLoRA) stores those base `Linear`s as `zoo.nn.FourBitLinear`
+    `dtype="nf4"` or `"int4"` (QLoRA) stores those `Linear`s as `zoo.nn.FourBitLinear`
     (4-bit codes, one float32 scale per block of `block_size` input features: NF4 as
     bitsandbytes stores it, blocks of 64 by default; int4 symmetric per group, 128 by
     default), the other frozen floating leaves in bfloat16, as for int8.
@@ -54,7 +56,7 @@ def cast_frozen(
       `"nf4"` / `"int4"`; the text forms `RunConfig.quantize` and `--quantize` take are
       read too (`"int8"`, `"nf4:32"`: a 4-bit block of 32).
     - `block_size`: with `"nf4"` / `"int4"`, the input features per scale (default 64 /
-      128; it must divide every adapted layer's input features).
+      128; it must divide every quantised layer's input features).
     - `config`: the `LoraConfig` the branches were added with (its `modules_to_save` stay
       trainable and uncast); `None` keeps only the branches.
 
@@ -92,17 +94,21 @@ def cast_frozen(
     if not quantize:
         return cast
     # Quantise from the float weights (not their bfloat16 copies); the biases as cast above.
-    paths = [p for p, _ in found.values() if not node_at(keep, p).base.weight]
+    # Every frozen projection of the layer stack, adapted or not (as loading with quantize=
+    # and bitsandbytes' QLoRA store the base), and an adapted layer's base outside it.
+    bases = [(*path, jax.tree_util.GetAttrKey("base")) for path, _ in found.values()]
+    paths = list(dict.fromkeys([*stack_projections(model), *bases]))
+    paths = [p for p in paths if not node_at(keep, p).weight]
 
     def quantized(path):
         try:  # the quantiser loading uses too (zoo.hf.from_pretrained(quantize=))
-            layer = quantizer(four_bit or "int8", block_size)(node_at(model, path).base)
+            layer = quantizer(four_bit or "int8", block_size)(node_at(model, path))
         except ValueError as e:
             raise ValueError(f"cast_frozen(model, {four_bit or 'int8'!r}) at {dotted_name(path)}: {e}") from None
-        bias = node_at(cast, path).base.bias
+        bias = node_at(cast, path).bias
         return layer if bias is None else eqx.tree_at(lambda q: q.bias, layer, bias)
 
-    return eqx.tree_at(lambda m: [node_at(m, p).base for p in paths], cast, replace=[quantized(p) for p in paths])
+    return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], cast, replace=[quantized(p) for p in paths])
 
 
 def _storage(dtype: Any, block_size: int | None) -> tuple[Any, str | None, int | None]:

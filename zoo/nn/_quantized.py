@@ -17,6 +17,7 @@ from .._axes import field
 from ._four_bit_linear import FourBitLinear
 from ._linear import Linear, linear_from, project
 from ._sharding import broadcast_like
+from ._stacked import Stacked
 
 
 class QuantizedLinear(eqx.Module):
@@ -154,6 +155,28 @@ def quantizer(kind: str, block_size: int | None = None) -> Callable[[Linear], Qu
         return FourBitLinear.quantize(linear, kind, block_size=block_size)
 
     return four_bit
+
+
+def stack_projections(model: Any) -> list[tuple]:
+    """The key paths of every `Linear` inside a `Stacked` layer stack (the attention and
+    MLP projections, a LoRA branch's base `Linear` too): what a quantised base stores in
+    4 or 8 bits. Embeddings, norms and a head outside the stack stay float, as
+    bitsandbytes leaves `lm_head` (`zoo.hf.from_pretrained(quantize=)`,
+    `zoo.lora.cast_frozen`)."""
+    found: list[tuple] = []
+
+    def walk(node: Any, path: tuple, stacked: bool) -> None:
+        if isinstance(node, Linear):
+            if stacked:
+                found.append(path)
+            return
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        for key, child in children:
+            if isinstance(child, eqx.Module | list | tuple | dict):
+                walk(child, path + key, stacked or isinstance(node, Stacked))
+
+    walk(model, (), False)
+    return found
 
 
 def dequantize(tree: Any, dtype: Any = None) -> Any:

@@ -345,8 +345,9 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
 
 def quantize_base(model: Any, config: Any) -> Any:
     """`model` (its LoRA branches added) with the frozen base stored as `config.quantize`
-    asks (`zoo.lora.cast_frozen`: nf4 / int4 `FourBitLinear`, int8 `QuantizedLinear`, the
-    other frozen leaves in bfloat16); unchanged without it.
+    asks (`zoo.lora.cast_frozen`: every frozen projection of the layer stack and every
+    branch's base as nf4 / int4 `FourBitLinear` or int8 `QuantizedLinear`, the other
+    frozen leaves in bfloat16); unchanged without it.
 
     **Raises:** `ConfigError` when a 4-bit block does not divide a layer's inputs, naming
     the `--quantize KIND:BLOCK` that fits."""
