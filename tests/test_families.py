@@ -66,6 +66,20 @@ CASES = {
         transformers.LlamaConfig,
         SMALL | {"rope_scaling": LLAMA3},
     ),
+    # Qwen's long-context YaRN: frequencies blended by a ramp, cos/sin times 0.1·ln(4) + 1;
+    # an original context of 4 (the sequences are 8).
+    "qwen2_yarn": (
+        transformers.Qwen2Config,
+        SMALL
+        | {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4,
+            }
+        },
+    ),
     # Mistral with a window shorter than the sequence.
     "mistral": (transformers.MistralConfig, SMALL | {"sliding_window": 3}),
     "qwen2": (transformers.Qwen2Config, SMALL | {"tie_word_embeddings": True}),
@@ -122,9 +136,10 @@ CASES = {
         },
     ),
     # Gemma 3's text decoder: Gemma 2's layers with q/k norms, two sliding layers around a
-    # global one, their RoPE bases transformers' defaults (10k local, 1M global), logits
-    # soft-capped, scores scaled by query_pre_attn_scalar (attn_logit_softcapping set: its
-    # transformers attention ignores it, and so does zoo).
+    # global one, their RoPE bases 10k local, 1M global, the global one's positions
+    # stretched 8 times (linear scaling, as Gemma 3 4B and larger), logits soft-capped,
+    # scores scaled by query_pre_attn_scalar (attn_logit_softcapping set: its transformers
+    # attention ignores it, and so does zoo).
     "gemma3_text": (
         transformers.Gemma3TextConfig,
         SMALL
@@ -136,6 +151,10 @@ CASES = {
             "attn_logit_softcapping": 2.0,
             "final_logit_softcapping": 3.0,
             "query_pre_attn_scalar": 12,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
         },
     ),
     # Phi-3: q | k | v fused in qkv_proj (blocks 32, 16, 16 wide under GQA), gate | up in gate_up_proj.
@@ -143,6 +162,23 @@ CASES = {
     # Phi-4-mini's partial rotary: RoPE on the first half of each head (4 of 8 dimensions,
     # frequencies those of a 4-wide head), the other 4 passed through.
     "phi3_partial": (transformers.Phi3Config, SMALL | {"pad_token_id": 0, "partial_rotary_factor": 0.5}),
+    # Phi-4-mini's longrope on a partial rotary: per-frequency long factors past an original
+    # context of 4 (Phi-3's top-level key), cos/sin times sqrt(1 + ln(64/4) / ln 4).
+    "phi3_longrope": (
+        transformers.Phi3Config,
+        SMALL
+        | {
+            "pad_token_id": 0,
+            "original_max_position_embeddings": 4,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.2],
+                "long_factor": [2.0, 5.0],
+            },
+        },
+    ),
 }
 
 
@@ -292,6 +328,28 @@ def test_llama3_scaling_changes_the_frequencies():
     # Elementwise: a wavelength, two comparisons and a blend, ~8 roundings a value each side.
     assert_rounding_close(scaled, expected.numpy(), terms=1, depth=8)
     assert not np.allclose(base, scaled)
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn", "longrope"])
+def test_rope_scalings_are_transformers_frequencies_and_factors(kind):
+    """`zoo.nn.RopeScaling`'s inverse frequencies and cos/sin factor equal transformers'
+    `ROPE_INIT_FUNCTIONS` of the same config: linear, yarn (ramp over the correction range),
+    longrope with its short factors within the original context and its long ones past it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": kind, "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 16}
+    if kind == "longrope":
+        params |= {"short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}
+    config = transformers.LlamaConfig(**SMALL | {"head_dim": 16, "rope_parameters": params})
+    zoo_config = zoo.hf.get_family("llama").config_from_hf(config.to_dict())
+    scaling = zoo.models._config.rope_scaling_of(zoo_config)
+    for longest in (16, 17):  # the original context, and one past it (longrope's switch)
+        expected, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=longest)
+        # A power, a division or two, and yarn's blend: a few roundings a value each side.
+        assert_rounding_close(scaling.frequencies(16, 5e5, longest), expected.numpy(), terms=1, depth=6)
+        assert scaling.cos_sin_factor == pytest.approx(factor, rel=1e-12)
+    short, long = (np.asarray(scaling.frequencies(16, 5e5, n)) for n in (16, 17))
+    assert (kind == "longrope") != np.array_equal(short, long)
 
 
 def test_export_keeps_source_config_and_copies_tokenizer(hf_dirs, loaded, tmp_path):

@@ -47,8 +47,11 @@ def test_heads_the_model_axis_cannot_split_are_refused(tmp_path):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn'"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling of type 'linear'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling of type 'dynamic'"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+            "yarn' with mscale / mscale_all_dim",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'.*SwiGLU"),
         (
             {"kind": "qwen2", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
@@ -62,7 +65,7 @@ def test_heads_the_model_axis_cannot_split_are_refused(tmp_path):
             {"kind": "smollm3", "no_rope_layers": [1], "layer_types": ["full_attention"] * 2},
             r"no_rope_layers=\[1\] \(one 0 or 1 for each of the 2 layers",
         ),
-        ({"kind": "olmo2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "olmo2 config.*of type 'yarn'"),
+        ({"kind": "olmo2", "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "olmo2 config.*of type 'dynamic'"),
         ({"kind": "olmo2", "hidden_act": "gelu"}, "olmo2 config.*hidden_act='gelu'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 \(llama rotates every head dimension"),
         (
@@ -82,8 +85,8 @@ def test_unsupported_configs_are_refused_by_name(values, message, tmp_path):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}, "of type 'su'"),
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "of type 'longrope'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "of type 'longrope' without"),
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}}, "holds 3 factors"),
         ({"partial_rotary_factor": 0.375}, r"partial_rotary_factor=0.375 must be .* it rotates 3"),
     ],
 )
@@ -103,8 +106,8 @@ def test_multimodal_gemma3_is_refused_with_the_reason(tmp_path):
     ("values", "message"),
     [
         (
-            {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
-            r"rope_parameters\['full_attention'\] of type 'linear'",
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
+            r"rope_parameters\['full_attention'\] of type 'dynamic'",
         ),
         ({"hidden_activation": "gelu"}, "hidden_act='gelu'"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),

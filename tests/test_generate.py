@@ -179,12 +179,15 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
         )  # fmt: skip
         assert model.config.sliding_layers == (True, False) and model.config.norm_placement == "sandwich"
     elif family == "gemma3_text":  # q/k norms; windows of 3 on layers 0 and 2 with RoPE base 10k, layer 1 at 1M
-        layers = ["sliding_attention", "full_attention", "sliding_attention"]
+        layers = ["sliding_attention", "full_attention", "sliding_attention"]  # and stretched 8 times (linear)
+        ropes = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
         hf, model = _saved(
             tmp_path_factory, transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig, num_hidden_layers=3,
             head_dim=8, sliding_window=3, layer_types=layers, final_logit_softcapping=3.0, query_pre_attn_scalar=12,
+            rope_parameters=ropes,
         )  # fmt: skip
-        assert model.config.rope_thetas == (1e4, 1e6, 1e4)
+        assert model.config.rope_thetas == (1e4, 1e6, 1e4) and model.config.rope_factors == (1.0, 8.0, 1.0)
     elif family == "phi3":  # q | k | v and gate | up fused in the file; RoPE on half of each head
         hf, model = _saved(
             tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config, partial_rotary_factor=0.5
@@ -198,6 +201,42 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, fami
     np.testing.assert_array_equal(
         zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), _hf_greedy(hf, TOKENS, MASK, NEW)
     )
+
+
+def test_greedy_equals_transformers_with_long_context_rope(tmp_path_factory):
+    """RoPE stretched past an original context of 4 tokens, the prompts and new tokens
+    past it: YaRN (Qwen2), and Phi-4-mini's longrope on a partial rotary, whose long factors
+    hold from the prompt on when every prompt is longer than the original context, and
+    whose short ones hold while every sequence stays within it. A generation that would
+    pass the original context from within it is refused, naming the most new tokens that
+    fit (transformers then recomputes every earlier key with the long factors)."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 4}
+    hf, model = _saved(tmp_path_factory, transformers.Qwen2ForCausalLM, transformers.Qwen2Config, rope_parameters=yarn)
+    assert model.config.rope_scaling == "yarn"
+    np.testing.assert_array_equal(
+        zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), _hf_greedy(hf, TOKENS, MASK, NEW)
+    )
+    longrope = {
+        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.2], "long_factor": [2.0, 5.0],
+    }  # fmt: skip
+    hf, model = _saved(
+        tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config, rope_parameters=longrope,
+        original_max_position_embeddings=4,
+    )  # fmt: skip
+    assert (model.config.rope_scaling, model.config.rope_original_max_len) == ("longrope", 4)
+    long_prompts, long_mask = TOKENS[[0, 3]], MASK[[0, 3]]  # 6 and 5 tokens: past 4 from the start
+    np.testing.assert_array_equal(
+        zoo.generate(model, long_prompts, mask=long_mask, max_new_tokens=NEW),
+        _hf_greedy(hf, long_prompts, long_mask, NEW),
+    )
+    short_prompts, short_mask = TOKENS[[2, 3], 3:], MASK[[2, 3], 3:]  # 2 and 3 tokens, + 2 new: 4 at most
+    np.testing.assert_array_equal(
+        zoo.generate(model, short_prompts, mask=short_mask, max_new_tokens=2),
+        _hf_greedy(hf, short_prompts, short_mask, 2),
+    )
+    with pytest.raises(ValueError, match=r"a prompt of 3 tokens \+ max_new_tokens 3 passes .* at most 2,"):
+        zoo.generate(model, short_prompts, mask=short_mask, max_new_tokens=3)
 
 
 @pytest.mark.parametrize(

@@ -451,8 +451,16 @@ def test_layer_pattern_config_errors_say_what_to_fix():
         TransformerConfig(**base, sliding_window=2, sliding_layers=(True, False, True))
     with pytest.raises(ValueError, match="sliding_layers is set without a sliding_window"):
         TransformerConfig(**base, sliding_layers=(True, False))
-    with pytest.raises(ValueError, match="rope_layers / rope_thetas need positions='rope'"):
+    with pytest.raises(ValueError, match="rope_layers / rope_thetas / rope_factors need positions='rope'"):
         TransformerConfig(**base | {"positions": "learned"}, rope_layers=(True, False))
-    config = TransformerConfig(**base, rope_layers=[True, False], rope_thetas=[1e4, 5e5])  # as JSON reads them
-    assert config.rope_layers == (True, False) and hash(config)
+    with pytest.raises(ValueError, match="rope_factors .* cannot be combined with rope_scaling='llama3'"):
+        TransformerConfig(**base, rope_factors=(1.0, 8.0), rope_scaling="llama3")
+    with pytest.raises(ValueError, match="longrope.*holds 3 factors for a rotation of 2 frequencies"):
+        TransformerConfig(**base, rope_scaling="longrope", rope_short_factor=(1.0,) * 3, rope_long_factor=(2.0,) * 3)
+    config = TransformerConfig(**base, rope_layers=[True, False], rope_thetas=[1e4, 5e5], rope_factors=[1.0, 8.0])
+    assert config.rope_layers == (True, False) and config.rope_factors == (1.0, 8.0) and hash(config)  # as JSON reads
     assert TransformerConfig.from_dict(config.to_dict()) == config
+    longrope = TransformerConfig(
+        **base, rope_scaling="longrope", rope_short_factor=[1.0, 1.0], rope_long_factor=[2.0, 3.0]
+    )
+    assert TransformerConfig.from_dict(longrope.to_dict()) == longrope and hash(longrope)

@@ -31,6 +31,7 @@ from ._sampling import apply_repetition_penalty, check_sampling, next_token, see
 from .lora._named import adapter_names as held_adapters
 from .lora._named import route
 from .models import Transformer
+from .models._config import rope_scaling_of
 from .nn._cache import KVCache, empty_cache
 from .nn._sharding import entries, mesh_axes_of, sharding_spec
 from .nn._stacked import Unstacked
@@ -320,6 +321,25 @@ def _check_length(max_new_tokens: Any, s: int, max_len: int) -> int:
     return int(max_new_tokens)
 
 
+def _check_rope_switch(config: Any, mask: Any, s: int, max_new_tokens: int) -> None:
+    """Refuse a generation a longrope model's cache cannot decode as transformers does
+    (`zoo.nn.RopeScaling.decode_limit`), for each row's own prompt length (`mask`'s real
+    tokens; a traced mask: the padded width `s`)."""
+    scaling = rope_scaling_of(config)
+    if scaling is None or scaling.kind != "longrope":
+        return
+    lengths = [s] if isinstance(mask, jax.core.Tracer) else np.asarray(mask).sum(axis=1).tolist()
+    limits = [(n, scaling.decode_limit(int(n))) for n in lengths]
+    n, limit = min(((n, lim) for n, lim in limits if lim is not None), key=lambda x: x[1], default=(s, None))
+    if limit is not None and max_new_tokens > limit:
+        raise ValueError(
+            f"a prompt of {n} tokens + max_new_tokens {max_new_tokens} passes this model's original context "
+            f"({scaling.original_max_len} tokens, where its longrope RoPE switches to its long factors; transformers "
+            f"then recomputes every earlier key, which a key/value cache cannot): lower max_new_tokens to at most "
+            f"{limit}, or give prompts longer than {scaling.original_max_len} tokens"
+        )
+
+
 def _check_vocabulary(vocab: int, tokens: Any, mask: Any, **ids: int | None) -> None:
     """Refuse a real token (where `mask`, when both are concrete) or an id of `ids` outside
     `[0, vocab)`: the embedding lookup would clamp it (finite, wrong logits)."""
@@ -406,6 +426,7 @@ def generate(
     max_new_tokens = _check_length(max_new_tokens, s, model.config.max_len)
     rows_np = adapter_rows(model, adapter_names, b)
     mask_np = _mask_of(mask, b, s)
+    _check_rope_switch(model.config, mask_np, s, max_new_tokens)
     _check_vocabulary(model.config.vocab_size, tokens_np, mask_np, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     prompt_np = tokens_np  # what the output starts with
     tokens_np, mask_np, moved = _left_padded_prompts(tokens_np, mask_np)

@@ -9,9 +9,29 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 from ..nn import ACTIVATIONS, REMAT_POLICIES
+from ..nn._rope import RopeScaling
 
 Norm = Literal["layernorm", "rmsnorm"]
 Positions = Literal["learned", "rope", "none"]
+
+
+def rope_scaling_of(config: Any) -> RopeScaling | None:
+    """The `zoo.nn.RopeScaling` of a config's `rope_scaling` "linear", "yarn" or "longrope"
+    fields (None otherwise: no scaling, or Llama 3.1's, which `Attention` takes apart)."""
+    kind = getattr(config, "rope_scaling", None)
+    if kind not in ("linear", "yarn", "longrope"):
+        return None
+    return RopeScaling(
+        kind,
+        factor=config.rope_factor,
+        original_max_len=None if kind == "linear" else config.rope_original_max_len,
+        attention_factor=config.rope_attention_factor,
+        beta_fast=config.rope_beta_fast,
+        beta_slow=config.rope_beta_slow,
+        truncate=config.rope_truncate,
+        short_factor=config.rope_short_factor,
+        long_factor=config.rope_long_factor,
+    )
 
 
 def _check(cond: bool, message: str) -> None:
@@ -121,8 +141,12 @@ class TransformerConfig(_Common):
     (banded causal attention), per-layer patterns (one value per layer, scanned as data:
     one compiled layer body): `sliding_layers` (which layers use `sliding_window`; default
     all), `rope_layers` (which layers apply RoPE; SmolLM3's NoPE layers are `False`),
-    `rope_thetas` (each layer's RoPE base), `rope_scaling="llama3"` with `rope_factor`,
-    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, `embed_scale`
+    `rope_thetas` (each layer's RoPE base), `rope_factors` (each layer's linear RoPE factor:
+    Gemma 3 scales its global layers only), `rope_scaling="llama3"` with `rope_factor`,
+    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`, or
+    `"linear"` / `"yarn"` / `"longrope"` (`zoo.nn.RopeScaling`: `rope_factor`,
+    `rope_original_max_len`, `rope_attention_factor`, yarn's `rope_beta_fast`,
+    `rope_beta_slow`, `rope_truncate`, longrope's `rope_short_factor`, `rope_long_factor`), `embed_scale`
     (the token embeddings' multiplier, Gemma's `sqrt(d_model)`), `qk_norm` (each query and
     key head RMS-normalised over `head_dim` before RoPE, Qwen3's; with
     `qk_norm_scope="projection"`, the whole query and key projections, OLMo 2's), `pre_norm`
@@ -150,11 +174,17 @@ class TransformerConfig(_Common):
     o_bias: bool | None = None  # bias on the attention output (default use_bias)
     mlp_bias: bool | None = None  # biases in the feed-forward (default use_bias)
     sliding_window: int | None = None  # banded causal attention (Mistral)
-    rope_scaling: str | None = None  # None, or "llama3" with the four fields below
+    rope_scaling: str | None = None  # None, "llama3", "linear", "yarn" or "longrope", with the fields below
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    rope_attention_factor: float | None = None  # yarn / longrope: cos and sin times this (None: the kind's default)
+    rope_beta_fast: float = 32.0  # yarn's ramp, in rotations per original context
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_short_factor: Sequence[float] | None = None  # longrope: per-frequency factors within the original context
+    rope_long_factor: Sequence[float] | None = None  # longrope: past it
     embed_scale: float = 1.0  # token embeddings multiplied by this (Gemma: sqrt(d_model))
     qk_norm: bool = False  # each query/key head RMS-normalised before RoPE (Qwen3)
     qk_norm_scope: str = "head"  # "head" (over head_dim: Qwen3) or "projection" (over heads × head_dim: OLMo 2)
@@ -162,6 +192,7 @@ class TransformerConfig(_Common):
     sliding_layers: Sequence[bool] | None = None  # per layer: uses sliding_window (default: all)
     rope_layers: Sequence[bool] | None = None  # per layer: applies RoPE (default: all, with positions="rope")
     rope_thetas: Sequence[float] | None = None  # per layer: its RoPE base (default: rope_theta)
+    rope_factors: Sequence[float] | None = None  # per layer: its linear RoPE factor (Gemma 3's global layers; 1: none)
     attn_logit_softcapping: float | None = None  # scores soft-capped: cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits soft-capped the same way (Gemma 2)
     query_pre_attn_scalar: float | None = None  # scores / sqrt(this) instead of sqrt(head_dim) (Gemma 2/3)
@@ -169,7 +200,12 @@ class TransformerConfig(_Common):
 
     def __post_init__(self):
         super().__post_init__()
-        for field, kind in (("sliding_layers", bool), ("rope_layers", bool), ("rope_thetas", float)):
+        for field, kind in (
+            ("sliding_layers", bool),
+            ("rope_layers", bool),
+            ("rope_thetas", float),
+            ("rope_factors", float),
+        ):
             values = getattr(self, field)
             if values is None:
                 continue
@@ -184,17 +220,39 @@ class TransformerConfig(_Common):
             "TransformerConfig.sliding_layers is set without a sliding_window: set the window its layers use",
         )
         _check(
-            (self.rope_layers is None and self.rope_thetas is None) or self.positions == "rope",
-            f"TransformerConfig.rope_layers / rope_thetas need positions='rope', got {self.positions!r}",
+            (self.rope_layers is None and self.rope_thetas is None and self.rope_factors is None)
+            or self.positions == "rope",
+            f"TransformerConfig.rope_layers / rope_thetas / rope_factors need positions='rope', got {self.positions!r}",
+        )
+        _check(
+            self.rope_factors is None or (self.rope_scaling is None and all(f > 0 for f in self.rope_factors)),
+            "TransformerConfig.rope_factors (each layer's linear RoPE factor, > 0) cannot be combined with "
+            f"rope_scaling={self.rope_scaling!r}; give one or the other",
         )
         _check(
             self.sliding_window is None or self.sliding_window >= 1,
             f"TransformerConfig.sliding_window must be None or >= 1, got {self.sliding_window}",
         )
         _check(
-            self.rope_scaling in (None, "llama3"),
-            f"TransformerConfig.rope_scaling must be None or 'llama3', got {self.rope_scaling!r}",
+            self.rope_scaling in (None, "llama3", "linear", "yarn", "longrope"),
+            "TransformerConfig.rope_scaling must be None, 'llama3', 'linear', 'yarn' or 'longrope', "
+            f"got {self.rope_scaling!r}",
         )
+        for field in ("rope_short_factor", "rope_long_factor"):
+            if getattr(self, field) is not None:  # from JSON: lists; a static field must hash
+                object.__setattr__(self, field, tuple(float(v) for v in getattr(self, field)))
+        if self.rope_scaling in ("linear", "yarn", "longrope"):
+            try:
+                scaling = rope_scaling_of(self)
+            except ValueError as e:
+                raise ValueError(f"TransformerConfig.rope_scaling={self.rope_scaling!r}: {e}") from None
+            rotary = int((self.head_dim or self.d_model // self.num_heads) * self.partial_rotary_factor)
+            _check(
+                scaling.short_factor is None or len(scaling.short_factor) == rotary // 2,
+                f"TransformerConfig.rope_short_factor / rope_long_factor (longrope) holds "
+                f"{len(scaling.short_factor or ())} factors for a rotation of {rotary // 2} frequencies "
+                "(head_dim x partial_rotary_factor / 2): give one per frequency",
+            )
         rotary = int((self.head_dim or self.d_model // self.num_heads) * self.partial_rotary_factor)
         _check(
             self.partial_rotary_factor == 1.0

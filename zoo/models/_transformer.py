@@ -25,8 +25,9 @@ from ..nn._cache import KVCache
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
 from ..nn._inputs import place_inputs
 from ..nn._pattern import LayerPattern
+from ..nn._rope import RopeScaling
 from ..nn._stacked import Unstacked
-from ._config import TransformerConfig
+from ._config import TransformerConfig, rope_scaling_of
 
 
 def make_norm(kind: str, dim: int, eps: float) -> LayerNorm | RMSNorm:
@@ -45,6 +46,14 @@ def _llama3(config) -> tuple[float, float, float, int] | None:
     return (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_max_len)
 
 
+def _uniform_linear(factors: tuple[float, ...]) -> RopeScaling | None:
+    """Every layer's linear RoPE factor when they are one (not 1): the block's own scaling,
+    where differing ones come per layer (`LayerPattern.rope_factor`)."""
+    if len(set(factors)) != 1 or factors[0] == 1.0:
+        return None
+    return RopeScaling("linear", factor=factors[0])
+
+
 def rotary_dim(config) -> int | None:
     """The head dimensions RoPE rotates, `int(head_dim · partial_rotary_factor)` as
     transformers computes it; `None`: all of them."""
@@ -56,16 +65,19 @@ def rotary_dim(config) -> int | None:
 
 def layer_settings(config) -> dict[str, tuple]:
     """Each layer's attention settings (`window`: `None` on a global layer; `rope`;
-    `rope_theta`), one value per layer, from a config's per-layer patterns."""
+    `rope_theta`; `rope_factor`, its linear RoPE scaling), one value per layer, from a
+    config's per-layer patterns."""
     layers = range(config.num_layers)
     window = getattr(config, "sliding_window", None)
     sliding = getattr(config, "sliding_layers", None) or (True,) * config.num_layers
     rope = getattr(config, "rope_layers", None) or (getattr(config, "positions", None) == "rope",) * config.num_layers
     thetas = getattr(config, "rope_thetas", None) or (getattr(config, "rope_theta", None),) * config.num_layers
+    factors = getattr(config, "rope_factors", None) or (1.0,) * config.num_layers
     return {
         "window": tuple(window if sliding[i] else None for i in layers),
         "rope": tuple(rope),
         "rope_theta": tuple(thetas),
+        "rope_factor": tuple(factors),
     }
 
 
@@ -93,6 +105,7 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         use_bias=config.use_bias,
         init_std=config.init_std,
         rope_llama3=_llama3(config) if rope else None,
+        rope_scaling=(rope_scaling_of(config) or _uniform_linear(settings["rope_factor"])) if rope else None,
         sliding_window=window,
         qk_norm=getattr(config, "qk_norm", False) and getattr(config, "qk_norm_scope", "head"),
         norm_eps=config.norm_eps,

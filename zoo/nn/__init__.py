@@ -18,7 +18,7 @@ __getattr__, __dir__ = lazy_names(
         "._mlp": ("MLP", "MLPBlock"),
         "._norm": ("LayerNorm", "RMSNorm"),
         "._quantized": ("QuantizedLinear", "dequantize"),
-        "._rope": ("apply_rope", "rope_tables"),
+        "._rope": ("RopeScaling", "apply_rope", "rope_tables"),
         "._sharding": ("broadcast_like",),
         "._stacked": ("REMAT_POLICIES", "Stacked"),
     },
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ._mlp import MLP, MLPBlock
     from ._norm import LayerNorm, RMSNorm
     from ._quantized import QuantizedLinear, dequantize
-    from ._rope import apply_rope, rope_tables
+    from ._rope import RopeScaling, apply_rope, rope_tables
     from ._sharding import broadcast_like
     from ._stacked import REMAT_POLICIES, Stacked
 
@@ -54,6 +54,7 @@ __all__ = [
     "MLPBlock",
     "QuantizedLinear",
     "RMSNorm",
+    "RopeScaling",
     "Stacked",
     "TransformerBlock",
     "apply_rope",

@@ -16,7 +16,7 @@ from ._dropout import ExampleKeys, dropout, fold_in
 from ._linear import Linear, flatten_rows
 from ._norm import RMSNorm
 from ._pattern import LayerPattern
-from ._rope import apply_rope, rope_angles, rope_tables
+from ._rope import RopeScaling, apply_rope, rope_angles, rope_tables
 
 
 @jax.custom_jvp
@@ -69,6 +69,7 @@ class Attention(eqx.Module):
     logit_softcap: float | None = eqx.field(static=True, default=None)
     query_scale: float | None = eqx.field(static=True, default=None)
     rope_dim: int | None = eqx.field(static=True, default=None)
+    rope_scaling: RopeScaling | None = eqx.field(static=True, default=None)
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
 
@@ -91,6 +92,7 @@ class Attention(eqx.Module):
         logit_softcap: float | None = None,
         query_scale: float | None = None,
         rope_dim: int | None = None,
+        rope_scaling: RopeScaling | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -119,6 +121,8 @@ class Attention(eqx.Module):
         - `rope_dim`: RoPE rotates only the first `rope_dim` (even) dimensions of each head
           (partial rotary, its frequencies those of a `rope_dim`-wide head) and passes the
           rest through; `None`: all `head_dim`.
+        - `rope_scaling`: a `RopeScaling` (linear, yarn, longrope) of the RoPE frequencies
+          and of `cos`/`sin`; `None`: none (or `rope_llama3`'s).
         - `key`: PRNG key.
         """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -144,6 +148,9 @@ class Attention(eqx.Module):
         self.rope_theta = rope_theta
         self.dropout_rate = dropout_rate
         self.rope_llama3 = rope_llama3
+        if rope_scaling is not None and rope_llama3 is not None:
+            raise ValueError("Attention: give rope_llama3 or rope_scaling, not both")
+        self.rope_scaling = rope_scaling
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.query_scale = query_scale
@@ -218,10 +225,11 @@ class Attention(eqx.Module):
         if self.rope_theta is not None:
             theta = self.rope_theta if pattern.rope_theta is None else pattern.rope_theta
             rd = hd if self.rope_dim is None else self.rope_dim
+            scaling = dict(llama3=self.rope_llama3, scaling=self.rope_scaling, linear=pattern.rope_factor)
             if positions is None:
-                cos, sin = rope_tables(s, rd, theta=theta, llama3=self.rope_llama3)
+                cos, sin = rope_tables(s, rd, theta=theta, **scaling)
             else:
-                cos, sin = rope_angles(positions, rd, theta=theta, llama3=self.rope_llama3)
+                cos, sin = rope_angles(positions, rd, theta=theta, **scaling)
             rotated_q, rotated_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if pattern.rope is None:
                 q, k = rotated_q, rotated_k

@@ -28,11 +28,14 @@ class LayerPattern(eqx.Module):
     - `window`: the layer's sliding window (a query sees the last `window` positions);
       `GLOBAL_WINDOW` on a global layer.
     - `rope_theta`: the layer's RoPE base.
+    - `rope_factor`: the layer's linear RoPE scaling (its inverse frequencies divided by it;
+      1: none): Gemma 3 scales its global layers only.
     """
 
     rope: Array | ArrayLike | None = None
     window: Array | ArrayLike | None = None
     rope_theta: Array | ArrayLike | None = None
+    rope_factor: Array | ArrayLike | None = None
 
     @classmethod
     def of_layers(
@@ -41,6 +44,7 @@ class LayerPattern(eqx.Module):
         rope: Sequence[bool] | None = None,
         window: Sequence[int | None] | None = None,
         rope_theta: Sequence[float] | None = None,
+        rope_factor: Sequence[float] | None = None,
     ) -> LayerPattern | None:
         """The pattern of per-layer settings (one value per layer each, `None` for a window:
         global), keeping only the fields whose layers differ; `None` when none differ (a
@@ -55,5 +59,7 @@ class LayerPattern(eqx.Module):
             rope=varying(rope, np.bool_),
             window=varying(window, np.int32, GLOBAL_WINDOW),
             rope_theta=varying(rope_theta, np.float32),
+            rope_factor=varying(rope_factor, np.float32),
         )
-        return None if all(v is None for v in (pattern.rope, pattern.window, pattern.rope_theta)) else pattern
+        fields = (pattern.rope, pattern.window, pattern.rope_theta, pattern.rope_factor)
+        return None if all(v is None for v in fields) else pattern

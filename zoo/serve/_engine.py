@@ -44,6 +44,7 @@ from .._generate import split_layers
 from .._jit import Flattened, Jit
 from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
 from .._sampling import check_sampling
+from ..models._config import rope_scaling_of
 from ..nn._cache import KVCache, empty_cache
 from ._bank import AdapterBank, lora_layers, read_adapter
 from ._limits import check_room, check_steering
@@ -239,6 +240,15 @@ class Engine:
         if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
         check_sampling(float(request.temperature), request.top_k, request.top_p)
+        scaling = rope_scaling_of(self.model.config)
+        limit = None if scaling is None else scaling.decode_limit(n)
+        if limit is not None and min(request.max_tokens, self.max_len - n) > limit:
+            raise ValueError(
+                f"the prompt has {n} tokens and max_tokens {request.max_tokens} passes this model's original context "
+                f"({scaling.original_max_len} tokens, where its longrope RoPE switches to its long factors and "
+                f"transformers recomputes every earlier key, which a key/value cache cannot); set max_tokens to at most "
+                f"{limit}, or send a prompt longer than {scaling.original_max_len} tokens"
+            )
         if request.seed is not None and not 0 <= int(request.seed) < 2**63:
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {request.seed}")
         if request.adapter is not None:

@@ -33,29 +33,32 @@ _KINDS = ("sliding_attention", "full_attention")
 _DEFAULT_THETA = {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}  # Gemma3TextConfig.default_theta
 
 
-def _ropes(values: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
-    """Each attention kind's RoPE base, as transformers' `Gemma3TextConfig` reads them
-    (`rope_parameters` per kind, else `rope_theta` with `rope_scaling` for the global
-    layers and `rope_local_base_freq` for the sliding ones), and what zoo cannot build."""
+def _ropes(values: dict[str, Any]) -> tuple[dict[str, float], dict[str, float], list[str]]:
+    """Each attention kind's RoPE base and linear factor (1: none), as transformers'
+    `Gemma3TextConfig` reads them (`rope_parameters` per kind, else `rope_theta` with
+    `rope_scaling` for the global layers and `rope_local_base_freq` for the sliding ones),
+    and what zoo cannot build."""
     params = values.get("rope_parameters") or {}
     if not any(kind in params for kind in _KINDS):
         params = {
             "full_attention": (values.get("rope_scaling") or {}) | {"rope_theta": values.get("rope_theta")},
             "sliding_attention": {"rope_theta": values.get("rope_local_base_freq")},
         }
-    thetas, problems = {}, []
+    thetas, factors, problems = {}, {}, []
     for kind in _KINDS:
         kind_params = params.get(kind) or {}
         theta = kind_params.get("rope_theta")
         thetas[kind] = float(_DEFAULT_THETA[kind] if theta is None else theta)
+        factors[kind] = 1.0
         rope_type = kind_params.get("rope_type", kind_params.get("type")) or "default"
-        if rope_type == "linear" and float(kind_params.get("factor", 1.0)) == 1.0:
-            continue  # a linear scaling by 1 is none
-        if rope_type != "default":
+        if rope_type == "linear":  # Gemma 3 4B and larger: the global layers' positions stretched 8 times
+            factors[kind] = float(kind_params.get("factor", 1.0))
+        elif rope_type != "default":
             problems.append(
-                f"rope_parameters[{kind!r}] of type {rope_type!r} (zoo's RoPE on Gemma 3 implements 'default')"
+                f"rope_parameters[{kind!r}] of type {rope_type!r} (zoo's RoPE on Gemma 3 implements 'default' and "
+                "'linear')"
             )
-    return thetas, problems
+    return thetas, factors, problems
 
 
 @register
@@ -73,24 +76,31 @@ class Gemma3Text(Gemma2):
     cap_defaults: ClassVar[dict[str, float | None]] = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
 
     def unsupported(self, values: dict[str, Any]) -> list[str]:
-        return super().unsupported(values) + _ropes(values)[1]
+        return super().unsupported(values) + _ropes(values)[2]
 
     def config_from_hf(self, values: dict[str, Any], **overrides: Any):
-        thetas, problems = _ropes(values)
+        thetas, factors, problems = _ropes(values)
         if problems:  # raised with the others, by name
             return super().config_from_hf(values, **overrides)
-        # The bases per layer go in `fields`; Llama's RoPE reading sees the first layer's.
+        # The bases and linear factors per layer go in `fields`; Llama's RoPE reading sees
+        # the first layer's base.
         types = self._types(values) or ["full_attention"]
         first = thetas.get(types[0], thetas["full_attention"])  # (other kinds are refused by name)
-        params = {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in thetas.items()}
+        params = {
+            kind: {"rope_type": "default", "rope_theta": theta}
+            | ({"rope_type": "linear", "factor": factors[kind]} if factors[kind] != 1.0 else {})
+            for kind, theta in thetas.items()
+        }
         plain = values | {"rope_parameters": params, "rope_scaling": None, "rope_theta": first}
         return super().config_from_hf(plain, **overrides)
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
-        thetas = _ropes(values)[0]
+        thetas, factors, _ = _ropes(values)
         per_layer = tuple(thetas[kind] for kind in self._types(values))
         uniform = len(set(per_layer)) <= 1
+        scaled = tuple(factors[kind] for kind in self._types(values))
         fields = super().fields(values) | {"qk_norm": True, "rope_thetas": None if uniform else per_layer}
+        fields |= {"rope_factors": None if set(scaled) == {1.0} else scaled}
         return fields | {"attn_logit_softcapping": None}  # transformers' Gemma 3 does not apply it
 
     def export_problems(self, config: Any) -> list[str]:
@@ -106,6 +116,13 @@ class Gemma3Text(Gemma2):
         problems = [p for p in super().export_problems(config) if not p.startswith("rope_thetas")]
         if config.rope_scaling is not None:
             problems.append(f"rope_scaling={config.rope_scaling!r} (zoo writes Gemma 3 with the 'default' RoPE)")
+        factors = config.rope_factors or (1.0,) * config.num_layers
+        for kind, kind_factors in self._per_kind(config, factors).items():
+            if len(kind_factors) > 1:
+                problems.append(
+                    f"rope_factors with {sorted(kind_factors)} on the {kind} layers (Gemma 3 has one linear factor for "
+                    "its sliding layers and one for its global ones)"
+                )
         if config.rope_thetas is not None:
             for kind, bases in self._bases(config).items():
                 if len(bases) > 1:
@@ -119,9 +136,13 @@ class Gemma3Text(Gemma2):
         out = super().config_to_hf(config, base)
         del out["rope_theta"], out["rope_scaling"]
         bases = self._bases(config)
-        params = {
-            kind: {"rope_type": "default", "rope_theta": next(iter(bases[kind]), config.rope_theta)} for kind in _KINDS
-        }
+        factors = self._per_kind(config, config.rope_factors or (1.0,) * config.num_layers)
+        params = {}
+        for kind in _KINDS:
+            params[kind] = {"rope_type": "default", "rope_theta": next(iter(bases[kind]), config.rope_theta)}
+            factor = next(iter(factors[kind]), 1.0)
+            if factor != 1.0:
+                params[kind] |= {"rope_type": "linear", "factor": factor}
         return out | {"rope_parameters": params}
 
     def claims(self, config: Any) -> bool:
@@ -135,6 +156,10 @@ class Gemma3Text(Gemma2):
     @staticmethod
     def _bases(config: Any) -> dict[str, set[float]]:
         """The RoPE bases `config` gives its sliding and its global layers."""
-        thetas = config.rope_thetas or (config.rope_theta,) * config.num_layers
+        return Gemma3Text._per_kind(config, config.rope_thetas or (config.rope_theta,) * config.num_layers)
+
+    @staticmethod
+    def _per_kind(config: Any, values: tuple) -> dict[str, set]:
+        """The per-layer `values` of `config`'s sliding and of its global layers."""
         sliding = config.sliding_layers or (config.sliding_window is not None,) * config.num_layers
-        return {kind: {t for t, s in zip(thetas, sliding) if s == (kind == _KINDS[0])} for kind in _KINDS}
+        return {kind: {v for v, s in zip(values, sliding) if s == (kind == _KINDS[0])} for kind in _KINDS}

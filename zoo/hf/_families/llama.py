@@ -1,7 +1,9 @@
 """Hugging Face Llama (Llama 2 / 3 / 3.1 configs) ↔ `zoo.models.Transformer`.
 
-Pre-norm RMSNorm blocks, RoPE (`rope_theta`; `rope_scaling` of type `"llama3"` rescales
-the frequencies as transformers does; other types are refused by name), grouped-query
+Pre-norm RMSNorm blocks, RoPE (`rope_theta`; `rope_scaling` of type `"llama3"`, `"linear"`,
+`"yarn"` or `"longrope"` rescales the frequencies, and the last two `cos`/`sin`, as
+transformers does (`zoo.nn.RopeScaling`); other types, and yarn's DeepSeek `mscale`, are
+refused by name), grouped-query
 attention (`num_key_value_heads`), an explicit `head_dim`, a SwiGLU feed-forward
 (`hidden_act: "silu"`: `down(silu(gate(x)) * up(x))`), optional `attention_bias` (q, k, v,
 o) and `mlp_bias`, the head tied to the token embedding or not (`tie_word_embeddings`).
@@ -87,11 +89,49 @@ def rope_fields(values: dict[str, Any], what: str, unsupported: list[str]) -> di
             "rope_high_freq_factor": float(source["high_freq_factor"]),
             "rope_original_max_len": int(source["original_max_position_embeddings"]),
         }
+    elif kind in ("linear", "yarn", "longrope"):
+        fields |= _scaling_fields(kind, source, values, unsupported)
     elif kind != "default":
         unsupported.append(
-            f"rope_scaling of type {kind!r} (zoo implements 'default' and 'llama3'; {kind!r} changes the rotary "
-            "frequencies or the attention scale in a way zoo's RoPE does not)"
+            f"rope_scaling of type {kind!r} (zoo implements 'default', 'llama3', 'linear', 'yarn' and 'longrope'; "
+            f"{kind!r} changes the rotary frequencies or the attention scale in a way zoo's RoPE does not)"
         )
+    return fields
+
+
+def _scaling_fields(kind: str, source: dict[str, Any], values: dict[str, Any], unsupported: list[str]) -> dict:
+    """The `TransformerConfig` fields of a linear, yarn or longrope `rope_scaling`, as
+    transformers 5 reads it (`standardize_rope_params`: a top-level
+    `original_max_position_embeddings` first, then the scaling's own, then
+    `max_position_embeddings`; a missing `factor` is their ratio)."""
+    longest = values.get("max_position_embeddings", 2048)
+    original = values.get("original_max_position_embeddings") or source.get("original_max_position_embeddings")
+    original = int(original or longest)
+    factor = source.get("factor")
+    if kind == "linear" and factor is None:
+        unsupported.append("rope_scaling of type 'linear' without 'factor'")
+        return {}
+    if source.get("mscale") or source.get("mscale_all_dim"):
+        unsupported.append("rope_scaling of type 'yarn' with mscale / mscale_all_dim (DeepSeek's attention factor)")
+        return {}
+    fields: dict[str, Any] = {
+        "rope_scaling": kind,
+        "rope_factor": float(longest / original if factor is None else factor),
+        "rope_original_max_len": original,
+        "rope_attention_factor": None if source.get("attention_factor") is None else float(source["attention_factor"]),
+    }
+    if kind == "yarn":
+        fields |= {
+            "rope_beta_fast": float(source.get("beta_fast") or 32),
+            "rope_beta_slow": float(source.get("beta_slow") or 1),
+            "rope_truncate": bool(source.get("truncate", True)),
+        }
+    if kind == "longrope":
+        missing = [k for k in ("short_factor", "long_factor") if not source.get(k)]
+        if missing:
+            unsupported.append(f"rope_scaling of type 'longrope' without {missing}")
+            return {}
+        fields |= {"rope_short_factor": tuple(source["short_factor"]), "rope_long_factor": tuple(source["long_factor"])}
     return fields
 
 
@@ -107,6 +147,18 @@ def rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
             "high_freq_factor": config.rope_high_freq_factor,
             "original_max_position_embeddings": config.rope_original_max_len,
         }
+        params |= scaling
+    elif config.rope_scaling in ("linear", "yarn", "longrope"):
+        scaling = {"rope_type": config.rope_scaling, "factor": config.rope_factor}
+        if config.rope_scaling != "linear":
+            scaling["original_max_position_embeddings"] = config.rope_original_max_len
+        if config.rope_attention_factor is not None:
+            scaling["attention_factor"] = config.rope_attention_factor
+        if config.rope_scaling == "yarn":
+            scaling |= {"beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow}
+            scaling |= {"truncate": config.rope_truncate}
+        if config.rope_scaling == "longrope":
+            scaling |= {"short_factor": list(config.rope_short_factor), "long_factor": list(config.rope_long_factor)}
         params |= scaling
     return {"rope_parameters": params, "rope_theta": config.rope_theta, "rope_scaling": scaling}
 

@@ -12,14 +12,14 @@ as one peft branch on the fused module, as GPT-2's `c_attn`.
 `partial_rotary_factor` (Phi-4-mini's 0.75; in `rope_parameters` in transformers 5, at the
 top level in older files) is read and written: RoPE rotates the first
 `int(head_dim · factor)` dimensions of each head (`TransformerConfig.partial_rotary_factor`).
+`rope_scaling` of type `longrope` (`su` / `yarn` in older files; Phi-3.5 and Phi-4-mini's
+per-frequency short and long factors, switched by the sequence's length against
+`original_max_position_embeddings`) is read and written (`zoo.nn.RopeScaling`); a
+generation that passes that length from within it is refused (transformers' `generate`
+then drops the KV cache and runs the whole sequence again with the long factors, which a
+decode loop over a cache does not).
 
-Refused by name: `rope_scaling` of type `longrope` (`su` / `yarn` in older files: the
-long-context models' per-frequency short/long factors), a `hidden_act` other than `silu`.
-(transformers picks longrope's short or long factors per forward call, long when the
-batch's largest position + 1 exceeds `original_max_position_embeddings`, and its
-`generate` drops the KV cache at the step the sequence first passes that length and runs
-the whole sequence again with the long factors, every layer's keys and values changing;
-zoo's decode loops would have to re-run their prompt at that step to match it.)
+Refused by name: a `hidden_act` other than `silu`.
 
 | zoo `Transformer`, layer `i` | Phi-3 (`Phi3ForCausalLM`) |
 |---|---|
@@ -67,6 +67,14 @@ class Phi3(Mistral):
 
     partial_rotary = True
 
+    def config_from_hf(self, values: dict[str, Any], **overrides: Any):
+        # Older Phi-3 files name longrope "su" or "yarn" (transformers' Phi3Config reads both as it).
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = values.get(key)
+            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+                values = values | {key: {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "longrope"}}
+        return super().config_from_hf(values, **overrides)
+
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
         params = values.get("rope_parameters") or {}
         partial = params.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
@@ -78,10 +86,13 @@ class Phi3(Mistral):
     def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
         out = super().config_to_hf(config, base)
         factor = config.partial_rotary_factor
-        return out | {
+        out = out | {
             "rope_parameters": out["rope_parameters"] | {"partial_rotary_factor": factor},
             "partial_rotary_factor": factor,
         }
+        if config.rope_scaling == "longrope":  # Phi-3's own key, which transformers reads before the scaling's
+            out["original_max_position_embeddings"] = config.rope_original_max_len
+        return out
 
     def claims(self, config: Any) -> bool:
         return False  # a model built from scratch is written as Llama / Mistral; Phi-3 when loaded as one
