@@ -352,6 +352,63 @@ def test_rope_scalings_are_transformers_frequencies_and_factors(kind):
     assert (kind == "longrope") != np.array_equal(short, long)
 
 
+@pytest.mark.numerics
+def test_multimodal_gemma3_loads_its_text_decoder_and_peft_opens_its_adapters(tmp_path, tokens):
+    """A Gemma 3 multimodal checkpoint (`Gemma3ForConditionalGeneration`, a tiny vision
+    tower beside the gemma3_text case's decoder): zoo loads the text decoder (its tensors
+    under `language_model.model.`; the vision tower and projector skipped, no warning)
+    with the multimodal model's text logits; writes it as `Gemma3ForCausalLM`, the
+    decoder's tensors bit for bit; peft opens a zoo adapter on the multimodal model with
+    zoo's logits (modules named `model.language_model.layers.{i}...`), and zoo a peft one."""
+    import warnings
+
+    import peft
+
+    text = CASES["gemma3_text"][1] | {"max_position_embeddings": 64}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    torch.manual_seed(7)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "mm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped is a task head's
+        model = zoo.hf.from_pretrained(tmp_path / "mm")
+    assert (model.config.family, model.config.rope_factors) == ("gemma3", (1.0, 8.0, 1.0))
+    mask = _masks()["right"]
+    t = np.where(mask, tokens, 0).astype(np.int32)
+    got = forward(model, jnp.asarray(t), jnp.asarray(mask))
+    print(f"MAX DIFF gemma3 multimodal: {_check(got, _hf_logits(hf, t, mask), mask, 'gemma3 multimodal'):.2e}")
+    zoo.hf.save_pretrained(model, tmp_path / "text")
+    exported = _open_hf(tmp_path / "text")
+    assert type(exported).__name__ == "Gemma3ForCausalLM"
+    _check(got, _hf_logits(exported, t, mask), mask, "gemma3 multimodal, written as gemma3_text")
+    source = safetensors.numpy.load_file(str(tmp_path / "mm" / "model.safetensors"))
+    written = safetensors.numpy.load_file(str(tmp_path / "text" / "model.safetensors"))
+    decoder = {k.replace("language_model.model.", "model.", 1): v for k, v in source.items() if "language_model" in k}
+    assert sorted(written) == sorted(decoder)
+    for k in written:  # Gemma's norms go through fl(1 + w) − 1 (exact): off by one rounding of 1 + w
+        bound = UNIT_ROUNDOFF * largest(1 + decoder[k]) if "norm" in k else 0
+        np.testing.assert_allclose(written[k], decoder[k], rtol=0, atol=bound, err_msg=k)
+    # Adapters both ways on the multimodal model.
+    lora = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules=("q_proj", "v_proj", "down"), init_lora_weights=False)
+    adapted = zoo.lora.add_lora(model, lora, key=jax.random.key(1))
+    zoo.lora.save_adapter(adapted, lora, tmp_path / "zoo-adapter")
+    names = json.loads((tmp_path / "zoo-adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert "model.language_model.layers.0.self_attn.q_proj" in names
+    opened = peft.PeftModel.from_pretrained(hf, tmp_path / "zoo-adapter").eval()
+    _check(forward(adapted, jnp.asarray(t), jnp.asarray(mask)), _hf_logits(opened, t, mask), mask, "zoo adapter, peft")
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "mm").eval()
+    theirs = peft.LoraConfig(r=2, lora_alpha=4, target_modules=r".*language_model.*\.(q_proj|o_proj)",
+                             init_lora_weights=False)  # fmt: skip
+    peft.get_peft_model(hf, theirs).save_pretrained(tmp_path / "peft-adapter")
+    mine, _ = zoo.lora.load_adapter(model, tmp_path / "peft-adapter")
+    _check(forward(mine, jnp.asarray(t), jnp.asarray(mask)), _hf_logits(hf, t, mask), mask, "peft adapter, zoo")
+
+
 def test_export_keeps_source_config_and_copies_tokenizer(hf_dirs, loaded, tmp_path):
     zoo.hf.save_pretrained(loaded["llama"], tmp_path)
     source = json.loads((hf_dirs["llama"] / "config.json").read_text())

@@ -15,7 +15,7 @@ from .._export_dir import check_export_dir
 from .._files import atomic_write, fsync_dir, to_host
 from ..models import Encoder, Transformer
 from . import _families  # noqa: F401  (registers the families)
-from ._family import families, family_of
+from ._family import families, family_of, get_family
 from ._files import CONFIG_NAME, WEIGHTS_NAME, read_json
 from ._layout import leaf_sources
 
@@ -52,6 +52,8 @@ def _source_config(config: Any, family: Any) -> tuple[Path | None, dict[str, Any
 
 def _family(model: Any) -> Any:
     family = family_of(model)
+    if family.written_as is not None:  # e.g. a multimodal checkpoint's text decoder: written as that
+        family = get_family(family.written_as)
     if not isinstance(model, family.model_class):
         written = {}
         for f in families().values():

@@ -14,7 +14,9 @@ The interface (stable; additions only):
     (`"AutoModelForCausalLM"`, `"AutoModel"`).
   - `prefix`: the base-model prefix of task-model files (`"model."`, `"transformer."`,
     `"bert."`); `canonical_prefixed`: whether the table's names carry it; `head_names`:
-    file names outside the prefix that are the model's own (`"lm_head.weight"`).
+    file names outside the prefix that are the model's own (`"lm_head.weight"`);
+    `written_as`: another family a model of this one is exported as (a multimodal Gemma
+    3 checkpoint's text decoder: `"gemma3_text"`), or None.
   - `module_names`: zoo module path → HF module name, `{0}` = the layer number
     (`"layers.layers.attention.q_proj"` → `"model.layers.{0}.self_attn.q_proj"`). Covers
     every module that holds tensors, plus the containers LoRA/peft may name. Fused
@@ -88,6 +90,7 @@ class Family:
     architecture: ClassVar[str] = ""
     auto_class: ClassVar[str] = "AutoModelForCausalLM"
     prefix: ClassVar[str] = ""
+    written_as: ClassVar[str | None] = None  # another family a model of this one is exported as
     canonical_prefixed: ClassVar[bool] = False
     head_names: ClassVar[tuple[str, ...]] = ()
     module_names: ClassVar[Mapping[str, str]] = {}

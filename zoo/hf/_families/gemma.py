@@ -1,5 +1,4 @@
-"""Hugging Face Gemma ↔ `zoo.models.Transformer`: Llama with three changes; multimodal
-Gemma 3 refused, with the reason.
+"""Hugging Face Gemma ↔ `zoo.models.Transformer`: Llama with three changes.
 
 Gemma (1) is `llama.py` with: the token embeddings multiplied by `sqrt(hidden_size)`
 (`TransformerConfig.embed_scale`), RMSNorm scaling by `1 + weight` (the zoo leaf holds
@@ -8,8 +7,7 @@ feed-forward (`hidden_act: "gelu_pytorch_tanh"` on the gate: activation `"geglu"
 head is tied by default. Tensor names are Llama's.
 
 Gemma 2 and Gemma 3's text decoder are this class with more changes (`gemma2.py`,
-`gemma3.py`); multimodal Gemma 3 checkpoints (`model_type` `"gemma3"`) are refused for
-their vision tower.
+`gemma3.py`, which also reads the text decoder of the multimodal Gemma 3 checkpoints).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._family import refuse, register
+from .._family import register
 from .._layout import Source
 from .llama import Llama, _bias, uniform_rope
 
@@ -86,10 +84,3 @@ class Gemma(Llama):
         if source is not None and module in self.offset_norms:
             source = dataclasses.replace(source, offset=1.0)
         return source
-
-
-refuse(
-    "gemma3",
-    "a vision tower (zoo loads text decoders); a text-only Gemma 3 checkpoint (model_type 'gemma3_text', "
-    "Gemma3ForCausalLM) loads",
-)

@@ -10,8 +10,18 @@ default), the global layers with another (`rope_parameters["full_attention"]`, f
 `rope_theta`, 1,000,000 by default): `TransformerConfig.rope_thetas`. By default every 6th
 layer is global. Soft-capping is off by default, and transformers' Gemma 3 attention never
 applies `attn_logit_softcapping` (it keeps the value, its kernels are not given it): zoo
-reads it as transformers runs it, not at all, and writes the logits' cap only. RoPE scalings (the larger checkpoints'
-`linear` one on the global layers) are refused by name: zoo's RoPE has no linear scaling.
+reads it as transformers runs it, not at all, and writes the logits' cap only. The larger
+checkpoints' `linear` RoPE scaling of the global layers (a factor per layer kind) is read
+and written (`TransformerConfig.rope_factors`); other scalings are refused by name.
+
+The multimodal checkpoints (`model_type` `"gemma3"`, `Gemma3ForConditionalGeneration`:
+Gemma 3 4B, 12B, 27B) hold this decoder beside a vision tower; `Gemma3` loads their text
+decoder (its config is `text_config`, its tensors those under `language_model.model.`, as
+transformers writes them, or `model.language_model.`), skips the vision tower and the
+projector, names LoRA modules as transformers' `Gemma3ForConditionalGeneration` holds them
+(`model.language_model.layers.{i}...`: peft opens zoo's adapters on the multimodal model),
+reads `final_logit_softcapping` as that model runs it (not applied), and writes the model
+as its text decoder (`gemma3_text`, `Gemma3ForCausalLM`).
 
 | zoo `Transformer`, layer `i` | Gemma 3 (`Gemma3ForCausalLM`) |
 |---|---|
@@ -163,3 +173,51 @@ class Gemma3Text(Gemma2):
         """The per-layer `values` of `config`'s sliding and of its global layers."""
         sliding = config.sliding_layers or (config.sliding_window is not None,) * config.num_layers
         return {kind: {v for v, s in zip(values, sliding) if s == (kind == _KINDS[0])} for kind in _KINDS}
+
+
+_MM_MODULES = "model.language_model."  # where Gemma3ForConditionalGeneration holds the text decoder
+_MM_FILES = ("language_model.model.", "model.language_model.")  # its tensors, as written, older layout first
+_MM_OTHER = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+@register
+class Gemma3(Gemma3Text):
+    """The text decoder of a Gemma 3 multimodal checkpoint (`Gemma3ForConditionalGeneration`)
+    ↔ a `zoo.models.Transformer` as `Gemma3Text`'s; written back as `gemma3_text`."""
+
+    name = "gemma3"
+    architecture = "Gemma3ForConditionalGeneration"
+    prefix = _MM_MODULES
+    module_names = {zoo: hf.replace("model.", _MM_MODULES, 1) for zoo, hf in Gemma3Text.module_names.items()}
+    written_as = "gemma3_text"
+
+    def config_from_hf(self, values: dict[str, Any], **overrides: Any):
+        text = values.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(
+                "this gemma3 config has no text_config: a Gemma 3 multimodal config.json holds its text decoder's "
+                "settings there"
+            )
+        tie = values.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        # transformers' Gemma3ForConditionalGeneration never caps its logits (its text
+        # config may hold final_logit_softcapping): read as it runs, not at all.
+        text = text | {"model_type": self.name, "tie_word_embeddings": tie, "final_logit_softcapping": None}
+        return super().config_from_hf(text, **overrides)
+
+    def canonical_names(self, file_keys: list[str]) -> tuple[dict[str, str], list[str]]:
+        """The text decoder's tensors by this family's names; the vision tower's and the
+        projector's are left out (zoo loads the text decoder)."""
+        mapping: dict[str, str] = {}
+        for key in file_keys:
+            if key.startswith(_MM_OTHER):
+                continue
+            for written in _MM_FILES:
+                if key.startswith(written):
+                    mapping[_MM_MODULES + key.removeprefix(written)] = key
+                    break
+            else:
+                mapping[key] = key  # lm_head.weight, or a name the check reports as unexpected
+        return mapping, []
+
+    def claims(self, config: Any) -> bool:
+        return False  # a model is written as its text decoder (gemma3_text)
