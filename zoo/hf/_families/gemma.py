@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._family import register
 from .._layout import Source
-from .llama import Llama, _bias, uniform_rope
+from .llama import Llama, uniform_rope
 
 if TYPE_CHECKING:
     from ...models import TransformerConfig
@@ -30,6 +30,8 @@ _NORMS = ("layers.layers.attention_norm", "layers.layers.mlp_norm", "final_norm"
 @register
 class Gemma(Llama):
     """Gemma (`GemmaForCausalLM`) ↔ a `zoo.models.Transformer` with `embed_scale`, `geglu`."""
+
+    feed_forward_bias = False
 
     name = "gemma"
     architecture = "GemmaForCausalLM"
@@ -50,7 +52,7 @@ class Gemma(Llama):
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
         fields = super().fields(values)
-        return fields | {"activation": "geglu", "embed_scale": float(math.sqrt(fields["d_model"])), "mlp_bias": None}
+        return fields | {"activation": "geglu", "embed_scale": float(math.sqrt(fields["d_model"]))}
 
     def export_problems(self, config: TransformerConfig) -> list[str]:
         problems = [p for p in super().export_problems(config) if not p.startswith(("activation=", "embed_scale="))]
@@ -60,13 +62,10 @@ class Gemma(Llama):
             problems.append(
                 f"embed_scale={config.embed_scale} (Gemma's is sqrt(d_model) = {math.sqrt(config.d_model)})"
             )
-        if _bias(config, "mlp_bias"):
-            problems.append("mlp_bias=True (Gemma's feed-forward has no biases)")
         return problems
 
     def config_to_hf(self, config: TransformerConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
         out = super().config_to_hf(config, base)
-        del out["mlp_bias"]
         act = self._act(base) if base else "gelu_pytorch_tanh"
         return out | {"hidden_act": act if act in _GELU_TANH else "gelu_pytorch_tanh"}
 

@@ -190,6 +190,7 @@ class Llama(Family):
     norm_placement: ClassVar[str] = "input"  # where the layer norms sit (TransformerConfig.norm_placement)
     partial_rotary: ClassVar[bool] = False  # reads partial_rotary_factor (Phi-3); else refuses one below 1
     soft_caps: ClassVar[bool] = False  # soft-capping and query_pre_attn_scalar expressible (Gemma 2/3)
+    feed_forward_bias: ClassVar[bool] = True  # config.json's mlp_bias read and written; False: the family has none
 
     # -- config.json → zoo --
 
@@ -230,7 +231,7 @@ class Llama(Family):
             use_bias=False,
             qkv_bias=attention_bias or None,
             o_bias=attention_bias or None,
-            mlp_bias=mlp_bias or None,
+            mlp_bias=(mlp_bias or None) if self.feed_forward_bias else None,
             dropout=0.0,
             attention_dropout=float(values.get("attention_dropout", 0.0)),
             init_std=values.get("initializer_range", 0.02),
@@ -281,6 +282,8 @@ class Llama(Family):
                 f"partial_rotary_factor={config.partial_rotary_factor} ({self.name} rotates every head dimension; "
                 "Phi-3 rotates part)"
             )
+        if not self.feed_forward_bias and _bias(config, "mlp_bias"):
+            problems.append(f"mlp_bias=True ({self.name}'s feed-forward has no biases)")
         return problems + self.norm_problems(config)
 
     def norm_problems(self, config: TransformerConfig) -> list[str]:
@@ -320,7 +323,7 @@ class Llama(Family):
             raise ValueError(
                 f"this TransformerConfig cannot be written as a {self.name} config: " + "; ".join(problems)
             )
-        return {
+        out = {
             "architectures": [self.architecture],
             "model_type": self.name,
             "vocab_size": config.vocab_size,
@@ -340,6 +343,9 @@ class Llama(Family):
             "attention_dropout": config.attention_dropout,
             **rope_to_hf(config),
         }
+        if not self.feed_forward_bias:
+            del out["mlp_bias"]
+        return out
 
     def claims(self, config: Any) -> bool:
         return (

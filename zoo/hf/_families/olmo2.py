@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._family import register
-from .llama import LLAMA_NAMES, Llama, _bias
+from .llama import LLAMA_NAMES, Llama
 
 _LAYER = {
     "attention.q_norm": "self_attn.q_norm",
@@ -39,6 +39,8 @@ class Olmo2(Llama):
     """OLMo 2 (`Olmo2ForCausalLM`) ↔ a `zoo.models.Transformer` with output norms and
     whole-projection q/k norms."""
 
+    feed_forward_bias = False
+
     name = "olmo2"
     architecture = "Olmo2ForCausalLM"
     qk_norm_scope = "projection"
@@ -46,24 +48,12 @@ class Olmo2(Llama):
     module_names = _NAMES | {f"layers.layers.{zoo}": f"model.layers.{{0}}.{hf}" for zoo, hf in _LAYER.items()}
 
     def fields(self, values: dict[str, Any]) -> dict[str, Any]:
-        # transformers' Olmo2Config has no mlp_bias (the feed-forward has none) and its own eps default.
+        # transformers' Olmo2Config has its own eps default (and no mlp_bias: feed_forward_bias).
         return super().fields(values) | {
             "norm_eps": values.get("rms_norm_eps", 1e-5),
-            "mlp_bias": None,
             "qk_norm": True,
             "qk_norm_scope": "projection",
             "norm_placement": "output",
         }
 
-    def export_problems(self, config: Any) -> list[str]:
-        problems = super().export_problems(config)
-        if _bias(config, "mlp_bias"):
-            problems.append("mlp_bias=True (OLMo 2's feed-forward has no biases)")
-        return problems
-
     # `claims`: Llama's (no window, one attention_bias) with this class's norms.
-
-    def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
-        out = super().config_to_hf(config, base)
-        del out["mlp_bias"]
-        return out

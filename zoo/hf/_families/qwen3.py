@@ -23,6 +23,8 @@ _NORMS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn
 class Qwen3(Llama):
     """Qwen3 (`Qwen3ForCausalLM`) ↔ a `zoo.models.Transformer` with `qk_norm`."""
 
+    feed_forward_bias = False
+
     name = "qwen3"
     architecture = "Qwen3ForCausalLM"
     qk_norm_scope = "head"
@@ -36,13 +38,10 @@ class Qwen3(Llama):
 
     def export_problems(self, config: Any) -> list[str]:
         problems = [p for p in super().export_problems(config) if not p.startswith("sliding_window")]
-        if _bias(config, "mlp_bias"):
-            problems.append("mlp_bias=True (Qwen3's feed-forward has no biases)")
         return problems
 
     def config_to_hf(self, config: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
         out = super().config_to_hf(config, base)
-        del out["mlp_bias"]
         return out | window_to_hf(config)
 
     def claims(self, config: Any) -> bool:
