@@ -359,7 +359,8 @@ def test_multimodal_gemma3_loads_its_text_decoder_and_peft_opens_its_adapters(tm
     under `language_model.model.`; the vision tower and projector skipped, no warning)
     with the multimodal model's text logits; writes it as `Gemma3ForCausalLM`, the
     decoder's tensors bit for bit; peft opens a zoo adapter on the multimodal model with
-    zoo's logits (modules named `model.language_model.layers.{i}...`), and zoo a peft one."""
+    zoo's logits (modules named `model.language_model.layers.{i}...`), and zoo a peft one;
+    the serving engine serves that adapter folder as zoo.generate decodes it."""
     import warnings
 
     import peft
@@ -401,6 +402,12 @@ def test_multimodal_gemma3_loads_its_text_decoder_and_peft_opens_its_adapters(tm
     assert "model.language_model.layers.0.self_attn.q_proj" in names
     opened = peft.PeftModel.from_pretrained(hf, tmp_path / "zoo-adapter").eval()
     _check(forward(adapted, jnp.asarray(t), jnp.asarray(mask)), _hf_logits(opened, t, mask), mask, "zoo adapter, peft")
+    # Served with that adapter folder (read by the family's names): zoo.generate's tokens.
+    engine = zoo.serve.Engine(model, slots=1, max_len=16, adapters={"mine": tmp_path / "zoo-adapter"})
+    handle = engine.submit(zoo.serve.Request(tokens[0, :5].tolist(), max_tokens=4, adapter="mine"))
+    engine.run_until_done()
+    want = np.asarray(zoo.generate(adapted, tokens[:1, :5], max_new_tokens=4))[0, 5:]
+    assert handle.ids == want.tolist()
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "mm").eval()
     theirs = peft.LoraConfig(r=2, lora_alpha=4, target_modules=r".*language_model.*\.(q_proj|o_proj)",
                              init_lora_weights=False)  # fmt: skip
