@@ -69,9 +69,12 @@ def _full_logprobs_program(model, tokens):
 
 def full_logprobs(model, ids) -> np.ndarray:
     """The model's full forward pass over `ids` (one row), as float32 log-probabilities
-    `[len(ids), vocab]`: one compiled program per length (an eager pass compiles each of
-    its operations for each length)."""
-    return np.asarray(_full_logprobs_program(model, jnp.asarray([list(ids)], jnp.int32)))[0]
+    `[len(ids), vocab]`. The row is padded on the right to the model's `max_len`, which
+    the causal pass's first `len(ids)` positions never see: one compiled program per model,
+    not one per length (an eager pass compiles each of its operations for each length)."""
+    ids = list(ids)
+    row = ids + [0] * (model.config.max_len - len(ids))
+    return np.asarray(_full_logprobs_program(model, jnp.asarray([row], jnp.int32)))[0, : len(ids)]
 
 
 def _assert_logprobs_are_the_full_forward(model, prompt, handle):
