@@ -92,6 +92,41 @@ def engine(served):
     return Engine(served[2], slots=4, max_len=MAX_LEN)
 
 
+# The two tests that count compiles run first in this file (tests/conftest.py), warm_up's
+# first: each empties jax's caches as it starts, and the module engine's programs and the
+# first test's references are the ones later tests share.
+def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
+    """`warm_up` compiles the decode step with each CPU matmul kernel and times them: the
+    one made slower here (a sleep before each call) is never chosen, the other serves every
+    row count, and requests get zoo.generate's tokens with either. Choosing again compiles
+    nothing."""
+    model = served[2]
+    engine = Engine(model, slots=2, max_len=MAX_LEN)
+    programs = dict(engine._decode)
+    assert set(programs) == {"eigen", "xla"}
+
+    def slowed(program):
+        def run(*args):
+            time.sleep(0.03)
+            return program(*args)
+
+        return run
+
+    requests = [Request([5, 6, 7, 8], max_tokens=6), Request(list(range(6, 26)), max_tokens=9)]
+    for slow, fast in (("eigen", "xla"), ("xla", "eigen")):
+        engine._decode = {**programs, slow: slowed(programs[slow])}
+        engine.warm_up([4, 20])
+        assert engine.kernels == {1: fast, 2: fast}
+        with backend_compiles() as seen:
+            handles = [engine.submit(r) for r in requests]
+            engine.run_until_done()
+        assert seen == []  # warm_up built every program these requests use
+        for request, handle in zip(requests, handles):
+            assert handle.ids == _alone(model, request), (fast, request)
+    assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen", "xla"}
+    assert set(engine.compiles.values()) == {1}
+
+
 def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, engine):
     """Staggered arrivals, prompt lengths 1..30 (four buckets), more requests than slots,
     greedy and sampled side by side: each request's tokens are zoo.generate's for it alone."""
@@ -238,38 +273,6 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
-
-
-def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
-    """`warm_up` compiles the decode step with each CPU matmul kernel and times them: the
-    one made slower here (a sleep before each call) is never chosen, the other serves every
-    row count, and requests get zoo.generate's tokens with either. Choosing again compiles
-    nothing."""
-    model = served[2]
-    engine = Engine(model, slots=2, max_len=MAX_LEN)
-    programs = dict(engine._decode)
-    assert set(programs) == {"eigen", "xla"}
-
-    def slowed(program):
-        def run(*args):
-            time.sleep(0.03)
-            return program(*args)
-
-        return run
-
-    requests = [Request([5, 6, 7, 8], max_tokens=6), Request(list(range(6, 26)), max_tokens=9)]
-    for slow, fast in (("eigen", "xla"), ("xla", "eigen")):
-        engine._decode = {**programs, slow: slowed(programs[slow])}
-        engine.warm_up([4, 20])
-        assert engine.kernels == {1: fast, 2: fast}
-        with backend_compiles() as seen:
-            handles = [engine.submit(r) for r in requests]
-            engine.run_until_done()
-        assert seen == []  # warm_up built every program these requests use
-        for request, handle in zip(requests, handles):
-            assert handle.ids == _alone(model, request), (fast, request)
-    assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen", "xla"}
-    assert set(engine.compiles.values()) == {1}
 
 
 def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):
