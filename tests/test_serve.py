@@ -94,7 +94,7 @@ def engine(served):
 
 # The two tests that count compiles run first in this file (tests/conftest.py), warm_up's
 # first: each empties jax's caches as it starts, and the module engine's programs and the
-# first test's references are the ones later tests share.
+# batching test's references are the ones later tests share.
 def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
     """`warm_up` compiles the decode step with each CPU matmul kernel and times them: the
     one made slower here (a sleep before each call) is never chosen, the other serves every
@@ -254,7 +254,7 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
     this test's steps are recorded as they are queued; the move program built once.)"""
     model = served[2]
     rng = np.random.default_rng(2)
-    # (prompt, new tokens): slots 2 and 3 outlive 0 and 1. The shapes of the first test's
+    # (prompt, new tokens): slots 2 and 3 outlive 0 and 1. The shapes of the batching test's
     # requests: their references (zoo.generate alone) are compiled already.
     lengths = [(17, 3), (12, 6), (3, 12), (1, 14)]
     requests = [Request(rng.integers(6, VOCAB, size=n).tolist(), max_tokens=m) for n, m in lengths]
@@ -307,7 +307,7 @@ def test_echo_logprobs_are_the_full_forward_passes(served, engine):
 
 
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(served, engine):
-    """The module's engine, every slot taken and one place in its queue (the first test's
+    """The module's engine, every slot taken and one place in its queue (the batching test's
     request shape for the one that waits: its reference is compiled)."""
     model = served[2]
     running = [engine.submit(Request([6, 7], max_tokens=20)) for _ in range(engine.slots)]
@@ -346,7 +346,7 @@ def test_bad_requests_are_refused_with_the_fix(engine, request_, message):
 
 
 def test_stream_and_background_thread(served, engine):
-    """The module's engine (the first test's request shapes: its programs and references
+    """The module's engine (the batching test's request shapes: its programs and references
     are compiled), stopped at the end and then made to take requests again."""
     model = served[2]
     request = Request([6, 7, 8], max_tokens=12)
