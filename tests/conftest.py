@@ -28,7 +28,7 @@ os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0 --xl
 # LLVM's code generation in one part, not split into many compiled on a thread pool: on the
 # suite's tiny programs the split costs more CPU than it overlaps (3 workers on 2 cores),
 # measured side by side on tests/test_presets.py: 66 -> 60 CPU s (twice each). The same
-# HLO and the same machine code per kernel: only how LLVM's module is cut for threads.
+# HLO passes (sharding, collectives): only how LLVM's module is cut for threads.
 if "xla_cpu_parallel_codegen_split_count" not in _xla_flags:
     os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
 if "xla_cpu_use_fusion_emitters" not in _xla_flags:
