@@ -24,7 +24,7 @@ if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (
         f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=300 "
         "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-        "--xla_cpu_use_fusion_emitters=false"
+        "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
     )
 
 import jax

@@ -25,6 +25,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 # subprocesses too; pytest-timeout's limit in pyproject is the second net).
 _xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# LLVM's code generation in one part, not split into many compiled on a thread pool: on the
+# suite's tiny programs the split costs more CPU than it overlaps (3 workers on 2 cores),
+# measured side by side on tests/test_presets.py: 66 -> 60 CPU s (twice each). The same
+# HLO passes (sharding, collectives): only how LLVM's module is cut for threads.
+if "xla_cpu_parallel_codegen_split_count" not in _xla_flags:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
 if "xla_cpu_use_fusion_emitters" not in _xla_flags:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 jax.devices()  # initialise the backend with these flags
@@ -138,9 +144,13 @@ def _programs_freed_after_each_file(request):
 _COUNTS_COMPILES = {"backend_compiles", "register_event_duration_secs_listener", "compile_or_get_cached"}
 
 
-def pytest_runtest_setup(item):
+def _counts_compiles(item) -> bool:
     code = getattr(getattr(item, "function", None), "__code__", None)
-    if code is not None and _COUNTS_COMPILES & set(code.co_names):
+    return code is not None and bool(_COUNTS_COMPILES & set(code.co_names))
+
+
+def pytest_runtest_setup(item):
+    if _counts_compiles(item):
         _free_compiled_programs()
 
 
@@ -164,7 +174,16 @@ def pytest_collection_modifyitems(config, items):
     Under `--dist load` (the slow phase: one test at a time to a worker) test by test; else
     file by file (a file's limit is its largest), its tests in their order: `--dist
     loadfile` hands whole files out in that order, and a file's module fixtures may start
-    work its later tests use (test_checkpoints.py's first run)."""
+    work its later tests use (test_checkpoints.py's first run).
+
+    Within a file, the tests that count compiles come first (in their order): each empties
+    jax's caches as it starts (`pytest_runtest_setup`), which in the middle of a file threw
+    away what the file's earlier tests compiled for its later ones (test_serve.py's
+    warm_up test: 41 programs compiled again after it, 5.7 compile seconds)."""
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (first[item.path], not _counts_compiles(item)))  # stable
     dist = config.getoption("dist", "no") if config.pluginmanager.hasplugin("xdist") else "no"
     if dist == "load":
         items.sort(key=lambda item: -_timeout(item))  # stable: equal limits keep their order

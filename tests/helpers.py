@@ -430,7 +430,8 @@ def zoo_ok(*args) -> str:
 # optimisation off (about half of every compile); XLA's passes, which place the collectives,
 # unchanged.
 FAST_COMPILE_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false "
+    "--xla_cpu_parallel_codegen_split_count=1"
 )
 
 

@@ -69,9 +69,12 @@ def _full_logprobs_program(model, tokens):
 
 def full_logprobs(model, ids) -> np.ndarray:
     """The model's full forward pass over `ids` (one row), as float32 log-probabilities
-    `[len(ids), vocab]`: one compiled program per length (an eager pass compiles each of
-    its operations for each length)."""
-    return np.asarray(_full_logprobs_program(model, jnp.asarray([list(ids)], jnp.int32)))[0]
+    `[len(ids), vocab]`. The row is padded on the right to the model's `max_len`, which
+    the causal pass's first `len(ids)` positions never see: one compiled program per model,
+    not one per length (an eager pass compiles each of its operations for each length)."""
+    ids = list(ids)
+    row = ids + [0] * (model.config.max_len - len(ids))
+    return np.asarray(_full_logprobs_program(model, jnp.asarray([row], jnp.int32)))[0, : len(ids)]
 
 
 def _assert_logprobs_are_the_full_forward(model, prompt, handle):
@@ -87,6 +90,41 @@ def _assert_logprobs_are_the_full_forward(model, prompt, handle):
 @pytest.fixture(scope="module")
 def engine(served):
     return Engine(served[2], slots=4, max_len=MAX_LEN)
+
+
+# The two tests that count compiles run first in this file (tests/conftest.py), warm_up's
+# first: each empties jax's caches as it starts, and the module engine's programs and the
+# batching test's references are the ones later tests share.
+def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
+    """`warm_up` compiles the decode step with each CPU matmul kernel and times them: the
+    one made slower here (a sleep before each call) is never chosen, the other serves every
+    row count, and requests get zoo.generate's tokens with either. Choosing again compiles
+    nothing."""
+    model = served[2]
+    engine = Engine(model, slots=2, max_len=MAX_LEN)
+    programs = dict(engine._decode)
+    assert set(programs) == {"eigen", "xla"}
+
+    def slowed(program):
+        def run(*args):
+            time.sleep(0.03)
+            return program(*args)
+
+        return run
+
+    requests = [Request([5, 6, 7, 8], max_tokens=6), Request(list(range(6, 26)), max_tokens=9)]
+    for slow, fast in (("eigen", "xla"), ("xla", "eigen")):
+        engine._decode = {**programs, slow: slowed(programs[slow])}
+        engine.warm_up([4, 20])
+        assert engine.kernels == {1: fast, 2: fast}
+        with backend_compiles() as seen:
+            handles = [engine.submit(r) for r in requests]
+            engine.run_until_done()
+        assert seen == []  # warm_up built every program these requests use
+        for request, handle in zip(requests, handles):
+            assert handle.ids == _alone(model, request), (fast, request)
+    assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen", "xla"}
+    assert set(engine.compiles.values()) == {1}
 
 
 def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, engine):
@@ -216,7 +254,7 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
     this test's steps are recorded as they are queued; the move program built once.)"""
     model = served[2]
     rng = np.random.default_rng(2)
-    # (prompt, new tokens): slots 2 and 3 outlive 0 and 1. The shapes of the first test's
+    # (prompt, new tokens): slots 2 and 3 outlive 0 and 1. The shapes of the batching test's
     # requests: their references (zoo.generate alone) are compiled already.
     lengths = [(17, 3), (12, 6), (3, 12), (1, 14)]
     requests = [Request(rng.integers(6, VOCAB, size=n).tolist(), max_tokens=m) for n, m in lengths]
@@ -235,38 +273,6 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
     for request, handle in zip(requests, handles):
         assert handle.ids == _alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
-
-
-def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
-    """`warm_up` compiles the decode step with each CPU matmul kernel and times them: the
-    one made slower here (a sleep before each call) is never chosen, the other serves every
-    row count, and requests get zoo.generate's tokens with either. Choosing again compiles
-    nothing."""
-    model = served[2]
-    engine = Engine(model, slots=2, max_len=MAX_LEN)
-    programs = dict(engine._decode)
-    assert set(programs) == {"eigen", "xla"}
-
-    def slowed(program):
-        def run(*args):
-            time.sleep(0.03)
-            return program(*args)
-
-        return run
-
-    requests = [Request([5, 6, 7, 8], max_tokens=6), Request(list(range(6, 26)), max_tokens=9)]
-    for slow, fast in (("eigen", "xla"), ("xla", "eigen")):
-        engine._decode = {**programs, slow: slowed(programs[slow])}
-        engine.warm_up([4, 20])
-        assert engine.kernels == {1: fast, 2: fast}
-        with backend_compiles() as seen:
-            handles = [engine.submit(r) for r in requests]
-            engine.run_until_done()
-        assert seen == []  # warm_up built every program these requests use
-        for request, handle in zip(requests, handles):
-            assert handle.ids == _alone(model, request), (fast, request)
-    assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen", "xla"}
-    assert set(engine.compiles.values()) == {1}
 
 
 def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):
@@ -301,7 +307,7 @@ def test_echo_logprobs_are_the_full_forward_passes(served, engine):
 
 
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(served, engine):
-    """The module's engine, every slot taken and one place in its queue (the first test's
+    """The module's engine, every slot taken and one place in its queue (the batching test's
     request shape for the one that waits: its reference is compiled)."""
     model = served[2]
     running = [engine.submit(Request([6, 7], max_tokens=20)) for _ in range(engine.slots)]
@@ -356,7 +362,7 @@ def test_a_longrope_request_passing_the_original_context_is_refused():
 
 
 def test_stream_and_background_thread(served, engine):
-    """The module's engine (the first test's request shapes: its programs and references
+    """The module's engine (the batching test's request shapes: its programs and references
     are compiled), stopped at the end and then made to take requests again."""
     model = served[2]
     request = Request([6, 7, 8], max_tokens=12)
