@@ -345,22 +345,6 @@ def test_bad_requests_are_refused_with_the_fix(engine, request_, message):
     assert message in str(e.value)
 
 
-def test_a_longrope_request_passing_the_original_context_is_refused():
-    """A request the cache cannot decode as transformers does (longrope's switch to its long
-    factors inside the request: zoo.generate refuses the same) is refused at submission
-    with the most new tokens that fit; one whose prompt is already past it is taken."""
-    config = zoo.models.TransformerConfig(
-        vocab_size=64, d_model=16, num_heads=2, num_layers=1, max_len=32, positions="rope", activation="swiglu",
-        norm="rmsnorm", rope_scaling="longrope", rope_factor=8.0, rope_original_max_len=4,
-        rope_short_factor=(1.0,) * 4, rope_long_factor=(3.0,) * 4,
-    )  # fmt: skip
-    engine = Engine(zoo.models.Transformer(config, key=jax.random.key(0)), slots=1, max_len=32)
-    with pytest.raises(ValueError, match=r"the prompt has 3 tokens and max_tokens 5 passes .* at most 2,"):
-        engine.check(Request([6, 7, 8], max_tokens=5))
-    engine.check(Request([6, 7, 8], max_tokens=2))
-    engine.check(Request([6] * 5, max_tokens=20))
-
-
 def test_stream_and_background_thread(served, engine):
     """The module's engine (the batching test's request shapes: its programs and references
     are compiled), stopped at the end and then made to take requests again."""
