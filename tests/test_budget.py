@@ -243,6 +243,7 @@ _FAST_PAIRS = {
     ("llama", "dp"), ("llama_bias_tied", "fsdp"), ("llama3_scaled", "fsdp-once"), ("mistral", "zero1"),
     ("qwen2", "tp"), ("qwen3", "fsdp+tp"), ("gemma", "fsdp+tp"), ("phi3", "tp"), ("phi3_partial", "zero1"), ("olmo2", "tp"),
     ("qwen2_windowed", "dp"), ("smollm3", "fsdp"), ("gemma2", "tp"), ("gemma3_text", "fsdp"),
+    ("qwen2_yarn", "fsdp-once"), ("phi3_longrope", "fsdp"),
 }  # fmt: skip
 # Families whose placed parameters are those of another family under every preset (the same
 # paths and partition specs; test_stand_ins_place_their_parameters_as_the_families_they_stand_for;
@@ -260,6 +261,7 @@ _STAND_INS = {
     "llama3_scaled": "llama", "mistral": "llama", "phi3": "llama", "qwen2": "llama_bias_tied",
     "qwen2_windowed": "llama_bias_tied", "smollm3": "llama", "phi3_partial": "llama",
     "qwen3": "gemma3_text", "gemma": "gemma3_text", "gemma2": "gemma3_text",
+    "qwen2_yarn": "llama_bias_tied", "phi3_longrope": "llama",
 }  # fmt: skip
 
 
@@ -307,7 +309,8 @@ def test_stand_ins_place_their_parameters_as_the_families_they_stand_for(family_
     """What lets the slow family x preset pairs skip a family (`_STAND_INS`): under every
     preset its parameters are placed as its stand-in's (the same specs; shapes too where the
     stand-in has the same sizes). qwen2's biases are a subset of llama_bias_tied's (which
-    also has o_proj and MLP biases and another head_dim), as are qwen2_windowed's (3 layers);
+    also has o_proj and MLP biases and another head_dim), as are qwen2_windowed's (3 layers)
+    and qwen2_yarn's (its RoPE frequencies are arithmetic on activations);
     smollm3's 4 layers are placed as llama's 2; qwen3's, gemma's and gemma2's leaves are a
     subset of gemma3_text's (3 layers; qwen3's heads 16 wide), their specs the same."""
     # The vocabulary padded as placing it on 8 devices would (a multiple of 8 splits it under every preset).
@@ -317,7 +320,7 @@ def test_stand_ins_place_their_parameters_as_the_families_they_stand_for(family_
         for name, stand_in in _STAND_INS.items():
             ours, theirs = _specs(models[name], preset), _specs(models[stand_in], preset)
             assert ours.keys() <= theirs.keys(), (name, preset, ours.keys() - theirs.keys())
-            if name in ("qwen2", "qwen2_windowed", "qwen3", "gemma", "gemma2"):
+            if name in ("qwen2", "qwen2_windowed", "qwen2_yarn", "qwen3", "gemma", "gemma2"):
                 assert ours.keys() < theirs.keys()
                 assert {k: s for k, (_, s) in ours.items()} == {k: theirs[k][1] for k in ours}, (name, preset)
             elif name == "smollm3":  # 4 layers (its pattern needs them) on llama's 2: the same specs

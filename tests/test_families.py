@@ -67,17 +67,18 @@ CASES = {
         SMALL | {"rope_scaling": LLAMA3},
     ),
     # Qwen's long-context YaRN: frequencies blended by a ramp, cos/sin times 0.1·ln(4) + 1;
-    # an original context of 4 (the sequences are 8).
+    # an original context of 4 (the sequences are 8); a tied head.
     "qwen2_yarn": (
         transformers.Qwen2Config,
         SMALL
         | {
+            "tie_word_embeddings": True,
             "rope_parameters": {
                 "rope_type": "yarn",
                 "rope_theta": 1e4,
                 "factor": 4.0,
                 "original_max_position_embeddings": 4,
-            }
+            },
         },
     ),
     # Mistral with a window shorter than the sequence.
