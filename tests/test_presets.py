@@ -80,11 +80,12 @@ def patterned_decoder(key):
     0 global with RoPE at base 10k, layer 1 sliding (a window of 3, shorter than the batch's
     8 tokens) without RoPE (SmolLM3's NoPE), its base 500 scanned all the same; RoPE on 2
     of each head's 4 dimensions (Phi-4-mini's partial rotary: a slice within a head, which
-    tp does not split). The pattern is data the scan reads beside the parameters, not a
-    leaf: the collectives are the decoder's."""
+    tp does not split); layer 0's frequencies divided by 8 (Gemma 3's linear RoPE scaling of
+    its global layers, a per-layer factor). The pattern is data the scan reads beside the
+    parameters, not a leaf: the collectives are the decoder's."""
     return tiny_decoder(
         key, sliding_window=3, sliding_layers=(False, True), rope_layers=(True, False), rope_thetas=(1e4, 5e2),
-        partial_rotary_factor=0.5,
+        partial_rotary_factor=0.5, rope_factors=(8.0, 1.0),
     )  # fmt: skip
 
 
