@@ -329,8 +329,9 @@ def _check_rope_switch(config: Any, mask: Any, s: int, max_new_tokens: int) -> N
     if scaling is None or scaling.kind != "longrope":
         return
     lengths = [s] if isinstance(mask, jax.core.Tracer) else np.asarray(mask).sum(axis=1).tolist()
-    limits = [(n, scaling.decode_limit(int(n))) for n in lengths]
-    n, limit = min(((n, lim) for n, lim in limits if lim is not None), key=lambda x: x[1], default=(s, None))
+    # The tightest limit is the longest prompt still within the original context.
+    n = max((int(n) for n in lengths if n <= scaling.original_max_len), default=None)
+    limit = None if n is None else scaling.decode_limit(n)
     if limit is not None and max_new_tokens > limit:
         raise ValueError(
             f"a prompt of {n} tokens + max_new_tokens {max_new_tokens} passes this model's original context "
