@@ -372,6 +372,17 @@ def test_sharded_generation_equals_one_device(decoder, preset):
     np.testing.assert_array_equal(zoo.generate(placed, tokens, mask=mask, max_new_tokens=NEW), greedy)
 
 
+def test_a_model_placed_on_one_device_decodes_any_batch(decoder):
+    """A model placed on a one-device mesh (a `--devices 1` run's) decodes on it, an odd
+    batch too: its activations are laid out over the size-1 data axis, and so is the cache
+    (it was not: the first write into it failed)."""
+    tokens, mask = _batch8()
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
+    placed = zoo.shard(decoder, zoo.rules("dp"), mesh)
+    out = zoo.generate(placed, tokens[:7], mask=mask[:7], max_new_tokens=NEW)
+    np.testing.assert_array_equal(out, zoo.generate(decoder, tokens[:7], mask=mask[:7], max_new_tokens=NEW))
+
+
 def test_seeded_sampling_is_deterministic_and_top_k_1_is_greedy(decoder):
     kw = dict(mask=MASK, max_new_tokens=NEW, temperature=1.0)
     a = zoo.generate(decoder, TOKENS, key=jax.random.key(1), **kw)

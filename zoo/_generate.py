@@ -207,7 +207,9 @@ def _deliver(stream_id: int, step, tokens) -> None:
 def _model_mesh(model) -> Any:
     for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+        # One device too: its arrays' explicit axes lay out the activations, so the cache
+        # must be made on the same mesh.
+        if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
             return sharding.mesh
     return None
 
@@ -470,7 +472,9 @@ def _run(model, arrays: tuple, moved: bool, key, settings: tuple, stream) -> Arr
     rows = None if rows_np is None else jnp.asarray(rows_np)
     if not mesh.empty:
         data = mesh.shape.get("data", 1)
-        spec = P("data") if data > 1 and toks.shape[0] % data == 0 else P()
+        # A data axis of size 1 too: the model's activations are laid out over it, and the
+        # cache must be laid out as they are.
+        spec = P("data") if "data" in mesh.axis_names and toks.shape[0] % data == 0 else P()
         toks, msk, prompt = (jax.device_put(x, spec) for x in (toks, msk, prompt))
         rows = None if rows is None else jax.device_put(rows, spec)
     if stream is None:
