@@ -140,7 +140,8 @@ class Engine:
         self.compiles: dict[tuple, int] = {}
         # Short prompts: Eigen's CPU matmuls; long ones: XLA's default. The decode step: one
         # program per kernel (zoo/_kernels.py), the one a row count uses chosen by `warm_up`.
-        device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
+        # Never `.devices().pop()`: a NamedSharding caches that set, and popping empties it.
+        device = next(iter(jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices()))
         eigen = eigen_matmuls()
         self._prefill = Jit(_prefill_program, donate=(1, 2), on_compile=self._count("prefill"), compiler_options=eigen)
         self._prefill_long = Jit(_prefill_program, donate=(1, 2), on_compile=self._count("prefill"))
@@ -298,6 +299,21 @@ class Engine:
             self.bank.write(slot, name, lora_model)
             self._use(self.bank.model)
         return slot
+
+    def update_adapter(self, name: str, lora_model) -> None:
+        """New weights for adapter `name` in its slot (an RL policy after an update): nothing
+        compiles. `ValueError` while its requests are in flight; `LookupError`: no such name."""
+        for where, layer in self.bank.check(lora_model).items():
+            if not (np.isfinite(np.asarray(layer.lora_A)).all() and np.isfinite(np.asarray(layer.lora_B)).all()):
+                raise ValueError(f"adapter {name!r} holds NaN or inf at {where!r}; its update is refused")
+        with self._lock:
+            slot = self._served_slot(name)
+            if self._uses[slot]:
+                raise ValueError(
+                    f"adapter {name!r} has {int(self._uses[slot])} requests in flight; update it once they finish"
+                )
+            self.bank.write(slot, name, lora_model)
+            self._use(self.bank.model)
 
     def unload_adapter(self, name: str) -> int:
         """Stop serving adapter `name`: new requests for it are refused at once; its slot is
@@ -487,9 +503,9 @@ class Engine:
         flight, and hand their tokens to the requests still running."""
         while len(self._unread) > keep:
             kind, rows, out = self._unread.popleft()
-            token, chosen, ids, values = (np.asarray(x) for x in out[0])
+            token, chosen, ids, values, sampled = (np.asarray(x) for x in out[0])
             prompt = None if out[1] is None else [np.asarray(x) for x in out[1]]
-            tokens, chosen = token.tolist(), chosen.tolist()
+            tokens, chosen, sampled = token.tolist(), chosen.tolist(), sampled.tolist()
             with self._lock:
                 for row, (i, handle) in enumerate(rows):
                     at = row if kind == "prefill" else i
@@ -500,7 +516,7 @@ class Engine:
                         handle.prompt_top = [[]] + [
                             list(zip(top_ids[j].tolist(), top_values[j].tolist())) for j in range(n - 1)
                         ]
-                    self._deliver(handle, tokens[at], chosen[at], ids[at], values[at])
+                    self._deliver(handle, tokens[at], chosen[at], ids[at], values[at], sampled[at])
 
     def _settings(self, request: Request):
         """`(key data, temperature, top_k, top_p)` of `request`, as one row of the arrays."""
@@ -617,7 +633,7 @@ class Engine:
     def _row_scale(self, slots: np.ndarray) -> np.ndarray | None:
         return None if self.bank is None else self.bank.row_scale(slots)
 
-    def _deliver(self, handle: Handle, token: int, logprob: float, ids, values) -> None:
+    def _deliver(self, handle: Handle, token: int, logprob: float, ids, values, sampled: float) -> None:
         if handle.done:  # it ended (a stop id, cancelled) while this token was computed
             return
         if handle._cancelled:
@@ -625,7 +641,7 @@ class Engine:
             return
         request = handle.request
         top = list(zip(ids.tolist(), values.tolist())) if request.top_logprobs else []
-        handle.tokens.append(Token(token, logprob, top))
+        handle.tokens.append(Token(token, logprob, top, sampled))
         handle._emit(handle.tokens[-1])
         if token in request.stop_ids:
             self._end(handle, "stop")

@@ -60,7 +60,8 @@ def _size(n: int) -> str:
 def check_room(model, slots: int, max_len: int, max_queue: int | None) -> None:
     """Raise `MemoryError` (one line: the limit at fault and a value that fits) unless the
     cache of `slots` x `max_len` and a full queue fit in the memory free on the model's device."""
-    device = jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices().pop()
+    # Never `.devices().pop()`: a NamedSharding caches that set, and popping empties it.
+    device = next(iter(jax.tree.leaves(eqx.filter(model, eqx.is_array))[0].devices()))
     free = free_bytes(device)
     if free is None:
         return

@@ -83,12 +83,17 @@ def _top_if(wanted, logprobs):
 def _choose(logits, steered, key_data, steps, temperature, top_k, top_p, wanted):
     """Every row's next token, chosen from the `steered` logits (bias and penalties
     applied), and its log-probabilities under the model's `logits` (chosen, top ids, top
-    values; zeros when no row in `wanted` asks for the top ones)."""
+    values; zeros when no row in `wanted` asks for the top ones), then the chosen one's
+    under the logits divided by the row's temperature (1 for greedy rows): what the token
+    was sampled from before top-k/top-p filtering, as RL objectives weigh it (TRL's GRPO)."""
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), steps)
     tokens = next_token_per_row(steered, keys, temperature=temperature, top_k=top_k, top_p=top_p)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen, *_top_if(wanted, logprobs)
+    scale = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)[:, None]
+    tempered = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+    sampled = jnp.take_along_axis(tempered, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen, *_top_if(wanted, logprobs), sampled
 
 
 def _prefill_program(

@@ -49,12 +49,17 @@ class Request:
 @dataclass
 class Token:
     """One generated token: its id, its log-probability under the model (before any
-    temperature or filtering) and the `TOP_LOGPROBS` most likely ids with theirs. (A
-    prompt's tokens echoed back are Tokens too: the first has no log-probability, None.)"""
+    temperature or filtering), the `TOP_LOGPROBS` most likely ids with theirs, and
+    `sampled_logprob`: its log-probability under the logits divided by the request's
+    temperature (the model's own for a greedy request), before top-k/top-p filtering, the
+    distribution it was drawn from as an RL objective weighs it (TRL's GRPO: the rollout's
+    old log-probabilities). (A prompt's tokens echoed back are Tokens too: the first has
+    no log-probability, None; echoed ones have no `sampled_logprob`.)"""
 
     id: int
     logprob: float | None
     top: list[tuple[int, float]]
+    sampled_logprob: float | None = None
 
 
 @dataclass
