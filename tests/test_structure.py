@@ -169,7 +169,7 @@ LAYERS = {
     "zoo.data": {"zoo.hf", _CORE},
     "generate": {"zoo.lora", "zoo.models", "zoo.nn", _CORE},
     "zoo.serve": {"generate", "zoo.lora", "zoo.models", "zoo.nn", _CORE},
-    "zoo.train": {"generate", "zoo.data", "zoo.hf", "zoo.lora", "zoo.models", "zoo.nn", _CORE},
+    "zoo.train": {"generate", "zoo.serve", "zoo.data", "zoo.hf", "zoo.lora", "zoo.models", "zoo.nn", _CORE},
     "zoo.internal": {"generate", "zoo.lora", "zoo.nn", _CORE},
     "zoo": {
         "generate",
@@ -218,8 +218,9 @@ def test_packages_import_only_the_floors_below():
 
 
 # The house's targets reached so far (issue 41): a folder by concept stays about the size of
-# the largest of Equinox or peft's LoRA tuner.
-TRAIN_FILES = 28
+# the largest of Equinox or peft's LoRA tuner. 28 then; 29 with online RL (_grpo.py: its
+# task and rollouts, a concept of its own beside the preference objectives' _preference.py).
+TRAIN_FILES = 29
 
 
 def test_zoo_train_is_a_folder_of_concepts_not_of_steps():

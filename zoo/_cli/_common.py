@@ -22,7 +22,7 @@ class CLIError(ConfigError):
 
 
 # A config field as the library's errors name it: `RunConfig.batch_size`, `OptimizerConfig.lr`.
-_FIELD = re.compile(r"\b(?:RunConfig|DataConfig|OptimizerConfig)\.\w+")
+_FIELD = re.compile(r"\b(?:RunConfig|DataConfig|OptimizerConfig|GRPOConfig)\.\w+")
 
 
 def flag_names(message: str) -> str:

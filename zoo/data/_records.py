@@ -9,11 +9,12 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-Kind = Literal["text", "prompt_completion", "chat", "classification", "preference"]
+Kind = Literal["text", "prompt_completion", "chat", "classification", "preference", "prompt"]
 
 FORMATS = (
     '.txt (plain text), or .jsonl lines holding {"text"}, {"prompt", "completion"}, {"messages"}, '
-    '{"text", "label"} or {"prompt", "chosen", "rejected"} (preference pairs), or .csv with "text" and "label" columns'
+    '{"text", "label"}, {"prompt", "chosen", "rejected"} (preference pairs) or {"prompt"} alone (prompts for GRPO), '
+    'or .csv with "text" and "label" columns'
 )
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
@@ -42,6 +43,8 @@ def _kind(record: Any, where: str) -> Kind:
         return "chat"
     if "prompt" in record and "completion" in record:
         return "prompt_completion"
+    if "prompt" in record and "text" not in record:
+        return "prompt"  # prompts alone (GRPO's rollouts complete them); other keys are the rewards' columns
     if "text" in record and "label" in record:
         return "classification"
     if "text" in record:
@@ -78,6 +81,8 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
                 )
     if kind == "preference":
         _check_preference(record, where)
+    if kind == "prompt":
+        _check_prompt(record["prompt"], where)
     if kind == "classification":
         label = record["label"]
         if isinstance(label, str) and not label.strip():
@@ -135,6 +140,29 @@ def _check_preference(record: dict[str, Any], where: str) -> None:
                         f"{where} field {k!r} item {i} is {m!r}; each message must be an object with a string "
                         '"role" and a string "content"'
                     )
+
+
+def _check_prompt(prompt: Any, where: str) -> None:
+    """A prompt alone: a non-empty string, or a conversation (messages) ending on a user turn."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataFormatError(f"{where} field 'prompt' is empty; give every line a prompt (or remove the line)")
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise DataFormatError(
+            f"{where} field 'prompt' is {type(prompt).__name__} {prompt!r}; a prompt is a string or a non-empty list "
+            'of {"role": ..., "content": ...} messages'
+        )
+    for i, m in enumerate(prompt):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
+            raise DataFormatError(
+                f"{where} field 'prompt' item {i} is {m!r}; each message must be an object with a string "
+                '"role" and a string "content"'
+            )
+    if prompt[-1]["role"] == "assistant":
+        raise DataFormatError(
+            f"{where} field 'prompt' ends on an assistant turn; a prompt to complete ends on a user (or system) turn"
+        )
 
 
 def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]]]:

@@ -6,7 +6,8 @@ model registry.
 - `Trainer(step, batch_at, steps=..., hooks=[...])`: the loop alone, over your own
   `zoo.TrainStep` and batches, with hooks every N steps (`Evaluate`, `KeepBest`,
   `Checkpoint`, `MetricsLog`, `TensorBoard`, `Progress`, `Sample`, or your own `Hook`).
-- `OptimizerConfig`: an optax optimizer with its learning-rate schedule.
+- `OptimizerConfig`: an optax optimizer with its learning-rate schedule; `GRPOConfig`: how
+  `objective="grpo"` samples and rewards its rollouts.
 - `Flag`: how a config field is `zoo train`'s flag (its help, how `--resume` treats it);
   `RunConfig.flags()` lists them, one per flat key.
 - `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
@@ -53,7 +54,7 @@ __getattr__, __dir__ = lazy_names(
         "._run": ("Inspection", "RunResult", "inspect", "run"),
         "._saved_run": ("SavedRun", "load_run"),
         "._scores": ("classification_scores",),
-        "._settings": ("DataConfig",),
+        "._settings": ("DataConfig", "GRPOConfig"),
         "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
         "._trainer": ("Hook", "TrainState", "Trainer"),
     },
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
     from ._saved_run import load_run as load_run
     from ._scores import classification_scores as classification_scores
     from ._settings import DataConfig as DataConfig
+    from ._settings import GRPOConfig as GRPOConfig
     from ._task import Task as Task
     from ._task import classifier_metrics as classifier_metrics
     from ._task import lm_metrics as lm_metrics
@@ -113,6 +115,7 @@ __all__ = [
     "Evaluate",
     "Evaluator",
     "Flag",
+    "GRPOConfig",
     "Hook",
     "Inspection",
     "Interrupted",

@@ -25,7 +25,7 @@ from ._errors import ConfigError
 from ._registry import model_spec
 from ._task import Task, init_folder, tokenizer_of
 from ._text import adapter_files, check_name
-from ._user_data import _chat_template, _check_tokenizer, byte_tokenizer
+from ._user_data import _chat_template, byte_tokenizer, check_tokenizer
 
 FIELD = "adapter"  # the record field naming a row's adapter
 LM_KINDS = ("text", "prompt_completion", "chat")
@@ -271,7 +271,7 @@ def adapters_task(c, adapters: AdapterRecords, *, rules, mesh):
     trains, vals = _load(c, adapters, source)
     _check_rows(c, adapters, trains)
     model, config, folder = model_spec(c.model).file_model(c, None, rules=rules, mesh=mesh)
-    _check_tokenizer(config, tokenizer, folder)
+    check_tokenizer(config, tokenizer, folder)
     held = {n: vals[n].arrays if len(vals[n]) else trains[n].arrays for n in names}
     what = "; ".join(f"{n}: {describe(trains[n])}, {len(vals[n])} validation rows" for n in names)
     return Task(

@@ -32,6 +32,7 @@ from ._adapters import adapters_task, add_lora, quantize_base, read_adapter_reco
 from ._config import RunConfig, check_fits_model
 from ._errors import ConfigError
 from ._folder import RUN_FILES, claim
+from ._grpo import grpo_task
 from ._head import LABELS_NAME
 from ._output import write_json
 from ._plan import RunPlan, fit_batch, fit_epochs
@@ -111,6 +112,8 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
     # fit even so is refused before it is drawn (a bound, so never a false refusal).
     check_rows_fit("DataConfig.eval_size", config.data.eval_size, 4 * (config.data.seq_len or 1), "the held-out set")
     try:
+        if config.objective == "grpo" and config.data.source is not None:  # prompts, completed by the policy
+            return grpo_task(config, rules=rules, mesh=mesh)
         if config.data.source is not None and config.data.source not in spec.datasets:
             adapters = read_adapter_records(config.data.source) if spec.kind == "lm" else None
             if adapters is not None:  # several adapters, each on its own records

@@ -24,12 +24,13 @@ from ._registry import (
     model_spec,
 )
 from ._scores import WATCHED, watched_metric
-from ._settings import DataConfig, RunSettings
+from ._settings import OBJECTIVE_DEFAULTS, DataConfig, GRPOConfig, RunSettings
 from ._text import absolute_files, lora_text, mesh_text, parse_lora, parse_mesh, parse_pairs, parse_scalar
 
 # The flat keys of the nested configs' fields (`DataConfig.source` is `data`), from their flags.
 _DATA_KEYS = {f.name: field for field, f in fields_flags(DataConfig)}
 _OPTIMIZER_KEYS = {f.name: field for field, f in fields_flags(OptimizerConfig)}
+_GRPO_KEYS = {f.name: field for field, f in fields_flags(GRPOConfig)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +204,12 @@ class RunConfig(RunSettings):
             lora=lora,
             resume=self.resuming,
             pooling=self.pooling or (table["pooling"] if spec.classifier else None),
+            beta=self.beta
+            if self.beta is not None or self.objective == "sft"
+            else OBJECTIVE_DEFAULTS[self.objective]["beta"],
+            loss_type=self.loss_type
+            if self.loss_type is not None or self.objective == "sft"
+            else OBJECTIVE_DEFAULTS[self.objective]["loss_type"],
             derived=tuple(sorted(derived)),
         )
         if done.quantize is not None and done.lora is None:
@@ -255,8 +262,13 @@ class RunConfig(RunSettings):
             elif f.name == "derived":
                 if value:
                     flat["derived"] = sorted(value)
+            elif f.name == "grpo":
+                if self.objective == "grpo":  # only a GRPO run has rollouts to replay
+                    flat |= {key: getattr(value, field) for key, field in _GRPO_KEYS.items()}
             elif f.name in ("objective", "beta", "loss_type", "label_smoothing") and self.objective == "sft":
                 continue  # next-token training: no preference settings to replay
+            elif f.name == "label_smoothing" and self.objective == "grpo":
+                continue
             elif (f.name in ("tensorboard", "pooling", "keep_best", "quantize") and value is None) or (
                 f.name == "early_stop" and not value
             ):
@@ -275,7 +287,7 @@ class RunConfig(RunSettings):
         With a `command` (`train`, `finetune`, `demo`): the flags it takes, each help
         filled in for it from the registry (`help_texts`); without: every flag, its help
         a template."""
-        nested = {"data": DataConfig, "optimizer": OptimizerConfig}
+        nested = {"data": DataConfig, "optimizer": OptimizerConfig, "grpo": GRPOConfig}
         own = dict(fields_flags(cls))
         out: list[Flag] = []
         for f in dataclasses.fields(cls):
@@ -313,6 +325,7 @@ class RunConfig(RunSettings):
             values["model"], values["init"] = model_and_init(values["model"], values.get("init"))
         data = {field: values.pop(key) for key, field in _DATA_KEYS.items() if key in values}
         opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
+        grpo = {field: values.pop(key) for key, field in _GRPO_KEYS.items() if key in values}
         if isinstance(values.get("lora"), str):
             # As `--lora`: keys the text leaves out take the model's LoRA defaults.
             defaults = model_spec(values["model"]).lora_defaults if values.get("model") is not None else {}
@@ -328,7 +341,7 @@ class RunConfig(RunSettings):
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"RunConfig: unknown keys {unknown}; known keys: {sorted(cls.flat_keys())}")
-        return cls(data=DataConfig(**data), optimizer=OptimizerConfig(**opt), **values)
+        return cls(data=DataConfig(**data), optimizer=OptimizerConfig(**opt), grpo=GRPOConfig(**grpo), **values)
 
 
 def output_dir(output: str | None, model: str, command: str) -> Path:

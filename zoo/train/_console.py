@@ -165,19 +165,24 @@ def _print_best(say, summary) -> None:
 
 def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say()
-    ev_name = {"classification": "test", "lm": "validation", "regression": "held-out", "preference": "held-out"}[
-        task.kind
-    ]
+    ev_name = {"classification": "test", "lm": "validation"}.get(task.kind, "held-out")
     n = summary["eval_after"]["examples"]
-    what = {"classification": "texts", "lm": "windows", "regression": "examples", "preference": "pairs"}[task.kind]
+    what = {"classification": "texts", "lm": "windows", "regression": "examples", "preference": "pairs"}
+    what = what.get(task.kind, "completions")  # grpo: completions of the held-out prompts
     has_acc = summary["eval_after"]["accuracy"] is not None
     acc_name = {"classification": "accuracy", "preference": "preference acc."}.get(task.kind, "next-token acc.")
+    has_reward = summary["eval_after"].get("reward") is not None  # grpo: the mean reward of the completions
     head = f"{ev_name} set, {n} {what}"
     width = max(len(head), 2 + max(len(st["name"]) for st in summary["stages"])) + 2
-    say(f"{head:<{width}}{'loss':>8}" + (f"{acc_name:>18}" if has_acc else ""))
+    say(
+        f"{head:<{width}}{'loss':>8}"
+        + (f"{acc_name:>18}" if has_acc else "")
+        + (f"{'reward':>10}" if has_reward else "")
+    )
     for st in summary["stages"]:
         acc = f"{100 * st['accuracy']:17.1f}%" if has_acc and st.get("accuracy") is not None else ""
-        say(f"  {st['name']:<{width - 2}}{st['loss']:8.4f}{acc}")
+        reward = f"{st['reward']:10.4f}" if has_reward and st.get("reward") is not None else ""
+        say(f"  {st['name']:<{width - 2}}{st['loss']:8.4f}{acc}{reward}")
     for name, own in (summary.get("adapters") or {}).items():  # several adapters: each on its own rows
         say(
             f"  adapter {name}: {ev_name} loss {own['eval_loss_before']:.4f} -> {own['eval_loss_after']:.4f}, "
@@ -230,7 +235,12 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say(
         f"time: load + first eval {secs['load'] + secs['evaluate_before']:.1f} s, compile {secs['compile']:.1f} s, "
         f"{summary['last_step'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "
-        f"evaluations and saves between them {secs['hooks']:.1f} s, "
+        + (
+            f"sampling their rollouts {secs['rollouts']:.1f} s (the first step's before it), "
+            if "rollouts" in secs
+            else ""
+        )
+        + f"evaluations and saves between them {secs['hooks']:.1f} s, "
         f"total {secs['total']:.1f} s"
     )
     files = sorted(p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if not p.name.startswith("."))
@@ -243,5 +253,9 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
             f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation window): "
             f"{smp['prompt']!r} -> {smp['completion']!r}"
         )
+    if summary.get("reward_rose") is not None:  # grpo: what it maximises
+        b, a = summary["eval_before"]["reward"], summary["eval_after"]["reward"]
+        say(f"reward rose: {'yes' if summary['reward_rose'] else 'NO'} ({ev_name} mean reward {b:.4f} -> {a:.4f})")
+        return
     b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
     say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {b:.4f} -> {a:.4f})")

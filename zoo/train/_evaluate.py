@@ -136,12 +136,24 @@ def put_rows(batch: dict, sharding) -> dict:
     return global_batch({k: v[rows] for k, v in batch.items()}, sharding.mesh)
 
 
+class TaskEvaluation:
+    """An `Evaluator`'s place for a task with its own held-out evaluation (`Task.evaluate`)."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __call__(self, model, data: dict, *, features: bool = False) -> dict[str, Any]:
+        return self.task.evaluate(model, data)
+
+
 def plain(evaluation: dict[str, Any]) -> dict[str, Any]:
     """An evaluation without its `features`."""
     return {k: v for k, v in evaluation.items() if k != "features"}
 
 
-def first_evaluation(evaluate: Evaluator, model, *, probe_steps: int, start: int) -> list[dict[str, Any]]:
+def first_evaluation(
+    evaluate: Evaluator | TaskEvaluation, model, *, probe_steps: int, start: int
+) -> list[dict[str, Any]]:
     """The run's stages before training: the held-out evaluation of `model` (at `start`),
     and with `probe_steps` (a fresh classifier, `start` 0) the linear probe: the new head
     fitted alone on the frozen encoder's features, the baseline that fine-tuning is

@@ -82,6 +82,24 @@ EVAL_KEYS = ("loss", "accuracy", "perplexity", "macro_f1", "per_class")
 PREFERENCE_KEYS = (*PAIR_METRICS, *ORPO_METRICS)
 
 
+# A GRPO task's (TRL's names), and each reward function's `rewards/NAME/mean` and `/std`.
+GRPO_KEYS = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "entropy",
+    "kl",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "sample",
+)
+
+
 def eval_row(step: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     """The `{"kind": "eval", "step", "eval_loss", "eval_accuracy", ...}` row of an
     evaluation (`eval_accuracy` None when it measures none; `eval_perplexity` of a
@@ -89,7 +107,8 @@ def eval_row(step: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     "recall", "f1", "support"}}`, of a classifier; TRL's `eval_rewards/chosen`, ... of a
     preference task; `eval_loss/NAME` of each of several adapters)."""
     row = {"kind": "eval", "step": step, "eval_loss": evaluation["loss"], "eval_accuracy": evaluation.get("accuracy")}
-    row |= {f"eval_{k}": evaluation[k] for k in (*EVAL_KEYS[2:], *PREFERENCE_KEYS) if k in evaluation}
+    row |= {f"eval_{k}": evaluation[k] for k in (*EVAL_KEYS[2:], *PREFERENCE_KEYS, *GRPO_KEYS) if k in evaluation}
+    row |= {f"eval_{k}": v for k, v in evaluation.items() if k.startswith("rewards/")}
     return row | {f"eval_{k}": v for k, v in evaluation.items() if k.startswith("loss/")}  # each adapter's
 
 

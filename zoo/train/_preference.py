@@ -116,11 +116,11 @@ def preference_task(c, model, train: Dataset, val: Dataset, *, data: str, tokens
     )
 
 
-def beta_warning(objective: str, beta: float) -> str | None:
+def beta_warning(objective: str, beta: float | None) -> str | None:
     """A warning for a preference run's `beta` far past the usual range (> `LARGE_BETA`),
     or None. Such a value is legal (it is not refused) but most likely a slip: a learning
     rate or a percentage typed into `--beta`."""
-    if objective not in ("dpo", "orpo") or beta <= LARGE_BETA:
+    if objective not in ("dpo", "orpo") or beta is None or beta <= LARGE_BETA:
         return None
     what = "DPO's beta" if objective == "dpo" else "ORPO's lambda (the odds-ratio weight)"
     usual = "0.1-0.5" if objective == "dpo" else "about 0.1"

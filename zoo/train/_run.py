@@ -38,16 +38,17 @@ from ._build import build_run, resume, write_run_files
 from ._config import RunConfig
 from ._console import Header, Phases, Report
 from ._errors import ConfigError, Interrupted, Preempted
-from ._evaluate import Evaluator, first_evaluation, plain
+from ._evaluate import Evaluator, TaskEvaluation, first_evaluation, plain
 from ._export import Export
 from ._folder import claim, run_lock
+from ._grpo import RolloutMetrics, Rollouts
 from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample, watch
 from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
 from ._preference import beta_warning
 from ._saved_run import merge_run
 from ._summary import RunRecord, Summary
 from ._task import ONCE_COMPILER_OPTIONS, Task
-from ._trainer import Preemption, Trainer
+from ._trainer import Hook, Preemption, Trainer
 
 
 @dataclasses.dataclass
@@ -132,7 +133,14 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
         t_eval = time.perf_counter()
         phase("evaluating before training..." if start == 0 else f"evaluating the model of step {start}...")
         data_size = plan.mesh_shape["data"]
-        evaluate = Evaluator(built.task, mesh, data_size * max(1, math.ceil(max(c.batch_size, 64) / data_size)))
+        evaluate = (
+            Evaluator(built.task, mesh, data_size * max(1, math.ceil(max(c.batch_size, 64) / data_size)))
+            if built.task.evaluate is None
+            else TaskEvaluation(built.task)
+        )
+        rollouts = built.task.train_source if isinstance(built.task.train_source, Rollouts) else None
+        if rollouts is not None:  # the policy its batches sample: the model trained from here
+            rollouts.follow(built.model)
         record.stages = first_evaluation(evaluate, built.model, probe_steps=c.probe, start=start)
         record.before = {k: v for k, v in record.stages[0].items() if k != "name"}
         record.seconds = {"load": t_eval - t_start, "evaluate_before": time.perf_counter() - t_eval}
@@ -145,6 +153,7 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
             skip_nonfinite=c.skip_nonfinite,
             preemption=preemption,
             tokens_per_example=built.task.tokens_per_example if built.task.unit == "tokens" else None,
+            step_metrics=None if rollouts is None else RolloutMetrics(rollouts),
             advice=nonfinite_advice(c, lambda k: built.task.batch_at(k, c.batch_size, mesh=mesh)),
         )
         phase("compiling the training step...")  # once: the program that runs is the one inspected
@@ -167,7 +176,7 @@ def _hooks(
     plan: RunPlan,
     record: RunRecord,
     checkpointer,
-    evaluate: Evaluator,
+    evaluate: Evaluator | TaskEvaluation,
     phase: Phases,
     main: bool,
     user_hooks: Sequence[Any],
@@ -195,6 +204,8 @@ def _hooks(
         last_saved=record.start or None,
     )
     hooks: list[Any] = [MetricsLog(plan.output / "metrics.jsonl")]
+    if isinstance(task.train_source, Hook):  # GRPO's rollouts follow the policy after every step
+        hooks.insert(0, task.train_source)
     if c.tensorboard:
         logdir = Path(c.tensorboard).resolve()
         if main and logdir.is_relative_to(plan.output.resolve()):  # its event files are the run's to overwrite
@@ -207,7 +218,7 @@ def _hooks(
         ]
     record.best = watch(c, record.evaluations, saver)  # after the evaluations, before the saves
     hooks += [record.evaluations, *([record.best] if record.best else []), saver]
-    if task.kind == "lm" and task.adapter_names is None:  # a decoder shows what it learned: a greedy continuation
+    if task.kind == "lm" and task.adapter_names is None and task.evaluate is None:  # a greedy continuation
         record.sample = decoder_sample(built.model, task)
         hooks.append(record.sample)
     export = Export(plan, task, saver, checkpointed=checkpointed, main=main)

@@ -5,6 +5,7 @@ they resolve to and their flat JSON form are `RunConfig`'s (`zoo.train._config`)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ..lora import LoraConfig
@@ -16,8 +17,16 @@ from ._scores import WATCHED, watched_metric
 from ._text import quantize_kind
 
 # What a decoder minimises: next-token loss, or a preference objective (zoo.models.PreferenceLoss).
-OBJECTIVES = ("sft", "dpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# What `beta` and `loss_type` are where the run does not say, per objective (TRL's DPOConfig /
+# ORPOConfig / GRPOConfig defaults).
+OBJECTIVE_DEFAULTS = {
+    "dpo": {"beta": 0.1, "loss_type": "sigmoid"},
+    "orpo": {"beta": 0.1, "loss_type": "sigmoid"},
+    "grpo": {"beta": 0.0, "loss_type": "dapo"},
+}
 # What a classifier's head reads (`zoo.models.EncoderClassifier`'s pooling).
 POOLINGS = ("cls", "mean")
 # The largest count a run takes (steps, rows, intervals): compiled programs count steps and
@@ -125,6 +134,135 @@ class DataConfig:
             raise ConfigError(f"DataConfig.validation must be a fraction in [0, 1), got {self.validation!r}")
 
 
+def _grpo_flag(default: Any, **kwargs) -> Any:
+    """A `GRPOConfig` field: a training flag of `zoo finetune` (GRPO trains LoRA adapters)."""
+    return flag(default, group="training", commands=("finetune",), **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """How `--objective grpo` samples and rewards its completions (TRL 1.16's `GRPOConfig`
+    names and defaults where TRL has them).
+
+    **Fields:**
+
+    - `reward`: the reward functions, `FILE.py:NAME` each, comma-separated (`--reward`);
+      each is called as TRL calls them, `NAME(prompts=..., completions=..., **columns)`.
+    - `reward_weights`: one weight per function, comma-separated (default 1 each).
+    - `num_generations`: completions sampled per prompt (G >= 2: the group whose mean is
+      each completion's baseline); the batch holds `batch_size / G` prompts.
+    - `max_completion_length`: the most new tokens of a completion (and `dr_grpo`'s divisor).
+    - `temperature`, `top_p`, `top_k`: the sampling of the rollouts (the log-probabilities
+      of the loss are those of the logits divided by `temperature`).
+    - `epsilon`, `epsilon_high`: the ratio's clip range `[1 - epsilon, 1 + epsilon_high]`.
+    - `scale_rewards`: `group`, `batch` or `none` (Dr. GRPO): the advantages' divisor.
+    - `importance_sampling_level`: `token`, or `sequence` (GSPO).
+    - `mask_truncated_completions`: completions cut by `max_completion_length` (no end of
+      sequence) count for nothing in the loss (DAPO).
+    """
+
+    reward: str | None = _grpo_flag(
+        None,
+        metavar="FILE.py:NAME,...",
+        help="grpo: the reward functions, FILE.py:NAME each (comma-separated), called as TRL calls them: "
+        "NAME(prompts=..., completions=..., **columns) -> one float (or None) per completion",
+    )
+    reward_weights: str | None = _grpo_flag(
+        None, metavar="W,...", help="grpo: one weight per --reward function, comma-separated (default 1 each)"
+    )
+    num_generations: int = _grpo_flag(
+        8,
+        metavar="G",
+        help="grpo: completions sampled per prompt; --batch-size counts completions, a multiple of G (default 8)",
+    )
+    max_completion_length: int = _grpo_flag(
+        256,
+        metavar="N",
+        help="grpo: the most new tokens of a completion (default 256; at most --seq-len minus the prompt)",
+    )
+    temperature: float | int = _grpo_flag(1.0, metavar="T", help="grpo: sampling temperature (default 1)")
+    top_p: float | int = _grpo_flag(1.0, metavar="P", help="grpo: nucleus sampling's p (default 1: off)")
+    top_k: int = _grpo_flag(0, metavar="K", help="grpo: sample among the K likeliest (default 0: off)")
+    epsilon: float | int = _grpo_flag(0.2, metavar="EPS", help="grpo: the ratio's clip, 1 +- EPS (default 0.2)")
+    epsilon_high: float | int | None = _grpo_flag(
+        None, metavar="EPS", help="grpo: the ratio's upper clip 1 + EPS (DAPO's clip-higher; default --epsilon)"
+    )
+    scale_rewards: str = _grpo_flag(
+        "group",
+        choices=("group", "batch", "none"),
+        help="grpo: divide the advantages by the reward std of the group, of the batch, or none (Dr. GRPO) "
+        "(default group)",
+    )
+    importance_sampling_level: str = _grpo_flag(
+        "token",
+        choices=("token", "sequence"),
+        help="grpo: an importance ratio per token, or per sequence (GSPO) (default token)",
+    )
+    mask_truncated_completions: bool = _grpo_flag(
+        False,
+        help="grpo: completions cut at --max-completion-length count for nothing in the loss (default no)",
+    )
+
+    def __post_init__(self):
+        def bad(field: str, want: str) -> ConfigError:
+            return ConfigError(f"GRPOConfig.{field} must be {want}, got {getattr(self, field)!r}")
+
+        def number(value) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+        if (
+            isinstance(self.num_generations, bool)
+            or not isinstance(self.num_generations, int)
+            or self.num_generations < 2
+        ):
+            raise bad("num_generations", "an integer >= 2 (a group's mean is each completion's baseline)")
+        if (
+            isinstance(self.max_completion_length, bool)
+            or not isinstance(self.max_completion_length, int)
+            or not 1 <= self.max_completion_length <= MAX_COUNT
+        ):
+            raise bad("max_completion_length", "an integer >= 1")
+        if not number(self.temperature) or self.temperature <= 0:
+            raise bad("temperature", "a number > 0 (rollouts sample; the loss divides the logits by it)")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0: off)")
+        if not number(self.epsilon) or self.epsilon < 0:
+            raise bad("epsilon", "a number >= 0")
+        if self.epsilon_high is not None and (not number(self.epsilon_high) or self.epsilon_high < 0):
+            raise bad("epsilon_high", "a number >= 0 (or None)")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise bad("scale_rewards", "group, batch or none")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise bad("importance_sampling_level", "token or sequence")
+        self.weights()  # the weights parse
+
+    def rewards(self) -> list[str]:
+        """The `FILE.py:NAME` of each reward function."""
+        return [r.strip() for r in (self.reward or "").split(",") if r.strip()]
+
+    def weights(self) -> list[float] | None:
+        """The reward weights, one per function (None: 1 each)."""
+        if self.reward_weights is None:
+            return None
+        try:
+            weights = [float(w) for w in str(self.reward_weights).split(",")]
+        except ValueError:
+            weights = []
+        if not weights or not all(math.isfinite(w) for w in weights):
+            raise ConfigError(
+                f"GRPOConfig.reward_weights must be numbers, comma-separated (one per --reward function), got "
+                f"{self.reward_weights!r}"
+            )
+        if self.reward is not None and len(weights) != len(self.rewards()):
+            raise ConfigError(
+                f"GRPOConfig.reward_weights gives {len(weights)} weights for {len(self.rewards())} reward functions; "
+                "give one per --reward function"
+            )
+        return weights
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
     """The fields of `RunConfig` (each documented there), each its flag of `zoo train`
@@ -145,6 +283,7 @@ class RunSettings:
     microbatches: int | None = flag(None, metavar="M", resume="safe", help="microbatches per step ({per_model})")
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     lora: LoraConfig | None = flag(
         None,
         metavar="KEY=VALUE,...",
@@ -169,19 +308,22 @@ class RunSettings:
         resume="fixed",
         help="what a decoder minimises: sft (next-token loss), dpo (a reference: the base with the LoRA adapters off, "
         "or log-probabilities computed once before training without LoRA) or orpo (no reference); dpo/orpo train "
-        "on {{prompt, chosen, rejected}} pairs (default sft)",
+        "on {{prompt, chosen, rejected}} pairs; grpo (finetune: online RL) samples --num-generations completions "
+        "of each {{prompt}} and rewards them with --reward (default sft)",
     )
-    beta: float | int = flag(
-        0.1,
+    beta: float | int | None = flag(
+        None,
         metavar="BETA",
         group="training",
-        help="dpo's beta (how far from the reference), or orpo's weight of the odds-ratio term (default 0.1)",
+        help="dpo's beta (how far from the reference; default 0.1), orpo's weight of the odds-ratio term (default "
+        "0.1), or grpo's weight of the KL to the reference, the base with the adapters off (default 0: none)",
     )
-    loss_type: str = flag(
-        "sigmoid",
-        choices=LOSS_TYPES,
+    loss_type: str | None = flag(
+        None,
+        choices=LOSS_TYPES + GRPO_LOSS_TYPES,
         group="training",
-        help="dpo's loss as TRL's: sigmoid, ipo, hinge or robust (default sigmoid)",
+        help="dpo's loss as TRL's: sigmoid, ipo, hinge or robust (default sigmoid); grpo's: grpo, bnpo, dr_grpo or "
+        "dapo (default dapo)",
     )
     label_smoothing: float | int = flag(
         0.0,
@@ -405,7 +547,14 @@ class RunSettings:
             raise bad("pooling", f"one of {list(POOLINGS)} (or None)")
         if self.objective not in OBJECTIVES:
             raise bad("objective", f"one of {list(OBJECTIVES)}")
-        if self.objective != "sft":
+        if not isinstance(self.grpo, GRPOConfig):
+            raise bad("grpo", "a zoo.train.GRPOConfig")
+        if self.objective == "grpo":
+            try:
+                self.grpo_loss()
+            except ValueError as e:
+                raise ConfigError(f"RunConfig: {e}") from None
+        elif self.objective != "sft":
             try:
                 self.preference_loss()
             except ValueError as e:
@@ -439,10 +588,31 @@ class RunSettings:
         from ..lora import disabled_adapters
         from ..models._preference import PreferenceLoss
 
+        defaults = OBJECTIVE_DEFAULTS[self.objective]
         return PreferenceLoss(
             self.objective,
-            beta=self.beta,
-            loss_type=self.loss_type,
+            beta=defaults["beta"] if self.beta is None else self.beta,
+            loss_type=defaults["loss_type"] if self.loss_type is None else self.loss_type,
             label_smoothing=self.label_smoothing,
+            reference=disabled_adapters,
+        )
+
+    def grpo_loss(self):
+        """The `zoo.models.GRPOLoss` of `objective` grpo (`beta`, `loss_type`, and `grpo`'s
+        clip, importance level, completion length and temperature), its reference the model
+        with its adapters disabled."""
+        from ..lora import disabled_adapters
+        from ..models._grpo import GRPOLoss
+
+        defaults = OBJECTIVE_DEFAULTS["grpo"]
+        g = self.grpo
+        return GRPOLoss(
+            loss_type=defaults["loss_type"] if self.loss_type is None else self.loss_type,
+            beta=defaults["beta"] if self.beta is None else self.beta,
+            epsilon=g.epsilon,
+            epsilon_high=g.epsilon_high,
+            importance_sampling_level=g.importance_sampling_level,
+            max_completion_length=g.max_completion_length,
+            temperature=g.temperature,
             reference=disabled_adapters,
         )

@@ -149,9 +149,11 @@ class Summary(Hook):
                 "list": [x.to_json() for x in colls],
                 "budget": r.built.step.budget_verdict,
             },
+            "reward_rose": _reward_rose(r.before, after),
             "seconds": {
                 **r.seconds,
                 "train": train_s,
+                **_rollout_seconds(task),
                 "hooks": trainer.hook_seconds,
                 "total": time.perf_counter() - r.t_start,
             },
@@ -189,3 +191,17 @@ def _adapters(r: RunRecord, after: dict[str, Any]) -> dict[str, Any] | None:
         }
         for n in names
     }
+
+
+def _reward_rose(before: dict[str, Any], after: dict[str, Any]) -> bool | None:
+    """A GRPO run's verdict: the held-out mean reward above the first evaluation's (None
+    for other tasks)."""
+    if after.get("reward") is None:
+        return None
+    return after["reward"] > (before.get("reward") if before.get("reward") is not None else -math.inf)
+
+
+def _rollout_seconds(task: Any) -> dict[str, float]:
+    """`{"rollouts": seconds}` spent sampling a GRPO run's training batches ({} otherwise)."""
+    seconds = getattr(task.train_source, "train_rollout_seconds", None)
+    return {} if seconds is None else {"rollouts": seconds}

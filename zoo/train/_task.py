@@ -30,7 +30,8 @@ class Task:
     """A model on its data: everything the training loop needs.
 
     - `model`: the model (not yet LoRA-wrapped; placed or not).
-    - `kind`: `"regression"`, `"lm"` or `"classification"`.
+    - `kind`: `"regression"`, `"lm"`, `"classification"`, `"preference"` (dpo, orpo) or
+      `"grpo"`.
     - `loss_fn`: the `zoo.TrainStep` loss.
     - `metrics_fn(model, batch)`: per-example `loss` sums, `weight`s and (not for
       regression) `correct` counts; a classifier's also its `predicted` classes and pooled
@@ -50,6 +51,8 @@ class Task:
       that a resume refuses files edited in between (`{}` for built-in data).
     - `adapter_names`: several LoRA adapters trained at once (`_adapters.adapters_task`):
       their names, in index order (each batch row's `"adapter"`); None: one model.
+    - `evaluate(model, eval_data)`: the task's own held-out evaluation, in place of the
+      `Evaluator`'s batched `metrics_fn` (GRPO's: rollouts of held-out prompts); None: that.
     """
 
     model: Any
@@ -70,6 +73,7 @@ class Task:
     init: str | None = None
     fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
     adapter_names: tuple[str, ...] | None = None
+    evaluate: Callable[..., dict] | None = None
 
     @property
     def classifier(self) -> bool:

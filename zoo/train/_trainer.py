@@ -218,6 +218,8 @@ class Trainer:
       `zoo.train.run` does) to use instead of one of the loop's own.
     - `advice`: what a `RunStopped` message suggests: text, or a function of the step
       that went non-finite returning it (to name the cause it can see).
+    - `step_metrics`: step → more numbers for that step's training row (GRPO's rollout
+      metrics), read when the row is recorded.
 
     Every process runs the loop (the step is one program over every process's devices);
     the logging hooks write in process 0 only. A step whose loss is NaN or inf (without
@@ -247,8 +249,10 @@ class Trainer:
         handle_sigterm: bool = True,
         advice: str | Callable[[int], str] = _ADVICE,
         preemption: Preemption | None = None,
+        step_metrics: Callable[[int], dict[str, Any]] | None = None,
     ):
         self.step, self.batch_at, self.steps, self.hooks = step, batch_at, steps, list(hooks)
+        self.step_metrics = step_metrics
         self.lr, self.tokens_per_example, self.skip_nonfinite = lr, tokens_per_example, skip_nonfinite
         self.handle_sigterm, self.advice, self.preemption = handle_sigterm, advice, preemption
         self.compiled = None
@@ -309,6 +313,18 @@ class Trainer:
         then = "" if interrupted else "; continue with the same command and --resume"
         return kind(f"{signal_name}: {where}, {', '.join(saved)}{then}")
 
+    def _row(self, i: int, loss: float, rate: float, now: float) -> dict[str, Any]:
+        """The training row of step `i` (`Hook.on_record`'s `{"kind": "train", ...}`)."""
+        row: dict[str, Any] = {"kind": "train", "step": i, "loss": loss, "examples_per_s": rate}
+        if self.tokens_per_example:
+            row["tokens_per_s"] = rate * self.tokens_per_example
+        if self.lr is not None:
+            row["lr"] = float(self.lr(i))
+        row["elapsed"] = now - self._t0
+        if self.skip_nonfinite:
+            row["skipped"] = self.skipped  # steps skipped so far
+        return row if self.step_metrics is None else row | self.step_metrics(i)
+
     def run(self, model, opt_state, *, start: int = 0):
         """Steps `start + 1` … `steps` from `model` and `opt_state` (as after step `start`).
         Returns `(model, opt_state)` after the last step."""
@@ -339,15 +355,7 @@ class Trainer:
                 self.losses.append(value)
             elif self.skip_nonfinite:
                 self.skipped += 1
-            row: dict[str, Any] = {"kind": "train", "step": i, "loss": value, "examples_per_s": rate}
-            if self.tokens_per_example:
-                row["tokens_per_s"] = rate * self.tokens_per_example
-            if self.lr is not None:
-                row["lr"] = float(self.lr(i))
-            row["elapsed"] = now - self._t0
-            if self.skip_nonfinite:
-                row["skipped"] = self.skipped  # steps skipped so far
-            self.record(row)
+            self.record(self._row(i, value, rate, now))
             if not finite and not self.skip_nonfinite:
                 raise self.stopped(f"step {i}: the training loss is {value}", i)
 

@@ -40,6 +40,11 @@ def check_data_file(c: RunConfig) -> None:
     them before anything is built); the file is read once, by `user_data_task`."""
     spec = model_spec(c.model)
     data = c.data.source
+    if c.objective == "grpo" and (data is None or data in spec.datasets):
+        raise ConfigError(
+            '--objective grpo completes prompts: pass --data FILE.jsonl with a "prompt" on each line (docs/training.md, '
+            f"Online RL: GRPO); {data or 'the default data'} holds none"
+        )
     if c.objective != "sft" and (data is None or data in spec.datasets):
         raise ConfigError(
             f"--objective {c.objective} trains on preference pairs: pass --data FILE.jsonl with prompt, chosen and "
@@ -92,7 +97,7 @@ def check_takes_files(spec: ModelSpec, data: Any) -> None:
 def check_kind(spec: ModelSpec, kind: str, data: Any) -> None:
     """Refuse a file whose records (`zoo.data.read_records`' kind) the model cannot train on:
     language-modelling records for a classifier, labelled ones for a language model."""
-    if (kind in LM_KINDS or kind == "preference") and spec.kind == "classification":
+    if (kind in LM_KINDS or kind in ("preference", "prompt")) and spec.kind == "classification":
         decoder = (_file_models("lm") or ["transformer"])[0]
         raise ConfigError(
             f"--data {data} holds {kind.replace('_', '/')} records (language modelling), but {spec.name} is a "
@@ -175,6 +180,35 @@ def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate 
     return template, {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
 
 
+def check_prompts_file(c: RunConfig) -> tuple[Path, bytes]:
+    """A GRPO run's prompts file (`c.data.source`) and its bytes, read once, its records
+    checked to be prompts alone."""
+    path = Path(c.data.source).expanduser()
+    return path, _read(path, model_spec(c.model), c.objective)
+
+
+def tokenizer_source(c: RunConfig) -> tuple[Path | None, Any, Any, Any]:
+    """`(init folder, its zoo.hf.Tokenizer or None, the rust tokenizer that encodes,
+    decode(ids) -> text)`: the folder's tokenizer.json, else byte tokens."""
+    folder = init_folder(c)
+    tokenizer = tokenizer_of(folder)
+
+    def decode(ids: list[int]) -> str:
+        if tokenizer is None:  # byte tokens
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return tokenizer.decode(ids)
+
+    return folder, tokenizer, (tokenizer or byte_tokenizer()).tokenizer, decode
+
+
+def chat_template_of(c: RunConfig, folder: Path | None) -> tuple[ChatTemplate | None, dict[str, str]]:
+    """`--chat-template FILE` (and its digest), else the folder's own template."""
+    template, digest = _chat_template(c.data.chat_template, folder)
+    if template is None and folder is not None:
+        template = ChatTemplate.from_pretrained(folder)
+    return template, digest
+
+
 # --- the task ------------------------------------------------------------------------------------
 
 
@@ -235,11 +269,11 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
                 f"--data {c.data.source}: every example has the label {train.label_names[0]!r}; a classifier needs 2 or more"
             )
         model, config, folder = spec.file_model(c, train.num_labels, rules=rules, mesh=mesh)
-        _check_tokenizer(config, tokenizer, folder)
+        check_tokenizer(config, tokenizer, folder)
         task = _classifier(c, model, config, folder, tokenizer, train, val, tokens_kind, init_name(c, folder))
         return dataclasses.replace(task, fingerprint=fingerprint)
     model, config, folder = spec.file_model(c, None, rules=rules, mesh=mesh)
-    _check_tokenizer(config, tokenizer, folder)
+    check_tokenizer(config, tokenizer, folder)
     if train.kind == "preference":
         task = preference_task(c, model, train, val, data=f"{path.name}, {describe_data(train)}", tokens=tokens_kind)
         return dataclasses.replace(
@@ -292,6 +326,19 @@ def _read(path: Path, spec: ModelSpec, objective: str = "sft") -> bytes:
     objective's (preference pairs for dpo / orpo, and only for them)."""
     raw, kind = read_kind(path)
     check_kind(spec, kind, path)
+    if (kind == "prompt") != (objective == "grpo"):
+        if kind == "prompt":
+            raise ConfigError(
+                f"--data {path} holds prompts alone (no completion): train on them with --objective grpo and a "
+                '--reward, or give each line its answer ({"prompt", "completion"}) for --objective sft'
+            )
+        raise ConfigError(
+            f"--objective grpo completes prompts and rewards the completions, but --data {path} holds "
+            f'{kind.replace("_", "/")} records; give it a .jsonl of {{"prompt"}} lines (extra keys are passed to the '
+            "reward functions)"
+        )
+    if objective == "grpo":
+        return raw
     if (kind == "preference") != (objective != "sft"):
         if kind == "preference":
             raise ConfigError(
@@ -305,7 +352,8 @@ def _read(path: Path, spec: ModelSpec, objective: str = "sft") -> bytes:
     return raw
 
 
-def _check_tokenizer(config, tokenizer, folder: Path | None) -> None:
+def check_tokenizer(config, tokenizer, folder: Path | None) -> None:
+    """Refuse a tokenizer the model's vocabulary cannot hold (or byte tokens below 256 ids)."""
     check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(

@@ -1,0 +1,217 @@
+"""GRPO as a run (issue 47 items 3-5): the serving engine as the rollout worker (its
+log-probabilities are the training forward's; a policy update compiles nothing), reward
+functions from files, `zoo finetune --objective grpo` raising the reward of a tiny Llama
+and resuming bit-identically, and the bad inputs refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_decoder, zoo_main
+from tiny_runs import read_jsonl, write_jsonl
+
+import zoo
+from zoo.serve import Engine, Request
+
+TEMPERATURE = 0.7
+
+
+def _policy(key):
+    base = tiny_decoder(jax.random.key(0), max_len=16)
+    config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    return base, zoo.lora.add_lora(base, config, key=jax.random.key(key))
+
+
+def _completions(engine, seed):
+    handles = [
+        engine.submit(Request([3, 5, 7], max_tokens=8, temperature=TEMPERATURE, seed=seed + k, adapter="policy"))
+        for k in range(4)
+    ]
+    engine.run_until_done()
+    return handles
+
+
+def _gap(model, handles):
+    """The largest difference between each completion token's `sampled_logprob` and the
+    training forward's (`GRPOLoss.token_logps` at the sampling temperature)."""
+    objective = zoo.models.GRPOLoss(temperature=TEMPERATURE)
+    gaps = []
+    for h in handles:
+        tokens = jnp.asarray([[3, 5, 7, *h.ids]], jnp.int32)
+        trained = np.asarray(objective.token_logps(model, tokens))[0, 2:]
+        gaps.append(np.max(np.abs(trained - np.array([t.sampled_logprob for t in h.tokens]))))
+    return max(gaps)
+
+
+def test_the_engines_log_probabilities_are_the_training_forwards_and_a_policy_update_compiles_nothing():
+    """Rollouts from `zoo.serve.Engine`: each completion token's log-probability at the
+    sampling temperature equals the training forward's (`GRPOLoss.token_logps`, float32
+    rounding), before and after the policy's adapter is rewritten in its slot
+    (`Engine.update_adapter`), which compiles no program."""
+    base, policy = _policy(1)
+    engine = Engine(base, slots=4, max_len=16, adapters={"policy": policy}, max_adapters=1, max_lora_rank=2)
+    assert _gap(policy, _completions(engine, 0)) < 1e-5
+    compiled = dict(engine.compiles)
+    _, update = _policy(7)
+    engine.update_adapter("policy", update)
+    after = _completions(engine, 0)
+    assert _gap(update, after) < 1e-5
+    assert _gap(policy, after) > 1e-3  # the new weights were served, not the old
+    assert engine.compiles == compiled
+    with pytest.raises(ValueError, match="NaN or inf"):
+        engine.update_adapter("policy", jax.tree.map(lambda x: x * jnp.nan if x.dtype == jnp.float32 else x, update))
+
+
+def test_an_engine_leaves_a_model_placed_on_a_one_device_mesh_usable():
+    """The engine reads its model's device without emptying the device set jax caches in a
+    `NamedSharding` (`devices().pop()` did: the model's arrays then named no device and
+    every later program over them failed)."""
+    base, _ = _policy(1)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
+    placed = zoo.shard(base, zoo.rules("dp"), mesh)
+    Engine(placed, slots=1, max_len=16)
+    assert placed.token_embedding.weight.devices() == {jax.devices()[0]}
+    assert np.isfinite(np.asarray(placed(jnp.zeros((1, 4), jnp.int32)))).all()
+
+
+# --------------------------------------------------------------------------- the run
+
+REWARDS = '''
+def target_words(prompts, completions, target, **columns):
+    """How many words of the completion are the record's target word."""
+    return [float(c.split().count(t)) for c, t in zip(completions, target)]
+
+
+def not_a_number(prompts, completions, **columns):
+    return [float("nan")] * len(completions)
+'''
+GRPO = [
+    "--objective", "grpo", "--num-generations", "4", "--batch-size", "16", "--max-completion-length", "8",
+    "--seq-len", "16", "--lr", "0.1", "--schedule", "constant", "--lora", "r=8,alpha=16,targets=all-linear+lm_head", "--devices", "1",
+    "--microbatches", "2", "--quiet",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """A prompts file (three words each, the rewarded word as an extra column) and the
+    reward functions' file."""
+    from tiny_runs import WORDS
+
+    folder = tmp_path_factory.mktemp("grpo")
+    rng = np.random.default_rng(0)
+    records = [{"prompt": " ".join(rng.choice(WORDS, 3)), "target": "cat"} for _ in range(24)]
+    (folder / "rewards.py").write_text(REWARDS)
+    return write_jsonl(folder / "prompts.jsonl", records), folder / "rewards.py"
+
+
+def _finetune(llama_dir, prompts, out, *flags):
+    data, rewards = prompts
+    return zoo_main(
+        "finetune", "transformer", "--init", llama_dir, "--data", data, "--reward", f"{rewards}:target_words",
+        "--output", out, *GRPO, *flags,
+    )  # fmt: skip
+
+
+def test_zoo_finetune_grpo_raises_the_reward_and_resumes_bit_identically(llama_dir, prompts, tmp_path):
+    """`zoo finetune --objective grpo` on a tiny Llama whose reward counts a target word
+    (an extra column of the prompts file, passed by name): the reward of the last steps is
+    near its maximum (8: every completion token), far above the first step's; TRL's
+    metrics are logged per step and per evaluation; the adapter is exported; and a run
+    resumed from its middle checkpoint rolls out the same completions and ends with the
+    same adapter, bit for bit (the rollouts are a function of the step and the policy)."""
+    whole = tmp_path / "whole"
+    rc, _, err = _finetune(llama_dir, prompts, whole, "--steps", "10", "--checkpoint-every", "5")
+    assert rc == 0, err
+    rows = read_jsonl(whole / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train"]
+    rewards = [r["reward"] for r in train]
+    assert rewards[0] < 2 and np.mean(rewards[-3:]) > 6, rewards
+    for key in ("reward_std", "rewards/target_words/mean", "completions/mean_length", "completions/clipped_ratio"):
+        assert key in train[0], sorted(train[0])
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert evals[-1]["eval_reward"] > evals[0]["eval_reward"] + 3
+    for key in ("eval_entropy", "eval_clip_ratio/region_mean", "eval_sample"):
+        assert key in evals[-1], sorted(evals[-1])
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["reward_rose"] and summary["seconds"]["rollouts"] > 0
+    assert summary["collectives"]["gradient_reductions"] == 0  # one device
+    assert "lm_head" in json.loads((whole / "adapter" / "adapter_config.json").read_text())["target_modules"]
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    rc, _, err = _finetune(llama_dir, prompts, resumed, "--steps", "10", "--resume-step", "5", "--overwrite")
+    assert rc == 0, err
+    again = [r for r in read_jsonl(resumed / "metrics.jsonl") if r["kind"] == "train" and r["step"] > 5]
+    assert [r["reward"] for r in again] == rewards[5:]
+    assert [r["loss"] for r in again] == [r["loss"] for r in train[5:]]
+    for name in ("adapter_model.safetensors",):
+        assert (resumed / "adapter" / name).read_bytes() == (whole / "adapter" / name).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "flags,records,message",
+    [
+        (["--reward", "{folder}/missing.py:f"], None, "no such file"),
+        (["--reward", "{rewards}:nope"], None, "has no 'nope'"),
+        (["--reward", "{rewards}"], None, "write it as FILE.py:NAME"),
+        (["--num-generations", "1"], None, "num-generations must be an integer >= 2"),
+        (["--batch-size", "6"], None, "multiple of --num-generations 4"),
+        (["--batch-size", "100"], None, "fewer than a step's 25"),
+        (["--seq-len", "4"], None, "leaving no room for a completion"),
+        (["--objective", "sft"], None, "holds prompts alone"),
+        ([], [{"prompt": "the cat", "completion": "sat"}], "completes prompts and rewards"),
+    ],
+)
+def test_bad_grpo_input_is_refused_in_one_line_before_any_folder(llama_dir, prompts, tmp_path, flags, records, message):
+    """A reward file that is missing or lacks the function, a group of one, a batch that
+    is no multiple of the group, a prompt longer than the context, prompts for another
+    objective or another objective's records: one line naming the fix, exit code 2, and no
+    run folder made."""
+    data, rewards = prompts
+    if records is not None:
+        data = write_jsonl(tmp_path / "other.jsonl", records)
+    flags = [f.format(folder=tmp_path, rewards=rewards) for f in flags]
+    out = tmp_path / "run"
+    rc, _, err = zoo_main(
+        "finetune", "transformer", "--init", llama_dir, "--data", data, "--reward", f"{rewards}:target_words",
+        "--output", out, *GRPO, "--steps", "2", *flags,
+    )  # fmt: skip
+    assert rc == 2, err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_reward_returning_nan_is_named_and_stops_the_run(llama_dir, prompts, tmp_path):
+    """A reward function returning NaN is named, with its fix (None for 'not applicable'),
+    at the first rollout; nothing is trained."""
+    data, rewards = prompts
+    out = tmp_path / "run"
+    rc, _, err = zoo_main(
+        "finetune", "transformer", "--init", llama_dir, "--data", data, "--reward", f"{rewards}:not_a_number",
+        "--output", out, *GRPO, "--steps", "2",
+    )  # fmt: skip
+    assert rc == 2, err
+    assert "reward function 'not_a_number' returned nan" in err and "None" in err, err
+    assert not (out / "metrics.jsonl").exists() or not [
+        r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"
+    ]
+
+
+def test_grpo_without_lora_is_refused_with_the_command_that_has_it(llama_dir, prompts, tmp_path):
+    """`zoo train` trains every weight, and GRPO's rollouts serve a LoRA adapter beside the
+    frozen base: refused in one line naming `zoo finetune`."""
+    data, _ = prompts
+    out = tmp_path / "run"
+    rc, _, err = zoo_main(
+        "train", "transformer", "--init", llama_dir, "--data", data, "--objective", "grpo", "--output", out,
+        "--devices", "1", "--steps", "2", "--quiet",
+    )  # fmt: skip
+    assert rc == 2 and "zoo finetune" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()

@@ -1,0 +1,567 @@
+"""The task of `RunConfig.objective` grpo: a decoder's LoRA adapters trained online on a
+file of prompts, its batches rollouts of the policy it trains (`Rollouts`), its loss a
+`zoo.models.GRPOLoss`, its held-out evaluation the rollouts' rewards and TRL's metrics on
+held-out prompts.
+
+The rollout worker is `zoo.serve.Engine`, in the training process: it holds the frozen base
+once (the training model's own arrays on one device) and the policy's LoRA adapter in one
+slot of its adapter bank. After every optimizer step the adapter's new weights are written
+into that slot (`Engine.update_adapter`): the engine's programs keep their shapes, so
+nothing compiles again and the base is never copied (a replicated base; under `fsdp` /
+`tp` the engine holds a gathered copy). Its continuous batching runs the step's B·G
+requests through its slots, each request's draws keyed by its own seed.
+
+A step's batch is a function of the step and the policy that step starts from: the
+prompts by a seeded permutation (epochs, as `zoo.data.Dataset`), each completion's seed by
+`(seed, step)`. A resumed run restores the policy of its checkpoint, so it draws the same
+rollouts as the run it continues (the checkpoint holds nothing more of the generator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..data import DataFormatError
+from ..data._records import read_located
+from ..models._grpo import _nanstd, group_advantages, reward_table
+from ._errors import ConfigError
+from ._registry import model_spec
+from ._task import Task, init_name
+from ._trainer import Hook, TrainState
+
+# The engine's slots when a step's requests are more: a CPU decodes 32 rows about as fast
+# per row as more, and the cache's memory grows with the slots.
+MAX_SLOTS = 32
+# The adapter slot the policy is served from.
+POLICY = "policy"
+
+
+def load_rewards(specs: Sequence[str]) -> dict[str, Callable]:
+    """The reward functions of `FILE.py:NAME` specs, by name (a name twice: `NAME_2`, ...).
+
+    **Raises** `ConfigError` (one line, the fix in it): a spec without `:NAME`, a file that
+    does not exist or fails to import, no such name in it, or a name that is no function."""
+    if not specs:
+        raise ConfigError(
+            "--objective grpo needs at least one reward function: --reward FILE.py:NAME (a function "
+            "NAME(prompts, completions, **columns) -> one float per completion)"
+        )
+    functions = []
+    for spec in specs:
+        path_text, _, name = str(spec).rpartition(":")
+        if not path_text or not name.isidentifier():
+            raise ConfigError(f"--reward {spec}: write it as FILE.py:NAME (the file, a colon, the function's name)")
+        path = Path(path_text).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--reward {spec}: no such file {path}")
+        module_name = "zoo_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader = importlib.util.spec_from_file_location(module_name, path)
+            if loader is None or loader.loader is None:
+                raise ConfigError(f"--reward {spec}: {path} is not a Python file zoo can import (name it FILE.py)")
+            module = importlib.util.module_from_spec(loader)
+            try:
+                loader.loader.exec_module(module)
+            except Exception as e:  # the user's code: name it, keep its message
+                raise ConfigError(f"--reward {spec}: importing {path} raised {type(e).__name__}: {e}") from e
+            sys.modules[module_name] = module
+        function = getattr(module, name, None)
+        if function is None:
+            found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            raise ConfigError(f"--reward {spec}: {path} has no {name!r} (its functions: {found})")
+        if not callable(function):
+            raise ConfigError(f"--reward {spec}: {name!r} in {path} is a {type(function).__name__}, not a function")
+        functions.append((name, function))
+    named: dict[str, Callable] = {}
+    for name, function in functions:
+        unique, k = name, 2
+        while unique in named:  # the same name from two files: NAME, NAME_2, ...
+            unique, k = f"{name}_{k}", k + 1
+        named[unique] = function
+    return named
+
+
+@dataclasses.dataclass
+class Prompts:
+    """A prompts file encoded: `ids` (each prompt's token ids), `prompts` (each as the file
+    gives it, a text or a list of messages: what reward functions get), `columns` (the
+    records' other keys, one value per prompt, `None` where a record lacks one) and the
+    file's `sha256`."""
+
+    ids: list[list[int]]
+    prompts: list[Any]
+    columns: dict[str, list[Any]]
+    sha256: str
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> Prompts:
+        """The prompts at indices `rows`, in that order."""
+        rows = [int(i) for i in rows]
+        return Prompts(
+            [self.ids[i] for i in rows],
+            [self.prompts[i] for i in rows],
+            {k: [v[i] for i in rows] for k, v in self.columns.items()},
+            self.sha256,
+        )
+
+
+def encode_prompts(
+    records: list[dict[str, Any]],
+    wheres: list[str],
+    rust: Any,
+    *,
+    seq_len: int,
+    chat_template: Any = None,
+    system: str | None = None,
+    sha256: str = "",
+) -> Prompts:
+    """The prompts of `records` (`{"prompt": text or messages, ...}`), tokenized as
+    preference prompts are: a text with the tokenizer's special tokens, a conversation
+    rendered by `chat_template` with the generation prompt (`system` first as a system turn
+    where it has none). A prompt that leaves no room for a completion in `seq_len` tokens
+    is refused (`ConfigError` naming its line)."""
+    ids, prompts = [], []
+    keys = sorted({k for r in records for k in r} - {"prompt"})
+    columns: dict[str, list[Any]] = {k: [] for k in keys}
+    for record, where in zip(records, wheres):
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            text = (system + "\n\n" if system else "") + prompt
+            encoded = rust.encode(text, add_special_tokens=True).ids
+        else:
+            if chat_template is None:
+                raise ConfigError(
+                    f"--data {where}: the prompt is a conversation but the tokenizer has no chat template; pass a "
+                    "model folder whose tokenizer has one, or --chat-template FILE"
+                )
+            if system and prompt[0].get("role") != "system":
+                prompt = [{"role": "system", "content": system}, *prompt]
+            encoded = rust.encode(
+                chat_template.render(prompt, add_generation_prompt=True), add_special_tokens=False
+            ).ids
+        if not encoded:
+            raise ConfigError(f"--data {where}: the prompt holds no token; give it text or remove the line")
+        if len(encoded) >= seq_len:
+            raise ConfigError(
+                f"--data {where}: the prompt has {len(encoded)} tokens, leaving no room for a completion in "
+                f"--seq-len {seq_len}; raise --seq-len or shorten the prompt"
+            )
+        ids.append(list(encoded))
+        prompts.append(record["prompt"])
+        for k in keys:
+            columns[k].append(record.get(k))
+    return Prompts(ids, prompts, columns, sha256)
+
+
+class Rollouts(Hook):
+    """A GRPO run's batches: `batch_at(step, batch_size, *, seed)` completes `batch_size /
+    num_generations` prompts `num_generations` times each with the current policy and
+    returns `{"tokens", "completion", "advantages"}` `[batch_size, seq_len]` (prompt then
+    completion, right-padded), with the step's rollout metrics in `metrics[step]` (TRL's
+    names: `reward`, `reward_std`, `frac_reward_zero_std`, `rewards/NAME/mean` and `/std`,
+    `completions/mean_length`, `/min_length`, `/max_length`, `/clipped_ratio`).
+
+    A `Hook` firing after every step: the policy it samples from follows the trained model
+    (`follow`). `evaluate(model, prompts)` is its held-out evaluation.
+
+    **Arguments:**
+
+    - `prompts`: the training prompts (`Prompts`); `held_out`: the evaluation's.
+    - `rewards`: name → reward function; `weights`: one per function (None: 1 each).
+    - `settings`: the run's `GRPOConfig`; `objective`: its `GRPOLoss`.
+    - `seq_len`: prompt + completion; `eos_ids`: the ids that end a completion; `pad_id`.
+    - `decode`: ids → text (special tokens dropped), as the reward functions see completions.
+    """
+
+    every = 1
+
+    def __init__(
+        self,
+        prompts: Prompts,
+        held_out: Prompts,
+        rewards: dict[str, Callable],
+        settings: Any,
+        objective: Any,
+        *,
+        seq_len: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        decode: Callable[[list[int]], str],
+        conversational: bool,
+        slots: int = MAX_SLOTS,
+    ):
+        self.prompts, self.held_out, self.rewards = prompts, held_out, rewards
+        self.settings, self.objective, self.seq_len = settings, objective, seq_len
+        self.weights = settings.weights()
+        self.eos_ids, self.pad_id, self.decode, self.conversational = tuple(eos_ids), pad_id, decode, conversational
+        self.slots = max(1, min(int(slots), MAX_SLOTS))
+        self.engine: Any = None
+        self.policy: Any = None
+        self.metrics: dict[int, dict[str, Any]] = {}
+        self.samples: dict[int, dict[str, Any]] = {}
+        self.train_rollout_seconds = 0.0  # sampling the training batches (their rewards included)
+        self._last: tuple[int, Any, dict] | None = None
+        self._mesh: Any = None
+        self._metrics_fn: Any = None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    # -- the policy -----------------------------------------------------------------------
+
+    def follow(self, model: Any) -> None:
+        """Sample from `model` (a LoRA model) from now on: its adapter written into the
+        engine's policy slot (the engine made on the first call, over its base)."""
+        if model is self.policy:
+            return
+        with self._device():
+            if self.engine is None:
+                self.engine = _engine(model, self._mesh.devices.flat[0], slots=self.slots, max_len=self.seq_len)
+            else:
+                self.engine.update_adapter(POLICY, model)
+        self.policy = model
+
+    def _device(self):
+        """A context on the engine's one device: its programs run outside the run's mesh
+        (a multi-device run sets its mesh for the step; the engine's arrays live on one)."""
+        import jax
+
+        if self._mesh is None:
+            self._mesh = jax.sharding.Mesh(np.array([jax.local_devices()[0]]), ("rollout",))
+        return jax.set_mesh(self._mesh)
+
+    def on_start(self, state: TrainState) -> None:
+        self.follow(state.model)
+
+    def __call__(self, state: TrainState) -> None:
+        self.follow(state.model)
+
+    # -- batches --------------------------------------------------------------------------
+
+    def rows_at(self, step: int, prompts: int, *, seed: int) -> np.ndarray:
+        """The prompts of step `step`: epochs of seeded permutations, as `zoo.data.Dataset`."""
+        n = len(self.prompts)
+        if prompts > n:
+            raise ConfigError(
+                f"--data has {n} training prompts, fewer than a step's {prompts} (--batch-size / --num-generations); "
+                "give it more prompts or lower --batch-size"
+            )
+        epoch, index = divmod(step - 1, n // prompts)
+        return np.random.default_rng([seed, epoch]).permutation(n)[index * prompts : (index + 1) * prompts]
+
+    def batch_at(self, step: int, batch_size: int, *, seed: int = 0, mesh: Any = None, data_axes: Any = "data") -> dict:
+        """Step `step`'s batch, sampled from the current policy (made once per step and
+        policy: the compile's example batch is the first step's)."""
+        if self.policy is None:
+            raise RuntimeError("Rollouts.batch_at before follow(model): no policy to sample from")
+        if self._last is not None and self._last[0] == step and self._last[1] is self.policy:
+            return dict(self._last[2])
+        g = self.settings.num_generations
+        if batch_size % g:
+            raise ConfigError(
+                f"RunConfig.batch_size {batch_size} counts completions: make it a multiple of --num-generations {g}"
+            )
+        rows = self.rows_at(step, batch_size // g, seed=seed)
+        seeds = np.random.default_rng([seed, step, 1]).integers(2**62, size=batch_size)
+        t0 = time.perf_counter()
+        batch, metrics, sample = self.rollout(self.prompts.take(rows), seeds)
+        self.train_rollout_seconds += time.perf_counter() - t0
+        self.metrics[step], self.samples[step] = metrics, sample
+        self._last = (step, self.policy, batch)
+        return dict(batch)
+
+    def rollout(self, prompts: Prompts, seeds: np.ndarray) -> tuple[dict, dict, dict]:
+        """Complete each of `prompts` `num_generations` times (request `i` seeded
+        `seeds[i]`); returns `(batch, metrics, sample)`: the `GRPOLoss` batch, the rollout
+        metrics and the first completion with its prompt and reward."""
+        from ..serve import Request
+
+        s, g = self.settings, self.settings.num_generations
+        handles = []
+        for i, ids in enumerate(prompts.ids):
+            room = min(s.max_completion_length, self.seq_len - len(ids))
+            for k in range(g):
+                request = Request(
+                    list(ids),
+                    max_tokens=room,
+                    temperature=float(s.temperature),
+                    top_k=s.top_k or None,
+                    top_p=None if s.top_p >= 1 else float(s.top_p),
+                    seed=int(seeds[i * g + k]),
+                    stop_ids=self.eos_ids,
+                    adapter=POLICY,
+                )
+                handles.append(self.engine.submit(request))
+        with self._device():
+            self.engine.run_until_done()
+        rows = len(handles)
+        tokens = np.full((rows, self.seq_len), self.pad_id, np.int32)
+        completion = np.zeros((rows, self.seq_len), np.int32)
+        lengths, clipped, texts = np.zeros(rows, np.int64), np.zeros(rows, bool), []
+        for r, handle in enumerate(handles):
+            prompt, out = prompts.ids[r // g], handle.ids
+            tokens[r, : len(prompt)] = prompt
+            tokens[r, len(prompt) : len(prompt) + len(out)] = out
+            clipped[r] = handle.finish_reason != "stop"
+            lengths[r] = len(out)
+            if not (clipped[r] and s.mask_truncated_completions):
+                completion[r, len(prompt) : len(prompt) + len(out)] = 1
+            text = self.decode([t for t in out if t not in self.eos_ids])
+            texts.append([{"role": "assistant", "content": text}] if self.conversational else text)
+        repeat = [p for p in prompts.prompts for _ in range(g)]
+        columns = {k: [v for v in values for _ in range(g)] for k, values in prompts.columns.items()}
+        try:
+            table = reward_table(self.rewards, repeat, texts, **columns)
+        except ValueError as e:
+            raise ConfigError(f"--reward: {e}") from None
+        advantages, totals = group_advantages(table, g, weights=self.weights, scale_rewards=s.scale_rewards)
+        batch = {"tokens": tokens, "completion": completion, "advantages": advantages}
+        return (
+            batch,
+            self._metrics(table, totals, lengths, clipped),
+            self._sample(repeat[0], texts[0], float(totals[0])),
+        )
+
+    def _metrics(self, table, totals, lengths, clipped) -> dict[str, float]:
+        g = self.settings.num_generations
+        with np.errstate(invalid="ignore"):
+            groups = totals.reshape(-1, g)
+            group_std = _nanstd(groups, axis=1)
+            std = _nanstd(totals) if self.settings.scale_rewards == "batch" else group_std
+            out = {
+                "reward": float(np.nanmean(totals)),
+                "reward_std": float(np.nanmean(std)),
+                "frac_reward_zero_std": float(np.mean(np.nan_to_num(group_std, nan=0.0) < 1e-6)),
+            }
+            for j, name in enumerate(self.rewards):
+                out[f"rewards/{name}/mean"] = float(np.nanmean(table[:, j]))
+                out[f"rewards/{name}/std"] = float(_nanstd(table[:, j]))
+        out |= {
+            "completions/mean_length": float(np.mean(lengths)),
+            "completions/min_length": float(np.min(lengths)),
+            "completions/max_length": float(np.max(lengths)),
+            "completions/clipped_ratio": float(np.mean(clipped)),
+        }
+        return {k: (v if math.isfinite(v) else None) for k, v in out.items()}
+
+    @staticmethod
+    def _sample(prompt: Any, completion: Any, reward: float) -> dict[str, Any]:
+        text = completion if isinstance(completion, str) else completion[0]["content"]
+        shown = prompt if isinstance(prompt, str) else json.dumps(prompt[-1].get("content", ""))
+        return {"prompt": shown, "completion": text, "reward": float(reward) if math.isfinite(reward) else None}
+
+    # -- the held-out evaluation ----------------------------------------------------------
+
+    def evaluate(self, model: Any, data: Any = None, *, features: bool = False) -> dict[str, Any]:
+        """The held-out evaluation of `model`: each held-out prompt completed
+        `num_generations` times (the same seeds at every evaluation), the loss and TRL's
+        metrics of the objective on them (`loss`, `entropy`, `clip_ratio/*`, `kl` with a
+        reference) with the rollout metrics, and one `sample` (prompt, completion, reward)."""
+        import equinox as eqx
+
+        self.follow(model)
+        seeds = np.random.default_rng([0, 0, 2]).integers(
+            2**62, size=len(self.held_out) * self.settings.num_generations
+        )
+        batch, metrics, sample = self.rollout(self.held_out, seeds)
+        if self._metrics_fn is None:
+            self._metrics_fn = eqx.filter_jit(self.objective.metrics)
+        scores = {k: float(v) for k, v in self._metrics_fn(model, batch).items()}
+        return {**scores, "accuracy": None, "examples": len(batch["tokens"]), **metrics, "sample": sample}
+
+
+def _engine(model: Any, device: Any, *, slots: int, max_len: int):
+    """The rollout engine over `model`'s base, its adapter in the policy slot."""
+    import jax
+
+    from ..lora import LoraLinear, modules, unload
+    from ..serve import Engine
+
+    layers = modules(model, LoraLinear)
+    if not layers:
+        raise ConfigError("--objective grpo trains LoRA adapters (zoo finetune): the model has none")
+    ranks = [int(jax.tree.leaves(_lora_a(model, path))[0].shape[-1]) for path, _ in layers.values()]
+    return Engine(
+        on_one_device(unload(model), device),
+        slots=slots,
+        max_len=max_len,
+        adapters={POLICY: model},
+        max_adapters=1,
+        max_lora_rank=max(ranks),
+        lora_targets=sorted(layers),  # room where the policy has branches (its output head too, if adapted)
+    )
+
+
+def on_one_device(model: Any, device: Any) -> Any:
+    """`model` with each array on `device`: a replicated array's own copy there (no new
+    buffer), any other gathered there (a copy: under `fsdp` / `tp` the engine holds a whole
+    base beside the training step's shards)."""
+    import equinox as eqx
+    import jax
+
+    here = jax.sharding.SingleDeviceSharding(device)
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_replicated:
+            for shard in x.addressable_shards:
+                if shard.device == device:  # its buffer, placed as one device's (no copy)
+                    return jax.device_put(shard.data, here)
+        return jax.device_put(x, here)
+
+    arrays, static = eqx.partition(model, eqx.is_array)
+    return eqx.combine(jax.tree.map(one, arrays), static)
+
+
+def _lora_a(model: Any, path: tuple) -> Any:
+    from .._tree import node_at
+
+    return node_at(model, path).lora_A
+
+
+class RolloutMetrics:
+    """A `Trainer`'s `step_metrics`: the rollout metrics of a step (`Rollouts.metrics`),
+    added to its training row."""
+
+    def __init__(self, rollouts: Rollouts):
+        self.rollouts = rollouts
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        return self.rollouts.metrics.pop(step, {})
+
+
+def eos_ids(folder: Path | None) -> list[int]:
+    """The ids that end a completion: `eos_token_id` of the folder's config.json and
+    generation_config.json (an id or a list)."""
+    found: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((folder / name).read_text()).get("eos_token_id") if folder is not None else None
+        except (OSError, ValueError):
+            value = None
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v not in found:
+                found.append(v)
+    return found
+
+
+# --------------------------------------------------------------------------- the task
+
+# Held-out prompts evaluated when the run does not say (DataConfig.eval_size): each is
+# completed num_generations times at every evaluation.
+EVAL_PROMPTS = 16
+
+
+def grpo_task(c: Any, *, rules, mesh) -> Task:
+    """The GRPO task of `c` on its prompts file (`c.data.source`, read once):
+    `c.data.validation` of the prompts held out (at least one when set), the reward
+    functions of `c.grpo.reward` imported before the model is built, the model of `c.model`
+    built or read from its init folder."""
+    import jax
+
+    from ._user_data import chat_template_of, check_prompts_file, check_tokenizer, tokenizer_source
+
+    if c.lora is None:
+        raise ConfigError(
+            "--objective grpo trains LoRA adapters, served to its rollouts beside the frozen base: run zoo finetune "
+            "(RunConfig.lora)"
+        )
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"--objective grpo samples its rollouts in one process; this run has {jax.process_count()}: run it in "
+            "one process (its devices still split the training step)"
+        )
+    g = c.grpo.num_generations
+    if c.batch_size % g:
+        raise ConfigError(
+            f"RunConfig.batch_size {c.batch_size} counts completions: make it a multiple of --num-generations {g} "
+            f"(each step samples batch_size / {g} prompts, {g} times each)"
+        )
+    path, raw = check_prompts_file(c)
+    rewards = load_rewards(c.grpo.rewards())  # before the model: a wrong file fails fast
+    folder, tokenizer, rust, decode = tokenizer_source(c)
+    template, template_digest = chat_template_of(c, folder)
+    try:
+        _, records, wheres = read_located(path, data=raw)
+    except DataFormatError as e:
+        raise ConfigError(f"--data: {e}") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    prompts = encode_prompts(
+        records,
+        wheres,
+        rust,
+        seq_len=c.data.seq_len,
+        chat_template=template,
+        system=c.data.system_prompt,
+        sha256=digest,
+    )
+    train_rows, evaluated = _split(path, c, len(prompts))
+    model, config, folder = model_spec(c.model).file_model(c, None, rules=rules, mesh=mesh)
+    check_tokenizer(config, tokenizer, folder)
+    objective = c.grpo_loss()
+    rollouts = Rollouts(
+        prompts.take(train_rows),
+        prompts.take(evaluated),
+        rewards,
+        c.grpo,
+        objective,
+        seq_len=c.data.seq_len,
+        eos_ids=eos_ids(folder),
+        pad_id=0 if tokenizer is None else tokenizer.pad_id,
+        decode=decode,
+        conversational=any(not isinstance(p, str) for p in prompts.prompts),
+        slots=c.batch_size,
+    )
+    return Task(
+        model=model,
+        kind="grpo",
+        loss_fn=objective,
+        metrics_fn=objective.metrics,
+        train_source=rollouts,
+        seed=c.seed,
+        eval_data={"prompts": np.arange(len(evaluated))},
+        train_data=None,
+        data=f"{path.name}, {len(train_rows)} prompts; {len(evaluated)} held-out prompts evaluated; grpo "
+        f"({objective.loss_type}, {g} completions a prompt of at most {c.grpo.max_completion_length} tokens, "
+        f"rewards {', '.join(rewards)}, beta {objective.beta})",
+        unit="tokens",
+        tokens_per_example=c.data.seq_len,
+        hf_part=lambda m: m,
+        tokenizer_dir=folder if tokenizer is not None else None,
+        config=config.to_dict(),
+        init=init_name(c, folder),
+        fingerprint={"data_sha256": digest, **template_digest},
+        evaluate=rollouts.evaluate,
+    )
+
+
+def _split(path: Path, c: Any, n: int) -> tuple[list[int], list[int]]:
+    """The training prompts and the held-out ones evaluated (a fixed split: the same on
+    resume; without a split, the first training prompts, as an SFT run evaluates)."""
+    validation = c.data.validation or 0.0
+    held = min(n - 1, max(1, round(n * validation))) if validation and n > 1 else 0
+    order = np.random.default_rng(0).permutation(n)
+    train_rows, held_rows = sorted(int(i) for i in order[held:]), sorted(int(i) for i in order[:held])
+    per_step = c.batch_size // c.grpo.num_generations
+    if len(train_rows) < per_step:
+        raise ConfigError(
+            f"--data {path} has {len(train_rows)} training prompts (after holding out --validation {validation}), fewer "
+            f"than a step's {per_step} (RunConfig.batch_size / --num-generations); give it more prompts or lower "
+            "RunConfig.batch_size"
+        )
+    return train_rows, (held_rows or train_rows)[: c.data.eval_size or EVAL_PROMPTS]
