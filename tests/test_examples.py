@@ -266,3 +266,20 @@ def test_dpo_your_data_prefers_the_chosen_answers_after_tuning(tmp_path):
     assert before <= 70 and after >= 90, (before, after)
     answers_after = out.split("greedy answers after:")[1].strip().splitlines()
     assert len(answers_after) == 3 and sum(line.rstrip("'").endswith("?") for line in answers_after) >= 2, out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_grpo_arithmetic_makes_the_held_out_greedy_sums_right(tmp_path):
+    """The GRPO example: supervised training on each sum with its right answer and one too
+    many leaves the greedy answer right on few held-out sums; GRPO on the prompts alone,
+    rewarded for the right sum, makes it right on most, the held-out mean reward rising.
+    Its defaults (measured: 15% before, 100% after; 150 GRPO steps in about 20 s)."""
+    out = _run_example("grpo_arithmetic.py", "--out", str(tmp_path / "runs"), timeout=850)
+    before = _number(r"greedy sums right before: (\d+)%", out)
+    after = _number(r"greedy sums right after: (\d+)%", out)
+    assert before <= 60 and after >= 85, (before, after)
+    rewards = [
+        float(r) for r in re.findall(r"\d+: ([\d.]+)", out.split("held-out mean reward by step:")[1].splitlines()[0])
+    ]
+    assert rewards[-1] > rewards[0], rewards
