@@ -51,7 +51,7 @@ def test_inspect_json_reports_one_all_reduce_outside():
     assert out["summary"]["all_reduce_in_loop"] == 0 and out["summary"]["all_reduce_outside"] == 1
 
 
-def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path):
+def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path, monkeypatch):
     rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--budget", "--json")
     dp = json.loads(out)
     assert rc == 0 and dp["budget"] == {"name": "dp", "within": True, "breaches": []}
@@ -63,8 +63,18 @@ def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path
     # zero1 adds the gathers of the updated parameters: a diff, exit 1.
     rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--rules", "zero1", "--against", tmp_path / "dp.json")
     assert rc == 1 and "+ all-gather outside over data" in out, out
+    # A file it cannot compare with is refused before the step is built and compiled.
+    import zoo
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("zoo inspect built the step before reading --against")
+
+    monkeypatch.setattr(zoo.train, "inspect", compiled)
     rc, _, err = zoo_main("inspect", "mlp", "--devices", "8", "--against", tmp_path / "missing.json")
     assert rc == 2 and "--against" in err and "zoo inspect --json" in err
+    (tmp_path / "empty.json").write_text("{}")
+    rc, _, err = zoo_main("inspect", "mlp", "--devices", "8", "--against", tmp_path / "empty.json")
+    assert rc == 2 and "it holds no collectives" in err, err
 
 
 def test_inspect_table_shard_map_and_custom_mesh():
