@@ -51,7 +51,7 @@ def test_inspect_json_reports_one_all_reduce_outside():
     assert out["summary"]["all_reduce_in_loop"] == 0 and out["summary"]["all_reduce_outside"] == 1
 
 
-def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path):
+def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path, monkeypatch):
     rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--budget", "--json")
     dp = json.loads(out)
     assert rc == 0 and dp["budget"] == {"name": "dp", "within": True, "breaches": []}
@@ -63,8 +63,18 @@ def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path
     # zero1 adds the gathers of the updated parameters: a diff, exit 1.
     rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--rules", "zero1", "--against", tmp_path / "dp.json")
     assert rc == 1 and "+ all-gather outside over data" in out, out
+    # A file it cannot compare with is refused before the step is built and compiled.
+    import zoo
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("zoo inspect built the step before reading --against")
+
+    monkeypatch.setattr(zoo.train, "inspect", compiled)
     rc, _, err = zoo_main("inspect", "mlp", "--devices", "8", "--against", tmp_path / "missing.json")
     assert rc == 2 and "--against" in err and "zoo inspect --json" in err
+    (tmp_path / "empty.json").write_text("{}")
+    rc, _, err = zoo_main("inspect", "mlp", "--devices", "8", "--against", tmp_path / "empty.json")
+    assert rc == 2 and "it holds no collectives" in err, err
 
 
 def test_inspect_table_shard_map_and_custom_mesh():
@@ -400,13 +410,15 @@ def test_demo_fine_tunes_minilm_end_to_end(tmp_path):
     linear probe on the frozen encoder by 10 points or more (and says by how much), and
     the step had one all-reduce of the adapter's (and head's) bytes. peft opens the
     adapter as the classifier zoo trained (its README's recipe: the same logits). With the
-    demo's defaults but one: the test set is evaluated before and after the 60 steps only
-    (`--eval-every 60`), not also at steps 15, 30 and 45 (the curve's middle points, which
-    nothing asserts; each a pass over the 687 test texts)."""
+    demo's defaults but two: 40 LoRA steps instead of 60 (measured, `zoo demo` alone: 20
+    steps +8.0 points over the probe, 25 +26.3, 30 +33.2, 40 +34.8, 60 +33.5; the probe
+    and the data as the demo's), and the test set evaluated before and after them only
+    (`--eval-every 40`), not also between (the curve's middle points, which nothing
+    asserts; each a pass over the 687 test texts)."""
 
     out = tmp_path / "demo"
     start = time.perf_counter()
-    proc = run_zoo("demo", "--eval-every", "60", "--output", str(out), timeout=900)
+    proc = run_zoo("demo", "--steps", "40", "--eval-every", "40", "--output", str(out), timeout=900)
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loss fell: yes" in proc.stdout, proc.stdout

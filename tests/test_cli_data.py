@@ -15,6 +15,7 @@ from tiny_runs import (  # noqa: F401  (names other test files import from here)
     ENCODER,
     FORWARD,
     LOSS_DEPTH,
+    NO_SAMPLE,
     SEQ,
     TINY,
     VOCAB,
@@ -441,7 +442,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, llama_dir, data_fi
     if data == "text":  # a copy of its own, to edit
         source = write_jsonl(tmp_path / "text.jsonl", read_jsonl(data_files["text"]))
     args = [*command, "--devices", str(devices), "--batch-size", str(max(4, devices)), "--microbatches", "1", "--seq-len", str(SEQ),
-            "--steps", str(steps), "--checkpoint-every", "2", "--eval-every", "0", "--quiet",
+            "--steps", str(steps), "--checkpoint-every", "2", "--eval-every", "0", "--quiet", *NO_SAMPLE,
             *(["--data", source] if source else []), *(["--init", llama_dir] if lora else [])]  # fmt: skip
     whole = tmp_path / "whole"
     run = _zoo_process if across else ok

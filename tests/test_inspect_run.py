@@ -9,6 +9,7 @@ import json
 
 import pytest
 from helpers import zoo_main, zoo_ok
+from tiny_runs import NO_SAMPLE
 
 import zoo
 
@@ -17,8 +18,9 @@ import zoo
 # take as the run does.
 STEP = ["--model-config", "d_model=32,num_layers=2,num_heads=2", "--seq-len", "16"]
 STEP += ["--batch-size", "8", "--microbatches", "2"]
-# What the run alone takes: its length, held-out set and outputs.
-RUN_ONLY = ["--steps", "1", "--eval-size", "8", "--quiet"]
+# What the run alone takes: its length, held-out set and outputs (no end-of-run sample:
+# its generation programs are not the step's).
+RUN_ONLY = ["--steps", "1", "--eval-size", "8", "--quiet", *NO_SAMPLE]
 
 
 # The collectives `zoo inspect` listed for each preset's flags (`STEP`, its layout): the test
@@ -38,6 +40,7 @@ def test_inspect_lists_the_collectives_of_the_run_with_the_same_flags(preset, tm
     flags = [*STEP, *_layout(preset), "--rules", preset]
     zoo_ok("train", "transformer", *flags, *RUN_ONLY, "--output", tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sample"] is None  # --sample-tokens 0: no end-of-run sample
     ran = [zoo.Collective.from_json(row) for row in summary["collectives"]["list"]]
     assert any(c.kind == "all-reduce" and not c.in_loop for c in ran), summary["collectives"]
     rc, out, err = zoo_main("inspect", "transformer", *flags, "--against", tmp_path / "run" / "summary.json", "--json")

@@ -18,10 +18,11 @@ from tiny_runs import TINY_MLP
 TINY_LM = {"d_model": 16, "num_layers": 1, "num_heads": 2}
 CASES = {
     "decoder": ("train", "transformer", {"steps": 2, "batch_size": 8, "devices": 2, "eval_size": 8,
-                                         "model_config": TINY_LM}),
+                                         "model_config": TINY_LM, "sample_tokens": 0}),
     "classifier": ("train", "encoder", {"steps": 2, "batch_size": 8, "devices": 2, "eval_size": 8, "seq_len": 16,
                                         "model_config": TINY_LM | {"mlp_dim": 32}}),
-    "lora": ("finetune", "transformer", {"steps": 2, "batch_size": 8, "devices": 2, "eval_size": 8, "seq_len": 16}),
+    "lora": ("finetune", "transformer", {"steps": 2, "batch_size": 8, "devices": 2, "eval_size": 8, "seq_len": 16,
+                                        "sample_tokens": 0}),
 }  # fmt: skip
 
 

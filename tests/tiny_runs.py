@@ -22,12 +22,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<assistant> ' }}{% endif %}"
 )
 SEQ = 32
-# 2 devices, 1 microbatch, batch 4: the smallest runs that still split the batch.
+# A decoder's run ends with a greedy sample (zoo.generate: its own compiled programs); the
+# tests whose subject is not the sample leave it out (`--sample-tokens 0`). The sample's own
+# test: test_cli.py::test_finetune_transformer_from_a_hugging_face_folder.
+NO_SAMPLE = ["--sample-tokens", "0"]
+# 2 devices, 1 microbatch, batch 4: the smallest runs that still split the batch (no sample).
 # The tiny Llama's float32 sums (helpers.rounding_bound): <= 48 wide (its MLP), 2 layers of
 # ~6 chained sums and the head, then a loss's log-sum-exp and sum over the tokens.
 FORWARD = {"terms": 48, "depth": 2 * 6 + 1}
 LOSS_DEPTH = FORWARD["depth"] + 2
-TINY = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", str(SEQ), "--quiet"]
+TINY = [*NO_SAMPLE, "--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", str(SEQ), "--quiet"]
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -109,11 +109,11 @@ def cmd_inspect(args) -> int:
 
     spec, init, command = resolve_model(args)
     config = dataclasses.replace(config_of(args, spec, init, command), devices=devices)
+    before = _collectives_of(args.against) if args.against else None  # a bad file refused before compiling
     ins = zoo.train.inspect(config, command=command)
     c, colls, lora = ins.config, ins.collectives, ins.config.lora
     budget, sizes = ins.budget()
     breaches = budget.breaches(colls, sizes)
-    before = _collectives_of(args.against) if args.against else None
     diff = zoo.compare_collectives(before, colls) if before is not None else None
     result = {
         "model": args.model,

@@ -71,6 +71,7 @@ class RunConfig(RunSettings):
       `eval_loss`) has not improved for this many evaluations (0: never).
     - `skip_nonfinite`: skip a step whose gradients are NaN/inf instead of stopping.
     - `quiet`: print only the summary; `tensorboard`: a folder for TensorBoard event files.
+    - `sample_tokens`: the tokens of a decoder's greedy sample at the end of the run (0: none).
     - `derived`: the fields `resolved` computed rather than took (set by it; config.json
       lists them and a replay derives them again).
     """

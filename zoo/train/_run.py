@@ -218,8 +218,8 @@ def _hooks(
         ]
     record.best = watch(c, record.evaluations, saver)  # after the evaluations, before the saves
     hooks += [record.evaluations, *([record.best] if record.best else []), saver]
-    if task.kind == "lm" and task.adapter_names is None and task.evaluate is None:  # a greedy continuation
-        record.sample = decoder_sample(built.model, task)
+    if task.kind == "lm" and task.adapter_names is None and c.sample_tokens:  # a decoder shows what it learned
+        record.sample = decoder_sample(built.model, task, new_tokens=c.sample_tokens)
         hooks.append(record.sample)
     export = Export(plan, task, saver, checkpointed=checkpointed, main=main)
     record.outputs = export.outputs

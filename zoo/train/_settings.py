@@ -483,6 +483,14 @@ class RunSettings:
         resume="safe",
         help="no progress bar and header, only the summary (default no)",
     )
+    sample_tokens: int = flag(
+        32,
+        metavar="N",
+        group="evaluation and outputs",
+        resume="safe",
+        help="a decoder's run ends with a greedy sample of N tokens after the start of a validation window "
+        "(summary.json's sample; default 32, at most the context left; 0: none, nothing compiled for it)",
+    )
     tensorboard: str | None = flag(
         None,
         metavar="DIR",
@@ -514,7 +522,7 @@ class RunSettings:
         for field in ("keep",):
             if not integer(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "an integer >= 1")
-        for field in ("seed", "checkpoint_every", "early_stop"):
+        for field in ("seed", "checkpoint_every", "early_stop", "sample_tokens"):
             if not integer(getattr(self, field)) or getattr(self, field) < 0:
                 raise bad(field, "an integer >= 0")
         if self.seed > MAX_SEED:
@@ -529,7 +537,7 @@ class RunSettings:
             low = 0 if field in ("eval_every", "probe") else 1
             if value is not None and (not integer(value) or value < low):
                 raise bad(field, f"an integer >= {low} (or None)")
-        for field in ("keep", "checkpoint_every", "early_stop", *optional):
+        for field in ("keep", "checkpoint_every", "early_stop", "sample_tokens", *optional):
             value = getattr(self, field)
             if value is not None and value > MAX_COUNT:
                 raise bad(field, f"at most {MAX_COUNT} (2**31 - 1: compiled programs count in int32)")
