@@ -36,7 +36,9 @@ def main() -> None:
     x = jax.random.normal(jax.random.key(1), (4, args.tokens // 4, args.dim))
     layers, programs = {}, {}
     for dispatch in ("dense", "sorted"):
-        layer = zoo.nn.Experts(args.dim, args.hidden, args.experts, args.top_k, dispatch=dispatch, key=jax.random.key(0))
+        layer = zoo.nn.Experts(
+            args.dim, args.hidden, args.experts, args.top_k, dispatch=dispatch, key=jax.random.key(0)
+        )
         params, static = eqx.partition(layer, eqx.is_array)
         layers[dispatch] = params
 
