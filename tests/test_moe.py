@@ -14,7 +14,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import assert_rounding_close, data_mesh, largest, lm_batch
+from helpers import assert_rounding_close, data_mesh, largest, lm_batch, preset_mesh
 from test_families import SEQ, SMALL, VOCAB, _check, _hf_logits, _masks, _torch, forward
 from test_generate import _hf_greedy
 
@@ -169,10 +169,20 @@ def test_sorted_dispatch_equals_dense_and_is_refused_under_a_mesh():
         _moe_config(activation="gelu")
 
 
-def test_dp_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device():
-    """The MoE decoder under `dp`, 2 devices, 2 microbatches: the compiled step's only
-    collective is one all-reduce over `data`, outside every loop, carrying every gradient
-    and the loss sums; its SGD update equals the single-device one within rounding."""
+# Expert parallelism without a named preset yet: the dp layout with the experts split over `model`.
+LAYOUTS = {"dp": ("dp", {}), "tp": ("tp", {}), "experts-over-model": (None, {"expert": "model"})}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(layout):
+    """The MoE decoder under `dp` (data=2), `tp` (data=2 x model=2: the experts' width split
+    over `model`) and the dp layout with the experts split over `model` (expert
+    parallelism, `zoo.rules("dp", expert="model")`; the budget the step derives from that
+    layout), 2 microbatches: the compiled step's only reduction over `data` is one
+    all-reduce outside every loop, carrying every gradient and the loss sums (under `dp`
+    the only collective; otherwise the loop holds activation traffic over `model` only);
+    its SGD update equals the single-device one within rounding."""
+    preset, overrides = LAYOUTS[layout]
     model = Transformer(_moe_config(), key=jax.random.key(0))
     batch = lm_batch(jax.random.key(1), 8, vocab=32)
     lr = 0.5
@@ -184,20 +194,63 @@ def test_dp_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device
 
     loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
     want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-    mesh = data_mesh(2)
+    mesh = preset_mesh(preset or "tp", 2 if preset == "dp" else 4)
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
-        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset="dp")
+        sharded = zoo.shard(model, zoo.rules(preset or "dp", **overrides), mesh)
+        if overrides:
+            assert jax.typeof(sharded.layers.layers.mlp.up.weight).sharding.spec[1] == "model"
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset)
         opt_state = step.init(sharded)
-        compiled = step.compile(sharded, opt_state, batch)
+        compiled = step.compile(sharded, opt_state, batch)  # raises if over the preset's budget
         new_model, _, got_loss = compiled(sharded, opt_state, batch)
     colls = zoo.collectives(compiled)
-    assert [(c.kind, c.in_loop, c.mesh_axes) for c in colls] == [("all-reduce", False, ("data",))], zoo.report(colls)
-    trainable = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    assert colls[0].bytes - trainable in (4, 8), zoo.report(colls)
+    on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if "data" in c.mesh_axes]
+    assert on_data == [("all-reduce", False, ("data",))], zoo.report(colls)
+    assert all(c.mesh_axes == ("model",) for c in colls if "data" not in c.mesh_axes), zoo.report(colls)
+    if preset == "dp":
+        assert len(colls) == 1, zoo.report(colls)
+        trainable = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+        assert colls[0].bytes - trainable in (4, 8), zoo.report(colls)
     sums = {"terms": 8 * 8, "depth": 2 * (2 * 6 + 1)}
     assert_rounding_close(got_loss, loss, **sums)
     start = jax.tree.leaves(params)
     step_size = max(largest(np.asarray(w, np.float64) - np.asarray(p)) for w, p in zip(jax.tree.leaves(want), start))
     for g, w in zip(jax.tree.leaves(eqx.filter(new_model, eqx.is_array)), jax.tree.leaves(want), strict=True):
         assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
+
+
+@pytest.mark.numerics
+def test_attention_lora_both_ways_with_peft_and_expert_targets_refused(hf_dirs, tokens, tmp_path):
+    """LoRA on a Mixtral's attention: zoo's adapter opened by peft, peft's loaded by zoo, the
+    same logits; merged and exported, transformers opens it. Naming the experts (which take
+    no LoRA yet) is refused, never silently left untrained."""
+    import peft
+
+    from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
+
+    base = zoo.hf.from_pretrained(hf_dirs["mixtral"])
+    mask = np.ones(tokens.shape, bool)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=attention, init_lora_weights=False)
+    adapted = add_lora(base, config, key=jax.random.key(1))
+    save_adapter(adapted, config, tmp_path / "z")
+    opened = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z", experts_implementation="eager").eval()
+    _check(forward(adapted, tokens, mask), _hf_logits(opened, tokens, mask), mask, "mixtral attention LoRA zoo → peft")
+    hf = _open_hf(hf_dirs["mixtral"])
+    torch.manual_seed(3)
+    made = peft.get_peft_model(
+        hf, peft.LoraConfig(r=2, lora_alpha=8, target_modules=attention, init_lora_weights=False)
+    )
+    made.save_pretrained(tmp_path / "p")
+    loaded, _ = load_adapter(base, tmp_path / "p")
+    assert len(zoo.lora.modules(loaded, zoo.lora.LoraLinear)) == 4
+    want = _hf_logits(made.eval(), tokens, mask)
+    _check(forward(loaded, tokens, mask), want, mask, "mixtral attention LoRA peft → zoo")
+    zoo.hf.save_pretrained(zoo.lora.merge(loaded), tmp_path / "merged")
+    _check(_hf_logits(_open_hf(tmp_path / "merged"), tokens, mask).f64, want, mask, "mixtral merged export")
+    for targets in (["q_proj", "up"], ["w1"], ["down"]):
+        with pytest.raises(ValueError, match=r"stacked expert projections .*layers\.layers\.mlp\..*no LoRA on experts"):
+            add_lora(base, LoraConfig(r=2, target_modules=targets), key=jax.random.key(1))
+    assert "layers.layers.mlp.router" not in zoo.lora.modules(
+        add_lora(base, LoraConfig(r=2, target_modules="all-linear"), key=jax.random.key(1)), zoo.lora.LoraLinear
+    )
