@@ -254,3 +254,20 @@ def test_attention_lora_both_ways_with_peft_and_expert_targets_refused(hf_dirs, 
     assert "layers.layers.mlp.router" not in zoo.lora.modules(
         add_lora(base, LoraConfig(r=2, target_modules="all-linear"), key=jax.random.key(1)), zoo.lora.LoraLinear
     )
+
+
+def test_serving_engine_decodes_as_generate_with_and_without_an_attention_adapter():
+    """`zoo.serve.Engine` on a mixture of experts: a bare request and one with an attention
+    LoRA adapter decode the tokens `zoo.generate` does with the base and the adapted model."""
+    from zoo.serve import Engine, Request
+
+    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    config = zoo.lora.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapted = zoo.lora.add_lora(base, config, key=jax.random.key(2))
+    engine = Engine(base, slots=2, adapters={"a": adapted}, max_lora_rank=2)
+    prompt = [3, 5, 7, 9]
+    handles = {name: engine.submit(Request(prompt=prompt, max_tokens=5, adapter=name)) for name in (None, "a")}
+    engine.run_until_done()
+    for name, model in ((None, base), ("a", adapted)):
+        want = np.asarray(zoo.generate(model, np.array([prompt]), max_new_tokens=5))[0, len(prompt) :]
+        assert [t.id for t in handles[name].tokens] == want.tolist(), name
