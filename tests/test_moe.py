@@ -103,6 +103,20 @@ def test_load_export_generate_and_router_loss_match_transformers(name, hf_dirs, 
     )
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_expert_files_load_as_the_per_expert_ones(name, hf_dirs, tmp_path):
+    """transformers 5's own layout (`save_original_format=False`: `mlp.experts.gate_up_proj`
+    `[experts, 2·width, hidden]`, `mlp.experts.down_proj`; Mixtral's router as `mlp.gate`),
+    which transformers reads too, loads into the same arrays as the per-expert files."""
+    hf = _open_hf(hf_dirs[name])
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    fused = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in fused and not any(".experts.0." in k for k in fused)
+    got, want = (zoo.hf.from_pretrained(d) for d in (tmp_path, hf_dirs[name]))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def _config(cls, **values):
     return cls(**values).to_dict()
 

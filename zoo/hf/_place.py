@@ -21,14 +21,13 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._mismatch import mismatch_lines, shorten, summary
 from .._tree import dotted_name, key_path, node_at
-from ._bnb import FourBitCheckpoint
 from ._family import Family
-from ._files import Checkpoint
+from ._files import TensorFile
 from ._layout import Source, leaf_sources
 
 
 def check_tensors(
-    family: Family, sources: list[Source], checkpoint: Checkpoint | FourBitCheckpoint, config: Any, where: str
+    family: Family, sources: list[Source], checkpoint: TensorFile, config: Any, where: str
 ) -> dict[str, str]:
     """Check the checkpoint holds exactly the tensors `sources` need, with their shapes.
 
@@ -91,7 +90,7 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
 
 
 def read_leaf(
-    checkpoint: Checkpoint | FourBitCheckpoint,
+    checkpoint: TensorFile,
     mapping: dict[str, str],
     source: Source,
     index: tuple[slice, ...],
@@ -131,7 +130,7 @@ def place(
     family: Family,
     skeleton: Any,
     config: Any,
-    checkpoint: Checkpoint | FourBitCheckpoint,
+    checkpoint: TensorFile,
     *,
     specs: Any,
     mesh: Any,

@@ -24,6 +24,7 @@ Qwen3-MoE (`qwen3_moe.py`) shares.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import numpy as np
@@ -46,6 +47,62 @@ def expert_names(moe: str, router: str, projections: dict[str, str]) -> dict[str
         "layers.layers.mlp.router": f"{layer}.{router}",
         **{f"layers.layers.mlp.{zoo}": f"{layer}.{moe}.experts.{hf}" for zoo, hf in projections.items()},
     }
+
+
+# transformers 5's fused expert tensors of layer `i` (its in-memory layout, and how
+# `save_pretrained(save_original_format=False)` writes them): experts stacked, gate | up fused.
+_FUSED = re.compile(r"(?P<layer>(?:.*\.)?layers\.\d+\.)mlp\.experts\.(?P<fused>gate_up_proj|down_proj)")
+
+
+class PerExpertFiles:
+    """A checkpoint whose experts are transformers 5's fused tensors (`mlp.experts.gate_up_proj`
+    `[experts, 2·width, hidden]`, gate rows first; `mlp.experts.down_proj` `[experts, hidden,
+    width]`), read as the one tensor per expert the family names (`…experts.{j}.w1.weight`):
+    each a slice of the fused one, read only where a device's shard needs it. Other tensors
+    pass through, renamed where the family's container differs (Mixtral's `mlp.` is
+    `block_sparse_moe.`)."""
+
+    def __init__(self, checkpoint: Any, family: ExpertsFamily):
+        self._file = checkpoint
+        # name -> (file name, expert or None, first row, rows)
+        self._parts: dict[str, tuple[str, int | None, int, int]] = {}
+        gate, up, down = (family.expert_projections[p] for p in EXPERT_MODULES)
+        container = family.experts_at.split(".experts.")[0].split("}.", 1)[1]  # "block_sparse_moe" / "mlp"
+        for key in checkpoint.keys():
+            match = _FUSED.fullmatch(key)
+            if match is None:
+                shape = checkpoint.shape(key)
+                renamed = re.sub(r"(layers\.\d+\.)mlp\.", rf"\g<1>{container}.", key)
+                self._parts[renamed] = (key, None, 0, shape[0] if shape else 0)
+                continue
+            experts, rows, _ = checkpoint.shape(key)
+            layer = f"{match['layer']}{container}.experts"
+            if match["fused"] == "gate_up_proj":
+                blocks = ((gate, 0, rows // 2), (up, rows // 2, rows // 2))
+            else:
+                blocks = ((down, 0, rows),)
+            for j in range(experts):
+                for name, first, count in blocks:
+                    self._parts[f"{layer}.{j}.{name}.weight"] = (key, j, first, count)
+
+    def keys(self) -> list[str]:
+        """Every tensor name, the experts' one per expert."""
+        return list(self._parts)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name` (an expert's: `[rows, columns]` of its slice)."""
+        key, expert, _, rows = self._parts[name]
+        shape = self._file.shape(key)
+        return shape if expert is None else (rows, shape[2])
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The part `index` of tensor `name` (an expert's: of its slice of the fused tensor)."""
+        key, expert, first, rows = self._parts[name]
+        if expert is None:
+            return self._file.read(key, index)
+        rows_index, cols = index or (slice(0, rows), slice(0, self._file.shape(key)[2]))
+        start, stop, _ = rows_index.indices(rows)
+        return self._file.read(key, (slice(expert, expert + 1), slice(first + start, first + stop), cols))[0]
 
 
 class ExpertsFamily:
@@ -90,6 +147,13 @@ class ExpertsFamily:
             "router_aux_loss_coef": config.router_aux_loss_coef,
             "output_router_logits": False,
         }
+
+    def file_view(self, checkpoint: Any) -> Any:
+        """The checkpoint as this family's names read it: one tensor per expert, also from
+        a file holding transformers 5's fused expert tensors (`PerExpertFiles`)."""
+        if any(_FUSED.fullmatch(k) for k in checkpoint.keys()):
+            return PerExpertFiles(checkpoint, self)
+        return checkpoint
 
     def source(self, module: str, param: str, parent: Any, shape: tuple[int, ...], config: Any) -> Source | None:
         projection = module.removeprefix("layers.layers.mlp.")
