@@ -179,8 +179,10 @@ def test_sorted_dispatch_equals_dense_and_is_refused_under_a_mesh():
         forward(sharded, tokens, None)
     with pytest.raises(ValueError, match="moe_dispatch must be 'dense' or 'sorted'"):
         _moe_config(moe_dispatch="ragged")
-    with pytest.raises(ValueError, match="SwiGLU experts"):
+    with pytest.raises(ValueError, match="SwiGLU experts: set activation='swiglu', got 'gelu'"):
         _moe_config(activation="gelu")
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 routes each token to more experts than the 4"):
+        _moe_config(num_experts_per_tok=5)
 
 
 # Expert parallelism without a named preset yet: the dp layout with the experts split over `model`.

@@ -292,16 +292,7 @@ class TransformerConfig(_Common):
             value = getattr(self, field)
             _check(value is None or value > 0, f"TransformerConfig.{field} must be None or > 0, got {value}")
         if self.num_experts is not None:
-            _check(
-                self.activation == "swiglu" and 1 <= self.num_experts_per_tok <= self.num_experts,
-                f"TransformerConfig.num_experts={self.num_experts} builds SwiGLU experts (activation='swiglu', got "
-                f"{self.activation!r}) routing each token to 1..num_experts of them (num_experts_per_tok="
-                f"{self.num_experts_per_tok})",
-            )
-            _check(
-                self.moe_dispatch in ("dense", "sorted"),
-                f"TransformerConfig.moe_dispatch must be 'dense' or 'sorted', got {self.moe_dispatch!r}",
-            )
+            _check_experts(self)
         _check(
             self.norm in ("layernorm", "rmsnorm"),
             f"TransformerConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}",
@@ -310,6 +301,24 @@ class TransformerConfig(_Common):
             self.positions in ("learned", "rope", "none"),
             f"TransformerConfig.positions must be 'learned', 'rope' or 'none', got {self.positions!r}",
         )
+
+
+def _check_experts(config: TransformerConfig) -> None:
+    """Refuse, naming the fix, a mixture-of-experts config the zoo's `Experts` cannot build."""
+    _check(
+        config.activation == "swiglu",
+        f"TransformerConfig.num_experts={config.num_experts} builds SwiGLU experts: set activation='swiglu', "
+        f"got {config.activation!r}",
+    )
+    _check(
+        1 <= config.num_experts_per_tok <= config.num_experts,
+        f"TransformerConfig.num_experts_per_tok={config.num_experts_per_tok} routes each token to more experts "
+        f"than the {config.num_experts} there are (or none): give 1..num_experts",
+    )
+    _check(
+        config.moe_dispatch in ("dense", "sorted"),
+        f"TransformerConfig.moe_dispatch must be 'dense' or 'sorted', got {config.moe_dispatch!r}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
