@@ -452,7 +452,7 @@ ATTENTION_MATH = {"softmax", "dot_product_attention"}
 ROPE = {"apply_rope", "rope_angles", "rope_tables", "rope_frequencies"}
 ATTENTION_MODULE = "zoo.nn._attention"
 # Modules whose softmax is no attention's, with why.
-OTHER_SOFTMAX = {"zoo._sampling": "sampling's probabilities over the vocabulary"}
+OTHER_SOFTMAX = {"zoo._sampling": "sampling's probabilities over the vocabulary", "zoo.nn._experts": "the router's"}
 
 
 def _callee(call: ast.Call) -> str | None:

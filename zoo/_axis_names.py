@@ -20,4 +20,5 @@ LOGICAL_AXES = (
     "vocab",  # vocabulary (embedding rows, output head columns)
     "heads",  # attention query heads (flattened heads × head_dim of projections)
     "kv_heads",  # attention key/value heads (fewer than "heads" with grouped queries)
+    "expert",  # the experts of a mixture-of-experts layer (stacked expert weights)
 )

@@ -89,8 +89,9 @@ def hf_tensors(model: Encoder | Transformer) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for _, leaf, source in leaf_sources(family, model, model.config):
         host = to_host(leaf)
+        layers = host.reshape(-1, *host.shape[source.stacked :]) if source.stacked else None  # stacked experts: L·E
         for i, name in enumerate(source.names):
-            value = source.to_file(host[i] if source.stacked else host)
+            value = source.to_file(host if layers is None else layers[i])
             if source.block is None:
                 tensors[name] = value
             else:

@@ -45,6 +45,9 @@ The interface (stable; additions only):
   - `hf_module_name(module, index)` → the HF/peft module name of zoo module `module` at
     layer numbers `index`, or `None` when the table has none.
   - `generation_config(values)` → `generation_config.json` from the HF config dict.
+  - `file_view(checkpoint)` → the open checkpoint as this family's tensor names read it
+    (default: itself; Mixtral and Qwen3-MoE read transformers 5's fused expert tensors as
+    one per expert).
   - `builds(model_class)` → whether its checkpoints build a `model_class` (a class or an
     import path; two paths into the zoo compare without importing either).
 
@@ -162,6 +165,11 @@ class Family:
             block=self.block(module, config),
             valid=valid,
         )
+
+    def file_view(self, checkpoint: Any) -> Any:
+        """The open checkpoint as this family's tensor names read it (`keys`, `shape`,
+        `read`): the checkpoint itself, unless a family reads another layout of its files."""
+        return checkpoint
 
     def block(self, module: str, config: Any) -> Block | None:
         """The block of its fused Hugging Face tensor that zoo module `module` is, or `None`."""

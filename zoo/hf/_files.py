@@ -8,7 +8,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import ml_dtypes  # noqa: F401  (lets safetensors' numpy reader return bfloat16 tensors)
 import numpy as np
@@ -77,6 +77,18 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+@runtime_checkable
+class TensorFile(Protocol):
+    """What loading reads a checkpoint through (`Checkpoint`, `FourBitCheckpoint`, a
+    family's `file_view`): its tensor names, their shapes, slices of them."""
+
+    def keys(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray: ...
 
 
 class Checkpoint:

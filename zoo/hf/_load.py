@@ -86,7 +86,7 @@ def _load(
             layout,
             skeleton,
             config,
-            checkpoint,
+            layout.file_view(checkpoint),
             specs=specs,
             mesh=concrete,
             dtype=dtype,

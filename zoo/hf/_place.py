@@ -21,14 +21,13 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._mismatch import mismatch_lines, shorten, summary
 from .._tree import dotted_name, key_path, node_at
-from ._bnb import FourBitCheckpoint
 from ._family import Family
-from ._files import Checkpoint
+from ._files import TensorFile
 from ._layout import Source, leaf_sources
 
 
 def check_tensors(
-    family: Family, sources: list[Source], checkpoint: Checkpoint | FourBitCheckpoint, config: Any, where: str
+    family: Family, sources: list[Source], checkpoint: TensorFile, config: Any, where: str
 ) -> dict[str, str]:
     """Check the checkpoint holds exactly the tensors `sources` need, with their shapes.
 
@@ -91,18 +90,22 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
 
 
 def read_leaf(
-    checkpoint: Checkpoint | FourBitCheckpoint,
+    checkpoint: TensorFile,
     mapping: dict[str, str],
     source: Source,
     index: tuple[slice, ...],
     dtype: Any,
+    shape: tuple[int, ...],
 ) -> np.ndarray:
-    """The part `index` (bounded slices, one per leaf dimension) of a leaf, read from the
-    checkpoint as `dtype`: only those layers, only that slice of each file tensor."""
-    if source.stacked:
-        layers, core = range(index[0].start, index[0].stop), index[1:]
-    else:
-        layers, core = range(1), index
+    """The part `index` (bounded slices, one per leaf dimension) of a leaf of shape `shape`,
+    read from the checkpoint as `dtype`: only those layers (stacked experts: those layers'
+    experts), only that slice of each file tensor."""
+    stacked = source.stacked
+    lead, core = index[:stacked], index[stacked:]
+    # The file tensors of those layers, numbered as `source.names` (row-major over the stacked axes).
+    held = np.ndindex(*(s.stop - s.start for s in lead))
+    starts = tuple(s.start for s in lead)
+    layers = [int(np.ravel_multi_index(np.add(starts, i), shape[:stacked])) for i in held] if stacked else [0]
     wanted = tuple(s.stop - s.start for s in core)
     if source.valid is not None:  # a padded vocabulary: read what the file has, zeros after
         core = tuple(slice(min(s.start, v), min(s.stop, v)) for s, v in zip(core, source.valid, strict=True))
@@ -116,7 +119,7 @@ def read_leaf(
     out = np.empty((len(layers), *wanted), dtype)  # filled layer by layer: no second copy of the stack
     for n, i in enumerate(layers):
         out[n] = one(i)
-    return out
+    return out.reshape(*(s.stop - s.start for s in lead), *wanted)
 
 
 def _target_dtype(leaf_dtype: Any, dtype: Any) -> Any:
@@ -127,7 +130,7 @@ def place(
     family: Family,
     skeleton: Any,
     config: Any,
-    checkpoint: Checkpoint | FourBitCheckpoint,
+    checkpoint: TensorFile,
     *,
     specs: Any,
     mesh: Any,
@@ -181,7 +184,7 @@ def place(
             # Devices that hold the same shard (replicated over some mesh axes) share one read.
             key = tuple((s.start, s.stop) for s in bounds)
             if key not in cache:
-                cache[key] = read_leaf(checkpoint, mapping, source, bounds, target)
+                cache[key] = read_leaf(checkpoint, mapping, source, bounds, target, shape)
             return cache[key]
 
         name = dotted_name(path)

@@ -15,7 +15,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._mismatch import shorten
 from .._tree import dotted_name, node_at
-from ..nn import Embedding, FourBitLinear, Linear, QuantizedLinear, Stacked, dequantize
+from ..nn import Embedding, ExpertLinear, FourBitLinear, Linear, QuantizedLinear, Stacked, dequantize
 from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
 from ._layer import LoraLinear, mutated_init
@@ -25,6 +25,8 @@ from ._tokens import TrainableTokens
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
+# ... and a mixture of experts' router (`zoo.nn.Experts.router`), as peft's "all-linear" does.
+NOT_ALL_LINEAR = (*OUTPUT_LAYERS, "router")
 
 # The layers a branch can wrap: a float `Linear` or its int8 form; an `Embedding` when named.
 LINEARS = (Linear, QuantizedLinear, FourBitLinear)
@@ -110,8 +112,16 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
     """
     linears = modules(model, LINEARS)
     if config.target_modules == "all-linear":
-        chosen = [n for n in linears if n.split(".")[-1] not in OUTPUT_LAYERS]
+        chosen = [n for n in linears if n.split(".")[-1] not in NOT_ALL_LINEAR]
     else:
+        experts = select(model, list(modules(model, ExpertLinear)), config.target_modules, "LoRA target_modules")
+        if experts:  # never silently left out: a user who names the experts means to train them
+            raise ValueError(
+                f"LoRA target_modules={config.target_modules!r} name the stacked expert projections {experts} "
+                "(zoo.nn.ExpertLinear of a mixture of experts): zoo builds no LoRA on experts yet (peft's "
+                "target_parameters); adapt the attention ('q_proj', 'k_proj', 'v_proj', 'o_proj') and leave the "
+                "experts out of target_modules"
+            )
         # Embeddings are targets too when named (peft's `lora_embedding_A/B`), never by "all-linear".
         candidates = list(linears) + list(modules(model, Embedding))
         chosen = select(model, candidates, config.target_modules, "LoRA target_modules")

@@ -98,6 +98,11 @@ class _Common:
         return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
 
     @property
+    def expert_dim(self) -> int:
+        """Each expert's hidden width (`moe_mlp_dim`, default the feed-forward width)."""
+        return getattr(self, "moe_mlp_dim", None) or self.hidden_dim
+
+    @property
     def padded_vocab(self) -> int:
         """Rows of the embedding (and logits): `vocab_size` rounded up to a multiple of
         `vocab_multiple`, so the vocabulary splits evenly over a model axis."""
@@ -160,7 +165,11 @@ class TransformerConfig(_Common):
     wide, and passes the rest through: Phi-4-mini's 0.75), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
     parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
     `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
-    the float32 minimum, so softmax, loss and argmax equal the unpadded model's), `family`
+    the float32 minimum, so softmax, loss and argmax equal the unpadded model's),
+    `num_experts` (a sparse mixture-of-experts SwiGLU feed-forward in every layer,
+    `zoo.nn.Experts`: `num_experts_per_tok` experts per token, each `moe_mlp_dim` wide,
+    the top-k router weights renormalised when `norm_topk_prob`; `router_aux_loss_coef`, the
+    load-balancing loss's weight; `moe_dispatch`, how tokens reach their experts), `family`
     and `source_dir` (the Hugging Face architecture and folder, set by `zoo.hf`).
     """
 
@@ -197,6 +206,12 @@ class TransformerConfig(_Common):
     final_logit_softcapping: float | None = None  # logits soft-capped the same way (Gemma 2)
     query_pre_attn_scalar: float | None = None  # scores / sqrt(this) instead of sqrt(head_dim) (Gemma 2/3)
     partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim * this) dims of each head (Phi-4-mini)
+    num_experts: int | None = None  # a sparse mixture-of-experts feed-forward in every layer (Mixtral); None: dense
+    num_experts_per_tok: int = 2  # the experts each token is routed to (top-k)
+    moe_mlp_dim: int | None = None  # each expert's hidden width (default mlp_dim; Qwen3-MoE's moe_intermediate_size)
+    norm_topk_prob: bool = True  # the top-k router weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's option)
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
+    moe_dispatch: str = "dense"  # "dense" (every expert on every token, weighted) or "sorted" (ragged_dot, one device)
 
     def __post_init__(self):
         super().__post_init__()
@@ -276,6 +291,8 @@ class TransformerConfig(_Common):
         for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
             value = getattr(self, field)
             _check(value is None or value > 0, f"TransformerConfig.{field} must be None or > 0, got {value}")
+        if self.num_experts is not None:
+            _check_experts(self)
         _check(
             self.norm in ("layernorm", "rmsnorm"),
             f"TransformerConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}",
@@ -284,6 +301,24 @@ class TransformerConfig(_Common):
             self.positions in ("learned", "rope", "none"),
             f"TransformerConfig.positions must be 'learned', 'rope' or 'none', got {self.positions!r}",
         )
+
+
+def _check_experts(config: TransformerConfig) -> None:
+    """Refuse, naming the fix, a mixture-of-experts config the zoo's `Experts` cannot build."""
+    _check(
+        config.activation == "swiglu",
+        f"TransformerConfig.num_experts={config.num_experts} builds SwiGLU experts: set activation='swiglu', "
+        f"got {config.activation!r}",
+    )
+    _check(
+        1 <= config.num_experts_per_tok <= config.num_experts,
+        f"TransformerConfig.num_experts_per_tok={config.num_experts_per_tok} routes each token to more experts "
+        f"than the {config.num_experts} there are (or none): give 1..num_experts",
+    )
+    _check(
+        config.moe_dispatch in ("dense", "sorted"),
+        f"TransformerConfig.moe_dispatch must be 'dense' or 'sorted', got {config.moe_dispatch!r}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

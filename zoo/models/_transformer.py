@@ -11,6 +11,7 @@ from .._checks import check_array
 from ..nn import (
     Attention,
     Embedding,
+    Experts,
     FeedForward,
     LayerNorm,
     Linear,
@@ -23,6 +24,7 @@ from ..nn import (
 )
 from ..nn._cache import KVCache
 from ..nn._dropout import EMBEDDING_STREAM, ExampleKeys
+from ..nn._experts import RouterChoice
 from ..nn._inputs import place_inputs
 from ..nn._pattern import LayerPattern
 from ..nn._rope import RopeScaling
@@ -114,13 +116,27 @@ def make_block(config, *, causal: bool, norm: str, pre_norm: bool, rope: bool, k
         rope_dim=rotary_dim(config) if rope else None,
         key=ka,
     )
-    mlp = FeedForward(
-        config.d_model,
-        config.hidden_dim,
-        activation=config.activation,
-        use_bias=_bias(config, "mlp_bias"),
-        init_std=config.init_std,
-        key=km,
+    experts = getattr(config, "num_experts", None)
+    mlp = (
+        FeedForward(
+            config.d_model,
+            config.hidden_dim,
+            activation=config.activation,
+            use_bias=_bias(config, "mlp_bias"),
+            init_std=config.init_std,
+            key=km,
+        )
+        if experts is None
+        else Experts(
+            config.d_model,
+            config.expert_dim,
+            experts,
+            config.num_experts_per_tok,
+            normalize=config.norm_topk_prob,
+            dispatch=config.moe_dispatch,
+            init_std=config.init_std,
+            key=km,
+        )
     )
     # Per-group biases (Qwen2: q/k/v only): drop the ones the config turns off, add the
     # ones it turns on.
@@ -242,6 +258,28 @@ class Transformer(eqx.Module):
             {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
         )
         return self.head(self.layers(h, mask=mask, key=key, **packing, **self._pattern()))
+
+    @place_inputs
+    def with_router(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        mask: Bool[Array, "batch seq"] | None = None,
+        key: ExampleKeys | None = None,
+    ) -> tuple[Float[Array, "batch seq {self.config.padded_vocab}"], RouterChoice]:
+        """The logits (as `__call__`) and what every layer's router chose, for the
+        load-balancing loss (`zoo.nn.load_balancing_loss(choice.probs, choice.chosen,
+        mask)`, transformers' `aux_loss`); a mixture-of-experts model only
+        (`config.num_experts`).
+
+        **Returns:** `(logits, RouterChoice)` whose fields are `[layers, batch, seq,
+        experts]`.
+        """
+        if self.config.num_experts is None:
+            raise ValueError("Transformer.with_router: this model has no experts (config.num_experts is None)")
+        check_array(tokens, where="Transformer", name="tokens", kind="int", ndim=2)
+        h, choice = self.layers(self.embed(tokens, key=key), mask=mask, key=key, router=True, **self._pattern())
+        return self.head(h), choice
 
     def embed(
         self,

@@ -11,6 +11,7 @@ __getattr__, __dir__ = lazy_names(
         "._block": ("TransformerBlock",),
         "._dropout": ("ExampleKeys", "dropout", "example_keys", "fold_in"),
         "._embedding": ("Embedding",),
+        "._experts": ("ExpertLinear", "Experts", "RouterChoice", "load_balancing_loss"),
         "._feedforward": ("ACTIVATIONS", "FeedForward"),
         "._four_bit_linear": ("FourBitLinear",),
         "._inputs": ("place_inputs",),
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from ._block import TransformerBlock
     from ._dropout import ExampleKeys, dropout, example_keys, fold_in
     from ._embedding import Embedding
+    from ._experts import ExpertLinear, Experts, RouterChoice, load_balancing_loss
     from ._feedforward import ACTIVATIONS, FeedForward
     from ._four_bit_linear import FourBitLinear
     from ._inputs import place_inputs
@@ -47,6 +49,8 @@ __all__ = [
     "Attention",
     "Embedding",
     "ExampleKeys",
+    "ExpertLinear",
+    "Experts",
     "FeedForward",
     "FourBitLinear",
     "LayerNorm",
@@ -55,6 +59,7 @@ __all__ = [
     "QuantizedLinear",
     "RMSNorm",
     "RopeScaling",
+    "RouterChoice",
     "Stacked",
     "TransformerBlock",
     "apply_rope",
@@ -63,6 +68,7 @@ __all__ = [
     "dropout",
     "example_keys",
     "fold_in",
+    "load_balancing_loss",
     "place_inputs",
     "project",
     "rope_tables",

@@ -8,6 +8,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._attention import Attention
 from ._cache import KVCache
 from ._dropout import ExampleKeys, dropout, fold_in
+from ._experts import Experts, RouterChoice
 from ._feedforward import FeedForward
 from ._norm import LayerNorm, RMSNorm
 from ._pattern import LayerPattern
@@ -29,7 +30,7 @@ class TransformerBlock(eqx.Module):
 
     attention: Attention
     attention_norm: LayerNorm | RMSNorm | None
-    mlp: FeedForward
+    mlp: FeedForward | Experts
     mlp_norm: LayerNorm | RMSNorm | None
     pre_norm: bool = eqx.field(static=True)
     dropout_rate: float = eqx.field(static=True)
@@ -39,7 +40,7 @@ class TransformerBlock(eqx.Module):
     def __init__(
         self,
         attention: Attention,
-        mlp: FeedForward,
+        mlp: FeedForward | Experts,
         attention_norm: LayerNorm | RMSNorm | None,
         mlp_norm: LayerNorm | RMSNorm | None,
         *,
@@ -48,7 +49,8 @@ class TransformerBlock(eqx.Module):
         attention_out_norm: LayerNorm | RMSNorm | None = None,
         mlp_out_norm: LayerNorm | RMSNorm | None = None,
     ):
-        """**Arguments:** the `attention` and `mlp` sub-layers, the norms of their inputs
+        """**Arguments:** the `attention` and `mlp` sub-layers (`mlp` a `FeedForward` or a
+        mixture of `Experts`), the norms of their inputs
         (`None`: none; both required post-LN), `pre_norm` (else post-LN), residual
         `dropout_rate`, the norms of the sub-layers' outputs (`attention_out_norm`,
         `mlp_out_norm`, pre-LN only; `None`: none)."""
@@ -77,11 +79,17 @@ class TransformerBlock(eqx.Module):
         key: ExampleKeys | None = None,
         cache: KVCache | None = None,
         pattern: LayerPattern | None = None,
-    ) -> Float[Array, "batch seq embed"] | tuple[Float[Array, "batch seq embed"], KVCache]:
+        router: bool = False,
+    ) -> (
+        Float[Array, "batch seq embed"]
+        | tuple[Float[Array, "batch seq embed"], KVCache]
+        | tuple[Float[Array, "batch seq embed"], RouterChoice]
+    ):
         """Apply the layer. `mask`: `True` at real tokens; `segment_ids`, `positions`: packed
         documents (see `Attention`); `key`: per-example keys or `None`; `cache`: this
         layer's `KVCache` (inference, see `Attention`): then returns `(output, cache)`;
-        `pattern`: this layer's attention settings in a patterned stack (`LayerPattern`)."""
+        `pattern`: this layer's attention settings in a patterned stack (`LayerPattern`);
+        `router` (an `Experts` layer, no cache): returns `(output, its RouterChoice)`."""
         more = {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
         if pattern is not None:
             more["pattern"] = pattern
@@ -101,10 +109,23 @@ class TransformerBlock(eqx.Module):
         def norm(f, h):
             return h if f is None else f(h)
 
+        choice = None
+
+        def feed_forward(h):
+            nonlocal choice
+            if not router:
+                return self.mlp(h, key=keys[3])
+            if not isinstance(self.mlp, Experts) or cache is not None:
+                raise ValueError("TransformerBlock(router=True) needs an Experts feed-forward and no cache")
+            out, choice = self.mlp(h, key=keys[3], choice=True)
+            return out
+
         if self.pre_norm:
             h = x + drop(norm(self.attention_out_norm, attend(norm(self.attention_norm, x))), keys[1])
-            out = h + drop(norm(self.mlp_out_norm, self.mlp(norm(self.mlp_norm, h), key=keys[3])), keys[2])
+            out = h + drop(norm(self.mlp_out_norm, feed_forward(norm(self.mlp_norm, h))), keys[2])
         else:
             h = self.attention_norm(x + drop(attend(x), keys[1]))
-            out = self.mlp_norm(h + drop(self.mlp(h, key=keys[3]), keys[2]))
+            out = self.mlp_norm(h + drop(feed_forward(h), keys[2]))
+        if choice is not None:
+            return out, choice
         return out if cache is None else (out, new_cache)

@@ -73,6 +73,8 @@ class Stacked(eqx.Module, Generic[Layer]):
         wrote. Then returns `(output, cache)`.
         `pattern` (optional): a `LayerPattern` of `[layers]` arrays, scanned beside the
         parameters; layer `i` is called with `pattern=` its own values (traced scalars).
+        A layer that returns `(output, data)` (a block called with `router=True`) makes
+        this return `(output, each layer's data stacked on a leading axis)`.
         """
         params, static = eqx.partition(self.layers, eqx.is_array)
         # A uniform stack scans no pattern: its program is the one without.
@@ -95,14 +97,16 @@ class Stacked(eqx.Module, Generic[Layer]):
             layer_params, index, *rows = xs
             layer = eqx.combine(layer_params, static)
             more = {"pattern": rows[0]} if rows else {}
-            if key is None:
-                return layer(h, *args, **more, **kwargs), None
-            return layer(h, *args, key=fold_in(key, index), **more, **kwargs), None
+            if key is not None:
+                more["key"] = fold_in(key, index)
+            out = layer(h, *args, **more, **kwargs)
+            # A layer may return (output, per-layer data): the data is stacked over the layers.
+            return out if isinstance(out, tuple) else (out, None)
 
         if self.remat is not None:
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat])
-        out, _ = lax.scan(body, x, (params, jnp.arange(self.num_layers), *patterned))
-        return out
+        out, per_layer = lax.scan(body, x, (params, jnp.arange(self.num_layers), *patterned))
+        return out if per_layer is None else (out, per_layer)
 
     def unstack(self) -> Unstacked[Layer]:
         """Each layer as a module of its own, its arrays copied out of the stacked ones

@@ -191,6 +191,7 @@ class Llama(Family):
     partial_rotary: ClassVar[bool] = False  # reads partial_rotary_factor (Phi-3); else refuses one below 1
     soft_caps: ClassVar[bool] = False  # soft-capping and query_pre_attn_scalar expressible (Gemma 2/3)
     feed_forward_bias: ClassVar[bool] = True  # config.json's mlp_bias read and written; False: the family has none
+    experts: ClassVar[bool] = False  # a mixture-of-experts feed-forward (num_experts) in every layer (Mixtral)
 
     # -- config.json → zoo --
 
@@ -287,9 +288,17 @@ class Llama(Family):
         return problems + self.norm_problems(config)
 
     def norm_problems(self, config: TransformerConfig) -> list[str]:
-        """`config`'s q/k norms, norm placement and score scaling where they are not this
-        architecture's (`qk_norm_scope`, `norm_placement`, `soft_caps` of the class)."""
+        """`config`'s q/k norms, norm placement, score scaling and experts where they are not
+        this architecture's (`qk_norm_scope`, `norm_placement`, `soft_caps`, `experts` of
+        the class)."""
         problems = []
+        experts = getattr(config, "num_experts", None)
+        if (experts is not None) != self.experts:
+            problems.append(
+                f"num_experts={experts} ({self.name}'s feed-forward is dense; Mixtral and Qwen3-MoE have experts)"
+                if experts is not None
+                else f"num_experts=None ({self.name}'s feed-forward is a mixture of experts: set num_experts)"
+            )
         for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
             if not self.soft_caps and getattr(config, field) is not None:
                 problems.append(f"{field}={getattr(config, field)} ({self.name} has none; Gemma 2 and 3 have)")

@@ -1,0 +1,289 @@
+"""Mixtures of experts: Mixtral and Qwen3-MoE both ways against transformers (logits, the
+export bit for bit, greedy tokens, the router's load-balancing loss), what each refuses by
+name, the two token dispatches, and the training step under `dp` (one gradient all-reduce
+outside every loop; 2 devices' update = 1 device's)."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from helpers import assert_rounding_close, data_mesh, largest, lm_batch, preset_mesh
+from test_families import SEQ, SMALL, VOCAB, _check, _hf_logits, _masks, _torch, forward
+from test_generate import _hf_greedy
+
+import zoo
+from zoo.models import Transformer, TransformerConfig
+
+EXPERTS = {"num_experts_per_tok": 2}
+CASES = {
+    # Mixtral: top-2 of 4 experts, the top-2 weights renormalised.
+    "mixtral": (transformers.MixtralConfig, SMALL | EXPERTS | {"num_local_experts": 4}),
+    # Qwen3-MoE: q/k norms, head_dim 16 ≠ 32/4, experts 24 wide (intermediate_size 48 is its
+    # dense width, unused), the top-2 weights as the softmax gives them (norm_topk_prob off).
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        SMALL | EXPERTS | {"num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16, "norm_topk_prob": False},
+    ),
+}
+# The load-balancing loss against transformers': sums over 2 layers x 24 tokens of products
+# of a softmax (a few roundings each).
+AUX_SUMS = {"terms": 2 * 3 * SEQ, "depth": 6}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Each case as a tiny random transformers model on disk (weights perturbed)."""
+    out = {}
+    for i, (name, (cls, values)) in enumerate(CASES.items()):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(cls(**values, attn_implementation="eager")).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        directory = tmp_path_factory.mktemp(name)
+        model.save_pretrained(directory)
+        out[name] = directory
+    return out
+
+
+def _open_hf(directory):
+    """The transformers model, its experts run one by one (its "eager" experts: torch's
+    grouped matmul has no float64 kernel for the float64 reference)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(3, VOCAB, (3, SEQ)).astype(np.int32)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", list(CASES))
+def test_load_export_generate_and_router_loss_match_transformers(name, hf_dirs, tokens, tmp_path):
+    model = zoo.hf.from_pretrained(hf_dirs[name])
+    config = model.config
+    assert (config.family, config.num_experts, config.num_experts_per_tok) == (name, 4, 2)
+    assert config.norm_topk_prob == (name == "mixtral")
+    zoo.hf.save_pretrained(model, tmp_path)
+    hf, exported = _open_hf(hf_dirs[name]), _open_hf(tmp_path)  # the source, and zoo's export reopened
+    assert type(exported) is type(hf)
+    for kind, mask in _masks().items():
+        t = np.where(mask, tokens, 0).astype(np.int32)
+        got = forward(model, jnp.asarray(t), jnp.asarray(mask))
+        diffs = {what: _check(got, _hf_logits(m, t, mask), mask, f"{name} {kind} {what}") for what, m in
+                 (("load", hf), ("export", exported))}  # fmt: skip
+        print(f"MAX DIFF {name} {kind}: " + " ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+        # The router's load-balancing loss over the real tokens: transformers' aux_loss.
+        with torch.no_grad():
+            want = hf(_torch(t), attention_mask=_torch(mask), output_router_logits=True).aux_loss.item()
+        _, choice = eqx.filter_jit(lambda m, t, k: m.with_router(t, mask=k))(model, jnp.asarray(t), jnp.asarray(mask))
+        aux = zoo.nn.load_balancing_loss(choice.probs, choice.chosen, jnp.asarray(mask))
+        assert_rounding_close(aux, want, **AUX_SUMS, what=f"{name} {kind} aux_loss")
+    # The export is the source's tensors again, bit for bit (one per expert, as transformers writes).
+    source = safetensors.numpy.load_file(str(hf_dirs[name] / "model.safetensors"))
+    written = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(written) == sorted(source)
+    assert any(".experts.3." in k for k in written)
+    for k in written:
+        np.testing.assert_array_equal(written[k], source[k], err_msg=k)
+    # Greedy decoding (a left-padded batch: the key/value cache, the decode loop) = transformers'.
+    mask = _masks()["left"]
+    prompts = np.where(mask, tokens, 0).astype(np.int32)
+    np.testing.assert_array_equal(
+        np.asarray(zoo.generate(model, prompts, mask=mask, max_new_tokens=4)), _hf_greedy(hf, prompts, mask, 4)
+    )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_expert_files_load_as_the_per_expert_ones(name, hf_dirs, tmp_path):
+    """transformers 5's own layout (`save_original_format=False`: `mlp.experts.gate_up_proj`
+    `[experts, 2·width, hidden]`, `mlp.experts.down_proj`; Mixtral's router as `mlp.gate`),
+    which transformers reads too, loads into the same arrays as the per-expert files."""
+    hf = _open_hf(hf_dirs[name])
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    fused = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in fused and not any(".experts.0." in k for k in fused)
+    got, want = (zoo.hf.from_pretrained(d) for d in (tmp_path, hf_dirs[name]))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _config(cls, **values):
+    return cls(**values).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "match"),
+    [
+        ("qwen3_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2.*decoder_sparse_step=1 and mlp_only_layers"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\].*one kind of layer"),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=True.*set it false"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1.*set it to 0"),
+    ],
+)
+def test_what_is_not_built_is_refused_by_name(name, values, match):
+    cls, base = CASES[name]
+    with pytest.raises(ValueError, match=match):
+        zoo.hf.get_family(name).config_from_hf(_config(cls, **base | values))
+
+
+def test_configs_both_ways_and_models_built_from_scratch_are_claimed():
+    for name, (cls, values) in CASES.items():
+        family = zoo.hf.get_family(name)
+        config = family.config_from_hf(_config(cls, **values))
+        written = family.config_to_hf(config)
+        assert family.config_from_hf(written) == config
+        assert zoo.hf.family_of(dataclasses.replace(config, family=None)).name == name
+        assert cls(**written).to_dict()["num_experts_per_tok"] == 2  # transformers reads what zoo writes
+    cls, values = CASES["mixtral"]
+    moe = zoo.hf.get_family("mixtral").config_from_hf(_config(cls, **values))
+    with pytest.raises(ValueError, match=r"num_experts=4 \(llama's feed-forward is dense; Mixtral and Qwen3-MoE"):
+        zoo.hf.get_family("llama").config_to_hf(moe)
+    dense = dataclasses.replace(moe, num_experts=None)
+    assert zoo.hf.family_of(dataclasses.replace(dense, family=None)).name == "llama"
+    with pytest.raises(ValueError, match="num_experts=None .*mixture of experts: set num_experts"):
+        zoo.hf.get_family("mixtral").config_to_hf(dense)
+
+
+def _moe_config(**overrides):
+    values = dict(
+        vocab_size=32, d_model=16, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=32, max_len=8,
+        positions="rope", activation="swiglu", norm="rmsnorm", tie_embeddings=False, use_bias=False,
+        num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24,
+    )  # fmt: skip
+    return TransformerConfig(**values | overrides)
+
+
+def test_sorted_dispatch_equals_dense_and_is_refused_under_a_mesh():
+    """`ragged_dot` over tokens sorted by expert computes what the dense all-experts
+    einsum does (the same products; the sums over experts in another order)."""
+    dense = Transformer(_moe_config(), key=jax.random.key(0))
+    grouped = Transformer(_moe_config(moe_dispatch="sorted"), key=jax.random.key(0))
+    batch = lm_batch(jax.random.key(1), 4, vocab=32)
+    a = forward(dense, batch["tokens"], batch["mask"])
+    b = forward(grouped, batch["tokens"], batch["mask"])
+    assert_rounding_close(a, b, terms=48, depth=2 * 6 + 1)
+    mesh = data_mesh(2)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="dispatch='sorted'.*Use dispatch='dense' under a mesh"):
+        sharded = zoo.shard(grouped, zoo.rules("dp"), mesh)
+        tokens = jax.device_put(batch["tokens"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        forward(sharded, tokens, None)
+    with pytest.raises(ValueError, match="moe_dispatch must be 'dense' or 'sorted'"):
+        _moe_config(moe_dispatch="ragged")
+    with pytest.raises(ValueError, match="SwiGLU experts: set activation='swiglu', got 'gelu'"):
+        _moe_config(activation="gelu")
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 routes each token to more experts than the 4"):
+        _moe_config(num_experts_per_tok=5)
+
+
+# Expert parallelism without a named preset yet: the dp layout with the experts split over `model`.
+LAYOUTS = {"dp": ("dp", {}), "tp": ("tp", {}), "experts-over-model": (None, {"expert": "model"})}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(layout):
+    """The MoE decoder under `dp` (data=2), `tp` (data=2 x model=2: the experts' width split
+    over `model`) and the dp layout with the experts split over `model` (expert
+    parallelism, `zoo.rules("dp", expert="model")`; the budget the step derives from that
+    layout), 2 microbatches: the compiled step's only reduction over `data` is one
+    all-reduce outside every loop, carrying every gradient and the loss sums (under `dp`
+    the only collective; otherwise the loop holds activation traffic over `model` only);
+    its SGD update equals the single-device one within rounding."""
+    preset, overrides = LAYOUTS[layout]
+    model = Transformer(_moe_config(), key=jax.random.key(0))
+    batch = lm_batch(jax.random.key(1), 8, vocab=32)
+    lr = 0.5
+    params, _ = eqx.partition(model, eqx.is_inexact_array)
+
+    def mean_loss(p):
+        total, count = zoo.models.next_token_loss(p, batch)
+        return total.sum() / count.sum()
+
+    loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
+    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    mesh = preset_mesh(preset or "tp", 2 if preset == "dp" else 4)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules(preset or "dp", **overrides), mesh)
+        if overrides:
+            assert jax.typeof(sharded.layers.layers.mlp.up.weight).sharding.spec[1] == "model"
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset)
+        opt_state = step.init(sharded)
+        compiled = step.compile(sharded, opt_state, batch)  # raises if over the preset's budget
+        new_model, _, got_loss = compiled(sharded, opt_state, batch)
+    colls = zoo.collectives(compiled)
+    on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if "data" in c.mesh_axes]
+    assert on_data == [("all-reduce", False, ("data",))], zoo.report(colls)
+    assert all(c.mesh_axes == ("model",) for c in colls if "data" not in c.mesh_axes), zoo.report(colls)
+    if preset == "dp":
+        assert len(colls) == 1, zoo.report(colls)
+        trainable = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+        assert colls[0].bytes - trainable in (4, 8), zoo.report(colls)
+    sums = {"terms": 8 * 8, "depth": 2 * (2 * 6 + 1)}
+    assert_rounding_close(got_loss, loss, **sums)
+    start = jax.tree.leaves(params)
+    step_size = max(largest(np.asarray(w, np.float64) - np.asarray(p)) for w, p in zip(jax.tree.leaves(want), start))
+    for g, w in zip(jax.tree.leaves(eqx.filter(new_model, eqx.is_array)), jax.tree.leaves(want), strict=True):
+        assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
+
+
+@pytest.mark.numerics
+def test_attention_lora_both_ways_with_peft_and_expert_targets_refused(hf_dirs, tokens, tmp_path):
+    """LoRA on a Mixtral's attention: zoo's adapter opened by peft, peft's loaded by zoo, the
+    same logits; merged and exported, transformers opens it. Naming the experts (which take
+    no LoRA yet) is refused, never silently left untrained."""
+    import peft
+
+    from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
+
+    base = zoo.hf.from_pretrained(hf_dirs["mixtral"])
+    mask = np.ones(tokens.shape, bool)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=attention, init_lora_weights=False)
+    adapted = add_lora(base, config, key=jax.random.key(1))
+    save_adapter(adapted, config, tmp_path / "z")
+    opened = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "z", experts_implementation="eager").eval()
+    _check(forward(adapted, tokens, mask), _hf_logits(opened, tokens, mask), mask, "mixtral attention LoRA zoo → peft")
+    hf = _open_hf(hf_dirs["mixtral"])
+    torch.manual_seed(3)
+    made = peft.get_peft_model(
+        hf, peft.LoraConfig(r=2, lora_alpha=8, target_modules=attention, init_lora_weights=False)
+    )
+    made.save_pretrained(tmp_path / "p")
+    loaded, _ = load_adapter(base, tmp_path / "p")
+    assert len(zoo.lora.modules(loaded, zoo.lora.LoraLinear)) == 4
+    want = _hf_logits(made.eval(), tokens, mask)
+    _check(forward(loaded, tokens, mask), want, mask, "mixtral attention LoRA peft → zoo")
+    zoo.hf.save_pretrained(zoo.lora.merge(loaded), tmp_path / "merged")
+    _check(_hf_logits(_open_hf(tmp_path / "merged"), tokens, mask).f64, want, mask, "mixtral merged export")
+    for targets in (["q_proj", "up"], ["w1"], ["down"]):
+        with pytest.raises(ValueError, match=r"stacked expert projections .*layers\.layers\.mlp\..*no LoRA on experts"):
+            add_lora(base, LoraConfig(r=2, target_modules=targets), key=jax.random.key(1))
+    assert "layers.layers.mlp.router" not in zoo.lora.modules(
+        add_lora(base, LoraConfig(r=2, target_modules="all-linear"), key=jax.random.key(1)), zoo.lora.LoraLinear
+    )
+
+
+def test_serving_engine_decodes_as_generate_with_and_without_an_attention_adapter():
+    """`zoo.serve.Engine` on a mixture of experts: a bare request and one with an attention
+    LoRA adapter decode the tokens `zoo.generate` does with the base and the adapted model."""
+    from zoo.serve import Engine, Request
+
+    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    config = zoo.lora.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapted = zoo.lora.add_lora(base, config, key=jax.random.key(2))
+    engine = Engine(base, slots=2, adapters={"a": adapted}, max_lora_rank=2)
+    prompt = [3, 5, 7, 9]
+    handles = {name: engine.submit(Request(prompt=prompt, max_tokens=5, adapter=name)) for name in (None, "a")}
+    engine.run_until_done()
+    for name, model in ((None, base), ("a", adapted)):
+        want = np.asarray(zoo.generate(model, np.array([prompt]), max_new_tokens=5))[0, len(prompt) :]
+        assert [t.id for t in handles[name].tokens] == want.tolist(), name
