@@ -126,7 +126,9 @@ def test_zoo_finetune_grpo_raises_the_reward_and_resumes_bit_identically(llama_d
     resumed from its middle checkpoint rolls out the same completions and ends with the
     same adapter, bit for bit (the rollouts are a function of the step and the policy)."""
     whole = tmp_path / "whole"
-    rc, _, err = _finetune(llama_dir, prompts, whole, "--steps", "10", "--checkpoint-every", "5")
+    rc, _, err = _finetune(
+        llama_dir, prompts, whole, "--steps", "10", "--checkpoint-every", "5", "--tensorboard", whole / "tb"
+    )
     assert rc == 0, err
     rows = read_jsonl(whole / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
@@ -138,6 +140,11 @@ def test_zoo_finetune_grpo_raises_the_reward_and_resumes_bit_identically(llama_d
     assert evals[-1]["eval_reward"] > evals[0]["eval_reward"] + 3
     for key in ("eval_entropy", "eval_clip_ratio/region_mean", "eval_sample"):
         assert key in evals[-1], sorted(evals[-1])
+    from test_train_api import _tensorboard_scalars
+
+    scalars = _tensorboard_scalars(whole / "tb")
+    assert scalars["reward"] == {r["step"]: pytest.approx(r["reward"]) for r in train}
+    assert {"rewards/target_words/mean", "eval_reward", "eval_rewards/target_words/mean"} <= set(scalars)
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["reward_rose"] and summary["seconds"]["rollouts"] > 0
     assert summary["collectives"]["gradient_reductions"] == 0  # one device

@@ -260,8 +260,10 @@ class TensorBoard(Hook):
     """TensorBoard event files in `logdir` (process 0 only), via tensorboardX
     (`pip install 'eqx-zoo[tensorboard]'`): the scalars `loss` and `lr` per step,
     `eval_loss`, `eval_accuracy`, `eval_perplexity`, `eval_macro_f1` per evaluation (those
-    it measures) and a classifier's `eval_precision/CLASS`, `eval_recall/CLASS`,
-    `eval_f1/CLASS`."""
+    it measures), a classifier's `eval_precision/CLASS`, `eval_recall/CLASS`,
+    `eval_f1/CLASS`, a preference task's TRL metrics, and a GRPO run's (`reward`,
+    `rewards/NAME/mean`, `completions/mean_length`, ... per step; `eval_` ones per
+    evaluation)."""
 
     def __init__(self, logdir: str | Path):
         try:
@@ -282,8 +284,13 @@ class TensorBoard(Hook):
     def on_record(self, row: dict[str, Any]) -> None:
         if self._writer is None:
             return
-        scalars = {"train": ("loss", "lr"), "eval": tuple(f"eval_{k}" for k in (*EVAL_KEYS[:-1], *PREFERENCE_KEYS))}
+        scalars = {
+            "train": ("loss", "lr", *GRPO_KEYS[:-1]),
+            "eval": tuple(f"eval_{k}" for k in (*EVAL_KEYS[:-1], *PREFERENCE_KEYS, *GRPO_KEYS[:-1])),
+        }
         values = {name: row.get(name) for name in scalars.get(row.get("kind"), ())}
+        prefix = "rewards/" if row.get("kind") == "train" else "eval_rewards/"  # GRPO: each reward function's
+        values |= {name: value for name, value in row.items() if name.startswith(prefix)}
         for label, scores in (row.get("eval_per_class") or {}).items():
             values |= {f"eval_{score}/{label}": scores[score] for score in ("precision", "recall", "f1")}
         for name, value in values.items():
