@@ -222,3 +222,25 @@ def test_grpo_without_lora_is_refused_with_the_command_that_has_it(llama_dir, pr
     )  # fmt: skip
     assert rc == 2 and "zoo finetune" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_a_rollout_reused_for_several_steps_resumes_in_the_middle_of_its_block(llama_dir, prompts, tmp_path):
+    """`--num-iterations 2` (TRL's μ): each rollout serves two optimizer steps, the second
+    clipped against the sampling policy's log-probabilities (the engine's); only the first
+    step of a block samples (its row has the rollout metrics). A checkpoint in the middle of
+    a block holds that rollout, so a run resumed there reuses it and ends with the
+    uninterrupted run's adapter, bit for bit."""
+    whole = tmp_path / "whole"
+    flags = ("--steps", "4", "--checkpoint-every", "3", "--num-iterations", "2", "--eval-every", "0")
+    rc, _, err = _finetune(llama_dir, prompts, whole, *flags)
+    assert rc == 0, err
+    train = [r for r in read_jsonl(whole / "metrics.jsonl") if r["kind"] == "train"]
+    assert ["reward" in r for r in train] == [True, False, True, False]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    rc, _, err = _finetune(llama_dir, prompts, resumed, *flags, "--resume-step", "3", "--overwrite")
+    assert rc == 0, err
+    again = [r for r in read_jsonl(resumed / "metrics.jsonl") if r["kind"] == "train" and r["step"] > 3]
+    assert [r["loss"] for r in again] == [r["loss"] for r in train[3:]]
+    name = "adapter_model.safetensors"
+    assert (resumed / "adapter" / name).read_bytes() == (whole / "adapter" / name).read_bytes()

@@ -240,7 +240,9 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
     # Keeping the best checkpoint, the run's Checkpoint hook rotates them itself (the best pinned).
     checkpointer = Checkpointer(plan.checkpoints, keep=None if c.keep_best else c.keep)
     params, frozen = built.step.partition(built.model)
-    like = {"params": params, "opt_state": built.opt_state, "key": built.key}
+    source = built.task.train_source
+    more = source.checkpoint_like(c.batch_size) if hasattr(source, "checkpoint_like") else {}
+    like = {"params": params, "opt_state": built.opt_state, "key": built.key, **more}
     try:
         (start, state, _), skipped = checkpointer.restore_intact(like, step=c.resume_step)
     except CheckpointError as e:
@@ -266,6 +268,8 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
     check_fingerprint(checkpointer.metadata(start), built.fingerprint, c.data.source, start)
     built.model = eqx.combine(state["params"], frozen)
     built.opt_state, built.key = state["opt_state"], state["key"]
+    if more:  # GRPO: the rollout the next steps of its block reuse
+        source.restore({k: state[k] for k in more})
     return start, checkpointer
 
 

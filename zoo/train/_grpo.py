@@ -207,6 +207,7 @@ class Rollouts(Hook):
         self.prompts, self.held_out, self.rewards = prompts, held_out, rewards
         self.settings, self.objective, self.seq_len = settings, objective, seq_len
         self.weights = settings.weights()
+        self.iterations = settings.num_iterations
         self.eos_ids, self.pad_id, self.decode, self.conversational = tuple(eos_ids), pad_id, decode, conversational
         self.slots = max(1, min(int(slots), MAX_SLOTS))
         self.engine: Any = None
@@ -216,6 +217,7 @@ class Rollouts(Hook):
         self.train_rollout_seconds = 0.0  # sampling the training batches (their rewards included)
         self._last: tuple[int, Any, dict] | None = None
         self._mesh: Any = None
+        self._served: Any = None  # the policy whose adapter the engine holds
         self._metrics_fn: Any = None
 
     def __len__(self) -> int:
@@ -224,16 +226,21 @@ class Rollouts(Hook):
     # -- the policy -----------------------------------------------------------------------
 
     def follow(self, model: Any) -> None:
-        """Sample from `model` (a LoRA model) from now on: its adapter written into the
-        engine's policy slot (the engine made on the first call, over its base)."""
-        if model is self.policy:
-            return
-        with self._device():
-            if self.engine is None:
+        """Sample from `model` (a LoRA model) from the next rollout on (the engine made on
+        the first call, over its base)."""
+        if self.engine is None:
+            with self._device():
                 self.engine = _engine(model, self._mesh.devices.flat[0], slots=self.slots, max_len=self.seq_len)
-            else:
-                self.engine.update_adapter(POLICY, model)
+            self._served = model
         self.policy = model
+
+    def _serve_policy(self) -> None:
+        """The policy's adapter written into the engine's slot, if it changed (not at every
+        step of a rollout reused `num_iterations` times)."""
+        if self._served is not self.policy:
+            with self._device():
+                self.engine.update_adapter(POLICY, self.policy)
+            self._served = self.policy
 
     def _device(self):
         """A context on the engine's one device: its programs run outside the run's mesh
@@ -264,25 +271,58 @@ class Rollouts(Hook):
         return np.random.default_rng([seed, epoch]).permutation(n)[index * prompts : (index + 1) * prompts]
 
     def batch_at(self, step: int, batch_size: int, *, seed: int = 0, mesh: Any = None, data_axes: Any = "data") -> dict:
-        """Step `step`'s batch, sampled from the current policy (made once per step and
-        policy: the compile's example batch is the first step's)."""
+        """Step `step`'s batch: the rollout of its block of `num_iterations` steps, sampled
+        from the policy the block starts from (made once per block; the compile's example
+        batch is the first step's), with the sampling policy's `old_logps` when a block
+        holds several steps."""
         if self.policy is None:
             raise RuntimeError("Rollouts.batch_at before follow(model): no policy to sample from")
-        if self._last is not None and self._last[0] == step and self._last[1] is self.policy:
+        block = (step - 1) // self.iterations + 1  # the rollout's number, from 1
+        if self._last is not None and self._last[0] == block and (self.iterations > 1 or self._last[1] is self.policy):
             return dict(self._last[2])
         g = self.settings.num_generations
         if batch_size % g:
             raise ConfigError(
                 f"RunConfig.batch_size {batch_size} counts completions: make it a multiple of --num-generations {g}"
             )
-        rows = self.rows_at(step, batch_size // g, seed=seed)
-        seeds = np.random.default_rng([seed, step, 1]).integers(2**62, size=batch_size)
+        rows = self.rows_at(block, batch_size // g, seed=seed)
+        seeds = np.random.default_rng([seed, block, 1]).integers(2**62, size=batch_size)
         t0 = time.perf_counter()
         batch, metrics, sample = self.rollout(self.prompts.take(rows), seeds)
         self.train_rollout_seconds += time.perf_counter() - t0
         self.metrics[step], self.samples[step] = metrics, sample
-        self._last = (step, self.policy, batch)
+        self._last = (block, self.policy, batch)
         return dict(batch)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the generator: the current block's rollout (its
+        later steps reuse it), or nothing with one step a rollout (the step and the
+        restored policy make it again)."""
+        if self.iterations == 1 or self._last is None:
+            return {}
+        return {
+            "rollout_block": np.asarray(self._last[0], np.int32),
+            **{f"rollout_{k}": v for k, v in self._last[2].items()},
+        }
+
+    def checkpoint_like(self, batch_size: int) -> dict[str, Any]:
+        """`checkpoint_state`'s shapes and dtypes (what a resume restores into)."""
+        if self.iterations == 1:
+            return {}
+        rows, cols = batch_size, self.seq_len
+        return {
+            "rollout_block": np.zeros((), np.int32),
+            "rollout_tokens": np.zeros((rows, cols), np.int32),
+            "rollout_completion": np.zeros((rows, cols), np.int32),
+            "rollout_advantages": np.zeros((rows,), np.float32),
+            "rollout_old_logps": np.zeros((rows, cols - 1), np.float32),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue the block a checkpoint stopped in (`checkpoint_state`, restored)."""
+        if self.iterations > 1 and state:
+            batch = {k.removeprefix("rollout_"): np.asarray(v) for k, v in state.items() if k != "rollout_block"}
+            self._last = (int(state["rollout_block"]), None, batch)
 
     def rollout(self, prompts: Prompts, seeds: np.ndarray) -> tuple[dict, dict, dict]:
         """Complete each of `prompts` `num_generations` times (request `i` seeded
@@ -291,6 +331,7 @@ class Rollouts(Hook):
         from ..serve import Request
 
         s, g = self.settings, self.settings.num_generations
+        self._serve_policy()
         handles = []
         for i, ids in enumerate(prompts.ids):
             room = min(s.max_completion_length, self.seq_len - len(ids))
@@ -312,8 +353,10 @@ class Rollouts(Hook):
         tokens = np.full((rows, self.seq_len), self.pad_id, np.int32)
         completion = np.zeros((rows, self.seq_len), np.int32)
         lengths, clipped, texts = np.zeros(rows, np.int64), np.zeros(rows, bool), []
+        old = np.zeros((rows, self.seq_len - 1), np.float32)  # position t: token t + 1's
         for r, handle in enumerate(handles):
             prompt, out = prompts.ids[r // g], handle.ids
+            old[r, len(prompt) - 1 : len(prompt) - 1 + len(out)] = [t.sampled_logprob for t in handle.tokens]
             tokens[r, : len(prompt)] = prompt
             tokens[r, len(prompt) : len(prompt) + len(out)] = out
             clipped[r] = handle.finish_reason != "stop"
@@ -330,6 +373,8 @@ class Rollouts(Hook):
             raise ConfigError(f"--reward: {e}") from None
         advantages, totals = group_advantages(table, g, weights=self.weights, scale_rewards=s.scale_rewards)
         batch = {"tokens": tokens, "completion": completion, "advantages": advantages}
+        if self.iterations > 1:  # the policy moves within the block: the ratio needs the sampler's
+            batch["old_logps"] = old
         return (
             batch,
             self._metrics(table, totals, lengths, clipped),

@@ -132,6 +132,7 @@ class Checkpoint(Hook):
     - `notes`: `() -> dict`, more JSON metadata read at each save (`KeepBest`'s record).
     - `pinned`: `() -> set of steps` kept beyond the newest `keep` (the best checkpoint):
       the hook then deletes the others itself, after each save and when it closes.
+    - `more`: `() -> dict`, more state read at each save (a GRPO run's current rollout).
     """
 
     def __init__(
@@ -147,9 +148,10 @@ class Checkpoint(Hook):
         last_saved: int | None = None,
         notes: Callable[[], dict[str, Any]] | None = None,
         pinned: Callable[[], set[int]] | None = None,
+        more: Callable[[], dict[str, Any]] | None = None,
     ):
         self.directory, self.every, self.keep, self.at_end = Path(directory), every, keep, at_end
-        self.extra, self.metadata = dict(extra or {}), dict(metadata or {})
+        self.extra, self.metadata, self.more = dict(extra or {}), dict(metadata or {}), more
         self.checkpointer, self.last_saved = checkpointer, last_saved
         self.notes, self.pinned = notes, pinned
 
@@ -163,7 +165,9 @@ class Checkpoint(Hook):
         params = state.trainer.step.partition(state.model)[0]
         metadata = {"step": state.step, **self.metadata, **(self.notes() if self.notes else {})}
         self.checkpointer.save(
-            state.step, {"params": params, "opt_state": state.opt_state, **self.extra}, metadata=metadata
+            state.step,
+            {"params": params, "opt_state": state.opt_state, **self.extra, **(self.more() if self.more else {})},
+            metadata=metadata,
         )
         self.last_saved = state.step
         self._rotate(self.checkpointer)

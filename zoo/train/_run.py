@@ -199,6 +199,7 @@ def _hooks(
         keep=c.keep,
         at_end=checkpointed,
         extra={"key": built.key},
+        more=getattr(task.train_source, "checkpoint_state", None),  # GRPO: the rollout its next steps reuse
         metadata={"model": c.model, **built.fingerprint},
         checkpointer=checkpointer,
         last_saved=record.start or None,

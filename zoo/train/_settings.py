@@ -157,6 +157,8 @@ class GRPOConfig:
     - `epsilon`, `epsilon_high`: the ratio's clip range `[1 - epsilon, 1 + epsilon_high]`.
     - `scale_rewards`: `group`, `batch` or `none` (Dr. GRPO): the advantages' divisor.
     - `importance_sampling_level`: `token`, or `sequence` (GSPO).
+    - `num_iterations`: optimizer steps per rollout (μ); the later ones reuse it, their
+      ratios against the sampling policy's log-probabilities (the engine's).
     - `mask_truncated_completions`: completions cut by `max_completion_length` (no end of
       sequence) count for nothing in the loss (DAPO).
     """
@@ -198,6 +200,12 @@ class GRPOConfig:
         choices=("token", "sequence"),
         help="grpo: an importance ratio per token, or per sequence (GSPO) (default token)",
     )
+    num_iterations: int = _grpo_flag(
+        1,
+        metavar="MU",
+        help="grpo: optimizer steps per rollout (TRL's num_iterations): the later ones reuse it, clipped against "
+        "the sampling policy's log-probabilities (default 1)",
+    )
     mask_truncated_completions: bool = _grpo_flag(
         False,
         help="grpo: completions cut at --max-completion-length count for nothing in the loss (default no)",
@@ -226,6 +234,8 @@ class GRPOConfig:
             raise bad("temperature", "a number > 0 (rollouts sample; the loss divides the logits by it)")
         if not number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
+        if isinstance(self.num_iterations, bool) or not isinstance(self.num_iterations, int) or self.num_iterations < 1:
+            raise bad("num_iterations", "an integer >= 1")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "an integer >= 0 (0: off)")
         if not number(self.epsilon) or self.epsilon < 0:
