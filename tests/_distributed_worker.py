@@ -44,6 +44,22 @@ def lm_batch(step: int) -> dict:
     return {"tokens": np.where(mask, tokens, 0).astype(np.int32), "mask": mask}
 
 
+def grpo_batch(step: int) -> dict:
+    """A GRPO batch of the step (`zoo.models.GRPOLoss`'s layout): the LM batch's rows as
+    prompt (3 tokens) then completion of unequal lengths, advantages of groups of 4, old
+    log-probabilities off the policy's so some ratios are clipped."""
+    batch = lm_batch(step)
+    rng = np.random.default_rng([8, step])
+    completion = batch["mask"] & (np.arange(SEQ)[None, :] >= 3)
+    advantages = rng.normal(size=(BATCH // 4, 4)).astype(np.float32)
+    return {
+        "tokens": batch["tokens"],
+        "completion": completion.astype(np.int32),
+        "advantages": (advantages - advantages.mean(axis=1, keepdims=True)).reshape(-1),
+        "old_logps": rng.uniform(-3.8, -3.1, (BATCH, SEQ - 1)).astype(np.float32),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -51,6 +67,7 @@ def main() -> None:
     p.add_argument("--coordinator")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--objective", choices=("sft", "grpo"), default="sft")
     args = p.parse_args()
 
     import zoo
@@ -59,11 +76,13 @@ def main() -> None:
         zoo.distributed_init(args.coordinator, args.num_processes, args.process_id, local_device_count=args.devices)
     else:
         jax.config.update("jax_num_cpu_devices", args.devices)
-    train(args.out, jax.make_mesh((len(jax.devices()),), ("data",)))
+    train(args.out, jax.make_mesh((len(jax.devices()),), ("data",)), objective=args.objective)
 
 
-def train(out: str, mesh) -> None:
-    """Train on `mesh` (its devices: every process's, or some of this one's) and write OUT.npz."""
+def train(out: str, mesh, objective: str = "sft") -> None:
+    """Train on `mesh` (its devices: every process's, or some of this one's) and write
+    OUT.npz; `objective` sft (next-token loss) or grpo (`GRPOLoss("dapo")`: a token mean
+    over the global batch, clipped ratios)."""
     import equinox as eqx
     import optax
 
@@ -77,7 +96,9 @@ def train(out: str, mesh) -> None:
     # Linear in the gradients (not adamw, whose m/(sqrt(v)+eps) amplifies a rounding
     # difference in a near-zero gradient to order lr): the parameters can be held to a
     # derived bound (tests/test_distributed.py).
-    step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(LR, momentum=MOMENTUM), microbatches=MICROBATCHES)
+    loss = zoo.models.next_token_loss if objective == "sft" else zoo.models.GRPOLoss("dapo", max_completion_length=SEQ)
+    batches = lm_batch if objective == "sft" else grpo_batch
+    step = zoo.TrainStep(loss, optax.sgd(LR, momentum=MOMENTUM), microbatches=MICROBATCHES)
     with jax.set_mesh(mesh):
         # Every process initialises the same model from the same key (one program, so the
         # same bits), then places it: replicated under the dp rules.
@@ -87,7 +108,7 @@ def train(out: str, mesh) -> None:
         rows = zoo.local_rows(BATCH)
 
         def batch_of(i):
-            return zoo.global_batch({k: v[rows] for k, v in lm_batch(i).items()})
+            return zoo.global_batch({k: v[rows] for k, v in batches(i).items()})
 
         compiled = step.compile(model, opt_state, batch_of(1))
         colls = zoo.collectives(compiled, mesh=mesh)

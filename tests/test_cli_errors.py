@@ -314,7 +314,7 @@ def test_every_run_flag_is_a_config_field_and_every_field_a_flag(command):
     """The flags of train/finetune/demo are the flat `RunConfig` fields
     (`RunConfig.flat_keys()`: DataConfig's and OptimizerConfig's inside), generated from
     their `zoo.train.Flag`s, plus only the documented launch flags (`CLI_ONLY`) and
-    `zoo`'s own; `--lora` and `--quantize` are finetune's and demo's."""
+    `zoo`'s own; `--lora` and `--quantize` are finetune's and demo's, GRPO's finetune's."""
     from zoo._cli._main import build_parsers
     from zoo._cli._train import CLI_ONLY
     from zoo.train import RunConfig
@@ -322,11 +322,15 @@ def test_every_run_flag_is_a_config_field_and_every_field_a_flag(command):
     parser = build_parsers()[1][command]
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     zoo_own = {"no_compile_cache", "keep_memory"}
+    finetune_only = {f.name for f in RunConfig.flags() if f.commands == ("finetune",)}  # GRPO's (GRPOConfig)
     fields = set(RunConfig.flat_keys()) - ({"lora", "quantize"} if command == "train" else set())
+    fields -= finetune_only if command != "finetune" else set()
     assert dests - set(CLI_ONLY) - zoo_own == fields
     assert set(CLI_ONLY) <= dests and not set(CLI_ONLY) & set(RunConfig.flat_keys())
     # Each field's flag is spelled from its flat key and carries its field's help.
     options = {s for a in parser._actions for s in a.option_strings}
     for flag in RunConfig.flags():
         assert flag.positional or command not in flag.commands or flag.option in options, flag
-        assert flag.field.split(".")[0] in ("RunConfig", "DataConfig", "OptimizerConfig") and flag.help, flag
+        assert flag.field.split(".")[0] in ("RunConfig", "DataConfig", "OptimizerConfig", "GRPOConfig") and flag.help, (
+            flag
+        )

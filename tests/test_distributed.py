@@ -137,12 +137,14 @@ def test_global_batch_and_init_errors_name_the_fix():
 
 
 @pytest.mark.timeout(ATTEMPTS * TIMEOUT + 60)  # each launch has its own deadline
-def test_two_processes_train_like_one(tmp_path):
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_two_processes_train_like_one(tmp_path, objective):
     """The tiny decoder (dp rules, 2 microbatches, SGD + momentum, 4 steps): the same first
     loss and gradients (up to rounding), final parameters within the derived bound, one
     all-reduce outside the loop in every process's step. The reference (1 process x 4
     devices) is this process on 4 of its devices: the processes are the 2 x 2 run's
-    subject, not the reference's."""
+    subject, not the reference's. GRPO's dapo loss too: a token mean over the global
+    batch, which per-process or per-microbatch counts would change (issue 47)."""
     import _distributed_worker as worker
 
     py = sys.executable
@@ -150,12 +152,12 @@ def test_two_processes_train_like_one(tmp_path):
     def commands(port):
         return [
             [py, str(WORKER), str(tmp_path / f"p{i}.npz"), "--devices", "2", "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(i)]
+             "--num-processes", "2", "--process-id", str(i), "--objective", objective]
             for i in range(2)
         ]  # fmt: skip
 
     _check_ok(_launch(commands, tmp_path / "logs"))
-    worker.train(str(tmp_path / "ref.npz"), data_mesh(4))
+    worker.train(str(tmp_path / "ref.npz"), data_mesh(4), objective=objective)
     ref, *procs = (np.load(tmp_path / f"{name}.npz") for name in ("ref", "p0", "p1"))
     assert int(ref["processes"]) == 1 and int(ref["devices"]) == 4
     params = [k for k in ref.files if k.startswith("param")]
