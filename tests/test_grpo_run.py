@@ -244,3 +244,18 @@ def test_a_rollout_reused_for_several_steps_resumes_in_the_middle_of_its_block(l
     assert [r["loss"] for r in again] == [r["loss"] for r in train[3:]]
     name = "adapter_model.safetensors"
     assert (resumed / "adapter" / name).read_bytes() == (whole / "adapter" / name).read_bytes()
+
+
+def test_reward_flags_repeat_into_one_list():
+    """`--reward` and `--reward-weights` may be repeated (TRL's several reward functions),
+    each use adding to the comma-separated list the config holds."""
+    from zoo._cli._main import build_parsers
+    from zoo._cli._train import config_of_flags
+
+    parser = build_parsers()[1]["finetune"]
+    args = parser.parse_args(
+        ["transformer", "--objective", "grpo", "--reward", "a.py:f", "--reward", "b.py:g,c.py:h"]
+        + ["--reward-weights", "1", "--reward-weights", "0.5,2"]
+    )
+    config, _ = config_of_flags(args, "finetune")
+    assert config.grpo.rewards() == ["a.py:f", "b.py:g", "c.py:h"] and config.grpo.weights() == [1.0, 0.5, 2.0]

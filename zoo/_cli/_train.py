@@ -187,6 +187,14 @@ def cmd_demo(args) -> int:
 # --- flags ---------------------------------------------------------------------------------------
 
 
+class _Joined(argparse.Action):
+    """A repeatable flag: each use adds to its comma-separated list (`--reward a.py:f --reward b.py:g`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
+
+
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The flags of train / finetune / demo: one per config field (`RunConfig.flags()`),
     then `CLI_ONLY`'s."""
@@ -197,6 +205,8 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
             p.add_argument(str(f.name), nargs="?", help=text)
         elif f.kind is bool:
             groups[f.group].add_argument(f.option, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif f.repeat:
+            groups[f.group].add_argument(f.option, action=_Joined, metavar=f.metavar, help=text)
         else:
             kind = None if f.kind is str else f.kind
             groups[f.group].add_argument(f.option, type=kind, metavar=f.metavar, choices=f.choices, help=text)

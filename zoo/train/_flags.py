@@ -40,6 +40,7 @@ class Flag:
     - `resume`: how `--resume` treats it (`RESUME_KINDS`).
     - `commands`: the commands that take it.
     - `positional`: the command's positional argument (the model) instead of `--name`.
+    - `repeat`: the flag may be given several times, each adding to its comma-separated list.
     - `field`: the owning field, `"RunConfig.steps"`; `kind`: `int`, `float`, `bool` or
       `str` (text forms: `--mesh`, `--lora`, `--model-config`), from the field's type.
       Both set by `RunConfig.flags()`.
@@ -53,6 +54,7 @@ class Flag:
     resume: str = "fixed"
     commands: tuple[str, ...] = COMMANDS
     positional: bool = False
+    repeat: bool = False
     field: str = ""
     kind: type = str
 

@@ -166,11 +166,15 @@ class GRPOConfig:
     reward: str | None = _grpo_flag(
         None,
         metavar="FILE.py:NAME,...",
-        help="grpo: the reward functions, FILE.py:NAME each (comma-separated), called as TRL calls them: "
+        repeat=True,
+        help="grpo: the reward functions, FILE.py:NAME each (comma-separated or repeated), called as TRL calls them: "
         "NAME(prompts=..., completions=..., **columns) -> one float (or None) per completion",
     )
     reward_weights: str | None = _grpo_flag(
-        None, metavar="W,...", help="grpo: one weight per --reward function, comma-separated (default 1 each)"
+        None,
+        metavar="W,...",
+        repeat=True,
+        help="grpo: one weight per --reward function, comma-separated or repeated (default 1 each)",
     )
     num_generations: int = _grpo_flag(
         8,
