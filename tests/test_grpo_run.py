@@ -259,3 +259,23 @@ def test_reward_flags_repeat_into_one_list():
     )
     config, _ = config_of_flags(args, "finetune")
     assert config.grpo.rewards() == ["a.py:f", "b.py:g", "c.py:h"] and config.grpo.weights() == [1.0, 0.5, 2.0]
+
+
+def test_a_grpo_runs_step_on_two_devices_holds_one_all_reduce_within_its_budget(llama_dir, prompts):
+    """`zoo.train.inspect` of a GRPO run (nothing sampled: a batch of its shapes) on 2
+    devices and 2 microbatches: one gradient all-reduce over data, outside every loop, and
+    the dp preset's budget holds."""
+    from zoo.train import DataConfig, GRPOConfig, RunConfig
+
+    data, rewards = prompts
+    config = RunConfig(
+        model="transformer", init=str(llama_dir), objective="grpo", devices=2, microbatches=2, batch_size=16,
+        data=DataConfig(source=str(data), seq_len=16), lora=zoo.lora.LoraConfig(r=8, lora_alpha=16),
+        grpo=GRPOConfig(reward=f"{rewards}:target_words", num_generations=4, max_completion_length=8),
+    )  # fmt: skip
+    inspection = zoo.train.inspect(config, command="finetune")
+    assert sorted(inspection.batch) == ["advantages", "completion", "tokens"]
+    reductions = [c for c in inspection.collectives if c.kind in ("all-reduce", "reduce-scatter")]
+    assert [(c.in_loop, c.mesh_axes) for c in reductions] == [(False, ("data",))], zoo.report(inspection.collectives)
+    budget, sizes = inspection.budget()
+    assert not budget.breaches(inspection.collectives, sizes)

@@ -275,8 +275,8 @@ class Rollouts(Hook):
         from the policy the block starts from (made once per block; the compile's example
         batch is the first step's), with the sampling policy's `old_logps` when a block
         holds several steps."""
-        if self.policy is None:
-            raise RuntimeError("Rollouts.batch_at before follow(model): no policy to sample from")
+        if self.policy is None:  # nothing to sample from (`zoo inspect`): a batch of the shapes
+            return self.example_batch(batch_size, seed=seed)
         block = (step - 1) // self.iterations + 1  # the rollout's number, from 1
         if self._last is not None and self._last[0] == block and (self.iterations > 1 or self._last[1] is self.policy):
             return dict(self._last[2])
@@ -293,6 +293,19 @@ class Rollouts(Hook):
         self.metrics[step], self.samples[step] = metrics, sample
         self._last = (block, self.policy, batch)
         return dict(batch)
+
+    def example_batch(self, batch_size: int, *, seed: int = 0) -> dict[str, np.ndarray]:
+        """A batch of a step's shapes and dtypes, not sampled (what `zoo inspect` compiles):
+        padding tokens, each row's completion after its first token, random advantages."""
+        rng = np.random.default_rng([seed, 0, 3])
+        batch = {
+            "tokens": np.full((batch_size, self.seq_len), self.pad_id, np.int32),
+            "completion": np.pad(np.ones((batch_size, self.seq_len - 1), np.int32), ((0, 0), (1, 0))),
+            "advantages": rng.normal(size=batch_size).astype(np.float32),
+        }
+        if self.iterations > 1:
+            batch["old_logps"] = np.zeros((batch_size, self.seq_len - 1), np.float32)
+        return batch
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the generator: the current block's rollout (its
