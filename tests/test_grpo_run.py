@@ -136,6 +136,9 @@ def test_zoo_finetune_grpo_raises_the_reward_and_resumes_bit_identically(llama_d
     assert rewards[0] < 2 and np.mean(rewards[-3:]) > 6, rewards
     for key in ("reward_std", "rewards/target_words/mean", "completions/mean_length", "completions/clipped_ratio"):
         assert key in train[0], sorted(train[0])
+    for key in ("entropy", "clip_ratio/region_mean"):  # the objective's, under the policy each step updates
+        assert key in train[0], sorted(train[0])
+    assert train[-1]["entropy"] < train[0]["entropy"]  # sharpened onto the rewarded word
     evals = [r for r in rows if r["kind"] == "eval"]
     assert evals[-1]["eval_reward"] > evals[0]["eval_reward"] + 3
     for key in ("eval_entropy", "eval_clip_ratio/region_mean", "eval_sample"):
@@ -236,6 +239,7 @@ def test_a_rollout_reused_for_several_steps_resumes_in_the_middle_of_its_block(l
     assert rc == 0, err
     train = [r for r in read_jsonl(whole / "metrics.jsonl") if r["kind"] == "train"]
     assert ["reward" in r for r in train] == [True, False, True, False]
+    assert all("clip_ratio/region_mean" in r for r in train)
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     rc, _, err = _finetune(llama_dir, prompts, resumed, *flags, "--resume-step", "3", "--overwrite")

@@ -279,6 +279,8 @@ class Rollouts(Hook):
             return self.example_batch(batch_size, seed=seed)
         block = (step - 1) // self.iterations + 1  # the rollout's number, from 1
         if self._last is not None and self._last[0] == block and (self.iterations > 1 or self._last[1] is self.policy):
+            if step not in self.metrics:  # a later step of the block: the policy it updates, on the rollout
+                self.metrics[step] = self._loss_metrics(self._last[2])
             return dict(self._last[2])
         g = self.settings.num_generations
         if batch_size % g:
@@ -290,9 +292,21 @@ class Rollouts(Hook):
         t0 = time.perf_counter()
         batch, metrics, sample = self.rollout(self.prompts.take(rows), seeds)
         self.train_rollout_seconds += time.perf_counter() - t0
-        self.metrics[step], self.samples[step] = metrics, sample
+        self.metrics[step], self.samples[step] = metrics | self._loss_metrics(batch), sample
         self._last = (block, self.policy, batch)
         return dict(batch)
+
+    def _loss_metrics(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """TRL's per-step metrics of the objective on `batch` under the policy the step
+        updates (`entropy`, `clip_ratio/*`, `kl` with a reference): one more forward pass."""
+        return {k: v for k, v in self._objective_metrics(self.policy, batch).items() if k != "loss"}
+
+    def _objective_metrics(self, model: Any, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        import equinox as eqx
+
+        if self._metrics_fn is None:
+            self._metrics_fn = eqx.filter_jit(self.objective.metrics)
+        return {k: float(v) for k, v in self._metrics_fn(model, batch).items()}
 
     def example_batch(self, batch_size: int, *, seed: int = 0) -> dict[str, np.ndarray]:
         """A batch of a step's shapes and dtypes, not sampled (what `zoo inspect` compiles):
@@ -429,17 +443,18 @@ class Rollouts(Hook):
         `num_generations` times (the same seeds at every evaluation), the loss and TRL's
         metrics of the objective on them (`loss`, `entropy`, `clip_ratio/*`, `kl` with a
         reference) with the rollout metrics, and one `sample` (prompt, completion, reward)."""
-        import equinox as eqx
-
         self.follow(model)
         seeds = np.random.default_rng([0, 0, 2]).integers(
             2**62, size=len(self.held_out) * self.settings.num_generations
         )
         batch, metrics, sample = self.rollout(self.held_out, seeds)
-        if self._metrics_fn is None:
-            self._metrics_fn = eqx.filter_jit(self.objective.metrics)
-        scores = {k: float(v) for k, v in self._metrics_fn(model, batch).items()}
-        return {**scores, "accuracy": None, "examples": len(batch["tokens"]), **metrics, "sample": sample}
+        return {
+            **self._objective_metrics(model, batch),
+            "accuracy": None,
+            "examples": len(batch["tokens"]),
+            **metrics,
+            "sample": sample,
+        }
 
 
 def _engine(model: Any, device: Any, *, slots: int, max_len: int):
