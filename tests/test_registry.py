@@ -119,6 +119,7 @@ def test_build_task_checks_the_settings_against_the_spec():
 
 def test_cli_help_and_choices_come_from_the_registry():
     import zoo
+    from zoo.train._flags import fields_flags
     from zoo._cli._inspect import model_help as inspect_help
 
     texts = {c: zoo.train.RunConfig.help_texts(c) for c in ("train", "finetune", "demo")}
@@ -134,7 +135,7 @@ def test_cli_help_and_choices_come_from_the_registry():
         assert flags and all(not re.search(r"\{\w+\}", f.help) and command in f.commands for f in flags), command
     assert {str(f.name) for f in zoo.train.RunConfig.flags("finetune")} - {
         str(f.name) for f in zoo.train.RunConfig.flags("train")
-    } == {"lora", "quantize"}
+    } == {"lora", "quantize"} | {name for name, _ in fields_flags(zoo.train.GRPOConfig)}  # GRPO trains adapters
 
 
 # --- a model a user registers ---------------------------------------------------------------------

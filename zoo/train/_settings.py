@@ -323,7 +323,7 @@ class RunSettings:
         help="what a decoder minimises: sft (next-token loss), dpo (a reference: the base with the LoRA adapters off, "
         "or log-probabilities computed once before training without LoRA) or orpo (no reference); dpo/orpo train "
         "on {{prompt, chosen, rejected}} pairs; grpo (finetune: online RL) samples --num-generations completions "
-        "of each {{prompt}} and rewards them with --reward (default sft)",
+        "of each prompt (a .jsonl of prompt lines) and rewards them with --reward (default sft)",
     )
     beta: float | int | None = flag(
         None,
