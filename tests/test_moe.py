@@ -287,3 +287,96 @@ def test_serving_engine_decodes_as_generate_with_and_without_an_attention_adapte
     for name, model in ((None, base), ("a", adapted)):
         want = np.asarray(zoo.generate(model, np.array([prompt]), max_new_tokens=5))[0, len(prompt) :]
         assert [t.id for t in handles[name].tokens] == want.tolist(), name
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_loss_adds_the_router_loss_as_transformers(name, hf_dirs, tokens, tmp_path):
+    """With `output_router_logits` (read from config.json, written back), `next_token_loss`
+    is transformers' `outputs.loss` with labels: the mean next-token cross-entropy plus
+    `router_aux_loss_coef` times `aux_loss` (one microbatch, one device: one group of
+    rows); without it, the cross-entropy alone, as transformers' default."""
+    on = {"output_router_logits": True, "router_aux_loss_coef": 0.3}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dirs[name], attn_implementation="eager", experts_implementation="eager", **on
+    ).eval()
+    mask = _masks()["right"]
+    t = np.where(mask, tokens, 0).astype(np.int32)
+    batch = {"tokens": jnp.asarray(t), "mask": jnp.asarray(mask)}
+    with torch.no_grad():
+        out = hf(_torch(t), attention_mask=_torch(mask), labels=_torch(np.where(mask, t, -100)))
+    assert out.aux_loss.item() > 1.0  # the term is not negligible: 0.3 x aux_loss
+    hf.save_pretrained(tmp_path)
+    model = zoo.hf.from_pretrained(tmp_path)
+    assert (model.config.output_router_logits, model.config.router_aux_loss_coef) == (True, 0.3)
+    assert zoo.hf.get_family(name).config_to_hf(model.config)["output_router_logits"] is True
+    loss = eqx.filter_jit(lambda m, b: [x.sum() for x in zoo.models.next_token_loss(m, b)])
+    total, count = loss(model, batch)
+    sums = {"terms": 3 * SEQ * VOCAB, "depth": 2 * 6 + 2}
+    assert_rounding_close(total / count, out.loss.item(), **sums, what=f"{name} loss + coef * aux_loss")
+    # The default (output_router_logits false): the cross-entropy alone, transformers' loss then.
+    off = zoo.hf.from_pretrained(hf_dirs[name])
+    assert not off.config.output_router_logits
+    with torch.no_grad():
+        plain = hf(_torch(t), attention_mask=_torch(mask), labels=_torch(np.where(mask, t, -100)),
+                   output_router_logits=False).loss.item()  # fmt: skip
+    total, count = loss(off, batch)
+    assert_rounding_close(total / count, plain, **sums, what=f"{name} loss without the router's")
+
+
+def _groups_reference(model, batch, devices, microbatches):
+    """The step's loss with the router's term, on one device, from `load_balancing_loss`
+    of each group of rows one device holds in one microbatch (the step's row order:
+    device d's rows are the d-th block of the batch, microbatch m the m-th block of
+    those), each weighted by its target count."""
+    tokens, mask = batch["tokens"], batch["mask"]
+    logits, choice = model.with_router(tokens, mask=mask)
+    nll = zoo.models.cross_entropy(logits[:, :-1], tokens[:, 1:])
+    counts = mask[:, 1:].astype(jnp.float32)
+    total = jnp.sum(nll * counts)
+    rows = tokens.shape[0] // (devices * microbatches)
+    for d in range(devices):
+        for m in range(microbatches):
+            start = (d * microbatches + m) * rows
+            group = slice(start, start + rows)
+            aux = zoo.nn.load_balancing_loss(choice.probs[:, group], choice.chosen[:, group], mask[group])
+            total = total + model.config.router_aux_loss_coef * aux * jnp.sum(counts[group])
+    return total / jnp.sum(counts)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(devices):
+    """The router's term in the step under `dp` with 2 microbatches: each device's rows of
+    each microbatch are one group (transformers' per-forward, per-device loss), so the
+    compiled step's only collective is still the one all-reduce over `data` outside every
+    loop (no statistics summed across devices in the loop), and its loss and SGD update
+    equal those of that loss computed group by group on one device. One device: two
+    groups (the microbatches)."""
+    # A weight far above transformers' 0.001, so that another grouping of the rows (the
+    # whole microbatch, or the whole batch) moves the loss well past the rounding bound.
+    config = _moe_config(output_router_logits=True, router_aux_loss_coef=5.0)
+    model = Transformer(config, key=jax.random.key(0))
+    batch = lm_batch(jax.random.key(1), 8, vocab=32)
+    lr = 0.5
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    ref = eqx.filter_jit(jax.value_and_grad(lambda p: _groups_reference(eqx.combine(p, static), batch, devices, 2)))
+    loss, grads = ref(params)
+    plain, _ = eqx.filter_jit(lambda m: [x.sum() for x in zoo.models.next_token_loss(m, batch)])(
+        Transformer(_moe_config(), key=jax.random.key(0))  # the same weights, the term off
+    )
+    assert abs(float(loss) - float(plain) / float(batch["mask"][:, 1:].sum())) > 0.1  # the term is there
+    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    mesh = data_mesh(devices)
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset="dp")
+        opt_state = step.init(sharded)
+        compiled = step.compile(sharded, opt_state, batch)
+        new_model, _, got_loss = compiled(sharded, opt_state, batch)
+    colls = zoo.collectives(compiled)
+    assert [(c.kind, c.in_loop, c.mesh_axes) for c in colls] == [("all-reduce", False, ("data",))] * (devices > 1)
+    sums = {"terms": 8 * 8, "depth": 2 * (2 * 6 + 1) + 4}
+    assert_rounding_close(got_loss, loss, **sums)
+    start = jax.tree.leaves(params)
+    step_size = max(largest(np.asarray(w, np.float64) - np.asarray(p)) for w, p in zip(jax.tree.leaves(want), start))
+    for g, w in zip(jax.tree.leaves(eqx.filter(new_model, eqx.is_array)), jax.tree.leaves(want), strict=True):
+        assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
