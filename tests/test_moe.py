@@ -14,7 +14,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import assert_rounding_close, data_mesh, largest, lm_batch, preset_mesh
+from helpers import assert_rounding_close, data_mesh, largest, lm_batch
 from test_families import SEQ, SMALL, VOCAB, _check, _hf_logits, _masks, _torch, forward
 from test_generate import _hf_greedy
 
@@ -185,20 +185,23 @@ def test_sorted_dispatch_equals_dense_and_is_refused_under_a_mesh():
         _moe_config(num_experts_per_tok=5)
 
 
-# Expert parallelism without a named preset yet: the dp layout with the experts split over `model`.
-LAYOUTS = {"dp": ("dp", {}), "tp": ("tp", {}), "experts-over-model": (None, {"expert": "model"})}
+# (preset, mesh): dp on 2 devices, tp on data 2 x model 2, ep on 2 devices all on `model`
+# (the experts split in two, the batch whole on each; ep on data 2 x model 2 is
+# tests/test_presets.py's decoder+moe-ep).
+LAYOUTS = {"dp": ("dp", (2, 1)), "tp": ("tp", (2, 2)), "ep": ("ep", (1, 2))}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(layout):
     """The MoE decoder under `dp` (data=2), `tp` (data=2 x model=2: the experts' width split
-    over `model`) and the dp layout with the experts split over `model` (expert
-    parallelism, `zoo.rules("dp", expert="model")`; the budget the step derives from that
-    layout), 2 microbatches: the compiled step's only reduction over `data` is one
-    all-reduce outside every loop, carrying every gradient and the loss sums (under `dp`
-    the only collective; otherwise the loop holds activation traffic over `model` only);
-    its SGD update equals the single-device one within rounding."""
-    preset, overrides = LAYOUTS[layout]
+    over `model`) and `ep` (data=1 x model=2: the stacked experts split over `model`,
+    expert parallelism), 2 microbatches, checked against the preset's budget on its mesh:
+    the compiled step's only reduction over `data` is one all-reduce outside every loop,
+    carrying every gradient and the loss sums (none with one data device; under `dp` the
+    only collective; otherwise the loop holds activation traffic over `model` only, and
+    under `ep` nothing reduces a gradient over `model`); its SGD update equals the
+    single-device one within rounding."""
+    preset, (data, width) = LAYOUTS[layout]
     model = Transformer(_moe_config(), key=jax.random.key(0))
     batch = lm_batch(jax.random.key(1), 8, vocab=32)
     lr = 0.5
@@ -210,19 +213,22 @@ def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(la
 
     loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
     want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-    mesh = preset_mesh(preset or "tp", 2 if preset == "dp" else 4)
+    mesh = jax.make_mesh((data, width), ("data", "model"), devices=jax.devices()[: data * width])
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules(preset or "dp", **overrides), mesh)
-        if overrides:
+        sharded = zoo.shard(model, zoo.rules(preset), mesh)
+        if preset == "ep":
             assert jax.typeof(sharded.layers.layers.mlp.up.weight).sharding.spec[1] == "model"
         step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset)
         opt_state = step.init(sharded)
         compiled = step.compile(sharded, opt_state, batch)  # raises if over the preset's budget
         new_model, _, got_loss = compiled(sharded, opt_state, batch)
+    assert step.budget_verdict.startswith(f"within the {preset} budget"), step.budget_verdict
     colls = zoo.collectives(compiled)
     on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if "data" in c.mesh_axes]
-    assert on_data == [("all-reduce", False, ("data",))], zoo.report(colls)
+    assert on_data == [("all-reduce", False, ("data",))] * (data > 1), zoo.report(colls)
     assert all(c.mesh_axes == ("model",) for c in colls if "data" not in c.mesh_axes), zoo.report(colls)
+    if preset == "ep":
+        assert colls and all(c.in_loop for c in colls), zoo.report(colls)
     if preset == "dp":
         assert len(colls) == 1, zoo.report(colls)
         trainable = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
@@ -380,3 +386,16 @@ def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(de
     step_size = max(largest(np.asarray(w, np.float64) - np.asarray(p)) for w, p in zip(jax.tree.leaves(want), start))
     for g, w in zip(jax.tree.leaves(eqx.filter(new_model, eqx.is_array)), jax.tree.leaves(want), strict=True):
         assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
+
+
+def test_zoo_train_refuses_ep_for_a_model_without_experts(tmp_path):
+    """`--rules ep` splits a mixture of experts' experts over `model`; a dense model has
+    none, so its `model` devices would repeat the same work: refused in one line (exit 2),
+    before any step compiles."""
+    from helpers import zoo_main
+
+    flags = ["--rules", "ep", "--devices", "4", "--mesh", "data=2,model=2", "--steps", "1"]
+    rc, _, err = zoo_main("train", "transformer", *flags, "--output", tmp_path / "run")
+    assert rc == 2, err
+    assert "--rules ep splits a mixture of experts' experts over 'model', but the transformer has no experts" in err
+    assert "use dp or tp" in err and len(err.strip().splitlines()) == 1
