@@ -349,14 +349,15 @@ def _groups_reference(model, batch, devices, microbatches):
     return total / jnp.sum(counts)
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(devices):
-    """The router's term in the step under `dp` with 2 microbatches: each device's rows of
-    each microbatch are one group (transformers' per-forward, per-device loss), so the
-    compiled step's only collective is still the one all-reduce over `data` outside every
-    loop (no statistics summed across devices in the loop), and its loss and SGD update
-    equal those of that loss computed group by group on one device. One device: two
-    groups (the microbatches)."""
+@pytest.mark.parametrize(("preset", "devices"), [("dp", 1), ("dp", 2), ("ep", 2)])
+def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(preset, devices):
+    """The router's term in the step with 2 microbatches: each data device's rows of each
+    microbatch are one group (transformers' per-forward, per-device loss), so the compiled
+    step's only collective over `data` is still the one all-reduce outside every loop (no
+    statistics summed across devices in the loop; under `dp` nothing else, under `ep` on
+    data 2 x model 2 the experts' traffic over `model` in the loop), and its loss and SGD
+    update equal those of that loss computed group by group on one device. One device:
+    two groups (the microbatches)."""
     # A weight far above transformers' 0.001, so that another grouping of the rows (the
     # whole microbatch, or the whole batch) moves the loss well past the rounding bound.
     config = _moe_config(output_router_logits=True, router_aux_loss_coef=5.0)
@@ -371,15 +372,19 @@ def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(de
     )
     assert abs(float(loss) - float(plain) / float(batch["mask"][:, 1:].sum())) > 0.1  # the term is there
     want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-    mesh = data_mesh(devices)
+    width = 2 if preset == "ep" else 1
+    mesh = jax.make_mesh((devices, width), ("data", "model"), devices=jax.devices()[: devices * width])
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
-        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset="dp")
+        sharded = zoo.shard(model, zoo.rules(preset), mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset)
         opt_state = step.init(sharded)
-        compiled = step.compile(sharded, opt_state, batch)
+        compiled = step.compile(sharded, opt_state, batch)  # within the preset's budget, or raises
         new_model, _, got_loss = compiled(sharded, opt_state, batch)
     colls = zoo.collectives(compiled)
-    assert [(c.kind, c.in_loop, c.mesh_axes) for c in colls] == [("all-reduce", False, ("data",))] * (devices > 1)
+    on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if c.mesh_axes != ("model",)]
+    assert on_data == [("all-reduce", False, ("data",))] * (devices > 1), zoo.report(colls)
+    assert len(colls) > len(on_data) if preset == "ep" else len(colls) == len(on_data), zoo.report(colls)
+    assert all(c.in_loop for c in colls if c.mesh_axes == ("model",)), zoo.report(colls)
     sums = {"terms": 8 * 8, "depth": 2 * (2 * 6 + 1) + 4}
     assert_rounding_close(got_loss, loss, **sums)
     start = jax.tree.leaves(params)
