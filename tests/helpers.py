@@ -322,10 +322,20 @@ def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
 
 
+def dense_presets() -> tuple[str, ...]:
+    """`zoo.RULE_PRESETS` but those that split a mixture of experts' `expert` axis (`ep`):
+    on a model without experts such a preset is `dp` with a mesh axis repeating the same
+    work (zoo train refuses it), so the tests of dense models leave it out."""
+    import zoo
+
+    return tuple(p for p in zoo.RULE_PRESETS if zoo.preset(p).layout["expert"] is None)
+
+
 @functools.cache
 def preset_mesh(preset: str, n: int):
-    """`data=n` for data-parallel presets; `data=n/2, model=2` for tensor-parallel ones."""
-    if "tp" in preset:
+    """`data=n` for data-parallel presets; `data=n/2, model=2` for tensor- and
+    expert-parallel ones."""
+    if "tp" in preset or "ep" in preset:
         return jax.make_mesh((n // 2, 2), ("data", "model"), devices=jax.devices()[:n])
     return data_mesh(n)
 

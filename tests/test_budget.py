@@ -180,6 +180,7 @@ def test_every_preset_carries_a_budget_for_its_layout(name):
     assert what[0] == "the gradient reduction" and budget.allowances[0].where == "outside"
     assert budget.allowances[0].axes == ("data",)
     assert ("tensor parallelism" in what) == ("tp" in name)
+    assert ("expert parallelism" in what) == (name == "ep")
     assert ("the per-use parameter gathers" in what) == (name in ("fsdp", "fsdp+tp"))
     assert ("the parameter gathers" in what) == (name in ("fsdp-once", "zero1"))
     # Nothing but the preset's own tensor-parallel axis may communicate inside loops.
@@ -187,6 +188,25 @@ def test_every_preset_carries_a_budget_for_its_layout(name):
     assert all(a.axes in (("data",), ("model",)) for a in inside)
     if name in ("dp", "zero1", "fsdp-once"):
         assert not inside
+
+
+def test_the_ep_budget_allows_expert_traffic_in_loops_and_no_gradient_reduction_over_model():
+    """`ep`: over `model` (the experts' axis) activation traffic inside loops and an
+    optimizer's scalars outside them, never a gradient reduction (each device holds its
+    experts' whole gradients); over `data` the one gradient all-reduce outside loops."""
+    budget = zoo.preset("ep").budget
+    sizes = {"gradients": 1000, "parameters": 4000, "scalars": 40}
+
+    def coll(in_loop, size, axes):
+        return zoo.Collective("all-reduce", in_loop, size, axes, "x", 2)
+
+    ok = [coll(False, 1008, ("data",)), coll(True, 2048, ("model",)), coll(False, 12, ("model",))]
+    assert budget.check(ok, sizes).startswith("within the ep budget")
+    for stray in (coll(False, 1000, ("model",)), coll(True, 1008, ("data",))):
+        with pytest.raises(zoo.BudgetError):
+            budget.check([*ok, stray], sizes)
+    on_one_data_device = zoo.preset("ep").budget_on({"data": 1, "model": 2})
+    assert on_one_data_device.check(ok[1:], sizes).startswith("within the ep budget")
 
 
 def test_a_step_without_preset_derives_its_budget_from_its_layout():
@@ -266,10 +286,11 @@ _STAND_INS = {
 
 
 def _family_cases():
+    from helpers import dense_presets
     from test_families import CASES
 
-    for name in CASES:
-        for preset in zoo.RULE_PRESETS:
+    for name in CASES:  # dense decoders: tests/test_presets.py runs ep on a mixture of experts
+        for preset in dense_presets():
             if (name, preset) in _FAST_PAIRS:
                 yield pytest.param(name, preset, id=f"{name}-{preset}")
             elif name not in _STAND_INS:

@@ -1,7 +1,9 @@
 """Mixtures of experts: Mixtral and Qwen3-MoE both ways against transformers (logits, the
 export bit for bit, greedy tokens, the router's load-balancing loss), what each refuses by
-name, the two token dispatches, and the training step under `dp` (one gradient all-reduce
-outside every loop; 2 devices' update = 1 device's)."""
+name, the two token dispatches, the training step under `tp` and `ep` (one gradient
+all-reduce outside every loop; the update = 1 device's; `dp` and `ep` on 4 devices are
+pinned in tests/test_presets.py), and the router's load-balancing loss in the training
+loss (= transformers' `outputs.loss`; per device and microbatch in the step)."""
 
 import dataclasses
 
@@ -14,7 +16,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import assert_rounding_close, data_mesh, largest, lm_batch, preset_mesh
+from helpers import assert_rounding_close, data_mesh, largest, lm_batch
 from test_families import SEQ, SMALL, VOCAB, _check, _hf_logits, _masks, _torch, forward
 from test_generate import _hf_greedy
 
@@ -185,20 +187,22 @@ def test_sorted_dispatch_equals_dense_and_is_refused_under_a_mesh():
         _moe_config(num_experts_per_tok=5)
 
 
-# Expert parallelism without a named preset yet: the dp layout with the experts split over `model`.
-LAYOUTS = {"dp": ("dp", {}), "tp": ("tp", {}), "experts-over-model": (None, {"expert": "model"})}
+# (preset, mesh): tp on data 2 x model 2, ep on 2 devices all on `model` (the experts split
+# in two, the batch whole on each). dp (data 4) and ep on data 2 x model 2 are
+# tests/test_presets.py's decoder+moe rows, pinned there.
+LAYOUTS = {"tp": ("tp", (2, 2)), "ep": ("ep", (1, 2))}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(layout):
-    """The MoE decoder under `dp` (data=2), `tp` (data=2 x model=2: the experts' width split
-    over `model`) and the dp layout with the experts split over `model` (expert
-    parallelism, `zoo.rules("dp", expert="model")`; the budget the step derives from that
-    layout), 2 microbatches: the compiled step's only reduction over `data` is one
-    all-reduce outside every loop, carrying every gradient and the loss sums (under `dp`
-    the only collective; otherwise the loop holds activation traffic over `model` only);
-    its SGD update equals the single-device one within rounding."""
-    preset, overrides = LAYOUTS[layout]
+    """The MoE decoder under `tp` (data=2 x model=2: the experts' width split over `model`)
+    and `ep` (data=1 x model=2: the stacked experts split over `model`, expert
+    parallelism), 2 microbatches, checked against the preset's budget on its mesh: the
+    compiled step's only reduction over `data` is one all-reduce outside every loop,
+    carrying every gradient and the loss sums (none with one data device); the loop holds
+    activation traffic over `model` only, and under `ep` nothing reduces a gradient over
+    `model`; its SGD update equals the single-device one within rounding."""
+    preset, (data, width) = LAYOUTS[layout]
     model = Transformer(_moe_config(), key=jax.random.key(0))
     batch = lm_batch(jax.random.key(1), 8, vocab=32)
     lr = 0.5
@@ -210,23 +214,22 @@ def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(la
 
     loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
     want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-    mesh = preset_mesh(preset or "tp", 2 if preset == "dp" else 4)
+    mesh = jax.make_mesh((data, width), ("data", "model"), devices=jax.devices()[: data * width])
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules(preset or "dp", **overrides), mesh)
-        if overrides:
+        sharded = zoo.shard(model, zoo.rules(preset), mesh)
+        if preset == "ep":
             assert jax.typeof(sharded.layers.layers.mlp.up.weight).sharding.spec[1] == "model"
         step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset)
         opt_state = step.init(sharded)
         compiled = step.compile(sharded, opt_state, batch)  # raises if over the preset's budget
         new_model, _, got_loss = compiled(sharded, opt_state, batch)
+    assert step.budget_verdict.startswith(f"within the {preset} budget"), step.budget_verdict
     colls = zoo.collectives(compiled)
     on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if "data" in c.mesh_axes]
-    assert on_data == [("all-reduce", False, ("data",))], zoo.report(colls)
+    assert on_data == [("all-reduce", False, ("data",))] * (data > 1), zoo.report(colls)
     assert all(c.mesh_axes == ("model",) for c in colls if "data" not in c.mesh_axes), zoo.report(colls)
-    if preset == "dp":
-        assert len(colls) == 1, zoo.report(colls)
-        trainable = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-        assert colls[0].bytes - trainable in (4, 8), zoo.report(colls)
+    if preset == "ep":
+        assert colls and all(c.in_loop for c in colls), zoo.report(colls)
     sums = {"terms": 8 * 8, "depth": 2 * (2 * 6 + 1)}
     assert_rounding_close(got_loss, loss, **sums)
     start = jax.tree.leaves(params)
@@ -287,3 +290,114 @@ def test_serving_engine_decodes_as_generate_with_and_without_an_attention_adapte
     for name, model in ((None, base), ("a", adapted)):
         want = np.asarray(zoo.generate(model, np.array([prompt]), max_new_tokens=5))[0, len(prompt) :]
         assert [t.id for t in handles[name].tokens] == want.tolist(), name
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_loss_adds_the_router_loss_as_transformers(name, hf_dirs, tokens, tmp_path):
+    """With `output_router_logits` (read from config.json, written back), `next_token_loss`
+    is transformers' `outputs.loss` with labels: the mean next-token cross-entropy plus
+    `router_aux_loss_coef` times `aux_loss` (one microbatch, one device: one group of
+    rows); without it, the cross-entropy alone, as transformers' default."""
+    on = {"output_router_logits": True, "router_aux_loss_coef": 0.3}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dirs[name], attn_implementation="eager", experts_implementation="eager", **on
+    ).eval()
+    mask = _masks()["right"]
+    t = np.where(mask, tokens, 0).astype(np.int32)
+    batch = {"tokens": jnp.asarray(t), "mask": jnp.asarray(mask)}
+    with torch.no_grad():
+        out = hf(_torch(t), attention_mask=_torch(mask), labels=_torch(np.where(mask, t, -100)))
+    assert out.aux_loss.item() > 1.0  # the term is not negligible: 0.3 x aux_loss
+    hf.save_pretrained(tmp_path)
+    model = zoo.hf.from_pretrained(tmp_path)
+    assert (model.config.output_router_logits, model.config.router_aux_loss_coef) == (True, 0.3)
+    assert zoo.hf.get_family(name).config_to_hf(model.config)["output_router_logits"] is True
+    loss = eqx.filter_jit(lambda m, b: [x.sum() for x in zoo.models.next_token_loss(m, b)])
+    total, count = loss(model, batch)
+    sums = {"terms": 3 * SEQ * VOCAB, "depth": 2 * 6 + 2}
+    assert_rounding_close(total / count, out.loss.item(), **sums, what=f"{name} loss + coef * aux_loss")
+    # The default (output_router_logits false): the cross-entropy alone, transformers' loss then.
+    off = zoo.hf.from_pretrained(hf_dirs[name])
+    assert not off.config.output_router_logits
+    with torch.no_grad():
+        plain = hf(_torch(t), attention_mask=_torch(mask), labels=_torch(np.where(mask, t, -100)),
+                   output_router_logits=False).loss.item()  # fmt: skip
+    total, count = loss(off, batch)
+    assert_rounding_close(total / count, plain, **sums, what=f"{name} loss without the router's")
+
+
+def _groups_reference(model, batch, devices, microbatches):
+    """The step's loss with the router's term, on one device, from `load_balancing_loss`
+    of each group of rows one device holds in one microbatch (the step's row order:
+    device d's rows are the d-th block of the batch, microbatch m the m-th block of
+    those), each weighted by its target count."""
+    tokens, mask = batch["tokens"], batch["mask"]
+    logits, choice = model.with_router(tokens, mask=mask)
+    nll = zoo.models.cross_entropy(logits[:, :-1], tokens[:, 1:])
+    counts = mask[:, 1:].astype(jnp.float32)
+    total = jnp.sum(nll * counts)
+    rows = tokens.shape[0] // (devices * microbatches)
+    for d in range(devices):
+        for m in range(microbatches):
+            start = (d * microbatches + m) * rows
+            group = slice(start, start + rows)
+            aux = zoo.nn.load_balancing_loss(choice.probs[:, group], choice.chosen[:, group], mask[group])
+            total = total + model.config.router_aux_loss_coef * aux * jnp.sum(counts[group])
+    return total / jnp.sum(counts)
+
+
+@pytest.mark.parametrize(("preset", "devices"), [("dp", 2), ("ep", 2)])
+def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(preset, devices):
+    """The router's term in the step with 2 microbatches: each data device's rows of each
+    microbatch are one group (transformers' per-forward, per-device loss), so the compiled
+    step's only collective over `data` is still the one all-reduce outside every loop (no
+    statistics summed across devices in the loop; under `dp` nothing else, under `ep` on
+    data 2 x model 2 the experts' traffic over `model` in the loop), and its loss and SGD
+    update equal those of that loss computed group by group on one device (4 groups: 2
+    data devices x 2 microbatches)."""
+    # A weight far above transformers' 0.001, so that another grouping of the rows (the
+    # whole microbatch, or the whole batch) moves the loss well past the rounding bound.
+    config = _moe_config(output_router_logits=True, router_aux_loss_coef=5.0)
+    model = Transformer(config, key=jax.random.key(0))
+    batch = lm_batch(jax.random.key(1), 8, vocab=32)
+    lr = 0.5
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    ref = eqx.filter_jit(jax.value_and_grad(lambda p: _groups_reference(eqx.combine(p, static), batch, devices, 2)))
+    loss, grads = ref(params)
+    plain, _ = eqx.filter_jit(lambda m: [x.sum() for x in zoo.models.next_token_loss(m, batch)])(
+        Transformer(_moe_config(), key=jax.random.key(0))  # the same weights, the term off
+    )
+    assert abs(float(loss) - float(plain) / float(batch["mask"][:, 1:].sum())) > 0.1  # the term is there
+    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    width = 2 if preset == "ep" else 1
+    mesh = jax.make_mesh((devices, width), ("data", "model"), devices=jax.devices()[: devices * width])
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules(preset), mesh)
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset)
+        opt_state = step.init(sharded)
+        compiled = step.compile(sharded, opt_state, batch)  # within the preset's budget, or raises
+        new_model, _, got_loss = compiled(sharded, opt_state, batch)
+    colls = zoo.collectives(compiled)
+    on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if c.mesh_axes != ("model",)]
+    assert on_data == [("all-reduce", False, ("data",))] * (devices > 1), zoo.report(colls)
+    assert len(colls) > len(on_data) if preset == "ep" else len(colls) == len(on_data), zoo.report(colls)
+    assert all(c.in_loop for c in colls if c.mesh_axes == ("model",)), zoo.report(colls)
+    sums = {"terms": 8 * 8, "depth": 2 * (2 * 6 + 1) + 4}
+    assert_rounding_close(got_loss, loss, **sums)
+    start = jax.tree.leaves(params)
+    step_size = max(largest(np.asarray(w, np.float64) - np.asarray(p)) for w, p in zip(jax.tree.leaves(want), start))
+    for g, w in zip(jax.tree.leaves(eqx.filter(new_model, eqx.is_array)), jax.tree.leaves(want), strict=True):
+        assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
+
+
+def test_zoo_train_refuses_ep_for_a_model_without_experts(tmp_path):
+    """`--rules ep` splits a mixture of experts' experts over `model`; a dense model has
+    none, so its `model` devices would repeat the same work: refused in one line (exit 2),
+    before any step compiles."""
+    from helpers import zoo_main
+
+    flags = ["--rules", "ep", "--devices", "4", "--mesh", "data=2,model=2", "--steps", "1"]
+    rc, _, err = zoo_main("train", "transformer", *flags, "--output", tmp_path / "run")
+    assert rc == 2, err
+    assert "--rules ep splits a mixture of experts' experts over 'model', but the transformer has no experts" in err
+    assert "use dp or tp" in err and len(err.strip().splitlines()) == 1

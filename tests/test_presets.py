@@ -100,6 +100,12 @@ def gemma2_decoder(key):
     )  # fmt: skip
 
 
+def moe_decoder(key):
+    """The decoder with a mixture of experts in every layer (top-2 of 4 SwiGLU experts, 24
+    wide): the one model whose `expert` axis the `ep` preset splits over `model`."""
+    return tiny_decoder(key, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24)
+
+
 def lora_trainable(model):
     return zoo.lora.trainable(model, zoo.lora.LoraConfig(**LORA))
 
@@ -114,6 +120,7 @@ MODELS = {
     "decoder+olmo2_norms": (olmo2_norms_decoder, lm_batch, zoo.models.next_token_loss, None),
     "decoder+pattern": (patterned_decoder, lm_batch, zoo.models.next_token_loss, None),
     "decoder+gemma2": (gemma2_decoder, lm_batch, zoo.models.next_token_loss, None),
+    "decoder+moe": (moe_decoder, lm_batch, zoo.models.next_token_loss, None),
 }
 # Every preset in explicit mode; shard_map mode where parameters are replicated off `data`
 # inside the loop (dp, and fsdp-once gathered before it), by pairwise cover
@@ -127,6 +134,7 @@ PRESET_MODES = [
     ("tp", "explicit"),
     ("fsdp+tp", "explicit"),
     ("zero1", "explicit"),
+    ("ep", "explicit"),
 ]
 # The q/k-norm decoder differs from the decoder in two replicated leaves per layer: the
 # presets that place them differently from the heads they scale (dp: the base case). The
@@ -135,6 +143,11 @@ QK_NORM_PRESETS = ("dp", "fsdp", "tp")
 # The patterned decoder scans its per-layer settings beside the parameters it shares with
 # the decoder, the Gemma 2 decoder adds two norms a layer: the same presets.
 PATTERN_PRESETS = QK_NORM_PRESETS
+# `ep` splits only a mixture of experts' experts: on any other model it is `dp` with a
+# `model` axis repeating the same work (zoo train refuses it), so it runs the MoE decoder
+# alone; the MoE decoder runs it and `dp` (its other presets: tests/test_moe.py's `tp`, the
+# budget of each checked once by hand, docs/models.md).
+MOE_PRESETS = ("dp", "ep")
 # shard_map mode: each of its two presets and each of the two models it runs (the decoder,
 # the encoder) once, so every (model, mode) and (preset, mode) pair meets (2 steps, not the
 # product's 4); explicit mode runs every model under every preset and pins the bytes that
@@ -143,7 +156,8 @@ SHARD_MAP_CASES = {("decoder", "dp"), ("encoder", "fsdp-once")}
 CASES = [(model, preset, mode) for model in MODELS for preset, mode in PRESET_MODES
          if (mode == "explicit" or (model, preset) in SHARD_MAP_CASES)
          and (model not in ("decoder+qk_norm", "decoder+olmo2_norms") or preset in QK_NORM_PRESETS)
-         and (model not in ("decoder+pattern", "decoder+gemma2") or preset in PATTERN_PRESETS)]  # fmt: skip
+         and (model not in ("decoder+pattern", "decoder+gemma2") or preset in PATTERN_PRESETS)
+         and (model == "decoder+moe") >= (preset == "ep") and (model != "decoder+moe" or preset in MOE_PRESETS)]  # fmt: skip
 
 
 def case_id(model, preset, mode):
@@ -505,6 +519,15 @@ EXPECTED = {
         "all-reduce loop model 6144 x1",
         "all-reduce outside data 12488 x1",
     ],
+    "decoder+moe-dp": [
+        "all-reduce outside data 48328 x1",
+    ],
+    "decoder+moe-ep": [
+        "all-gather loop model 512 x1",
+        "all-reduce loop model 2048 x1",
+        "all-reduce loop model 4096 x1",
+        "all-reduce outside data 29896 x1",
+    ],
 }
 
 
@@ -557,6 +580,15 @@ def test_collectives_sit_where_the_preset_says(model_name, preset, mode):
         # In the loop only tensor parallelism's own collectives, over `model`.
         assert in_loop and all(c.mesh_axes == ("model",) for c in in_loop), zoo.report(colls)
         assert on_data == data_reductions_outside, zoo.report(colls)
+    if preset == "ep":
+        # In the loop only expert parallelism's activation traffic over `model` (the sum over
+        # the experts split across it, and its backward); over `data` the one reduction.
+        assert in_loop and all(c.mesh_axes == ("model",) for c in in_loop), zoo.report(colls)
+        assert on_data == data_reductions_outside, zoo.report(colls)
+        # It carries each device's gradients: its half of the experts, the rest whole.
+        per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(trainable))
+        assert per_device < tree_bytes(trainable), "the experts are not split"
+        assert data_reductions_outside[0].bytes - per_device in (4, 8), zoo.report(colls)
     if preset in ("fsdp", "fsdp+tp"):
         # Per-use FSDP: gradient reductions over `data` in the loop, gathers somewhere.
         assert any(c.mesh_axes == ("data",) for c in in_loop if c in reductions), zoo.report(colls)
@@ -647,7 +679,7 @@ def docs_table() -> str:
     lines = ["| model | preset | mesh | in loops | outside loops |", "|---|---|---|---|---|"]
     for name, rows in EXPECTED.items():
         model, preset = re.fullmatch(
-            r"(mlp|decoder\+lora|decoder\+qk_norm|decoder\+olmo2_norms|decoder\+pattern|decoder\+gemma2|decoder|encoder)-(.+)",
+            r"(mlp|decoder\+lora|decoder\+qk_norm|decoder\+olmo2_norms|decoder\+pattern|decoder\+gemma2|decoder\+moe|decoder|encoder)-(.+)",
             name,
         ).groups()
         mesh = ",".join(f"{k}={v}" for k, v in preset_mesh(preset, N).shape.items())

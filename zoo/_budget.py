@@ -272,6 +272,7 @@ def step_budget(
     split_over_data: bool = False,
     gather_once: bool = False,
     shard_optimizer: bool = False,
+    expert_axes: tuple[str, ...] = (),
 ) -> Budget:
     """The budget of a zoo training step, from what its layout and options imply.
 
@@ -284,13 +285,18 @@ def step_budget(
       per-use gathers (FSDP) all-gathers and gradient reductions over data inside loops.
     - Otherwise, small all-reduces of scalars outside loops (an optimizer's own).
     - Tensor parallelism: anything over `other_axes` (never over the data axes).
+    - Expert parallelism (`expert_axes`, the axes only experts are split over): activation
+      traffic inside loops over them (the sum over experts split across devices and its
+      backward: all-reduces, gathers, all-to-alls), and outside loops only an optimizer's
+      scalars (a global norm's partial sums over the split experts), never a gradient
+      reduction: each device holds its experts' whole gradients.
 
     With no data axes (every one of size 1 on the mesh) there is nothing to reduce over
-    data: the budget is tensor parallelism's alone.
+    data: the budget is tensor and expert parallelism's alone.
     """
+    parallel = _model_parallel(other_axes, expert_axes)
     if not data_axes:
-        tp = (Allowance("tensor parallelism", COLLECTIVE_KINDS, "anywhere", tuple(other_axes)),) if other_axes else ()
-        return Budget(name, tp)
+        return Budget(name, parallel)
     splits = split_over_data or shard_optimizer
     # Gradients split over the data axes are reduced into their shards: XLA may emit
     # several reductions and merge an optimizer's per-leaf scalars into them.
@@ -316,9 +322,20 @@ def step_budget(
         allow.append(Allowance("the parameter gathers", ("all-gather",), "outside", data_axes, bytes="parameters"))
     if not splits:
         allow.append(Allowance("the optimizer's scalars", ("all-reduce",), "outside", data_axes, bytes="scalars"))
+    return Budget(name, (*allow, *parallel))
+
+
+def _model_parallel(other_axes: tuple[str, ...], expert_axes: tuple[str, ...]) -> tuple[Allowance, ...]:
+    """The allowances of tensor parallelism over `other_axes` and expert parallelism over
+    `expert_axes` (see `step_budget`)."""
+    allow = []
     if other_axes:
         allow.append(Allowance("tensor parallelism", COLLECTIVE_KINDS, "anywhere", tuple(other_axes)))
-    return Budget(name, tuple(allow))
+    if expert_axes:
+        kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+        scalars = Allowance("the optimizer's scalars", ("all-reduce",), "outside", expert_axes, bytes="scalars")
+        allow += [Allowance("expert parallelism", kinds, "inside", expert_axes), scalars]
+    return tuple(allow)
 
 
 def _spec_axes(entry: Any) -> tuple[str, ...]:

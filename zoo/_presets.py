@@ -83,11 +83,15 @@ class Preset:
 
         data = tuple(a for a in _axes_tuple(self.layout.get("batch")) if several(a))
         named = {a for value in self.layout.values() for a in _axes_tuple(value) if several(a)}
+        # Axes only the experts are split over: expert parallelism's (activations in loops).
+        others = {a for k, v in self.layout.items() if k != "expert" for a in _axes_tuple(v)}
+        experts = {a for a in _axes_tuple(self.layout.get("expert")) if several(a)} - others - set(data)
         split = any(set(_axes_tuple(v)) & set(data) for k, v in self.layout.items() if k != "batch")
         return step_budget(
             self.name,
             data_axes=data,
-            other_axes=tuple(sorted(named - set(data))),
+            other_axes=tuple(sorted(named - set(data) - experts)),
+            expert_axes=tuple(sorted(experts)),
             split_over_data=split,
             gather_once=self.gather == "once",
             shard_optimizer=self.shard_optimizer,
@@ -182,7 +186,14 @@ ZERO1 = Preset(
     "reduce-scatters the gradients and all-gathers the updated parameters once per step",
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (DP, FSDP, FSDP_ONCE, ZERO1, TP, FSDP_TP)}
+EP = Preset(
+    "ep",
+    _DP | {"expert": "model"},
+    description="expert parallelism on a (data, model) mesh: a mixture of experts' stacked experts "
+    "split over `model`, every other parameter replicated, the batch over `data`",
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (DP, FSDP, FSDP_ONCE, ZERO1, TP, FSDP_TP, EP)}
 RULE_PRESETS = tuple(PRESETS)
 
 
@@ -192,7 +203,7 @@ def preset(name: str | Preset) -> Preset:
     **Arguments:**
 
     - `name`: one of `zoo.RULE_PRESETS`: `"dp"`, `"fsdp"`, `"fsdp-once"`, `"zero1"`, `"tp"`,
-      `"fsdp+tp"`.
+      `"fsdp+tp"`, `"ep"`.
 
     **Returns:** the frozen `zoo.Preset`.
     """
@@ -215,7 +226,7 @@ def rules(preset: str | Preset = "dp", **overrides: Any) -> dict[str, MeshAxes]:
       replicated, batch on `data`), `"fsdp"` / `"fsdp-once"` (parameters split over `data`
       along their embed axis; the two differ in the step), `"zero1"` (the "dp" layout; the
       step shards the optimizer state over `data`), `"tp"` (heads, mlp width and vocab over
-      `model`), `"fsdp+tp"`.
+      `model`), `"fsdp+tp"`, `"ep"` (a mixture of experts' experts over `model`).
     - `overrides`: logical axis → mesh axis (or tuple of mesh axes, or `None`).
 
     **Returns:** a plain `dict` a user can print, copy and edit.

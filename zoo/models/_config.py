@@ -169,7 +169,8 @@ class TransformerConfig(_Common):
     `num_experts` (a sparse mixture-of-experts SwiGLU feed-forward in every layer,
     `zoo.nn.Experts`: `num_experts_per_tok` experts per token, each `moe_mlp_dim` wide,
     the top-k router weights renormalised when `norm_topk_prob`; `router_aux_loss_coef`, the
-    load-balancing loss's weight; `moe_dispatch`, how tokens reach their experts), `family`
+    load-balancing loss's weight, added to `next_token_loss` when `output_router_logits`
+    (transformers' condition); `moe_dispatch`, how tokens reach their experts), `family`
     and `source_dir` (the Hugging Face architecture and folder, set by `zoo.hf`).
     """
 
@@ -211,6 +212,7 @@ class TransformerConfig(_Common):
     moe_mlp_dim: int | None = None  # each expert's hidden width (default mlp_dim; Qwen3-MoE's moe_intermediate_size)
     norm_topk_prob: bool = True  # the top-k router weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's option)
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
+    output_router_logits: bool = False  # add that loss to next_token_loss (transformers' switch)
     moe_dispatch: str = "dense"  # "dense" (every expert on every token, weighted) or "sorted" (ragged_dot, one device)
 
     def __post_init__(self):

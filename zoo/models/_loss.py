@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ..nn._experts import load_balancing_loss_per_device
+
 
 def cross_entropy(
     logits: Float[Array, "*batch vocab"], targets: Int[Array | np.ndarray, "*batch"]
@@ -41,14 +43,41 @@ def next_token_loss(model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " b
     **Returns:** per-example sums of weighted token losses and the sums of the weights;
     the step divides their global sums, so the loss is the mean over every counted target
     token.
+
+    A mixture of experts whose config sets `output_router_logits` (transformers'
+    condition) adds `router_aux_loss_coef` times the router's load-balancing loss, as
+    transformers' `outputs.loss` does, computed per forward on each device: over each
+    device's rows of the microbatch (`zoo.nn.load_balancing_loss_per_device`; no cross-device sum in the
+    loop), each row's share weighted by its target count, so the step's loss is the
+    language-model mean plus `coef` times the target-weighted mean of those per-device
+    losses (on one device and one microbatch, transformers' loss exactly).
     """
     tokens = batch["tokens"]
     mask = batch.get("mask")
     packing = {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
-    logits = model(tokens, mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"), **packing)
+    inputs = dict(mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"), **packing)
+    coef = router_loss_coef(model)
+    if coef is None:
+        logits = model(tokens, **inputs)
+    else:
+        logits, choice = model.with_router(tokens, **inputs)
     nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
     weights = target_weights(batch)
-    return jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
+    sums, counts = jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
+    if coef is not None:
+        sums = sums + coef * load_balancing_loss_per_device(choice.probs, choice.chosen, mask) * counts
+    return sums, counts
+
+
+def router_loss_coef(model: Any) -> float | None:
+    """The weight of the router's load-balancing loss in `model`'s training loss: its
+    config's `router_aux_loss_coef` for a mixture of experts with `output_router_logits`
+    set (when transformers adds it), else `None` (nothing added, nothing computed)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "num_experts", None) is None or not getattr(config, "output_router_logits", False):
+        return None
+    coef = float(config.router_aux_loss_coef)
+    return coef or None
 
 
 def target_weights(batch: dict[str, Any]) -> Float[Array, "batch seq_minus_1"]:

@@ -265,11 +265,13 @@ class Transformer(eqx.Module):
         tokens: Int[Array, "batch seq"],
         *,
         mask: Bool[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        positions: Int[Array, "batch seq"] | None = None,
         key: ExampleKeys | None = None,
     ) -> tuple[Float[Array, "batch seq {self.config.padded_vocab}"], RouterChoice]:
-        """The logits (as `__call__`) and what every layer's router chose, for the
-        load-balancing loss (`zoo.nn.load_balancing_loss(choice.probs, choice.chosen,
-        mask)`, transformers' `aux_loss`); a mixture-of-experts model only
+        """The logits (as `__call__`, the same arguments) and what every layer's router
+        chose, for the load-balancing loss (`zoo.nn.load_balancing_loss(choice.probs,
+        choice.chosen, mask)`, transformers' `aux_loss`); a mixture-of-experts model only
         (`config.num_experts`).
 
         **Returns:** `(logits, RouterChoice)` whose fields are `[layers, batch, seq,
@@ -278,7 +280,11 @@ class Transformer(eqx.Module):
         if self.config.num_experts is None:
             raise ValueError("Transformer.with_router: this model has no experts (config.num_experts is None)")
         check_array(tokens, where="Transformer", name="tokens", kind="int", ndim=2)
-        h, choice = self.layers(self.embed(tokens, key=key), mask=mask, key=key, router=True, **self._pattern())
+        packing = (
+            {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
+        )
+        h = self.embed(tokens, positions, key=key)
+        h, choice = self.layers(h, mask=mask, key=key, router=True, **packing, **self._pattern())
         return self.head(h), choice
 
     def embed(

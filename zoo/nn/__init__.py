@@ -11,7 +11,13 @@ __getattr__, __dir__ = lazy_names(
         "._block": ("TransformerBlock",),
         "._dropout": ("ExampleKeys", "dropout", "example_keys", "fold_in"),
         "._embedding": ("Embedding",),
-        "._experts": ("ExpertLinear", "Experts", "RouterChoice", "load_balancing_loss"),
+        "._experts": (
+            "ExpertLinear",
+            "Experts",
+            "RouterChoice",
+            "load_balancing_loss",
+            "load_balancing_loss_per_device",
+        ),
         "._feedforward": ("ACTIVATIONS", "FeedForward"),
         "._four_bit_linear": ("FourBitLinear",),
         "._inputs": ("place_inputs",),
@@ -30,7 +36,7 @@ if TYPE_CHECKING:
     from ._block import TransformerBlock
     from ._dropout import ExampleKeys, dropout, example_keys, fold_in
     from ._embedding import Embedding
-    from ._experts import ExpertLinear, Experts, RouterChoice, load_balancing_loss
+    from ._experts import ExpertLinear, Experts, RouterChoice, load_balancing_loss, load_balancing_loss_per_device
     from ._feedforward import ACTIVATIONS, FeedForward
     from ._four_bit_linear import FourBitLinear
     from ._inputs import place_inputs
@@ -69,6 +75,7 @@ __all__ = [
     "example_keys",
     "fold_in",
     "load_balancing_loss",
+    "load_balancing_loss_per_device",
     "place_inputs",
     "project",
     "rope_tables",

@@ -238,3 +238,48 @@ def load_balancing_loss(
     tokens_per_expert = jnp.sum(chosen * weight, axis=tuple(range(probs.ndim - 1))) / rows
     prob_per_expert = jnp.sum(probs * weight, axis=tuple(range(probs.ndim - 1))) / rows
     return num_experts * jnp.sum(tokens_per_expert * prob_per_expert)
+
+
+def load_balancing_loss_per_device(
+    probs: Float[Array, "layers batch seq experts"],
+    chosen: Float[Array, "layers batch seq experts"],
+    mask: Bool[Array, "batch seq"] | None = None,
+) -> Float[Array, " batch"]:
+    """`load_balancing_loss` of each device's rows, handed to each of those rows: what
+    transformers computes per forward on each device under data parallelism.
+
+    The rows of a batch split over mesh axes are taken in the groups that lie on one
+    device (`[batch] → [devices, rows]`, a reshape that moves nothing); each group's
+    statistics `f_e`, `P_e` are sums over its own rows, so no collective is needed, and
+    its loss is handed back to each of its rows. Without a mesh, or inside `shard_map`,
+    the whole batch is one group: `load_balancing_loss` of it. A group without a real
+    token has loss 0.
+
+    **Arguments:** the router's `probs` and `chosen` of every layer (`[layers, batch, seq,
+    experts]`, `Transformer.with_router`), the `mask` of real tokens (`None`: all).
+
+    **Returns:** `[batch]` float32, each row's group's loss.
+    """
+    layers, batch, _, num_experts = probs.shape
+    weight = jnp.ones_like(probs[0, :, :, 0]) if mask is None else mask.astype(jnp.float32)
+    tokens = jnp.einsum("lbse,bs->be", chosen, weight)
+    mass = jnp.einsum("lbse,bs->be", probs, weight)
+    rows = layers * jnp.sum(weight, axis=1)
+    axes = entries(probs)[1]
+    groups = 1
+    if axes is not None:
+        shape = jax.typeof(probs).sharding.mesh.shape
+        for a in (axes,) if isinstance(axes, str) else axes:
+            groups *= shape[a]
+
+    def spec(*rest):
+        return None if axes is None else jax.sharding.PartitionSpec(axes, *rest)
+
+    def grouped(x):
+        return jnp.sum(x.reshape(groups, batch // groups, *x.shape[1:], out_sharding=spec(*[None] * x.ndim)), 1)
+
+    n = grouped(rows)
+    n = jnp.where(n > 0, n, 1.0)
+    loss = num_experts * jnp.sum((grouped(tokens) / n[:, None]) * (grouped(mass) / n[:, None]), axis=-1)
+    per_row = lax.broadcast_in_dim(loss, (groups, batch // groups), (0,), out_sharding=spec(None))
+    return per_row.reshape(batch, out_sharding=spec())

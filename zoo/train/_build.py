@@ -152,6 +152,22 @@ def training_step(c: RunConfig, loss_fn: Any, model: Any, *, per_adapter: bool =
     return TrainStep(loss_fn, optimizer, microbatches=c.microbatches, trainable=trainable, mode=c.mode, preset=c.rules)
 
 
+def _check_experts_split(c: RunConfig, model: Any, rules: Any) -> None:
+    """Refuse rules that split a mixture of experts' `expert` axis (`ep`) for a model with
+    no experts: the mesh axis would only repeat the same work."""
+    from ..nn import ExpertLinear
+
+    def expert(m: Any) -> bool:
+        return isinstance(m, ExpertLinear)
+
+    if not rules.get("expert") or any(map(expert, jax.tree.leaves(model, is_leaf=expert))):
+        return
+    raise ConfigError(
+        f"RunConfig.rules {c.rules} splits a mixture of experts' experts over {rules['expert']!r}, but the "
+        f"{c.model} has no experts (num_experts): its devices there would repeat the same work; use dp or tp"
+    )
+
+
 def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     """Build `plan`'s task on `mesh` (placed by `rules`), add its LoRA branches, make its
     step and optimizer state. Writes nothing.
@@ -179,6 +195,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
             "it takes no LoRA branch: leave it out of targets (save=head trains it in full), or use "
             "--pooling cls"
         )
+    _check_experts_split(c, model, rules)
     try:
         model = shard(model, rules, mesh)
     except PlacementError as e:

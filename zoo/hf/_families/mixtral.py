@@ -4,7 +4,8 @@ Mixtral is `mistral.py` with every layer's feed-forward a sparse mixture of
 `num_local_experts` SwiGLU experts (`zoo.nn.Experts`, `TransformerConfig.num_experts`),
 each `intermediate_size` wide: a router (`block_sparse_moe.gate`) whose softmax's
 `num_experts_per_tok` largest probabilities, renormalised, weight each token's experts.
-`router_aux_loss_coef` (the load-balancing loss's weight) is read and written;
+`router_aux_loss_coef` (the load-balancing loss's weight) and `output_router_logits`
+(whether the training loss adds it) are read and written;
 `router_jitter_noise` (training-time noise on the router's input) is not built and
 refused unless 0.
 
@@ -137,6 +138,7 @@ class ExpertsFamily:
             "num_experts_per_tok": int(values.get("num_experts_per_tok", 2)),
             "moe_mlp_dim": None if self.expert_width_key == "intermediate_size" else width,
             "router_aux_loss_coef": float(values.get("router_aux_loss_coef", 0.001)),
+            "output_router_logits": bool(values.get("output_router_logits", False)),
         }
 
     def moe_to_hf(self, config: Any) -> dict[str, Any]:
@@ -145,7 +147,7 @@ class ExpertsFamily:
             self.experts_key: config.num_experts,
             "num_experts_per_tok": config.num_experts_per_tok,
             "router_aux_loss_coef": config.router_aux_loss_coef,
-            "output_router_logits": False,
+            "output_router_logits": config.output_router_logits,
         }
 
     def file_view(self, checkpoint: Any) -> Any:
