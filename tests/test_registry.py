@@ -119,8 +119,8 @@ def test_build_task_checks_the_settings_against_the_spec():
 
 def test_cli_help_and_choices_come_from_the_registry():
     import zoo
-    from zoo.train._flags import fields_flags
     from zoo._cli._inspect import model_help as inspect_help
+    from zoo.train._flags import fields_flags
 
     texts = {c: zoo.train.RunConfig.help_texts(c) for c in ("train", "finetune", "demo")}
     for name in zoo.train.model_names():
