@@ -334,10 +334,10 @@ class Progress(Hook):
             self._bar.update(row["step"], float("nan") if row["loss"] is None else row["loss"], rate)
         elif row.get("kind") == "eval" and row["step"] not in self._span:
             acc = row.get("eval_accuracy")
-            # A preference run's: TRL's names, as its logs print them.
-            trl = "".join(
+            # A preference or GRPO run's: TRL's names, as its logs print them.
+            trl = "".join(  # a GRPO run's: its mean reward and completion length
                 f", {k} {row[f'eval_{k}']:.4f}"
-                for k in PREFERENCE_KEYS[:6]
+                for k in (*PREFERENCE_KEYS[:6], "reward", "completions/mean_length")
                 if k != "rewards/accuracies" and row.get(f"eval_{k}") is not None
             )
             self._bar.note(
