@@ -275,7 +275,7 @@ def test_a_grpo_runs_step_on_two_devices_holds_one_all_reduce_within_its_budget(
     config = RunConfig(
         model="transformer", init=str(llama_dir), objective="grpo", devices=2, microbatches=2, batch_size=16,
         data=DataConfig(source=str(data), seq_len=16), lora=zoo.lora.LoraConfig(r=8, lora_alpha=16),
-        grpo=GRPOConfig(reward=f"{rewards}:target_words", num_generations=4, max_completion_length=8),
+        grpo=GRPOConfig(reward=[cat_words], num_generations=4, max_completion_length=8),  # a function, from Python
     )  # fmt: skip
     inspection = zoo.train.inspect(config, command="finetune")
     assert sorted(inspection.batch) == ["advantages", "completion", "tokens"]
@@ -283,3 +283,29 @@ def test_a_grpo_runs_step_on_two_devices_holds_one_all_reduce_within_its_budget(
     assert [(c.in_loop, c.mesh_axes) for c in reductions] == [(False, ("data",))], zoo.report(inspection.collectives)
     budget, sizes = inspection.budget()
     assert not budget.breaches(inspection.collectives, sizes)
+
+
+def cat_words(prompts, completions, **columns):
+    """A reward given to `GRPOConfig` as a function: how many words are "cat"."""
+    return [float(c.split().count("cat")) for c in completions]
+
+
+def test_reward_functions_given_from_python_are_kept_by_name_and_found_again():
+    """`GRPOConfig(reward=[function, "FILE.py:NAME"])`: a function is kept as MODULE:NAME
+    (config.json's text, what a resume compares), found as itself in this process and by
+    import in a later one; a lambda cannot be imported, and a later process says so."""
+    from zoo.train import GRPOConfig, RunConfig
+    from zoo.train._grpo import load_rewards
+    from zoo.train._settings import REWARD_FUNCTIONS
+
+    config = RunConfig(model="transformer", objective="grpo", grpo=GRPOConfig(reward=[cat_words, "r.py:f"]))
+    assert config.to_dict()["reward"] == "test_grpo_run:cat_words,r.py:f"
+    assert RunConfig.from_dict(config.to_dict()) == config
+    assert load_rewards(["test_grpo_run:cat_words"]) == {"cat_words": cat_words}
+    REWARD_FUNCTIONS.pop("test_grpo_run:cat_words")  # a later process: imported from its module
+    assert load_rewards(["test_grpo_run:cat_words"])["cat_words"] is cat_words
+    name = GRPOConfig(reward=lambda prompts, completions, **_: [0.0] * len(completions)).reward
+    assert load_rewards([name])["<lambda>"]([], ["a"]) == [0.0]
+    REWARD_FUNCTIONS.pop(name)
+    with pytest.raises(zoo.train.ConfigError, match="lambda or nested function"):
+        load_rewards([name])

@@ -37,6 +37,7 @@ from ..data._records import read_located
 from ..models._grpo import _nanstd, group_advantages, reward_table
 from ._errors import ConfigError
 from ._registry import model_spec
+from ._settings import REWARD_FUNCTIONS
 from ._task import Task, init_name
 from ._trainer import Hook, TrainState
 
@@ -59,7 +60,14 @@ def load_rewards(specs: Sequence[str]) -> dict[str, Callable]:
         )
     functions = []
     for spec in specs:
+        if spec in REWARD_FUNCTIONS:  # given as a function in this process
+            functions.append((spec.rpartition(":")[2].split("#")[0].rpartition(".")[2], REWARD_FUNCTIONS[spec]))
+            continue
         path_text, _, name = str(spec).rpartition(":")
+        if path_text and not path_text.endswith(".py") and path_text.replace(".", "_").isidentifier():
+            # MODULE:NAME: a function given in Python, found again in a later process
+            functions.append((name.rpartition(".")[2], _imported(spec, path_text, name)))
+            continue
         if not path_text or not name.isidentifier():
             raise ConfigError(f"--reward {spec}: write it as FILE.py:NAME (the file, a colon, the function's name)")
         path = Path(path_text).expanduser()
@@ -91,6 +99,28 @@ def load_rewards(specs: Sequence[str]) -> dict[str, Callable]:
             unique, k = f"{name}_{k}", k + 1
         named[unique] = function
     return named
+
+
+def _imported(spec: str, module_name: str, qualname: str) -> Callable:
+    """The function `qualname` of module `module_name` (a reward given as a function in an
+    earlier process: its config.json names it `MODULE:NAME`)."""
+    if "#" in qualname or "<" in qualname:
+        raise ConfigError(
+            f"--reward {spec}: a lambda or nested function given in another process cannot be found again; define "
+            "the reward at the top level of a module (or a FILE.py) and pass it again"
+        )
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"--reward {spec}: cannot import {qualname} from module {module_name} ({e}); pass the function again, "
+            "or name it FILE.py:NAME"
+        ) from None
+    if not callable(found):
+        raise ConfigError(f"--reward {spec}: {qualname} in {module_name} is a {type(found).__name__}, not a function")
+    return found
 
 
 @dataclasses.dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..lora import LoraConfig
@@ -134,6 +135,22 @@ class DataConfig:
             raise ConfigError(f"DataConfig.validation must be a fraction in [0, 1), got {self.validation!r}")
 
 
+# Reward functions given to a `GRPOConfig` as functions, by the name it keeps of them.
+REWARD_FUNCTIONS: dict[str, Callable] = {}
+
+
+def reward_name(function: Callable) -> str:
+    """`MODULE:QUALNAME` of a reward function given as a function: what config.json keeps
+    (a resumed run in another process imports it from there); the function itself is
+    found by that name in this process (`REWARD_FUNCTIONS`). A lambda or a nested function
+    gets its id too (it cannot be imported: such a run resumes only in this process)."""
+    name = f"{getattr(function, '__module__', None)}:{getattr(function, '__qualname__', type(function).__name__)}"
+    if "<" in name:  # <lambda>, <locals>
+        name = f"{name}#{id(function):x}"
+    REWARD_FUNCTIONS[name] = function
+    return name
+
+
 def _grpo_flag(default: Any, **kwargs) -> Any:
     """A `GRPOConfig` field: a training flag of `zoo finetune` (GRPO trains LoRA adapters)."""
     return flag(default, group="training", commands=("finetune",), **kwargs)
@@ -146,9 +163,11 @@ class GRPOConfig:
 
     **Fields:**
 
-    - `reward`: the reward functions, `FILE.py:NAME` each, comma-separated (`--reward`);
-      each is called as TRL calls them, `NAME(prompts=..., completions=..., **columns)`.
-    - `reward_weights`: one weight per function, comma-separated (default 1 each).
+    - `reward`: the reward functions, `FILE.py:NAME` or `MODULE:NAME` each, comma-separated
+      (`--reward`), or in Python the functions themselves (one or a list, kept as
+      `MODULE:NAME`: `reward_name`); each is called as TRL calls them,
+      `NAME(prompts=..., completions=..., **columns)`.
+    - `reward_weights`: one weight per function, comma-separated or a list (default 1 each).
     - `num_generations`: completions sampled per prompt (G >= 2: the group whose mean is
       each completion's baseline); the batch holds `batch_size / G` prompts.
     - `max_completion_length`: the most new tokens of a completion (and `dr_grpo`'s divisor).
@@ -163,14 +182,14 @@ class GRPOConfig:
       sequence) count for nothing in the loss (DAPO).
     """
 
-    reward: str | None = _grpo_flag(
+    reward: str | Callable | Sequence[str | Callable] | None = _grpo_flag(
         None,
         metavar="FILE.py:NAME,...",
         repeat=True,
         help="grpo: the reward functions, FILE.py:NAME each (comma-separated or repeated), called as TRL calls them: "
         "NAME(prompts=..., completions=..., **columns) -> one float (or None) per completion",
     )
-    reward_weights: str | None = _grpo_flag(
+    reward_weights: str | Sequence[float | int] | None = _grpo_flag(
         None,
         metavar="W,...",
         repeat=True,
@@ -219,6 +238,12 @@ class GRPOConfig:
         def bad(field: str, want: str) -> ConfigError:
             return ConfigError(f"GRPOConfig.{field} must be {want}, got {getattr(self, field)!r}")
 
+        if self.reward is not None and not isinstance(self.reward, str):  # functions: kept by name
+            items = [self.reward] if callable(self.reward) else list(self.reward)
+            object.__setattr__(self, "reward", ",".join(reward_name(f) if callable(f) else str(f) for f in items))
+        if self.reward_weights is not None and not isinstance(self.reward_weights, str):
+            object.__setattr__(self, "reward_weights", ",".join(str(w) for w in self.reward_weights))
+
         def number(value) -> bool:
             return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -253,7 +278,7 @@ class GRPOConfig:
         self.weights()  # the weights parse
 
     def rewards(self) -> list[str]:
-        """The `FILE.py:NAME` of each reward function."""
+        """Each reward function's `FILE.py:NAME` or `MODULE:NAME` (`reward_name`)."""
         return [r.strip() for r in (self.reward or "").split(",") if r.strip()]
 
     def weights(self) -> list[float] | None:
