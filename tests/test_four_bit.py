@@ -26,6 +26,7 @@ from zoo.nn._four_bit import (
     quantize_scales,
     unpack_int4,
 )
+from zoo.nn._four_bit_linear import dequantize_codes
 
 # Random and real-shaped matrices ([out, in], as torch holds a Linear's weight), block sizes
 # bitsandbytes takes; one block all zeros (a pruned row's start).
@@ -130,6 +131,14 @@ def test_double_quantised_layer_is_bitsandbytes_dequantize_4bit(shape, block):
     theirs = bnb.dequantize_4bit(torch.from_numpy(np.asarray(codes).reshape(-1, 1)), _bnb_state(layer, shape, block))
     np.testing.assert_array_equal(np.asarray(layer.dequantized_weight()).T, theirs.numpy())
     np.testing.assert_array_equal(np.asarray(layer.block_scales()).T, np.asarray(dequantize_scales(*want)))
+    # The suite compiles at XLA optimisation level 0 (tests/conftest.py), which fuses no
+    # multiply-add; programs as users compile them (level 2) would: bit for bit there too.
+    optimised = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+    weight = jax.jit(dequantize_codes, static_argnames=("kind", "dtype"), compiler_options=optimised)
+    got = weight(layer.codes, layer.scale, "nf4", jnp.float32, layer.nested_scales())
+    np.testing.assert_array_equal(np.asarray(got).T, theirs.numpy())
+    scales = jax.jit(dequantize_scales, compiler_options=optimised)(*want)
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(layer.block_scales()).T)
     # bitsandbytes' state, read into the layer.
     packed, state = bnb.quantize_4bit(torch.from_numpy(w), blocksize=block, quant_type="nf4", compress_statistics=True)
     read = FourBitLinear(
