@@ -274,7 +274,8 @@ def test_four_bit_bases_refuse_what_cannot_hold_and_merge_by_dequantising(tmp_pa
 
 
 def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama_dir, data_files, tmp_path):
-    """`zoo finetune --quantize nf4:16`: the run trains LoRA on an NF4 base, writes the
+    """`zoo finetune --quantize nf4:16:dq`: the run trains LoRA on an NF4 base (its scales
+    double-quantised; plain `nf4:16` runs in the several-adapters test), writes the
     setting in config.json, and `load_run` (predict, eval, generate) rebuilds that base
     under the adapter; a block that does not fit, a full-weight run and an unknown kind are
     one line each, naming the fix."""
@@ -284,12 +285,13 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
     run = tmp_path / "qlora"
     common = ["finetune", "transformer", "--init", llama_dir, "--data", data_files["chat"], "--lora", "r=4,alpha=8",
               *TINY, "--steps", "2", "--lr", "1e-2"]  # fmt: skip
-    rc, _, err = zoo_main(*common, "--quantize", "nf4:16", "--output", run)
+    rc, _, err = zoo_main(*common, "--quantize", "nf4:16:dq", "--output", run)
     assert rc == 0, err
-    assert json.loads((run / "config.json").read_text())["quantize"] == "nf4:16"
+    assert json.loads((run / "config.json").read_text())["quantize"] == "nf4:16:dq"
     loaded = zoo.train.load_run(run)
     q_proj = _q_proj(loaded.model)
     assert isinstance(q_proj.base, FourBitLinear) and q_proj.base.kind == "nf4" and q_proj.base.block_size == 16
+    assert q_proj.base.double_quant and q_proj.base.scale.dtype == jnp.uint8
     assert q_proj.lora_A.dtype == jnp.float32
     rc, _, err = zoo_main(*common, "--quantize", "nf4", "--output", tmp_path / "bad")
     one_line_error(rc, err, "--quantize nf4: cast_frozen(model, 'nf4') at layers.layers.attention.q_proj")
