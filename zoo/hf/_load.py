@@ -132,7 +132,8 @@ def _stored_scales(
     projection's NF4 codes made again from the float weights read (a dequantised block
     re-quantises to itself), its scales kept as the file stores them (the 8-bit codes,
     nested absmax, offset), so the layer is bitsandbytes' state, bit for bit. A projection
-    cut from a fused tensor (its runs of 256 scales are the whole tensor's) is
+    cut from a fused tensor (its runs of 256 scales are the whole tensor's), or whose nested
+    code book is not bitsandbytes' dynamic map (one first entry for all its layers), is
     double-quantised again by zoo."""
     sources = {dotted_name(p): s for p, _, s in leaf_sources(layout, skeleton, config)}
     files, _ = layout.canonical_names(checkpoint.keys())
@@ -145,7 +146,7 @@ def _stored_scales(
         def stored(linear, quantize=quantize, names=tuple(files[n] for n in source.names)):
             plain = FourBitLinear.quantize(linear, "nf4", block_size=block)
             states = [checkpoint.nested_state(n, plain.scale.shape[-2]) for n in names]
-            if any(s is None for s in states):
+            if any(s is None for s in states) or len({s[3] for s in states}) > 1:
                 return quantize(linear)
             layers = plain.scale.shape[:-2]
             codes, absmax, offset = (np.stack([s[i] for s in states]) for i in range(3))
