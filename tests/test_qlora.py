@@ -174,8 +174,12 @@ def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
 
 
 def test_qdora_gradients_are_the_dequantised_models():
+    """QDoRA on an NF4 base whose scales are double-quantised (DoRA's column norms read the
+    dequantised weight, `float_weight`, scales from their 8-bit codes; the plain NF4 scales
+    take the path every other test here takes): gradients of the dequantised float model."""
     config = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "down"), use_dora=True, init_lora_weights=False)
-    cast = cast_frozen(_lora_model(config), "nf4", config=config, block_size=BLOCK)
+    cast = cast_frozen(_lora_model(config), "nf4:dq", config=config, block_size=BLOCK)
+    assert _q_proj(cast).base.double_quant
     dequantised = cast_frozen(cast, jnp.float32, config=config)
     batch = lm_batch(jax.random.key(3), BATCH)
     grads = []
