@@ -23,7 +23,6 @@ from ._four_bit import (
     nf4_quantize,
     pack_int4,
     quantize_blockwise,
-    quantize_scales,
     unfused,
 )
 from ._linear import Linear, linear_from, project
@@ -329,30 +328,36 @@ def _block_scales(
 _scales_jit = jax.jit(_block_scales)  # code 0's value (a float) is traced: one program for both
 
 
-def _double_quantize(scale: Array) -> tuple[Any, Any, Any]:
+def _double_quantize(scale: Array) -> tuple[Array, Array, Array]:
     """The 8-bit codes `[*layers, blocks, out]`, nested absmax `[*layers, runs]` and offset
     `[*layers]` of float block scales, each layer's quantised as bitsandbytes quantises its
-    `[out, blocks]` absmax (`quantize_scales`)."""
+    `[out, blocks]` absmax (`quantize_scales`: the offset the exact mean rounded once, taken
+    on the host; traced scales, e.g. under `jax.eval_shape`, take the float32 mean, which
+    may differ in its last bit). One compiled program for all layers."""
     *layers, blocks, n_out = scale.shape
-    flat = scale.reshape(-1, blocks, n_out)
-    if isinstance(scale, jax.core.Tracer):  # traced (e.g. jax.eval_shape): the offset a float32 mean
-        parts = [_traced_scales(layer.T) for layer in flat]
-        stack = jnp.stack
+    rows = jnp.swapaxes(jnp.asarray(scale, jnp.float32).reshape(-1, blocks, n_out), -1, -2)  # torch's [out, blocks]
+    if isinstance(scale, jax.core.Tracer):
+        offset = jnp.mean(rows.reshape(rows.shape[0], -1), axis=-1)
     else:
-        parts = [jax.device_get(quantize_scales(jnp.asarray(layer.T))) for layer in flat]  # torch's [out, blocks]
-        stack = np.stack
-    codes = stack([p[0].T for p in parts]).reshape(scale.shape)
-    absmax = stack([p[1] for p in parts]).reshape(*layers, -1)
-    offset = stack([p[2] for p in parts]).reshape(layers)
-    return codes, absmax, offset
+        exact = np.mean(np.asarray(jax.device_get(rows), np.float64).reshape(rows.shape[0], -1), axis=-1)
+        offset = jnp.asarray(exact.astype(np.float32))
+    codes, absmax = _nested_codes(rows, offset)
+    return codes.reshape(scale.shape), absmax.reshape(*layers, -1), offset.reshape(layers)
 
 
-def _traced_scales(scale: Array) -> tuple[Array, Array, Array]:
-    """`quantize_scales` of traced scales: the offset the float32 mean (the host's is the
-    exact mean rounded once, so the two may differ in their last bit)."""
-    offset = jnp.mean(scale.reshape(-1))
-    codes, nested = quantize_blockwise(scale.reshape(-1) - offset, dynamic_code(), NESTED_BLOCK_SIZE)
-    return codes.reshape(scale.shape), nested, offset
+@jax.jit
+def _nested_codes(
+    rows: Float[Array, "layers out blocks"], offset: Float[Array, " layers"]
+) -> tuple[UInt8[Array, "layers blocks out"], Float[Array, "layers runs"]]:
+    """Each layer's scales less its offset, quantised by bitsandbytes' 8-bit blockwise
+    quantiser in runs of 256 over the flattened `[out, blocks]`; the codes back in zoo's
+    `[blocks, out]`."""
+
+    def one(layer: Array, mean: Array) -> tuple[Array, Array]:
+        return quantize_blockwise(layer.reshape(-1) - mean, dynamic_code(), NESTED_BLOCK_SIZE)
+
+    codes, absmax = jax.vmap(one)(rows, offset)
+    return jnp.swapaxes(codes.reshape(rows.shape), -1, -2), absmax
 
 
 def _check_nested(kind: str, scale: Array, absmax: Array | None, offset: Array | None) -> None:
