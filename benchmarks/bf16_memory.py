@@ -116,12 +116,15 @@ def main() -> None:
 
 
 def large_parameter_bytes() -> None:
-    """Parameter bytes of a ~0.35B Llama-shaped LoRA model per frozen-base storage."""
+    """Parameter bytes of a ~0.35B Llama-shaped LoRA model per frozen-base storage: the
+    whole model, and the adapted projections' bases alone (NF4's codes and scales, or its
+    double-quantised scales: `nf4:dq`)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
 
     import zoo
+    from zoo._tree import node_at
     from zoo.models import Transformer, TransformerConfig
 
     config = TransformerConfig(
@@ -134,15 +137,21 @@ def large_parameter_bytes() -> None:
     def size(m) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))
 
+    def bases(m) -> int:
+        return sum(size(node_at(m, p).base) for p, _ in zoo.lora.modules(m, zoo.lora.LoraLinear).values())
+
     count = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    full = size(model)
-    rows = [["float32", mib(full), "1.00"]]
-    for name, dtype in (("bfloat16", jnp.bfloat16), ("int8", jnp.int8), ("nf4", "nf4")):
+    full, full_bases = size(model), bases(model)
+    rows = [["float32", mib(full), "1.00", mib(full_bases), "1.000"]]
+    kinds = (("bfloat16", jnp.bfloat16), ("int8", jnp.int8), ("nf4", "nf4"), ("nf4:dq", "nf4:dq"))
+    for name, dtype in kinds:
         cast = zoo.lora.cast_frozen(model, dtype, config=lora)
-        rows.append([name, mib(size(cast)), f"{size(cast) / full:.2f}"])
+        b = bases(cast)
+        rows.append([name, mib(size(cast)), f"{size(cast) / full:.2f}", mib(b), f"{b / full_bases:.3f}"])
         del cast
     print(f"\nLlama-shaped decoder, {count / 1e9:.2f}B parameters (LoRA r=8 on every projection):")
-    print("\n".join(_harness.table(["frozen base", "params MiB", "vs float32"], rows, left=1)))
+    header = ["frozen base", "params MiB", "vs float32", "projections MiB", "vs float32"]
+    print("\n".join(_harness.table(header, rows, left=1)))
 
 
 if __name__ == "__main__":

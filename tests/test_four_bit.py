@@ -1,15 +1,18 @@
 """4-bit weights (issue 46's first piece): zoo's NF4 against bitsandbytes' own CPU
-quantiser byte for byte (codes, scales, double-quantised scales, dequantised weights), and
-int4 per group within half a step."""
+quantiser byte for byte (codes, scales, double-quantised scales, dequantised weights; the
+double-quantised `FourBitLinear` too), and int4 per group within half a step."""
 
 from __future__ import annotations
 
 import bitsandbytes.functional as bnb
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+from zoo.nn import FourBitLinear, Linear
 from zoo.nn._four_bit import (
     NF4_CODE,
     dequantize_scales,
@@ -23,6 +26,7 @@ from zoo.nn._four_bit import (
     quantize_scales,
     unpack_int4,
 )
+from zoo.nn._four_bit_linear import dequantize_codes
 
 # Random and real-shaped matrices ([out, in], as torch holds a Linear's weight), block sizes
 # bitsandbytes takes; one block all zeros (a pruned row's start).
@@ -91,6 +95,69 @@ def test_double_quantised_scales_read_as_bitsandbytes_reads_them(shape, block):
     back = np.asarray(dequantize_scales(c, n, off))
     step = np.repeat(np.asarray(n), 256)[: back.size].reshape(back.shape) * np.max(np.diff(code))
     assert np.all(np.abs(back - np.asarray(absmax)) <= step)
+
+
+def _bnb_state(layer, shape, block):
+    """bitsandbytes' `QuantState` of a double-quantised `FourBitLinear` (one layer, zoo's
+    `[blocks, out]` scales transposed to torch's order), its nested code book zoo's."""
+    return bnb.QuantState(
+        absmax=torch.from_numpy(np.asarray(layer.scale).T.reshape(-1).copy()), shape=torch.Size(shape),
+        code=torch.from_numpy(NF4_CODE.copy()), blocksize=block, quant_type="nf4", dtype=torch.float32,
+        offset=torch.tensor(float(layer.scale_offset)),
+        state2=bnb.QuantState(absmax=torch.from_numpy(np.asarray(layer.scale_absmax).copy()),
+                              code=torch.from_numpy(dynamic_code().copy()), blocksize=256, dtype=torch.float32),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "block"), SHAPES[1:4])
+def test_double_quantised_layer_is_bitsandbytes_dequantize_4bit(shape, block):
+    """`FourBitLinear.quantize(..., double_quant=True)` stores the scales as bitsandbytes'
+    nested state (uint8 codes, an absmax per 256 scales, the offset): its dequantised weight
+    is what `dequantize_4bit` makes of that state, bit for bit (each scale's code x absmax
+    rounded before the offset is added, as bitsandbytes does: XLA would fuse them into one
+    multiply-add). bitsandbytes' own state (`compress_statistics=True`, its code book's
+    first entry as it holds it) in a `FourBitLinear` dequantises to its weights bit for bit."""
+    w = _weight(shape, seed=3)
+    linear = eqx.tree_at(lambda m: m.weight, Linear(shape[1], shape[0], key=jax.random.key(0)), jnp.asarray(w.T))
+    layer = FourBitLinear.quantize(linear, "nf4", block_size=block, double_quant=True)
+    blocks = shape[1] // block
+    assert layer.double_quant and layer.scale.dtype == jnp.uint8 and layer.scale.shape == (blocks, shape[0])
+    assert layer.scale_absmax.shape == (-(-blocks * shape[0] // 256),) and layer.scale_offset.shape == ()
+    codes, absmax = nf4_quantize(jnp.asarray(w), block)
+    np.testing.assert_array_equal(np.asarray(layer.codes).T, np.asarray(codes))
+    want = quantize_scales(absmax)  # zoo's double quantisation, scale for scale
+    np.testing.assert_array_equal(np.asarray(layer.scale).T, np.asarray(want[0]))
+    np.testing.assert_array_equal(layer.scale_absmax, want[1])
+    theirs = bnb.dequantize_4bit(torch.from_numpy(np.asarray(codes).reshape(-1, 1)), _bnb_state(layer, shape, block))
+    np.testing.assert_array_equal(np.asarray(layer.dequantized_weight()).T, theirs.numpy())
+    np.testing.assert_array_equal(np.asarray(layer.block_scales()).T, np.asarray(dequantize_scales(*want)))
+    # The suite compiles at XLA optimisation level 0 (tests/conftest.py), which fuses no
+    # multiply-add; programs as users compile them (level 2) would: bit for bit there too.
+    optimised = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+    weight = jax.jit(dequantize_codes, static_argnames=("kind", "dtype"), compiler_options=optimised)
+    got = weight(layer.codes, layer.scale, "nf4", jnp.float32, layer.nested_scales())
+    np.testing.assert_array_equal(np.asarray(got).T, theirs.numpy())
+    scales = jax.jit(dequantize_scales, compiler_options=optimised)(*want)
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(layer.block_scales()).T)
+    # bitsandbytes' state, read into the layer.
+    packed, state = bnb.quantize_4bit(torch.from_numpy(w), blocksize=block, quant_type="nf4", compress_statistics=True)
+    read = FourBitLinear(
+        layer.codes, jnp.asarray(state.absmax.numpy().reshape(shape[0], blocks).T), kind="nf4",
+        scale_absmax=jnp.asarray(state.state2.absmax.numpy()), scale_offset=jnp.float32(state.offset.item()),
+        scale_code0=float(state.state2.code[0]),
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(read.dequantized_weight()).T, bnb.dequantize_4bit(packed, state).numpy())
+    # 8 bits per block instead of 32: a third less than float32 scales at blocks of 64.
+    plain = FourBitLinear.quantize(linear, "nf4", block_size=block)
+    nbytes = lambda m: sum(x.nbytes for x in jax.tree.leaves(m) if x is not m.bias)  # noqa: E731
+    assert nbytes(layer) == w.size // 2 + w.size // block + 4 * layer.scale_absmax.size + 4
+    assert nbytes(plain) == w.size // 2 + 4 * w.size // block
+    with pytest.raises(ValueError, match="double quantisation is NF4's.*not int4's"):
+        FourBitLinear.quantize(linear, "int4", double_quant=True)
+    with pytest.raises(
+        ValueError, match=r"uint8 scale codes .*scale_absmax \[\*layers, \d+\] .*scale_absmax None, scale_offset None\)"
+    ):
+        FourBitLinear(layer.codes[:, :16], layer.scale[:, :16], kind="nf4")
 
 
 @pytest.mark.parametrize("group", [32, 128])

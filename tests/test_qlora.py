@@ -84,20 +84,27 @@ def test_int4_is_within_half_a_step_per_group_and_the_errors_name_the_fix():
         FourBitLinear(jnp.zeros((32, 10), jnp.int8), jnp.ones((4, 10)))
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int4"])
+@pytest.mark.parametrize("kind", ["nf4", "int4", "nf4:dq"])
 def test_cast_frozen_four_bit_changes_storage_not_the_lora_gradients(kind):
     """QLoRA: every adapted projection's base is 4-bit, the branches stay float32, and the
     outputs and LoRA gradients are those of the float32 model holding the dequantised
-    weights; the parameter bytes of the 4-bit layers are under 0.3x their float32 ones."""
+    weights; the parameter bytes of the 4-bit layers are under 0.3x their float32 ones
+    (with 32 bits per block of scales; `nf4:dq`, double quantisation: 8 bits per block)."""
     model = _lora_model()
     cast = cast_frozen(model, kind, config=CONFIG, block_size=BLOCK)
     adapted = zoo.lora.modules(cast, zoo.lora.LoraLinear)
     assert len(adapted) == 7 and all(isinstance(node_at(cast, p).base, FourBitLinear) for p, _ in adapted.values())
-    assert _q_proj(cast).base.kind == kind and _q_proj(cast).base.block_size == BLOCK
+    double_quant = kind.endswith(":dq")
+    assert _q_proj(cast).base.kind == kind.split(":")[0] and _q_proj(cast).base.block_size == BLOCK
+    assert _q_proj(cast).base.double_quant == double_quant
     np.testing.assert_array_equal(_q_proj(cast).lora_A, _q_proj(model).lora_A)
     four_bit = sum(tree_bytes(node_at(cast, p).base) for p, _ in adapted.values())
     float32 = sum(tree_bytes(node_at(model, p).base) for p, _ in adapted.values())
     assert four_bit < 0.3 * float32 + 0.5 * float32 * 4 / BLOCK, (four_bit, float32)  # scales: 32 bits per block
+    # 4 bits per weight; per block of 4 a float32 scale, or its 8-bit code (+ a nested absmax and offset per layer)
+    values = sum(node_at(model, p).base.weight.size for p, _ in adapted.values())
+    stored = sum(node_at(cast, p).base.codes.nbytes + node_at(cast, p).base.scale.nbytes for p, _ in adapted.values())
+    assert stored == values // 2 + values // BLOCK * (1 if double_quant else 4), (stored, values)
     dequantised = cast_frozen(cast, jnp.float32, config=CONFIG)
     assert isinstance(_q_proj(dequantised).base, Linear)
     batch = lm_batch(jax.random.key(3), BATCH)
@@ -113,10 +120,12 @@ def test_cast_frozen_four_bit_changes_storage_not_the_lora_gradients(kind):
     for g, want in zip(*flat, strict=True):
         assert float(jnp.max(jnp.abs(want))) > 0
         assert_rounding_close(g, want, **GRADIENTS)
-    # Quantising the dequantised base again gives the same codes and scales.
+    # Quantising the dequantised base again gives the same codes and scales (double
+    # quantisation: the same block scales within one 8-bit step, its offset a new mean).
     again = cast_frozen(dequantised, kind, config=CONFIG, block_size=BLOCK)
     np.testing.assert_array_equal(_q_proj(again).base.codes, _q_proj(cast).base.codes)
-    assert_tree_rounding_close(_q_proj(again).base, _q_proj(cast).base, terms=1, depth=1)
+    if not double_quant:
+        assert_tree_rounding_close(_q_proj(again).base, _q_proj(cast).base, terms=1, depth=1)
 
 
 def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
@@ -137,6 +146,8 @@ def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
         cast_frozen(model, "nf4:4", config=CONFIG, block_size=8)
     with pytest.raises(ValueError, match=r"^cast_frozen: quantize 'nf4:3': give nf4, int4 or int8"):
         cast_frozen(model, "nf4:3", config=CONFIG)
+    with pytest.raises(ValueError, match=r"^cast_frozen: quantize 'int4:8:dq': .*nf4:dq or nf4:64:dq stores NF4's"):
+        cast_frozen(model, "int4:8:dq", config=CONFIG)  # double quantisation is NF4's
     base = zoo.lora.unload(model)
     zoo.hf.save_pretrained(base, tmp_path / "base")
     loaded = zoo.hf.from_pretrained(tmp_path / "base", quantize="int4:8")
@@ -163,8 +174,12 @@ def test_cast_frozen_takes_the_text_form_and_loading_quantises_alike(tmp_path):
 
 
 def test_qdora_gradients_are_the_dequantised_models():
+    """QDoRA on an NF4 base whose scales are double-quantised (DoRA's column norms read the
+    dequantised weight, `float_weight`, scales from their 8-bit codes; the plain NF4 scales
+    take the path every other test here takes): gradients of the dequantised float model."""
     config = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "down"), use_dora=True, init_lora_weights=False)
-    cast = cast_frozen(_lora_model(config), "nf4", config=config, block_size=BLOCK)
+    cast = cast_frozen(_lora_model(config), "nf4:dq", config=config, block_size=BLOCK)
+    assert _q_proj(cast).base.double_quant
     dequantised = cast_frozen(cast, jnp.float32, config=config)
     batch = lm_batch(jax.random.key(3), BATCH)
     grads = []
@@ -186,13 +201,17 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
     inspect --quantize ... --rules fsdp --budget` checks it: XLA's CPU backend gathers the
     bfloat16 leaves around a quantised base in float32, which the budget counts,
     `wire_itemsize`; the tied embedding is gathered once, the head reusing the lookup's
-    gather). Under tensor parallelism the codes split like the weight."""
+    gather). Under tensor parallelism the codes split like the weight. Double-quantised NF4
+    gathers its scales' 8-bit codes (a byte per block, not 4); its nested absmax and offset
+    are replicated, never gathered."""
     model = _lora_model(tied=True)
     cast = cast_frozen(model, "nf4", config=CONFIG, block_size=BLOCK)
+    double = cast_frozen(model, "nf4:dq", config=CONFIG, block_size=BLOCK)
     batch = lm_batch(jax.random.key(3), 2 * BATCH)  # 4 devices x 2 microbatches
     mesh = preset_mesh("fsdp", 4)
     colls = {}
-    for name, m in (("float32", model), ("int8", cast_frozen(model, jnp.int8, config=CONFIG)), ("nf4", cast)):
+    for name, m in (("float32", model), ("int8", cast_frozen(model, jnp.int8, config=CONFIG)), ("nf4", cast),
+                    ("nf4:dq", double)):  # fmt: skip
         step = zoo.TrainStep(
             zoo.models.next_token_loss, optax.adamw(1e-2), trainable=trainable(m, CONFIG), microbatches=2,
             preset="fsdp",
@@ -215,21 +234,23 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
         node_at(layers, p).base.weight[0].size for p, _ in zoo.lora.modules(layers, zoo.lora.LoraLinear).values()
     )
     assert gathered["nf4"] == gathered["float32"] - 4 * values + values // 2 + 4 * values // BLOCK, gathered
+    assert gathered["nf4:dq"] == gathered["float32"] - 4 * values + values // 2 + values // BLOCK, gathered
+    assert _q_proj(placed).base.scale_absmax.sharding.is_fully_replicated and _q_proj(placed).base.double_quant
     every = {k: sum(c.bytes for c in v if c.kind == "all-gather") for k, v in colls.items()}
     assert 0 < every["int8"] < 0.6 * every["float32"], every
     reduced = {k: [(c.in_loop, c.bytes) for c in v if c.kind == "all-reduce"] for k, v in colls.items()}
     assert (
-        reduced["nf4"] == reduced["int8"] == reduced["float32"]
+        reduced["nf4:dq"] == reduced["nf4"] == reduced["int8"] == reduced["float32"]
     )  # the float model's, pinned per preset by test_presets.py
     tp = preset_mesh("tp", 4)
     with jax.set_mesh(tp):
         rules = zoo.rules("tp")
-        placed, ref = zoo.shard(cast, rules, tp), zoo.shard(model, rules, tp)
+        placed, ref = zoo.shard(double, rules, tp), zoo.shard(model, rules, tp)
         for proj in ("q_proj", "o_proj"):
             got, want = getattr(placed.layers.layers.attention, proj), getattr(ref.layers.layers.attention, proj)
             assert got.base.codes.sharding.spec == got.base.scale.sharding.spec == want.base.weight.sharding.spec
         out = eqx.filter_jit(lambda m, t: m(t))(placed, jax.device_put(batch["tokens"], P("data", None)))
-    assert_rounding_close(out, eqx.filter_jit(lambda m: m(batch["tokens"]))(cast), **FORWARD)
+    assert_rounding_close(out, eqx.filter_jit(lambda m: m(batch["tokens"]))(double), **FORWARD)
 
 
 def test_four_bit_bases_refuse_what_cannot_hold_and_merge_by_dequantising(tmp_path):
@@ -257,7 +278,8 @@ def test_four_bit_bases_refuse_what_cannot_hold_and_merge_by_dequantising(tmp_pa
 
 
 def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama_dir, data_files, tmp_path):
-    """`zoo finetune --quantize nf4:16`: the run trains LoRA on an NF4 base, writes the
+    """`zoo finetune --quantize nf4:16:dq`: the run trains LoRA on an NF4 base (its scales
+    double-quantised; plain `nf4:16` runs in the several-adapters test), writes the
     setting in config.json, and `load_run` (predict, eval, generate) rebuilds that base
     under the adapter; a block that does not fit, a full-weight run and an unknown kind are
     one line each, naming the fix."""
@@ -267,12 +289,13 @@ def test_finetune_quantize_trains_on_the_four_bit_base_and_readers_load_it(llama
     run = tmp_path / "qlora"
     common = ["finetune", "transformer", "--init", llama_dir, "--data", data_files["chat"], "--lora", "r=4,alpha=8",
               *TINY, "--steps", "2", "--lr", "1e-2"]  # fmt: skip
-    rc, _, err = zoo_main(*common, "--quantize", "nf4:16", "--output", run)
+    rc, _, err = zoo_main(*common, "--quantize", "nf4:16:dq", "--output", run)
     assert rc == 0, err
-    assert json.loads((run / "config.json").read_text())["quantize"] == "nf4:16"
+    assert json.loads((run / "config.json").read_text())["quantize"] == "nf4:16:dq"
     loaded = zoo.train.load_run(run)
     q_proj = _q_proj(loaded.model)
     assert isinstance(q_proj.base, FourBitLinear) and q_proj.base.kind == "nf4" and q_proj.base.block_size == 16
+    assert q_proj.base.double_quant and q_proj.base.scale.dtype == jnp.uint8
     assert q_proj.lora_A.dtype == jnp.float32
     rc, _, err = zoo_main(*common, "--quantize", "nf4", "--output", tmp_path / "bad")
     one_line_error(rc, err, "--quantize nf4: cast_frozen(model, 'nf4') at layers.layers.attention.q_proj")
@@ -454,8 +477,10 @@ def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tm
 
 
 def test_generate_and_serve_quantize_the_base_as_they_load(llama_dir, tmp_path):
-    """`zoo generate SOURCE --quantize nf4:16` continues a prompt as zoo.generate does with
-    `from_pretrained(SOURCE, quantize="nf4:16")` (and says so on stderr); `zoo serve`'s
+    """`zoo generate SOURCE --quantize nf4:16:dq` (NF4, its scales double-quantised)
+    continues a prompt as zoo.generate does with `from_pretrained(SOURCE,
+    quantize="nf4:16:dq")` (and says so on stderr), whose projections are
+    `FourBitLinear.quantize(..., double_quant=True)`'s of the float ones; `zoo serve`'s
     engine on that base gives zoo.generate's tokens for the base and for a LoRA adapter on
     it; a kind that is none is one line naming --quantize."""
     from helpers import one_line_error, zoo_main
@@ -463,11 +488,15 @@ def test_generate_and_serve_quantize_the_base_as_they_load(llama_dir, tmp_path):
     from zoo.serve import Engine, Request
 
     prompt = "the cat sat on"
-    rc, out, err = zoo_main("generate", llama_dir, "--prompt", prompt, "--max-new-tokens", 5, "--quantize", "nf4:16")
+    rc, out, err = zoo_main("generate", llama_dir, "--prompt", prompt, "--max-new-tokens", 5, "--quantize", "nf4:16:dq")
     assert rc == 0, err
     assert "its projections nf4" in err
-    model = zoo.hf.from_pretrained(llama_dir, quantize="nf4:16")
+    model = zoo.hf.from_pretrained(llama_dir, quantize="nf4:16:dq")
     assert isinstance(model.layers.layers.attention.q_proj, FourBitLinear)
+    want = FourBitLinear.quantize(_q_proj(zoo.hf.from_pretrained(llama_dir)), "nf4", block_size=16, double_quant=True)
+    assert jax.tree.structure(_q_proj(model)) == jax.tree.structure(want) and _q_proj(model).double_quant
+    for got, leaf in zip(jax.tree.leaves(_q_proj(model)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(got, leaf)
     tokenizer = zoo.hf.Tokenizer.from_pretrained(llama_dir)
     tokens = tokenizer([prompt])["tokens"]
     ids = np.asarray(zoo.generate(model, tokens, max_new_tokens=5))[0, tokens.shape[1] :].tolist()
@@ -497,7 +526,9 @@ def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(tmp_path, d
     """A model transformers saved with a bitsandbytes 4-bit NF4 `quantization_config` (a
     QLoRA base, as `*-bnb-4bit` checkpoints are): `from_pretrained` reads it into NF4
     `FourBitLinear`s whose dequantised weights are bitsandbytes' `dequantize_4bit`, bit for
-    bit (double quantisation's 8-bit absmax too), and gives transformers' logits."""
+    bit, and gives transformers' logits. Double-quantised scales stay so: the file's 8-bit
+    codes, nested absmax and offset, the layer's state; `quantize="nf4:64"` expands them to
+    float32 (the same weights)."""
     import bitsandbytes.functional as bnb_functional
     import torch
     import transformers
@@ -522,9 +553,25 @@ def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(tmp_path, d
         for zoo_part, torch_part, name in attention + mlp:
             mine = getattr(zoo_part, name)
             assert isinstance(mine, FourBitLinear) and mine.kind == "nf4" and mine.block_size == 64
+            assert mine.double_quant == double_quant and mine.scale.dtype == (
+                jnp.uint8 if double_quant else jnp.float32
+            )
             w = getattr(torch_part, name if name.endswith("_proj") else f"{name}_proj").weight
             want = bnb_functional.dequantize_4bit(w.data, w.quant_state).numpy()
             assert np.array_equal(np.asarray(mine.dequantized_weight())[i].T, want), f"layer {i} {name}"
+            if double_quant:  # bitsandbytes' nested state, as it holds it
+                state = w.quant_state
+                np.testing.assert_array_equal(np.asarray(mine.scale[i]).T.reshape(-1), state.absmax.numpy())
+                np.testing.assert_array_equal(mine.scale_absmax[i], state.state2.absmax.numpy())
+                assert float(mine.scale_offset[i]) == state.offset.item()
+                assert mine.scale_code0 == float(state.state2.code[0])
+    if double_quant:
+        expanded = zoo.hf.from_pretrained(tmp_path / "nf4", quantize="nf4:64")
+        q_proj = expanded.layers.layers.attention.q_proj
+        assert not q_proj.double_quant and q_proj.scale.dtype == jnp.float32
+        np.testing.assert_array_equal(
+            q_proj.dequantized_weight(), ours.layers.layers.attention.q_proj.dequantized_weight()
+        )
     tokens = np.array([[1, 5, 9, 2, 33, 7, 60, 4]])
     with torch.no_grad():
         want = theirs(torch.tensor(tokens)).logits.numpy()

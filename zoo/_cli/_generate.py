@@ -413,7 +413,7 @@ def add_quantize(p: argparse.ArgumentParser) -> None:
         "--quantize",
         metavar="KIND",
         help="store the projections of the model's layers as it loads: nf4 or int4 (4 bits, KIND:BLOCK for another "
-        "block of inputs per scale, e.g. nf4:32) or int8; embeddings, norms and head stay float (default: float, "
+        "block of inputs per scale, e.g. nf4:32; nf4:dq or nf4:32:dq: NF4's scales in 8 bits) or int8; embeddings, norms and head stay float (default: float, "
         "or the base a --quantize finetune run trained on)",
     )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..nn._four_bit import NF4_CODE
+from ..nn._four_bit import NESTED_BLOCK_SIZE, NF4_CODE, dynamic_code
 from ._files import Checkpoint
 
 # The tensors bitsandbytes saves beside a 4-bit `weight` (`Params4bit`'s quant state).
@@ -76,6 +76,25 @@ class FourBitCheckpoint:
         if len(sizes) > 1:
             raise ValueError(f"{self.where}: its 4-bit weights use several block sizes {sorted(sizes)}")
         return sizes.pop() if sizes else 64
+
+    def double_quant(self) -> bool:
+        """Whether the checkpoint's 4-bit weights keep their scales double-quantised."""
+        return any("nested_blocksize" in self._state(n) for n in self._states)
+
+    def nested_state(self, name: str, blocks: int) -> tuple[np.ndarray, np.ndarray, np.float32, float] | None:
+        """The double-quantised scales of 4-bit weight `name` (file name) as zoo stores them:
+        uint8 codes `[blocks, out]` (the file's `[out, blocks]` transposed), the nested absmax,
+        the offset and the value of code 0 in its `nested_quant_map`; `None` when its scales
+        are float or its nested code book is not bitsandbytes' dynamic map."""
+        state = self._state(name)
+        if "nested_blocksize" not in state or state["nested_blocksize"] != NESTED_BLOCK_SIZE:
+            return None
+        table = self._whole(name + ".nested_quant_map").astype(np.float32)
+        if table.shape != (256,) or not np.array_equal(table[1:], dynamic_code()[1:]):
+            return None
+        codes = self._whole(name + ".absmax").reshape(-1, blocks).T
+        absmax = self._whole(name + ".nested_absmax").astype(np.float32)
+        return codes.astype(np.uint8), absmax, np.float32(state["nested_offset"]), float(table[0])
 
     def keys(self) -> list[str]:
         return [

@@ -19,12 +19,14 @@ from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, axis_size, check_head_counts, partition_specs, shard
 from .._tree import dotted_name, node_at
 from ..models import Encoder, Transformer
+from ..nn._four_bit_linear import FourBitLinear
 from ..nn._quantized import quantize_kind, quantizer, stack_projections
 from . import _families  # noqa: F401  (registers the families)
 from ._bnb import FourBitCheckpoint, bnb_quantize
 from ._family import Family, get_family
 from ._files import Checkpoint, read_config
 from ._hub import resolve_model_dir
+from ._layout import leaf_sources
 from ._place import place
 
 
@@ -79,9 +81,12 @@ def _load(
     with Checkpoint(path) as checkpoint:
         if four_bit is not None:
             checkpoint = FourBitCheckpoint(checkpoint, str(path))
-            quantize = quantize or f"{four_bit}:{checkpoint.block_size()}"
-        kind, block_size = quantize_kind(quantize) if quantize is not None else (None, None)
-        convert = _quantizers(skeleton, kind, block_size, str(path))
+            stored = f"{four_bit}:{checkpoint.block_size()}" + (":dq" if checkpoint.double_quant() else "")
+            quantize = quantize or stored
+        kind, block_size, double_quant = quantize_kind(quantize) if quantize is not None else (None, None, False)
+        convert = _quantizers(skeleton, kind, block_size, str(path), double_quant)
+        if four_bit is not None and quantize == stored and double_quant:
+            convert = _stored_scales(convert, layout, skeleton, config, checkpoint, block_size)
         model = place(
             layout,
             skeleton,
@@ -99,14 +104,16 @@ def _load(
     return model
 
 
-def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, where: str) -> dict[str, Any]:
+def _quantizers(
+    skeleton: Any, quantize: str | None, block_size: int | None, where: str, double_quant: bool = False
+) -> dict[str, Any]:
     """Dotted name → the function that quantises it, for every `Linear` of the layer stack
     (`stack_projections`: attention and MLP projections; embeddings, norms and an untied
     head stay float, as bitsandbytes leaves `lm_head`). A block that does not divide a layer's inputs is
     refused here, before anything is read."""
     if quantize is None:
         return {}
-    convert = quantizer(quantize, block_size)
+    convert = quantizer(quantize, block_size, double_quant)
     found = {dotted_name(path): node_at(skeleton, path) for path in stack_projections(skeleton)}
     for name, linear in found.items():
         try:
@@ -116,6 +123,42 @@ def _quantizers(skeleton: Any, quantize: str | None, block_size: int | None, whe
             hint = str(e).replace("pass block_size= one of", f"pass quantize='{quantize}:BLOCK', BLOCK one of")
             raise ValueError(f"{where}: cannot quantize {name} as {quantize}: {hint}") from None
     return dict.fromkeys(found, convert)
+
+
+def _stored_scales(
+    convert: dict[str, Any], layout: Family, skeleton: Any, config: Any, checkpoint: FourBitCheckpoint, block: int
+) -> dict[str, Any]:
+    """`convert` for a checkpoint transformers saved with double-quantised NF4 scales: each
+    projection's NF4 codes made again from the float weights read (a dequantised block
+    re-quantises to itself), its scales kept as the file stores them (the 8-bit codes,
+    nested absmax, offset), so the layer is bitsandbytes' state, bit for bit. A projection
+    cut from a fused tensor (its runs of 256 scales are the whole tensor's), or whose nested
+    code book is not bitsandbytes' dynamic map (one first entry for all its layers), is
+    double-quantised again by zoo."""
+    sources = {dotted_name(p): s for p, _, s in leaf_sources(layout, skeleton, config)}
+    files, _ = layout.canonical_names(checkpoint.keys())
+    out = dict(convert)
+    for name, quantize in convert.items():
+        source = sources.get(f"{name}.weight")
+        if source is None or source.block is not None:
+            continue
+
+        def stored(linear, quantize=quantize, names=tuple(files[n] for n in source.names)):
+            plain = FourBitLinear.quantize(linear, "nf4", block_size=block)
+            states = [checkpoint.nested_state(n, plain.scale.shape[-2]) for n in names]
+            if any(s is None for s in states) or len({s[3] for s in states}) > 1:
+                return quantize(linear)
+            layers = plain.scale.shape[:-2]
+            codes, absmax, offset = (np.stack([s[i] for s in states]) for i in range(3))
+            codes, absmax, offset = (
+                codes.reshape(plain.scale.shape),
+                absmax.reshape(*layers, -1),
+                offset.reshape(layers),
+            )
+            return plain.with_scales(codes, absmax, offset, states[0][3])
+
+        out[name] = stored
+    return out
 
 
 _COMMON_DOC = """
@@ -139,7 +182,9 @@ _COMMON_DOC = """
     - `config_overrides`: zoo config fields to set on top of the converted config.json
       (e.g. `{"dropout": 0.0, "remat": "dots_saveable"}`).
     - `quantize`: `"nf4"` or `"int4"` (`zoo.nn.FourBitLinear`; `"nf4:32"` for a block of
-      32 inputs per scale, default 64 / 128: it must divide every projection's inputs) or
+      32 inputs per scale, default 64 / 128: it must divide every projection's inputs;
+      `"nf4:dq"` / `"nf4:32:dq"`: NF4's scales in 8 bits, bitsandbytes' double
+      quantisation) or
       `"int8"` (`zoo.nn.QuantizedLinear`), as `RunConfig.quantize` and `--quantize` take
       it: every projection of the layer stack is quantised as it is
       read, one stacked projection at a time, so the float model never exists in memory
@@ -150,8 +195,10 @@ _COMMON_DOC = """
       on top (`zoo.lora.add_lora`) to train it (QLoRA). Default None: float weights, or
       for a checkpoint transformers saved with a bitsandbytes 4-bit NF4
       `quantization_config` (QLoRA bases such as `*-bnb-4bit`), that NF4 and block: the
-      same codes and scales, its double-quantised absmax read as the float32 it stands for
-      (`zoo.nn.dequantize(model)` gives float weights).
+      same codes and scales; double-quantised scales (`bnb_4bit_use_double_quant`) stay
+      so, their 8-bit codes, nested absmax and offset as the file holds them (`"nf4:64:dq"`;
+      `quantize="nf4:64"` expands them to float32). `zoo.nn.dequantize(model)` gives float
+      weights.
 
     A `ValueError` lists every missing, unexpected and mis-shaped tensor, names the
     unsupported config option, or names a weight holding NaN or inf. Files of task models (`bert.` / `transformer.` prefixes)

@@ -54,7 +54,8 @@ def cast_frozen(
       `zoo.lora.stack_adapters`, `load_adapters`).
     - `dtype`: the storage dtype of the frozen leaves: a floating-point dtype, int8, or
       `"nf4"` / `"int4"`; the text forms `RunConfig.quantize` and `--quantize` take are
-      read too (`"int8"`, `"nf4:32"`: a 4-bit block of 32).
+      read too (`"int8"`, `"nf4:32"`: a 4-bit block of 32; `"nf4:dq"` / `"nf4:32:dq"`:
+      NF4's block scales in 8 bits, bitsandbytes' double quantisation).
     - `block_size`: with `"nf4"` / `"int4"`, the input features per scale (default 64 /
       128; it must divide every quantised layer's input features).
     - `config`: the `LoraConfig` the branches were added with (its `modules_to_save` stay
@@ -63,7 +64,7 @@ def cast_frozen(
     **Returns:** the model with the frozen leaves cast; train it with
     `zoo.TrainStep(..., trainable=zoo.lora.trainable(model, config))`.
     """
-    dtype, four_bit, block_size = _storage(dtype, block_size)
+    dtype, four_bit, block_size, double_quant = _storage(dtype, block_size)
     quantize = four_bit is not None or dtype == jnp.int8
     if not quantize and not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
@@ -102,7 +103,7 @@ def cast_frozen(
 
     def quantized(path):
         try:  # the quantiser loading uses too (zoo.hf.from_pretrained(quantize=))
-            layer = quantizer(four_bit or "int8", block_size)(node_at(model, path))
+            layer = quantizer(four_bit or "int8", block_size, double_quant)(node_at(model, path))
         except ValueError as e:
             raise ValueError(f"cast_frozen(model, {four_bit or 'int8'!r}) at {dotted_name(path)}: {e}") from None
         bias = node_at(cast, path).bias
@@ -111,13 +112,14 @@ def cast_frozen(
     return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], cast, replace=[quantized(p) for p in paths])
 
 
-def _storage(dtype: Any, block_size: int | None) -> tuple[Any, str | None, int | None]:
-    """`cast_frozen`'s `dtype` and `block_size` read: `(dtype, "nf4" | "int4" | None, block)`,
-    the text form ("nf4:32") split. **Raises:** `ValueError` naming what to give."""
-    four_bit = None
+def _storage(dtype: Any, block_size: int | None) -> tuple[Any, str | None, int | None, bool]:
+    """`cast_frozen`'s `dtype` and `block_size` read: `(dtype, "nf4" | "int4" | None, block,
+    double quantisation)`, the text form ("nf4:32", "nf4:32:dq") split. **Raises:**
+    `ValueError` naming what to give."""
+    four_bit, double_quant = None, False
     if isinstance(dtype, str) and dtype.partition(":")[0] in ("nf4", "int4"):  # "nf4", or the text form "nf4:32"
         try:
-            four_bit, block = quantize_kind(dtype)
+            four_bit, block, double_quant = quantize_kind(dtype)
         except ValueError as e:
             raise ValueError(f"cast_frozen: {e}") from None
         if block is not None and block_size is not None:
@@ -134,4 +136,4 @@ def _storage(dtype: Any, block_size: int | None) -> tuple[Any, str | None, int |
         raise ValueError(f"cast_frozen: block_size must be an even number >= 2, got {block_size}")
     if block_size is not None and four_bit is None:
         raise ValueError(f"cast_frozen: block_size is for dtype 'nf4' or 'int4', not {dtype}")
-    return dtype, four_bit, block_size
+    return dtype, four_bit, block_size, double_quant

@@ -81,7 +81,13 @@ class LoraLinear(LinearWrapper):
             )
         ka, kb = jr.split(key)
         # An int8 or 4-bit base keeps its float dtype in its scale.
-        dtype = base.scale.dtype if isinstance(base, QuantizedLinear | FourBitLinear) else base.weight.dtype
+        dtype = (
+            base.float_dtype
+            if isinstance(base, FourBitLinear)
+            else base.scale.dtype
+            if isinstance(base, QuantizedLinear)
+            else base.weight.dtype
+        )
         if init == "gaussian":
             a = jr.normal(ka, (n_in, r), dtype) / r
         else:
@@ -148,7 +154,7 @@ def float_weight(base: Linear | QuantizedLinear | FourBitLinear, dtype: Any, lik
         codes, scale = base.codes, base.scale
         if like is not None:
             codes, scale = (for_use(v, like, lead_ndim=like.ndim - 1) for v in (codes, scale))
-        return dequantize_codes(codes, scale, base.kind, dtype)
+        return dequantize_codes(codes, scale, base.kind, dtype, base.nested_scales())
     if isinstance(base, QuantizedLinear):
         q, scale = base.weight, base.scale
         if like is not None:

@@ -7,6 +7,7 @@ one compiled program per shape (`jax.jit`), not one per operation."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -120,9 +121,23 @@ def dequantize_scales(
     codes: UInt8[Array, "*shape"], nested_absmax: Float[Array, " nested"], offset: Float[Array, ""]
 ) -> Float[Array, "*shape"]:
     """The NF4 scales double-quantised `codes` stand for (`quantize_scales`'s inverse, as
-    bitsandbytes' `dequantize_4bit` computes them: code x block absmax, then + offset)."""
-    flat = dequantize_blockwise(codes.reshape(-1), nested_absmax, dynamic_code(), NESTED_BLOCK_SIZE)
-    return (flat + offset.astype(jnp.float32)).reshape(codes.shape)
+    bitsandbytes' `dequantize_4bit` computes them: code x block absmax, then + offset, each
+    rounded)."""
+    offset = offset.astype(jnp.float32)
+    flat = unfused(
+        jnp.isfinite(offset),
+        lambda: dequantize_blockwise(codes.reshape(-1), nested_absmax, dynamic_code(), NESTED_BLOCK_SIZE),
+    )
+    return (flat + offset).reshape(codes.shape)
+
+
+def unfused(finite: Array, product: Callable[[], Array]) -> Array:
+    """`product()`, rounded on its own before what is added to it, as bitsandbytes rounds
+    a scale's `code · absmax` before adding the offset. XLA fuses a product and a sum into
+    one multiply-add (a different last bit) and drops optimisation barriers on the CPU; a
+    branch on the data is the boundary it keeps (`finite` false: NaN, which the sum with a
+    non-finite offset would be anyway)."""
+    return jax.lax.cond(jnp.all(finite), product, lambda: jnp.full_like(product(), jnp.nan))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))

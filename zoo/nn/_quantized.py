@@ -122,25 +122,33 @@ def _int8_dequantize(weight: Int8[Array, "*layers n_in n_out"], scale: Array, dt
 QUANTIZE_KINDS = ("nf4", "int4", "int8")
 
 
-def quantize_kind(text: str) -> tuple[str, int | None]:
-    """A quantised base's text form read: `(kind, block size or None)` from "nf4", "int4",
-    "int8", or "nf4:32" / "int4:64" (a 4-bit block of inputs per scale).
+def quantize_kind(text: str) -> tuple[str, int | None, bool]:
+    """A quantised base's text form read: `(kind, block size or None, double quantisation)`
+    from "nf4", "int4", "int8", "nf4:32" / "int4:64" (a 4-bit block of inputs per scale),
+    and NF4's double-quantised scales (bitsandbytes' `bnb_4bit_use_double_quant`):
+    "nf4:dq" or "nf4:64:dq".
 
     **Raises:** `ValueError` naming the forms."""
-    kind, colon, block = str(text).partition(":")
-    fits = kind in QUANTIZE_KINDS and (not colon or (kind != "int8" and block.isdigit() and int(block) % 2 == 0))
-    if not fits or (block and int(block) < 2):
+    kind, *parts = str(text).split(":")
+    double_quant = parts[-1:] == ["dq"] and kind == "nf4"
+    block = parts[:-1] if double_quant else parts
+    fits = kind in QUANTIZE_KINDS and len(block) <= 1 and (kind != "int8" or not block)
+    fits = fits and all(b.isdigit() and int(b) % 2 == 0 and int(b) >= 2 for b in block)
+    if not fits:
         raise ValueError(
             f"quantize {text!r}: give nf4, int4 or int8, or a 4-bit kind with an even block of inputs per scale, "
-            "e.g. nf4:32"
+            "e.g. nf4:32; nf4:dq or nf4:64:dq stores NF4's scales in 8 bits (double quantisation)"
         )
-    return kind, int(block) if block else None
+    return kind, int(block[0]) if block else None, double_quant
 
 
-def quantizer(kind: str, block_size: int | None = None) -> Callable[[Linear], QuantizedLinear | FourBitLinear]:
+def quantizer(
+    kind: str, block_size: int | None = None, double_quant: bool = False
+) -> Callable[[Linear], QuantizedLinear | FourBitLinear]:
     """The function storing a float `Linear` as `kind` says: `"int8"` a `QuantizedLinear`
     (`QuantizedLinear.quantize`), `"nf4"` / `"int4"` a `FourBitLinear` of `block_size`
-    inputs per scale (`FourBitLinear.quantize`; default 64 / 128). What loading
+    inputs per scale (`FourBitLinear.quantize`; default 64 / 128; NF4's scales in 8 bits
+    with `double_quant`). What loading
     (`zoo.hf.from_pretrained(quantize=)`) and `zoo.lora.cast_frozen` both quantise with.
 
     **Raises:** `ValueError` for another kind, or a block with int8."""
@@ -152,7 +160,7 @@ def quantizer(kind: str, block_size: int | None = None) -> Callable[[Linear], Qu
         return QuantizedLinear.quantize
 
     def four_bit(linear: Linear) -> FourBitLinear:
-        return FourBitLinear.quantize(linear, kind, block_size=block_size)
+        return FourBitLinear.quantize(linear, kind, block_size=block_size, double_quant=double_quant)
 
     return four_bit
 

@@ -338,7 +338,8 @@ class RunSettings:
         commands=("finetune", "demo"),
         help="store the frozen base of the LoRA adapters in nf4 (QLoRA: bitsandbytes' 4-bit NormalFloat, a scale per "
         "64 inputs), int4 (symmetric, a scale per 128 inputs) or int8 (a scale per output); KIND:BLOCK sets a "
-        "4-bit block, e.g. nf4:32 (default: the float base)",
+        "4-bit block, e.g. nf4:32; nf4:dq or nf4:32:dq stores NF4's scales in 8 bits (bitsandbytes' double "
+        "quantisation) (default: the float base)",
     )
     objective: str = flag(
         "sft",

@@ -242,9 +242,10 @@ def absolute_files(source: str) -> str:
     )
 
 
-def quantize_kind(text: str) -> tuple[str, int | None]:
-    """`RunConfig.quantize` read: `(kind, block size or None)` from "nf4", "int4", "int8" or
-    "nf4:32" / "int4:64" (a 4-bit block of inputs), as `zoo.hf.from_pretrained(quantize=)`
+def quantize_kind(text: str) -> tuple[str, int | None, bool]:
+    """`RunConfig.quantize` read: `(kind, block size or None, double quantisation)` from
+    "nf4", "int4", "int8", "nf4:32" / "int4:64" (a 4-bit block of inputs) or "nf4:dq" /
+    "nf4:64:dq" (NF4's scales in 8 bits), as `zoo.hf.from_pretrained(quantize=)`
     reads it. **Raises:** `ConfigError` naming the forms."""
     from ..nn._quantized import quantize_kind as read
 
