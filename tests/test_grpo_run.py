@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_decoder, zoo_main
+from helpers import assert_rounding_close, tiny_decoder, zoo_main
 from tiny_runs import read_jsonl, write_jsonl
 
 import zoo
@@ -36,16 +36,26 @@ def _completions(engine, seed):
     return handles
 
 
-def _gap(model, handles):
-    """The largest difference between each completion token's `sampled_logprob` and the
-    training forward's (`GRPOLoss.token_logps` at the sampling temperature)."""
+# The tiny decoder's logits (helpers.tiny_decoder: sums <= 32 wide, 2 layers of ~6 chained
+# sums and the head, as test_generate.SUMS), its LoRA branch's add and the log-softmax.
+LOGP_SUMS = {"terms": 32, "depth": 2 * 6 + 3}
+
+
+def _pairs(model, handles):
+    """Each completion token's `sampled_logprob` and the training forward's
+    (`GRPOLoss.token_logps` at the sampling temperature), as two arrays."""
     objective = zoo.models.GRPOLoss(temperature=TEMPERATURE)
-    gaps = []
+    served, trained = [], []
     for h in handles:
         tokens = jnp.asarray([[3, 5, 7, *h.ids]], jnp.int32)
-        trained = np.asarray(objective.token_logps(model, tokens))[0, 2:]
-        gaps.append(np.max(np.abs(trained - np.array([t.sampled_logprob for t in h.tokens]))))
-    return max(gaps)
+        trained.append(np.asarray(objective.token_logps(model, tokens))[0, 2:])
+        served.append(np.array([t.sampled_logprob for t in h.tokens], np.float32))
+    return np.concatenate(served), np.concatenate(trained)
+
+
+def _gap(model, handles):
+    served, trained = _pairs(model, handles)
+    return float(np.max(np.abs(served - trained)))
 
 
 def test_the_engines_log_probabilities_are_the_training_forwards_and_a_policy_update_compiles_nothing():
@@ -55,12 +65,12 @@ def test_the_engines_log_probabilities_are_the_training_forwards_and_a_policy_up
     (`Engine.update_adapter`), which compiles no program."""
     base, policy = _policy(1)
     engine = Engine(base, slots=4, max_len=16, adapters={"policy": policy}, max_adapters=1, max_lora_rank=2)
-    assert _gap(policy, _completions(engine, 0)) < 1e-5
+    assert_rounding_close(*_pairs(policy, _completions(engine, 0)), **LOGP_SUMS, what="log-probabilities")
     compiled = dict(engine.compiles)
     _, update = _policy(7)
     engine.update_adapter("policy", update)
     after = _completions(engine, 0)
-    assert _gap(update, after) < 1e-5
+    assert_rounding_close(*_pairs(update, after), **LOGP_SUMS, what="log-probabilities after the update")
     assert _gap(policy, after) > 1e-3  # the new weights were served, not the old
     assert engine.compiles == compiled
     with pytest.raises(ValueError, match="NaN or inf"):

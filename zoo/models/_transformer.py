@@ -249,6 +249,10 @@ class Transformer(eqx.Module):
         `vocab_size` unless `config.vocab_multiple` pads it; padded entries are the float32
         minimum, so softmax, cross-entropy and argmax equal the unpadded model's).
         """
+        return self._forward(tokens, mask, segment_ids, positions, key, router=False)
+
+    def _forward(self, tokens, mask, segment_ids, positions, key, *, router: bool):
+        """`__call__`'s logits; with `router`, `(logits, RouterChoice)` (`with_router`)."""
         check_array(tokens, where="Transformer", name="tokens", kind="int", ndim=2)
         seq = tokens.shape[1]
         if seq > self.config.max_len:
@@ -257,7 +261,10 @@ class Transformer(eqx.Module):
         packing = (
             {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
         )
-        return self.head(self.layers(h, mask=mask, key=key, **packing, **self._pattern()))
+        if not router:
+            return self.head(self.layers(h, mask=mask, key=key, **packing, **self._pattern()))
+        h, choice = self.layers(h, mask=mask, key=key, router=True, **packing, **self._pattern())
+        return self.head(h), choice
 
     @place_inputs
     def with_router(
@@ -279,13 +286,7 @@ class Transformer(eqx.Module):
         """
         if self.config.num_experts is None:
             raise ValueError("Transformer.with_router: this model has no experts (config.num_experts is None)")
-        check_array(tokens, where="Transformer", name="tokens", kind="int", ndim=2)
-        packing = (
-            {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
-        )
-        h = self.embed(tokens, positions, key=key)
-        h, choice = self.layers(h, mask=mask, key=key, router=True, **packing, **self._pattern())
-        return self.head(h), choice
+        return self._forward(tokens, mask, segment_ids, positions, key, router=True)
 
     def embed(
         self,

@@ -414,20 +414,14 @@ def decoder_sample(model, task, *, prompt_len: int = 16, new_tokens: int = 32) -
     import numpy as np
 
     from ..hf import Tokenizer
+    from ._task import decoder_of
 
     max_len = model.config.max_len
     prompt_len = min(prompt_len, max_len // 2)
     new_tokens = min(new_tokens, max_len - prompt_len)
     tokens = np.asarray(task.eval_data["tokens"][:1, :prompt_len], np.int32)
     tokenizer = Tokenizer.from_pretrained(task.tokenizer_dir) if task.tokenizer_dir is not None else None
-
-    def decode(ids) -> str:
-        ids = [int(i) for i in ids]
-        if tokenizer is None:  # byte tokens
-            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return tokenizer.decode(ids)
-
-    return Sample(tokens, new_tokens=new_tokens, decode=decode)
+    return Sample(tokens, new_tokens=new_tokens, decode=decoder_of(tokenizer))
 
 
 # --------------------------------------------------------------------------- the best checkpoint: KeepBest

@@ -228,6 +228,18 @@ def tokenizer_of(folder: Path | None):
     return None
 
 
+def decoder_of(tokenizer) -> Callable[[Any], str]:
+    """ids → text: `tokenizer.decode` (special tokens dropped), or UTF-8 bytes without one."""
+
+    def decode(ids) -> str:
+        ids = [int(i) for i in ids]
+        if tokenizer is None:  # byte tokens
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return tokenizer.decode(ids)
+
+    return decode
+
+
 def check_vocab(vocab: int, tokenizer, where: str) -> None:
     """Byte tokens (no tokenizer) need a vocabulary of at least 256 ids."""
     if tokenizer is None and vocab < 256:

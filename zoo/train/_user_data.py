@@ -26,7 +26,7 @@ from ._config import RunConfig
 from ._errors import ConfigError
 from ._preference import preference_task
 from ._registry import ModelSpec, model_names, model_spec
-from ._task import Task, check_vocab, classifier_metrics, init_folder, init_name, lm_metrics, tokenizer_of
+from ._task import Task, check_vocab, classifier_metrics, decoder_of, init_folder, init_name, lm_metrics, tokenizer_of
 from ._text import adapter_files
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
@@ -192,13 +192,7 @@ def tokenizer_source(c: RunConfig) -> tuple[Path | None, Any, Any, Any]:
     decode(ids) -> text)`: the folder's tokenizer.json, else byte tokens."""
     folder = init_folder(c)
     tokenizer = tokenizer_of(folder)
-
-    def decode(ids: list[int]) -> str:
-        if tokenizer is None:  # byte tokens
-            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return tokenizer.decode(ids)
-
-    return folder, tokenizer, (tokenizer or byte_tokenizer()).tokenizer, decode
+    return folder, tokenizer, (tokenizer or byte_tokenizer()).tokenizer, decoder_of(tokenizer)
 
 
 def chat_template_of(c: RunConfig, folder: Path | None) -> tuple[ChatTemplate | None, dict[str, str]]:
