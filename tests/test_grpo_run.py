@@ -162,6 +162,7 @@ def test_zoo_finetune_grpo_raises_the_reward_and_resumes_bit_identically(llama_d
     assert summary["reward_rose"] and summary["seconds"]["rollouts"] > 0
     assert summary["collectives"]["gradient_reductions"] == 0  # one device
     assert "lm_head" in json.loads((whole / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    _peft_opens_with_zoos_logits(llama_dir, whole / "adapter")
 
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
@@ -172,6 +173,24 @@ def test_zoo_finetune_grpo_raises_the_reward_and_resumes_bit_identically(llama_d
     assert [r["loss"] for r in again] == [r["loss"] for r in train[5:]]
     for name in ("adapter_model.safetensors",):
         assert (resumed / "adapter" / name).read_bytes() == (whole / "adapter" / name).read_bytes()
+
+
+def _peft_opens_with_zoos_logits(llama_dir, adapter):
+    """peft opens the run's adapter (its output head's branch too) on the transformers
+    model with zoo's logits, as an SFT run's (test_cli_data's contract)."""
+    import peft
+    import torch
+    import transformers
+    from helpers import assert_as_accurate, torch_reference
+    from tiny_runs import VOCAB
+
+    tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)
+    model, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(llama_dir), adapter)
+    ours = np.asarray(model(tokens))[..., : len(VOCAB)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    peft_model = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    theirs = torch_reference(lambda m: m(torch.from_numpy(tokens.astype(np.int64))).logits, peft_model)
+    assert_as_accurate(ours, theirs, what="the GRPO adapter vs peft")
 
 
 @pytest.mark.parametrize(
