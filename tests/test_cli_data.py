@@ -154,6 +154,45 @@ def test_the_runs_evaluator_weighs_packed_held_out_rows_as_the_training_loss(lla
     assert_rounding_close(loss, float(sums.sum() / weights.sum()), terms=terms, depth=LOSS_DEPTH, scale=loss)
 
 
+def test_a_held_out_set_smaller_than_a_chunk_is_evaluated_at_its_own_size():
+    """7 held-out rows run as one call of 8 (the data axis's multiple), not padded to the
+    run's 64-row chunk: 8x the work, which made a 55M decoder's first evaluation of 8
+    windows 44 s instead of 7. A decoder's chunk holds at most EVAL_LOGITS_BYTES of logits,
+    but never fewer rows than one training microbatch (whose step holds their logits)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from zoo.train._evaluate import EVAL_LOGITS_BYTES, Evaluator, evaluation_rows
+
+    seen = []
+
+    def metrics(model, batch):
+        seen.append(batch["tokens"].shape[0])  # at trace time: the call's rows
+        weight = batch["weight"]
+        return {"loss": weight * jnp.sum(batch["tokens"], axis=1), "weight": weight, "correct": weight}
+
+    task = types.SimpleNamespace(kind="lm", metrics_fn=metrics, adapter_names=None)
+    tokens = np.arange(7 * 3, dtype=np.int32).reshape(7, 3) % 2
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        out = Evaluator(task, mesh, 64)(None, {"tokens": tokens})
+    assert seen == [8] and out["examples"] == 7
+    assert out["loss"] == pytest.approx(tokens.sum(axis=1).mean())  # the padding row weighs 0
+
+    qwen = types.SimpleNamespace(config=types.SimpleNamespace(padded_vocab=151_936))
+    lm, classifier = types.SimpleNamespace(kind="lm"), types.SimpleNamespace(kind="classification")
+    row_bytes = 128 * 151_936 * 4
+    assert evaluation_rows(lm, qwen, batch_size=8, microbatches=1, seq_len=128, data_size=2) == 14
+    assert 13 * row_bytes <= EVAL_LOGITS_BYTES < 14 * row_bytes  # 13 rows fit, rounded up to the data axis
+    # 2,048 positions: not one row fits; one training microbatch's 4 rows
+    assert evaluation_rows(lm, qwen, batch_size=32, microbatches=8, seq_len=2048, data_size=2) == 4
+    small = types.SimpleNamespace(config=types.SimpleNamespace(padded_vocab=256))
+    assert evaluation_rows(lm, small, batch_size=8, microbatches=1, seq_len=64, data_size=2) == 64
+    assert evaluation_rows(classifier, qwen, batch_size=8, microbatches=1, seq_len=2048, data_size=8) == 64
+
+
 def test_byte_tokenizer_ids_are_the_utf8_bytes():
     from zoo.train._user_data import byte_tokenizer
 

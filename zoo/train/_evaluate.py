@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .._distributed import global_batch, local_rows
 from ..models._preference import ORPO_METRICS
 from ._errors import ConfigError
 from ._scores import class_scores, perplexity
+
+# The most bytes of float32 logits one evaluation chunk of a decoder holds (`[rows, seq,
+# vocab]`): 64 rows of a 151,936-token vocabulary at 2,048 positions would be 80 GB.
+EVAL_LOGITS_BYTES = 1 << 30
+
+
+def evaluation_rows(
+    task, model, *, batch_size: int, microbatches: int | None, seq_len: int | None, data_size: int
+) -> int:
+    """Rows per chunk of a run's held-out evaluation: the global batch, or 64 where that is
+    larger (fewer calls); for a decoder's tasks at most `EVAL_LOGITS_BYTES` of logits, but
+    never fewer rows than one training microbatch (whose step holds their logits already).
+    A multiple of the data axis. `Evaluator` also cuts it to the evaluated rows."""
+    rows = max(batch_size, 64)
+    vocab = getattr(getattr(model, "config", None), "padded_vocab", None)
+    if task.kind in ("lm", "preference") and vocab and seq_len:
+        fit = EVAL_LOGITS_BYTES // (seq_len * vocab * 4)
+        rows = min(rows, max(batch_size // max(microbatches or 1, 1), fit))
+    return data_size * max(1, math.ceil(rows / data_size))
 
 
 class Evaluator:
@@ -18,7 +38,11 @@ class Evaluator:
     Padded texts (a `mask` in the data) are evaluated shortest first, each chunk cut to
     its longest text rounded up to a multiple of `bucket` positions: most docstrings are
     far shorter than the training length, so this does a fraction of the work, for one
-    compile per bucket (a few at most)."""
+    compile per bucket (a few at most).
+
+    `rows` is the most rows of one call (a multiple of the mesh's data axis); a set of
+    fewer rows runs in one call of its own size rounded up to the data axis, not padded to
+    `rows` (8 held-out examples cost 8 rows of work, not 64)."""
 
     def __init__(self, task, mesh, rows: int, *, bucket: int = 16):
         import equinox as eqx
@@ -38,21 +62,23 @@ class Evaluator:
         from jax.sharding import PartitionSpec as P
 
         n = len(next(iter(data.values())))
+        data_size = dict(self.mesh.shape).get("data", 1)
+        chunk_rows = min(self.rows, data_size * math.ceil(n / data_size))
         sharding = NamedSharding(self.mesh, P("data"))
         lengths = data["mask"].sum(axis=1) if "mask" in data else None
         order = np.argsort(lengths, kind="stable") if lengths is not None else np.arange(n)
         outs, feats, preds = [], [], []
-        for start in range(0, n, self.rows):
-            rows = order[start : start + self.rows]
+        for start in range(0, n, chunk_rows):
+            rows = order[start : start + chunk_rows]
             chunk = {k: v[rows] for k, v in data.items()}
             if lengths is not None:  # cut the padding every row of the chunk has
                 seq = data["mask"].shape[1]
                 keep = min(seq, -(-int(lengths[rows].max()) // self.bucket) * self.bucket)
                 chunk = {k: v[:, :keep] if v.ndim == 2 and v.shape[1] == seq else v for k, v in chunk.items()}
             m = len(rows)
-            if m < self.rows:  # pad with copies of the first row, weighted 0
-                chunk = {k: np.concatenate([v, np.repeat(v[:1], self.rows - m, axis=0)]) for k, v in chunk.items()}
-            chunk["weight"] = (np.arange(self.rows) < m).astype(np.float32)
+            if m < chunk_rows:  # pad with copies of the first row, weighted 0
+                chunk = {k: np.concatenate([v, np.repeat(v[:1], chunk_rows - m, axis=0)]) for k, v in chunk.items()}
+            chunk["weight"] = (np.arange(chunk_rows) < m).astype(np.float32)
             out = self._fn(model, put_rows(chunk, sharding))
             outs.append({k: v.sum() for k, v in out.items() if k not in ("features", "predicted")})
             if features:

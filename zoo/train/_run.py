@@ -16,7 +16,6 @@ loss.png) and the printed report.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from ._build import build_run, resume, write_run_files
 from ._config import RunConfig
 from ._console import Header, Phases, Report
 from ._errors import ConfigError, Interrupted, Preempted
-from ._evaluate import Evaluator, TaskEvaluation, first_evaluation, plain
+from ._evaluate import Evaluator, TaskEvaluation, evaluation_rows, first_evaluation, plain
 from ._export import Export
 from ._folder import claim, run_lock
 from ._grpo import RolloutMetrics, Rollouts
@@ -134,7 +133,18 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
         phase("evaluating before training..." if start == 0 else f"evaluating the model of step {start}...")
         data_size = plan.mesh_shape["data"]
         evaluate = (
-            Evaluator(built.task, mesh, data_size * max(1, math.ceil(max(c.batch_size, 64) / data_size)))
+            Evaluator(
+                built.task,
+                mesh,
+                evaluation_rows(
+                    built.task,
+                    built.model,
+                    batch_size=c.batch_size,
+                    microbatches=c.microbatches,
+                    seq_len=c.data.seq_len,
+                    data_size=data_size,
+                ),
+            )
             if built.task.evaluate is None
             else TaskEvaluation(built.task)
         )
