@@ -415,6 +415,20 @@ def test_multimodal_gemma3_loads_its_text_decoder_and_peft_opens_its_adapters(tm
     peft.get_peft_model(hf, theirs).save_pretrained(tmp_path / "peft-adapter")
     mine, _ = zoo.lora.load_adapter(model, tmp_path / "peft-adapter")
     _check(forward(mine, jnp.asarray(t), jnp.asarray(mask)), _hf_logits(hf, t, mask), mask, "peft adapter, zoo")
+    # The same adapter as peft wrote it on transformers 4.x, whose model held the decoder at
+    # `language_model.model.`: peft reads it on today's model (by its conversion mapping), zoo too.
+    shutil.copytree(tmp_path / "peft-adapter", tmp_path / "older-adapter")
+    file = tmp_path / "older-adapter" / "adapter_model.safetensors"
+    written = safetensors.numpy.load_file(str(file))
+    older = "base_model.model.language_model.model."
+    safetensors.numpy.save_file({k.replace("base_model.model.model.language_model.", older): v
+                                 for k, v in written.items()}, str(file))  # fmt: skip
+    assert all(k.startswith(older) for k in safetensors.numpy.load_file(str(file)))
+    fresh = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "mm").eval()
+    hf_older = _hf_logits(peft.PeftModel.from_pretrained(fresh, tmp_path / "older-adapter").eval(), t, mask)
+    np.testing.assert_array_equal(hf_older.f32, _hf_logits(hf, t, mask).f32)  # peft reads the older names as today's
+    older_mine, _ = zoo.lora.load_adapter(model, tmp_path / "older-adapter")
+    _check(forward(older_mine, jnp.asarray(t), jnp.asarray(mask)), hf_older, mask, "peft adapter of transformers 4.x")
 
 
 def test_export_keeps_source_config_and_copies_tokenizer(hf_dirs, loaded, tmp_path):

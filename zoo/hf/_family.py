@@ -99,6 +99,9 @@ class Family:
     module_names: ClassVar[Mapping[str, str]] = {}
     fused: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     lora_names: ClassVar[Mapping[str, str]] = {}
+    # Module-name prefixes of older transformers versions → today's (as a model's
+    # `_checkpoint_conversion_mapping`): peft adapters made then still load.
+    older_module_prefixes: ClassVar[Mapping[str, str]] = {}
     vocab_axes: ClassVar[Mapping[str, int]] = {}
 
     def __init_subclass__(cls, **kwargs: Any):

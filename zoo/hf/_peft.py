@@ -115,6 +115,25 @@ class AdapterNames:
             return None
         return self.family.source(inner, param, parent, shape, self.config)
 
+    def current(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """A peft adapter's tensors (`base_model.model.<module>...`) with the module names of
+        older transformers versions (`family.older_module_prefixes`: Gemma 3's
+        `language_model.model.` of transformers 4.x) renamed as today's, as peft renames
+        them by the model's `_checkpoint_conversion_mapping` (its config's explicit
+        `target_modules` names it does not rename, nor does zoo)."""
+        older = getattr(self.family, "older_module_prefixes", {})
+        if not older or self.inner:
+            return tensors
+        at = "base_model.model."
+        renamed = {}
+        for key, value in tensors.items():
+            for old, new in older.items():
+                if key.startswith(at + old):
+                    key = at + new + key[len(at + old) :]
+                    break
+            renamed[key] = value
+        return renamed
+
     def skipped(self, hf_name: str) -> str | None:
         """Why an HF module name the zoo model lacks may be skipped, or `None`."""
         if not hf_name.startswith(self.prefix):

@@ -269,6 +269,8 @@ def load_adapter(
 
     base = _replace_lora(model, lambda layer: layer.base)
     names = adapter_names(base)
+    if names is not None and meta is None:  # a peft adapter: maybe of an older transformers' module names
+        tensors = names.current(tensors)
     _check_meta(model, meta, values, names, directory)
     tensors, apart = _read_apart(tensors, values, meta, names, directory)
     tensors = _skip_absent(tensors, names, directory)
