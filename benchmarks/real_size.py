@@ -1,0 +1,218 @@
+"""LoRA fine-tuning at real size: `zoo finetune` against transformers + peft, same cores.
+
+A decoder of 0.4B (Qwen2-0.5B's shape: 24 layers, d=896, GQA 14/2) or 1B parameters
+(Llama-3.2-1B's: 16 layers, d=2048, GQA 32/8), each with a 32,000-token vocabulary and
+tied embeddings, random weights saved by transformers (`build/real_size/<size>/model`,
+made once). LoRA r=16 (alpha 32) on every linear layer, AdamW, one device, batch 4 × 256,
+the built-in prose (byte tokens: the folder has no tokenizer), one microbatch.
+
+Each side runs in its own process (its peak resident memory is its own):
+
+- **zoo**: `zoo finetune transformer --init FOLDER --devices 1 ...` (`zoo._cli.main`, in
+  the worker process), the first evaluation on one batch of held-out windows; per-step
+  times from its metrics.jsonl. Then it writes the batches the run trained on.
+- **torch**: `transformers.AutoModelForCausalLM` from the same folder, `peft` LoRA of the
+  same rank on every linear layer, `torch.optim.AdamW`, on those batches
+  (`torch.set_num_threads` = the cores).
+
+Printed side by side: median step time (the first step apart), tokens/s, peak resident
+memory, time to the first step (from the process's start: imports, loading, zoo's first
+evaluation and compile) and the loss of the first step on both (LoRA's B starts at zero,
+so both are the base model's loss on the same batch: equal within rounding).
+
+    python benchmarks/real_size.py                       # 0.4B, float32
+    python benchmarks/real_size.py --size 1b --steps 4
+    python benchmarks/real_size.py --size 0.4b --dtype bfloat16
+    python benchmarks/real_size.py --size small          # 55M: checks the script in a minute
+
+On a shared machine the times are noisy: read them with the load line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+
+# name -> (transformers config class, its arguments)
+SIZES = {
+    "small": ("Qwen2Config", dict(hidden_size=512, intermediate_size=2816, num_hidden_layers=8,
+                                  num_attention_heads=8, num_key_value_heads=2)),
+    "0.4b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2)),
+    "1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8)),
+}  # fmt: skip
+VOCAB = 32_000
+
+
+def make_model(size: str, folder: Path) -> None:
+    """Random weights of `size`'s shape, saved by transformers (once)."""
+    if (folder / "config.json").exists():
+        return
+    import torch
+    import transformers
+
+    name, shape = SIZES[size]
+    config = getattr(transformers, name)(
+        vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=True, **shape
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def zoo_side(args, folder: Path, out: Path) -> dict:
+    """`zoo finetune` in this process; its step times, first loss, time to the first step."""
+    from zoo._cli import main
+
+    run = out / "zoo-run"
+    argv = ["finetune", "transformer", "--init", str(folder), "--devices", "1", "--steps", str(args.steps),
+            "--batch-size", str(args.batch), "--microbatches", "1", "--seq-len", str(args.seq),
+            "--eval-size", str(args.batch), "--eval-every", str(args.steps), "--dtype", args.dtype,
+            "--lora", f"r={args.rank},alpha={2 * args.rank},targets=all-linear", "--lr", str(args.lr),
+            "--output", str(run), "--overwrite", "--no-compile-cache", "--sample-tokens", "0", "--quiet"]  # fmt: skip
+    imported = time.perf_counter() - START
+    if main(argv) != 0:
+        raise SystemExit("zoo finetune failed")
+    peak = peak_mb()
+    seconds = json.loads((run / "summary.json").read_text())["seconds"]
+    train = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    ends = [r["elapsed"] for r in train]
+    steps = [b - a for a, b in zip([0.0, *ends], ends)]
+    _write_batches(run, out / "batches.npz", args.steps)
+    return {
+        "step_s": steps,
+        "first_loss": train[0]["loss"],
+        "peak_mb": peak,
+        "first_step_s": imported + seconds["load"] + seconds["evaluate_before"] + seconds["compile"],
+        "parts": {"imports": imported, **{k: seconds[k] for k in ("load", "evaluate_before", "compile")}},
+    }
+
+
+def _write_batches(run: Path, path: Path, steps: int) -> None:
+    """The token batches of the run's steps 1..`steps`, as the run drew them."""
+    import jax
+    import numpy as np
+
+    import zoo
+    from zoo.train import RunConfig, build_task
+
+    config = RunConfig.from_dict(json.loads((run / "config.json").read_text())).resolved("finetune")
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        task = build_task(config, rules=zoo.rules("dp"), mesh=mesh)
+    tokens = [np.asarray(task.batch_at(s, config.batch_size)["tokens"]) for s in range(1, steps + 1)]
+    np.savez(path, tokens=np.stack(tokens))
+
+
+def torch_side(args, folder: Path, out: Path) -> dict:
+    """transformers + peft on the zoo run's batches: step times, first loss, time to the first step."""
+    import numpy as np
+    import peft
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    imported = time.perf_counter() - START
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules="all-linear")
+    model = peft.get_peft_model(model, config)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    batches = torch.from_numpy(np.load(out / "batches.npz")["tokens"].astype(np.int64))
+    first_step = time.perf_counter() - START
+    steps, losses = [], []
+    for tokens in batches:
+        t = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+        steps.append(time.perf_counter() - t)
+    return {
+        "step_s": steps,
+        "first_loss": losses[0],
+        "peak_mb": peak_mb(),
+        "first_step_s": first_step,
+        "parts": {"imports": imported, "load": first_step - imported},
+    }
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def report(args, zoo: dict, torch: dict) -> None:
+    tokens = args.batch * args.seq
+    rows = {}
+    for name, side in (("zoo", zoo), ("torch", torch)):
+        later = side["step_s"][1:] or side["step_s"]
+        step = statistics.median(later)
+        rows[name] = (step, tokens / step, side["peak_mb"], side["first_step_s"], side["first_loss"])
+    print(f"\n{args.size}, {args.dtype}, LoRA r={args.rank} on every linear layer, batch {args.batch} x {args.seq}, "
+          f"{args.steps} steps (median of steps 2..), loadavg {loadavg()}")  # fmt: skip
+    print(f"{'':8}{'step s':>9}{'tokens/s':>10}{'peak MB':>10}{'first step s':>14}{'first loss':>13}")
+    for name, (step, tps, peak, first, loss) in rows.items():
+        print(f"{name:8}{step:9.2f}{tps:10.0f}{peak:10.0f}{first:14.1f}{loss:13.6f}")
+    z, t = rows["zoo"], rows["torch"]
+    print(f"{'zoo/torch':8}{z[0] / t[0]:9.2f}{'':10}{z[2] / t[2]:10.2f}{z[3] / t[3]:14.2f}"
+          f"{'   |diff| ' + format(abs(z[4] - t[4]), '.1e'):>13}")  # fmt: skip
+    print("time to the first step, zoo: " + ", ".join(f"{k} {v:.1f} s" for k, v in zoo["parts"].items()))
+    print("time to the first step, torch: " + ", ".join(f"{k} {v:.1f} s" for k, v in torch["parts"].items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="0.4b")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--out", type=Path, default=Path("build/real_size"))
+    parser.add_argument("--worker", choices=("make", "zoo", "torch"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = args.out / args.size
+    folder = out / "model"
+    if args.worker == "make":
+        make_model(args.size, folder)
+        return
+    if args.worker is not None:
+        side = zoo_side if args.worker == "zoo" else torch_side
+        print("RESULT " + json.dumps(side(args, folder, out)), flush=True)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for worker in ("make", "zoo", "torch"):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", worker]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"the {worker} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if lines:
+            results[worker] = json.loads(lines[-1].removeprefix("RESULT "))
+    report(args, results["zoo"], results["torch"])
+    (out / f"result-{args.dtype}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
