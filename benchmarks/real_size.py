@@ -24,6 +24,11 @@ so both are the base model's loss on the same batch: equal within rounding).
     python benchmarks/real_size.py --size 1b --steps 4
     python benchmarks/real_size.py --size 0.4b --dtype bfloat16
     python benchmarks/real_size.py --size small          # 55M: checks the script in a minute
+    python benchmarks/real_size.py --remat none,dots_saveable,nothing_saveable   # zoo alone
+
+`--remat P,...` runs zoo's side once per `jax.checkpoint` policy of the layer stack
+(`--model-config remat=P`; `none`: no rematerialisation, the default) and prints each
+one's step time and peak memory against the first.
 
 On a shared machine the times are noisy: read them with the load line.
 """
@@ -84,6 +89,8 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
             "--eval-size", str(args.batch), "--eval-every", str(args.steps), "--dtype", args.dtype,
             "--lora", f"r={args.rank},alpha={2 * args.rank},targets=all-linear", "--lr", str(args.lr),
             "--output", str(run), "--overwrite", "--no-compile-cache", "--sample-tokens", "0", "--quiet"]  # fmt: skip
+    if args.policy not in (None, "none"):
+        argv += ["--model-config", f"remat={args.policy}"]
     imported = time.perf_counter() - START
     if main(argv) != 0:
         raise SystemExit("zoo finetune failed")
@@ -189,7 +196,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", type=Path, default=Path("build/real_size"))
+    parser.add_argument("--remat", help="policies to compare, comma-separated (zoo alone)")
     parser.add_argument("--worker", choices=("make", "zoo", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--policy", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = args.out / args.size
     folder = out / "model"
@@ -201,17 +210,39 @@ def main() -> None:
         print("RESULT " + json.dumps(side(args, folder, out)), flush=True)
         return
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for worker in ("make", "zoo", "torch"):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", worker]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"the {worker} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if lines:
-            results[worker] = json.loads(lines[-1].removeprefix("RESULT "))
+    if args.remat:
+        compare_remat(args, out)
+        return
+    results = {worker: _worker(worker) for worker in ("make", "zoo", "torch")}
     report(args, results["zoo"], results["torch"])
     (out / f"result-{args.dtype}.json").write_text(json.dumps(results, indent=1))
+
+
+def _worker(worker: str, *extra: str) -> dict | None:
+    """Run this script's `worker` in a process of its own; its RESULT line."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", worker, *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the {worker} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1].removeprefix("RESULT ")) if lines else None
+
+
+def compare_remat(args, out: Path) -> None:
+    """zoo's step time and peak memory per remat policy, each in its own process."""
+    _worker("make")
+    policies = args.remat.split(",")
+    rows = {p: _worker("zoo", "--policy", p) for p in policies}
+    print(f"\n{args.size}, {args.dtype}, batch {args.batch} x {args.seq}, remat policies (loadavg {loadavg()})")
+    print(f"{'policy':34}{'step s':>9}{'peak MB':>10}{'step ×':>9}{'peak ×':>9}")
+    base = rows[policies[0]]
+    for p, r in rows.items():
+        step, first = (
+            statistics.median(r["step_s"][1:] or r["step_s"]),
+            statistics.median(base["step_s"][1:] or base["step_s"]),
+        )
+        print(f"{p:34}{step:9.2f}{r['peak_mb']:10.0f}{step / first:9.2f}{r['peak_mb'] / base['peak_mb']:9.2f}")
+    (out / f"remat-{args.dtype}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
