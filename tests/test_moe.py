@@ -165,6 +165,19 @@ def _moe_config(**overrides):
     return TransformerConfig(**values | overrides)
 
 
+def sgd_reference(model, batch, lr, trainable=eqx.is_inexact_array):
+    """One device's mean next-token loss of `model` on `batch`, its `trainable` leaves
+    (`eqx.partition`'s first part) and those leaves after an SGD step of rate `lr`."""
+    params, frozen = eqx.partition(model, trainable)
+
+    def mean_loss(p):
+        total, count = zoo.models.next_token_loss(eqx.combine(p, frozen), batch)
+        return total.sum() / count.sum()
+
+    loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
+    return loss, params, jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+
 def test_sorted_dispatch_equals_dense_and_is_refused_under_a_mesh():
     """`ragged_dot` over tokens sorted by expert computes what the dense all-experts
     einsum does (the same products; the sums over experts in another order)."""
@@ -206,14 +219,7 @@ def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(la
     model = Transformer(_moe_config(), key=jax.random.key(0))
     batch = lm_batch(jax.random.key(1), 8, vocab=32)
     lr = 0.5
-    params, _ = eqx.partition(model, eqx.is_inexact_array)
-
-    def mean_loss(p):
-        total, count = zoo.models.next_token_loss(p, batch)
-        return total.sum() / count.sum()
-
-    loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
-    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    loss, params, want = sgd_reference(model, batch, lr)
     mesh = jax.make_mesh((data, width), ("data", "model"), devices=jax.devices()[: data * width])
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules(preset), mesh)
@@ -239,10 +245,11 @@ def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(la
 
 
 @pytest.mark.numerics
-def test_attention_lora_both_ways_with_peft_and_expert_targets_refused(hf_dirs, tokens, tmp_path):
+def test_attention_lora_both_ways_with_peft_and_expert_target_modules_refused(hf_dirs, tokens, tmp_path):
     """LoRA on a Mixtral's attention: zoo's adapter opened by peft, peft's loaded by zoo, the
-    same logits; merged and exported, transformers opens it. Naming the experts (which take
-    no LoRA yet) is refused, never silently left untrained."""
+    same logits; merged and exported, transformers opens it. Naming the experts in
+    `target_modules` (they are 3-D parameters: peft's `target_parameters`,
+    tests/test_expert_lora.py) is refused, never silently left untrained."""
     import peft
 
     from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
@@ -268,7 +275,7 @@ def test_attention_lora_both_ways_with_peft_and_expert_targets_refused(hf_dirs, 
     zoo.hf.save_pretrained(zoo.lora.merge(loaded), tmp_path / "merged")
     _check(_hf_logits(_open_hf(tmp_path / "merged"), tokens, mask).f64, want, mask, "mixtral merged export")
     for targets in (["q_proj", "up"], ["w1"], ["down"]):
-        with pytest.raises(ValueError, match=r"stacked expert projections .*layers\.layers\.mlp\..*no LoRA on experts"):
+        with pytest.raises(ValueError, match=r"stacked expert projections .*layers\.layers\.mlp\..*target_parameters"):
             add_lora(base, LoraConfig(r=2, target_modules=targets), key=jax.random.key(1))
     assert "layers.layers.mlp.router" not in zoo.lora.modules(
         add_lora(base, LoraConfig(r=2, target_modules="all-linear"), key=jax.random.key(1)), zoo.lora.LoraLinear
