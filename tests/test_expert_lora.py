@@ -5,6 +5,8 @@ step under `dp` and `ep` (one gradient all-reduce outside every loop; the update
 device's), and decoding (`zoo.generate` = the merged model; the serving engine refuses
 expert branches by name)."""
 
+import json
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -12,6 +14,7 @@ import optax
 import peft
 import pytest
 import torch
+import transformers
 from helpers import assert_rounding_close, largest, lm_batch
 from test_families import _check, _hf_logits, forward
 from test_moe import CASES, _moe_config, _open_hf, hf_dirs, sgd_reference, tokens  # noqa: F401  (module fixtures)
@@ -153,3 +156,31 @@ def test_generate_with_expert_lora_is_the_merged_models_and_the_engine_refuses_i
         assert not np.array_equal(got, np.asarray(zoo.generate(base, prompts, max_new_tokens=6)))
     with pytest.raises(ValueError, match=r"LoRA on a mixture of experts' expert weights .*Serve the merged model"):
         Engine(base, slots=2, adapters={"a": adapted}, max_lora_rank=2)
+
+
+def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
+    """`zoo finetune --lora ...,parameters=gate_up_proj+down_proj` on a Mixtral trains
+    branches on the experts (and q_proj); the run's adapter names them in
+    `target_parameters` and peft opens it on the transformers model with zoo's logits."""
+    from helpers import zoo_main
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    experts = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    hf_config = transformers.MixtralConfig(**sizes, **experts)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
+    lora = "r=2,targets=q_proj,parameters=gate_up_proj+down_proj"
+    flags = ["--init", tmp_path / "hf", "--lora", lora, "--steps", "3", "--output", tmp_path / "run"]
+    rc, _, err = zoo_main("finetune", "transformer", *flags)
+    assert rc == 0, err
+    adapter = tmp_path / "run" / "adapter"
+    values = json.loads((adapter / "adapter_config.json").read_text())
+    assert values["target_parameters"] == EXPERT_PARAMETERS
+    assert values["target_modules"] == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]
+    ids = np.random.default_rng(0).integers(0, 300, (2, 8)).astype(np.int32)
+    mask = np.ones(ids.shape, bool)
+    loaded, _ = load_adapter(zoo.hf.from_pretrained(tmp_path / "hf"), adapter)
+    trained = loaded.layers.layers.mlp.down.lora_B
+    assert np.abs(np.asarray(trained)).max() > 0  # B starts at zero: the experts' branches trained
+    opened = peft.PeftModel.from_pretrained(_open_hf(tmp_path / "hf"), adapter).eval()
+    _check(forward(loaded, ids, mask), _hf_logits(opened, ids, mask), mask, "finetuned expert LoRA zoo → peft")
