@@ -26,7 +26,8 @@ from ._tokens import TrainableTokens
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
-# ... and a mixture of experts' router (`zoo.nn.Experts.router`), as peft's "all-linear" does.
+# ... and a mixture of experts' router (`zoo.nn.Experts.router`), zoo's choice: peft's
+# "all-linear" takes it (transformers 4's `gate` Linear; on transformers 5, `gate.weight`).
 NOT_ALL_LINEAR = (*OUTPUT_LAYERS, "router")
 
 # The layers a branch can wrap: a float `Linear` or its int8 form; an `Embedding` when named.
