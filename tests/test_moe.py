@@ -6,6 +6,8 @@ pinned in tests/test_presets.py), and the router's load-balancing loss in the tr
 loss (= transformers' `outputs.loss`; per device and microbatch in the step)."""
 
 import dataclasses
+import functools
+import json
 
 import equinox as eqx
 import jax
@@ -165,6 +167,19 @@ def _moe_config(**overrides):
     return TransformerConfig(**values | overrides)
 
 
+def sgd_reference(model, batch, lr, trainable=eqx.is_inexact_array):
+    """One device's mean next-token loss of `model` on `batch`, its `trainable` leaves
+    (`eqx.partition`'s first part) and those leaves after an SGD step of rate `lr`."""
+    params, frozen = eqx.partition(model, trainable)
+
+    def mean_loss(p):
+        total, count = zoo.models.next_token_loss(eqx.combine(p, frozen), batch)
+        return total.sum() / count.sum()
+
+    loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
+    return loss, params, jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+
 def test_sorted_dispatch_equals_dense_and_is_refused_under_a_mesh():
     """`ragged_dot` over tokens sorted by expert computes what the dense all-experts
     einsum does (the same products; the sums over experts in another order)."""
@@ -206,14 +221,7 @@ def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(la
     model = Transformer(_moe_config(), key=jax.random.key(0))
     batch = lm_batch(jax.random.key(1), 8, vocab=32)
     lr = 0.5
-    params, _ = eqx.partition(model, eqx.is_inexact_array)
-
-    def mean_loss(p):
-        total, count = zoo.models.next_token_loss(p, batch)
-        return total.sum() / count.sum()
-
-    loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
-    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    loss, params, want = sgd_reference(model, batch, lr)
     mesh = jax.make_mesh((data, width), ("data", "model"), devices=jax.devices()[: data * width])
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules(preset), mesh)
@@ -239,10 +247,11 @@ def test_step_has_one_gradient_all_reduce_outside_loops_and_equals_one_device(la
 
 
 @pytest.mark.numerics
-def test_attention_lora_both_ways_with_peft_and_expert_targets_refused(hf_dirs, tokens, tmp_path):
+def test_attention_lora_both_ways_with_peft_and_expert_target_modules_refused(hf_dirs, tokens, tmp_path):
     """LoRA on a Mixtral's attention: zoo's adapter opened by peft, peft's loaded by zoo, the
-    same logits; merged and exported, transformers opens it. Naming the experts (which take
-    no LoRA yet) is refused, never silently left untrained."""
+    same logits; merged and exported, transformers opens it. Naming the experts in
+    `target_modules` (they are 3-D parameters: peft's `target_parameters`,
+    tests/test_expert_lora.py) is refused, never silently left untrained."""
     import peft
 
     from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
@@ -268,7 +277,7 @@ def test_attention_lora_both_ways_with_peft_and_expert_targets_refused(hf_dirs, 
     zoo.hf.save_pretrained(zoo.lora.merge(loaded), tmp_path / "merged")
     _check(_hf_logits(_open_hf(tmp_path / "merged"), tokens, mask).f64, want, mask, "mixtral merged export")
     for targets in (["q_proj", "up"], ["w1"], ["down"]):
-        with pytest.raises(ValueError, match=r"stacked expert projections .*layers\.layers\.mlp\..*no LoRA on experts"):
+        with pytest.raises(ValueError, match=r"stacked expert projections .*layers\.layers\.mlp\..*target_parameters"):
             add_lora(base, LoraConfig(r=2, target_modules=targets), key=jax.random.key(1))
     assert "layers.layers.mlp.router" not in zoo.lora.modules(
         add_lora(base, LoraConfig(r=2, target_modules="all-linear"), key=jax.random.key(1)), zoo.lora.LoraLinear
@@ -330,12 +339,13 @@ def _groups_reference(model, batch, devices, microbatches):
     """The step's loss with the router's term, on one device, from `load_balancing_loss`
     of each group of rows one device holds in one microbatch (the step's row order:
     device d's rows are the d-th block of the batch, microbatch m the m-th block of
-    those), each weighted by its target count."""
+    those), each weighted by its target count; and (auxiliary) the step's `aux_loss`
+    metric: those groups' losses so weighted, without the coefficient."""
     tokens, mask = batch["tokens"], batch["mask"]
     logits, choice = model.with_router(tokens, mask=mask)
     nll = zoo.models.cross_entropy(logits[:, :-1], tokens[:, 1:])
     counts = mask[:, 1:].astype(jnp.float32)
-    total = jnp.sum(nll * counts)
+    total, aux_total = jnp.sum(nll * counts), 0.0
     rows = tokens.shape[0] // (devices * microbatches)
     for d in range(devices):
         for m in range(microbatches):
@@ -343,7 +353,8 @@ def _groups_reference(model, batch, devices, microbatches):
             group = slice(start, start + rows)
             aux = zoo.nn.load_balancing_loss(choice.probs[:, group], choice.chosen[:, group], mask[group])
             total = total + model.config.router_aux_loss_coef * aux * jnp.sum(counts[group])
-    return total / jnp.sum(counts)
+            aux_total = aux_total + aux * jnp.sum(counts[group])
+    return total / jnp.sum(counts), aux_total / jnp.sum(counts)
 
 
 @pytest.mark.parametrize(("preset", "devices"), [("dp", 2), ("ep", 2)])
@@ -354,7 +365,9 @@ def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(pr
     statistics summed across devices in the loop; under `dp` nothing else, under `ep` on
     data 2 x model 2 the experts' traffic over `model` in the loop), and its loss and SGD
     update equal those of that loss computed group by group on one device (4 groups: 2
-    data devices x 2 microbatches)."""
+    data devices x 2 microbatches). Its fourth output, the `aux_loss` metric
+    (`next_token_loss(..., metrics=True)`), rides in that one all-reduce and equals those
+    groups' load-balancing losses weighted alike."""
     # A weight far above transformers' 0.001, so that another grouping of the rows (the
     # whole microbatch, or the whole batch) moves the loss well past the rounding bound.
     config = _moe_config(output_router_logits=True, router_aux_loss_coef=5.0)
@@ -362,8 +375,10 @@ def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(pr
     batch = lm_batch(jax.random.key(1), 8, vocab=32)
     lr = 0.5
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    ref = eqx.filter_jit(jax.value_and_grad(lambda p: _groups_reference(eqx.combine(p, static), batch, devices, 2)))
-    loss, grads = ref(params)
+    ref = eqx.filter_jit(
+        jax.value_and_grad(lambda p: _groups_reference(eqx.combine(p, static), batch, devices, 2), has_aux=True)
+    )
+    (loss, aux), grads = ref(params)
     plain, _ = eqx.filter_jit(lambda m: [x.sum() for x in zoo.models.next_token_loss(m, batch)])(
         Transformer(_moe_config(), key=jax.random.key(0))  # the same weights, the term off
     )
@@ -373,10 +388,14 @@ def test_router_loss_per_device_keeps_one_all_reduce_and_equals_its_reference(pr
     mesh = jax.make_mesh((devices, width), ("data", "model"), devices=jax.devices()[: devices * width])
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules(preset), mesh)
-        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset)
+        loss_fn = functools.partial(zoo.models.next_token_loss, metrics=True)
+        step = zoo.TrainStep(loss_fn, optax.sgd(lr), microbatches=2, preset=preset)
         opt_state = step.init(sharded)
         compiled = step.compile(sharded, opt_state, batch)  # within the preset's budget, or raises
-        new_model, _, got_loss = compiled(sharded, opt_state, batch)
+        new_model, _, got_loss, metrics = compiled(sharded, opt_state, batch)
+    assert step.budget_verdict.startswith(f"within the {preset} budget"), step.budget_verdict
+    assert abs(float(aux) - 2.0) < 1.0  # top-2 routing: the loss is about 2 when balanced
+    assert_rounding_close(metrics["aux_loss"], aux, terms=2 * 8 * 8, depth=6)
     colls = zoo.collectives(compiled)
     on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if c.mesh_axes != ("model",)]
     assert on_data == [("all-reduce", False, ("data",))] * (devices > 1), zoo.report(colls)
@@ -401,3 +420,24 @@ def test_zoo_train_refuses_ep_for_a_model_without_experts(tmp_path):
     assert rc == 2, err
     assert "--rules ep splits a mixture of experts' experts over 'model', but the transformer has no experts" in err
     assert "use dp or tp" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_training_run_logs_the_router_loss_per_step(tmp_path):
+    """`zoo train` on a mixture of experts training its router's loss writes that loss per
+    step as its own key (`aux_loss`, transformers' name) beside the training loss in
+    metrics.jsonl; a run without the term (transformers' default) writes none."""
+    from helpers import zoo_main
+
+    experts = "num_experts=4,moe_mlp_dim=24,activation=swiglu"
+    for term in ("true", "false"):
+        out = tmp_path / term
+        flags = ["--model-config", f"{experts},output_router_logits={term}", "--steps", "2", "--output", out]
+        rc, _, err = zoo_main("train", "transformer", *flags)
+        assert rc == 0, err
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in rows if r["kind"] == "train"]
+        assert [r["step"] for r in train] == [1, 2]
+        if term == "true":  # top-2 of 4 experts: about 2 when the router spreads the tokens evenly
+            assert all(1.0 < r["aux_loss"] < 4.0 for r in train), train
+        else:
+            assert not any("aux_loss" in r for r in rows), train

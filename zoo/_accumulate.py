@@ -25,9 +25,10 @@ from ._reduced import (
     unreduced_zeros,
 )
 
-# `per_example(model, microbatch)` → `(losses [b], weights [b] or None)`: the step's loss
-# under its contract (see `zoo._step`).
-PerExample = Callable[[Any, Any], tuple[jax.Array, jax.Array | None]]
+# `per_example(model, microbatch)` → `(losses [b], weights [b] or None, metrics)`: the
+# step's loss under its contract (see `zoo._step`); `metrics` maps names to per-example
+# sums `[b]` reported beside the loss (divided by the same weights), `{}` for none.
+PerExample = Callable[[Any, Any], tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]]
 
 
 def _sum(x: jax.Array | None, axes: tuple[str, ...] | None) -> jax.Array | None:
@@ -39,8 +40,11 @@ def _sum(x: jax.Array | None, axes: tuple[str, ...] | None) -> jax.Array | None:
     return lax.reduce_sum(x, tuple(range(x.ndim)), out_sharding=out_sharding)
 
 
-def _returns_weights(per_example: PerExample, params: Any, frozen: Any, batch: Any, microbatches: int) -> bool:
-    """Whether the loss returns weights (decided by abstract evaluation, no computation)."""
+def _returns_weights(
+    per_example: PerExample, params: Any, frozen: Any, batch: Any, microbatches: int
+) -> tuple[bool, tuple[str, ...]]:
+    """Whether the loss returns weights, and the names of the metrics it returns (decided
+    by abstract evaluation, no computation)."""
     rows = jax.tree.leaves(batch)[0].shape[0] // microbatches
 
     def like(x):
@@ -49,11 +53,12 @@ def _returns_weights(per_example: PerExample, params: Any, frozen: Any, batch: A
 
     example = jax.tree.map(like, batch)
     out = jax.eval_shape(lambda p, mb: per_example(eqx.combine(p, frozen), mb), params, example)
-    return out[1] is not None
+    return out[1] is not None, tuple(sorted(out[2]))
 
 
-def _scan(per_example, params, frozen, microbatches, *, weighted, zero, grad_zeros, sum_axes):
-    """The loop: add each microbatch's loss (and weight) sum and gradients to the carry.
+def _scan(per_example, params, frozen, microbatches, *, weighted, zero, grad_zeros, sum_axes, metrics=()):
+    """The loop: add each microbatch's loss (and weight, and `metrics`') sums and gradients
+    to the carry.
 
     `zero`/`grad_zeros` start the carry in the state the loop's sums come out in
     (unreduced in explicit mode, varying inside `shard_map`, plain without a mesh);
@@ -61,19 +66,25 @@ def _scan(per_example, params, frozen, microbatches, *, weighted, zero, grad_zer
     """
 
     def objective(p, mb):
-        losses, weights = per_example(eqx.combine(p, frozen), mb)
-        return _sum(losses, sum_axes), _sum(weights, sum_axes)
+        losses, weights, values = per_example(eqx.combine(p, frozen), mb)
+        # Metrics are reported, not trained: no gradient flows from them.
+        sums = {k: _sum(jax.lax.stop_gradient(v), sum_axes) for k, v in values.items()}
+        return _sum(losses, sum_axes), (_sum(weights, sum_axes), sums)
 
     def body(carry, microbatch):
-        (loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(params, microbatch)
+        (loss, (weight, sums)), grads = jax.value_and_grad(objective, has_aux=True)(params, microbatch)
         new = {"loss": carry["loss"] + loss, "grads": jax.tree.map(jnp.add, carry["grads"], grads)}
         if "weight" in carry:
             new["weight"] = carry["weight"] + weight
+        if "metrics" in carry:
+            new["metrics"] = {k: carry["metrics"][k] + sums[k] for k in carry["metrics"]}
         return new, None
 
     init = {"loss": zero, "grads": grad_zeros}
     if weighted:
         init["weight"] = zero
+    if metrics:
+        init["metrics"] = dict.fromkeys(metrics, zero)
     carry, _ = lax.scan(body, init, microbatches)
     return carry
 
@@ -97,7 +108,7 @@ def _out_specs(carry: dict, params: Any, grad_specs: Any = None) -> dict:
     """Where the reduced carry lands: scalars replicated, gradients in their params' layout
     or in `grad_specs` (for a layout split over the data axes that reduction is a
     reduce-scatter: FSDP parameters, or the optimizer-state shards of ZeRO)."""
-    out = {name: P() for name in carry if name != "grads"}
+    out = {name: jax.tree.map(lambda _: P(), value) for name, value in carry.items() if name != "grads"}
     out["grads"] = jax.tree.map(plain_spec, params) if grad_specs is None else grad_specs
     return out
 
@@ -114,12 +125,14 @@ def accumulate(
     mode: str = "explicit",
     gather_once: bool = False,
     grad_specs: Any = None,
-) -> tuple[jax.Array, jax.Array | None, Any]:
-    """Loss, weight and gradients summed over the global batch, reduced once after the loop.
+) -> tuple[jax.Array, jax.Array | None, Any, dict[str, jax.Array]]:
+    """Loss, weight, gradients and metrics summed over the global batch, reduced once after
+    the loop.
 
     **Arguments:**
 
-    - `per_example`: the step's loss, `(model, microbatch)` → `(losses, weights or None)`.
+    - `per_example`: the step's loss, `(model, microbatch)` → `(losses, weights or None,
+      metrics)`.
     - `params`, `frozen`: the trainable float leaves (plain) and the rest of the model.
     - `batch`: the global batch.
     - `microbatches`: M, the loop's length.
@@ -131,11 +144,13 @@ def accumulate(
       before the loop, instead of per use.
     - `grad_specs`: the layout the gradients are reduced into (default: the params').
 
-    **Returns:** `(loss_sum, weight_sum or None, grad_sums)`, plain arrays; `weight_sum` is
-    `None` when the loss returns per-example losses alone.
+    **Returns:** `(loss_sum, weight_sum or None, grad_sums, metric_sums)`, plain arrays;
+    `weight_sum` is `None` when the loss returns per-example losses alone; `metric_sums`
+    maps each metric's name to its sum (carried and reduced with the loss sum: no
+    collective of its own).
     """
     if axes is None:
-        weighted = _returns_weights(per_example, params, frozen, batch, microbatches)
+        weighted, metrics = _returns_weights(per_example, params, frozen, batch, microbatches)
         zero = jnp.zeros((), jnp.float32)
         mbs = split_local_microbatches(batch, microbatches)
         carry = _scan(
@@ -147,11 +162,12 @@ def accumulate(
             zero=zero,
             grad_zeros=jax.tree.map(jnp.zeros_like, params),
             sum_axes=None,
+            metrics=metrics,
         )
-        return carry["loss"], carry.get("weight"), carry["grads"]
+        return carry["loss"], carry.get("weight"), carry["grads"], carry.get("metrics", {})
 
     batch = shard_batch(batch, axes)
-    weighted = _returns_weights(per_example, params, frozen, batch, microbatches)
+    weighted, metrics = _returns_weights(per_example, params, frozen, batch, microbatches)
     view = reduced_cast(params, axes=axes, gather=gather_once)  # free, or the one gather
     if gather_once:
         frozen = gather_over(frozen, axes=axes)  # once, not per layer per microbatch
@@ -167,14 +183,15 @@ def accumulate(
             zero=zero,
             grad_zeros=unreduced_zeros(view, axes=axes),
             sum_axes=axes,
+            metrics=metrics,
         )
     else:
-        carry = _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weighted)
+        carry = _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weighted, metrics)
     carry = reduce_unreduced(carry, _out_specs(carry, params, grad_specs))  # the one all-reduce
-    return carry["loss"], carry.get("weight"), carry["grads"]
+    return carry["loss"], carry.get("weight"), carry["grads"], carry.get("metrics", {})
 
 
-def _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weighted) -> dict:
+def _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weighted, metrics=()) -> dict:
     """shard_map mode: the same loop on each device's rows; the carry leaves unreduced."""
     param_specs = manual_specs(view, axes=axes, state="reduced")  # checks the layout
     _require_replicated_off_data(view, frozen, axes)
@@ -193,6 +210,7 @@ def _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weigh
             zero=zero,
             grad_zeros=jax.tree.map(jnp.zeros_like, p),
             sum_axes=None,
+            metrics=metrics,
         )
         return pcast_unreduced(carry, axes=axes)
 
@@ -200,6 +218,8 @@ def _scan_per_device(per_example, view, frozen, batch, microbatches, axes, weigh
     out_specs = {"loss": unreduced, "grads": manual_specs(view, axes=axes, state="unreduced")}
     if weighted:
         out_specs["weight"] = unreduced
+    if metrics:
+        out_specs["metrics"] = dict.fromkeys(metrics, unreduced)
     in_specs = (
         param_specs,
         jax.tree.map(lambda x: P(*([None] * x.ndim)), frozen_arrays),

@@ -16,7 +16,7 @@ LOSS_SCALAR_BYTES = 8
 # a partial sum of squares (a global norm) and a finite flag (`optax.apply_if_finite`).
 LEAF_SCALAR_BYTES = 8
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
-_SIZES = ("gradients", "parameters", "scalars")
+_SIZES = ("gradients", "parameters", "scalars", "loss_scalars")
 
 
 def payload(c: Collective) -> int:
@@ -42,7 +42,9 @@ class Allowance:
       compiles: `"gradients"` (the trainable bytes it reduces after the loop) or
       `"parameters"` (the model's bytes, as one data replica holds them once gathered) or
       `"scalars"` (the loss sums, and per trainable leaf the scalars an optimizer reduces
-      of split gradients: a global norm's partial sums, finite flags). `None`: any.
+      of split gradients: a global norm's partial sums, finite flags) or `"loss_scalars"`
+      (the loss sums alone: `LOSS_SCALAR_BYTES`, plus 4 B per metric the loss returns).
+      `None`: any.
     - `exact_bytes`: the total must be `bytes` plus at most `slack` bytes (else at most
       `bytes + slack`); `slack` is an int or one of the sizes above.
     """
@@ -100,8 +102,10 @@ class Allowance:
 
 
 def _resolve(value: int | str | None, sizes: Mapping[str, int] | None) -> int | None:
+    # The loss sums alone are known without the step: a loss without metrics has two.
+    default = LOSS_SCALAR_BYTES if value == "loss_scalars" else None
     if isinstance(value, str):
-        return None if sizes is None else sizes.get(value)
+        return default if sizes is None else sizes.get(value, default)
     return value
 
 
@@ -310,7 +314,7 @@ def step_budget(
             min_count=1,
             bytes="gradients",
             exact_bytes=True,
-            slack="scalars" if splits else LOSS_SCALAR_BYTES,
+            slack="scalars" if splits else "loss_scalars",
         )
     ]
     if split_over_data and not gather_once:

@@ -27,25 +27,32 @@ LOSS_CONTRACT = (
     "loss_fn(model, batch) must return per-example losses `[batch]` (the step averages them "
     "over the global batch), or a pair `(loss_sums, weights)` of `[batch]` arrays (the step "
     "returns sum(loss_sums) / sum(weights) over the global batch, e.g. token-weighted means; a "
-    "batch whose weights sum to 0 gives loss 0 and zero gradients)."
+    "batch whose weights sum to 0 gives loss 0 and zero gradients), or a triple `(loss_sums, "
+    "weights, metrics)` with `metrics` a dict of per-example sums `[batch]` the step reports "
+    "beside the loss, each divided by the same weights (the step then returns them as a fourth "
+    "output)."
 )
 
 
-def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """`loss_fn` held to `LOSS_CONTRACT`: `(model, microbatch)` → `(losses, weights or None)`,
-    with a clear error when what it returns does not have one entry per example."""
+def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any, dict[str, Any]]]:
+    """`loss_fn` held to `LOSS_CONTRACT`: `(model, microbatch)` → `(losses, weights or None,
+    metrics)`, with a clear error when what it returns does not have one entry per example."""
 
     def checked(model, microbatch):
         size = jax.tree.leaves(microbatch)[0].shape[0]
         out = loss_fn(model, microbatch)
         if out is None:
             raise ValueError(f"{LOSS_CONTRACT} Got None: does loss_fn end with `return losses`?")
-        if isinstance(out, tuple | list) and len(out) != 2:
+        if isinstance(out, tuple | list) and len(out) not in (2, 3):
             raise ValueError(
-                f"{LOSS_CONTRACT} Got a {type(out).__name__} of {len(out)} values: return one array or a pair."
+                f"{LOSS_CONTRACT} Got a {type(out).__name__} of {len(out)} values: return one array, a pair or a "
+                "triple."
             )
-        losses, weights = out if isinstance(out, tuple | list) else (out, None)
-        for name, arr in (("losses", losses), ("weights", weights)):
+        losses, weights, metrics = (*out, {})[:3] if isinstance(out, tuple | list) else (out, None, {})
+        if not isinstance(metrics, dict) or (metrics and weights is None):
+            raise ValueError(f"{LOSS_CONTRACT} Got {type(metrics).__name__} metrics with weights {weights!r}.")
+        named = {f"metric {k!r}": v for k, v in metrics.items()}
+        for name, arr in (("losses", losses), ("weights", weights), *named.items()):
             if arr is None and name == "losses":
                 raise ValueError(f"{LOSS_CONTRACT} Got (None, weights): the loss sums come first.")
             if arr is None:
@@ -58,7 +65,9 @@ def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any]]:
                 )
             if name == "losses" and not jnp.issubdtype(arr.dtype, jnp.floating):
                 raise TypeError(f"{LOSS_CONTRACT} Got {name} of dtype {arr.dtype}: cast them to float32.")
-        return losses, None if weights is None else _laid_out_as(weights, losses)
+        if weights is None:
+            return losses, None, {}
+        return losses, _laid_out_as(weights, losses), {k: _laid_out_as(v, losses) for k, v in metrics.items()}
 
     return checked
 
@@ -234,7 +243,8 @@ class TrainStep:
         return self._grads(model, batch)
 
     def __call__(self, model: Any, opt_state: optax.OptState, batch: Any):
-        """One optimizer step. Returns `(model, opt_state, loss)`.
+        """One optimizer step. Returns `(model, opt_state, loss)`, and a fourth output, the
+        loss's metrics (a dict of scalars), when `loss_fn` returns them (`LOSS_CONTRACT`).
 
         Dispatch is asynchronous, with at most two steps in flight: before queueing a
         step, the one before the last is waited for. The next batch still loads while a
@@ -282,18 +292,22 @@ class TrainStep:
         mesh: `"gradients"`, the trainable bytes reduced after the loop (per data replica;
         with per-use gathers, those of the leaves not split over the data axes),
         `"parameters"`, the whole model's bytes per data replica as collectives carry them
-        (`zoo._budget.wire_itemsize`: bfloat16 widened to float32 on CPU), and `"scalars"`, the loss
-        sums and an optimizer's per-leaf scalars (see `zoo.Allowance`)."""
+        (`zoo._budget.wire_itemsize`: bfloat16 widened to float32 on CPU), `"scalars"`, the loss
+        sums and an optimizer's per-leaf scalars, and `"loss_scalars"`, the loss sums alone
+        (with the loss's metrics, once a program is traced; see `zoo.Allowance`)."""
         params = jax.tree.leaves(self.partition(model)[0])
         arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
         per_use = self.gather == "per_use"
+        loss_scalars = LOSS_SCALAR_BYTES + 4 * len(getattr(self, "_metric_names", ()))
         return {
             "gradients": sum(
                 replica_bytes(x, self.data_axes) for x in params if not (per_use and split_over(x, self.data_axes))
             ),
             # What gathering them moves (a bfloat16 leaf 4 bytes a value on CPU).
             "parameters": sum(replica_bytes(x, self.data_axes, on_the_wire=True) for x in arrays),
-            "scalars": LOSS_SCALAR_BYTES + LEAF_SCALAR_BYTES * len(params),
+            # The loss's metrics (LOSS_CONTRACT's triple) ride in the same reduction, 4 B each.
+            "scalars": loss_scalars + LEAF_SCALAR_BYTES * len(params),
+            "loss_scalars": loss_scalars,
         }
 
     def _check_budget(self, compiled: jax.stages.Compiled, args: tuple) -> None:
@@ -319,15 +333,19 @@ class TrainStep:
         params, frozen = self.partition(model)
         specs = shard_specs(params, self.data_axes) if self._zero() else None
         # ZeRO: the loop, then one reduction of the accumulator straight into the shards.
-        loss, grads = self._loss_and_grads(model, batch, grad_specs=specs)
+        loss, grads, metrics = self._loss_grads_metrics(model, batch, grad_specs=specs)
         if specs is None:
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         else:
             params, opt_state = sharded_update(self.optimizer, params, grads, opt_state, specs)
-        return eqx.combine(params, frozen), opt_state, loss
+        # A loss returning metrics (LOSS_CONTRACT's triple) gets them as a fourth output.
+        return (eqx.combine(params, frozen), opt_state, loss) + ((metrics,) if metrics else ())
 
     def _loss_and_grads(self, model, batch, grad_specs=None):
+        return self._loss_grads_metrics(model, batch, grad_specs)[:2]
+
+    def _loss_grads_metrics(self, model, batch, grad_specs=None):
         mesh = jax.sharding.get_abstract_mesh()
         params, frozen = self.partition(model)
         n = data_parallel_size(mesh, self.data_axes)
@@ -337,7 +355,7 @@ class TrainStep:
         mode = "explicit" if n == 1 else self.mode
         if not mesh.empty and mode == "explicit":
             require_explicit(mesh)
-        loss_sum, weight, grads = accumulate(
+        loss_sum, weight, grads, metrics = accumulate(
             per_example(self.loss_fn),
             params,
             frozen,
@@ -356,4 +374,5 @@ class TrainStep:
             # loss 0 and zero gradients, as TRL's `mask.sum().clamp(min=1)`, not 0/0.
             weight = jnp.where(weight > 0, weight, 1.0)
         grads = jax.tree.map(lambda g: (g / weight).astype(g.dtype), grads)
-        return loss_sum / weight, grads
+        self._metric_names = tuple(metrics)  # traced once per program: the budget's scalars count them
+        return loss_sum / weight, grads, {k: v / weight for k, v in metrics.items()}

@@ -26,6 +26,7 @@ __getattr__, __dir__ = lazy_names(
         "._cast": ("cast_frozen",),
         "._config": ("LoraConfig",),
         "._embedding": ("LoraEmbedding",),
+        "._expert_layer": ("LoraExpertLinear",),
         "._folders": ("load_adapters", "save_adapters"),
         "._io": ("load_adapter", "save_adapter"),
         "._layer": ("LoraLinear",),
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from ._cast import cast_frozen
     from ._config import LoraConfig
     from ._embedding import LoraEmbedding
+    from ._expert_layer import LoraExpertLinear
     from ._folders import load_adapters, save_adapters
     from ._io import load_adapter, save_adapter
     from ._layer import LoraLinear
@@ -84,6 +86,7 @@ __all__ = [
     "OUTPUT_LAYERS",
     "LoraConfig",
     "LoraEmbedding",
+    "LoraExpertLinear",
     "LoraLinear",
     "MultiLoraLinear",
     "TrainableTokens",

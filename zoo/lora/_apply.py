@@ -18,28 +18,31 @@ from .._tree import dotted_name, node_at
 from ..nn import Embedding, ExpertLinear, FourBitLinear, Linear, QuantizedLinear, Stacked, dequantize
 from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
+from ._expert_layer import LoraExpertLinear
 from ._layer import LoraLinear, mutated_init
 from ._multi_linear import MultiLoraLinear
-from ._names import layer_names, saves, select
+from ._names import hf_parameters, layer_names, matches, saves, select
 from ._tokens import TrainableTokens
 
 # `"all-linear"` leaves these out, as peft leaves out the output layer.
 OUTPUT_LAYERS = ("lm_head", "head", "output_layer")
-# ... and a mixture of experts' router (`zoo.nn.Experts.router`), as peft's "all-linear" does.
+# ... and a mixture of experts' router (`zoo.nn.Experts.router`), zoo's choice: peft's
+# "all-linear" takes it (transformers 4's `gate` Linear; on transformers 5, `gate.weight`).
 NOT_ALL_LINEAR = (*OUTPUT_LAYERS, "router")
 
 # The layers a branch can wrap: a float `Linear` or its int8 form; an `Embedding` when named.
 LINEARS = (Linear, QuantizedLinear, FourBitLinear)
 QUANTIZED = (QuantizedLinear, FourBitLinear)  # frozen bases stored in int8 or 4 bits
 # The layers carrying a branch.
-ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens, MultiLoraLinear)
+ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens, MultiLoraLinear, LoraExpertLinear)
 # The name of a tied output head (the token embedding itself), as peft names it.
 TIED_HEAD = "lm_head"
 
 
 def is_adapter(x: Any) -> bool:
     """Whether `x` is an adapter wrapper: a layer carrying adapter weights beside the frozen
-    base it wraps (`LoraLinear`, `LoraEmbedding`, `TrainableTokens`, `MultiLoraLinear`)."""
+    base it wraps (`LoraLinear`, `LoraEmbedding`, `TrainableTokens`, `MultiLoraLinear`,
+    `LoraExpertLinear`)."""
     return isinstance(x, ADAPTED)
 
 
@@ -111,6 +114,8 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
     its zoo parts (`q_proj`, `k_proj`, `v_proj`).
     """
     linears = modules(model, LINEARS)
+    if not config.target_modules:  # the experts alone (`target_parameters`; the config checked that)
+        return []
     if config.target_modules == "all-linear":
         chosen = [n for n in linears if n.split(".")[-1] not in NOT_ALL_LINEAR]
     else:
@@ -118,9 +123,9 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
         if experts:  # never silently left out: a user who names the experts means to train them
             raise ValueError(
                 f"LoRA target_modules={config.target_modules!r} name the stacked expert projections {experts} "
-                "(zoo.nn.ExpertLinear of a mixture of experts): zoo builds no LoRA on experts yet (peft's "
-                "target_parameters); adapt the attention ('q_proj', 'k_proj', 'v_proj', 'o_proj') and leave the "
-                "experts out of target_modules"
+                "(zoo.nn.ExpertLinear of a mixture of experts), which are 3-D parameters, not Linear layers: name "
+                "them in target_parameters, as peft does (e.g. target_parameters=['mlp.experts.gate_up_proj', "
+                "'mlp.experts.down_proj'], or zoo's 'gate', 'up', 'down'), and leave them out of target_modules"
             )
         # Embeddings are targets too when named (peft's `lora_embedding_A/B`), never by "all-linear".
         candidates = list(linears) + list(modules(model, Embedding))
@@ -138,6 +143,39 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
             "such as 'query' or 'c_attn'), by a regex over the whole name, or use 'all-linear'."
         )
     return chosen
+
+
+def expert_targets(model: Any, config: LoraConfig) -> list[str]:
+    """The names of the expert projections (`zoo.nn.ExpertLinear`) `config.target_parameters`
+    picks in `model`: by zoo name (`"down"`, `"layers.layers.mlp.up"`) or by the
+    transformers-5 parameter at every layer, as peft matches `target_parameters`
+    (`"mlp.experts.gate_up_proj"`: gate and up). An entry that picks nothing is an error."""
+    wanted = config.target_parameters
+    if not wanted:
+        return []
+    experts = list(modules(model, (ExpertLinear, LoraExpertLinear)))
+    hf = {name: hf_parameters(model, name) for name in experts}
+
+    def picks(name: str, entries: tuple[str, ...]) -> bool:
+        return matches(name, entries) or bool(hf[name]) and all(matches(n, entries) for n in hf[name])
+
+    idle = [entry for entry in wanted if not any(picks(n, (entry,)) for n in experts)]
+    if idle:
+        example = sorted({n.split(".", 3)[-1] for names in hf.values() for n in names[:1]})
+        router = [e for e in idle if e.endswith("gate.weight")]
+        why = (
+            f" ({router[0]!r} is the router's weight, which peft's 'all-linear' adds on a transformers-5 "
+            "mixture of experts: zoo adapts its router as a Linear, target_modules=['router'] or the HF module name)"
+            if router
+            else ""
+        )
+        raise ValueError(
+            f"LoRA target_parameters entries {idle} match no expert weight of this {type(model).__name__}{why}. "
+            f"Its expert projections are {experts or 'none (no mixture of experts)'}"
+            + (f", as Hugging Face parameters {example}" if example else "")
+            + ": name them by zoo name or Hugging Face parameter name"
+        )
+    return [n for n in experts if picks(n, wanted)]
 
 
 def tied_head(model: Any, config: LoraConfig) -> bool:
@@ -203,6 +241,12 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
         if config.init_lora_weights in MUTATING:
             layer = _mutate(layer, name, config)
         new.append(_place_branch(layer, stacked))
+    experts = modules(model, ExpertLinear)
+    for i, name in enumerate(expert_targets(model, config)):
+        path, stacked = experts[name]
+        names.append(name)
+        found[name] = (path, stacked)
+        new.append(_expert_branch(node_at(model, path), stacked, config, jr.fold_in(jr.fold_in(key, 0x7E7E), i)))
     paths = [found[n][0] for n in names]
     model = eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=new)
     return _add_tokens(model, config) if config.trainable_token_indices else model
@@ -326,6 +370,30 @@ def _place_branch(layer: LoraLinear, stacked: int) -> LoraLinear:
     )
 
 
+def _expert_branch(base: ExpertLinear, stacked: int, config: Any, key: PRNGKeyArray) -> LoraExpertLinear:
+    """`base` (under `stacked` `Stacked` levels) with a branch of `config`'s rank, placed
+    like its weight (A its expert and input axes, B its expert and output axes)."""
+    if config.init_lora_weights not in (True, False, "gaussian"):
+        raise ValueError(
+            f"init_lora_weights={config.init_lora_weights!r} on the experts: peft's target_parameters support "
+            "True, False and 'gaussian' there; use one of those"
+        )
+
+    def wrap(b, k):
+        return LoraExpertLinear(b, config.r, scaling=config.scaling, init=config.init_lora_weights, key=k)
+
+    for _ in range(stacked):
+        wrap = eqx.filter_vmap(wrap)
+    lead = base.weight.shape[:stacked]
+    keys = jr.split(key, lead) if stacked else key
+    layer = eqx.tree_at(lambda layer: layer.base, wrap(base, keys), base)
+    a_sharding, b_sharding = branch_shardings(base.weight, stacked + 1)  # the expert axis leads like a layer's
+    if a_sharding is None:
+        return layer
+    placed = (jax.device_put(layer.lora_A, a_sharding), jax.device_put(layer.lora_B, b_sharding))
+    return eqx.tree_at(lambda l: (l.lora_A, l.lora_B), layer, placed)
+
+
 def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
     """Refuse a `config.modules_to_save` entry that picks no module of `model`."""
     if not config.modules_to_save:
@@ -414,8 +482,8 @@ def _replace_lora(model: Any, fn) -> Any:
 
 
 def _with(
-    layer: LoraLinear | LoraEmbedding | TrainableTokens, **changes: Any
-) -> LoraLinear | LoraEmbedding | TrainableTokens:
+    layer: LoraLinear | LoraEmbedding | TrainableTokens | LoraExpertLinear, **changes: Any
+) -> LoraLinear | LoraEmbedding | TrainableTokens | LoraExpertLinear:
     """A copy of `layer` with some fields (static ones too) replaced, without re-initialising."""
     new = object.__new__(type(layer))
     for f in dataclasses.fields(layer):
@@ -423,7 +491,7 @@ def _with(
     return new
 
 
-def _fold(layer: LoraLinear, sign: float) -> tuple[Linear, Any]:
+def _fold(layer: LoraLinear | LoraExpertLinear, sign: float) -> tuple[Linear | ExpertLinear, Any]:
     """The base with the branch folded in (`sign=+1`) or taken out of a merged base
     (`sign=-1`); and, for DoRA, the column norms the merge divided by (else `None`).
 
@@ -468,7 +536,7 @@ def merge(model: Any, *, unload: bool = True) -> Any:
     the merged model is a float one that `zoo.hf.save_pretrained` writes.
     """
 
-    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear):
+    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear | LoraExpertLinear):
         if isinstance(layer, MultiLoraLinear):
             raise ValueError(
                 f"merge: this model holds several named adapters {layer.names}; merge one of them: "
@@ -506,7 +574,7 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 def unmerge(model: Any) -> Any:
     """Undo `merge(model, unload=False)`: subtract each branch from its base weight again."""
 
-    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear):
+    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear | LoraExpertLinear):
         if not layer.merged:  # MultiLoraLinear never is
             return layer
         if isinstance(layer, TrainableTokens):

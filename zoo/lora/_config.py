@@ -29,6 +29,14 @@ class LoraConfig:
       family the Hugging Face / peft names match too (`"query"`, `"gate_proj"`,
       `"c_attn"`: GPT-2's fused q/k/v picks `q_proj`, `k_proj` and `v_proj`).
     - `exclude_modules`: names or a regex, as `target_modules`, removed from the targets.
+    - `target_parameters`: a mixture of experts' stacked expert weights to adapt (peft's
+      field of that name, its `lora.ParamWrapper`): a list of names, each matching an
+      expert projection by zoo name (`"gate"`, `"up"`, `"down"`,
+      `"layers.layers.mlp.down"`) or, for a `zoo.hf` family, by its transformers-5
+      parameter at every layer as peft matches it (`"mlp.experts.gate_up_proj"` picks
+      gate and up, fused there; `"down_proj"`). Each expert gets its own rank-`r` branch
+      (`zoo.lora.LoraExpertLinear`). With it, `target_modules` may be empty (`[]`).
+      No dropout, DoRA, PiSSA or OLoRA there (peft refuses them too).
     - `use_rslora`: rank-stabilised scaling `lora_alpha / √r`.
     - `init_lora_weights`: `True` (A uniform ±1/√in as torch's kaiming-uniform(a=√5), B = 0:
       the model's output is unchanged at init), `"gaussian"` (A normal(0, 1/r), B = 0),
@@ -65,6 +73,7 @@ class LoraConfig:
     lora_dropout: float | int = 0.0
     target_modules: tuple[str, ...] | list[str] | str = ("q_proj", "v_proj")
     exclude_modules: tuple[str, ...] | list[str] | str | None = None
+    target_parameters: tuple[str, ...] | list[str] | None = None
     use_rslora: bool = False
     init_lora_weights: bool | str = True  # True, False, "gaussian", "pissa", "olora" (checked below)
     modules_to_save: tuple[str, ...] | list[str] | None = None
@@ -91,7 +100,7 @@ class LoraConfig:
             if len(set(tokens)) != len(tokens) or not tokens:
                 raise ValueError(f"LoraConfig.trainable_token_indices must be distinct and non-empty, got {tokens!r}")
             object.__setattr__(self, "trainable_token_indices", tuple(tokens))
-        for name in ("target_modules", "exclude_modules", "modules_to_save"):
+        for name in ("target_modules", "exclude_modules", "modules_to_save", "target_parameters"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -126,8 +135,28 @@ class LoraConfig:
             )
         if self.bias != "none":
             raise ValueError(f"LoraConfig.bias: only 'none' is supported (biases stay frozen), got {self.bias!r}")
-        if not self.target_modules:
-            raise ValueError("LoraConfig.target_modules is empty; name the Linear layers to adapt, or 'all-linear'")
+        if isinstance(self.target_parameters, str):
+            raise TypeError(
+                f"LoraConfig.target_parameters takes a list of parameter names, got the string "
+                f"{self.target_parameters!r}: write [{self.target_parameters!r}]"
+            )
+        if self.target_parameters:
+            refused = {
+                "lora_dropout": self.lora_dropout > 0,
+                "use_dora": self.use_dora,
+                f"init_lora_weights={self.init_lora_weights!r}": self.init_lora_weights in MUTATING,
+            }
+            wrong = [k for k, v in refused.items() if v]
+            if wrong:
+                raise ValueError(
+                    f"LoraConfig: target_parameters (LoRA on the experts) does not work with {', '.join(wrong)}, as "
+                    "peft's ParamWrapper refuses them: drop them, or adapt the experts in a second run"
+                )
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError(
+                "LoraConfig.target_modules is empty; name the Linear layers to adapt, or 'all-linear' (or name "
+                "the experts' weights in target_parameters)"
+            )
 
     @property
     def scaling(self) -> float:
@@ -149,6 +178,7 @@ class LoraConfig:
             "exclude_modules": self.exclude_modules
             if isinstance(self.exclude_modules, str | None)
             else list(self.exclude_modules),
+            "target_parameters": None if self.target_parameters is None else list(self.target_parameters),
             "use_rslora": self.use_rslora,
             "init_lora_weights": self.init_lora_weights,
             "modules_to_save": None if self.modules_to_save is None else list(self.modules_to_save),

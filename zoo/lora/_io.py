@@ -73,6 +73,7 @@ from ._apply import (
     _replace_lora,
     _with,
     add_lora,
+    expert_targets,
     modules,
     saved_modules,
     target_names,
@@ -80,6 +81,7 @@ from ._apply import (
 from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
 from ._entries import _check_shapes, _entries, _Entry, _skip_absent
+from ._expert_files import expert_tensors, expert_values
 from ._fused import _file_tensors, _loaded_values
 from ._heads import _apart_tensors, _head_values, _read_apart
 from ._layer import LoraLinear
@@ -164,6 +166,8 @@ def save_adapter(
         return []
 
     peft_targets = sorted({_module_of(k) for k in tensors if ".lora_" in k})
+    experts, expert_ranks, expert_alphas, peft_parameters = expert_tensors(model, config, names)
+    tensors |= experts
     saved = [n for n in saved_modules(model, config) if names is None or n not in names.apart]
     peft_saved = sorted({hf_module_name(model, n, idx) for n in saved for idx in np.ndindex(lead(model, n))}) or None
     values = config.to_peft_dict(peft_targets)
@@ -176,8 +180,9 @@ def save_adapter(
         # peft's one flag for Conv1D targets ([in, out] weights); it corrects it per module.
         fan_in_fan_out=names is not None
         and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in modules(model, LoraLinear).items()),
-        rank_pattern=rank_pattern,
-        alpha_pattern=alpha_pattern,
+        rank_pattern=rank_pattern | expert_ranks,
+        alpha_pattern=alpha_pattern | expert_alphas,
+        target_parameters=peft_parameters or None,
     )
     if path_initial_model_for_weight_conversion is not None:
         initial = path_initial_model_for_weight_conversion
@@ -197,6 +202,7 @@ def save_adapter(
             "format": "zoo LoRA adapter",
             "target_modules": _plain(config.target_modules),
             "exclude_modules": _plain(config.exclude_modules),
+            "target_parameters": _plain(config.target_parameters),
             "modules_to_save": _plain(config.modules_to_save),
             "tensors_sha256": tensors_sha256(tensors),
         }
@@ -212,7 +218,7 @@ def _branches(model: Any, base: Any, config: LoraConfig) -> dict[str, tuple[tupl
     found = modules(model, ADAPTED)
     if not found:
         raise ValueError(f"this {type(model).__name__} has no LoRA branches: add them with zoo.lora.add_lora first")
-    expected = sorted(target_names(base, config))
+    expected = sorted(target_names(base, config) + expert_targets(base, config))
     found = {n: v for n, v in found.items() if not isinstance(node_at(model, v[0]), TrainableTokens)}
     if sorted(found) != expected:
         raise ValueError(
@@ -310,9 +316,11 @@ def load_adapter(
             "applies to peft's residual of the fused weight, which zoo (adapting its parts) cannot recompute; save "
             "it in peft with path_initial_model_for_weight_conversion for an adapter of the original base"
         )
+    expert_paths, expert_new, tensors = expert_values(model, tensors, values, config, names, directory)
     _check_shapes(entries, tensors, model, meta, directory, values)
     _check_scaling(tensors, values, config, directory)
     paths, new = _untied(entries, _loaded_values(model, entries, tensors, config, directory), directory)
+    paths, new = paths + expert_paths, new + expert_new
     if apart:  # the head's leaves (torch's orientation), like the leaves they replace
         head_paths, head_values = _head_values(model, names, apart, directory, meta)
         paths, new = paths + head_paths, new + head_values

@@ -140,7 +140,7 @@ def _plain_lora(layer: Any, name: str, where: str) -> LoraLinear | None:
         kind = type(layer).__name__ if isinstance(layer, ADAPTED) else "module"
         raise ValueError(
             f"adapter {name!r} has a {kind} at {where!r}: named adapters stack plain LoRA branches on Linear layers "
-            "(no embedding LoRA, trainable tokens, DoRA); leave those out of the adapters you stack"
+            "(no embedding LoRA, trainable tokens, DoRA, expert LoRA); leave those out of the adapters you stack"
         )
     if layer.use_dora:
         raise ValueError(f"adapter {name!r} is a DoRA adapter ({where!r}): named adapters stack plain LoRA only")

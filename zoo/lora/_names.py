@@ -73,6 +73,18 @@ def hf_module_name(model: Any, name: str, index: tuple[int, ...] = ()) -> str:
     return generic if hf is None else hf
 
 
+def hf_parameters(model: Any, name: str) -> list[str]:
+    """The Hugging Face names (peft's `target_parameters` keys) of expert module `name` at
+    every layer (`model.layers.{i}.mlp.experts.gate_up_proj`), or `[]` without a family."""
+    names = adapter_names(model)
+    table = getattr(getattr(names, "family", None), "lora_expert_parameters", None)
+    projection = name.rsplit(".", 1)[-1]
+    if table is None or projection not in table:
+        return []
+    container = names.family.lora_experts
+    return [f"{container.format(*idx)}.{table[projection][0]}" for idx in np.ndindex(lead(model, name))]
+
+
 def layer_names(model: Any, name: str) -> list[str]:
     """The HF / peft names of module `name` at every layer of its stack."""
     return [hf_module_name(model, name, idx) for idx in np.ndindex(lead(model, name))]

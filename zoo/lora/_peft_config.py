@@ -130,6 +130,8 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
     targets = values.get("target_modules")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         zoo_targets: Any = "all-linear"
+    elif not targets and values.get("target_parameters"):
+        zoo_targets = ()  # the experts alone (`target_parameters`)
     else:
         patterns = tuple(targets) if isinstance(targets, list) else targets
         exclude = values.get("exclude_modules")
@@ -188,7 +190,7 @@ def _lora_config(base: Any, values: dict[str, Any], meta: dict[str, Any] | None)
     if init not in INITS:
         fields["init_lora_weights"] = True  # peft's other inits (eva, orthogonal, …): the file holds the result
     if meta is not None and "target_modules" in meta:
-        for k in ("target_modules", "exclude_modules", "modules_to_save"):
+        for k in ("target_modules", "exclude_modules", "modules_to_save", "target_parameters"):
             fields[k] = meta.get(k)
     else:
         fields["target_modules"], fields["modules_to_save"] = _from_peft_names(base, values)

@@ -25,7 +25,7 @@ def cross_entropy(
     return -jnp.einsum("...v,...v->...", logp, onehot)
 
 
-def next_token_loss(model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
+def next_token_loss(model: Any, batch: dict[str, Any], *, metrics: bool = False) -> tuple[Any, ...]:
     """Next-token cross-entropy of a language model, as `(loss_sums, token_counts)` per example.
 
     **Arguments:**
@@ -51,6 +51,12 @@ def next_token_loss(model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " b
     loop), each row's share weighted by its target count, so the step's loss is the
     language-model mean plus `coef` times the target-weighted mean of those per-device
     losses (on one device and one microbatch, transformers' loss exactly).
+
+    With `metrics` and that router term, a third output `{"aux_loss": [batch]}`: each row's
+    router loss times its target count, so the step reports (`zoo.TrainStep`'s fourth
+    output, a run's `aux_loss` in metrics.jsonl) the target-weighted mean of the per-device
+    load-balancing losses, unscaled by the coefficient (on one device and one microbatch,
+    transformers' `aux_loss`). Without the term, the pair alone.
     """
     tokens = batch["tokens"]
     mask = batch.get("mask")
@@ -64,9 +70,11 @@ def next_token_loss(model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " b
     nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
     weights = target_weights(batch)
     sums, counts = jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
-    if coef is not None:
-        sums = sums + coef * load_balancing_loss_per_device(choice.probs, choice.chosen, mask) * counts
-    return sums, counts
+    if coef is None:
+        return sums, counts
+    aux = load_balancing_loss_per_device(choice.probs, choice.chosen, mask) * counts
+    sums = sums + coef * aux
+    return (sums, counts, {"aux_loss": aux}) if metrics else (sums, counts)
 
 
 def router_loss_coef(model: Any) -> float | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -48,6 +48,23 @@ class ExpertLinear(eqx.Module):
         self.in_axis = in_axis
         self.out_axis = out_axis
 
+    def spread(self, rows: Float[Array, "*batch in"], lead: int) -> Float[Array, "*batch experts out"]:
+        """Every expert's projection of every row of `rows` (`lead` batch dimensions),
+        in `rows`' dtype: `[*batch, experts, out]`."""
+        weight = for_use(self.weight, rows, lead_ndim=lead).astype(rows.dtype)
+        spec = _spec(rows, lead, (entries(weight)[0], entries(weight)[2]))
+        return jnp.einsum("...d,edi->...ei", rows, weight, out_sharding=spec)
+
+    def gather(self, h: Float[Array, "*batch experts in"], lead: int) -> Float[Array, "*batch out"]:
+        """Each expert's projection of its own slice of `h` (`[*batch, experts, in]`),
+        summed over the experts: `[*batch, out]`."""
+        weight = for_use(self.weight, h, lead_ndim=lead).astype(h.dtype)
+        return jnp.einsum("...ei,eid->...d", h, weight, out_sharding=_spec(h, lead, (entries(weight)[2],)))
+
+    def stacked(self, dtype: Any) -> Float[Array, "experts in_features out_features"]:
+        """The weight the experts compute with, in `dtype` (one device: `Experts`' sorted dispatch)."""
+        return self.weight.astype(dtype)
+
 
 class RouterChoice(eqx.Module):
     """What a router chose for each token: the softmax over every expert (`probs`,
@@ -83,6 +100,8 @@ class Experts(eqx.Module):
     """
 
     router: Linear
+    # Each an `ExpertLinear`, or one carrying a LoRA branch (`zoo.lora`, peft's
+    # `target_parameters`), which computes the same three methods.
     gate: ExpertLinear
     up: ExpertLinear
     down: ExpertLinear
@@ -152,20 +171,14 @@ class Experts(eqx.Module):
     def _dense(self, x: Array, weights: Array) -> Array:
         rows, restore = flatten_rows(x)
         lead = rows.ndim - 1
-        gate, up, down = (
-            for_use(p.weight, rows, lead_ndim=lead).astype(x.dtype) for p in (self.gate, self.up, self.down)
-        )
-        hidden = _spec(rows, lead, (entries(gate)[0], entries(gate)[2]))
-        g = jnp.einsum("...d,edi->...ei", rows, gate, out_sharding=hidden)
-        u = jnp.einsum("...d,edi->...ei", rows, up, out_sharding=hidden)
+        g, u = self.gate.spread(rows, lead), self.up.spread(rows, lead)
         w = (
             weights
             if rows is x
             else weights.reshape(*rows.shape[:-1], self.num_experts, out_sharding=_spec(rows, lead, (None,)))
         )
         h = silu(g) * u * w[..., None]
-        out = jnp.einsum("...ei,eid->...d", h, down, out_sharding=_spec(rows, lead, (entries(down)[2],)))
-        return restore(out)
+        return restore(self.down.gather(h, lead))
 
     def _sorted(self, x: Array, weights: Array) -> Array:
         if sharding_spec(x) is not None:
@@ -182,10 +195,10 @@ class Experts(eqx.Module):
         sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
         xs = rows[order // self.top_k]
         dtype = x.dtype
-        h = silu(lax.ragged_dot(xs, self.gate.weight.astype(dtype), sizes)) * lax.ragged_dot(
-            xs, self.up.weight.astype(dtype), sizes
+        h = silu(lax.ragged_dot(xs, self.gate.stacked(dtype), sizes)) * lax.ragged_dot(
+            xs, self.up.stacked(dtype), sizes
         )
-        ys = lax.ragged_dot(h, self.down.weight.astype(dtype), sizes) * top.reshape(-1)[order][:, None]
+        ys = lax.ragged_dot(h, self.down.stacked(dtype), sizes) * top.reshape(-1)[order][:, None]
         out = jnp.zeros_like(ys).at[order].set(ys).reshape(rows.shape[0], self.top_k, -1).sum(axis=1)
         return out.reshape(*lead, -1)
 

@@ -23,7 +23,17 @@ import numpy as np
 
 from .._finite import check_finite
 from .._tree import node_at
-from ..lora import LoraConfig, LoraLinear, MultiLoraLinear, add_lora, is_adapter, modules, stack_adapters, unload
+from ..lora import (
+    LoraConfig,
+    LoraExpertLinear,
+    LoraLinear,
+    MultiLoraLinear,
+    add_lora,
+    is_adapter,
+    modules,
+    stack_adapters,
+    unload,
+)
 
 
 def _with(layer: MultiLoraLinear, **changes: Any) -> MultiLoraLinear:
@@ -53,6 +63,12 @@ def lora_layers(model: Any) -> dict[str, LoraLinear]:
     out = {}
     for name, (path, _) in modules(model, is_adapter).items():
         layer = node_at(model, path)
+        if isinstance(layer, LoraExpertLinear):
+            raise ValueError(
+                f"the adapter has LoRA on a mixture of experts' expert weights at {name!r} (target_parameters): the "
+                "engine's adapter bank holds branches on Linear layers only, not per-expert ones. Serve the merged "
+                "model (zoo.lora.merge(model)) as the base, or decode it with zoo.generate"
+            )
         if not isinstance(layer, LoraLinear):
             raise ValueError(
                 f"the adapter has a {type(layer).__name__} at {name!r}: served adapters are plain LoRA on Linear "

@@ -10,6 +10,7 @@ its built-in data sets or on a user's data file (`zoo.train._user_data`): `zoo t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from typing import Any
@@ -27,6 +28,8 @@ from .._tree import human_bytes, tree_bytes, tree_size
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
+from ..models import next_token_loss
+from ..models._loss import router_loss_coef
 from ..nn import example_keys
 from ._adapters import adapters_task, add_lora, quantize_base, read_adapter_records, stacked
 from ._config import RunConfig, check_fits_model
@@ -149,6 +152,9 @@ def training_step(c: RunConfig, loss_fn: Any, model: Any, *, per_adapter: bool =
     if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were
         optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=c.steps + 1)
     trainable = lora_trainable(model, c.lora) if c.lora is not None else eqx.is_inexact_array
+    if loss_fn is next_token_loss and router_loss_coef(model) is not None:
+        # A mixture of experts training its router's loss: that loss logged too (`aux_loss`).
+        loss_fn = functools.partial(next_token_loss, metrics=True)
     return TrainStep(loss_fn, optimizer, microbatches=c.microbatches, trainable=trainable, mode=c.mode, preset=c.rules)
 
 

@@ -23,6 +23,7 @@ LORA_KEYS = {
     "dropout": "lora_dropout",
     "targets": "target_modules",
     "exclude": "exclude_modules",
+    "parameters": "target_parameters",
     "rslora": "use_rslora",
     "save": "modules_to_save",
     "use_dora": "use_dora",
@@ -37,7 +38,9 @@ LORA_EXAMPLE = "r=8,alpha=16,targets=q_proj+v_proj"
 LORA_HELP = (
     "Keys: r (rank), alpha (lora_alpha; scaling alpha/r), dropout (the branches' input dropout), "
     "targets (Linear names joined by '+', e.g. q_proj+v_proj, or all-linear), exclude (names joined "
-    "by '+'), rslora (true/false: scaling alpha/sqrt(r)), save (modules_to_save, names joined by '+', "
+    "by '+'), parameters (a mixture of experts' expert weights, peft's target_parameters, joined by '+', "
+    "e.g. gate_up_proj+down_proj or gate+up+down; then targets=none adapts no Linear), "
+    "rslora (true/false: scaling alpha/sqrt(r)), save (modules_to_save, names joined by '+', "
     "trained in full; a classifier's default is head, its new classification head; save=none "
     "freezes it), use_dora (true/false: DoRA, a trained magnitude per output), "
     "init_lora_weights (true, gaussian, pissa or olora: peft's initialisations), ensure_weight_tying "
@@ -77,6 +80,8 @@ def _lora_value(key: str, value: str) -> Any:
         return value
     if key == "save" and value.lower() == "none":
         return None
+    if key == "targets" and value.lower() == "none":
+        return ()  # no Linear: the experts alone (`parameters=`); LoraConfig refuses it without them
     if not all(names):
         raise ValueError(f"{key} must be module names joined by '+', e.g. q_proj+v_proj, got {value!r}")
     return names
@@ -122,9 +127,11 @@ def lora_text(config) -> str:
         return value if isinstance(value, str) else "+".join(value)
 
     parts = [f"r={config.r}", f"alpha={config.lora_alpha:g}", f"dropout={config.lora_dropout:g}"]
-    parts.append(f"targets={names(config.target_modules)}")
+    parts.append(f"targets={names(config.target_modules) if config.target_modules else 'none'}")
     if config.exclude_modules:
         parts.append(f"exclude={names(config.exclude_modules)}")
+    if config.target_parameters:
+        parts.append(f"parameters={names(config.target_parameters)}")
     parts.append(f"rslora={'true' if config.use_rslora else 'false'}")
     parts.append(f"save={names(config.modules_to_save)}")
     if config.use_dora:

@@ -344,7 +344,7 @@ class Trainer:
             nonlocal pending, last
             if pending is None:
                 return
-            i, loss = pending
+            i, loss, metrics = pending
             pending = None
             value = float(loss)
             now = time.perf_counter()
@@ -355,7 +355,9 @@ class Trainer:
                 self.losses.append(value)
             elif self.skip_nonfinite:
                 self.skipped += 1
-            self.record(self._row(i, value, rate, now))
+            row = self._row(i, value, rate, now)
+            # The loss's own metrics (the step's fourth output: a router's `aux_loss`).
+            self.record(row | {k: float(v) for k, v in (metrics or {}).items()})
             if not finite and not self.skip_nonfinite:
                 raise self.stopped(f"step {i}: the training loss is {value}", i)
 
@@ -377,9 +379,9 @@ class Trainer:
                 batch = self.batch_at(i)
                 if batch_size is None:
                     batch_size = jax.tree.leaves(batch)[0].shape[0]
-                model, opt_state, loss = compiled(model, opt_state, batch)
+                model, opt_state, loss, *metrics = compiled(model, opt_state, batch)
                 flush()  # the previous step's loss, read while this step runs
-                pending = (i, loss)
+                pending = (i, loss, metrics[0] if metrics else None)
                 due = [h for h in self.hooks if getattr(h, "every", 0) and i % h.every == 0]
                 stop = preemption.stop_at(i)  # the same answer in every process
                 if not due and not stop:

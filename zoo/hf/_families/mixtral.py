@@ -115,6 +115,16 @@ class ExpertsFamily:
     experts_at: ClassVar[str] = ""
     expert_projections: ClassVar[dict[str, str]] = {}
     experts_key: ClassVar[str] = "num_local_experts"  # config.json's number of experts
+    # peft's `target_parameters` names the experts as transformers 5 holds them (both
+    # families): layer `{0}`'s `mlp.experts`, whose 3-D parameters are zoo projection →
+    # (parameter, block of its outputs or None), in the order the module defines them
+    # (peft nests the wrapper of a later one around the earlier one's).
+    lora_experts: ClassVar[str] = "model.layers.{0}.mlp.experts"
+    lora_expert_parameters: ClassVar[dict[str, tuple[str, int | None]]] = {
+        "gate": ("gate_up_proj", 0),
+        "up": ("gate_up_proj", 1),
+        "down": ("down_proj", None),
+    }
     expert_width_key: ClassVar[str] = "intermediate_size"  # config.json's width of each expert
 
     def moe_problems(self, values: dict[str, Any]) -> list[str]:

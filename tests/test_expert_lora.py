@@ -1,0 +1,186 @@
+"""LoRA on a mixture of experts' expert weights (peft 0.21's `target_parameters`): both
+ways with peft on transformers 5's Mixtral and Qwen3-MoE (the same logits; the merged
+export opened by transformers), peft's `all-linear` adapter refused by name, the training
+step under `dp` and `ep` (one gradient all-reduce outside every loop; the update = one
+device's), and decoding (`zoo.generate` = the merged model; the serving engine refuses
+expert branches by name)."""
+
+import json
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import peft
+import pytest
+import torch
+import transformers
+from helpers import assert_rounding_close, largest, lm_batch
+from test_families import _check, _hf_logits, forward
+from test_moe import CASES, _moe_config, _open_hf, hf_dirs, sgd_reference, tokens  # noqa: F401  (module fixtures)
+
+import zoo
+from zoo.lora import LoraConfig, LoraExpertLinear, add_lora, load_adapter, merge, save_adapter
+from zoo.models import Transformer
+
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _peft_on(directory, **values):
+    """peft's LoRA (random A and B: init_lora_weights=False) on the transformers model."""
+    torch.manual_seed(5)
+    return peft.get_peft_model(_open_hf(directory), peft.LoraConfig(init_lora_weights=False, **values)).eval()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_lora_both_ways_with_peft(name, hf_dirs, tokens, tmp_path):  # noqa: F811
+    """peft's expert branches (one rank-r branch per expert on `gate_up_proj` and
+    `down_proj`, nested wrappers) load into zoo with peft's logits; zoo's (on gate, up,
+    down: written as block-structured rank-2r on `gate_up_proj`; on up alone; on
+    `gate_up_proj` alone, as peft names it) open in peft with zoo's logits and reload
+    exactly; merged, transformers opens the export with the same logits."""
+    base = zoo.hf.from_pretrained(hf_dirs[name])
+    mask = np.ones(tokens.shape, bool)
+    plain = _hf_logits(_open_hf(hf_dirs[name]), tokens, mask)
+    made = _peft_on(hf_dirs[name], r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERT_PARAMETERS)
+    made.save_pretrained(tmp_path / "p")
+    loaded, config = load_adapter(base, tmp_path / "p")
+    assert sorted(config.target_parameters) == sorted(EXPERT_PARAMETERS)  # peft writes a set's order
+    assert sorted(zoo.lora.modules(loaded, LoraExpertLinear)) == [
+        f"layers.layers.mlp.{p}" for p in ("down", "gate", "up")
+    ]
+    want = _hf_logits(made, tokens, mask)
+    assert largest(want.f64 - plain.f64) > 0.05  # the experts' branches change the logits
+    diff = _check(forward(loaded, tokens, mask), want, mask, f"{name} expert LoRA peft → zoo")
+    print(f"MAX DIFF {name} expert LoRA peft → zoo {diff:.2e}")
+    for targets in (["gate", "up", "down"], ["up"], ["mlp.experts.gate_up_proj"]):
+        config = LoraConfig(
+            r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=targets, init_lora_weights=False
+        )
+        adapted = add_lora(base, config, key=jax.random.key(3))
+        save_adapter(adapted, config, tmp_path / "z")
+        opened = peft.PeftModel.from_pretrained(_open_hf(hf_dirs[name]), tmp_path / "z").eval()
+        got = forward(adapted, tokens, mask)
+        diff = _check(got, _hf_logits(opened, tokens, mask), mask, f"{name} expert LoRA {targets} zoo → peft")
+        print(f"MAX DIFF {name} expert LoRA {targets} zoo → peft {diff:.2e}")
+        back, _ = load_adapter(base, tmp_path / "z")
+        np.testing.assert_array_equal(np.asarray(forward(back, tokens, mask)), np.asarray(got))
+        zoo.hf.save_pretrained(merge(adapted), tmp_path / "merged")
+        reference = _hf_logits(_open_hf(tmp_path / "merged"), tokens, mask)
+        diff = _check(got, reference, mask, f"{name} expert LoRA {targets} merged export")
+        print(f"MAX DIFF {name} expert LoRA {targets} merged export {diff:.2e}")
+
+
+def test_peft_all_linear_on_experts_is_refused_by_name(hf_dirs, tmp_path):  # noqa: F811
+    """peft's `all-linear` on a transformers-5 Mixtral adds the router's `gate.weight` and
+    `gate_up_proj` at rank 2r (its v4 → v5 conversion; keys under
+    `mlp.experts.base_layer.lora_*`): refused, saying why and what to train instead."""
+    made = _peft_on(hf_dirs["mixtral"], r=2, target_modules="all-linear")
+    made.save_pretrained(tmp_path)
+    assert any(".mlp.experts.base_layer.lora_A" in k for k in made.state_dict())
+    with pytest.raises(ValueError, match=r"\['gate.weight'\] match no expert weight.*router's weight.*all-linear"):
+        load_adapter(zoo.hf.from_pretrained(hf_dirs["mixtral"]), tmp_path)
+    with pytest.raises(ValueError, match=r"name them in target_parameters, as peft does"):
+        add_lora(
+            Transformer(_moe_config(), key=jax.random.key(0)),
+            LoraConfig(target_modules=["down"]),
+            key=jax.random.key(1),
+        )
+    with pytest.raises(ValueError, match=r"target_parameters .*does not work with lora_dropout"):
+        LoraConfig(target_parameters=["down"], lora_dropout=0.1)
+
+
+LAYOUTS = {"dp": ("dp", (2, 1)), "ep": ("ep", (2, 2))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_lora_step_keeps_one_all_reduce_and_equals_one_device(layout):
+    """A LoRA step with branches on attention and every expert projection, 2 microbatches,
+    under `dp` (data 2) and `ep` (data 2 x model 2: the experts and their branches split
+    over `model`): the compiled step's only collective over `data` is one all-reduce
+    outside every loop (the rest: `ep`'s expert traffic over `model`, in the loop), the
+    branches lie where their base experts do, and the SGD update equals one device's."""
+    preset, (data, width) = LAYOUTS[layout]
+    base = Transformer(_moe_config(), key=jax.random.key(0))
+    config = LoraConfig(
+        r=2, target_modules=["q_proj", "v_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
+    )
+    model = add_lora(base, config, key=jax.random.key(1))
+    flags = zoo.lora.trainable(model, config)
+    assert flags.layers.layers.mlp.down.lora_A and not flags.layers.layers.mlp.down.base.weight
+    batch = lm_batch(jax.random.key(2), 8, vocab=32)
+    lr = 0.5
+    loss, params, want = sgd_reference(model, batch, lr, flags)
+    mesh = jax.make_mesh((data, width), ("data", "model"), devices=jax.devices()[: data * width])
+    with jax.set_mesh(mesh):
+        sharded = zoo.shard(model, zoo.rules(preset), mesh)
+        if preset == "ep":
+            for leaf in ("lora_A", "lora_B"):
+                assert jax.typeof(getattr(sharded.layers.layers.mlp.up, leaf)).sharding.spec[1] == "model"
+        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(lr), microbatches=2, preset=preset, trainable=flags)
+        opt_state = step.init(sharded)
+        compiled = step.compile(sharded, opt_state, batch)  # raises if over the preset's budget
+        new_model, _, got_loss = compiled(sharded, opt_state, batch)
+    colls = zoo.collectives(compiled)
+    on_data = [(c.kind, c.in_loop, c.mesh_axes) for c in colls if "data" in c.mesh_axes]
+    assert on_data == [("all-reduce", False, ("data",))], zoo.report(colls)
+    assert all(c.mesh_axes == ("model",) and c.in_loop for c in colls if "data" not in c.mesh_axes), zoo.report(colls)
+    sums = {"terms": 8 * 8, "depth": 2 * (2 * 6 + 1)}
+    assert_rounding_close(got_loss, loss, **sums)
+    got = eqx.filter(eqx.partition(new_model, flags)[0], eqx.is_array)
+    step_size = max(
+        largest(np.asarray(w, np.float64) - np.asarray(p))
+        for w, p in zip(jax.tree.leaves(want), jax.tree.leaves(params))
+    )
+    assert step_size > 0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
+
+
+def test_generate_with_expert_lora_is_the_merged_models_and_the_engine_refuses_it():
+    """`zoo.generate` with expert branches decodes the merged model's tokens (dense and
+    sorted dispatch alike); the serving engine's adapter bank, which holds branches on
+    Linear layers, refuses an expert adapter by name and says what to do instead."""
+    from zoo.serve import Engine
+
+    config = LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
+    )
+    prompts = np.array([[3, 5, 7, 9], [4, 6, 8, 10]], np.int32)
+    for dispatch in ("dense", "sorted"):
+        base = Transformer(_moe_config(max_len=16, moe_dispatch=dispatch), key=jax.random.key(0))
+        adapted = add_lora(base, config, key=jax.random.key(2))
+        got = np.asarray(zoo.generate(adapted, prompts, max_new_tokens=6))
+        np.testing.assert_array_equal(got, np.asarray(zoo.generate(merge(adapted), prompts, max_new_tokens=6)))
+        assert not np.array_equal(got, np.asarray(zoo.generate(base, prompts, max_new_tokens=6)))
+    with pytest.raises(ValueError, match=r"LoRA on a mixture of experts' expert weights .*Serve the merged model"):
+        Engine(base, slots=2, adapters={"a": adapted}, max_lora_rank=2)
+
+
+def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
+    """`zoo finetune --lora ...,parameters=gate_up_proj+down_proj` on a Mixtral trains
+    branches on the experts (and q_proj); the run's adapter names them in
+    `target_parameters` and peft opens it on the transformers model with zoo's logits."""
+    from helpers import zoo_main
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    experts = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    hf_config = transformers.MixtralConfig(**sizes, **experts)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
+    lora = "r=2,targets=q_proj,parameters=gate_up_proj+down_proj"
+    flags = ["--init", tmp_path / "hf", "--lora", lora, "--steps", "3", "--output", tmp_path / "run"]
+    rc, _, err = zoo_main("finetune", "transformer", *flags)
+    assert rc == 0, err
+    adapter = tmp_path / "run" / "adapter"
+    values = json.loads((adapter / "adapter_config.json").read_text())
+    assert values["target_parameters"] == EXPERT_PARAMETERS
+    assert values["target_modules"] == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]
+    ids = np.random.default_rng(0).integers(0, 300, (2, 8)).astype(np.int32)
+    mask = np.ones(ids.shape, bool)
+    loaded, _ = load_adapter(zoo.hf.from_pretrained(tmp_path / "hf"), adapter)
+    trained = loaded.layers.layers.mlp.down.lora_B
+    assert np.abs(np.asarray(trained)).max() > 0  # B starts at zero: the experts' branches trained
+    opened = peft.PeftModel.from_pretrained(_open_hf(tmp_path / "hf"), adapter).eval()
+    _check(forward(loaded, ids, mask), _hf_logits(opened, ids, mask), mask, "finetuned expert LoRA zoo → peft")
