@@ -11,6 +11,13 @@ apart). Lines are written as tests end, so a worker that dies still leaves its r
 As a script, `python tests/tools/timeline.py FOLDER [FOLDER_AFTER]` prints per test file
 what the records of all workers add up to, most CPU first, and the totals; with a second
 folder, the two side by side. `--tests N` prints the N costliest tests instead.
+
+With ZOO_TEST_TIMELINE_PROGRAMS=1 as well, each process also appends one JSON line per XLA
+compile to `FOLDER/programs/<worker>-<pid>.jsonl`: a fingerprint of the program (the lowered
+module's text without locations, and the serialized compile options, which name the devices),
+its compile seconds, the wall-clock time and the test. `--programs` then prints how many
+compile seconds went to programs some process had compiled before (what one compilation
+cache shared by every process could save at most), by the program's compile time.
 """
 
 from __future__ import annotations
@@ -59,6 +66,42 @@ class Timeline:
             original_init(self, args, *a, **k)
 
         subprocess.Popen.__init__ = counting_init
+        self.test = ""
+        if os.environ.get("ZOO_TEST_TIMELINE_PROGRAMS"):
+            self._record_programs(folder, worker)
+
+    def _record_programs(self, folder: str, worker: str) -> None:
+        """Wrap jax's backend compile: one line per compile with the program's fingerprint."""
+        import hashlib
+
+        from jax._src import compiler
+        from jax._src.lib.mlir import ir
+
+        path = pathlib.Path(folder) / "programs" / f"{worker}-{os.getpid()}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        original = compiler.backend_compile_and_load
+        timeline = self
+
+        def fingerprinted(backend, module, executable_devices, options, host_callbacks):
+            start = time.perf_counter()
+            result = original(backend, module, executable_devices, options, host_callbacks)
+            seconds = time.perf_counter() - start
+            digest = hashlib.sha256(module.operation.get_asm(binary=True, enable_debug_info=False))
+            digest.update(options.SerializeAsString())
+            record = {
+                "fp": digest.hexdigest()[:24],
+                "name": ir.StringAttr(module.operation.attributes["sym_name"]).value,
+                "s": round(seconds, 5),
+                "t": time.time(),
+                "pid": os.getpid(),
+                "test": timeline.test,
+                "callbacks": bool(host_callbacks),
+            }
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            return result
+
+        compiler.backend_compile_and_load = fingerprinted
 
     def _now(self):
         t = os.times()
@@ -74,6 +117,7 @@ class Timeline:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
+        self.test = item.nodeid
         start = self._now()
         yield
         end = self._now()
@@ -116,6 +160,53 @@ def _line(name, row, width) -> str:
     )
 
 
+BUCKETS = (0.1, 0.3, 1.0, 3.0)
+
+
+def programs(folder) -> None:
+    """Compile seconds spent on programs compiled before (by any process of the run), by
+    where the earlier compile was and by the program's compile time."""
+    records = []
+    for path in sorted((pathlib.Path(folder) / "programs").glob("*.jsonl")):
+        with open(path) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    records.sort(key=lambda r: r["t"])
+    first = {}
+    rows = collections.defaultdict(lambda: [0, 0.0])  # (where, bucket) -> compiles, seconds
+    edges = [0.0, *BUCKETS]
+    for r in records:
+        bucket = sum(r["s"] >= edge for edge in BUCKETS)
+        earlier = first.get(r["fp"])
+        if earlier is None:
+            where = "first"
+            first[r["fp"]] = r
+        elif earlier["pid"] != r["pid"]:
+            where = "again, another process"
+        elif earlier["test"].split("::")[0] != r["test"].split("::")[0]:
+            where = "again, same process, another file"
+        else:
+            where = "again, same process and file"
+        rows[where, bucket][0] += 1
+        rows[where, bucket][1] += r["s"]
+    names = [f"< {BUCKETS[0]} s"] + [f"{a}-{b} s" for a, b in zip(BUCKETS, BUCKETS[1:])] + [f">= {BUCKETS[-1]} s"]
+    print(
+        f"{len(records)} compiles, {sum(r['s'] for r in records):.1f} s, {len(first)} distinct programs, "
+        f"{len({r['pid'] for r in records})} processes"
+    )
+    print("| compiled | " + " | ".join(names) + " | all |")
+    print("|---|" + "---:|" * (len(names) + 1))
+    wheres = ["first", "again, another process", "again, same process, another file", "again, same process and file"]
+    for where in wheres:
+        cells = [rows[where, b] for b in range(len(names))]
+        total = [sum(c[0] for c in cells), sum(c[1] for c in cells)]
+        print(f"| {where} | " + " | ".join(f"{c[0]}, {c[1]:.1f} s" for c in [*cells, total]) + " |")
+    again = [sum(rows[w, b][1] for w in wheres[1:]) for b in range(len(names))]
+    print(
+        "compile seconds of repeats at or over a program compile time of:",
+        ", ".join(f"{edge} s: {sum(again[i:]):.1f}" for i, edge in enumerate(edges)),
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="a ZOO_TEST_TIMELINE folder")
@@ -123,7 +214,13 @@ def main(argv=None) -> None:
     parser.add_argument("--tests", type=int, default=0, help="print the N costliest tests instead of files")
     parser.add_argument("--top", type=int, default=0, help="print only the N costliest files (and the total)")
     parser.add_argument("--markdown", action="store_true", help="a markdown table (for docs/testing.md)")
+    parser.add_argument(
+        "--programs", action="store_true", help="compiles of programs compiled before (ZOO_TEST_TIMELINE_PROGRAMS=1)"
+    )
     args = parser.parse_args(argv)
+    if args.programs:
+        programs(args.folder)
+        return
     before = _load(args.folder)
     key = "test" if args.tests else "file"
     rows = _per(before, key)
