@@ -15,7 +15,8 @@ folder, the two side by side. `--tests N` prints the N costliest tests instead.
 With ZOO_TEST_TIMELINE_PROGRAMS=1 as well, each process also appends one JSON line per XLA
 compile to `FOLDER/programs/<worker>-<pid>.jsonl`: a fingerprint of the program (the lowered
 module's text without locations, and the serialized compile options, which name the devices),
-its compile seconds, the wall-clock time and the test. `--programs` then prints how many
+its compile seconds (wall, and the process's CPU meanwhile), the wall-clock time and the
+test. `--programs` then prints how many
 compile seconds went to programs some process had compiled before (what one compilation
 cache shared by every process could save at most), by the program's compile time.
 """
@@ -33,7 +34,13 @@ import time
 
 import pytest
 
-FIELDS = ("wall", "cpu", "child_cpu", "compiles", "compile_s", "procs", "zoo_procs")
+FIELDS = ("wall", "cpu", "child_cpu", "compiles", "compile_s", "trace_s", "lower_s", "procs", "zoo_procs")
+# jax's own timers (wall seconds): tracing a function to a jaxpr, lowering it to a module,
+# XLA compiling the module.
+_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+}
 
 
 class Timeline:
@@ -44,6 +51,7 @@ class Timeline:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.compiles = 0
         self.compile_s = 0.0
+        self.seconds = dict.fromkeys(_EVENTS.values(), 0.0)
         self.procs = 0
         self.zoo_procs = 0
         import jax
@@ -52,6 +60,8 @@ class Timeline:
             if event == "/jax/core/compile/backend_compile_duration":
                 self.compiles += 1
                 self.compile_s += seconds
+            elif event in _EVENTS:
+                self.seconds[_EVENTS[event]] += seconds
 
         jax.monitoring.register_event_duration_secs_listener(listen)
         original_init = subprocess.Popen.__init__
@@ -83,15 +93,17 @@ class Timeline:
         timeline = self
 
         def fingerprinted(backend, module, executable_devices, options, host_callbacks):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             result = original(backend, module, executable_devices, options, host_callbacks)
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
             digest = hashlib.sha256(module.operation.get_asm(binary=True, enable_debug_info=False))
             digest.update(options.SerializeAsString())
             record = {
                 "fp": digest.hexdigest()[:24],
                 "name": ir.StringAttr(module.operation.attributes["sym_name"]).value,
                 "s": round(seconds, 5),
+                # The process's CPU seconds meanwhile: XLA compiles on a thread of its own.
+                "cpu": round(cpu, 5),
                 "t": time.time(),
                 "pid": os.getpid(),
                 "test": timeline.test,
@@ -111,6 +123,7 @@ class Timeline:
             "child_cpu": t.children_user + t.children_system,
             "compiles": self.compiles,
             "compile_s": self.compile_s,
+            **self.seconds,
             "procs": self.procs,
             "zoo_procs": self.zoo_procs,
         }
@@ -149,14 +162,15 @@ def _per(records, key) -> dict[str, dict]:
         row = rows[r[key]]
         row["tests"] += 1
         for k in FIELDS:
-            row[k] += r[k]
+            row[k] += r.get(k, 0)  # records of older runs lack the newer fields
     return rows
 
 
 def _line(name, row, width) -> str:
     return (
         f"{name:<{width}} {row['tests']:>5} {row['wall']:>8.1f} {row['cpu']:>8.1f} {row['child_cpu']:>8.1f}"
-        f" {row['compiles']:>6} {row['compile_s']:>8.1f} {row['procs']:>5} {row['zoo_procs']:>5}"
+        f" {row['compiles']:>6} {row['compile_s']:>8.1f} {row['trace_s']:>7.1f} {row['lower_s']:>7.1f}"
+        f" {row['procs']:>5} {row['zoo_procs']:>5}"
     )
 
 
@@ -255,7 +269,8 @@ def main(argv=None) -> None:
         return
     width = max(len(n) for n in [*order, "total"])
     print(
-        f"{'':<{width}} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'child s':>8} {'comp.':>6} {'comp. s':>8} {'procs':>5} {'zoo':>5}"
+        f"{'':<{width}} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'child s':>8} {'comp.':>6} {'comp. s':>8} {'trace s':>7} {'lower s':>7}"
+        f" {'procs':>5} {'zoo':>5}"
     )
     for name in order:
         print(_line(name, rows[name], width))
