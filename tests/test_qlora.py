@@ -203,7 +203,12 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
     `wire_itemsize`; the tied embedding is gathered once, the head reusing the lookup's
     gather). Under tensor parallelism the codes split like the weight. Double-quantised NF4
     gathers its scales' 8-bit codes (a byte per block, not 4); its nested absmax and offset
-    are replicated, never gathered."""
+    are replicated, never gathered.
+
+    The gradients are the compiled step's own: its optimizer `optax.trace(decay=0)` leaves
+    them as its state after one step, exactly (g + 0·0), so one program per base gives the
+    collectives, the budget and the gradients (an optimizer's update is elementwise on
+    each shard: no collective of its own)."""
     model = _lora_model(tied=True)
     cast = cast_frozen(model, "nf4", config=CONFIG, block_size=BLOCK)
     double = cast_frozen(model, "nf4:dq", config=CONFIG, block_size=BLOCK)
@@ -213,15 +218,17 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
     for name, m in (("float32", model), ("int8", cast_frozen(model, jnp.int8, config=CONFIG)), ("nf4", cast),
                     ("nf4:dq", double)):  # fmt: skip
         step = zoo.TrainStep(
-            zoo.models.next_token_loss, optax.adamw(1e-2), trainable=trainable(m, CONFIG), microbatches=2,
+            zoo.models.next_token_loss, optax.trace(decay=0.0), trainable=trainable(m, CONFIG), microbatches=2,
             preset="fsdp",
         )  # fmt: skip
         with jax.set_mesh(mesh):
             placed = zoo.shard(m, zoo.rules("fsdp"), mesh)
-            colls[name] = zoo.collectives(step.compile(placed, step.init(placed), batch), mesh=mesh)
+            opt_state = step.init(placed)
+            compiled = step.compile(placed, opt_state, batch)
+            colls[name] = zoo.collectives(compiled, mesh=mesh)
             # The preset's budget, checked as the step compiled (a breach raises zoo.BudgetError).
             assert step.budget_verdict.startswith("within the fsdp budget"), step.budget_verdict
-            _, grads = step.loss_and_grads(placed, batch)
+            grads = compiled(placed, opt_state, batch)[1].trace
         bound = dict(GRADIENTS, terms=2 * GRADIENTS["terms"])
         assert_tree_rounding_close(grads, step.loss_and_grads(m, batch)[1], **bound, what=name)
     assert "data" in str(_q_proj(placed).base.codes.sharding.spec)
