@@ -2,8 +2,9 @@
 ways with peft on transformers 5's Mixtral and Qwen3-MoE (the same logits; the merged
 export opened by transformers), peft's `all-linear` adapter refused by name, the training
 step under `dp` and `ep` (one gradient all-reduce outside every loop; the update = one
-device's), and decoding (`zoo.generate` = the merged model; the serving engine refuses
-expert branches by name)."""
+device's), decoding (`zoo.generate` = the merged model) and serving (`zoo.serve.Engine`: expert and
+attention adapters and the bare base in one batch, each = `zoo.generate` alone; its
+refusals)."""
 
 import json
 
@@ -15,7 +16,7 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import assert_rounding_close, largest, lm_batch
+from helpers import assert_rounding_close, backend_compiles, largest, lm_batch
 from test_families import _check, _hf_logits, forward
 from test_moe import CASES, _moe_config, _open_hf, hf_dirs, sgd_reference, tokens  # noqa: F401  (module fixtures)
 
@@ -138,12 +139,9 @@ def test_expert_lora_step_keeps_one_all_reduce_and_equals_one_device(layout):
         assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
 
 
-def test_generate_with_expert_lora_is_the_merged_models_and_the_engine_refuses_it():
+def test_generate_with_expert_lora_is_the_merged_models():
     """`zoo.generate` with expert branches decodes the merged model's tokens (dense and
-    sorted dispatch alike); the serving engine's adapter bank, which holds branches on
-    Linear layers, refuses an expert adapter by name and says what to do instead."""
-    from zoo.serve import Engine
-
+    sorted dispatch alike)."""
     config = LoraConfig(
         r=2, target_modules=["q_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
     )
@@ -154,8 +152,91 @@ def test_generate_with_expert_lora_is_the_merged_models_and_the_engine_refuses_i
         got = np.asarray(zoo.generate(adapted, prompts, max_new_tokens=6))
         np.testing.assert_array_equal(got, np.asarray(zoo.generate(merge(adapted), prompts, max_new_tokens=6)))
         assert not np.array_equal(got, np.asarray(zoo.generate(base, prompts, max_new_tokens=6)))
-    with pytest.raises(ValueError, match=r"LoRA on a mixture of experts' expert weights .*Serve the merged model"):
-        Engine(base, slots=2, adapters={"a": adapted}, max_lora_rank=2)
+
+
+def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dirs, tmp_path):  # noqa: F811
+    """`zoo.serve.Engine` on a Mixtral with two peft adapters (one with LoRA on the experts,
+    `target_parameters`, one on attention only) and the bare base in one mixed batch: each
+    request gets `zoo.generate`'s tokens with its adapter alone; the bank holds expert room
+    because an adapter given has expert branches; unloading the expert adapter and loading
+    another in its slot while requests run compiles nothing."""
+    from test_serve import _alone
+
+    from zoo.serve import Engine, Request
+
+    base = zoo.hf.from_pretrained(hf_dirs["mixtral"])
+    made = {
+        "experts": dict(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERT_PARAMETERS),
+        "attention": dict(r=3, lora_alpha=6, target_modules=["k_proj", "o_proj"]),
+    }
+    for name, values in made.items():
+        _peft_on(hf_dirs["mixtral"], **values).save_pretrained(tmp_path / name)
+    models = {name: load_adapter(base, tmp_path / name)[0] for name in made}
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=[], target_parameters=["up"], init_lora_weights=False)
+    other = add_lora(base, config, key=jax.random.key(7))  # experts alone, another rank
+    engine = Engine(base, slots=3, max_len=32, adapters={n: tmp_path / n for n in made}, max_adapters=3)
+    assert {f"layers.layers.mlp.{p}" for p in ("gate", "up", "down")} <= set(engine.bank.layers)
+    engine.warm_up(tune=False)
+    before = dict(engine.compiles)
+    rng = np.random.default_rng(0)
+    plan = [(5, "experts"), (3, "attention"), (5, None), (3, "experts"), (5, "attention"), (3, None)]
+    requests = [Request(rng.integers(3, 61, size=n).tolist(), max_tokens=6, adapter=a) for n, a in plan]
+    with backend_compiles() as seen:
+        handles = [engine.submit(r) for r in requests[:2]]
+        engine.step()
+        handles += [engine.submit(r) for r in requests[2:]]
+        engine.step()
+        assert engine.unload_adapter("experts") == 2  # its requests finish with it; its slot drains
+        assert engine.load_adapter("again", tmp_path / "experts") == 2  # the same adapter read again
+        handles.append(engine.submit(Request(requests[0].prompt, max_tokens=6, adapter="again")))
+        engine.run_until_done()
+    assert engine.compiles == before and seen == []
+    assert engine.bank.names == [None, "attention", "again"]
+    # Other shapes (rank 4, the up projection alone): the engine builds no program either
+    # (XLA's count would show the finiteness check of the new adapter's arrays).
+    assert engine.load_adapter("other", other) == 0
+    late = [engine.submit(Request(r.prompt, max_tokens=6, adapter="other")) for r in requests[:2]]
+    late.append(engine.submit(Request(requests[1].prompt, max_tokens=6)))
+    engine.run_until_done()
+    assert engine.compiles == before
+    models |= {"again": models["experts"], "other": other, None: base}
+    changed = 0
+    for handle in handles + late:  # each request's tokens: its adapter's model alone
+        assert handle.ids == _alone(models[handle.request.adapter], handle.request), handle.request
+        changed += handle.request.adapter is not None and handle.ids != _alone(base, handle.request)
+    assert changed >= 5, "the adapters should change most requests' tokens"
+
+
+def test_the_engines_refusals_of_expert_lora():
+    """The bank refuses, saying the fix: an expert adapter where it holds no expert room, an
+    expert rank above its max, expert room on the sorted dispatch (one folded weight for
+    every row); the stacked expert branches refuse to fold into one weight."""
+    from zoo.serve import Engine
+
+    config = LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
+    )
+    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    experts = add_lora(base, config, key=jax.random.key(2))
+    attention = add_lora(base, LoraConfig(r=2, target_modules=["v_proj"]), key=jax.random.key(3))
+    engine = Engine(base, slots=2, adapters={"attention": attention}, max_adapters=2, max_lora_rank=2)
+    assert not any(n.startswith("layers.layers.mlp") for n in engine.bank.layers)  # no expert room asked for
+    with pytest.raises(ValueError, match=r"LoRA on the expert weights .* no adapter room.*--lora-parameters"):
+        engine.load_adapter("experts", experts)
+    assert engine.adapters == ["attention"]
+    narrow = Engine(base, slots=2, max_adapters=1, max_lora_rank=1, lora_parameters=["gate", "up", "down"])
+    assert {"layers.layers.mlp.gate", "layers.layers.mlp.down"} <= set(narrow.bank.layers)
+    with pytest.raises(ValueError, match=r"rank 2 .* above the server's max LoRA rank 1"):
+        narrow.load_adapter("experts", experts)
+    layer = narrow.bank.model.layers.layers.mlp.gate
+    assert isinstance(layer, zoo.lora.MultiLoraExpertLinear) and layer.lora_A.shape == (2, 1, 4, 16, 1)
+    with pytest.raises(ValueError, match="moe_dispatch='dense'"):
+        layer.stacked(np.float32)
+    sorted_base = Transformer(_moe_config(max_len=16, moe_dispatch="sorted"), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="expert LoRA room needs the dense token dispatch"):
+        Engine(
+            sorted_base, slots=2, adapters={"e": add_lora(sorted_base, config, key=jax.random.key(2))}, max_lora_rank=2
+        )
 
 
 def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
