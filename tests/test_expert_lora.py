@@ -27,6 +27,16 @@ from zoo.models import Transformer
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
+def _byte_mixtral(directory):
+    """A tiny random transformers Mixtral at `directory`, its 300 ids room for zoo's byte
+    tokenizer (no tokenizer.json: the command line reads text as bytes)."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    experts = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    hf_config = transformers.MixtralConfig(**sizes, **experts)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(directory)
+
+
 def _peft_on(directory, **values):
     """peft's LoRA (random A and B: init_lora_weights=False) on the transformers model."""
     torch.manual_seed(5)
@@ -207,6 +217,34 @@ def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dir
     assert changed >= 5, "the adapters should change most requests' tokens"
 
 
+@pytest.mark.timeout(120)
+def test_cli_lora_parameters_give_the_engine_expert_room(tmp_path, monkeypatch):
+    """`zoo serve --lora-targets none --lora-parameters gate_up_proj+down_proj`: the engine
+    holds adapter room on the experts alone and serves an expert adapter there; an adapter
+    with attention LoRA beside is refused in one line (the server is not started, nor
+    warmed up: what the tests above check)."""
+    from helpers import zoo_main
+
+    import zoo.serve
+
+    _byte_mixtral(tmp_path / "hf")
+    base = zoo.hf.from_pretrained(tmp_path / "hf")
+    for name, targets in (("experts", []), ("both", ["q_proj"])):
+        config = LoraConfig(r=2, target_modules=targets, target_parameters=["gate", "up", "down"])
+        save_adapter(add_lora(base, config, key=jax.random.key(1)), config, tmp_path / name)
+    engines = []
+    monkeypatch.setattr(zoo.serve, "serve", lambda server, **_: engines.append(server.engine))
+    monkeypatch.setattr(zoo.serve.Engine, "warm_up", lambda self, *a, **k: None)
+    flags = ["--lora-targets", "none", "--lora-parameters", "gate_up_proj+down_proj", "--max-lora-rank", "2"]
+    rc, _, err = zoo_main("serve", tmp_path / "hf", *flags, "--adapter", f"experts={tmp_path / 'experts'}")
+    assert rc == 0, err
+    (engine,) = engines
+    assert sorted(engine.bank.layers) == [f"layers.layers.mlp.{p}" for p in ("down", "gate", "up")]
+    assert engine.adapters == ["experts"]
+    rc, _, err = zoo_main("serve", tmp_path / "hf", *flags, "--adapter", f"both={tmp_path / 'both'}")
+    assert rc != 0 and "no adapter room" in err and "q_proj" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_the_engines_refusals_of_expert_lora():
     """The bank refuses, saying the fix: an expert adapter where it holds no expert room, an
     expert rank above its max, expert room on the sorted dispatch (one folded weight for
@@ -245,11 +283,7 @@ def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
     `target_parameters` and peft opens it on the transformers model with zoo's logits."""
     from helpers import zoo_main
 
-    torch.manual_seed(0)
-    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
-    experts = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    hf_config = transformers.MixtralConfig(**sizes, **experts)
-    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
+    _byte_mixtral(tmp_path / "hf")
     lora = "r=2,targets=q_proj,parameters=gate_up_proj+down_proj"
     flags = ["--init", tmp_path / "hf", "--lora", lora, "--steps", "3", "--output", tmp_path / "run"]
     rc, _, err = zoo_main("finetune", "transformer", *flags)
