@@ -245,6 +245,27 @@ def test_cli_lora_parameters_give_the_engine_expert_room(tmp_path, monkeypatch):
     assert rc != 0 and "no adapter room" in err and "q_proj" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_grpo_rollouts_serve_an_expert_lora_policy():
+    """GRPO's rollout engine over a policy with expert branches (beside q_proj's, or alone)
+    holds room where the policy has branches, experts included, and decodes its tokens as
+    `zoo.generate` does with the policy."""
+    from test_serve import _alone
+
+    from zoo.serve import Request
+    from zoo.train._grpo import POLICY, _engine
+
+    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    for targets in (["q_proj"], []):
+        config = LoraConfig(r=2, target_modules=targets, target_parameters=["gate", "down"], init_lora_weights=False)
+        policy = add_lora(base, config, key=jax.random.key(4))
+        engine = _engine(policy, jax.devices()[0], slots=2, max_len=16)
+        want = {"layers.layers.mlp.gate", "layers.layers.mlp.down"} | {f"layers.layers.attention.{t}" for t in targets}
+        assert set(engine.bank.layers) == want
+        handle = engine.submit(Request([3, 5, 7, 9], max_tokens=6, adapter=POLICY))
+        engine.run_until_done()
+        assert handle.ids == _alone(policy, handle.request) != _alone(base, handle.request)
+
+
 def test_the_engines_refusals_of_expert_lora():
     """The bank refuses, saying the fix: an expert adapter where it holds no expert room, an
     expert rank above its max, expert room on the sorted dispatch (one folded weight for
