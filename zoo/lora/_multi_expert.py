@@ -87,6 +87,6 @@ class MultiLoraExpertLinear(eqx.Module):
         each use their own adapter's."""
         raise ValueError(
             "Experts(dispatch='sorted') folds one weight for every row, but rows here use different adapters' "
-            "expert branches: run the model with moe_dispatch='dense' (TransformerConfig.moe_dispatch) to serve "
-            "expert LoRA adapters"
+            "expert branches: serve expert LoRA adapters on a model built with TransformerConfig(moe_dispatch='dense') "
+            "(the default)"
         )

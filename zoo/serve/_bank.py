@@ -38,6 +38,7 @@ from ..lora import (
     stack_adapters,
     unload,
 )
+from ..nn import Experts
 
 BANKED = (MultiLoraLinear, MultiLoraExpertLinear)  # the layers holding the slots' branches
 DEFAULT_MAX_ADAPTERS = 4  # adapter slots when adapters are served and max_adapters is not given
@@ -108,11 +109,11 @@ class AdapterBank:
         )
         one = add_lora(base, config, key=jax.random.key(0))
         experts = {n: node_at(one, p).base for n, (p, _) in modules(one, LoraExpertLinear).items()}
-        if experts and getattr(getattr(base, "config", None), "moe_dispatch", "dense") == "sorted":
+        if experts and any(node_at(base, p).dispatch == "sorted" for p, _ in modules(base, Experts).values()):
             raise ValueError(
                 "expert LoRA room needs the dense token dispatch: the sorted one computes every row with one folded "
-                "weight, and the bank's rows use different adapters. Serve the model with moe_dispatch='dense' "
-                "(dataclasses.replace its config, or zoo serve's default)"
+                "weight, and the bank's rows use different adapters. Serve a model built with "
+                "TransformerConfig(moe_dispatch='dense') (the default, and zoo.hf.from_pretrained's)"
             )
         plain = unload(one) if not modules(one, LoraLinear) else None
         bank = plain if plain is not None else stack_adapters({f"slot{k}": _linears(one) for k in range(capacity)})
