@@ -269,7 +269,7 @@ def test_grpo_rollouts_serve_an_expert_lora_policy():
 def test_the_engines_refusals_of_expert_lora():
     """The bank refuses, saying the fix: an expert adapter where it holds no expert room, an
     expert rank above its max, expert room on the sorted dispatch (one folded weight for
-    every row); the stacked expert branches refuse to fold into one weight."""
+    every row); the stacked expert branches refuse to fold into one weight, and to merge."""
     from zoo.serve import Engine
 
     config = LoraConfig(
@@ -283,14 +283,17 @@ def test_the_engines_refusals_of_expert_lora():
     with pytest.raises(ValueError, match=r"LoRA on the expert weights .* no adapter room.*--lora-parameters"):
         engine.load_adapter("experts", experts)
     assert engine.adapters == ["attention"]
-    narrow = Engine(base, slots=2, max_adapters=1, max_lora_rank=1, lora_parameters=["gate", "up", "down"])
-    assert {"layers.layers.mlp.gate", "layers.layers.mlp.down"} <= set(narrow.bank.layers)
-    with pytest.raises(ValueError, match=r"rank 2 .* above the server's max LoRA rank 1"):
-        narrow.load_adapter("experts", experts)
+    only = add_lora(base, LoraConfig(r=2, target_modules=[], target_parameters=["up"]), key=jax.random.key(4))
+    narrow = Engine(base, slots=2, max_adapters=1, max_lora_rank=1, lora_targets=(), lora_parameters=["gate", "up"])
+    assert sorted(narrow.bank.layers) == ["layers.layers.mlp.gate", "layers.layers.mlp.up"]
+    with pytest.raises(ValueError, match=r"rank 2 \(at 'layers.layers.mlp.up'\) is above the server's max LoRA rank 1"):
+        narrow.load_adapter("experts", only)
     layer = narrow.bank.model.layers.layers.mlp.gate
     assert isinstance(layer, zoo.lora.MultiLoraExpertLinear) and layer.lora_A.shape == (2, 1, 4, 16, 1)
     with pytest.raises(ValueError, match="moe_dispatch='dense'"):
         layer.stacked(np.float32)
+    with pytest.raises(ValueError, match="several adapters' expert branches"):
+        merge(narrow.bank.model)
     sorted_base = Transformer(_moe_config(max_len=16, moe_dispatch="sorted"), key=jax.random.key(0))
     with pytest.raises(ValueError, match="expert LoRA room needs the dense token dispatch"):
         Engine(
