@@ -2,8 +2,9 @@
 ways with peft on transformers 5's Mixtral and Qwen3-MoE (the same logits; the merged
 export opened by transformers), peft's `all-linear` adapter refused by name, the training
 step under `dp` and `ep` (one gradient all-reduce outside every loop; the update = one
-device's), and decoding (`zoo.generate` = the merged model; the serving engine refuses
-expert branches by name)."""
+device's), decoding (`zoo.generate` = the merged model) and serving (`zoo.serve.Engine`: expert and
+attention adapters and the bare base in one batch, each = `zoo.generate` alone; its
+refusals)."""
 
 import json
 
@@ -15,7 +16,7 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import assert_rounding_close, largest, lm_batch
+from helpers import assert_rounding_close, backend_compiles, largest, lm_batch
 from test_families import _check, _hf_logits, forward
 from test_moe import CASES, _moe_config, _open_hf, hf_dirs, sgd_reference, tokens  # noqa: F401  (module fixtures)
 
@@ -24,6 +25,16 @@ from zoo.lora import LoraConfig, LoraExpertLinear, add_lora, load_adapter, merge
 from zoo.models import Transformer
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _byte_mixtral(directory):
+    """A tiny random transformers Mixtral at `directory`, its 300 ids room for zoo's byte
+    tokenizer (no tokenizer.json: the command line reads text as bytes)."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    experts = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    hf_config = transformers.MixtralConfig(**sizes, **experts)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(directory)
 
 
 def _peft_on(directory, **values):
@@ -138,12 +149,9 @@ def test_expert_lora_step_keeps_one_all_reduce_and_equals_one_device(layout):
         assert_rounding_close(g, w, **sums, scale=max(largest(w), step_size))
 
 
-def test_generate_with_expert_lora_is_the_merged_models_and_the_engine_refuses_it():
+def test_generate_with_expert_lora_is_the_merged_models():
     """`zoo.generate` with expert branches decodes the merged model's tokens (dense and
-    sorted dispatch alike); the serving engine's adapter bank, which holds branches on
-    Linear layers, refuses an expert adapter by name and says what to do instead."""
-    from zoo.serve import Engine
-
+    sorted dispatch alike)."""
     config = LoraConfig(
         r=2, target_modules=["q_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
     )
@@ -154,8 +162,143 @@ def test_generate_with_expert_lora_is_the_merged_models_and_the_engine_refuses_i
         got = np.asarray(zoo.generate(adapted, prompts, max_new_tokens=6))
         np.testing.assert_array_equal(got, np.asarray(zoo.generate(merge(adapted), prompts, max_new_tokens=6)))
         assert not np.array_equal(got, np.asarray(zoo.generate(base, prompts, max_new_tokens=6)))
-    with pytest.raises(ValueError, match=r"LoRA on a mixture of experts' expert weights .*Serve the merged model"):
-        Engine(base, slots=2, adapters={"a": adapted}, max_lora_rank=2)
+
+
+def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dirs, tmp_path):  # noqa: F811
+    """`zoo.serve.Engine` on a Mixtral with two peft adapters (one with LoRA on the experts,
+    `target_parameters`, one on attention only) and the bare base in one mixed batch: each
+    request gets `zoo.generate`'s tokens with its adapter alone; the bank holds expert room
+    because an adapter given has expert branches; unloading the expert adapter and loading
+    another in its slot while requests run compiles nothing."""
+    from test_serve import _alone
+
+    from zoo.serve import Engine, Request
+
+    base = zoo.hf.from_pretrained(hf_dirs["mixtral"])
+    made = {
+        "experts": dict(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERT_PARAMETERS),
+        "attention": dict(r=3, lora_alpha=6, target_modules=["k_proj", "o_proj"]),
+    }
+    for name, values in made.items():
+        _peft_on(hf_dirs["mixtral"], **values).save_pretrained(tmp_path / name)
+    models = {name: load_adapter(base, tmp_path / name)[0] for name in made}
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=[], target_parameters=["up"], init_lora_weights=False)
+    other = add_lora(base, config, key=jax.random.key(7))  # experts alone, another rank
+    engine = Engine(base, slots=3, max_len=32, adapters={n: tmp_path / n for n in made}, max_adapters=3)
+    assert {f"layers.layers.mlp.{p}" for p in ("gate", "up", "down")} <= set(engine.bank.layers)
+    engine.warm_up(tune=False)
+    before = dict(engine.compiles)
+    rng = np.random.default_rng(0)
+    plan = [(5, "experts"), (3, "attention"), (5, None), (3, "experts"), (5, "attention"), (3, None)]
+    requests = [Request(rng.integers(3, 61, size=n).tolist(), max_tokens=6, adapter=a) for n, a in plan]
+    with backend_compiles() as seen:
+        handles = [engine.submit(r) for r in requests[:2]]
+        engine.step()
+        handles += [engine.submit(r) for r in requests[2:]]
+        engine.step()
+        assert engine.unload_adapter("experts") == 2  # its requests finish with it; its slot drains
+        assert engine.load_adapter("again", tmp_path / "experts") == 2  # the same adapter read again
+        handles.append(engine.submit(Request(requests[0].prompt, max_tokens=6, adapter="again")))
+        engine.run_until_done()
+    assert engine.compiles == before and seen == []
+    assert engine.bank.names == [None, "attention", "again"]
+    # Other shapes (rank 4, the up projection alone): the engine builds no program either
+    # (XLA's count would show the finiteness check of the new adapter's arrays).
+    assert engine.load_adapter("other", other) == 0
+    late = [engine.submit(Request(r.prompt, max_tokens=6, adapter="other")) for r in requests[:2]]
+    late.append(engine.submit(Request(requests[1].prompt, max_tokens=6)))
+    engine.run_until_done()
+    assert engine.compiles == before
+    models |= {"again": models["experts"], "other": other, None: base}
+    changed = 0
+    for handle in handles + late:  # each request's tokens: its adapter's model alone
+        assert handle.ids == _alone(models[handle.request.adapter], handle.request), handle.request
+        changed += handle.request.adapter is not None and handle.ids != _alone(base, handle.request)
+    assert changed >= 5, "the adapters should change most requests' tokens"
+
+
+@pytest.mark.timeout(120)
+def test_cli_lora_parameters_give_the_engine_expert_room(tmp_path, monkeypatch):
+    """`zoo serve --lora-targets none --lora-parameters gate_up_proj+down_proj`: the engine
+    holds adapter room on the experts alone and serves an expert adapter there; an adapter
+    with attention LoRA beside is refused in one line (the server is not started, nor
+    warmed up: what the tests above check)."""
+    from helpers import zoo_main
+
+    import zoo.serve
+
+    _byte_mixtral(tmp_path / "hf")
+    base = zoo.hf.from_pretrained(tmp_path / "hf")
+    for name, targets in (("experts", []), ("both", ["q_proj"])):
+        config = LoraConfig(r=2, target_modules=targets, target_parameters=["gate", "up", "down"])
+        save_adapter(add_lora(base, config, key=jax.random.key(1)), config, tmp_path / name)
+    engines = []
+    monkeypatch.setattr(zoo.serve, "serve", lambda server, **_: engines.append(server.engine))
+    monkeypatch.setattr(zoo.serve.Engine, "warm_up", lambda self, *a, **k: None)
+    flags = ["--lora-targets", "none", "--lora-parameters", "gate_up_proj+down_proj", "--max-lora-rank", "2"]
+    rc, _, err = zoo_main("serve", tmp_path / "hf", *flags, "--adapter", f"experts={tmp_path / 'experts'}")
+    assert rc == 0, err
+    (engine,) = engines
+    assert sorted(engine.bank.layers) == [f"layers.layers.mlp.{p}" for p in ("down", "gate", "up")]
+    assert engine.adapters == ["experts"]
+    rc, _, err = zoo_main("serve", tmp_path / "hf", *flags, "--adapter", f"both={tmp_path / 'both'}")
+    assert rc != 0 and "no adapter room" in err and "q_proj" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_grpo_rollouts_serve_an_expert_lora_policy():
+    """GRPO's rollout engine over a policy with expert branches (beside q_proj's, or alone)
+    holds room where the policy has branches, experts included, and decodes its tokens as
+    `zoo.generate` does with the policy."""
+    from test_serve import _alone
+
+    from zoo.serve import Request
+    from zoo.train._grpo import POLICY, _engine
+
+    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    for targets in (["q_proj"], []):
+        config = LoraConfig(r=2, target_modules=targets, target_parameters=["gate", "down"], init_lora_weights=False)
+        policy = add_lora(base, config, key=jax.random.key(4))
+        engine = _engine(policy, jax.devices()[0], slots=2, max_len=16)
+        want = {"layers.layers.mlp.gate", "layers.layers.mlp.down"} | {f"layers.layers.attention.{t}" for t in targets}
+        assert set(engine.bank.layers) == want
+        handle = engine.submit(Request([3, 5, 7, 9], max_tokens=6, adapter=POLICY))
+        engine.run_until_done()
+        assert handle.ids == _alone(policy, handle.request) != _alone(base, handle.request)
+
+
+def test_the_engines_refusals_of_expert_lora():
+    """The bank refuses, saying the fix: an expert adapter where it holds no expert room, an
+    expert rank above its max, expert room on the sorted dispatch (one folded weight for
+    every row); the stacked expert branches refuse to fold into one weight, and to merge."""
+    from zoo.serve import Engine
+
+    config = LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
+    )
+    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    experts = add_lora(base, config, key=jax.random.key(2))
+    attention = add_lora(base, LoraConfig(r=2, target_modules=["v_proj"]), key=jax.random.key(3))
+    engine = Engine(base, slots=2, adapters={"attention": attention}, max_adapters=2, max_lora_rank=2)
+    assert not any(n.startswith("layers.layers.mlp") for n in engine.bank.layers)  # no expert room asked for
+    with pytest.raises(ValueError, match=r"LoRA on the expert weights .* no adapter room.*--lora-parameters"):
+        engine.load_adapter("experts", experts)
+    assert engine.adapters == ["attention"]
+    only = add_lora(base, LoraConfig(r=2, target_modules=[], target_parameters=["up"]), key=jax.random.key(4))
+    narrow = Engine(base, slots=2, max_adapters=1, max_lora_rank=1, lora_targets=(), lora_parameters=["gate", "up"])
+    assert sorted(narrow.bank.layers) == ["layers.layers.mlp.gate", "layers.layers.mlp.up"]
+    with pytest.raises(ValueError, match=r"rank 2 \(at 'layers.layers.mlp.up'\) is above the server's max LoRA rank 1"):
+        narrow.load_adapter("experts", only)
+    layer = narrow.bank.model.layers.layers.mlp.gate
+    assert isinstance(layer, zoo.lora.MultiLoraExpertLinear) and layer.lora_A.shape == (2, 1, 4, 16, 1)
+    with pytest.raises(ValueError, match="moe_dispatch='dense'"):
+        layer.stacked(np.float32)
+    with pytest.raises(ValueError, match="several adapters' expert branches"):
+        merge(narrow.bank.model)
+    sorted_base = Transformer(_moe_config(max_len=16, moe_dispatch="sorted"), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="expert LoRA room needs the dense token dispatch"):
+        Engine(
+            sorted_base, slots=2, adapters={"e": add_lora(sorted_base, config, key=jax.random.key(2))}, max_lora_rank=2
+        )
 
 
 def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
@@ -164,11 +307,7 @@ def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
     `target_parameters` and peft opens it on the transformers model with zoo's logits."""
     from helpers import zoo_main
 
-    torch.manual_seed(0)
-    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
-    experts = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    hf_config = transformers.MixtralConfig(**sizes, **experts)
-    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
+    _byte_mixtral(tmp_path / "hf")
     lora = "r=2,targets=q_proj,parameters=gate_up_proj+down_proj"
     flags = ["--init", tmp_path / "hf", "--lora", lora, "--steps", "3", "--output", tmp_path / "run"]
     rc, _, err = zoo_main("finetune", "transformer", *flags)

@@ -39,12 +39,27 @@ def _adapter_flags(values: list[str]) -> dict[str, Path]:
 
 
 def _targets_flag(value: str) -> str | tuple[str, ...]:
-    """`--lora-targets all-linear` or `NAME+NAME...` → `LoraConfig.target_modules`."""
-    if value == "all-linear":
-        return value
+    """`--lora-targets all-linear`, `none` or `NAME+NAME...` → `LoraConfig.target_modules`."""
+    if value in ("all-linear", "none"):
+        return () if value == "none" else value
     names = tuple(n.strip() for n in value.split("+"))
     if not all(names):
-        raise CLIError(f"--lora-targets {value!r}: give Linear names joined by '+' (e.g. q_proj+v_proj), or all-linear")
+        raise CLIError(
+            f"--lora-targets {value!r}: give Linear names joined by '+' (e.g. q_proj+v_proj), all-linear or none"
+        )
+    return names
+
+
+def _parameters_flag(value: str | None) -> tuple[str, ...] | None:
+    """`--lora-parameters NAME+NAME...` → `LoraConfig.target_parameters` (None: not given)."""
+    if value is None:
+        return None
+    names = tuple(n.strip() for n in value.split("+"))
+    if not all(names):
+        raise CLIError(
+            f"--lora-parameters {value!r}: give expert weight names joined by '+' (e.g. gate_up_proj+down_proj, "
+            "or zoo's gate+up+down)"
+        )
     return names
 
 
@@ -59,6 +74,7 @@ def cmd_serve(args) -> int:
             raise CLIError(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'max_adapters' else 1}, got {value}")
     flags = _adapter_flags(args.adapter or [])
     targets = _targets_flag(args.lora_targets)
+    parameters = _parameters_flag(args.lora_parameters)
     init_devices(1)
     try:
         import zoo.serve
@@ -97,6 +113,7 @@ def cmd_serve(args) -> int:
             max_adapters=args.max_adapters,
             max_lora_rank=args.max_lora_rank,
             lora_targets=targets,
+            lora_parameters=parameters,
         )
     except MemoryError as e:  # the cache or queue asked for: the line names the flag and a value that fits
         raise CLIError(str(e)) from None
@@ -182,7 +199,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default="all-linear",
         metavar="NAMES",
         help="the layers given adapter room: Linear names joined by '+' (e.g. q_proj+v_proj: less memory and work "
-        "per step), or all-linear (default: every Linear but the output head); adapters on other layers get 400",
+        "per step), all-linear (default: every Linear but the output head) or none; adapters on other layers get 400",
+    )
+    p.add_argument(
+        "--lora-parameters",
+        default=None,
+        metavar="NAMES",
+        help="a mixture of experts' expert weights given adapter room (peft's target_parameters): names joined by '+' "
+        "(e.g. gate_up_proj+down_proj, or gate+up+down); default: those the --adapter adapters adapt, else none",
     )
     p.add_argument("--chat-template", metavar="FILE", help="a jinja2 chat template file instead of the model's own")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")

@@ -30,6 +30,7 @@ __getattr__, __dir__ = lazy_names(
         "._folders": ("load_adapters", "save_adapters"),
         "._io": ("load_adapter", "save_adapter"),
         "._layer": ("LoraLinear",),
+        "._multi_expert": ("MultiLoraExpertLinear",),
         "._multi_linear": ("MultiLoraLinear",),
         "._named": (
             "adapter",
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from ._folders import load_adapters, save_adapters
     from ._io import load_adapter, save_adapter
     from ._layer import LoraLinear
+    from ._multi_expert import MultiLoraExpertLinear
     from ._multi_linear import MultiLoraLinear
     from ._named import (
         adapter,
@@ -88,6 +90,7 @@ __all__ = [
     "LoraEmbedding",
     "LoraExpertLinear",
     "LoraLinear",
+    "MultiLoraExpertLinear",
     "MultiLoraLinear",
     "TrainableTokens",
     "adapter",

@@ -20,6 +20,7 @@ from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
 from ._expert_layer import LoraExpertLinear
 from ._layer import LoraLinear, mutated_init
+from ._multi_expert import MultiLoraExpertLinear
 from ._multi_linear import MultiLoraLinear
 from ._names import hf_parameters, layer_names, matches, saves, select
 from ._tokens import TrainableTokens
@@ -34,7 +35,8 @@ NOT_ALL_LINEAR = (*OUTPUT_LAYERS, "router")
 LINEARS = (Linear, QuantizedLinear, FourBitLinear)
 QUANTIZED = (QuantizedLinear, FourBitLinear)  # frozen bases stored in int8 or 4 bits
 # The layers carrying a branch.
-ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens, MultiLoraLinear, LoraExpertLinear)
+ADAPTED = (LoraLinear, LoraEmbedding, TrainableTokens, MultiLoraLinear, LoraExpertLinear, MultiLoraExpertLinear)
+AdapterLayer = LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear | LoraExpertLinear | MultiLoraExpertLinear
 # The name of a tied output head (the token embedding itself), as peft names it.
 TIED_HEAD = "lm_head"
 
@@ -42,7 +44,7 @@ TIED_HEAD = "lm_head"
 def is_adapter(x: Any) -> bool:
     """Whether `x` is an adapter wrapper: a layer carrying adapter weights beside the frozen
     base it wraps (`LoraLinear`, `LoraEmbedding`, `TrainableTokens`, `MultiLoraLinear`,
-    `LoraExpertLinear`)."""
+    `LoraExpertLinear`, `MultiLoraExpertLinear`)."""
     return isinstance(x, ADAPTED)
 
 
@@ -536,7 +538,12 @@ def merge(model: Any, *, unload: bool = True) -> Any:
     the merged model is a float one that `zoo.hf.save_pretrained` writes.
     """
 
-    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear | LoraExpertLinear):
+    def one(layer: AdapterLayer):
+        if isinstance(layer, MultiLoraExpertLinear):
+            raise ValueError(
+                "merge: this model holds several adapters' expert branches (a serving bank): merge each "
+                "adapter's own single-adapter model instead"
+            )
         if isinstance(layer, MultiLoraLinear):
             raise ValueError(
                 f"merge: this model holds several named adapters {layer.names}; merge one of them: "
@@ -574,8 +581,8 @@ def merge(model: Any, *, unload: bool = True) -> Any:
 def unmerge(model: Any) -> Any:
     """Undo `merge(model, unload=False)`: subtract each branch from its base weight again."""
 
-    def one(layer: LoraLinear | LoraEmbedding | TrainableTokens | MultiLoraLinear | LoraExpertLinear):
-        if not layer.merged:  # MultiLoraLinear never is
+    def one(layer: AdapterLayer):
+        if not layer.merged:  # MultiLoraLinear and MultiLoraExpertLinear never are
             return layer
         if isinstance(layer, TrainableTokens):
             base = eqx.tree_at(lambda e: e.weight, layer.base, layer.table(layer.trainable_tokens_original))

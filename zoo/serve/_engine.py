@@ -46,7 +46,7 @@ from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
 from .._sampling import check_sampling
 from ..models._config import rope_scaling_of
 from ..nn._cache import KVCache, empty_cache
-from ._bank import AdapterBank, lora_layers, read_adapter
+from ._bank import build_bank, read_adapter
 from ._limits import check_room, check_steering
 from ._programs import (
     Steering,
@@ -61,9 +61,6 @@ from ._requests import Handle, Request, Token
 
 # Timed calls of each kernel per row count when `warm_up` chooses the decode step's kernels.
 TUNING_CALLS = 5
-# Adapter slots and rank when adapters are served and the caller does not say (vLLM's rank).
-DEFAULT_MAX_ADAPTERS = 4
-DEFAULT_MAX_LORA_RANK = 16
 
 
 class _Slot:
@@ -87,14 +84,17 @@ class Engine:
       beyond (None: no bound).
     - `adapters`: name → a model carrying one plain LoRA adapter over `model` (from
       `zoo.lora.add_lora` or `load_adapter`), or the folder of one (peft's, or a `zoo
-      finetune` run); ranks and targets may differ. Served beside the bare base; a request
+      finetune` run); ranks and targets (expert weights too) may differ. Served beside the bare base; a request
       picks one by `Request.adapter`.
-    - `max_adapters`: adapter slots held (default `DEFAULT_MAX_ADAPTERS` or the number of
+    - `max_adapters`: adapter slots held (default 4, or the number of
       `adapters`, when any; 0 without). `load_adapter` fills a free one while serving.
-    - `max_lora_rank`: the largest rank a slot holds (default `DEFAULT_MAX_LORA_RANK`, or
+    - `max_lora_rank`: the largest rank a slot holds (default 16, or
       the largest of `adapters`).
     - `lora_targets`: the layers given adapter room (`LoraConfig.target_modules`; default
-      `"all-linear"`: every `Linear` but the output head).
+      `"all-linear"`: every `Linear` but the output head; `()`: none).
+    - `lora_parameters`: a mixture of experts' expert weights given adapter room (peft's
+      `target_parameters`, e.g. `["gate", "up", "down"]`; default: those the `adapters`
+      given adapt, none without).
 
     `submit(request)` returns a `Handle`; `step()` admits waiting requests (one prefill
     each, bucketed), then advances every active slot by one token; `run_until_done()`
@@ -119,6 +119,7 @@ class Engine:
         max_adapters: int | None = None,
         max_lora_rank: int | None = None,
         lora_targets="all-linear",
+        lora_parameters=None,
     ):
         limit = model.config.max_len
         max_len = limit if max_len is None else int(max_len)
@@ -132,7 +133,7 @@ class Engine:
         check_room(model, self.slots, max_len, max_queue)  # before anything is allocated
         # Weights holding NaN give NaN logits, whose argmax (token 0) looks like an answer.
         check_finite_once(model, where="the Engine's model")
-        self.bank = _bank(model, dict(adapters or {}), max_adapters, max_lora_rank, lora_targets)
+        self.bank = build_bank(model, dict(adapters or {}), max_adapters, max_lora_rank, lora_targets, lora_parameters)
         self._use(model if self.bank is None else self.bank.model)
         self._draining: set[int] = set()  # unloaded adapters' slots, freed when their requests end
         self._uses = np.zeros((0 if self.bank is None else self.bank.capacity,), np.int64)
@@ -672,28 +673,3 @@ class QueueFull(RuntimeError):
 
 class AdapterSlotsFull(ValueError):
     """`Engine.load_adapter` found every adapter slot taken."""
-
-
-def _bank(model, adapters: dict, max_adapters: int | None, max_lora_rank: int | None, targets) -> AdapterBank | None:
-    """The engine's adapter slots holding `adapters` (None: no slots asked for)."""
-    if not adapters and not max_adapters:
-        return None
-    from ..lora import is_adapter, modules
-
-    if modules(model, is_adapter):
-        raise ValueError(
-            "serve adapters over the bare base: the engine's model already carries LoRA branches; pass "
-            "zoo.lora.unload(model) as the model and the adapter models in adapters={name: model}"
-        )
-    adapters = {n: read_adapter(model, m) if isinstance(m, str | os.PathLike) else m for n, m in adapters.items()}
-    ranks = [layer.r for m in adapters.values() for layer in lora_layers(m).values()]
-    capacity = max(DEFAULT_MAX_ADAPTERS, len(adapters)) if max_adapters is None else int(max_adapters)
-    if capacity < len(adapters):
-        raise ValueError(f"max_adapters={capacity} cannot hold the {len(adapters)} adapters given; raise it")
-    rank = max([DEFAULT_MAX_LORA_RANK, *ranks]) if max_lora_rank is None else int(max_lora_rank)
-    bank = AdapterBank(model, capacity=capacity, max_rank=rank, targets=targets)
-    for k, (name, lora_model) in enumerate(adapters.items()):
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
-        bank.write(k, name, lora_model)
-    return bank

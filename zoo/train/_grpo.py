@@ -491,13 +491,13 @@ def _engine(model: Any, device: Any, *, slots: int, max_len: int):
     """The rollout engine over `model`'s base, its adapter in the policy slot."""
     import jax
 
-    from ..lora import LoraLinear, modules, unload
+    from ..lora import LoraExpertLinear, LoraLinear, modules, unload
     from ..serve import Engine
 
-    layers = modules(model, LoraLinear)
-    if not layers:
+    layers, experts = modules(model, LoraLinear), modules(model, LoraExpertLinear)
+    if not layers and not experts:
         raise ConfigError("--objective grpo trains LoRA adapters (zoo finetune): the model has none")
-    ranks = [int(jax.tree.leaves(_lora_a(model, path))[0].shape[-1]) for path, _ in layers.values()]
+    ranks = [int(jax.tree.leaves(_lora_a(model, path))[0].shape[-1]) for path, _ in (layers | experts).values()]
     return Engine(
         on_one_device(unload(model), device),
         slots=slots,
@@ -506,6 +506,7 @@ def _engine(model: Any, device: Any, *, slots: int, max_len: int):
         max_adapters=1,
         max_lora_rank=max(ranks),
         lora_targets=sorted(layers),  # room where the policy has branches (its output head too, if adapted)
+        lora_parameters=sorted(experts) or None,  # and on its expert weights (a mixture of experts)
     )
 
 
