@@ -1,6 +1,6 @@
 """The next-token losses without the full logits (`TransformerConfig.loss_chunk`): SFT's,
 DPO/ORPO's and GRPO's loss and gradients equal the unchunked ones within float32 rounding
-for every kind of head (LoRA-wrapped, tied, soft-capped, a mixture of experts' router
+for every kind of head (LoRA-wrapped, in NF4, tied, soft-capped, a mixture of experts' router
 loss beside it), with chunks that do not divide the sequence; no array of the program is
 `[batch, seq, vocab]`; the compiled step on a mesh keeps its one gradient all-reduce."""
 
@@ -29,10 +29,12 @@ LORA_HEAD = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules=("q_proj", "v_
 def _decoder(kind: str, loss_chunk):
     """(model, trainable filter) of one head kind, the same weights at any `loss_chunk`."""
     key = jax.random.key(0)
-    if kind == "lora-head":  # the untied head wrapped by LoRA
+    if kind in ("lora-head", "nf4-head"):  # the untied head wrapped by LoRA (its base in NF4: QLoRA)
         model = zoo.lora.add_lora(
             tiny_decoder(key, vocab_size=VOCAB, loss_chunk=loss_chunk), LORA_HEAD, key=jax.random.key(1)
         )
+        if kind == "nf4-head":
+            model = zoo.lora.cast_frozen(model, "nf4", config=LORA_HEAD, block_size=8)
         return model, zoo.lora.trainable(model, LORA_HEAD)
     settings = {
         "tied": dict(tie_embeddings=True),
@@ -114,7 +116,7 @@ def _holds_full_logits(closed) -> bool:
 # Every objective meets every head it runs on (DPO and GRPO's KL term need LoRA's base as
 # their reference): chunks of 2 and 3 positions, neither dividing the 7 targets.
 CASES = [
-    ("lora-head", "sft", 3), ("tied", "sft", 2), ("gemma2", "sft", 3), ("moe", "sft", 2),
+    ("lora-head", "sft", 3), ("tied", "sft", 2), ("gemma2", "sft", 3), ("moe", "sft", 2), ("nf4-head", "sft", 2),
     ("lora-head", "dpo", 2), ("tied", "orpo", 3), ("gemma2", "orpo", 2),
     ("lora-head", "grpo-kl", 3), ("gemma2", "grpo", 2),
 ]  # fmt: skip
