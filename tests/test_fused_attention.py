@@ -52,7 +52,7 @@ def test_dot_product_attention_equals_the_einsum_attention(kind, monkeypatch):
     want_loss, want = _loss_and_grads(settings, batch)
     calls = []
 
-    def xla_here(dtype):
+    def xla_here(dtype, head_dim):
         calls.append(dtype)
         return "xla"
 
@@ -70,7 +70,8 @@ def test_dot_product_attention_equals_the_einsum_attention(kind, monkeypatch):
 def test_cudnn_only_on_a_gpu_in_half_precision():
     from zoo.nn._attention import fused_implementation
 
-    assert jax.default_backend() != "gpu" or fused_implementation(jnp.bfloat16) == "cudnn"
+    assert jax.default_backend() != "gpu" or fused_implementation(jnp.bfloat16, 64) == "cudnn"
+    assert fused_implementation(jnp.bfloat16, 12) is None and fused_implementation(jnp.bfloat16, 256) is None
     assert fused_implementation(jnp.float32) is None
     if jax.default_backend() == "cpu":
         assert fused_implementation(jnp.bfloat16) is None  # the CPU programs stay zoo's own

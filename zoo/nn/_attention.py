@@ -271,7 +271,7 @@ class Attention(eqx.Module):
         always where the scores are soft-capped or attention dropout is on."""
         if self.logit_softcap is not None or (key is not None and self.dropout_rate > 0):
             return None
-        return fused_implementation(dtype)
+        return fused_implementation(dtype, self.head_dim)
 
     def _scale(self) -> float:
         """The scores' multiplier: 1 / sqrt(head_dim), or of `query_scale` where set."""
@@ -320,13 +320,17 @@ def _causal(query_columns: Int[Array, "*rows seq"], key_columns: Int[Array, " co
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def fused_implementation(dtype) -> str | None:
-    """`jax.nn.dot_product_attention`'s `implementation` for activations of `dtype` on this
-    process's default backend: `"cudnn"` on a GPU in bfloat16 or float16, else `None`
+def fused_implementation(dtype, head_dim: int = 64) -> str | None:
+    """`jax.nn.dot_product_attention`'s `implementation` for activations of `dtype` and
+    heads `head_dim` wide on this process's default backend: `"cudnn"` on a GPU in
+    bfloat16 or float16 with heads of a multiple of 8 up to 128 (what its fused kernel
+    takes), else `None`
     (zoo's own einsum attention: on CPU jax's `"xla"` implementation is the same
     computation with a `where` over the whole `[batch, heads, seq, seq]` scores, which
     zoo's additive mask avoids, and float32 has no fused kernel)."""
     if jax.default_backend() != "gpu" or jnp.dtype(dtype) not in [jnp.dtype(d) for d in _CUDNN_DTYPES]:
+        return None
+    if head_dim % 8 or head_dim > 128:
         return None
     return "cudnn"
 
