@@ -175,7 +175,7 @@ class TransformerConfig(_Common):
     GRPO's, apply the output head: an int `n`, `n` positions at a time under
     `jax.checkpoint`, so the logits `[batch, seq, vocab]` are never held whole, forward or
     backward; `None`, all at once, the full logits; `"auto"`, the default, chunked when a
-    batch's float32 logits would exceed 64 MiB, in chunks of about 16 MiB), `family`
+    batch's float32 logits would exceed 128 MiB, in chunks of about 64 MiB), `family`
     and `source_dir` (the Hugging Face architecture and folder, set by `zoo.hf`).
     """
 

@@ -14,12 +14,16 @@ from ..nn._experts import RouterChoice
 from ._cross_entropy import cross_entropy
 
 # `loss_chunk="auto"` chunks when a batch's float32 logits would exceed AUTO_ABOVE bytes,
-# in chunks of about CHUNK_BYTES of logits each. Measured in benchmarks/chunked_loss.py
-# (docs/performance.md): below the threshold the full logits cost little memory and the
-# unchunked program is today's (tiny models compile what they always did); at 16 MiB
-# chunks the step time stays within a few percent of the unchunked one.
-AUTO_ABOVE = 64 * 2**20
-CHUNK_BYTES = 16 * 2**20
+# in chunks of about CHUNK_BYTES of logits each. Measured (benchmarks/chunked_loss.py,
+# docs/performance.md, "Loss without the full logits"): at a 151,936-word vocabulary a
+# chunk of 32 rows (19 MiB) ran the step 1.48x slower than the full logits, 128 rows
+# (78 MiB) 1.20x, 256 rows 1.22x: each chunk reads the whole head, so a chunk needs
+# about a hundred rows or more to keep the matmuls efficient; 64 MiB gives 110 rows at
+# that vocabulary, 512 at 32k. Below two such chunks chunking saves little (the full
+# logits' temporaries, about three times their size, stay under 0.4 GiB) and the
+# unchunked program is today's: tiny models compile what they always did.
+AUTO_ABOVE = 128 * 2**20
+CHUNK_BYTES = 64 * 2**20
 
 
 class TokenTerms(NamedTuple):
