@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ..nn._experts import RouterChoice
@@ -40,7 +41,7 @@ class TokenTerms(NamedTuple):
     choice: RouterChoice | None
 
 
-def chunk_length(model: Any, tokens: Int[Array, "batch seq"]) -> int | None:
+def chunk_length(model: Any, tokens: Int[Array | np.ndarray, "batch seq"]) -> int | None:
     """How many positions `next_token_terms` applies `model`'s head to at once: its
     config's `loss_chunk` (`"auto"`: a chunk of about `CHUNK_BYTES` of logits when the
     batch's logits exceed `AUTO_ABOVE` bytes), or `None` (the full logits at once: the
@@ -60,7 +61,7 @@ def chunk_length(model: Any, tokens: Int[Array, "batch seq"]) -> int | None:
 
 def next_token_terms(
     model: Any,
-    tokens: Int[Array, "batch seq"],
+    tokens: Int[Array | np.ndarray, "batch seq"],
     *,
     inputs: dict[str, Any],
     temperature: float | None = None,
