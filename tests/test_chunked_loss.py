@@ -4,6 +4,7 @@ for every kind of head (LoRA-wrapped, in NF4, tied, soft-capped, a mixture of ex
 loss beside it), with chunks that do not divide the sequence; no array of the program is
 `[batch, seq, vocab]`; the compiled step on a mesh keeps its one gradient all-reduce."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -152,7 +153,9 @@ def test_auto_chunks_large_logits_only():
     row = 8 * 151936 * 4  # float32 logits of one position of each row
     assert chunk is not None and row * 2047 > AUTO_ABOVE and chunk * row <= CHUNK_BYTES
     assert chunk_length(qwen_sized, jnp.zeros((1, AUTO_ABOVE // row), jnp.int32)) is None
-    forced = eqx.filter_eval_shape(zoo.models.Transformer, config.__class__(**{**config.to_dict(), "loss_chunk": 5}), key=jax.random.key(0))  # fmt: skip
+    forced = eqx.filter_eval_shape(
+        zoo.models.Transformer, dataclasses.replace(config, loss_chunk=5), key=jax.random.key(0)
+    )
     assert chunk_length(forced, tokens) == 5
     assert chunk_length(tiny_decoder(jax.random.key(0), loss_chunk=None), tokens) is None
 
