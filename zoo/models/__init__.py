@@ -10,7 +10,8 @@ __getattr__, __dir__ = lazy_names(
         "._config": ("EncoderConfig", "TransformerConfig"),
         "._encoder": ("Encoder", "EncoderClassifier", "EncoderEmbeddings", "mean_pool"),
         "._grpo": ("GRPOLoss", "group_advantages", "reward_table"),
-        "._loss": ("classification_loss", "cross_entropy", "next_token_loss"),
+        "._cross_entropy": ("cross_entropy",),
+        "._loss": ("classification_loss", "next_token_loss"),
         "._preference": ("PreferenceLoss",),
         "._transformer": ("Transformer",),
     },
@@ -18,9 +19,10 @@ __getattr__, __dir__ = lazy_names(
 
 if TYPE_CHECKING:
     from ._config import EncoderConfig, TransformerConfig
+    from ._cross_entropy import cross_entropy
     from ._encoder import Encoder, EncoderClassifier, EncoderEmbeddings, mean_pool
     from ._grpo import GRPOLoss, group_advantages, reward_table
-    from ._loss import classification_loss, cross_entropy, next_token_loss
+    from ._loss import classification_loss, next_token_loss
     from ._preference import PreferenceLoss
     from ._transformer import Transformer
 

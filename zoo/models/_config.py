@@ -170,7 +170,12 @@ class TransformerConfig(_Common):
     `zoo.nn.Experts`: `num_experts_per_tok` experts per token, each `moe_mlp_dim` wide,
     the top-k router weights renormalised when `norm_topk_prob`; `router_aux_loss_coef`, the
     load-balancing loss's weight, added to `next_token_loss` when `output_router_logits`
-    (transformers' condition); `moe_dispatch`, how tokens reach their experts), `family`
+    (transformers' condition); `moe_dispatch`, how tokens reach their experts),
+    `loss_chunk` (how the next-token losses, `zoo.models.next_token_loss`, DPO/ORPO's and
+    GRPO's, apply the output head: an int `n`, `n` positions at a time under
+    `jax.checkpoint`, so the logits `[batch, seq, vocab]` are never held whole, forward or
+    backward; `None`, all at once, the full logits; `"auto"`, the default, chunked when a
+    batch's float32 logits would exceed 128 MiB, in chunks of about 64 MiB), `family`
     and `source_dir` (the Hugging Face architecture and folder, set by `zoo.hf`).
     """
 
@@ -214,6 +219,7 @@ class TransformerConfig(_Common):
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
     output_router_logits: bool = False  # add that loss to next_token_loss (transformers' switch)
     moe_dispatch: str = "dense"  # "dense" (every expert on every token, weighted) or "sorted" (ragged_dot, one device)
+    loss_chunk: int | str | None = "auto"  # next-token losses' head applied this many positions at a time (see above)
 
     def __post_init__(self):
         super().__post_init__()
@@ -289,6 +295,12 @@ class TransformerConfig(_Common):
             self.pre_norm or self.norm_placement == "input",
             f"TransformerConfig.norm_placement={self.norm_placement!r} places norms in a pre-LN layer; "
             "pre_norm=False (post-LN) takes norm_placement='input'",
+        )
+        chunk = self.loss_chunk
+        _check(
+            chunk is None or chunk == "auto" or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1),
+            f"TransformerConfig.loss_chunk must be 'auto', None (the full logits) or an int >= 1 (positions per "
+            f"chunk), got {chunk!r}",
         )
         for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
             value = getattr(self, field)

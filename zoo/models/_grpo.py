@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._loss import cross_entropy
+from ._next_token import next_token_terms
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
@@ -111,8 +111,9 @@ class GRPOLoss:
 
     def token_logps(self, model: Any, tokens: Any, *, key: Any = None) -> Float[Array, "batch seq_minus_1"]:
         """The log-probability of each token from position 1, from the logits divided by
-        `temperature` (float32)."""
-        return -cross_entropy(model(tokens, key=key)[:, :-1] / self.temperature, tokens[:, 1:])
+        `temperature` (float32); large logits are never held whole
+        (`TransformerConfig.loss_chunk`)."""
+        return next_token_terms(model, tokens, inputs={"key": key}, temperature=self.temperature).logps
 
     def reference_logps(self, model: Any, batch: dict[str, Any]) -> Float[Array, "batch seq_minus_1"]:
         """The batch's `ref_logps` of `model` as it is: run it once on a rollout before the
@@ -130,12 +131,15 @@ class GRPOLoss:
             )
         return jax.lax.stop_gradient(self.token_logps(self.reference(model), batch["tokens"]))
 
-    def _terms(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    def _terms(self, model: Any, batch: dict[str, Any], *, entropy: bool = False) -> dict[str, Any]:
         """Per token (or per sequence, `[batch, 1]`): the loss, the KL, the ratio and its
-        clipping, with the completion mask and the logits' entropy."""
+        clipping, with the completion mask (and with `entropy`, the sampling
+        distribution's entropy)."""
         keys = batch.get("dropout_key")
-        logits = model(batch["tokens"], key=keys)[:, :-1] / self.temperature
-        lp = -cross_entropy(logits, batch["tokens"][:, 1:])
+        terms = next_token_terms(
+            model, batch["tokens"], inputs={"key": keys}, temperature=self.temperature, entropy=entropy
+        )
+        lp = terms.logps
         mask = batch["completion"][:, 1:].astype(jnp.float32)
         advantages = batch["advantages"].astype(jnp.float32)[:, None]
         old = batch.get("old_logps")
@@ -158,7 +162,7 @@ class GRPOLoss:
             per_token = per_token + self.beta * kl
             out["kl"] = kl
         out["per_token"] = per_token * jnp.ones_like(mask)
-        out["logits"] = logits
+        out["entropy"] = terms.entropy
         return out
 
     def loss(self, model: Any, batch: dict[str, Any]) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
@@ -182,7 +186,7 @@ class GRPOLoss:
         and `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean` (the
         share of tokens, or of sequences under GSPO, whose ratio is clipped where it
         matters: below with a negative advantage, above with a positive one)."""
-        t = self._terms(model, batch)
+        t = self._terms(model, batch, entropy=True)
         mask, ratio, adv = t["mask"], t["ratio"], t["advantages"]
         sums, weights = self._sums(t)
 
@@ -191,13 +195,11 @@ class GRPOLoss:
                 return jnp.mean(x)
             return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
-        logp = jax.nn.log_softmax(t["logits"].astype(jnp.float32), axis=-1)
-        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
         low = ((ratio < t["low"]) & (adv < 0)).astype(jnp.float32)
         high = ((ratio > t["high"]) & (adv > 0)).astype(jnp.float32)
         out = {
             "loss": jnp.sum(sums) / jnp.maximum(jnp.sum(weights), 1.0),  # TRL clamps so too
-            "entropy": token_mean(entropy),
+            "entropy": token_mean(t["entropy"]),
             "clip_ratio/low_mean": token_mean(low),
             "clip_ratio/high_mean": token_mean(high),
             "clip_ratio/region_mean": token_mean(jnp.maximum(low, high)),

@@ -4,25 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..nn._experts import load_balancing_loss_per_device
-
-
-def cross_entropy(
-    logits: Float[Array, "*batch vocab"], targets: Int[Array | np.ndarray, "*batch"]
-) -> Float[Array, "*batch"]:
-    """Negative log-likelihood of `targets` under `logits`, float32.
-
-    Written with a one-hot contraction rather than a gather, so it works unchanged when
-    the vocab axis is split over a mesh axis (tensor parallelism).
-    """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
-    return -jnp.einsum("...v,...v->...", logp, onehot)
+from ._cross_entropy import cross_entropy
+from ._next_token import next_token_terms
 
 
 def next_token_loss(model: Any, batch: dict[str, Any], *, metrics: bool = False) -> tuple[Any, ...]:
@@ -57,21 +44,22 @@ def next_token_loss(model: Any, batch: dict[str, Any], *, metrics: bool = False)
     output, a run's `aux_loss` in metrics.jsonl) the target-weighted mean of the per-device
     load-balancing losses, unscaled by the coefficient (on one device and one microbatch,
     transformers' `aux_loss`). Without the term, the pair alone.
+
+    A `Transformer` whose logits are large applies its head a chunk of positions at a
+    time (`TransformerConfig.loss_chunk`): the full logits are never held.
     """
     tokens = batch["tokens"]
     mask = batch.get("mask")
     packing = {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
     inputs = dict(mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"), **packing)
     coef = router_loss_coef(model)
-    if coef is None:
-        logits = model(tokens, **inputs)
-    else:
-        logits, choice = model.with_router(tokens, **inputs)
-    nll = cross_entropy(logits[:, :-1], tokens[:, 1:])
+    terms = next_token_terms(model, tokens, inputs=inputs, router=coef is not None)
+    nll = -terms.logps
     weights = target_weights(batch)
     sums, counts = jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
     if coef is None:
         return sums, counts
+    choice = terms.choice
     aux = load_balancing_loss_per_device(choice.probs, choice.chosen, mask) * counts
     sums = sums + coef * aux
     return (sums, counts, {"aux_loss": aux}) if metrics else (sums, counts)

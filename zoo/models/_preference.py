@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._loss import cross_entropy
+from ._next_token import next_token_terms
 
 OBJECTIVES = ("dpo", "orpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
@@ -42,8 +42,9 @@ def token_logps(model: Any, tokens: Any, *, key: Any = None) -> Float[Array, "ba
     """The log-probability of each token from position 1 given the ones before it, float32.
 
     Rows are right-padded, so causal attention never lets padding change a real position.
+    Large logits are never held whole (`TransformerConfig.loss_chunk`).
     """
-    return -cross_entropy(model(tokens, key=key)[:, :-1], tokens[:, 1:])  # a one-hot contraction: TP-safe
+    return next_token_terms(model, tokens, inputs={"key": key}).logps
 
 
 def _log1mexp(x):

@@ -251,8 +251,22 @@ class Transformer(eqx.Module):
         """
         return self._forward(tokens, mask, segment_ids, positions, key, router=False)
 
-    def _forward(self, tokens, mask, segment_ids, positions, key, *, router: bool):
-        """`__call__`'s logits; with `router`, `(logits, RouterChoice)` (`with_router`)."""
+    @place_inputs
+    def hidden(
+        self, tokens: Int[Array, "batch seq"], *, router: bool = False, **inputs: Array | None
+    ) -> Float[Array, "batch seq embed"] | tuple[Float[Array, "batch seq embed"], RouterChoice]:
+        """The last layer's output, `head`'s input: `__call__` without the head (`inputs`,
+        its keyword inputs: `mask=`, `segment_ids=`, `positions=`, `key=`), for losses that
+        apply the head a chunk of positions at a time (the full logits `[batch, seq,
+        vocab]` never held); with `router` (a mixture of experts), `(hidden,
+        RouterChoice)` as `with_router`."""
+        return self._forward(tokens, **inputs, router=router, head=False)
+
+    def _forward(
+        self, tokens, mask=None, segment_ids=None, positions=None, key=None, *, router: bool, head: bool = True
+    ):
+        """`__call__`'s logits (the last layer's output without `head`); with `router`,
+        `(logits, RouterChoice)` (`with_router`)."""
         check_array(tokens, where="Transformer", name="tokens", kind="int", ndim=2)
         seq = tokens.shape[1]
         if seq > self.config.max_len:
@@ -261,10 +275,11 @@ class Transformer(eqx.Module):
         packing = (
             {} if segment_ids is None and positions is None else dict(segment_ids=segment_ids, positions=positions)
         )
+        out = self.head if head else (lambda x: x)
         if not router:
-            return self.head(self.layers(h, mask=mask, key=key, **packing, **self._pattern()))
+            return out(self.layers(h, mask=mask, key=key, **packing, **self._pattern()))
         h, choice = self.layers(h, mask=mask, key=key, router=True, **packing, **self._pattern())
-        return self.head(h), choice
+        return out(h), choice
 
     @place_inputs
     def with_router(

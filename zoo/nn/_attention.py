@@ -1,4 +1,5 @@
-"""Multi-head attention with grouped key/value heads, causal and padding masks, RoPE."""
+"""Multi-head attention with grouped key/value heads, causal and padding masks, RoPE; through
+`jax.nn.dot_product_attention` (cuDNN's fused kernel) on a GPU in half precision."""
 
 from __future__ import annotations
 
@@ -257,8 +258,24 @@ class Attention(eqx.Module):
         if mask is not None:
             keys_ok = mask.astype(bool)[:, None, None, None, :]
             allowed = keys_ok if allowed is None else allowed & keys_ok
-        out = self._weigh(q, [k], [v], allowed, key=keys[0])
+        implementation = self._fused(x.dtype, key)
+        if implementation is None:
+            out = self._weigh(q, [k], [v], allowed, key=keys[0])
+        else:
+            out = fused_attention(q, k, v, allowed, scale=self._scale(), implementation=implementation)
         return self.o_proj(out.reshape(b, s, self.num_heads * hd), key=keys[4])
+
+    def _fused(self, dtype, key) -> str | None:
+        """`jax.nn.dot_product_attention`'s implementation for a call (`fused_implementation`:
+        cuDNN's on a GPU in half precision), or `None`: the einsum attention (`_weigh`),
+        always where the scores are soft-capped or attention dropout is on."""
+        if self.logit_softcap is not None or (key is not None and self.dropout_rate > 0):
+            return None
+        return fused_implementation(dtype, self.head_dim)
+
+    def _scale(self) -> float:
+        """The scores' multiplier: 1 / sqrt(head_dim), or of `query_scale` where set."""
+        return 1 / math.sqrt(self.head_dim if self.query_scale is None else self.query_scale)
 
     def _weigh(self, q, keys: list, values: list, allowed, *, key=None, layout=("btkd", "btkd")):
         """The attention of the queries `q` `[batch, seq, kv_heads, group, head_dim]` over
@@ -297,3 +314,55 @@ def _causal(query_columns: Int[Array, "*rows seq"], key_columns: Int[Array, " co
     if window is not None:
         allowed = allowed & (query_columns[..., :, None] - key_columns < window)
     return allowed
+
+
+# The dtypes cuDNN's fused attention takes (jax 0.10.2): half precision only.
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def fused_implementation(dtype, head_dim: int = 64) -> str | None:
+    """`jax.nn.dot_product_attention`'s `implementation` for activations of `dtype` and
+    heads `head_dim` wide on this process's default backend: `"cudnn"` on a GPU in
+    bfloat16 or float16 with heads of a multiple of 8 up to 128 (what its fused kernel
+    takes), else `None`
+    (zoo's own einsum attention: on CPU jax's `"xla"` implementation is the same
+    computation with a `where` over the whole `[batch, heads, seq, seq]` scores, which
+    zoo's additive mask avoids, and float32 has no fused kernel)."""
+    if jax.default_backend() != "gpu" or jnp.dtype(dtype) not in [jnp.dtype(d) for d in _CUDNN_DTYPES]:
+        return None
+    if head_dim % 8 or head_dim > 128:
+        return None
+    return "cudnn"
+
+
+def fused_attention(
+    q: Float[Array, "batch seq kv_heads group head_dim"],
+    k: Float[Array, "batch columns kv_heads head_dim"],
+    v: Float[Array, "batch columns kv_heads head_dim"],
+    allowed: Bool[Array, "*mask"] | None,
+    *,
+    scale: float,
+    implementation: str,
+) -> Float[Array, "batch seq kv_heads group head_dim"]:
+    """`Attention`'s weighting of `v` by the softmax of `q · k · scale` at the columns
+    `allowed` marks, through `jax.nn.dot_product_attention` (grouped-query heads as it
+    takes them, float32 softmax).
+
+    **Arguments:** `q`, `k`, `v` as `Attention` lays them out; `allowed`, the mask
+    `Attention` builds (`[seq, columns]` or `[batch|1, 1, 1, seq|1, columns]`), `None`:
+    every column; `scale`, the scores' multiplier; `implementation`, jax's (`"cudnn"`,
+    `"xla"`).
+
+    **Returns:** `[batch, seq, kv_heads, group, head_dim]` in `q`'s dtype.
+    """
+    b, s, kvh, g, hd = q.shape
+    t = k.shape[1]
+    mask = None
+    if allowed is not None:
+        allowed = allowed.reshape((1,) * (5 - allowed.ndim) + allowed.shape)[:, 0]  # [b|1, 1, s|1, t]
+        mask = jnp.broadcast_to(allowed, allowed.shape[:2] + (s, t))
+    # Query head n = kv_head * group + j reads key head n // group: jax's grouped-query layout.
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, s, kvh * g, hd), k, v, mask=mask, scale=scale, implementation=implementation
+    )
+    return out.reshape(b, s, kvh, g, hd)

@@ -1,0 +1,195 @@
+"""The next-token losses without the full logits (`TransformerConfig.loss_chunk`): SFT's,
+DPO/ORPO's and GRPO's loss and gradients equal the unchunked ones within float32 rounding
+for every kind of head (LoRA-wrapped, in NF4, tied, soft-capped, a mixture of experts' router
+loss beside it), with chunks that do not divide the sequence; no array of the program is
+`[batch, seq, vocab]`; the compiled step on a mesh keeps its one gradient all-reduce."""
+
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_rounding_close, data_mesh, lm_batch, tiny_decoder
+from test_preference import pair_batch
+
+import zoo
+from zoo.models._next_token import AUTO_ABOVE, CHUNK_BYTES, chunk_length
+
+BATCH, SEQ, VOCAB = 4, 8, 48  # a vocabulary no other width of the decoder shares
+# Chunked and unchunked sum the same terms in another order: the longest sum is a
+# gradient's over the batch's tokens, through 2 layers of ~6 chained sums plus the head,
+# twice for the backward pass (tests/test_presets.py's bound).
+SUMS = {"terms": BATCH * SEQ, "depth": 2 * (2 * 6 + 1)}
+LORA_HEAD = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules=("q_proj", "v_proj", "lm_head"), init_lora_weights=False)  # fmt: skip
+
+
+def _decoder(kind: str, loss_chunk):
+    """(model, trainable filter) of one head kind, the same weights at any `loss_chunk`."""
+    key = jax.random.key(0)
+    if kind in ("lora-head", "nf4-head"):  # the untied head wrapped by LoRA (its base in NF4: QLoRA)
+        model = zoo.lora.add_lora(
+            tiny_decoder(key, vocab_size=VOCAB, loss_chunk=loss_chunk), LORA_HEAD, key=jax.random.key(1)
+        )
+        if kind == "nf4-head":
+            model = zoo.lora.cast_frozen(model, "nf4", config=LORA_HEAD, block_size=8)
+        return model, zoo.lora.trainable(model, LORA_HEAD)
+    settings = {
+        "tied": dict(tie_embeddings=True),
+        # Gemma 2's: tied, the logits soft-capped, sandwich norms, capped attention scores.
+        "gemma2": dict(tie_embeddings=True, final_logit_softcapping=3.0, attn_logit_softcapping=2.0,
+                       norm_placement="sandwich", embed_scale=4.0),
+        "moe": dict(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24, output_router_logits=True,
+                    router_aux_loss_coef=0.1),
+    }[kind]  # fmt: skip
+    return tiny_decoder(key, vocab_size=VOCAB, loss_chunk=loss_chunk, **settings), eqx.is_inexact_array
+
+
+def _objective(name: str):
+    """(loss function, batch) of an objective on the tiny decoders' vocabulary."""
+    if name == "sft":
+        return zoo.models.next_token_loss, lm_batch(jax.random.key(1), BATCH, seq=SEQ, vocab=VOCAB)
+    if name in ("dpo", "orpo"):
+        batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=3, pairs=BATCH, seq=SEQ, vocab=VOCAB).items()}
+        return zoo.models.PreferenceLoss(name, beta=0.5, reference=zoo.lora.disabled_adapters), batch
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(1, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    completion = (np.arange(SEQ)[None] >= 3) & (np.arange(SEQ)[None] < 4 + np.arange(BATCH)[:, None])
+    batch = {
+        "tokens": tokens,
+        "completion": completion.astype(np.int32),
+        "advantages": rng.normal(size=BATCH).astype(np.float32),
+        "old_logps": rng.uniform(-3.6, -3.2, (BATCH, SEQ - 1)).astype(np.float32),  # some ratios clipped
+    }
+    beta = 0.04 if name == "grpo-kl" else 0.0
+    loss = zoo.models.GRPOLoss(
+        beta=beta, temperature=0.7, max_completion_length=5, reference=zoo.lora.disabled_adapters
+    )
+    return loss, {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def _mean_loss(loss_fn, batch, frozen):
+    def mean_loss(params):
+        out = loss_fn(eqx.combine(params, frozen), batch)
+        return out[0].sum() / out[1].sum() if isinstance(out, tuple) else out.mean()
+
+    return mean_loss
+
+
+@functools.cache
+def _loss_and_grads(kind: str, objective: str, loss_chunk):
+    model, trainable = _decoder(kind, loss_chunk)
+    loss_fn, batch = _objective(objective)
+    params, frozen = eqx.partition(model, trainable)
+    mean_loss = _mean_loss(loss_fn, batch, frozen)
+    loss, grads = eqx.filter_jit(jax.value_and_grad(mean_loss))(params)
+    return loss, grads, jax.make_jaxpr(jax.value_and_grad(mean_loss))(params)
+
+
+def _assert_leaves_rounding_close(got, want, **sums):
+    """The gradients of two models differing only in their static config leaf by leaf."""
+    pairs = zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves_with_path(eqx.filter(want, eqx.is_array)), strict=True)  # fmt: skip
+    for g, (path, w) in pairs:
+        assert_rounding_close(g, w, **sums, what=f"gradient{jax.tree_util.keystr(path)}")
+
+
+def _shapes(jaxpr) -> set[tuple[int, ...]]:
+    """The shape of every value a jaxpr computes, its sub-programs' (scan bodies,
+    checkpointed functions) included."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out |= {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")}
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    out |= _shapes(inner)
+    return out
+
+
+def _holds_full_logits(closed) -> bool:
+    return any(len(s) >= 3 and s[-1] == VOCAB and s[-2] >= SEQ - 1 for s in _shapes(closed.jaxpr))
+
+
+# Every objective meets every head it runs on (DPO and GRPO's KL term need LoRA's base as
+# their reference): chunks of 2 and 3 positions, neither dividing the 7 targets.
+CASES = [
+    ("lora-head", "sft", 3), ("tied", "sft", 2), ("gemma2", "sft", 3), ("moe", "sft", 2), ("nf4-head", "sft", 2),
+    ("lora-head", "dpo", 2), ("tied", "orpo", 3), ("gemma2", "orpo", 2),
+    ("lora-head", "grpo-kl", 3), ("gemma2", "grpo", 2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,objective,chunk", CASES, ids=[f"{k}-{o}-{c}" for k, o, c in CASES])
+def test_chunked_loss_and_gradients_equal_the_full_logits(kind, objective, chunk):
+    want_loss, want, full = _loss_and_grads(kind, objective, None)
+    loss, grads, chunked = _loss_and_grads(kind, objective, chunk)
+    assert _holds_full_logits(full) and not _holds_full_logits(chunked)
+    assert abs(float(want_loss)) > 1e-3 and max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want)) > 1e-4
+    assert_rounding_close(loss, want_loss, **SUMS, what="loss")
+    _assert_leaves_rounding_close(grads, want, **SUMS)
+
+
+def test_grpo_entropy_is_computed_per_chunk_and_equals_the_full_logits():
+    loss_fn, batch = _objective("grpo")
+    want = loss_fn.metrics(_decoder("gemma2", None)[0], batch)
+    got = loss_fn.metrics(_decoder("gemma2", 3)[0], batch)
+    assert float(want["entropy"]) > 0.1
+    for name in want:
+        assert_rounding_close(got[name], want[name], **SUMS, what=name)
+
+
+def test_auto_chunks_large_logits_only():
+    small = tiny_decoder(jax.random.key(0))
+    assert small.config.loss_chunk == "auto"
+    assert chunk_length(small, jnp.zeros((BATCH, SEQ), jnp.int32)) is None  # the suite's programs unchanged
+    config = zoo.models.TransformerConfig(vocab_size=151936, d_model=64, num_heads=2, num_layers=1, max_len=2048)
+    qwen_sized = eqx.filter_eval_shape(zoo.models.Transformer, config, key=jax.random.key(0))
+    tokens = jnp.zeros((8, 2048), jnp.int32)
+    chunk = chunk_length(qwen_sized, tokens)
+    row = 8 * 151936 * 4  # float32 logits of one position of each row
+    assert chunk is not None and row * 2047 > AUTO_ABOVE and chunk * row <= CHUNK_BYTES
+    assert chunk_length(qwen_sized, jnp.zeros((1, AUTO_ABOVE // row), jnp.int32)) is None
+    forced = eqx.filter_eval_shape(
+        zoo.models.Transformer, dataclasses.replace(config, loss_chunk=5), key=jax.random.key(0)
+    )
+    assert chunk_length(forced, tokens) == 5
+    assert chunk_length(tiny_decoder(jax.random.key(0), loss_chunk=None), tokens) is None
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "always"])
+def test_bad_loss_chunk_is_refused_with_the_choices(value):
+    with pytest.raises(ValueError, match="loss_chunk must be 'auto', None"):
+        tiny_decoder(jax.random.key(0), loss_chunk=value)
+
+
+@functools.cache
+def _step(loss_chunk):
+    """(loss, gradients, collectives) of a 2-microbatch dp step of the LoRA-headed decoder
+    on a data=4 mesh: its optimizer keeps the gradients as its state (a trace of decay 0)."""
+    model, trainable = _decoder("lora-head", loss_chunk)
+    loss_fn, batch = _objective("sft")
+    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[::-1]]), batch)  # 8 rows: 4 devices x 2 microbatches
+    mesh = data_mesh(4)
+    with jax.set_mesh(mesh):
+        placed = zoo.shard(model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(loss_fn, optax.trace(decay=0.0), microbatches=2, trainable=trainable, preset="dp")
+        opt_state = step.init(placed)
+        compiled = step.compile(placed, opt_state, batch)
+        _, opt_state, loss = compiled(placed, opt_state, batch)
+    return float(loss), jax.tree.map(np.asarray, opt_state.trace), zoo.collectives(compiled, mesh=mesh)
+
+
+def test_chunked_step_on_a_mesh_keeps_one_all_reduce_outside_loops_and_the_gradients():
+    want_loss, want, unchunked = _step(None)
+    loss, grads, colls = _step(3)
+    assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)
+    assert zoo.count(colls, "all-reduce", in_loop=False) == 1, zoo.report(colls)
+    assert not any(c.in_loop for c in colls), zoo.report(colls)
+    summary = sorted((c.kind, c.in_loop, c.mesh_axes, c.bytes) for c in colls)
+    assert summary == sorted((c.kind, c.in_loop, c.mesh_axes, c.bytes) for c in unchunked), zoo.report(colls)
+    assert_rounding_close(loss, want_loss, terms=2 * BATCH * SEQ, depth=SUMS["depth"], what="loss")
+    _assert_leaves_rounding_close(grads, want, terms=2 * BATCH * SEQ, depth=SUMS["depth"])
