@@ -135,6 +135,7 @@ PRESET_MODES = [
     ("fsdp+tp", "explicit"),
     ("zero1", "explicit"),
     ("ep", "explicit"),
+    ("ep+fsdp", "explicit"),
 ]
 # The q/k-norm decoder differs from the decoder in two replicated leaves per layer: the
 # presets that place them differently from the heads they scale (dp: the base case). The
@@ -147,7 +148,7 @@ PATTERN_PRESETS = QK_NORM_PRESETS
 # `model` axis repeating the same work (zoo train refuses it), so it runs the MoE decoder
 # alone; the MoE decoder runs it and `dp` (its other presets: tests/test_moe.py's `tp`, the
 # budget of each checked once by hand, docs/models.md).
-MOE_PRESETS = ("dp", "ep")
+MOE_PRESETS = ("dp", "ep", "ep+fsdp")
 # shard_map mode: each of its two presets and each of the two models it runs (the decoder,
 # the encoder) once, so every (model, mode) and (preset, mode) pair meets (2 steps, not the
 # product's 4); explicit mode runs every model under every preset and pins the bytes that
@@ -157,7 +158,7 @@ CASES = [(model, preset, mode) for model in MODELS for preset, mode in PRESET_MO
          if (mode == "explicit" or (model, preset) in SHARD_MAP_CASES)
          and (model not in ("decoder+qk_norm", "decoder+olmo2_norms") or preset in QK_NORM_PRESETS)
          and (model not in ("decoder+pattern", "decoder+gemma2") or preset in PATTERN_PRESETS)
-         and (model == "decoder+moe") >= (preset == "ep") and (model != "decoder+moe" or preset in MOE_PRESETS)]  # fmt: skip
+         and (model == "decoder+moe") >= preset.startswith("ep") and (model != "decoder+moe" or preset in MOE_PRESETS)]  # fmt: skip
 
 
 def case_id(model, preset, mode):
@@ -527,6 +528,21 @@ EXPECTED = {
         "all-reduce loop model 2048 x1",
         "all-reduce loop model 4096 x1",
         "all-reduce outside data 29896 x1",
+    ],
+    "decoder+moe-ep+fsdp": [
+        "all-gather loop data 64 x3",
+        "all-gather loop data 256 x1",
+        "all-gather loop data 512 x2",
+        "all-gather loop data 1024 x2",
+        "all-gather loop data 3072 x3",
+        "all-gather loop model 512 x1",
+        "all-gather outside data 64 x1",
+        "all-gather outside data 2048 x2",
+        "all-reduce loop data 4160 x1",
+        "all-reduce loop data 12736 x1",
+        "all-reduce loop model 2048 x1",
+        "all-reduce loop model 4096 x1",
+        "all-reduce outside data 264 x1",
     ],
 }
 

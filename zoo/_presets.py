@@ -193,7 +193,14 @@ EP = Preset(
     "split over `model`, every other parameter replicated, the batch over `data`",
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (DP, FSDP, FSDP_ONCE, ZERO1, TP, FSDP_TP, EP)}
+EP_FSDP = Preset(
+    "ep+fsdp",
+    _FSDP | {"expert": "model"},
+    description="expert parallelism and fsdp on a (data, model) mesh: the stacked experts split over "
+    "`model`, every parameter over `data` along its embed axis (gathered per use), the batch over `data`",
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (DP, FSDP, FSDP_ONCE, ZERO1, TP, FSDP_TP, EP, EP_FSDP)}
 RULE_PRESETS = tuple(PRESETS)
 
 
@@ -203,7 +210,7 @@ def preset(name: str | Preset) -> Preset:
     **Arguments:**
 
     - `name`: one of `zoo.RULE_PRESETS`: `"dp"`, `"fsdp"`, `"fsdp-once"`, `"zero1"`, `"tp"`,
-      `"fsdp+tp"`, `"ep"`.
+      `"fsdp+tp"`, `"ep"`, `"ep+fsdp"`.
 
     **Returns:** the frozen `zoo.Preset`.
     """
@@ -226,7 +233,7 @@ def rules(preset: str | Preset = "dp", **overrides: Any) -> dict[str, MeshAxes]:
       replicated, batch on `data`), `"fsdp"` / `"fsdp-once"` (parameters split over `data`
       along their embed axis; the two differ in the step), `"zero1"` (the "dp" layout; the
       step shards the optimizer state over `data`), `"tp"` (heads, mlp width and vocab over
-      `model`), `"fsdp+tp"`, `"ep"` (a mixture of experts' experts over `model`).
+      `model`), `"fsdp+tp"`, `"ep"` (a mixture of experts' experts over `model`), `"ep+fsdp"` (those and `fsdp`'s).
     - `overrides`: logical axis → mesh axis (or tuple of mesh axes, or `None`).
 
     **Returns:** a plain `dict` a user can print, copy and edit.

@@ -6,6 +6,7 @@ into an editable dict; `zoo.TrainStep(..., preset=preset)` takes its step option
 
 from ._presets import DP as DP
 from ._presets import EP as EP
+from ._presets import EP_FSDP as EP_FSDP
 from ._presets import FSDP as FSDP
 from ._presets import FSDP_ONCE as FSDP_ONCE
 from ._presets import FSDP_TP as FSDP_TP

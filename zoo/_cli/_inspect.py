@@ -251,7 +251,7 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, step: bool) -> None:
     parser.add_argument(
         "--rules",
         default="dp",
-        help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp, fsdp+tp and ep "
+        help=f"sharding rules preset: {', '.join(RULE_PRESETS)} (default dp); tp, fsdp+tp, ep and ep+fsdp "
         "need a 'model' mesh axis, e.g. --mesh data=4,model=2"
         + ("; fsdp-once also sets the step's gather='once'" if step else ""),
     )

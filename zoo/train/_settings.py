@@ -396,7 +396,7 @@ class RunSettings:
         metavar="PRESET",
         group="devices and sharding",
         resume="safe",
-        help="sharding rules preset: {rule_presets} (default dp); tp, fsdp+tp and ep (experts over 'model', a mixture of experts only) need a 'model' mesh axis; fsdp-once "
+        help="sharding rules preset: {rule_presets} (default dp); tp, fsdp+tp, ep and ep+fsdp (experts over 'model', a mixture of experts only) need a 'model' mesh axis; fsdp-once "
         "also sets the step's gather='once' (zoo.preset(name).step_options)",
     )
     mode: str = flag(
