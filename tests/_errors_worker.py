@@ -103,6 +103,7 @@ CASES = {
     "run_config_width_0": lambda: zoo.train.RunConfig(model="mlp", model_config={"width": 0}),
     "loss_returns_none": lambda: _loss_returning(lambda losses: None),
     "loss_returns_3_tuple": lambda: _loss_returning(lambda losses: (losses, losses, losses)),
+    "loss_returns_4_tuple": lambda: _loss_returning(lambda losses: (losses, losses, losses, losses)),
     "loss_returns_b_plus_1": lambda: _loss_returning(lambda losses: jnp.zeros(losses.shape[0] + 1) + losses.sum()),
 }
 

@@ -56,7 +56,9 @@ EXPECTED = {
                             "e.g. optax.adam(1e-3)"],
     "run_config_width_0": ["RunConfig.model_config width=0: width must be an integer >= 1, e.g. width=64"],
     "loss_returns_none": ["must return per-example losses `[batch]`", "Got None: does loss_fn end with `return"],
-    "loss_returns_3_tuple": ["must return per-example losses `[batch]`", "Got a tuple of 3 values"],
+    "loss_returns_3_tuple": ["must return per-example losses `[batch]`", "Got a triple whose third value is a",
+                             "not a dict of metrics"],
+    "loss_returns_4_tuple": ["must return per-example losses `[batch]`", "Got a tuple of 4 values"],
     "loss_returns_b_plus_1": ["Got losses of shape (9,) for a microbatch of 8 examples"],
 }  # fmt: skip
 

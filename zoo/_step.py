@@ -49,8 +49,16 @@ def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any, dict[st
                 "triple."
             )
         losses, weights, metrics = (*out, {})[:3] if isinstance(out, tuple | list) else (out, None, {})
-        if not isinstance(metrics, dict) or (metrics and weights is None):
-            raise ValueError(f"{LOSS_CONTRACT} Got {type(metrics).__name__} metrics with weights {weights!r}.")
+        if not isinstance(metrics, dict):
+            raise ValueError(
+                f"{LOSS_CONTRACT} Got a triple whose third value is a {type(metrics).__name__}, not a dict of "
+                "metrics: return (loss_sums, weights, {'name': per_example_sums}), or the pair alone."
+            )
+        if metrics and weights is None:
+            raise ValueError(
+                f"{LOSS_CONTRACT} Got metrics with weights None: each metric is divided by the weights' sum, so "
+                "return (loss_sums, weights, metrics) with the weights (ones for a plain mean)."
+            )
         named = {f"metric {k!r}": v for k, v in metrics.items()}
         for name, arr in (("losses", losses), ("weights", weights), *named.items()):
             if arr is None and name == "losses":
