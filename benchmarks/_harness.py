@@ -107,6 +107,15 @@ def time_rounds(call: Callable[[str], object], variants: Sequence[str], rounds: 
 # -- driver: launch the workers, print the report ------------------------------------------
 
 
+def loadavg() -> str:
+    """The machine's 1, 5 and 15 minute load averages, or "n/a" off Linux."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -161,6 +161,8 @@ def torch_side(args, folder: Path, out: Path) -> dict:
 
 
 def loadavg() -> str:
+    """As `_harness.loadavg`, which this script does not import: `_harness` imports jax, and the
+    torch worker's resident memory must be torch's alone."""
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:

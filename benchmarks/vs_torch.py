@@ -56,14 +56,6 @@ LLAMA = {"vocab_size": 8192, "d_model": 512, "num_heads": 8, "num_kv_heads": 2, 
 LLAMA_BATCH, LLAMA_SEQ = 8, 128
 
 
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 # -- the zoo side ---------------------------------------------------------------------------
 
 
@@ -361,7 +353,7 @@ def bench(name: str, rounds: int, threads: int) -> dict:
     ratio = timing.ratio("zoo", "torch")  # median over rounds of zoo time / torch time
     line = (
         f"{name}: zoo {med['zoo']:.0f} ms, torch {med['torch']:.0f} ms, zoo/torch {ratio:.3f} "
-        f"(median of {rounds} interleaved rounds; loadavg {loadavg()}, other processes busy on "
+        f"(median of {rounds} interleaved rounds; loadavg {_harness.loadavg()}, other processes busy on "
         f"{timing.other_cpus if timing.other_cpus is None else round(timing.other_cpus, 2)} CPUs; "
         f"page faults per step zoo {page_faults['zoo']:,}, torch {page_faults['torch']:,})"
     )
@@ -373,7 +365,7 @@ def bench(name: str, rounds: int, threads: int) -> dict:
         "zoo_over_torch": ratio,
         "loss_zoo": float(zoo_loss),
         "loss_torch": ref,
-        "loadavg": loadavg(),
+        "loadavg": _harness.loadavg(),
         "other_cpus": timing.other_cpus,
         "page_faults": page_faults,
     }
@@ -441,7 +433,7 @@ def main() -> None:
 
         # First thing, before jax starts its backend (so XLA's threads share the one arena).
         malloc = "zoo.keep_freed_memory(): " + ("applied" if zoo.keep_freed_memory() else "NOT applied")
-    print(f"machine: {os.cpu_count()} CPUs, loadavg {loadavg()} at start; {malloc}", flush=True)
+    print(f"machine: {os.cpu_count()} CPUs, loadavg {_harness.loadavg()} at start; {malloc}", flush=True)
     results = [bench(n, args.rounds, args.threads) for n in names]
     checks = []
     if not args.no_check:
@@ -452,7 +444,7 @@ def main() -> None:
                 checks.append(json.loads(line[5:]))
             else:
                 print(line, flush=True)
-    print(f"loadavg at end {loadavg()}")
+    print(f"loadavg at end {_harness.loadavg()}")
     for r in results:
         print(f"  {r['workload']:12s} zoo/torch {r['zoo_over_torch']:.3f}")
     if args.json:
