@@ -419,7 +419,7 @@ def test_zoo_train_refuses_ep_for_a_model_without_experts(tmp_path):
     rc, _, err = zoo_main("train", "transformer", *flags, "--output", tmp_path / "run")
     assert rc == 2, err
     assert "--rules ep splits a mixture of experts' experts over 'model', but the transformer has no experts" in err
-    assert "use dp or tp" in err and len(err.strip().splitlines()) == 1
+    assert "use dp, fsdp or tp" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_training_run_logs_the_router_loss_per_step(tmp_path):

@@ -170,7 +170,7 @@ def _check_experts_split(c: RunConfig, model: Any, rules: Any) -> None:
         return
     raise ConfigError(
         f"RunConfig.rules {c.rules} splits a mixture of experts' experts over {rules['expert']!r}, but the "
-        f"{c.model} has no experts (num_experts): its devices there would repeat the same work; use dp or tp"
+        f"{c.model} has no experts (num_experts): its devices there would repeat the same work; use dp, fsdp or tp"
     )
 
 
