@@ -305,6 +305,22 @@ def test_a_non_finite_loss_stops_the_trainer_naming_the_last_checkpoint(linear_s
     assert zoo.Checkpointer(tmp_path / "ckpt", read_only=True).steps() == [2]
 
 
+def test_a_loss_metric_named_as_the_runs_own_row_is_refused(linear_setup):
+    """A loss whose metrics dict names `loss` (a key of the run's own metrics row) would
+    overwrite the logged loss: refused at the first step, naming the fix."""
+    mesh, opt, model, _, _ = linear_setup
+
+    def with_metric(model, batch):
+        losses = linear_loss(model, batch)
+        return losses, jnp.ones_like(losses), {"loss": losses}
+
+    with jax.set_mesh(mesh):
+        step = zoo.TrainStep(with_metric, opt.build(STEPS), microbatches=2)
+        trainer = Trainer(step, batch_at, steps=STEPS)
+        with pytest.raises(ValueError, match=r"metrics named \['loss'\], which the run's own row holds .*rename them"):
+            trainer.run(model, step.init(model))
+
+
 # --- the typed config ----------------------------------------------------------------------------
 
 

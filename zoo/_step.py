@@ -63,7 +63,7 @@ def per_example(loss_fn: LossFn) -> Callable[[Any, Any], tuple[Any, Any, dict[st
         for name, arr in (("losses", losses), ("weights", weights), *named.items()):
             if arr is None and name == "losses":
                 raise ValueError(f"{LOSS_CONTRACT} Got (None, weights): the loss sums come first.")
-            if arr is None:
+            if arr is None and name == "weights":
                 continue
             if not hasattr(arr, "shape") or arr.ndim != 1 or arr.shape[0] != size:
                 extra = " (reduce the other axes first, e.g. .mean(axis=-1))" if getattr(arr, "ndim", 0) > 1 else ""

@@ -483,10 +483,10 @@ def _replace_lora(model: Any, fn) -> Any:
     return eqx.tree_at(lambda m: [node_at(m, p) for p in paths], model, replace=[fn(node_at(model, p)) for p in paths])
 
 
-def _with(
-    layer: LoraLinear | LoraEmbedding | TrainableTokens | LoraExpertLinear, **changes: Any
-) -> LoraLinear | LoraEmbedding | TrainableTokens | LoraExpertLinear:
-    """A copy of `layer` with some fields (static ones too) replaced, without re-initialising."""
+def _with(layer: eqx.Module, **changes: Any) -> eqx.Module:
+    """A copy of `layer` (a branch-carrying module: LoRA, embedding LoRA, trainable tokens,
+    expert LoRA, the serving bank's stacked ones) with some fields (static ones too)
+    replaced, without re-initialising."""
     new = object.__new__(type(layer))
     for f in dataclasses.fields(layer):
         object.__setattr__(new, f.name, changes.get(f.name, getattr(layer, f.name)))

@@ -14,7 +14,6 @@ the same way.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -38,18 +37,12 @@ from ..lora import (
     stack_adapters,
     unload,
 )
+from ..lora._apply import _with
 from ..nn import Experts
 
 BANKED = (MultiLoraLinear, MultiLoraExpertLinear)  # the layers holding the slots' branches
 DEFAULT_MAX_ADAPTERS = 4  # adapter slots when adapters are served and max_adapters is not given
 DEFAULT_MAX_LORA_RANK = 16
-
-
-def _with(layer: MultiLoraLinear | MultiLoraExpertLinear, **changes: Any) -> MultiLoraLinear | MultiLoraExpertLinear:
-    new = object.__new__(type(layer))
-    for f in dataclasses.fields(layer):
-        object.__setattr__(new, f.name, changes.get(f.name, getattr(layer, f.name)))
-    return new
 
 
 def bind_rows(model: Any, row_scale: jax.Array) -> Any:

@@ -357,6 +357,12 @@ class Trainer:
                 self.skipped += 1
             row = self._row(i, value, rate, now)
             # The loss's own metrics (the step's fourth output: a router's `aux_loss`).
+            clash = sorted(set(metrics or {}) & set(row))
+            if clash:
+                raise ValueError(
+                    f"the loss returns metrics named {clash}, which the run's own row holds (its {sorted(row)}): "
+                    "rename them in the loss's metrics dict"
+                )
             self.record(row | {k: float(v) for k, v in (metrics or {}).items()})
             if not finite and not self.skip_nonfinite:
                 raise self.stopped(f"step {i}: the training loss is {value}", i)
