@@ -152,12 +152,37 @@ def test_auto_chunks_large_logits_only():
     chunk = chunk_length(qwen_sized, tokens)
     row = 8 * 151936 * 4  # float32 logits of one position of each row
     assert chunk is not None and row * 2047 > AUTO_ABOVE and chunk * row <= CHUNK_BYTES
-    assert chunk_length(qwen_sized, jnp.zeros((1, AUTO_ABOVE // row), jnp.int32)) is None
+    # The boundary, at the batch `row` counts: AUTO_ABOVE // row targets fit, one more does not.
+    assert chunk_length(qwen_sized, jnp.zeros((8, AUTO_ABOVE // row + 1), jnp.int32)) is None
+    assert chunk_length(qwen_sized, jnp.zeros((8, AUTO_ABOVE // row + 2), jnp.int32)) is not None
     forced = eqx.filter_eval_shape(
         zoo.models.Transformer, dataclasses.replace(config, loss_chunk=5), key=jax.random.key(0)
     )
     assert chunk_length(forced, tokens) == 5
     assert chunk_length(tiny_decoder(jax.random.key(0), loss_chunk=None), tokens) is None
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_a_padded_vocabulary_under_a_temperature_keeps_finite_log_probabilities(chunk):
+    """GRPO divides the logits by its sampling temperature; a vocabulary padded for a model
+    axis (`vocab_multiple`) holds float32-minimum logits that a temperature below 1 took to
+    -inf, and the one-hot contraction to NaN. Full or chunked, the terms equal the unpadded
+    model's (the same weights' real rows) within float32 rounding."""
+    from zoo.models._next_token import next_token_terms
+
+    padded = tiny_decoder(jax.random.key(0), vocab_multiple=24, loss_chunk=chunk)  # 32 -> 48 rows
+    assert padded.config.padded_vocab == 48
+    plain = tiny_decoder(jax.random.key(0), loss_chunk=chunk)
+    real = lambda w: w[: plain.config.padded_vocab]  # noqa: E731
+    plain = eqx.tree_at(lambda m: m.token_embedding.weight, plain, real(padded.token_embedding.weight))
+    plain = eqx.tree_at(lambda m: m.lm_head.weight, plain, padded.lm_head.weight[:, :32])
+    plain = eqx.tree_at(lambda m: m.layers, plain, padded.layers)
+    tokens = lm_batch(jax.random.key(1), BATCH, vocab=32)["tokens"]
+    got = next_token_terms(padded, tokens, inputs={}, temperature=0.7, entropy=True)
+    want = next_token_terms(plain, tokens, inputs={}, temperature=0.7, entropy=True)
+    assert np.isfinite(np.asarray(got.logps)).all() and np.isfinite(np.asarray(got.entropy)).all()
+    assert_rounding_close(got.logps, want.logps, terms=48, depth=4)
+    assert_rounding_close(got.entropy, want.entropy, terms=48, depth=4)
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "always"])

@@ -95,12 +95,19 @@ def next_token_terms(
     return TokenTerms(logps, ent, out[1])
 
 
+def _divided(logits: Float[Array, "*batch vocab"], temperature: float) -> Float[Array, "*batch vocab"]:
+    """`logits / temperature`, kept finite: a padded vocabulary's entries sit at the float32
+    minimum, which a temperature below 1 would turn into -inf (and their 0 · -inf in the
+    one-hot contractions into NaN)."""
+    return jnp.maximum(logits / temperature, jnp.finfo(jnp.float32).min)
+
+
 def _full(model, tokens, inputs, temperature, entropy, router) -> TokenTerms:
     """`next_token_terms` from the full logits `[batch, seq, vocab]`."""
     logits, choice = model.with_router(tokens, **inputs) if router else (model(tokens, **inputs), None)
     logits = logits[:, :-1]
     if temperature is not None:
-        logits = logits / temperature
+        logits = _divided(logits, temperature)
     logps = -cross_entropy(logits, tokens[:, 1:])  # a one-hot contraction: TP-safe
     ent = None
     if entropy:
@@ -133,7 +140,7 @@ def _chunked(
     def terms(hc, tc):
         logits = head(hc).astype(jnp.float32)
         if temperature is not None:
-            logits = logits / temperature
+            logits = _divided(logits, temperature)
         logz = jax.nn.logsumexp(logits, axis=-1)
         onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
         logps = jnp.einsum("...v,...v->...", logits, onehot) - logz  # a one-hot contraction: TP-safe

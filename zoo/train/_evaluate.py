@@ -26,7 +26,7 @@ def evaluation_rows(
     vocab = getattr(getattr(model, "config", None), "padded_vocab", None)
     if task.kind in ("lm", "preference") and vocab and seq_len:
         fit = EVAL_LOGITS_BYTES // (seq_len * vocab * 4)
-        rows = min(rows, max(batch_size // max(microbatches or 1, 1), fit))
+        rows = min(rows, max(batch_size // (microbatches or 1), fit))
     return data_size * max(1, math.ceil(rows / data_size))
 
 
