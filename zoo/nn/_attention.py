@@ -286,7 +286,8 @@ class Attention(eqx.Module):
         key_layout, value_layout = layout
         scores = [jnp.einsum(f"bskgd,{key_layout}->bkgst", q, k, preferred_element_type=jnp.float32) for k in keys]
         scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
-        scores = scores * self._scale()
+        # Divided, not multiplied by `_scale()`: the einsum path's rounding as it always was.
+        scores = scores / math.sqrt(self.head_dim if self.query_scale is None else self.query_scale)
         if self.logit_softcap is not None:  # Gemma 2: scores bounded to (-cap, cap) before the mask
             scores = self.logit_softcap * jnp.tanh(scores / self.logit_softcap)
         if allowed is not None:
