@@ -410,20 +410,26 @@ def test_multimodal_gemma3_loads_its_text_decoder_and_peft_opens_its_adapters(tm
     want = np.asarray(zoo.generate(adapted, tokens[:1, :5], max_new_tokens=4))[0, 5:]
     assert handle.ids == want.tolist()
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "mm").eval()
-    theirs = peft.LoraConfig(r=2, lora_alpha=4, target_modules=r".*language_model.*\.(q_proj|o_proj)",
-                             init_lora_weights=False)  # fmt: skip
-    peft.get_peft_model(hf, theirs).save_pretrained(tmp_path / "peft-adapter")
+    # The tied head too (peft ties its branch to the embedding's; built without autograd so
+    # the tied tensors stay leaves the float64 reference can copy).
+    theirs = peft.LoraConfig(r=2, lora_alpha=4, target_modules=r".*language_model.*\.(q_proj|o_proj)|lm_head",
+                             ensure_weight_tying=True, init_lora_weights=False)  # fmt: skip
+    with torch.no_grad():
+        peft.get_peft_model(hf, theirs).save_pretrained(tmp_path / "peft-adapter")
     mine, _ = zoo.lora.load_adapter(model, tmp_path / "peft-adapter")
     _check(forward(mine, jnp.asarray(t), jnp.asarray(mask)), _hf_logits(hf, t, mask), mask, "peft adapter, zoo")
     # The same adapter as peft wrote it on transformers 4.x, whose model held the decoder at
-    # `language_model.model.`: peft reads it on today's model (by its conversion mapping), zoo too.
+    # `language_model.model.` and the head at `language_model.lm_head`: peft reads it on
+    # today's model (by its conversion mapping), zoo too.
     shutil.copytree(tmp_path / "peft-adapter", tmp_path / "older-adapter")
     file = tmp_path / "older-adapter" / "adapter_model.safetensors"
     written = safetensors.numpy.load_file(str(file))
     older = "base_model.model.language_model.model."
-    safetensors.numpy.save_file({k.replace("base_model.model.model.language_model.", older): v
+    assert any(k.startswith("base_model.model.lm_head.") for k in written)
+    safetensors.numpy.save_file({k.replace("base_model.model.model.language_model.", older)
+                                 .replace("base_model.model.lm_head.", "base_model.model.language_model.lm_head."): v
                                  for k, v in written.items()}, str(file))  # fmt: skip
-    assert all(k.startswith(older) for k in safetensors.numpy.load_file(str(file)))
+    assert all(k.startswith("base_model.model.language_model.") for k in safetensors.numpy.load_file(str(file)))
     fresh = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "mm").eval()
     hf_older = _hf_logits(peft.PeftModel.from_pretrained(fresh, tmp_path / "older-adapter").eval(), t, mask)
     np.testing.assert_array_equal(hf_older.f32, _hf_logits(hf, t, mask).f32)  # peft reads the older names as today's

@@ -188,8 +188,9 @@ class Gemma3(Gemma3Text):
     name = "gemma3"
     architecture = "Gemma3ForConditionalGeneration"
     prefix = _MM_MODULES
-    # transformers 4.x held the decoder at `language_model.model.` (peft adapters made then).
-    older_module_prefixes = {"language_model.model.": _MM_MODULES}
+    # transformers 4.x held the decoder at `language_model.model.` and the head at
+    # `language_model.lm_head` (peft adapters made then; transformers' own renaming).
+    older_module_prefixes = {"language_model.model.": _MM_MODULES, "language_model.lm_head.": "lm_head."}
     module_names = {zoo: hf.replace("model.", _MM_MODULES, 1) for zoo, hf in Gemma3Text.module_names.items()}
     written_as = "gemma3_text"
 
