@@ -48,6 +48,15 @@ if os.environ.get("ZOO_TEST_COMPILE_CACHE"):
 else:
     os.environ["ZOO_NO_COMPILE_CACHE"] = "1"
 jax.config.update("jax_enable_compilation_cache", False)  # this process only
+# Each op's location in the lowered program: the line that made it, not the whole Python
+# stack (jax's default keeps up to 100 frames; under pytest they run deep). The stacks are
+# turned into MLIR locations when lowering and imported again by XLA's Shardy pass in every
+# compile: measured side by side on tests/test_presets.py, 101 -> 77 CPU s. Same HLO
+# otherwise. Tests that read a collective's call stack (`zoo inspect`'s "called from")
+# turn it back on (the `full_tracebacks` fixture); CLI subprocesses keep jax's default, and
+# so does a run that sets JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS itself.
+if "JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS" not in os.environ:
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
 # Likewise zoo.keep_freed_memory (the CLI's --keep-memory) is a no-op here: the test
 # processes keep glibc's defaults; tests/test_host_memory.py checks it in subprocesses.
 os.environ["ZOO_NO_KEEP_MEMORY"] = "1"
@@ -75,6 +84,15 @@ def pytest_configure(config):
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+@pytest.fixture
+def full_tracebacks():
+    """jax's default: every op's location holds its Python call stack (conftest keeps only
+    its line), for tests that read where a collective was called from."""
+    jax.config.update("jax_include_full_tracebacks_in_locations", True)
+    yield
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 
 # Every program XLA compiles for the CPU holds a few memory mappings (code, constants, data)

@@ -82,7 +82,7 @@ def gathering_layer_loss(model, batch):
     ],
     ids=["batch-mean-in-loss", "reshard-drops-reduced", "layer-gathers-batch"],
 )
-def test_injected_violations_are_refused_naming_their_source_line(loss_fn, source):
+def test_injected_violations_are_refused_naming_their_source_line(loss_fn, source, full_tracebacks):
     error, _ = _step_error(loss_fn)
     assert error is not None, "the step should break the dp budget"
     message = str(error)
@@ -94,7 +94,7 @@ def test_injected_violations_are_refused_naming_their_source_line(loss_fn, sourc
     assert any(where in c.origin for b in error.breaches for c in b.collectives)
 
 
-def test_a_trainable_leaf_left_out_of_the_reduced_cast_is_refused(monkeypatch):
+def test_a_trainable_leaf_left_out_of_the_reduced_cast_is_refused(monkeypatch, full_tracebacks):
     """zoo's own cast made to skip one leaf: its gradient is reduced every microbatch."""
     import zoo._accumulate as accumulate
 
