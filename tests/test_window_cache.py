@@ -131,3 +131,20 @@ def test_a_ring_with_a_column_per_row_steps_as_every_column():
     got, after = step(model, token, ring, blocks)
     assert_rounding_close(np.asarray(got), np.asarray(want), terms=32, depth=2 * 6 + 1)
     assert after.keys[0].shape[2] == WINDOW
+
+
+def test_the_engine_keeps_a_ring_for_each_sliding_layer():
+    """zoo.serve.Engine's blocked cache: a sliding layer holds one ring of `window` columns,
+    a global one every column, and `cache_bytes` (the memory check) counts what it holds.
+    (test_serve.py's `test_the_engine_serves_each_architecture_as_it_generates` serves
+    requests past these windows against zoo.generate and the full forward.)"""
+    from zoo.serve import Engine
+    from zoo.serve._limits import cache_bytes
+
+    model = _model()
+    engine = Engine(model, slots=2, max_len=12)
+    cache = engine._cache
+    assert [[b.shape[2] for b in k] for k in cache.keys] == [[WINDOW], [12], [WINDOW]]
+    assert [[b.shape[3] for b in v] for v in cache.values] == [[WINDOW], [12], [WINDOW]]
+    held = sum(x.nbytes for x in jax.tree.leaves((cache.keys, cache.values)))
+    assert cache_bytes(model.config, 2, 12) == held + 3 * 4 * 2 * model.config.vocab_size

@@ -100,8 +100,14 @@ class KVCache(eqx.Module):
         `keys[layer][block]`."""
         cache = self.split() if not isinstance(self.keys, tuple) else self
         parts = block_columns(self.columns, size)
-        keys = tuple(tuple(k[:, :, a : a + n] for a, n in parts) for k in cache.keys)
-        values = tuple(tuple(v[..., a : a + n] for a, n in parts) for v in cache.values)
+
+        def split(x, axis):  # a ring (`rings`: fewer columns than the mask) stays one block
+            if x.shape[axis] < self.columns:
+                return (x,)
+            return tuple(lax.slice_in_dim(x, a, a + n, axis=axis) for a, n in parts)
+
+        keys = tuple(split(k, 2) for k in cache.keys)
+        values = tuple(split(v, 3) for v in cache.values)
         return self.holding(keys, values)
 
     def holding(self, keys, values) -> KVCache:
@@ -153,11 +159,12 @@ class KVCache(eqx.Module):
         return self.holding(tuple(keys), tuple(values))
 
     def _ring(self) -> int | None:
-        """One layer's ring size when it holds a ring (fewer columns than the mask: `rings`),
-        else `None`."""
-        if isinstance(self.keys, tuple) or self.keys.ndim != 4 or self.keys.shape[2] >= self.columns:
+        """One layer's ring size when it holds a ring (fewer columns than the mask: `rings`;
+        in a blocked cache, its one block), else `None`."""
+        keys = self.keys[0] if isinstance(self.keys, tuple) and len(self.keys) == 1 else self.keys
+        if isinstance(keys, tuple) or keys.ndim != 4 or keys.shape[2] >= self.columns:
             return None
-        return self.keys.shape[2]
+        return keys.shape[2]
 
     def key_columns(self, seq: int, read: int) -> tuple[Int[Array, "rows read"], Bool[Array, "batch read"]]:
         """For one layer, after `write` of `seq` new columns: the column each of the `read`
@@ -191,6 +198,9 @@ class KVCache(eqx.Module):
                 f"a sliding layer's ring cache ({ring} columns) takes one new token per call, got {s}; fill a full "
                 "cache with the prompt (zoo._generate.prefill) and keep each window with KVCache.rings"
             )
+        if ring is not None and isinstance(self.keys, tuple):  # a blocked cache's ring: its one block
+            layer = self.holding(self.keys[0], self.values[0]).write(k, v)
+            return self.holding((layer.keys,), (layer.values,))
         index = self.index if ring is None else self.index % ring  # a ring writes column c at c mod window
         if isinstance(self.keys, tuple):  # blocks
             columns = jnp.broadcast_to(jnp.reshape(self.index, (-1, 1)) + jnp.arange(s), (b, s))
@@ -223,7 +233,9 @@ class KVCache(eqx.Module):
         `span` columns, sliced: a copy), or the blocks holding the first `span` columns,
         each in place."""
         if self._ring() is not None:  # every slot, in ring order (`key_columns` says which column)
-            return [self.keys], [self.values]
+            return list(self.keys) if isinstance(self.keys, tuple) else [self.keys], (
+                list(self.values) if isinstance(self.values, tuple) else [self.values]
+            )
         if isinstance(self.keys, tuple):
             n = self._read_blocks()
             return list(self.keys[:n]), list(self.values[:n])
