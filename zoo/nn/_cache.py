@@ -1,8 +1,9 @@
 """A key/value cache for autoregressive decoding, threaded through the model's own layers.
 
 The cache holds every layer's keys and values for a fixed number of columns
-(`prompt + new tokens`), stacked on a leading `"layers"` axis like `Stacked`'s
-parameters, so one `lax.scan` over layers reads and writes it. Column `c` of the cache is
+(`prompt + new tokens`; in the decode steps a sliding layer holds only its window:
+`KVCache.rings`), stacked on a leading `"layers"` axis like `Stacked`'s parameters, so
+one `lax.scan` over layers reads and writes it. Column `c` of the cache is
 column `c` of the token buffer; a column's *position* (for RoPE and learned positions) is
 its row's count of real tokens before it, so left-padded prompts decode as if unpadded.
 
@@ -56,9 +57,9 @@ class KVCache(eqx.Module):
     only reads whole blocks in place, where a slice of one array would be copied first).
     Inside a layer (`Attention`), `keys` and `values` are that layer's: one array, or a
     tuple of blocks. `rings()` keeps a sliding layer's last `window` columns only (its
-    arrays then hold `window` columns, fewer than `mask`): `zoo.generate`'s decode loop
-    writes column `c` at slot `c mod window`, and `key_columns` says which column each
-    slot holds.
+    arrays then hold `window` columns, fewer than `mask`; in a blocked cache, one block):
+    the decode steps (`zoo.generate`'s loop, `zoo.serve.Engine`'s) write column `c` at slot
+    `c mod window`, and `key_columns` says which column each slot holds.
 
     Under a mesh the batch dimension follows the tokens (`data`) and `kv_heads` follows
     the key projection's output (`model` under tensor parallelism).
