@@ -32,6 +32,7 @@ from .lora._named import adapter_names as held_adapters
 from .lora._named import route
 from .models import Transformer
 from .models._config import rope_scaling_of
+from .models._transformer import layer_settings
 from .nn._cache import KVCache, empty_cache
 from .nn._sharding import entries, mesh_axes_of, sharding_spec
 from .nn._stacked import Unstacked
@@ -94,6 +95,14 @@ def prefill(
     else:  # right padding: each row's own last real token
         logits = model.head(jnp.take_along_axis(h, last[:, None, None], axis=1))[:, 0]
     return logits, cache
+
+
+def decode_cache(model: Transformer, cache: KVCache, filled: int) -> KVCache:
+    """The cache of `zoo.generate`'s decode loop from `prefill`'s (`filled` columns
+    written): split per layer (`KVCache.split`), each sliding layer whose window is below
+    the cache's columns keeping only its window, a ring (`KVCache.rings`); global layers
+    keep every column. The windows are the config's (static), as `layer_pattern` scans them."""
+    return cache.split().rings(layer_settings(model.config)["window"], filled)
 
 
 def decode_step(
@@ -160,7 +169,7 @@ def _generate_program(model, tokens, mask, key, settings, stream, prompt=None, r
         return out, done, tok
 
     logits, cache = prefill(model, tokens, mask, columns)
-    blocks, cache = split_layers(model), cache.split()  # copied once, not every step
+    blocks, cache = split_layers(model), decode_cache(model, cache, s)  # copied once, not every step
     seen = None if penalty == 1 else seen_tokens(tokens, mask.astype(bool), logits.shape[-1])
     out = jnp.pad(tokens if prompt is None else prompt, ((0, 0), (0, max_new)), constant_values=pad)
     done = jnp.zeros((b,), bool, out_sharding=None if sharding_spec(tokens) is None else P(entries(tokens)[0]))

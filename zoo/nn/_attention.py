@@ -243,10 +243,11 @@ class Attention(eqx.Module):
             parts_k, parts_v = cache.read()
             parts_k, parts_v = [p.astype(x.dtype) for p in parts_k], [p.astype(x.dtype) for p in parts_v]
             t = sum(p.shape[2] for p in parts_k)
-            allowed = cache.mask[:, None, :t]  # [batch, 1, columns read]
+            held, real = cache.key_columns(s, t)  # which column each one read holds (a ring's: its slots)
+            allowed = real[:, None]  # [batch, 1, columns read]
             if self.causal:  # a query's column is its position in the cache
                 query_columns = jnp.reshape(cache.index, (-1, 1)) + jnp.arange(s)  # [1 or batch, seq]
-                allowed = allowed & _causal(query_columns, jnp.arange(t), window)
+                allowed = allowed & _causal(query_columns, held[:, None], window)
             out = self._weigh(q, parts_k, parts_v, allowed[:, None, None], layout=(KEYS_LAYOUT, VALUES_LAYOUT))
             return self.o_proj(out.reshape(b, s, self.num_heads * hd)), cache
         allowed = None
@@ -307,7 +308,7 @@ class Attention(eqx.Module):
         return out
 
 
-def _causal(query_columns: Int[Array, "*rows seq"], key_columns: Int[Array, " columns"], window):
+def _causal(query_columns: Int[Array, "*rows seq"], key_columns: Int[Array, "*key_rows columns"], window):
     """`[*rows, seq, columns]`: a query sees the keys at its own column and before (and,
     with a `window` (an int, or a layer's traced one), only the last `window` of them:
     Mistral's band)."""

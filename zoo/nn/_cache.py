@@ -1,8 +1,9 @@
 """A key/value cache for autoregressive decoding, threaded through the model's own layers.
 
 The cache holds every layer's keys and values for a fixed number of columns
-(`prompt + new tokens`), stacked on a leading `"layers"` axis like `Stacked`'s
-parameters, so one `lax.scan` over layers reads and writes it. Column `c` of the cache is
+(`prompt + new tokens`; in the decode steps a sliding layer holds only its window:
+`KVCache.rings`), stacked on a leading `"layers"` axis like `Stacked`'s parameters, so
+one `lax.scan` over layers reads and writes it. Column `c` of the cache is
 column `c` of the token buffer; a column's *position* (for RoPE and learned positions) is
 its row's count of real tokens before it, so left-padded prompts decode as if unpadded.
 
@@ -16,6 +17,7 @@ and reads columns.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -54,7 +56,10 @@ class KVCache(eqx.Module):
     `CACHE_BLOCK` columns (`zoo.serve.Engine`'s cache: a step that reads the first columns
     only reads whole blocks in place, where a slice of one array would be copied first).
     Inside a layer (`Attention`), `keys` and `values` are that layer's: one array, or a
-    tuple of blocks.
+    tuple of blocks. `rings()` keeps a sliding layer's last `window` columns only (its
+    arrays then hold `window` columns, fewer than `mask`; in a blocked cache, one block):
+    the decode steps (`zoo.generate`'s loop, `zoo.serve.Engine`'s) write column `c` at slot
+    `c mod window`, and `key_columns` says which column each slot holds.
 
     Under a mesh the batch dimension follows the tokens (`data`) and `kv_heads` follows
     the key projection's output (`model` under tensor parallelism).
@@ -96,8 +101,14 @@ class KVCache(eqx.Module):
         `keys[layer][block]`."""
         cache = self.split() if not isinstance(self.keys, tuple) else self
         parts = block_columns(self.columns, size)
-        keys = tuple(tuple(k[:, :, a : a + n] for a, n in parts) for k in cache.keys)
-        values = tuple(tuple(v[..., a : a + n] for a, n in parts) for v in cache.values)
+
+        def split(x, axis):  # a ring (`rings`: fewer columns than the mask) stays one block
+            if x.shape[axis] < self.columns:
+                return (x,)
+            return tuple(lax.slice_in_dim(x, a, a + n, axis=axis) for a, n in parts)
+
+        keys = tuple(split(k, 2) for k in cache.keys)
+        values = tuple(split(v, 3) for v in cache.values)
         return self.holding(keys, values)
 
     def holding(self, keys, values) -> KVCache:
@@ -133,6 +144,42 @@ class KVCache(eqx.Module):
         count = jnp.sum(mask.astype(bool), axis=1, dtype=jnp.int32)
         return KVCache(self.keys, self.values, self.mask, self.positions + count, self.index + mask.shape[1])
 
+    def rings(self, windows: Sequence[int | None], filled: int) -> KVCache:
+        """The split cache (`split()`) with each layer whose window (`windows`, one per layer,
+        `None`: global) is below `columns` holding a ring of `window` columns: the last
+        `window` of the `filled` columns written so far (all of them, zeros after, when
+        fewer), column `c` at slot `c mod window`, where the decode steps go on writing.
+        Why: a sliding layer never reads further back, so its cache need not hold more."""
+        keys, values = list(self.keys), list(self.values)
+        for i, w in enumerate(windows):
+            if w is None or w >= self.columns:
+                continue
+            start = max(filled - w, 0)  # the window's first column, at slot start mod w
+            keys[i] = jnp.roll(keys[i][:, :, start : start + w], start % w, axis=2)
+            values[i] = jnp.roll(values[i][..., start : start + w], start % w, axis=3)
+        return self.holding(tuple(keys), tuple(values))
+
+    def _ring(self) -> int | None:
+        """One layer's ring size when it holds a ring (fewer columns than the mask: `rings`;
+        in a blocked cache, its one block), else `None`."""
+        keys = self.keys[0] if isinstance(self.keys, tuple) and len(self.keys) == 1 else self.keys
+        if isinstance(keys, tuple) or keys.ndim != 4 or keys.shape[2] >= self.columns:
+            return None
+        return keys.shape[2]
+
+    def key_columns(self, seq: int, read: int) -> tuple[Int[Array, "rows read"], Bool[Array, "batch read"]]:
+        """For one layer, after `write` of `seq` new columns: the column each of the `read`
+        columns `read()` gives holds, `[1 or batch, read]`, and whether it holds a real
+        token, `[batch, read]`. A ring's slot `j` holds the latest column `c ≡ j (mod
+        window)` written (none yet: `c < 0`, not real), per row where `index` is per row."""
+        if (w := self._ring()) is None:
+            return jnp.arange(read)[None], self.mask[:, :read]
+        last = jnp.reshape(self.index, (-1, 1)) + seq - 1  # [1 or batch, 1]
+        held = last - (last - jnp.arange(w)) % w  # [1 or batch, window]
+        at = jnp.clip(held, 0)
+        real = jnp.take(self.mask, at[0], axis=1) if held.shape[0] == 1 else jnp.take_along_axis(self.mask, at, 1)
+        return held, real & (held >= 0)
+
     def _read_blocks(self) -> int:
         """How many of one layer's blocks attention reads: those holding the first `span`."""
         used, start, n = self.span if self.span is not None else self.columns, 0, 0
@@ -146,6 +193,16 @@ class KVCache(eqx.Module):
         writes only into the blocks attention reads (a column beyond them is dropped: the
         caller's rows write below `span`)."""
         b, s = k.shape[:2]
+        ring = self._ring()
+        if ring is not None and s != 1:
+            raise ValueError(
+                f"a sliding layer's ring cache ({ring} columns) takes one new token per call, got {s}; fill a full "
+                "cache with the prompt (zoo._generate.prefill) and keep each window with KVCache.rings"
+            )
+        if ring is not None and isinstance(self.keys, tuple):  # a blocked cache's ring: its one block
+            layer = self.holding(self.keys[0], self.values[0]).write(k, v)
+            return self.holding((layer.keys,), (layer.values,))
+        index = self.index if ring is None else self.index % ring  # a ring writes column c at c mod window
         if isinstance(self.keys, tuple):  # blocks
             columns = jnp.broadcast_to(jnp.reshape(self.index, (-1, 1)) + jnp.arange(s), (b, s))
             rows = jnp.arange(b)[:, None]
@@ -157,16 +214,16 @@ class KVCache(eqx.Module):
                 values[i] = values[i].at[rows, :, :, at].set(v.astype(values[i].dtype), mode="drop")
                 start += size
             return self.holding(tuple(keys), tuple(values))
-        if jnp.ndim(self.index) == 0:
+        if jnp.ndim(index) == 0:
             zero = jnp.zeros((), jnp.int32)
             keys = lax.dynamic_update_slice(
-                self.keys, jnp.swapaxes(k, 1, 2).astype(self.keys.dtype), (zero, zero, self.index, zero)
+                self.keys, jnp.swapaxes(k, 1, 2).astype(self.keys.dtype), (zero, zero, index, zero)
             )  # [batch, kv_heads, seq, head_dim]
             values = lax.dynamic_update_slice(
-                self.values, jnp.transpose(v, (0, 2, 3, 1)).astype(self.values.dtype), (zero, zero, zero, self.index)
+                self.values, jnp.transpose(v, (0, 2, 3, 1)).astype(self.values.dtype), (zero, zero, zero, index)
             )  # [batch, kv_heads, head_dim, seq]
         else:  # each row at its own column: a scatter of `seq` columns per row (`[b, seq]` first)
-            rows, cols = jnp.arange(b)[:, None], self.index[:, None] + jnp.arange(s)
+            rows, cols = jnp.arange(b)[:, None], index[:, None] + jnp.arange(s)
             keys = self.keys.at[rows, :, cols].set(k.astype(self.keys.dtype))
             values = self.values.at[rows, :, :, cols].set(v.astype(self.values.dtype))
         return self.holding(keys, values)
@@ -176,6 +233,10 @@ class KVCache(eqx.Module):
         in parts whose columns follow each other from column 0: the whole array (its first
         `span` columns, sliced: a copy), or the blocks holding the first `span` columns,
         each in place."""
+        if self._ring() is not None:  # every slot, in ring order (`key_columns` says which column)
+            return list(self.keys) if isinstance(self.keys, tuple) else [self.keys], (
+                list(self.values) if isinstance(self.values, tuple) else [self.values]
+            )
         if isinstance(self.keys, tuple):
             n = self._read_blocks()
             return list(self.keys[:n]), list(self.values[:n])

@@ -13,7 +13,9 @@ sampling) is `zoo.generate`'s own.
 A step costs what is in use: requests are kept in the lowest slots (one moves down when
 another ends) and the decode step runs the next power of two of busy rows; its attention
 reads only the columns the longest request has reached (`span`), from a cache kept in
-blocks of 64 columns (`KVCache.blocks`) so those are read in place. The background thread
+blocks of 64 columns (`KVCache.blocks`) so those are read in place; a sliding layer whose
+window is below `max_len` holds only a ring of `window` columns (`KVCache.rings`), read
+whole. The background thread
 queues step t+1 before it reads step t's tokens (each slot's next input token stays on the
 device), so the host's bookkeeping overlaps the device's work.
 
@@ -45,6 +47,7 @@ from .._jit import Flattened, Jit
 from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
 from .._sampling import check_sampling
 from ..models._config import rope_scaling_of
+from ..models._transformer import layer_settings
 from ..nn._cache import KVCache, empty_cache
 from ._bank import build_bank, read_adapter
 from ._limits import check_room, check_steering
@@ -160,10 +163,15 @@ class Engine:
         cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
         # Keys and values in buffers of their own: the steps donate both. Placed (committed)
         # on the model's device as the steps' outputs are, so the first call's programs serve all.
+        # Each layer's keys and values in blocks of columns, arrays of their own; a sliding
+        # layer whose window is below max_len, one ring of window columns (`KVCache.rings`).
         self._cache = jax.device_put(
             KVCache(
                 cache.keys, jnp.zeros_like(cache.values), cache.mask, cache.positions, jnp.zeros((slots,), jnp.int32)
-            ).blocks(),  # each layer's keys and values in blocks of columns, arrays of their own
+            )
+            .split()
+            .rings(layer_settings(model.config)["window"], 0)
+            .blocks(),
             device,
         )
         vocab = model.config.vocab_size

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models._transformer import layer_settings
+
 # Host bytes a waiting request may hold per token of its prompt (a Python list of ints).
 _QUEUED_TOKEN_BYTES = 40
 
@@ -45,12 +47,14 @@ def free_bytes(device) -> int | None:
 
 def cache_bytes(config, slots: int, max_len: int) -> int:
     """Bytes of an engine's key/value cache: keys and values of every layer, `slots` rows of
-    `max_len` columns, in the model's compute dtype (and the decode step's copy of a row's
-    logits, float32; each slot's logit bias and token counts, `Steering`, float32)."""
+    `max_len` columns (a sliding layer's window of them, when fewer: its ring), in the
+    model's compute dtype (and the decode step's copy of a row's logits, float32; each
+    slot's logit bias and token counts, `Steering`, float32)."""
     head_dim = config.head_dim or config.d_model // config.num_heads
     kv_heads = config.kv_heads
     itemsize = jnp.dtype(config.compute_dtype).itemsize
-    return 2 * config.num_layers * slots * max_len * kv_heads * head_dim * itemsize + 3 * 4 * slots * config.vocab_size
+    columns = sum(max_len if w is None else min(w, max_len) for w in layer_settings(config)["window"])
+    return 2 * columns * slots * kv_heads * head_dim * itemsize + 3 * 4 * slots * config.vocab_size
 
 
 def _size(n: int) -> str:

@@ -135,8 +135,13 @@ def _prefill_program(
     zero = jnp.zeros((), jnp.int32)
     mask_row = jnp.pad(mask, ((0, 0), (0, cache.columns - width)))
     cache = KVCache(
-        tuple(_write_row(layer, small.keys[i], slot, axis=2) for i, layer in enumerate(cache.keys)),
-        tuple(_write_row(layer, small.values[i], slot, axis=3) for i, layer in enumerate(cache.values)),
+        tuple(
+            _write_row(layer, small.keys[i], slot, count, cache.columns, axis=2) for i, layer in enumerate(cache.keys)
+        ),
+        tuple(
+            _write_row(layer, small.values[i], slot, count, cache.columns, axis=3)
+            for i, layer in enumerate(cache.values)
+        ),
         lax.dynamic_update_slice(cache.mask, mask_row, (slot, zero)),
         cache.positions.at[slot].set(count[0]),
         cache.index.at[slot].set(count[0]),
@@ -154,11 +159,19 @@ def _prefill_program(
     return cache, steering, first, prompt
 
 
-def _write_row(blocks: tuple, part, slot, *, axis: int) -> tuple:
+def _write_row(blocks: tuple, part, slot, count, columns: int, *, axis: int) -> tuple:
     """One layer's keys (`axis` 2: columns) or values (`axis` 3) of one prompt, `part`
     `[1, kv_heads, ...]` of its width, written into row `slot` of a blocked cache layer
-    (`KVCache.blocks`) from column 0: each block gets the prompt's columns it holds."""
+    (`KVCache.blocks`, of `columns` columns) from column 0: each block gets the prompt's
+    columns it holds. A ring (`KVCache.rings`: one block of `window` < `columns` columns)
+    gets the last `window` of the prompt's `count` `[1]` columns, column `c` at slot
+    `c mod window` (slots of no column yet: whatever, masked by `KVCache.key_columns`)."""
     zero = jnp.zeros((), jnp.int32)
+    if len(blocks) == 1 and (window := blocks[0].shape[axis]) < columns:
+        last = count[0] - 1
+        held = jnp.clip(last - (last - jnp.arange(window)) % window, 0, part.shape[axis] - 1)
+        piece = jnp.take(part, held, axis=axis).astype(blocks[0].dtype)
+        return (lax.dynamic_update_slice(blocks[0], piece, (slot, zero, zero, zero)),)
     out, start, width = [], 0, part.shape[axis]
     for block in blocks:
         size = block.shape[axis]
