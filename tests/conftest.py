@@ -16,9 +16,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 # (`--xla_cpu_use_fusion_emitters=false`: half the remaining compile time, measured side by
 # side on four of the costliest files, 285 -> 135 compile seconds, with no slower running).
 # XLA's HLO passes, which decide sharding and place every collective, run unchanged. Only
-# this process: subprocesses (the demo, the examples) train for many steps and keep
-# optimised code. A run that names the emitters itself (the kernel rerun, which keeps the
-# default ones: another code path for the same comparisons) is left as it asks.
+# this process: a subprocess gets them where a test asks (`helpers.short_run_env`: short
+# CLI runs, the docs' blocks, the examples of tiny models); the demo and the MiniLM example
+# keep optimised code (MiniLM's running dominates: twice the CPU unoptimised, measured in
+# docs/testing.md session 28). A run that names the emitters itself (the kernel rerun,
+# which keeps the default ones: another code path for the same comparisons) is left as it
+# asks.
 # On a loaded CI machine one simulated device can lag the others for long: XLA's CPU
 # collectives abort the process after 40 s by default. 300 s tolerates a loaded machine,
 # and a real deadlock still ends the process in 5 minutes, not an hour (kept for

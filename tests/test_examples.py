@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import short_run_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,11 +29,20 @@ TRAIN_LM_FLAGS = [
 ]  # fmt: skip
 
 
-def _run_example(script: str, *flags: str, timeout: int) -> str:
-    """Run `examples/<script>` with `flags`; assert it exits 0; return its stdout."""
+def _run_example(script: str, *flags: str, timeout: int, fast_compile: bool = False) -> str:
+    """Run `examples/<script>` with `flags`; assert it exits 0; return its stdout.
+
+    `fast_compile`: compiled as the tests compile (`helpers.short_run_env`: LLVM's
+    optimisation off; XLA's passes, which place the collectives the examples print,
+    unchanged), for the examples of tiny models, whose time is compiling (the byte LMs,
+    the tiny Llama, DPO's and GRPO's small decoders: 206 -> 157 CPU s in all, every
+    outcome the same); otherwise XLA's defaults, for those whose time is running
+    (MiniLM's forward over every text: 45 -> 48 CPU s unoptimised). Measured side by side
+    in docs/testing.md, session 28."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *flags],
         cwd=ROOT,
+        env=short_run_env() if fast_compile else None,
         check=False,  # the exit code is asserted here, with the output
         capture_output=True,
         timeout=timeout,  # generous: a loaded machine compiles slowly
@@ -51,7 +61,7 @@ def _number(pattern: str, text: str) -> float:
 @pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_train_lm_learns_below_unigram_entropy():
-    out = _run_example("train_lm.py", *TRAIN_LM_FLAGS, timeout=300)
+    out = _run_example("train_lm.py", *TRAIN_LM_FLAGS, timeout=300, fast_compile=True)
 
     unigram = _number(r"unigram entropy of the training bytes: ([\d.]+) bits/byte", out)
     before = _number(r"val loss before training: [\d.]+ nats = ([\d.]+) bits/byte", out)
@@ -96,7 +106,7 @@ LORA_FLAGS = [
 @pytest.mark.slow
 def test_lora_finetune_adapts_to_prose_communicating_only_the_adapter(tmp_path):
     out_dir = tmp_path / "adapter"
-    out = _run_example("lora_finetune.py", *LORA_FLAGS, "--out", str(out_dir), timeout=300)
+    out = _run_example("lora_finetune.py", *LORA_FLAGS, "--out", str(out_dir), timeout=300, fast_compile=True)
 
     before = _number(r"val loss before fine-tuning: ([\d.]+) nats", out)
     after = _number(r"val loss after fine-tuning: +([\d.]+) nats", out)
@@ -234,7 +244,7 @@ def test_finetune_your_data_writes_an_adapter_peft_opens_with_zoos_logits(tmp_pa
 
     out = _run_example(
         "finetune_your_data.py", str(folder), str(data), "--out", str(tmp_path / "run"),
-        "--steps", "30", "--seq-len", "32", "--batch-size", "8", "--lr", "1e-2", timeout=500,
+        "--steps", "30", "--seq-len", "32", "--batch-size", "8", "--lr", "1e-2", timeout=500, fast_compile=True,
     )  # fmt: skip
     first = _number(r"step 1: train loss ([\d.]+)", out)
     last = _number(r"step 30: train loss ([\d.]+)", out)
@@ -260,7 +270,9 @@ def test_dpo_your_data_prefers_the_chosen_answers_after_tuning(tmp_path):
     to >= 90%, and the greedy answers end with a question back after tuning. 150 SFT
     steps, not the example's 300 (measured: 46% before, 96% after, all three greedy
     answers end with a question); the DPO run at its default 40."""
-    out = _run_example("dpo_your_data.py", "--out", str(tmp_path / "runs"), "--sft-steps", "150", timeout=850)
+    out = _run_example(
+        "dpo_your_data.py", "--out", str(tmp_path / "runs"), "--sft-steps", "150", timeout=850, fast_compile=True
+    )
     before = _number(r"held-out preference accuracy \(\d+ pairs\): before (\d+)%", out)
     after = _number(r"held-out preference accuracy \(\d+ pairs\): before \d+%, after (\d+)%", out)
     assert before <= 70 and after >= 90, (before, after)
@@ -275,7 +287,7 @@ def test_grpo_arithmetic_makes_the_held_out_greedy_sums_right(tmp_path):
     many leaves the greedy answer right on few held-out sums; GRPO on the prompts alone,
     rewarded for the right sum, makes it right on most, the held-out mean reward rising.
     Its defaults (measured: 15% before, 100% after; 150 GRPO steps in about 20 s)."""
-    out = _run_example("grpo_arithmetic.py", "--out", str(tmp_path / "runs"), timeout=850)
+    out = _run_example("grpo_arithmetic.py", "--out", str(tmp_path / "runs"), timeout=850, fast_compile=True)
     before = _number(r"greedy sums right before: (\d+)%", out)
     after = _number(r"greedy sums right after: (\d+)%", out)
     assert before <= 60 and after >= 85, (before, after)
