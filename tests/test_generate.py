@@ -4,6 +4,7 @@ References: transformers' GPT-2 (loaded through zoo.hf) and Llama (weights copie
 into a Llama-shaped zoo decoder: RoPE, GQA, RMSNorm, SwiGLU, untied head) with
 left-padded batches; the model's own full forward pass on every prefix; transformers'
 top-k / top-p warpers; the merged LoRA model; one device against dp and tp meshes.
+The other families zoo.hf loads: test_family_generate.py.
 """
 
 import functools
@@ -128,79 +129,6 @@ def test_greedy_equals_transformers_gpt2_left_padded(gpt2):
     out = np.asarray(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW))
     assert out.shape == (4, 6 + NEW) and out.dtype == np.int32
     np.testing.assert_array_equal(out, expected)
-
-
-def _saved(tmp_path_factory, cls, config_cls, **fields):
-    torch.manual_seed(2)
-    common = dict(
-        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False, bos_token_id=39,
-        eos_token_id=39, pad_token_id=0,
-    )  # fmt: skip
-    hf = cls(config_cls(**(common | fields))).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    directory = tmp_path_factory.mktemp(cls.__name__)
-    hf.save_pretrained(directory)
-    return hf, zoo.hf.from_pretrained(directory)
-
-
-@pytest.mark.parametrize(
-    "family", ["llama", "mistral", "phi3", "qwen2", "qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text"]
-)
-def test_greedy_equals_transformers_loaded_through_zoo_hf(tmp_path_factory, family):
-    if family == "llama":
-        hf, model = _saved(tmp_path_factory, transformers.LlamaForCausalLM, transformers.LlamaConfig)
-    elif family == "qwen3":  # q/k norms before RoPE, in the prompt's pass and every cached step
-        hf, model = _saved(tmp_path_factory, transformers.Qwen3ForCausalLM, transformers.Qwen3Config, head_dim=8)
-        assert model.config.qk_norm
-    elif family == "olmo2":  # q/k norms over the whole projections, norms after the sub-layers
-        hf, model = _saved(tmp_path_factory, transformers.Olmo2ForCausalLM, transformers.Olmo2Config, head_dim=8)
-        assert (model.config.qk_norm_scope, model.config.norm_placement) == ("projection", "output")
-    elif family == "qwen2":  # a window of 3 columns on layer 1 only (max_window_layers 1)
-        hf, model = _saved(
-            tmp_path_factory, transformers.Qwen2ForCausalLM, transformers.Qwen2Config, use_sliding_window=True,
-            sliding_window=3, max_window_layers=1,
-        )  # fmt: skip
-        assert model.config.sliding_layers == (False, True)
-    elif family == "smollm3":  # NoPE layers 1 and 3; a window of 3 columns on layers 0 and 3
-        layers = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
-        hf, model = _saved(
-            tmp_path_factory, transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config, num_hidden_layers=4,
-            no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3, layer_types=layers,
-        )  # fmt: skip
-        assert model.config.rope_layers == (True, False, True, False)
-        assert model.config.sliding_layers == (True, False, False, True)
-    elif family == "gemma2":  # a window of 3 columns on layer 0, norms around each sub-layer, soft-caps
-        hf, model = _saved(
-            tmp_path_factory, transformers.Gemma2ForCausalLM, transformers.Gemma2Config, head_dim=8,
-            sliding_window=3, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=12,
-        )  # fmt: skip
-        assert model.config.sliding_layers == (True, False) and model.config.norm_placement == "sandwich"
-    elif family == "gemma3_text":  # q/k norms; windows of 3 on layers 0 and 2 with RoPE base 10k, layer 1 at 1M
-        layers = ["sliding_attention", "full_attention", "sliding_attention"]  # and stretched 8 times (linear)
-        ropes = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
-        hf, model = _saved(
-            tmp_path_factory, transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig, num_hidden_layers=3,
-            head_dim=8, sliding_window=3, layer_types=layers, final_logit_softcapping=3.0, query_pre_attn_scalar=12,
-            rope_parameters=ropes,
-        )  # fmt: skip
-        assert model.config.rope_thetas == (1e4, 1e6, 1e4) and model.config.rope_factors == (1.0, 8.0, 1.0)
-    elif family == "phi3":  # q | k | v and gate | up fused in the file; RoPE on half of each head
-        hf, model = _saved(
-            tmp_path_factory, transformers.Phi3ForCausalLM, transformers.Phi3Config, partial_rotary_factor=0.5
-        )
-        assert (model.config.family, model.config.partial_rotary_factor) == ("phi3", 0.5)
-    else:  # a window of 3 columns bites within the prompts and the new tokens
-        hf, model = _saved(
-            tmp_path_factory, transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=3
-        )
-        assert model.config.sliding_window == 3
-    np.testing.assert_array_equal(
-        zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), _hf_greedy(hf, TOKENS, MASK, NEW)
-    )
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ References: the split cache of every column (the path before rings), step by ste
 logits and keys; the loop's carried arrays (the compiled program's `while`); one device
 against dp and tp meshes. transformers' greedy tokens past the window (Mistral, Qwen2,
 SmolLM3, Gemma 2, Gemma 3: windows of 3 under prompts of 2-6 tokens and 6 new ones, left
-padded) are test_generate.py's `test_greedy_equals_transformers_loaded_through_zoo_hf`,
-whose decode loop now runs these rings.
+padded) are test_family_generate.py's `test_greedy_equals_transformers_loaded_through_zoo_hf`
+(and Gemma 3 under dp, fsdp and tp), whose decode loop now runs these rings.
 """
 
 import functools
