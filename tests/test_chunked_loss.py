@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_rounding_close, data_mesh, lm_batch, tiny_decoder
+from helpers import assert_rounding_close, data_mesh, lm_batch, preset_mesh, tiny_decoder
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_preference import pair_batch
 
 import zoo
@@ -160,6 +162,35 @@ def test_auto_chunks_large_logits_only():
     )
     assert chunk_length(forced, tokens) == 5
     assert chunk_length(tiny_decoder(jax.random.key(0), loss_chunk=None), tokens) is None
+
+
+@pytest.mark.parametrize("preset", ["dp", "tp"])
+def test_auto_chunk_counts_one_devices_logits(preset):
+    # dp (data=4): each device holds a quarter of the rows; tp (data=2, model=2): half the
+    # rows and half of the vocabulary (the tied table split over model).
+    mesh = preset_mesh(preset, 4)
+    config = zoo.models.TransformerConfig(vocab_size=151936, d_model=16, num_heads=2, num_layers=1, max_len=2048)
+    with jax.set_mesh(mesh):
+        model = zoo.shard(zoo.models.Transformer(config, key=jax.random.key(0)), zoo.rules(preset), mesh)
+    per_device = 8 * 151936 * 4 // 4  # float32 logits of one position of every row, on one device
+    seen = []
+
+    @eqx.filter_jit
+    def traced(model, tokens):
+        seen.append(chunk_length(model, tokens))
+        return tokens.sum()
+
+    def chunk(targets):
+        tokens = jax.device_put(jnp.zeros((8, targets + 1), jnp.int32), NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            traced(model, tokens)
+        return seen[-1]
+
+    assert chunk(2047) == CHUNK_BYTES // per_device  # 4x the chunk the global batch would give
+    assert chunk(AUTO_ABOVE // per_device) is None and chunk(AUTO_ABOVE // per_device + 1) is not None
+    assert chunk_length(model, np.zeros((8, 2048), np.int32)) == CHUNK_BYTES // (
+        8 * 151936 * 4 // {"dp": 1, "tp": 2}[preset]
+    )
 
 
 @pytest.mark.parametrize("chunk", [None, 3])

@@ -45,18 +45,45 @@ def chunk_length(model: Any, tokens: Int[Array | np.ndarray, "batch seq"]) -> in
     """How many positions `next_token_terms` applies `model`'s head to at once: its
     config's `loss_chunk` (`"auto"`: a chunk of about `CHUNK_BYTES` of logits when the
     batch's logits exceed `AUTO_ABOVE` bytes), or `None` (the full logits at once: the
-    setting says so, the logits are small, or the model has no separate head)."""
+    setting says so, the logits are small, or the model has no separate head).
+
+    The bytes counted are one device's: `tokens`' rows split over the mesh axes its
+    sharding splits them over (`data`), the vocabulary over those of the output head's
+    table (tensor parallelism), where those shardings are known (explicit sharding)."""
     config = getattr(model, "config", None)
     setting = getattr(config, "loss_chunk", None)
     if setting is None or not callable(getattr(model, "hidden", None)):
         return None
     batch, targets = tokens.shape[0], tokens.shape[1] - 1
-    row = batch * config.padded_vocab * 4  # float32 logits of one position of every row
+    held = -(-batch // _shards(tokens, 0)) * -(-config.padded_vocab // _vocab_shards(model, config.padded_vocab))
+    row = held * 4  # float32 logits of one position of every row, on one device
     if setting == "auto":
         if row * targets <= AUTO_ABOVE:
             return None
         setting = max(1, CHUNK_BYTES // row)
     return setting if setting < targets else None
+
+
+def _shards(x: Any, axis: int) -> int:
+    """Over how many devices `x`'s sharding splits dimension `axis` (1 when unknown)."""
+    try:
+        sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+    except TypeError:  # not an array jax knows
+        return 1
+    spec, mesh = getattr(sharding, "spec", ()), getattr(sharding, "mesh", None)
+    if mesh is None or len(spec) <= axis or spec[axis] is None:
+        return 1
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def _vocab_shards(model: Any, vocab: int) -> int:
+    """Over how many devices the output head's table (`lm_head`, else the tied token
+    embedding) splits the vocabulary: the most any of its `vocab`-long dims is split."""
+    head = getattr(model, "lm_head", None)
+    head = getattr(model, "token_embedding", None) if head is None else head
+    leaves = [x for x in jax.tree.leaves(head) if hasattr(x, "shape") and vocab in tuple(x.shape)]
+    return max((_shards(x, d) for x in leaves for d, n in enumerate(x.shape) if n == vocab), default=1)
 
 
 def next_token_terms(
