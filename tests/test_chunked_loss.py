@@ -249,3 +249,23 @@ def test_chunked_step_on_a_mesh_keeps_one_all_reduce_outside_loops_and_the_gradi
     assert summary == sorted((c.kind, c.in_loop, c.mesh_axes, c.bytes) for c in unchunked), zoo.report(colls)
     assert_rounding_close(loss, want_loss, terms=2 * BATCH * SEQ, depth=SUMS["depth"], what="loss")
     _assert_leaves_rounding_close(grads, want, terms=2 * BATCH * SEQ, depth=SUMS["depth"])
+
+
+@pytest.mark.parametrize("kind", ["lora-head", "moe"])
+def test_held_out_metrics_read_the_head_in_chunks(kind):
+    # The evaluation's loss, weight and accuracy with the head applied 3 positions at a
+    # time equal the full logits' (the accuracy exactly: argmax of the same logits), and
+    # its program holds no [batch, seq, vocab] array.
+    batch = lm_batch(jax.random.key(1), BATCH, seq=SEQ, vocab=VOCAB) | {"weight": jnp.asarray([1.0, 1.0, 0.5, 0.0])}
+    (chunked, _), (full, _) = _decoder(kind, 3), _decoder(kind, None)
+    for t in range(0, SEQ - 1, 2):  # every other target the model's own argmax: some hits, some misses
+        batch["tokens"] = batch["tokens"].at[:, t + 1].set(jnp.argmax(full(batch["tokens"])[:, t], axis=-1))
+    got, want = zoo.train.lm_metrics(chunked, batch), zoo.train.lm_metrics(full, batch)
+    assert 0 < float(want["correct"].sum()) < float(want["weight"].sum())
+    np.testing.assert_array_equal(got["correct"], want["correct"])
+    np.testing.assert_array_equal(got["weight"], want["weight"])
+    assert_rounding_close(got["loss"], want["loss"], **SUMS, what="loss")
+    shapes = [v.aval.shape for e in jax.make_jaxpr(zoo.train.lm_metrics)(chunked, batch).eqns for v in e.outvars]
+    assert not any(len(s) == 3 and s[0] == BATCH and s[-1] == VOCAB and s[1] >= SEQ - 1 for s in shapes)
+    full_shapes = [v.aval.shape for e in jax.make_jaxpr(zoo.train.lm_metrics)(full, batch).eqns for v in e.outvars]
+    assert any(len(s) == 3 and s[0] == BATCH and s[-1] == VOCAB for s in full_shapes)  # the check can fail

@@ -267,7 +267,7 @@ def _place_leaf(
 
 def _split(sharding: Any, axis: int) -> bool:
     """Whether `sharding` splits dimension `axis` over more than one device."""
-    spec = getattr(sharding, "spec", ())
+    spec = tuple(getattr(getattr(sharding, "spec", ()), "partitions", ()))
     if len(spec) <= axis or spec[axis] is None:
         return False
     names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)

@@ -33,12 +33,14 @@ class TokenTerms(NamedTuple):
     **Fields:** `logps`, each target's log-probability `[batch, seq - 1]` (float32);
     `entropy`, the predicted distribution's entropy at each position (or `None` when not
     asked for); `choice`, the routers' choices (a mixture of experts asked for them, else
-    `None`).
+    `None`); `correct`, 1.0 where the target is the logits' argmax, else 0.0 (when asked
+    for, else `None`).
     """
 
     logps: Float[Array, "batch seq_minus_1"]
     entropy: Float[Array, "batch seq_minus_1"] | None
     choice: RouterChoice | None
+    correct: Float[Array, "batch seq_minus_1"] | None = None
 
 
 def chunk_length(model: Any, tokens: Int[Array | np.ndarray, "batch seq"]) -> int | None:
@@ -71,6 +73,7 @@ def _shards(x: Any, axis: int) -> int:
     except TypeError:  # not an array jax knows
         return 1
     spec, mesh = getattr(sharding, "spec", ()), getattr(sharding, "mesh", None)
+    spec = tuple(getattr(spec, "partitions", spec))  # a spec with unreduced axes refuses spec[i]
     if mesh is None or len(spec) <= axis or spec[axis] is None:
         return 1
     names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
@@ -94,6 +97,7 @@ def next_token_terms(
     temperature: float | None = None,
     entropy: bool = False,
     router: bool = False,
+    correct: bool = False,
 ) -> TokenTerms:
     """Each token's log-probability from position 1 given the ones before it.
 
@@ -111,15 +115,16 @@ def next_token_terms(
       they are.
     - `entropy`: also the entropy of each predicted distribution.
     - `router`: also the routers' choices (`model.with_router`).
+    - `correct`: also whether each target is the argmax of its logits (held-out accuracy).
 
     **Returns:** a `TokenTerms`; chunked or not, equal within float32 rounding.
     """
     chunk = chunk_length(model, tokens)
     if chunk is None:
-        return _full(model, tokens, inputs, temperature, entropy, router)
+        return _full(model, tokens, inputs, temperature, entropy, router, correct)
     out = model.hidden(tokens, router=True, **inputs) if router else (model.hidden(tokens, **inputs), None)
-    logps, ent = _chunked(model.head, out[0][:, :-1], tokens[:, 1:], chunk, temperature, entropy)
-    return TokenTerms(logps, ent, out[1])
+    logps, ent, hits = _chunked(model.head, out[0][:, :-1], tokens[:, 1:], chunk, temperature, entropy, correct)
+    return TokenTerms(logps, ent, out[1], hits)
 
 
 def _divided(logits: Float[Array, "*batch vocab"], temperature: float) -> Float[Array, "*batch vocab"]:
@@ -129,7 +134,12 @@ def _divided(logits: Float[Array, "*batch vocab"], temperature: float) -> Float[
     return jnp.maximum(logits / temperature, jnp.finfo(jnp.float32).min)
 
 
-def _full(model, tokens, inputs, temperature, entropy, router) -> TokenTerms:
+def _hits(logits: Float[Array, "*batch vocab"], targets: Int[Array, " *batch"]) -> Float[Array, " *batch"]:
+    """1.0 where `targets` is the argmax of `logits`, else 0.0."""
+    return (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+
+
+def _full(model, tokens, inputs, temperature, entropy, router, correct=False) -> TokenTerms:
     """`next_token_terms` from the full logits `[batch, seq, vocab]`."""
     logits, choice = model.with_router(tokens, **inputs) if router else (model(tokens, **inputs), None)
     logits = logits[:, :-1]
@@ -140,7 +150,7 @@ def _full(model, tokens, inputs, temperature, entropy, router) -> TokenTerms:
     if entropy:
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    return TokenTerms(logps, ent, choice)
+    return TokenTerms(logps, ent, choice, _hits(logits, tokens[:, 1:]) if correct else None)
 
 
 def _chunked(
@@ -150,8 +160,9 @@ def _chunked(
     chunk: int,
     temperature: float | None,
     entropy: bool,
-) -> tuple[Float[Array, "batch targets"], Float[Array, "batch targets"] | None]:
-    """Log-probabilities of `targets` (and entropies) from the hidden states `h`, `head`
+    correct: bool = False,
+) -> tuple[Float[Array, "batch targets"], Float[Array, "batch targets"] | None, Float[Array, "batch targets"] | None]:
+    """Log-probabilities of `targets` (and entropies, argmax hits) from the hidden states `h`, `head`
     applied to `chunk` positions at a time in a `lax.scan`. The positions are padded to
     a multiple of `chunk` (zero states, target 0) and the padding's results dropped."""
     batch, length, _ = h.shape
@@ -171,17 +182,18 @@ def _chunked(
         logz = jax.nn.logsumexp(logits, axis=-1)
         onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
         logps = jnp.einsum("...v,...v->...", logits, onehot) - logz  # a one-hot contraction: TP-safe
+        hits = _hits(logits, tc) if correct else None
         if not entropy:
-            return logps, None
+            return logps, None, hits
         probs = jnp.exp(logits - logz[..., None])
-        return logps, logz - jnp.einsum("...v,...v->...", probs, logits)
+        return logps, logz - jnp.einsum("...v,...v->...", probs, logits), hits
 
     def body(carry, x):
         return carry, terms(*x)
 
-    _, (logps, ent) = jax.lax.scan(body, None, (hs, ts))
+    _, (logps, ent, hits) = jax.lax.scan(body, None, (hs, ts))
 
     def unchunk(y):
         return jnp.moveaxis(y, 0, 1).reshape(batch, count * chunk)[:, :length]
 
-    return unchunk(logps), None if ent is None else unchunk(ent)
+    return unchunk(logps), None if ent is None else unchunk(ent), None if hits is None else unchunk(hits)
