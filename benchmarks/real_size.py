@@ -25,10 +25,14 @@ so both are the base model's loss on the same batch: equal within rounding).
     python benchmarks/real_size.py --size 0.4b --dtype bfloat16
     python benchmarks/real_size.py --size small          # 55M: checks the script in a minute
     python benchmarks/real_size.py --remat none,dots_saveable,nothing_saveable   # zoo alone
+    python benchmarks/real_size.py --size 1b --load      # zoo's loading alone
 
 `--remat P,...` runs zoo's side once per `jax.checkpoint` policy of the layer stack
 (`--model-config remat=P`; `none`: no rematerialisation, the default) and prints each
-one's step time and peak memory against the first.
+one's step time and peak memory against the first. `--load` times `zoo.hf.from_pretrained`
+of the folder as `zoo finetune` calls it (one device, `zoo.rules("dp")`) in a process of
+its own and prints its seconds and the process's peak resident memory against the
+parameters' bytes.
 
 On a shared machine the times are noisy: read them with the load line.
 """
@@ -160,6 +164,22 @@ def torch_side(args, folder: Path, out: Path) -> dict:
     }
 
 
+def load_side(args, folder: Path, out: Path) -> dict:
+    """`zoo.hf.from_pretrained(folder)` as `zoo finetune` loads it: seconds, peak memory."""
+    import jax
+
+    import zoo
+
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        model = zoo.hf.from_pretrained(folder, rules=zoo.rules("dp"), mesh=mesh)
+    jax.block_until_ready(model)
+    seconds = time.perf_counter() - start
+    params = sum(x.nbytes for x in jax.tree.leaves(model) if hasattr(x, "nbytes"))
+    return {"load_s": seconds, "peak_mb": peak_mb(), "params_mb": params / 2**20}
+
+
 def loadavg() -> str:
     """As `_harness.loadavg`, which this script does not import: `_harness` imports jax, and the
     torch worker's resident memory must be torch's alone."""
@@ -199,7 +219,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", type=Path, default=Path("build/real_size"))
     parser.add_argument("--remat", help="policies to compare, comma-separated (zoo alone)")
-    parser.add_argument("--worker", choices=("make", "zoo", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--load", action="store_true", help="time zoo's loading of the folder alone")
+    parser.add_argument("--worker", choices=("make", "zoo", "torch", "load"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = args.out / args.size
@@ -208,12 +229,18 @@ def main() -> None:
         make_model(args.size, folder)
         return
     if args.worker is not None:
-        side = zoo_side if args.worker == "zoo" else torch_side
+        side = {"zoo": zoo_side, "torch": torch_side, "load": load_side}[args.worker]
         print("RESULT " + json.dumps(side(args, folder, out)), flush=True)
         return
     out.mkdir(parents=True, exist_ok=True)
     if args.remat:
         compare_remat(args, out)
+        return
+    if args.load:
+        _worker("make")
+        r = _worker("load")
+        print(f"\n{args.size}: zoo.hf.from_pretrained {r['load_s']:.1f} s, peak resident {r['peak_mb']:,.0f} MB "
+              f"for {r['params_mb']:,.0f} MB of parameters ({r['peak_mb'] / r['params_mb']:.2f}x), loadavg {loadavg()}")  # fmt: skip
         return
     results = {worker: _worker(worker) for worker in ("make", "zoo", "torch")}
     report(args, results["zoo"], results["torch"])

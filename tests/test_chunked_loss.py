@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_rounding_close, data_mesh, lm_batch, tiny_decoder
+from helpers import assert_rounding_close, data_mesh, lm_batch, preset_mesh, tiny_decoder
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_preference import pair_batch
 
 import zoo
@@ -162,6 +164,35 @@ def test_auto_chunks_large_logits_only():
     assert chunk_length(tiny_decoder(jax.random.key(0), loss_chunk=None), tokens) is None
 
 
+@pytest.mark.parametrize("preset", ["dp", "tp"])
+def test_auto_chunk_counts_one_devices_logits(preset):
+    # dp (data=4): each device holds a quarter of the rows; tp (data=2, model=2): half the
+    # rows and half of the vocabulary (the tied table split over model).
+    mesh = preset_mesh(preset, 4)
+    config = zoo.models.TransformerConfig(vocab_size=151936, d_model=16, num_heads=2, num_layers=1, max_len=2048)
+    with jax.set_mesh(mesh):
+        model = zoo.shard(zoo.models.Transformer(config, key=jax.random.key(0)), zoo.rules(preset), mesh)
+    per_device = 8 * 151936 * 4 // 4  # float32 logits of one position of every row, on one device
+    seen = []
+
+    @eqx.filter_jit
+    def traced(model, tokens):
+        seen.append(chunk_length(model, tokens))
+        return tokens.sum()
+
+    def chunk(targets):
+        tokens = jax.device_put(jnp.zeros((8, targets + 1), jnp.int32), NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            traced(model, tokens)
+        return seen[-1]
+
+    assert chunk(2047) == CHUNK_BYTES // per_device  # 4x the chunk the global batch would give
+    assert chunk(AUTO_ABOVE // per_device) is None and chunk(AUTO_ABOVE // per_device + 1) is not None
+    assert chunk_length(model, np.zeros((8, 2048), np.int32)) == CHUNK_BYTES // (
+        8 * 151936 * 4 // {"dp": 1, "tp": 2}[preset]
+    )
+
+
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_a_padded_vocabulary_under_a_temperature_keeps_finite_log_probabilities(chunk):
     """GRPO divides the logits by its sampling temperature; a vocabulary padded for a model
@@ -218,3 +249,23 @@ def test_chunked_step_on_a_mesh_keeps_one_all_reduce_outside_loops_and_the_gradi
     assert summary == sorted((c.kind, c.in_loop, c.mesh_axes, c.bytes) for c in unchunked), zoo.report(colls)
     assert_rounding_close(loss, want_loss, terms=2 * BATCH * SEQ, depth=SUMS["depth"], what="loss")
     _assert_leaves_rounding_close(grads, want, terms=2 * BATCH * SEQ, depth=SUMS["depth"])
+
+
+@pytest.mark.parametrize("kind", ["lora-head", "moe"])
+def test_held_out_metrics_read_the_head_in_chunks(kind):
+    # The evaluation's loss, weight and accuracy with the head applied 3 positions at a
+    # time equal the full logits' (the accuracy exactly: argmax of the same logits), and
+    # its program holds no [batch, seq, vocab] array.
+    batch = lm_batch(jax.random.key(1), BATCH, seq=SEQ, vocab=VOCAB) | {"weight": jnp.asarray([1.0, 1.0, 0.5, 0.0])}
+    (chunked, _), (full, _) = _decoder(kind, 3), _decoder(kind, None)
+    for t in range(0, SEQ - 1, 2):  # every other target the model's own argmax: some hits, some misses
+        batch["tokens"] = batch["tokens"].at[:, t + 1].set(jnp.argmax(full(batch["tokens"])[:, t], axis=-1))
+    got, want = zoo.train.lm_metrics(chunked, batch), zoo.train.lm_metrics(full, batch)
+    assert 0 < float(want["correct"].sum()) < float(want["weight"].sum())
+    np.testing.assert_array_equal(got["correct"], want["correct"])
+    np.testing.assert_array_equal(got["weight"], want["weight"])
+    assert_rounding_close(got["loss"], want["loss"], **SUMS, what="loss")
+    shapes = [v.aval.shape for e in jax.make_jaxpr(zoo.train.lm_metrics)(chunked, batch).eqns for v in e.outvars]
+    assert not any(len(s) == 3 and s[0] == BATCH and s[-1] == VOCAB and s[1] >= SEQ - 1 for s in shapes)
+    full_shapes = [v.aval.shape for e in jax.make_jaxpr(zoo.train.lm_metrics)(full, batch).eqns for v in e.outvars]
+    assert any(len(s) == 3 and s[0] == BATCH and s[-1] == VOCAB for s in full_shapes)  # the check can fail

@@ -601,3 +601,49 @@ def test_quantize_while_loading_refuses_what_cannot_be_quantized(llama_dir):
         ValueError, match=r"cannot quantize layers\..*a block of 64 .* pass quantize='nf4:BLOCK', BLOCK one of \[16"
     ):
         from_pretrained(llama_dir, quantize="nf4")
+
+
+def test_checkpoint_reads_slices_and_keeps_no_page_of_the_file(tmp_path):
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "w": rng.normal(size=(6, 5, 4)).astype(np.float32),
+        "b": rng.normal(size=(7, 3)).astype(ml_dtypes.bfloat16),
+        "i": np.arange(5, dtype=np.int64),
+        "s": np.asarray(2.5, np.float16),
+    }
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    with zoo.hf._files.Checkpoint(tmp_path) as checkpoint:
+        assert sorted(checkpoint.keys()) == sorted(tensors) and checkpoint.shape("w") == (6, 5, 4)
+        for name, index in [("w", ()), ("w", (slice(1, 4),)), ("w", (slice(2, 3), slice(1, 5), slice(0, 2))),
+                            ("b", (slice(None), slice(1, 3))), ("i", (slice(3, 5),)), ("s", ())]:  # fmt: skip
+            got = checkpoint.read(name, index)
+            assert got.dtype == tensors[name].dtype
+            np.testing.assert_array_equal(got, tensors[name][index])
+            assert got.flags.c_contiguous and got.flags.owndata
+        # Plain reads: no memory map of the file, so none of its pages counts in the process.
+        assert str(path) not in open("/proc/self/maps").read()
+    path.write_bytes(path.read_bytes()[:-4])  # truncated: the last tensor's bytes do not fit the file
+    with pytest.raises(ValueError, match="cannot read .*do not fit"):
+        zoo.hf._files.Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "tp"])
+def test_stacked_leaves_are_read_one_layer_at_a_time(bert_dir, bert_encoder, monkeypatch, preset):
+    reads = []
+    real_read = zoo.hf._place.read_leaf
+
+    def recording(checkpoint, mapping, source, index, dtype, shape):
+        out = real_read(checkpoint, mapping, source, index, dtype, shape)
+        reads.append((source.stacked, shape, out.shape))
+        return out
+
+    monkeypatch.setattr(zoo.hf._place, "read_leaf", recording)
+    mesh = data_mesh(4) if preset == "fsdp" else preset_mesh("tp", 4)
+    model = from_pretrained(bert_dir, rules=zoo.rules(preset), mesh=mesh)
+    stacked = [(shape, got) for n, shape, got in reads if n]
+    assert stacked and all(got[0] == 1 < shape[0] for shape, got in stacked)  # never the whole stack at once
+    for leaf, original in zip(_leaves(model), _leaves(bert_encoder), strict=True):
+        assert np.asarray(leaf).tobytes() == np.asarray(original).tobytes()  # bit for bit

@@ -1,18 +1,18 @@
-"""Hugging Face checkpoint files: the config, the safetensors tensors (read lazily, by
-slice), and the packaged all-MiniLM-L6-v2 folder."""
+"""Hugging Face checkpoint files: the config, the safetensors tensors (read by slice with
+plain file reads), and the packaged all-MiniLM-L6-v2 folder."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import ml_dtypes  # noqa: F401  (lets safetensors' numpy reader return bfloat16 tensors)
+import ml_dtypes
 import numpy as np
-import safetensors
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -91,12 +91,84 @@ class TensorFile(Protocol):
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray: ...
 
 
+# safetensors' dtype names → numpy dtypes (ml_dtypes' for bfloat16 and float8).
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "U64": np.uint64,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "I16": np.int16,
+    "U16": np.uint16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """Where one tensor lies: its file (an open descriptor), dtype, shape and first byte."""
+
+    fd: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+def _header(path: Path, fd: int) -> dict[str, _Entry]:
+    """The tensors of the safetensors file `path` (open as `fd`): an 8-byte little-endian
+    header length, a JSON header of name → dtype, shape, byte range after the header."""
+    size = os.fstat(fd).st_size
+    length = int.from_bytes(os.pread(fd, 8, 0), "little") if size >= 8 else -1
+    if not 0 < length <= size - 8:
+        raise ValueError(f"cannot read {path}: not a safetensors file (its header length does not fit the file)")
+    try:
+        header = json.loads(os.pread(fd, length, 8))
+    except ValueError as e:
+        raise ValueError(f"cannot read {path}: its safetensors header is not JSON ({e})") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(
+                f"cannot read {path}: tensor {name} has the dtype {info.get('dtype')!r}, which zoo does not read"
+            )
+        shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+        if end - begin != math.prod(shape) * np.dtype(dtype).itemsize or 8 + length + end > size:
+            raise ValueError(
+                f"cannot read {path}: tensor {name}'s bytes do not fit its shape {list(shape)} or the file"
+            )
+        out[name] = _Entry(fd, np.dtype(dtype), shape, 8 + length + begin)
+    return out
+
+
+def _read_into(fd: int, buffer: np.ndarray, offset: int) -> None:
+    """Fill `buffer` with the file's bytes from `offset` (a read, not a memory map: the
+    process holds no page of the file afterwards)."""
+    view, done = memoryview(buffer.reshape(-1).view(np.uint8)), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ValueError("the checkpoint file ended before a tensor's last byte (truncated?)")
+        done += n
+
+
 class Checkpoint:
     """The tensors of a safetensors checkpoint, opened for reading slices.
 
     A directory holds either one `model.safetensors` or a sharded set described by
-    `model.safetensors.index.json` (its `weight_map`: tensor name → file). Files are
-    memory-mapped; `read` copies only the requested slice. Use as a context manager.
+    `model.safetensors.index.json` (its `weight_map`: tensor name → file). `read` reads
+    only the requested slice's rows with plain file reads into the array it returns (no
+    memory map stays resident: loading holds no page of the file beside the arrays it
+    places). Use as a context manager.
     """
 
     def __init__(self, directory: str | os.PathLike):
@@ -121,20 +193,23 @@ class Checkpoint:
                 else ""
             )
             raise FileNotFoundError(f"{str(directory)!r} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}.{hint}")
-        self._stack = contextlib.ExitStack()
-        handles = {}
-        for name, path in files.items():
-            if not path.is_file():
-                raise FileNotFoundError(f"{INDEX_NAME} in {str(directory)!r} names the shard {name}, which is missing")
-            try:
-                handles[name] = self._stack.enter_context(safetensors.safe_open(str(path), framework="numpy"))
-            except Exception as e:  # safetensors raises its own error types
-                self._stack.close()
-                raise ValueError(f"cannot read {path}: {e}") from e
+        self._fds: list[int] = []
+        tables = {}
+        try:
+            for name, path in files.items():
+                if not path.is_file():
+                    raise FileNotFoundError(
+                        f"{INDEX_NAME} in {str(directory)!r} names the shard {name}, which is missing"
+                    )
+                self._fds.append(os.open(path, os.O_RDONLY))
+                tables[name] = _header(path, self._fds[-1])
+        except BaseException:
+            self.close()
+            raise
         if weight_map is None:
-            self._where = {k: handles[WEIGHTS_NAME] for k in handles[WEIGHTS_NAME].keys()}
+            self._where = tables[WEIGHTS_NAME]
         else:
-            self._where = {k: handles[f] for k, f in weight_map.items()}
+            self._where = {k: tables[f][k] for k, f in weight_map.items()}
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -144,7 +219,8 @@ class Checkpoint:
 
     def close(self) -> None:
         """Release the files."""
-        self._stack.close()
+        while self._fds:
+            os.close(self._fds.pop())
 
     def keys(self) -> list[str]:
         """Every tensor name in the checkpoint."""
@@ -152,12 +228,28 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor `name`."""
-        return tuple(self._where[name].get_slice(name).get_shape())
+        return self._where[name].shape
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """The part `index` (one `slice` per dimension) of tensor `name`, as a numpy array.
+        """The part `index` (one `slice` per leading dimension, or `()` for all) of tensor
+        `name`, as a numpy array of its own.
 
-        Only that part is copied out of the memory-mapped file.
+        Only the rows `index` takes (its first slice) are read from the file; a slice of a
+        later dimension is then copied out of them.
         """
-        part = self._where[name].get_slice(name)
-        return np.asarray(part[index] if index else part[...])
+        entry = self._where[name]
+        shape = entry.shape
+        if not shape:
+            out = np.empty((), entry.dtype)
+            _read_into(entry.fd, out, entry.offset)
+            return out
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        start, stop, step = index[0].indices(shape[0])
+        if step != 1:
+            raise ValueError(f"strided slice {index[0]} of {name} is not supported")
+        row = math.prod(shape[1:])
+        out = np.empty((max(stop - start, 0), *shape[1:]), entry.dtype)
+        _read_into(entry.fd, out, entry.offset + start * row * entry.dtype.itemsize)
+        if any(s != slice(None) for s in index[1:]):
+            out = np.ascontiguousarray(out[(slice(None), *index[1:])])
+        return out

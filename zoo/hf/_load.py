@@ -87,7 +87,7 @@ def _load(
         convert = _quantizers(skeleton, kind, block_size, str(path), double_quant)
         if four_bit is not None and quantize == stored and double_quant:
             convert = _stored_scales(convert, layout, skeleton, config, checkpoint, block_size)
-        model = place(
+        model, nonfinite = place(
             layout,
             skeleton,
             config,
@@ -100,7 +100,8 @@ def _load(
         )
     if convert and concrete is not None:  # the quantised layers' codes and scales, placed as annotated
         model = shard(model, rules, concrete)
-    check_finite(model, where=str(path))  # NaN weights would give NaN logits, argmax token 0
+    if nonfinite or convert:  # NaN weights would give NaN logits, argmax token 0: the error names the leaf
+        check_finite(model, where=str(path))
     return model
 
 

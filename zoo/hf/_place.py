@@ -1,14 +1,17 @@
 """Placing checkpoint tensors straight into a model's leaves, each with its sharding.
 
 Every leaf is made by `jax.make_array_from_callback`: for each device's shard the
-callback reads only that shard's slice of the memory-mapped file (of the layers it holds,
-transposed and split as the leaf's `Source` says); devices holding the same shard share
-one read. A process holds on the host at most the shards of one leaf that its own devices
-hold, never the whole model, never a copy per device.
+callback reads only that shard's slice of the file (of the layers it holds, transposed
+and split as the leaf's `Source` says); devices holding the same shard share one read. A
+stack of layers is placed one layer at a time into an array made on the devices. A
+process holds on the host at most the shards of one layer (of an unstacked leaf: of the
+leaf) that its own devices hold, never the whole model, never a copy per device, and no
+page of the file (`Checkpoint` reads, it does not keep a memory map).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -115,11 +118,36 @@ def read_leaf(
         return source.from_file(checkpoint.read(mapping[source.names[i]], file_index).astype(dtype, copy=False), wanted)
 
     if not source.stacked:
-        return np.ascontiguousarray(one(0))
+        value = one(0)
+        return value if value.flags.c_contiguous else _copy_into(np.empty(value.shape, dtype), value)
     out = np.empty((len(layers), *wanted), dtype)  # filled layer by layer: no second copy of the stack
     for n, i in enumerate(layers):
-        out[n] = one(i)
+        _copy_into(out[n], one(i))
     return out.reshape(*(s.stop - s.start for s in lead), *wanted)
+
+
+def _copy_into(out: np.ndarray, value: np.ndarray, tile: int = 256) -> np.ndarray:
+    """`out[...] = value`, a transposed `value` (a torch weight read as zoo's `[in, out]`)
+    copied in square tiles of its last two dims: numpy's element-order copy of a large
+    transposed matrix misses the cache on every element, about 2.5× slower."""
+    if value.ndim < 2 or value.flags.c_contiguous:
+        out[...] = value
+        return out
+    rows, cols = value.shape[-2:]
+    for i in range(0, rows, tile):
+        for j in range(0, cols, tile):
+            out[..., i : i + tile, j : j + tile] = value[..., i : i + tile, j : j + tile]
+    return out
+
+
+def _finite(value: np.ndarray) -> bool:
+    """Whether a floating array holds no NaN or inf: a float32 sum first (one fast pass;
+    NaN and inf carry into it, an overflow of finite values is checked element by element)."""
+    if value.dtype.kind in "iub":
+        return True
+    if value.dtype == np.float32 and np.isfinite(np.sum(value)):
+        return True
+    return bool(np.isfinite(value).all())
 
 
 def _target_dtype(leaf_dtype: Any, dtype: Any) -> Any:
@@ -157,6 +185,9 @@ def place(
       module is converted as soon as its last leaf is read and its float arrays dropped,
       so the process holds one such module's float arrays at a time, not the model's.
       The converted module's arrays are returned where the function put them.
+
+    **Returns:** the model, and the dotted names of the leaves whose values read hold NaN
+    or inf (checked on the host as they are read; `zoo.internal.check_finite` names them).
     """
     entries = list(leaf_sources(family, skeleton, config))
     mapping = check_tensors(family, [s for _, _, s in entries], checkpoint, config, where)
@@ -174,21 +205,15 @@ def place(
         if (owner := _owner(dotted_name(path), pending)) is not None:
             pending[owner] += 1
     converted: dict[str, Any] = {}
+    nonfinite: list[str] = []
     for path, leaf, source in entries:
-        shape, target = tuple(leaf.shape), _target_dtype(leaf.dtype, dtype)
-        sharding = single if specs is None else NamedSharding(mesh, spec_leaves[dotted_name(path)])
-        cache: dict[tuple, np.ndarray] = {}
-
-        def callback(index, source=source, shape=shape, target=target, cache=cache):
-            bounds = _bounds(index, shape)
-            # Devices that hold the same shard (replicated over some mesh axes) share one read.
-            key = tuple((s.start, s.stop) for s in bounds)
-            if key not in cache:
-                cache[key] = read_leaf(checkpoint, mapping, source, bounds, target, shape)
-            return cache[key]
-
         name = dotted_name(path)
-        built[name] = jax.make_array_from_callback(shape, sharding, callback)
+        shape, target = tuple(leaf.shape), _target_dtype(leaf.dtype, dtype)
+        sharding = single if specs is None else NamedSharding(mesh, spec_leaves[name])
+        read = functools.partial(read_leaf, checkpoint, mapping, source, dtype=target, shape=shape)
+        built[name], finite = _place_leaf(read, shape, target, sharding, stacked=bool(source.stacked))
+        if not finite:
+            nonfinite.append(name)
         owner = _owner(name, pending)
         if owner is not None:
             pending[owner] -= 1
@@ -201,7 +226,62 @@ def place(
     model = jax.tree_util.tree_map_with_path(lambda p, x: built.get(dotted_name(p), x), skeleton)
     for owner, module in converted.items():
         model = eqx.tree_at(lambda m, owner=owner: node_at(m, key_path(m, owner)), model, module)
-    return model
+    return model, nonfinite
+
+
+def _place_leaf(
+    read: Callable[[tuple[slice, ...]], np.ndarray], shape: tuple, dtype: Any, sharding: Any, *, stacked: bool
+) -> tuple[jax.Array, bool]:
+    """One leaf of shape `shape` and `dtype` placed with `sharding`, its parts read by
+    `read(bounds)` (`read_leaf`); and whether every value read is finite.
+
+    A stack of layers (`[layers, ...]`, the layer axis not split over devices) is placed
+    layer by layer into a stack made on the devices (`_put_layer`, in place): the host
+    holds one layer's slices at a time, never the whole stack beside its placed copy.
+    """
+    finite = [True]
+
+    def placed(shape: tuple, layer: int = 0) -> jax.Array:
+        cache: dict[tuple, np.ndarray] = {}
+
+        def part(index):
+            bounds = _bounds(index, shape)
+            if layer:
+                bounds = (slice(bounds[0].start + layer, bounds[0].stop + layer), *bounds[1:])
+            # Devices that hold the same shard (replicated over some mesh axes) share one read.
+            key = tuple((s.start, s.stop) for s in bounds)
+            if key not in cache:
+                cache[key] = read(bounds)
+                finite[0] = finite[0] and _finite(cache[key])
+            return cache[key]
+
+        return jax.make_array_from_callback(shape, sharding, part)
+
+    if not stacked or shape[0] == 1 or _split(sharding, 0):
+        return placed(shape), finite[0]
+    stack = jnp.zeros(shape, dtype, device=sharding)
+    for i in range(shape[0]):
+        stack = _put_layer(sharding)(stack, placed((1, *shape[1:]), i), np.int32(i))
+    return stack, finite[0]
+
+
+def _split(sharding: Any, axis: int) -> bool:
+    """Whether `sharding` splits dimension `axis` over more than one device."""
+    spec = tuple(getattr(getattr(sharding, "spec", ()), "partitions", ()))
+    if len(spec) <= axis or spec[axis] is None:
+        return False
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    return int(np.prod([sharding.mesh.shape[n] for n in names])) > 1
+
+
+@functools.cache
+def _put_layer(sharding: Any) -> Callable:
+    """`stack` with `value` (`[1, ...]`) at layer `i`, written into `stack`'s buffer (donated)."""
+    return jax.jit(
+        lambda stack, value, i: jax.lax.dynamic_update_slice_in_dim(stack, value, i, 0),
+        donate_argnums=0,
+        out_shardings=sharding,
+    )
 
 
 def _owner(name: str, modules: Mapping[str, int]) -> str | None:

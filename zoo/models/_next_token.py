@@ -33,30 +33,60 @@ class TokenTerms(NamedTuple):
     **Fields:** `logps`, each target's log-probability `[batch, seq - 1]` (float32);
     `entropy`, the predicted distribution's entropy at each position (or `None` when not
     asked for); `choice`, the routers' choices (a mixture of experts asked for them, else
-    `None`).
+    `None`); `correct`, 1.0 where the target is the logits' argmax, else 0.0 (when asked
+    for, else `None`).
     """
 
     logps: Float[Array, "batch seq_minus_1"]
     entropy: Float[Array, "batch seq_minus_1"] | None
     choice: RouterChoice | None
+    correct: Float[Array, "batch seq_minus_1"] | None = None
 
 
 def chunk_length(model: Any, tokens: Int[Array | np.ndarray, "batch seq"]) -> int | None:
     """How many positions `next_token_terms` applies `model`'s head to at once: its
     config's `loss_chunk` (`"auto"`: a chunk of about `CHUNK_BYTES` of logits when the
     batch's logits exceed `AUTO_ABOVE` bytes), or `None` (the full logits at once: the
-    setting says so, the logits are small, or the model has no separate head)."""
+    setting says so, the logits are small, or the model has no separate head).
+
+    The bytes counted are one device's: `tokens`' rows split over the mesh axes its
+    sharding splits them over (`data`), the vocabulary over those of the output head's
+    table (tensor parallelism), where those shardings are known (explicit sharding)."""
     config = getattr(model, "config", None)
     setting = getattr(config, "loss_chunk", None)
     if setting is None or not callable(getattr(model, "hidden", None)):
         return None
     batch, targets = tokens.shape[0], tokens.shape[1] - 1
-    row = batch * config.padded_vocab * 4  # float32 logits of one position of every row
+    held = -(-batch // _shards(tokens, 0)) * -(-config.padded_vocab // _vocab_shards(model, config.padded_vocab))
+    row = held * 4  # float32 logits of one position of every row, on one device
     if setting == "auto":
         if row * targets <= AUTO_ABOVE:
             return None
         setting = max(1, CHUNK_BYTES // row)
     return setting if setting < targets else None
+
+
+def _shards(x: Any, axis: int) -> int:
+    """Over how many devices `x`'s sharding splits dimension `axis` (1 when unknown)."""
+    try:
+        sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+    except TypeError:  # not an array jax knows
+        return 1
+    spec, mesh = getattr(sharding, "spec", ()), getattr(sharding, "mesh", None)
+    spec = tuple(getattr(spec, "partitions", spec))  # a spec with unreduced axes refuses spec[i]
+    if mesh is None or len(spec) <= axis or spec[axis] is None:
+        return 1
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def _vocab_shards(model: Any, vocab: int) -> int:
+    """Over how many devices the output head's table (`lm_head`, else the tied token
+    embedding) splits the vocabulary: the most any of its `vocab`-long dims is split."""
+    head = getattr(model, "lm_head", None)
+    head = getattr(model, "token_embedding", None) if head is None else head
+    leaves = [x for x in jax.tree.leaves(head) if hasattr(x, "shape") and vocab in tuple(x.shape)]
+    return max((_shards(x, d) for x in leaves for d, n in enumerate(x.shape) if n == vocab), default=1)
 
 
 def next_token_terms(
@@ -67,6 +97,7 @@ def next_token_terms(
     temperature: float | None = None,
     entropy: bool = False,
     router: bool = False,
+    correct: bool = False,
 ) -> TokenTerms:
     """Each token's log-probability from position 1 given the ones before it.
 
@@ -84,15 +115,16 @@ def next_token_terms(
       they are.
     - `entropy`: also the entropy of each predicted distribution.
     - `router`: also the routers' choices (`model.with_router`).
+    - `correct`: also whether each target is the argmax of its logits (held-out accuracy).
 
     **Returns:** a `TokenTerms`; chunked or not, equal within float32 rounding.
     """
     chunk = chunk_length(model, tokens)
     if chunk is None:
-        return _full(model, tokens, inputs, temperature, entropy, router)
+        return _full(model, tokens, inputs, temperature, entropy, router, correct)
     out = model.hidden(tokens, router=True, **inputs) if router else (model.hidden(tokens, **inputs), None)
-    logps, ent = _chunked(model.head, out[0][:, :-1], tokens[:, 1:], chunk, temperature, entropy)
-    return TokenTerms(logps, ent, out[1])
+    logps, ent, hits = _chunked(model.head, out[0][:, :-1], tokens[:, 1:], chunk, temperature, entropy, correct)
+    return TokenTerms(logps, ent, out[1], hits)
 
 
 def _divided(logits: Float[Array, "*batch vocab"], temperature: float) -> Float[Array, "*batch vocab"]:
@@ -102,7 +134,12 @@ def _divided(logits: Float[Array, "*batch vocab"], temperature: float) -> Float[
     return jnp.maximum(logits / temperature, jnp.finfo(jnp.float32).min)
 
 
-def _full(model, tokens, inputs, temperature, entropy, router) -> TokenTerms:
+def _hits(logits: Float[Array, "*batch vocab"], targets: Int[Array, " *batch"]) -> Float[Array, " *batch"]:
+    """1.0 where `targets` is the argmax of `logits`, else 0.0."""
+    return (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+
+
+def _full(model, tokens, inputs, temperature, entropy, router, correct=False) -> TokenTerms:
     """`next_token_terms` from the full logits `[batch, seq, vocab]`."""
     logits, choice = model.with_router(tokens, **inputs) if router else (model(tokens, **inputs), None)
     logits = logits[:, :-1]
@@ -113,7 +150,7 @@ def _full(model, tokens, inputs, temperature, entropy, router) -> TokenTerms:
     if entropy:
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    return TokenTerms(logps, ent, choice)
+    return TokenTerms(logps, ent, choice, _hits(logits, tokens[:, 1:]) if correct else None)
 
 
 def _chunked(
@@ -123,8 +160,9 @@ def _chunked(
     chunk: int,
     temperature: float | None,
     entropy: bool,
-) -> tuple[Float[Array, "batch targets"], Float[Array, "batch targets"] | None]:
-    """Log-probabilities of `targets` (and entropies) from the hidden states `h`, `head`
+    correct: bool = False,
+) -> tuple[Float[Array, "batch targets"], Float[Array, "batch targets"] | None, Float[Array, "batch targets"] | None]:
+    """Log-probabilities of `targets` (and entropies, argmax hits) from the hidden states `h`, `head`
     applied to `chunk` positions at a time in a `lax.scan`. The positions are padded to
     a multiple of `chunk` (zero states, target 0) and the padding's results dropped."""
     batch, length, _ = h.shape
@@ -144,17 +182,18 @@ def _chunked(
         logz = jax.nn.logsumexp(logits, axis=-1)
         onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
         logps = jnp.einsum("...v,...v->...", logits, onehot) - logz  # a one-hot contraction: TP-safe
+        hits = _hits(logits, tc) if correct else None
         if not entropy:
-            return logps, None
+            return logps, None, hits
         probs = jnp.exp(logits - logz[..., None])
-        return logps, logz - jnp.einsum("...v,...v->...", probs, logits)
+        return logps, logz - jnp.einsum("...v,...v->...", probs, logits), hits
 
     def body(carry, x):
         return carry, terms(*x)
 
-    _, (logps, ent) = jax.lax.scan(body, None, (hs, ts))
+    _, (logps, ent, hits) = jax.lax.scan(body, None, (hs, ts))
 
     def unchunk(y):
         return jnp.moveaxis(y, 0, 1).reshape(batch, count * chunk)[:, :length]
 
-    return unchunk(logps), None if ent is None else unchunk(ent)
+    return unchunk(logps), None if ent is None else unchunk(ent), None if hits is None else unchunk(hits)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..data import BatchSource
-from ..models import cross_entropy, next_token_loss
-from ..models._loss import target_weights
+from ..models import cross_entropy
+from ..models._loss import token_loss
 from ._errors import ConfigError
 from ._registry import check_init_family, init_families, model_spec, resolve_init
 
@@ -112,21 +112,12 @@ def lm_metrics(model, batch):
     `{"tokens", "weight"}` (and `"weights"` / `"mask"` / packing keys when the batch has
     them), each row scaled by its `weight` (0 on the evaluator's padding rows). The loss is
     `zoo.models.next_token_loss` itself, so held-out tokens weigh as in training (only
-    completions / assistant turns, packed documents apart)."""
-    import jax.numpy as jnp
-
+    completions / assistant turns, packed documents apart), and like it never holds the
+    full logits where they are large (`TransformerConfig.loss_chunk`): the accuracy is
+    read a chunk of positions at a time with the loss."""
     row = batch["weight"]
-    seen = []
-
-    def forward(tokens, **kwargs):  # the loss's own logits, kept for the accuracy: one forward pass
-        seen.append(model(tokens, **kwargs))
-        return seen[-1]
-
-    sums, weights = next_token_loss(forward, {k: v for k, v in batch.items() if k != "weight"})
-    tokens = batch["tokens"]
-    targets = target_weights(batch)  # the loss's own: held-out accuracy counts the tokens the loss does
-    correct = (jnp.argmax(seen[0][:, :-1], axis=-1) == tokens[:, 1:]).astype(jnp.float32) * targets * row[:, None]
-    return {"loss": sums * row, "weight": weights * row, "correct": jnp.sum(correct, axis=1)}
+    sums, weights, _, hits = token_loss(model, {k: v for k, v in batch.items() if k != "weight"}, correct=True)
+    return {"loss": sums * row, "weight": weights * row, "correct": hits * row}
 
 
 def classifier_metrics(model, batch):
