@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 import transformers
-from test_generate import MASK, NEW, TOKENS, _hf_greedy, _saved
+from test_family_generate import _saved
+from test_generate import MASK, NEW, TOKENS, _hf_greedy
 
 import zoo
 from zoo.serve import Engine, Request
