@@ -36,17 +36,18 @@ def _model():
     )
 
 
-def _while_carries(jaxpr) -> list[tuple]:
-    """The shapes every `while` loop in `jaxpr` (and the programs it calls) carries."""
+def _while_carries(jaxpr, every: bool = False) -> list[tuple]:
+    """The shapes every `while` loop in `jaxpr` (and the programs it calls) carries; with
+    `every`, the shapes of every value computed."""
     shapes = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "while":
-            shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+        if every or eqn.primitive.name == "while":
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
         for param in eqn.params.values():
             for sub in param if isinstance(param, tuple | list) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    shapes += _while_carries(inner)
+                    shapes += _while_carries(inner, every)
     return shapes
 
 
@@ -60,6 +61,11 @@ def test_the_decode_loop_carries_a_ring_of_window_columns_for_each_sliding_layer
     # Keys [batch, kv_heads, columns, head_dim], values [batch, kv_heads, head_dim, columns].
     assert carries.count((b, kvh, WINDOW, hd)) == 2 and carries.count((b, kvh, hd, WINDOW)) == 2, carries
     assert carries.count((b, kvh, s + NEW, hd)) == 1 and carries.count((b, kvh, hd, s + NEW)) == 1, carries
+    # The prompt's pass fills a cache of the prompt's own columns: no layer's stack of
+    # prompt + new columns anywhere in the program (only the global layer grows to them).
+    every = _while_carries(jaxpr, every=True)
+    layers = model.config.num_layers
+    assert (layers, b, kvh, s + NEW, hd) not in every and (layers, b, kvh, s, hd) in every
 
 
 def test_ring_steps_give_the_full_cache_logits_and_hold_its_window():
@@ -69,7 +75,8 @@ def test_ring_steps_give_the_full_cache_logits_and_hold_its_window():
     model, columns = _model(), TOKENS.shape[1] + NEW
     pre, step = eqx.filter_jit(prefill), eqx.filter_jit(decode_step)
     logits, cache = pre(model, jnp.asarray(TOKENS), jnp.asarray(MASK), columns)
-    full, ring, blocks = cache.split(), decode_cache(model, cache, TOKENS.shape[1]), split_layers(model)
+    _, prompt = pre(model, jnp.asarray(TOKENS), jnp.asarray(MASK), TOKENS.shape[1])  # the prompt's own columns
+    full, ring, blocks = cache.split(), decode_cache(model, prompt, columns), split_layers(model)
     assert [k.shape[2] for k in ring.keys] == [WINDOW, columns, WINDOW]
     ring_logits = logits
     for _ in range(NEW - 1):
@@ -89,8 +96,8 @@ def test_ring_steps_give_the_full_cache_logits_and_hold_its_window():
 def test_global_layers_and_short_generations_keep_every_column():
     """A window at least the cache's columns needs no ring: the split cache as it was."""
     model = tiny_decoder(jax.random.key(9), max_len=12, sliding_window=12)
-    _, cache = prefill(model, jnp.asarray(TOKENS), jnp.asarray(MASK), TOKENS.shape[1] + NEW)
-    assert [k.shape[2] for k in decode_cache(model, cache, TOKENS.shape[1]).keys] == [12, 12]
+    _, cache = prefill(model, jnp.asarray(TOKENS), jnp.asarray(MASK), TOKENS.shape[1])
+    assert [k.shape[2] for k in decode_cache(model, cache, TOKENS.shape[1] + NEW).keys] == [12, 12]
 
 
 @pytest.mark.parametrize("preset", ["dp", "tp"])

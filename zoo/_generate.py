@@ -97,12 +97,15 @@ def prefill(
     return logits, cache
 
 
-def decode_cache(model: Transformer, cache: KVCache, filled: int) -> KVCache:
-    """The cache of `zoo.generate`'s decode loop from `prefill`'s (`filled` columns
-    written): split per layer (`KVCache.split`), each sliding layer whose window is below
-    the cache's columns keeping only its window, a ring (`KVCache.rings`); global layers
-    keep every column. The windows are the config's (static), as `layer_pattern` scans them."""
-    return cache.split().rings(layer_settings(model.config)["window"], filled)
+def decode_cache(model: Transformer, cache: KVCache, columns: int) -> KVCache:
+    """The cache of `zoo.generate`'s decode loop, `columns` columns (prompt + new tokens),
+    from `prefill`'s of the prompt's own columns (all written): split per layer
+    (`KVCache.split`), each sliding layer whose window is below `columns` keeping only its
+    window, a ring (`KVCache.rings`); global layers grown to every column. The prompt's pass
+    never holds a column for the new tokens: the program's peak is the prompt's cache and
+    the decode's, not a full one per layer. The windows are the config's (static), as
+    `layer_pattern` scans them."""
+    return cache.rings(layer_settings(model.config)["window"], cache.columns, columns)
 
 
 def decode_step(
@@ -168,8 +171,8 @@ def _generate_program(model, tokens, mask, key, settings, stream, prompt=None, r
             jax.debug.callback(functools.partial(_deliver, id(stream)), step, tok)
         return out, done, tok
 
-    logits, cache = prefill(model, tokens, mask, columns)
-    blocks, cache = split_layers(model), decode_cache(model, cache, s)  # copied once, not every step
+    logits, cache = prefill(model, tokens, mask, s)
+    blocks, cache = split_layers(model), decode_cache(model, cache, columns)  # copied once, not every step
     seen = None if penalty == 1 else seen_tokens(tokens, mask.astype(bool), logits.shape[-1])
     out = jnp.pad(tokens if prompt is None else prompt, ((0, 0), (0, max_new)), constant_values=pad)
     done = jnp.zeros((b,), bool, out_sharding=None if sharding_spec(tokens) is None else P(entries(tokens)[0]))

@@ -144,20 +144,31 @@ class KVCache(eqx.Module):
         count = jnp.sum(mask.astype(bool), axis=1, dtype=jnp.int32)
         return KVCache(self.keys, self.values, self.mask, self.positions + count, self.index + mask.shape[1])
 
-    def rings(self, windows: Sequence[int | None], filled: int) -> KVCache:
-        """The split cache (`split()`) with each layer whose window (`windows`, one per layer,
-        `None`: global) is below `columns` holding a ring of `window` columns: the last
-        `window` of the `filled` columns written so far (all of them, zeros after, when
-        fewer), column `c` at slot `c mod window`, where the decode steps go on writing.
-        Why: a sliding layer never reads further back, so its cache need not hold more."""
-        keys, values = list(self.keys), list(self.values)
+    def rings(self, windows: Sequence[int | None], filled: int, columns: int | None = None) -> KVCache:
+        """The split cache (`split()`) widened to `columns` columns (default its own; the
+        new ones empty), with each layer whose window (`windows`, one per layer, `None`:
+        global) is below `columns` holding a ring of `window` columns: the last `window` of
+        the `filled` columns written so far (all of them, zeros after, when fewer), column
+        `c` at slot `c mod window`, where the decode steps go on writing.
+        Why: a sliding layer never reads further back, so its cache need not hold more; and
+        a prompt's cache of its own columns grows only its global layers to the decode's."""
+        cache = self.split() if not isinstance(self.keys, tuple) else self
+        columns = self.columns if columns is None else columns
+        more = columns - self.columns
+        keys, values = list(cache.keys), list(cache.values)
         for i, w in enumerate(windows):
-            if w is None or w >= self.columns:
+            if w is None or w >= columns:  # every column
+                keys[i] = jnp.pad(keys[i], ((0, 0), (0, 0), (0, more), (0, 0))) if more else keys[i]
+                values[i] = jnp.pad(values[i], ((0, 0), (0, 0), (0, 0), (0, more))) if more else values[i]
                 continue
             start = max(filled - w, 0)  # the window's first column, at slot start mod w
-            keys[i] = jnp.roll(keys[i][:, :, start : start + w], start % w, axis=2)
-            values[i] = jnp.roll(values[i][..., start : start + w], start % w, axis=3)
-        return self.holding(tuple(keys), tuple(values))
+            k, v = keys[i][:, :, start : start + w], values[i][..., start : start + w]
+            short = w - k.shape[2]  # fewer columns than the window so far: empty slots after
+            k = jnp.pad(k, ((0, 0), (0, 0), (0, short), (0, 0))) if short else k
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, short))) if short else v
+            keys[i], values[i] = jnp.roll(k, start % w, axis=2), jnp.roll(v, start % w, axis=3)
+        mask = jnp.pad(self.mask, ((0, 0), (0, more))) if more else self.mask
+        return KVCache(tuple(keys), tuple(values), mask, self.positions, self.index, self.span)
 
     def _ring(self) -> int | None:
         """One layer's ring size when it holds a ring (fewer columns than the mask: `rings`;
