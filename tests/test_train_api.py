@@ -418,6 +418,26 @@ def test_the_runs_lora_program_is_compiled_for_each_placement():
         assert {x.sharding.mesh for x in jax.tree.leaves(eqx.filter(adapted, eqx.is_array))} == {mesh}
 
 
+def test_the_runs_lora_program_shares_the_base_and_adds_the_library_branches():
+    """A run's `add_lora` hands the base's own arrays back (a program's output is a copy:
+    a second base beside the task's, 4 GB at 1B) and its branches are `zoo.lora.add_lora`'s."""
+    from helpers import tiny_decoder
+
+    from zoo.train._adapters import LORA_KEY_SALT, add_lora
+
+    config = zoo.lora.LoraConfig(r=2, target_modules="all-linear")
+    model = tiny_decoder(jax.random.key(0))
+    adapted = add_lora(model, config, seed=3)
+    want = zoo.lora.add_lora(model, config, key=jax.random.fold_in(jax.random.key(3), LORA_KEY_SALT))
+    base = {id(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))}
+    leaves = jax.tree.leaves(eqx.filter(adapted, eqx.is_array))
+    shared = [x for x in leaves if id(x) in base]
+    assert len(shared) == len(base)
+    assert jax.tree.structure(adapted) == jax.tree.structure(want)
+    for got, expected in zip(leaves, jax.tree.leaves(eqx.filter(want, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
 def test_the_runs_initialiser_is_compiled_for_each_mesh():
     """A run's model initialiser is one compiled program cached per configuration: a
     second build in the process under another mesh gets one of its own (it used to get the

@@ -272,13 +272,14 @@ def test_dropout_zeroes_a_fraction_and_rescales_the_rest():
     np.testing.assert_array_equal(zoo.nn.dropout(x, 0.25, None), x)
 
 
-def test_tied_head_is_the_embedding_and_remat_changes_nothing():
+@pytest.mark.parametrize("policy", ["nothing_saveable", "projections"])
+def test_tied_head_is_the_embedding_and_remat_changes_nothing(policy):
     tied = tiny_decoder(jax.random.key(0), tie_embeddings=True)
     assert tied.lm_head is None
     h = jnp.ones((1, 1, 16))
     assert_rounding_close(tied.token_embedding.attend(h)[0, 0], tied.token_embedding.weight @ jnp.ones(16), terms=16)
     batch = lm_batch(jax.random.key(1), 4)
-    remat = tiny_decoder(jax.random.key(0), remat="nothing_saveable")
+    remat = tiny_decoder(jax.random.key(0), remat=policy)
     plain = tiny_decoder(jax.random.key(0))
     # (The configs differ in `remat`, a static field, so compare the leaves.) Recomputed
     # activations: the same sums, perhaps in another order; a loss summed over 4 x 8 tokens.
@@ -287,6 +288,43 @@ def test_tied_head_is_the_embedding_and_remat_changes_nothing():
         jax.tree.leaves(_loss_grads(remat, batch)), jax.tree.leaves(_loss_grads(plain, batch)), strict=True
     ):
         assert_rounding_close(a, b, terms=4 * 8, depth=2 * SUMS["depth"])
+
+
+def test_the_projections_policy_keeps_what_matmuls_made_and_lora_gradients_are_unchanged():
+    """`remat="projections"` keeps per layer only the values a matmul made (q, k, v, the
+    attention's output, the residual after attention, gate, up: jax's own residual list of a
+    LoRA'd layer), and the LoRA gradients of a step equal those without remat (rounding)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from zoo.lora import LoraConfig, add_lora, trainable
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    batch = lm_batch(jax.random.key(1), 4)
+    grads = {}
+    for policy in (None, "projections"):
+        model = add_lora(tiny_decoder(jax.random.key(0), remat=policy), config, key=jax.random.key(2))
+        lora, frozen = eqx.partition(model, trainable(model, config))
+        loss = jax.jit(
+            jax.grad(lambda lora, frozen=frozen: zoo.models.next_token_loss(eqx.combine(lora, frozen), batch)[0].sum())
+        )
+        grads[policy] = jax.tree.leaves(loss(lora))
+    for a, b in zip(grads["projections"], grads[None], strict=True):
+        assert_rounding_close(a, b, terms=4 * 8, depth=2 * SUMS["depth"])
+    layer = eqx.combine(
+        jax.tree.map(lambda x: x[0], eqx.filter(model.layers.layers, eqx.is_array)), model.layers.layers
+    )
+    lora, frozen = eqx.partition(layer, trainable(layer, config))
+    x = jax.random.normal(jax.random.key(3), (4, 8, 16))
+    policy = jax.checkpoint_policies.save_only_these_names(zoo.nn._remat.SAVED)
+    body = jax.checkpoint(lambda lora, x: eqx.combine(lora, frozen)(x, mask=batch["mask"]), policy=policy)
+    kept = [
+        (aval.shape, why)
+        for aval, why in saved_residuals(lambda lora, x: body(lora, x).sum(), lora, x)
+        if not any(word in why for word in ("argument", "constant", "literal"))
+    ]
+    assert all("zoo_saved" in why for _, why in kept), kept
+    # q, the attention's output, the residual [4, 8, 16]; k, v [4, 8, 8] (2 of 4 heads); gate, up [32, 32].
+    assert sorted(shape for shape, _ in kept) == sorted([(4, 8, 16)] * 3 + [(4, 8, 8)] * 2 + [(32, 32)] * 2), kept
 
 
 def test_mixed_precision_computes_in_bf16_keeps_f32_params_and_grads():

@@ -27,7 +27,8 @@ __getattr__, __dir__ = lazy_names(
         "._quantized": ("QuantizedLinear", "dequantize"),
         "._rope": ("RopeScaling", "apply_rope", "rope_tables"),
         "._sharding": ("broadcast_like",),
-        "._stacked": ("REMAT_POLICIES", "Stacked"),
+        "._remat": ("REMAT_POLICIES",),
+        "._stacked": ("Stacked",),
     },
 )
 
@@ -44,9 +45,10 @@ if TYPE_CHECKING:
     from ._mlp import MLP, MLPBlock
     from ._norm import LayerNorm, RMSNorm
     from ._quantized import QuantizedLinear, dequantize
+    from ._remat import REMAT_POLICIES
     from ._rope import RopeScaling, apply_rope, rope_tables
     from ._sharding import broadcast_like
-    from ._stacked import REMAT_POLICIES, Stacked
+    from ._stacked import Stacked
 
 __all__ = [
     "ACTIVATIONS",

@@ -17,6 +17,7 @@ from ._dropout import ExampleKeys, dropout, fold_in
 from ._linear import Linear, flatten_rows
 from ._norm import RMSNorm
 from ._pattern import LayerPattern
+from ._remat import saved
 from ._rope import RopeScaling, apply_rope, rope_angles, rope_tables
 
 
@@ -211,14 +212,14 @@ class Attention(eqx.Module):
         # One flattened copy of x for the three projections' backward pass; with per-example
         # dropout keys (LoRA branches) x keeps its batch dim first.
         rows, restore = flatten_rows(x) if key is None else (x, lambda y: y)
-        q, k = restore(self.q_proj(rows, key=keys[1])), restore(self.k_proj(rows, key=keys[2]))
+        q, k = saved(restore(self.q_proj(rows, key=keys[1]))), saved(restore(self.k_proj(rows, key=keys[2])))
         # A q norm wider than a head spans the projection (OLMo 2): before the split into
         # heads. (With one query head the two scopes are the same sums.)
         whole = self.q_norm is not None and self.q_norm.dim != hd
         if whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.reshape(b, s, kvh, g, hd), k.reshape(b, s, kvh, hd)
-        v = restore(self.v_proj(rows, key=keys[3])).reshape(b, s, kvh, hd)
+        v = saved(restore(self.v_proj(rows, key=keys[3]))).reshape(b, s, kvh, hd)
         if self.q_norm is not None and not whole:
             q, k = self.q_norm(q), self.k_norm(k)
         pattern = LayerPattern() if pattern is None else pattern
@@ -264,7 +265,7 @@ class Attention(eqx.Module):
             out = self._weigh(q, [k], [v], allowed, key=keys[0])
         else:
             out = fused_attention(q, k, v, allowed, scale=self._scale(), implementation=implementation)
-        return self.o_proj(out.reshape(b, s, self.num_heads * hd), key=keys[4])
+        return self.o_proj(saved(out.reshape(b, s, self.num_heads * hd)), key=keys[4])
 
     def _fused(self, dtype, key) -> str | None:
         """`jax.nn.dot_product_attention`'s implementation for a call (`fused_implementation`:

@@ -12,6 +12,7 @@ from ._experts import Experts, RouterChoice
 from ._feedforward import FeedForward
 from ._norm import LayerNorm, RMSNorm
 from ._pattern import LayerPattern
+from ._remat import saved
 
 
 class TransformerBlock(eqx.Module):
@@ -121,10 +122,10 @@ class TransformerBlock(eqx.Module):
             return out
 
         if self.pre_norm:
-            h = x + drop(norm(self.attention_out_norm, attend(norm(self.attention_norm, x))), keys[1])
+            h = saved(x + drop(norm(self.attention_out_norm, attend(norm(self.attention_norm, x))), keys[1]))
             out = h + drop(norm(self.mlp_out_norm, feed_forward(norm(self.mlp_norm, h))), keys[2])
         else:
-            h = self.attention_norm(x + drop(attend(x), keys[1]))
+            h = saved(self.attention_norm(x + drop(attend(x), keys[1])))
             out = self.mlp_norm(h + drop(feed_forward(h), keys[2]))
         if choice is not None:
             return out, choice

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._dropout import ExampleKeys, fold_in
 from ._linear import Linear, flatten_rows
+from ._remat import saved
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu", "geglu"]
 
@@ -114,7 +115,7 @@ class FeedForward(eqx.Module):
             # One flattened copy of x for both projections' backward pass; with per-example
             # dropout keys (LoRA branches) x keeps its batch dim first.
             rows, restore = flatten_rows(x) if key is None else (x, lambda y: y)
-            h = restore(act(self.gate(rows, key=keys[0])) * self.up(rows, key=keys[1]))
+            h = restore(act(saved(self.gate(rows, key=keys[0]))) * saved(self.up(rows, key=keys[1])))
         else:
-            h = act(self.up(x, key=keys[1]))
+            h = act(saved(self.up(x, key=keys[1])))
         return self.down(h, key=keys[2])

@@ -16,15 +16,9 @@ from .._axes import stacked_field
 from ._cache import KVCache
 from ._dropout import fold_in
 from ._pattern import LayerPattern
+from ._remat import _REMAT_POLICIES
 
 Layer = TypeVar("Layer", bound=eqx.Module)
-
-_REMAT_POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "everything_saveable": jax.checkpoint_policies.everything_saveable,
-}
 
 
 class Stacked(eqx.Module, Generic[Layer]):
@@ -144,6 +138,3 @@ class Unstacked(eqx.Module, Generic[Layer]):
             x, layer_cache = layer(x, *args, cache=cache.holding(keys[i], values[i]), **more, **kwargs)
             keys[i], values[i] = layer_cache.keys, layer_cache.values
         return x if cache is None else (x, cache.holding(tuple(keys), tuple(values)))
-
-
-REMAT_POLICIES = tuple(_REMAT_POLICIES)

@@ -332,7 +332,13 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
             lora_arrays, out["tree"] = eqx.partition(
                 add_branches(eqx.combine(arrays, static), config, key=k), eqx.is_array
             )
-            return lora_arrays
+            # The base's arrays pass through untouched: the program returns only the new
+            # ones, and the caller's own are put back (an output that is an input is still a
+            # copy made by the program: at 1B, a second 4 GB base beside the run's task.model).
+            position = {id(x): i for i, x in enumerate(jax.tree.leaves(arrays))}
+            new, out["treedef"] = jax.tree.flatten(lora_arrays)
+            out["forwarded"] = [position.get(id(x)) for x in new]
+            return [x for x, i in zip(new, out["forwarded"]) if i is None]
 
         try:
             compiled = jax.jit(wrap).lower(arrays, key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
@@ -340,7 +346,9 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
             raise ConfigError(f"--lora: {e}") from e
         _LORA_WRAPPERS[cache_key] = (compiled, out)
     compiled, out = _LORA_WRAPPERS[cache_key]
-    return eqx.combine(compiled(arrays, key), out["tree"])
+    made = iter(compiled(arrays, key))
+    lora_leaves = [next(made) if i is None else leaves[i] for i in out["forwarded"]]
+    return eqx.combine(jax.tree.unflatten(out["treedef"], lora_leaves), out["tree"])
 
 
 def quantize_base(model: Any, config: Any) -> Any:
