@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from test_preference import pair_batch
 
 import zoo
+from zoo.models._loss import target_weights
 from zoo.models._next_token import AUTO_ABOVE, CHUNK_BYTES, chunk_length
 
 BATCH, SEQ, VOCAB = 4, 8, 48  # a vocabulary no other width of the decoder shares
@@ -265,6 +266,12 @@ def test_held_out_metrics_read_the_head_in_chunks(kind):
     np.testing.assert_array_equal(got["correct"], want["correct"])
     np.testing.assert_array_equal(got["weight"], want["weight"])
     assert_rounding_close(got["loss"], want["loss"], **SUMS, what="loss")
+    # The held-out loss is the data's cross-entropy alone: a MoE's router term, which the
+    # training loss adds, is not in it.
+    logps = jax.nn.log_softmax(full(batch["tokens"])[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logps, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+    data_loss = jnp.sum(nll * target_weights(batch), axis=1) * batch["weight"]
+    assert_rounding_close(want["loss"], data_loss, **SUMS, what="held-out loss = cross-entropy")
     shapes = [v.aval.shape for e in jax.make_jaxpr(zoo.train.lm_metrics)(chunked, batch).eqns for v in e.outvars]
     assert not any(len(s) == 3 and s[0] == BATCH and s[-1] == VOCAB and s[1] >= SEQ - 1 for s in shapes)
     full_shapes = [v.aval.shape for e in jax.make_jaxpr(zoo.train.lm_metrics)(full, batch).eqns for v in e.outvars]

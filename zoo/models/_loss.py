@@ -49,13 +49,17 @@ def next_token_loss(model: Any, batch: dict[str, Any], *, metrics: bool = False)
     time (`TransformerConfig.loss_chunk`): the full logits are never held.
     """
     sums, counts, aux, _ = token_loss(model, batch)
-    return (sums, counts, {"aux_loss": aux}) if metrics and aux is not None else (sums, counts)
+    if aux is None:
+        return sums, counts
+    sums = sums + router_loss_coef(model) * aux
+    return (sums, counts, {"aux_loss": aux}) if metrics else (sums, counts)
 
 
 def token_loss(model: Any, batch: dict[str, Any], *, correct: bool = False) -> tuple[Any, Any, Any, Any]:
-    """`next_token_loss`'s per-example `(loss_sums, token_counts, aux_loss, hits)`:
-    `aux_loss` the router term's per-row loss times its target count (`None` without
-    it); `hits` (with `correct`, else `None`) each row's count of targets that are the
+    """`next_token_loss`'s per-example terms, `(nll_sums, token_counts, aux_loss, hits)`:
+    `nll_sums` the next-token cross-entropy alone (the router term not added: held-out
+    loss is the data's); `aux_loss` the router term's per-row loss times its target count
+    (`None` without it); `hits` (with `correct`, else `None`) each row's count of targets that are the
     logits' argmax, weighted as the loss weighs them: the held-out accuracy, read off the
     same (chunked where large) head as the loss."""
     tokens = batch["tokens"]
@@ -72,7 +76,7 @@ def token_loss(model: Any, batch: dict[str, Any], *, correct: bool = False) -> t
         return sums, counts, None, hits
     choice = terms.choice
     aux = load_balancing_loss_per_device(choice.probs, choice.chosen, mask) * counts
-    return sums + coef * aux, counts, aux, hits
+    return sums, counts, aux, hits
 
 
 def router_loss_coef(model: Any) -> float | None:
