@@ -100,7 +100,10 @@ def _load(
         )
     if convert and concrete is not None:  # the quantised layers' codes and scales, placed as annotated
         model = shard(model, rules, concrete)
-    if nonfinite or convert:  # NaN weights would give NaN logits, argmax token 0: the error names the leaf
+    # NaN weights would give NaN logits, argmax token 0: the error names the leaf. Each
+    # process read only its own shards, and check_finite is one program over the global
+    # arrays: with several processes every one runs it (one alone would wait for the rest).
+    if nonfinite or convert or jax.process_count() > 1:
         check_finite(model, where=str(path))
     return model
 
