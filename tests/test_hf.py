@@ -626,7 +626,44 @@ def test_checkpoint_reads_slices_and_keeps_no_page_of_the_file(tmp_path):
         # Plain reads: no memory map of the file, so none of its pages counts in the process.
         assert str(path) not in open("/proc/self/maps").read()
     path.write_bytes(path.read_bytes()[:-4])  # truncated: the last tensor's bytes do not fit the file
-    with pytest.raises(ValueError, match="cannot read .*do not fit"):
+    with pytest.raises(ValueError, match="cannot read .*do not fit.*save it again"):
+        zoo.hf._files.Checkpoint(tmp_path)
+
+
+def _safetensors_file(path, header: bytes, data: bytes = b"") -> None:
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}', "do not fit"),  # before the data
+        (b'{"w": {"dtype": "F32", "shape": [1]}}', "lacks a dtype, shape or data_offsets"),
+        (b"[1, 2]", "not a JSON object"),
+        (b"{not json", "not JSON"),
+    ],
+)
+def test_a_damaged_safetensors_header_is_refused_naming_the_file(tmp_path, header, message):
+    _safetensors_file(tmp_path / "model.safetensors", header, bytes(8))
+    with pytest.raises(ValueError, match=f"cannot read .*model.safetensors: .*{message}.*save it again"):
+        zoo.hf._files.Checkpoint(tmp_path)
+
+
+def test_a_tensor_of_an_unread_dtype_is_refused_when_read_and_the_others_load(tmp_path):
+    header = (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
+              b' "x": {"dtype": "F8_E8M0", "shape": [2], "data_offsets": [8, 10]}}')  # fmt: skip
+    _safetensors_file(tmp_path / "model.safetensors", header, np.asarray([1.5, -2.0], "<f4").tobytes() + bytes(2))
+    with zoo.hf._files.Checkpoint(tmp_path) as checkpoint:
+        np.testing.assert_array_equal(checkpoint.read("w", ()), [1.5, -2.0])
+        with pytest.raises(ValueError, match="cannot read x .*dtype 'F8_E8M0' is not one zoo reads.*convert"):
+            checkpoint.read("x", ())
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(tmp_path):
+    safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "a.safetensors"))
+    index = {"weight_map": {"w": "a.safetensors", "v": "a.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names 1 tensors its shards do not hold .*v in a.safetensors.*again"):
         zoo.hf._files.Checkpoint(tmp_path)
 
 

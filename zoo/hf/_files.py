@@ -111,53 +111,83 @@ _DTYPES = {
 }
 
 
+# safetensors caps its JSON header at 100 MB; a larger length field is a damaged file.
+_MAX_HEADER = 100 * 2**20
+# Bytes per read call: some systems refuse a single read of 2 GiB or more (macOS).
+_READ_BYTES = 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """Where one tensor lies: its file (an open descriptor), dtype, shape and first byte."""
+    """Where one tensor lies: its file (opened unbuffered), dtype (`None`: one zoo does not
+    read, `kind` its name), shape and first byte."""
 
-    fd: int
-    dtype: np.dtype
+    file: Any
+    dtype: np.dtype | None
     shape: tuple[int, ...]
     offset: int
+    kind: str = ""
 
 
-def _header(path: Path, fd: int) -> dict[str, _Entry]:
-    """The tensors of the safetensors file `path` (open as `fd`): an 8-byte little-endian
-    header length, a JSON header of name → dtype, shape, byte range after the header."""
-    size = os.fstat(fd).st_size
-    length = int.from_bytes(os.pread(fd, 8, 0), "little") if size >= 8 else -1
-    if not 0 < length <= size - 8:
-        raise ValueError(f"cannot read {path}: not a safetensors file (its header length does not fit the file)")
+def _damaged(path: Path, what: str) -> ValueError:
+    return ValueError(
+        f"cannot read {path}: {what}; the file is damaged or not a safetensors file: download or save it again"
+    )
+
+
+def _header(path: Path, file: Any) -> dict[str, _Entry]:
+    """The tensors of the safetensors file `path` (open, unbuffered, as `file`): an 8-byte
+    little-endian header length, a JSON header of name → dtype, shape, byte range after
+    the header. Every range is checked to lie in the file; a dtype zoo does not read is
+    refused when such a tensor is read, not here (the file's other tensors still load)."""
+    size = os.fstat(file.fileno()).st_size
+    length = int.from_bytes(_read_at(file, 8, 0), "little") if size >= 8 else -1
+    if not 0 < length <= min(size - 8, _MAX_HEADER):
+        raise _damaged(path, "its header length does not fit the file")
     try:
-        header = json.loads(os.pread(fd, length, 8))
+        header = json.loads(_read_at(file, length, 8))
     except ValueError as e:
-        raise ValueError(f"cannot read {path}: its safetensors header is not JSON ({e})") from None
+        raise _damaged(path, f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, "its header is not a JSON object")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(
-                f"cannot read {path}: tensor {name} has the dtype {info.get('dtype')!r}, which zoo does not read"
-            )
-        shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
-        if end - begin != math.prod(shape) * np.dtype(dtype).itemsize or 8 + length + end > size:
-            raise ValueError(
-                f"cannot read {path}: tensor {name}'s bytes do not fit its shape {list(shape)} or the file"
-            )
-        out[name] = _Entry(fd, np.dtype(dtype), shape, 8 + length + begin)
+        try:
+            kind, shape, (begin, end) = info["dtype"], tuple(int(n) for n in info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise _damaged(path, f"tensor {name} lacks a dtype, shape or data_offsets") from None
+        dtype = _DTYPES.get(kind)
+        itemsize = np.dtype(dtype).itemsize if dtype is not None else None
+        fits = 0 <= begin <= end and 8 + length + end <= size and min(shape, default=0) >= 0
+        if not fits or (itemsize is not None and end - begin != math.prod(shape) * itemsize):
+            raise _damaged(path, f"tensor {name}'s bytes do not fit its shape {list(shape)} or the file")
+        # safetensors stores little-endian: read as such on any host (astype makes it native).
+        dtype = None if dtype is None else np.dtype(dtype).newbyteorder("<")
+        out[name] = _Entry(file, dtype, shape, 8 + length + begin, str(kind))
     return out
 
 
-def _read_into(fd: int, buffer: np.ndarray, offset: int) -> None:
+def _read_at(file: Any, n: int, offset: int) -> bytes:
+    """`n` bytes of `file` from `offset`."""
+    buffer = np.empty(n, np.uint8)
+    _read_into(file, buffer, offset)
+    return buffer.tobytes()
+
+
+def _read_into(file: Any, buffer: np.ndarray, offset: int) -> None:
     """Fill `buffer` with the file's bytes from `offset` (a read, not a memory map: the
-    process holds no page of the file afterwards)."""
+    process holds no page of the file afterwards), at most `_READ_BYTES` a call."""
     view, done = memoryview(buffer.reshape(-1).view(np.uint8)), 0
+    file.seek(offset)
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise ValueError("the checkpoint file ended before a tensor's last byte (truncated?)")
+        n = file.readinto(view[done : done + _READ_BYTES])
+        if not n:
+            raise ValueError(
+                f"cannot read {file.name}: it ended before a tensor's last byte (changed or truncated while "
+                "loading?): load it again once it is complete"
+            )
         done += n
 
 
@@ -193,7 +223,7 @@ class Checkpoint:
                 else ""
             )
             raise FileNotFoundError(f"{str(directory)!r} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}.{hint}")
-        self._fds: list[int] = []
+        self._files: list[Any] = []
         tables = {}
         try:
             for name, path in files.items():
@@ -201,14 +231,21 @@ class Checkpoint:
                     raise FileNotFoundError(
                         f"{INDEX_NAME} in {str(directory)!r} names the shard {name}, which is missing"
                     )
-                self._fds.append(os.open(path, os.O_RDONLY))
-                tables[name] = _header(path, self._fds[-1])
+                self._files.append(open(path, "rb", buffering=0))  # noqa: SIM115 (closed by close())
+                tables[name] = _header(path, self._files[-1])
         except BaseException:
             self.close()
             raise
         if weight_map is None:
             self._where = tables[WEIGHTS_NAME]
         else:
+            missing = [k for k, f in weight_map.items() if k not in tables[f]]
+            if missing:
+                self.close()
+                raise ValueError(
+                    f"{INDEX_NAME} in {str(directory)!r} names {len(missing)} tensors its shards do not hold (first: "
+                    f"{missing[0]} in {weight_map[missing[0]]}): the folder mixes two saves; save or download it again"
+                )
             self._where = {k: tables[f][k] for k, f in weight_map.items()}
 
     def __enter__(self) -> Checkpoint:
@@ -219,8 +256,8 @@ class Checkpoint:
 
     def close(self) -> None:
         """Release the files."""
-        while self._fds:
-            os.close(self._fds.pop())
+        while self._files:
+            self._files.pop().close()
 
     def keys(self) -> list[str]:
         """Every tensor name in the checkpoint."""
@@ -238,10 +275,15 @@ class Checkpoint:
         later dimension is then copied out of them.
         """
         entry = self._where[name]
+        if entry.dtype is None:
+            raise ValueError(
+                f"cannot read {name} from {entry.file.name}: its dtype {entry.kind!r} is not one zoo reads "
+                f"({', '.join(_DTYPES)}); convert the checkpoint with transformers to one of those"
+            )
         shape = entry.shape
         if not shape:
             out = np.empty((), entry.dtype)
-            _read_into(entry.fd, out, entry.offset)
+            _read_into(entry.file, out, entry.offset)
             return out
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         start, stop, step = index[0].indices(shape[0])
@@ -249,7 +291,7 @@ class Checkpoint:
             raise ValueError(f"strided slice {index[0]} of {name} is not supported")
         row = math.prod(shape[1:])
         out = np.empty((max(stop - start, 0), *shape[1:]), entry.dtype)
-        _read_into(entry.fd, out, entry.offset + start * row * entry.dtype.itemsize)
+        _read_into(entry.file, out, entry.offset + start * row * entry.dtype.itemsize)
         if any(s != slice(None) for s in index[1:]):
             out = np.ascontiguousarray(out[(slice(None), *index[1:])])
         return out
