@@ -293,30 +293,46 @@ def test_tied_head_is_the_embedding_and_remat_changes_nothing(policy):
 def test_the_projections_policy_keeps_what_matmuls_made_and_lora_gradients_are_unchanged():
     """`remat="projections"` keeps per layer only the values a matmul made (q, k, v, the
     attention's output, the residual after attention, gate, up: jax's own residual list of a
-    LoRA'd layer), and the LoRA gradients of a step equal those without remat (rounding)."""
+    LoRA'd layer); its dp step (data=4, 2 microbatches) holds one gradient all-reduce, outside
+    every loop, and its LoRA gradients equal one device's without remat (rounding)."""
+    import optax
+    from helpers import data_mesh
     from jax._src.ad_checkpoint import saved_residuals
 
     from zoo.lora import LoraConfig, add_lora, trainable
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    batch = lm_batch(jax.random.key(1), 4)
-    grads = {}
-    for policy in (None, "projections"):
-        model = add_lora(tiny_decoder(jax.random.key(0), remat=policy), config, key=jax.random.key(2))
-        lora, frozen = eqx.partition(model, trainable(model, config))
-        loss = jax.jit(
-            jax.grad(lambda lora, frozen=frozen: zoo.models.next_token_loss(eqx.combine(lora, frozen), batch)[0].sum())
+    batch = lm_batch(jax.random.key(1), 8)  # 4 devices x 2 microbatches
+    plain = add_lora(tiny_decoder(jax.random.key(0)), config, key=jax.random.key(2))
+    lora, frozen = eqx.partition(plain, trainable(plain, config))
+
+    def mean_loss(lora):
+        sums, counts = zoo.models.next_token_loss(eqx.combine(lora, frozen), batch)
+        return sums.sum() / counts.sum()
+
+    want = jax.tree.leaves(jax.jit(jax.grad(mean_loss))(lora))
+    model = add_lora(tiny_decoder(jax.random.key(0), remat="projections"), config, key=jax.random.key(2))
+    mesh = data_mesh(4)
+    with jax.set_mesh(mesh):
+        placed = zoo.shard(model, zoo.rules("dp"), mesh)
+        step = zoo.TrainStep(
+            zoo.models.next_token_loss, optax.trace(decay=0.0), microbatches=2, trainable=trainable(model, config)
         )
-        grads[policy] = jax.tree.leaves(loss(lora))
-    for a, b in zip(grads["projections"], grads[None], strict=True):
-        assert_rounding_close(a, b, terms=4 * 8, depth=2 * SUMS["depth"])
+        opt_state = step.init(placed)
+        compiled = step.compile(placed, opt_state, batch)
+        _, opt_state, _ = compiled(placed, opt_state, batch)
+    colls = zoo.collectives(compiled, mesh=mesh)
+    assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)
+    assert zoo.count(colls, "all-reduce", in_loop=False) == 1, zoo.report(colls)
+    for a, b in zip(jax.tree.leaves(opt_state.trace), want, strict=True):
+        assert_rounding_close(np.asarray(a), b, terms=8 * 8, depth=2 * SUMS["depth"])
     layer = eqx.combine(
         jax.tree.map(lambda x: x[0], eqx.filter(model.layers.layers, eqx.is_array)), model.layers.layers
     )
     lora, frozen = eqx.partition(layer, trainable(layer, config))
     x = jax.random.normal(jax.random.key(3), (4, 8, 16))
     policy = jax.checkpoint_policies.save_only_these_names(zoo.nn._remat.SAVED)
-    body = jax.checkpoint(lambda lora, x: eqx.combine(lora, frozen)(x, mask=batch["mask"]), policy=policy)
+    body = jax.checkpoint(lambda lora, x: eqx.combine(lora, frozen)(x, mask=batch["mask"][:4]), policy=policy)
     kept = [
         (aval.shape, why)
         for aval, why in saved_residuals(lambda lora, x: body(lora, x).sum(), lora, x)
