@@ -108,10 +108,7 @@ def full_tracebacks():
 # small CI machine runs three fast-phase workers: ~11 GiB at the peak of 24), or MAX_MAPPINGS between any two tests. Below those, jax's caches are kept across files: the programs later files share
 # with earlier ones (eager ops on the same shapes, zoo's own jitted functions) are not
 # compiled again (every file's end used to free them all).
-# One test can add over 12,000 mappings (tests/test_expert_lora.py's CLI serve of a MoE:
-# 2,256 -> 14,694): a worker that entered it just under 40,000 crashed past the limit in
-# two CI runs; 30,000 leaves it twice that room.
-MAX_MAPPINGS = 30_000
+MAX_MAPPINGS = 40_000
 FREE_AT_FILE_END = 20_000
 FREE_AT_RSS = 4 * 2**30  # a worker holds ~2-3 GiB today with the caches freed at every file end
 

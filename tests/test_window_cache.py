@@ -19,7 +19,7 @@ from helpers import assert_rounding_close, preset_mesh, tiny_decoder
 
 import zoo
 from zoo._generate import _generate_program, decode_cache, decode_step, prefill, split_layers
-from zoo.nn._cache import KVCache
+from zoo.nn._cache import KVCache, empty_cache
 
 # Left-padded prompts of lengths 6, 4, 2 and 5: a window of 3 bites within them.
 TOKENS = np.array([[5, 9, 3, 17, 2, 11], [0, 0, 21, 4, 8, 30], [0, 0, 0, 0, 12, 6], [0, 7, 7, 19, 1, 25]], np.int32)
@@ -155,3 +155,19 @@ def test_the_engine_keeps_a_ring_for_each_sliding_layer():
     assert [[b.shape[3] for b in v] for v in cache.values] == [[WINDOW], [12], [WINDOW]]
     held = sum(x.nbytes for x in jax.tree.leaves((cache.keys, cache.values)))
     assert cache_bytes(model.config, 2, 12) == held + 3 * 4 * 2 * model.config.vocab_size
+
+
+def test_splitting_a_long_cache_into_blocks_compiles_once_per_block_size():
+    """`KVCache.blocks` compiles a program per block shape, not one per block: as many
+    for 64 blocks a layer as for 32 (an engine with a long `max_len` once compiled
+    thousands, each holding memory mappings)."""
+    from helpers import backend_compiles
+
+    counts = []
+    for columns in (2048, 4096):
+        cache = empty_cache(_model().layers.layers.attention, 3, 2, columns, jnp.float32, jnp.zeros((2, 1), jnp.int32))
+        with backend_compiles() as names:
+            blocked = cache.split().blocks()
+        assert len(blocked.keys[0]) == columns // 64
+        counts.append(len(names))
+    assert counts[0] == counts[1] < 32, counts

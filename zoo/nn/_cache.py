@@ -105,7 +105,9 @@ class KVCache(eqx.Module):
         def split(x, axis):  # a ring (`rings`: fewer columns than the mask) stays one block
             if x.shape[axis] < self.columns:
                 return (x,)
-            return tuple(lax.slice_in_dim(x, a, a + n, axis=axis) for a, n in parts)
+            # dynamic_slice: one compiled program per block size, not one per block (an eager
+            # `lax.slice` bakes its start into the program: 131,072 columns, 2,048 of them).
+            return tuple(lax.dynamic_slice_in_dim(x, a, n, axis=axis) for a, n in parts)
 
         keys = tuple(split(k, 2) for k in cache.keys)
         values = tuple(split(v, 3) for v in cache.values)
