@@ -274,7 +274,7 @@ def _split(sharding: Any, axis: int) -> bool:
     return int(np.prod([sharding.mesh.shape[n] for n in names])) > 1
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # one per leaf placement of a model; bounded across loads
 def _put_layer(sharding: Any) -> Callable:
     """`stack` with `value` (`[1, ...]`) at layer `i`, written into `stack`'s buffer (donated)."""
     return jax.jit(
