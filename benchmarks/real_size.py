@@ -26,11 +26,13 @@ so both are the base model's loss on the same batch: equal within rounding).
     python benchmarks/real_size.py --size small          # 55M: checks the script in a minute
     python benchmarks/real_size.py --remat none,dots_saveable,nothing_saveable   # zoo alone
     python benchmarks/real_size.py --size 1b --steps 4 --remat projections,none  # 0.64x torch's peak
+    python benchmarks/real_size.py --size 1b --steps 4 --policy none  # beside torch, remat off
     python benchmarks/real_size.py --size 1b --load      # zoo's loading alone
 
 `--remat P,...` runs zoo's side once per `jax.checkpoint` policy of the layer stack
-(`--model-config remat=P`; `none`: no rematerialisation, the default) and prints each
-one's step time and peak memory against the first. `--load` times `zoo.hf.from_pretrained`
+(`--model-config remat=P`; `none`: no rematerialisation; `auto`: the default, which picks
+`projections` at 0.4B and 1B) and prints each one's step time and peak memory against the
+first. `--policy P` runs the side-by-side comparison with zoo under policy `P`. `--load` times `zoo.hf.from_pretrained`
 of the folder as `zoo finetune` calls it (one device, `zoo.rules("dp")`) in a process of
 its own and prints its seconds and the process's peak resident memory against the
 parameters' bytes.
@@ -94,7 +96,7 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
             "--eval-size", str(args.batch), "--eval-every", str(args.steps), "--dtype", args.dtype,
             "--lora", f"r={args.rank},alpha={2 * args.rank},targets=all-linear", "--lr", str(args.lr),
             "--output", str(run), "--overwrite", "--no-compile-cache", "--sample-tokens", "0", "--quiet"]  # fmt: skip
-    if args.policy not in (None, "none"):
+    if args.policy is not None:  # none: remat off (zoo's default is "auto")
         argv += ["--model-config", f"remat={args.policy}"]
     imported = time.perf_counter() - START
     if main(argv) != 0:
@@ -222,7 +224,7 @@ def main() -> None:
     parser.add_argument("--remat", help="policies to compare, comma-separated (zoo alone)")
     parser.add_argument("--load", action="store_true", help="time zoo's loading of the folder alone")
     parser.add_argument("--worker", choices=("make", "zoo", "torch", "load"), help=argparse.SUPPRESS)
-    parser.add_argument("--policy", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", help="zoo's remat policy beside torch (none: off; default: zoo's own, auto)")
     args = parser.parse_args()
     out = args.out / args.size
     folder = out / "model"

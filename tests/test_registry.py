@@ -396,3 +396,25 @@ def test_the_docs_model_of_your_own_runs_as_written(tmp_path, monkeypatch):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "tiny-regressor" and summary["steps"] == 2, summary
     assert summary["collectives"]["gradient_reductions"] == 1, summary["collectives"]
+
+
+@pytest.mark.parametrize("model", ["transformer", "encoder"])
+def test_model_config_remat_auto_by_default_none_turns_it_off(model):
+    """The layers' remat through `--model-config`: `"auto"` by default (or named), `none` /
+    `null` off, a policy name as given; a wrong name is one line naming them."""
+    for given, want in [
+        (None, "auto"),
+        ("auto", "auto"),
+        ("none", None),
+        ("null", None),
+        ("projections", "projections"),
+    ]:
+        extra = "" if given is None else f",remat={given}"
+        info = json.loads(
+            ok("info", model, "--model-config", f"d_model=32,num_layers=1{extra}", "--seq-len", "16", "--json")
+        )
+        assert info["config"]["remat"] == want, (given, info["config"])
+    one_line_error(
+        ["info", model, "--model-config", "d_model=32,num_layers=1,remat=sometimes", "--seq-len", "16"],
+        "remat must be 'auto', None (no remat) or one of",
+    )

@@ -343,6 +343,76 @@ def test_the_projections_policy_keeps_what_matmuls_made_and_lora_gradients_are_u
     assert sorted(shape for shape, _ in kept) == sorted([(4, 8, 16)] * 3 + [(4, 8, 8)] * 2 + [(32, 32)] * 2), kept
 
 
+def _grad_program(model, batch):
+    """The program text of the summed next-token loss's gradients, lowered (not compiled)."""
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(params, batch):
+        return zoo.models.next_token_loss(eqx.combine(params, static), batch)[0].sum()
+
+    return jax.jit(jax.grad(loss)).lower(params, batch).as_text()
+
+
+def test_auto_remat_below_the_threshold_is_no_remat():
+    """`remat="auto"`, the default, lowers a small model (the suite's) to exactly the program
+    of `remat=None`: the suite's programs are those it compiled before "auto"."""
+    batch = lm_batch(jax.random.key(1), 4)
+    auto = tiny_decoder(jax.random.key(0))
+    assert auto.config.remat == "auto" and tiny_encoder_classifier(jax.random.key(0)).encoder.config.remat == "auto"
+    plain = _grad_program(tiny_decoder(jax.random.key(0), remat=None), batch)
+    assert _grad_program(auto, batch) == plain
+    assert _grad_program(tiny_decoder(jax.random.key(0), remat="projections"), batch) != plain
+
+
+def test_auto_remat_above_the_threshold_is_projections(monkeypatch):
+    """Above `REMAT_AUTO_ABOVE` (set to 0 here) `"auto"` lowers to the program of
+    `remat="projections"`; its gradients equal `remat=None`'s within rounding."""
+    monkeypatch.setattr(zoo.nn._remat, "REMAT_AUTO_ABOVE", 0)
+    batch = lm_batch(jax.random.key(1), 4)
+    auto, plain = tiny_decoder(jax.random.key(0)), tiny_decoder(jax.random.key(0), remat=None)
+    text = _grad_program(auto, batch)
+    assert text == _grad_program(tiny_decoder(jax.random.key(0), remat="projections"), batch)
+    assert text != _grad_program(plain, batch)  # an explicit None stays off at any size
+    for a, b in zip(jax.tree.leaves(_loss_grads(auto, batch)), jax.tree.leaves(_loss_grads(plain, batch)), strict=True):
+        assert_rounding_close(a, b, terms=4 * 8, depth=2 * SUMS["depth"])
+
+
+def test_auto_remat_estimate_from_static_shapes():
+    """The estimate `"auto"` resolves with, from abstract shapes: Llama-3.2-1B's stack (16
+    layers, d 2048, 32 heads) at batch 4 x 256 keeps about the 213 MiB per layer measured
+    without remat (docs/performance.md) and resolves to `"projections"`; one device's share
+    of it over data=4 (under a GiB) and a tiny model resolve to none."""
+    from helpers import data_mesh
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from zoo.nn._remat import REMAT_AUTO_ABOVE, kept_without_remat
+
+    sizes = dict(vocab_size=128256, d_model=2048, num_heads=32, num_kv_heads=8, num_layers=16, mlp_dim=8192)
+    config = TransformerConfig(**sizes, max_len=256, positions="rope", activation="swiglu", norm="rmsnorm")
+    stack = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0)).layers
+    x = jax.ShapeDtypeStruct((4, 256, 2048), jnp.float32)
+    per_layer = kept_without_remat(x, 16, 32) / 16 / 2**20
+    assert 0.9 * 213 <= per_layer <= 1.1 * 213, per_layer
+    assert stack.remat_policy(x) == "projections"
+    quarter = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(data_mesh(4), PartitionSpec("data")))
+    assert kept_without_remat(quarter, 16, 32) * 4 == kept_without_remat(x, 16, 32) > REMAT_AUTO_ABOVE
+    assert stack.remat_policy(quarter) is None
+    off = eqx.filter_eval_shape(Transformer, dataclasses.replace(config, remat=None), key=jax.random.key(0))
+    assert off.layers.remat_policy(x) is None
+    encoder = eqx.filter_eval_shape(Encoder, EncoderConfig(**sizes, max_len=256), key=jax.random.key(0))
+    assert encoder.layers.remat_policy(x) == "projections"
+    assert tiny_decoder(jax.random.key(0)).layers.remat_policy(jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)) is None
+
+
+def test_remat_config_accepts_auto_and_none():
+    for cls in (TransformerConfig, EncoderConfig):
+        small = dict(vocab_size=8, d_model=16, num_heads=4, num_layers=1)
+        assert cls(**small).remat == "auto" and cls(**small, remat="projections").remat == "projections"
+        assert cls.from_dict(cls(**small, remat=None).to_dict()).remat is None  # a config saved with remat off
+        with pytest.raises(ValueError, match=r"remat must be 'auto', None \(no remat\) or one of \['nothing_saveable'"):
+            cls(**small, remat="sometimes")
+
+
 def test_mixed_precision_computes_in_bf16_keeps_f32_params_and_grads():
     f32 = tiny_decoder(jax.random.key(0))
     bf16 = tiny_decoder(jax.random.key(0), dtype="bfloat16")

@@ -56,7 +56,7 @@ class _Common:
     attention_dropout: float = 0.0
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters stay float32
-    remat: str | None = None  # a jax.checkpoint policy name for the stacked layers
+    remat: str | None = "auto"  # the stacked layers' jax.checkpoint policy: a name, "auto" or None (off)
     vocab_multiple: int = 1  # embedding rows (and logits) padded to a multiple of this
     family: str | None = None  # the Hugging Face architecture (model_type) it reads/writes
     source_dir: str | None = None  # the Hugging Face folder it was loaded from
@@ -88,8 +88,8 @@ class _Common:
         )
         _check(self.vocab_multiple >= 1, f"{name}.vocab_multiple must be >= 1, got {self.vocab_multiple}")
         _check(
-            self.remat is None or self.remat in REMAT_POLICIES,
-            f"{name}.remat must be None or one of {list(REMAT_POLICIES)}, got {self.remat!r}",
+            self.remat is None or self.remat == "auto" or self.remat in REMAT_POLICIES,
+            f"{name}.remat must be 'auto', None (no remat) or one of {list(REMAT_POLICIES)}, got {self.remat!r}",
         )
 
     @property
@@ -163,7 +163,11 @@ class TransformerConfig(_Common):
     `head_dim`'s, Gemma 2/3's), `partial_rotary_factor` (RoPE rotates the first
     `int(head_dim · factor)` dimensions of each head, its frequencies those of a head that
     wide, and passes the rest through: Phi-4-mini's 0.75), `dropout`/`attention_dropout`, `init_std`, `dtype` (compute dtype;
-    parameters, gradients and their all-reduce stay float32), `remat` (checkpoint policy),
+    parameters, gradients and their all-reduce stay float32), `remat` (the stacked layers'
+    `jax.checkpoint` policy, one of `zoo.nn.REMAT_POLICIES`; `None`, none; `"auto"`, the
+    default, `"projections"` when the residuals the layers would keep without remat are
+    estimated above 1 GiB from the input's shape at trace time, else none: see
+    `zoo.nn.Stacked`),
     `vocab_multiple` (pad the vocabulary so it splits over a model axis; padded logits are
     the float32 minimum, so softmax, loss and argmax equal the unpadded model's),
     `num_experts` (a sparse mixture-of-experts SwiGLU feed-forward in every layer,
@@ -343,7 +347,7 @@ class EncoderConfig(_Common):
     `d_model` = `hidden_size`, `num_heads` = `num_attention_heads`, `num_layers` =
     `num_hidden_layers`, `mlp_dim` = `intermediate_size`, `max_len` =
     `max_position_embeddings`, `type_vocab_size`, `norm_eps` = `layer_norm_eps`,
-    `pad_token_id`.
+    `pad_token_id`. `remat` as `TransformerConfig`'s (default `"auto"`).
     """
 
     norm_eps: float = 1e-12

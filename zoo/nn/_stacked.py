@@ -16,7 +16,7 @@ from .._axes import stacked_field
 from ._cache import KVCache
 from ._dropout import fold_in
 from ._pattern import LayerPattern
-from ._remat import _REMAT_POLICIES
+from ._remat import _REMAT_POLICIES, resolve_remat
 
 Layer = TypeVar("Layer", bound=eqx.Module)
 
@@ -46,13 +46,16 @@ class Stacked(eqx.Module, Generic[Layer]):
         - `make_layer`: builds one layer from a PRNG key.
         - `num_layers`: how many layers to stack.
         - `remat`: `None`, or a `jax.checkpoint` policy name (one of
-          `zoo.nn.REMAT_POLICIES`) to recompute activations in the backward pass.
+          `zoo.nn.REMAT_POLICIES`) to recompute activations in the backward pass, or
+          `"auto"`: `"projections"` when the residuals the stack would keep without remat
+          are estimated above `zoo.nn._remat.REMAT_AUTO_ABOVE` bytes (from the input's
+          static shape, at trace time), else none (`remat_policy`).
         - `key`: split into one key per layer.
         """
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        if remat is not None and remat not in _REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {remat!r}; use one of {list(_REMAT_POLICIES)}")
+        if remat is not None and remat != "auto" and remat not in _REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}; use one of {list(_REMAT_POLICIES)} or 'auto'")
         self.layers = eqx.filter_vmap(make_layer)(jr.split(key, num_layers))
         self.num_layers = num_layers
         self.remat = remat
@@ -97,10 +100,18 @@ class Stacked(eqx.Module, Generic[Layer]):
             # A layer may return (output, per-layer data): the data is stacked over the layers.
             return out if isinstance(out, tuple) else (out, None)
 
-        if self.remat is not None:
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat])
+        policy = self.remat_policy(x)
+        if policy is not None:
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[policy])
         out, per_layer = lax.scan(body, x, (params, jnp.arange(self.num_layers), *patterned))
         return out if per_layer is None else (out, per_layer)
+
+    def remat_policy(self, x) -> str | None:
+        """The policy name the stack runs input `x` (an array or its shape and dtype) with:
+        `remat`, `"auto"` resolved from `x`'s static shape, `num_layers` and the layers'
+        attention heads (`zoo.nn._remat.resolve_remat`); `None`: no checkpoint."""
+        heads = getattr(getattr(self.layers, "attention", None), "num_heads", None)
+        return resolve_remat(self.remat, x, self.num_layers, heads)
 
     def unstack(self) -> Unstacked[Layer]:
         """Each layer as a module of its own, its arrays copied out of the stacked ones
