@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -56,23 +57,24 @@ def modules(model: Any, kind: Any = (Linear, LoraLinear)) -> dict[str, tuple[tup
     share one module, whose arrays carry a leading `layers` axis).
     """
     found: dict[str, tuple[tuple, int]] = {}
-    matches = (lambda node: isinstance(node, kind)) if isinstance(kind, type | tuple) else kind
-
-    def walk(node: Any, path: tuple, stacked: int) -> None:
-        if matches(node):
-            found[dotted_name(path)] = (path, stacked)
-            return
-        if isinstance(node, ADAPTED):
-            return  # an adapted layer's `base` is not a target of its own
-        if isinstance(node, Stacked):
-            stacked += 1
-        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-        for key_path, child in children:
-            if isinstance(child, eqx.Module | list | tuple | dict):
-                walk(child, path + key_path, stacked)
-
-    walk(model, (), 0)
+    is_target = (lambda node: isinstance(node, kind)) if isinstance(kind, type | tuple) else kind
+    _walk(model, (), 0, is_target, found)
     return found
+
+
+def _walk(node: Any, path: tuple, stacked: int, is_target: Callable[[Any], bool], found: dict) -> None:
+    """`modules`' search below `node` (at key path `path`, under `stacked` `Stacked`s)."""
+    if is_target(node):
+        found[dotted_name(path)] = (path, stacked)
+        return
+    if isinstance(node, ADAPTED):
+        return  # an adapted layer's `base` is not a target of its own
+    if isinstance(node, Stacked):
+        stacked += 1
+    children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    for key_path, child in children:
+        if isinstance(child, eqx.Module | list | tuple | dict):
+            _walk(child, path + key_path, stacked, is_target, found)
 
 
 def disabled_adapters(model: Any) -> Any:

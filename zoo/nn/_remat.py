@@ -74,10 +74,16 @@ def resolve_remat(remat: str | None, x: Any, num_layers: int, heads: int | None)
 
 
 def _held_shape(x: Any) -> tuple[int, ...]:
-    """`x`'s shape on one device: its sharding's shard shape where jax knows it (explicit
-    sharding), else the whole shape."""
-    try:
-        sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
-        return tuple(sharding.shard_shape(tuple(x.shape)))
-    except (TypeError, AttributeError, ValueError):
+    """`x`'s shape on one device: each dimension divided over the explicit mesh axes its
+    sharding names (inside `shard_map`, whose axes are manual, `x` is one device's already;
+    without a mesh, the whole shape)."""
+    sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else getattr(jax.typeof(x), "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
         return tuple(x.shape)
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+    shape = list(x.shape)
+    for i, entry in enumerate(tuple(spec)[: len(shape)]):
+        ways = math.prod(mesh.shape[n] for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit)
+        shape[i] = -(-shape[i] // ways)
+    return tuple(shape)
