@@ -28,6 +28,8 @@ so both are the base model's loss on the same batch: equal within rounding).
     python benchmarks/real_size.py --size 1b --steps 4 --remat projections,none  # 0.64x torch's peak
     python benchmarks/real_size.py --size 1b --steps 4 --policy none  # beside torch, remat off
     python benchmarks/real_size.py --size 1b --load      # zoo's loading alone
+    python benchmarks/real_size.py --size small --steps 2 --mfu   # + model FLOPs, TFLOP/s, MFU
+    python benchmarks/real_size.py --mfu --peak-tflops 989.4      # MFU against a peak you give
 
 `--remat P,...` runs zoo's side once per `jax.checkpoint` policy of the layer stack
 (`--model-config remat=P`; `none`: no rematerialisation; `auto`: the default, which picks
@@ -36,6 +38,13 @@ first. `--policy P` runs the side-by-side comparison with zoo under policy `P`. 
 of the folder as `zoo finetune` calls it (one device, `zoo.rules("dp")`) in a process of
 its own and prints its seconds and the process's peak resident memory against the
 parameters' bytes.
+
+`--mfu` adds the step's model FLOPs (`_flops.step_flops` from the folder's config.json:
+LoRA's frozen weights 4·N·T, its branches 6·n·T, attention 3 × its forward), each side's
+achieved TFLOP/s over its median step time, and MFU where the peak of the side's device in
+its matmul arithmetic is known (`_flops.PEAKS` by `jax.devices()[0].device_kind`, read in
+zoo's worker; torch's side always runs on the CPU) or given (`--peak-tflops`: zoo's
+device's dense peak), and XLA's own count of zoo's compiled step (its cost analysis).
 
 On a shared machine the times are noisy: read them with the load line.
 """
@@ -51,6 +60,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _flops import matmul_arithmetic, peak_tflops, step_flops, utilisation
 
 START = time.perf_counter()
 
@@ -91,6 +102,7 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
     from zoo._cli import main
 
     run = out / "zoo-run"
+    captured = _capture_compiled() if args.mfu else []
     argv = ["finetune", "transformer", "--init", str(folder), "--devices", "1", "--steps", str(args.steps),
             "--batch-size", str(args.batch), "--microbatches", "1", "--seq-len", str(args.seq),
             "--eval-size", str(args.batch), "--eval-every", str(args.steps), "--dtype", args.dtype,
@@ -113,7 +125,55 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
         "peak_mb": peak,
         "first_step_s": imported + seconds["load"] + seconds["evaluate_before"] + seconds["compile"],
         "parts": {"imports": imported, **{k: seconds[k] for k in ("load", "evaluate_before", "compile")}},
+        **(_jax_device(args, captured) if args.mfu else {}),
     }
+
+
+def _capture_compiled() -> list:
+    """A list that receives the training step `zoo finetune` compiles (`zoo.train.Trainer.compile`
+    wrapped): the program that runs, read for XLA's cost analysis without compiling it again."""
+    from zoo.train import Trainer
+
+    captured, compile_ = [], Trainer.compile
+
+    def compile(self, *args, **kwargs):
+        captured.append(compile_(self, *args, **kwargs))
+        return captured[-1]
+
+    Trainer.compile = compile
+    return captured
+
+
+def _jax_device(args, captured: list) -> dict:
+    """The zoo side's device for `--mfu`: its kind, the arithmetic of its matmuls, and XLA's
+    FLOPs count of the compiled step (None where the backend has no cost analysis)."""
+    import jax
+
+    device = jax.devices()[0]
+    try:
+        xla = float(captured[-1].cost_analysis()["flops"])
+    except (IndexError, KeyError, TypeError, NotImplementedError):
+        xla = None
+    precision = jax.config.jax_default_matmul_precision
+    return {
+        "device": device.device_kind,
+        "arithmetic": matmul_arithmetic(args.dtype, device.platform, precision),
+        "xla_flops": xla,
+        "xla_counts_trips": _xla_counts_loop_trips(),
+    }
+
+
+def _xla_counts_loop_trips() -> bool:
+    """Whether XLA's cost analysis on this backend multiplies a loop's body by its trip count
+    (on CPU it does not: a `lax.scan` of the layers is counted as one layer)."""
+    import jax
+    import jax.numpy as jnp
+
+    def flops(n: int) -> float:
+        scan = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c @ c, None), x, None, length=n)[0])
+        return float(scan.lower(jnp.ones((64, 64))).compile().cost_analysis()["flops"])
+
+    return flops(4) > 1.5 * flops(2)
 
 
 def _write_batches(run: Path, path: Path, steps: int) -> None:
@@ -164,6 +224,9 @@ def torch_side(args, folder: Path, out: Path) -> dict:
         "peak_mb": peak_mb(),
         "first_step_s": first_step,
         "parts": {"imports": imported, "load": first_step - imported},
+        # The model stays on the CPU (never moved to an accelerator).
+        "device": "cpu",
+        "arithmetic": matmul_arithmetic(args.dtype, "cpu", torch.get_float32_matmul_precision()),
     }
 
 
@@ -209,6 +272,38 @@ def report(args, zoo: dict, torch: dict) -> None:
           f"{'   |diff| ' + format(abs(z[4] - t[4]), '.1e'):>13}")  # fmt: skip
     print("time to the first step, zoo: " + ", ".join(f"{k} {v:.1f} s" for k, v in zoo["parts"].items()))
     print("time to the first step, torch: " + ", ".join(f"{k} {v:.1f} s" for k, v in torch["parts"].items()))
+    if args.mfu:
+        report_mfu(args, {"zoo": (zoo, rows["zoo"][0]), "torch": (torch, rows["torch"][0])})
+
+
+def report_mfu(args, sides: dict[str, tuple[dict, float]]) -> None:
+    """`--mfu`: the step's model FLOPs (`_flops.step_flops`, from the folder's config.json),
+    each side's achieved TFLOP/s over its median step time and MFU where its device's peak
+    is known (`_flops.PEAKS`, or `--peak-tflops` for zoo's device), and XLA's own count of
+    zoo's compiled step."""
+    config = json.loads((args.out / args.size / "model" / "config.json").read_text())
+    flops = step_flops(config, args.batch, args.seq, lora_rank=args.rank)
+    print(f"\nmodel FLOPs per step: {flops / 1e12:.3f} TFLOP (LoRA r={args.rank}: 4·N·T for the frozen matmul "
+          f"weights N, 6·n·T for the LoRA weights n, 3 x attention's forward; T = {args.batch * args.seq} tokens)")  # fmt: skip
+    print(f"{'':8}{'device':>26}{'matmuls':>9}{'TFLOP/s':>9}{'peak':>8}{'MFU':>8}")
+    zoo_device = sides["zoo"][0]["device"]
+    for name, (side, step) in sides.items():
+        override = args.peak_tflops if side["device"] == zoo_device else None
+        peak = peak_tflops(side["device"], side["arithmetic"], override)
+        achieved, mfu = utilisation(flops, step, peak)
+        print(f"{name:8}{side['device']:>26}{side['arithmetic']:>9}{achieved:9.3f}"
+              f"{'n/a' if peak is None else format(peak, '.1f'):>8}{'n/a' if mfu is None else format(mfu, '.1%'):>8}")  # fmt: skip
+        if peak is None:
+            print(f"{'':8}no known {side['arithmetic']} peak for {side['device']!r}: MFU needs --peak-tflops X")
+    zoo, layers = sides["zoo"][0], config["num_hidden_layers"]
+    if zoo["xla_flops"] is None:
+        print("XLA's count of zoo's compiled step: none (this backend's cost analysis gives no flops)")
+    elif zoo["xla_counts_trips"]:
+        print(f"hardware FLOPs of zoo's step (XLA's cost analysis, remat's recompute included): "
+              f"{zoo['xla_flops'] / 1e12:.3f} TFLOP, {zoo['xla_flops'] / flops:.2f}x the model FLOPs")  # fmt: skip
+    else:
+        print(f"XLA's count of zoo's compiled step: {zoo['xla_flops'] / 1e12:.3f} TFLOP, not its hardware FLOPs: "
+              f"this backend's cost analysis counts a loop's body once, and the {layers} layers run as one scanned body")  # fmt: skip
 
 
 def main() -> None:
@@ -224,6 +319,8 @@ def main() -> None:
     parser.add_argument("--remat", help="policies to compare, comma-separated (zoo alone)")
     parser.add_argument("--load", action="store_true", help="time zoo's loading of the folder alone")
     parser.add_argument("--worker", choices=("make", "zoo", "torch", "load"), help=argparse.SUPPRESS)
+    parser.add_argument("--mfu", action="store_true", help="print model FLOPs, TFLOP/s and MFU per side")
+    parser.add_argument("--peak-tflops", type=float, help="zoo's device's dense peak TFLOP/s (for --mfu's MFU)")
     parser.add_argument("--policy", help="zoo's remat policy beside torch (none: off; default: zoo's own, auto)")
     args = parser.parse_args()
     out = args.out / args.size

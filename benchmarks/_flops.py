@@ -1,0 +1,152 @@
+"""Model FLOPs of a decoder's training step, and its model FLOPs utilisation (MFU).
+
+`step_flops` counts a training step's matmul FLOPs from the model's Hugging Face
+`config.json` (the standard accounting: PaLM, appendix B; MaxText; Levanter), `peak_tflops`
+reads an accelerator's dense peak from `PEAKS` by `jax.devices()[0].device_kind`, and
+`utilisation` divides. This module imports neither jax nor torch (`real_size.py`'s torch
+worker imports it, and its resident memory must be torch's alone): the callers hand in
+the device kind and the matmul arithmetic (`matmul_arithmetic`) their side runs.
+
+The scripts run as `python benchmarks/<script>.py`, which puts this folder on `sys.path`:
+they import this module as `_flops`.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+def matmul_params(config: dict) -> tuple[int, int]:
+    """`(per_layer, head)`: the weights one decoder layer's matmuls multiply by (the
+    query, key, value and output projections and a gated MLP's gate, up and down) and the
+    LM head's (`hidden_size × vocab_size`, tied or not: its matmul runs either way). Biases
+    and norms are left out (a few thousand elementwise FLOPs per token), and so is the
+    embedding lookup (a gather, no matmul).
+
+    **Arguments:** `config`, a Llama-shaped `config.json` as a dict (HF names:
+    `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
+    `num_key_value_heads`, `head_dim` (default `hidden_size / num_attention_heads`),
+    `vocab_size`).
+    """
+    d, f = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or d // heads
+    attention = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d  # q, k, v, o
+    return attention + 3 * d * f, d * config["vocab_size"]
+
+
+def lora_params(config: dict, rank: int) -> int:
+    """The parameters of rank-`rank` LoRA branches on every linear layer of every decoder
+    layer (peft's `target_modules="all-linear"`: not the LM head): `rank × (in + out)` each."""
+    d, f = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or d // heads
+    sides = (d + heads * head_dim) * 2 + 2 * (d + kv * head_dim) + 3 * (d + f)  # q, o; k, v; gate, up, down
+    return config["num_hidden_layers"] * rank * sides
+
+
+def forward_flops(config: dict, batch: int, seq: int) -> float:
+    """The matmul FLOPs of one forward pass over `batch × seq` tokens: `2·N·T` for the `N`
+    weights `matmul_params` counts (`T = batch·seq` tokens), plus attention's score and
+    value matmuls, `2 × 2·layers·T·seq·(heads·head_dim)`: every query against all `seq`
+    keys, the causal mask's skipped half not subtracted (PaLM's convention, and what a
+    dense attention computes)."""
+    per_layer, head = matmul_params(config)
+    layers, tokens = config["num_hidden_layers"], batch * seq
+    heads = config["num_attention_heads"]
+    width = heads * (config.get("head_dim") or config["hidden_size"] // heads)
+    return 2 * (layers * per_layer + head) * tokens + 2 * 2 * layers * tokens * seq * width
+
+
+def step_flops(config: dict, batch: int, seq: int, *, lora_rank: int | None = None) -> float:
+    """The model FLOPs of one training step on `batch × seq` tokens (remat's recompute not
+    counted: the hardware does more, the model needs this much).
+
+    - Full fine-tuning: `3 ×` the forward (`forward_flops`): the backward pass computes
+      each matmul's activation gradient and its weight gradient, `2·N·T` each: `6·N·T`
+      for the weights, PaLM's `6N` per token.
+    - LoRA (`lora_rank`, on every linear layer): the frozen weights get no weight-gradient
+      matmul, so they cost `4·N·T` (forward, activation gradients); the branches' own
+      `n` parameters (`lora_params`) are trained, `6·n·T`. Attention's score and value
+      matmuls are `3 ×` their forward either way: both operands are activations, and the
+      backward needs both gradients to reach the projections below. (Counting `6·N·T` for
+      a LoRA step, as some do, gives 1.5x the weights' share.)
+    """
+    per_layer, head = matmul_params(config)
+    weights = 2 * (config["num_hidden_layers"] * per_layer + head) * batch * seq
+    attention = forward_flops(config, batch, seq) - weights
+    if lora_rank is None:
+        return 3 * (weights + attention)
+    return 2 * weights + 6 * lora_params(config, lora_rank) * batch * seq + 3 * attention
+
+
+# Dense (no sparsity) peak TFLOP/s per chip, by the matmul arithmetic: `bf16` (bfloat16 or
+# float16 inputs, float32 accumulation), `tf32` (float32 on NVIDIA tensor cores), `fp32`
+# (float32 on CUDA cores). Vendor figures; NVIDIA's datasheets list the tensor-core ones
+# "with sparsity", halved here:
+# - H100 SXM / PCIe: NVIDIA H100 datasheet (BF16 1,979 / 1,513 sparse, TF32 989 / 756
+#   sparse, FP32 67 / 51).
+# - H200 SXM / NVL: NVIDIA H200 datasheet (BF16 1,979 / 1,671 sparse, TF32 989 / 835
+#   sparse, FP32 67 / 60).
+# - A100 (SXM and PCIe, 40 and 80 GB): NVIDIA A100 datasheet (BF16 312, TF32 156 dense;
+#   FP32 19.5).
+# - L4: NVIDIA L4 datasheet (BF16 242, TF32 120 sparse; FP32 30.3).
+# - TPU v4 275, v5e 197, v5p 459, v6e (Trillium) 918 bf16 TFLOPS per chip: Google Cloud's
+#   TPU system-architecture pages. Google publishes no float32 peak (float32 matmuls run
+#   as bfloat16 passes).
+# Keys: regular expressions matched against the lowercased `device_kind` in full.
+PEAKS: dict[str, dict[str, float]] = {
+    r"nvidia h100 (80gb hbm3|sxm.*)": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    r"nvidia h100 pcie": {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    r"nvidia h200( 141gb hbm3e)?": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    r"nvidia h200 nvl": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    r"nvidia a100.*": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    r"nvidia l4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    r"tpu v4": {"bf16": 275.0},
+    r"tpu v5 lite|tpu v5e": {"bf16": 197.0},
+    r"tpu v5|tpu v5p": {"bf16": 459.0},
+    r"tpu v6 lite|tpu v6e": {"bf16": 918.0},
+}
+
+
+def matmul_arithmetic(dtype: str, platform: str, float32_precision: str | None) -> str:
+    """The arithmetic a run's matmuls use (a `PEAKS` column): `bf16` for bfloat16 or float16;
+    for float32, by the framework's setting `float32_precision`: jax's
+    `jax_default_matmul_precision` (None: its default, TF32 on NVIDIA GPUs since Ampere,
+    one bfloat16 pass on TPU) or torch's `get_float32_matmul_precision()` (`"highest"`,
+    its default: true float32; `"high"`: TF32; `"medium"`: bfloat16).
+
+    **Arguments:** `dtype`, the compute dtype (`"float32"`, `"bfloat16"`, `"float16"`);
+    `platform`, `"gpu"`, `"tpu"` or `"cpu"`; `float32_precision`, as above."""
+    if dtype in ("bfloat16", "float16"):
+        return "bf16"
+    setting = (float32_precision or "default").lower()
+    if setting in ("highest", "float32", "f32_f32_f32"):
+        return "fp32"
+    if setting in ("medium", "bfloat16", "fastest", "bf16_bf16_f32"):
+        return "bf16"
+    if setting in ("high", "tensorfloat32", "tf32_tf32_f32"):
+        return "tf32" if platform == "gpu" else "bf16"  # TPU: three bfloat16 passes, not counted apart
+    return {"gpu": "tf32", "tpu": "bf16"}.get(platform, "fp32")  # jax's default
+
+
+def peak_tflops(device_kind: str, arithmetic: str, override: float | None = None) -> float | None:
+    """The dense peak TFLOP/s of one `device_kind` chip (`jax.devices()[0].device_kind`) in
+    `arithmetic` (`matmul_arithmetic`), from `PEAKS`; `override` (`--peak-tflops`) wins;
+    None where neither knows it (a CPU, an unlisted accelerator, float32 on a TPU)."""
+    if override is not None:
+        return override
+    kind = device_kind.strip().lower()
+    for pattern, peaks in PEAKS.items():
+        if re.fullmatch(pattern, kind):
+            return peaks.get(arithmetic)
+    return None
+
+
+def utilisation(flops: float, seconds: float, peak: float | None) -> tuple[float, float | None]:
+    """`(achieved TFLOP/s, MFU)`: `flops` done in `seconds`, and that over `peak` TFLOP/s
+    (None when the peak is unknown)."""
+    achieved = flops / seconds / 1e12
+    return achieved, (None if peak is None else achieved / peak)

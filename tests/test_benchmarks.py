@@ -1,0 +1,144 @@
+"""What the benchmark scripts compute besides timing them: `benchmarks/_flops.py`'s model
+FLOPs of a decoder against XLA's own count of the same program, and the MFU arithmetic
+(`real_size.py --mfu`) against its peak table and `--peak-tflops`."""
+
+import importlib.util
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+import transformers
+
+import zoo
+
+SPEC = importlib.util.spec_from_file_location("_flops", Path(__file__).parent.parent / "benchmarks" / "_flops.py")
+flops = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(flops)
+
+# XLA's cost analysis counts every elementwise op too (norms, RoPE, softmax, SiLU, the
+# loss), which the model FLOPs leave out, and a LoRA step's first layer gets no input
+# gradient (the frozen embedding needs none): 1-2% apart at this shape. Each term the
+# formula counts is over 10% of the total here (attention's score and value matmuls and
+# the head ~15% each), so a term wrong by 2x misses by more than the tolerance.
+TOLERANCE = 0.05
+BATCH, SEQ, RANK = 2, 128, 8
+
+
+def _llama(layers: int = 2) -> dict:
+    """A tiny Llama `config.json` (GQA 4/2, untied head) as transformers writes it."""
+    return transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    ).to_dict()
+
+
+def _xla_flops(fn, *args) -> float:
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
+
+
+@pytest.fixture(scope="module")
+def unrolled():
+    """The zoo model of `_llama()` (remat off) with its layers unrolled: XLA's cost analysis
+    counts a loop's body once on CPU, so a `lax.scan` of the layers would count one layer."""
+    config = zoo.hf.get_family("llama").config_from_hf(_llama(), remat=None)
+    model = zoo.models.Transformer(config, key=jax.random.key(0))
+    return eqx.tree_at(lambda m: m.layers, model, model.layers.unstack())
+
+
+def _within(measured: float, formula: float) -> None:
+    assert abs(measured / formula - 1) < TOLERANCE, f"XLA {measured:.4g} vs formula {formula:.4g}"
+
+
+def test_forward_and_full_step_flops_agree_with_xla(unrolled):
+    tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
+    params, static = eqx.partition(unrolled, eqx.is_array)
+
+    def loss(params, tokens):
+        return jnp.mean(eqx.combine(params, static)(tokens) ** 2)
+
+    forward = _xla_flops(lambda p, t: eqx.combine(p, static)(t), params, tokens)
+    _within(forward, flops.forward_flops(_llama(), BATCH, SEQ))
+    _within(_xla_flops(jax.grad(loss), params, tokens), flops.step_flops(_llama(), BATCH, SEQ))
+
+
+def test_lora_step_flops_agree_with_xla(unrolled):
+    """Frozen weights: forward and activation gradients only; the branches trained."""
+    config = zoo.lora.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear")
+    model = zoo.lora.add_lora(unrolled, config, key=jax.random.key(1))
+    trained, frozen = eqx.partition(model, zoo.lora.trainable(model, config))
+    trained, static = eqx.partition(trained, eqx.is_array)
+    frozen, frozen_static = eqx.partition(frozen, eqx.is_array)
+    lora = sum(x.size for x in jax.tree.leaves(trained))
+    assert lora == flops.lora_params(_llama(), RANK)
+
+    def loss(trained, frozen, tokens):
+        return jnp.mean(eqx.combine(trained, static, frozen, frozen_static)(tokens) ** 2)
+
+    measured = _xla_flops(jax.grad(loss), trained, frozen, jnp.zeros((BATCH, SEQ), jnp.int32))
+    _within(measured, flops.step_flops(_llama(), BATCH, SEQ, lora_rank=RANK))
+
+
+def test_the_step_flops_grow_with_layers_tokens_and_rank_as_documented():
+    one, two = _llama(1), _llama(2)
+    assert flops.step_flops(two, BATCH, SEQ) - flops.step_flops(one, BATCH, SEQ) == pytest.approx(
+        flops.step_flops(one, BATCH, SEQ) - 3 * 2 * flops.matmul_params(one)[1] * BATCH * SEQ
+    )  # a layer more adds one layer's share; the head's is counted once
+    assert flops.step_flops(two, 2 * BATCH, SEQ) == 2 * flops.step_flops(two, BATCH, SEQ)
+    lora, wider = (flops.step_flops(two, BATCH, SEQ, lora_rank=r) for r in (RANK, 2 * RANK))
+    assert wider - lora == 6 * flops.lora_params(two, RANK) * BATCH * SEQ  # twice the rank: twice the branches
+    assert lora < flops.step_flops(two, BATCH, SEQ)
+
+
+# device_kind strings as jax reports them.
+KINDS = {
+    "NVIDIA H100 80GB HBM3": "nvidia h100 (80gb hbm3|sxm.*)",
+    "NVIDIA H100 PCIe": "nvidia h100 pcie",
+    "NVIDIA H200": "nvidia h200( 141gb hbm3e)?",
+    "NVIDIA A100-SXM4-80GB": "nvidia a100.*",
+    "NVIDIA A100-PCIE-40GB": "nvidia a100.*",
+    "NVIDIA L4": "nvidia l4",
+    "TPU v4": "tpu v4",
+    "TPU v5 lite": "tpu v5 lite|tpu v5e",
+    "TPU v5": "tpu v5|tpu v5p",
+    "TPU v6 lite": "tpu v6 lite|tpu v6e",
+}
+
+
+def test_the_peak_is_the_device_kinds_row_in_the_runs_arithmetic():
+    for kind, row in KINDS.items():
+        assert flops.peak_tflops(kind, "bf16") == flops.PEAKS[row]["bf16"], kind
+    assert flops.peak_tflops("NVIDIA H100 PCIe", "fp32") < flops.peak_tflops("NVIDIA H100 80GB HBM3", "fp32")
+    assert flops.peak_tflops("NVIDIA A100-SXM4-40GB", "tf32") == flops.PEAKS["nvidia a100.*"]["tf32"]
+    # No peak known: a CPU, an unlisted accelerator (L40S is not an L4), float32 on a TPU.
+    assert flops.peak_tflops("cpu", "fp32") is None
+    assert flops.peak_tflops("NVIDIA L40S", "bf16") is None
+    assert flops.peak_tflops("TPU v4", "fp32") is None
+    # --peak-tflops wins, known device or not.
+    assert flops.peak_tflops("cpu", "fp32", override=1.5) == 1.5
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16", override=1.5) == 1.5
+
+
+def test_the_arithmetic_follows_the_dtype_and_the_frameworks_float32_setting():
+    assert flops.matmul_arithmetic("bfloat16", "gpu", None) == "bf16"
+    assert flops.matmul_arithmetic("float32", "gpu", None) == "tf32"  # jax's default on GPUs
+    assert flops.matmul_arithmetic("float32", "tpu", None) == "bf16"
+    assert flops.matmul_arithmetic("float32", "cpu", None) == "fp32"
+    assert flops.matmul_arithmetic("float32", "gpu", "highest") == "fp32"  # torch's default
+    assert flops.matmul_arithmetic("float32", "gpu", "high") == "tf32"
+
+
+def test_mfu_is_the_achieved_rate_over_the_peak():
+    step = flops.step_flops(_llama(), BATCH, SEQ, lora_rank=RANK)
+    peak = flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16")
+    achieved, mfu = flops.utilisation(step, 0.5, peak)
+    assert achieved == pytest.approx(step / 0.5 / 1e12)
+    assert mfu == pytest.approx(achieved / peak)
+    assert flops.utilisation(step, 0.5, None) == (achieved, None)
