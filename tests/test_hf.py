@@ -395,6 +395,11 @@ def test_loader_reads_only_each_devices_slice(bert_dir, monkeypatch, preset):
         return out
 
     monkeypatch.setattr(zoo.hf._files.Checkpoint, "read", recording_read)
+    file_bytes = []  # what is read from the file itself
+    real_read_into = zoo.hf._files._read_into
+    monkeypatch.setattr(
+        zoo.hf._files, "_read_into", lambda f, out, at: (file_bytes.append(out.nbytes), real_read_into(f, out, at))[1]
+    )
     mesh = data_mesh(4) if preset == "fsdp" else preset_mesh("tp", 4)  # data=4 / data=2, model=2
     model = from_pretrained(bert_dir, rules=zoo.rules(preset), mesh=mesh)
     specs = zoo.partition_specs(model, zoo.rules(preset), mesh)
@@ -409,6 +414,10 @@ def test_loader_reads_only_each_devices_slice(bert_dir, monkeypatch, preset):
     # Each distinct shard is read once (devices holding the same one share the read), so
     # the reads together hold the file exactly once.
     assert sum(int(np.prod(shape)) for _, shape in reads) == sum(int(np.prod(shape)) for shape in full.values())
+    # And the file's bytes are read once: a tensor split along a later dimension (fsdp's
+    # embed columns) reads its rows for the first shard and cuts the others from them.
+    header = 8 + int.from_bytes((bert_dir / "model.safetensors").read_bytes()[:8], "little")
+    assert sum(file_bytes) == header + sum(4 * int(np.prod(shape)) for shape in full.values())  # float32
     word = by_name["embeddings.word_embeddings.weight"]  # [50, 32]
     query = by_name["encoder.layer.1.attention.self.query.weight"]  # torch's [out, in]
     norm = by_name["embeddings.LayerNorm.weight"]  # [32]
@@ -623,6 +632,22 @@ def test_checkpoint_reads_slices_and_keeps_no_page_of_the_file(tmp_path):
             assert got.dtype == tensors[name].dtype
             np.testing.assert_array_equal(got, tensors[name][index])
             assert got.flags.c_contiguous and got.flags.owndata
+        # Column slices of one tensor read one after another: its rows read from the file once.
+        calls = []
+        real_read_into = zoo.hf._files._read_into
+        zoo.hf._files._read_into = lambda f, out, at: (calls.append(out.shape), real_read_into(f, out, at))[1]
+        try:
+            left, right = (
+                checkpoint.read("w", (slice(1, 5), slice(0, 2))),
+                checkpoint.read("w", (slice(1, 5), slice(2, 5))),
+            )
+            again = checkpoint.read("w", (slice(0, 5), slice(0, 2)))  # other rows: read again
+        finally:
+            zoo.hf._files._read_into = real_read_into
+        assert calls == [(4, 5, 4), (5, 5, 4)]
+        np.testing.assert_array_equal(np.concatenate([left, right], axis=1), tensors["w"][1:5])
+        np.testing.assert_array_equal(again, tensors["w"][0:5, 0:2])
+        assert not np.shares_memory(left, right) and left.flags.owndata and right.flags.owndata
         # Plain reads: no memory map of the file, so none of its pages counts in the process.
         assert str(path) not in open("/proc/self/maps").read()
     path.write_bytes(path.read_bytes()[:-4])  # truncated: the last tensor's bytes do not fit the file

@@ -224,6 +224,7 @@ class Checkpoint:
             )
             raise FileNotFoundError(f"{str(directory)!r} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}.{hint}")
         self._files: list[Any] = []
+        self._rows: tuple[tuple, np.ndarray] | None = None  # the rows last read for a later-dim slice
         tables = {}
         try:
             for name, path in files.items():
@@ -256,6 +257,7 @@ class Checkpoint:
 
     def close(self) -> None:
         """Release the files."""
+        self._rows = None
         while self._files:
             self._files.pop().close()
 
@@ -272,7 +274,10 @@ class Checkpoint:
         `name`, as a numpy array of its own.
 
         Only the rows `index` takes (its first slice) are read from the file; a slice of a
-        later dimension is then copied out of them.
+        later dimension is then copied out of them, and those rows are kept for the next
+        call: the shards of a tensor split along a later dimension (tensor parallelism's
+        columns) are read one after another, so the file's rows are read once, not once per
+        shard.
         """
         entry = self._where[name]
         if entry.dtype is None:
@@ -289,9 +294,15 @@ class Checkpoint:
         start, stop, step = index[0].indices(shape[0])
         if step != 1:
             raise ValueError(f"strided slice {index[0]} of {name} is not supported")
-        row = math.prod(shape[1:])
-        out = np.empty((max(stop - start, 0), *shape[1:]), entry.dtype)
-        _read_into(entry.file, out, entry.offset + start * row * entry.dtype.itemsize)
-        if any(s != slice(None) for s in index[1:]):
-            out = np.ascontiguousarray(out[(slice(None), *index[1:])])
-        return out
+        later = any(s != slice(None) for s in index[1:])
+        if later and self._rows is not None and self._rows[0] == (name, start, stop):
+            out = self._rows[1]
+        else:
+            self._rows = None  # dropped before the next read, not held beside it
+            row = math.prod(shape[1:])
+            out = np.empty((max(stop - start, 0), *shape[1:]), entry.dtype)
+            _read_into(entry.file, out, entry.offset + start * row * entry.dtype.itemsize)
+        if not later:
+            return out
+        self._rows = ((name, start, stop), out)
+        return out[(slice(None), *index[1:])].copy()  # an array of its own, never a view of the kept rows
