@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ..nn._experts import RouterChoice
+from ..nn._sharding import shard_count
 from ._cross_entropy import cross_entropy
 
 # `loss_chunk="auto"` chunks when a batch's float32 logits would exceed AUTO_ABOVE bytes,
@@ -57,7 +58,7 @@ def chunk_length(model: Any, tokens: Int[Array | np.ndarray, "batch seq"]) -> in
     if setting is None or not callable(getattr(model, "hidden", None)):
         return None
     batch, targets = tokens.shape[0], tokens.shape[1] - 1
-    held = -(-batch // _shards(tokens, 0)) * -(-config.padded_vocab // _vocab_shards(model, config.padded_vocab))
+    held = -(-batch // shard_count(tokens, 0)) * -(-config.padded_vocab // _vocab_shards(model, config.padded_vocab))
     row = held * 4  # float32 logits of one position of every row, on one device
     if setting == "auto":
         if row * targets <= AUTO_ABOVE:
@@ -66,27 +67,13 @@ def chunk_length(model: Any, tokens: Int[Array | np.ndarray, "batch seq"]) -> in
     return setting if setting < targets else None
 
 
-def _shards(x: Any, axis: int) -> int:
-    """Over how many devices `x`'s sharding splits dimension `axis` (1 when unknown)."""
-    try:
-        sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
-    except TypeError:  # not an array jax knows
-        return 1
-    spec, mesh = getattr(sharding, "spec", ()), getattr(sharding, "mesh", None)
-    spec = tuple(getattr(spec, "partitions", spec))  # a spec with unreduced axes refuses spec[i]
-    if mesh is None or len(spec) <= axis or spec[axis] is None:
-        return 1
-    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
-    return int(np.prod([mesh.shape[n] for n in names]))
-
-
 def _vocab_shards(model: Any, vocab: int) -> int:
     """Over how many devices the output head's table (`lm_head`, else the tied token
     embedding) splits the vocabulary: the most any of its `vocab`-long dims is split."""
     head = getattr(model, "lm_head", None)
     head = getattr(model, "token_embedding", None) if head is None else head
     leaves = [x for x in jax.tree.leaves(head) if hasattr(x, "shape") and vocab in tuple(x.shape)]
-    return max((_shards(x, d) for x in leaves for d, n in enumerate(x.shape) if n == vocab), default=1)
+    return max((shard_count(x, d) for x in leaves for d, n in enumerate(x.shape) if n == vocab), default=1)
 
 
 def next_token_terms(

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ._sharding import held_shape
+
 # The name `saved` gives a layer's values: the outputs of its projections (q, k, v, gate, up),
 # the attention's output and the residual stream between attention and feed-forward.
 SAVED = "zoo_saved"
@@ -58,7 +60,7 @@ def kept_without_remat(x: Any, num_layers: int, heads: int | None) -> int:
     without remat, from the static shape of its input `x` (`[..., seq, embed]`, one device's
     share where its sharding is known): `INPUTS_KEPT` inputs per layer, plus the attention's
     float32 scores and probabilities `[batch, heads, seq, seq]` when `heads` is known."""
-    shape = _held_shape(x)
+    shape = held_shape(x)
     per_layer = INPUTS_KEPT * math.prod(shape) * jnp.dtype(x.dtype).itemsize
     if heads is not None and len(shape) >= 2:
         per_layer += PROBABILITIES_KEPT * math.prod(shape[:-2]) * heads * shape[-2] ** 2 * 4
@@ -71,19 +73,3 @@ def resolve_remat(remat: str | None, x: Any, num_layers: int, heads: int | None)
     if remat != "auto":
         return remat
     return "projections" if kept_without_remat(x, num_layers, heads) > REMAT_AUTO_ABOVE else None
-
-
-def _held_shape(x: Any) -> tuple[int, ...]:
-    """`x`'s shape on one device: each dimension divided over the explicit mesh axes its
-    sharding names (inside `shard_map`, whose axes are manual, `x` is one device's already;
-    without a mesh, the whole shape)."""
-    sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else getattr(jax.typeof(x), "sharding", None)
-    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
-    if spec is None or mesh is None:
-        return tuple(x.shape)
-    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
-    shape = list(x.shape)
-    for i, entry in enumerate(tuple(spec)[: len(shape)]):
-        ways = math.prod(mesh.shape[n] for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit)
-        shape[i] = -(-shape[i] // ways)
-    return tuple(shape)

@@ -31,6 +31,30 @@ def sharding_spec(x: jax.Array) -> P | None:
     return sharding.spec
 
 
+def shard_count(x, axis: int) -> int:
+    """Over how many devices `x`'s sharding (an array's, or a `jax.ShapeDtypeStruct`'s)
+    splits dimension `axis`: 1 when unknown (no mesh), and inside `shard_map`, whose
+    manual axes leave `x` one device's already."""
+    try:
+        sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+    except TypeError:  # not an array jax knows
+        return 1
+    spec, mesh = getattr(sharding, "spec", ()), getattr(sharding, "mesh", None)
+    spec = tuple(getattr(spec, "partitions", spec))  # a spec with unreduced axes refuses spec[i]
+    if mesh is None or len(spec) <= axis or spec[axis] is None:
+        return 1
+    manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
+    count = 1
+    for name in _entry_axes(spec[axis]):
+        count *= 1 if name in manual else mesh.shape[name]
+    return count
+
+
+def held_shape(x) -> tuple[int, ...]:
+    """`x`'s shape on one device (`shard_count` of each dimension, rounded up)."""
+    return tuple(-(-n // shard_count(x, i)) for i, n in enumerate(x.shape))
+
+
 def _entry_axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
