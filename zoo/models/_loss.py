@@ -48,31 +48,33 @@ def next_token_loss(model: Any, batch: dict[str, Any], *, metrics: bool = False)
     A `Transformer` whose logits are large applies its head a chunk of positions at a
     time (`TransformerConfig.loss_chunk`): the full logits are never held.
     """
-    sums, counts, aux, _ = token_loss(model, batch)
+    coef = router_loss_coef(model)
+    sums, counts, aux, _ = token_loss(model, batch, router=coef is not None)
     if aux is None:
         return sums, counts
-    sums = sums + router_loss_coef(model) * aux
+    sums = sums + coef * aux
     return (sums, counts, {"aux_loss": aux}) if metrics else (sums, counts)
 
 
-def token_loss(model: Any, batch: dict[str, Any], *, correct: bool = False) -> tuple[Any, Any, Any, Any]:
+def token_loss(
+    model: Any, batch: dict[str, Any], *, correct: bool = False, router: bool = False
+) -> tuple[Any, Any, Any, Any]:
     """`next_token_loss`'s per-example terms, `(nll_sums, token_counts, aux_loss, hits)`:
     `nll_sums` the next-token cross-entropy alone (the router term not added: held-out
-    loss is the data's); `aux_loss` the router term's per-row loss times its target count
-    (`None` without it); `hits` (with `correct`, else `None`) each row's count of targets that are the
+    loss is the data's); `aux_loss` (with `router`, for a model whose `router_loss_coef`
+    is set; else `None`, and not computed) the router term's per-row loss times its target count; `hits` (with `correct`, else `None`) each row's count of targets that are the
     logits' argmax, weighted as the loss weighs them: the held-out accuracy, read off the
     same (chunked where large) head as the loss."""
     tokens = batch["tokens"]
     mask = batch.get("mask")
     packing = {name: batch[name] for name in ("segment_ids", "positions") if name in batch}
     inputs = dict(mask=None if mask is None else mask.astype(bool), key=batch.get("dropout_key"), **packing)
-    coef = router_loss_coef(model)
-    terms = next_token_terms(model, tokens, inputs=inputs, router=coef is not None, correct=correct)
+    terms = next_token_terms(model, tokens, inputs=inputs, router=router, correct=correct)
     nll = -terms.logps
     weights = target_weights(batch)
     sums, counts = jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
     hits = None if terms.correct is None else jnp.sum(terms.correct * weights, axis=1)
-    if coef is None:
+    if not router:
         return sums, counts, None, hits
     choice = terms.choice
     aux = load_balancing_loss_per_device(choice.probs, choice.chosen, mask) * counts
