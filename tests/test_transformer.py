@@ -290,13 +290,16 @@ def test_tied_head_is_the_embedding_and_remat_changes_nothing(policy):
         assert_rounding_close(a, b, terms=4 * 8, depth=2 * SUMS["depth"])
 
 
-def test_the_projections_policy_keeps_what_matmuls_made_and_lora_gradients_are_unchanged():
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_the_projections_policy_keeps_what_matmuls_made_and_lora_gradients_are_unchanged(preset):
     """`remat="projections"` keeps per layer only the values a matmul made (q, k, v, the
     attention's output, the residual after attention, gate, up: jax's own residual list of a
-    LoRA'd layer); its dp step (data=4, 2 microbatches) holds one gradient all-reduce, outside
-    every loop, and its LoRA gradients equal one device's without remat (rounding)."""
+    LoRA'd layer); its step on data=4 with 2 microbatches holds one gradient all-reduce,
+    outside every loop (dp: none inside), within the preset's budget (fsdp gathers each
+    weight again for the backward pass instead of keeping it), and its LoRA gradients equal
+    one device's without remat (rounding)."""
     import optax
-    from helpers import data_mesh
+    from helpers import preset_mesh
     from jax._src.ad_checkpoint import saved_residuals
 
     from zoo.lora import LoraConfig, add_lora, trainable
@@ -312,18 +315,27 @@ def test_the_projections_policy_keeps_what_matmuls_made_and_lora_gradients_are_u
 
     want = jax.tree.leaves(jax.jit(jax.grad(mean_loss))(lora))
     model = add_lora(tiny_decoder(jax.random.key(0), remat="projections"), config, key=jax.random.key(2))
-    mesh = data_mesh(4)
+    mesh = preset_mesh(preset, 4)
     with jax.set_mesh(mesh):
-        placed = zoo.shard(model, zoo.rules("dp"), mesh)
+        placed = zoo.shard(model, zoo.rules(preset), mesh)
         step = zoo.TrainStep(
-            zoo.models.next_token_loss, optax.trace(decay=0.0), microbatches=2, trainable=trainable(model, config)
+            zoo.models.next_token_loss,
+            optax.trace(decay=0.0),
+            microbatches=2,
+            trainable=trainable(model, config),
+            preset=preset,
         )
         opt_state = step.init(placed)
         compiled = step.compile(placed, opt_state, batch)
         _, opt_state, _ = compiled(placed, opt_state, batch)
+        budget, sizes = step.budget_for(placed), step.budget_sizes(placed)
     colls = zoo.collectives(compiled, mesh=mesh)
-    assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)
+    assert budget.breaches(colls, sizes) == [], budget.report(colls, sizes)
     assert zoo.count(colls, "all-reduce", in_loop=False) == 1, zoo.report(colls)
+    if preset == "dp":
+        assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)
+    else:  # fsdp: the weights gathered inside the loop
+        assert zoo.count(colls, "all-gather", in_loop=True) > 0, zoo.report(colls)
     for a, b in zip(jax.tree.leaves(opt_state.trace), want, strict=True):
         assert_rounding_close(np.asarray(a), b, terms=8 * 8, depth=2 * SUMS["depth"])
     layer = eqx.combine(
