@@ -16,6 +16,18 @@ from __future__ import annotations
 import re
 
 
+def _dims(config: dict) -> tuple[int, int, int, int, int]:
+    """`(hidden, intermediate, heads, kv_heads, head_dim)` of a Llama-shaped `config.json`."""
+    d, heads = config["hidden_size"], config["num_attention_heads"]
+    return (
+        d,
+        config["intermediate_size"],
+        heads,
+        config.get("num_key_value_heads") or heads,
+        config.get("head_dim") or d // heads,
+    )
+
+
 def matmul_params(config: dict) -> tuple[int, int]:
     """`(per_layer, head)`: the weights one decoder layer's matmuls multiply by (the
     query, key, value and output projections and a gated MLP's gate, up and down) and the
@@ -28,10 +40,7 @@ def matmul_params(config: dict) -> tuple[int, int]:
     `num_key_value_heads`, `head_dim` (default `hidden_size / num_attention_heads`),
     `vocab_size`).
     """
-    d, f = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or d // heads
+    d, f, heads, kv, head_dim = _dims(config)
     attention = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d  # q, k, v, o
     return attention + 3 * d * f, d * config["vocab_size"]
 
@@ -39,10 +48,7 @@ def matmul_params(config: dict) -> tuple[int, int]:
 def lora_params(config: dict, rank: int) -> int:
     """The parameters of rank-`rank` LoRA branches on every linear layer of every decoder
     layer (peft's `target_modules="all-linear"`: not the LM head): `rank × (in + out)` each."""
-    d, f = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or d // heads
+    d, f, heads, kv, head_dim = _dims(config)
     sides = (d + heads * head_dim) * 2 + 2 * (d + kv * head_dim) + 3 * (d + f)  # q, o; k, v; gate, up, down
     return config["num_hidden_layers"] * rank * sides
 
@@ -55,8 +61,8 @@ def forward_flops(config: dict, batch: int, seq: int) -> float:
     dense attention computes)."""
     per_layer, head = matmul_params(config)
     layers, tokens = config["num_hidden_layers"], batch * seq
-    heads = config["num_attention_heads"]
-    width = heads * (config.get("head_dim") or config["hidden_size"] // heads)
+    _, _, heads, _, head_dim = _dims(config)
+    width = heads * head_dim
     return 2 * (layers * per_layer + head) * tokens + 2 * 2 * layers * tokens * seq * width
 
 

@@ -397,9 +397,12 @@ def test_loader_reads_only_each_devices_slice(bert_dir, monkeypatch, preset):
     monkeypatch.setattr(zoo.hf._files.Checkpoint, "read", recording_read)
     file_bytes = []  # what is read from the file itself
     real_read_into = zoo.hf._files._read_into
-    monkeypatch.setattr(
-        zoo.hf._files, "_read_into", lambda f, out, at: (file_bytes.append(out.nbytes), real_read_into(f, out, at))[1]
-    )
+
+    def recording_read_into(file, out, at):
+        file_bytes.append(out.nbytes)
+        real_read_into(file, out, at)
+
+    monkeypatch.setattr(zoo.hf._files, "_read_into", recording_read_into)
     mesh = data_mesh(4) if preset == "fsdp" else preset_mesh("tp", 4)  # data=4 / data=2, model=2
     model = from_pretrained(bert_dir, rules=zoo.rules(preset), mesh=mesh)
     specs = zoo.partition_specs(model, zoo.rules(preset), mesh)
@@ -612,7 +615,7 @@ def test_quantize_while_loading_refuses_what_cannot_be_quantized(llama_dir):
         from_pretrained(llama_dir, quantize="nf4")
 
 
-def test_checkpoint_reads_slices_and_keeps_no_page_of_the_file(tmp_path):
+def test_checkpoint_reads_slices_and_keeps_no_page_of_the_file(tmp_path, monkeypatch):
     import ml_dtypes
 
     rng = np.random.default_rng(0)
@@ -635,15 +638,15 @@ def test_checkpoint_reads_slices_and_keeps_no_page_of_the_file(tmp_path):
         # Column slices of one tensor read one after another: its rows read from the file once.
         calls = []
         real_read_into = zoo.hf._files._read_into
-        zoo.hf._files._read_into = lambda f, out, at: (calls.append(out.shape), real_read_into(f, out, at))[1]
-        try:
-            left, right = (
-                checkpoint.read("w", (slice(1, 5), slice(0, 2))),
-                checkpoint.read("w", (slice(1, 5), slice(2, 5))),
-            )
-            again = checkpoint.read("w", (slice(0, 5), slice(0, 2)))  # other rows: read again
-        finally:
-            zoo.hf._files._read_into = real_read_into
+
+        def recording_read_into(file, out, at):
+            calls.append(out.shape)
+            real_read_into(file, out, at)
+
+        monkeypatch.setattr(zoo.hf._files, "_read_into", recording_read_into)
+        left, right = checkpoint.read("w", (slice(1, 5), slice(0, 2))), checkpoint.read("w", (slice(1, 5), slice(2, 5)))
+        again = checkpoint.read("w", (slice(0, 5), slice(0, 2)))  # other rows: read again
+        monkeypatch.undo()
         assert calls == [(4, 5, 4), (5, 5, 4)]
         np.testing.assert_array_equal(np.concatenate([left, right], axis=1), tensors["w"][1:5])
         np.testing.assert_array_equal(again, tensors["w"][0:5, 0:2])

@@ -124,6 +124,7 @@ def _matmul(spec: str, x: Array, weight: Array, out_sharding: Any) -> Array:
 
 
 def _einsum_as_x(x: Array, weight: Array, *, spec: str, out_sharding: Any) -> Array:
+    """`einsum(spec, x, weight)` with `weight` converted to `x`'s dtype (`_matmul`)."""
     return jnp.einsum(spec, x, weight.astype(x.dtype), out_sharding=out_sharding)
 
 
