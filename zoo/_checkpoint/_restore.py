@@ -3,6 +3,7 @@ how what it read becomes the restored leaf."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,14 +56,10 @@ def plan(saved: Mapping[str, Any], like_leaf: Any, path: str) -> tuple[Any, Call
     if saved["kind"] == KEY:
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(tuple(saved["shape"]), like_leaf.dtype))
         shape, dtype = data.shape, np.dtype(data.dtype)
-
-        def finish(value):
-            return jax.random.wrap_key_data(value, impl=saved["impl"])
+        finish = functools.partial(jax.random.wrap_key_data, impl=saved["impl"])
     else:
         shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
-
-        def finish(value):
-            return value
+        finish = _unchanged
 
     if like_kind == NUMPY or (saved["kind"] == NUMPY and abstract(like_leaf)):
         return np.empty(shape, dtype), np.asarray  # NumPy in, NumPy out
@@ -76,3 +73,8 @@ def plan(saved: Mapping[str, Any], like_leaf: Any, path: str) -> tuple[Any, Call
     if saved["kind"] == NUMPY:
         return np.empty(shape, dtype), lambda value: jax.device_put(value, sharding)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), finish
+
+
+def _unchanged(value: Any) -> Any:
+    """What was read is the leaf (`plan`)."""
+    return value

@@ -112,11 +112,7 @@ def read_leaf(
     wanted = tuple(s.stop - s.start for s in core)
     if source.valid is not None:  # a padded vocabulary: read what the file has, zeros after
         core = tuple(slice(min(s.start, v), min(s.stop, v)) for s, v in zip(core, source.valid, strict=True))
-    file_index = source.file_index(core)
-
-    def one(i: int) -> np.ndarray:
-        return source.from_file(checkpoint.read(mapping[source.names[i]], file_index).astype(dtype, copy=False), wanted)
-
+    one = functools.partial(_read_layer, checkpoint, mapping, source, source.file_index(core), dtype, wanted)
     if not source.stacked:
         value = one(0)
         return value if value.flags.c_contiguous else _copy_into(np.empty(value.shape, dtype), value)
@@ -124,6 +120,22 @@ def read_leaf(
     for n, i in enumerate(layers):
         _copy_into(out[n], one(i))
     return out.reshape(*(s.stop - s.start for s in lead), *wanted)
+
+
+# Module-level functions, not closures, on the loading path: the tests' runtime type checks
+# decorate a nested function each time its `def` runs (milliseconds, per leaf and shard).
+def _read_layer(
+    checkpoint: TensorFile,
+    mapping: dict[str, str],
+    source: Source,
+    file_index: Any,
+    dtype: Any,
+    wanted: tuple[int, ...],
+    i: int,
+) -> np.ndarray:
+    """File tensor `i` of `source` (numbered as `source.names`), its part `file_index`,
+    as `dtype` in the leaf's layout (`wanted`: the part's shape)."""
+    return source.from_file(checkpoint.read(mapping[source.names[i]], file_index).astype(dtype, copy=False), wanted)
 
 
 def _copy_into(out: np.ndarray, value: np.ndarray, tile: int = 256) -> np.ndarray:
@@ -240,29 +252,34 @@ def _place_leaf(
     holds one layer's slices at a time, never the whole stack beside its placed copy.
     """
     finite = [True]
-
-    def placed(shape: tuple, layer: int = 0) -> jax.Array:
-        cache: dict[tuple, np.ndarray] = {}
-
-        def part(index):
-            bounds = _bounds(index, shape)
-            if layer:
-                bounds = (slice(bounds[0].start + layer, bounds[0].stop + layer), *bounds[1:])
-            # Devices that hold the same shard (replicated over some mesh axes) share one read.
-            key = tuple((s.start, s.stop) for s in bounds)
-            if key not in cache:
-                cache[key] = read(bounds)
-                finite[0] = finite[0] and _finite(cache[key])
-            return cache[key]
-
-        return jax.make_array_from_callback(shape, sharding, part)
-
     if not stacked or shape[0] == 1 or _split(sharding, 0):
-        return placed(shape), finite[0]
+        return _placed(read, shape, sharding, finite), finite[0]
     stack = jnp.zeros(shape, dtype, device=sharding)
     for i in range(shape[0]):
-        stack = _put_layer(sharding)(stack, placed((1, *shape[1:]), i), np.int32(i))
+        stack = _put_layer(sharding)(stack, _placed(read, (1, *shape[1:]), sharding, finite, i), np.int32(i))
     return stack, finite[0]
+
+
+def _placed(read: Callable, shape: tuple, sharding: Any, finite: list[bool], layer: int = 0) -> jax.Array:
+    """The array of `shape` placed with `sharding`, each device's shard `read(bounds)` (of
+    layer `layer` onwards of a stack); `finite[0]` set `False` if a value read is not."""
+    part = functools.partial(_read_part, read, shape, layer, {}, finite)
+    return jax.make_array_from_callback(shape, sharding, part)
+
+
+def _read_part(
+    read: Callable, shape: tuple, layer: int, cache: dict[tuple, np.ndarray], finite: list[bool], index: Any
+) -> np.ndarray:
+    """`make_array_from_callback`'s callback for `_placed`: the shard `index` of `shape`."""
+    bounds = _bounds(index, shape)
+    if layer:
+        bounds = (slice(bounds[0].start + layer, bounds[0].stop + layer), *bounds[1:])
+    # Devices that hold the same shard (replicated over some mesh axes) share one read.
+    key = tuple((s.start, s.stop) for s in bounds)
+    if key not in cache:
+        cache[key] = read(bounds)
+        finite[0] = finite[0] and _finite(cache[key])
+    return cache[key]
 
 
 def _split(sharding: Any, axis: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -224,18 +225,7 @@ def add_lora(model: Any, config: LoraConfig, *, key: PRNGKeyArray) -> Any:
         if isinstance(base, Embedding):
             new.append(_embedding_branch(base, name, config, tie and name == "token_embedding", jr.fold_in(key, i)))
             continue
-
-        def wrap(base, k):
-            return LoraLinear(
-                base,
-                config.r,
-                scaling=config.scaling,
-                dropout_rate=config.lora_dropout,
-                init=config.init_lora_weights,
-                use_dora=config.use_dora,
-                key=k,
-            )
-
+        wrap = functools.partial(_lora_linear, config)
         keys = jr.fold_in(key, i)
         for _ in range(stacked):  # one key per stacked layer, built like the layers were
             wrap = eqx.filter_vmap(wrap)
@@ -599,3 +589,16 @@ def unmerge(model: Any) -> Any:
 def unload(model: Any) -> Any:
     """The base model: every branch dropped without merging (merged branches are subtracted first)."""
     return _replace_lora(unmerge(model), lambda layer: layer.base)
+
+
+def _lora_linear(config: LoraConfig, base: Any, key: PRNGKeyArray) -> LoraLinear:
+    """`base` with a LoRA branch as `config` says (`add_lora`; vmapped over a stack)."""
+    return LoraLinear(
+        base,
+        config.r,
+        scaling=config.scaling,
+        dropout_rate=config.lora_dropout,
+        init=config.init_lora_weights,
+        use_dora=config.use_dora,
+        key=key,
+    )

@@ -4,6 +4,7 @@ double quantisation)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -252,18 +253,21 @@ class FourBitLinear(eqx.Module):
         then dequantised in `x`'s dtype where they are used. The float weight is made again
         in the backward pass, not kept (it would undo the 4-bit storage during the step).
         `key` is unused, as for `Linear`."""
-
-        def apply(x, codes, scale, nested):
-            w = dequantize_codes(codes, scale, self.kind, x.dtype, nested)
-            return project(x, w)
-
         codes, scale = (for_use(v, x, lead_ndim=x.ndim - 1) for v in (self.codes, self.scale))
+        apply = functools.partial(_dequantized_product, self.kind)
         y = jax.checkpoint(apply, policy=jax.checkpoint_policies.nothing_saveable)(
             x, codes, scale, self.nested_scales()
         )
         if self.bias is not None:
             y = y + broadcast_like(self.bias.astype(y.dtype), y)
         return y
+
+
+def _dequantized_product(kind: str, x: Array, codes: Array, scale: Any, nested: Any) -> Array:
+    """`x @ W` with `W` the weight dequantised from `codes` and `scale` in `x`'s dtype
+    (`FourBitLinear.__call__`, which remats it: a module-level function, not a closure the
+    tests' runtime checks would decorate at every call)."""
+    return project(x, dequantize_codes(codes, scale, kind, x.dtype, nested))
 
 
 def dequantize_codes(

@@ -50,16 +50,19 @@ class LayerPattern(eqx.Module):
         global), keeping only the fields whose layers differ; `None` when none differ (a
         uniform stack: nothing to scan, the same program as without a pattern)."""
 
-        def varying(values, dtype, none=None):
-            if values is None or len(set(values)) <= 1:
-                return None
-            return np.asarray([none if v is None else v for v in values], dtype)
-
         pattern = cls(
-            rope=varying(rope, np.bool_),
-            window=varying(window, np.int32, GLOBAL_WINDOW),
-            rope_theta=varying(rope_theta, np.float32),
-            rope_factor=varying(rope_factor, np.float32),
+            rope=_varying(rope, np.bool_),
+            window=_varying(window, np.int32, GLOBAL_WINDOW),
+            rope_theta=_varying(rope_theta, np.float32),
+            rope_factor=_varying(rope_factor, np.float32),
         )
         fields = (pattern.rope, pattern.window, pattern.rope_theta, pattern.rope_factor)
         return None if all(v is None for v in fields) else pattern
+
+
+def _varying(values: Sequence | None, dtype: type, none: int | None = None) -> np.ndarray | None:
+    """`values` as an array of `dtype` (`none` for a `None`), or `None` where every layer's
+    value is the same (`LayerPattern.of_layers`)."""
+    if values is None or len(set(values)) <= 1:
+        return None
+    return np.asarray([none if v is None else v for v in values], dtype)

@@ -158,11 +158,7 @@ def quantizer(
         if block_size is not None:
             raise ValueError(f"quantize int8 stores one scale per output channel: it takes no block ({block_size})")
         return QuantizedLinear.quantize
-
-    def four_bit(linear: Linear) -> FourBitLinear:
-        return FourBitLinear.quantize(linear, kind, block_size=block_size, double_quant=double_quant)
-
-    return four_bit
+    return functools.partial(FourBitLinear.quantize, kind=kind, block_size=block_size, double_quant=double_quant)
 
 
 def stack_projections(model: Any) -> list[tuple]:

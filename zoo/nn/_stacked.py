@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -77,29 +78,14 @@ class Stacked(eqx.Module, Generic[Layer]):
         # A uniform stack scans no pattern: its program is the one without.
         patterned = () if pattern is None else (pattern,)
         if cache is not None:
-
-            def cached(h, xs):
-                layer_params, index, kv, *rows = xs
-                more = {} if key is None else {"key": fold_in(key, index)}
-                more |= {"pattern": rows[0]} if rows else {}
-                layer = eqx.combine(layer_params, static)
-                h, layer_cache = layer(h, *args, cache=cache.holding(*kv), **more, **kwargs)
-                return h, (layer_cache.keys, layer_cache.values)
-
+            cached = functools.partial(_cached_layer_step, static, key, cache, args, kwargs)
             xs = (params, jnp.arange(self.num_layers), (cache.keys, cache.values), *patterned)
             out, (keys, values) = lax.scan(cached, x, xs)
             return out, cache.holding(keys, values)
 
-        def body(h, xs):
-            layer_params, index, *rows = xs
-            layer = eqx.combine(layer_params, static)
-            more = {"pattern": rows[0]} if rows else {}
-            if key is not None:
-                more["key"] = fold_in(key, index)
-            out = layer(h, *args, **more, **kwargs)
-            # A layer may return (output, per-layer data): the data is stacked over the layers.
-            return out if isinstance(out, tuple) else (out, None)
-
+        # Module-level steps, not closures: the tests' runtime type checks decorate a nested
+        # function each time its `def` runs.
+        body = functools.partial(_layer_step, static, key, args, kwargs)
         policy = self.remat_policy(x)
         if policy is not None:
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[policy])
@@ -149,3 +135,28 @@ class Unstacked(eqx.Module, Generic[Layer]):
             x, layer_cache = layer(x, *args, cache=cache.holding(keys[i], values[i]), **more, **kwargs)
             keys[i], values[i] = layer_cache.keys, layer_cache.values
         return x if cache is None else (x, cache.holding(tuple(keys), tuple(values)))
+
+
+def _layer_step(static, key, args, kwargs, h, xs):
+    """One layer of `Stacked.__call__`'s scan: layer `index`'s parameters (and pattern
+    row) combined with the stack's `static` part and applied to `h`; a layer's
+    `(output, data)` gives the data to stack, otherwise `None`."""
+    layer_params, index, *rows = xs
+    layer = eqx.combine(layer_params, static)
+    more = {"pattern": rows[0]} if rows else {}
+    if key is not None:
+        more["key"] = fold_in(key, index)
+    out = layer(h, *args, **more, **kwargs)
+    # A layer may return (output, per-layer data): the data is stacked over the layers.
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def _cached_layer_step(static, key, cache, args, kwargs, h, xs):
+    """`_layer_step` with layer `index`'s slice of the `KVCache` (inference): returns the
+    layer's output and what it wrote to its cache."""
+    layer_params, index, kv, *rows = xs
+    more = {} if key is None else {"key": fold_in(key, index)}
+    more |= {"pattern": rows[0]} if rows else {}
+    layer = eqx.combine(layer_params, static)
+    h, layer_cache = layer(h, *args, cache=cache.holding(*kv), **more, **kwargs)
+    return h, (layer_cache.keys, layer_cache.values)
