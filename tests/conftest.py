@@ -191,9 +191,27 @@ def pytest_runtest_setup(item):
         _free_compiled_programs()
 
 
+# Reading /proc/self/maps costs time in proportion to the mappings (~1% of a worker's CPU
+# read after every test): read it only once CHECK_EVERY_COMPILES programs were compiled since
+# the last read. A program holds a few mappings (~4: code, constants, data), so the 25,000
+# between MAX_MAPPINGS and Linux's limit hold several thousand compiles.
+CHECK_EVERY_COMPILES = 200
+_compiles_since_check = [0]
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles_since_check[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
 def pytest_runtest_teardown(item, nextitem):
-    if _mappings() > MAX_MAPPINGS:
-        _free_compiled_programs()
+    if _compiles_since_check[0] >= CHECK_EVERY_COMPILES:
+        _compiles_since_check[0] = 0
+        if _mappings() > MAX_MAPPINGS:
+            _free_compiled_programs()
 
 
 def _timeout(item) -> float:

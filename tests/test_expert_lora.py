@@ -311,10 +311,11 @@ def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
     branches on the experts (and q_proj); the run's adapter names them in
     `target_parameters` and peft opens it on the transformers model with zoo's logits."""
     from helpers import zoo_main
+    from tiny_runs import TINY
 
     _byte_mixtral(tmp_path / "hf")
     lora = "r=2,targets=q_proj,parameters=gate_up_proj+down_proj"
-    flags = ["--init", tmp_path / "hf", "--lora", lora, "--steps", "3", "--output", tmp_path / "run"]
+    flags = ["--init", tmp_path / "hf", "--lora", lora, *TINY, "--steps", "3", "--output", tmp_path / "run"]
     rc, _, err = zoo_main("finetune", "transformer", *flags)
     assert rc == 0, err
     adapter = tmp_path / "run" / "adapter"

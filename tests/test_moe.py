@@ -427,11 +427,12 @@ def test_a_training_run_logs_the_router_loss_per_step(tmp_path):
     step as its own key (`aux_loss`, transformers' name) beside the training loss in
     metrics.jsonl; a run without the term (transformers' default) writes none."""
     from helpers import zoo_main
+    from tiny_runs import TINY
 
     experts = "num_experts=4,moe_mlp_dim=24,activation=swiglu"
     for term in ("true", "false"):
         out = tmp_path / term
-        flags = ["--model-config", f"{experts},output_router_logits={term}", "--steps", "2", "--output", out]
+        flags = ["--model-config", f"{experts},output_router_logits={term}", *TINY, "--steps", "2", "--output", out]
         rc, _, err = zoo_main("train", "transformer", *flags)
         assert rc == 0, err
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
