@@ -488,13 +488,17 @@ def save_word_tokenizer(words: list[str], folder) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
+# The event jax's monitoring reports once per program XLA compiles.
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
 @contextlib.contextmanager
 def backend_compiles():
     """The names of the functions XLA compiles while inside (a list that grows)."""
     names = []
 
     def listen(event, _seconds, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event == BACKEND_COMPILE:
             names.append(kwargs.get("fun_name", ""))
 
     jax.monitoring.register_event_duration_secs_listener(listen)

@@ -136,14 +136,7 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
     requests = [Request(prompt=rng.integers(6, VOCAB, size=n).tolist(), max_tokens=m) for n, m in shapes]
     requests[2] = Request(requests[2].prompt, max_tokens=14, temperature=0.9, top_k=20, top_p=0.9, seed=7)
     requests[6] = Request(requests[6].prompt, max_tokens=12, temperature=1.3, seed=3)
-    compiles = []  # XLA's own count: programs the engine's steps built
-
-    def count(event, _seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with backend_compiles() as compiles:  # XLA's own count: programs the engine's steps built
         handles = [engine.submit(r) for r in requests[:3]]
         engine.step()
         engine.step()
@@ -152,8 +145,6 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
         assert engine.active == 4 and engine.waiting == 2  # 4 slots: two wait
         handles += [engine.submit(r) for r in requests[6:]]
         engine.run_until_done()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     for request, handle in zip(requests, handles):
         assert handle.finish_reason == "length"
         assert handle.ids == _alone(model, request), request

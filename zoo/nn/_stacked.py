@@ -143,10 +143,7 @@ def _layer_step(static, key, args, kwargs, h, xs):
     `(output, data)` gives the data to stack, otherwise `None`."""
     layer_params, index, *rows = xs
     layer = eqx.combine(layer_params, static)
-    more = {"pattern": rows[0]} if rows else {}
-    if key is not None:
-        more["key"] = fold_in(key, index)
-    out = layer(h, *args, **more, **kwargs)
+    out = layer(h, *args, **_per_layer(key, index, rows), **kwargs)
     # A layer may return (output, per-layer data): the data is stacked over the layers.
     return out if isinstance(out, tuple) else (out, None)
 
@@ -155,8 +152,13 @@ def _cached_layer_step(static, key, cache, args, kwargs, h, xs):
     """`_layer_step` with layer `index`'s slice of the `KVCache` (inference): returns the
     layer's output and what it wrote to its cache."""
     layer_params, index, kv, *rows = xs
-    more = {} if key is None else {"key": fold_in(key, index)}
-    more |= {"pattern": rows[0]} if rows else {}
     layer = eqx.combine(layer_params, static)
-    h, layer_cache = layer(h, *args, cache=cache.holding(*kv), **more, **kwargs)
+    h, layer_cache = layer(h, *args, cache=cache.holding(*kv), **_per_layer(key, index, rows), **kwargs)
     return h, (layer_cache.keys, layer_cache.values)
+
+
+def _per_layer(key, index, rows) -> dict:
+    """Layer `index`'s own arguments in the scan: its dropout keys (the stack's `key`
+    folded with `index`) and its row of the `LayerPattern`, where there are any."""
+    more = {} if key is None else {"key": fold_in(key, index)}
+    return more | ({"pattern": rows[0]} if rows else {})
