@@ -175,7 +175,7 @@ def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dir
     request gets `zoo.generate`'s tokens with its adapter alone; the bank holds expert room
     because an adapter given has expert branches; unloading the expert adapter and loading
     another in its slot while requests run compiles nothing."""
-    from test_serve import _alone
+    from serving import alone
 
     from zoo.serve import Engine, Request
 
@@ -217,8 +217,8 @@ def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dir
     models |= {"again": models["experts"], "other": other, None: base}
     changed = 0
     for handle in handles + late:  # each request's tokens: its adapter's model alone
-        assert handle.ids == _alone(models[handle.request.adapter], handle.request), handle.request
-        changed += handle.request.adapter is not None and handle.ids != _alone(base, handle.request)
+        assert handle.ids == alone(models[handle.request.adapter], handle.request), handle.request
+        changed += handle.request.adapter is not None and handle.ids != alone(base, handle.request)
     assert changed >= 5, "the adapters should change most requests' tokens"
 
 
@@ -254,7 +254,7 @@ def test_grpo_rollouts_serve_an_expert_lora_policy():
     """GRPO's rollout engine over a policy with expert branches (beside q_proj's, or alone)
     holds room where the policy has branches, experts included, and decodes its tokens as
     `zoo.generate` does with the policy."""
-    from test_serve import _alone
+    from serving import alone
 
     from zoo.serve import Request
     from zoo.train._grpo import POLICY, _engine
@@ -268,7 +268,7 @@ def test_grpo_rollouts_serve_an_expert_lora_policy():
         assert set(engine.bank.layers) == want
         handle = engine.submit(Request([3, 5, 7, 9], max_tokens=6, adapter=POLICY))
         engine.run_until_done()
-        assert handle.ids == _alone(policy, handle.request) != _alone(base, handle.request)
+        assert handle.ids == alone(policy, handle.request) != alone(base, handle.request)
 
 
 def test_the_engines_refusals_of_expert_lora():

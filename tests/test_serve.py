@@ -16,50 +16,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
-from helpers import backend_compiles, noisy, save_word_tokenizer, tiny_decoder
+from helpers import backend_compiles, tiny_decoder
+from serving import (
+    EOS,
+    MAX_LEN,
+    VOCAB,
+    WORDS,
+    InProcessServe,
+    ServeProcess,
+    alone,
+    http_json,
+    tiny_llama,
+    token_ids,
+)
 
-import zoo
 from zoo.serve import Engine, QueueFull, Request
 from zoo.serve._programs import span
-
-WORDS = ["[PAD]", "[UNK]", "user", "assistant", "system", "."] + [f"w{i}" for i in range(58)]
-VOCAB = len(WORDS)  # 64
-EOS = 5  # "."
-MAX_LEN = 64
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} . {% endfor %}"
-    "{% if add_generation_prompt %}assistant {% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`(folder, transformers model, zoo model, zoo.hf.Tokenizer)` of a tiny random Llama."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0,
-    )  # fmt: skip
-    hf = noisy(transformers.LlamaForCausalLM(config), 0.2)
-    folder = tmp_path_factory.mktemp("llama")
-    hf.save_pretrained(folder)
-    save_word_tokenizer(WORDS, folder)
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": ".", "pad_token": "[PAD]"})
-    )
-    return folder, hf, zoo.hf.from_pretrained(folder), zoo.hf.Tokenizer.from_pretrained(folder)
-
-
-def _alone(model, request: Request) -> list[int]:
-    """zoo.generate's tokens for `request` by itself (greedy, or sampled with its seed)."""
-    key = None if request.temperature == 0 else jax.random.key(request.seed)
-    out = zoo.generate(
-        model, np.asarray([request.prompt], np.int32), max_new_tokens=request.max_tokens,
-        temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, key=key,
-    )  # fmt: skip
-    return np.asarray(out)[0, len(request.prompt) :].tolist()
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
 
 
 @eqx.filter_jit
@@ -122,7 +100,7 @@ def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
             engine.run_until_done()
         assert seen == []  # warm_up built every program these requests use
         for request, handle in zip(requests, handles):
-            assert handle.ids == _alone(model, request), (fast, request)
+            assert handle.ids == alone(model, request), (fast, request)
     assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen", "xla"}
     assert set(engine.compiles.values()) == {1}
 
@@ -147,7 +125,7 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
         engine.run_until_done()
     for request, handle in zip(requests, handles):
         assert handle.finish_reason == "length"
-        assert handle.ids == _alone(model, request), request
+        assert handle.ids == alone(model, request), request
     # One prefill per bucket (8, 16, 32) used; one decode program per number of rows used
     # (as requests end, the rest move to the lowest slots and the step runs fewer rows), all
     # reading the 64 columns, with Eigen's matmuls (no warm_up timed the kernels); each built
@@ -190,7 +168,7 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     handles = [engine.submit(r) for r in requests]
     engine.run_until_done()  # the long one uses columns 121 to 136
     for request, handle in zip(requests, handles):
-        assert handle.ids == _alone(model, request)
+        assert handle.ids == alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)  # which sees every column
     assert {k[2] for k in engine.compiles if k[0] == "decode"} == {128, 192}  # ("decode", rows, span, kernel)
     assert [span(n, 256) for n in (1, 128, 129, 192, 193)] == [128, 128, 192, 192, 256]
@@ -233,7 +211,7 @@ def test_the_engine_serves_each_architecture_as_it_generates(name):
     handles = [engine.submit(r) for r in requests]
     engine.run_until_done()
     for request, handle in zip(requests, handles):
-        assert handle.ids == _alone(model, request)
+        assert handle.ids == alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
 
 
@@ -262,14 +240,14 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
     assert sorted(moves) == [(2, 1), (3, 0)] and engine.compiles[("move",)] == 1  # both moved down, one program
     assert [n for i, n in enumerate(rows) if i == 0 or rows[i - 1] != n] == [4, 2, 1]  # rows per step as requests end
     for request, handle in zip(requests, handles):
-        assert handle.ids == _alone(model, request)
+        assert handle.ids == alone(model, request)
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)
 
 
 def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):
     model = served[2]
     prompt = [7, 8, 9, 10]
-    free = _alone(model, Request(prompt, max_tokens=MAX_LEN - len(prompt)))
+    free = alone(model, Request(prompt, max_tokens=MAX_LEN - len(prompt)))
     handle = engine.submit(Request(prompt, max_tokens=10**6))  # only the cache's end stops it
     engine.run_until_done()
     assert handle.finish_reason == "length" and handle.ids == free
@@ -315,7 +293,7 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(served, engine):
         engine.run_until_done()
     finally:
         engine.max_queue = None
-    assert waiting.ids == _alone(model, waiting.request)
+    assert waiting.ids == alone(model, waiting.request)
 
 
 @pytest.mark.parametrize(
@@ -341,7 +319,7 @@ def test_stream_and_background_thread(served, engine):
     are compiled), stopped at the end and then made to take requests again."""
     model = served[2]
     request = Request([6, 7, 8], max_tokens=12)
-    want = _alone(model, request)
+    want = alone(model, request)
     assert [t.id for t in engine.stream(request)] == want  # steps itself
     engine.start()
     try:
@@ -359,123 +337,23 @@ def test_stream_and_background_thread(served, engine):
 # --- the HTTP server, through the official openai client ----------------------------------
 
 
-class _Process:
-    """`zoo serve` in a process of its own, on a free port of 127.0.0.1."""
-
-    def __init__(self, folder, *flags):
-        import subprocess
-        import sys
-        from pathlib import Path
-
-        from helpers import short_run_env
-
-        root = Path(__file__).resolve().parents[1]
-        # The tests' fast-compile flags: what is served is the same, its programs compile in
-        # half the time (the process is the server, not its code's speed).
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zoo", "serve", str(folder), "--port", "0", "--name", "tiny", *map(str, flags)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root, env=short_run_env(),
-        )  # fmt: skip
-        self.line = self.proc.stdout.readline()  # "zoo serve: http://127.0.0.1:PORT/v1  model tiny  ready"
-        if "ready" not in self.line:
-            self.proc.kill()
-            raise AssertionError(f"zoo serve did not start: {self.line}{self.proc.stderr.read()}")
-        self.base = self.line.split()[2]  # http://127.0.0.1:PORT/v1
-
-    def client(self):
-        import openai
-
-        return openai.OpenAI(base_url=self.base, api_key="none", max_retries=0, timeout=60)
-
-    def stop(self) -> int:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
-
-
-class _InProcess:
-    """`zoo serve FOLDER --port 0 --name tiny FLAGS` in this process: the CLI's own entry
-    (`helpers.zoo_main`) builds the server from the flags (the model, tokenizer and chat
-    template read, the engine made and warmed up); uvicorn then serves it in a thread on a
-    free port of 127.0.0.1, as `zoo.serve.serve` does in the process. What only a process
-    shows (its "ready" line, SIGTERM draining, exit code 0) is
-    test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight's, with `_Process`."""
-
-    def __init__(self, folder, *flags):
-        import threading
-
-        import uvicorn
-        from helpers import zoo_main
-
-        import zoo.serve
-        from zoo.serve._http import _Uvicorn
-
-        built = []
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(zoo.serve, "serve", lambda server, **address: built.append((server, address)))
-            rc, _, err = zoo_main("serve", folder, "--port", 0, "--name", "tiny", *flags)
-        assert rc == 0, err
-        ((self.server, address),) = built
-        ready = threading.Event()
-
-        def announce(host, port):
-            self.base = f"http://{host}:{port}/v1"
-            ready.set()
-
-        config = uvicorn.Config(self.server.app, **address, log_level="warning", lifespan="on")
-        self.uvicorn = _Uvicorn(config, announce, self.server)
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        assert ready.wait(120), "the server did not start"
-
-    client = _Process.client
-
-    def stop(self) -> None:
-        import signal
-
-        self.uvicorn.handle_exit(signal.SIGTERM, None)  # as uvicorn's signal handler calls it
-        self.thread.join(60)
-        assert not self.thread.is_alive() and self.server.engine.error is None
-
-
 @pytest.fixture(scope="module")
 def server(served):
-    running = _InProcess(served[0], "--slots", 4, "--max-len", MAX_LEN)
+    running = InProcessServe(served[0], "--slots", 4, "--max-len", MAX_LEN)
     yield running
     running.stop()
 
 
-def _http(base, method, path, body=None):
-    """`(status, headers, JSON body)` of one plain HTTP request (bytes or JSON-able body)."""
-    import http.client
-    from urllib.parse import urlparse
-
-    url = urlparse(base)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    connection.request(method, url.path.removesuffix("/v1") + path, body=data)
-    response = connection.getresponse()
-    result = response.status, dict(response.getheaders()), json.loads(response.read())
-    connection.close()
-    return result
-
-
 def _health(base):
-    return _http(base, "GET", "/health")[2]
+    return http_json(base, "GET", "/health")[2]
 
 
 def _greedy_text(served, prompt_ids, max_tokens):
     """zoo.generate's greedy continuation as text, up to (not including) the eos id."""
     _, _, model, tokenizer = served
-    ids = _alone(model, Request(prompt_ids, max_tokens=max_tokens))
+    ids = alone(model, Request(prompt_ids, max_tokens=max_tokens))
     ids = ids[: ids.index(EOS)] if EOS in ids else ids
     return tokenizer.decode(ids), ids
-
-
-def _ids(served, text):
-    return served[3].tokenizer.encode(text).ids
 
 
 def test_openai_client_completions(served, server):
@@ -484,14 +362,14 @@ def test_openai_client_completions(served, server):
     prompts = ["w1 w2 w3", "w40 w7"]
     out = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0, n=2)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
-    wants = [_greedy_text(served, _ids(served, p), 12) for p in prompts]
+    wants = [_greedy_text(served, token_ids(served, p), 12) for p in prompts]
     assert [c.text for c in out.choices] == [wants[0][0]] * 2 + [wants[1][0]] * 2
     for choice, (_, ids) in zip(out.choices, [wants[0]] * 2 + [wants[1]] * 2):
         assert choice.finish_reason == ("stop" if len(ids) < 12 else "length")
     assert out.usage.prompt_tokens == 5
     assert out.usage.completion_tokens == sum(min(len(ids) + 1, 12) for _, ids in wants) * 2  # eos counts
     # Token ids in, the same text out; streamed, the same text in pieces.
-    by_ids = client.completions.create(model="tiny", prompt=_ids(served, prompts[0]), max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=token_ids(served, prompts[0]), max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == wants[0][0]
     pieces = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in pieces) == wants[0][0]
@@ -500,7 +378,7 @@ def test_openai_client_completions(served, server):
 def test_openai_client_stop_strings_and_sampling(served, server):
     client = server.client()
     prompt = "w9 w33 w12 w50"
-    text, ids = _greedy_text(served, _ids(served, prompt), 20)
+    text, ids = _greedy_text(served, token_ids(served, prompt), 20)
     words = text.split()
     assert len(words) >= 3, "the random model should say a few words before its eos"
     stop = " " + words[2]
@@ -512,14 +390,14 @@ def test_openai_client_stop_strings_and_sampling(served, server):
     # A seeded draw is zoo.generate's with jax.random.key(seed).
     kw = dict(max_tokens=8, temperature=0.8, top_p=0.9)
     out = client.completions.create(model="tiny", prompt=prompt, seed=11, extra_body={"ignore_eos": True}, **kw)
-    want = _alone(served[2], Request(_ids(served, prompt), seed=11, **kw))
+    want = alone(served[2], Request(token_ids(served, prompt), seed=11, **kw))
     assert out.choices[0].text == served[3].decode(want)
 
 
 def test_openai_client_echo_logprobs_are_the_full_forward(served, server):
     client = server.client()
     prompt = "w3 w14 w7 w22 w41 w2"
-    ids = _ids(served, prompt)
+    ids = token_ids(served, prompt)
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     lp = out.choices[0].logprobs
     full = full_logprobs(served[2], ids)
@@ -533,10 +411,10 @@ def test_openai_client_chat(served, server):
     client = server.client()
     messages = [{"role": "user", "content": "w5 w6 w7"}]
     rendered = "user w5 w6 w7 . assistant "
-    want, _ = _greedy_text(served, _ids(served, rendered), 10)
+    want, _ = _greedy_text(served, token_ids(served, rendered), 10)
     out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want
-    assert out.usage.prompt_tokens == len(_ids(served, rendered))
+    assert out.usage.prompt_tokens == len(token_ids(served, rendered))
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))  # fmt: skip
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -556,7 +434,7 @@ def test_openai_client_chat(served, server):
     ],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, message, param):
-    status, _, answer = _http(server.base, "POST", "/v1/completions", body)
+    status, _, answer = http_json(server.base, "POST", "/v1/completions", body)
     assert status == 400
     error = answer["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error" and error["param"] == param
@@ -564,7 +442,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, message
 
 
 def test_an_unknown_model_gets_404_as_openai_answers(server):
-    status, _, answer = _http(server.base, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "w1"})
+    status, _, answer = http_json(server.base, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "w1"})
     assert status == 404
     error = answer["error"]
     assert "the model 'gpt-4' does not exist; this server serves ['tiny']" in error["message"]
@@ -608,7 +486,7 @@ def test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight(served, tmp
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(served[0] / name, tmp_path / name)
     (tmp_path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
-    process = _Process(tmp_path, "--slots", 1, "--max-queue", 1)
+    process = ServeProcess(tmp_path, "--slots", 1, "--max-queue", 1)
     try:
         body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         texts = {}
@@ -630,7 +508,7 @@ def test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight(served, tmp
             if _health(process.base)["waiting"] == 1:
                 break
             time.sleep(0.05)
-        status, headers, answer = _http(process.base, "POST", "/v1/completions", body)
+        status, headers, answer = http_json(process.base, "POST", "/v1/completions", body)
         assert status == 429 and headers["retry-after"] == "1" and answer["error"]["code"] == "queue_full"
         assert process.stop() == 0  # SIGTERM: both finish first
         for t in threads:

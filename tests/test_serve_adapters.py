@@ -3,8 +3,8 @@ loading and unloading while serving (nothing dropped, nothing compiled), `zoo se
 --adapter NAME=DIR` through the official `openai` client, and the errors.
 
 The adapters are written by peft itself (`get_peft_model(...).save_pretrained`) on the tiny
-random Llama of test_serve.py, with different ranks, scalings and target modules. Each
-request's reference is `zoo.generate` on a plain single-adapter model
+random Llama of test_serve.py (`serving.tiny_llama`), with different ranks, scalings and
+target modules. Each request's reference is `zoo.generate` on a plain single-adapter model
 (`zoo.lora.load_adapter(base, folder)`) or on the bare base, alone.
 """
 
@@ -16,15 +16,19 @@ import time
 import numpy as np
 import peft
 import pytest
-import test_serve
 from helpers import backend_compiles
-from test_serve import _alone, _http, _ids, _Process
+from serving import ServeProcess, alone, http_json, tiny_llama, token_ids
 
 import zoo
 from zoo.serve import Engine, Request
 from zoo.serve._engine import AdapterSlotsFull
 
-served = test_serve.served  # the tiny random Llama fixture, shared
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """test_serve.py's tiny random Llama (`serving.tiny_llama`)."""
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
+
 
 # name → (rank, alpha, peft target modules): different ranks, scalings and targets.
 ADAPTERS = {
@@ -81,8 +85,8 @@ def test_a_mixed_batch_gives_each_request_its_adapter_alone(served, adapters):
     differ = 0
     for request, handle in zip(requests, handles):
         model = base if request.adapter is None else models[request.adapter]
-        assert handle.ids == _alone(model, request), request
-        differ += request.adapter is not None and handle.ids != _alone(base, request)
+        assert handle.ids == alone(model, request), request
+        differ += request.adapter is not None and handle.ids != alone(base, request)
     assert differ >= 4, "the adapters should change most requests' tokens"
 
 
@@ -116,10 +120,10 @@ def test_load_and_unload_while_requests_run(served, adapters):
         engine.run_until_done()
     assert engine.compiles == before and seen == []
     for handle in running:
-        assert handle.finish_reason == "length" and handle.ids == _alone(adapters["sql"][1], handle.request)
-    assert plain.ids == _alone(base, plain.request)
-    assert late.ids == _alone(adapters["poet"][1], late.request)
-    assert again.ids == _alone(adapters["chef"][1], again.request)
+        assert handle.finish_reason == "length" and handle.ids == alone(adapters["sql"][1], handle.request)
+    assert plain.ids == alone(base, plain.request)
+    assert late.ids == alone(adapters["poet"][1], late.request)
+    assert again.ids == alone(adapters["chef"][1], again.request)
 
 
 def test_engine_refusals(served, adapters):
@@ -151,13 +155,13 @@ def server(served, adapters):
     # A process of its own: in the test process jaxtyping's import hook checks zoo's
     # annotations, and loading an adapter over HTTP fails one (zoo.lora's unmerge is annotated
     # without MultiLoraLinear, which it is handed here); a server process does not check them.
-    process = _Process(served[0], *flags)
+    process = ServeProcess(served[0], *flags)
     yield process
     assert process.stop() == 0
 
 
 def _text(served, model, prompt, max_tokens):
-    ids = _alone(model, Request(_ids(served, prompt), max_tokens=max_tokens))
+    ids = alone(model, Request(token_ids(served, prompt), max_tokens=max_tokens))
     return served[3].decode(ids[: ids.index(5)] if 5 in ids else ids)
 
 
@@ -214,13 +218,13 @@ def test_load_and_unload_over_http_while_a_stream_runs(served, adapters, server,
     status, _, answer = _http_text(server.base, "/v1/unload_lora_adapter", {"lora_name": "sql"})
     assert status == 200 and answer.startswith("Success: LoRA adapter 'sql' removed successfully.")
     text = first + "".join(c.choices[0].text for c in stream)
-    want = served[3].decode(_alone(adapters["sql"][1], Request(_ids(served, "w1 w2"), max_tokens=40)))
+    want = served[3].decode(alone(adapters["sql"][1], Request(token_ids(served, "w1 w2"), max_tokens=40)))
     assert text == want  # the unloaded adapter's stream ran to its end
     assert [m.id for m in client.models.list()] == ["tiny", "poet", "chef"]
-    status, _, answer = _http(server.base, "POST", "/v1/completions", {"model": "sql", "prompt": "w1"})
+    status, _, answer = http_json(server.base, "POST", "/v1/completions", {"model": "sql", "prompt": "w1"})
     assert status == 404 and answer["error"]["code"] == "model_not_found"
     for _ in range(100):  # bounded: the drained slot frees once the stream's request ends
-        if _http(server.base, "GET", "/health")[2]["active"] == 0:
+        if http_json(server.base, "GET", "/health")[2]["active"] == 0:
             break
         time.sleep(0.05)
     # Errors: a full set of slots (409), a rank above the max, a bad folder, a name taken, an unknown name.
@@ -236,7 +240,7 @@ def test_load_and_unload_over_http_while_a_stream_runs(served, adapters, server,
     for body, code, message in cases:
         if code is None:  # unload one first, so the rank is what refuses it
             assert _http_text(server.base, "/v1/unload_lora_adapter", {"lora_name": "again"})[0] == 200
-            status, _, answer = _http(server.base, "POST", "/v1/load_lora_adapter", body)
+            status, _, answer = http_json(server.base, "POST", "/v1/load_lora_adapter", body)
             assert status == 400 and "rank 16" in answer["error"]["message"]
             assert "--max-lora-rank" in answer["error"]["message"]
             continue
@@ -244,9 +248,9 @@ def test_load_and_unload_over_http_while_a_stream_runs(served, adapters, server,
         assert status == code, (body, answer)
         if message is not None:
             assert message in json.loads(answer)["error"]["message"], answer
-    status, _, answer = _http(server.base, "POST", "/v1/unload_lora_adapter", {"lora_name": "nobody"})
+    status, _, answer = http_json(server.base, "POST", "/v1/unload_lora_adapter", {"lora_name": "nobody"})
     assert status == 404 and "cannot be found" in answer["error"]["message"]
-    assert _http(server.base, "GET", "/health")[2]["status"] == "ok"
+    assert http_json(server.base, "GET", "/health")[2]["status"] == "ok"
 
 
 def _http_text(base, path, body):
@@ -334,12 +338,12 @@ def test_a_finetune_run_as_source_serves_its_adapter_by_the_run_name(served, tmp
     (server,) = servers
     assert server.model_name == served[0].resolve().name and server.engine.adapters == ["myrun"]
     tuned = zoo.lora.load_adapter(served[2], run / "adapter")[0]
-    prompt = _ids(served, "w1 w2 w3")
+    prompt = token_ids(served, "w1 w2 w3")
     got = {}
     for model in ("myrun", None):
         handle = server.engine.submit(Request(prompt, max_tokens=10, adapter=model))
         server.engine.run_until_done()
         got[model] = handle.ids
-    assert got["myrun"] == _alone(tuned, Request(prompt, max_tokens=10))
-    assert got[None] == _alone(served[2], Request(prompt, max_tokens=10))
+    assert got["myrun"] == alone(tuned, Request(prompt, max_tokens=10))
+    assert got[None] == alone(served[2], Request(prompt, max_tokens=10))
     assert got["myrun"] != got[None]  # the adapter changed the answer
