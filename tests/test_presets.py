@@ -396,6 +396,7 @@ def test_docs_table_is_the_pinned_data():
 if __name__ == "__main__":
     import sys
 
+    jax.config.update("jax_num_cpu_devices", 8)  # as tests/conftest.py: before the backend starts
     if "--pin" in sys.argv:  # recompile every case and rewrite the pinned file
         pinned = {case_id(*c): signature(run(*c)[2]) for c in CASES if c[2] == "explicit"}
         PINNED.write_text(json.dumps(pinned, indent=1) + "\n")
