@@ -1,6 +1,7 @@
 """Every model × every sharding preset, at M ≥ 2 microbatches on a mesh with data ≥ 2:
 the update equals the single-device one, and every collective of the compiled step is
-pinned exactly (kind, in or out of loops, mesh axes, bytes).
+pinned exactly (kind, in or out of loops, mesh axes, bytes) in
+tests/data/preset_collectives.json.
 
 Each (model, preset, mode) compiles once (module-scoped cache); the program that is read is
 the one that runs. The pinned lists are also the "collectives per step" table of
