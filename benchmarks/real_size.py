@@ -22,6 +22,7 @@ so both are the base model's loss on the same batch: equal within rounding).
 
     python benchmarks/real_size.py                       # 0.4B, float32
     python benchmarks/real_size.py --size 1b --steps 4
+    python benchmarks/real_size.py --repeat 3            # three side by sides, alternating; medians
     python benchmarks/real_size.py --size 0.4b --dtype bfloat16
     python benchmarks/real_size.py --size small          # 55M: checks the script in a minute
     python benchmarks/real_size.py --remat none,dots_saveable,nothing_saveable   # zoo alone
@@ -259,7 +260,7 @@ def loadavg() -> str:
         return "n/a"
 
 
-def report(args, zoo: dict, torch: dict) -> None:
+def report(args, zoo: dict, torch: dict, load: str | None = None) -> None:
     tokens = args.batch * args.seq
     rows = {}
     for name, side in (("zoo", zoo), ("torch", torch)):
@@ -267,7 +268,7 @@ def report(args, zoo: dict, torch: dict) -> None:
         step = statistics.median(later)
         rows[name] = (step, tokens / step, side["peak_mb"], side["first_step_s"], side["first_loss"])
     print(f"\n{args.size}, {args.dtype}, LoRA r={args.rank} on every linear layer, batch {args.batch} x {args.seq}, "
-          f"{args.steps} steps (median of steps 2..), loadavg {loadavg()}")  # fmt: skip
+          f"{args.steps} steps (median of steps 2..), loadavg {load or loadavg()}")  # fmt: skip
     print(f"{'':8}{'step s':>9}{'tokens/s':>10}{'peak MB':>10}{'first step s':>14}{'first loss':>13}")
     for name, (step, tps, peak, first, loss) in rows.items():
         print(f"{name:8}{step:9.2f}{tps:10.0f}{peak:10.0f}{first:14.1f}{loss:13.6f}")
@@ -332,7 +333,10 @@ def main() -> None:
     parser.add_argument("--mfu", action="store_true", help="print model FLOPs, TFLOP/s and MFU per side")
     parser.add_argument("--peak-tflops", type=float, help="zoo's device's dense peak TFLOP/s (for --mfu's MFU)")
     parser.add_argument("--policy", help="zoo's remat policy beside torch (none: off; default: zoo's own, auto)")
+    parser.add_argument("--repeat", type=int, default=1, help="the side by side N times, zoo and torch alternating")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more runs")
     out = args.out / args.size
     folder = out / "model"
     if args.worker == "make":
@@ -352,9 +356,34 @@ def main() -> None:
         print(f"\n{args.size}: zoo.hf.from_pretrained {r['load_s']:.1f} s, peak resident {r['peak_mb']:,.0f} MB "
               f"for {r['params_mb']:,.0f} MB of parameters ({r['peak_mb'] / r['params_mb']:.2f}x), loadavg {loadavg()}")  # fmt: skip
         return
-    results = {worker: _worker(worker) for worker in ("make", "zoo", "torch")}
-    report(args, results["zoo"], results["torch"])
-    (out / f"result-{args.dtype}.json").write_text(json.dumps(results, indent=1))
+    _worker("make")
+    runs = [
+        {worker: _worker(worker) for worker in ("zoo", "torch")} | {"loadavg": loadavg()} for _ in range(args.repeat)
+    ]
+    for run in runs:
+        report(args, run["zoo"], run["torch"], run["loadavg"])
+    if len(runs) > 1:
+        report_repeats(runs)
+    (out / f"result-{args.dtype}.json").write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
+
+
+def report_repeats(runs: list[dict]) -> None:
+    """`--repeat`: each run's zoo/torch ratios and their medians, and the ratio of the two
+    sides' median steps over all runs (torch's own step moves between runs: read the
+    spread, not one run)."""
+
+    def step(side: dict) -> float:
+        return statistics.median(side["step_s"][1:] or side["step_s"])
+
+    def ratios(of) -> str:
+        values = [of(run["zoo"]) / of(run["torch"]) for run in runs]
+        return f"{', '.join(f'{v:.2f}' for v in values)} (median {statistics.median(values):.2f})"
+
+    zoo, torch = (statistics.median(step(run[side]) for run in runs) for side in ("zoo", "torch"))
+    print(f"\n{len(runs)} runs, zoo and torch alternating; zoo/torch per run:")
+    print(f"  step        {ratios(step)}; median steps {zoo:.2f} / {torch:.2f} s = {zoo / torch:.2f}")
+    print(f"  peak        {ratios(lambda side: side['peak_mb'])}")
+    print(f"  first step  {ratios(lambda side: side['first_step_s'])}")
 
 
 def _worker(worker: str, *extra: str) -> dict | None:
