@@ -260,12 +260,17 @@ def loadavg() -> str:
         return "n/a"
 
 
+def median_step(side: dict) -> float:
+    """A side's step time: the median of its steps after the first (which compiles or
+    pages weights in), or of all when it ran one."""
+    return statistics.median(side["step_s"][1:] or side["step_s"])
+
+
 def report(args, zoo: dict, torch: dict, load: str | None = None) -> None:
     tokens = args.batch * args.seq
     rows = {}
     for name, side in (("zoo", zoo), ("torch", torch)):
-        later = side["step_s"][1:] or side["step_s"]
-        step = statistics.median(later)
+        step = median_step(side)
         rows[name] = (step, tokens / step, side["peak_mb"], side["first_step_s"], side["first_loss"])
     print(f"\n{args.size}, {args.dtype}, LoRA r={args.rank} on every linear layer, batch {args.batch} x {args.seq}, "
           f"{args.steps} steps (median of steps 2..), loadavg {load or loadavg()}")  # fmt: skip
@@ -317,7 +322,9 @@ def report_mfu(args, sides: dict[str, tuple[dict, float]]) -> None:
               f"this backend's cost analysis counts a loop's body once, and the {layers} layers run as one scanned body")  # fmt: skip
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's settings (`argv`, else `sys.argv[1:]`); exits with a one-line usage
+    error for a combination it cannot run."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="0.4b")
     parser.add_argument("--steps", type=int, default=5)
@@ -334,9 +341,16 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="zoo's device's dense peak TFLOP/s (for --mfu's MFU)")
     parser.add_argument("--policy", help="zoo's remat policy beside torch (none: off; default: zoo's own, auto)")
     parser.add_argument("--repeat", type=int, default=1, help="the side by side N times, zoo and torch alternating")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give 1 or more runs")
+    if args.repeat > 1 and (args.remat or args.load):
+        parser.error("--repeat repeats the side by side with torch; --remat and --load run zoo alone: drop one")
+    return args
+
+
+def main() -> None:
+    args = parse()
     out = args.out / args.size
     folder = out / "model"
     if args.worker == "make":
@@ -364,7 +378,7 @@ def main() -> None:
         report(args, run["zoo"], run["torch"], run["loadavg"])
     if len(runs) > 1:
         report_repeats(runs)
-    (out / f"result-{args.dtype}.json").write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
+    (out / f"result-{args.dtype}.json").write_text(json.dumps(runs, indent=1))  # one entry a run
 
 
 def report_repeats(runs: list[dict]) -> None:
@@ -372,16 +386,13 @@ def report_repeats(runs: list[dict]) -> None:
     sides' median steps over all runs (torch's own step moves between runs: read the
     spread, not one run)."""
 
-    def step(side: dict) -> float:
-        return statistics.median(side["step_s"][1:] or side["step_s"])
-
     def ratios(of) -> str:
         values = [of(run["zoo"]) / of(run["torch"]) for run in runs]
         return f"{', '.join(f'{v:.2f}' for v in values)} (median {statistics.median(values):.2f})"
 
-    zoo, torch = (statistics.median(step(run[side]) for run in runs) for side in ("zoo", "torch"))
+    zoo, torch = (statistics.median(median_step(run[side]) for run in runs) for side in ("zoo", "torch"))
     print(f"\n{len(runs)} runs, zoo and torch alternating; zoo/torch per run:")
-    print(f"  step        {ratios(step)}; median steps {zoo:.2f} / {torch:.2f} s = {zoo / torch:.2f}")
+    print(f"  step        {ratios(median_step)}; median steps {zoo:.2f} / {torch:.2f} s = {zoo / torch:.2f}")
     print(f"  peak        {ratios(lambda side: side['peak_mb'])}")
     print(f"  first step  {ratios(lambda side: side['first_step_s'])}")
 
@@ -405,10 +416,7 @@ def compare_remat(args, out: Path) -> None:
     print(f"{'policy':34}{'step s':>9}{'peak MB':>10}{'step ×':>9}{'peak ×':>9}")
     base = rows[policies[0]]
     for p, r in rows.items():
-        step, first = (
-            statistics.median(r["step_s"][1:] or r["step_s"]),
-            statistics.median(base["step_s"][1:] or base["step_s"]),
-        )
+        step, first = median_step(r), median_step(base)
         print(f"{p:34}{step:9.2f}{r['peak_mb']:10.0f}{step / first:9.2f}{r['peak_mb'] / base['peak_mb']:9.2f}")
     (out / f"remat-{args.dtype}.json").write_text(json.dumps(rows, indent=1))
 

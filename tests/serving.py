@@ -44,6 +44,13 @@ def tiny_llama(folder):
     return folder, hf, zoo.hf.from_pretrained(folder), zoo.hf.Tokenizer.from_pretrained(folder)
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`tiny_llama` in a folder of its own, once per test module that takes it
+    (`served = serving.served` there)."""
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
 def alone(model, request: Request) -> list[int]:
     """zoo.generate's tokens for `request` by itself (greedy, or sampled with its seed)."""
     key = None if request.temperature == 0 else jax.random.key(request.seed)
@@ -59,8 +66,10 @@ def token_ids(served, text):
     return served[3].tokenizer.encode(text).ids
 
 
-def http_json(base, method, path, body=None):
-    """`(status, headers, JSON body)` of one plain HTTP request (bytes or JSON-able body)."""
+def http_request(base, method, path, body=None) -> tuple[int, dict, bytes]:
+    """`(status, headers, body bytes)` of one plain HTTP request to the server at `base` (its
+    `.../v1` URL; `path` from the root, e.g. `/health`); `body` bytes or JSON-able. Header
+    names in lower case (HTTP's are case-insensitive)."""
     import http.client
     from urllib.parse import urlparse
 
@@ -69,9 +78,15 @@ def http_json(base, method, path, body=None):
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     connection.request(method, url.path.removesuffix("/v1") + path, body=data)
     response = connection.getresponse()
-    result = response.status, dict(response.getheaders()), json.loads(response.read())
+    result = response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
     connection.close()
     return result
+
+
+def http_json(base, method, path, body=None):
+    """`http_request` of an answer in JSON: `(status, headers, the parsed body)`."""
+    status, headers, data = http_request(base, method, path, body)
+    return status, headers, json.loads(data)
 
 
 class ServeProcess:
@@ -110,37 +125,27 @@ class ServeProcess:
         return self.proc.wait(timeout=60)
 
 
-class InProcessServe:
-    """`zoo serve FOLDER --port 0 --name tiny FLAGS` in this process: the CLI's own entry
-    (`helpers.zoo_main`) builds the server from the flags (the model, tokenizer and chat
-    template read, the engine made and warmed up); uvicorn then serves it in a thread on a
-    free port of 127.0.0.1, as `zoo.serve.serve` does in the process. What only a process
-    shows (its "ready" line, SIGTERM draining, exit code 0) is
-    test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight's, with `ServeProcess`."""
+class ServerThread:
+    """A `zoo.serve.Server` served by uvicorn in a thread of this process, as
+    `zoo.serve.serve` serves it in its own (a free port of 127.0.0.1 unless `host` and
+    `port` say otherwise), until `stop`; `base` is its `.../v1` URL."""
 
-    def __init__(self, folder, *flags):
+    def __init__(self, server, *, host="127.0.0.1", port=0):
         import threading
 
         import uvicorn
-        from helpers import zoo_main
 
-        import zoo.serve
         from zoo.serve._http import _Uvicorn
 
-        built = []
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(zoo.serve, "serve", lambda server, **address: built.append((server, address)))
-            rc, _, err = zoo_main("serve", folder, "--port", 0, "--name", "tiny", *flags)
-        assert rc == 0, err
-        ((self.server, address),) = built
+        self.server = server
         ready = threading.Event()
 
         def announce(host, port):
             self.base = f"http://{host}:{port}/v1"
             ready.set()
 
-        config = uvicorn.Config(self.server.app, **address, log_level="warning", lifespan="on")
-        self.uvicorn = _Uvicorn(config, announce, self.server)
+        config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", lifespan="on")
+        self.uvicorn = _Uvicorn(config, announce, server)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         assert ready.wait(120), "the server did not start"
@@ -148,8 +153,36 @@ class InProcessServe:
     client = ServeProcess.client
 
     def stop(self) -> None:
+        """SIGTERM, as uvicorn's signal handler hands it on; the thread ends once the
+        requests in flight have finished."""
         import signal
 
-        self.uvicorn.handle_exit(signal.SIGTERM, None)  # as uvicorn's signal handler calls it
+        self.uvicorn.handle_exit(signal.SIGTERM, None)
         self.thread.join(60)
-        assert not self.thread.is_alive() and self.server.engine.error is None
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+class InProcessServe(ServerThread):
+    """`zoo serve FOLDER --port 0 --name tiny FLAGS` in this process: the CLI's own entry
+    (`helpers.zoo_main`) builds the server from the flags (the model, tokenizer and chat
+    template read, the engine made and warmed up), then a `ServerThread` serves it where
+    the flags say. What only a process shows (its "ready" line, SIGTERM draining, exit
+    code 0) is test_full_queue_gets_429_and_sigterm_finishes_requests_in_flight's, with
+    `ServeProcess`."""
+
+    def __init__(self, folder, *flags):
+        from helpers import zoo_main
+
+        import zoo.serve
+
+        built = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(zoo.serve, "serve", lambda server, **address: built.append((server, address)))
+            rc, _, err = zoo_main("serve", folder, "--port", 0, "--name", "tiny", *flags)
+        assert rc == 0, err
+        ((server, address),) = built
+        super().__init__(server, **address)
+
+    def stop(self) -> None:
+        super().stop()
+        assert self.server.engine.error is None

@@ -142,3 +142,41 @@ def test_mfu_is_the_achieved_rate_over_the_peak():
     assert achieved == pytest.approx(step / 0.5 / 1e12)
     assert mfu == pytest.approx(achieved / peak)
     assert flops.utilisation(step, 0.5, None) == (achieved, None)
+
+
+def test_the_docs_real_size_commands_parse(capsys):
+    """Every command line `python benchmarks/real_size.py ...` of README.md, docs/*.md and the
+    script's own docstring (a line of its own: the shell blocks, not prose quoting one over
+    a line break) is taken by the script's parser, its combinations checked
+    (`real_size.parse`), without running it: a flag renamed or dropped fails here, not in a
+    reader's terminal."""
+    import shlex
+    import sys
+
+    root = Path(__file__).parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))  # real_size imports its sibling _flops
+    try:
+        spec = importlib.util.spec_from_file_location("real_size", root / "benchmarks" / "real_size.py")
+        real_size = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(real_size)
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    lines = [
+        line.split("benchmarks/real_size.py", 1)[1]
+        for doc in [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "benchmarks" / "real_size.py"]
+        for line in doc.read_text().splitlines()
+        if line.strip().startswith("python benchmarks/real_size.py")
+    ]
+    assert len(lines) >= 10
+    for rest in lines:
+        argv = shlex.split(rest, comments=True)
+        try:
+            real_size.parse(argv)
+        except SystemExit as e:
+            pytest.fail(f"`python benchmarks/real_size.py {shlex.join(argv)}` is refused (exit {e.code})")
+    # What it cannot run is one usage line naming the fix.
+    for argv, message in ((["--repeat", "0"], "give 1 or more runs"), (["--repeat", "2", "--load"], "drop one")):
+        with pytest.raises(SystemExit) as exit_:
+            real_size.parse(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err.splitlines()[-1], err

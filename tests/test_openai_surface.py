@@ -10,8 +10,6 @@ before anything loads; after SIGTERM, 503 with Retry-After while the requests in
 finish.
 """
 
-import http.client
-import json
 import signal
 import socket
 import threading
@@ -22,53 +20,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import one_line_error, tiny_decoder, zoo_main
+from serving import ServerThread, http_json
 
 import zoo
 import zoo.serve
-from zoo.serve._http import _Uvicorn
 
 MAX_LEN = 64
 MAX_QUEUE = 4
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
-class _Running:
-    """A `zoo.serve.Server` over `engine`, served by uvicorn in a thread until `stop`."""
+class _Running(ServerThread):
+    """A `zoo.serve.Server` over `engine` with the test's chat template, in a thread."""
 
     def __init__(self, engine):
-        import uvicorn
-
-        self.server = zoo.serve.Server(engine, model_name="tiny", chat_template=zoo.data.ChatTemplate(CHAT_TEMPLATE))
-        ready = threading.Event()
-
-        def announce(host, port):
-            self.base = f"http://{host}:{port}/v1"
-            ready.set()
-
-        config = uvicorn.Config(self.server.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-        self.uvicorn = _Uvicorn(config, announce, self.server)
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        assert ready.wait(120), "the server did not start"
-
-    def client(self):
-        import openai
-
-        return openai.OpenAI(base_url=self.base, api_key="none", max_retries=0, timeout=60)
+        super().__init__(
+            zoo.serve.Server(engine, model_name="tiny", chat_template=zoo.data.ChatTemplate(CHAT_TEMPLATE))
+        )
 
     def post(self, path: str, body: dict) -> tuple[int, dict, dict]:
-        host, port = self.base.split("//")[1].split("/")[0].split(":")
-        connection = http.client.HTTPConnection(host, int(port), timeout=60)
-        connection.request("POST", path, body=json.dumps(body).encode())
-        response = connection.getresponse()
-        result = response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(response.read())
-        connection.close()
-        return result
-
-    def stop(self):
-        self.uvicorn.handle_exit(signal.SIGTERM, None)
-        self.thread.join(60)
-        assert not self.thread.is_alive()
+        return http_json(self.base, "POST", path, body)
 
 
 @pytest.fixture(scope="module")

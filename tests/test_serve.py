@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import serving
 import torch
 from helpers import backend_compiles, tiny_decoder
 from serving import (
@@ -26,18 +27,13 @@ from serving import (
     ServeProcess,
     alone,
     http_json,
-    tiny_llama,
     token_ids,
 )
 
 from zoo.serve import Engine, QueueFull, Request
 from zoo.serve._programs import span
 
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """`(folder, transformers model, zoo model, zoo.hf.Tokenizer)` of a tiny random Llama."""
-    return tiny_llama(tmp_path_factory.mktemp("llama"))
+served = serving.served  # the tiny random Llama, a module fixture
 
 
 @eqx.filter_jit

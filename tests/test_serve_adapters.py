@@ -16,18 +16,15 @@ import time
 import numpy as np
 import peft
 import pytest
+import serving
 from helpers import backend_compiles
-from serving import ServeProcess, alone, http_json, tiny_llama, token_ids
+from serving import ServeProcess, alone, http_json, http_request, token_ids
 
 import zoo
 from zoo.serve import Engine, Request
 from zoo.serve._engine import AdapterSlotsFull
 
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """test_serve.py's tiny random Llama (`serving.tiny_llama`)."""
-    return tiny_llama(tmp_path_factory.mktemp("llama"))
+served = serving.served  # the tiny random Llama, a module fixture
 
 
 # name → (rank, alpha, peft target modules): different ranks, scalings and targets.
@@ -255,16 +252,8 @@ def test_load_and_unload_over_http_while_a_stream_runs(served, adapters, server,
 
 def _http_text(base, path, body):
     """`(status, headers, text)` of a POST whose answer may be plain text (vLLM's success)."""
-    import http.client
-    from urllib.parse import urlparse
-
-    url = urlparse(base)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    connection.request("POST", path, body=json.dumps(body).encode())
-    response = connection.getresponse()
-    result = response.status, dict(response.getheaders()), response.read().decode()
-    connection.close()
-    return result
+    status, headers, data = http_request(base, "POST", path, body)
+    return status, headers, data.decode()
 
 
 @pytest.mark.parametrize(

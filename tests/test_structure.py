@@ -73,7 +73,7 @@ def test_no_test_file_is_longer_than_the_limit():
     """No file of tests/ is over `LONGEST_FILE` lines either (issue 40): pinned data lives in
     tests/data/, helpers several files share in their own modules (helpers.py, serving.py)."""
     tests = Path(__file__).parent
-    lengths = {p.name: len(p.read_text().splitlines()) for p in tests.rglob("*.py")}
+    lengths = {str(p.relative_to(tests)): len(p.read_text().splitlines()) for p in tests.rglob("*.py")}
     long = {f: n for f, n in lengths.items() if n > LONGEST_FILE}
     assert not long, f"test files over {LONGEST_FILE} lines (split them by capability): {long}"
 
