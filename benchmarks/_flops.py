@@ -88,6 +88,50 @@ def step_flops(config: dict, batch: int, seq: int, *, lora_rank: int | None = No
     return 2 * weights + 6 * lora_params(config, lora_rank) * batch * seq + 3 * attention
 
 
+def weight_matmuls(config: dict, batch: int, seq: int, *, lora: bool = True) -> list[tuple[int, int, int, str, int]]:
+    """The weight matmuls of one training step on `batch × seq` tokens, as
+    `(m, k, n, form, count)`: `form` `"nn"` is `a[m, k] @ b[k, n]`, `"nt"` `a[m, k] @ b[n, k]ᵀ`,
+    `"tn"` `a[k, m]ᵀ @ b[k, n]`; `count` how many a step runs. Each weight `W[in, out]`
+    (stored as a Linear holds it, `[in, out]`) runs its forward `x @ W` (`nn`) and its
+    activation gradient `dy @ Wᵀ` (`nt`); without `lora` (a full fine-tune) also its weight
+    gradient `xᵀ @ dy` (`tn`). Their FLOPs, `2·m·k·n·count`, are `step_flops`'s weight
+    term (`4·N·T`, or `6·N·T`). Left out, as `real_size.py --mfu` says: attention's score
+    and value matmuls (batched, a few percent at these sizes) and LoRA's rank-r products.
+
+    **Arguments:** `config`, a Llama-shaped `config.json` as a dict (see `matmul_params`);
+    `batch`, `seq`; `lora`: the frozen weights get no weight gradient."""
+    d, f, heads, kv, head_dim = _dims(config)
+    layers, tokens = config["num_hidden_layers"], batch * seq
+    shapes = {}  # (in, out) -> weights of that shape in a step
+    for shape, per_layer in (
+        ((d, heads * head_dim), 1),
+        ((d, kv * head_dim), 2),
+        ((heads * head_dim, d), 1),
+        ((d, f), 2),
+        ((f, d), 1),
+    ):
+        shapes[shape] = shapes.get(shape, 0) + per_layer * layers
+    shapes[(d, config["vocab_size"])] = shapes.get((d, config["vocab_size"]), 0) + 1  # the LM head
+    out = []
+    for (fan_in, fan_out), count in shapes.items():
+        out += [(tokens, fan_in, fan_out, "nn", count), (tokens, fan_out, fan_in, "nt", count)]
+        if not lora:
+            out.append((fan_in, tokens, fan_out, "tn", count))
+    return out
+
+
+def matmul_operands(m: int, k: int, n: int, form: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The shapes of `a` and `b` for a `weight_matmuls` entry (`form` as there)."""
+    return {"nn": ((m, k), (k, n)), "nt": ((m, k), (n, k)), "tn": ((k, m), (k, n))}[form]
+
+
+def multiply(a, b, form: str):
+    """`a @ b` in a `weight_matmuls` `form` (jax arrays or torch tensors alike)."""
+    if form == "nt":
+        return a @ b.T
+    return a.T @ b if form == "tn" else a @ b
+
+
 # Dense (no sparsity) peak TFLOP/s per chip, by the matmul arithmetic: `bf16` (bfloat16 or
 # float16 inputs, float32 accumulation), `tf32` (float32 on NVIDIA tensor cores), `fp32`
 # (float32 on CUDA cores). Vendor figures; NVIDIA's datasheets list the tensor-core ones

@@ -45,7 +45,13 @@ LoRA's frozen weights 4·N·T, its branches 6·n·T, attention 3 × its forward)
 achieved TFLOP/s over its median step time, and MFU where the peak of the side's device in
 its matmul arithmetic is known (`_flops.PEAKS` by `jax.devices()[0].device_kind`, read in
 zoo's worker; torch's side always runs on the CPU) or given (`--peak-tflops`: zoo's
-device's dense peak), and XLA's own count of zoo's compiled step (its cost analysis).
+device's dense peak), and XLA's own count of zoo's compiled step (its cost analysis). It
+also times the step's weight matmuls (`_flops.weight_matmuls`: each projection's and the
+head's forward and activation-gradient shapes) one shape at a time in each side's own
+library, in its worker after the run, and prints their seconds against each side's step:
+what each library's matmuls alone would take here (a CPU's peak is listed nowhere: this is
+its yardstick), and the rest of each step (attention, LoRA's small matmuls, norms, the
+loss, the optimizer, memory traffic).
 
 On a shared machine the times are noisy: read them with the load line.
 """
@@ -62,7 +68,7 @@ import sys
 import time
 from pathlib import Path
 
-from _flops import matmul_arithmetic, peak_tflops, step_flops, utilisation
+from _flops import matmul_arithmetic, matmul_operands, multiply, peak_tflops, step_flops, utilisation, weight_matmuls
 
 START = time.perf_counter()
 
@@ -126,7 +132,11 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
         "peak_mb": peak,
         "first_step_s": imported + seconds["load"] + seconds["evaluate_before"] + seconds["compile"],
         "parts": {"imports": imported, **{k: seconds[k] for k in ("load", "evaluate_before", "compile")}},
-        **(_jax_device(args, captured) if args.mfu else {}),
+        **(
+            _jax_device(args, captured) | {"matmuls_alone": matmuls_alone(args, folder, _jax_matmul)}
+            if args.mfu
+            else {}
+        ),
     }
 
 
@@ -223,16 +233,64 @@ def torch_side(args, folder: Path, out: Path) -> dict:
         optimizer.step()
         losses.append(float(loss))
         steps.append(time.perf_counter() - t)
+    peak = peak_mb()
     return {
         "step_s": steps,
         "first_loss": losses[0],
-        "peak_mb": peak_mb(),
+        "peak_mb": peak,
         "first_step_s": first_step,
         "parts": {"imports": imported, "load": first_step - imported},
         # The model stays on the CPU (never moved to an accelerator).
         "device": "cpu",
         "arithmetic": matmul_arithmetic(args.dtype, "cpu", torch.get_float32_matmul_precision()),
+        **({"matmuls_alone": matmuls_alone(args, folder, _torch_matmul)} if args.mfu else {}),
     }
+
+
+# Timed runs of each weight-matmul shape alone (after two warm-up runs): their median counts.
+MATMUL_REPEATS = 5
+
+
+def matmuls_alone(args, folder: Path, matmul) -> float:
+    """`--mfu`: the seconds the step's weight matmuls (`_flops.weight_matmuls`) take when each
+    shape runs on its own in the side's library (`matmul(a_shape, b_shape, form, dtype)`
+    gives a call that runs one and waits for it): each shape's median of `MATMUL_REPEATS`
+    runs times its count in a step. The step's time less this is what the side spends
+    besides those matmuls (attention's and LoRA's small ones included)."""
+    config = json.loads((folder / "config.json").read_text())
+    seconds = 0.0
+    for m, k, n, form, count in weight_matmuls(config, args.batch, args.seq):
+        run = matmul(*matmul_operands(m, k, n, form), form, args.dtype)
+        run(), run()
+        times = []
+        for _ in range(MATMUL_REPEATS):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+        seconds += count * statistics.median(times)
+    return seconds
+
+
+def _jax_matmul(a_shape, b_shape, form: str, dtype: str):
+    import jax
+    import jax.numpy as jnp
+
+    a, b = jnp.full(a_shape, 0.01, dtype), jnp.full(b_shape, 0.01, dtype)
+    product = jax.jit(lambda a, b: multiply(a, b, form))
+    return lambda: product(a, b).block_until_ready()
+
+
+def _torch_matmul(a_shape, b_shape, form: str, dtype: str):
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    a, b = torch.full(a_shape, 0.01, dtype=dtype), torch.full(b_shape, 0.01, dtype=dtype)
+
+    def run():
+        with torch.no_grad():
+            multiply(a, b, form)
+
+    return run
 
 
 def load_side(args, folder: Path, out: Path) -> dict:
@@ -307,6 +365,16 @@ def report_mfu(args, sides: dict[str, tuple[dict, float]]) -> None:
             print(f"{'':8}no known {side['arithmetic']} peak for {side['device']!r}: MFU needs --peak-tflops X")
         elif peak is None:  # torch on the CPU beside zoo on an accelerator
             print(f"{'':8}no known peak for {side['device']!r} (--peak-tflops is zoo's device's)")
+    matmul_flops = sum(2 * m * k * n * count for m, k, n, _, count in weight_matmuls(config, args.batch, args.seq))
+    print(f"\nthe step's weight matmuls ({matmul_flops / 1e12:.3f} TFLOP) with each shape run alone in the side's "
+          f"library, median of {MATMUL_REPEATS}, times its count in a step (attention's and LoRA's small matmuls "
+          "left out: they count in the rest):")  # fmt: skip
+    print(f"{'':8}{'step s':>8}{'matmuls alone s':>17}{'TFLOP/s':>9}{'the rest s':>12}{'matmuls/step':>14}")
+    for name, (side, step) in sides.items():
+        alone = side["matmuls_alone"]
+        print(
+            f"{name:8}{step:8.2f}{alone:17.2f}{matmul_flops / alone / 1e12:9.3f}{step - alone:12.2f}{alone / step:14.0%}"
+        )
     zoo, layers = sides["zoo"][0], config["num_hidden_layers"]
     if zoo["xla_flops"] is None:
         print("XLA's count of zoo's compiled step: none (this backend's cost analysis gives no flops)")

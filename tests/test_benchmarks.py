@@ -1,6 +1,7 @@
 """What the benchmark scripts compute besides timing them: `benchmarks/_flops.py`'s model
 FLOPs of a decoder against XLA's own count of the same program, and the MFU arithmetic
-(`real_size.py --mfu`) against its peak table and `--peak-tflops`."""
+(`real_size.py --mfu`) against its peak table and `--peak-tflops`, and the weight matmuls
+`--mfu` times alone against the FLOPs they stand for."""
 
 import importlib.util
 from pathlib import Path
@@ -95,6 +96,22 @@ def test_the_step_flops_grow_with_layers_tokens_and_rank_as_documented():
     lora, wider = (flops.step_flops(two, BATCH, SEQ, lora_rank=r) for r in (RANK, 2 * RANK))
     assert wider - lora == 6 * flops.lora_params(two, RANK) * BATCH * SEQ  # twice the rank: twice the branches
     assert lora < flops.step_flops(two, BATCH, SEQ)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_weight_matmuls_are_the_step_flops_weight_term_in_shapes_that_multiply(lora):
+    """`real_size.py --mfu` times these shapes alone: their FLOPs must be the weights'
+    share of `step_flops` (4·N·T with LoRA, 6·N·T without), and each entry's operands must
+    multiply in its form to `[m, n]`."""
+    config = _llama()
+    entries = flops.weight_matmuls(config, BATCH, SEQ, lora=lora)
+    per_layer, head = flops.matmul_params(config)
+    weights = 2 * (config["num_hidden_layers"] * per_layer + head) * BATCH * SEQ
+    assert sum(2 * m * k * n * count for m, k, n, _, count in entries) == (2 if lora else 3) * weights
+    assert {form for *_, form, _ in entries} == ({"nn", "nt"} if lora else {"nn", "nt", "tn"})
+    for m, k, n, form, _ in entries:
+        a, b = flops.matmul_operands(m, k, n, form)
+        assert flops.multiply(jnp.zeros(a), jnp.zeros(b), form).shape == (m, n)
 
 
 # device_kind strings as jax reports them.
