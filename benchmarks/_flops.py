@@ -28,28 +28,34 @@ def _dims(config: dict) -> tuple[int, int, int, int, int]:
     )
 
 
+def layer_weights(config: dict) -> tuple[tuple[int, int, int], ...]:
+    """`(in, out, count)` of one decoder layer's matmul weights: the query projection, the
+    key and value ones, the output one, a gated MLP's gate and up, its down. The one list
+    `matmul_params`, `lora_params` and `weight_matmuls` count from."""
+    d, f, heads, kv, head_dim = _dims(config)
+    return ((d, heads * head_dim, 1), (d, kv * head_dim, 2), (heads * head_dim, d, 1), (d, f, 2), (f, d, 1))
+
+
 def matmul_params(config: dict) -> tuple[int, int]:
     """`(per_layer, head)`: the weights one decoder layer's matmuls multiply by (the
-    query, key, value and output projections and a gated MLP's gate, up and down) and the
-    LM head's (`hidden_size × vocab_size`, tied or not: its matmul runs either way). Biases
-    and norms are left out (a few thousand elementwise FLOPs per token), and so is the
-    embedding lookup (a gather, no matmul).
+    query, key, value and output projections and a gated MLP's gate, up and down:
+    `layer_weights`) and the LM head's (`hidden_size × vocab_size`, tied or not: its matmul
+    runs either way). Biases and norms are left out (a few thousand elementwise FLOPs per
+    token), and so is the embedding lookup (a gather, no matmul).
 
     **Arguments:** `config`, a Llama-shaped `config.json` as a dict (HF names:
     `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
     `num_key_value_heads`, `head_dim` (default `hidden_size / num_attention_heads`),
     `vocab_size`).
     """
-    d, f, heads, kv, head_dim = _dims(config)
-    attention = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d  # q, k, v, o
-    return attention + 3 * d * f, d * config["vocab_size"]
+    per_layer = sum(fan_in * fan_out * count for fan_in, fan_out, count in layer_weights(config))
+    return per_layer, config["hidden_size"] * config["vocab_size"]
 
 
 def lora_params(config: dict, rank: int) -> int:
     """The parameters of rank-`rank` LoRA branches on every linear layer of every decoder
     layer (peft's `target_modules="all-linear"`: not the LM head): `rank × (in + out)` each."""
-    d, f, heads, kv, head_dim = _dims(config)
-    sides = (d + heads * head_dim) * 2 + 2 * (d + kv * head_dim) + 3 * (d + f)  # q, o; k, v; gate, up, down
+    sides = sum((fan_in + fan_out) * count for fan_in, fan_out, count in layer_weights(config))
     return config["num_hidden_layers"] * rank * sides
 
 
@@ -100,18 +106,12 @@ def weight_matmuls(config: dict, batch: int, seq: int, *, lora: bool = True) -> 
 
     **Arguments:** `config`, a Llama-shaped `config.json` as a dict (see `matmul_params`);
     `batch`, `seq`; `lora`: the frozen weights get no weight gradient."""
-    d, f, heads, kv, head_dim = _dims(config)
     layers, tokens = config["num_hidden_layers"], batch * seq
     shapes = {}  # (in, out) -> weights of that shape in a step
-    for shape, per_layer in (
-        ((d, heads * head_dim), 1),
-        ((d, kv * head_dim), 2),
-        ((heads * head_dim, d), 1),
-        ((d, f), 2),
-        ((f, d), 1),
-    ):
-        shapes[shape] = shapes.get(shape, 0) + per_layer * layers
-    shapes[(d, config["vocab_size"])] = shapes.get((d, config["vocab_size"]), 0) + 1  # the LM head
+    for fan_in, fan_out, per_layer in layer_weights(config):
+        shapes[fan_in, fan_out] = shapes.get((fan_in, fan_out), 0) + per_layer * layers
+    head = (config["hidden_size"], config["vocab_size"])
+    shapes[head] = shapes.get(head, 0) + 1
     out = []
     for (fan_in, fan_out), count in shapes.items():
         out += [(tokens, fan_in, fan_out, "nn", count), (tokens, fan_out, fan_in, "nt", count)]

@@ -412,8 +412,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give 1 or more runs")
-    if args.repeat > 1 and (args.remat or args.load):
-        parser.error("--repeat repeats the side by side with torch; --remat and --load run zoo alone: drop one")
+    alone = "--remat" if args.remat else "--load" if args.load else None
+    if alone and args.repeat > 1:
+        parser.error(f"--repeat repeats the side by side with torch; {alone} runs zoo alone: drop one")
+    if alone and args.mfu:
+        parser.error(f"--mfu reads the side by side with torch; {alone} runs zoo alone: drop one")
     return args
 
 

@@ -162,11 +162,12 @@ def test_mfu_is_the_achieved_rate_over_the_peak():
 
 
 def test_the_docs_real_size_commands_parse(capsys):
-    """Every command line `python benchmarks/real_size.py ...` of README.md, docs/*.md and the
-    script's own docstring (a line of its own: the shell blocks, not prose quoting one over
-    a line break) is taken by the script's parser, its combinations checked
-    (`real_size.parse`), without running it: a flag renamed or dropped fails here, not in a
-    reader's terminal."""
+    """Every command `python benchmarks/real_size.py ...` of README.md, docs/*.md and the
+    script's own docstring (a line of its own in the shell blocks, or quoted in prose
+    between backticks, over a line break or not) is taken by the script's parser, its
+    combinations checked (`real_size.parse`), without running it: a flag renamed or
+    dropped fails here, not in a reader's terminal."""
+    import re
     import shlex
     import sys
 
@@ -178,13 +179,16 @@ def test_the_docs_real_size_commands_parse(capsys):
         spec.loader.exec_module(real_size)
     finally:
         sys.path.remove(str(root / "benchmarks"))
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "benchmarks" / "real_size.py"]
     lines = [
         line.split("benchmarks/real_size.py", 1)[1]
-        for doc in [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "benchmarks" / "real_size.py"]
+        for doc in docs
         for line in doc.read_text().splitlines()
         if line.strip().startswith("python benchmarks/real_size.py")
     ]
-    assert len(lines) >= 10
+    quoted = [rest for doc in docs for rest in re.findall(r"`python benchmarks/real_size\.py([^`]*)`", doc.read_text())]
+    assert len(lines) >= 10 and len(quoted) >= 5
+    lines += quoted
     for rest in lines:
         argv = shlex.split(rest, comments=True)
         try:
@@ -192,7 +196,11 @@ def test_the_docs_real_size_commands_parse(capsys):
         except SystemExit as e:
             pytest.fail(f"`python benchmarks/real_size.py {shlex.join(argv)}` is refused (exit {e.code})")
     # What it cannot run is one usage line naming the fix.
-    for argv, message in ((["--repeat", "0"], "give 1 or more runs"), (["--repeat", "2", "--load"], "drop one")):
+    for argv, message in (
+        (["--repeat", "0"], "give 1 or more runs"),
+        (["--repeat", "2", "--load"], "drop one"),
+        (["--mfu", "--remat", "none,projections"], "--mfu reads the side by side"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             real_size.parse(argv)
         err = capsys.readouterr().err
