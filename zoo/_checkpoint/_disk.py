@@ -41,7 +41,10 @@ def disk_full_error(directory: str, error: BaseException) -> OSError:
 
 
 class _DropDiskFull(logging.Filter):
-    """orbax's ERROR records (and tracebacks) of a full disk: the checkpointer raises it."""
+    """ERROR records (and tracebacks) of a full disk: the checkpointer raises it. orbax's,
+    and asyncio's "Task exception was never retrieved" of an orbax write task that failed on
+    it and was collected unawaited once the save had failed (whether one is depends on
+    timing)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
@@ -54,10 +57,12 @@ _FILTER = _DropDiskFull()
 
 
 def quiet_disk_full_logs() -> None:
-    """Drop orbax's log records of a full disk (idempotent)."""
-    absl = logging.getLogger("absl")
-    if _FILTER not in absl.filters:
-        absl.addFilter(_FILTER)
+    """Drop the log records of a full disk that orbax (through absl's logger) and asyncio
+    (its write tasks) print beside the error the checkpointer raises (idempotent)."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
 
 
 _CLOSED_LOOP = "RuntimeError: Event loop is closed"
