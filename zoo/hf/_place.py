@@ -11,9 +11,10 @@ page of the file (`Checkpoint` reads, it does not keep a memory map).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -218,11 +219,15 @@ def place(
             pending[owner] += 1
     converted: dict[str, Any] = {}
     nonfinite: list[str] = []
+    together: list[_Stack] = []
     for path, leaf, source in entries:
         name = dotted_name(path)
         shape, target = tuple(leaf.shape), _target_dtype(leaf.dtype, dtype)
         sharding = single if specs is None else NamedSharding(mesh, spec_leaves[name])
         read = functools.partial(read_leaf, checkpoint, mapping, source, dtype=target, shape=shape)
+        if source.stacked and shape[0] > 1 and not _split(sharding, 0) and _owner(name, pending) is None:
+            together.append(_Stack(name, shape, target, sharding, read))  # placed below, layer by layer
+            continue
         built[name], finite = _place_leaf(read, shape, target, sharding, stacked=bool(source.stacked))
         if not finite:
             nonfinite.append(name)
@@ -235,10 +240,47 @@ def place(
                     lambda p, x, owner=owner: built.pop(f"{owner}.{dotted_name(p)}", x), module
                 )
                 converted[owner] = convert[owner](module)
+    for name, stack, finite in _place_stacks(together):
+        built[name] = stack
+        if not finite:
+            nonfinite.append(name)
+    order = {dotted_name(path): n for n, (path, _, _) in enumerate(entries)}
+    nonfinite.sort(key=order.__getitem__)
     model = jax.tree_util.tree_map_with_path(lambda p, x: built.get(dotted_name(p), x), skeleton)
     for owner, module in converted.items():
         model = eqx.tree_at(lambda m, owner=owner: node_at(m, key_path(m, owner)), model, module)
     return model, nonfinite
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """A stack of layers (`[layers, ...]`, the layer axis not split over devices) to place:
+    its dotted name, shape, dtype, sharding and reader of parts (`read_leaf`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+    sharding: Any
+    read: Callable[[tuple[slice, ...]], np.ndarray]
+
+
+def _place_stacks(stacks: list[_Stack]) -> Iterator[tuple[str, jax.Array, bool]]:
+    """The stacks placed together, layer by layer: one program makes every stack of the
+    same depth on the devices, and one writes layer `i` of each into them in place (two
+    compiled programs, not two per leaf shape: ~25 ms each on a CPU). The host holds one
+    layer of each stack at a time. Yields (name, placed stack, whether every value read is
+    finite)."""
+    by_depth: dict[int, list[_Stack]] = {}
+    for stack in stacks:
+        by_depth.setdefault(stack.shape[0], []).append(stack)
+    for depth, group in by_depth.items():
+        shardings = tuple(x.sharding for x in group)
+        placed = _zero_stacks(tuple((x.shape, x.dtype) for x in group), shardings)()
+        finite = [[True] for _ in group]
+        for i in range(depth):
+            layer = [_placed(x.read, (1, *x.shape[1:]), x.sharding, f, i) for x, f in zip(group, finite, strict=True)]
+            placed = _put_layers(shardings)(placed, layer, np.int32(i))
+        yield from ((x.name, p, f[0]) for x, p, f in zip(group, placed, finite, strict=True))
 
 
 def _place_leaf(
@@ -299,6 +341,27 @@ def _put_layer(sharding: Any) -> Callable:
         donate_argnums=0,
         out_shardings=sharding,
     )
+
+
+@functools.lru_cache(maxsize=16)  # one per model's stack shapes and placement; bounded across loads
+def _zero_stacks(shapes: tuple[tuple[tuple[int, ...], Any], ...], shardings: tuple) -> Callable:
+    """A program making zero arrays of `shapes` ((shape, dtype) each) with `shardings`."""
+
+    def zero_stacks():
+        return [jnp.zeros(shape, dtype) for shape, dtype in shapes]
+
+    return jax.jit(zero_stacks, out_shardings=list(shardings))
+
+
+@functools.lru_cache(maxsize=16)
+def _put_layers(shardings: tuple) -> Callable:
+    """`stacks` with `values[k]` (`[1, ...]`) at layer `i` of `stacks[k]`, each written into
+    its stack's buffer (donated)."""
+
+    def put_layers(stacks, values, i):
+        return [jax.lax.dynamic_update_slice_in_dim(s, v, i, 0) for s, v in zip(stacks, values, strict=True)]
+
+    return jax.jit(put_layers, donate_argnums=0, out_shardings=list(shardings))
 
 
 def _owner(name: str, modules: Mapping[str, int]) -> str | None:

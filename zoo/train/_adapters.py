@@ -318,7 +318,7 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
     from ..lora import add_lora as add_branches
     from ._task import ONCE_COMPILER_OPTIONS
 
-    key = jr.fold_in(jr.key(seed), LORA_KEY_SALT)
+    seed_key = jr.key_data(jr.key(seed))
     arrays, static = eqx.partition(model, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
     # A compiled program takes only the placements it was compiled for: another mesh (a
@@ -328,9 +328,11 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
     if cache_key not in _LORA_WRAPPERS:
         out: dict[str, Any] = {}
 
-        def wrap(arrays, k):
+        def wrap(arrays, seed_key):
+            # fold_in in the program: no program of its own to compile (jr.key's is the model's).
+            key = jr.fold_in(jr.wrap_key_data(seed_key), LORA_KEY_SALT)
             lora_arrays, out["tree"] = eqx.partition(
-                add_branches(eqx.combine(arrays, static), config, key=k), eqx.is_array
+                add_branches(eqx.combine(arrays, static), config, key=key), eqx.is_array
             )
             # The base's arrays pass through untouched: the program returns only the new
             # ones, and the caller's own are put back (an output that is an input is still a
@@ -341,12 +343,12 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
             return [x for x, i in zip(new, out["forwarded"]) if i is None]
 
         try:
-            compiled = jax.jit(wrap).lower(arrays, key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
+            compiled = jax.jit(wrap).lower(arrays, seed_key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
         except ValueError as e:
             raise ConfigError(f"--lora: {e}") from e
         _LORA_WRAPPERS[cache_key] = (compiled, out)
     compiled, out = _LORA_WRAPPERS[cache_key]
-    made = iter(compiled(arrays, key))
+    made = iter(compiled(arrays, seed_key))
     lora_leaves = [next(made) if i is None else leaves[i] for i in out["forwarded"]]
     return eqx.combine(jax.tree.unflatten(out["treedef"], lora_leaves), out["tree"])
 

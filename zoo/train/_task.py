@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._jit import ONCE_COMPILER_OPTIONS
 from ..data import BatchSource
 from ..models import cross_entropy
 from ..models._loss import token_loss
@@ -19,9 +20,6 @@ from ._registry import check_init_family, init_families, model_spec, resolve_ini
 if TYPE_CHECKING:  # _config imports _lora, which imports this module
     from ._config import RunConfig
 
-# XLA options for programs compiled once and run once (the initialisers): no LLVM
-# optimisation of the machine code.
-ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _INITIALISERS: dict[Any, Any] = {}
 
 
