@@ -161,6 +161,46 @@ def test_mfu_is_the_achieved_rate_over_the_peak():
     assert flops.utilisation(step, 0.5, None) == (achieved, None)
 
 
+def _real_size():
+    """`benchmarks/real_size.py` as a module (it imports its sibling `_flops`)."""
+    import sys
+
+    benchmarks = Path(__file__).parent.parent / "benchmarks"
+    sys.path.insert(0, str(benchmarks))
+    try:
+        spec = importlib.util.spec_from_file_location("real_size", benchmarks / "real_size.py")
+        real_size = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(real_size)
+    finally:
+        sys.path.remove(str(benchmarks))
+    return real_size
+
+
+def test_zoos_time_to_the_first_step_runs_to_its_training_loop(tmp_path, monkeypatch):
+    """`real_size.py` times zoo's first step from the process's start to the training
+    loop's, as torch's from its start: the run's own stages (load, first evaluation,
+    compile, in its summary.json) lie between the two times it reads, and what the CLI
+    does before the run's clock starts is counted with the imports, not left out."""
+    import json
+    import time
+
+    import zoo.train._run as run_module
+    from zoo.train import DataConfig, RunConfig, Trainer
+
+    real_size = _real_size()
+    monkeypatch.setattr(run_module, "_run", run_module._run)  # put back after the test
+    monkeypatch.setattr(Trainer, "run", Trainer.run)
+    entered = real_size._entry_times()
+    before = time.perf_counter()
+    out = tmp_path / "run"
+    data = DataConfig(eval_size=8)
+    zoo.train.run(RunConfig(model="mlp", steps=2, devices=1, batch_size=8, data=data, quiet=True, output=str(out)))
+    seconds = json.loads((out / "summary.json").read_text())["seconds"]
+    assert before < entered["run"] < entered["loop"] < time.perf_counter()
+    stages = seconds["load"] + seconds["evaluate_before"] + seconds["compile"]
+    assert entered["loop"] - entered["run"] >= stages > 0, (entered, seconds)
+
+
 def test_the_docs_real_size_commands_parse(capsys):
     """Every command `python benchmarks/real_size.py ...` of README.md, docs/*.md and the
     script's own docstring (a line of its own in the shell blocks, or quoted in prose
@@ -169,16 +209,9 @@ def test_the_docs_real_size_commands_parse(capsys):
     dropped fails here, not in a reader's terminal."""
     import re
     import shlex
-    import sys
 
     root = Path(__file__).parent.parent
-    sys.path.insert(0, str(root / "benchmarks"))  # real_size imports its sibling _flops
-    try:
-        spec = importlib.util.spec_from_file_location("real_size", root / "benchmarks" / "real_size.py")
-        real_size = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(real_size)
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
+    real_size = _real_size()
     docs = [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "benchmarks" / "real_size.py"]
     lines = [
         line.split("benchmarks/real_size.py", 1)[1]
