@@ -457,6 +457,29 @@ def test_every_stack_of_layers_is_placed_by_two_programs(llama_dir, preset):
         np.testing.assert_array_equal(down[i], file[f"model.layers.{i}.mlp.down_proj.weight"].T)
 
 
+@pytest.mark.parametrize("shape", [(3, 5), (1, 300, 700), (2, 1100, 2000)])
+def test_a_transposed_weight_is_copied_exactly_by_one_thread_or_several(shape, monkeypatch):
+    """The loader's copy of a torch `[out, in]` weight into zoo's `[in, out]` gives every
+    value once, whether it is small (the loading thread alone) or large (split by rows into
+    whole tiles over threads; rows that are not a whole number of tiles too)."""
+    spans = []
+    copy_tiles = zoo.hf._place._copy_tiles
+
+    def recording(out, value, start, stop, tile):
+        spans.append((start, stop))
+        return copy_tiles(out, value, start, stop, tile)
+
+    monkeypatch.setattr(zoo.hf._place, "_copy_tiles", recording)
+    monkeypatch.setattr(zoo.hf._place, "_COPY_THREADS", 3)
+    file = np.random.default_rng(0).standard_normal((*shape[:-2], shape[-1], shape[-2])).astype(np.float32)
+    value = np.swapaxes(file, -1, -2)  # as the loader reads it: a transposed view
+    out = zoo.hf._place._copy_into(np.empty(value.shape, np.float32), value)
+    np.testing.assert_array_equal(out, value)
+    rows = sorted(spans)
+    assert rows[0][0] == 0 and rows[-1][1] == shape[-2] and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert len(spans) == (1 if np.prod(shape) < 1 << 20 else 3), spans
+
+
 def test_dtype_and_single_device_placement(bert_dir, bert_encoder):
     model = from_pretrained(bert_dir, dtype=jnp.bfloat16)
     for leaf, original in zip(_leaves(model), _leaves(bert_encoder), strict=True):

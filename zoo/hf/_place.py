@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import equinox as eqx
@@ -142,12 +144,41 @@ def _read_layer(
 def _copy_into(out: np.ndarray, value: np.ndarray, tile: int = 256) -> np.ndarray:
     """`out[...] = value`, a transposed `value` (a torch weight read as zoo's `[in, out]`)
     copied in square tiles of its last two dims: numpy's element-order copy of a large
-    transposed matrix misses the cache on every element, about 2.5× slower."""
+    transposed matrix misses the cache on every element, about 2.5× slower. A large one is
+    split by rows over up to four threads (numpy lets go of the GIL while it copies)."""
     if value.ndim < 2 or value.flags.c_contiguous:
         out[...] = value
         return out
-    rows, cols = value.shape[-2:]
-    for i in range(0, rows, tile):
+    rows = value.shape[-2]
+    parts = min(_COPY_THREADS, max(value.size // _ELEMENTS_A_THREAD, 1), -(-rows // tile))
+    if parts == 1:
+        return _copy_tiles(out, value, 0, rows, tile)
+    step = -(-rows // parts // tile) * tile  # whole tiles per thread
+    spans = [(start, min(start + step, rows)) for start in range(0, rows, step)]
+    others = [_copier().submit(_copy_tiles, out, value, a, b, tile) for a, b in spans[1:]]
+    _copy_tiles(out, value, *spans[0], tile)
+    for other in others:
+        other.result()
+    return out
+
+
+# A transposed copy gets a thread per this many elements (float32: 4 MB), at most
+# `_COPY_THREADS` threads.
+_ELEMENTS_A_THREAD = 1 << 20
+_COPY_THREADS = min(4, os.cpu_count() or 1)
+
+
+@functools.cache
+def _copier() -> ThreadPoolExecutor:
+    """The threads that copy parts of a large transposed weight beside the loading thread."""
+    return ThreadPoolExecutor(max_workers=_COPY_THREADS - 1, thread_name_prefix="zoo-copy")
+
+
+def _copy_tiles(out: np.ndarray, value: np.ndarray, start: int, stop: int, tile: int) -> np.ndarray:
+    """Rows `start:stop` of `value` (transposed: columns of the file) copied into `out` in
+    `tile` × `tile` squares."""
+    cols = value.shape[-1]
+    for i in range(start, stop, tile):
         for j in range(0, cols, tile):
             out[..., i : i + tile, j : j + tile] = value[..., i : i + tile, j : j + tile]
     return out
