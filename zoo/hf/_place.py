@@ -118,8 +118,10 @@ def read_leaf(
     one = functools.partial(_read_layer, checkpoint, mapping, source, source.file_index(core), dtype, wanted)
     if not source.stacked:
         value = one(0)
-        return value if value.flags.c_contiguous else _copy_into(np.empty(value.shape, dtype), value)
-    out = np.empty((len(layers), *wanted), dtype)  # filled layer by layer: no second copy of the stack
+        return value if value.flags.c_contiguous else _copy_into(_aligned_empty(value.shape, dtype), value)
+    # Filled layer by layer: no second copy of the stack; aligned, so that on a CPU jax takes
+    # it as the device's buffer instead of copying it into one.
+    out = _aligned_empty((len(layers), *wanted), dtype)
     for n, i in enumerate(layers):
         _copy_into(out[n], one(i))
     return out.reshape(*(s.stop - s.start for s in lead), *wanted)
@@ -182,6 +184,16 @@ def _copy_tiles(out: np.ndarray, value: np.ndarray, start: int, stop: int, tile:
         for j in range(0, cols, tile):
             out[..., i : i + tile, j : j + tile] = value[..., i : i + tile, j : j + tile]
     return out
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any, alignment: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an `alignment`-byte boundary:
+    XLA's CPU client places such an array without a copy (it becomes the device buffer)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _finite(value: np.ndarray) -> bool:
