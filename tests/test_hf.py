@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import shutil
+import time
 
 import equinox as eqx
 import jax
@@ -478,6 +479,27 @@ def test_a_transposed_weight_is_copied_exactly_by_one_thread_or_several(shape, m
     rows = sorted(spans)
     assert rows[0][0] == 0 and rows[-1][1] == shape[-2] and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
     assert len(spans) == (1 if np.prod(shape) < 1 << 20 else 3), spans
+
+
+def test_a_forked_process_copies_large_weights_with_threads_of_its_own(monkeypatch):
+    """A process forked after the loader's copy threads started has none of them: it
+    starts its own instead of queueing work for threads that are not there (and hanging)."""
+    import os
+
+    monkeypatch.setattr(zoo.hf._place, "_COPY_THREADS", 3)
+    value = np.swapaxes(np.random.default_rng(0).standard_normal((2000, 1100)).astype(np.float32), 0, 1)
+    zoo.hf._place._copy_into(np.empty(value.shape, np.float32), value)  # the parent's threads
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child exits with the comparison's result)
+        out = zoo.hf._place._copy_into(np.empty(value.shape, np.float32), value)
+        os._exit(0 if np.array_equal(out, value) else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    assert done[0] == child and os.waitstatus_to_exitcode(done[1]) == 0, "the forked copy hung or differed"
 
 
 def test_the_loaders_host_arrays_become_cpu_device_buffers_without_a_copy():

@@ -2,11 +2,13 @@
 
 Every leaf is made by `jax.make_array_from_callback`: for each device's shard the
 callback reads only that shard's slice of the file (of the layers it holds, transposed
-and split as the leaf's `Source` says); devices holding the same shard share one read. A
-stack of layers is placed one layer at a time into an array made on the devices. A
-process holds on the host at most the shards of one layer (of an unstacked leaf: of the
-leaf) that its own devices hold, never the whole model, never a copy per device, and no
-page of the file (`Checkpoint` reads, it does not keep a memory map).
+and split as the leaf's `Source` says); devices holding the same shard share one read. The
+stacks of layers are placed together one layer at a time into arrays made on the devices
+(two compiled programs for all of them). A process holds on the host at most the shards
+of one layer of each stack (of an unstacked leaf: of the leaf) that its own devices hold,
+never the whole model, never a copy per device, and no page of the file (`Checkpoint`
+reads, it does not keep a memory map). What is read is 64-byte aligned, so that on a CPU
+the array read becomes the device's buffer, not a copy of it.
 """
 
 from __future__ import annotations
@@ -174,6 +176,10 @@ _COPY_THREADS = min(4, os.cpu_count() or 1)
 def _copier() -> ThreadPoolExecutor:
     """The threads that copy parts of a large transposed weight beside the loading thread."""
     return ThreadPoolExecutor(max_workers=_COPY_THREADS - 1, thread_name_prefix="zoo-copy")
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of its parent's threads: new ones
+    os.register_at_fork(after_in_child=_copier.cache_clear)
 
 
 def _copy_tiles(out: np.ndarray, value: np.ndarray, start: int, stop: int, tile: int) -> np.ndarray:
