@@ -218,7 +218,7 @@ class TrainStep:
         self._init = Jit(self._sharded_init)
         # One program, not each leaf's zeros compiled alone (~10 ms each). Not compiled as a
         # run-once initialiser: without LLVM's optimisation a full fine-tune's zeros fill 2-3x slower.
-        self._plain_init = Jit(lambda params: self.optimizer.init(params))
+        self._plain_init = Jit(self.optimizer.init)
         self.budget = budget
         self.budget_verdict: str | None = None
         self._step = Jit(

@@ -339,16 +339,14 @@ def _place_leaf(
     `read(bounds)` (`read_leaf`); and whether every value read is finite.
 
     A stack of layers (`[layers, ...]`, the layer axis not split over devices) is placed
-    layer by layer into a stack made on the devices (`_put_layer`, in place): the host
+    layer by layer into a stack made on the devices (`_place_stacks`, in place): the host
     holds one layer's slices at a time, never the whole stack beside its placed copy.
     """
-    finite = [True]
     if not stacked or shape[0] == 1 or _split(sharding, 0):
+        finite = [True]
         return _placed(read, shape, sharding, finite), finite[0]
-    stack = jnp.zeros(shape, dtype, device=sharding)
-    for i in range(shape[0]):
-        stack = _put_layer(sharding)(stack, _placed(read, (1, *shape[1:]), sharding, finite, i), np.int32(i))
-    return stack, finite[0]
+    ((_, stack, finite_stack),) = _place_stacks([_Stack("", shape, dtype, sharding, read)])
+    return stack, finite_stack
 
 
 def _placed(read: Callable, shape: tuple, sharding: Any, finite: list[bool], layer: int = 0) -> jax.Array:
@@ -380,16 +378,6 @@ def _split(sharding: Any, axis: int) -> bool:
         return False
     names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
     return int(np.prod([sharding.mesh.shape[n] for n in names])) > 1
-
-
-@functools.lru_cache(maxsize=64)  # one per leaf placement of a model; bounded across loads
-def _put_layer(sharding: Any) -> Callable:
-    """`stack` with `value` (`[1, ...]`) at layer `i`, written into `stack`'s buffer (donated)."""
-    return jax.jit(
-        lambda stack, value, i: jax.lax.dynamic_update_slice_in_dim(stack, value, i, 0),
-        donate_argnums=0,
-        out_shardings=sharding,
-    )
 
 
 @functools.lru_cache(maxsize=16)  # one per model's stack shapes and placement; bounded across loads
