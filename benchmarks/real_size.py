@@ -17,8 +17,12 @@ Each side runs in its own process (its peak resident memory is its own):
 
 Printed side by side: median step time (the first step apart), tokens/s, peak resident
 memory, time to the first step (from the process's start to its training loop's: imports,
-loading, zoo's first evaluation and compile) and the loss of the first step on both (LoRA's B starts at zero,
-so both are the base model's loss on the same batch: equal within rounding).
+loading, the first evaluation and zoo's compile) and the loss of the first step on both (LoRA's B starts at zero,
+so both are the base model's loss on the same batch: equal within rounding). Both sides
+evaluate the held-out windows before their first step (zoo's run always does: its
+`loss_fell` compares with that loss; torch's side as transformers' `eval_on_start=True`
+would), print that loss (equal within rounding), and their time to the first step less
+that evaluation.
 
     python benchmarks/real_size.py                       # 0.4B, float32
     python benchmarks/real_size.py --size 1b --steps 4
@@ -121,7 +125,8 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
     if main(argv) != 0:
         raise SystemExit("zoo finetune failed")
     peak = peak_mb()
-    seconds = json.loads((run / "summary.json").read_text())["seconds"]
+    summary = json.loads((run / "summary.json").read_text())
+    seconds = summary["seconds"]
     # From the process's start to the training loop's: what the CLI imports (jax, zoo) and
     # plans before the run's own clock starts is counted too, as torch's imports are.
     first_step = entered["loop"] - START
@@ -133,6 +138,7 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
     return {
         "step_s": steps,
         "first_loss": train[0]["loss"],
+        "held_out_loss": summary["eval_before"]["loss"],
         "peak_mb": peak,
         "first_step_s": first_step,
         "parts": parts | ({"then": then} if (then := first_step - sum(parts.values())) >= 0.05 else {}),
@@ -230,7 +236,7 @@ def _write_batches(run: Path, path: Path, steps: int) -> None:
     with jax.set_mesh(mesh):
         task = build_task(config, rules=zoo.rules("dp"), mesh=mesh)
     tokens = [np.asarray(task.batch_at(s, config.batch_size)["tokens"]) for s in range(1, steps + 1)]
-    np.savez(path, tokens=np.stack(tokens))
+    np.savez(path, tokens=np.stack(tokens), held_out=np.asarray(task.eval_data["tokens"]))
 
 
 def torch_side(args, folder: Path, out: Path) -> dict:
@@ -248,7 +254,16 @@ def torch_side(args, folder: Path, out: Path) -> dict:
     model = peft.get_peft_model(model, config)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    batches = torch.from_numpy(np.load(out / "batches.npz")["tokens"].astype(np.int64))
+    saved = np.load(out / "batches.npz")
+    batches, held_out = (torch.from_numpy(saved[k].astype(np.int64)) for k in ("tokens", "held_out"))
+    loaded = time.perf_counter() - START
+    # zoo's run evaluates the held-out windows before its first step (its `loss_fell`
+    # needs that loss); so does this side, as transformers' `eval_on_start=True` would:
+    # the same work before the first step on both sides, and the same loss.
+    model.eval()
+    with torch.no_grad():
+        held_out_loss = float(model(input_ids=held_out, labels=held_out).loss)
+    model.train()
     first_step = time.perf_counter() - START
     steps, losses = [], []
     for tokens in batches:
@@ -263,9 +278,10 @@ def torch_side(args, folder: Path, out: Path) -> dict:
     return {
         "step_s": steps,
         "first_loss": losses[0],
+        "held_out_loss": held_out_loss,
         "peak_mb": peak,
         "first_step_s": first_step,
-        "parts": {"imports": imported, "load": first_step - imported},
+        "parts": {"imports": imported, "load": loaded - imported, "evaluate_before": first_step - loaded},
         # The model stays on the CPU (never moved to an accelerator).
         "device": "cpu",
         "arithmetic": matmul_arithmetic(args.dtype, "cpu", torch.get_float32_matmul_precision()),
@@ -366,8 +382,18 @@ def report(args, zoo: dict, torch: dict, load: str | None = None) -> None:
           f"{'   |diff| ' + format(abs(z[4] - t[4]), '.1e'):>13}")  # fmt: skip
     print("time to the first step, zoo: " + ", ".join(f"{k} {v:.1f} s" for k, v in zoo["parts"].items()))
     print("time to the first step, torch: " + ", ".join(f"{k} {v:.1f} s" for k, v in torch["parts"].items()))
+    print(f"both evaluate the held-out windows before the first step: loss {zoo['held_out_loss']:.6f} / "
+          f"{torch['held_out_loss']:.6f} (|diff| {abs(zoo['held_out_loss'] - torch['held_out_loss']):.1e}); "
+          f"the first step less each side's evaluation: {without_evaluation(zoo):.1f} / "
+          f"{without_evaluation(torch):.1f} s ({without_evaluation(zoo) / without_evaluation(torch):.2f}x)")  # fmt: skip
     if args.mfu:
         report_mfu(args, {"zoo": (zoo, rows["zoo"][0]), "torch": (torch, rows["torch"][0])})
+
+
+def without_evaluation(side: dict) -> float:
+    """A side's time to the first step less its evaluation before it (as a run without one,
+    transformers' default, would start)."""
+    return side["first_step_s"] - side["parts"]["evaluate_before"]
 
 
 def report_mfu(args, sides: dict[str, tuple[dict, float]]) -> None:
@@ -492,6 +518,7 @@ def report_repeats(runs: list[dict]) -> None:
     print(f"  step        {ratios(median_step)}; median steps {zoo:.2f} / {torch:.2f} s = {zoo / torch:.2f}")
     print(f"  peak        {ratios(lambda side: side['peak_mb'])}")
     print(f"  first step  {ratios(lambda side: side['first_step_s'])}")
+    print(f"  less each side's evaluation  {ratios(without_evaluation)}")
 
 
 def _worker(worker: str, *extra: str) -> dict | None:

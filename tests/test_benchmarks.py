@@ -238,3 +238,27 @@ def test_the_docs_real_size_commands_parse(capsys):
             real_size.parse(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err.splitlines()[-1], err
+
+
+def test_the_side_by_side_prints_each_sides_evaluation_before_the_first_step(capsys):
+    """Both sides of `real_size.py` evaluate the held-out windows before their first step
+    (zoo's run always does; torch's side as `eval_on_start=True` would): the report prints
+    the two held-out losses and each side's time to the first step less that evaluation,
+    per run and, with `--repeat`, their ratios."""
+    real_size = _real_size()
+    args = real_size.parse(["--size", "small", "--steps", "3"])
+
+    def side(first_step, evaluation, loss):
+        parts = {"imports": 1.0, "load": 1.0, "evaluate_before": evaluation}
+        return {"step_s": [3.0, 2.0, 2.0], "first_loss": 10.5, "held_out_loss": loss, "peak_mb": 100.0,
+                "first_step_s": first_step, "parts": parts}  # fmt: skip
+
+    zoo, torch = side(12.0, 5.0, 10.583450), side(9.0, 5.0, 10.583451)
+    real_size.report(args, zoo, torch, "2.0")
+    out = capsys.readouterr().out
+    assert "loss 10.583450 / 10.583451 (|diff| 1.0e-06)" in out
+    assert "less each side's evaluation: 7.0 / 4.0 s (1.75x)" in out
+    real_size.report_repeats([{"zoo": zoo, "torch": torch}, {"zoo": side(10.0, 4.0, 1.0), "torch": torch}])
+    out = capsys.readouterr().out
+    assert "first step  1.33, 1.11 (median 1.22)" in out
+    assert "less each side's evaluation  1.75, 1.50 (median 1.62)" in out
