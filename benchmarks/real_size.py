@@ -22,11 +22,12 @@ so both are the base model's loss on the same batch: equal within rounding). Bot
 evaluate the held-out windows before their first step (zoo's run always does: its
 `loss_fell` compares with that loss; torch's side as transformers' `eval_on_start=True`
 would), print that loss (equal within rounding), and their time to the first step less
-that evaluation.
+that evaluation; with `--no-eval-before` neither side evaluates (zoo's `--no-eval-before`).
 
     python benchmarks/real_size.py                       # 0.4B, float32
     python benchmarks/real_size.py --size 1b --steps 4
     python benchmarks/real_size.py --repeat 3            # three side by sides, alternating; medians
+    python benchmarks/real_size.py --no-eval-before      # neither side evaluates before its first step
     python benchmarks/real_size.py --size 0.4b --dtype bfloat16
     python benchmarks/real_size.py --size small          # 55M: checks the script in a minute
     python benchmarks/real_size.py --remat none,dots_saveable,nothing_saveable   # zoo alone
@@ -122,6 +123,8 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
             "--output", str(run), "--overwrite", "--no-compile-cache", "--sample-tokens", "0", "--quiet"]  # fmt: skip
     if args.policy is not None:  # none: remat off (zoo's default is "auto")
         argv += ["--model-config", f"remat={args.policy}"]
+    if args.no_eval_before:
+        argv += ["--no-eval-before"]
     if main(argv) != 0:
         raise SystemExit("zoo finetune failed")
     peak = peak_mb()
@@ -138,7 +141,7 @@ def zoo_side(args, folder: Path, out: Path) -> dict:
     return {
         "step_s": steps,
         "first_loss": train[0]["loss"],
-        "held_out_loss": summary["eval_before"]["loss"],
+        "held_out_loss": None if summary["eval_before"] is None else summary["eval_before"]["loss"],
         "peak_mb": peak,
         "first_step_s": first_step,
         "parts": parts | ({"then": then} if (then := first_step - sum(parts.values())) >= 0.05 else {}),
@@ -260,10 +263,12 @@ def torch_side(args, folder: Path, out: Path) -> dict:
     # zoo's run evaluates the held-out windows before its first step (its `loss_fell`
     # needs that loss); so does this side, as transformers' `eval_on_start=True` would:
     # the same work before the first step on both sides, and the same loss.
-    model.eval()
-    with torch.no_grad():
-        held_out_loss = float(model(input_ids=held_out, labels=held_out).loss)
-    model.train()
+    held_out_loss = None
+    if not args.no_eval_before:
+        model.eval()
+        with torch.no_grad():
+            held_out_loss = float(model(input_ids=held_out, labels=held_out).loss)
+        model.train()
     first_step = time.perf_counter() - START
     steps, losses = [], []
     for tokens in batches:
@@ -382,10 +387,13 @@ def report(args, zoo: dict, torch: dict, load: str | None = None) -> None:
           f"{'   |diff| ' + format(abs(z[4] - t[4]), '.1e'):>13}")  # fmt: skip
     print("time to the first step, zoo: " + ", ".join(f"{k} {v:.1f} s" for k, v in zoo["parts"].items()))
     print("time to the first step, torch: " + ", ".join(f"{k} {v:.1f} s" for k, v in torch["parts"].items()))
-    print(f"both evaluate the held-out windows before the first step: loss {zoo['held_out_loss']:.6f} / "
-          f"{torch['held_out_loss']:.6f} (|diff| {abs(zoo['held_out_loss'] - torch['held_out_loss']):.1e}); "
-          f"the first step less each side's evaluation: {without_evaluation(zoo):.1f} / "
-          f"{without_evaluation(torch):.1f} s ({without_evaluation(zoo) / without_evaluation(torch):.2f}x)")  # fmt: skip
+    if zoo["held_out_loss"] is None:
+        print("neither side evaluated before its first step (--no-eval-before)")
+    else:
+        print(f"both evaluate the held-out windows before the first step: loss {zoo['held_out_loss']:.6f} / "
+              f"{torch['held_out_loss']:.6f} (|diff| {abs(zoo['held_out_loss'] - torch['held_out_loss']):.1e}); "
+              f"the first step less each side's evaluation: {without_evaluation(zoo):.1f} / "
+              f"{without_evaluation(torch):.1f} s ({without_evaluation(zoo) / without_evaluation(torch):.2f}x)")  # fmt: skip
     if args.mfu:
         report_mfu(args, {"zoo": (zoo, rows["zoo"][0]), "torch": (torch, rows["torch"][0])})
 
@@ -461,6 +469,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, help="zoo's device's dense peak TFLOP/s (for --mfu's MFU)")
     parser.add_argument("--policy", help="zoo's remat policy beside torch (none: off; default: zoo's own, auto)")
     parser.add_argument("--repeat", type=int, default=1, help="the side by side N times, zoo and torch alternating")
+    parser.add_argument("--no-eval-before", action="store_true", help="neither side evaluates before its first step")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give 1 or more runs")
@@ -518,7 +527,8 @@ def report_repeats(runs: list[dict]) -> None:
     print(f"  step        {ratios(median_step)}; median steps {zoo:.2f} / {torch:.2f} s = {zoo / torch:.2f}")
     print(f"  peak        {ratios(lambda side: side['peak_mb'])}")
     print(f"  first step  {ratios(lambda side: side['first_step_s'])}")
-    print(f"  less each side's evaluation  {ratios(without_evaluation)}")
+    if runs[0]["zoo"]["held_out_loss"] is not None:
+        print(f"  less each side's evaluation  {ratios(without_evaluation)}")
 
 
 def _worker(worker: str, *extra: str) -> dict | None:

@@ -262,3 +262,7 @@ def test_the_side_by_side_prints_each_sides_evaluation_before_the_first_step(cap
     out = capsys.readouterr().out
     assert "first step  1.33, 1.11 (median 1.22)" in out
     assert "less each side's evaluation  1.75, 1.50 (median 1.62)" in out
+    # --no-eval-before: neither side evaluated (zoo's summary.json has no eval_before).
+    real_size.report(args, side(7.0, 0.0, None), side(4.0, 0.0, None), "2.0")
+    assert "neither side evaluated before its first step (--no-eval-before)" in capsys.readouterr().out
+    assert real_size.parse(["--no-eval-before"]).no_eval_before

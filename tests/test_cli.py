@@ -287,6 +287,38 @@ def _resolved(command: str, *args) -> dict:
     return resolve(parsed, command)
 
 
+def test_no_eval_before_starts_training_at_once_and_judges_nothing(tmp_path, monkeypatch):
+    """`--no-eval-before` (transformers' default, its `eval_on_start=False`): no evaluation
+    before the first step (no step-0 row, no `eval_before`, no first stage), the
+    evaluations after steps as usual; `loss_fell` is None and the report says it was not
+    judged, and the demo, which exits 1 when the loss did not fall, then exits 0. The
+    linear probe is fitted on the evaluation before training: `--probe` is refused
+    without it."""
+    out = tmp_path / "mlp"
+    text = ok("train", "mlp", "--steps", "2", "--devices", "1", "--batch-size", "32", "--eval-size", "64",
+              "--no-eval-before", "--output", out)  # fmt: skip
+    assert "loss fell: not judged (no evaluation before training: --no-eval-before; held-out loss" in text, text
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"] == [1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_before"] is None and summary["loss_fell"] is None
+    assert [stage["name"] for stage in summary["stages"]] == ["trained after 2 steps"]
+    assert json.loads((out / "config.json").read_text())["eval_before"] is False
+
+    import types
+
+    import zoo._cli._train as train_cli
+
+    verdicts = iter([None, False])
+    monkeypatch.setattr(
+        train_cli, "execute", lambda *a, **k: types.SimpleNamespace(summary={"loss_fell": next(verdicts)})
+    )
+    assert zoo_main("demo", "minilm", "--no-eval-before", "--steps", "1")[0] == 0
+    assert zoo_main("demo", "minilm", "--steps", "1")[0] == 1
+
+    rc, _, err = zoo_main("train", "mlp", "--probe", "5", "--no-eval-before", "--output", tmp_path / "probe")
+    one_line_error(rc, err, "--eval-before=False leaves out: drop --probe, or evaluate before training (--eval-before)")
+
+
 def test_config_files_toml_yaml_mirror_the_flags(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text(

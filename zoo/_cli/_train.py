@@ -181,7 +181,7 @@ def cmd_demo(args) -> int:
         args.output = str(out)
         print(flush=True)
     result = execute(*config_of_flags(args, "demo"), "demo")
-    return 0 if result.summary["loss_fell"] else 1
+    return 1 if result.summary["loss_fell"] is False else 0  # None: not judged (--no-eval-before)
 
 
 # --- flags ---------------------------------------------------------------------------------------

@@ -57,11 +57,13 @@ class RunConfig(RunSettings):
     - `init`: pretrained weights (a Hugging Face folder, or a run's output folder);
       `model_config`: config fields to change (`{"d_model": 128}`).
     - `eval_every`: evaluate every N steps (None: the model's default, else a tenth of the
-      run; 0: before and after only); `probe`: fit a classifier's head alone on frozen
-      features for this many steps first, as a baseline (None: the model's default, 0
-      but for the demo); `pooling`: what a classifier's head reads, `"cls"` (the `[CLS]`
-      state through the checkpoint's pooler, as `BertForSequenceClassification`) or
-      `"mean"` (None: the model's default; only classifiers take it).
+      run; 0: before and after only); `eval_before`: evaluate before the first step (the
+      "before" of summary.json's `loss_fell`; False: train at once, `loss_fell` None);
+      `probe`: fit a classifier's head alone on frozen features for this many steps
+      first, as a baseline (None: the model's default, 0 but for the demo); `pooling`:
+      what a classifier's head reads, `"cls"` (the `[CLS]` state through the
+      checkpoint's pooler, as `BertForSequenceClassification`) or `"mean"` (None: the
+      model's default; only classifiers take it).
     - `output`: the run's folder (None: `runs/COMMAND-MODEL-UTCTIME`); `checkpoint_dir`
       (None: OUTPUT/checkpoints), `checkpoint_every` (0: none), `keep`, `resume`,
       `resume_step`, `overwrite` (replace an earlier run's outputs).

@@ -184,10 +184,8 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         reward = f"{st['reward']:10.4f}" if has_reward and st.get("reward") is not None else ""
         say(f"  {st['name']:<{width - 2}}{st['loss']:8.4f}{acc}{reward}")
     for name, own in (summary.get("adapters") or {}).items():  # several adapters: each on its own rows
-        say(
-            f"  adapter {name}: {ev_name} loss {own['eval_loss_before']:.4f} -> {own['eval_loss_after']:.4f}, "
-            f"saved in {own['folder']}"
-        )
+        before = "" if own["eval_loss_before"] is None else f"{own['eval_loss_before']:.4f} -> "
+        say(f"  adapter {name}: {ev_name} loss {before}{own['eval_loss_after']:.4f}, saved in {own['folder']}")
     probe, last = summary["probe"], summary["stages"][-1]
     if probe is not None and has_acc and last is not probe:  # what training the encoder bought
         margin = 100 * (last["accuracy"] - probe["accuracy"])
@@ -257,5 +255,9 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         b, a = summary["eval_before"]["reward"], summary["eval_after"]["reward"]
         say(f"reward rose: {'yes' if summary['reward_rose'] else 'NO'} ({ev_name} mean reward {b:.4f} -> {a:.4f})")
         return
-    b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
+    a = summary["eval_after"]["loss"]
+    if summary["eval_before"] is None:  # RunConfig.eval_before off: nothing to compare with
+        say(f"loss fell: not judged (no evaluation before training: --no-eval-before; {ev_name} loss {a:.4f})")
+        return
+    b = summary["eval_before"]["loss"]
     say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {b:.4f} -> {a:.4f})")

@@ -130,7 +130,8 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
         start, checkpointer = resume(plan, built)
         record = RunRecord(plan, built, t_start, start=start)
         t_eval = time.perf_counter()
-        phase("evaluating before training..." if start == 0 else f"evaluating the model of step {start}...")
+        if c.eval_before:
+            phase("evaluating before training..." if start == 0 else f"evaluating the model of step {start}...")
         data_size = plan.mesh_shape["data"]
         evaluate = (
             Evaluator(
@@ -151,8 +152,9 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
         rollouts = built.task.train_source if isinstance(built.task.train_source, Rollouts) else None
         if rollouts is not None:  # the policy its batches sample: the model trained from here
             rollouts.follow(built.model)
-        record.stages = first_evaluation(evaluate, built.model, probe_steps=c.probe, start=start)
-        record.before = {k: v for k, v in record.stages[0].items() if k != "name"}
+        if c.eval_before:  # else training starts at once, as transformers' Trainer does by default
+            record.stages = first_evaluation(evaluate, built.model, probe_steps=c.probe, start=start)
+            record.before = {k: v for k, v in record.stages[0].items() if k != "name"}
         record.seconds = {"load": t_eval - t_start, "evaluate_before": time.perf_counter() - t_eval}
         trainer = Trainer(
             built.step,
@@ -197,7 +199,7 @@ def _hooks(
     record.evaluations = Evaluate(
         lambda m: plain(evaluate(m, task.eval_data)),
         every=c.eval_interval,
-        at_start=record.start == 0,
+        at_start=record.start == 0 and record.before is not None,
         first=record.before,
     )
     # A checkpointed run saves every `checkpoint_every` steps and its end; so does a

@@ -428,6 +428,14 @@ class RunSettings:
         resume="safe",
         help="evaluate every N steps (default: a tenth of --steps; 0: only before and after)",
     )
+    eval_before: bool = flag(
+        True,
+        group="evaluation and outputs",
+        resume="safe",
+        help="evaluate the held-out set before the first step: the starting point of summary.json's loss_fell "
+        "(and of the demo's exit code 1 when the loss did not fall); --no-eval-before starts training at once, as "
+        "transformers' Trainer does by default (its eval_on_start), loss_fell then null (default yes)",
+    )
     probe: int | None = flag(
         None,
         metavar="STEPS",
@@ -586,6 +594,14 @@ class RunSettings:
                 watched_metric(self.keep_best)
             except ValueError as e:
                 raise bad("keep_best", f"an evaluation metric ({', '.join(WATCHED)})") from e
+        if not isinstance(self.eval_before, bool):
+            raise bad("eval_before", "True or False")
+        if self.probe and not self.eval_before:
+            raise ConfigError(
+                "RunConfig.probe fits the new head on the frozen encoder's features in the evaluation before "
+                "training, which RunConfig.eval_before=False leaves out: drop RunConfig.probe, or evaluate before "
+                "training (RunConfig.eval_before)"
+            )
         if self.early_stop and self.eval_every == 0:
             raise ConfigError(
                 "RunConfig.early_stop counts evaluations during the run, but RunConfig.eval_every is 0 "

@@ -28,7 +28,7 @@ class RunRecord:
 
     - `plan`, `built`: the run's plan and what it trains with; `start`: the resumed step.
     - `stages`: the evaluations of the summary's table (before training, the probe, after);
-      `before`: the evaluation training starts from.
+      `before`: the evaluation training starts from (None: `RunConfig.eval_before` off).
     - `evaluations`: the `Evaluate` hook; `sample`: the `Sample` hook (decoders), or None;
       `best`: the `KeepBest` hook (`keep_best`, `early_stop`), or None.
     - `collectives`: the compiled step's; `seconds`: load, first evaluation, compile;
@@ -42,7 +42,7 @@ class RunRecord:
     t_start: float
     start: int = 0
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    before: dict[str, Any] = dataclasses.field(default_factory=dict)
+    before: dict[str, Any] | None = None
     evaluations: Evaluate | None = None
     sample: Sample | None = None
     best: KeepBest | None = None
@@ -130,7 +130,7 @@ class Summary(Hook):
             "evals": [{"step": i, **ev} for i, ev in r.evaluations.results if 0 < i < last and i != start],
             "stages": r.stages,
             "probe": next((st for st in r.stages if st.get("baseline")), None),
-            "loss_fell": after["loss"] < r.before["loss"],
+            "loss_fell": None if r.before is None else after["loss"] < r.before["loss"],
             "train_loss_first": trainer.losses[0] if trainer.losses else None,
             "train_loss_last": trainer.losses[-1] if trainer.losses else None,
             "skipped_nonfinite_steps": trainer.skipped if c.skip_nonfinite else None,
@@ -185,7 +185,7 @@ def _adapters(r: RunRecord, after: dict[str, Any]) -> dict[str, Any] | None:
     folders = r.outputs.get("adapters", {})
     return {
         n: {
-            "eval_loss_before": r.before.get(f"loss/{n}"),
+            "eval_loss_before": None if r.before is None else r.before.get(f"loss/{n}"),
             "eval_loss_after": after.get(f"loss/{n}"),
             "folder": folders.get(n),
         }
@@ -193,10 +193,10 @@ def _adapters(r: RunRecord, after: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _reward_rose(before: dict[str, Any], after: dict[str, Any]) -> bool | None:
+def _reward_rose(before: dict[str, Any] | None, after: dict[str, Any]) -> bool | None:
     """A GRPO run's verdict: the held-out mean reward above the first evaluation's (None
-    for other tasks)."""
-    if after.get("reward") is None:
+    for other tasks, and without an evaluation before training)."""
+    if after.get("reward") is None or before is None:
         return None
     return after["reward"] > (before.get("reward") if before.get("reward") is not None else -math.inf)
 
