@@ -620,8 +620,8 @@ def test_stacked_leaves_are_read_one_layer_at_a_time(bert_dir, bert_encoder, mon
     reads = []
     real_read = zoo.hf._place.read_leaf
 
-    def recording(checkpoint, mapping, source, index, dtype, shape):
-        out = real_read(checkpoint, mapping, source, index, dtype, shape)
+    def recording(checkpoint, mapping, source, index, dtype, shape, reuse=None):
+        out = real_read(checkpoint, mapping, source, index, dtype, shape, reuse)
         reads.append((source.stacked, shape, out.shape))
         return out
 

@@ -104,12 +104,20 @@ def read_leaf(
     index: tuple[slice, ...],
     dtype: Any,
     shape: tuple[int, ...],
+    reuse: dict[tuple, np.ndarray] | None = None,
 ) -> np.ndarray:
     """The part `index` (bounded slices, one per leaf dimension) of a leaf of shape `shape`,
     read from the checkpoint as `dtype`: only those layers (stacked experts: those layers'
-    experts), only that slice of each file tensor."""
+    experts), only that slice of each file tensor.
+
+    `reuse` (a stack placed layer by layer): the host arrays of earlier calls, by the part
+    they held; a part of the same place and size is read into the same array again instead
+    of into fresh memory (at 1B each layer's arrays are 64 MB, which the C library maps
+    afresh and the kernel zero-fills every time). The caller hands in an array again only
+    once the layer read into it is placed."""
     stacked = source.stacked
     lead, core = index[:stacked], index[stacked:]
+    place = (tuple((s.start, s.stop) for s in core), tuple(s.stop - s.start for s in lead), np.dtype(dtype).str)
     # The file tensors of those layers, numbered as `source.names` (row-major over the stacked axes).
     held = np.ndindex(*(s.stop - s.start for s in lead))
     starts = tuple(s.start for s in lead)
@@ -123,7 +131,11 @@ def read_leaf(
         return value if value.flags.c_contiguous else _copy_into(_aligned_empty(value.shape, dtype), value)
     # Filled layer by layer: no second copy of the stack; aligned, so that on a CPU jax takes
     # it as the device's buffer instead of copying it into one.
-    out = _aligned_empty((len(layers), *wanted), dtype)
+    out = None if reuse is None else reuse.get(place)
+    if out is None:
+        out = _aligned_empty((len(layers), *wanted), dtype)
+        if reuse is not None:
+            reuse[place] = out
     for n, i in enumerate(layers):
         _copy_into(out[n], one(i))
     return out.reshape(*(s.stop - s.start for s in lead), *wanted)
@@ -326,8 +338,16 @@ def _place_stacks(stacks: list[_Stack]) -> Iterator[tuple[str, jax.Array, bool]]
         shardings = tuple(x.sharding for x in group)
         placed = _zero_stacks(tuple((x.shape, x.dtype) for x in group), shardings)()
         finite = [[True] for _ in group]
+        # Each stack's host arrays (one per part), in two sets: layer i is read into set i % 2
+        # while layer i - 1 is written into the stacks, from the arrays it may still be (a CPU
+        # takes an aligned array as its buffer); layer i - 2's, done by then, are refilled.
+        reuse = [({}, {}) for _ in group]
         for i in range(depth):
-            layer = [_placed(x.read, (1, *x.shape[1:]), x.sharding, f, i) for x, f in zip(group, finite, strict=True)]
+            layer = [
+                _placed(functools.partial(x.read, reuse=r[i % 2]), (1, *x.shape[1:]), x.sharding, f, i)
+                for x, f, r in zip(group, finite, reuse, strict=True)
+            ]
+            jax.block_until_ready(placed)  # layer i - 1 in place: its arrays free for layer i + 1
             placed = _put_layers(shardings)(placed, layer, np.int32(i))
         yield from ((x.name, p, f[0]) for x, p, f in zip(group, placed, finite, strict=True))
 
