@@ -261,11 +261,25 @@ def test_a_rollout_reused_for_several_steps_resumes_in_the_middle_of_its_block(l
     clipped against the sampling policy's log-probabilities (the engine's); only the first
     step of a block samples (its row has the rollout metrics). A checkpoint in the middle of
     a block holds that rollout, so a run resumed there reuses it and ends with the
-    uninterrupted run's adapter, bit for bit."""
+    uninterrupted run's adapter, bit for bit. Without the evaluation before training
+    (`--no-eval-before`, resumed too), the reward's rise is not judged."""
     whole = tmp_path / "whole"
-    flags = ("--steps", "4", "--checkpoint-every", "3", "--num-iterations", "2", "--eval-every", "0")
-    rc, _, err = _finetune(llama_dir, prompts, whole, *flags)
+    flags = (
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "3",
+        "--num-iterations",
+        "2",
+        "--eval-every",
+        "0",
+        "--no-eval-before",
+    )
+    rc, out, err = _finetune(llama_dir, prompts, whole, *flags)
     assert rc == 0, err
+    assert "reward rose: not judged (no evaluation before training: --no-eval-before; held-out mean reward" in out, out
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["eval_before"] is None and summary["reward_rose"] is None and summary["loss_fell"] is None
     train = [r for r in read_jsonl(whole / "metrics.jsonl") if r["kind"] == "train"]
     assert ["reward" in r for r in train] == [True, False, True, False]
     assert all("clip_ratio/region_mean" in r for r in train)

@@ -255,9 +255,10 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         b, a = summary["eval_before"]["reward"], summary["eval_after"]["reward"]
         say(f"reward rose: {'yes' if summary['reward_rose'] else 'NO'} ({ev_name} mean reward {b:.4f} -> {a:.4f})")
         return
-    a = summary["eval_after"]["loss"]
     if summary["eval_before"] is None:  # RunConfig.eval_before off: nothing to compare with
-        say(f"loss fell: not judged (no evaluation before training: --no-eval-before; {ev_name} loss {a:.4f})")
+        verdict, name = ("reward rose", "mean reward") if has_reward else ("loss fell", "loss")
+        value = summary["eval_after"]["reward" if has_reward else "loss"]
+        say(f"{verdict}: not judged (no evaluation before training: --no-eval-before; {ev_name} {name} {value:.4f})")
         return
-    b = summary["eval_before"]["loss"]
+    b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
     say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {b:.4f} -> {a:.4f})")
