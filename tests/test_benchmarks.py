@@ -266,3 +266,26 @@ def test_the_side_by_side_prints_each_sides_evaluation_before_the_first_step(cap
     real_size.report(args, side(7.0, 0.0, None), side(4.0, 0.0, None), "2.0")
     assert "neither side evaluated before its first step (--no-eval-before)" in capsys.readouterr().out
     assert real_size.parse(["--no-eval-before"]).no_eval_before
+
+
+def test_each_side_starts_from_the_folders_files_read_into_the_page_cache(tmp_path, monkeypatch):
+    """`real_size.py` reads the model folder's files just before each side's process starts
+    (`warm`): zoo reads its weights before its first step, torch maps them and reads them
+    during it, so a file the other side pushed out of the cache would make one side's time
+    to the first step a disk's."""
+    real_size = _real_size()
+    (tmp_path / "model.safetensors").write_bytes(b"w" * (3 << 20))
+    (tmp_path / "config.json").write_text("{}")
+    read = []
+    real_open = open
+
+    def recording_open(path, *args, **kwargs):
+        f = real_open(path, *args, **kwargs)
+        read.append(Path(path).name)
+        return f
+
+    monkeypatch.setattr(real_size, "open", recording_open, raising=False)
+    calls = []
+    monkeypatch.setattr(real_size, "_worker", lambda worker: calls.append(("run", worker, list(read))) or {})
+    assert real_size._warm_worker("torch", tmp_path) == {}
+    assert calls == [("run", "torch", ["config.json", "model.safetensors"])]
