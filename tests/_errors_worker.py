@@ -101,6 +101,7 @@ CASES = {
     "count_not_a_list": lambda: zoo.count("x"),
     "step_optimizer_name": lambda: zoo.TrainStep(_mse, "adam"),
     "run_config_width_0": lambda: zoo.train.RunConfig(model="mlp", model_config={"width": 0}),
+    "run_config_bool_text": lambda: zoo.train.RunConfig(model="mlp", skip_nonfinite="no"),
     "loss_returns_none": lambda: _loss_returning(lambda losses: None),
     "loss_returns_3_tuple": lambda: _loss_returning(lambda losses: (losses, losses, losses)),
     "loss_returns_4_tuple": lambda: _loss_returning(lambda losses: (losses, losses, losses, losses)),

@@ -55,6 +55,7 @@ EXPECTED = {
     "step_optimizer_name": ["optimizer must be an optax.GradientTransformation, got str 'adam'",
                             "e.g. optax.adam(1e-3)"],
     "run_config_width_0": ["RunConfig.model_config width=0: width must be an integer >= 1, e.g. width=64"],
+    "run_config_bool_text": ["RunConfig.skip_nonfinite must be True or False, got 'no'"],
     "loss_returns_none": ["must return per-example losses `[batch]`", "Got None: does loss_fn end with `return"],
     "loss_returns_3_tuple": ["must return per-example losses `[batch]`", "Got a triple whose third value is a",
                              "not a dict of metrics"],
@@ -102,7 +103,7 @@ def test_every_case_is_checked(unchecked):
 def test_library_error_without_type_checks(unchecked, case):
     kind, message = unchecked[case]
     want = "builtins.TypeError" if case in TYPE_ERRORS else "builtins.ValueError"
-    if case == "run_config_width_0":
+    if case.startswith("run_config_"):
         want = "zoo.train._errors.ConfigError"  # a ValueError
     assert kind == want, (kind, message)  # not jaxtyping's TypeCheckError: no hook
     for fragment in EXPECTED[case]:

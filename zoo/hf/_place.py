@@ -117,7 +117,6 @@ def read_leaf(
     once the layer read into it is placed."""
     stacked = source.stacked
     lead, core = index[:stacked], index[stacked:]
-    place = (tuple((s.start, s.stop) for s in core), tuple(s.stop - s.start for s in lead), np.dtype(dtype).str)
     # The file tensors of those layers, numbered as `source.names` (row-major over the stacked axes).
     held = np.ndindex(*(s.stop - s.start for s in lead))
     starts = tuple(s.start for s in lead)
@@ -131,9 +130,12 @@ def read_leaf(
         return value if value.flags.c_contiguous else _copy_into(_aligned_empty(value.shape, dtype), value)
     # Filled layer by layer: no second copy of the stack; aligned, so that on a CPU jax takes
     # it as the device's buffer instead of copying it into one.
+    size = (len(layers), *wanted)
+    # The part's place: the same bounds in every layer (`index` before a padded vocabulary's cut).
+    place = (tuple((s.start, s.stop) for s in index[stacked:]), size, np.dtype(dtype).str)
     out = None if reuse is None else reuse.get(place)
     if out is None:
-        out = _aligned_empty((len(layers), *wanted), dtype)
+        out = _aligned_empty(size, dtype)
         if reuse is not None:
             reuse[place] = out
     for n, i in enumerate(layers):

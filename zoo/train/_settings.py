@@ -594,8 +594,9 @@ class RunSettings:
                 watched_metric(self.keep_best)
             except ValueError as e:
                 raise bad("keep_best", f"an evaluation metric ({', '.join(WATCHED)})") from e
-        if not isinstance(self.eval_before, bool):
-            raise bad("eval_before", "True or False")
+        for field in dataclasses.fields(self):  # a string "no" would read as true
+            if field.type in ("bool", bool) and not isinstance(getattr(self, field.name), bool):
+                raise bad(field.name, "True or False")
         if self.probe and not self.eval_before:
             raise ConfigError(
                 "RunConfig.probe fits the new head on the frozen encoder's features in the evaluation before "
