@@ -149,7 +149,7 @@ def test_two_dimensional_mesh_reduces_over_data_only(mode):
 
 # --- the parser on hand-written HLO (formats the CPU backend does not always emit) ---
 
-NESTED_HLO = """
+MODULE_WITH_ADD = """
 HloModule m
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -157,7 +157,11 @@ HloModule m
   %b = f32[] parameter(1)
   ROOT %s = f32[] add(%a, %b)
 }
+"""
 
+NESTED_HLO = (
+    MODULE_WITH_ADD
+    + """
 %inner_body (p: (s32[], f32[4,2])) -> (s32[], f32[4,2]) {
   %p = (s32[], f32[4,2]) parameter(0)
   %g = f32[4,2] get-tuple-element(%p), index=1
@@ -188,6 +192,7 @@ ENTRY %main (x: (s32[], f32[4,2]), y: bf16[8]) -> bf16[16] {
   ROOT %cp = bf16[16] collective-permute(%ag), channel_id=3, source_target_pairs={{0,1},{1,0}}, metadata={op_name="permute"}
 }
 """
+)
 
 
 def test_parser_nesting_iota_groups_bytes_and_axes():
@@ -205,6 +210,62 @@ def test_parser_nesting_iota_groups_bytes_and_axes():
     assert ag.bytes == 32 and ag.mesh_axes == ("model",) and ag.group_size == 2
     assert cp.mesh_axes == ("model",)
     assert "IN LOOP" in zoo.report(colls) and "1 inside loops, 1 outside" in zoo.report(colls)
+
+
+BRANCHES_HLO = (
+    MODULE_WITH_ADD
+    + """
+%reduce_it (r: f32[4]) -> f32[4] {
+  %r = f32[4] parameter(0)
+  ROOT %ar = f32[4] all-reduce(%r), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+}
+
+%keep_it (k: f32[4]) -> f32[4] {
+  ROOT %k = f32[4] parameter(0)
+}
+
+%body (p: (pred[], f32[4])) -> (pred[], f32[4]) {
+  %p = (pred[], f32[4]) parameter(0)
+  %b = pred[] get-tuple-element(%p), index=0
+  %v = f32[4] get-tuple-element(%p), index=1
+  %c = f32[4] conditional(%b, %v, %v), true_computation=%reduce_it, false_computation=%keep_it
+  ROOT %t = (pred[], f32[4]) tuple(%b, %c)
+}
+
+%cond (p: (pred[], f32[4])) -> pred[] {
+  %p = (pred[], f32[4]) parameter(0)
+  ROOT %b = pred[] get-tuple-element(%p), index=0
+}
+
+%pick (i: s32[], v: f32[4]) -> f32[4] {
+  %i = s32[] parameter(0)
+  %v = f32[4] parameter(1)
+  ROOT %c = f32[4] conditional(%i, %v, %v), branch_computations={%reduce_it, %keep_it}
+}
+
+ENTRY %main (x: (pred[], f32[4]), i: s32[], v: f32[4]) -> f32[4] {
+  %x = (pred[], f32[4]) parameter(0)
+  %w = (pred[], f32[4]) while(%x), condition=%cond, body=%body
+  %i = s32[] parameter(1)
+  %v = f32[4] parameter(2)
+  ROOT %once = f32[4] call(%i, %v), to_apply=%pick
+}
+"""
+)
+
+
+def test_parser_follows_conditionals_branches_into_and_out_of_loops():
+    """A collective in a computation several ops name (a conditional's branch in a loop
+    body, and an index conditional's branch outside it) is in a loop: one of its callers is."""
+    (ar,) = zoo.collectives(BRANCHES_HLO)
+    assert ar.kind == "all-reduce" and ar.in_loop and ar.group_size == 2
+    outside = (
+        BRANCHES_HLO.replace("body=%body", "body=%cond_body")
+        .replace("%body (p", "%cond_body (p")
+        .replace("true_computation=%reduce_it", "true_computation=%keep_it")
+    )
+    (ar,) = zoo.collectives(outside)
+    assert not ar.in_loop  # reached only through `to_apply=%pick`'s `branch_computations`
 
 
 def test_inspector_rejects_what_it_cannot_read():

@@ -36,6 +36,9 @@ _CALLED = re.compile(
     r"\b(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation)"
     r"=(\{[^}]*\}|%?[\w.\-]+)"
 )
+# What a line `collectives` reads holds: a computation's header (`->`), a called computation
+# (`_CALLED`'s keys), a `while` or a collective.
+_OF_INTEREST = ("->", "body=", "condition=", "to_apply=", "calls=", "_computation", "while(", *COLLECTIVE_KINDS)
 _WHILE_PARTS = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 
@@ -381,6 +384,27 @@ def _mesh_axes(groups: list[list[int]], mesh: Any, devices: list[Any] | None) ->
     return tuple(n for n in names if n in spanned)
 
 
+def _lines_of_interest(text: str) -> list[str]:
+    """The lines of `text` that hold one of `_OF_INTEREST`, in order: found with `str.find`
+    over the whole text, not tested line by line (a program is thousands of lines, most of
+    them none of these)."""
+    starts = set()
+    for needle in _OF_INTEREST:
+        pos = text.find(needle)
+        while pos >= 0:
+            start = text.rfind("\n", 0, pos) + 1
+            starts.add(start)
+            end = text.find("\n", pos)
+            if end < 0:
+                break
+            pos = text.find(needle, end)
+    lines = []
+    for start in sorted(starts):
+        end = text.find("\n", start)
+        lines.append(text[start : len(text) if end < 0 else end])
+    return lines
+
+
 def _program_mesh(compiled: jax.stages.Compiled) -> tuple[Any, list[Any] | None]:
     """The mesh of a compiled program's input/output shardings, and its device order."""
     devices = None
@@ -424,7 +448,7 @@ def collectives(obj: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> list[C
     loop_roots: set[str] = set()
     found: list[tuple[str, str, str, str]] = []  # (computation, kind, type, line)
     current = None
-    for line in text.splitlines():
+    for line in _lines_of_interest(text):
         comp = _COMPUTATION.match(line)
         if comp and "=" not in line.split("(")[0]:
             current = comp.group(1)
