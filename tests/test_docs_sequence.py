@@ -51,7 +51,7 @@ def test_sft_then_dpo_then_serve_as_docs_training_md_writes_them(tmp_path, monke
     for command in commands[:2]:
         zoo_ok(*command[1:], *SMALL)
     config = json.loads((tmp_path / "runs" / "dpo" / "config.json").read_text())
-    assert config["objective"] == "dpo" and config["lr"] == 1e-6 and config["init"] == "runs/sft"
+    assert config["objective"] == "dpo" and config["lr"] == 1e-6 and config["init"] == str(tmp_path / "runs" / "sft")
     # The server in a process of its own, on a free port instead of the docs' 8000, compiling
     # as this process does (`helpers.short_run_env`: its answer is compared to `zoo generate`'s here).
     serve = [a if a != "8000" else "0" for a in commands[2][1:]]

@@ -238,3 +238,28 @@ def test_a_library_resume_inherits_what_zoo_train_resume_does(saved_run, tmp_pat
     losses = {how: _losses(out) for how, out in outs.items()}
     assert [s for s, _ in losses["flags"]["train"]] == [1, 2, 3, 4, 5, 6]
     assert losses["library"] == losses["flags"]
+
+
+def test_a_local_init_is_saved_absolute_and_a_relative_one_still_resumes(llama_dir, tmp_path, monkeypatch):
+    """`--init ./llama` is saved as the folder's absolute path (as the data file's), so the
+    run's base is found from any working folder (`zoo generate RUN`, `--resume`); a Hub id
+    stays as given. A run saved with the relative form (before) resumes from where it ran,
+    its init unchanged, and a different init is still refused."""
+    import shutil
+
+    import zoo
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(llama_dir, "base")
+    config = zoo.train.RunConfig(model="transformer", init="./base", output="run").resolved("finetune")
+    assert config.init == str(tmp_path / "base")
+    assert zoo.train.RunConfig(model="transformer", init="org/name").resolved("finetune").init == "org/name"
+    saved = config.to_dict() | {"init": "./base"}  # as runs saved it before
+    Path("run").mkdir()
+    Path("run/config.json").write_text(json.dumps(saved))
+    resumed = zoo.train.RunConfig(output="run", resume=True).resolved("finetune")
+    assert resumed.init == str(tmp_path / "base")
+    assert zoo.train.RunConfig(output="run", resume=True, init=str(tmp_path / "base")).resolved("finetune")
+    shutil.copytree("base", "other")
+    with pytest.raises(zoo.train.ConfigError, match="would change the run saved in"):
+        zoo.train.RunConfig(output="run", resume=True, init="other").resolved("finetune")

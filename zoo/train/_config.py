@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,7 @@ class RunConfig(RunSettings):
         derived |= {"eval_every"} if pick(self.eval_every, "eval_every") is None else set()
         done = dataclasses.replace(
             self,
+            init=absolute_init(self.init),
             steps=steps,
             batch_size=pick(self.batch_size, "batch_size"),
             microbatches=pick(self.microbatches, "microbatches"),
@@ -382,6 +384,15 @@ def check_fits_model(config: RunConfig, spec: ModelSpec) -> None:
     check_pretrained_shape(spec.name, config.model_config, fixed)
 
 
+def absolute_init(init: str | None) -> str | None:
+    """`init` as a run saves it: a local folder's absolute path (the run's base found from
+    any working folder: `zoo generate RUN`, `--resume`), a Hub id as given. Links are kept
+    (a Hugging Face cache snapshot stays that path)."""
+    if init and Path(init).expanduser().exists():
+        return os.path.abspath(Path(init).expanduser())
+    return init
+
+
 def _flags_by_key() -> dict[str, Flag]:
     """`RunConfig.flags()` by flat key."""
     return {str(f.name): f for f in RunConfig.flags()}
@@ -389,6 +400,8 @@ def _flags_by_key() -> dict[str, Flag]:
 
 def _normal(key: str, value: Any) -> Any:
     """A flat value in the form two configs compare in (a model config's keys in any order)."""
+    if key == "init":  # a run saved before its init was made absolute compares as one now
+        return absolute_init(value)
     if key == "model_config":
         if isinstance(value, dict):
             return value
