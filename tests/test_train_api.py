@@ -464,6 +464,11 @@ def test_a_resumed_run_sees_the_same_batches_and_ends_where_an_uninterrupted_one
     resumed = zoo.train.run(_mlp(tmp_path / "cut", resume=True))
     assert capsys.readouterr().out.count("[") == 0  # quiet: no phase lines, no header
     assert resumed.summary["resumed_from"] == 3
+    # Judged from the run's start (its metrics' step-0 evaluation), not from where it resumed.
+    assert resumed.summary["stages"][0]["name"] == "resumed at step 3"
+    assert resumed.summary["stages"][0]["loss"] != whole.summary["eval_before"]["loss"]
+    assert resumed.summary["eval_before"]["loss"] == whole.summary["eval_before"]["loss"]
+    assert resumed.summary["loss_fell"] is whole.summary["loss_fell"]
     for a, b in zip(jax.tree.leaves(eqx.filter(whole.model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(resumed.model, eqx.is_array))):  # fmt: skip
         # The same program on the same batches from the checkpointed (exact) state: the same

@@ -23,6 +23,7 @@ from .._generate import generate
 from ..models._preference import METRICS as PAIR_METRICS
 from ..models._preference import ORPO_METRICS
 from ._errors import ConfigError
+from ._output import read_metrics
 from ._scores import WATCHED, watched_metric
 from ._trainer import Hook, TrainState
 
@@ -110,6 +111,16 @@ def eval_row(step: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     row |= {f"eval_{k}": evaluation[k] for k in (*EVAL_KEYS[2:], *PREFERENCE_KEYS, *GRPO_KEYS) if k in evaluation}
     row |= {f"eval_{k}": v for k, v in evaluation.items() if k.startswith("rewards/")}
     return row | {f"eval_{k}": v for k, v in evaluation.items() if k.startswith("loss/")}  # each adapter's
+
+
+def evaluation_at_start(metrics: Path) -> dict[str, Any] | None:
+    """The evaluation before a run's first step, read back from its metrics.jsonl's step-0
+    row (`eval_row`'s inverse, less the example count): what a resumed run's `loss_fell`
+    compares with. None when the run did not evaluate before training."""
+    row = next((r for r in read_metrics(metrics) if r.get("kind") == "eval" and r.get("step") == 0), None)
+    if row is None:
+        return None
+    return {k.removeprefix("eval_"): v for k, v in row.items() if k.startswith("eval_") and v is not None}
 
 
 class Checkpoint(Hook):

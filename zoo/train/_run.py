@@ -41,7 +41,16 @@ from ._evaluate import Evaluator, TaskEvaluation, evaluation_rows, first_evaluat
 from ._export import Export
 from ._folder import claim, run_lock
 from ._grpo import RolloutMetrics, Rollouts
-from ._hooks import Checkpoint, Evaluate, MetricsLog, Progress, TensorBoard, decoder_sample, watch
+from ._hooks import (
+    Checkpoint,
+    Evaluate,
+    MetricsLog,
+    Progress,
+    TensorBoard,
+    decoder_sample,
+    evaluation_at_start,
+    watch,
+)
 from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
 from ._preference import beta_warning
 from ._saved_run import merge_run
@@ -155,6 +164,8 @@ def _run(plan: RunPlan, hooks: Sequence[Any]) -> RunResult:
         if c.eval_before:  # else training starts at once, as transformers' Trainer does by default
             record.stages = first_evaluation(evaluate, built.model, probe_steps=c.probe, start=start)
             record.before = {k: v for k, v in record.stages[0].items() if k != "name"}
+            if start > 0:  # the run's own start judges it (loss_fell), not where it resumed
+                record.before = evaluation_at_start(plan.output / "metrics.jsonl") or record.before
         record.seconds = {"load": t_eval - t_start, "evaluate_before": time.perf_counter() - t_eval}
         trainer = Trainer(
             built.step,
