@@ -515,3 +515,14 @@ def test_readme_example_runs():
                           cwd=ROOT, env=short_run_env())  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "all-reduces: 0 inside loops, 1 outside" in proc.stdout
+
+
+def test_the_verdict_shows_two_values_it_found_different_as_different():
+    """`loss fell: yes (held-out loss 0.6931 -> 0.6931)` said a DPO run's loss fell while
+    showing it equal: the values get the decimals (up to 8) that tell them apart."""
+    from zoo.train._console import _apart
+
+    assert _apart(1.23456, 0.5) == "1.2346 -> 0.5000"
+    assert _apart(0.69314718, 0.69312345) == "0.69315 -> 0.69312"
+    assert _apart(0.5, 0.5) == "0.5000 -> 0.5000"
+    assert _apart(0.1234567891, 0.1234567890) == "0.12345679 -> 0.12345679"  # 8 at most

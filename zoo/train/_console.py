@@ -253,7 +253,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         )
     if summary.get("reward_rose") is not None:  # grpo: what it maximises
         b, a = summary["eval_before"]["reward"], summary["eval_after"]["reward"]
-        say(f"reward rose: {'yes' if summary['reward_rose'] else 'NO'} ({ev_name} mean reward {b:.4f} -> {a:.4f})")
+        say(f"reward rose: {'yes' if summary['reward_rose'] else 'NO'} ({ev_name} mean reward {_apart(b, a)})")
         return
     if summary["eval_before"] is None:  # RunConfig.eval_before off: nothing to compare with
         verdict, name = ("reward rose", "mean reward") if has_reward else ("loss fell", "loss")
@@ -261,4 +261,13 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         say(f"{verdict}: not judged (no evaluation before training: --no-eval-before; {ev_name} {name} {value:.4f})")
         return
     b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
-    say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {b:.4f} -> {a:.4f})")
+    say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {_apart(b, a)})")
+
+
+def _apart(before: float, after: float) -> str:
+    """`before -> after` to 4 decimals, or as many more (up to 8) as tell two different
+    values apart: a verdict never shows equal numbers for values it found different."""
+    digits = 4
+    while digits < 8 and before != after and f"{before:.{digits}f}" == f"{after:.{digits}f}":
+        digits += 1
+    return f"{before:.{digits}f} -> {after:.{digits}f}"
