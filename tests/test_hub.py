@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import re
 import threading
 import urllib.parse
 from pathlib import Path
@@ -185,3 +186,22 @@ def test_offline_mode_refuses_a_missing_model_in_one_line(hub, tmp_path, monkeyp
         rc, _, err = zoo_main(*args)
         one_line_error(rc, err, f"nor a model in the local Hugging Face cache ({cache}), and HF_HUB_OFFLINE is set")
     assert not [r for r in hub.requests if "/api/models/" in r[1] or "/resolve/" in r[1]]
+
+
+def test_a_mistyped_folder_path_is_said_to_be_one_offline_and_online(hub, tmp_path, monkeypatch):
+    """`zoo generate runs/typo` (a run folder that does not exist) reads like a model id;
+    looked up as one and not found, the error also says `runs/` is a folder here without it."""
+    import zoo
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    note = "(runs/ is a folder here but holds no typo: if you meant a local folder, check the path)"
+    with pytest.raises(FileNotFoundError, match=r"has no such model .*" + re.escape(note)):
+        zoo.hf.resolve_model_dir("runs/typo")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for args in (["generate", "runs/typo", "--prompt", "a"], ["finetune", "transformer", "--init", "runs/typo"]):
+        rc, _, err = zoo_main(*args)
+        one_line_error(rc, err, note)
+    with pytest.raises(FileNotFoundError) as e:  # an id whose org is no folder here: no note
+        zoo.hf.resolve_model_dir("absent-org/typo")
+    assert "is a folder here" not in str(e.value)

@@ -199,13 +199,25 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True) -
             f"{text!r} has {len(candidates)} snapshots in {snapshots} and no refs/main to choose one; "
             f"pass the snapshot folder itself (one of {[p.name for p in candidates]})"
         )
-    if download:
-        return download_model(text)
-    raise FileNotFoundError(
-        f"{text!r} is neither a local folder nor a model in the local Hugging Face cache ({repo} does not exist; "
-        "the cache is HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub): pass its folder, or its id "
-        "to fetch it from the Hub"
-    )
+    try:
+        if download:
+            return download_model(text)
+        raise FileNotFoundError(
+            f"{text!r} is neither a local folder nor a model in the local Hugging Face cache ({repo} does not exist; "
+            "the cache is HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub): pass its folder, or its "
+            "id to fetch it from the Hub"
+        )
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}{_mistyped_folder(text)}") from None
+
+
+def _mistyped_folder(text: str) -> str:
+    """A note for an `org/name` that failed as a model id while `org` is a folder here:
+    most likely a mistyped path (`runs/sft` for a run that does not exist)."""
+    org, name = text.split("/") if "/" in text else (text, "")
+    if name and Path(org).is_dir():
+        return f" ({org}/ is a folder here but holds no {name}: if you meant a local folder, check the path)"
+    return ""
 
 
 def looks_like_id(text: str) -> bool:
