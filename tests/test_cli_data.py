@@ -561,7 +561,8 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
         (["train", "encoder"], ("d.csv", "words,label\na,1\n"), "needs a header with 'text' and 'label'"),
         (["train", "transformer", "--validation", "1.5"], ("d.txt", "abc"), "--validation must be a fraction"),
         (["train", "transformer", "--steps", "1", "--devices", "2", "--model-config", "d_model=32"],
-         ("d.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n'), "pass --chat-template FILE"),
+         ("d.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n'),
+         "or a jinja2 template file: --chat-template FILE (in Python: chat_template=zoo.data.ChatTemplate(text))"),
         (["train", "transformer", "--steps", "1", "--devices", "2", "--batch-size", "8", "--model-config",
           "d_model=32", "--validation", "0"], ("d.jsonl", '{"text": "a b c"}\n' * 3),
          "--batch-size 8 is more than the training rows of d.jsonl (1)"),
@@ -581,6 +582,34 @@ def test_bad_data_files_are_one_line(tmp_path, args, make, message):
         path.write_text(make[1])
     rc, _, err = zoo_main(*args, "--data", path, "--output", tmp_path / "out")
     one_line_error(rc, err, message)
+
+
+def test_chat_template_errors_are_one_line(tmp_path, llama_dir, data_files):
+    """A template that does not parse (a --chat-template file, the model folder's own)
+    names the file and its line; a template's raise_exception names the data's line."""
+    args = ["finetune", llama_dir, *TINY, "--steps", "1", "--output", tmp_path / "out"]
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ messages[0].content \n")
+    rc, _, err = zoo_main(*args, "--data", data_files["chat"], "--chat-template", broken)
+    one_line_error(rc, err, f"--chat-template {broken} line 1: the chat template does not parse (unexpected end of")
+    assert err.strip().endswith("; fix the template"), err
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    for f in llama_dir.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}\n{{ m.content }}\n{% endif %}")
+    rc, _, err = zoo_main(*args[:1], folder, *args[2:], "--data", data_files["chat"])
+    one_line_error(rc, err, f"{folder / 'chat_template.jinja'} line 3: the chat template does not parse")
+    refusing = tmp_path / "strict.jinja"
+    refusing.write_text("{% if messages[0].role == 'system' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+                        + CHAT_TEMPLATE)  # fmt: skip
+    chats = read_jsonl(data_files["chat"])[:4]
+    chats[2]["messages"].insert(0, {"role": "system", "content": "be brief"})
+    data = write_jsonl(tmp_path / "sys.jsonl", chats)
+    rc, _, err = zoo_main(*args, "--data", data, "--chat-template", refusing)
+    one_line_error(
+        rc, err, "sys.jsonl line 3: the chat template refused this conversation: roles must alternate; fix the row or"
+    )
 
 
 def test_a_name_neither_built_in_nor_a_file_is_one_line():

@@ -352,6 +352,43 @@ def test_bad_files_get_one_line_errors(tmp_path):
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+def test_chat_template_errors_name_the_template_or_the_row(tmp_path):
+    """A template that does not parse names its file and line (read only for data that
+    renders conversations); a template's `raise_exception` names the row it refused."""
+    broken = make_tokenizer(tmp_path / "broken", chat_template="{{ messages[0].content \n")
+    chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
+    with pytest.raises(zoo.data.DataFormatError) as info:
+        zoo.data.load(chats, broken, seq_len=32)
+    message = str(info.value)
+    assert f"{broken / 'tokenizer_config.json'}'s chat_template line 1: the chat template does not parse" in message
+    assert message.endswith("; fix the template") and "\n" not in message, message
+    texts = write_jsonl(tmp_path / "text.jsonl", [{"text": "a cat sat"}])
+    assert zoo.data.load(texts, broken, seq_len=8)[0].kind == "text"  # no conversation: no template read
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+    template = zoo.data.ChatTemplate(refusing + PREFIX_TEMPLATE, {"eos_token": "</s>"})
+    with pytest.raises(zoo.data.DataFormatError) as info:
+        zoo.data.load(chats, make_tokenizer(tmp_path / "model"), seq_len=32, chat_template=template)
+    assert str(info.value) == (
+        "chat.jsonl line 2: the chat template refused this conversation: no system turns; fix the row or the template"
+    )
+
+
+def test_a_leading_utf8_bom_is_not_part_of_the_data(tmp_path):
+    """Files saved with a byte-order mark (Windows editors, Excel's CSV UTF-8) read as
+    without it; text that is not UTF-8 is still refused."""
+    for name, content in [
+        ("a.jsonl", '{"text": "a cat"}\n{"text": "a dog"}\n'),
+        ("a.csv", "text,label\na cat,0\na dog,1\n"),
+        ("a.txt", "a cat sat\n"),
+    ]:
+        (tmp_path / name).write_text(content, encoding="utf-8")
+        (tmp_path / f"bom{name}").write_text(content, encoding="utf-8-sig")
+        assert zoo.data.read_records(tmp_path / f"bom{name}") == zoo.data.read_records(tmp_path / name)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UnicodeDecodeError):
+        zoo.data.read_records(tmp_path / "latin1.txt")
+
+
 def test_packed_chat_loss_on_a_hugging_face_llama_equals_transformers(tmp_path):
     """The path of docs/data.md on a model folder: a tiny random Llama saved by transformers
     with the tokenizer beside it, chat data packed for it, the step's loss on 2 devices =

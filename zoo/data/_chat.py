@@ -3,9 +3,11 @@ character spans of the assistant's turns."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,18 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..hf._files import read_json
+from ._records import DataFormatError
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class TemplateParseError(DataFormatError):
+    """A chat template that does not parse (naming its file and line)."""
+
+
+class _Refused(jinja2.exceptions.TemplateError):
+    """A template's own `raise_exception(message)` (a `TemplateError`, as transformers')."""
 
 
 class _GenerationTracker(jinja2.ext.Extension):
@@ -45,7 +56,7 @@ class _GenerationTracker(jinja2.ext.Extension):
 
 def _environment() -> ImmutableSandboxedEnvironment:
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise _Refused(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # transformers' filter: jinja's own escapes HTML characters.
@@ -72,41 +83,55 @@ class ChatTemplate:
     with the generation prompt and the rendering of `messages[:i + 1]`.
     """
 
-    def __init__(self, template: str, special_tokens: dict[str, str] | None = None):
-        """**Arguments:** the jinja2 `template` text and the `special_tokens` it may read
-        (`{"bos_token": "<s>", ...}`)."""
+    def __init__(self, template: str, special_tokens: dict[str, str] | None = None, *, name: str | None = None):
+        """**Arguments:** the jinja2 `template` text, the `special_tokens` it may read
+        (`{"bos_token": "<s>", ...}`) and `name`, where the text is from (its file), for
+        errors. Raises `TemplateParseError` (a `DataFormatError` naming `name` and the
+        template's line) for a template that does not parse."""
         self.template = template
         self.special_tokens = dict(special_tokens or {})
         self.environment = _environment()
-        self.compiled = self.environment.from_string(template)
+        try:
+            self.compiled = self.environment.from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            where = f"{name} line {e.lineno}: " if name else f"line {e.lineno} of "
+            raise TemplateParseError(
+                f"{where}the chat template does not parse ({e.message.rstrip('.')}); fix the template"
+            ) from None
         self.has_generation_blocks = bool(_GENERATION.search(template))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike | None, *, template: str | None = None) -> ChatTemplate | None:
+    def from_pretrained(
+        cls, path: str | os.PathLike | None, *, template: str | None = None, name: str | None = None
+    ) -> ChatTemplate | None:
         """The chat template of a model folder (`chat_template.jinja`, else the
         `chat_template` of `tokenizer_config.json`; a list of named templates: the one
         named `"default"`), or `None` when it has none. Its special tokens are the
         folder's (`tokenizer_config.json`).
 
         **Arguments:** the folder (None: none, so no special tokens), and `template`: a
-        jinja2 template text to use instead of the folder's (a `--chat-template` file's).
+        jinja2 template text to use instead of the folder's (a `--chat-template` file's), and
+        `name`, where that text is from, for errors (as `ChatTemplate`).
         """
         folder = None if path is None else Path(path)
         config = {} if folder is None else read_json(folder / "tokenizer_config.json") or {}
         special = {}
-        for name in SPECIAL_TOKEN_NAMES:
-            value = config.get(name)
+        for token in SPECIAL_TOKEN_NAMES:
+            value = config.get(token)
             if isinstance(value, dict):
                 value = value.get("content")
             if isinstance(value, str):
-                special[name] = value
+                special[token] = value
         if template is None and folder is not None:
             file = folder / "chat_template.jinja"
-            template = file.read_text(encoding="utf-8") if file.is_file() else config.get("chat_template")
+            if file.is_file():
+                template, name = file.read_text(encoding="utf-8-sig"), str(file)
+            else:
+                template, name = config.get("chat_template"), f"{folder / 'tokenizer_config.json'}'s chat_template"
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default")
-        return None if not isinstance(template, str) else cls(template, special)
+        return None if not isinstance(template, str) else cls(template, special, name=name)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False) -> str:
         """The text of a conversation."""
@@ -145,3 +170,20 @@ class ChatTemplate:
                 )
             spans.append((len(before), len(through)))
         return text, spans
+
+
+@contextlib.contextmanager
+def rendering(where: str) -> Iterator[None]:
+    """A chat template's error rendering the record at `where` (its `raise_exception`, an
+    undefined field) as a one-line `DataFormatError` naming the record."""
+    try:
+        yield
+    except _Refused as e:
+        raise DataFormatError(
+            f"{where}: the chat template refused this conversation: {e.message}; fix the row or the template"
+        ) from None
+    except jinja2.TemplateError as e:
+        raise DataFormatError(
+            f"{where}: the chat template cannot render this conversation ({type(e).__name__}: {e.message}); fix the "
+            "row or the template"
+        ) from None

@@ -19,7 +19,7 @@ import numpy as np
 from .._distributed import local_rows
 from ..hf._files import read_json
 from ..hf._tokenizer import Tokenizer
-from ._chat import ChatTemplate
+from ._chat import ChatTemplate, rendering
 from ._packing import Document, pack
 from ._preference import preference_rows
 from ._records import DataFormatError, Kind, read_located
@@ -222,8 +222,6 @@ def load(
     if not isinstance(tokenizer, Tokenizer):
         folder = Path(tokenizer)
         tokenizer = Tokenizer.from_pretrained(folder)
-        if chat_template is None:
-            chat_template = ChatTemplate.from_pretrained(folder)
     if eos_id is None:
         eos_id = _special_id(tokenizer, folder, "eos_token")
     if seq_len < 2:
@@ -232,6 +230,8 @@ def load(
         data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
     digest = hashlib.sha256(data).hexdigest()
     kind, records, wheres = read_located(path, data=data) if located is None else located
+    if chat_template is None and folder is not None and kind in ("chat", "preference"):
+        chat_template = ChatTemplate.from_pretrained(folder)  # read only for data that renders conversations
     if kind == "classification":
         return _classification(records, wheres, tokenizer, seq_len, validation, digest)
     rust = tokenizer.tokenizer
@@ -293,10 +293,12 @@ def _documents(
     if kind == "chat" and chat_template is None:
         raise DataFormatError(
             f"{str(path)!r} holds chat messages but the tokenizer has no chat template; pass a model folder whose "
-            "tokenizer_config.json has chat_template (or chat_template.jinja), or chat_template="
+            "tokenizer_config.json has chat_template (or chat_template.jinja), or a jinja2 template file: "
+            "--chat-template FILE (in Python: chat_template=zoo.data.ChatTemplate(text))"
         )
     for r, where in zip(records, wheres) if kind != "text" else ():
-        ids, weights = _encoded(kind, r, rust, eos_id, chat_template)
+        with rendering(where):
+            ids, weights = _encoded(kind, r, rust, eos_id, chat_template)
         _check_targets(kind, weights, seq_len, where)
         if len(ids) > seq_len:
             truncated += 1

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._chat import ChatTemplate
+from ._chat import ChatTemplate, rendering
 from ._records import DataFormatError
 
 TRUNCATIONS = ("keep_end", "keep_start", "error")
@@ -26,14 +26,17 @@ def _texts(
     if template is None:
         raise DataFormatError(
             f"{where}: the pair is a conversation but the tokenizer has no chat template; pass a model folder whose "
-            "tokenizer_config.json has chat_template (or chat_template.jinja), or a chat template file"
+            "tokenizer_config.json has chat_template (or chat_template.jinja), or a jinja2 template file: "
+            "--chat-template FILE (in Python: chat_template=zoo.data.ChatTemplate(text))"
         )
     if system and not (prompt and prompt[0].get("role") == "system"):
         prompt = [{"role": "system", "content": system}, *prompt]
-    head = template.render(prompt, add_generation_prompt=True)
+    with rendering(where):
+        head = template.render(prompt, add_generation_prompt=True)
     out = []
     for completion in (chosen, rejected):
-        whole = template.render([*prompt, *completion])
+        with rendering(where):
+            whole = template.render([*prompt, *completion])
         if not whole.startswith(head):
             raise DataFormatError(
                 f"{where}: the chat template renders the prompt differently alone and followed by the completion, so "

@@ -187,7 +187,7 @@ def read_located(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".jsonl", ".csv"):
         raise DataFormatError(f"{str(path)!r}: unknown extension {suffix or '(none)'!r}; zoo reads {FORMATS}")
-    text = (path.read_bytes() if data is None else data).decode("utf-8")
+    text = (path.read_bytes() if data is None else data).decode("utf-8-sig")  # a leading BOM is no text
     if not text.strip():
         raise DataFormatError(f"{str(path)!r} is empty; put at least one example in it ({FORMATS})")
     if suffix == ".txt":

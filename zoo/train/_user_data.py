@@ -19,6 +19,7 @@ from typing import Any
 from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import describe as describe_data
 from ..data import load as load_data
+from ..data._chat import TemplateParseError
 from ..data._records import FORMATS
 from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
@@ -176,7 +177,14 @@ def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate 
     if file is None:
         return None, {}
     data = Path(file).expanduser().read_bytes()
-    template = ChatTemplate.from_pretrained(folder, template=data.decode("utf-8"))
+    try:
+        template = ChatTemplate.from_pretrained(folder, template=data.decode("utf-8-sig"), name=file)
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"--chat-template {file} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
+    except DataFormatError as e:
+        raise ConfigError(f"--chat-template {e}") from None
     return template, {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -199,7 +207,10 @@ def chat_template_of(c: RunConfig, folder: Path | None) -> tuple[ChatTemplate | 
     """`--chat-template FILE` (and its digest), else the folder's own template."""
     template, digest = _chat_template(c.data.chat_template, folder)
     if template is None and folder is not None:
-        template = ChatTemplate.from_pretrained(folder)
+        try:
+            template = ChatTemplate.from_pretrained(folder)
+        except DataFormatError as e:
+            raise ConfigError(f"{e}; or pass --chat-template FILE") from None
     return template, digest
 
 
@@ -234,11 +245,12 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
             max_prompt_len=c.data.max_prompt_len,
             truncation=c.data.prompt_truncation,
         )
+    except TemplateParseError as e:  # the model folder's template
+        raise ConfigError(f"{e}; or pass --chat-template FILE") from None
     except DataFormatError as e:
-        hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
         # load names its argument (seq_len=N); the run's field is the CLI's flag.
         text = str(e).splitlines()[0].replace("seq_len=", "DataConfig.seq_len ")
-        raise ConfigError(f"--data: {text}{hint}") from None
+        raise ConfigError(f"--data: {text}") from None
     except ValueError as e:  # a template that cannot find the assistant turns
         raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
     if len(train) == 0:
