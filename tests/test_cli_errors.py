@@ -237,8 +237,8 @@ def test_errors_in_fresh_processes(tmp_path):
                   ("zoo: error: --rules tp shards over mesh axes ['data', 'model'], but the mesh data=8 lacks 'model'; "
                    "pass a mesh with them, e.g. --mesh data=4,model=2")),
         "devices": (["train", "mlp", "--devices", "0"], 2, "zoo: error: --devices must be an integer >= 1, got 0"),
-        "unexpected": (["train", "mlp", "--steps", "1", "--quiet", "--output", "a_file/run"], 1,
-                       ("zoo: error: NotADirectoryError: [Errno 20] Not a directory: 'a_file/run' "
+        "unexpected": (["train", "mlp", "--steps", "1", "--quiet", "--tensorboard", "a_file/tb"], 1,
+                       ("zoo: error: NotADirectoryError: [Errno 20] Not a directory: 'a_file/tb' "
                         "(rerun with --debug for the traceback)")),
     }  # fmt: skip
     debug = {"debug_before": ["--debug", "train", "mlp", "--mesh", "data4"]}

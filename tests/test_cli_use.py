@@ -189,6 +189,13 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
     rc, _, err = zoo_main("export", chat_run, "--merge", "--output", mine)
     one_line_error(rc, err, "holds tokenizer.json, which it would replace")
     assert (mine / "tokenizer.json").read_text() == "my own"
+    # --output a file, or a folder that cannot be created (under a file): one line naming it.
+    notes = mine / "notes.md"
+    notes.write_text("mine")
+    rc, _, err = zoo_main("export", chat_run, "--merge", "--output", notes)
+    one_line_error(rc, err, f"--output {notes} is a file, not a folder; choose a folder")
+    rc, _, err = zoo_main("export", chat_run, "--merge", "--output", notes / "merged")
+    one_line_error(rc, err, f"--output {notes / 'merged'}: cannot create the folder (Not a directory)")
 
 
 def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):

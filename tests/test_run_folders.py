@@ -263,6 +263,14 @@ def test_a_failed_start_leaves_no_folder(tmp_path):
     assert not out.exists()
 
 
+def test_an_output_that_cannot_be_created_is_one_line(tmp_path):
+    """--output under a file: the path and the operating system's reason, exit 2."""
+    (tmp_path / "afile").write_text("mine")
+    out = tmp_path / "afile" / "run"
+    rc, _, err = zoo_main("train", "mlp", *TINY, "--output", out)
+    one_line_error(rc, err, f"--output {out}: cannot create the folder (Not a directory)")
+
+
 def test_probing_a_checkpoint_folder_is_read_only(tmp_path):
     """A refused run must not touch the folder it probes: an in-flight save's temporary
     folder (what another process is writing) survives."""

@@ -146,6 +146,9 @@ def cmd_eval(args) -> int:
 
 def cmd_export(args) -> int:
     """Load RUN, write its merged Hugging Face folder."""
+    folder = Path(args.output).expanduser()
+    if folder.exists() and not folder.is_dir():  # before loading the run: seconds
+        raise CLIError(f"--output {folder} is a file, not a folder; choose a folder (it is created if missing)")
     run = _load(args.run, "export")
     import zoo  # loaded already by _load
 
@@ -156,12 +159,21 @@ def cmd_export(args) -> int:
             f"RUN {args.run} is a LoRA run: pass --merge to fold its adapter into the base model (the adapter "
             f"itself, in peft's layout, is {where})"
         )
-    folder = Path(args.output).expanduser()
     before = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    created = not folder.exists()
     try:
-        written = run.export(args.output, adapter=args.adapter)
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(
+            f"--output {folder}: cannot create the folder ({e.strerror}); choose a folder you can write"
+        ) from None
+    try:
+        written = run.export(folder, adapter=args.adapter)
     except FileExistsError as e:
         raise CLIError(str(e).splitlines()[0].replace("zoo export: ", "--output: ")) from e
+    finally:
+        if created and folder.is_dir() and not any(folder.iterdir()):  # a failed export leaves no folder
+            folder.rmdir()
     size = sum(p.stat().st_size for p in written if p.is_file())
     names = sorted(p.name for p in written)
     print(f"zoo export: {run.weights} → {args.output}: {', '.join(names)} ({internal.human_bytes(size)})")

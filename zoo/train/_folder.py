@@ -192,12 +192,25 @@ def _holder(path: Path) -> str:
     return f" ({text})" if text else ""
 
 
+def make_folder(folder: Path, flag: str) -> None:
+    """Create `folder` (and its parents); a `ConfigError` naming `flag`, the path and the
+    operating system's reason when it cannot be."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {folder}: cannot create the folder ({e.strerror}); choose a folder you can write"
+        ) from None
+
+
 @contextlib.contextmanager
 def _flock(path: Path, flag: str) -> Iterator[None]:
     import fcntl
 
     created = not path.parent.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent, flag)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
