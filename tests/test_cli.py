@@ -9,6 +9,7 @@ compiles; the demo end to end is a process of its own, as `make demo` runs it.
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -270,6 +271,34 @@ def test_resume_from_config_json_continues_at_the_saved_step(mlp_run):
     # Without --resume, a folder holding checkpoints is not overwritten.
     rc, _, err = zoo_main("train", "--config", mlp_run / "config.json", "--no-resume")
     one_line_error(rc, err, "already holds checkpoints (steps [3, 6, 8]); pass --resume")
+
+
+def test_resume_of_a_folder_without_a_run_says_so(tmp_path):
+    """--resume with an --output holding no run: the folder is named, and how to start one
+    (not "no model given", which asks for what was given)."""
+    for out, why in ((tmp_path / "none", "no such folder"), (tmp_path, "no config.json in it")):
+        rc, _, err = zoo_main("finetune", "--output", out, "--resume", "--steps", "10")
+        one_line_error(rc, err, f"--resume: --output {out} holds no run to resume ({why})")
+        assert "['transformer', 'encoder', 'minilm'] as MODEL, without --resume" in err
+
+
+def test_version_and_each_commands_models():
+    """`zoo --version` is the installed package's, answered without importing jax; a
+    command's help offers only the models it takes (`zoo finetune mlp` is refused)."""
+    import zoo
+
+    env = {k: v for k, v in os.environ.items() if k != "ZOO_RUNTIME_CHECKS"}  # its import hook brings jax in
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "zoo", "--version"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == f"zoo {zoo.__version__}\n", proc
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()]
+    assert "zoo._cli._main" in imported and not [m for m in imported if m.split(".")[0] in ("jax", "jaxlib")]
+    helps = {c: " ".join(zoo_main(c, "--help")[1].split()) for c in ("train", "finetune", "demo")}
+    assert "model: mlp (a 4-layer MLP regressor), transformer (" in helps["train"]
+    assert "model: transformer (" in helps["finetune"] and "mlp (" not in helps["finetune"]
+    assert "teacher (mlp" not in helps["finetune"] and "encoder (" not in helps["demo"]
+    rc, _, err = zoo_main("finetune", "mlp")
+    one_line_error(rc, err, "zoo finetune does not take 'mlp'")
 
 
 def _resolved(command: str, *args) -> dict:

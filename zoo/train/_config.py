@@ -147,9 +147,17 @@ class RunConfig(RunSettings):
 
     def _with_defaults(self, command: str) -> RunConfig:
         """`resolved` of a config already merged with the run it resumes."""
+        if self.model is None and self.resuming and self.output:  # `resolved` found no config.json there
+            folder = Path(self.output).expanduser()
+            why = "no config.json in it" if folder.is_dir() else "no such folder"
+            raise ConfigError(
+                f"RunConfig.resume: RunConfig.output {folder} holds no run to resume ({why}); give the folder of an "
+                f"earlier run, or start one there: name one of {model_names(command)} as RunConfig.model, "
+                "without RunConfig.resume"
+            )
         if self.model is None:
             raise ConfigError(
-                f"no model given; name one of {model_names()} as RunConfig.model (or resume a run: "
+                f"no model given; name one of {model_names(command)} as RunConfig.model (or resume a run: "
                 "RunConfig.resume and its RunConfig.output)"
             )
         spec = model_spec(self.model)
