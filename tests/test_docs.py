@@ -399,3 +399,31 @@ def test_every_test_the_docs_name_exists():
             elif name and not re.search(rf"^(?:async )?def {name}\b", path.read_text(), re.M):
                 missing.append(f"{where} (no such test)")
     assert not missing, "\n".join(missing)
+
+
+def test_the_flag_tables_name_every_value_the_help_offers():
+    """docs/cli.md's row of each `zoo train` / `zoo finetune` flag with fixed values (argparse's
+    choices) names each of them, in its flag cell (`--mode {explicit,shard_map}`) or in
+    backticks; `--rules` lists every preset as `--help` does (`zoo.RULE_PRESETS`, in order)."""
+    import zoo
+    from zoo._cli._main import build_parsers
+
+    offered = {}
+    for command in ("train", "finetune"):
+        for action in build_parsers()[1][command]._actions:
+            if action.choices and action.option_strings:
+                offered.setdefault(action.option_strings[0], list(action.choices))
+    rows = {}
+    for line in (ROOT / "docs" / "cli.md").read_text().splitlines():
+        if m := re.match(r"\| `(--[\w-]+)([^`]*)` \|", line):
+            rows.setdefault(m.group(1), (set(re.findall(r"[\w+-]+", m.group(2))), line))
+    missing = [
+        f"{flag}: {v}"
+        for flag, values in offered.items()
+        if flag in rows
+        for v in values
+        if v not in rows[flag][0] and f"`{v}`" not in rows[flag][1]
+    ]
+    assert not missing, missing
+    presets = ", ".join(f"`{p}`" for p in zoo.RULE_PRESETS)
+    assert presets in rows["--rules"][1], (presets, rows["--rules"][1])

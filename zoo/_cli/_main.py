@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+from .. import __version__
 from ..internal import without_closed_loop_tracebacks
 from ..train import ConfigError, Interrupted, Preempted, RunStopped
 from ._common import CLIError, flag_names
@@ -70,6 +71,9 @@ def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
         epilog="`zoo COMMAND --help` lists a command's flags; docs/cli.md has the whole story.",
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument(
+        "--version", action="version", version=f"zoo {__version__}", help="print zoo's version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = dict(_train.add_parsers(sub))
     commands["inspect"] = _inspect.add_parser(sub)

@@ -112,17 +112,17 @@ def fields_flags(cls: type) -> list[tuple[str, Flag]]:
 
 
 def _model_help(command: str) -> str:
-    """The model argument's help: every registered model with its help."""
-    specs = [model_spec(n) for n in model_names()]
+    """The model argument's help: every registered model `command` takes, with its help."""
+    specs = [model_spec(n) for n in model_names(command)]
     text = "model: " + ", ".join(f"{s.name} ({s.help})" for s in specs)
     return text + (" (default: minilm if installed, else transformer)" if command == "demo" else "")
 
 
-def _data_help() -> str:
-    """`--data`'s help: every registered model's data sets, in words, then data files."""
+def _data_help(command: str) -> str:
+    """`--data`'s help: the data sets of every model `command` takes, in words, then data files."""
     by_data: dict[str, list[str]] = {}
     words: dict[str, str] = {}
-    for name in model_names():
+    for name in model_names(command):
         for data, text in model_spec(name).datasets.items():
             by_data.setdefault(data, []).append(name)
             words.setdefault(data, text)
@@ -172,7 +172,7 @@ def help_texts(command: str) -> dict[str, str]:
         "per_model": "default: per model, see below",
         "command": command,
         "models": _model_help(command),
-        "data_sets": _data_help(),
+        "data_sets": _data_help(command),
         "init_families": "; ".join(f"{s.name}: {'/'.join(s.init_families)}" for s in specs if s.init_families),
         "rule_presets": ", ".join(RULE_PRESETS),
         "weight_decays": ", ".join(f"{d['weight_decay']:g} for {c}" for c, d in SHARED_DEFAULTS.items()),
