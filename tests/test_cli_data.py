@@ -593,6 +593,8 @@ def test_chat_template_errors_are_one_line(tmp_path, llama_dir, data_files):
     rc, _, err = zoo_main(*args, "--data", data_files["chat"], "--chat-template", broken)
     one_line_error(rc, err, f"--chat-template {broken} line 1: the chat template does not parse (unexpected end of")
     assert err.strip().endswith("; fix the template"), err
+    rc, _, err = zoo_main("generate", llama_dir, "--chat-template", broken, "--prompt", "hi")
+    one_line_error(rc, err, f"--chat-template {broken} line 1: the chat template does not parse (unexpected end of")
     folder = tmp_path / "llama"
     folder.mkdir()
     for f in llama_dir.iterdir():

@@ -352,3 +352,25 @@ def test_reward_functions_given_from_python_are_kept_by_name_and_found_again():
     REWARD_FUNCTIONS.pop(name)
     with pytest.raises(zoo.train.ConfigError, match="lambda or nested function"):
         load_rewards([name])
+
+
+def test_a_template_refusing_a_prompt_names_its_line(llama_dir, prompts, tmp_path):
+    """A chat template's `raise_exception` on a conversational prompt (a system turn it
+    does not take): one line naming the prompt's line, exit 2, no run folder."""
+    from tiny_runs import CHAT_TEMPLATE
+
+    _, rewards = prompts
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% if messages[0].role == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+                      + CHAT_TEMPLATE)  # fmt: skip
+    records = [{"prompt": [{"role": "user", "content": "the cat"}], "target": "sat"}] * 3
+    records.append({"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a dog"}]})
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
+    out = tmp_path / "run"
+    rc, _, err = zoo_main(
+        "finetune", "transformer", "--init", llama_dir, "--data", data, "--reward", f"{rewards}:target_words",
+        "--chat-template", strict, "--output", out, *GRPO, "--steps", "2",
+    )  # fmt: skip
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "chats.jsonl line 4: the chat template refused this conversation: no system turns" in err, err
+    assert not out.exists()

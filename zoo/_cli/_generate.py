@@ -291,8 +291,15 @@ def chat_template(source: str, file: str | None):
         if path is None:
             what = "--chat-template" if file is not None else f"SOURCE {source} trained with the chat template"
             raise CLIError(f"{what} {given}: no such file; pass the template as --chat-template FILE")
-        return zoo.data.ChatTemplate.from_pretrained(folder, template=path.read_text(encoding="utf-8"))
-    template = zoo.data.ChatTemplate.from_pretrained(folder)
+        text = path.read_text(encoding="utf-8-sig")
+        try:
+            return zoo.data.ChatTemplate.from_pretrained(folder, template=text, name=f"--chat-template {path}")
+        except zoo.data.DataFormatError as e:
+            raise CLIError(str(e)) from None
+    try:
+        template = zoo.data.ChatTemplate.from_pretrained(folder)
+    except zoo.data.DataFormatError as e:
+        raise CLIError(f"{e}; or pass --chat-template FILE") from None
     if template is None:
         raise CLIError(
             f"--chat: SOURCE {source} has no chat template (no chat_template.jinja, no chat_template in "

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..data import DataFormatError, Dataset, describe, local_batch
 from ..data import load as load_data
+from ..data._chat import TemplateParseError
 from ..data._records import read_located
 from ..lora import routed
 from ..models import next_token_loss
@@ -224,11 +225,10 @@ def _load(c, adapters: AdapterRecords, source) -> tuple[dict[str, Dataset], dict
                 data=b"",
                 located=located,
             )
+        except TemplateParseError as e:  # the model folder's template
+            raise ConfigError(f"{e}; or pass --chat-template FILE") from None
         except DataFormatError as e:
-            hint = "; or pass --chat-template FILE" if "chat template" in str(e) else ""
-            raise ConfigError(
-                f"--data: {str(e).splitlines()[0].replace('seq_len=', 'DataConfig.seq_len ')}{hint}"
-            ) from None
+            raise ConfigError(f"--data: {str(e).splitlines()[0].replace('seq_len=', 'DataConfig.seq_len ')}") from None
         except ValueError as e:
             raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
     return trains, vals

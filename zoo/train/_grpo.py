@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..data import DataFormatError
+from ..data._chat import rendering
 from ..data._records import read_located
 from ..models._grpo import _nanstd, group_advantages, reward_table
 from ._errors import ConfigError
@@ -180,9 +181,12 @@ def encode_prompts(
                 )
             if system and prompt[0].get("role") != "system":
                 prompt = [{"role": "system", "content": system}, *prompt]
-            encoded = rust.encode(
-                chat_template.render(prompt, add_generation_prompt=True), add_special_tokens=False
-            ).ids
+            try:
+                with rendering(where):
+                    text = chat_template.render(prompt, add_generation_prompt=True)
+            except DataFormatError as e:
+                raise ConfigError(f"--data {e}") from None
+            encoded = rust.encode(text, add_special_tokens=False).ids
         if not encoded:
             raise ConfigError(f"--data {where}: the prompt holds no token; give it text or remove the line")
         if len(encoded) >= seq_len:

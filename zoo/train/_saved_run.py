@@ -280,9 +280,17 @@ def _chat_template(c: RunConfig, folder: Path, tok_dir: Path | None, notes: list
     if given is not None:
         path = next((p for p in (Path(given).expanduser(), folder / given) if p.is_file()), None)
         if path is not None:
-            return ChatTemplate.from_pretrained(tok_dir, template=path.read_text(encoding="utf-8"))
+            try:
+                return ChatTemplate.from_pretrained(
+                    tok_dir, template=path.read_text(encoding="utf-8-sig"), name=str(path)
+                )
+            except DataFormatError as e:
+                raise ConfigError(str(e)) from None
         notes.append(f"the run's chat template {given} is gone: chat data is read with the tokenizer's own, if any")
-    return None if tok_dir is None else ChatTemplate.from_pretrained(tok_dir)
+    try:
+        return None if tok_dir is None else ChatTemplate.from_pretrained(tok_dir)
+    except DataFormatError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- predictions
