@@ -200,6 +200,8 @@ FOREIGN = [
     ("a file next to a run's", True, lambda out: (out / "notes.txt").write_text("mine"), "notes.txt"),
     ("a file in a run's model folder", True, lambda out: (out / "model" / "README.md").write_text("mine"),
      "model/README.md"),
+    ("a note in a folder of no run", False, lambda out: out.mkdir() or (out / "notes.md").write_text("mine"),
+     "notes.md"),
 ]  # fmt: skip
 
 

@@ -258,9 +258,11 @@ def _restart(config: RunConfig, output: Path, folder: Path) -> str:
 
 
 def _check_new(output: Path, folder: Path, saved: list[int]) -> None:
-    """A new run (neither resumed nor overwriting) refuses a folder of another run."""
-    foreign = owned(output, folder)[1] if previous_outputs(output) else []
-    if foreign:  # named like a run's outputs, but not (only) zoo's: overwrite would refuse too
+    """A new run (neither resumed nor overwriting) refuses a folder of another run, and one
+    holding files zoo did not write (as `overwrite` would: the run's files would sit among
+    them, and only zoo's could ever be replaced)."""
+    foreign = owned(output, folder)[1]
+    if foreign:
         raise ConfigError(
             f"RunConfig.output {output} holds files zoo did not write ({shorten(foreign, 6)}); choose another "
             "RunConfig.output, or move those files away"
