@@ -427,3 +427,20 @@ def test_packed_chat_loss_on_a_hugging_face_llama_equals_transformers(tmp_path):
 
     # As accurate as transformers' own float32 loss, against its float64 run.
     assert_as_accurate(float(loss), torch_reference(transformers_loss, hf), what="packed chat loss")
+
+
+def test_byte_tokens_for_a_pretrained_vocabulary_are_warned_about(capsys):
+    """A checkpoint folder without tokenizer.json trains on byte tokens: a vocabulary larger
+    than bytes use (a pretrained model's, its tokenizer files left behind) gets a warning
+    naming the fix; a byte-level vocabulary, or a tokenizer, gets none."""
+    from zoo.train._task import check_vocab
+
+    check_vocab(32_000, None, "--init llama")
+    err = capsys.readouterr().err
+    assert err.startswith("zoo: warning: --init llama has no tokenizer.json: the data is read as UTF-8 bytes"), err
+    assert "32,000-token vocabulary" in err and "copy the model's tokenizer files" in err
+    check_vocab(256, None, "--init bytes")
+    check_vocab(32_000, object(), "--init llama")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(zoo.train.ConfigError, match="byte tokens need 256"):
+        check_vocab(100, None, "--init tiny")

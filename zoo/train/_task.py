@@ -6,6 +6,7 @@ of the folder `_registry.resolve_init` names), configs from dicts, and the trace
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -229,10 +230,24 @@ def decoder_of(tokenizer) -> Callable[[Any], str]:
     return decode
 
 
+# A vocabulary above this many ids is a tokenizer's, not byte tokens' (256, a few specials).
+BYTE_VOCAB_AT_MOST = 512
+
+
 def check_vocab(vocab: int, tokenizer, where: str) -> None:
-    """Byte tokens (no tokenizer) need a vocabulary of at least 256 ids."""
+    """Byte tokens (no tokenizer) need a vocabulary of at least 256 ids; a larger
+    vocabulary than byte tokens use (a pretrained model's folder without its tokenizer
+    files) is warned about: its data would be bytes, not the tokens the model learned."""
     if tokenizer is None and vocab < 256:
         raise ConfigError(f"{where} has a vocabulary of {vocab} ids but no tokenizer.json: byte tokens need 256")
+    if tokenizer is None and vocab > BYTE_VOCAB_AT_MOST:
+        print(
+            f"zoo: warning: {where} has no tokenizer.json: the data is read as UTF-8 bytes (ids 0-255), not as the "
+            f"{vocab:,}-token vocabulary the model learned; copy the model's tokenizer files (tokenizer.json, "
+            "tokenizer_config.json) into the folder to train on its own tokens",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def init_folder(c: RunConfig) -> Path | None:
