@@ -15,6 +15,7 @@ import optax
 import pytest
 import safetensors.numpy
 from helpers import (
+    TokenRegressor,
     assert_rounding_close,
     assert_tree_rounding_close,
     classification_batch,
@@ -265,10 +266,18 @@ def test_merge_unmerge_round_trip_and_merged_output():
     np.testing.assert_array_equal(forward(base, tokens), forward(tiny_decoder(jax.random.key(0)), tokens))
 
 
-def test_bad_input_is_refused_with_the_fix():
+def test_bad_input_is_refused_with_the_fix(llama_dir):
     base = tiny_decoder(jax.random.key(0))
     with pytest.raises(ValueError, match=r"match no Linear layer.*layers\.layers\.attention\.q_proj"):
         add_lora(base, LoraConfig(target_modules=("query",)), key=jax.random.key(0))
+    # Also the names the Hugging Face modules go by, which the targets take (gate_proj, not gate); a
+    # model whose names are zoo's alone lists those.
+    llama = zoo.hf.from_pretrained(llama_dir)
+    with pytest.raises(ValueError, match=r"mlp\.gate'.*as Hugging Face names them: \[[^]]*'gate_proj'"):
+        zoo.lora.target_names(llama, LoraConfig(target_modules=("gate_projection",)))
+    with pytest.raises(ValueError, match="match no Linear layer") as e:
+        zoo.lora.target_names(TokenRegressor(key=jax.random.key(0)), LoraConfig(target_modules=("gate_proj",)))
+    assert "as Hugging Face names them" not in str(e.value)
     with pytest.raises(ValueError, match="r must be a positive int"):
         LoraConfig(r=0)
     with pytest.raises(ValueError, match=r"r=17 exceeds min\(in, out\) = 16"):

@@ -144,10 +144,18 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
         raise ValueError(
             f"LoRA target_modules={config.target_modules!r} (exclude_modules={config.exclude_modules!r}) "
             f"match no Linear layer of this {type(model).__name__}. Its Linear layers are: "
-            f"{sorted(linears)}.{already} Name them by suffix (e.g. 'q_proj', or the Hugging Face name "
-            "such as 'query' or 'c_attn'), by a regex over the whole name, or use 'all-linear'."
+            f"{sorted(linears)}{_hf_suffixes(model, linears)}.{already} Name them by suffix (e.g. 'q_proj', or "
+            "the Hugging Face name such as 'query' or 'c_attn'), by a regex over the whole name, or use 'all-linear'."
         )
     return chosen
+
+
+def _hf_suffixes(model: Any, linears: Any) -> str:
+    """`", as Hugging Face names them: [...]"` (each module's last name part) for a model of
+    a `zoo.hf` family, whose names differ from zoo's (`gate_proj` for `mlp.gate`); else `""`."""
+    zoo_names = {n.rsplit(".", 1)[-1] for n in linears}
+    hf = {h.rsplit(".", 1)[-1] for n in linears for h in layer_names(model, n)}
+    return f", as Hugging Face names them: {sorted(hf)}" if hf - zoo_names else ""
 
 
 def expert_targets(model: Any, config: LoraConfig) -> list[str]:
