@@ -146,6 +146,8 @@ def test_inspect_transformer_lora_reduces_only_the_adapters():
     assert lora_bytes == 2 * 2 * (32 * 4 + 4 * 32) * 4  # 2 layers x (q, v) x (A + B) in float32
     assert out["trainable_bytes"] == out["adapter_bytes"] == lora_bytes
     assert out["param_bytes"] > 10 * lora_bytes
+    # As the run's header says: the model's bytes before LoRA, each layer's q and v counted.
+    assert out["model_bytes"] == out["param_bytes"] - lora_bytes and out["lora_layers"] == 2 * 2
     assert out["lora"]["r"] == 4 and out["lora"]["lora_alpha"] == 8 and out["lora"]["scaling"] == 2.0
     assert [n.split(".")[-1] for n in out["lora"]["adapted_modules"]] == ["q_proj", "v_proj"]
     (coll,) = out["collectives"]

@@ -152,11 +152,11 @@ def cmd_inspect(args) -> int:
         adapted = result["lora"]["adapted_modules"]
         saved = result["trainable_bytes"] - result["adapter_bytes"]
         print(
-            f"LoRA r={lora.r} alpha={lora.lora_alpha} on {len(adapted)} Linear layers "
+            f"LoRA r={lora.r} alpha={lora.lora_alpha:g} on {result['lora_layers']} Linear layers "
             f"({', '.join(sorted({n.split('.')[-1] for n in adapted}))}): adapters {result['adapter_bytes']:,} bytes"
             + (f" + modules_to_save {saved:,} bytes" if lora.modules_to_save else "")
-            + f" = {result['trainable_bytes']:,} trainable of the model's {result['param_bytes']:,} "
-            f"({100 * result['trainable_bytes'] / result['param_bytes']:.1f}%)"
+            + f" = {result['trainable_bytes']:,} trainable of the model's {result['model_bytes']:,} "
+            f"({100 * result['trainable_bytes'] / result['model_bytes']:.2f}%, as the run says)"
         )
     print(zoo.report(colls))
     summary = result["summary"]

@@ -35,6 +35,16 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
+def lora_layer_count(model) -> int:
+    """How many Linear layers of `model` carry a LoRA branch, each layer of a stack counted
+    (a stack's layers share one module whose arrays lead with the layer axes)."""
+    return sum(
+        math.prod(x.shape[:-2])
+        for path, x in jax.tree_util.tree_leaves_with_path(model)
+        if jax.tree_util.keystr(path).endswith(".lora_A")
+    )
+
+
 class Header(Hook):
     """Before the first step: what the run trains, on what, how (model, data, devices,
     mesh, steps, LoRA), the compile time, then the training phase line."""
@@ -133,14 +143,8 @@ def _print_header(
         adapted = lora_modules(model, LoraLinear)
         names = sorted({n.split(".")[-1] for n in adapted})
         extra = trainable_bytes - adapter_bytes
-        # Stacked layers share one module whose arrays lead with the layer axis.
-        layers = sum(
-            math.prod(x.shape[:-2])
-            for path, x in jax.tree_util.tree_leaves_with_path(model)
-            if jax.tree_util.keystr(path).endswith(".lora_A")
-        )
         say(
-            f"LoRA r={lcfg.r} alpha={lcfg.lora_alpha:g} on {layers} Linear layers ({', '.join(names)})"
+            f"LoRA r={lcfg.r} alpha={lcfg.lora_alpha:g} on {lora_layer_count(model)} Linear layers ({', '.join(names)})"
             + (f" + {', '.join(lcfg.modules_to_save)} trained in full" if lcfg.modules_to_save else "")
             + f": {human_bytes(adapter_bytes)} of adapters"
             + (f" + {human_bytes(extra)}" if extra else "")

@@ -35,7 +35,7 @@ from ..lora import trainable as lora_trainable
 from ..lora._named import lora_json
 from ._build import build_run, resume, write_run_files
 from ._config import RunConfig
-from ._console import Header, Phases, Report
+from ._console import Header, Phases, Report, lora_layer_count
 from ._errors import ConfigError, Interrupted, Preempted
 from ._evaluate import Evaluator, TaskEvaluation, evaluation_rows, first_evaluation, plain
 from ._export import Export
@@ -282,17 +282,21 @@ class Inspection:
     collectives: list
 
     def sizes(self) -> dict[str, Any]:
-        """The model's sizes: `parameters` (before LoRA, as summary.json), `param_bytes`,
-        `trainable_bytes` (what the step trains), `lora` (the LoRA config, its scaling and
-        the adapted modules; None without) and `adapter_bytes` (the adapters' own)."""
+        """The model's sizes: `parameters` and `model_bytes` (before LoRA, as summary.json),
+        `param_bytes` (with it), `trainable_bytes` (what the step trains), `lora` (the LoRA
+        config, its scaling and the adapted modules; None without), `lora_layers` (the
+        Linear layers with a branch, each layer of a stack counted, as the run's header
+        says) and `adapter_bytes` (the adapters' own)."""
         lora = self.config.lora
         with jax.set_mesh(self.mesh):
             trained = self.step.partition(self.model)[0]
         return {
             "parameters": self.parameters,
+            "model_bytes": tree_bytes(self.task.model),
             "param_bytes": tree_bytes(self.model),
             "trainable_bytes": tree_bytes(trained),
             "lora": None if lora is None else lora_json(self.model, lora),
+            "lora_layers": None if lora is None else lora_layer_count(self.model),
             "adapter_bytes": tree_bytes(eqx.filter(self.model, lora_trainable(self.model))),
         }
 
