@@ -282,3 +282,26 @@ def test_stop_strings_cut_the_streamed_text_where_the_whole_text_is_cut():
             printer(np.asarray([ord(ch)]))
         printer.finish()
         assert stream.getvalue() == cut_at_stop(whole, stops)[0], (whole, stops)
+
+
+def test_generate_says_when_the_model_ends_the_text_at_once(llama_dir, monkeypatch):
+    """A completion that is empty because the first new token was end-of-sequence gets a
+    line on stderr saying so (the output alone looked like nothing happened); a completion
+    with text gets none."""
+    import jax.numpy as jnp
+
+    import zoo
+
+    def first_new(token):
+        def fake(model, tokens, *, eos_token_id=None, stream=None, **kwargs):
+            new = jnp.full((tokens.shape[0], 2), eos_token_id if token == "eos" else 7, tokens.dtype)
+            return jnp.concatenate([tokens, new], axis=1)
+
+        return fake
+
+    for token, said in (("eos", True), ("text", False)):
+        monkeypatch.setattr(zoo, "generate", first_new(token))
+        rc, out, err = zoo_main("generate", llama_dir, "--prompt", "the cat", "--max-new-tokens", "2", "--devices", "1")
+        assert rc == 0, err
+        assert out.startswith("the cat")
+        assert ("the model ended the text at once: its first new token was end-of-sequence" in err) is said, err

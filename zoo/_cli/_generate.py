@@ -391,12 +391,20 @@ def cmd_generate(args) -> int:
             raise CLIError(str(e).splitlines()[0]) from e
         rows = first_row(out)
         jax.effects_barrier()
-    completions = []
+    completions, ended = [], []
     for row in rows:
         ids = [int(i) for i in row[tokens.shape[1] :]]
+        ended.append(eos is not None and bool(ids) and ids[0] == eos)
         if eos is not None and eos in ids:
             ids = ids[: ids.index(eos)]
         completions.append(cut_at_stop(text.decode(ids), args.stop or [])[0])
+    if not args.json and any(ended):  # an empty completion would look like nothing happened
+        which = "" if len(rows) == 1 else f" (prompts {', '.join(str(i + 1) for i, e in enumerate(ended) if e)})"
+        print(
+            f"zoo generate: the model ended the text at once{which}: its first new token was end-of-sequence",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.json:
         print(json.dumps([{"prompt": p, "completion": c} for p, c in zip(args.prompt, completions)], indent=2))
     elif printer is not None:
