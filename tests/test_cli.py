@@ -376,7 +376,11 @@ def test_config_files_toml_yaml_mirror_the_flags(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("steps = 3\nbatch_sise = 4\n", "unknown keys ['batch_sise'] for zoo train; valid keys: batch-size,"),
+        (
+            "steps = 3\nbatch_sise = 4\n",
+            "unknown keys ['batch_sise'] for zoo train (did you mean 'batch_sise' -> "
+            "'batch-size'?); valid keys: batch-size,",
+        ),
         ("steps = 2.5\n", "steps must be an integer"),
         ("optimizer = 'adagrad'\n", "optimizer must be one of"),
         ("quiet = 'yes'\n", "quiet must be true or false"),

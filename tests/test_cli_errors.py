@@ -232,7 +232,8 @@ def test_errors_in_fresh_processes(tmp_path):
                  "zoo: error: bad --mesh 'data4': write it as name=size[,name=size], e.g. data=4,model=2"),
         "init": (["finetune", "transformer"], 2, "zoo: error: zoo finetune transformer needs --init PATH"),
         "config": (["train", "mlp", "--config", "bad.toml"], 2,
-                   "zoo: error: --config bad.toml: unknown keys ['batch_sise'] for zoo train; valid keys: batch-size,"),
+                   "zoo: error: --config bad.toml: unknown keys ['batch_sise'] for zoo train (did you mean 'batch_sise' "
+                   "-> 'batch-size'?); valid keys: batch-size,"),
         "rules": (["inspect", "transformer", "--mesh", "data=8", "--rules", "tp"], 2,
                   ("zoo: error: --rules tp shards over mesh axes ['data', 'model'], but the mesh data=8 lacks 'model'; "
                    "pass a mesh with them, e.g. --mesh data=4,model=2")),
@@ -295,6 +296,7 @@ def test_bad_lora_is_one_readable_line():
     error, which lists the model's Linear layers. Exit 2, one line."""
     for lora, message in [
         ("r=4,beta=2", "unknown key 'beta'"),
+        ("r=4,alfa=2", "unknown key 'alfa' (did you mean 'alpha'?)"),
         ("r=four", "r must be a positive integer"),
         ("r=4,targets=qproj", "match no Linear layer"),
     ]:

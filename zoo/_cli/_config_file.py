@@ -11,6 +11,7 @@ file: `zoo train --config runs/<run>/config.json` runs it again.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,12 @@ def config_defaults(path: str, parser: argparse.ArgumentParser, command: str) ->
             continue
         out[key] = _convert(str(raw_key), value, actions[key], path)
     if unknown:
-        valid = ", ".join(sorted(k.replace("_", "-") for k in actions))
-        raise CLIError(f"--config {path}: unknown keys {unknown} for zoo {command}; valid keys: {valid}")
+        names = sorted(k.replace("_", "-") for k in actions)
+        close = {k: difflib.get_close_matches(k.replace("_", "-"), names, n=1) for k in unknown}
+        hints = ", ".join(f"{k!r} -> {c[0]!r}" for k, c in close.items() if c)
+        raise CLIError(
+            f"--config {path}: unknown keys {unknown} for zoo {command}"
+            + (f" (did you mean {hints}?)" if hints else "")
+            + f"; valid keys: {', '.join(names)}"
+        )
     return out

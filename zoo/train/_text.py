@@ -6,6 +6,7 @@ one data file per adapter, `--data NAME=FILE,...` (`adapter_files`, `files_text`
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -104,7 +105,8 @@ def parse_lora(text: str, defaults: dict[str, Any]):
         if not eq or not key or not value:
             raise bad(f"{part.strip()!r} is not key=value")
         if key not in LORA_KEYS:
-            raise bad(f"unknown key {key!r}")
+            close = difflib.get_close_matches(key, list(LORA_KEYS), n=1)
+            raise bad(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         if key in seen:
             raise bad(f"key {key!r} appears twice")
         seen.add(key)
