@@ -214,7 +214,7 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True) -
 def _mistyped_folder(text: str) -> str:
     """A note for an `org/name` that failed as a model id while `org` is a folder here:
     most likely a mistyped path (`runs/sft` for a run that does not exist)."""
-    org, name = text.split("/") if "/" in text else (text, "")
+    org, _, name = text.partition("/")
     if name and Path(org).is_dir():
         return f" ({org}/ is a folder here but holds no {name}: if you meant a local folder, check the path)"
     return ""
