@@ -10,6 +10,7 @@ runs (everything written to file descriptor 2 counts), the exit codes and traceb
 gives as the process ends, the devices a fresh process simulates.
 """
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -57,6 +58,7 @@ def test_entry_point_help_and_one_line_usage_error(usage_answers):
 # `--help` and argparse's usage errors: (argv, exit code, what stdout or the one stderr line holds).
 USAGE_CASES = [
     (["--help"], 0, "usage: zoo [-h]"),
+    (["--version"], 0, f"zoo {importlib.metadata.version('eqx-zoo')}\n"),
     (["train", "--help"], 0, "usage: zoo train [-h]"),
     (["generate", "--help"], 0, "usage: zoo generate [-h]"),
     (
