@@ -114,6 +114,17 @@ def _zoos(path: str, listed: Iterable[str]) -> bool:
     return tmp is not None and _zoos(f"{folder}/{tmp['name']}" if folder else tmp["name"], listed)
 
 
+def strangers(output: Path, checkpoints: Path) -> list[str]:
+    """The entries at the top of `output` that are not zoo's (its lock, marker, checkpoints
+    folder, atomic-write leftovers), `/` after folders: what a folder of no run holds
+    besides (read without walking it: `--output .` of a large tree is refused at once)."""
+    if not output.is_dir():
+        return []
+    return sorted(
+        p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if p != checkpoints and not _zoos(p.name, [])
+    )
+
+
 def owned(output: Path, checkpoints: Path) -> tuple[list[str], list[str]]:
     """`(zoo's, foreign)`: the files under `output` (the checkpoints folder aside) the
     marker lists (or, without one, all of them in a folder `_is_old_run` recognises), and

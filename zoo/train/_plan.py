@@ -16,7 +16,7 @@ from .._presets import RULE_PRESETS
 from .._presets import rules as preset_rules
 from ._config import RunConfig, output_dir
 from ._errors import ConfigError
-from ._folder import owned, previous_outputs, remove_run
+from ._folder import owned, previous_outputs, remove_run, strangers
 from ._registry import model_spec
 from ._settings import MAX_COUNT
 from ._text import mesh_text, parse_mesh
@@ -261,7 +261,7 @@ def _check_new(output: Path, folder: Path, saved: list[int]) -> None:
     """A new run (neither resumed nor overwriting) refuses a folder of another run, and one
     holding files zoo did not write (as `overwrite` would: the run's files would sit among
     them, and only zoo's could ever be replaced)."""
-    foreign = owned(output, folder)[1]
+    foreign = owned(output, folder)[1] if previous_outputs(output) else strangers(output, folder)
     if foreign:
         raise ConfigError(
             f"RunConfig.output {output} holds files zoo did not write ({shorten(foreign, 6)}); choose another "
