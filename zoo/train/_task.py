@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._distributed import is_main_process
 from .._jit import ONCE_COMPILER_OPTIONS
 from ..data import BatchSource
 from ..models import cross_entropy
@@ -240,7 +241,7 @@ def check_vocab(vocab: int, tokenizer, where: str) -> None:
     files) is warned about: its data would be bytes, not the tokens the model learned."""
     if tokenizer is None and vocab < 256:
         raise ConfigError(f"{where} has a vocabulary of {vocab} ids but no tokenizer.json: byte tokens need 256")
-    if tokenizer is None and vocab > BYTE_VOCAB_AT_MOST:
+    if tokenizer is None and vocab > BYTE_VOCAB_AT_MOST and is_main_process():
         print(
             f"zoo: warning: {where} has no tokenizer.json: the data is read as UTF-8 bytes (ids 0-255), not as the "
             f"{vocab:,}-token vocabulary the model learned; copy the model's tokenizer files (tokenizer.json, "
