@@ -151,8 +151,9 @@ def target_names(model: Any, config: LoraConfig) -> list[str]:
 
 
 def _hf_suffixes(model: Any, linears: Any) -> str:
-    """`", as Hugging Face names them: [...]"` (each module's last name part) for a model of
-    a `zoo.hf` family, whose names differ from zoo's (`gate_proj` for `mlp.gate`); else `""`."""
+    """`", as Hugging Face names them: [...]"` (each module's last name part) where a model's
+    adapters are written under other names than zoo's (a `zoo.hf` family's; a `Transformer`
+    as Llama: `gate_proj` for `mlp.gate`); else `""`."""
     zoo_names = {n.rsplit(".", 1)[-1] for n in linears}
     hf = {h.rsplit(".", 1)[-1] for n in linears for h in layer_names(model, n)}
     return f", as Hugging Face names them: {sorted(hf)}" if hf - zoo_names else ""
