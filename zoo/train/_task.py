@@ -5,9 +5,11 @@ of the folder `_registry.resolve_init` names), configs from dicts, and the trace
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,20 @@ if TYPE_CHECKING:  # _config imports _lora, which imports this module
     from ._config import RunConfig
 
 _INITIALISERS: dict[Any, Any] = {}
+_ABSTRACT = contextvars.ContextVar("abstract_models", default=False)
+
+
+@contextlib.contextmanager
+def abstract_models() -> Iterator[None]:
+    """Inside, a model built from scratch (`init_compiled`) comes out abstract: its array
+    leaves `jax.ShapeDtypeStruct`s, nothing initialised, compiled or allocated. What `zoo
+    info` shows needs only shapes, dtypes and axes: a billion-parameter config's table
+    without its gigabytes (initialising them held several times the model's bytes)."""
+    token = _ABSTRACT.set(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.reset(token)
 
 
 @dataclasses.dataclass
@@ -147,6 +163,8 @@ def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
     import equinox as eqx
     import jax
 
+    if _ABSTRACT.get():
+        return eqx.filter_eval_shape(build, key)
     # The arrays come out on the mesh set when it was compiled: another mesh (a second
     # run in this process on other devices) is another program.
     name = (name, jax.sharding.get_mesh())
