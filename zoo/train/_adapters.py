@@ -307,16 +307,16 @@ _LORA_WRAPPERS: dict[Any, tuple[Any, dict[str, Any]]] = {}
 
 
 def add_lora(model: Any, config: Any, seed: int) -> Any:
-    """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled without
-    LLVM's costly optimisations (like `init_compiled`), once per (model structure and
-    placement, config).
+    """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled as
+    `init_compiled`'s (`once_compiler_options`), once per (model structure and placement,
+    config).
     A target matching nothing, a rank too large, ... → ConfigError with zoo's message."""
     import equinox as eqx
     import jax
     import jax.random as jr
 
+    from .._jit import once_compiler_options
     from ..lora import add_lora as add_branches
-    from ._task import ONCE_COMPILER_OPTIONS
 
     seed_key = jr.key_data(jr.key(seed))
     arrays, static = eqx.partition(model, eqx.is_array)
@@ -343,7 +343,8 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
             return [x for x, i in zip(new, out["forwarded"]) if i is None]
 
         try:
-            compiled = jax.jit(wrap).lower(arrays, seed_key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
+            lowered = jax.jit(wrap).lower(arrays, seed_key)
+            compiled = lowered.compile(compiler_options=once_compiler_options(lowered))
         except ValueError as e:
             raise ConfigError(f"--lora: {e}") from e
         _LORA_WRAPPERS[cache_key] = (compiled, out)

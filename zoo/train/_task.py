@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._distributed import is_main_process
-from .._jit import ONCE_COMPILER_OPTIONS
+from .._jit import ONCE_COMPILER_OPTIONS, once_compiler_options  # noqa: F401  (the constant: read from here by _run and tests)
 from ..data import BatchSource
 from ..models import cross_entropy
 from ..models._loss import token_loss
@@ -156,8 +156,9 @@ def classifier_metrics(model, batch):
 
 
 def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
-    """`build(key)` as one jitted program compiled without LLVM's costly optimisations:
-    about half the CPU time of running the initialisers op by op, each compiled alone.
+    """`build(key)` as one jitted program compiled without LLVM's costly optimisations
+    (a large model's with them: `once_compiler_options`): about half the CPU time of
+    running the initialisers op by op, each compiled alone.
     Same values as running it eagerly, up to float rounding. Compiled once per `name`
     (which must name the model's configuration too) and mesh set by `jax.set_mesh`."""
     import equinox as eqx
@@ -175,7 +176,8 @@ def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
             arrays, static["tree"] = eqx.partition(build(k), eqx.is_array)
             return arrays
 
-        compiled = jax.jit(arrays_of).lower(key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
+        lowered = jax.jit(arrays_of).lower(key)
+        compiled = lowered.compile(compiler_options=once_compiler_options(lowered))
         _INITIALISERS[name] = (compiled, static)
     compiled, static = _INITIALISERS[name]
     return eqx.combine(compiled(key), static["tree"])
