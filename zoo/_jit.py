@@ -48,10 +48,15 @@ class _Static:
         return isinstance(other, _Static) and self.value == other.value
 
 
+def _traced(x) -> bool:
+    """An array, or an abstract one (`jax.ShapeDtypeStruct`: lowered, never run)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _split(leaves):
     """Leaves → (array leaves with None in static slots, static leaves as a tuple)."""
-    arrays = [x if eqx.is_array(x) else None for x in leaves]
-    static = tuple(None if eqx.is_array(x) else _Static(x) for x in leaves)
+    arrays = [x if _traced(x) else None for x in leaves]
+    static = tuple(None if _traced(x) else _Static(x) for x in leaves)
     return arrays, static
 
 
