@@ -285,6 +285,31 @@ def init_folder(c: RunConfig) -> Path | None:
     return None
 
 
+def check_pretrained_seq_len(c: RunConfig, folder: Path | None) -> None:
+    """Refuse a `DataConfig.seq_len` longer than the pretrained model in `folder` embeds
+    (its config.json's positions, or `model_config`'s `max_len` over them), from that file
+    alone: before a data file's rows are cut at that length and counted (a length it cannot
+    take was reported as too few rows) and before any weight is read."""
+    import json
+
+    from .. import hf
+
+    if folder is None or not c.data.seq_len:
+        return
+    try:
+        values = json.loads((folder / "config.json").read_text())
+        family = hf.get_family(values.get("model_type"), str(folder / "config.json"))
+        overrides = {"family": family.name, "source_dir": str(folder.resolve())} | dict(c.model_config)
+        max_len = family.config_from_hf(values, **overrides).max_len
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # what this file cannot tell, the model's load reports in its own words
+    if c.data.seq_len > max_len:
+        raise ConfigError(
+            f"--seq-len {c.data.seq_len} exceeds the model's max_len {max_len} (the positions {folder} embeds); "
+            "lower --seq-len"
+        )
+
+
 def init_name(c: RunConfig, folder: Path | None) -> str | None:
     """Where a model's pretrained weights came from, in words (None: from scratch)."""
     if c.init is None and c.model == "minilm":
