@@ -418,3 +418,30 @@ def test_model_config_remat_auto_by_default_none_turns_it_off(model):
         ["info", model, "--model-config", "d_model=32,num_layers=1,remat=sometimes", "--seq-len", "16"],
         "remat must be 'auto', None (no remat) or one of",
     )
+
+
+def test_info_builds_shapes_alone_and_compiles_no_initialiser():
+    """`zoo info` of a model built from scratch reads shapes, dtypes and axes without
+    initialising a weight (`zoo.train.abstract_models`): no initialiser is compiled or run,
+    so a large config's table costs seconds, not its gigabytes (initialising 0.87B
+    parameters held 22 GB and ran for minutes). LoRA branches (DoRA's magnitudes, the norms
+    of the base's columns) and a 4-bit base are shapes too; the tables equal the concrete
+    model's (`test_info_inspect_and_train_build_the_same_model`)."""
+    from helpers import backend_compiles
+
+    # A config no other test builds: an initialiser compiled before would not show here.
+    config = ["--model-config", "d_model=64,num_layers=3,num_heads=2,mlp_dim=128,vocab_size=96", "--seq-len", "16"]
+    with backend_compiles() as compiled:
+        info = json.loads(ok("info", "transformer", *config, "--json"))
+        lora = json.loads(
+            ok("info", "transformer", *config, "--lora", "r=4,use_dora=true", "--quantize", "nf4", "--json")
+        )
+    assert "jit(arrays_of)" not in compiled, compiled  # `init_compiled`'s program: the weights initialised
+    totals = info["totals"]
+    assert info["parameters"] == totals["parameters"] == totals["trainable_parameters"] > 0
+    assert totals["bytes"] == 4 * totals["parameters"]
+    # The 4-bit base: its projections' codes are bytes, two weights each; the branches train.
+    assert "uint8" in {leaf["dtype"] for leaf in lora["leaves"]}
+    assert lora["parameters"] == info["parameters"]  # the model's before LoRA, as a run reports
+    trained = {leaf["path"].rsplit(".", 1)[1] for leaf in lora["leaves"] if leaf["trainable"]}
+    assert trained == {"lora_A", "lora_B", "lora_magnitude_vector"}, trained

@@ -460,3 +460,18 @@ def test_a_step_built_again_runs_the_program_already_compiled(setup):
             Jit(double, on_compile=lambda *_: None, compiler_options=options)(x)
         seen.append(len(names))
     assert seen == [1, 0, 1]
+
+
+def test_a_program_run_once_is_compiled_fast_unless_its_outputs_are_large():
+    """`once_compiler_options`: a small initialiser is compiled without LLVM's optimisation
+    (its compile is most of its time), one making `ONCE_OPTIMISED_FROM_BYTES` or more with
+    XLA's defaults (its unoptimised run would take several times longer:
+    benchmarks/initialiser_options.py). Lowering alone: nothing is allocated."""
+    from zoo._jit import ONCE_COMPILER_OPTIONS, ONCE_OPTIMISED_FROM_BYTES, once_compiler_options
+
+    def zeros(n):
+        return jax.jit(lambda: jnp.zeros((n,), jnp.float32)).lower()
+
+    floats = ONCE_OPTIMISED_FROM_BYTES // 4
+    assert once_compiler_options(zeros(floats - 1)) == ONCE_COMPILER_OPTIONS
+    assert once_compiler_options(zeros(floats)) == {}

@@ -20,7 +20,7 @@ def _checkpoint(folder, model_type="llama"):
     return folder
 
 
-def test_model_names_a_registered_model_a_family_or_a_checkpoint(tmp_path):
+def test_model_names_a_registered_model_a_family_or_a_checkpoint(tmp_path, monkeypatch):
     import zoo
     from zoo.train import model_and_init
 
@@ -36,7 +36,14 @@ def test_model_names_a_registered_model_a_family_or_a_checkpoint(tmp_path):
     # RunConfig resolves it the same way: config.json records the model and its init.
     config = zoo.train.RunConfig(model=str(llama)).resolved("finetune")
     assert (config.model, config.init) == ("transformer", str(llama))
-    with pytest.raises(zoo.train.ConfigError, match="names a family: give its checkpoint as RunConfig.init"):
+    with pytest.raises(zoo.train.ConfigError, match="names a family: give its checkpoint as RunConfig.init") as e:
+        model_and_init("llama", None)
+    assert "./llama" not in str(e.value)
+    # A folder of the family's name in the working folder: the error says how to name it.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        zoo.train.ConfigError, match=r"names a family: .* \(the folder llama here: give it as ./llama\)"
+    ):
         model_and_init("llama", None)
     with pytest.raises(zoo.train.ConfigError, match="give the checkpoint once"):
         model_and_init(str(llama), str(bert))
@@ -275,3 +282,20 @@ def test_ctrl_c_saves_the_step_and_the_printed_command_continues_it(tmp_path, mo
         final[name] = run.model
     for a, b in zip(jax.tree.leaves(final["continued"]), jax.tree.leaves(final["whole"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_seq_len_longer_than_the_pretrained_positions_is_named_before_the_rows(llama_dir, data_files, tmp_path):
+    """`--seq-len` above the positions a pretrained folder embeds (config.json's
+    `max_position_embeddings`: 64 here) is refused as such, from that file, before the data
+    file's rows are cut at that length and counted (it was reported as too few rows); a
+    `--model-config max_len` over the folder's is taken as the limit instead."""
+    from helpers import zoo_main
+
+    flags = ["finetune", str(llama_dir), "--data", str(data_files["text"]), "--steps", "1"]
+    rc, _, err = zoo_main(*flags, "--seq-len", "128", "--output", tmp_path / "a")
+    assert rc == 2 and err.strip().endswith(
+        f"--seq-len 128 exceeds the model's max_len 64 (the positions {llama_dir} embeds); lower --seq-len"
+    ), err
+    rc, _, err = zoo_main(*flags, "--seq-len", "128", "--model-config", "max_len=256", "--output", tmp_path / "b")
+    assert "exceeds the model's max_len" not in err, err
+    assert not (tmp_path / "a").exists()

@@ -94,11 +94,21 @@ def partition_trainable(model: Any, trainable: FilterSpec) -> tuple[Any, Any]:
     """Split `model` into (trainable float arrays, everything else), like `eqx.partition`.
 
     Leaves the filter selects but that are not inexact arrays (integer buffers, static
-    values) go to the frozen side: they cannot have gradients.
+    values) go to the frozen side: they cannot have gradients. An abstract model's leaves
+    (`jax.ShapeDtypeStruct`, lowered but never run) are read as the arrays they stand for.
     """
+    if trainable is eqx.is_inexact_array:  # the default filter: abstract leaves too
+        trainable = _inexact
     selected, frozen = eqx.partition(model, trainable)
-    params, extra = eqx.partition(selected, eqx.is_inexact_array)
+    params, extra = eqx.partition(selected, _inexact)
     return params, eqx.combine(frozen, extra)
+
+
+def _inexact(x: Any) -> bool:
+    """A float (or complex) array, or an abstract one."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(x.dtype, jnp.inexact)
+    return eqx.is_inexact_array(x)
 
 
 def _check_arguments(loss_fn: Any, optimizer: Any, mode: Any, budget: Any) -> None:
@@ -307,7 +317,7 @@ class TrainStep:
         sums and an optimizer's per-leaf scalars, and `"loss_scalars"`, the loss sums alone
         (with the loss's metrics, once a program is traced; see `zoo.Allowance`)."""
         params = jax.tree.leaves(self.partition(model)[0])
-        arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+        arrays = [x for x in jax.tree.leaves(model) if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)]
         per_use = self.gather == "per_use"
         loss_scalars = LOSS_SCALAR_BYTES + 4 * len(getattr(self, "_metric_names", ()))
         return {

@@ -80,18 +80,22 @@ def key_path(tree: Any, name: str) -> KeyPath:
     return tuple(path)
 
 
-def tree_bytes(tree) -> int:
-    """Bytes held by the array leaves of a pytree."""
+def _sized(x) -> bool:
     import equinox as eqx
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes held by the array leaves of a pytree (an abstract leaf, `jax.ShapeDtypeStruct`,
+    counts the bytes its array would hold)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if _sized(x))
 
 
 def tree_size(tree) -> int:
-    """Number of elements in the array leaves of a pytree."""
-    import equinox as eqx
-
-    return sum(x.size for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+    """Number of elements in the array leaves of a pytree (abstract leaves counted as their
+    arrays would be)."""
+    return sum(x.size for x in jax.tree.leaves(tree) if _sized(x))
 
 
 def human_bytes(n: int | float) -> str:

@@ -18,13 +18,12 @@ def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: di
     """One row per array leaf of `model`: path, shape, dtype, logical axes, spec, trainable,
     bytes and bytes per device (each dimension over the product of the mesh axis sizes its
     spec entry names; nothing is placed on devices)."""
-    import equinox as eqx
     import jax
 
     rows: list[dict[str, Any]] = []
 
     def one(path, x, names, spec, train):
-        if not eqx.is_array(x):
+        if not _is_leaf_array(x):
             return
         entries = tuple(spec) + (None,) * (x.ndim - len(spec))
         per_device = [
@@ -49,6 +48,14 @@ def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: di
     return rows
 
 
+def _is_leaf_array(x: Any) -> bool:
+    """An array leaf of the model, or its shape alone (a model built abstractly)."""
+    import equinox as eqx
+    import jax
+
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _mesh_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -56,7 +63,6 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
 def cmd_info(args) -> int:
     """Build `args.model` (no step) and print its leaf table (or JSON)."""
     devices = init_devices(args.devices)
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
 
@@ -64,7 +70,7 @@ def cmd_info(args) -> int:
 
     real = zoo.train.make_mesh(args.mesh, rules=args.rules, devices=devices)
     mesh_shape = dict(real.shape)
-    built = model_of(args, real)
+    built = model_of(args, real, abstract=True)  # shapes alone: a large config is not initialised
     model, lora = built.task.model, built.lora
     # The specs are checked against an abstract mesh of the same axes and sizes (only a
     # pretrained model's weights were read onto devices, as zoo train reads them).
@@ -77,7 +83,7 @@ def cmd_info(args) -> int:
     if lora is not None:
         trainable = zoo.lora.trainable(model, lora)
     else:
-        trainable = jax.tree.map(lambda x: eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact), model)
+        trainable = jax.tree.map(lambda x: _is_leaf_array(x) and jnp.issubdtype(x.dtype, jnp.inexact), model)
     rows = _leaf_rows(model, axes, specs, trainable, mesh_shape)
     totals = {
         "leaves": len(rows),

@@ -61,10 +61,17 @@ def config_of(args, spec, init: str | None, command: str) -> RunConfig:
     return RunConfig.from_dict({k: v for k, v in given.items() if v is not None})
 
 
-def build_model(args, config: RunConfig, command: str, mesh) -> Built:
+def build_model(args, config: RunConfig, command: str, mesh, *, abstract: bool = False) -> Built:
     """Build the model `zoo train` / `zoo finetune` would from `config` (`config_of`,
     resolved for `command`, no data; through `zoo.train.build_task`, on `mesh`: pretrained
-    weights are read onto it), with its LoRA adapters."""
+    weights are read onto it), with its LoRA adapters.
+
+    `abstract`: a model built from scratch comes out as shapes alone (`jax.ShapeDtypeStruct`
+    leaves, nothing initialised: `zoo.train.abstract_models`), its branches and quantised
+    layers too; pretrained weights are still read."""
+    import contextlib
+
+    import equinox as eqx
     import jax
 
     import zoo
@@ -77,28 +84,37 @@ def build_model(args, config: RunConfig, command: str, mesh) -> Built:
         raise CLIError(
             f"--lora dropout needs per-example keys, which the {spec.name}'s loss does not take; drop dropout="
         )
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), zoo.train.abstract_models() if abstract else contextlib.nullcontext():
         task = zoo.train.build_task(config, rules=zoo.rules(args.rules), mesh=mesh)
-        parameters = internal.tree_size(task.model)
+    parameters = internal.tree_size(task.model)
+    # An abstract base is adapted and quantised abstractly: the same shapes, nothing computed.
+    shapes_only = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(task.model))
+
+    def transformed(transform):
+        return eqx.filter_eval_shape(transform, task.model) if shapes_only else transform(task.model)
+
+    with jax.set_mesh(mesh):
         if lora is not None:
             try:  # the branches' values do not matter here: only their shapes and axes are shown
-                task.model = zoo.lora.add_lora(task.model, lora, key=jax.random.key(config.seed))
+                task.model = transformed(lambda m: zoo.lora.add_lora(m, lora, key=jax.random.key(config.seed)))
             except ValueError as e:
                 raise CLIError(f"--lora: {e}") from e
         if config.quantize is not None:  # the base as zoo finetune --quantize stores it
             from ._generate import quantized_as_the_run
 
             try:
-                task.model = quantized_as_the_run(task.model, lora, config.quantize, zoo.rules(args.rules), mesh)
+                task.model = transformed(
+                    lambda m: quantized_as_the_run(m, lora, config.quantize, zoo.rules(args.rules), mesh)
+                )
             except ValueError as e:
                 raise CLIError(f"--quantize {config.quantize}: {str(e).splitlines()[0]}") from e
     return Built(task, lora, command, spec, config, parameters)
 
 
-def model_of(args, mesh) -> Built:
+def model_of(args, mesh, *, abstract: bool = False) -> Built:
     """`build_model` of the flags (`resolve_model`, `config_of`) on `mesh`."""
     spec, init, command = resolve_model(args)
-    return build_model(args, config_of(args, spec, init, command), command, mesh)
+    return build_model(args, config_of(args, spec, init, command), command, mesh, abstract=abstract)
 
 
 def cmd_inspect(args) -> int:

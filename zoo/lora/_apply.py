@@ -449,11 +449,12 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
     """The trainable filter of a LoRA model: `True` at every `lora_A`/`lora_B` leaf (and
     DoRA's `lora_magnitude_vector`) and at
     every leaf of `config.modules_to_save`, `False` elsewhere (a bool pytree for
-    `zoo.TrainStep(trainable=...)`). The frozen base gets no gradient and no communication."""
+    `zoo.TrainStep(trainable=...)`). The frozen base gets no gradient and no communication.
+    An abstract model's leaves (`jax.ShapeDtypeStruct`) are read as the arrays they stand for."""
     saved = set(saved_modules(model, config))
 
     def one(path, leaf):
-        if not eqx.is_array(leaf):
+        if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
             return False
         name = dotted_name(path)
         last = name.split(".")[-1]

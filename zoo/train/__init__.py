@@ -14,7 +14,8 @@ model registry.
   built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import); a
   model argument that may be a family or a checkpoint (`check_model_name`,
   `model_and_init`) and the folder an `init` names (`resolve_init`);
-  `Task`, `build_task`: a model on its data, built from a `RunConfig`; `make_mesh`: the
+  `Task`, `build_task`: a model on its data, built from a `RunConfig` (inside
+  `abstract_models()`, a model built from scratch as shapes alone); `make_mesh`: the
   mesh a run lays it out on, checked against its rules.
 - `ConfigError` (settings that cannot run), `RunStopped` (non-finite), `Preempted` (SIGTERM), `Interrupted` (Ctrl-C, after
   saving a checkpoint).
@@ -55,7 +56,14 @@ __getattr__, __dir__ = lazy_names(
         "._saved_run": ("SavedRun", "load_run"),
         "._scores": ("classification_scores",),
         "._settings": ("DataConfig", "GRPOConfig"),
-        "._task": ("Task", "classifier_metrics", "lm_metrics", "regression_loss", "regression_metrics"),
+        "._task": (
+            "Task",
+            "abstract_models",
+            "classifier_metrics",
+            "lm_metrics",
+            "regression_loss",
+            "regression_metrics",
+        ),
         "._trainer": ("Hook", "TrainState", "Trainer"),
     },
 )
@@ -98,6 +106,7 @@ if TYPE_CHECKING:
     from ._settings import DataConfig as DataConfig
     from ._settings import GRPOConfig as GRPOConfig
     from ._task import Task as Task
+    from ._task import abstract_models as abstract_models
     from ._task import classifier_metrics as classifier_metrics
     from ._task import lm_metrics as lm_metrics
     from ._task import regression_loss as regression_loss
@@ -134,6 +143,7 @@ __all__ = [
     "TensorBoard",
     "TrainState",
     "Trainer",
+    "abstract_models",
     "build_task",
     "check_model_name",
     "classification_scores",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,18 @@ def adapter_metrics(names: tuple[str, ...]):
     return metrics
 
 
+def on_shapes_too(fn: Callable[[Any], Any], model: Any) -> Any:
+    """`fn(model)`; for a model built as shapes alone (`zoo.train.abstract_models`: leaves
+    `jax.ShapeDtypeStruct`), `fn` traced on them, its result shapes too (nothing computed:
+    a DoRA magnitude or a quantised weight needs the base's values)."""
+    import equinox as eqx
+    import jax
+
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):
+        return eqx.filter_eval_shape(fn, model)
+    return fn(model)
+
+
 def stacked(model: Any, names: tuple[str, ...]) -> Any:
     """The one-adapter LoRA `model` as `len(names)` adapters, each starting where a
     one-adapter run of the same seed starts (`zoo.lora.stack_adapters`).
@@ -187,7 +199,7 @@ def stacked(model: Any, names: tuple[str, ...]) -> Any:
     from ..lora import stack_adapters
 
     try:
-        return stack_adapters(dict.fromkeys(names, model))
+        return on_shapes_too(lambda m: stack_adapters(dict.fromkeys(names, m)), model)
     except ValueError as e:
         raise ConfigError(f"--lora: several adapters (--data with adapter names): {str(e).splitlines()[0]}") from e
 
@@ -307,17 +319,24 @@ _LORA_WRAPPERS: dict[Any, tuple[Any, dict[str, Any]]] = {}
 
 
 def add_lora(model: Any, config: Any, seed: int) -> Any:
-    """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled without
-    LLVM's costly optimisations (like `init_compiled`), once per (model structure and
-    placement, config).
+    """`zoo.lora.add_lora(model, config, key=...)` as one jitted program compiled as
+    `init_compiled`'s (`once_compiler_options`), once per (model structure and placement,
+    config).
     A target matching nothing, a rank too large, ... → ConfigError with zoo's message."""
     import equinox as eqx
     import jax
     import jax.random as jr
 
+    from .._jit import once_compiler_options
     from ..lora import add_lora as add_branches
-    from ._task import ONCE_COMPILER_OPTIONS
 
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):  # shapes alone
+        try:
+            return eqx.filter_eval_shape(
+                lambda m: add_branches(m, config, key=jr.fold_in(jr.key(seed), LORA_KEY_SALT)), model
+            )
+        except ValueError as e:
+            raise ConfigError(f"--lora: {e}") from e
     seed_key = jr.key_data(jr.key(seed))
     arrays, static = eqx.partition(model, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
@@ -343,7 +362,8 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
             return [x for x, i in zip(new, out["forwarded"]) if i is None]
 
         try:
-            compiled = jax.jit(wrap).lower(arrays, seed_key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
+            lowered = jax.jit(wrap).lower(arrays, seed_key)
+            compiled = lowered.compile(compiler_options=once_compiler_options(lowered))
         except ValueError as e:
             raise ConfigError(f"--lora: {e}") from e
         _LORA_WRAPPERS[cache_key] = (compiled, out)
@@ -366,7 +386,8 @@ def quantize_base(model: Any, config: Any) -> Any:
     if config.quantize is None:
         return model
     try:
-        return cast_frozen(model, config.quantize, config=config.lora)  # its text form, "nf4:32" too
+        # its text form, "nf4:32" too
+        return on_shapes_too(lambda m: cast_frozen(m, config.quantize, config=config.lora), model)
     except ValueError as e:
         kind = config.quantize.partition(":")[0]
         first = str(e).splitlines()[0].replace("pass block_size= one of", f"pass --quantize {kind}:BLOCK, BLOCK one of")

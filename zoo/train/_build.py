@@ -131,6 +131,11 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
         ) from e
 
 
+def _abstract(model: Any) -> bool:
+    """Whether `model` was built as shapes alone (`zoo.train.abstract_models`)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model))
+
+
 def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | None) -> str:
     """Why the run's rules cannot place its model, and the fields that would: other rules,
     or a model config size the mesh divides when one of the model's sizes is the culprit
@@ -217,7 +222,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
         task=task,
         model=model,
         step=step,
-        opt_state=step.init(model),
+        opt_state=eqx.filter_eval_shape(step.init, model) if _abstract(model) else step.init(model),
         key=jax.random.key(c.seed),
         rates=c.optimizer.rates(c.steps),
         fingerprint=task.fingerprint,

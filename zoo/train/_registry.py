@@ -445,9 +445,12 @@ def model_and_init(model: str | None, init: str | None) -> tuple[str | None, str
     if model in _families():
         spec = _spec_of_family(model)
         if not init:
+            here = Path(model)
+            # A folder of the family's name in the working folder: the name alone reads as the family.
+            hint = f" (the folder {model} here: give it as ./{model})" if (here / "config.json").is_file() else ""
             raise ConfigError(
                 f"RunConfig.model {model!r} names a family: give its checkpoint as RunConfig.init (a {model} folder, "
-                f"a `zoo train` run or a Hub id), or the checkpoint itself as RunConfig.model"
+                f"a `zoo train` run or a Hub id), or the checkpoint itself as RunConfig.model{hint}"
             )
         return spec.name, init
     if init:

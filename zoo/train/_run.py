@@ -55,7 +55,7 @@ from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
 from ._preference import beta_warning
 from ._saved_run import merge_run
 from ._summary import RunRecord, Summary
-from ._task import ONCE_COMPILER_OPTIONS, Task
+from ._task import ONCE_COMPILER_OPTIONS, Task, abstract_models
 from ._trainer import Hook, Preemption, Trainer
 
 
@@ -263,7 +263,9 @@ class Inspection:
     - `config`: the `RunConfig` resolved (its `devices` and `mesh` filled in); `command`.
     - `task`: the model on its data (`Task`); `parameters`: the model's before LoRA (what
       summary.json reports).
-    - `model`: the placed model the step trains (with its LoRA branches).
+    - `model`: the placed model the step trains (with its LoRA branches). Built from
+      scratch, it is its shapes alone (`abstract_models`: `jax.ShapeDtypeStruct` leaves
+      carrying their shardings), as is `opt_state`; pretrained weights are read.
     - `step`, `opt_state`, `batch`: the `zoo.TrainStep`, its optimizer state and the
       batch of step 1.
     - `mesh`, `collectives`: the run's mesh and the compiled step's collectives
@@ -336,7 +338,9 @@ def inspect(config: RunConfig, *, command: str | None = None) -> Inspection:
         data = dataclasses.replace(plan.config.data, source=None)
         plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, data=data))
     mesh, rules = make_mesh(plan.mesh_shape), preset_rules(plan.config.rules)
-    with jax.set_mesh(mesh):
+    # Shapes alone for a model built from scratch: the program needs no weight's value, and
+    # a billion-parameter config is compiled without its gigabytes (or its optimizer's).
+    with jax.set_mesh(mesh), abstract_models():
         built = build_run(plan, mesh, rules)
         batch = built.batch_at(1)  # as `Trainer.compile` of a run from step 0
         try:

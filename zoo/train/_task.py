@@ -5,14 +5,16 @@ of the folder `_registry.resolve_init` names), configs from dicts, and the trace
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._distributed import is_main_process
-from .._jit import ONCE_COMPILER_OPTIONS
+from .._jit import ONCE_COMPILER_OPTIONS, once_compiler_options  # noqa: F401  (the constant: read from here by _run and tests)
 from ..data import BatchSource
 from ..models import cross_entropy
 from ..models._loss import token_loss
@@ -23,6 +25,20 @@ if TYPE_CHECKING:  # _config imports _lora, which imports this module
     from ._config import RunConfig
 
 _INITIALISERS: dict[Any, Any] = {}
+_ABSTRACT = contextvars.ContextVar("abstract_models", default=False)
+
+
+@contextlib.contextmanager
+def abstract_models() -> Iterator[None]:
+    """Inside, a model built from scratch (`init_compiled`) comes out abstract: its array
+    leaves `jax.ShapeDtypeStruct`s, nothing initialised, compiled or allocated. What `zoo
+    info` shows needs only shapes, dtypes and axes: a billion-parameter config's table
+    without its gigabytes (initialising them held several times the model's bytes)."""
+    token = _ABSTRACT.set(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.reset(token)
 
 
 @dataclasses.dataclass
@@ -140,13 +156,16 @@ def classifier_metrics(model, batch):
 
 
 def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
-    """`build(key)` as one jitted program compiled without LLVM's costly optimisations:
-    about half the CPU time of running the initialisers op by op, each compiled alone.
+    """`build(key)` as one jitted program compiled without LLVM's costly optimisations
+    (a large model's with them: `once_compiler_options`): about half the CPU time of
+    running the initialisers op by op, each compiled alone.
     Same values as running it eagerly, up to float rounding. Compiled once per `name`
     (which must name the model's configuration too) and mesh set by `jax.set_mesh`."""
     import equinox as eqx
     import jax
 
+    if _ABSTRACT.get():
+        return eqx.filter_eval_shape(build, key)
     # The arrays come out on the mesh set when it was compiled: another mesh (a second
     # run in this process on other devices) is another program.
     name = (name, jax.sharding.get_mesh())
@@ -157,7 +176,8 @@ def init_compiled(name: Any, build: Callable[[Any], Any], key) -> Any:
             arrays, static["tree"] = eqx.partition(build(k), eqx.is_array)
             return arrays
 
-        compiled = jax.jit(arrays_of).lower(key).compile(compiler_options=ONCE_COMPILER_OPTIONS)
+        lowered = jax.jit(arrays_of).lower(key)
+        compiled = lowered.compile(compiler_options=once_compiler_options(lowered))
         _INITIALISERS[name] = (compiled, static)
     compiled, static = _INITIALISERS[name]
     return eqx.combine(compiled(key), static["tree"])
@@ -263,6 +283,31 @@ def init_folder(c: RunConfig) -> Path | None:
     if spec.pretrained is not None:
         return spec.pretrained()
     return None
+
+
+def check_pretrained_seq_len(c: RunConfig, folder: Path | None) -> None:
+    """Refuse a `DataConfig.seq_len` longer than the pretrained model in `folder` embeds
+    (its config.json's positions, or `model_config`'s `max_len` over them), from that file
+    alone: before a data file's rows are cut at that length and counted (a length it cannot
+    take was reported as too few rows) and before any weight is read."""
+    import json
+
+    from .. import hf
+
+    if folder is None or not c.data.seq_len:
+        return
+    try:
+        values = json.loads((folder / "config.json").read_text())
+        family = hf.get_family(values.get("model_type"), str(folder / "config.json"))
+        overrides = {"family": family.name, "source_dir": str(folder.resolve())} | dict(c.model_config)
+        max_len = family.config_from_hf(values, **overrides).max_len
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # what this file cannot tell, the model's load reports in its own words
+    if c.data.seq_len > max_len:
+        raise ConfigError(
+            f"--seq-len {c.data.seq_len} exceeds the model's max_len {max_len} (the positions {folder} embeds); "
+            "lower --seq-len"
+        )
 
 
 def init_name(c: RunConfig, folder: Path | None) -> str | None:

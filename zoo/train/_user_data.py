@@ -27,7 +27,17 @@ from ._config import RunConfig
 from ._errors import ConfigError
 from ._preference import preference_task
 from ._registry import ModelSpec, model_names, model_spec
-from ._task import Task, check_vocab, classifier_metrics, decoder_of, init_folder, init_name, lm_metrics, tokenizer_of
+from ._task import (
+    Task,
+    check_pretrained_seq_len,
+    check_vocab,
+    classifier_metrics,
+    decoder_of,
+    init_folder,
+    init_name,
+    lm_metrics,
+    tokenizer_of,
+)
 from ._text import adapter_files
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
@@ -228,6 +238,7 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     path = Path(c.data.source).expanduser()
     raw = _read(path, spec, c.objective)  # before the tokenizer and the model: a wrong file fails fast
     folder = init_folder(c)
+    check_pretrained_seq_len(c, folder)  # before rows are cut at that length and counted
     tokenizer = tokenizer_of(folder)
     validation = c.data.validation
     source = folder if tokenizer is not None and folder is not None else (tokenizer or byte_tokenizer())
