@@ -82,8 +82,8 @@ def collective_row(model: str, preset: str, n: int) -> dict:
     import optax
 
     import zoo
+    from zoo._jit import ONCE_COMPILER_OPTIONS
     from zoo.train._output import tree_bytes
-    from zoo.train._task import ONCE_COMPILER_OPTIONS
 
     shape = {"data": n // 2, "model": 2} if preset == "tp" else {"data": n}
     mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))

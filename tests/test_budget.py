@@ -356,7 +356,7 @@ def test_every_family_step_is_within_its_preset_budget(name, preset, family_dirs
     from helpers import lm_batch, preset_mesh
     from test_families import VOCAB
 
-    from zoo.train._task import ONCE_COMPILER_OPTIONS
+    from zoo._jit import ONCE_COMPILER_OPTIONS
 
     mesh = preset_mesh(preset, 8)
     with jax.set_mesh(mesh):

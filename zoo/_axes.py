@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 from jax.tree_util import GetAttrKey
 
-from ._tree import child, path_str
+from ._tree import child, is_array_like, path_str
 
 _AXES = "zoo_axes"
 _STACKED = "zoo_stacked"
@@ -84,11 +84,6 @@ def _axes_for_path(model: Any, path: tuple) -> tuple[tuple[str | None, ...] | No
         if node is None:
             break
     return declared, stacked
-
-
-def is_array_like(x: Any) -> bool:
-    """An array, or the shape-and-dtype of one (`jax.ShapeDtypeStruct`)."""
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def logical_axes(model: Any) -> Any:

@@ -18,6 +18,7 @@ from ._jit import Compiled, Jit, bounded_queue
 from ._presets import Gather, Preset
 from ._presets import preset as _preset
 from ._reduced import FilterSpec
+from ._tree import is_array_like, is_inexact_array_like
 from ._zero import shard_specs, sharded_init, sharded_update, zero_active
 
 Mode = Literal["explicit", "shard_map"]
@@ -97,18 +98,9 @@ def partition_trainable(model: Any, trainable: FilterSpec) -> tuple[Any, Any]:
     values) go to the frozen side: they cannot have gradients. An abstract model's leaves
     (`jax.ShapeDtypeStruct`, lowered but never run) are read as the arrays they stand for.
     """
-    if trainable is eqx.is_inexact_array:  # the default filter: abstract leaves too
-        trainable = _inexact
     selected, frozen = eqx.partition(model, trainable)
-    params, extra = eqx.partition(selected, _inexact)
+    params, extra = eqx.partition(selected, is_inexact_array_like)
     return params, eqx.combine(frozen, extra)
-
-
-def _inexact(x: Any) -> bool:
-    """A float (or complex) array, or an abstract one."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jnp.issubdtype(x.dtype, jnp.inexact)
-    return eqx.is_inexact_array(x)
 
 
 def _check_arguments(loss_fn: Any, optimizer: Any, mode: Any, budget: Any) -> None:
@@ -148,7 +140,7 @@ class TrainStep:
         optimizer: optax.GradientTransformation,
         *,
         microbatches: int = 1,
-        trainable: FilterSpec = eqx.is_inexact_array,
+        trainable: FilterSpec = is_inexact_array_like,
         mode: Mode = "explicit",
         data_axes: str | tuple[str, ...] = "data",
         gather: Gather | None = None,
@@ -164,7 +156,9 @@ class TrainStep:
         - `optimizer`: any `optax.GradientTransformation`.
         - `microbatches`: M; the global batch is split into M microbatches per step.
         - `trainable`: which leaves train, as in `eqx.partition` (bool pytree prefix or a
-          callable). Frozen leaves get no gradient computed and no communication.
+          callable; by default every float leaf, `eqx.is_inexact_array` that also reads a
+          `jax.ShapeDtypeStruct`, so a model of shapes alone lowers). Frozen leaves get no
+          gradient computed and no communication.
         - `mode`: `"explicit"` (global-view code under explicit sharding) or `"shard_map"`
           (the microbatch loop runs per device inside `jax.shard_map`).
         - `data_axes`: the mesh axis (or axes) the batch is split over.
@@ -317,7 +311,7 @@ class TrainStep:
         sums and an optimizer's per-leaf scalars, and `"loss_scalars"`, the loss sums alone
         (with the loss's metrics, once a program is traced; see `zoo.Allowance`)."""
         params = jax.tree.leaves(self.partition(model)[0])
-        arrays = [x for x in jax.tree.leaves(model) if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)]
+        arrays = [x for x in jax.tree.leaves(model) if is_array_like(x)]
         per_use = self.gather == "per_use"
         loss_scalars = LOSS_SCALAR_BYTES + 4 * len(getattr(self, "_metric_names", ()))
         return {

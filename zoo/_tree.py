@@ -80,22 +80,45 @@ def key_path(tree: Any, name: str) -> KeyPath:
     return tuple(path)
 
 
-def _sized(x) -> bool:
+def is_array_like(x: Any) -> bool:
+    """An array, or the shape-and-dtype of one (`jax.ShapeDtypeStruct`)."""
     import equinox as eqx
 
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def is_inexact_array_like(x: Any) -> bool:
+    """A float (or complex) array, or the shape-and-dtype of one: `eqx.is_inexact_array`
+    for a model built as shapes alone too (`zoo.train.abstract_models`)."""
+    import jax.numpy as jnp
+
+    return is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def is_abstract(tree: Any) -> bool:
+    """Whether `tree` holds shapes alone somewhere (a `jax.ShapeDtypeStruct` leaf)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def on_shapes_too(fn: Any, tree: Any) -> Any:
+    """`fn(tree)`; for a tree of shapes alone (`is_abstract`), `fn` traced on them and its
+    result shapes too: nothing computed (a DoRA magnitude or a quantised weight reads the
+    values it does not have)."""
+    import equinox as eqx
+
+    return eqx.filter_eval_shape(fn, tree) if is_abstract(tree) else fn(tree)
+
+
 def tree_bytes(tree) -> int:
     """Bytes held by the array leaves of a pytree (an abstract leaf, `jax.ShapeDtypeStruct`,
     counts the bytes its array would hold)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if _sized(x))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if is_array_like(x))
 
 
 def tree_size(tree) -> int:
     """Number of elements in the array leaves of a pytree (abstract leaves counted as their
     arrays would be)."""
-    return sum(x.size for x in jax.tree.leaves(tree) if _sized(x))
+    return sum(x.size for x in jax.tree.leaves(tree) if is_array_like(x))
 
 
 def human_bytes(n: int | float) -> str:

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._batch import data_parallel_size
 from ._reduced import plain_spec, reshard_tree, split_spec
+from ._tree import is_array_like
 
 
 def zero_active(shard_optimizer: bool, data_axes: tuple[str, ...]) -> bool:
@@ -41,9 +42,6 @@ def _array_specs(tree: Any) -> Any:
             spec = sharding.spec if sharding is not None else P()
             return P(*spec, *([None] * (x.ndim - len(spec))))
         return plain_spec(x)
-
-    def is_array_like(x):
-        return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
     return jax.tree.map(one, eqx.filter(tree, is_array_like))
 

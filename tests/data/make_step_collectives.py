@@ -82,8 +82,8 @@ def compile_case(model: str, preset: str, mesh_shape: dict, mode: str):
     from fixed_tasks import build_inspect_task, inspect_defaults
 
     import zoo
+    from zoo._jit import ONCE_COMPILER_OPTIONS
     from zoo.train._adapters import add_lora
-    from zoo.train._task import ONCE_COMPILER_OPTIONS
     from zoo.train._text import parse_lora
 
     model, _, objective = model.partition("+lora+")  # a preference step: transformer+lora+dpo

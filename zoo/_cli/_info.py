@@ -23,7 +23,7 @@ def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: di
     rows: list[dict[str, Any]] = []
 
     def one(path, x, names, spec, train):
-        if not _is_leaf_array(x):
+        if not internal.is_array_like(x):
             return
         entries = tuple(spec) + (None,) * (x.ndim - len(spec))
         per_device = [
@@ -46,14 +46,6 @@ def _leaf_rows(model: Any, axes: Any, specs: Any, trainable: Any, mesh_shape: di
 
     jax.tree_util.tree_map_with_path(one, model, axes, specs, trainable)
     return rows
-
-
-def _is_leaf_array(x: Any) -> bool:
-    """An array leaf of the model, or its shape alone (a model built abstractly)."""
-    import equinox as eqx
-    import jax
-
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _mesh_axes(entry: Any) -> tuple[str, ...]:
@@ -83,7 +75,7 @@ def cmd_info(args) -> int:
     if lora is not None:
         trainable = zoo.lora.trainable(model, lora)
     else:
-        trainable = jax.tree.map(lambda x: _is_leaf_array(x) and jnp.issubdtype(x.dtype, jnp.inexact), model)
+        trainable = jax.tree.map(lambda x: internal.is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact), model)
     rows = _leaf_rows(model, axes, specs, trainable, mesh_shape)
     totals = {
         "leaves": len(rows),

@@ -71,7 +71,6 @@ def build_model(args, config: RunConfig, command: str, mesh, *, abstract: bool =
     layers too; pretrained weights are still read."""
     import contextlib
 
-    import equinox as eqx
     import jax
 
     import zoo
@@ -88,23 +87,20 @@ def build_model(args, config: RunConfig, command: str, mesh, *, abstract: bool =
         task = zoo.train.build_task(config, rules=zoo.rules(args.rules), mesh=mesh)
     parameters = internal.tree_size(task.model)
     # An abstract base is adapted and quantised abstractly: the same shapes, nothing computed.
-    shapes_only = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(task.model))
-
-    def transformed(transform):
-        return eqx.filter_eval_shape(transform, task.model) if shapes_only else transform(task.model)
-
     with jax.set_mesh(mesh):
         if lora is not None:
             try:  # the branches' values do not matter here: only their shapes and axes are shown
-                task.model = transformed(lambda m: zoo.lora.add_lora(m, lora, key=jax.random.key(config.seed)))
+                task.model = internal.on_shapes_too(
+                    lambda m: zoo.lora.add_lora(m, lora, key=jax.random.key(config.seed)), task.model
+                )
             except ValueError as e:
                 raise CLIError(f"--lora: {e}") from e
         if config.quantize is not None:  # the base as zoo finetune --quantize stores it
             from ._generate import quantized_as_the_run
 
             try:
-                task.model = transformed(
-                    lambda m: quantized_as_the_run(m, lora, config.quantize, zoo.rules(args.rules), mesh)
+                task.model = internal.on_shapes_too(
+                    lambda m: quantized_as_the_run(m, lora, config.quantize, zoo.rules(args.rules), mesh), task.model
                 )
             except ValueError as e:
                 raise CLIError(f"--quantize {config.quantize}: {str(e).splitlines()[0]}") from e

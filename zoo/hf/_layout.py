@@ -188,15 +188,14 @@ def leaf_sources(family: Any, model: Any, config: Any) -> Iterator[tuple[tuple, 
     Raises a `ValueError` naming every leaf the layout has no tensor for (e.g. a LoRA
     branch: merge it first).
     """
-    import equinox as eqx
     import jax
 
-    from .._tree import dotted_name, node_at
+    from .._tree import dotted_name, is_array_like, node_at
 
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
     out, unknown, quantized = [], [], []
     for path, leaf in leaves:
-        if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+        if not is_array_like(leaf):
             continue
         parent = node_at(model, path[:-1])
         source = family.source(dotted_name(path[:-1]), dotted_name(path[-1:]), parent, tuple(leaf.shape), config)

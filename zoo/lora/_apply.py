@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 from .._mismatch import shorten
-from .._tree import dotted_name, node_at
+from .._tree import dotted_name, is_array_like, node_at
 from ..nn import Embedding, ExpertLinear, FourBitLinear, Linear, QuantizedLinear, Stacked, dequantize
 from ._config import MUTATING, LoraConfig
 from ._embedding import LoraEmbedding
@@ -454,7 +454,7 @@ def trainable(model: Any, config: LoraConfig | None = None) -> Any:
     saved = set(saved_modules(model, config))
 
     def one(path, leaf):
-        if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+        if not is_array_like(leaf):
             return False
         name = dotted_name(path)
         last = name.split(".")[-1]

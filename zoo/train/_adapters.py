@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .._tree import is_abstract, on_shapes_too
 from ..data import DataFormatError, Dataset, describe, local_batch
 from ..data import load as load_data
 from ..data._chat import TemplateParseError
@@ -178,18 +179,6 @@ def adapter_metrics(names: tuple[str, ...]):
     return metrics
 
 
-def on_shapes_too(fn: Callable[[Any], Any], model: Any) -> Any:
-    """`fn(model)`; for a model built as shapes alone (`zoo.train.abstract_models`: leaves
-    `jax.ShapeDtypeStruct`), `fn` traced on them, its result shapes too (nothing computed:
-    a DoRA magnitude or a quantised weight needs the base's values)."""
-    import equinox as eqx
-    import jax
-
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):
-        return eqx.filter_eval_shape(fn, model)
-    return fn(model)
-
-
 def stacked(model: Any, names: tuple[str, ...]) -> Any:
     """The one-adapter LoRA `model` as `len(names)` adapters, each starting where a
     one-adapter run of the same seed starts (`zoo.lora.stack_adapters`).
@@ -330,7 +319,7 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
     from .._jit import once_compiler_options
     from ..lora import add_lora as add_branches
 
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):  # shapes alone
+    if is_abstract(model):  # shapes alone: the branches' too, nothing computed
         try:
             return eqx.filter_eval_shape(
                 lambda m: add_branches(m, config, key=jr.fold_in(jr.key(seed), LORA_KEY_SALT)), model

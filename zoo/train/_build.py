@@ -24,7 +24,7 @@ from .._checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from .._distributed import global_batch, local_rows
 from .._rules import PlacementError, shard
 from .._step import TrainStep
-from .._tree import human_bytes, tree_bytes, tree_size
+from .._tree import human_bytes, is_inexact_array_like, on_shapes_too, tree_bytes, tree_size
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ..lora import trainable as lora_trainable
@@ -131,11 +131,6 @@ def build_task(config: RunConfig, *, rules, mesh) -> Task:
         ) from e
 
 
-def _abstract(model: Any) -> bool:
-    """Whether `model` was built as shapes alone (`zoo.train.abstract_models`)."""
-    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model))
-
-
 def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | None) -> str:
     """Why the run's rules cannot place its model, and the fields that would: other rules,
     or a model config size the mesh divides when one of the model's sizes is the culprit
@@ -156,7 +151,7 @@ def training_step(c: RunConfig, loss_fn: Any, model: Any, *, per_adapter: bool =
     optimizer = c.optimizer.build(c.steps, per_adapter=per_adapter)
     if c.skip_nonfinite:  # a step whose gradients hold a NaN/inf leaves weights and moments as they were
         optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=c.steps + 1)
-    trainable = lora_trainable(model, c.lora) if c.lora is not None else eqx.is_inexact_array
+    trainable = lora_trainable(model, c.lora) if c.lora is not None else is_inexact_array_like
     if loss_fn is next_token_loss and router_loss_coef(model) is not None:
         # A mixture of experts training its router's loss: that loss logged too (`aux_loss`).
         loss_fn = functools.partial(next_token_loss, metrics=True)
@@ -222,7 +217,7 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
         task=task,
         model=model,
         step=step,
-        opt_state=eqx.filter_eval_shape(step.init, model) if _abstract(model) else step.init(model),
+        opt_state=on_shapes_too(step.init, model),
         key=jax.random.key(c.seed),
         rates=c.optimizer.rates(c.steps),
         fingerprint=task.fingerprint,

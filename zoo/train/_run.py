@@ -28,6 +28,7 @@ import numpy as np
 
 from .._distributed import is_main_process
 from .._inspect import collective_summary, collectives
+from .._jit import ONCE_COMPILER_OPTIONS
 from .._presets import rules as preset_rules
 from .._step import TrainStep
 from .._tree import tree_bytes
@@ -55,7 +56,7 @@ from ._plan import RunPlan, check_checkpoints, make_mesh, plan_run
 from ._preference import beta_warning
 from ._saved_run import merge_run
 from ._summary import RunRecord, Summary
-from ._task import ONCE_COMPILER_OPTIONS, Task, abstract_models
+from ._task import Task, abstract_models
 from ._trainer import Hook, Preemption, Trainer
 
 

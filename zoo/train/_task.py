@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._distributed import is_main_process
-from .._jit import ONCE_COMPILER_OPTIONS, once_compiler_options  # noqa: F401  (the constant: read from here by _run and tests)
+from .._jit import once_compiler_options
 from ..data import BatchSource
 from ..models import cross_entropy
 from ..models._loss import token_loss
