@@ -7,6 +7,7 @@ devices (conftest) and shares jax's caches, which keeps each test to a tiny mode
 compiles; the demo end to end is a process of its own, as `make demo` runs it.
 """
 
+import functools
 import json
 import math
 import re
@@ -39,8 +40,15 @@ def inspect_json(*args) -> dict:
     return json.loads(ok("inspect", *args, "--json"))
 
 
+@functools.cache
+def _mlp_dp_inspection() -> str:
+    """`zoo inspect mlp --devices 8 --microbatches 4 --budget --json`'s output: one compiled
+    step that the JSON test and the budget test (its JSON, the file it compares with) read."""
+    return ok("inspect", "mlp", "--devices", "8", "--microbatches", "4", "--budget", "--json")
+
+
 def test_inspect_json_reports_one_all_reduce_outside():
-    out = inspect_json("mlp", "--devices", "8", "--microbatches", "4")
+    out = json.loads(_mlp_dp_inspection())
     for key in ("model", "devices", "microbatches", "mesh", "param_bytes", "trainable_bytes", "collectives"):
         assert key in out
     assert out["mesh"] == {"data": 8} and out["devices"] == 8 and out["microbatches"] == 4
@@ -52,9 +60,9 @@ def test_inspect_json_reports_one_all_reduce_outside():
 
 
 def test_inspect_checks_the_budget_and_compares_with_an_earlier_program(tmp_path, monkeypatch):
-    rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--budget", "--json")
+    out = _mlp_dp_inspection()
     dp = json.loads(out)
-    assert rc == 0 and dp["budget"] == {"name": "dp", "within": True, "breaches": []}
+    assert dp["budget"] == {"name": "dp", "within": True, "breaches": []}
     (tmp_path / "dp.json").write_text(out)
     rc, out, _ = zoo_main("inspect", "mlp", "--devices", "8", "--budget", "--against", tmp_path / "dp.json")
     assert rc == 0, out
@@ -199,9 +207,12 @@ def test_info_transformer_lora_trains_only_the_adapters():
 
 # --- train / finetune: outputs, resume, config files -----------------------------------------
 
-# A tiny mlp run: 8 devices x 2 microbatches, batch 32, checkpoints every 3 steps.
-MLP_FLAGS = ["--steps", "6", "--batch-size", "32", "--microbatches", "2", "--eval-size", "64",
-             "--checkpoint-every", "3", "--quiet"]  # fmt: skip
+# A tiny mlp run: 8 devices x 2 microbatches, batch 32, checkpoints every 3 steps. Its
+# learning rate constant after the warmup (1 step at 6 steps and at 8): the run resumed to
+# 8 steps, and the run without the evaluation before, run the step it compiled (a cosine
+# schedule's end is the run's last step, another program for each length).
+MLP_RUN = ["--steps", "6", "--batch-size", "32", "--microbatches", "2", "--eval-size", "64", "--schedule", "constant"]
+MLP_FLAGS = [*MLP_RUN, "--checkpoint-every", "3", "--quiet"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -317,13 +328,13 @@ def test_no_eval_before_starts_training_at_once_and_judges_nothing(tmp_path, mon
     linear probe is fitted on the evaluation before training: `--probe` is refused
     without it."""
     out = tmp_path / "mlp"
-    text = ok("train", "mlp", "--steps", "2", "--devices", "1", "--batch-size", "32", "--eval-size", "64",
-              "--no-eval-before", "--output", out)  # fmt: skip
+    # mlp_run's shapes, steps and schedule: its compiled programs run.
+    text = ok("train", "mlp", *MLP_RUN, "--no-eval-before", "--output", out)
     assert "loss fell: not judged (no evaluation before training: --no-eval-before; held-out loss" in text, text
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"] == [1, 2]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"] == [1, 2, 3, 4, 5, 6]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_before"] is None and summary["loss_fell"] is None
-    assert [stage["name"] for stage in summary["stages"]] == ["trained after 2 steps"]
+    assert [stage["name"] for stage in summary["stages"]] == ["trained after 6 steps"]
     assert json.loads((out / "config.json").read_text())["eval_before"] is False
 
     import types

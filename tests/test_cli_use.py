@@ -4,9 +4,11 @@ held-out evaluation and scikit-learn's scores), `zoo export --merge` (opened by 
 with the same outputs), `zoo generate --chat / --stop / --repetition-penalty` on a chat SFT
 run; runs of older zoos (no label names stored); one-line errors."""
 
+import functools
 import json
 import shutil
 
+import equinox as eqx
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -37,15 +39,22 @@ def _held_out(path, tmp_path):
 
 def _reference_logits(model_dir, texts):
     """A byte-token classifier's logits computed apart from zoo.train: the encoder by
-    zoo.hf, mean pooling and the head from head.safetensors in numpy."""
+    zoo.hf (its forward one compiled program), mean pooling and the head from
+    head.safetensors in numpy."""
     import zoo
 
     encoder = zoo.hf.from_pretrained(model_dir)
     head = safetensors.numpy.load_file(model_dir / "head.safetensors")
     tokens, mask = zoo.data.byte_tokens(texts, 32)
-    hidden = np.asarray(encoder(tokens, mask=mask), np.float64)
+    hidden = np.asarray(_forward(encoder, tokens, mask=mask), np.float64)
     pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
     return pooled @ head["head.weight"] + head["head.bias"]
+
+
+@eqx.filter_jit
+def _forward(model, inputs, **kwargs):
+    """A model's forward pass as one compiled program (not op by op)."""
+    return model(inputs, **kwargs)
 
 
 # --- zoo predict ------------------------------------------------------------------------------
@@ -86,7 +95,7 @@ def test_predict_a_regressors_outputs(finished_mlp_run, tmp_path):
     assert zoo.Checkpointer(out / "checkpoints", read_only=True).steps() == [2, 4]
     run = zoo.train.load_run(out)
     assert run.weights.endswith("step 4") and run.kind == "regression"
-    want = np.asarray(run.model(x.astype(np.float32)))
+    want = np.asarray(_forward(run.model, x.astype(np.float32)))
     np.testing.assert_allclose([r["prediction"] for r in records], want, rtol=1e-6)
     one = ok("predict", out, "--text", ",".join(map(str, x[0])))
     assert float(one) == pytest.approx(want[0, 0], rel=1e-5)
@@ -176,7 +185,7 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
         p.name for p in out.iterdir()
     }
     tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)
-    ours = np.asarray(zoo.train.load_run(chat_run).model(tokens))[..., :20]
+    ours = np.asarray(_forward(zoo.train.load_run(chat_run).model, tokens))[..., :20]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         theirs = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
@@ -229,11 +238,18 @@ def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, 
 # --- zoo generate --chat / --stop / --repetition-penalty ----------------------------------------
 
 
+@functools.cache
+def _load_run(folder):
+    import zoo
+
+    return zoo.train.load_run(folder)
+
+
 def _library_reply(run_folder, prompt, **kwargs):
     """The reply zoo.generate gives to `prompt` as a user turn of the run's chat template."""
     import zoo
 
-    run = zoo.train.load_run(run_folder)
+    run = _load_run(run_folder)
     text = run.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
     assert text.endswith("<assistant> ")
     ids = run.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
@@ -253,12 +269,14 @@ def test_generate_chat_prompts_a_chat_run_in_its_training_format(chat_run):
     penalised = _library_reply(chat_run, "cat dog red", repetition_penalty=10.0)
     words = penalised.split()
     assert len(words) >= 2 and penalised != reply, penalised
-    assert json.loads(ok(*chat, "--repetition-penalty", 10, "--json"))[0]["completion"] == penalised
+    # A batch of two prompts (its first row the reply alone: the padding changes nothing),
+    # without and with --stop: one compiled program.
+    batch = [*chat, "--prompt", "a", "--repetition-penalty", 10, "--json"]
+    assert json.loads(ok(*batch))[0]["completion"] == penalised
     stop = f" {words[1]}"
     want = penalised[: penalised.index(stop)]
     assert ok(*chat, "--repetition-penalty", 10, "--stop", stop, "--stop", "zzz") == want + "\n"
-    got = json.loads(ok(*chat, "--prompt", "a", "--repetition-penalty", 10, "--stop", stop, "--json"))
-    assert got[0]["completion"] == want
+    assert json.loads(ok(*batch, "--stop", stop))[0]["completion"] == want
     rc, _, err = zoo_main("generate", chat_run, "--chat-template", "/nonexistent.jinja", "--prompt", "a")
     one_line_error(rc, err, "--chat-template /nonexistent.jinja: no such file")
 

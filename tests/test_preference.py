@@ -165,7 +165,9 @@ def test_orpo_loss_and_metrics_equal_trl(models):
 # --------------------------------------------------------------------------- the step
 
 
+@functools.cache
 def _lora_decoder():
+    """(a LoRA decoder with non-zero branches, its trainable filter): built once per file."""
     from helpers import tiny_decoder
 
     config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
@@ -178,8 +180,9 @@ def _grads(objective, preset, n, microbatches):
     """(loss, gradients) of a DPO/ORPO step of a LoRA decoder: on one device without a
     mesh (`preset` None), else on a `data=n` mesh under `preset`."""
     model, trainable = _lora_decoder()
-    batch = {k: jnp.asarray(v) for k, v in pair_batch(seed=5, pairs=6, seq=8).items()}
-    batch["nll_norm"] = jnp.full(6, batch["chosen_mask"][:, 1:].sum(1).mean(), jnp.float32)
+    batch = pair_batch(seed=5, pairs=6, seq=8)
+    batch["nll_norm"] = np.full(6, batch["chosen_mask"][:, 1:].sum(1).mean(), np.float32)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
     loss_fn = zoo.models.PreferenceLoss(objective, beta=0.5, reference=zoo.lora.disabled_adapters)
     if preset is None:
         step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=microbatches, trainable=trainable)
@@ -227,14 +230,22 @@ def test_the_reference_is_the_base_and_gets_no_gradient():
     for name in ("rewards/chosen", "rewards/rejected"):
         np.testing.assert_allclose(in_step[name], with_ref[name], rtol=1e-5, atol=1e-6)
     # At the start of LoRA training (B = 0) the policy is the reference: rewards 0, loss log 2.
-    fresh = zoo.lora.add_lora(base, zoo.lora.LoraConfig(r=2, lora_alpha=4), key=jax.random.key(2))
+    # (`model`'s adapters, all-linear r=2, freshly initialised: its structure, its program.)
+    fresh = zoo.lora.add_lora(base, zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"), key=jax.random.key(2))  # fmt: skip
+    assert not any(np.any(np.asarray(b)) for b in _lora_b(fresh)) and any(np.any(np.asarray(b)) for b in _lora_b(model))
     start = metrics(fresh, batch)
     np.testing.assert_allclose(start["rewards/margins"], 0, atol=1e-6)
     np.testing.assert_allclose(start["loss"], np.log(2), rtol=1e-6)
+    # The refusals come while tracing, before any program is compiled or run.
     with pytest.raises(ValueError, match="no adapters to disable"):
-        dpo.loss(base, batch)
+        jax.jit(dpo.loss)(base, batch)
     with pytest.raises(ValueError, match="needs a reference"):
-        zoo.models.PreferenceLoss("dpo").loss(model, batch)
+        jax.jit(zoo.models.PreferenceLoss("dpo").loss)(model, batch)
+
+
+def _lora_b(model):
+    is_lora = lambda x: isinstance(x, zoo.lora.LoraLinear)  # noqa: E731
+    return [m.lora_B for m in jax.tree.leaves(model, is_leaf=is_lora) if is_lora(m)]
 
 
 @eqx.filter_jit
@@ -268,7 +279,7 @@ def test_every_adapter_kind_is_disabled_for_the_reference(kinds):
     assert float(jnp.max(jnp.abs(_forward(adapted, tokens) - want))) > 1e-3  # the adapters change the output
     np.testing.assert_array_equal(_forward(zoo.lora.disabled_adapters(adapted), tokens), want)
     with pytest.raises(ValueError, match="merged"):
-        zoo.lora.disabled_adapters(zoo.lora.merge(adapted, unload=False))
+        zoo.lora.disabled_adapters(eqx.filter_eval_shape(zoo.lora.merge, adapted, unload=False))
 
 
 def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
@@ -278,12 +289,18 @@ def test_the_pinned_preference_steps_keep_one_all_reduce_of_the_adapter_bytes():
     import test_compiled_steps as pinned
     from fixed_tasks import build_inspect_task, inspect_defaults
 
-    model = build_inspect_task("transformer", 0).model
+    from zoo.train import abstract_models
     from zoo.train._text import parse_lora
 
+    with abstract_models():  # shapes only: the bytes are counted, nothing initialised
+        model = build_inspect_task("transformer", 0).model
     lora = parse_lora("", inspect_defaults("transformer"))
-    adapted = zoo.lora.add_lora(model, lora, key=jax.random.key(0))
-    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(zoo.internal.partition_trainable(adapted, zoo.lora.trainable(adapted, lora))[0]))  # fmt: skip
+
+    def trained(model):  # what the step trains: the adapters
+        adapted = zoo.lora.add_lora(model, lora, key=jax.random.key(0))
+        return zoo.internal.partition_trainable(adapted, zoo.lora.trainable(adapted, lora))[0]
+
+    adapter_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter_eval_shape(trained, model)))
     names = [n for n in pinned.EXPECTED if "+dpo/" in n or "+orpo/" in n]
     assert sorted(names) == sorted(f"transformer+lora+{o}/{p}/data=8/explicit" for o in ("dpo", "orpo") for p in ("dp", "fsdp-once"))  # fmt: skip
     for name in names:
