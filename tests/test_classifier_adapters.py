@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 
+import equinox as eqx
 import jax
 import numpy as np
 import peft
@@ -42,63 +43,103 @@ def tiny_bert(tmp_path_factory):
     return folder
 
 
-def _finetune(folder, output, pooling):
+def _finetune(folder, output, pooling, data=None):
     config = RunConfig(model="encoder", init=str(folder), pooling=pooling, steps=4, batch_size=8, microbatches=1,
                        devices=2, output=str(output), quiet=True, optimizer=OptimizerConfig(lr=3e-2),
-                       data=DataConfig(seq_len=SEQ, eval_size=16))  # fmt: skip
+                       data=DataConfig(source=data, seq_len=SEQ, eval_size=16))  # fmt: skip
     return zoo.train.run(config, command="finetune")
 
 
-def _zoo_logits(model, tokenizer, texts):
-    batch = tokenizer(texts, max_len=SEQ)
-    return np.asarray(model(batch["tokens"], mask=batch["mask"], token_types=batch.get("token_types")))
+# One run of each pooling, read by its adapter's test and its export's: a run costs a
+# training run's programs. The recipes' tokenization is a part apart (`_tokenize` in
+# zoo/train/_export.py: byte tokens or the base's tokenizer, the same lines in every
+# recipe): the cls run reads bytes (bert_dir, its adapter's recipe and its export's
+# labels), the mean run a WordPiece tokenizer (tiny_bert: its adapter's two recipes, and
+# its export's). Each recipe kind runs, and each tokenization in a recipe; the cls recipe
+# with a real tokenizer runs in tests/test_cli.py's demo test (slow). The cls run is the
+# command line's (`zoo finetune`), the mean run the library's (`zoo.train.run`).
+@pytest.fixture(scope="module")
+def cls_run(bert_dir, labels_file, tmp_path_factory):
+    """(folder, its model, its summary, the base folder, how zoo tokenizes): `zoo finetune
+    encoder --init bert_dir --pooling cls` on labels_file (cats, colours, dogs), byte
+    tokens; the command line's run (the mean run is the library's)."""
+    folder = tmp_path_factory.mktemp("cls") / "run"
+    zoo_ok("finetune", "encoder", "--init", bert_dir, "--pooling", "cls", "--data", labels_file, "--devices", "2",
+           "--batch-size", "8", "--microbatches", "1", "--seq-len", SEQ, "--steps", "4", "--lr", "3e-2",
+           "--eval-size", "16", "--quiet", "--output", folder)  # fmt: skip
+    summary = json.loads((folder / "summary.json").read_text())
+    return folder, zoo.train.load_run(folder).model, summary, bert_dir, _byte_batch
+
+
+@pytest.fixture(scope="module")
+def mean_run(tiny_bert, tmp_path_factory):
+    """(folder, its model, its summary, the base folder, how zoo tokenizes): tiny_bert
+    fine-tuned by `zoo.train.run` with `pooling="mean"` on the default data (docstring word
+    order), its WordPiece tokenizer."""
+    folder = tmp_path_factory.mktemp("mean") / "run"
+    tokenizer = zoo.hf.Tokenizer.from_pretrained(tiny_bert)
+    result = _finetune(tiny_bert, folder, "mean")
+    return folder, result.model, result.summary, tiny_bert, lambda texts: tokenizer(texts, max_len=SEQ)
+
+
+def _byte_batch(texts):
+    tokens, mask = zoo.data.byte_tokens(texts, SEQ)
+    return {"tokens": tokens, "mask": mask}
+
+
+@eqx.filter_jit
+def _logits(model, batch):
+    """zoo's logits, compiled: one program per model and batch shape (an eager call
+    compiles the layer stack's scan anew each time)."""
+    return model(batch["tokens"], mask=batch["mask"], token_types=batch.get("token_types"))
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_a_classifier_runs_adapter_gives_zoos_logits_in_peft_as_its_readme_says(tiny_bert, tmp_path, pooling):
-    result = _finetune(tiny_bert, tmp_path / "run", pooling)
-    adapter = tmp_path / "run" / "adapter"
+def test_a_classifier_runs_adapter_gives_zoos_logits_in_peft_as_its_readme_says(pooling, request):
+    run, model, summary, base, tokenize = request.getfixturevalue(f"{pooling}_run")
+    adapter = run / "adapter"
     values = json.loads((adapter / "adapter_config.json").read_text())
     assert values["task_type"] == {"cls": "SEQ_CLS", "mean": "FEATURE_EXTRACTION"}[pooling]
     assert (adapter / "head.safetensors").is_file() == (pooling == "mean")
-    assert result.model.pooling == pooling and result.summary["outputs"]["adapter"] == str(adapter)
+    assert model.pooling == pooling and summary["outputs"]["adapter"] == str(adapter)
     readme = (adapter / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
     assert len(blocks) == {"cls": 1, "mean": 2}[pooling], readme  # mean: peft, then sentence-transformers
-    tokenizer = zoo.hf.Tokenizer.from_pretrained(tiny_bert)
     held_out = zoo.data.docstring_word_order("swap-halves").test_texts[:24]
+    labels = {"cls": 3, "mean": 2}[pooling]  # the labels file's; the default data's
     for block in blocks:
         for texts in (None, held_out):  # as written, then on held-out texts
             code = block if texts is None else re.sub(r"(?m)^texts = .*$", f"texts = {texts!r}", block)
             namespace = {}
             exec(compile(code, "adapter/README.md", "exec"), namespace)
             theirs = namespace["logits"].numpy()
-            ours = _zoo_logits(result.model, tokenizer, namespace["texts"])
+            ours = np.asarray(_logits(model, tokenize(namespace["texts"])))
+            assert theirs.shape == ours.shape == (len(namespace["texts"]), labels), (theirs.shape, ours.shape)
             assert np.abs(theirs - ours).max() <= 1e-4, (pooling, np.abs(theirs - ours).max())
             np.testing.assert_array_equal(theirs.argmax(-1), ours.argmax(-1))
     # The LoRA branches are part of what the recipe reproduces.
-    assert np.abs(ours - _zoo_logits(zoo.lora.unload(result.model), tokenizer, held_out)).max() > 1e-3
+    assert np.abs(ours - np.asarray(_logits(zoo.lora.unload(model), tokenize(held_out)))).max() > 1e-3
     # zoo reads the adapter back into the classifier a user builds from the base folder.
     if pooling == "cls":
-        fresh = zoo.hf.load_bert_classifier(tiny_bert, num_labels=2)
+        fresh = zoo.hf.load_bert_classifier(base, num_labels=labels)
     else:
-        fresh = zoo.models.EncoderClassifier(zoo.hf.from_pretrained(tiny_bert), 2, key=jax.random.key(5))
+        fresh = zoo.models.EncoderClassifier(zoo.hf.from_pretrained(base), labels, key=jax.random.key(5))
         # Nothing opens it as a model computing other logits: peft refuses it as a sequence classifier.
         with pytest.raises(ValueError, match="PeftModelForFeatureExtraction"):
-            peft.AutoPeftModelForSequenceClassification.from_pretrained(adapter, num_labels=2)
+            peft.AutoPeftModelForSequenceClassification.from_pretrained(adapter, num_labels=labels)
     loaded, _ = zoo.lora.load_adapter(fresh, adapter)
-    np.testing.assert_allclose(_zoo_logits(loaded, tokenizer, held_out), ours, atol=1e-5)
+    np.testing.assert_allclose(_logits(loaded, tokenize(held_out)), ours, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- the export (`zoo export RUN --merge`)
 
 TEXTS = ["the cat sat on the mat", "red blue big log", "a dog ran under a log"]
 LABELLED = [("the cat sat on the mat", "cats"), ("a dog ran under a log", "dogs"), ("red blue big", "colours")]
-SMALL = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "32", "--steps", "2", "--lr",
-         "3e-2", "--quiet"]  # fmt: skip
-# The float32 sums of a 1-layer BERT 32 wide (MLP 64), its pooler and head: the widest sum
-# 64 terms, about 6 chained in the layer, 2 more for pooler and head.
-SUMS = {"terms": 64, "depth": 8}
+# The float32 sums of a BERT 32 wide (MLP 64), its pooler (or mean) and head: the widest
+# sum 64 terms, about 6 chained in each layer, 2 more for the pooling and the head. The cls
+# run's base (bert_dir) has 1 layer, the mean run's (tiny_bert) 2.
+CLS_SUMS = {"terms": 64, "depth": 6 + 2}
+MEAN_SUMS = {"terms": 64, "depth": 2 * 6 + 2}
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +169,8 @@ def _predicted(run) -> np.ndarray:
     return np.asarray([json.loads(line)["logits"] for line in out.splitlines()])
 
 
-def _byte_batch(texts):
-    tokens, mask = zoo.data.byte_tokens(texts, 32)
-    return torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
-
-
-def test_a_cls_classifier_exports_as_bert_for_sequence_classification(bert_dir, labels_file, tmp_path):
-    run = tmp_path / "cls"
-    zoo_ok("finetune", "encoder", "--init", bert_dir, "--pooling", "cls", "--data", labels_file, *SMALL,
-           "--output", run)  # fmt: skip
+def test_a_cls_classifier_exports_as_bert_for_sequence_classification(cls_run, tmp_path):
+    run = cls_run[0]
     out = tmp_path / "merged"
     said = zoo_ok("export", run, "--merge", "--output", out)
     assert "config.json" in said and "model.safetensors" in said and "head.safetensors" not in said
@@ -146,24 +180,23 @@ def test_a_cls_classifier_exports_as_bert_for_sequence_classification(bert_dir, 
     assert config["label2id"] == {"cats": 0, "colours": 1, "dogs": 2}
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert type(hf).__name__ == "BertForSequenceClassification" and hf.config.num_labels == 3
-    tokens, mask = _byte_batch(TEXTS)
+    batch = _byte_batch(TEXTS)
     with torch.no_grad():
-        theirs = hf(tokens, attention_mask=mask).logits.numpy()
+        theirs = hf(
+            torch.from_numpy(batch["tokens"].astype(np.int64)),
+            attention_mask=torch.from_numpy(batch["mask"].astype(np.int64)),
+        ).logits.numpy()
     ours = _predicted(run)
-    assert_rounding_close(theirs, ours, **SUMS, what="AutoModelForSequenceClassification vs zoo predict")
+    assert_rounding_close(theirs, ours, **CLS_SUMS, what="AutoModelForSequenceClassification vs zoo predict")
     # ... and the LoRA branches are in it: the base's classifier differs.
-    assert np.abs(ours - np.asarray(zoo.lora.unload(zoo.train.load_run(run).model)(
-        *zoo.data.byte_tokens(TEXTS, 32)[:1], mask=zoo.data.byte_tokens(TEXTS, 32)[1]))).max() > 1e-4  # fmt: skip
+    assert np.abs(ours - np.asarray(_logits(zoo.lora.unload(zoo.train.load_run(run).model), batch))).max() > 1e-4
     # zoo reads the folder back as the classifier it is.
     back = zoo.hf.load_bert_classifier(out)
-    tok, msk = zoo.data.byte_tokens(TEXTS, 32)
-    assert_rounding_close(np.asarray(back(tok, mask=msk)), ours, **SUMS, what="load_bert_classifier of the export")
+    assert_rounding_close(np.asarray(_logits(back, batch)), ours, **CLS_SUMS, what="load_bert_classifier of the export")
 
 
-def test_a_mean_classifier_export_says_what_to_run_instead(bert_dir, labels_file, tmp_path):
-    run = tmp_path / "mean"
-    zoo_ok("finetune", "encoder", "--init", bert_dir, "--pooling", "mean", "--data", labels_file, *SMALL,
-           "--output", run)  # fmt: skip
+def test_a_mean_classifier_export_says_what_to_run_instead(mean_run, tmp_path):
+    run = mean_run[0]
     out = tmp_path / "merged"
     out.mkdir()
     (out / "notes.txt").write_text("mine")  # the user's own file: left alone, and said so
@@ -176,4 +209,4 @@ def test_a_mean_classifier_export_says_what_to_run_instead(bert_dir, labels_file
     code = re.sub(r"(?m)^texts = .*$", f"texts = {TEXTS!r}", block)
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
-    assert_rounding_close(namespace["logits"].numpy(), _predicted(run), **SUMS, what="the README's recipe")
+    assert_rounding_close(namespace["logits"].numpy(), _predicted(run), **MEAN_SUMS, what="the README's recipe")

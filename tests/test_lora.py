@@ -129,6 +129,9 @@ def single_device_run(steps=STEPS, config=CONFIG):
     model = lora_decoder(config)
     batch = lm_batch(jax.random.key(3), BATCH) | {"dropout_key": zoo.nn.example_keys(jax.random.key(4), BATCH)}
     params, frozen = zoo.internal.partition_trainable(model, trainable(model, config))
+    # Committed to the one device, as the update's outputs are: else a leaf made without a
+    # device (trainable tokens' delta) compiles the update a second time at step 2.
+    params = jax.device_put(params, jax.devices()[0])
 
     @eqx.filter_jit
     def update(params):
@@ -159,13 +162,17 @@ def test_lora_step_equals_single_device_with_dropout_on():
     assert_tree_rounding_close(new, ref, terms=GRADIENTS["terms"], depth=STEPS * GRADIENTS["depth"])
 
 
-# The adapter kinds beyond plain LoRA (docs/lora.md), dropout on where peft has it.
+# The adapter kinds beyond plain LoRA (docs/lora.md), dropout on where peft has it. DoRA
+# (on Linear layers) and trainable tokens (the token embedding's rows) adapt different
+# layers and meet only in the step, which treats every trainable leaf alike: one run holds
+# both (each leaf of each kind is compared, and the one all-reduce carries both), not two.
+# Embedding LoRA goes with neither (zoo refuses DoRA on an Embedding, and trainable tokens
+# with a branch on the same embedding): a run of its own.
 KINDS = {
-    "dora": LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down"), lora_dropout=0.1,
-                       use_dora=True),
+    "dora+trainable-tokens": LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down"),
+                                        lora_dropout=0.1, use_dora=True, trainable_token_indices=(1, 5, 9)),
     "embedding+tied-head": LoraConfig(r=4, lora_alpha=8, target_modules=("token_embedding", "lm_head", "q_proj"),
                                       ensure_weight_tying=True, init_lora_weights=False),
-    "trainable-tokens": LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj",), trainable_token_indices=(1, 5, 9)),
 }  # fmt: skip
 
 
@@ -179,6 +186,11 @@ def test_adapter_kind_step_equals_single_device_with_one_all_reduce(kind):
     for step, (loss, ref_loss) in enumerate(zip(losses, ref_losses)):
         assert_rounding_close(loss, ref_loss, terms=GRADIENTS["terms"], depth=(step + 1) * GRADIENTS["depth"])
     assert_tree_rounding_close(new, ref, terms=GRADIENTS["terms"], depth=STEPS * GRADIENTS["depth"])
+    if kind == "dora+trainable-tokens":  # both kinds' leaves trained in the one run
+        start = lora_decoder(KINDS[kind])
+        for moved in (lambda m: m.token_embedding.trainable_tokens_delta,
+                      lambda m: m.layers.layers.attention.q_proj.lora_magnitude_vector):  # fmt: skip
+            assert not np.array_equal(moved(new), moved(start))
     reduces = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
     assert not [c for c in reduces if c.in_loop], zoo.report(colls)
     assert len([c for c in reduces if not c.in_loop]) == 1, zoo.report(colls)

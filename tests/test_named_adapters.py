@@ -174,10 +174,14 @@ def svd_exact(model, adapters, weights, svd_rank) -> dict[str, np.ndarray]:
     return exact
 
 
+# Each family with each combination it takes (linear: one rank, on Llama), and svd both with
+# its default rank (the adapters' largest, on BERT) and a rank given (Llama 3, GPT-2's
+# block-diagonal c_attn 6): every (family, kind), (kind, rank) and (family, rank) pair. A
+# Llama svd at the default rank would meet no pair these do not (the same truncation, to 4).
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     ("family", "kind", "svd_rank"),
-    [("llama", "linear", None), ("llama", "cat", None), ("llama", "svd", None), ("llama", "svd", 3),
+    [("llama", "linear", None), ("llama", "cat", None), ("llama", "svd", 3),
      ("bert", "cat", None), ("bert", "svd", None), ("gpt2", "cat", None), ("gpt2", "svd", 6)],
 )  # fmt: skip
 def test_weighted_adapter_vs_peft(family, kind, svd_rank, root, tmp_path):
@@ -245,30 +249,44 @@ def generate_settings():
     return dict(max_new_tokens=5, eos_token_id=None)
 
 
+# 8 prompts: one row per device of the mesh test's data axis (none reaches the eos id 1 in 5
+# tokens, where peft's generate would stop). A mix of every adapter and the bare base, twice.
+PROMPTS = np.random.default_rng(8).integers(1, 32, (8, 5))
+GEN_MIX = MIX * 2
+
+
+@functools.cache
+def named_llama(root: str):
+    """zoo's Llama holding peft_pair's adapters "default" and "b" (both generate tests')."""
+    _, saved, base = peft_pair("llama", root)
+    return zoo.lora.load_adapters(base, saved)[0]
+
+
 @pytest.mark.numerics
 def test_generate_mixed_adapters_one_program_equal_to_each_alone_and_peft(root):
-    model, saved, base = peft_pair("llama", root)
-    zm, _ = zoo.lora.load_adapters(base, saved)
-    prompts = TOKENS[:, :5]
+    model = peft_pair("llama", root)[0]
+    zm = named_llama(root)
     with backend_compiles() as names:
-        mixed = np.asarray(zoo.generate(zm, prompts, adapter_names=MIX, **generate_settings()))
+        mixed = np.asarray(zoo.generate(zm, PROMPTS, adapter_names=GEN_MIX, **generate_settings()))
         first = sum("_generate_program" in n for n in names)
-        other = np.asarray(zoo.generate(zm, prompts, adapter_names=["b", 0, None, "default"], **generate_settings()))
+        other = np.asarray(
+            zoo.generate(zm, PROMPTS, adapter_names=["b", 0, None, "default"] * 2, **generate_settings())
+        )
         again = sum("_generate_program" in n for n in names) - first
     assert first == 1 and again == 0, names
     alone = {
-        "default": np.asarray(zoo.generate(set_adapter(zm, "default"), prompts, **generate_settings())),
-        "b": np.asarray(zoo.generate(set_adapter(zm, "b"), prompts, **generate_settings())),
-        "__base__": np.asarray(zoo.generate(set_adapter(zm, None), prompts, **generate_settings())),
+        "default": np.asarray(zoo.generate(set_adapter(zm, "default"), PROMPTS, **generate_settings())),
+        "b": np.asarray(zoo.generate(set_adapter(zm, "b"), PROMPTS, **generate_settings())),
+        "__base__": np.asarray(zoo.generate(set_adapter(zm, None), PROMPTS, **generate_settings())),
     }
-    for row, name in enumerate(MIX):
+    for row, name in enumerate(GEN_MIX):
         np.testing.assert_array_equal(mixed[row], alone[name][row])
-    for row, name in enumerate(["b", "default", "__base__", "default"]):
+    for row, name in enumerate(["b", "default", "__base__", "default"] * 2):
         np.testing.assert_array_equal(other[row], alone[name][row])
     assert len({tuple(alone[n][1, 5:]) for n in alone}) > 1  # the adapters choose differently
     with torch.no_grad():
         theirs = model.generate(
-            input_ids=torch.tensor(prompts), adapter_names=MIX, do_sample=False, max_new_tokens=5, pad_token_id=0
+            input_ids=torch.tensor(PROMPTS), adapter_names=GEN_MIX, do_sample=False, max_new_tokens=5, pad_token_id=0
         )
     np.testing.assert_array_equal(mixed, theirs.numpy())
 
@@ -343,19 +361,19 @@ def test_bad_input_one_clear_error_each():
         add_adapter(m, "e", LoraConfig(r=2, target_modules=("token_embedding",)), key=jax.random.key(0))
 
 
-def test_generate_mixed_adapters_on_a_mesh_equals_one_device():
-    """dp, tp, fsdp: the per-row adapter index is split over data like the batch."""
+def test_generate_mixed_adapters_on_a_mesh_equals_one_device(root):
+    """dp, tp, fsdp: the per-row adapter index is split over data like the batch. The model
+    and prompts of the test above: its one-device program gives the reference here too."""
     from helpers import preset_mesh
 
-    m = add_adapter(tiny_adapter(2, ("q_proj", "v_proj"), 1), "b", LoraConfig(r=4, target_modules=("q_proj", "down"),
-                    init_lora_weights=False), key=jax.random.key(2))  # fmt: skip
-    tokens = np.random.default_rng(0).integers(0, 32, (8, 5))
+    zm = named_llama(root)
     names = ["default", "b", "__base__", "b", "default", None, 1, 0]
-    want = np.asarray(zoo.generate(m, tokens, max_new_tokens=3, adapter_names=names))
+    want = np.asarray(zoo.generate(zm, PROMPTS, adapter_names=names, **generate_settings()))
     for preset in ("dp", "tp", "fsdp"):
         mesh = preset_mesh(preset, 8)
         with jax.set_mesh(mesh):
-            out = zoo.generate(zoo.shard(m, zoo.rules(preset), mesh), tokens, max_new_tokens=3, adapter_names=names)
+            out = zoo.generate(zoo.shard(zm, zoo.rules(preset), mesh), PROMPTS, adapter_names=names,
+                               **generate_settings())  # fmt: skip
             assert out.sharding.spec[0] == "data"
         np.testing.assert_array_equal(np.asarray(out), want, err_msg=preset)
 
@@ -413,19 +431,34 @@ def k_run(optimizer, steps: int):
     return models, losses
 
 
+@functools.cache
+def alone_step(name: str):
+    """Adapter `name`'s one-device, one-microbatch TrainStep: its loss-and-gradients program
+    serves every optimizer (`alone_run` applies the optimizer apart, as the step does)."""
+    return zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(LR), trainable=trainable(singles()[name]))
+
+
+@eqx.filter_jit
+def _apply(optimizer, params, grads, opt_state):
+    """A TrainStep's update on one device: the optimizer's updates, applied."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
 def alone_run(name: str, optimizer, steps: int):
     """Adapter `name` alone, on its own rows of each batch, one device, one microbatch."""
-    model = singles()[name]
+    step = alone_step(name)
+    params, frozen = step.partition(singles()[name])
     k = list(CONFIGS).index(name)
-    step = zoo.TrainStep(zoo.models.next_token_loss, optimizer, trainable=trainable(model))
-    opt = step.init(model)
+    opt = optimizer.init(params)
     models, losses = [], []
     for b in batches(steps):
         # Its rows, then the others' as padding (mask 0: no target counts): one shape, one compile.
         order = np.argsort(b["adapter"] != k, kind="stable")
         rows = {"tokens": b["tokens"][order], "mask": b["mask"][order] & (b["adapter"][order] == k)[:, None]}
-        model, opt, loss = step(model, opt, rows)
-        models.append(model)
+        loss, grads = step.loss_and_grads(eqx.combine(params, frozen), rows)
+        params, opt = _apply(optimizer, params, grads, opt)
+        models.append(eqx.combine(params, frozen))
         losses.append(float(loss))
     return models, losses
 
@@ -471,8 +504,10 @@ def test_k_adapters_in_one_step_equal_each_adapter_trained_alone(opt):
     np.testing.assert_allclose(losses, alone_losses, rtol=1e-5)
 
 
-def test_clip_per_adapter_clips_each_adapter_at_its_own_norm():
-    # A gradient of ones on every adapter's own entries (zero in the padding, as real ones).
+@eqx.filter_jit
+def _clipped_norms():
+    """Each adapter's norm after `clip_per_adapter(1.0)` of a gradient of ones on every
+    adapter's own entries (zero in the padding, as real ones): one program, not ~100 ops."""
     ones = {
         n: jax.tree.map(lambda x: jnp.ones_like(x) if eqx.is_inexact_array(x) else x, m) for n, m in singles().items()
     }
@@ -480,8 +515,11 @@ def test_clip_per_adapter_clips_each_adapter_at_its_own_norm():
     params = eqx.filter(model, trainable(model))
     grads = params
     clipped, _ = clip_per_adapter(1.0).update(grads, clip_per_adapter(1.0).init(params))
-    for name in CONFIGS:
-        norm = optax.tree.norm(eqx.filter(adapter(clipped, name), eqx.is_array))
+    return {name: optax.tree.norm(eqx.filter(adapter(clipped, name), eqx.is_array)) for name in CONFIGS}
+
+
+def test_clip_per_adapter_clips_each_adapter_at_its_own_norm():
+    for name, norm in _clipped_norms().items():
         assert abs(float(norm) - 1.0) < 1e-6, (name, float(norm))
     with pytest.raises(ValueError, match="outside the stacked adapters"):
         clip_per_adapter(1.0).update({"head": jnp.ones(3)}, optax.EmptyState())
