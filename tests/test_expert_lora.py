@@ -6,6 +6,8 @@ device's), decoding (`zoo.generate` = the merged model) and serving (`zoo.serve.
 attention adapters and the bare base in one batch, each = `zoo.generate` alone; its
 refusals)."""
 
+import dataclasses
+import functools
 import json
 
 import equinox as eqx
@@ -17,8 +19,16 @@ import pytest
 import torch
 import transformers
 from helpers import assert_rounding_close, backend_compiles, largest, lm_batch
-from test_families import _check, _hf_logits, forward
-from test_moe import CASES, _moe_config, _open_hf, hf_dirs, sgd_reference, tokens  # noqa: F401  (module fixtures)
+from test_families import _check, _hf_logits, _torch, forward
+from test_moe import (  # noqa: F401  (module fixtures)
+    CASES,
+    _moe_config,
+    _open_hf,
+    _torch_one_thread,
+    hf_dirs,
+    sgd_reference,
+    tokens,
+)
 
 import zoo
 from zoo.lora import LoraConfig, LoraExpertLinear, add_lora, load_adapter, merge, save_adapter
@@ -27,14 +37,23 @@ from zoo.models import Transformer
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def _byte_mixtral(directory):
-    """A tiny random transformers Mixtral at `directory`, its 300 ids room for zoo's byte
-    tokenizer (no tokenizer.json: the command line reads text as bytes)."""
+@pytest.fixture(scope="module")
+def byte_mixtral(tmp_path_factory):
+    """A tiny random transformers Mixtral on disk, its 300 ids room for zoo's byte
+    tokenizer (no tokenizer.json: the command line reads text as bytes); the command-line
+    tests only read it."""
+    directory = tmp_path_factory.mktemp("byte-mixtral")
     torch.manual_seed(0)
     sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
     experts = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
     hf_config = transformers.MixtralConfig(**sizes, **experts)
     transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(directory)
+    return directory
+
+
+@functools.cache  # built once per file: the tests only read them
+def _moe_model(**overrides):
+    return Transformer(_moe_config(**overrides), key=jax.random.key(0))
 
 
 def _peft_on(directory, **values):
@@ -53,7 +72,8 @@ def test_expert_lora_both_ways_with_peft(name, hf_dirs, tokens, tmp_path):  # no
     exactly; merged, transformers opens the export with the same logits."""
     base = zoo.hf.from_pretrained(hf_dirs[name])
     mask = np.ones(tokens.shape, bool)
-    plain = _hf_logits(_open_hf(hf_dirs[name]), tokens, mask)
+    with torch.no_grad():  # the bare model's logits, for the test that the branches change them
+        plain = _open_hf(hf_dirs[name])(_torch(tokens), attention_mask=_torch(mask)).logits.numpy()
     made = _peft_on(hf_dirs[name], r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERT_PARAMETERS)
     made.save_pretrained(tmp_path / "p")
     loaded, config = load_adapter(base, tmp_path / "p")
@@ -62,7 +82,7 @@ def test_expert_lora_both_ways_with_peft(name, hf_dirs, tokens, tmp_path):  # no
         f"layers.layers.mlp.{p}" for p in ("down", "gate", "up")
     ]
     want = _hf_logits(made, tokens, mask)
-    assert largest(want.f64 - plain.f64) > 0.05  # the experts' branches change the logits
+    assert largest(want.f64 - plain) > 0.05  # the experts' branches change the logits
     diff = _check(forward(loaded, tokens, mask), want, mask, f"{name} expert LoRA peft → zoo")
     print(f"MAX DIFF {name} expert LoRA peft → zoo {diff:.2e}")
     for targets in (["gate", "up", "down"], ["up"], ["mlp.experts.gate_up_proj"]):
@@ -93,16 +113,25 @@ def test_peft_all_linear_on_experts_is_refused_by_name(hf_dirs, tmp_path):  # no
     with pytest.raises(ValueError, match=r"\['gate.weight'\] match no expert weight.*router's weight.*all-linear"):
         load_adapter(zoo.hf.from_pretrained(hf_dirs["mixtral"]), tmp_path)
     with pytest.raises(ValueError, match=r"name them in target_parameters, as peft does"):
-        add_lora(
-            Transformer(_moe_config(), key=jax.random.key(0)),
-            LoraConfig(target_modules=["down"]),
-            key=jax.random.key(1),
-        )
+        add_lora(_moe_model(), LoraConfig(target_modules=["down"]), key=jax.random.key(1))
     with pytest.raises(ValueError, match=r"target_parameters .*does not work with lora_dropout"):
         LoraConfig(target_parameters=["down"], lora_dropout=0.1)
 
 
 LAYOUTS = {"dp": ("dp", (2, 1)), "ep": ("ep", (2, 2)), "ep+fsdp": ("ep+fsdp", (2, 2))}
+
+
+@functools.cache  # one reference program for the three layouts: the same model, batch and rate
+def _expert_lora_step():
+    """`(model, flags, batch, lr, sgd_reference(...))` of the layout tests: LoRA on
+    attention and every expert projection."""
+    config = LoraConfig(
+        r=2, target_modules=["q_proj", "v_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
+    )
+    model = add_lora(_moe_model(), config, key=jax.random.key(1))
+    flags = zoo.lora.trainable(model, config)
+    batch, lr = lm_batch(jax.random.key(2), 8, vocab=32), 0.5
+    return model, flags, batch, lr, sgd_reference(model, batch, lr, flags)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -116,16 +145,8 @@ def test_expert_lora_step_keeps_one_all_reduce_and_equals_one_device(layout):
     budget (fsdp's per-use gathers and per-microbatch reduce-scatters over `data`) and its
     update equals one device's too."""
     preset, (data, width) = LAYOUTS[layout]
-    base = Transformer(_moe_config(), key=jax.random.key(0))
-    config = LoraConfig(
-        r=2, target_modules=["q_proj", "v_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
-    )
-    model = add_lora(base, config, key=jax.random.key(1))
-    flags = zoo.lora.trainable(model, config)
+    model, flags, batch, lr, (loss, params, want) = _expert_lora_step()
     assert flags.layers.layers.mlp.down.lora_A and not flags.layers.layers.mlp.down.base.weight
-    batch = lm_batch(jax.random.key(2), 8, vocab=32)
-    lr = 0.5
-    loss, params, want = sgd_reference(model, batch, lr, flags)
     mesh = jax.make_mesh((data, width), ("data", "model"), devices=jax.devices()[: data * width])
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules(preset), mesh)
@@ -161,12 +182,22 @@ def test_generate_with_expert_lora_is_the_merged_models():
         r=2, target_modules=["q_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
     )
     prompts = np.array([[3, 5, 7, 9], [4, 6, 8, 10]], np.int32)
+    zero = dataclasses.replace(config, init_lora_weights=True)  # B = 0: merged, the base's weights
     for dispatch in ("dense", "sorted"):
-        base = Transformer(_moe_config(max_len=16, moe_dispatch=dispatch), key=jax.random.key(0))
+        base = _moe_model(max_len=16, moe_dispatch=dispatch)
         adapted = add_lora(base, config, key=jax.random.key(2))
         got = np.asarray(zoo.generate(adapted, prompts, max_new_tokens=6))
         np.testing.assert_array_equal(got, np.asarray(zoo.generate(merge(adapted), prompts, max_new_tokens=6)))
-        assert not np.array_equal(got, np.asarray(zoo.generate(base, prompts, max_new_tokens=6)))
+        # The bare base as `merge` returns it with zero branches: its weights bit for bit, and
+        # its arrays placed as the merged model's are (jax compiles one program for both).
+        bare = merge(add_lora(base, zero, key=jax.random.key(2)))
+        for b, w in zip(
+            jax.tree.leaves(eqx.filter(bare, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(base, eqx.is_array)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(w))
+        assert not np.array_equal(got, np.asarray(zoo.generate(bare, prompts, max_new_tokens=6)))
 
 
 def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dirs, tmp_path):  # noqa: F811
@@ -194,7 +225,10 @@ def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dir
     engine.warm_up(tune=False)
     before = dict(engine.compiles)
     rng = np.random.default_rng(0)
-    plan = [(5, "experts"), (3, "attention"), (5, None), (3, "experts"), (5, "attention"), (3, None)]
+    # Prompts of 5 and 3 tokens side by side in each batch; each adapter's of one length, so
+    # that its reference below (zoo.generate alone, a program per model and prompt length)
+    # is one program: the engine's programs are the same for any mix.
+    plan = [(5, "experts"), (3, "attention"), (5, None), (5, "experts"), (3, "attention"), (3, None)]
     requests = [Request(rng.integers(3, 61, size=n).tolist(), max_tokens=6, adapter=a) for n, a in plan]
     with backend_compiles() as seen:
         handles = [engine.submit(r) for r in requests[:2]]
@@ -210,7 +244,7 @@ def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dir
     # Other shapes (rank 4, the up projection alone): the engine builds no program either
     # (XLA's count would show the finiteness check of the new adapter's arrays).
     assert engine.load_adapter("other", other) == 0
-    late = [engine.submit(Request(r.prompt, max_tokens=6, adapter="other")) for r in requests[:2]]
+    late = [engine.submit(Request(requests[i].prompt, max_tokens=6, adapter="other")) for i in (0, 3)]
     late.append(engine.submit(Request(requests[1].prompt, max_tokens=6)))
     engine.run_until_done()
     assert engine.compiles == before
@@ -223,7 +257,7 @@ def test_the_engine_serves_expert_lora_beside_attention_lora_and_the_base(hf_dir
 
 
 @pytest.mark.timeout(120)
-def test_cli_lora_parameters_give_the_engine_expert_room(tmp_path, monkeypatch):
+def test_cli_lora_parameters_give_the_engine_expert_room(byte_mixtral, tmp_path, monkeypatch):
     """`zoo serve --lora-targets none --lora-parameters gate_up_proj+down_proj`: the engine
     holds adapter room on the experts alone and serves an expert adapter there; an adapter
     with attention LoRA beside is refused in one line (the server is not started, nor
@@ -232,8 +266,7 @@ def test_cli_lora_parameters_give_the_engine_expert_room(tmp_path, monkeypatch):
 
     import zoo.serve
 
-    _byte_mixtral(tmp_path / "hf")
-    base = zoo.hf.from_pretrained(tmp_path / "hf")
+    base = zoo.hf.from_pretrained(byte_mixtral)
     for name, targets in (("experts", []), ("both", ["q_proj"])):
         config = LoraConfig(r=2, target_modules=targets, target_parameters=["gate", "up", "down"])
         save_adapter(add_lora(base, config, key=jax.random.key(1)), config, tmp_path / name)
@@ -241,12 +274,12 @@ def test_cli_lora_parameters_give_the_engine_expert_room(tmp_path, monkeypatch):
     monkeypatch.setattr(zoo.serve, "serve", lambda server, **_: engines.append(server.engine))
     monkeypatch.setattr(zoo.serve.Engine, "warm_up", lambda self, *a, **k: None)
     flags = ["--lora-targets", "none", "--lora-parameters", "gate_up_proj+down_proj", "--max-lora-rank", "2"]
-    rc, _, err = zoo_main("serve", tmp_path / "hf", *flags, "--adapter", f"experts={tmp_path / 'experts'}")
+    rc, _, err = zoo_main("serve", byte_mixtral, *flags, "--adapter", f"experts={tmp_path / 'experts'}")
     assert rc == 0, err
     (engine,) = engines
     assert sorted(engine.bank.layers) == [f"layers.layers.mlp.{p}" for p in ("down", "gate", "up")]
     assert engine.adapters == ["experts"]
-    rc, _, err = zoo_main("serve", tmp_path / "hf", *flags, "--adapter", f"both={tmp_path / 'both'}")
+    rc, _, err = zoo_main("serve", byte_mixtral, *flags, "--adapter", f"both={tmp_path / 'both'}")
     assert rc != 0 and "no adapter room" in err and "q_proj" in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -259,7 +292,7 @@ def test_grpo_rollouts_serve_an_expert_lora_policy():
     from zoo.serve import Request
     from zoo.train._grpo import POLICY, _engine
 
-    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    base = _moe_model(max_len=16)
     for targets in (["q_proj"], []):
         config = LoraConfig(r=2, target_modules=targets, target_parameters=["gate", "down"], init_lora_weights=False)
         policy = add_lora(base, config, key=jax.random.key(4))
@@ -280,7 +313,7 @@ def test_the_engines_refusals_of_expert_lora():
     config = LoraConfig(
         r=2, target_modules=["q_proj"], target_parameters=["gate", "up", "down"], init_lora_weights=False
     )
-    base = Transformer(_moe_config(max_len=16), key=jax.random.key(0))
+    base = _moe_model(max_len=16)
     experts = add_lora(base, config, key=jax.random.key(2))
     attention = add_lora(base, LoraConfig(r=2, target_modules=["v_proj"]), key=jax.random.key(3))
     engine = Engine(base, slots=2, adapters={"attention": attention}, max_adapters=2, max_lora_rank=2)
@@ -299,33 +332,41 @@ def test_the_engines_refusals_of_expert_lora():
         layer.stacked(np.float32)
     with pytest.raises(ValueError, match="several adapters' expert branches"):
         merge(narrow.bank.model)
-    sorted_base = Transformer(_moe_config(max_len=16, moe_dispatch="sorted"), key=jax.random.key(0))
+    sorted_base = _moe_model(max_len=16, moe_dispatch="sorted")
     with pytest.raises(ValueError, match="expert LoRA room needs the dense token dispatch"):
         Engine(
             sorted_base, slots=2, adapters={"e": add_lora(sorted_base, config, key=jax.random.key(2))}, max_lora_rank=2
         )
 
 
-def test_zoo_finetune_trains_expert_lora_that_peft_opens(tmp_path):
+def test_zoo_finetune_trains_expert_lora_that_peft_opens(byte_mixtral, tmp_path):
     """`zoo finetune --lora ...,parameters=gate_up_proj+down_proj` on a Mixtral trains
     branches on the experts (and q_proj); the run's adapter names them in
-    `target_parameters` and peft opens it on the transformers model with zoo's logits."""
+    `target_parameters` and peft opens it on the transformers model with zoo's logits. Its
+    metrics.jsonl holds no `aux_loss`: the Mixtral does not train its router's loss."""
     from helpers import zoo_main
     from tiny_runs import TINY
 
-    _byte_mixtral(tmp_path / "hf")
     lora = "r=2,targets=q_proj,parameters=gate_up_proj+down_proj"
-    flags = ["--init", tmp_path / "hf", "--lora", lora, *TINY, "--steps", "3", "--output", tmp_path / "run"]
+    flags = ["--init", byte_mixtral, "--lora", lora, *TINY, "--steps", "3", "--output", tmp_path / "run"]
     rc, _, err = zoo_main("finetune", "transformer", *flags)
     assert rc == 0, err
+    # A mixture of experts' run without the router's loss term (transformers' default: this
+    # Mixtral's config.json leaves output_router_logits false) writes no `aux_loss` in
+    # metrics.jsonl (a run with the term: test_moe.py::test_a_training_run_logs_the_router_loss_per_step).
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    base = zoo.hf.from_pretrained(byte_mixtral)
+    assert not base.config.output_router_logits
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    assert not any("aux_loss" in r for r in rows), rows
     adapter = tmp_path / "run" / "adapter"
     values = json.loads((adapter / "adapter_config.json").read_text())
     assert values["target_parameters"] == EXPERT_PARAMETERS
     assert values["target_modules"] == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]
     ids = np.random.default_rng(0).integers(0, 300, (2, 8)).astype(np.int32)
     mask = np.ones(ids.shape, bool)
-    loaded, _ = load_adapter(zoo.hf.from_pretrained(tmp_path / "hf"), adapter)
+    loaded, _ = load_adapter(base, adapter)
     trained = loaded.layers.layers.mlp.down.lora_B
     assert np.abs(np.asarray(trained)).max() > 0  # B starts at zero: the experts' branches trained
-    opened = peft.PeftModel.from_pretrained(_open_hf(tmp_path / "hf"), adapter).eval()
+    opened = peft.PeftModel.from_pretrained(_open_hf(byte_mixtral), adapter).eval()
     _check(forward(loaded, ids, mask), _hf_logits(opened, ids, mask), mask, "finetuned expert LoRA zoo → peft")

@@ -26,6 +26,21 @@ FORWARD = {"terms": 32, "depth": 2 * 6 + 1}
 GRADIENTS = {"terms": BATCH * 8, "depth": 2 * FORWARD["depth"]}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_one_thread():
+    """torch on one thread while this file's tests run (restored after). Its references are
+    tiny models, far below what a second thread pays for, and on the suite's shared cores
+    the waiting thread spins: test_expert_lora.py's two peft tests took 23 CPU s with two
+    threads, 5 with one, side by side. One thread is one more summation order, which the
+    float tolerances allow (the numerics rerun is single-threaded: Makefile's test-numerics)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.cache  # built once per file: every test reads it, none changes it
 def _lora_model(config=CONFIG, tied=False):
     overrides = {"tie_embeddings": True} if tied else {}
@@ -34,6 +49,21 @@ def _lora_model(config=CONFIG, tied=False):
 
 def _q_proj(model):
     return model.layers.layers.attention.q_proj
+
+
+@eqx.filter_jit
+def _logits(model, tokens):
+    """`model(tokens)` as one program per model structure (not one per op), shared by the
+    tests: the float models holding dequantised weights of every kind share theirs."""
+    return model(tokens)
+
+
+@eqx.filter_jit
+def _lora_grads(model, batch, config):
+    """One device's `(loss, gradients of the trainable leaves)` of a LoRA model (one
+    program per model structure, shared like `_logits`'s)."""
+    step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(1e-2), trainable=trainable(model, config))
+    return step.loss_and_grads(model, batch)
 
 
 def test_nf4_layer_is_bitsandbytes_quantize_4bit_transposed():
@@ -108,13 +138,9 @@ def test_cast_frozen_four_bit_changes_storage_not_the_lora_gradients(kind):
     dequantised = cast_frozen(cast, jnp.float32, config=CONFIG)
     assert isinstance(_q_proj(dequantised).base, Linear)
     batch = lm_batch(jax.random.key(3), BATCH)
-    tokens = batch["tokens"]
-    forward = eqx.filter_jit(lambda m: m(tokens))
-    assert_rounding_close(forward(cast), forward(dequantised), **FORWARD)
-    grads = {}
-    for name, m in ((kind, cast), ("float32", dequantised)):
-        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(1e-2), trainable=trainable(m, CONFIG))
-        _, grads[name] = eqx.filter_jit(step.loss_and_grads)(m, batch)
+    # The float32 model's programs (forward, gradients) are the same for every kind: compiled once.
+    assert_rounding_close(_logits(cast, batch["tokens"]), _logits(dequantised, batch["tokens"]), **FORWARD)
+    grads = {name: _lora_grads(m, batch, CONFIG)[1] for name, m in ((kind, cast), ("float32", dequantised))}
     flat = [jax.tree.leaves(g) for g in grads.values()]
     assert len(flat[0]) == len(flat[1]) == 2 * 7  # A and B of every branch: the 4-bit base has none
     for g, want in zip(*flat, strict=True):
@@ -182,11 +208,7 @@ def test_qdora_gradients_are_the_dequantised_models():
     assert _q_proj(cast).base.double_quant
     dequantised = cast_frozen(cast, jnp.float32, config=config)
     batch = lm_batch(jax.random.key(3), BATCH)
-    grads = []
-    for m in (cast, dequantised):
-        step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(1e-2), trainable=trainable(m, config))
-        grads.append(eqx.filter_jit(step.loss_and_grads)(m, batch)[1])
-    flat = [jax.tree.leaves(g) for g in grads]
+    flat = [jax.tree.leaves(_lora_grads(m, batch, config)[1]) for m in (cast, dequantised)]
     assert len(flat[0]) == len(flat[1]) == 3 * 2  # A, B and the magnitude of both branches
     for g, want in zip(*flat, strict=True):
         assert float(jnp.max(jnp.abs(want))) > 0
@@ -208,7 +230,11 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
     The gradients are the compiled step's own: its optimizer `optax.trace(decay=0)` leaves
     them as its state after one step, exactly (g + 0·0), so one program per base gives the
     collectives, the budget and the gradients (an optimizer's update is elementwise on
-    each shard: no collective of its own)."""
+    each shard: no collective of its own). Each base's are one device's gradients of the
+    float32 model holding the weights it stores (dequantised): one reference program for
+    the four bases (one device's quantised gradients are those of the dequantised model:
+    test_cast_frozen_four_bit_changes_storage_not_the_lora_gradients here, and
+    tests/test_quantized.py::test_int8_changes_storage_not_the_lora_gradients)."""
     model = _lora_model(tied=True)
     cast = cast_frozen(model, "nf4", config=CONFIG, block_size=BLOCK)
     double = cast_frozen(model, "nf4:dq", config=CONFIG, block_size=BLOCK)
@@ -217,6 +243,8 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
     colls = {}
     for name, m in (("float32", model), ("int8", cast_frozen(model, jnp.int8, config=CONFIG)), ("nf4", cast),
                     ("nf4:dq", double)):  # fmt: skip
+        dequantised = cast_frozen(m, jnp.float32, config=CONFIG)  # the float model: the same structure as `model`
+        assert jax.tree.structure(dequantised) == jax.tree.structure(model), name
         step = zoo.TrainStep(
             zoo.models.next_token_loss, optax.trace(decay=0.0), trainable=trainable(m, CONFIG), microbatches=2,
             preset="fsdp",
@@ -230,7 +258,13 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
             assert step.budget_verdict.startswith("within the fsdp budget"), step.budget_verdict
             grads = compiled(placed, opt_state, batch)[1].trace
         bound = dict(GRADIENTS, terms=2 * GRADIENTS["terms"])
-        assert_tree_rounding_close(grads, step.loss_and_grads(m, batch)[1], **bound, what=name)
+        got = jax.tree.leaves(grads)
+        want = jax.tree_util.tree_leaves_with_path(_lora_grads(dequantised, batch, CONFIG)[1])
+        assert len(got) == len(want) == 2 * 7, name  # A and B of every branch: the bases have none
+        for g, (path, w) in zip(got, want, strict=True):
+            where = f"{name}{jax.tree_util.keystr(path)}"
+            assert g.shape == w.shape, where
+            assert_rounding_close(g, w, **bound, what=where)
     assert "data" in str(_q_proj(placed).base.codes.sharding.spec)
     # In the layers' scan each base weight is gathered for its use: V float32 values in the
     # float model, V/2 bytes of codes plus a float32 scale per block in the 4-bit one (the
@@ -252,12 +286,13 @@ def test_under_fsdp_quantised_bytes_are_gathered_and_the_promise_and_budget_hold
     tp = preset_mesh("tp", 4)
     with jax.set_mesh(tp):
         rules = zoo.rules("tp")
-        placed, ref = zoo.shard(double, rules, tp), zoo.shard(model, rules, tp)
+        # The float model's placement read from its abstract form (nothing placed).
+        placed, ref = zoo.shard(double, rules, tp), zoo.shard(eqx.filter_eval_shape(lambda: model), rules, tp)
         for proj in ("q_proj", "o_proj"):
             got, want = getattr(placed.layers.layers.attention, proj), getattr(ref.layers.layers.attention, proj)
             assert got.base.codes.sharding.spec == got.base.scale.sharding.spec == want.base.weight.sharding.spec
-        out = eqx.filter_jit(lambda m, t: m(t))(placed, jax.device_put(batch["tokens"], P("data", None)))
-    assert_rounding_close(out, eqx.filter_jit(lambda m: m(batch["tokens"]))(double), **FORWARD)
+        out = _logits(placed, jax.device_put(batch["tokens"], P("data", None)))
+    assert_rounding_close(out, _logits(double, batch["tokens"]), **FORWARD)
 
 
 def test_four_bit_bases_refuse_what_cannot_hold_and_merge_by_dequantising(tmp_path):
@@ -339,8 +374,9 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
 
     run = tmp_path / "two"
     data = f"alpha={data_files['text']},beta={data_files['chat']}"
+    # LoRA as the single-adapter run above sets it (rank 4, alpha 8): one program adds the branches to both.
     rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data, *TINY, "--steps", "1",
-                          "--lora", "r=2,alpha=4", "--lr", "1e-1", "--quantize", "nf4:16", "--checkpoint-every", "1", "--output", run)  # fmt: skip
+                          "--lora", "r=4,alpha=8", "--lr", "1e-1", "--quantize", "nf4:16", "--checkpoint-every", "1", "--output", run)  # fmt: skip
     assert rc == 0, err
     # Continued (--resume): the step-1 checkpoint restored onto the same quantised, stacked base.
     rc, _, err = zoo_main("finetune", "--output", run, "--resume", "--steps", "2", "--devices", "2")
@@ -395,18 +431,21 @@ def test_several_adapters_train_on_one_nf4_base_and_each_is_the_dequantised_mode
         np.testing.assert_array_equal(np.asarray(forward(zoo.lora.route(stopped.model, [k, k]))), logits[name])
 
 
-def _save_llama_64_wide(folder):
+@pytest.fixture(scope="module")
+def llama_64(tmp_path_factory):
     """A random Llama saved by transformers whose widths (64, 128) hold bitsandbytes'
-    blocks of 64 inputs within each row, as real models' do."""
+    blocks of 64 inputs within each row, as real models' do (the tests only read it)."""
     import torch
     import transformers
 
+    folder = tmp_path_factory.mktemp("llama-64")
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
+    return folder
 
 
 def _float32_bnb(model):
@@ -422,7 +461,7 @@ def _float32_bnb(model):
 
 
 @pytest.mark.numerics
-def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tmp_path):
+def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(llama_64, tmp_path):
     """QLoRA across libraries: transformers loads a Llama with bitsandbytes' NF4
     (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`, blocks of 64, as
     zoo's default) and peft puts zoo's adapter (trained on zoo's NF4 base) on it: the same
@@ -431,7 +470,6 @@ def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tm
     import torch
     import transformers
 
-    _save_llama_64_wide(tmp_path / "llama")
     bnb = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
     )
@@ -439,12 +477,12 @@ def test_peft_opens_a_zoo_adapter_on_bitsandbytes_nf4_base_and_zoo_a_peft_one(tm
     def bnb_base():
         return _float32_bnb(
             transformers.AutoModelForCausalLM.from_pretrained(
-                tmp_path / "llama", quantization_config=bnb, device_map="cpu"
+                llama_64, quantization_config=bnb, device_map="cpu"
             ).eval()
         )
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    model = add_lora(zoo.hf.from_pretrained(tmp_path / "llama"), config, key=jax.random.key(1))
+    model = add_lora(zoo.hf.from_pretrained(llama_64), config, key=jax.random.key(1))
     # The bases in NF4, every other leaf float32 as transformers keeps them (cast_frozen
     # would store those in bfloat16).
     paths = [p for p, _ in zoo.lora.modules(model, zoo.lora.LoraLinear).values()]
@@ -529,7 +567,7 @@ def test_generate_and_serve_quantize_the_base_as_they_load(llama_dir, tmp_path):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "float-absmax"])
-def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(tmp_path, double_quant):
+def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(llama_64, tmp_path, double_quant):
     """A model transformers saved with a bitsandbytes 4-bit NF4 `quantization_config` (a
     QLoRA base, as `*-bnb-4bit` checkpoints are): `from_pretrained` reads it into NF4
     `FourBitLinear`s whose dequantised weights are bitsandbytes' `dequantize_4bit`, bit for
@@ -540,15 +578,12 @@ def test_a_checkpoint_transformers_saved_in_nf4_loads_with_its_codes(tmp_path, d
     import torch
     import transformers
 
-    _save_llama_64_wide(tmp_path / "llama")
     bnb = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=torch.float32,
     )  # fmt: skip
     theirs = _float32_bnb(
-        transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / "llama", quantization_config=bnb, device_map="cpu"
-        ).eval()
+        transformers.AutoModelForCausalLM.from_pretrained(llama_64, quantization_config=bnb, device_map="cpu").eval()
     )
     theirs.save_pretrained(tmp_path / "nf4")
     ours = zoo.hf.from_pretrained(tmp_path / "nf4")
