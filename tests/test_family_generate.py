@@ -117,13 +117,22 @@ def test_greedy_equals_transformers_loaded_through_zoo_hf(loaded, family):
     np.testing.assert_array_equal(zoo.generate(model, TOKENS, mask=MASK, max_new_tokens=NEW), expected)
 
 
+@pytest.fixture(scope="module")
+def gemma3_batch8(loaded):
+    """`(tokens, mask, transformers' greedy tokens)` of 8 rows (TOKENS, then reversed) on
+    Gemma 3, for the three presets (transformers' generate once, not once each)."""
+    hf, _, _ = loaded("gemma3_text")
+    tokens, mask = np.concatenate([TOKENS, TOKENS[::-1]]), np.concatenate([MASK, MASK[::-1]])
+    return tokens, mask, _hf_greedy(hf, tokens, mask, NEW)
+
+
 @pytest.mark.parametrize("preset", ["dp", "fsdp", "tp"])
-def test_sharded_windowed_family_equals_transformers(loaded, preset):
+def test_sharded_windowed_family_equals_transformers(loaded, gemma3_batch8, preset):
     """Gemma 3 (windows of 3 on layers 0 and 2 at RoPE base 10k, layer 1 global at 1M
     stretched 8 times, q/k norms, soft-capped logits) placed by a preset on 8 devices:
     transformers' greedy tokens past the window, the batch split over `data`."""
-    hf, model, _ = loaded("gemma3_text")
-    tokens, mask = np.concatenate([TOKENS, TOKENS[::-1]]), np.concatenate([MASK, MASK[::-1]])
+    _, model, _ = loaded("gemma3_text")
+    tokens, mask, expected = gemma3_batch8
     mesh = preset_mesh(preset, 8)
     with jax.set_mesh(mesh):
         placed = zoo.shard(model, zoo.rules(preset), mesh)
@@ -133,7 +142,7 @@ def test_sharded_windowed_family_equals_transformers(loaded, preset):
     spec = placed.layers.layers.attention.q_proj.weight.sharding.spec
     assert {a for a in jax.tree.leaves(tuple(spec)) if a} == axes
     assert out.sharding.spec[0] == "data"
-    np.testing.assert_array_equal(out, _hf_greedy(hf, tokens, mask, NEW))
+    np.testing.assert_array_equal(out, expected)
 
 
 # The engine builds cost compiles: the families that together hold every feature the

@@ -25,15 +25,38 @@ from serving import (
     WORDS,
     InProcessServe,
     ServeProcess,
-    alone,
     http_json,
     token_ids,
 )
+from serving import alone as alone_unpadded
 
+import zoo
 from zoo.serve import Engine, QueueFull, Request
 from zoo.serve._programs import span
 
 served = serving.served  # the tiny random Llama, a module fixture
+
+
+def alone(model, request, width: int = 32, new: int = 32) -> list[int]:
+    """zoo.generate's tokens for `request` by itself (one row, as `serving.alone`), its prompt
+    padded on the left to `width` columns (masked: each row's positions count from its first
+    real token, so the same tokens) and `new` tokens generated, the first `max_tokens` kept
+    (a draw's key is folded with the step alone: the same draws). Every reference of one
+    model and sampling settings is one compiled program, not one per prompt length and
+    `max_tokens` (each 0.5-1 CPU s to trace, lower and compile). A request that does not
+    fit is generated unpadded."""
+    n = len(request.prompt)
+    if n > width or request.max_tokens > new:
+        return alone_unpadded(model, request)
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, width - n :] = request.prompt
+    key = None if request.temperature == 0 else jax.random.key(request.seed)
+    mask = np.arange(width)[None] >= width - n
+    out = zoo.generate(
+        model, tokens, mask=mask, max_new_tokens=new, temperature=request.temperature, top_k=request.top_k,
+        top_p=request.top_p, key=key,
+    )  # fmt: skip
+    return np.asarray(out)[0, width : width + request.max_tokens].tolist()
 
 
 @eqx.filter_jit
@@ -136,19 +159,23 @@ def test_every_request_gets_its_own_tokens_whatever_shares_the_batch(served, eng
     assert engine.active == 0 and engine.waiting == 0
 
 
-def _peaked_decoder(seed: int, noise_seed: int, **config):
-    """`tiny_decoder(key(seed), **config)` with noise of 0.3 (key(noise_seed)) added to every
-    weight: peaked logits, no near-ties between programs. Built in one compiled program
-    (eagerly, each initialiser and draw compiles for each shape)."""
+def _peaked_decoder(seed: int, **config):
+    """`tiny_decoder(**config)`'s structure with weights drawn on the host (numpy's
+    `default_rng(seed)`): norm scales 1 + 0.3 N(0, 1), every other weight 0.3 N(0, 1), as
+    large as the noise the random initialisation was given before: peaked logits, no
+    near-ties between programs. Drawn on the host and put on the device, the build compiles
+    nothing (eagerly, each initialiser compiles for each shape; in one compiled program,
+    1-2 CPU s per configuration)."""
+    shapes = eqx.filter_eval_shape(tiny_decoder, jax.random.key(0), **config)
+    rng = np.random.default_rng(seed)
 
-    def build():
-        model = tiny_decoder(jax.random.key(seed), **config)
-        params, static = eqx.partition(model, eqx.is_inexact_array)
-        noise = jax.random.key(noise_seed)
-        params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(noise, x.shape, x.dtype), params)
-        return eqx.combine(params, static)
+    def draw(path, leaf):
+        assert jnp.issubdtype(leaf.dtype, jnp.floating), (path, leaf)  # every array leaf a weight
+        scale = 1.0 if "norm" in jax.tree_util.keystr(path) else 0.0
+        return jax.device_put((scale + 0.3 * rng.standard_normal(leaf.shape)).astype(leaf.dtype))  # no program
 
-    return eqx.filter_jit(build)()
+    is_array = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(lambda p, x: draw(p, x) if is_array(x) else x, shapes, is_leaf=is_array)
 
 
 def test_a_request_crossing_attention_spans_keeps_its_tokens():
@@ -157,14 +184,15 @@ def test_a_request_crossing_attention_spans_keeps_its_tokens():
     whose prompt fills two blocks and that grows past 128 columns beside a short one gets
     zoo.generate's tokens for it alone. The model normalises its query and key heads
     (`qk_norm`, Qwen3's: test_generate holds zoo.generate to transformers for it)."""
-    model = _peaked_decoder(3, 4, max_len=256, vocab_size=64, qk_norm=True)
+    model = _peaked_decoder(3, max_len=256, vocab_size=64, qk_norm=True)
     engine = Engine(model, slots=2, max_len=250)  # cache blocks of 64, 64, 64 and 58 columns
     rng = np.random.default_rng(1)
-    requests = [Request(rng.integers(0, 64, size=120).tolist(), max_tokens=16), Request([5, 6, 7], max_tokens=4)]
+    # Side by side to the end: one decode program per span (2 rows), none for a lone row.
+    requests = [Request(rng.integers(0, 64, size=120).tolist(), max_tokens=16), Request([5, 6, 7], max_tokens=16)]
     handles = [engine.submit(r) for r in requests]
     engine.run_until_done()  # the long one uses columns 121 to 136
     for request, handle in zip(requests, handles):
-        assert handle.ids == alone(model, request)
+        assert handle.ids == alone(model, request, width=120, new=16)  # both references one program
         _assert_logprobs_are_the_full_forward(model, request.prompt, handle)  # which sees every column
     assert {k[2] for k in engine.compiles if k[0] == "decode"} == {128, 192}  # ("decode", rows, span, kernel)
     assert [span(n, 256) for n in (1, 128, 129, 192, 193)] == [128, 128, 192, 192, 256]
@@ -198,12 +226,14 @@ def test_the_engine_serves_each_architecture_as_it_generates(name):
     """Three requests side by side at their own positions, past every window: each gets
     zoo.generate's tokens for it alone, each token's log-probability the full forward
     pass's (caps, norms, partial rotary and per-layer patterns are the same code in both)."""
-    model = _peaked_decoder(5, 6, max_len=64, vocab_size=64, **ARCHITECTURES[name])
+    model = _peaked_decoder(5, max_len=64, vocab_size=64, **ARCHITECTURES[name])
     attention = model.layers.layers.attention
     assert {"partial_rotary": attention.rope_dim == 4, "gemma2": attention.logit_softcap == 2.0}.get(name, True)
     engine = Engine(model, slots=2, max_len=48)
     rng = np.random.default_rng(3)
-    requests = [Request(rng.integers(0, 64, size=n).tolist(), max_tokens=m) for n, m in [(9, 8), (3, 10), (14, 5)]]
+    # Prompts of one prefill bucket (8), the third admitted as the first ends, the last two
+    # ending together: one prefill and one decode program (2 rows) per architecture.
+    requests = [Request(rng.integers(0, 64, size=n).tolist(), max_tokens=m) for n, m in [(6, 8), (3, 12), (8, 5)]]
     handles = [engine.submit(r) for r in requests]
     engine.run_until_done()
     for request, handle in zip(requests, handles):
@@ -220,7 +250,7 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
     model = served[2]
     rng = np.random.default_rng(2)
     # (prompt, new tokens): slots 2 and 3 outlive 0 and 1. The shapes of the batching test's
-    # requests: their references (zoo.generate alone) are compiled already.
+    # requests (its prefill buckets; the references: `alone`'s one program, compiled).
     lengths = [(17, 3), (12, 6), (3, 12), (1, 14)]
     requests = [Request(rng.integers(6, VOCAB, size=n).tolist(), max_tokens=m) for n, m in lengths]
     rows, moves = [], []
@@ -242,7 +272,7 @@ def test_requests_left_running_move_down_and_the_step_shrinks(served, engine):
 
 def test_stop_ids_and_the_cache_end_finish_a_request(served, engine):
     model = served[2]
-    prompt = [7, 8, 9, 10]
+    prompt = list(range(7, 39))  # 32 ids: the cache's end 32 tokens on (the references' shape: `alone`)
     free = alone(model, Request(prompt, max_tokens=MAX_LEN - len(prompt)))
     handle = engine.submit(Request(prompt, max_tokens=10**6))  # only the cache's end stops it
     engine.run_until_done()
@@ -272,8 +302,8 @@ def test_echo_logprobs_are_the_full_forward_passes(served, engine):
 
 
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(served, engine):
-    """The module's engine, every slot taken and one place in its queue (the batching test's
-    request shape for the one that waits: its reference is compiled)."""
+    """The module's engine, every slot taken and one place in its queue (the reference of the
+    one that waits: `alone`'s program, compiled)."""
     model = served[2]
     running = [engine.submit(Request([6, 7], max_tokens=20)) for _ in range(engine.slots)]
     engine.step()
@@ -311,8 +341,8 @@ def test_bad_requests_are_refused_with_the_fix(engine, request_, message):
 
 
 def test_stream_and_background_thread(served, engine):
-    """The module's engine (the batching test's request shapes: its programs and references
-    are compiled), stopped at the end and then made to take requests again."""
+    """The module's engine (the batching test's request shapes: its programs compiled, and
+    `alone`'s), stopped at the end and then made to take requests again."""
     model = served[2]
     request = Request([6, 7, 8], max_tokens=12)
     want = alone(model, request)
@@ -335,7 +365,10 @@ def test_stream_and_background_thread(served, engine):
 
 @pytest.fixture(scope="module")
 def server(served):
-    running = InProcessServe(served[0], "--slots", 4, "--max-len", MAX_LEN)
+    # Two slots: warm_up compiles the decode step for 1 and 2 rows with each kernel (4
+    # programs; 4 slots: 6). A request more than the slots waits for one (the 4 choices of
+    # test_openai_client_completions: two run, two wait, each with its own tokens).
+    running = InProcessServe(served[0], "--slots", 2, "--max-len", MAX_LEN)
     yield running
     running.stop()
 
@@ -383,10 +416,12 @@ def test_openai_client_stop_strings_and_sampling(served, server):
     pieces = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=stop,
                                        stream=True)  # fmt: skip
     assert "".join(c.choices[0].text for c in pieces) == text[: text.index(stop)]
-    # A seeded draw is zoo.generate's with jax.random.key(seed).
-    kw = dict(max_tokens=8, temperature=0.8, top_p=0.9)
-    out = client.completions.create(model="tiny", prompt=prompt, seed=11, extra_body={"ignore_eos": True}, **kw)
-    want = alone(served[2], Request(token_ids(served, prompt), seed=11, **kw))
+    # A seeded draw is zoo.generate's with jax.random.key(seed); top_k as vLLM takes it (the
+    # batching test's sampling settings: its reference program).
+    kw = dict(max_tokens=8, temperature=0.9, top_p=0.9)
+    out = client.completions.create(model="tiny", prompt=prompt, seed=11, extra_body={"ignore_eos": True, "top_k": 20},
+                                    **kw)  # fmt: skip
+    want = alone(served[2], Request(token_ids(served, prompt), seed=11, top_k=20, **kw))
     assert out.choices[0].text == served[3].decode(want)
 
 

@@ -9,6 +9,7 @@ target modules. Each request's reference is `zoo.generate` on a plain single-ada
 """
 
 import copy
+import functools
 import json
 import threading
 import time
@@ -18,13 +19,37 @@ import peft
 import pytest
 import serving
 from helpers import backend_compiles
-from serving import ServeProcess, alone, http_json, http_request, token_ids
+from serving import ServeProcess, http_json, http_request, token_ids
+from test_serve import alone as alone_padded
 
 import zoo
 from zoo.serve import Engine, Request
 from zoo.serve._engine import AdapterSlotsFull
 
 served = serving.served  # the tiny random Llama, a module fixture
+
+
+@functools.cache
+def _references() -> dict:
+    """`(id(model), prompt)` → `(model, the 16 tokens zoo.generate continues prompt with on
+    model alone)`, for the file (its caches are let go when it ends; each model is held, so
+    its id names no other)."""
+    return {}
+
+
+def alone(model, request: Request) -> list[int]:
+    """zoo.generate's tokens for `request` by itself on `model` (test_serve.alone: its prompt
+    padded on the left to 16 columns, 16 new tokens, the first `max_tokens` kept; greedy):
+    one compiled program per model, and each prompt's tokens computed once for the file, so
+    a test that asks for another's (after emptying jax's caches, as the compile-counting
+    tests do) compiles nothing. A request longer than that is generated as it is."""
+    assert request.temperature == 0, "the file's references are greedy"
+    if len(request.prompt) > 16 or request.max_tokens > 16:
+        return alone_padded(model, request, width=16, new=16)  # generated unpadded
+    memo, key = _references(), (id(model), tuple(request.prompt))
+    if key not in memo:
+        memo[key] = model, alone_padded(model, Request(request.prompt, max_tokens=16), width=16, new=16)
+    return memo[key][1][: request.max_tokens]
 
 
 # name → (rank, alpha, peft target modules): different ranks, scalings and targets.
@@ -53,6 +78,12 @@ def adapters(served, tmp_path_factory):
     return out
 
 
+# Two prompt lengths and one output length (the references: one compiled program per model).
+_PLAN = [(5, "sql"), (11, "poet"), (5, None), (5, "chef"), (11, "sql"), (5, "poet"), (11, None), (5, "chef")]
+_rng = np.random.default_rng(0)
+MIXED = [Request(_rng.integers(6, 64, size=n).tolist(), max_tokens=8, adapter=a) for n, a in _PLAN]
+
+
 def test_a_mixed_batch_gives_each_request_its_adapter_alone(served, adapters):
     """Staggered requests over three adapters of different ranks and targets and the bare
     base share one decode program: each gets zoo.generate's tokens with its adapter alone."""
@@ -60,10 +91,7 @@ def test_a_mixed_batch_gives_each_request_its_adapter_alone(served, adapters):
     models = {n: adapters[n][1] for n in ("sql", "poet", "chef")}
     engine = Engine(base, slots=3, max_len=64, adapters=models, max_lora_rank=8)
     assert engine.adapters == ["sql", "poet", "chef"] and engine.bank.capacity == 4
-    rng = np.random.default_rng(0)
-    # Two prompt lengths and one output length: the references compile once per model and shape.
-    plan = [(5, "sql"), (11, "poet"), (5, None), (5, "chef"), (11, "sql"), (5, "poet"), (11, None), (5, "chef")]
-    requests = [Request(rng.integers(6, 64, size=n).tolist(), max_tokens=8, adapter=a) for n, a in plan]
+    requests = MIXED  # the references of those of 5 ids serve the next test too
     with backend_compiles() as seen:
         handles = [engine.submit(r) for r in requests[:2]]
         engine.step()
@@ -96,8 +124,10 @@ def test_load_and_unload_while_requests_run(served, adapters):
     # The decode step for 1 to 3 rows, and the prefill of these short prompts (the default
     # kernel: timing the kernels is test_serve.py's warm_up test).
     engine.warm_up(tune=False)
-    running = [engine.submit(Request([6, 7, 8], max_tokens=16, adapter="sql")) for _ in range(2)]
-    plain = engine.submit(Request([10, 11, 12], max_tokens=16))
+    # The mixed batch's prompts of 5 ids, with their adapters (their references computed once).
+    sql, bare, chef, poet = (MIXED[i].prompt for i in (0, 2, 3, 5))
+    running = [engine.submit(Request(sql, max_tokens=8, adapter="sql")) for _ in range(2)]
+    plain = engine.submit(Request(bare, max_tokens=8))
     engine.step()
     engine.step()
     before = dict(engine.compiles)
@@ -107,13 +137,13 @@ def test_load_and_unload_while_requests_run(served, adapters):
         with pytest.raises(LookupError, match="no adapter named 'sql' is served"):
             engine.submit(Request([6], adapter="sql"))
         assert engine.load_adapter("poet", adapters["poet"][1]) == 1  # slot 0 still drains
-        late = engine.submit(Request([12, 13, 14], max_tokens=16, adapter="poet"))
+        late = engine.submit(Request(poet, max_tokens=8, adapter="poet"))
         with pytest.raises(AdapterSlotsFull, match="all 2 adapter slots are taken"):
             engine.load_adapter("chef", adapters["chef"][1])
         engine.run_until_done()
         assert engine.bank.names == [None, "poet"]  # sql's slot freed once its requests ended
         assert engine.load_adapter("chef", adapters["chef"][1]) == 0
-        again = engine.submit(Request([12, 13, 14], max_tokens=16, adapter="chef"))
+        again = engine.submit(Request(chef, max_tokens=8, adapter="chef"))
         engine.run_until_done()
     assert engine.compiles == before and seen == []
     for handle in running:
