@@ -14,6 +14,8 @@ import json
 import threading
 import time
 
+import equinox as eqx
+import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest
@@ -169,6 +171,17 @@ def test_engine_refusals(served, adapters):
         Engine(base, max_len=64, adapters={n: adapters[n][1] for n in ("sql", "poet")}, max_adapters=1)
     with pytest.raises(ValueError, match="serve adapters over the bare base"):
         Engine(adapters["sql"][1], max_len=64, max_adapters=1)
+    # A branch holding NaN is refused before it takes a slot, given at the start or loaded later.
+    sql = adapters["sql"][1]
+    bad = eqx.tree_at(
+        lambda m: m.layers.layers.attention.v_proj.lora_B, sql, replace_fn=lambda b: b.at[0, 0].set(jnp.nan)
+    )
+    said = r"adapter 'bad': its LoRA weight lora_B at 'layers.layers.attention.v_proj' holds NaN or inf \(\d+ of its"
+    with pytest.raises(zoo.internal.NonFiniteWeightsError, match=said):
+        engine.load_adapter("bad", bad)
+    assert engine.load_adapter("sql", sql) == 0  # the one slot still free
+    with pytest.raises(zoo.internal.NonFiniteWeightsError, match=said):
+        Engine(base, slots=1, max_len=64, adapters={"bad": bad}, max_lora_rank=8)
 
 
 # --- zoo serve --adapter, through the openai client ----------------------------------------

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._finite import check_finite
+from .._finite import NonFiniteWeightsError
 from .._tree import node_at
 from ..lora import (
     LoraConfig,
@@ -132,10 +132,12 @@ class AdapterBank:
         """A free slot's index, or None when all are taken."""
         return next((k for k, n in enumerate(self.names) if n is None), None)
 
-    def check(self, lora_model: Any) -> dict[str, LoraLinear | LoraExpertLinear]:
+    def check(self, lora_model: Any, *, where: str = "the adapter") -> dict[str, LoraLinear | LoraExpertLinear]:
         """The adapter's layers, refused (ValueError, the fix in it) when the bank cannot
         hold them: a rank above `max_rank`, a layer or expert weight the bank has no room
-        on, other shapes."""
+        on, other shapes; `NonFiniteWeightsError` (a ValueError starting with `where`) for a
+        branch holding NaN or inf. The branches are read on the host, small: loading an
+        adapter into a running engine compiles no program."""
         layers = lora_layers(lora_model)
         for name, layer in layers.items():
             if layer.r > self.max_rank:
@@ -163,11 +165,20 @@ class AdapterBank:
                     f"the adapter's branch at {name!r} has shapes {layer.lora_A.shape} / {layer.lora_B.shape}, "
                     "not those of the served base: load adapters trained on this base model"
                 )
+            for field in ("lora_A", "lora_B"):
+                values = np.asarray(getattr(layer, field))
+                if not np.isfinite(values).all():
+                    raise NonFiniteWeightsError(
+                        f"{where}: its LoRA weight {field} at {name!r} holds NaN or inf "
+                        f"({int((~np.isfinite(values)).sum())} of its {values.size} values), so every request it "
+                        "serves would generate from NaN logits; it was saved from a diverged run or is damaged: "
+                        "use another checkpoint of it"
+                    )
         return layers
 
     def write(self, slot: int, name: str, lora_model: Any) -> None:
         """Put adapter `name` (a single-adapter LoRA model over the base) in `slot`."""
-        layers = self.check(lora_model)
+        layers = self.check(lora_model, where=f"adapter {name!r}")
         scaling = float(next(iter(layers.values())).scaling)
         news = {}
         for where, (path, stacked) in self.layers.items():
@@ -276,8 +287,7 @@ def read_adapter(base: Any, path: str | Path) -> Any:
 
     folder = adapter_folder(path)
     try:
-        model, _ = load_adapter(base, folder)
-        check_finite(model, where=str(folder))
+        model, _ = load_adapter(base, folder)  # its branches' values: AdapterBank.check
     except (ValueError, FileNotFoundError, OSError) as e:
         raise ValueError(f"adapter {folder}: {str(e).splitlines()[0]}") from None
     return model
