@@ -164,6 +164,22 @@ def pytest_collection_finish(session):
     gc.set_threshold(20_000, 20, 20)
 
 
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """torch on one thread while a file's tests run (restored after): for files whose torch
+    references are tiny models, far below what a second thread pays for; on the suite's
+    shared cores the waiting thread spins (test_expert_lora.py's peft tests: ~10% of their
+    CPU). One thread is one more summation order, which the float tolerances allow (the
+    numerics rerun is single-threaded: Makefile's test-numerics). A file opts in:
+    `pytestmark = pytest.mark.usefixtures("torch_one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _programs_freed_after_each_file(request):
     yield

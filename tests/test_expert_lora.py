@@ -24,7 +24,6 @@ from test_moe import (  # noqa: F401  (module fixtures)
     CASES,
     _moe_config,
     _open_hf,
-    _torch_one_thread,
     hf_dirs,
     sgd_reference,
     tokens,
@@ -33,6 +32,9 @@ from test_moe import (  # noqa: F401  (module fixtures)
 import zoo
 from zoo.lora import LoraConfig, LoraExpertLinear, add_lora, load_adapter, merge, save_adapter
 from zoo.models import Transformer
+
+# torch on one thread (conftest.torch_one_thread): its references are tiny models.
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

@@ -25,6 +25,9 @@ from test_generate import _hf_greedy
 import zoo
 from zoo.models import Transformer, TransformerConfig
 
+# torch on one thread (conftest.torch_one_thread): its references are tiny models.
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 EXPERTS = {"num_experts_per_tok": 2}
 CASES = {
     # Mixtral: top-2 of 4 experts, the top-2 weights renormalised.
@@ -39,21 +42,6 @@ CASES = {
 # The load-balancing loss against transformers': sums over 2 layers x 24 tokens of products
 # of a softmax (a few roundings each).
 AUX_SUMS = {"terms": 2 * 3 * SEQ, "depth": 6}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_one_thread():
-    """torch on one thread while this file's tests run (restored after). Its references are
-    tiny models, far below what a second thread pays for, and on the suite's shared cores
-    the waiting thread spins: test_expert_lora.py's two peft tests took 23 CPU s with two
-    threads, 5 with one, side by side. One thread is one more summation order, which the
-    float tolerances allow (the numerics rerun is single-threaded: Makefile's test-numerics)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -19,26 +19,14 @@ from zoo._tree import node_at
 from zoo.lora import LoraConfig, add_lora, cast_frozen, trainable
 from zoo.nn import FourBitLinear, Linear
 
+# torch on one thread (conftest.torch_one_thread): its references are tiny models.
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
 BATCH = 4
 BLOCK = 4  # the tiny decoder is 16 wide: blocks of 4 inputs, so FSDP can split the scales too
 FORWARD = {"terms": 32, "depth": 2 * 6 + 1}
 GRADIENTS = {"terms": BATCH * 8, "depth": 2 * FORWARD["depth"]}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_one_thread():
-    """torch on one thread while this file's tests run (restored after). Its references are
-    tiny models, far below what a second thread pays for, and on the suite's shared cores
-    the waiting thread spins: test_expert_lora.py's two peft tests took 23 CPU s with two
-    threads, 5 with one, side by side. One thread is one more summation order, which the
-    float tolerances allow (the numerics rerun is single-threaded: Makefile's test-numerics)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.cache  # built once per file: every test reads it, none changes it
