@@ -2,6 +2,7 @@
 with zoo's outputs, peft adapters load into zoo with peft's outputs, for every Hugging Face
 family; GPT-2's fused c_attn, rsLoRA, modules_to_save, SEQ_CLS, all-linear, integrity."""
 
+import dataclasses
 import functools
 import json
 import operator
@@ -588,46 +589,59 @@ def norm_names(family, layers=2):
 
 
 def zoo_norms(family, model):
-    """The weights of `model`'s norms that "norm" names, in ZOO_NORMS' order."""
+    """The weights of `model`'s norms (each layer's and the final one), in ZOO_NORMS' order."""
     return [operator.attrgetter(name)(model).weight for name in ZOO_NORMS.get(family, ZOO_NORMS["llama"])]
 
 
 # Gemma: its norms are stored as weight - 1; OLMo 2: other norms, q/k ones among them;
 # Gemma 2: four a layer, each stored as weight - 1.
 @pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "gemma2"])
-def test_peft_modules_to_save_norm_suffix_loads_per_layer_norms(family, root, tmp_path):
+def test_peft_modules_to_save_norm_loads_the_norms_peft_saved(family, root, tmp_path):
+    """peft (0.22 on) matches modules_to_save=["norm"] as a dotted part: it saves
+    `model.norm` alone, and zoo reads that. peft up to 0.21 matched a plain suffix and saved
+    every layer's norms too under the same entry: that file (peft's adapter of every norm by
+    name, its entry written back as "norm", as those versions wrote it) loads with them all."""
     folder = hf_folder(family, root)
-    hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
-    config = peft.LoraConfig(
-        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["norm"], task_type="CAUSAL_LM"
-    )
-    opened = peft_adapter(hf, config, tmp_path / "p")  # perturbs the saved norms' copies too
-    tensors = safetensors.torch.load_file(tmp_path / "p/adapter_model.safetensors")
-    assert sorted(k.removeprefix("base_model.model.").removesuffix(".weight") for k in tensors if "lora_" not in k) == (
-        norm_names(family)
-    )
     base = zoo.hf.from_pretrained(folder)
-    model, loaded = load_adapter(base, tmp_path / "p")
-    assert loaded.modules_to_save == ZOO_NORMS.get(family, ZOO_NORMS["llama"])
-    for got, was in zip(zoo_norms(family, model), zoo_norms(family, base), strict=True):
-        assert not np.allclose(got, was)  # every layer's saved norm arrived
-    assert_close(zoo_outputs(model), hf_outputs(opened), f"{family} modules_to_save=['norm'], peft → zoo")
+    every = ZOO_NORMS.get(family, ZOO_NORMS["llama"])
+    for entries, want in ((["norm"], ("final_norm",)), (norm_names(family), every)):
+        hf = getattr(transformers, CAUSAL_LM[family]).from_pretrained(folder)
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=entries,
+                                 task_type="CAUSAL_LM")  # fmt: skip
+        where = tmp_path / f"p{len(entries)}"
+        opened = peft_adapter(hf, config, where)  # perturbs the saved norms' copies too
+        tensors = safetensors.torch.load_file(where / "adapter_model.safetensors")
+        saved = sorted(k.removeprefix("base_model.model.").removesuffix(".weight") for k in tensors if "lora_" not in k)
+        assert saved == (["model.norm"] if entries == ["norm"] else norm_names(family))
+        values = json.loads((where / "adapter_config.json").read_text())
+        (where / "adapter_config.json").write_text(json.dumps(values | {"modules_to_save": ["norm"]}))
+        model, loaded = load_adapter(base, where)
+        assert loaded.modules_to_save == want
+        for name, got, was in zip(every, zoo_norms(family, model), zoo_norms(family, base), strict=True):
+            assert np.allclose(got, was) == (name not in want), name  # the saved norms arrived, no other
+        assert_close(zoo_outputs(model), hf_outputs(opened), f"{family} modules_to_save {entries}, peft → zoo")
+        # trainable marks the same modules; saved again, the file holds the same keys.
+        trainable = zoo.lora.trainable(model, loaded)
+        assert [w is True for w in zoo_norms(family, trainable)] == [n in want for n in every]
+        save_adapter(model, loaded, tmp_path / f"z{len(entries)}")
+        assert set(safetensors.torch.load_file(tmp_path / f"z{len(entries)}/adapter_model.safetensors")) == set(tensors)
     assert not np.allclose(zoo_outputs(model), zoo_outputs(add_lora(base, loaded, key=jax.random.key(0))), atol=1e-3)
-    # trainable marks the same modules; saved again, the file holds the same keys.
-    trainable = zoo.lora.trainable(model, loaded)
-    assert all(w is True for w in zoo_norms(family, trainable))
-    save_adapter(model, loaded, tmp_path / "z")
-    assert set(safetensors.torch.load_file(tmp_path / "z/adapter_model.safetensors")) == set(tensors)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma", "olmo2", "gemma2"])
 def test_zoo_modules_to_save_norm_suffix_opens_in_peft(family, root, tmp_path):
     folder = hf_folder(family, root)
     base = zoo.hf.from_pretrained(folder)
-    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=["norm"], init_lora_weights=False)
+    # "norm" is the final norm alone (peft 0.22's rule); the layers' norms by their own names.
+    entries = ["norm", *NORMS.get(family, NORMS["llama"])]
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=entries, init_lora_weights=False)
     model = add_lora(base, config, key=jax.random.key(1))
     trainable = zoo.lora.trainable(model, config)  # every layer's norms and the final one, nothing else
     assert all(w is True for w in zoo_norms(family, trainable)) and trainable.token_embedding.weight is False
+    final_only = zoo.lora.trainable(model, dataclasses.replace(config, modules_to_save=["norm"]))
+    assert [w is True for w in zoo_norms(family, final_only)] == [
+        n == "final_norm" for n in ZOO_NORMS.get(family, ZOO_NORMS["llama"])
+    ]
     rng = np.random.default_rng(5)
     norms = functools.partial(zoo_norms, family)
     model = eqx.tree_at(norms, model, [w + 0.1 * rng.standard_normal(w.shape, np.float32) for w in norms(model)])
@@ -640,7 +654,7 @@ def test_zoo_modules_to_save_norm_suffix_opens_in_peft(family, root, tmp_path):
     no_peft_warnings(record)
     wrapped = sorted(n for n, m in auto.named_modules() if isinstance(m, peft.utils.ModulesToSaveWrapper))
     assert [n.removeprefix("base_model.model.") for n in wrapped] == norm_names(family)
-    assert_close(zoo_outputs(model), hf_outputs(auto), f"{family} modules_to_save=['norm'], zoo → peft")
+    assert_close(zoo_outputs(model), hf_outputs(auto), f"{family} modules_to_save={entries}, zoo → peft")
     loaded, loaded_config = load_adapter(base, tmp_path / "z")
     assert loaded_config == config and tree_allclose(loaded, model, rtol=0, atol=0)
 
@@ -648,7 +662,7 @@ def test_zoo_modules_to_save_norm_suffix_opens_in_peft(family, root, tmp_path):
 def test_modules_to_save_matching_nothing_or_some_layers_is_refused(root, tmp_path):
     folder = hf_folder("llama", root)
     base = zoo.hf.from_pretrained(folder)
-    with pytest.raises(ValueError, match=r"entry 'layer_norm' matches no module.*ends with it.*input_layernorm"):
+    with pytest.raises(ValueError, match=r"entry 'layer_norm' matches no module.*ends with \.it.*input_layernorm"):
         add_lora(base, LoraConfig(target_modules=["q_proj"], modules_to_save=["layer_norm"]), key=jax.random.key(0))
     # A string (peft would match each of its characters): refused by LoraConfig, or first
     # by the runtime type checks the suite runs with.

@@ -407,17 +407,16 @@ def _check_modules_to_save(model: Any, config: LoraConfig) -> None:
             hf = sorted({n for name in names for n in layer_names(model, name)[:1]} - set(names))  # layer 0's
             raise ValueError(
                 f"LoRA modules_to_save entry {wanted!r} matches no module of this {type(model).__name__}: an entry "
-                "picks every module whose name ends with it (peft's rule), by zoo name "
+                "picks every module whose name is it or ends with .it (peft's rule), by zoo name "
                 f"{sorted(names)}" + (f" or by Hugging Face name {shorten(hf, 12)}" if hf else "")
             )
 
 
 def saved_modules(model: Any, config: LoraConfig | None) -> list[str]:
     """Zoo names of the outermost modules `config.modules_to_save` picks: those whose zoo
-    name or (for models of a `zoo.hf` family) Hugging Face names at every layer end with an
-    entry, as peft matches them (`"classifier"`, `"model.norm"`; `"norm"` picks every
-    `*norm` module: each layer's `input_layernorm` and `post_attention_layernorm`, and
-    `model.norm`)."""
+    name or (for models of a `zoo.hf` family) Hugging Face names at every layer are an
+    entry or end with `.entry`, as peft 0.22 on matches them (`"classifier"`; `"norm"`
+    picks `model.norm`; `"input_layernorm"` each layer's)."""
     if config is None or not config.modules_to_save:
         return []
     return outermost(

@@ -48,11 +48,11 @@ class LoraConfig:
       (`zoo.lora.save_adapter`) for an adapter of the original base.
     - `modules_to_save`: a list of names of modules trained (and saved) in full besides
       the adapters, e.g. a new classification `"head"` (`"classifier"` in BERT's names).
-      As peft matches them, an entry picks every module whose name, zoo or Hugging Face,
-      ends with it as a plain string suffix: `"norm"` picks every `*norm` module (a
-      Llama's `final_norm` and each layer's `attention_norm` / `mlp_norm`, that is
-      `model.norm`, `input_layernorm`, `post_attention_layernorm`), per-layer ones at
-      every layer of their stack. An entry that picks nothing is an error.
+      As peft (0.22 on) matches them, an entry picks every module whose name, zoo or
+      Hugging Face, is the entry or ends with `.entry`: `"norm"` picks a Llama's
+      `final_norm` (`model.norm`), `"input_layernorm"` each layer's `attention_norm`;
+      per-layer ones at every layer of their stack. An entry that picks nothing is an
+      error.
     - `use_dora`: DoRA (weight-decomposed LoRA): each adapted `Linear` also trains a
       magnitude vector `m` `[out]` and computes `m / ‖W + scaling·A B‖ · x (W + scaling·A B)`,
       the norm over each output's column held constant in the backward pass, as peft.

@@ -283,7 +283,7 @@ def load_adapter(
     # peft saves the base embedding (and head) beside an embedding's branch (its
     # `save_embedding_layers`, for a resized vocabulary); zoo keeps the model's own.
     tensors = {k: v for k, v in tensors.items() if not k.endswith(".base_layer.weight")}
-    config = _lora_config(base, values, meta)
+    config = _lora_config(base, values, meta, frozenset(tensors))
     head_key = f"{PREFIX}{(names.module(TIED_HEAD) if names is not None else None) or TIED_HEAD}.lora_A.weight"
     if (
         getattr(base, TIED_HEAD, "absent") is None

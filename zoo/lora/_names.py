@@ -101,9 +101,16 @@ def matches(name: str, patterns: tuple[str, ...] | str | None) -> bool:
 
 
 def saves(name: str, patterns: tuple[str, ...] | None) -> bool:
-    """peft's `modules_to_save` rule: a name matches an entry it ends with, as a plain
-    string suffix (`"norm"` matches `model.layers.0.input_layernorm` and `model.norm`),
-    unlike `target_modules`, whose entries match whole dotted parts only."""
+    """peft's `modules_to_save` rule since peft 0.22 (its `_is_valid_match`): a name equal
+    to an entry or ending in `.entry`, as `target_modules`' list entries match (`"norm"`
+    matches `model.norm`, not `model.layers.0.input_layernorm`)."""
+    return patterns is not None and matches(name, tuple(patterns))
+
+
+def saved_by_older_peft(name: str, patterns: tuple[str, ...] | None) -> bool:
+    """peft's `modules_to_save` rule up to 0.21: a name ending with an entry as a plain
+    string (`"norm"` matched each layer's `input_layernorm` too). An adapter those
+    versions saved holds every module this rule picked."""
     return patterns is not None and any(name.endswith(p) for p in patterns)
 
 

@@ -28,7 +28,9 @@ from ._config import INITS, LoraConfig
 from ._layer import LoraLinear
 from ._names import (
     hf_module_name,
+    layer_names,
     lead,
+    saved_by_older_peft,
     saves,
     select,
 )
@@ -124,9 +126,10 @@ def _read_config(directory: Path) -> tuple[dict[str, Any], dict[str, Any] | None
     return values, meta
 
 
-def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
+def _from_peft_names(model: Any, values: dict[str, Any], keys: frozenset[str] = frozenset()) -> tuple[Any, Any]:
     """Zoo `target_modules` and `modules_to_save` for an adapter peft (not zoo) wrote:
-    each zoo module is chosen when the peft names of all its layers match."""
+    each zoo module is chosen when the peft names of all its layers match. `keys`: the
+    tensor names of the adapter's file (which modules an older peft saved)."""
     targets = values.get("target_modules")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         zoo_targets: Any = "all-linear"
@@ -154,21 +157,34 @@ def _from_peft_names(model: Any, values: dict[str, Any]) -> tuple[Any, Any]:
     save = values.get("modules_to_save")
     zoo_save = None
     if save:
-        # peft's rule on the HF names peft saw: every module whose name ends with an entry
-        # ("norm": each layer's input_layernorm and post_attention_layernorm, and model.norm).
-        # An entry that matches nothing is allowed, as peft allows it (SEQ_CLS adds "score");
-        # entries that together match nothing are refused.
+        # peft's rule on the HF names peft saw: a module named by an entry or ending in
+        # ".entry" ("norm": model.norm). An entry that matches nothing is allowed, as peft
+        # allows it (SEQ_CLS adds "score"); entries that together match nothing are refused.
         names = [n for n in _all_module_names(model) if not n.endswith(".base")]
         picked = select(model, names, tuple(save), "the adapter's modules_to_save", rule=saves, zoo_names=False)
+        # peft up to 0.21 matched a plain suffix ("norm": each layer's input_layernorm too)
+        # and saved what it matched: where the file holds those modules, they are read.
+        older = select(
+            model, names, tuple(save), "the adapter's modules_to_save", rule=saved_by_older_peft, zoo_names=False
+        )
+        extra = [n for n in outermost(older) if n not in picked]
+        if extra and all(_in_file(model, n, keys) for n in extra):
+            picked = older
         zoo_save = tuple(outermost(picked))
         if not zoo_save:
             innermost = [n for n in names if not any(m.startswith(n + ".") for m in names)]
             raise ValueError(
                 f"the adapter's modules_to_save {save!r} match no module of this {type(model).__name__}: peft "
-                "saves every module whose Hugging Face name ends with an entry, and this model's are e.g. "
+                "saves every module whose Hugging Face name is an entry or ends with .entry, and this model's are e.g. "
                 f"{_example_names(model, innermost)}; load it into the model it was trained on"
             )
     return zoo_targets, zoo_save
+
+
+def _in_file(model: Any, name: str, keys: frozenset[str]) -> bool:
+    """Whether the adapter's tensors hold zoo module `name` at every layer (peft saves a
+    module whole: `{PREFIX}{its HF name}.weight`, ...)."""
+    return all(any(k.startswith(f"{PREFIX}{hf}.") for k in keys) for hf in layer_names(model, name))
 
 
 def _example_names(model: Any, names: list[str] | None = None) -> list[str]:
@@ -177,7 +193,9 @@ def _example_names(model: Any, names: list[str] | None = None) -> list[str]:
     return [hf_module_name(model, n, (0,) * len(lead(model, n))) for n in names[:8]]
 
 
-def _lora_config(base: Any, values: dict[str, Any], meta: dict[str, Any] | None) -> LoraConfig:
+def _lora_config(
+    base: Any, values: dict[str, Any], meta: dict[str, Any] | None, keys: frozenset[str] = frozenset()
+) -> LoraConfig:
     fields = dict(values)
     init = fields.get("init_lora_weights")
     if isinstance(init, str) and (init.startswith(("pissa_niter_", "corda", "loftq"))):
@@ -193,7 +211,7 @@ def _lora_config(base: Any, values: dict[str, Any], meta: dict[str, Any] | None)
         for k in ("target_modules", "exclude_modules", "modules_to_save", "target_parameters"):
             fields[k] = meta.get(k)
     else:
-        fields["target_modules"], fields["modules_to_save"] = _from_peft_names(base, values)
+        fields["target_modules"], fields["modules_to_save"] = _from_peft_names(base, values, keys)
         fields["exclude_modules"] = None
     return LoraConfig.from_peft_dict(fields)
 

@@ -83,7 +83,9 @@ def _new_config(
     model: Any, adapters: list[str], rank: int, configs: dict[str, LoraConfig] | None
 ) -> tuple[LoraConfig, float]:
     """The combined adapter's config as peft writes it (the first adapter's, with `r` and
-    `lora_alpha` both the new rank and the union of the targets) and its scaling."""
+    `lora_alpha` both the new rank, the union of the targets and `use_rslora` off: a
+    scaling of 1, the sources' scalings being inside A and B, as peft 0.22 on) and its
+    scaling."""
     if configs is None:
         ks = [adapter_names(model).index(a) for a in adapters]
         targets = sorted(
@@ -104,7 +106,10 @@ def _new_config(
             targets = "|".join(f"({configs[a].target_modules})" for a in adapters)
         else:
             targets = tuple(sorted(set().union(*(configs[a].target_modules for a in adapters))))
-        config = dataclasses.replace(configs[adapters[0]], r=rank, lora_alpha=rank, target_modules=targets)
+        # peft up to 0.21 kept the first adapter's use_rslora: a scaling of √r on top (its bug, fixed in 0.22).
+        config = dataclasses.replace(
+            configs[adapters[0]], r=rank, lora_alpha=rank, target_modules=targets, use_rslora=False
+        )
     return config, config.scaling
 
 
@@ -135,8 +140,9 @@ def add_weighted_adapter(
     - `svd_rank`: the `"svd"` rank (default: the largest rank combined).
     - `configs`: name → `LoraConfig` of the combined adapters (as `load_adapters`
       returns): the new config is the first one's with `r = lora_alpha =` the new rank
-      and the union of the targets, peft's rule (so `use_rslora` gives the new branch a
-      scaling of √r, as peft's does). Without it: a plain config over the combined layers.
+      and the union of the targets, peft's rule, `use_rslora` off (peft 0.22 on: up to
+      0.21 it kept the first one's, a scaling of √r on top of the sources' own). Without
+      it: a plain config over the combined layers.
 
     **Returns:** the model (the active adapter unchanged) and the new adapter's
     `LoraConfig` (its scaling is 1: the weights and scalings are inside A and B).
