@@ -317,6 +317,17 @@ def token_batch(key, size: int, seq: int = 5, vocab: int = 11):
     return ids, y
 
 
+def on_host(tree):
+    """`tree` with its arrays as numpy arrays (PRNG keys kept): placing host arrays on a mesh
+    copies their slices, where placing one device's arrays compiles a slicing program for
+    each shape and layout."""
+
+    def put(x):
+        return np.asarray(x) if eqx.is_array(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    return jax.tree.map(put, tree)
+
+
 def tree_bytes(tree) -> int:
     """Bytes held by the array leaves of a pytree."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))

@@ -6,15 +6,17 @@ gathers the batch, a trainable leaf left out of the cast) and asserts the error 
 collective and the source line that made it.
 """
 
+import functools
 import inspect
 import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
-from helpers import TokenRegressor, data_mesh, mse_per_example, token_batch
+from helpers import TokenRegressor, data_mesh, mse_per_example, on_host
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -30,13 +32,34 @@ def _line(fn, text: str) -> str:
     return f"{inspect.getsourcefile(fn).rsplit('/', 1)[-1]}:{start + offset}"
 
 
+@functools.cache
+def _host_regressor():
+    """The token regressor with weights drawn by numpy on the host: these tests read the
+    step's collectives, which depend on the leaves' shapes, not their values; building it
+    and placing it compile nothing (the compile-counting test starts from empty caches)."""
+    rng = np.random.default_rng(0)
+    shapes = eqx.filter_eval_shape(TokenRegressor, key=jax.random.key(0))
+    return jax.tree.map(
+        lambda x: (0.3 * rng.standard_normal(x.shape)).astype(x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
+        shapes,
+    )
+
+
+@functools.cache
+def _host_batch(size):
+    """`helpers.token_batch`'s ids and targets, in numpy."""
+    ids = np.random.default_rng(size).integers(0, 11, (size, 5)).astype(np.int32)
+    y = np.stack([np.sin(ids.sum(1) / 7.0), np.cos(ids[:, 0] / 3.0)], axis=1).astype(np.float32)
+    return ids, y
+
+
 def _step_error(loss_fn, *, budget="default", trainable=eqx.is_inexact_array, preset="dp"):
     """Compile and run one dp step of the token regressor; the BudgetError it raises (or None)."""
     mesh = data_mesh(N)
     with jax.set_mesh(mesh):
-        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules(preset), mesh)
+        model = zoo.shard(_host_regressor(), zoo.rules(preset), mesh)
         step = zoo.TrainStep(loss_fn, optax.sgd(0.1), microbatches=M, preset=preset, budget=budget, trainable=trainable)
-        batch = token_batch(jax.random.key(1), 16)
+        batch = _host_batch(16)
         try:
             step(model, step.init(model), batch)
         except zoo.BudgetError as e:
@@ -160,10 +183,10 @@ def test_the_guard_compiles_nothing_more(monkeypatch):
     mesh = data_mesh(N)
     for budget, size in (("default", 24), (None, 32)):  # distinct shapes: nothing cached
         with jax.set_mesh(mesh):
-            model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
+            model = zoo.shard(_host_regressor(), zoo.rules("dp"), mesh)
             step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=M, budget=budget)
             opt_state = step.init(model)
-            batch = token_batch(jax.random.key(1), size)
+            batch = _host_batch(size)
             calls.clear()
             for _ in range(2):
                 model, opt_state, _loss = step(model, opt_state, batch)
@@ -219,7 +242,7 @@ def test_a_step_without_preset_derives_its_budget_from_its_layout():
     ]
     mesh = data_mesh(N)
     with jax.set_mesh(mesh):
-        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
+        model = zoo.shard(_host_regressor(), zoo.rules("dp"), mesh)
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1))
         derived = step.budget_for(model)
     assert [a.what for a in derived.allowances] == [a.what for a in zoo.preset("dp").budget.allowances]
@@ -362,7 +385,7 @@ def test_every_family_step_is_within_its_preset_budget(name, preset, family_dirs
     with jax.set_mesh(mesh):
         model = zoo.hf.from_pretrained(family_dirs[name], rules=zoo.rules(preset), mesh=mesh)
         step = zoo.TrainStep(zoo.models.next_token_loss, optax.adamw(1e-3), microbatches=M, preset=preset)
-        batch = lm_batch(jax.random.key(0), 2 * M * mesh.shape["data"], seq=8, vocab=VOCAB)
+        batch = on_host(lm_batch(jax.random.key(0), 2 * M * mesh.shape["data"], seq=8, vocab=VOCAB))
         compiled = step.lower(model, step.init(model), batch).compile(compiler_options=ONCE_COMPILER_OPTIONS)
         colls = zoo.collectives(compiled)
         budget, sizes = step.budget_for(model), step.budget_sizes(model)

@@ -18,6 +18,7 @@ from helpers import (
     assert_tree_rounding_close,
     data_mesh,
     mse_per_example,
+    on_host,
     pairwise,
     token_batch,
     tree_bytes,
@@ -32,7 +33,8 @@ N, M = 8, 4
 @functools.cache
 def compiled_step_collectives(norm, scan, mode, trainable="all"):
     """Collectives of the compiled zoo step (cached: several tests read the same program)."""
-    model = TokenRegressor(norm=norm, scan=scan, key=jax.random.key(0))
+    # On the host: placing them compiles nothing (helpers.on_host).
+    model = on_host(TokenRegressor(norm=norm, scan=scan, key=jax.random.key(0)))
     filter_spec = eqx.is_inexact_array
     if trainable == "output_layer":
         filter_spec = jax.tree.map(lambda _: False, model)
@@ -43,7 +45,8 @@ def compiled_step_collectives(norm, scan, mode, trainable="all"):
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp"), mesh)
         step = zoo.TrainStep(mse_per_example, optax.adamw(1e-3), microbatches=M, mode=mode, trainable=filter_spec)
-        colls = zoo.collectives(step.lower(sharded, step.init(sharded), token_batch(jax.random.key(1), 64)))
+        batch = on_host(token_batch(jax.random.key(1), 64))
+        colls = zoo.collectives(step.lower(sharded, step.init(sharded), batch))
         trainable_bytes = tree_bytes(step.partition(sharded)[0])
     return colls, trainable_bytes
 
@@ -104,8 +107,8 @@ def grads_step(model, batch, *, reduced: bool, naive_split: bool = False):
 def control_collectives(**kwargs):
     mesh = data_mesh(N)
     with jax.set_mesh(mesh):
-        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
-        batch = jax.device_put(token_batch(jax.random.key(1), 64), P("data"))
+        model = zoo.shard(on_host(TokenRegressor(key=jax.random.key(0))), zoo.rules("dp"), mesh)
+        batch = jax.device_put(on_host(token_batch(jax.random.key(1), 64)), P("data"))
         fn = eqx.filter_jit(functools.partial(grads_step, **kwargs))
         return zoo.collectives(fn, model, batch)
 
@@ -130,14 +133,15 @@ def test_negative_control_naive_microbatch_split_moves_data():
 @pytest.mark.parametrize("mode", ["explicit", "shard_map"])
 def test_two_dimensional_mesh_reduces_over_data_only(mode):
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    batch = token_batch(jax.random.key(1), 32)
+    # On the host: placing them compiles nothing (helpers.on_host).
+    batch = on_host(token_batch(jax.random.key(1), 32))
+    host_model = on_host(TokenRegressor(key=jax.random.key(0)))
     with jax.set_mesh(mesh):
-        model = zoo.shard(TokenRegressor(key=jax.random.key(0)), zoo.rules("dp"), mesh)
+        model = zoo.shard(host_model, zoo.rules("dp"), mesh)
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=2, mode=mode)
         colls = zoo.collectives(step.lower(model, step.init(model), batch))
         _, grads = step.loss_and_grads(model, batch)
-    host_model = TokenRegressor(key=jax.random.key(0))
-    ref = eqx.filter_jit(jax.grad(lambda m: mse_per_example(m, batch).mean()))(host_model)
+    ref = eqx.filter_jit(jax.grad(lambda m, b: mse_per_example(m, b).mean()))(host_model, batch)
     # The same sums in another order: the longest the batch's 32 examples; TokenRegressor's
     # forward ~10 chained sums (a token mean, 3 layers of a matmul and a norm's 2), gradients
     # twice that plus the batch sum (helpers.rounding_bound).
@@ -285,7 +289,7 @@ def known_axis_programs(mesh, axis):
     """Compiled programs whose one collective is over `axis`: (kind, compiled) pairs."""
     n = mesh.devices.size
     with jax.set_mesh(mesh):
-        x = jax.device_put(jnp.ones((2 * n, 3)), P(axis))
+        x = jax.device_put(np.ones((2 * n, 3), np.float32), P(axis))  # from the host: no slicing program
         psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, axis), in_specs=P(axis), out_specs=P()))
         unreduced = jax.jit(lambda x: jax.reshard(jax.lax.reduce_sum(x, (0,), out_sharding=P(unreduced={axis})), P()))
         gather = jax.jit(lambda x: jax.reshard(x, P()))
@@ -338,15 +342,23 @@ def test_shard_map_collectives_over_several_axes_and_permutes():
     ]
 
 
+@functools.cache
+def host_decoder():
+    """The tiny decoder, built once on the host: placing it compiles nothing (helpers.on_host)."""
+    from helpers import tiny_decoder
+
+    return on_host(tiny_decoder(jax.random.key(0)))
+
+
 def test_tensor_parallel_step_names_its_in_loop_reductions_outside_set_mesh():
     """The TP decoder step's in-loop embedding all-reduces print their groups as a named
     mesh (`replica_groups=mesh[...] {...}`); read with no mesh set, every op still names its
     axis."""
-    from helpers import lm_batch, tiny_decoder
+    from helpers import lm_batch
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     with jax.set_mesh(mesh):
-        model = zoo.shard(tiny_decoder(jax.random.key(0)), zoo.rules("tp"), mesh)
+        model = zoo.shard(host_decoder(), zoo.rules("tp"), mesh)
         step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1), microbatches=2)
         compiled = step.compile(model, step.init(model), lm_batch(jax.random.key(1), 8))
         inside = zoo.collectives(compiled)
@@ -417,13 +429,11 @@ def test_runtime_checks_add_no_communication_to_a_sharded_step(monkeypatch, mode
     """ZOO_RUNTIME_CHECKS=1 checks token ids inside compiled code only where that needs no
     reduction across devices: a decoder's step split over `data` keeps its one all-reduce,
     outside the loop (checking its split ids there was an all-reduce per microbatch)."""
-    from helpers import tiny_decoder
-
     monkeypatch.setenv("ZOO_RUNTIME_CHECKS", "1")  # read when the step is traced
     mesh = data_mesh(N)
     tokens = np.random.default_rng(0).integers(1, 32, (2 * N, 8)).astype(np.int32)
     with jax.set_mesh(mesh):
-        model = zoo.shard(tiny_decoder(jax.random.key(0)), zoo.rules("dp"), mesh)
+        model = zoo.shard(host_decoder(), zoo.rules("dp"), mesh)
         step = zoo.TrainStep(zoo.models.next_token_loss, optax.sgd(0.1), microbatches=2, mode=mode)
         colls = zoo.collectives(step.lower(model, step.init(model), {"tokens": tokens}))
     assert zoo.count(colls, "all-reduce", in_loop=True) == 0, zoo.report(colls)

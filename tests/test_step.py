@@ -18,6 +18,7 @@ from helpers import (
     data_mesh,
     largest,
     mse_per_example,
+    on_host,
     pairwise,
     rounding_bound,
     token_batch,
@@ -61,7 +62,8 @@ def test_grads_and_update_equal_single_device(setup, n, m, mode):
     assert_rounding_close(loss, ref_loss, **SUMS)
     # SGD: new = old - lr * grads, so the update pins down the gradients: lr x a gradient's
     # rounding, within that at the updated leaf's own scale (|lr * g| <= max|new| here).
-    ref_new = jax.tree.map(lambda p, g: p - lr * g, model, ref_grads)
+    # In numpy: op by op, jax would compile each operation for each leaf shape.
+    ref_new = jax.tree.map(lambda p, g: np.asarray(p) - np.float32(lr) * np.asarray(g), model, ref_grads)
     assert_tree_rounding_close(new_model, ref_new, **SUMS)
 
 
@@ -149,7 +151,7 @@ def test_any_optax_optimizer_matches_single_device(setup, name):
         updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
         return eqx.apply_updates(model, updates), state, grads
 
-    ref_model, ref_state = model, optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    ref_model, ref_state = model, eqx.filter_jit(optimizer.init)(eqx.filter(model, eqx.is_inexact_array))
     ref_grads = []
     for _ in range(steps):
         ref_model, ref_state, grads = ref_step(ref_model, ref_state)
@@ -242,9 +244,12 @@ def masked_loss(model, batch):
 @pytest.mark.parametrize("mode", ["explicit", "shard_map"])
 def test_weighted_loss_is_the_global_weighted_mean(setup, mode):
     model, (ids, y), _, _ = setup
-    weight = (jnp.arange(BATCH) % 3 != 0).astype(jnp.float32) * (1 + jnp.arange(BATCH) % 2)
+    weight = ((np.arange(BATCH) % 3 != 0) * (1 + np.arange(BATCH) % 2)).astype(np.float32)
     batch = (ids, y, weight)
-    ref_loss, ref_grads = jax.value_and_grad(lambda m: jnp.sum(masked_loss(m, batch)[0]) / jnp.sum(weight))(model)
+    # One compiled program: op by op, the gradient compiled each operation anew.
+    ref_loss, ref_grads = eqx.filter_jit(
+        jax.value_and_grad(lambda m: jnp.sum(masked_loss(m, batch)[0]) / jnp.sum(weight))
+    )(model)
     mesh = data_mesh(8)
     with jax.set_mesh(mesh):
         sharded = zoo.shard(model, zoo.rules("dp"), mesh)
@@ -280,11 +285,12 @@ def test_weights_made_without_the_batch_layout_are_moved_to_it(setup, mode):
 
 
 def test_batch_not_divisible_is_a_clear_error_before_tracing(setup):
-    model, (ids, y), _, _ = setup
+    model, batch, _, _ = setup
+    ids, y = on_host(batch)  # sliced without compiling
     mesh = data_mesh(8)
     step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), microbatches=4)
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules("dp"), mesh)
+        sharded = zoo.shard(on_host(model), zoo.rules("dp"), mesh)
         with pytest.raises(
             ValueError,
             match=r"global batch size 40 is not divisible by data-parallel size 8 x microbatches 4 = 32.*\(e\.g\. 32 or 64\)",
@@ -323,7 +329,7 @@ def test_shard_map_mode_refuses_params_sharded_over_data(setup):
     model, batch, _, _ = setup
     mesh = data_mesh(2)
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules("dp", mlp="data"), mesh)
+        sharded = zoo.shard(on_host(model), zoo.rules("dp", mlp="data"), mesh)
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), mode="shard_map")
         with pytest.raises(ValueError, match="shard_map mode needs parameters replicated over the data axes"):
             step.loss_and_grads(sharded, batch)
@@ -379,7 +385,7 @@ def test_shard_map_mode_refuses_params_sharded_over_other_axes(setup):
     model, batch, _, _ = setup
     mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules("dp", mlp="model"), mesh)
+        sharded = zoo.shard(on_host(model), zoo.rules("dp", mlp="model"), mesh)
         step = zoo.TrainStep(mse_per_example, optax.sgd(0.1), mode="shard_map")
         with pytest.raises(
             ValueError, match=r"sharded over mesh axes \['model'\]; shard_map mode runs manual over every"
@@ -428,6 +434,8 @@ def test_a_step_built_again_runs_the_program_already_compiled(setup):
     from zoo._jit import Jit, clear_programs
 
     model, batch, *_ = setup
+    # On the host: placing them compiles nothing after the caches are cleared (helpers.on_host).
+    model, batch = on_host((model, batch))
     clear_programs()
     jax.clear_caches()
 

@@ -16,7 +16,17 @@ import jaxtyping
 import numpy as np
 import optax
 import pytest
-from helpers import UNIT_ROUNDOFF, data_mesh, largest, lm_batch, max_abs_diff, rounding_bound, tiny_decoder, tree_bytes
+from helpers import (
+    UNIT_ROUNDOFF,
+    data_mesh,
+    largest,
+    lm_batch,
+    max_abs_diff,
+    on_host,
+    rounding_bound,
+    tiny_decoder,
+    tree_bytes,
+)
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -65,13 +75,19 @@ def model_and_filter(lora: bool):
 
 
 @functools.cache
+def host_batch():
+    return on_host(lm_batch(jax.random.key(2), BATCH))
+
+
+@functools.cache
 def run(n, m, lora, mode, shard_optimizer, opt=optimizer):
     """Three compiled steps: (model, opt state, losses, collectives, memory, trainable params)."""
     model, filter_spec = model_and_filter(lora)
-    batch = lm_batch(jax.random.key(2), BATCH)
+    batch = host_batch()
     mesh = data_mesh(n)
     with jax.set_mesh(mesh):
-        sharded = zoo.shard(model, zoo.rules("zero1" if shard_optimizer else "dp"), mesh)
+        # From the host: placing it compiles no slicing program per layout (helpers.on_host).
+        sharded = zoo.shard(on_host(model), zoo.rules("zero1" if shard_optimizer else "dp"), mesh)
         step = zoo.TrainStep(
             zoo.models.next_token_loss,
             opt(),
@@ -246,7 +262,7 @@ def test_preset_and_no_op_settings():
     step = zoo.TrainStep(zoo.models.next_token_loss, optimizer(), shard_optimizer=True)
     # Without a mesh (or with one data shard) there is nothing to split: plain optax state.
     for leaf, ref in zip(
-        jax.tree.leaves(step.init(model)), jax.tree.leaves(optimizer().init(step.partition(model)[0]))
+        jax.tree.leaves(step.init(model)), jax.tree.leaves(eqx.filter_jit(optimizer().init)(step.partition(model)[0]))
     ):
         np.testing.assert_array_equal(leaf, ref)
     with pytest.raises((ValueError, jaxtyping.TypeCheckError), match="shard_optimizer"):
