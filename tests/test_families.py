@@ -30,6 +30,9 @@ from jax.sharding import PartitionSpec as P
 import zoo
 from zoo.models import Transformer, TransformerConfig
 
+# torch on one thread: its references here are tiny models (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 # The tests that compare computed floats are marked `numerics`: `make test-numerics` runs
 # them again under other CPU kernels and thread counts (refusals, tokenizers and exact
 # copies of weights compute nothing a kernel could round differently).
@@ -320,8 +323,10 @@ def test_layer_patterns_are_read_and_applied(name, patterns, uniform, hf_dirs, l
 
 @pytest.mark.numerics
 def test_llama3_scaling_changes_the_frequencies():
-    base = zoo.internal.rope_frequencies(16, theta=10000.0)
-    scaled = zoo.internal.rope_frequencies(16, theta=10000.0, llama3=(8.0, 1.0, 4.0, 16))
+    # Each in one program, as inside a model (eagerly every op compiles on its own).
+    base, scaled = jax.jit(
+        lambda: [zoo.internal.rope_frequencies(16, theta=10000.0, llama3=s) for s in (None, (8.0, 1.0, 4.0, 16))]
+    )()
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = transformers.LlamaConfig(**CASES["llama3_scaled"][1] | {"rope_theta": 10000.0, "head_dim": 16})
@@ -344,12 +349,14 @@ def test_rope_scalings_are_transformers_frequencies_and_factors(kind):
     config = transformers.LlamaConfig(**SMALL | {"head_dim": 16, "rope_parameters": params})
     zoo_config = zoo.hf.get_family("llama").config_from_hf(config.to_dict())
     scaling = zoo.models._config.rope_scaling_of(zoo_config)
-    for longest in (16, 17):  # the original context, and one past it (longrope's switch)
+    lengths = (16, 17)  # the original context, and one past it (longrope's switch)
+    # In one program, as inside a model (eagerly every op compiles on its own).
+    short, long = map(np.asarray, jax.jit(lambda: [scaling.frequencies(16, 5e5, n) for n in lengths])())
+    for longest, frequencies in zip(lengths, (short, long), strict=True):
         expected, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=longest)
         # A power, a division or two, and yarn's blend: a few roundings a value each side.
-        assert_rounding_close(scaling.frequencies(16, 5e5, longest), expected.numpy(), terms=1, depth=6)
+        assert_rounding_close(frequencies, expected.numpy(), terms=1, depth=6)
         assert scaling.cos_sin_factor == pytest.approx(factor, rel=1e-12)
-    short, long = (np.asarray(scaling.frequencies(16, 5e5, n)) for n in (16, 17))
     assert (kind == "longrope") != np.array_equal(short, long)
 
 
@@ -457,8 +464,13 @@ def test_scratch_llama_is_exported_by_shape(tmp_path, tokens):
         vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=48, max_len=32,
         positions="rope", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False, norm_eps=1e-6,
     )  # fmt: skip
-    perturb = lambda m: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), m)
-    model = eqx.filter_jit(lambda k: perturb(Transformer(config, key=k)))(jax.random.key(3))
+    # Its shapes from the constructor, its weights drawn on the host (the initialiser is not
+    # what this tests, and drawing compiles nothing): norms near 1, the rest small.
+    rng = np.random.default_rng(3)
+    draw = lambda path, x: jax.device_put(
+        (("norm" in jax.tree_util.keystr(path)) + 0.15 * rng.standard_normal(x.shape)).astype(x.dtype)
+    )
+    model = jax.tree_util.tree_map_with_path(draw, eqx.filter_eval_shape(Transformer, config, key=jax.random.key(3)))
     assert zoo.hf.family_of(model).name == "llama"
     zoo.hf.save_pretrained(model, tmp_path)
     hf = _open_hf(tmp_path)

@@ -32,6 +32,9 @@ import zoo
 from zoo.hf import from_pretrained, minilm_path, save_pretrained, sentence_embeddings
 from zoo.models import Encoder, EncoderConfig, Transformer, TransformerConfig
 
+# torch on one thread: its references here are tiny models (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 # A family's config conversions, config.json <-> zoo config (zoo.hf.Family).
 encoder_config_from_hf = zoo.hf.get_family("bert").config_from_hf
 encoder_config_to_hf = zoo.hf.get_family("bert").config_to_hf

@@ -23,8 +23,9 @@ from helpers import Reference, assert_as_accurate, assert_rounding_close, torch_
 import zoo
 from zoo.lora import LoraConfig, add_lora, load_adapter, save_adapter
 
-# Also run under other CPU kernels and thread counts (`make test-numerics`).
-pytestmark = pytest.mark.numerics
+# Also run under other CPU kernels and thread counts (`make test-numerics`); torch on one
+# thread: its references here are tiny models (tests/conftest.py).
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("torch_one_thread")]
 
 VOCAB, SEQ, BATCH = 32, 8, 2
 TOKENS = np.random.default_rng(0).integers(1, VOCAB, (BATCH, SEQ))  # no padding id 0
