@@ -11,6 +11,7 @@ import functools
 import types
 from collections import defaultdict
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -316,21 +317,29 @@ def test_grpo_loss_refuses_bad_settings(kwargs, message):
 
 
 def test_a_kl_term_without_a_reference_is_refused_with_the_fix():
-    from helpers import tiny_decoder
-
-    model = tiny_decoder(jax.random.key(0))
+    objective = zoo.models.GRPOLoss(beta=0.1)
+    batch = zoo_batch(rollout(rows=2, completion=4, prompt=3))
     with pytest.raises(ValueError, match="needs a reference: .*disabled_adapters"):
-        zoo.models.GRPOLoss(beta=0.1).loss(model, zoo_batch(rollout(rows=2, completion=4, prompt=3)))
+        # Traced, as a compiled step calls it (eagerly, every operation of the forward compiles).
+        eqx.filter_eval_shape(objective.loss, _base_decoder(), batch)
 
 
 # --------------------------------------------------------------------------- the step
 
 
-def _lora_decoder():
+@functools.cache
+def _base_decoder():
+    """The tiny decoder, built once in one compiled program (eagerly, each initialiser
+    compiles); read, never changed."""
     from helpers import tiny_decoder
 
+    return eqx.filter_jit(tiny_decoder)(jax.random.key(0))
+
+
+@functools.cache
+def _lora_decoder():
     config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
-    model = zoo.lora.add_lora(tiny_decoder(jax.random.key(0)), config, key=jax.random.key(1))
+    model = eqx.filter_jit(zoo.lora.add_lora)(_base_decoder(), config, key=jax.random.key(1))  # one program
     return model, zoo.lora.trainable(model, config)
 
 
@@ -390,7 +399,7 @@ def test_microbatches_and_devices_give_the_one_device_gradients_with_one_all_red
         model, _ = _lora_decoder()
         batch = _step_batch()
         objective = zoo.models.GRPOLoss(loss_type="dapo", beta=0.04, reference=zoo.lora.disabled_adapters)
-        sums, tokens = objective.loss(model, batch)
+        sums, tokens = eqx.filter_jit(objective.loss)(model, batch)  # one program, not one per operation
         parts = np.array_split(np.arange(8), 2 * microbatches)  # per device and microbatch
         per_microbatch = np.mean([float(sums[p].sum() / tokens[p].sum()) for p in parts])
         assert abs(per_microbatch - want_loss) > 1e-3
@@ -409,4 +418,4 @@ def test_a_batch_with_no_completion_tokens_gives_loss_zero_not_nan(loss_type):
     loss, grads = step.loss_and_grads(model, batch)
     assert float(loss) == 0.0
     assert all(float(np.max(np.abs(g))) == 0.0 for g in jax.tree.leaves(step.partition(grads)[0]))
-    assert float(loss_fn.metrics(model, batch)["loss"]) == 0.0
+    assert float(eqx.filter_jit(loss_fn.metrics)(model, batch)["loss"]) == 0.0  # one program, not one per operation
