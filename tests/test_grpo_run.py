@@ -5,9 +5,11 @@ and resuming bit-identically, and the bad inputs refused in one line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +23,13 @@ from zoo.serve import Engine, Request
 TEMPERATURE = 0.7
 
 
+@functools.cache
 def _policy(key):
-    base = tiny_decoder(jax.random.key(0), max_len=16)
+    """(the base, it with random LoRA branches): each built in one compiled program
+    (eagerly, each initialiser compiles), once per key; read, never changed."""
+    base = eqx.filter_jit(tiny_decoder)(jax.random.key(0), max_len=16)
     config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
-    return base, zoo.lora.add_lora(base, config, key=jax.random.key(key))
+    return base, eqx.filter_jit(zoo.lora.add_lora)(base, config, key=jax.random.key(key))
 
 
 def _completions(engine, seed):
@@ -41,14 +46,18 @@ def _completions(engine, seed):
 LOGP_SUMS = {"terms": 32, "depth": 2 * 6 + 3}
 
 
+@eqx.filter_jit  # as a training step runs it (eagerly, every operation of the forward compiles)
+def _token_logps(model, tokens):
+    return zoo.models.GRPOLoss(temperature=TEMPERATURE).token_logps(model, tokens)
+
+
 def _pairs(model, handles):
     """Each completion token's `sampled_logprob` and the training forward's
     (`GRPOLoss.token_logps` at the sampling temperature), as two arrays."""
-    objective = zoo.models.GRPOLoss(temperature=TEMPERATURE)
     served, trained = [], []
     for h in handles:
         tokens = jnp.asarray([[3, 5, 7, *h.ids]], jnp.int32)
-        trained.append(np.asarray(objective.token_logps(model, tokens))[0, 2:])
+        trained.append(np.asarray(_token_logps(model, tokens))[0, 2:])
         served.append(np.array([t.sampled_logprob for t in h.tokens], np.float32))
     return np.concatenate(served), np.concatenate(trained)
 
@@ -186,7 +195,7 @@ def _peft_opens_with_zoos_logits(llama_dir, adapter):
 
     tokens = np.array([[1, 6, 8, 10, 12, 6, 14]], np.int32)
     model, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(llama_dir), adapter)
-    ours = np.asarray(model(tokens))[..., : len(VOCAB)]
+    ours = np.asarray(eqx.filter_jit(model)(tokens))[..., : len(VOCAB)]  # one program, not one per operation
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
     peft_model = peft.PeftModel.from_pretrained(hf, adapter).eval()
     theirs = torch_reference(lambda m: m(torch.from_numpy(tokens.astype(np.int64))).logits, peft_model)
