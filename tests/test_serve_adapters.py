@@ -21,7 +21,7 @@ import peft
 import pytest
 import serving
 from helpers import backend_compiles
-from serving import ServeProcess, http_json, http_request, token_ids
+from serving import http_json, http_request, token_ids
 from test_serve import alone as alone_padded
 
 import zoo
@@ -192,12 +192,9 @@ def server(served, adapters):
     flags = ["--slots", 4, "--max-len", 64, "--max-adapters", 3, "--max-lora-rank", 8]
     for name in ("sql", "poet"):
         flags += ["--adapter", f"{name}={adapters[name][0]}"]
-    # A process of its own: in the test process jaxtyping's import hook checks zoo's
-    # annotations, and loading an adapter over HTTP fails one (zoo.lora's unmerge is annotated
-    # without MultiLoraLinear, which it is handed here); a server process does not check them.
-    process = ServeProcess(served[0], *flags)
-    yield process
-    assert process.stop() == 0
+    running = serving.InProcessServe(served[0], *flags)
+    yield running
+    running.stop()
 
 
 def _text(served, model, prompt, max_tokens):
