@@ -285,7 +285,9 @@ class Engine:
         of one) as `name`, in a free adapter slot, between steps; returns the slot. Nothing compiles: the slot's
         arrays keep their shapes. Raises `ValueError` (the fix in it) for a name already
         served, a full set of slots (`AdapterSlotsFull`), a rank above `max_lora_rank`, a
-        layer without adapter room, or an engine without adapter slots."""
+        layer without adapter room, a branch holding NaN or inf (`NonFiniteWeightsError`;
+        `AdapterBank.write` checks it all, on the host, before the slot changes), or an
+        engine without adapter slots."""
         if self.bank is None:
             raise ValueError(
                 "this engine holds no adapter slots; create it with max_adapters=N (zoo serve --max-adapters N)"
@@ -294,7 +296,6 @@ class Engine:
             raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
         if isinstance(lora_model, str | os.PathLike):
             lora_model = read_adapter(self.bank.base, lora_model)
-        self.bank.check(lora_model, where=f"adapter {name!r}")  # finite too, on the host: nothing compiles
         with self._lock:
             if name in self.adapters:
                 raise ValueError(f"an adapter named {name!r} is already served; unload it first, or pick another name")
@@ -310,8 +311,8 @@ class Engine:
 
     def update_adapter(self, name: str, lora_model) -> None:
         """New weights for adapter `name` in its slot (an RL policy after an update): nothing
-        compiles. `ValueError` while its requests are in flight; `LookupError`: no such name."""
-        self.bank.check(lora_model, where=f"adapter {name!r}")
+        compiles. `ValueError` while its requests are in flight or for weights the slot
+        cannot take (`AdapterBank.check`: shapes, NaN or inf); `LookupError`: no such name."""
         with self._lock:
             slot = self._served_slot(name)
             if self._uses[slot]:
