@@ -317,6 +317,25 @@ def token_batch(key, size: int, seq: int = 5, vocab: int = 11):
     return ids, y
 
 
+def drawn_on_host(shapes, seed: int, scale: float, *, norm: float = 0.0, device: bool = True):
+    """`shapes` (an abstract model, as `eqx.filter_eval_shape` gives it) with every array
+    drawn by numpy's `default_rng(seed)` in leaf order: `scale` N(0, 1), plus `norm` where
+    the leaf's path names a norm. Building a model so compiles nothing (eagerly, each
+    initialiser compiles for each shape), for tests that do not test the initialiser.
+    `device=False` keeps numpy arrays (placing host arrays on a mesh compiles nothing either)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        assert jnp.issubdtype(x.dtype, jnp.floating), (path, x)  # every array leaf a weight
+        offset = norm if "norm" in jax.tree_util.keystr(path) else 0.0
+        value = (offset + scale * rng.standard_normal(x.shape)).astype(x.dtype)
+        return jax.device_put(value) if device else value
+
+    return jax.tree_util.tree_map_with_path(draw, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
 def on_host(tree):
     """`tree` with its arrays as numpy arrays (PRNG keys kept): placing host arrays on a mesh
     copies their slices, where placing one device's arrays compiles a slicing program for

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TokenRegressor, data_mesh, mse_per_example, on_host
+from helpers import TokenRegressor, data_mesh, drawn_on_host, mse_per_example, on_host
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -37,12 +37,7 @@ def _host_regressor():
     """The token regressor with weights drawn by numpy on the host: these tests read the
     step's collectives, which depend on the leaves' shapes, not their values; building it
     and placing it compile nothing (the compile-counting test starts from empty caches)."""
-    rng = np.random.default_rng(0)
-    shapes = eqx.filter_eval_shape(TokenRegressor, key=jax.random.key(0))
-    return jax.tree.map(
-        lambda x: (0.3 * rng.standard_normal(x.shape)).astype(x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
-        shapes,
-    )
+    return drawn_on_host(eqx.filter_eval_shape(TokenRegressor, key=jax.random.key(0)), 0, 0.3, device=False)
 
 
 @functools.cache

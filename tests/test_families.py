@@ -20,6 +20,7 @@ from helpers import (
     assert_as_accurate,
     assert_rounding_close,
     assert_tree_rounding_close,
+    drawn_on_host,
     largest,
     preset_mesh,
     torch_reference,
@@ -466,11 +467,7 @@ def test_scratch_llama_is_exported_by_shape(tmp_path, tokens):
     )  # fmt: skip
     # Its shapes from the constructor, its weights drawn on the host (the initialiser is not
     # what this tests, and drawing compiles nothing): norms near 1, the rest small.
-    rng = np.random.default_rng(3)
-    draw = lambda path, x: jax.device_put(
-        (("norm" in jax.tree_util.keystr(path)) + 0.15 * rng.standard_normal(x.shape)).astype(x.dtype)
-    )
-    model = jax.tree_util.tree_map_with_path(draw, eqx.filter_eval_shape(Transformer, config, key=jax.random.key(3)))
+    model = drawn_on_host(eqx.filter_eval_shape(Transformer, config, key=jax.random.key(3)), 3, 0.15, norm=1.0)
     assert zoo.hf.family_of(model).name == "llama"
     zoo.hf.save_pretrained(model, tmp_path)
     hf = _open_hf(tmp_path)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import serving
 import torch
-from helpers import backend_compiles, tiny_decoder
+from helpers import backend_compiles, drawn_on_host, tiny_decoder
 from serving import (
     EOS,
     MAX_LEN,
@@ -166,16 +166,7 @@ def _peaked_decoder(seed: int, **config):
     near-ties between programs. Drawn on the host and put on the device, the build compiles
     nothing (eagerly, each initialiser compiles for each shape; in one compiled program,
     1-2 CPU s per configuration)."""
-    shapes = eqx.filter_eval_shape(tiny_decoder, jax.random.key(0), **config)
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        assert jnp.issubdtype(leaf.dtype, jnp.floating), (path, leaf)  # every array leaf a weight
-        scale = 1.0 if "norm" in jax.tree_util.keystr(path) else 0.0
-        return jax.device_put((scale + 0.3 * rng.standard_normal(leaf.shape)).astype(leaf.dtype))  # no program
-
-    is_array = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    return jax.tree_util.tree_map_with_path(lambda p, x: draw(p, x) if is_array(x) else x, shapes, is_leaf=is_array)
+    return drawn_on_host(eqx.filter_eval_shape(tiny_decoder, jax.random.key(0), **config), seed, 0.3, norm=1.0)
 
 
 def test_a_request_crossing_attention_spans_keeps_its_tokens():
