@@ -110,6 +110,7 @@ def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
         return run
 
     requests = [Request([5, 6, 7, 8], max_tokens=6), Request(list(range(6, 26)), max_tokens=9)]
+    requests.insert(1, Request([5, 6, 7, 8], max_tokens=4, temperature=1.0, seed=2))  # starts from the first's prefill
     for slow, fast in (("eigen", "xla"), ("xla", "eigen")):
         engine._decode = {**programs, slow: slowed(programs[slow])}
         engine.warm_up([4, 20])
@@ -117,7 +118,8 @@ def test_warm_up_serves_each_row_count_with_the_kernel_timed_faster(served):
         with backend_compiles() as seen:
             handles = [engine.submit(r) for r in requests]
             engine.run_until_done()
-        assert seen == []  # warm_up built every program these requests use
+        assert seen == []  # warm_up built every program these requests use (`share` too)
+        assert handles[1]._index == 1 and engine.compiles[("share",)] == 1
         for request, handle in zip(requests, handles):
             assert handle.ids == alone(model, request), (fast, request)
     assert {k[3] for k in engine.compiles if k[0] == "decode"} == {"eigen", "xla"}
@@ -290,6 +292,34 @@ def test_echo_logprobs_are_the_full_forward_passes(served, engine):
     full = _assert_logprobs_are_the_full_forward(model, prompt, handle)
     top = handle.tokens[0].top
     assert [i for i, _ in top] == np.argsort(-full[len(prompt) - 1])[:5].tolist()
+
+
+def test_requests_of_one_prompt_share_its_prefill_and_keep_their_own_tokens(served, engine):
+    """Requests of one prompt waiting one after another (an RL rollout's group, OpenAI's `n`)
+    are prefilled once: the others copy its cache row and choose their first token from its
+    logits with their own settings (seeds, top-k, a bias and penalties, a single token). Each
+    gets the tokens and log-probabilities of its own prefill (`share_prompts=False`, whose
+    tokens the batching test holds to `zoo.generate` alone). A request asking its prompt's
+    log-probabilities, or of another prompt, is prefilled itself."""
+    model, prompt = served[2], [6, 31, 12, 40, 9]
+    group = [Request(prompt, max_tokens=6, temperature=1.0, top_k=None if s % 2 else 20, seed=s) for s in range(3)]
+    group.append(Request(prompt, max_tokens=1, temperature=0.7, seed=11))  # frees its slot at once
+    group.append(Request(prompt, max_tokens=5, logit_bias={20: 4.0}, presence_penalty=0.5, frequency_penalty=0.3))
+    own = [Request(prompt, max_tokens=3, prompt_logprobs=True, top_logprobs=True), Request(prompt[:-1], max_tokens=3)]
+    before = engine.shared
+    handles = [engine.submit(r) for r in group + own]
+    engine.run_until_done()
+    assert engine.shared - before == 4  # the 4 slots: 1 prefill, 4 shares (the single token's slot taken again)
+    apart = Engine(model, slots=4, max_len=MAX_LEN, share_prompts=False)
+    references = [apart.submit(r) for r in group + own]
+    apart.run_until_done()
+    assert apart.shared == 0
+    for handle, reference in zip(handles, references):
+        assert handle.ids == reference.ids and handle.finish_reason == reference.finish_reason
+        for field in ("logprob", "sampled_logprob"):
+            got, want = ([getattr(t, field) for t in h.tokens] for h in (handle, reference))
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    assert handles[5].prompt_logprobs == references[5].prompt_logprobs
 
 
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(served, engine):

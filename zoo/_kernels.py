@@ -25,7 +25,12 @@ backends ignore it.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
+
+import jax
+import numpy as np
 
 _YNN = "xla_cpu_experimental_ynn_fusion_type"
 
@@ -35,6 +40,9 @@ EIGEN_PREFILL_ROWS = 48
 
 # The kernels' names (`matmul_kernels`): Eigen's, and XLA's default (YNNPACK on CPU).
 EIGEN, XLA_DEFAULT = "eigen", "xla"
+
+# Timed calls of each kernel when `fastest_kernel` chooses.
+TUNING_CALLS = 5
 
 
 def eigen_matmuls() -> dict[str, Any] | None:
@@ -53,3 +61,18 @@ def matmul_kernels(platform: str) -> dict[str, dict[str, Any] | None]:
     if platform != "cpu" or eigen is None:
         return {XLA_DEFAULT: None}
     return {EIGEN: eigen, XLA_DEFAULT: None}
+
+
+def fastest_kernel(call: Callable[[str], Any], kernels) -> str:
+    """The one of `kernels` (names) that `call(kernel)` (queuing a program compiled with it)
+    runs fastest here: each called once (compiled), then timed `TUNING_CALLS` times,
+    interleaved (a shared machine's load drifts), and compared by their medians."""
+    seconds: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    for kernel in seconds:
+        jax.block_until_ready(call(kernel))
+    for _ in range(TUNING_CALLS):
+        for kernel, times in seconds.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call(kernel))
+            times.append(time.perf_counter() - start)
+    return min(seconds, key=lambda kernel: float(np.median(seconds[kernel])))

@@ -28,10 +28,10 @@ steps compiles nothing.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -44,7 +44,7 @@ import numpy as np
 from .._finite import check_finite_once
 from .._generate import split_layers
 from .._jit import Flattened, Jit
-from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, matmul_kernels
+from .._kernels import EIGEN, EIGEN_PREFILL_ROWS, eigen_matmuls, fastest_kernel, matmul_kernels
 from .._sampling import check_sampling
 from ..models._config import rope_scaling_of
 from ..models._transformer import layer_settings
@@ -56,14 +56,13 @@ from ._programs import (
     _decode_program,
     _move_program,
     _prefill_program,
+    _share_program,
     bucket,
     row_bucket,
     span,
 )
-from ._requests import Handle, Request, Token
-
-# Timed calls of each kernel per row count when `warm_up` chooses the decode step's kernels.
-TUNING_CALLS = 5
+from ._requests import Handle, Request, Token, shares_prefill
+from ._slots import SlotSettings, bias_row
 
 
 class _Slot:
@@ -98,15 +97,22 @@ class Engine:
     - `lora_parameters`: a mixture of experts' expert weights given adapter room (peft's
       `target_parameters`, e.g. `["gate", "up", "down"]`; default: those the `adapters`
       given adapt, none without).
+    - `share_prompts`: requests of the same prompt ids and adapter waiting one after
+      another (an RL rollout's group, OpenAI's `n`) are prefilled once: the others copy
+      that cache row and choose their first token from its logits with their own settings
+      (not for a request that asks its prompt's log-probabilities). Their tokens are those
+      each would get prefilled alone. `shared` counts the requests so started. False:
+      every request is prefilled on its own.
 
     `submit(request)` returns a `Handle`; `step()` admits waiting requests (one prefill
-    each, bucketed), then advances every active slot by one token; `run_until_done()`
+    each, bucketed, or a copy of the one before: `share_prompts`), then advances every active slot by one token; `run_until_done()`
     steps until nothing is left; `stream(request)` yields its `Token`s, stepping as needed.
     `start()` steps in a background thread (what the HTTP server does); `stop()` ends it
     once the requests in flight have finished. `compiles` counts the programs built:
     `("decode", rows, span, kernel)` per number of rows (`row_bucket`), attention span
     (`span`) and CPU matmul kernel (`kernels`) used, `("prefill", width, echo)` per bucket
-    used, `("move",)` once a request first moves down a slot; `warm_up` builds them ahead
+    used, `("move",)` once a request first moves down a slot, `("share",)` once a
+    request first starts from another's prefill; `warm_up` builds them ahead
     (and, on a CPU, picks each row count's faster kernel: `kernels`, rows → name). Loading
     and unloading adapters adds none.
     """
@@ -123,6 +129,7 @@ class Engine:
         max_lora_rank: int | None = None,
         lora_targets="all-linear",
         lora_parameters=None,
+        share_prompts: bool = True,
     ):
         limit = model.config.max_len
         max_len = limit if max_len is None else int(max_len)
@@ -158,6 +165,9 @@ class Engine:
         self.kernels: dict[int, str] = {}  # rows → the decode step's kernel, where `warm_up` timed them
         self._default_kernel = EIGEN if EIGEN in self._decode else next(iter(self._decode))
         self._move = Jit(_move_program, donate=(0, 1), on_compile=self._count("move"))
+        self._share = Jit(_share_program, donate=(0, 1), on_compile=self._count("share"))
+        self.share_prompts = bool(share_prompts)
+        self.shared = 0  # requests started from another's prefill (`share_prompts`)
         attention = model.layers.layers.attention
         dummy = jnp.zeros((slots, 1), jnp.int32)
         cache = empty_cache(attention, model.config.num_layers, slots, max_len, model.config.compute_dtype, dummy)
@@ -188,13 +198,7 @@ class Engine:
         # Dispatched programs whose results the host has not read yet, oldest first, as
         # (kind, [(slot, handle), ...], (tokens and log-probabilities, prompt's or None)).
         self._unread: deque[tuple] = deque()
-        # Each slot's sampling settings, as the decode step takes them (free slots: greedy).
-        self._key_data = np.zeros((slots,) + jax.random.key_data(jax.random.key(0)).shape, np.uint32)
-        self._temperature = np.zeros((slots,), np.float32)
-        self._top_k = np.zeros((slots,), np.int32)
-        self._top_p = np.ones((slots,), np.float32)
-        self._wanted = np.zeros((slots,), bool)
-        self._adapter = np.full((slots,), -1, np.int32)  # each slot's adapter slot (-1: the base)
+        self._rows = SlotSettings(slots, vocab)  # each slot's sampling settings (free slots: greedy)
         self._active: list[_Slot | None] = [None] * slots
         self._waiting: deque[Handle] = deque()
         self._ids = itertools.count()
@@ -217,9 +221,9 @@ class Engine:
     def _count(self, kind: str, kernel: str | None = None):
         def on_compile(_compiled, args):
             if kind == "decode":  # rows, span, matmul kernel
-                key = ("decode", args[4].shape[0], args[-1], kernel)
+                key = ("decode", args[3].shape[0], args[-1], kernel)
             else:
-                key = ("move",) if kind == "move" else ("prefill", args[4].shape[1], args[-1])
+                key = (kind,) if kind in ("move", "share") else ("prefill", args[4].shape[1], args[-1])
             self.compiles[key] = self.compiles.get(key, 0) + 1
 
         return on_compile
@@ -403,17 +407,20 @@ class Engine:
 
     def warm_up(self, prompt_lengths: Sequence[int] = (1,), columns: int = 1, *, tune: bool = True) -> None:
         """Compile ahead, so no client waits for it: the prefill of every bucket that
-        `prompt_lengths` fall in (a short greedy request each, served here) and the decode
+        `prompt_lengths` fall in (a short greedy request each, served here; the first twice,
+        so the program starting a request from another's prefill is built too) and the decode
         step for every number of rows (`row_bucket`) and every attention span a request of
         up to `columns` cache columns (prompt + new tokens) passes through (default: the
         smallest span only). With `tune` (on a CPU), the decode step of each number of rows
         is first compiled with each matmul kernel (`zoo._kernels.matmul_kernels`) and timed
-        (`TUNING_CALLS` calls each, interleaved; the median): the faster one serves that
+        (`zoo._kernels.fastest_kernel`: 5 calls each, interleaved; the median): the faster one serves that
         many rows from then on (`kernels`; untimed row counts: Eigen's, on a CPU). Call it before
         serving, while no request runs."""
-        for width in sorted({bucket(n, self.max_len) for n in prompt_lengths}):
-            handle = self.submit(Request([0] * min(width, self.max_len - 1), max_tokens=2))
-            while not handle.done:
+        for i, width in enumerate(sorted({bucket(n, self.max_len) for n in prompt_lengths})):
+            # Twice the first prompt: the second starts from the first's prefill (`share_prompts`).
+            copies = 2 if i == 0 and self.share_prompts and self.slots > 1 else 1
+            handles = [self.submit(Request([0] * min(width, self.max_len - 1), max_tokens=2)) for _ in range(copies)]
+            while not all(handle.done for handle in handles):
                 self.step()
         with self._lock:
             if self._busy():
@@ -422,25 +429,11 @@ class Engine:
             # Every slot free: the steps' writes land in free rows, which an admission resets.
             for n in sorted({row_bucket(a, self.slots) for a in range(1, self.slots + 1)}):
                 if tune and len(self._decode) > 1:
-                    self.kernels[n] = self._fastest_kernel(n, spans[0])
+                    decode = functools.partial(self._decode_rows, np.zeros((n,), np.int32), spans[0])
+                    self.kernels[n] = fastest_kernel(decode, self._decode)
                 for width in spans:
                     jax.block_until_ready(self._decode_rows(np.zeros((n,), np.int32), width))
             self._cache, self._next = self._move(self._cache, self._next, np.int32(0), np.int32(0))
-
-    def _fastest_kernel(self, rows: int, width: int) -> str:
-        """The kernel whose decode step of `rows` rows (attention over `width` columns) runs
-        faster here: each compiled, then timed `TUNING_CALLS` times, interleaved (a shared
-        machine's load drifts), and compared by their medians."""
-        steps = np.zeros((rows,), np.int32)
-        seconds: dict[str, list[float]] = {kernel: [] for kernel in self._decode}
-        for kernel in seconds:
-            jax.block_until_ready(self._decode_rows(steps, width, kernel))
-        for _ in range(TUNING_CALLS):
-            for kernel, times in seconds.items():
-                start = time.perf_counter()
-                jax.block_until_ready(self._decode_rows(steps, width, kernel))
-                times.append(time.perf_counter() - start)
-        return min(seconds, key=lambda kernel: float(np.median(seconds[kernel])))
 
     def start(self) -> None:
         """Step in a background thread whenever there is work (until `stop()`)."""
@@ -498,7 +491,12 @@ class Engine:
                 if handle._cancelled:
                     self._end(handle, "cancelled")
                     continue
-                self._admit(self._active.index(None), handle)
+                source = self._active.index(None)
+                logits = self._admit(source, handle)
+                while self.share_prompts and self._waiting and None in self._active:
+                    if not shares_prefill(handle, self._waiting[0]):
+                        break
+                    self._share_prefill(source, logits, self._waiting.popleft())
             if all(s is None for s in self._active):
                 return False
             self._compact()
@@ -525,57 +523,73 @@ class Engine:
                         ]
                     self._deliver(handle, tokens[at], chosen[at], ids[at], values[at], sampled[at])
 
-    def _settings(self, request: Request):
-        """`(key data, temperature, top_k, top_p)` of `request`, as one row of the arrays."""
-        key_data = np.asarray(jax.random.key_data(jax.random.key(request.seed or 0)))
-        top_k = 0 if request.top_k is None else min(request.top_k, self.vocab)
-        top_p = 1.0 if request.top_p is None else float(request.top_p)
-        return key_data, float(request.temperature), top_k, top_p
-
-    def _bias_row(self, request: Request) -> np.ndarray:
-        """`request.logit_bias` as a `[vocab]` row (zeros without)."""
-        row = np.zeros((self.vocab,), np.float32)
-        for token, bias in (request.logit_bias or {}).items():
-            row[int(token)] = float(bias)
-        return row
-
-    def _admit(self, index: int, handle: Handle) -> None:
+    def _admit(self, index: int, handle: Handle):
         """Queue `handle`'s prefill into slot `index`; the slot joins the next decode step
-        unless the first token is all the request may have."""
+        unless the first token is all the request may have. Returns the prefill's last
+        logits (on the device, not read), which requests of the same prompt start from
+        (`_share_prefill`)."""
         request = handle.request
-        if request.seed is None and request.temperature > 0:
-            request.seed = int(self._seeds.integers(2**62))
+        self._settle(index, handle)
         n = len(request.prompt)
         width = bucket(n, self.max_len)
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = request.prompt
-        settings = self._settings(request)
-        self._key_data[index], self._temperature[index], self._top_k[index], self._top_p[index] = settings
-        self._wanted[index] = bool(request.top_logprobs)
-        self._adapter[index] = handle._slot
         echo = bool(request.prompt_logprobs)
         rows = slice(index, index + 1)
         program = self._prefill if width <= EIGEN_PREFILL_ROWS else self._prefill_long
         # Copies of the settings: a queued program may read its host arrays after this returns.
-        self._cache, self._next, first, prompt = program(
+        self._cache, self._next, first, prompt, logits = program(
             self._weights,
             self._cache,
             self._next,
             np.int32(index),
             tokens,
             np.asarray([n], np.int32),
-            self._key_data[rows].copy(),
-            self._temperature[rows].copy(),
-            self._top_k[rows].copy(),
-            self._top_p[rows].copy(),
-            self._wanted[rows].copy(),
-            self._row_scale(self._adapter[rows]),
-            self._bias_row(request),
+            *self._rows.sampling(rows),
+            self._row_scale(self._rows.adapter[rows]),
+            bias_row(request, self.vocab),
             np.float32(request.presence_penalty),
             np.float32(request.frequency_penalty),
             echo,
         )
-        handle._index, handle._limit = index, min(request.max_tokens, self.max_len - n)
+        self._started(index, handle, first, prompt)
+        return logits
+
+    def _share_prefill(self, source: int, logits, handle: Handle) -> None:
+        """Start `handle` in a free slot from the prefill just queued into slot `source`
+        (`shares_prefill`): that cache row copied, its first token chosen from that
+        prefill's last `logits` with its own settings. Its prompt is not run again."""
+        index = self._active.index(None)
+        self._settle(index, handle)
+        rows = slice(index, index + 1)
+        request = handle.request
+        self._cache, self._next, first = self._share(
+            self._cache,
+            self._next,
+            np.int32(source),
+            np.int32(index),
+            logits,
+            *self._rows.sampling(rows),
+            bias_row(request, self.vocab),
+            np.float32(request.presence_penalty),
+            np.float32(request.frequency_penalty),
+        )
+        self.shared += 1
+        self._started(index, handle, first, None)
+
+    def _settle(self, index: int, handle: Handle) -> None:
+        """Slot `index`'s sampling settings and adapter become `handle`'s (a sampled request
+        without a seed gets a fresh one)."""
+        request = handle.request
+        if request.seed is None and request.temperature > 0:
+            request.seed = int(self._seeds.integers(2**62))
+        self._rows.set(index, request, handle._slot)
+
+    def _started(self, index: int, handle: Handle, first, prompt) -> None:
+        """`handle`'s first token is queued in slot `index`: its tokens are read with the
+        others (`_collect`), and the slot joins the next decode step unless that token is
+        all the request may have."""
+        handle._index, handle._limit = index, min(handle.request.max_tokens, self.max_len - len(handle.request.prompt))
         self._unread.append(("prefill", [(index, handle)], (first, prompt)))
         if handle._limit > 1:
             self._active[index] = _Slot(handle)
@@ -611,13 +625,9 @@ class Engine:
             self._weights,
             self._cache,
             self._next,
-            self._key_data[:n].copy(),
             steps,
-            self._temperature[:n].copy(),
-            self._top_k[:n].copy(),
-            self._top_p[:n].copy(),
-            self._wanted[:n].copy(),
-            self._row_scale(self._adapter[:n]),
+            *self._rows.sampling(slice(0, n)),
+            self._row_scale(self._rows.adapter[:n]),
             width,
         )
         return out
@@ -632,8 +642,7 @@ class Engine:
             self._cache, self._next = self._move(self._cache, self._next, np.int32(source), np.int32(target))
             slot = self._active[target] = self._active[source]
             slot.handle._index = target
-            for settings in (self._key_data, self._temperature, self._top_k, self._top_p, self._wanted, self._adapter):
-                settings[target] = settings[source]
+            self._rows.move(source, target)
             self._free(source)
             busy = sorted([*busy, target])
 
@@ -659,8 +668,7 @@ class Engine:
         """Slot `index` takes the next admission; until then it decodes greedily, alone, so
         the step's sampling and top-k branches follow the busy slots only."""
         self._active[index] = None
-        self._temperature[index], self._top_k[index], self._top_p[index], self._wanted[index] = 0, 0, 1, False
-        self._adapter[index] = -1
+        self._rows.clear(index)
 
     def _end(self, handle: Handle, reason: str) -> None:
         """`handle` is finished (`reason`): its slot is freed if it still holds one."""

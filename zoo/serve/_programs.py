@@ -1,5 +1,6 @@
 """The engine's compiled programs and what they carry: prefilling one request into a slot,
-one decode step of every busy slot, moving a slot's request down; each slot's `Steering`
+starting another request of the same prompt from that prefill, one decode step of every
+busy slot, moving a slot's request down; each slot's `Steering`
 (next input token, logit bias, token counts, penalties) kept on the device between steps;
 and the widths that keep the programs few (`bucket`, `span`, `row_bucket`)."""
 
@@ -117,7 +118,10 @@ def _prefill_program(
     """Prefill one right-padded prompt, write its cache row into `slot`, pick its first token
     and make it the slot's next input (`steering`, which also takes the request's `bias`
     `[vocab]` and penalties and starts its counts at its first token). `weights`: `(model, split_layers(model))`;
-    `row_scale` `[1, adapters]`: its adapter, or None without adapter slots."""
+    `row_scale` `[1, adapters]`: its adapter, or None without adapter slots. Returns
+    `(cache, steering, first, prompt, logits)`: `first` as `_choose` returns it, `prompt`
+    the prompt's log-probabilities with `echo` (else None), `logits` `[1, vocab]` the last
+    prompt position's (what `_share_program` chooses another request's first token from)."""
     model, blocks = weights.tree
     if row_scale is not None:
         model, blocks = bind_rows(model, row_scale), [bind_rows(b, row_scale) for b in blocks]
@@ -146,7 +150,17 @@ def _prefill_program(
         cache.positions.at[slot].set(count[0]),
         cache.index.at[slot].set(count[0]),
     )
-    steered = logits.astype(jnp.float32) + bias[None]  # nothing generated yet: no penalty
+    steering, first = _first_token(
+        steering, slot, logits, key_data, temperature, top_k, top_p, wanted, bias, presence, frequency
+    )
+    return cache, steering, first, prompt, logits
+
+
+def _first_token(steering, slot, logits, key_data, temperature, top_k, top_p, wanted, bias, presence, frequency):
+    """A request's first token, chosen from its prompt's last `logits` `[1, vocab]` with
+    its settings (`bias` `[vocab]` added; nothing generated yet, so no penalty), and slot
+    `slot`'s steering started from it: `(steering, first)`, `first` as `_choose` returns it."""
+    steered = logits.astype(jnp.float32) + bias[None]
     first = _choose(logits, steered, key_data, jnp.zeros((1,), jnp.int32), temperature, top_k, top_p, wanted)
     token = first[0][0]
     steering = Steering(
@@ -156,7 +170,34 @@ def _prefill_program(
         steering.presence.at[slot].set(presence),
         steering.frequency.at[slot].set(frequency),
     )
-    return cache, steering, first, prompt
+    return steering, first
+
+
+def _share_program(
+    cache: KVCache,
+    steering: Steering,
+    source,
+    slot,
+    logits,
+    key_data,
+    temperature,
+    top_k,
+    top_p,
+    wanted,
+    bias,
+    presence,
+    frequency,
+):
+    """A request whose prompt slot `source` was just prefilled with (the same ids, the same
+    adapter), started in slot `slot` without computing its prompt again: `source`'s cache
+    row copied into `slot`, its first token chosen from that prefill's last `logits`
+    `[1, vocab]` with this request's own settings, as `_prefill_program` would have chosen
+    it. Returns `(cache, steering, first)`."""
+    cache = jax.tree.map(lambda x: _copy_row(x, source, slot), cache)
+    steering, first = _first_token(
+        steering, slot, logits, key_data, temperature, top_k, top_p, wanted, bias, presence, frequency
+    )
+    return cache, steering, first
 
 
 def _write_row(blocks: tuple, part, slot, count, columns: int, *, axis: int) -> tuple:
@@ -187,8 +228,8 @@ def _decode_program(
     weights: Flattened,
     cache: KVCache,
     steering: Steering,
-    key_data,
     steps,
+    key_data,
     temperature,
     top_k,
     top_p,
@@ -223,9 +264,14 @@ def _move_program(cache: KVCache, steering: Steering, source, target):
     counts, penalties)."""
 
     def move(x):
-        return lax.dynamic_update_index_in_dim(x, lax.dynamic_index_in_dim(x, source, 0, keepdims=False), target, 0)
+        return _copy_row(x, source, target)
 
     return jax.tree.map(move, cache), Steering(*map(move, steering))
+
+
+def _copy_row(x, source, target):
+    """`x` with its row `target` (axis 0: the slots) a copy of its row `source`."""
+    return lax.dynamic_update_index_in_dim(x, lax.dynamic_index_in_dim(x, source, 0, keepdims=False), target, 0)
 
 
 def row_bucket(active: int, slots: int) -> int:

@@ -102,3 +102,16 @@ class Handle:
         self._events.put(token)
         if self.on_update is not None:
             self.on_update(token)
+
+
+def shares_prefill(leader: Handle, other: Handle) -> bool:
+    """Whether `other` can start from `leader`'s prefill (`Engine(share_prompts=True)`): the
+    same prompt ids and adapter, not cancelled, no prompt log-probabilities asked."""
+    mine, theirs = leader.request.prompt, other.request.prompt
+    return (
+        not other._cancelled
+        and not other.request.prompt_logprobs
+        and other._slot == leader._slot
+        and len(theirs) == len(mine)
+        and all(int(a) == int(b) for a, b in zip(theirs, mine))
+    )
