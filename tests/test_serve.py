@@ -370,8 +370,13 @@ def test_stream_and_background_thread(served, engine):
     assert [t.id for t in engine.stream(request)] == want  # steps itself
     engine.start()
     try:
-        handles = [engine.submit(Request([6, 7, 8], max_tokens=12)) for _ in range(3)]
+        before, handles = engine.shared, []
+        with engine.holding():  # the thread waits: the three are admitted together, one prefill
+            for _ in range(3):
+                handles.append(engine.submit(Request([6, 7, 8], max_tokens=12)))
+                time.sleep(0.05)
         assert [[t.id for t in engine.tokens(h)] for h in handles] == [want] * 3
+        assert engine.shared - before == 2
     finally:
         engine.stop()
     try:
@@ -410,7 +415,9 @@ def test_openai_client_completions(served, server):
     client = server.client()
     assert [m.id for m in client.models.list()] == ["tiny"]
     prompts = ["w1 w2 w3", "w40 w7"]
+    shared = server.server.engine.shared
     out = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0, n=2)
+    assert server.server.engine.shared - shared == 2  # each prompt's 2 choices, one prefill (queued as one group)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     wants = [_greedy_text(served, token_ids(served, p), 12) for p in prompts]
     assert [c.text for c in out.choices] == [wants[0][0]] * 2 + [wants[1][0]] * 2

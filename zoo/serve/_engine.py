@@ -28,6 +28,7 @@ steps compiles nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -369,6 +370,14 @@ class Engine:
             self._waiting.append(handle)
             self._lock.notify_all()
         return handle
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the engine between steps: requests submitted inside wait side by side until
+        it ends, so a group of one prompt (OpenAI's `n`) is admitted together and prefilled
+        once (`share_prompts`) even while `start()`'s thread runs."""
+        with self._lock:
+            yield
 
     def step(self) -> int:
         """Admit waiting requests into free slots, advance every active slot by one token,

@@ -317,10 +317,15 @@ class Server:
                 raise BadRequest(str(e), "prompt") from None
         handles = []
         try:
-            for i, r in requests:
-                queue: asyncio.Queue = asyncio.Queue()
-                handle = self.engine.submit(r, on_update=lambda t, q=queue: loop.call_soon_threadsafe(q.put_nowait, t))
-                handles.append((i, handle, queue))
+            # Queued as one group (the engine's lock held): a prompt's `n` choices wait side by
+            # side and are prefilled once (`Engine(share_prompts=True)`).
+            with self.engine.holding():
+                for i, r in requests:
+                    queue: asyncio.Queue = asyncio.Queue()
+                    handle = self.engine.submit(
+                        r, on_update=lambda t, q=queue: loop.call_soon_threadsafe(q.put_nowait, t)
+                    )
+                    handles.append((i, handle, queue))
         except (QueueFull, LookupError) as e:
             for _, handle, _ in handles:
                 handle.cancel()
