@@ -125,7 +125,7 @@ def cmd_eval(args) -> int:
     if scores["kind"] == "lm":
         print(
             f"loss {scores['loss']:.4f}  perplexity {scores['perplexity']:.4g}  next-token accuracy "
-            f"{100 * scores['accuracy']:.1f}%  ({scores['tokens']} target tokens in {scores['rows']} rows)"
+            f"{100 * scores['accuracy']:.1f}%  ({internal.counted(scores['tokens'], 'target token')} in {internal.counted(scores['rows'], 'row')})"
         )
         for name, own in scores.get("adapters", {}).items():  # a run of several adapters: each on its records
             print(
@@ -135,7 +135,7 @@ def cmd_eval(args) -> int:
         return 0
     print(
         f"loss {scores['loss']:.4f}  accuracy {100 * scores['accuracy']:.1f}%  macro-F1 {scores['macro_f1']:.3f}  "
-        f"({scores['examples']} examples)"
+        f"({internal.counted(scores['examples'], 'example')})"
     )
     print("\n".join(_table(scores)))
     return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 
 from .._inspect import report
-from .._tree import human_bytes
+from .._tree import counted, human_bytes
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
 from ._registry import model_spec
@@ -87,7 +87,7 @@ def _chosen(r: RunRecord) -> str:
     if "batch_size" not in c.derived or c.batch_size == default:
         return ""
     source = r.built.task.train_source
-    rows = f" and the {len(source)} training rows" if hasattr(source, "__len__") else ""
+    rows = f" and the {counted(len(source), 'training row')}" if hasattr(source, "__len__") else ""
     return f" (--batch-size unset: the largest up to the default {default} that the mesh{rows} allow)"
 
 
@@ -122,7 +122,8 @@ def _print_header(
     chosen="",
 ) -> None:
     backend = jax.default_backend()
-    where = "simulated CPU devices" if backend == "cpu" else f"{backend.upper()} devices"
+    where = "simulated CPU device" if backend == "cpu" else f"{backend.upper()} device"
+    where += "" if devices == 1 else "s"
     say(f"zoo {title}")
     say(
         f"model: {c.model}, {base_params:,} parameters ({human_bytes(base_bytes)})"
@@ -135,7 +136,7 @@ def _print_header(
     where += f" in {procs} processes" if procs > 1 else ""
     say(f"devices: {devices} {where}, mesh {mesh_text(mesh_shape)}, rules {c.rules}, mode {c.mode}")
     say(
-        f"steps: {c.steps} of global batch {c.batch_size}{chosen} in {c.microbatches} microbatches, {c.optimizer.name} "
+        f"steps: {c.steps} of global batch {c.batch_size}{chosen} in {counted(c.microbatches, 'microbatch', 'microbatches')}, {c.optimizer.name} "
         f"lr {c.optimizer.lr:g} ({c.optimizer.schedule}, warmup {warmup}), {c.dtype} compute"
         + (f"; resumed at step {start}" if start else "")
     )
@@ -144,7 +145,7 @@ def _print_header(
         names = sorted({n.split(".")[-1] for n in adapted})
         extra = trainable_bytes - adapter_bytes
         say(
-            f"LoRA r={lcfg.r} alpha={lcfg.lora_alpha:g} on {lora_layer_count(model)} Linear layers ({', '.join(names)})"
+            f"LoRA r={lcfg.r} alpha={lcfg.lora_alpha:g} on {counted(lora_layer_count(model), 'Linear layer')} ({', '.join(names)})"
             + (f" + {', '.join(lcfg.modules_to_save)} trained in full" if lcfg.modules_to_save else "")
             + f": {human_bytes(adapter_bytes)} of adapters"
             + (f" + {human_bytes(extra)}" if extra else "")
@@ -171,12 +172,12 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say()
     ev_name = {"classification": "test", "lm": "validation"}.get(task.kind, "held-out")
     n = summary["eval_after"]["examples"]
-    what = {"classification": "texts", "lm": "windows", "regression": "examples", "preference": "pairs"}
-    what = what.get(task.kind, "completions")  # grpo: completions of the held-out prompts
+    what = {"classification": "text", "lm": "window", "regression": "example", "preference": "pair"}
+    what = what.get(task.kind, "completion")  # grpo: completions of the held-out prompts
     has_acc = summary["eval_after"]["accuracy"] is not None
     acc_name = {"classification": "accuracy", "preference": "preference acc."}.get(task.kind, "next-token acc.")
     has_reward = summary["eval_after"].get("reward") is not None  # grpo: the mean reward of the completions
-    head = f"{ev_name} set, {n} {what}"
+    head = f"{ev_name} set, {counted(n, what)}"
     width = max(len(head), 2 + max(len(st["name"]) for st in summary["stages"])) + 2
     say(
         f"{head:<{width}}{'loss':>8}"
@@ -215,7 +216,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     scalars = c["gradient_bytes"] - per_device
     split = "" if per_device == trainable else " per device"
     inside = c["collectives_in_loop"]
-    in_loop = f"; {inside} collectives inside loops" + (
+    in_loop = f"; {counted(inside, 'collective')} inside loops" + (
         f" (over {', '.join(c['in_loop_mesh_axes']) or 'no mesh axis'})" if inside else ""
     )
     if c["gradient_reductions"] == 1 and 0 <= scalars <= 16:
@@ -223,7 +224,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         say(f"  {c['gradient_bytes']:,} bytes = {what} {per_device:,}{split} + loss scalars {scalars:,}{in_loop}")
     else:  # e.g. fsdp on CPU: XLA splits the reduction, and the optimizer's norms add their own
         say(
-            f"collectives of the compiled step: {c['gradient_reductions']} {kinds}s over data outside the microbatch "
+            f"collectives of the compiled step: {counted(c['gradient_reductions'], kinds)} over data outside the microbatch "
             f"loop, {c['gradient_bytes']:,} bytes in all ({what} {per_device:,} bytes{split}){in_loop}"
         )
     say(report(colls))
@@ -236,7 +237,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     )
     say(
         f"time: load + first eval {secs['load'] + secs['evaluate_before']:.1f} s, compile {secs['compile']:.1f} s, "
-        f"{summary['last_step'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "
+        f"{counted(summary['last_step'] - (summary['resumed_from'] or 0), 'step')} {secs['train']:.1f} s ({rate}), "
         + (
             f"sampling their rollouts {secs['rollouts']:.1f} s (the first step's before it), "
             if "rollouts" in secs
