@@ -580,3 +580,19 @@ def test_the_report_says_one_step_row_device_in_the_singular(tmp_path):
     assert not re.search(r"\b1 (steps|devices|microbatches|rows|examples)\b", text), text
     ones = {k: np.ones((1, 4), np.int32) for k in ("tokens", "mask", "weights", "segment_ids", "positions")}
     assert describe(Dataset(ones, "text")).startswith("text: 1 row, 4 target tokens,")
+
+
+def test_the_header_names_only_the_evaluations_the_run_makes(tmp_path):
+    """`zoo demo --steps 12` said "evaluating every 15" (the demo's --eval-every) of a run
+    no multiple of 15 reaches: the header names the interval only when some step
+    between the first and the last evaluates, else the evaluation after the last step."""
+    from zoo.train._console import _cadence
+
+    text = ok("train", "mlp", "--steps", "2", "--eval-every", "15", "--devices", "1", "--batch-size", "8",
+              "--microbatches", "1", "--eval-size", "8", "--output", tmp_path / "mlp")  # fmt: skip
+    assert "training steps 1 to 2, evaluating after the last step..." in text, text
+    assert [r["step"] for r in read_jsonl(tmp_path / "mlp" / "metrics.jsonl") if r["kind"] == "eval"] == [0, 2]
+    assert _cadence(15, 0, 60) == "evaluating every 15 steps"  # the demo's own 60 steps: after 15, 30, 45, 60
+    assert _cadence(15, 50, 60) == "evaluating after the last step"  # resumed past the last multiple
+    assert _cadence(1, 0, 6) == "evaluating after every step"
+    assert _cadence(0, 0, 6) == "evaluating after the last step"  # --eval-every 0: before and after only

@@ -74,9 +74,17 @@ class Header(Hook):
             c.optimizer.warmup_steps(c.steps),
             _chosen(r),
         )
-        every = c.eval_interval
-        cadence = "" if not every else ", evaluating after every step" if every == 1 else f", evaluating every {every}"
-        self.phases(f"training steps {r.start + 1} to {c.steps}{cadence}...")
+        self.phases(f"training steps {r.start + 1} to {c.steps}, {_cadence(c.eval_interval, r.start, c.steps)}...")
+
+
+def _cadence(every: int, start: int, steps: int) -> str:
+    """When a run evaluates between steps `start` and `steps` (`Evaluate`: after each
+    multiple of `every`, and after the last step), as the header says it: an interval
+    that no step of the run reaches (`--eval-every 15` of 12 steps) is not named."""
+    between = (steps - 1) // every - start // every if every else 0  # multiples of every in (start, steps)
+    if not between:
+        return "evaluating after the last step"
+    return "evaluating after every step" if every == 1 else f"evaluating every {every} steps"
 
 
 def _chosen(r: RunRecord) -> str:
