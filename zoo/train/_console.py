@@ -11,8 +11,10 @@ import jax
 
 from .._inspect import report
 from .._tree import counted, human_bytes
+from ..data import Dataset
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
+from ._adapters import AdapterRows
 from ._registry import model_spec
 from ._summary import RunRecord
 from ._text import mesh_text
@@ -180,7 +182,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say()
     ev_name = {"classification": "test", "lm": "validation"}.get(task.kind, "held-out")
     n = summary["eval_after"]["examples"]
-    what = {"classification": "text", "lm": "window", "regression": "example", "preference": "pair"}
+    what = {"classification": "text", "lm": _lm_rows(task), "regression": "example", "preference": "pair"}
     what = what.get(task.kind, "completion")  # grpo: completions of the held-out prompts
     has_acc = summary["eval_after"]["accuracy"] is not None
     acc_name = {"classification": "accuracy", "preference": "preference acc."}.get(task.kind, "next-token acc.")
@@ -261,7 +263,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     if summary.get("sample"):
         smp = summary["sample"]
         say(
-            f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation window): "
+            f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation {_lm_rows(task)}): "
             f"{smp['prompt']!r} -> {smp['completion']!r}"
         )
     if summary.get("reward_rose") is not None:  # grpo: what it maximises
@@ -275,6 +277,13 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         return
     b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
     say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {_apart(b, a)})")
+
+
+def _lm_rows(task) -> str:
+    """What a language model's evaluation rows are: a data file's rows (text packed, or
+    prompt / completion or chat examples, as the data line counts them), else a built-in
+    corpus's windows of its text."""
+    return "row" if isinstance(task.train_source, (Dataset, AdapterRows)) else "window"
 
 
 def _apart(before: float, after: float) -> str:
