@@ -209,7 +209,8 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
 
 def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):
     """transformers' BertModel on the merged folder, mean-pooled, through head.safetensors:
-    `zoo predict`'s logits; the label names are config.json's id2label."""
+    `zoo predict`'s logits; the label names are config.json's id2label; no
+    generation_config.json (it wrote one, which transformers never writes for BERT)."""
     import torch
     import transformers
 
@@ -228,6 +229,10 @@ def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, 
             torch.from_numpy(tokens.astype(np.int64)), attention_mask=torch.from_numpy(mask)
         ).last_hidden_state
     hidden = hidden.numpy().astype(np.float64)
+    # An encoder generates nothing: transformers writes no generation_config.json for it, nor does the export.
+    bert.save_pretrained(tmp_path / "theirs")
+    assert not (tmp_path / "theirs" / "generation_config.json").exists()
+    assert not (out / "generation_config.json").exists()
     head = safetensors.numpy.load_file(out / "head.safetensors")
     pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
     logits = pooled @ head["head.weight"] + head["head.bias"]
