@@ -74,7 +74,9 @@ def test_predict_names_a_classifiers_labels_from_texts_and_files(classifier_run,
              "t.csv": "text,label\n" + "".join(f'"{t}",x\n' for t in TEXTS)}  # fmt: skip
     for name, text in files.items():
         (tmp_path / name).write_text(text)
+        (tmp_path / f"bom{name}").write_text(text, encoding="utf-8-sig")  # a BOM (Windows editors) is no text
         lines = ok("predict", classifier_run, "--input", tmp_path / name).splitlines()
+        assert ok("predict", classifier_run, "--input", tmp_path / f"bom{name}").splitlines() == lines, name
         assert [line.split("\t")[0] for line in lines] == [r["label"] for r in records], name
         assert [line.split("\t")[2] for line in lines] == TEXTS, name
         p = np.exp(logits - logits.max(axis=1, keepdims=True))

@@ -49,7 +49,7 @@ def _read_inputs(path: Path, regressor: bool) -> list[Any]:
     if not path.is_file():
         raise CLIError(f"--input {path}: no such file; check the path")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading BOM is no text, as in the data files
     except UnicodeDecodeError as e:
         raise CLIError(f"--input {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     key = "x" if regressor else "text"
