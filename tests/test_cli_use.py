@@ -62,6 +62,8 @@ def _forward(model, inputs, **kwargs):
 
 def test_predict_names_a_classifiers_labels_from_texts_and_files(classifier_run, tmp_path):
     assert json.loads((classifier_run / "labels.json").read_text()) == {"labels": ["cats", "colours", "dogs"]}
+    rc, _, err = zoo_main("predict", classifier_run, "--text", TEXTS[0])  # it said "1 inputs"
+    assert rc == 0 and err.endswith(", 1 input\n"), err
     out = ok("predict", classifier_run, *sum((["--text", t] for t in TEXTS), []), "--json")
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["text"] for r in records] == TEXTS

@@ -86,7 +86,7 @@ def cmd_predict(args) -> int:
         raise CLIError(f"--input {args.input}: no inputs in it")
     outputs = run.predict(inputs, batch_size=args.batch_size)
     if not args.json:
-        print(f"zoo predict: {run.weights}, {len(inputs)} inputs", file=sys.stderr, flush=True)
+        print(f"zoo predict: {run.weights}, {internal.counted(len(inputs), 'input')}", file=sys.stderr, flush=True)
     for given, out in zip(inputs, outputs):
         values = [float(v) for v in out]
         if regressor:
@@ -180,7 +180,10 @@ def cmd_export(args) -> int:
     others = [n for n in before if n not in names]
     if others:  # the user's own files: said, never touched
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-        print(f"zoo export: {args.output} also holds {len(others)} files it did not write, left as they were: {shown}")
+        print(
+            f"zoo export: {args.output} also holds {internal.counted(len(others), 'file')} it did not write, "
+            f"left as they were: {shown}"
+        )
     return 0
 
 
