@@ -246,7 +246,7 @@ def _check_rows(c, adapters: AdapterRecords, trains: Mapping[str, Dataset]) -> N
     for name, train in trains.items():
         if len(train) < c.batch_size // k:
             raise ConfigError(
-                f"--data: adapter {name!r} ({adapters.files[name].name}) has {len(train)} training rows after "
+                f"--data: adapter {name!r} ({adapters.files[name].name}) has {counted(len(train), 'training row')} after "
                 f"holding out --validation {c.data.validation}, fewer than the {c.batch_size // k} each step takes "
                 f"of it (--batch-size {c.batch_size} / {k} adapters); give it more rows, or lower --batch-size"
             )
