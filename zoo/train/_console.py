@@ -76,7 +76,8 @@ class Header(Hook):
             c.optimizer.warmup_steps(c.steps),
             _chosen(r),
         )
-        self.phases(f"training steps {r.start + 1} to {c.steps}, {_cadence(c.eval_interval, r.start, c.steps)}...")
+        steps = f"step {c.steps}" if r.start + 1 == c.steps else f"steps {r.start + 1} to {c.steps}"
+        self.phases(f"training {steps}, {_cadence(c.eval_interval, r.start, c.steps)}...")
 
 
 def _cadence(every: int, start: int, steps: int) -> str:
