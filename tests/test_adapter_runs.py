@@ -273,7 +273,7 @@ def test_bad_adapter_data_is_refused_naming_the_file_and_line(files, base, tmp_p
     # an adapter with too few rows for its share of the batch
     few = _write(files, "few.jsonl", [good] * 3)
     rc, err = _finetune(base, "--data", f"a={files['a']},few={few}", "--batch-size", 8, "--output", tmp_path / "f")
-    one_line_error(rc, err, "adapter 'few' (few.jsonl) has 1 training rows")
+    one_line_error(rc, err, "adapter 'few' (few.jsonl) has 1 training row after")
     # the batch must split evenly over the adapters; pairs name a file each, once each
     for data, batch, message in (
         (f"a={files['a']},b={files['b']},c={files['a']}", 8, "use a multiple of 3"),

@@ -201,7 +201,7 @@ def test_a_mean_classifier_export_says_what_to_run_instead(mean_run, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("mine")  # the user's own file: left alone, and said so
     said = zoo_ok("export", run, "--merge", "--output", out)
-    assert "also holds 1 files it did not write, left as they were: notes.txt" in said
+    assert "also holds 1 file it did not write, left as they were: notes.txt" in said
     assert (out / "notes.txt").read_text() == "mine"
     readme = (out / "README.md").read_text()
     assert "`AutoModelForSequenceClassification` would read the `[CLS]` state" in readme

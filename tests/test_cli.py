@@ -563,3 +563,30 @@ def test_the_verdict_shows_two_values_it_found_different_as_different():
     assert _apart(0.69314718, 0.69312345) == "0.69315 -> 0.69312"
     assert _apart(0.5, 0.5) == "0.5000 -> 0.5000"
     assert _apart(0.1234567891, 0.1234567890) == "0.12345679 -> 0.12345679"  # 8 at most
+
+
+def test_the_report_says_one_step_row_device_in_the_singular_and_only_the_evaluations_it_makes(tmp_path):
+    """A run of 1 step on 1 device in 1 microbatch said "1 steps", "1 simulated CPU
+    devices", "1 microbatches" (and a 1-row data file "1 rows"): a count of 1 takes the
+    singular, every other count the plural. `zoo demo --steps 12` said "evaluating every
+    15" (the demo's --eval-every) of a run no multiple of 15 reaches: the header names the
+    interval only when some step between the first and the last evaluates, else the
+    evaluation after the last step. (One run for both: each is a compiled mlp of its own.)"""
+    import numpy as np
+
+    from zoo.data import Dataset, describe
+    from zoo.train._console import _cadence
+
+    text = ok("train", "mlp", "--steps", "1", "--eval-every", "15", "--devices", "1", "--batch-size", "8",
+              "--microbatches", "1", "--eval-size", "8", "--output", tmp_path / "mlp")  # fmt: skip
+    assert "devices: 1 simulated CPU device," in text and "in 1 microbatch," in text, text
+    assert "trained after 1 step " in text and ", 1 step " in text, text
+    assert not re.search(r"\b1 (steps|devices|microbatches|rows|examples)\b", text), text
+    ones = {k: np.ones((1, 4), np.int32) for k in ("tokens", "mask", "weights", "segment_ids", "positions")}
+    assert describe(Dataset(ones, "text")).startswith("text: 1 row, 4 target tokens,")
+    assert "training step 1, evaluating after the last step..." in text, text
+    assert [r["step"] for r in read_jsonl(tmp_path / "mlp" / "metrics.jsonl") if r["kind"] == "eval"] == [0, 1]
+    assert _cadence(15, 0, 60) == "evaluating every 15 steps"  # the demo's own 60 steps: after 15, 30, 45, 60
+    assert _cadence(15, 50, 60) == "evaluating after the last step"  # resumed past the last multiple
+    assert _cadence(1, 0, 6) == "evaluating after every step"
+    assert _cadence(0, 0, 6) == "evaluating after the last step"  # --eval-every 0: before and after only

@@ -4,6 +4,7 @@ assistant weights exactly), the peft contract of the adapter, resuming mid-epoch
 same batches, classification with labels from the file, and one-line errors for bad files."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -632,3 +633,12 @@ def test_a_name_neither_built_in_nor_a_file_is_one_line():
         err,
         "--data 'prose': encoder trains on docstrings or swapped-halves, or on your own .txt, .jsonl or .csv file",
     )
+
+
+def test_the_report_counts_a_data_files_rows_as_rows(tmp_path, llama_dir, data_files):
+    """A fine-tune on prompt / completion records said "validation set, 4 windows" (and
+    sampled "after the start of a validation window") though its data line counts rows:
+    a data file's evaluation rows are rows; a built-in corpus's stay windows."""
+    text = _finetune(llama_dir, data_files["pc"], tmp_path / "pc", "--steps", "1")
+    assert "prompt_completion: " in json.loads((tmp_path / "pc" / "summary.json").read_text())["data"]
+    assert re.search(r"^validation set, 2 rows ", text, re.M) and "window" not in text, text

@@ -214,8 +214,9 @@ def _finish(procs: dict, timeout: float = 300) -> None:
 
 def test_errors_in_fresh_processes(tmp_path):
     """`python -m zoo` as a user runs it, a dozen mistakes at once (each fails before jax
-    compiles anything): the exit code, exactly one line on stderr, no traceback; an
-    unexpected error is exit 1 naming its type and --debug; `--debug` (before or after the
+    compiles anything): the exit code, exactly one line on stderr, no traceback (a
+    `--tensorboard` folder under a file, once an unexpected NotADirectoryError at the first
+    step, is refused before the run); `--debug` (before or after the
     command) shows the traceback instead; a fresh process simulates the devices asked for.
     `--debug` after the command in this process: the entry raises the same error instead of
     its one line (what Python prints as a traceback with exit 1 as the process ends, the
@@ -240,19 +241,19 @@ def test_errors_in_fresh_processes(tmp_path):
                   ("zoo: error: --rules tp shards over mesh axes ['data', 'model'], but the mesh data=8 lacks 'model'; "
                    "pass a mesh with them, e.g. --mesh data=4,model=2")),
         "devices": (["train", "mlp", "--devices", "0"], 2, "zoo: error: --devices must be an integer >= 1, got 0"),
-        "unexpected": (["train", "mlp", "--steps", "1", "--quiet", "--tensorboard", "a_file/tb"], 1,
-                       ("zoo: error: NotADirectoryError: [Errno 20] Not a directory: 'a_file/tb' "
-                        "(rerun with --debug for the traceback)")),
+        "tensorboard": (["train", "mlp", "--steps", "1", "--quiet", "--tensorboard", "a_file/tb"], 2,
+                        ("zoo: error: --tensorboard a_file/tb: a_file is a file, so no folder can be created in it; "
+                         "choose a folder whose parents are folders")),
     }  # fmt: skip
     debug = {"debug_before": ["--debug", "train", "mlp", "--mesh", "data4"]}
     debug_after = ["train", "mlp", "--mesh", "data4", "--debug"]
     debug_error = "bad --mesh 'data4': write it as name=size[,name=size], e.g. data=4,model=2"
     # Fresh processes for a mistake found once jax has started (everything a process writes
-    # to file descriptor 2 counts), the unexpected error, --debug's traceback (Python prints
+    # to file descriptor 2 counts), --debug's traceback (Python prints
     # it as the process ends) and the simulated devices; the other mistakes in this process
     # (the same entry, the same message): a process each cost seconds of jax's start and
     # showed nothing more.
-    fresh = {"batch", "unexpected", "debug_before"}
+    fresh = {"batch", "debug_before"}
     procs = {name: _start(args, tmp_path, name) for name, (args, _, _) in one_line.items() if name in fresh}
     procs |= {name: _start(args, tmp_path, name) for name, args in debug.items()}
     procs["info"] = _start(["info", "mlp", "--devices", "3", "--json"], tmp_path, "info")
@@ -286,6 +287,32 @@ def test_errors_in_fresh_processes(tmp_path):
     assert procs["info"].returncode == 0, err("info")
     info = json.loads((tmp_path / "info.out").read_text())
     assert info["devices"] == 3 and info["mesh"] == {"data": 3}
+
+
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (RuntimeError("boom\nmore"), "RuntimeError: boom"),
+        (
+            NotADirectoryError(20, "Not a directory", "a_file/tb"),
+            "NotADirectoryError: [Errno 20] Not a directory: 'a_file/tb'",
+        ),
+    ],
+)
+def test_an_unexpected_error_is_one_line_naming_its_type_and_debug(monkeypatch, error, line):
+    """An error no check foresaw (a bug, an environment problem; an OSError has its own
+    branch) is exit 1 and one line naming its type, its first line and `--debug`; with
+    `--debug` it is raised (Python's traceback). Raised here by the train command's run."""
+    import zoo._cli._train as train_cli
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(train_cli, "execute", fail)
+    rc, _, err = zoo_main("train", "mlp", "--steps", "1")
+    assert rc == 1 and err == f"zoo: error: {line} (rerun with --debug for the traceback)\n", (rc, err)
+    with pytest.raises(type(error)):
+        zoo_main("train", "mlp", "--steps", "1", "--debug")
 
 
 # Ctrl-C (exit 130, one line naming the saved step and the command that continues the run):

@@ -62,6 +62,8 @@ def _forward(model, inputs, **kwargs):
 
 def test_predict_names_a_classifiers_labels_from_texts_and_files(classifier_run, tmp_path):
     assert json.loads((classifier_run / "labels.json").read_text()) == {"labels": ["cats", "colours", "dogs"]}
+    rc, _, err = zoo_main("predict", classifier_run, "--text", TEXTS[0])  # it said "1 inputs"
+    assert rc == 0 and err.endswith(", 1 input\n"), err
     out = ok("predict", classifier_run, *sum((["--text", t] for t in TEXTS), []), "--json")
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["text"] for r in records] == TEXTS
@@ -74,7 +76,9 @@ def test_predict_names_a_classifiers_labels_from_texts_and_files(classifier_run,
              "t.csv": "text,label\n" + "".join(f'"{t}",x\n' for t in TEXTS)}  # fmt: skip
     for name, text in files.items():
         (tmp_path / name).write_text(text)
+        (tmp_path / f"bom{name}").write_text(text, encoding="utf-8-sig")  # a BOM (Windows editors) is no text
         lines = ok("predict", classifier_run, "--input", tmp_path / name).splitlines()
+        assert ok("predict", classifier_run, "--input", tmp_path / f"bom{name}").splitlines() == lines, name
         assert [line.split("\t")[0] for line in lines] == [r["label"] for r in records], name
         assert [line.split("\t")[2] for line in lines] == TEXTS, name
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -209,7 +213,8 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
 
 def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):
     """transformers' BertModel on the merged folder, mean-pooled, through head.safetensors:
-    `zoo predict`'s logits; the label names are config.json's id2label."""
+    `zoo predict`'s logits; the label names are config.json's id2label; no
+    generation_config.json (it wrote one, which transformers never writes for BERT)."""
     import torch
     import transformers
 
@@ -228,6 +233,10 @@ def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, 
             torch.from_numpy(tokens.astype(np.int64)), attention_mask=torch.from_numpy(mask)
         ).last_hidden_state
     hidden = hidden.numpy().astype(np.float64)
+    # An encoder generates nothing: transformers writes no generation_config.json for it, nor does the export.
+    bert.save_pretrained(tmp_path / "theirs")
+    assert not (tmp_path / "theirs" / "generation_config.json").exists()
+    assert not (out / "generation_config.json").exists()
     head = safetensors.numpy.load_file(out / "head.safetensors")
     pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
     logits = pooled @ head["head.weight"] + head["head.bias"]

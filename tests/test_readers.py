@@ -168,7 +168,7 @@ def test_predict_on_a_damaged_newest_checkpoint_says_so_and_never_deletes(finish
     assert rc == 0, err
     note, header = err.strip().splitlines()
     assert note.startswith("zoo predict: note: ") and "step 4 is damaged (its array data cannot be read" in note, err
-    assert "the weights are the newest intact step, 2" in note and header.endswith("step 2, 1 inputs"), err
+    assert "the weights are the newest intact step, 2" in note and header.endswith("step 2, 1 input"), err
     assert out != newest  # step 2's weights, not step 4's
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]
     for data in (run / "checkpoints" / "2").rglob("d/*"):

@@ -2,8 +2,10 @@
 packed rows → batches → one `zoo.TrainStep` step on 2 devices), packing's segment ids and
 positions against each document run alone, splits, shuffles, errors."""
 
+import dataclasses
 import hashlib
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -387,6 +389,22 @@ def test_a_leading_utf8_bom_is_not_part_of_the_data(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     with pytest.raises(UnicodeDecodeError):
         zoo.data.read_records(tmp_path / "latin1.txt")
+
+
+def test_a_folders_json_files_with_a_utf8_bom_read_as_without(llama_dir, tmp_path):
+    """A model folder's tokenizer_config.json (or config.json) saved with a byte-order mark
+    failed with json's "Unexpected UTF-8 BOM": it reads as without, as the data files do."""
+    folder = tmp_path / "bom"
+    shutil.copytree(llama_dir, folder)
+    for name in ("tokenizer_config.json", "config.json"):
+        (folder / name).write_text((llama_dir / name).read_text(), encoding="utf-8-sig")
+    plain, bom = zoo.hf.Tokenizer.from_pretrained(llama_dir), zoo.hf.Tokenizer.from_pretrained(folder)
+    assert (bom.pad_id, bom.max_len) == (plain.pad_id, plain.max_len)
+    chat = [{"role": "user", "content": "the cat"}]
+    template = zoo.data.ChatTemplate.from_pretrained
+    assert template(folder).render(chat) == template(llama_dir).render(chat)
+    config = zoo.hf.from_pretrained(folder).config
+    assert config == dataclasses.replace(zoo.hf.from_pretrained(llama_dir).config, source_dir=config.source_dir)
 
 
 def test_packed_chat_loss_on_a_hugging_face_llama_equals_transformers(tmp_path):

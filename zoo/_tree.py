@@ -128,3 +128,9 @@ def human_bytes(n: int | float) -> str:
             return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
         n /= 1000
     raise AssertionError  # unreachable: TB takes every size
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and `noun`, the noun singular when `n` is 1: (1, 'step') → '1 step',
+    (3, 'step') → '3 steps'. `plural`: the plural where it is not `noun + 's'`."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

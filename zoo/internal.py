@@ -11,7 +11,8 @@ array's `PartitionSpec` under rules (`spec_for`) and the trainable/frozen split
 Then what the layers, loaders and tools share: how a layer's weight is laid out for use
 (`sharding_spec`, `contract_spec`, `for_use`), RoPE's frequencies, the sampling settings'
 check, refusing non-finite weights (`check_finite`, `NonFiniteWeightsError`), a pytree's
-sizes and paths (`tree_bytes`, `tree_size`, `human_bytes`, `path_str`), a model of shapes
+sizes and paths (`tree_bytes`, `tree_size`, `human_bytes`, `path_str`), a count and its noun
+(`counted`: "1 step", "2 steps"), a model of shapes
 alone (`is_array_like`, `on_shapes_too`: `zoo.train.abstract_models`), what a LoRA config
 adapted (`lora_json`) and tracebacks without the checkpoint writer's closed-loop frames.
 
@@ -42,7 +43,7 @@ __getattr__, __dir__ = lazy_names(
         "._rules": ("spec_for",),
         "._sampling": ("check_sampling",),
         "._step": ("partition_trainable",),
-        "._tree": ("human_bytes", "is_array_like", "on_shapes_too", "path_str", "tree_bytes", "tree_size"),
+        "._tree": ("counted", "human_bytes", "is_array_like", "on_shapes_too", "path_str", "tree_bytes", "tree_size"),
         ".lora._named": ("lora_json",),
         ".nn._rope": ("rope_frequencies",),
         ".nn._sharding": ("contract_spec", "for_use", "sharding_spec"),
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from ._rules import spec_for as spec_for
     from ._sampling import check_sampling as check_sampling
     from ._step import partition_trainable as partition_trainable
+    from ._tree import counted as counted
     from ._tree import human_bytes as human_bytes
     from ._tree import is_array_like as is_array_like
     from ._tree import on_shapes_too as on_shapes_too
@@ -84,6 +86,7 @@ __all__ = [
     "check_finite",
     "check_sampling",
     "contract_spec",
+    "counted",
     "for_use",
     "gather_over",
     "human_bytes",

@@ -156,8 +156,8 @@ def cmd_inspect(args) -> int:
         return code
     seq = "" if c.data.seq_len is None else f", seq-len {c.data.seq_len}"
     print(
-        f"{args.model} (as zoo {ins.command} builds it): {devices} devices, mesh {c.mesh}, "
-        f"{c.microbatches} microbatches, mode {c.mode}, rules {c.rules}, batch {c.batch_size}{seq}"
+        f"{args.model} (as zoo {ins.command} builds it): {internal.counted(devices, 'device')}, mesh {c.mesh}, "
+        f"{internal.counted(c.microbatches, 'microbatch', 'microbatches')}, mode {c.mode}, rules {c.rules}, batch {c.batch_size}{seq}"
     )
     print(f"params {result['param_bytes']:,} bytes, trainable {result['trainable_bytes']:,} bytes")
     if lora is not None:

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .. import internal
 from ._common import CLIError, init_devices
 from ._generate import add_quantize, add_source, chat_template, load, resolve_source
 
@@ -120,8 +121,14 @@ def cmd_serve(args) -> int:
     except ValueError as e:
         raise CLIError(f"--adapter: {str(e).splitlines()[0]}") from None
     if engine.bank is not None:
-        where += f", {len(flags)} adapters in {engine.bank.capacity} slots of rank <= {engine.bank.max_rank}"
-    print(f"zoo serve: {where}, {args.slots} slots of {max_len} tokens; compiling...", file=sys.stderr, flush=True)
+        bank = engine.bank
+        where += f", {internal.counted(len(flags), 'adapter')} in {internal.counted(bank.capacity, 'slot')}"
+        where += f" of rank <= {bank.max_rank}"
+    print(
+        f"zoo serve: {where}, {internal.counted(args.slots, 'slot')} of {max_len} tokens; compiling...",
+        file=sys.stderr,
+        flush=True,
+    )
     engine.warm_up()
     if engine.kernels:  # what the timing chose, per number of rows a step runs (docs/serving.md)
         chosen = ", ".join(f"{n} row{'s' * (n > 1)} {kernel}" for n, kernel in sorted(engine.kernels.items()))

@@ -49,7 +49,7 @@ def _read_inputs(path: Path, regressor: bool) -> list[Any]:
     if not path.is_file():
         raise CLIError(f"--input {path}: no such file; check the path")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading BOM is no text, as in the data files
     except UnicodeDecodeError as e:
         raise CLIError(f"--input {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     key = "x" if regressor else "text"
@@ -86,7 +86,7 @@ def cmd_predict(args) -> int:
         raise CLIError(f"--input {args.input}: no inputs in it")
     outputs = run.predict(inputs, batch_size=args.batch_size)
     if not args.json:
-        print(f"zoo predict: {run.weights}, {len(inputs)} inputs", file=sys.stderr, flush=True)
+        print(f"zoo predict: {run.weights}, {internal.counted(len(inputs), 'input')}", file=sys.stderr, flush=True)
     for given, out in zip(inputs, outputs):
         values = [float(v) for v in out]
         if regressor:
@@ -125,7 +125,7 @@ def cmd_eval(args) -> int:
     if scores["kind"] == "lm":
         print(
             f"loss {scores['loss']:.4f}  perplexity {scores['perplexity']:.4g}  next-token accuracy "
-            f"{100 * scores['accuracy']:.1f}%  ({scores['tokens']} target tokens in {scores['rows']} rows)"
+            f"{100 * scores['accuracy']:.1f}%  ({internal.counted(scores['tokens'], 'target token')} in {internal.counted(scores['rows'], 'row')})"
         )
         for name, own in scores.get("adapters", {}).items():  # a run of several adapters: each on its records
             print(
@@ -135,7 +135,7 @@ def cmd_eval(args) -> int:
         return 0
     print(
         f"loss {scores['loss']:.4f}  accuracy {100 * scores['accuracy']:.1f}%  macro-F1 {scores['macro_f1']:.3f}  "
-        f"({scores['examples']} examples)"
+        f"({internal.counted(scores['examples'], 'example')})"
     )
     print("\n".join(_table(scores)))
     return 0
@@ -180,7 +180,10 @@ def cmd_export(args) -> int:
     others = [n for n in before if n not in names]
     if others:  # the user's own files: said, never touched
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-        print(f"zoo export: {args.output} also holds {len(others)} files it did not write, left as they were: {shown}")
+        print(
+            f"zoo export: {args.output} also holds {internal.counted(len(others), 'file')} it did not write, "
+            f"left as they were: {shown}"
+        )
     return 0
 
 

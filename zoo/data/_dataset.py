@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from .._distributed import local_rows
+from .._tree import counted
 from ..hf._files import read_json
 from ..hf._tokenizer import Tokenizer
 from ._chat import ChatTemplate, rendering
@@ -384,12 +385,14 @@ def describe(dataset: Dataset) -> str:
     """One line about a dataset: its format, rows and (language modelling) how many
     tokens carry loss, or (classification) its labels."""
     if dataset.label_names is not None:
-        return f"{dataset.kind}: {len(dataset)} rows, {dataset.num_labels} labels {list(dataset.label_names)}"
+        return (
+            f"{dataset.kind}: {counted(len(dataset), 'row')}, {dataset.num_labels} labels {list(dataset.label_names)}"
+        )
     if dataset.kind == "preference":
-        return f"preference: {len(dataset)} pairs, {dataset.truncated} cut to fit"
+        return f"preference: {counted(len(dataset), 'pair')}, {dataset.truncated} cut to fit"
     weights = dataset.arrays["weights"]
     fill = dataset.arrays["mask"].mean() if len(dataset) else 0.0
     return (
-        f"{dataset.kind}: {len(dataset)} rows, {int(weights.sum())} target tokens, {math.floor(100 * fill)}% of row "
+        f"{dataset.kind}: {counted(len(dataset), 'row')}, {counted(int(weights.sum()), 'target token')}, {math.floor(100 * fill)}% of row "
         f"tokens real, {dataset.truncated} truncated"
     )

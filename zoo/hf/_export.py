@@ -121,8 +121,8 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
       it was loaded as (any of `zoo.hf.families()`). Configs the architecture cannot
       express raise a `ValueError` naming them. May be sharded; LoRA branches must be
       merged first (`zoo.lora.merge`).
-    - `directory`: created if needed. `model.safetensors`, `config.json` and
-      `generation_config.json` in it are replaced atomically (a temporary file next to
+    - `directory`: created if needed. `model.safetensors`, `config.json` and (a
+      decoder's) `generation_config.json` in it are replaced atomically (a temporary file next to
       each, then `os.replace`; weights first, config last); other files are left alone,
       nothing is deleted. A folder holding a file of a name it writes must already be a
       Hugging Face model folder (a `config.json` with `"model_type"`, or a readable
@@ -132,7 +132,8 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
     A model loaded from a folder (`config.source_dir`) keeps that folder's config.json
     keys the zoo does not model (token ids, activation spellings) and gets its tokenizer
     files and `generation_config.json` copied; otherwise `generation_config.json` is made
-    from the config. `max_position_embeddings` is the model's `max_len`.
+    from the config. An encoder (BERT) generates nothing: it gets no
+    `generation_config.json`, as transformers' `BertModel.save_pretrained` writes none. `max_position_embeddings` is the model's `max_len`.
 
     Tensors keep the leaves' dtype. In a multi-process run every process must call it
     (sharded leaves are gathered); process 0 writes. `zoo.hf.from_pretrained` of the
@@ -144,7 +145,8 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
     directory = Path(directory)
     same = folder is not None and folder.resolve() == directory.resolve()
     tokenizer = [n for n in TOKENIZER_FILES if folder is not None and not same and (folder / n).is_file()]
-    names = [WEIGHTS_NAME, *tokenizer, GENERATION_NAME, CONFIG_NAME]
+    made = family.generation_config(values)  # None: a model that generates nothing (BERT)
+    names = [WEIGHTS_NAME, *tokenizer, *([GENERATION_NAME] if made is not None else []), CONFIG_NAME]
     tensors = hf_tensors(model)  # every process: sharded leaves are gathered
     if jax.process_index() != 0:
         return []
@@ -166,11 +168,10 @@ def save_pretrained(model: Encoder | Transformer, directory: str | os.PathLike) 
     for name in tokenizer:
         data = (folder / name).read_bytes()
         atomic_write(directory / name, lambda tmp, data=data: Path(tmp).write_bytes(data))
-    generation = read_json(folder / GENERATION_NAME) if folder is not None else None
-    if generation is None:
-        generation = family.generation_config(values)
-    gen_text = json.dumps(generation, indent=2, sort_keys=True) + "\n"
-    atomic_write(directory / GENERATION_NAME, lambda tmp: Path(tmp).write_text(gen_text))
+    if made is not None:
+        generation = (read_json(folder / GENERATION_NAME) if folder is not None else None) or made
+        gen_text = json.dumps(generation, indent=2, sort_keys=True) + "\n"
+        atomic_write(directory / GENERATION_NAME, lambda tmp: Path(tmp).write_text(gen_text))
     text = json.dumps(values, indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
     fsync_dir(directory)

@@ -44,7 +44,8 @@ The interface (stable; additions only):
     a tied head, a pooler).
   - `hf_module_name(module, index)` → the HF/peft module name of zoo module `module` at
     layer numbers `index`, or `None` when the table has none.
-  - `generation_config(values)` → `generation_config.json` from the HF config dict.
+  - `generation_config(values)` → `generation_config.json` from the HF config dict
+    (None for a family that generates nothing: BERT).
   - `file_view(checkpoint)` → the open checkpoint as this family's tensor names read it
     (default: itself; Mixtral and Qwen3-MoE read transformers 5's fused expert tensors as
     one per expert).
@@ -133,8 +134,9 @@ class Family:
         """Whether a config without `family` has this architecture's shape."""
         return False
 
-    def generation_config(self, values: dict[str, Any]) -> dict[str, Any]:
-        """`generation_config.json` for a model without one: its token ids."""
+    def generation_config(self, values: dict[str, Any]) -> dict[str, Any] | None:
+        """`generation_config.json` for a model without one: its token ids (None: the
+        family generates nothing and its folders hold none)."""
         out: dict[str, Any] = {"_from_model_config": True}
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if values.get(key) is not None:

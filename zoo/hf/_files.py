@@ -57,7 +57,8 @@ def hub_cache() -> Path:
 
 
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """The `config.json` of a Hugging Face model directory, as a dict."""
+    """The `config.json` of a Hugging Face model directory, as a dict (a leading UTF-8
+    BOM read as no text)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(
@@ -67,16 +68,15 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = directory / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{str(directory)!r} holds no {CONFIG_NAME}; a Hugging Face model directory needs one")
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8-sig"))  # a leading BOM is no text (read_json)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON file as a dict, or `None` if there is no such file."""
+    """A JSON file as a dict, or `None` if there is no such file. UTF-8, a leading BOM
+    (as some Windows editors save) read as no text, as the data files read it."""
     if not path.is_file():
         return None
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8-sig"))
 
 
 @runtime_checkable

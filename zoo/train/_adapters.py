@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._tree import is_abstract, on_shapes_too
+from .._tree import counted, is_abstract, on_shapes_too
 from ..data import DataFormatError, Dataset, describe, local_batch
 from ..data import load as load_data
 from ..data._chat import TemplateParseError
@@ -246,7 +246,7 @@ def _check_rows(c, adapters: AdapterRecords, trains: Mapping[str, Dataset]) -> N
     for name, train in trains.items():
         if len(train) < c.batch_size // k:
             raise ConfigError(
-                f"--data: adapter {name!r} ({adapters.files[name].name}) has {len(train)} training rows after "
+                f"--data: adapter {name!r} ({adapters.files[name].name}) has {counted(len(train), 'training row')} after "
                 f"holding out --validation {c.data.validation}, fewer than the {c.batch_size // k} each step takes "
                 f"of it (--batch-size {c.batch_size} / {k} adapters); give it more rows, or lower --batch-size"
             )
@@ -274,7 +274,7 @@ def adapters_task(c, adapters: AdapterRecords, *, rules, mesh):
     model, config, folder = model_spec(c.model).file_model(c, None, rules=rules, mesh=mesh)
     check_tokenizer(config, tokenizer, folder)
     held = {n: vals[n].arrays if len(vals[n]) else trains[n].arrays for n in names}
-    what = "; ".join(f"{n}: {describe(trains[n])}, {len(vals[n])} validation rows" for n in names)
+    what = "; ".join(f"{n}: {describe(trains[n])}, {counted(len(vals[n]), 'validation row')}" for n in names)
     return Task(
         model=model,
         kind="lm",

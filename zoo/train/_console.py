@@ -10,9 +10,11 @@ from pathlib import Path
 import jax
 
 from .._inspect import report
-from .._tree import human_bytes
+from .._tree import counted, human_bytes
+from ..data import Dataset
 from ..lora import LoraLinear
 from ..lora import modules as lora_modules
+from ._adapters import AdapterRows
 from ._registry import model_spec
 from ._summary import RunRecord
 from ._text import mesh_text
@@ -74,9 +76,18 @@ class Header(Hook):
             c.optimizer.warmup_steps(c.steps),
             _chosen(r),
         )
-        every = c.eval_interval
-        cadence = "" if not every else ", evaluating after every step" if every == 1 else f", evaluating every {every}"
-        self.phases(f"training steps {r.start + 1} to {c.steps}{cadence}...")
+        steps = f"step {c.steps}" if r.start + 1 == c.steps else f"steps {r.start + 1} to {c.steps}"
+        self.phases(f"training {steps}, {_cadence(c.eval_interval, r.start, c.steps)}...")
+
+
+def _cadence(every: int, start: int, steps: int) -> str:
+    """When a run evaluates between steps `start` and `steps` (`Evaluate`: after each
+    multiple of `every`, and after the last step), as the header says it: an interval
+    that no step of the run reaches (`--eval-every 15` of 12 steps) is not named."""
+    between = (steps - 1) // every - start // every if every else 0  # multiples of every in (start, steps)
+    if not between:
+        return "evaluating after the last step"
+    return "evaluating after every step" if every == 1 else f"evaluating every {every} steps"
 
 
 def _chosen(r: RunRecord) -> str:
@@ -87,7 +98,7 @@ def _chosen(r: RunRecord) -> str:
     if "batch_size" not in c.derived or c.batch_size == default:
         return ""
     source = r.built.task.train_source
-    rows = f" and the {len(source)} training rows" if hasattr(source, "__len__") else ""
+    rows = f" and the {counted(len(source), 'training row')}" if hasattr(source, "__len__") else ""
     return f" (--batch-size unset: the largest up to the default {default} that the mesh{rows} allow)"
 
 
@@ -122,7 +133,8 @@ def _print_header(
     chosen="",
 ) -> None:
     backend = jax.default_backend()
-    where = "simulated CPU devices" if backend == "cpu" else f"{backend.upper()} devices"
+    where = "simulated CPU device" if backend == "cpu" else f"{backend.upper()} device"
+    where += "" if devices == 1 else "s"
     say(f"zoo {title}")
     say(
         f"model: {c.model}, {base_params:,} parameters ({human_bytes(base_bytes)})"
@@ -135,7 +147,7 @@ def _print_header(
     where += f" in {procs} processes" if procs > 1 else ""
     say(f"devices: {devices} {where}, mesh {mesh_text(mesh_shape)}, rules {c.rules}, mode {c.mode}")
     say(
-        f"steps: {c.steps} of global batch {c.batch_size}{chosen} in {c.microbatches} microbatches, {c.optimizer.name} "
+        f"steps: {c.steps} of global batch {c.batch_size}{chosen} in {counted(c.microbatches, 'microbatch', 'microbatches')}, {c.optimizer.name} "
         f"lr {c.optimizer.lr:g} ({c.optimizer.schedule}, warmup {warmup}), {c.dtype} compute"
         + (f"; resumed at step {start}" if start else "")
     )
@@ -144,7 +156,7 @@ def _print_header(
         names = sorted({n.split(".")[-1] for n in adapted})
         extra = trainable_bytes - adapter_bytes
         say(
-            f"LoRA r={lcfg.r} alpha={lcfg.lora_alpha:g} on {lora_layer_count(model)} Linear layers ({', '.join(names)})"
+            f"LoRA r={lcfg.r} alpha={lcfg.lora_alpha:g} on {counted(lora_layer_count(model), 'Linear layer')} ({', '.join(names)})"
             + (f" + {', '.join(lcfg.modules_to_save)} trained in full" if lcfg.modules_to_save else "")
             + f": {human_bytes(adapter_bytes)} of adapters"
             + (f" + {human_bytes(extra)}" if extra else "")
@@ -171,12 +183,12 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     say()
     ev_name = {"classification": "test", "lm": "validation"}.get(task.kind, "held-out")
     n = summary["eval_after"]["examples"]
-    what = {"classification": "texts", "lm": "windows", "regression": "examples", "preference": "pairs"}
-    what = what.get(task.kind, "completions")  # grpo: completions of the held-out prompts
+    what = {"classification": "text", "lm": _lm_rows(task), "regression": "example", "preference": "pair"}
+    what = what.get(task.kind, "completion")  # grpo: completions of the held-out prompts
     has_acc = summary["eval_after"]["accuracy"] is not None
     acc_name = {"classification": "accuracy", "preference": "preference acc."}.get(task.kind, "next-token acc.")
     has_reward = summary["eval_after"].get("reward") is not None  # grpo: the mean reward of the completions
-    head = f"{ev_name} set, {n} {what}"
+    head = f"{ev_name} set, {counted(n, what)}"
     width = max(len(head), 2 + max(len(st["name"]) for st in summary["stages"])) + 2
     say(
         f"{head:<{width}}{'loss':>8}"
@@ -215,7 +227,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     scalars = c["gradient_bytes"] - per_device
     split = "" if per_device == trainable else " per device"
     inside = c["collectives_in_loop"]
-    in_loop = f"; {inside} collectives inside loops" + (
+    in_loop = f"; {counted(inside, 'collective')} inside loops" + (
         f" (over {', '.join(c['in_loop_mesh_axes']) or 'no mesh axis'})" if inside else ""
     )
     if c["gradient_reductions"] == 1 and 0 <= scalars <= 16:
@@ -223,7 +235,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         say(f"  {c['gradient_bytes']:,} bytes = {what} {per_device:,}{split} + loss scalars {scalars:,}{in_loop}")
     else:  # e.g. fsdp on CPU: XLA splits the reduction, and the optimizer's norms add their own
         say(
-            f"collectives of the compiled step: {c['gradient_reductions']} {kinds}s over data outside the microbatch "
+            f"collectives of the compiled step: {counted(c['gradient_reductions'], kinds)} over data outside the microbatch "
             f"loop, {c['gradient_bytes']:,} bytes in all ({what} {per_device:,} bytes{split}){in_loop}"
         )
     say(report(colls))
@@ -236,7 +248,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     )
     say(
         f"time: load + first eval {secs['load'] + secs['evaluate_before']:.1f} s, compile {secs['compile']:.1f} s, "
-        f"{summary['last_step'] - (summary['resumed_from'] or 0)} steps {secs['train']:.1f} s ({rate}), "
+        f"{counted(summary['last_step'] - (summary['resumed_from'] or 0), 'step')} {secs['train']:.1f} s ({rate}), "
         + (
             f"sampling their rollouts {secs['rollouts']:.1f} s (the first step's before it), "
             if "rollouts" in secs
@@ -252,7 +264,7 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
     if summary.get("sample"):
         smp = summary["sample"]
         say(
-            f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation window): "
+            f"sample ({smp['new_tokens']} tokens, greedy, after the start of a validation {_lm_rows(task)}): "
             f"{smp['prompt']!r} -> {smp['completion']!r}"
         )
     if summary.get("reward_rose") is not None:  # grpo: what it maximises
@@ -266,6 +278,13 @@ def _print_summary(say, summary, task, colls, output: Path, lcfg) -> None:
         return
     b, a = summary["eval_before"]["loss"], summary["eval_after"]["loss"]
     say(f"loss fell: {'yes' if summary['loss_fell'] else 'NO'} ({ev_name} loss {_apart(b, a)})")
+
+
+def _lm_rows(task) -> str:
+    """What a language model's evaluation rows are: a data file's rows (text packed, or
+    prompt / completion or chat examples, as the data line counts them), else a built-in
+    corpus's windows of its text."""
+    return "row" if isinstance(task.train_source, (Dataset, AdapterRows)) else "window"
 
 
 def _apart(before: float, after: float) -> str:

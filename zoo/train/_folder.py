@@ -203,6 +203,22 @@ def _holder(path: Path) -> str:
     return f" ({text})" if text else ""
 
 
+def check_folder(folder: Path, flag: str) -> None:
+    """Refuse, before anything runs, a `folder` that cannot be made because it, or the
+    nearest of its parents that exists, is a file: a `ConfigError` naming `flag`, the
+    file and the fix. Creates nothing (a run that fails leaves no folder behind)."""
+    there = folder
+    while not there.exists() and there.parent != there:
+        there = there.parent
+    if not there.exists() or there.is_dir():
+        return
+    if there == folder:
+        raise ConfigError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
+    raise ConfigError(
+        f"{flag} {folder}: {there} is a file, so no folder can be created in it; choose a folder whose parents are folders"
+    )
+
+
 def make_folder(folder: Path, flag: str) -> None:
     """Create `folder` (and its parents); a `ConfigError` naming `flag`, the path and the
     operating system's reason when it cannot be."""

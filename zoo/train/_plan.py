@@ -16,7 +16,7 @@ from .._presets import RULE_PRESETS
 from .._presets import rules as preset_rules
 from ._config import RunConfig, output_dir
 from ._errors import ConfigError
-from ._folder import owned, previous_outputs, remove_run, strangers
+from ._folder import check_folder, owned, previous_outputs, remove_run, strangers
 from ._registry import model_spec
 from ._settings import MAX_COUNT
 from ._text import mesh_text, parse_mesh
@@ -83,6 +83,8 @@ def plan_run(
     for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoints)):
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
+    if config.tensorboard:  # its writer would fail at the first step, as an unexpected OSError
+        check_folder(Path(config.tensorboard), "--tensorboard")
     title = title or default_title(config, command)
     return RunPlan(config, command, title, output, checkpoints)
 

@@ -276,7 +276,7 @@ def check_init_family(spec: ModelSpec, folder: Path) -> None:
         raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
     config = folder / "config.json"
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        model_type = json.loads(config.read_text(encoding="utf-8-sig")).get("model_type")
         family = hf.get_family(model_type, str(config))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
@@ -303,7 +303,7 @@ def spec_for_init(folder: Path) -> ModelSpec:
 
     config = folder / "config.json"
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        model_type = json.loads(config.read_text(encoding="utf-8-sig")).get("model_type")
         family = hf.get_family(model_type, str(config))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{folder}: {str(e).splitlines()[0]}") from e
@@ -478,7 +478,7 @@ def resolve_init(path: str, *, what: str = "--init") -> Path:
     folder = Path(path).expanduser()
     for candidate in (folder, folder / "model"):
         if (candidate / "config.json").is_file() and any(candidate.glob("model*.safetensors*")):
-            if "model_type" in json.loads((candidate / "config.json").read_text()):
+            if "model_type" in json.loads((candidate / "config.json").read_text(encoding="utf-8-sig")):
                 return candidate
     if not folder.exists():
         from .. import hf

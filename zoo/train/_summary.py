@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 
 from .._inspect import Collective, collective_summary
-from .._tree import tree_bytes, tree_size
+from .._tree import counted, tree_bytes, tree_size
 from ..lora import trainable as lora_trainable
 from ..lora._named import lora_json
 from ._build import BuiltRun
@@ -86,7 +86,7 @@ class Summary(Hook):
         r.stages.append(
             {
                 "name": ("LoRA" + (" + head" if task.classifier else "") if c.lora is not None else "trained")
-                + f" after {last} steps",
+                + f" after {counted(last, 'step')}",
                 **after,
             }
         )

@@ -297,7 +297,7 @@ def check_pretrained_seq_len(c: RunConfig, folder: Path | None) -> None:
     if folder is None or not c.data.seq_len:
         return
     try:
-        values = json.loads((folder / "config.json").read_text())
+        values = json.loads((folder / "config.json").read_text(encoding="utf-8-sig"))
         family = hf.get_family(values.get("model_type"), str(folder / "config.json"))
         overrides = {"family": family.name, "source_dir": str(folder.resolve())} | dict(c.model_config)
         max_len = family.config_from_hf(values, **overrides).max_len

@@ -16,6 +16,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from .._tree import counted
 from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import describe as describe_data
 from ..data import load as load_data
@@ -304,7 +305,7 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     eval_data = dict(val.arrays if len(val) else train.arrays)
     if c.data.eval_size:
         eval_data = {k: v[: c.data.eval_size] for k, v in eval_data.items()}
-    held = f"{len(val)} validation rows" if len(val) else "no validation split (evaluated on the training rows)"
+    held = counted(len(val), "validation row") if len(val) else "no validation split (evaluated on the training rows)"
     return Task(
         model=model,
         kind="lm",

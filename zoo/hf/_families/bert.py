@@ -198,5 +198,8 @@ class Bert(Family):
     def claims(self, config):
         return isinstance(config, self.config_class)
 
+    def generation_config(self, values):
+        return None  # an encoder generates nothing: transformers' BertModel folders hold no generation_config.json
+
     def ignored(self, name, config):
         return name == "embeddings.position_ids" or name.startswith("pooler.")
