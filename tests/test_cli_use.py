@@ -198,6 +198,9 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
     rc, _, err = zoo_main("export", chat_run, "--merge", "--output", mine)
     one_line_error(rc, err, "holds tokenizer.json, which it would replace")
     assert (mine / "tokenizer.json").read_text() == "my own"
+    # A model folder given where a run is expected: named as what it is (its config.json is HF's).
+    rc, _, err = zoo_main("export", out, "--merge", "--output", tmp_path / "again")
+    one_line_error(rc, err, "a Hugging Face model folder (llama), not a zoo run")
     # --output a file, or a folder that cannot be created (under a file): one line naming it.
     notes = mine / "notes.md"
     notes.write_text("mine")

@@ -139,6 +139,11 @@ def load_run(folder: str | Path) -> SavedRun:
         values = saved_config(str(folder))
     except ConfigError as e:
         raise ConfigError(str(e).replace("RunConfig.resume: ", "")) from None
+    if values is not None and "model_type" in values and "model" not in values:  # a model, not a run
+        raise ConfigError(
+            f"{folder}: a Hugging Face model folder ({values['model_type']}), not a zoo run; give the output folder "
+            f"of zoo train / zoo finetune (zoo finetune {folder} --data FILE makes one)"
+        )
     if values is None or "model" not in values:
         raise ConfigError(
             f"{folder}: no config.json of a zoo run there; give the output folder of zoo train / zoo finetune "
