@@ -11,7 +11,7 @@ import jax
 
 from .._inspect import report
 from .._tree import human_bytes
-from ..lora import LoraLinear
+from ..lora import LoraExpertLinear, LoraLinear
 from ..lora import modules as lora_modules
 from ._registry import model_spec
 from ._summary import RunRecord
@@ -140,7 +140,7 @@ def _print_header(
         + (f"; resumed at step {start}" if start else "")
     )
     if lcfg is not None:
-        adapted = lora_modules(model, LoraLinear)
+        adapted = lora_modules(model, (LoraLinear, LoraExpertLinear))  # the experts count in the layers too
         names = sorted({n.split(".")[-1] for n in adapted})
         extra = trainable_bytes - adapter_bytes
         say(
