@@ -210,6 +210,18 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
     one_line_error(rc, err, f"--output {notes / 'merged'}: cannot create the folder (Not a directory)")
 
 
+def test_a_run_whose_base_model_moved_says_where_it_was_and_how_to_point_at_it(chat_run, tmp_path):
+    """A LoRA run whose base model folder (config.json's init) is gone: export and generate
+    name the folder and how to point the run at where it went, not "pass a folder"."""
+    run = tmp_path / "run"
+    shutil.copytree(chat_run / "adapter", run / "adapter")
+    config = json.loads((chat_run / "config.json").read_text()) | {"init": str(tmp_path / "moved")}
+    (run / "config.json").write_text(json.dumps(config))
+    for command in (["export", run, "--merge", "--output", tmp_path / "out"], ["generate", run, "--prompt", "a"]):
+        rc, _, err = zoo_main(*command)
+        one_line_error(rc, err, f"the base model of its adapter, {tmp_path / 'moved'}, is gone; put it back there")
+
+
 def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):
     """transformers' BertModel on the merged folder, mean-pooled, through head.safetensors:
     `zoo predict`'s logits; the label names are config.json's id2label."""

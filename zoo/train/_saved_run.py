@@ -209,8 +209,21 @@ def _base(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: list[str], 
             names = _older_labels(c, folder, notes)
         model, _, tok_dir = spec.file_model(c, len(names) if spec.classifier else None, rules=None, mesh=None)
     except ConfigError as e:
+        check_base_there(folder, c.init, what)
         raise ConfigError(f"{folder}: {what}: {str(e).splitlines()[0]}") from None
     return model, tok_dir, names
+
+
+def check_base_there(folder: Path, init: str | None, what: str = "the base model of its adapter") -> None:
+    """Refuse the run in `folder` when `init`, the base model its config.json names by its
+    full path (as a run stores a folder), is no longer there: a `ConfigError` naming it
+    and how to point the run at where it went. A Hub id, or a folder there: nothing."""
+    path = Path(init).expanduser() if init else None
+    if path is not None and path.is_absolute() and not path.exists():
+        raise ConfigError(
+            f'{folder}: {what}, {path}, is gone; put it back there, or set "init" in '
+            f"{folder / 'config.json'} to where it is now"
+        )
 
 
 def _older_labels(c: RunConfig, folder: Path, notes: list[str]) -> tuple[str, ...]:
