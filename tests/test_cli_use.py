@@ -166,6 +166,9 @@ def test_eval_of_a_chat_run_is_its_runs_evaluation_with_perplexity(chat_run, dat
     assert scores["accuracy"] == pytest.approx(after["accuracy"], abs=1e-9)
     assert scores["perplexity"] == pytest.approx(np.exp(scores["loss"])) and scores["tokens"] > 0
     assert "perplexity" in ok("eval", chat_run, "--data", held)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    rc, _, err = zoo_main("eval", chat_run, "--data", pairs)  # named as what they are, not text/label records
+    one_line_error(rc, err, "holds preference pairs (prompt, chosen, rejected) but")
 
 
 # --- zoo export -------------------------------------------------------------------------------

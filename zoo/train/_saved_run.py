@@ -390,7 +390,12 @@ def _read(run: SavedRun, path: Path):
     raw, kind = read_kind(path)
     wanted = "text, prompt/completion or chat records" if run.kind == "lm" else "text/label records"
     if (kind in LM_KINDS) != (run.kind == "lm"):
-        what = f"{kind.replace('_', '/')} records (language modelling)" if kind in LM_KINDS else "text/label records"
+        others = {"preference": "preference pairs (prompt, chosen, rejected)", "prompt": "prompts alone (GRPO's)"}
+        what = (
+            f"{kind.replace('_', '/')} records (language modelling)"
+            if kind in LM_KINDS
+            else others.get(kind, "text/label records")
+        )
         raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
     return _rows(run, path, raw)
 
