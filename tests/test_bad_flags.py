@@ -146,6 +146,11 @@ BAD_LAYOUTS = [
     ),
     (["--mesh", "data=2,model=4"], "no rule of --rules dp uses mesh axes ['model']"),
     (["--mesh", "data=2,model=2,x=2", "--rules", "tp"], "no rule of --rules tp uses mesh axes ['x']"),
+    # The axes the rules do use are named: ep's experts lie on `model` (an `expert` axis is a guess).
+    (
+        ["--mesh", "data=1,expert=2", "--rules", "ep"],
+        "or pick rules that use them (--rules ep splits over ['data', 'model'])",
+    ),
 ]
 
 

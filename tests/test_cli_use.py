@@ -170,6 +170,9 @@ def test_eval_of_a_chat_run_is_its_runs_evaluation_with_perplexity(chat_run, dat
     assert scores["accuracy"] == pytest.approx(after["accuracy"], abs=1e-9)
     assert scores["perplexity"] == pytest.approx(np.exp(scores["loss"])) and scores["tokens"] > 0
     assert "perplexity" in ok("eval", chat_run, "--data", held)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    rc, _, err = zoo_main("eval", chat_run, "--data", pairs)  # named as what they are, not text/label records
+    one_line_error(rc, err, "holds preference pairs (prompt, chosen, rejected) but")
 
 
 # --- zoo export -------------------------------------------------------------------------------
@@ -202,6 +205,9 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
     rc, _, err = zoo_main("export", chat_run, "--merge", "--output", mine)
     one_line_error(rc, err, "holds tokenizer.json, which it would replace")
     assert (mine / "tokenizer.json").read_text() == "my own"
+    # A model folder given where a run is expected: named as what it is (its config.json is HF's).
+    rc, _, err = zoo_main("export", out, "--merge", "--output", tmp_path / "again")
+    one_line_error(rc, err, "a Hugging Face model folder (llama), not a zoo run")
     # --output a file, or a folder that cannot be created (under a file): one line naming it.
     notes = mine / "notes.md"
     notes.write_text("mine")
@@ -209,6 +215,18 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
     one_line_error(rc, err, f"--output {notes} is a file, not a folder; choose a folder")
     rc, _, err = zoo_main("export", chat_run, "--merge", "--output", notes / "merged")
     one_line_error(rc, err, f"--output {notes / 'merged'}: cannot create the folder (Not a directory)")
+
+
+def test_a_run_whose_base_model_moved_says_where_it_was_and_how_to_point_at_it(chat_run, tmp_path):
+    """A LoRA run whose base model folder (config.json's init) is gone: export and generate
+    name the folder and how to point the run at where it went, not "pass a folder"."""
+    run = tmp_path / "run"
+    shutil.copytree(chat_run / "adapter", run / "adapter")
+    config = json.loads((chat_run / "config.json").read_text()) | {"init": str(tmp_path / "moved")}
+    (run / "config.json").write_text(json.dumps(config))
+    for command in (["export", run, "--merge", "--output", tmp_path / "out"], ["generate", run, "--prompt", "a"]):
+        rc, _, err = zoo_main(*command)
+        one_line_error(rc, err, f"the base model of its adapter, {tmp_path / 'moved'}, is gone; put it back there")
 
 
 def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):

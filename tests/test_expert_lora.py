@@ -350,9 +350,11 @@ def test_zoo_finetune_trains_expert_lora_that_peft_opens(byte_mixtral, tmp_path)
     from tiny_runs import TINY
 
     lora = "r=2,targets=q_proj,parameters=gate_up_proj+down_proj"
-    flags = ["--init", byte_mixtral, "--lora", lora, *TINY, "--steps", "3", "--output", tmp_path / "run"]
-    rc, _, err = zoo_main("finetune", "transformer", *flags)
+    loud = [f for f in TINY if f != "--quiet"]  # the header names the adapted layers
+    flags = ["--init", byte_mixtral, "--lora", lora, *loud, "--steps", "3", "--output", tmp_path / "run"]
+    rc, out, err = zoo_main("finetune", "transformer", *flags)
     assert rc == 0, err
+    assert " Linear layers (down, gate, q_proj, up): " in out, out  # the experts' layers named too
     # A mixture of experts' run without the router's loss term (transformers' default: this
     # Mixtral's config.json leaves output_router_logits false) writes no `aux_loss` in
     # metrics.jsonl (a run with the term: test_moe.py::test_a_training_run_logs_the_router_loss_per_step).

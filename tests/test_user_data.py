@@ -345,6 +345,9 @@ def test_bad_files_get_one_line_errors(tmp_path):
     for content, message in [
         ('{"prompt": "a", "completion": ""}\n', "line 1: field 'completion' is empty and no end-of-sequence token"),
         ('{"messages": [{"role": "user", "content": "hi"}]}\n', "line 1: no assistant turn to train on"),
+        # ShareGPT's roles: named, and the roles the loss counts (the template renders any role).
+        ('{"messages": [{"role": "human", "content": "a"}, {"role": "gpt", "content": "b"}]}\n',
+         "line 1: no assistant turn to train on (roles ['gpt', 'human']; only \"assistant\" turns are targets)"),
         ('{"messages": [{"role": "user", "content": "a b c d e f g"}, {"role": "assistant", "content": "hi"}]}\n',
          "(the first assistant turn starts at token 10); seq_len=11 or more fits it"),
     ]:  # fmt: skip

@@ -172,6 +172,12 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
         init = run.get("init")
         if not init:
             raise CLIError(f"SOURCE {source}: its config.json names no --init base model for the adapter in adapter/")
+        gone = Path(init).expanduser()
+        if gone.is_absolute() and not gone.exists():  # a run stores its base folder's full path (as load_run says)
+            raise CLIError(
+                f"SOURCE {source}: the base model of its adapter, {gone}, is gone; put it back there, or set "
+                f'"init" in {folder / "config.json"} to where it is now'
+            )
         try:
             base = resolve_init(init)
         except ConfigError as e:

@@ -298,6 +298,14 @@ def _documents(
             "--chat-template FILE (in Python: chat_template=zoo.data.ChatTemplate(text))"
         )
     for r, where in zip(records, wheres) if kind != "text" else ():
+        if kind == "chat" and not any(m["role"] == "assistant" for m in r["messages"]):
+            # Checked before rendering: a template may refuse other roles with a message that names none.
+            roles = sorted({m["role"] for m in r["messages"]})
+            raise DataFormatError(
+                f'{where}: no assistant turn to train on (roles {roles}; only "assistant" turns are targets): '
+                'name the model\'s turns "assistant" and the user\'s "user" (ShareGPT\'s "gpt" and "human"), '
+                "or remove the line"
+            )
         with rendering(where):
             ids, weights = _encoded(kind, r, rust, eos_id, chat_template)
         _check_targets(kind, weights, seq_len, where)

@@ -12,7 +12,7 @@ import jax
 from .._inspect import report
 from .._tree import counted, human_bytes
 from ..data import Dataset
-from ..lora import LoraLinear
+from ..lora import LoraExpertLinear, LoraLinear
 from ..lora import modules as lora_modules
 from ._adapters import AdapterRows
 from ._registry import model_spec
@@ -152,7 +152,7 @@ def _print_header(
         + (f"; resumed at step {start}" if start else "")
     )
     if lcfg is not None:
-        adapted = lora_modules(model, LoraLinear)
+        adapted = lora_modules(model, (LoraLinear, LoraExpertLinear))  # the experts count in the layers too
         names = sorted({n.split(".")[-1] for n in adapted})
         extra = trainable_bytes - adapter_bytes
         say(

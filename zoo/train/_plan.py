@@ -327,7 +327,8 @@ def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) 
         raise ConfigError(
             f"--mesh {mesh_text(mesh_shape)}: no rule of --rules {preset} uses mesh axes {idle}, so their devices "
             f"would repeat the same work; drop them or give them size 1 (e.g. --mesh "
-            f"{mesh_text({k: v for k, v in mesh_shape.items() if k not in idle})}), or pick rules that use them"
+            f"{mesh_text({k: v for k, v in mesh_shape.items() if k not in idle})}), or pick rules that use them "
+            f"(--rules {preset} splits over {used})"
         )
     missing = [ax for ax in used if ax not in mesh_shape]
     if missing:

@@ -139,6 +139,11 @@ def load_run(folder: str | Path) -> SavedRun:
         values = saved_config(str(folder))
     except ConfigError as e:
         raise ConfigError(str(e).replace("RunConfig.resume: ", "")) from None
+    if values is not None and "model_type" in values and "model" not in values:  # a model, not a run
+        raise ConfigError(
+            f"{folder}: a Hugging Face model folder ({values['model_type']}), not a zoo run; give the output folder "
+            f"of zoo train / zoo finetune (zoo finetune {folder} --data FILE makes one)"
+        )
     if values is None or "model" not in values:
         raise ConfigError(
             f"{folder}: no config.json of a zoo run there; give the output folder of zoo train / zoo finetune "
@@ -204,8 +209,21 @@ def _base(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: list[str], 
             names = _older_labels(c, folder, notes)
         model, _, tok_dir = spec.file_model(c, len(names) if spec.classifier else None, rules=None, mesh=None)
     except ConfigError as e:
+        check_base_there(folder, c.init, what)
         raise ConfigError(f"{folder}: {what}: {str(e).splitlines()[0]}") from None
     return model, tok_dir, names
+
+
+def check_base_there(folder: Path, init: str | None, what: str = "the base model of its adapter") -> None:
+    """Refuse the run in `folder` when `init`, the base model its config.json names by its
+    full path (as a run stores a folder), is no longer there: a `ConfigError` naming it
+    and how to point the run at where it went. A Hub id, or a folder there: nothing."""
+    path = Path(init).expanduser() if init else None
+    if path is not None and path.is_absolute() and not path.exists():
+        raise ConfigError(
+            f'{folder}: {what}, {path}, is gone; put it back there, or set "init" in '
+            f"{folder / 'config.json'} to where it is now"
+        )
 
 
 def _older_labels(c: RunConfig, folder: Path, notes: list[str]) -> tuple[str, ...]:
@@ -372,7 +390,12 @@ def _read(run: SavedRun, path: Path):
     raw, kind = read_kind(path)
     wanted = "text, prompt/completion or chat records" if run.kind == "lm" else "text/label records"
     if (kind in LM_KINDS) != (run.kind == "lm"):
-        what = f"{kind.replace('_', '/')} records (language modelling)" if kind in LM_KINDS else "text/label records"
+        others = {"preference": "preference pairs (prompt, chosen, rejected)", "prompt": "prompts alone (GRPO's)"}
+        what = (
+            f"{kind.replace('_', '/')} records (language modelling)"
+            if kind in LM_KINDS
+            else others.get(kind, "text/label records")
+        )
         raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
     return _rows(run, path, raw)
 
