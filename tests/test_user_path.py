@@ -85,6 +85,17 @@ def test_a_finetune_run_is_the_init_of_the_next_sft_then_dpo(llama_dir, chat_run
     assert np.abs(want - np.asarray(zoo.hf.from_pretrained(llama_dir)(tokens))).max() > 1e-4  # SFT changed it
     # The model of the DPO run's adapter is that merged base.
     assert json.loads((dpo / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(merged)
+    # Another machine, or the cache emptied: the DPO run merges its init again (it used to
+    # refuse, "export it first"), to the same model and the same greedy text.
+    dpo_logits = np.asarray(zoo.train.load_run(dpo).model(tokens))
+    rc, text, err = zoo_main("generate", dpo, "--prompt", "the cat", "--max-new-tokens", "4")
+    assert rc == 0, err
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "another"))
+    np.testing.assert_array_equal(np.asarray(zoo.train.load_run(dpo).model(tokens)), dpo_logits)  # zoo export, eval
+    assert len(list(merged_cache().iterdir())) == 1
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a third"))
+    rc, again, err = zoo_main("generate", dpo, "--prompt", "the cat", "--max-new-tokens", "4")  # zoo serve's too
+    assert rc == 0 and again == text, err
 
 
 def test_cli_models_by_family_and_folder(tmp_path):

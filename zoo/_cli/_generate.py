@@ -179,6 +179,9 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
                 f'"init" in {folder / "config.json"} to where it is now'
             )
         try:
+            import zoo
+
+            zoo.train.merge_run(init)  # a `zoo finetune` run as its init: merged into zoo's cache if missing
             base = resolve_init(init)
         except ConfigError as e:
             raise CLIError(f"SOURCE {source}: the base model of its adapter: {e}") from e
@@ -361,6 +364,7 @@ def cmd_generate(args) -> int:
     prompts = list(args.prompt)
     if template is not None:
         prompts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    resolve_source(args.source, args.adapter)  # outside the mesh: a run's init may be merged first (`merge_run`)
     with jax.set_mesh(mesh):
         model, text, eos, where = load(
             args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh, quantize=args.quantize

@@ -13,7 +13,8 @@ model registry.
 - `ModelSpec`, `register_model`, `model_spec`, `model_names`: the models by name (the
   built-ins `mlp`, `transformer`, `encoder`, `minilm` are registered on import); a
   model argument that may be a family or a checkpoint (`check_model_name`,
-  `model_and_init`) and the folder an `init` names (`resolve_init`);
+  `model_and_init`) and the folder an `init` names (`resolve_init`; a `zoo finetune` run
+  there is read as its merged model, which `merge_run` writes into zoo's cache);
   `Task`, `build_task`: a model on its data, built from a `RunConfig` (inside
   `abstract_models()`, a model built from scratch as shapes alone); `make_mesh`: the
   mesh a run lays it out on, checked against its rules.
@@ -53,7 +54,7 @@ __getattr__, __dir__ = lazy_names(
             "resolve_init",
         ),
         "._run": ("Inspection", "RunResult", "inspect", "run"),
-        "._saved_run": ("SavedRun", "load_run"),
+        "._saved_run": ("SavedRun", "load_run", "merge_run"),
         "._scores": ("classification_scores",),
         "._settings": ("DataConfig", "GRPOConfig"),
         "._task": (
@@ -102,6 +103,7 @@ if TYPE_CHECKING:
     from ._run import run as run
     from ._saved_run import SavedRun as SavedRun
     from ._saved_run import load_run as load_run
+    from ._saved_run import merge_run as merge_run
     from ._scores import classification_scores as classification_scores
     from ._settings import DataConfig as DataConfig
     from ._settings import GRPOConfig as GRPOConfig
@@ -153,6 +155,7 @@ __all__ = [
     "lm_metrics",
     "load_run",
     "make_mesh",
+    "merge_run",
     "model_and_init",
     "model_names",
     "model_spec",

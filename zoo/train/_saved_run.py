@@ -155,6 +155,7 @@ def load_run(folder: str | Path) -> SavedRun:
     adapter, hf = folder / "adapter", folder / "model"
     several = c.lora is not None and _several(adapter)  # several adapters trained at once: adapter/NAME/
     if several or (c.lora is not None and (adapter / "adapter_config.json").is_file()):
+        merge_run(c.init)  # a `zoo finetune` run as its init: merged into zoo's cache if missing there
         model, tok_dir, names = _base(c, spec, folder, names, notes, what="the base model of its adapter")
         try:
             model, _ = (load_adapters if several else load_adapter)(model, adapter)
@@ -628,7 +629,12 @@ def _one_adapter(run: SavedRun, name: str | None) -> Any:
 def merge_run(init: str | None) -> None:
     """When `init` names a `zoo finetune` run, write its model, adapter merged into its
     base, at `merged_path` (once: a folder already there is kept). Anything else: nothing.
-    Raises `ConfigError` for a classifier run (export it first: `zoo export RUN --merge`)."""
+    Raises `ConfigError` for a classifier run (export it first: `zoo export RUN --merge`).
+
+    `zoo.train.run` calls it as it starts; `load_run` of a run whose init is such a run, and
+    `zoo generate` / `zoo serve` of it, call it too, so a run moved to another machine (or
+    whose cache was emptied) merges its init again instead of failing. Call it outside any
+    mesh (`jax.set_mesh`): the merge runs on jax's default device."""
     run = Path(init).expanduser() if init else None
     if run is None or not (run / "adapter").is_dir() or not (run / "config.json").is_file():
         return
