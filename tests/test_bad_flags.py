@@ -184,6 +184,18 @@ def test_four_bit_scales_that_fsdp_cannot_split_name_a_block_not_a_model_size(tm
     assert err.strip().endswith("or --quantize nf4:8") and "num_layers" not in err, err
 
 
+def test_heads_a_tp_mesh_cannot_split_name_flags_not_library_calls(tmp_path, llama_dir, data_files):
+    """4 heads on a model axis of 3: the fix named was the library's (`zoo.rules('fsdp')`,
+    `rules['heads'] = None`), after the folder twice ("--init DIR: DIR: ...")."""
+    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data_files["text"],
+                          "--rules", "tp", "--mesh", "data=1,model=3", "--devices", "3",
+                          "--output", tmp_path / "run")  # fmt: skip
+    one_line_error(rc, err, f"--rules cannot place {llama_dir} on this mesh: the model has 4 attention heads")
+    assert err.strip().endswith("choose other --rules (dp replicates every weight), or a --mesh whose axis that "
+                                "splits heads divides 4"), err  # fmt: skip
+    assert "zoo.rules" not in err and "= None" not in err, err
+
+
 def test_an_unused_axis_of_size_1_is_fine():
     rc, out, err = zoo_main("inspect", "mlp", "--devices", "2", "--mesh", "data=2,foo=1", "--microbatches", "1",
                             "--batch-size", "4", "--json")  # fmt: skip
