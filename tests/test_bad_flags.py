@@ -196,6 +196,17 @@ def test_heads_a_tp_mesh_cannot_split_name_flags_not_library_calls(tmp_path, lla
     assert "zoo.rules" not in err and "= None" not in err, err
 
 
+def test_zoo_generate_names_its_flags_for_heads_and_four_bit_blocks(llama_dir):
+    """zoo generate / serve's loader passed the library's advice through: `zoo.rules('fsdp')`,
+    `rules['heads'] = None` and `pass quantize='nf4:BLOCK'`, none of them a flag."""
+    prompt = ["--prompt", "the cat", "--max-new-tokens", "2"]
+    rc, _, err = zoo_main("generate", llama_dir, *prompt, "--rules", "tp", "--mesh", "data=1,model=3", "--devices", "3")
+    one_line_error(rc, err, f"--rules cannot place {llama_dir} on this mesh: the model has 4 attention heads")
+    assert "zoo.rules" not in err and "a --mesh whose axis that splits heads divides 4" in err, err
+    rc, _, err = zoo_main("generate", llama_dir, *prompt, "--quantize", "nf4")
+    one_line_error(rc, err, "pass --quantize nf4:BLOCK, BLOCK one of [16, 32]")
+
+
 def test_an_unused_axis_of_size_1_is_fine():
     rc, out, err = zoo_main("inspect", "mlp", "--devices", "2", "--mesh", "data=2,foo=1", "--microbatches", "1",
                             "--batch-size", "4", "--json")  # fmt: skip
