@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import RULE_PRESETS, internal
-from .._rules import PlacementError
 from ..train import ConfigError, init_families, model_names, model_spec, resolve_init
 from ._common import CLIError, init_devices
 
@@ -225,7 +224,7 @@ def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = N
     overrides = {"dropout": 0.0, "attention_dropout": 0.0} | ({} if dtype is None else {"dtype": dtype})
     try:
         model = zoo.hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides=overrides, quantize=quantize)
-    except PlacementError as e:  # the library's fix (zoo.rules(...), a rules mapping) is no flag
+    except internal.PlacementError as e:  # the library's fix (zoo.rules(...), a rules mapping) is no flag
         fix = "choose other --rules (dp replicates every weight)"
         if e.where is None and e.size is not None:  # a head count the mesh axes splitting heads do not divide
             fix += f", or a --mesh whose axis that splits heads divides {e.size}"
