@@ -178,6 +178,40 @@ def test_rules_that_cannot_place_the_model_name_the_flag_that_would(tmp_path, fl
     assert "None" not in err
 
 
+def test_four_bit_scales_that_fsdp_cannot_split_name_a_block_not_a_model_size(tmp_path, llama_dir, data_files):
+    """NF4 in blocks of 16 of the tiny Llama's 32 inputs: 2 scale rows, which 4 devices do not
+    divide. The fix named was `--model-config num_layers` (2 layers: the same number by
+    chance), which changes nothing; the block that fits is the fix."""
+    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data_files["text"],
+                          "--seq-len", "16", "--steps", "1", "--quantize", "nf4:16", "--rules", "fsdp",
+                          "--devices", "4", "--output", tmp_path / "run")  # fmt: skip
+    one_line_error(rc, err, "(the 4-bit scales' blocks of inputs, 32 inputs in blocks of 16); choose other --rules")
+    assert err.strip().endswith("or --quantize nf4:8") and "num_layers" not in err, err
+
+
+def test_heads_a_tp_mesh_cannot_split_name_flags_not_library_calls(tmp_path, llama_dir, data_files):
+    """4 heads on a model axis of 3: the fix named was the library's (`zoo.rules('fsdp')`,
+    `rules['heads'] = None`), after the folder twice ("--init DIR: DIR: ...")."""
+    rc, _, err = zoo_main("finetune", "transformer", "--init", llama_dir, "--data", data_files["text"],
+                          "--rules", "tp", "--mesh", "data=1,model=3", "--devices", "3",
+                          "--output", tmp_path / "run")  # fmt: skip
+    one_line_error(rc, err, f"--rules cannot place {llama_dir} on this mesh: the model has 4 attention heads")
+    assert err.strip().endswith("choose other --rules (dp replicates every weight), or a --mesh whose axis that "
+                                "splits heads divides 4"), err  # fmt: skip
+    assert "zoo.rules" not in err and "= None" not in err, err
+
+
+def test_zoo_generate_names_its_flags_for_heads_and_four_bit_blocks(llama_dir):
+    """zoo generate / serve's loader passed the library's advice through: `zoo.rules('fsdp')`,
+    `rules['heads'] = None` and `pass quantize='nf4:BLOCK'`, none of them a flag."""
+    prompt = ["--prompt", "the cat", "--max-new-tokens", "2"]
+    rc, _, err = zoo_main("generate", llama_dir, *prompt, "--rules", "tp", "--mesh", "data=1,model=3", "--devices", "3")
+    one_line_error(rc, err, f"--rules cannot place {llama_dir} on this mesh: the model has 4 attention heads")
+    assert "zoo.rules" not in err and "a --mesh whose axis that splits heads divides 4" in err, err
+    rc, _, err = zoo_main("generate", llama_dir, *prompt, "--quantize", "nf4")
+    one_line_error(rc, err, "pass --quantize nf4:BLOCK, BLOCK one of [16, 32]")
+
+
 def test_an_unused_axis_of_size_1_is_fine():
     rc, out, err = zoo_main("inspect", "mlp", "--devices", "2", "--mesh", "data=2,foo=1", "--microbatches", "1",
                             "--batch-size", "4", "--json")  # fmt: skip

@@ -170,9 +170,20 @@ def test_eval_of_a_chat_run_is_its_runs_evaluation_with_perplexity(chat_run, dat
     assert scores["accuracy"] == pytest.approx(after["accuracy"], abs=1e-9)
     assert scores["perplexity"] == pytest.approx(np.exp(scores["loss"])) and scores["tokens"] > 0
     assert "perplexity" in ok("eval", chat_run, "--data", held)
-    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
-    rc, _, err = zoo_main("eval", chat_run, "--data", pairs)  # named as what they are, not text/label records
-    one_line_error(rc, err, "holds preference pairs (prompt, chosen, rejected) but")
+
+
+def test_eval_names_grpo_prompts_and_preference_pairs_as_what_they_are(chat_run, classifier_run, tmp_path):
+    """A GRPO run's prompts file (or DPO's pairs) given to `zoo eval`: it said the file "holds
+    text/label records", and a classifier took a prompts file past the check."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "the cat", "answer": "4"}] * 2)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2)
+    for run, file, what in [
+        (chat_run, prompts, "holds prompts alone, without completions (what --objective grpo completes) but"),
+        (chat_run, pairs, "holds preference pairs (what --objective dpo / orpo train on) but"),
+        (classifier_run, prompts, "holds prompts alone, without completions"),
+    ]:
+        rc, _, err = zoo_main("eval", run, "--data", file)
+        one_line_error(rc, err, what)
 
 
 # --- zoo export -------------------------------------------------------------------------------

@@ -317,6 +317,25 @@ def test_reward_flags_repeat_into_one_list():
     assert config.grpo.rewards() == ["a.py:f", "b.py:g", "c.py:h"] and config.grpo.weights() == [1.0, 0.5, 2.0]
 
 
+def test_a_step_no_reward_function_scored_logs_nulls_without_numpys_warnings():
+    """Every reward None (TRL's "does not apply"): the step's reward metrics are null; numpy's
+    "Mean of empty slice" RuntimeWarnings (four, with their source lines) reached the
+    terminal of every such step, though `np.errstate` was meant to keep them out."""
+    import types
+    import warnings
+
+    from zoo.train._grpo import Rollouts
+
+    rollouts = types.SimpleNamespace(
+        settings=types.SimpleNamespace(num_generations=2, scale_rewards="group"), rewards=["nones"]
+    )
+    table, totals = np.full((4, 1), np.nan, np.float32), np.full(4, np.nan, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = Rollouts._metrics(rollouts, table, totals, np.full(4, 3), np.zeros(4, bool))
+    assert out["reward"] is None and out["rewards/nones/mean"] is None and out["frac_reward_zero_std"] == 1.0
+
+
 def test_a_grpo_runs_step_on_two_devices_holds_one_all_reduce_within_its_budget(llama_dir, prompts):
     """`zoo.train.inspect` of a GRPO run (nothing sampled: a batch of its shapes) on 2
     devices and 2 microbatches: one gradient all-reduce over data, outside every loop, and

@@ -549,6 +549,9 @@ def test_unsupported_checkpoints_fail_clearly(bert_dir, tmp_path):
         from_pretrained(tmp_path / "relative")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         zoo.hf.from_pretrained(_no_weights(bert_dir, tmp_path))
+    # A dtype name numpy does not know: a ValueError naming the fix, not numpy's TypeError.
+    with pytest.raises(ValueError, match="got 'bf16': give jnp.float32, jnp.bfloat16"):
+        zoo.hf.from_pretrained(bert_dir, dtype="bf16")
     with pytest.raises(TypeError, match="Encoder.*Transformer"):
         classifier = lambda k: zoo.models.EncoderClassifier(Encoder(BERT_CONFIG, key=k), 3, key=k)
         save_pretrained(eqx.filter_eval_shape(classifier, jax.random.key(0)), tmp_path / "x")

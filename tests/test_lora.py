@@ -482,6 +482,21 @@ def test_loading_into_other_shapes_names_the_mismatched_tensors(classifier_dir):
         load_adapter(decoder_base(), classifier_dir)
 
 
+def test_adapter_of_another_width_blames_the_base_not_zoos_own_rank_pattern(tmp_path):
+    """A GPT-2-shaped adapter (zoo writes its fused c_attn's rank 2·r in rank_pattern) loaded on
+    a wider base: the message named the other base and then told to "train it without
+    rank_pattern", which zoo wrote itself and which is not the cause."""
+    config = LoraConfig(r=2, target_modules=("q_proj", "v_proj"))
+    gpt2 = {"vocab_size": 32, "d_model": 16, "num_heads": 2, "num_layers": 1, "mlp_dim": 32, "max_len": 8}
+    small = zoo.models.Transformer(zoo.models.TransformerConfig(**gpt2), key=jax.random.key(0))
+    save_adapter(add_lora(small, config, key=jax.random.key(1)), config, tmp_path / "a")
+    assert json.loads((tmp_path / "a/adapter_config.json").read_text())["rank_pattern"]
+    wide = zoo.models.Transformer(zoo.models.TransformerConfig(**(gpt2 | {"d_model": 32})), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="d_model: saved 16, this model 32") as err:
+        load_adapter(wide, tmp_path / "a")
+    assert "rank_pattern" not in str(err.value), str(err.value)
+
+
 def test_missing_or_foreign_adapters_fail_clearly(tmp_path, classifier_dir):
     with pytest.raises(FileNotFoundError, match="no adapter directory"):
         load_adapter(classifier_base(), tmp_path / "nowhere")

@@ -361,6 +361,15 @@ def test_bad_requests_are_refused_with_the_fix(engine, request_, message):
     assert message in str(e.value)
 
 
+def test_a_text_prompt_is_refused_with_the_tokenizer_call(engine):
+    """A text where ids belong (no runtime type check outside the tests) failed in `int('h')`:
+    "invalid literal for int() with base 10"."""
+    request = Request([6], max_tokens=2)
+    object.__setattr__(request, "prompt", "hello")  # past the suite's runtime type check, as a user's call goes
+    with pytest.raises(ValueError, match="Request.prompt is token ids, got the text 'hello': tokenize it first"):
+        engine.submit(request)
+
+
 def test_stream_and_background_thread(served, engine):
     """The module's engine (the batching test's request shapes: its programs compiled, and
     `alone`'s), stopped at the end and then made to take requests again."""

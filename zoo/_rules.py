@@ -27,11 +27,14 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
 class PlacementError(ValueError):
     """Rules that cannot place an array on a mesh. `problem` is what is wrong (the message
     up to the fix it suggests); `size` and `divisor`, when a size the mesh axes do not
-    divide is the cause (a dimension, a head count), say which."""
+    divide is the cause (a dimension, a head count), say which; `where`, the array's path
+    when one array is the cause."""
 
-    def __init__(self, problem: str, fix: str, *, size: int | None = None, divisor: int | None = None):
+    def __init__(
+        self, problem: str, fix: str, *, size: int | None = None, divisor: int | None = None, where: str | None = None
+    ):
         super().__init__(f"{problem}. {fix}")
-        self.problem, self.size, self.divisor = problem, size, divisor
+        self.problem, self.size, self.divisor, self.where = problem, size, divisor, where
 
 
 def spec_for(
@@ -84,6 +87,7 @@ def spec_for(
                     f"Choose a size divisible by {size}, or map {name!r} to None to replicate it.",
                     size=shape[dim],
                     divisor=size,
+                    where=where,
                 )
         entries.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
     return P(*entries)

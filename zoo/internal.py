@@ -5,7 +5,7 @@ filtered transforms between plain, reduced and unreduced leaves (explicit mode:
 `reduced_cast` → `unreduced_zeros` → `reduce_unreduced`; `jax.shard_map` mode:
 `manual_specs`, `pcast_varying`, `pcast_unreduced`), the FSDP gather (`gather_over`), the
 ZeRO layout (`split_spec`), the batch split (`check_batch`, `split_microbatches`), one
-array's `PartitionSpec` under rules (`spec_for`) and the trainable/frozen split
+array's `PartitionSpec` under rules (`spec_for`; `PlacementError` when they cannot place it) and the trainable/frozen split
 (`partition_trainable`). See docs/design.md for how the step uses them.
 
 Then what the layers, loaders and tools share: how a layer's weight is laid out for use
@@ -40,7 +40,7 @@ __getattr__, __dir__ = lazy_names(
             "split_spec",
             "unreduced_zeros",
         ),
-        "._rules": ("spec_for",),
+        "._rules": ("PlacementError", "spec_for"),
         "._sampling": ("check_sampling",),
         "._step": ("partition_trainable",),
         "._tree": ("counted", "human_bytes", "is_array_like", "on_shapes_too", "path_str", "tree_bytes", "tree_size"),
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from ._reduced import reduced_cast as reduced_cast
     from ._reduced import split_spec as split_spec
     from ._reduced import unreduced_zeros as unreduced_zeros
+    from ._rules import PlacementError as PlacementError
     from ._rules import spec_for as spec_for
     from ._sampling import check_sampling as check_sampling
     from ._step import partition_trainable as partition_trainable
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NonFiniteWeightsError",
+    "PlacementError",
     "check_batch",
     "check_finite",
     "check_sampling",

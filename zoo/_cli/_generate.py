@@ -233,9 +233,17 @@ def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = N
     overrides = {"dropout": 0.0, "attention_dropout": 0.0} | ({} if dtype is None else {"dtype": dtype})
     try:
         model = zoo.hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides=overrides, quantize=quantize)
+    except internal.PlacementError as e:  # the library's fix (zoo.rules(...), a rules mapping) is no flag
+        fix = "choose other --rules (dp replicates every weight)"
+        if e.where is None and e.size is not None:  # a head count the mesh axes splitting heads do not divide
+            fix += f", or a --mesh whose axis that splits heads divides {e.size}"
+        raise CLIError(
+            f"--rules cannot place {source} on this mesh: {e.problem.removeprefix(f'{folder}: ')}; {fix}"
+        ) from e
     except (ValueError, TypeError, FileNotFoundError) as e:
         flag = "--quantize" if quantize is not None and "quantiz" in str(e) else f"SOURCE {source}"
-        raise _refusal(f"{flag}: {str(e).splitlines()[0]}", e) from e
+        first = str(e).splitlines()[0].replace("pass quantize='", "pass --quantize ").replace(":BLOCK',", ":BLOCK,")
+        raise _refusal(f"{flag}: {first}", e) from e
     if quantize is not None:
         where += f", its projections {quantize.partition(':')[0]}"
     if not isinstance(model, zoo.models.Transformer):

@@ -62,8 +62,15 @@ def _load(
     config_overrides: Mapping[str, Any] | None,
     quantize: str | None = None,
 ) -> Any:
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise ValueError(f"dtype must be a floating dtype (the parameters' dtype), got {dtype!r}")
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:  # a name numpy does not know ('bf16'): numpy's own message names no fix
+        floating = False
+    if not floating:
+        raise ValueError(
+            f"dtype must be a floating dtype (the parameters' dtype), got {dtype!r}: "
+            "give jnp.float32, jnp.bfloat16 or jnp.float16 (or their names, 'bfloat16')"
+        )
     four_bit = bnb_quantize(values, str(path))  # a bitsandbytes 4-bit checkpoint: read as float, quantised again
     values = {k: v for k, v in values.items() if k != "quantization_config"}
     if quantize is not None:

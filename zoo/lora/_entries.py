@@ -204,7 +204,7 @@ def _check_shapes(entries, tensors, model, meta, directory: Path, values: dict[s
         lines = [
             f"the adapter in {str(directory)!r} does not fit this {type(model).__name__}: "
             f"{summary('keys', missing, unexpected, misshaped)}{_first_diff(model, meta)}"
-            f"{_why_not(values or {}, unexpected, misshaped)}"
+            f"{_why_not(values or {}, unexpected, misshaped, model, meta)}"
         ]
         lines += mismatch_lines("keys", missing, unexpected, misshaped)
         raise ValueError("\n".join(lines) + _config_diff(model, meta))

@@ -289,11 +289,13 @@ def _config_diff(model: Any, meta: Any) -> str:
     return ("\n  the model configs differ: " + "; ".join(diffs)) if diffs else ""
 
 
-def _why_not(values: dict[str, Any], unexpected: list[str], misshaped: list[str]) -> str:
-    """The likely cause of a mismatch that adapter_config.json shows: other ranks by `rank_pattern`."""
+def _why_not(values: dict[str, Any], unexpected: list[str], misshaped: list[str], model: Any, meta: Any) -> str:
+    """The likely cause of a mismatch that adapter_config.json shows: other ranks by `rank_pattern`.
+    Not when the adapter's zoo metadata names another base config: that is the cause then
+    (zoo itself writes a fused `c_attn`'s rank 3·r in `rank_pattern`)."""
     hints = []
     pattern = {m: r for m, r in (values.get("rank_pattern") or {}).items() if r != values.get("r")}
-    if pattern and misshaped:
+    if pattern and misshaped and not _config_diffs(model, meta):
         hints.append(
             f"rank_pattern gives {shorten(sorted(f'{m}: {r}' for m, r in pattern.items()), 3)} another "
             f"rank than r {values.get('r')}, but zoo gives every branch one rank: train it without "

@@ -241,6 +241,11 @@ class Engine:
 
     def check(self, request: Request) -> None:
         """Raise `ValueError` (one line, the fix in it) for a request the engine cannot run."""
+        if isinstance(request.prompt, (str, bytes)):  # else int('h') below: "invalid literal for int()"
+            raise ValueError(
+                f"Request.prompt is token ids, got the text {request.prompt[:40]!r}: tokenize it first, e.g. "
+                "zoo.hf.Tokenizer.from_pretrained(folder)(text)['tokens'][0].tolist()"
+            )
         n = len(request.prompt)
         if n < 1:
             raise ValueError("the prompt is empty; give it at least one token")

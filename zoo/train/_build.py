@@ -31,6 +31,7 @@ from ..lora import trainable as lora_trainable
 from ..models import next_token_loss
 from ..models._loss import router_loss_coef
 from ..nn import example_keys
+from ..nn._four_bit_linear import DEFAULT_BLOCK_SIZE
 from ._adapters import adapters_task, add_lora, quantize_base, read_adapter_records, stacked
 from ._config import RunConfig, check_fits_model
 from ._errors import ConfigError
@@ -41,6 +42,7 @@ from ._output import write_json
 from ._plan import RunPlan, fit_batch, fit_epochs
 from ._registry import SIZES, model_spec
 from ._task import Task
+from ._text import quantize_kind
 from ._user_data import check_data_file, check_fingerprint, user_data_task
 
 
@@ -136,6 +138,17 @@ def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | N
     or a model config size the mesh divides when one of the model's sizes is the culprit
     (the library's own advice, to edit a rules mapping, is no setting of a run)."""
     fix = "choose other RunConfig.rules (dp replicates every weight)"
+    four_bit = c.quantize is not None and not c.quantize.startswith("int8")
+    if four_bit and error.size is not None and (error.where or "").endswith(".scale"):
+        # A 4-bit layer's scales hold one row per block of inputs: the block, not a model size, sets that count.
+        kind, block, _ = quantize_kind(c.quantize)
+        inputs = error.size * (block or DEFAULT_BLOCK_SIZE[kind])
+        fits = [b for b in range(2, inputs + 1, 2) if inputs % b == 0 and (inputs // b) % error.divisor == 0]
+        block_fix = f"RunConfig.quantize {kind}:{fits[-1]}" if fits else "RunConfig.quantize int8"
+        return (
+            f"RunConfig.rules {c.rules} cannot place the {c.model} on this mesh: {error.problem} (the 4-bit scales' "
+            f"blocks of inputs, {inputs} inputs in blocks of {inputs // error.size}); {fix}, or {block_fix}"
+        )
     if error.size is not None:
         keys = [k for k, v in (config or {}).items() if v == error.size and k in SIZES]
         if keys:

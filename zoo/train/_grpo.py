@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -442,9 +443,12 @@ class Rollouts(Hook):
             self._sample(repeat[0], texts[0], float(totals[0])),
         )
 
-    def _metrics(self, table, totals, lengths, clipped) -> dict[str, float]:
+    def _metrics(self, table, totals, lengths, clipped) -> dict[str, float | None]:
         g = self.settings.num_generations
-        with np.errstate(invalid="ignore"):
+        # A step no function scored (every reward None): the means are NaN, logged as null;
+        # numpy's "Mean of empty slice" is a RuntimeWarning that errstate does not silence.
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
             groups = totals.reshape(-1, g)
             group_std = _nanstd(groups, axis=1)
             std = _nanstd(totals) if self.settings.scale_rewards == "batch" else group_std

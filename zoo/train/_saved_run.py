@@ -390,15 +390,15 @@ def _read(run: SavedRun, path: Path):
         raise ConfigError(f"--data {path}: no such file; check the path")
     raw, kind = read_kind(path)
     wanted = "text, prompt/completion or chat records" if run.kind == "lm" else "text/label records"
-    if (kind in LM_KINDS) != (run.kind == "lm"):
-        others = {"preference": "preference pairs (prompt, chosen, rejected)", "prompt": "prompts alone (GRPO's)"}
-        what = (
-            f"{kind.replace('_', '/')} records (language modelling)"
-            if kind in LM_KINDS
-            else others.get(kind, "text/label records")
-        )
-        raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
-    return _rows(run, path, raw)
+    if (kind in LM_KINDS) if run.kind == "lm" else (kind == "classification"):
+        return _rows(run, path, raw)
+    # GRPO's prompts and DPO's pairs are neither a language model's records nor a classifier's.
+    what = {
+        "classification": "text/label records",
+        "prompt": "prompts alone, without completions (what --objective grpo completes)",
+        "preference": "preference pairs (what --objective dpo / orpo train on)",
+    }.get(kind, f"{kind.replace('_', '/')} records (language modelling)")
+    raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
 
 
 def _rows(run: SavedRun, path: Path, raw: bytes, located=None):

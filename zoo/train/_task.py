@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._distributed import is_main_process
 from .._jit import once_compiler_options
+from .._rules import PlacementError
 from ..data import BatchSource
 from ..models import cross_entropy
 from ..models._loss import token_loss
@@ -191,6 +192,12 @@ def load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rule
 
     try:
         model = hf.from_pretrained(folder, rules=rules, mesh=mesh, config_overrides=overrides)
+    except PlacementError as e:  # the library's fix (a rules mapping, zoo.rules(...)) is no setting of a run
+        problem = e.problem.removeprefix(f"{folder}: ")
+        fix = "choose other RunConfig.rules (dp replicates every weight)"
+        if e.where is None and e.size is not None:  # a head count that the mesh axes splitting heads do not divide
+            fix += f", or a RunConfig.mesh whose axis that splits heads divides {e.size}"
+        raise ConfigError(f"RunConfig.rules cannot place {folder} on this mesh: {problem}; {fix}") from e
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, kind):
