@@ -51,7 +51,7 @@ from ..models._config import rope_scaling_of
 from ..models._transformer import layer_settings
 from ..nn._cache import KVCache, empty_cache
 from ._bank import build_bank, read_adapter
-from ._limits import check_room, check_steering
+from ._limits import check_prompt_ids, check_room, check_steering
 from ._programs import (
     Steering,
     _decode_program,
@@ -241,11 +241,7 @@ class Engine:
 
     def check(self, request: Request) -> None:
         """Raise `ValueError` (one line, the fix in it) for a request the engine cannot run."""
-        if isinstance(request.prompt, (str, bytes)):  # else int('h') below: "invalid literal for int()"
-            raise ValueError(
-                f"Request.prompt is token ids, got the text {request.prompt[:40]!r}: tokenize it first, e.g. "
-                "zoo.hf.Tokenizer.from_pretrained(folder)(text)['tokens'][0].tolist()"
-            )
+        check_prompt_ids(request.prompt)
         n = len(request.prompt)
         if n < 1:
             raise ValueError("the prompt is empty; give it at least one token")

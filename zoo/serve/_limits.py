@@ -1,4 +1,4 @@
-"""What the engine checks before it allocates or queues: a request's logit bias and
+"""What the engine checks before it allocates or queues: a prompt given as text, a request's logit bias and
 penalties, and whether `slots` x `max_len` of cache and `max_queue` waiting prompts fit in
 the free memory."""
 
@@ -83,4 +83,14 @@ def check_room(model, slots: int, max_len: int, max_queue: int | None) -> None:
         raise MemoryError(
             f"max_queue={max_queue:,}: a full queue of prompts of up to {max_len} tokens needs {_size(queued)} and "
             f"{_size(free - need)} is left beside the cache: at most {fits:,} fit (zoo serve --max-queue)"
+        )
+
+
+def check_prompt_ids(prompt) -> None:
+    """Refuse a text where a request's token ids belong (the engine's checks would fail
+    in `int('h')`: "invalid literal for int()"), naming the tokenizer call to make."""
+    if isinstance(prompt, str | bytes):
+        raise ValueError(
+            f"Request.prompt is token ids, got the text {prompt[:40]!r}: tokenize it first, e.g. "
+            "zoo.hf.Tokenizer.from_pretrained(folder)(text)['tokens'][0].tolist()"
         )
