@@ -108,6 +108,11 @@ def target_words(prompts, completions, target, **columns):
 
 def not_a_number(prompts, completions, **columns):
     return [float("nan")] * len(completions)
+
+
+def only_cats(prompts, completions, **columns):
+    """Scores the completions holding "cat"; the others: None (does not apply)."""
+    return [1.0 if "cat" in c.split() else None for c in completions]
 '''
 GRPO = [
     "--objective", "grpo", "--num-generations", "4", "--batch-size", "16", "--max-completion-length", "8",
@@ -315,6 +320,19 @@ def test_reward_flags_repeat_into_one_list():
     )
     config, _ = config_of_flags(args, "finetune")
     assert config.grpo.rewards() == ["a.py:f", "b.py:g", "c.py:h"] and config.grpo.weights() == [1.0, 0.5, 2.0]
+
+
+def test_completions_no_reward_function_scored_are_warned_of_once(llama_dir, prompts, tmp_path):
+    """A completion every reward function returned None for gets advantage 0 and teaches
+    nothing: the run says so once on stderr (TRL warns), not at every rollout."""
+    data, rewards = prompts
+    rc, _, err = zoo_main(
+        "finetune", "transformer", "--init", llama_dir, "--data", data, "--reward", f"{rewards}:only_cats",
+        "--output", tmp_path / "run", *GRPO, "--steps", "2",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert err.count("zoo: warning: every reward function returned None for") == 1, err
+    assert "they get advantage 0 and teach nothing" in err, err
 
 
 def test_a_step_no_reward_function_scored_logs_nulls_without_numpys_warnings():

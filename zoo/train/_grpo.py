@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .._distributed import is_main_process
 from ..data import DataFormatError
 from ..data._chat import rendering
 from ..data._records import read_located
@@ -254,6 +255,7 @@ class Rollouts(Hook):
         self._mesh: Any = None
         self._served: Any = None  # the policy whose adapter the engine holds
         self._metrics_fn: Any = None
+        self._warned_unscored = False  # said once a run, as TRL's warning (Python shows a warning once)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -433,6 +435,7 @@ class Rollouts(Hook):
             table = reward_table(self.rewards, repeat, texts, **columns)
         except ValueError as e:
             raise ConfigError(f"--reward: {e}") from None
+        self._warn_unscored(table)
         advantages, totals = group_advantages(table, g, weights=self.weights, scale_rewards=s.scale_rewards)
         batch = {"tokens": tokens, "completion": completion, "advantages": advantages}
         if self.iterations > 1:  # the policy moves within the block: the ratio needs the sampler's
@@ -442,6 +445,20 @@ class Rollouts(Hook):
             self._metrics(table, totals, lengths, clipped),
             self._sample(repeat[0], texts[0], float(totals[0])),
         )
+
+    def _warn_unscored(self, table: np.ndarray) -> None:
+        """Say once a run (on stderr, process 0) when every reward function returned None
+        for some completion: it gets advantage 0 and teaches nothing (TRL warns the same)."""
+        unscored = int(np.isnan(table).all(axis=1).sum())
+        if unscored and not self._warned_unscored and is_main_process():
+            self._warned_unscored = True
+            print(
+                f"zoo: warning: every reward function returned None for {unscored} of {len(table)} completions of a "
+                "rollout: they get advantage 0 and teach nothing; make at least one function score each completion "
+                "(None means 'does not apply')",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _metrics(self, table, totals, lengths, clipped) -> dict[str, float | None]:
         g = self.settings.num_generations
