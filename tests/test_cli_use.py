@@ -190,6 +190,7 @@ def test_eval_names_grpo_prompts_and_preference_pairs_as_what_they_are(chat_run,
 
 
 def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_run, tmp_path):
+    import safetensors.torch
     import torch
     import transformers
 
@@ -209,6 +210,12 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
         theirs = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     assert np.abs(ours - theirs).max() <= EXPORT_TOLERANCE
     assert transformers.AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
+    # --dtype bfloat16: the float32 export's weights rounded to bfloat16, opened as bfloat16.
+    ok("export", chat_run, "--merge", "--dtype", "bfloat16", "--output", tmp_path / "bf16")
+    f32, bf16 = (safetensors.torch.load_file(f / "model.safetensors") for f in (out, tmp_path / "bf16"))
+    assert {t.dtype for t in f32.values()} == {torch.float32} and {t.dtype for t in bf16.values()} == {torch.bfloat16}
+    assert f32.keys() == bf16.keys() and all(torch.equal(f32[k].to(torch.bfloat16), bf16[k]) for k in f32)
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
     # A folder holding a user's file of a name the export writes, and no model: refused.
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -226,6 +233,23 @@ def test_export_merges_a_chat_run_that_transformers_opens_with_zoos_logits(chat_
     one_line_error(rc, err, f"--output {notes} is a file, not a folder; choose a folder")
     rc, _, err = zoo_main("export", chat_run, "--merge", "--output", notes / "merged")
     one_line_error(rc, err, f"--output {notes / 'merged'}: cannot create the folder (Not a directory)")
+
+
+def test_an_export_is_written_in_its_base_models_dtype_by_default(tmp_path):
+    """transformers + peft write a merged model in its base's dtype: zoo export's default is
+    the dtype the base folder's config.json names (transformers 5's `dtype`, older
+    `torch_dtype`), float32 without one; another `--dtype` is refused."""
+    from zoo.train import ConfigError
+    from zoo.train._export import export_dtype
+
+    for values, want in (({"dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+                         ({"dtype": "float32"}, "float32"), ({"dtype": "int8"}, "float32"), ({}, "float32")):  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps(values))
+        assert export_dtype(str(tmp_path), None) == want, values
+        assert export_dtype(str(tmp_path), "float16") == "float16"
+    assert export_dtype(None, None) == "float32"
+    with pytest.raises(ConfigError, match="--dtype 'int4': choose one of float32, bfloat16, float16"):
+        export_dtype(None, "int4")
 
 
 def test_a_run_whose_base_model_moved_says_where_it_was_and_how_to_point_at_it(chat_run, tmp_path):

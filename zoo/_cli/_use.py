@@ -168,7 +168,7 @@ def cmd_export(args) -> int:
             f"--output {folder}: cannot create the folder ({e.strerror}); choose a folder you can write"
         ) from None
     try:
-        written = run.export(folder, adapter=args.adapter)
+        written = run.export(folder, adapter=args.adapter, dtype=args.dtype)
     except FileExistsError as e:
         raise CLIError(str(e).splitlines()[0].replace("zoo export: ", "--output: ")) from e
     finally:
@@ -243,6 +243,11 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
     export.add_argument("--merge", action="store_true", help="fold the LoRA adapter into the base weights (LoRA runs)")
     export.add_argument("--output", required=True, metavar="DIR", help="the folder to write")
     export.add_argument("--adapter", metavar="NAME", help="of a run of several adapters: the one to merge")
+    export.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="the weights' dtype (default: the base model's, as its config.json says; float32 without one)",
+    )
     export.set_defaults(func=cmd_export)
     for p in (predict, evaluate):
         p.add_argument("--batch-size", type=int, default=64, metavar="N", help="rows per forward pass (default 64)")

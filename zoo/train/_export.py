@@ -11,6 +11,7 @@ from .._files import atomic_write
 from ..hf import save_pretrained
 from ..lora import save_adapter, save_adapters
 from ..lora._folders import DEFAULT
+from ._errors import ConfigError
 from ._folder import claim
 from ._head import save_head
 from ._hooks import Checkpoint
@@ -262,3 +263,26 @@ def merged_readme(folder: Path, *, title: str, seq_len: int, label_names, tokeni
         "`--pooling cls` (the default for minilm) trains a classifier that `zoo export --merge` writes as "
         "`BertForSequenceClassification`, which `AutoModelForSequenceClassification` opens as it is.\n"
     )
+
+
+# The weights' dtypes an export writes (`zoo export --dtype`).
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def export_dtype(source_dir: str | None, dtype: str | None) -> str:
+    """The dtype an exported model's floating weights are written in: `dtype` when given
+    (one of `EXPORT_DTYPES`), else the one the config.json of `source_dir` (the Hugging
+    Face folder the model was loaded from) names (`dtype`, or the older `torch_dtype`),
+    as transformers + peft write a merged model in its base's dtype; float32 for a model
+    of no such folder (trained from scratch, or a dtype named there that is none of them).
+    Raises `ConfigError` for another `dtype`."""
+    if dtype is not None:
+        if dtype not in EXPORT_DTYPES:
+            raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+        return dtype
+    config = Path(source_dir) / "config.json" if source_dir else None
+    if config is None or not config.is_file():
+        return "float32"
+    values = json.loads(config.read_text(encoding="utf-8-sig"))
+    named = values.get("dtype") or values.get("torch_dtype")
+    return named if named in EXPORT_DTYPES else "float32"

@@ -42,7 +42,7 @@ from ._adapters import add_lora, quantize_base, read_adapter_records, stacked
 from ._build import build_task, training_step
 from ._config import RunConfig, saved_config
 from ._errors import ConfigError
-from ._export import TOKENIZER_FILES, merged_readme
+from ._export import TOKENIZER_FILES, export_dtype, merged_readme
 from ._head import HEAD_NAME, load_head, read_labels, save_head
 from ._plan import checkpoint_dir
 from ._registry import PRETRAINED_KEYS, ModelSpec, merged_path, model_spec
@@ -109,7 +109,7 @@ class SavedRun:
         or a regressor (it trains on its own data only)."""
         return evaluate_file(self, path, batch_size=batch_size)
 
-    def export(self, directory: str | Path, *, adapter: str | None = None) -> list[Path]:
+    def export(self, directory: str | Path, *, adapter: str | None = None, dtype: str | None = None) -> list[Path]:
         """Write the model as a Hugging Face folder, LoRA branches merged (`zoo.lora.merge`),
         the tokenizer's files beside it: a decoder transformers opens as its family's causal
         LM (the same logits); a classifier's encoder (`BertModel`: the same hidden states)
@@ -121,8 +121,11 @@ class SavedRun:
 
         **Returns:** the paths written. **Raises:** `ConfigError` for a regressor (no
         Hugging Face form), a decoder no Hugging Face family expresses, or a run of several
-        adapters without `adapter` (or one it does not hold)."""
-        return export_merged(self, directory, adapter=adapter)
+        adapters without `adapter` (or one it does not hold). `dtype`: the floating weights'
+        dtype (`"float32"`, `"bfloat16"`, `"float16"`; default the base model's, as its
+        config.json names it: a bfloat16 base gives a bfloat16 merge, as transformers + peft
+        write it)."""
+        return export_merged(self, directory, adapter=adapter, dtype=dtype)
 
 
 def load_run(folder: str | Path) -> SavedRun:
@@ -529,7 +532,9 @@ def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> d
 # label names in config.json (`id2label`). The tokenizer's files travel with it.
 
 
-def export_merged(run: SavedRun, directory: str | Path, *, adapter: str | None = None) -> list[Path]:
+def export_merged(
+    run: SavedRun, directory: str | Path, *, adapter: str | None = None, dtype: str | None = None
+) -> list[Path]:
     """Write `run`'s model, LoRA branches merged (`zoo.lora.merge`), as a Hugging Face
     folder at `directory` (created; a folder holding files of the names written must be a
     Hugging Face model folder already: a user's own files are never replaced).
@@ -542,7 +547,8 @@ def export_merged(run: SavedRun, directory: str | Path, *, adapter: str | None =
     `id2label` / `label2id`. The tokenizer's files are copied in (none for byte-level
     models: their ids are the text's UTF-8 bytes).
 
-    A run of several adapters merges the one `adapter` names.
+    A run of several adapters merges the one `adapter` names. The floating weights are
+    written in `dtype` (`export_dtype`: default the base model's, float32 without one).
 
     **Returns:** the paths written. **Raises:** `ConfigError` for a regressor (no Hugging
     Face form), a decoder no family expresses, or a run of several adapters without
@@ -555,8 +561,10 @@ def export_merged(run: SavedRun, directory: str | Path, *, adapter: str | None =
         )
     directory = Path(directory).expanduser()
     model = merge(_one_adapter(run, adapter))
+    source = getattr((model if run.kind == "lm" else model.encoder).config, "source_dir", None)
+    cast = jax.numpy.dtype(export_dtype(source, dtype))
+    model = jax.tree.map(lambda x: x.astype(cast) if eqx.is_inexact_array(x) else x, model)
     part = model if run.kind == "lm" else model.encoder
-    source = getattr(part.config, "source_dir", None)
     tok_dir = run.tokenizer_dir
     tokenizer = [n for n in TOKENIZER_FILES if tok_dir is not None and (tok_dir / n).is_file()]
     tokenizer = [n for n in tokenizer if source is None or not (Path(source) / n).is_file()]  # else save_pretrained's
@@ -650,7 +658,7 @@ def merge_run(init: str | None) -> None:
     temporary = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     try:
-        saved.export(temporary)
+        saved.export(temporary, dtype="float32")  # the model the run ended with, exactly
         temporary.replace(folder)  # whole or not at all
     except OSError:
         if not (folder / "model.safetensors").is_file():
