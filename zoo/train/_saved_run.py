@@ -158,7 +158,6 @@ def load_run(folder: str | Path) -> SavedRun:
     adapter, hf = folder / "adapter", folder / "model"
     several = c.lora is not None and _several(adapter)  # several adapters trained at once: adapter/NAME/
     if several or (c.lora is not None and (adapter / "adapter_config.json").is_file()):
-        merge_run(c.init)  # a `zoo finetune` run as its init: merged into zoo's cache if missing there
         model, tok_dir, names = _base(c, spec, folder, names, notes, what="the base model of its adapter")
         try:
             model, _ = (load_adapters if several else load_adapter)(model, adapter)
@@ -205,6 +204,7 @@ def _several(adapter: Path) -> bool:
 def _base(c: RunConfig, spec: ModelSpec, folder: Path, names, notes: list[str], *, what: str):
     """`(model with the weights `c.init` names, its tokenizer's folder, label names)`: the
     model as the run built it (a classifier with as many labels as it had)."""
+    merge_run(c.init)  # a `zoo finetune` run as its init: merged into zoo's cache if missing there
     try:
         if spec.file_model is None or (spec.classifier and names is None and c.data.source in spec.datasets):
             task = build_task(c, rules=None, mesh=None)  # the built-in data's task knows its labels
