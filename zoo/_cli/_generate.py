@@ -221,14 +221,24 @@ def _run_quantize(source: str) -> str | None:
     return None if "model_type" in run else run.get("quantize")
 
 
-def load(source: str, adapter: str | None, *, rules, mesh, dtype: str | None = None, quantize: str | None = None):
+def load(
+    source: str,
+    adapter: str | None,
+    *,
+    rules,
+    mesh,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    resolved=None,
+):
     """`(model, Text, eos id or None, description)` of SOURCE (with --adapter), computing
     in `dtype` (default the folder's), its projections stored as `quantize` says (quantised
     while loading; default float, or for a run that trained on a quantised base, that base
-    rebuilt as the run built it)."""
+    rebuilt as the run built it). `resolved`: what `resolve_source` gave for them, when the
+    caller has it already."""
     import zoo
 
-    folder, adapter_dir, where = resolve_source(source, adapter)
+    folder, adapter_dir, where = resolved or resolve_source(source, adapter)
     trained_on = _run_quantize(source) if quantize is None and adapter_dir is not None else None
     overrides = {"dropout": 0.0, "attention_dropout": 0.0} | ({} if dtype is None else {"dtype": dtype})
     try:
@@ -372,10 +382,10 @@ def cmd_generate(args) -> int:
     prompts = list(args.prompt)
     if template is not None:
         prompts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    resolve_source(args.source, args.adapter)  # outside the mesh: a run's init may be merged first (`merge_run`)
+    resolved = resolve_source(args.source, args.adapter)  # outside the mesh: a run's init may be merged first
     with jax.set_mesh(mesh):
         model, text, eos, where = load(
-            args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh, quantize=args.quantize
+            args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh, quantize=args.quantize, resolved=resolved
         )
         pad = text.tokenizer.pad_id if text.tokenizer is not None else 0
         tokens, mask = text.encode(prompts, pad, special_tokens=template is None)

@@ -87,8 +87,11 @@ def cmd_serve(args) -> int:
         raise CLIError(str(e)) from None
     import zoo
 
-    folder, run_adapter, _ = resolve_source(args.source, None)
-    model, text, eos, where = load(args.source, None, rules=None, mesh=None, dtype=args.dtype, quantize=args.quantize)
+    resolved = resolve_source(args.source, None)
+    folder, run_adapter, _ = resolved
+    model, text, eos, where = load(
+        args.source, None, rules=None, mesh=None, dtype=args.dtype, quantize=args.quantize, resolved=resolved
+    )
     if run_adapter is not None:  # a LoRA run: its adapter by the run's name, beside the base
         model = zoo.lora.unload(model)
         flags = {Path(args.source).expanduser().resolve().name: run_adapter} | flags

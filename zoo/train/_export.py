@@ -9,6 +9,7 @@ from typing import Any
 
 from .._files import atomic_write
 from ..hf import save_pretrained
+from ..hf._files import read_json
 from ..lora import save_adapter, save_adapters
 from ..lora._folders import DEFAULT
 from ._errors import ConfigError
@@ -280,9 +281,6 @@ def export_dtype(source_dir: str | None, dtype: str | None) -> str:
         if dtype not in EXPORT_DTYPES:
             raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
         return dtype
-    config = Path(source_dir) / "config.json" if source_dir else None
-    if config is None or not config.is_file():
-        return "float32"
-    values = json.loads(config.read_text(encoding="utf-8-sig"))
-    named = values.get("dtype") or values.get("torch_dtype")
+    values = read_json(Path(source_dir) / "config.json") if source_dir else None
+    named = (values or {}).get("dtype") or (values or {}).get("torch_dtype")
     return named if named in EXPORT_DTYPES else "float32"

@@ -268,15 +268,14 @@ def init_families(model_class: type | str) -> list[str]:
 def check_init_family(spec: ModelSpec, folder: Path) -> None:
     """Refuse `--init folder` unless its `model_type` builds `spec.init_class`: a
     `ConfigError` naming the families the model takes and the models that take it."""
-    import json
-
     from .. import hf
+    from ..hf._files import read_config
 
     if spec.init_class is None:
         raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
     config = folder / "config.json"
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8-sig")).get("model_type")
+        model_type = read_config(folder).get("model_type")
         family = hf.get_family(model_type, str(config))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
@@ -297,13 +296,12 @@ def check_init_family(spec: ModelSpec, folder: Path) -> None:
 def spec_for_init(folder: Path) -> ModelSpec:
     """The first registered spec built from scratch whose `--init` takes the checkpoint
     in `folder` (a decoder: `transformer`, a BERT: `encoder`); a `ConfigError` if none."""
-    import json
-
     from .. import hf
+    from ..hf._files import read_config
 
     config = folder / "config.json"
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8-sig")).get("model_type")
+        model_type = read_config(folder).get("model_type")
         family = hf.get_family(model_type, str(config))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{folder}: {str(e).splitlines()[0]}") from e

@@ -297,14 +297,13 @@ def check_pretrained_seq_len(c: RunConfig, folder: Path | None) -> None:
     (its config.json's positions, or `model_config`'s `max_len` over them), from that file
     alone: before a data file's rows are cut at that length and counted (a length it cannot
     take was reported as too few rows) and before any weight is read."""
-    import json
-
     from .. import hf
+    from ..hf._files import read_config
 
     if folder is None or not c.data.seq_len:
         return
     try:
-        values = json.loads((folder / "config.json").read_text(encoding="utf-8-sig"))
+        values = read_config(folder)
         family = hf.get_family(values.get("model_type"), str(folder / "config.json"))
         overrides = {"family": family.name, "source_dir": str(folder.resolve())} | dict(c.model_config)
         max_len = family.config_from_hf(values, **overrides).max_len
