@@ -97,7 +97,9 @@ def _run_all(commands: list[list[str]], logs: Path, timeout: float = TIMEOUT) ->
 
 def _port_lost(output: str) -> bool:
     text = output.lower()
-    return "address already in use" in text or "failed to bind" in text or "bind address" in text
+    return (
+        "already in use" in text or "failed to bind" in text or "bind address" in text or "failed to add port" in text
+    )
 
 
 def _launch(make_commands, logs: Path) -> list[tuple[int, str]]:
@@ -142,6 +144,17 @@ def test_global_batch_and_init_errors_name_the_fix():
         zoo.distributed_init("127.0.0.1:1234", 2, 5)
     with pytest.raises(ValueError, match="HOST:PORT"):
         zoo.distributed_init("127.0.0.1", 2, 0)
+
+
+def test_a_taken_coordinator_port_is_named_before_jax_crashes():
+    """Process 0 hosts the coordinator: on a port another program holds, jax's gRPC server
+    logs "Failed to add port" and the process segfaults. The port is checked first."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"port {port} is already in use.*--coordinator 127\.0\.0\.1:\d+"):
+            zoo.distributed_init(f"127.0.0.1:{port}", 2, 0)
 
 
 # --- 2 processes x 2 devices vs 1 process x 4 devices ----------------------------------------

@@ -10,9 +10,11 @@ code changes. Each process loads only its rows of a global batch (`local_rows`) 
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -91,6 +93,8 @@ def distributed_init(
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
     if coordinator is not None and (":" not in coordinator or not coordinator.rsplit(":", 1)[1].isdigit()):
         raise ValueError(f"coordinator must be HOST:PORT (e.g. 10.0.0.1:1234), got {coordinator!r}")
+    if coordinator is not None and process_id == 0:
+        _check_port_free(coordinator)
     try:
         if local_device_count is not None:
             jax.config.update("jax_num_cpu_devices", local_device_count)
@@ -117,6 +121,29 @@ def distributed_init(
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _note_sigterm)
     return jax.process_index(), jax.process_count()
+
+
+def _check_port_free(coordinator: str) -> None:
+    """Raise if process 0 could not host the coordinator service at `coordinator`: jax's
+    gRPC server only logs a failed bind and then crashes the process (a segfault)."""
+    host, port = coordinator.rsplit(":", 1)
+    bind_host = host.strip("[]") if host in _LOOPBACK else "::"  # jax's default binds [::]:PORT
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            probe.bind((bind_host, int(port)))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # e.g. no IPv6 here: leave the bind to jax
+        with socket.socket(family, socket.SOCK_STREAM) as free:
+            free.bind((bind_host, 0))
+            suggestion = f"{host}:{free.getsockname()[1]}"
+        raise RuntimeError(
+            f"the coordinator port {port} is already in use on this machine, so process 0 cannot host the "
+            f"coordinator at {coordinator}; pass a free port in every process (e.g. --coordinator {suggestion}, "
+            "or coordinator= / JAX_COORDINATOR_ADDRESS), or stop the program using it"
+        ) from None
 
 
 _sigterm_noted = False
