@@ -157,6 +157,26 @@ def test_a_taken_coordinator_port_is_named_before_jax_crashes():
             zoo.distributed_init(f"127.0.0.1:{port}", 2, 0)
 
 
+def test_a_process_waiting_for_the_others_says_what_it_waits_for(tmp_path):
+    """Process 1 pointed at a coordinator nobody serves (or started without process 0)
+    blocks in jax, silent, until jax aborts it after 300 s: zoo says what it waits for."""
+    code = (
+        "import zoo, zoo._distributed as d; d._WAIT_NOTE_S = 0.2; "
+        f"zoo.distributed_init('127.0.0.1:{_free_port()}', 2, 1, local_device_count=1)"
+    )
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=err, stderr=err)
+    try:
+        deadline = time.monotonic() + 60
+        while "has waited" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert "process 1 of 2 has waited 0 s to join the coordinator at 127.0.0.1:" in log.read_text(), log.read_text()
+
+
 # --- 2 processes x 2 devices vs 1 process x 4 devices ----------------------------------------
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -108,6 +109,11 @@ def distributed_init(
     kwargs: dict[str, Any] = {}
     if coordinator is not None and coordinator.rsplit(":", 1)[0] in _LOOPBACK:
         kwargs["coordinator_bind_address"] = coordinator  # the default binds every interface
+    # A missing process or an unreachable coordinator blocks here without a word until jax
+    # aborts the process (DEADLINE_EXCEEDED after 300 s): say what is awaited meanwhile.
+    note = threading.Timer(_WAIT_NOTE_S, _note_waiting, (coordinator, num_processes, process_id))
+    note.daemon = True
+    note.start()
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id, **kwargs)
     except ValueError as e:
@@ -115,12 +121,29 @@ def distributed_init(
             f"{e} Pass coordinator='HOST:PORT', num_processes and process_id (or set "
             f"{', '.join(_ENV)}) in every process."
         ) from e
+    finally:
+        note.cancel()
     _started = (coordinator, jax.process_count(), jax.process_index())
     # jax's preemption notifier has just taken SIGTERM and only logs it: note it here until a
     # run's own handler (`zoo.train`'s Preemption) takes over and stops at an agreed step.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _note_sigterm)
     return jax.process_index(), jax.process_count()
+
+
+_WAIT_NOTE_S = 20.0  # seconds in `jax.distributed.initialize` before saying what it waits for
+
+
+def _note_waiting(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    who = f"process {process_id} of {num_processes}" if process_id is not None else "this process"
+    where = f"the coordinator at {coordinator}" if coordinator else "the coordinator"
+    print(
+        f"zoo: {who} has waited {_WAIT_NOTE_S:.0f} s to join {where}: check that every process is started with "
+        "the same coordinator and process count, and that process 0's host and port are reachable from here "
+        "(jax aborts the process after 300 s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _check_port_free(coordinator: str) -> None:
