@@ -22,6 +22,7 @@ from helpers import one_line_error, save_word_tokenizer, tiny_decoder, zoo_main,
 
 REPO = "tiny-org/tiny-llama"
 SHA = "0123456789abcdef0123456789abcdef01234567"
+BAD_TOKEN = "hf_stale"
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "log"]
 
 
@@ -48,6 +49,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = urllib.parse.urlparse(self.path).path
         self.server.requests.append((self.command, path, self.headers.get("Authorization")))
         parts = path.strip("/").split("/")
+        if self.headers.get("Authorization") == f"Bearer {BAD_TOKEN}":  # as the Hub answers a stale token
+            return self._send_error(401, None, "Invalid credentials in Authorization header")
         if parts[:2] == ["api", "models"] and len(parts) >= 4:  # /api/models/org/name[/revision/rev]
             repo = "/".join(parts[2:4])
             if repo not in self.server.repos:
@@ -71,8 +74,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return self._error(404, "EntryNotFound", path)
 
     def _error(self, status: int, code: str, message: str):
+        self._send_error(status, code, message)
+
+    def _send_error(self, status: int, code: str | None, message: str):
         payload = json.dumps({"error": message}).encode()
-        self._send(status, payload, {"X-Error-Code": code, "X-Error-Message": message}, payload)
+        headers = {"X-Error-Message": message} | ({"X-Error-Code": code} if code else {})
+        self._send(status, payload, headers, payload)
 
     def _send(self, status: int, data: bytes, headers: dict[str, str], body):
         self.send_response(status)
@@ -155,6 +162,18 @@ def test_download_errors_name_what_was_tried(hub, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=rf"nor a model in the local Hugging Face cache \({cache}\).*OFFLINE"):
         zoo.hf.resolve_model_dir(REPO)
     assert not [r for r in hub.requests if "/api/models/" in r[1] or "/resolve/" in r[1]]
+
+
+def test_a_token_the_hub_refuses_is_named_not_the_network(hub, monkeypatch):
+    """A stale HF_TOKEN gets 401 "Invalid credentials" from the Hub, even for a public
+    model: the error says the Hub refused the token, not that it could not be reached."""
+    import zoo
+
+    monkeypatch.setenv("HF_TOKEN", BAD_TOKEN)
+    with pytest.raises(
+        FileNotFoundError, match=r"refused the token \(401: Invalid credentials.*set HF_TOKEN to a valid"
+    ):
+        zoo.hf.download(REPO)
 
 
 def test_commands_take_a_hub_id_as_model(hub, tmp_path):

@@ -71,8 +71,8 @@ def download_model(repo_id: str, *, revision: str | None = None) -> Path:
 
     **Returns:** the snapshot folder. Raises `FileNotFoundError` in one line naming what
     was tried (the address and the cache): in offline mode (`HF_HUB_OFFLINE=1`), for a
-    model the Hub does not have (or not to this token), one without safetensors weights,
-    or when the Hub cannot be reached. Needs the package `huggingface_hub`.
+    model the Hub does not have (or not to this token), a token it refuses (401/403),
+    one without safetensors weights, or when the Hub cannot be reached. Needs the package `huggingface_hub`.
     """
     cache = hub_cache()
     if offline():
@@ -127,6 +127,11 @@ def _fetch(hub, errors, repo_id: str, revision: str | None, cache: Path) -> Path
     except errors.RevisionNotFoundError:
         raise FileNotFoundError(f"{repo_id!r}: the Hub ({tried}) has no revision {revision!r}") from None
     except Exception as e:  # the network's errors (httpx's, OSError), the Hub's (HfHubHTTPError)
+        answer = _refusal(e, tried)
+        if answer:
+            raise FileNotFoundError(
+                f"{repo_id!r} is not in the local Hugging Face cache ({cache}) and {answer}"
+            ) from None
         raise FileNotFoundError(
             f"{repo_id!r} is neither a local folder nor in the local Hugging Face cache ({cache}) and the Hub could not be reached "
             f"({tried}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the network or "
@@ -163,6 +168,23 @@ def _fetch(hub, errors, repo_id: str, revision: str | None, cache: Path) -> Path
         ref.write_text(info.sha)
     assert folder is not None
     return folder
+
+
+def _refusal(error: Exception, tried: str) -> str | None:
+    """What the Hub answered, for an HTTP error it sent (it was reached): a refused token
+    (401: stale or mistyped; 403: no access to this model) names the token to fix."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if not isinstance(status, int):
+        return None
+    said = getattr(error, "server_message", None) or str(error).splitlines()[0]
+    if status == 401:
+        return (
+            f"the Hub ({tried}) refused the token (401: {said}): set HF_TOKEN to a valid token, or unset it (and "
+            "`hf auth logout`) for a public model"
+        )
+    if status == 403:
+        return f"the Hub ({tried}) refused access (403: {said}): use a token (HF_TOKEN) with read access to this model"
+    return f"the Hub ({tried}) answered {status} ({said}): try again later, or pass a local folder"
 
 
 def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True) -> Path:
