@@ -177,6 +177,16 @@ def test_a_process_waiting_for_the_others_says_what_it_waits_for(tmp_path):
     assert "process 1 of 2 has waited 0 s to join the coordinator at 127.0.0.1:" in log.read_text(), log.read_text()
 
 
+def test_a_launch_without_a_coordinator_names_the_flags(tmp_path):
+    """`zoo train --process-id 1` alone (no coordinator, no cluster jax detects): jax's
+    ValueError, in one line naming the command line's flags, not only the API's arguments."""
+    cmd = [sys.executable, "-m", "zoo", "train", "mlp", "--process-id", "1", "--output", str(tmp_path / "run")]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "coordinator_address should be defined" in done.stderr
+    assert "--coordinator HOST:PORT --num-processes N --process-id I" in done.stderr
+
+
 # --- 2 processes x 2 devices vs 1 process x 4 devices ----------------------------------------
 
 

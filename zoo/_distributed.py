@@ -118,8 +118,8 @@ def distributed_init(
         jax.distributed.initialize(coordinator, num_processes, process_id, **kwargs)
     except ValueError as e:
         raise ValueError(
-            f"{e} Pass coordinator='HOST:PORT', num_processes and process_id (or set "
-            f"{', '.join(_ENV)}) in every process."
+            f"{e} Pass coordinator='HOST:PORT', num_processes and process_id (zoo train / finetune: "
+            f"--coordinator HOST:PORT --num-processes N --process-id I; or set {', '.join(_ENV)}) in every process."
         ) from e
     finally:
         note.cancel()
