@@ -13,7 +13,6 @@ import json
 import re
 import threading
 import urllib.parse
-from pathlib import Path
 
 import huggingface_hub  # noqa: F401  imported offline (tests/conftest.py): zoo's fetch follows the environment as it is then
 import jax
@@ -178,7 +177,15 @@ def test_a_token_the_hub_refuses_is_named_not_the_network(hub, monkeypatch):
 
 def test_commands_take_a_hub_id_as_model(hub, tmp_path):
     """`zoo finetune ORG/NAME` fetches the model into the temporary cache and trains it;
-    `zoo info` and `zoo generate` take the id too (then from the cache)."""
+    its adapter names the id and the commit (not this machine's cache path), so peft's
+    AutoPeftModel opens it from a cache of that id with zoo's logits; `zoo info` and
+    `zoo generate` take the id too (then from the cache)."""
+    import numpy as np
+    import peft
+    import torch
+
+    import zoo
+
     data = tmp_path / "notes.jsonl"
     data.write_text("".join(json.dumps({"text": "the cat sat on the mat a dog ran"}) + "\n" for _ in range(16)))
     out = tmp_path / "run"
@@ -187,7 +194,15 @@ def test_commands_take_a_hub_id_as_model(hub, tmp_path):
     saved = json.loads((out / "config.json").read_text())
     assert (saved["model"], saved["init"]) == ("transformer", REPO)
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert Path(adapter["base_model_name_or_path"]).name == SHA  # the snapshot it trained on
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == (REPO, SHA)  # the commit it trained on
+    tokens = np.array([[1, 2, 3, 4, 5]], np.int32)
+    ours = np.asarray(zoo.train.load_run(out).model(tokens))
+    opened = peft.AutoPeftModelForCausalLM.from_pretrained(
+        out / "adapter", cache_dir=tmp_path / "hf_home" / "hub", local_files_only=True
+    ).eval()
+    with torch.no_grad():
+        theirs = opened(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    assert np.abs(ours - theirs).max() <= 1e-4
     assert any(path.endswith("model.safetensors") for _, path, _ in hub.requests)
     hub.requests.clear()
     info = json.loads(zoo_ok("info", REPO, "--devices", "2", "--json"))

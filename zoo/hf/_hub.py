@@ -247,4 +247,20 @@ def looks_like_id(text: str) -> bool:
     return 0 < len(text) and text.count("/") <= 1 and not text.startswith((".", "/", "~")) and text.strip("/ ") == text
 
 
+def hub_id_of(folder: str | os.PathLike | None) -> tuple[str, str] | None:
+    """The Hub id and revision of a snapshot folder of a Hugging Face cache
+    (`.../models--org--name/snapshots/<rev>`: `("org/name", "<rev>")`), else `None`.
+
+    An adapter of a model loaded by Hub id names that id and the commit it trained on
+    (`base_model_name_or_path`, `revision`), as peft writes one of a model transformers
+    fetched: the cache's path holds on this machine only. Hub names hold no `--`, so the
+    folder's name reads back one way."""
+    if folder is None:
+        return None
+    parts = Path(folder).parts
+    if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
+        return None
+    return parts[-3].removeprefix("models--").replace("--", "/"), parts[-1]
+
+
 download = download_model  # zoo.hf.download

@@ -96,6 +96,7 @@ from ._peft_config import (
     PREFIX,
     WEIGHTS_NAME,
     ZOO_NAME,
+    _base_named,
     _check_meta,
     _check_scaling,
     _describe,
@@ -103,7 +104,6 @@ from ._peft_config import (
     _module_of,
     _plain,
     _read_config,
-    _source_folder,
 )
 from ._pissa import _convert_to_original
 from ._safetensors import _read_checked, _write, tensors_sha256
@@ -132,8 +132,9 @@ def save_adapter(
       the files.
     - `base_model_name_or_path`: what peft's `AutoPeftModel*.from_pretrained(directory)`
       loads the base model from. Default: the folder `zoo.hf` loaded `model` from (its
-      config's `source_dir`), else none (peft's `PeftModel` still opens the adapter on a
-      model you pass; AutoPeftModel then cannot).
+      config's `source_dir`; a snapshot of the Hub cache as its id, its commit as
+      `revision`, as peft writes one), else none (peft's `PeftModel` still opens the
+      adapter on a model you pass; AutoPeftModel then cannot).
     - `path_initial_model_for_weight_conversion` (peft's argument of that name): a folder
       holding this adapter as it was at initialisation (`save_adapter` right after
       `add_lora`), or that initial model itself. The adapter is then written as one that applies to the *original* base:
@@ -176,7 +177,7 @@ def save_adapter(
         exclude_modules=None,
         modules_to_save=peft_saved,
         task_type=None if names is None else names.task_type,
-        base_model_name_or_path=base_model_name_or_path or _source_folder(base),
+        **_base_named(base, base_model_name_or_path),
         # peft's one flag for Conv1D targets ([in, out] weights); it corrects it per module.
         fan_in_fan_out=names is not None
         and any(names.conv1d(n, node_at(model, p).base) for n, (p, _) in modules(model, LoraLinear).items()),

@@ -86,10 +86,18 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _source_folder(model: Any) -> str | None:
-    from ..hf._peft import source_of  # zoo.hf imports zoo.models; imported late
+def _base_named(model: Any, given: str | None) -> dict[str, str | None]:
+    """What an adapter of `model` names as its base (`base_model_name_or_path`, and
+    `revision`): `given`, else the folder `zoo.hf` loaded it from, or the Hub id and commit
+    of that folder when it is a snapshot of the Hugging Face cache (`zoo.hf._hub.hub_id_of`)."""
+    from ..hf._hub import hub_id_of  # zoo.hf imports zoo.models; imported late
+    from ..hf._peft import source_of
 
-    return source_of(model)
+    if given:
+        return {"base_model_name_or_path": given}
+    folder = source_of(model)
+    name, revision = hub_id_of(folder) or (folder, None)
+    return {"base_model_name_or_path": name, "revision": revision}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
