@@ -272,7 +272,9 @@ def test_generate_of_a_lora_run_on_a_classifier_run_names_the_flag(lora_classifi
     (run / "adapter" / "adapter_config.json").write_text("{}")
     (run / "config.json").write_text(json.dumps({"model": "transformer", "init": str(lora_classifier_run)}))
     rc, _, err = zoo_main("generate", run, "--prompt", "x")
-    one_line_error(rc, err, f"the base model of its adapter: --init {lora_classifier_run}: a encoder classifier run; export it")
+    one_line_error(
+        rc, err, f"the base model of its adapter: --init {lora_classifier_run}: a encoder classifier run; export it"
+    )
 
 
 def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):
