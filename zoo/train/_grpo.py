@@ -66,40 +66,35 @@ def load_rewards(specs: Sequence[str]) -> dict[str, Callable]:
         if spec in REWARD_FUNCTIONS:  # given as a function in this process
             functions.append((spec.rpartition(":")[2].split("#")[0].rpartition(".")[2], REWARD_FUNCTIONS[spec]))
             continue
+        given = f"GRPOConfig.reward {spec}"
         path_text, _, name = str(spec).rpartition(":")
         if path_text and not path_text.endswith(".py") and path_text.replace(".", "_").isidentifier():
             # MODULE:NAME: a function given in Python, found again in a later process
             functions.append((name.rpartition(".")[2], _imported(spec, path_text, name)))
             continue
         if not path_text or not name.isidentifier():
-            raise ConfigError(
-                f"GRPOConfig.reward {spec}: write it as FILE.py:NAME (the file, a colon, the function's name)"
-            )
+            raise ConfigError(f"{given}: write it as FILE.py:NAME (the file, a colon, the function's name)")
         path = Path(path_text).expanduser()
         if not path.is_file():
-            raise ConfigError(f"GRPOConfig.reward {spec}: no such file {path}")
+            raise ConfigError(f"{given}: no such file {path}")
         module_name = "zoo_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
         module = sys.modules.get(module_name)
         if module is None:
             loader = importlib.util.spec_from_file_location(module_name, path)
             if loader is None or loader.loader is None:
-                raise ConfigError(
-                    f"GRPOConfig.reward {spec}: {path} is not a Python file zoo can import (name it FILE.py)"
-                )
+                raise ConfigError(f"{given}: {path} is not a Python file zoo can import (name it FILE.py)")
             module = importlib.util.module_from_spec(loader)
             try:
                 loader.loader.exec_module(module)
             except Exception as e:  # the user's code: name it, keep its message
-                raise ConfigError(f"GRPOConfig.reward {spec}: importing {path} raised {type(e).__name__}: {e}") from e
+                raise ConfigError(f"{given}: importing {path} raised {type(e).__name__}: {e}") from e
             sys.modules[module_name] = module
         function = getattr(module, name, None)
         if function is None:
             found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise ConfigError(f"GRPOConfig.reward {spec}: {path} has no {name!r} (its functions: {found})")
+            raise ConfigError(f"{given}: {path} has no {name!r} (its functions: {found})")
         if not callable(function):
-            raise ConfigError(
-                f"GRPOConfig.reward {spec}: {name!r} in {path} is a {type(function).__name__}, not a function"
-            )
+            raise ConfigError(f"{given}: {name!r} in {path} is a {type(function).__name__}, not a function")
         functions.append((name, function))
     named: dict[str, Callable] = {}
     for name, function in functions:
@@ -115,8 +110,8 @@ def _imported(spec: str, module_name: str, qualname: str) -> Callable:
     earlier process: its config.json names it `MODULE:NAME`)."""
     if "#" in qualname or "<" in qualname:
         raise ConfigError(
-            f"GRPOConfig.reward {spec}: a lambda or nested function given in another process cannot be found again; define "
-            "the reward at the top level of a module (or a FILE.py) and pass it again"
+            f"GRPOConfig.reward {spec}: a lambda or nested function given in another process cannot be found "
+            "again; define the reward at the top level of a module (or a FILE.py) and pass it again"
         )
     try:
         found: Any = importlib.import_module(module_name)
@@ -124,8 +119,8 @@ def _imported(spec: str, module_name: str, qualname: str) -> Callable:
             found = getattr(found, part)
     except (ImportError, AttributeError) as e:
         raise ConfigError(
-            f"GRPOConfig.reward {spec}: cannot import {qualname} from module {module_name} ({e}); pass the function again, "
-            "or name it FILE.py:NAME"
+            f"GRPOConfig.reward {spec}: cannot import {qualname} from module {module_name} ({e}); pass the "
+            "function again, or name it FILE.py:NAME"
         ) from None
     if not callable(found):
         raise ConfigError(
