@@ -138,10 +138,9 @@ def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | N
     or a model config size the mesh divides when one of the model's sizes is the culprit
     (the library's own advice, to edit a rules mapping, is no setting of a run)."""
     fix = "choose other RunConfig.rules (dp replicates every weight)"
-    four_bit = c.quantize is not None and not c.quantize.startswith("int8")
-    if four_bit and error.size is not None and (error.where or "").endswith(".scale"):
+    kind, block, _ = quantize_kind(c.quantize) if c.quantize is not None else (None, None, False)
+    if kind in DEFAULT_BLOCK_SIZE and error.size is not None and (error.where or "").endswith(".scale"):
         # A 4-bit layer's scales hold one row per block of inputs: the block, not a model size, sets that count.
-        kind, block, _ = quantize_kind(c.quantize)
         inputs = error.size * (block or DEFAULT_BLOCK_SIZE[kind])
         fits = [b for b in range(2, inputs + 1, 2) if inputs % b == 0 and (inputs // b) % error.divisor == 0]
         block_fix = f"RunConfig.quantize {kind}:{fits[-1]}" if fits else "RunConfig.quantize int8"
