@@ -264,6 +264,19 @@ def test_a_run_whose_base_model_moved_says_where_it_was_and_how_to_point_at_it(c
         one_line_error(rc, err, f"the base model of its adapter, {tmp_path / 'moved'}, is gone; put it back there")
 
 
+def test_generate_of_a_lora_run_on_a_classifier_run_names_the_flag(lora_classifier_run, tmp_path):
+    """A LoRA run whose base (config.json's init) is a classifier run: the library's refusal
+    (naming `RunConfig.init`) reaches zoo generate's one line as the flag."""
+    run = tmp_path / "lora"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"model": "transformer", "init": str(lora_classifier_run)}))
+    rc, _, err = zoo_main("generate", run, "--prompt", "x")
+    one_line_error(
+        rc, err, f"the base model of its adapter: --init {lora_classifier_run}: a encoder classifier run; export it"
+    )
+
+
 def test_export_of_a_lora_classifier_is_bert_plus_its_head(lora_classifier_run, tmp_path):
     """transformers' BertModel on the merged folder, mean-pooled, through head.safetensors:
     `zoo predict`'s logits; the label names are config.json's id2label; no

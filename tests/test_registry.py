@@ -106,7 +106,7 @@ def test_build_task_checks_the_settings_against_the_spec():
     assert task.kind == "regression" and task.config == {"in_size": 16, "out_size": 1, "width": 64, "depth": 4}
     assert task.batch_at(1, 4)["x"].shape == (4, 16) and task.eval_data["y"].shape == (8, 1)
     for changes, message in [
-        (dict(data="prose"), "--data 'prose': mlp trains on teacher"),
+        (dict(data="prose"), "DataConfig.source 'prose': mlp trains on teacher"),
         (dict(dtype="bfloat16"), "the mlp computes in float32 only"),
         (dict(init="somewhere"), "the mlp has no pretrained weights"),
         (dict(model_config={"height": 3}), "unknown mlp keys ['height']"),

@@ -373,6 +373,34 @@ def test_run_config_checks_name_the_field():
     assert isinstance(ConfigError("x"), ValueError)
 
 
+@pytest.mark.parametrize(
+    ("changes", "field", "flag"),
+    [
+        ({"rules": "nope"}, "unknown RunConfig.rules 'nope'", "unknown --rules 'nope'"),
+        ({"mesh": {"data": 64}}, "RunConfig.mesh data=64 needs 64 devices", "--mesh data=64 needs 64 devices"),
+        (
+            {"model": "transformer", "data": DataConfig(source="missing.jsonl")},
+            "DataConfig.source missing.jsonl: no such file",
+            "--data missing.jsonl: no such file",
+        ),
+        ({"resume": True}, "RunConfig.resume: no checkpoint in", "--resume: no checkpoint in"),
+    ],
+)
+def test_run_errors_name_the_field_and_the_cli_shows_the_flag(tmp_path, monkeypatch, changes, field, flag):
+    """`zoo.train.run`'s checks name the `RunConfig` field a Python caller set, never a
+    flag; `zoo train` shows the same check with its flag (`flag_names`, from the fields' Flags)."""
+    from zoo._cli._common import flag_names
+
+    monkeypatch.chdir(tmp_path)
+    settings = {"model": "mlp", "steps": 3, "batch_size": 8, "microbatches": 1, "output": str(tmp_path / "run")}
+    config = RunConfig(**(settings | changes))
+    with pytest.raises(ConfigError) as e:
+        zoo.train.run(config)
+    message = str(e.value)
+    assert field in message and "--" not in message, message
+    assert flag in flag_names(message)
+
+
 def test_evaluation_every_tenth_of_the_run_by_default():
     assert RunConfig(model="mlp", steps=300, batch_size=8).eval_interval == 30
     assert RunConfig(model="mlp", steps=5, batch_size=8).eval_interval == 1

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import RULE_PRESETS, internal
 from ..train import ConfigError, init_families, model_names, model_spec, resolve_init
-from ._common import CLIError, init_devices
+from ._common import CLIError, flag_names, init_devices
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -184,7 +184,7 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
             zoo.train.merge_run(init)  # a `zoo finetune` run as its init: merged into zoo's cache if missing
             base = resolve_init(init)
         except ConfigError as e:
-            raise CLIError(f"SOURCE {source}: the base model of its adapter: {e}") from e
+            raise CLIError(f"SOURCE {source}: the base model of its adapter: {flag_names(str(e))}") from e
         return base, adapter_dir or folder / "adapter", f"the LoRA run {folder} on {base}"
     if run is not None and run.get("model") not in (None, "transformer"):
         raise CLIError(f"SOURCE {source}: a run of the {run.get('model')} model, which does not generate text")

@@ -52,9 +52,11 @@ def _located(path: Path, raw: bytes) -> tuple[str, list[dict[str, Any]], list[st
     try:
         kind, records, wheres = read_located(path, data=raw)
     except DataFormatError as e:
-        raise ConfigError(f"--data: {e}") from None
+        raise ConfigError(f"DataConfig.source: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+        raise ConfigError(
+            f"DataConfig.source {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
     _check_kind(kind, path)
     return kind, records, wheres
 
@@ -62,7 +64,7 @@ def _located(path: Path, raw: bytes) -> tuple[str, list[dict[str, Any]], list[st
 def _check_kind(kind: str, path: Path) -> None:
     if kind not in LM_KINDS:
         raise ConfigError(
-            f"--data {path} holds {kind.replace('_', '/')} records; several adapters train a decoder on text, "
+            f"DataConfig.source {path} holds {kind.replace('_', '/')} records; several adapters train a decoder on text, "
             "prompt/completion or chat records (docs/training.md, Training several adapters at once)"
         )
 
@@ -98,7 +100,7 @@ def read_adapter_records(source: str) -> AdapterRecords | None:
         for record, where in zip(records, wheres):
             if FIELD not in record:
                 raise ConfigError(
-                    f"--data: {where} has no {FIELD!r} field, but {wheres[named[0]]} names its adapter "
+                    f"DataConfig.source: {where} has no {FIELD!r} field, but {wheres[named[0]]} names its adapter "
                     f"({records[named[0]][FIELD]!r}); give every record its adapter's name (or none of them, to "
                     "train one adapter)"
                 )
@@ -112,7 +114,7 @@ def read_adapter_records(source: str) -> AdapterRecords | None:
     for name, file in pairs.items():
         path = Path(file).expanduser()
         if not path.is_file():
-            raise ConfigError(f"--data {name}={file}: no such file; check the path")
+            raise ConfigError(f"DataConfig.source {name}={file}: no such file; check the path")
         raw = path.read_bytes()
         kind, records, wheres = _located(path, raw)
         located[name] = kind, [_without_name(r) for r in records], wheres
@@ -121,8 +123,8 @@ def read_adapter_records(source: str) -> AdapterRecords | None:
         for record, where in zip(records, wheres):
             if FIELD in record and record[FIELD] != name:
                 raise ConfigError(
-                    f"--data: {where} names adapter {record[FIELD]!r}, but {path.name} holds adapter {name!r}'s "
-                    f"rows (--data {name}={file}); remove the field, or move the line to {record[FIELD]!r}'s file"
+                    f"DataConfig.source: {where} names adapter {record[FIELD]!r}, but {path.name} holds adapter {name!r}'s "
+                    f"rows (DataConfig.source {name}={file}); remove the field, or move the line to {record[FIELD]!r}'s file"
                 )
     return AdapterRecords(located, files, hashlib.sha256("".join(digests).encode()).hexdigest())
 
@@ -190,7 +192,9 @@ def stacked(model: Any, names: tuple[str, ...]) -> Any:
     try:
         return on_shapes_too(lambda m: stack_adapters(dict.fromkeys(names, m)), model)
     except ValueError as e:
-        raise ConfigError(f"--lora: several adapters (--data with adapter names): {str(e).splitlines()[0]}") from e
+        raise ConfigError(
+            f"RunConfig.lora: several adapters (DataConfig.source with adapter names): {str(e).splitlines()[0]}"
+        ) from e
 
 
 def stack_rows(parts: Mapping[str, Mapping[str, np.ndarray]], limit: int = 0) -> dict[str, np.ndarray]:
@@ -227,11 +231,13 @@ def _load(c, adapters: AdapterRecords, source) -> tuple[dict[str, Dataset], dict
                 located=located,
             )
         except TemplateParseError as e:  # the model folder's template
-            raise ConfigError(f"{e}; or pass --chat-template FILE") from None
+            raise ConfigError(f"{e}; or pass DataConfig.chat_template FILE") from None
         except DataFormatError as e:
-            raise ConfigError(f"--data: {str(e).splitlines()[0].replace('seq_len=', 'DataConfig.seq_len ')}") from None
+            raise ConfigError(
+                f"DataConfig.source: {str(e).splitlines()[0].replace('seq_len=', 'DataConfig.seq_len ')}"
+            ) from None
         except ValueError as e:
-            raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"DataConfig.source {path}: {str(e).splitlines()[0]}") from None
     return trains, vals
 
 
@@ -240,15 +246,15 @@ def _check_rows(c, adapters: AdapterRecords, trains: Mapping[str, Dataset]) -> N
     k = len(trains)
     if c.batch_size % k:
         raise ConfigError(
-            f"--batch-size {c.batch_size}: each step takes the same number of rows of each of the {k} adapters "
+            f"RunConfig.batch_size {c.batch_size}: each step takes the same number of rows of each of the {k} adapters "
             f"{list(trains)}; use a multiple of {k} (and of data-parallel size x microbatches)"
         )
     for name, train in trains.items():
         if len(train) < c.batch_size // k:
             raise ConfigError(
-                f"--data: adapter {name!r} ({adapters.files[name].name}) has {counted(len(train), 'training row')} after "
-                f"holding out --validation {c.data.validation}, fewer than the {c.batch_size // k} each step takes "
-                f"of it (--batch-size {c.batch_size} / {k} adapters); give it more rows, or lower --batch-size"
+                f"DataConfig.source: adapter {name!r} ({adapters.files[name].name}) has {counted(len(train), 'training row')} after "
+                f"holding out DataConfig.validation {c.data.validation}, fewer than the {c.batch_size // k} each step takes "
+                f"of it (RunConfig.batch_size {c.batch_size} / {k} adapters); give it more rows, or lower RunConfig.batch_size"
             )
 
 
@@ -263,8 +269,8 @@ def adapters_task(c, adapters: AdapterRecords, *, rules, mesh):
     names = adapters.names
     if c.lora is None or c.objective != "sft":
         raise ConfigError(
-            f"--data names {len(names)} adapters {list(names)}: several LoRA adapters train with zoo finetune "
-            "(--objective sft); zoo train trains one model's every weight: drop the adapter names"
+            f"DataConfig.source names {len(names)} adapters {list(names)}: several LoRA adapters train with zoo finetune "
+            "(RunConfig.objective sft); zoo train trains one model's every weight: drop the adapter names"
         )
     folder = init_folder(c)
     tokenizer = tokenizer_of(folder)
@@ -325,7 +331,7 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
                 lambda m: add_branches(m, config, key=jr.fold_in(jr.key(seed), LORA_KEY_SALT)), model
             )
         except ValueError as e:
-            raise ConfigError(f"--lora: {e}") from e
+            raise ConfigError(f"RunConfig.lora: {e}") from e
     seed_key = jr.key_data(jr.key(seed))
     arrays, static = eqx.partition(model, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
@@ -354,7 +360,7 @@ def add_lora(model: Any, config: Any, seed: int) -> Any:
             lowered = jax.jit(wrap).lower(arrays, seed_key)
             compiled = lowered.compile(compiler_options=once_compiler_options(lowered))
         except ValueError as e:
-            raise ConfigError(f"--lora: {e}") from e
+            raise ConfigError(f"RunConfig.lora: {e}") from e
         _LORA_WRAPPERS[cache_key] = (compiled, out)
     compiled, out = _LORA_WRAPPERS[cache_key]
     made = iter(compiled(arrays, seed_key))
@@ -379,5 +385,9 @@ def quantize_base(model: Any, config: Any) -> Any:
         return on_shapes_too(lambda m: cast_frozen(m, config.quantize, config=config.lora), model)
     except ValueError as e:
         kind = config.quantize.partition(":")[0]
-        first = str(e).splitlines()[0].replace("pass block_size= one of", f"pass --quantize {kind}:BLOCK, BLOCK one of")
-        raise ConfigError(f"--quantize {config.quantize}: {first}") from None
+        first = (
+            str(e)
+            .splitlines()[0]
+            .replace("pass block_size= one of", f"pass RunConfig.quantize {kind}:BLOCK, BLOCK one of")
+        )
+        raise ConfigError(f"RunConfig.quantize {config.quantize}: {first}") from None

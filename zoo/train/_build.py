@@ -138,10 +138,9 @@ def _unplaceable(c: RunConfig, error: PlacementError, config: dict[str, Any] | N
     or a model config size the mesh divides when one of the model's sizes is the culprit
     (the library's own advice, to edit a rules mapping, is no setting of a run)."""
     fix = "choose other RunConfig.rules (dp replicates every weight)"
-    four_bit = c.quantize is not None and not c.quantize.startswith("int8")
-    if four_bit and error.size is not None and (error.where or "").endswith(".scale"):
+    kind, block, _ = quantize_kind(c.quantize) if c.quantize is not None else (None, None, False)
+    if kind in DEFAULT_BLOCK_SIZE and error.size is not None and (error.where or "").endswith(".scale"):
         # A 4-bit layer's scales hold one row per block of inputs: the block, not a model size, sets that count.
-        kind, block, _ = quantize_kind(c.quantize)
         inputs = error.size * (block or DEFAULT_BLOCK_SIZE[kind])
         fits = [b for b in range(2, inputs + 1, 2) if inputs % b == 0 and (inputs // b) % error.divisor == 0]
         block_fix = f"RunConfig.quantize {kind}:{fits[-1]}" if fits else "RunConfig.quantize int8"
@@ -203,16 +202,16 @@ def build_run(plan: RunPlan, mesh: jax.sharding.Mesh, rules: Any) -> BuiltRun:
     if lcfg is not None and task.kind == "regression":
         raise ConfigError("zoo finetune: the mlp has no pretrained weights to adapt; train it with zoo train mlp")
     if c.probe and not task.classifier:
-        raise ConfigError(f"--probe fits a classifier's head; {c.model} has none: drop --probe")
+        raise ConfigError(f"RunConfig.probe fits a classifier's head; {c.model} has none: drop RunConfig.probe")
     # The base quantised (--quantize) once the branches are on it: they are made from the float weights.
     model = task.model if lcfg is None else quantize_base(add_lora(task.model, lcfg, c.seed), c)
     if task.adapter_names is not None:  # K adapters, each starting as a one-adapter run of this seed, one base
         model = stacked(model, task.adapter_names)
     if lcfg is not None and c.pooling == "mean" and any(n.startswith("head") for n in lora_modules(model, LoraLinear)):
         raise ConfigError(
-            "--lora: a mean-pooling classifier's head is saved whole (adapter/head.safetensors), so "
+            "RunConfig.lora: a mean-pooling classifier's head is saved whole (adapter/head.safetensors), so "
             "it takes no LoRA branch: leave it out of targets (save=head trains it in full), or use "
-            "--pooling cls"
+            "RunConfig.pooling cls"
         )
     _check_experts_split(c, model, rules)
     try:
@@ -287,7 +286,7 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
             hint = " (was it saved with other flags?)"  # a checkpoint that does not fit this run
         else:
             hint = "; start a new run (--overwrite)" if e.step is None else ""
-        raise ConfigError(f"--resume: {first}{hint}") from e
+        raise ConfigError(f"RunConfig.resume: {first}{hint}") from e
     if skipped:
         what = "; ".join(f"step {k}: {why}" for k, why in skipped)
         print(
@@ -298,8 +297,8 @@ def resume(plan: RunPlan, built: BuiltRun) -> tuple[int, Checkpointer | None]:
         )
     if start >= c.steps and c.epochs is not None:
         raise ConfigError(
-            f"--resume: the checkpoint is at step {start}, not before the {c.steps} steps of --epochs "
-            f"{c.epochs}; raise --epochs to train further"
+            f"RunConfig.resume: the checkpoint is at step {start}, not before the {c.steps} steps of RunConfig.epochs "
+            f"{c.epochs}; raise RunConfig.epochs to train further"
         )
     check_fingerprint(checkpointer.metadata(start), built.fingerprint, c.data.source, start)
     built.model = eqx.combine(state["params"], frozen)

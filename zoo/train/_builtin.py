@@ -66,7 +66,7 @@ def mlp_task(c: RunConfig, *, rules=None, mesh=None) -> Task:
     values = _MLP_CONFIG | c.model_config
     unknown = sorted(set(values) - set(_MLP_CONFIG))
     if unknown:
-        raise ConfigError(f"--model-config: unknown mlp keys {unknown}; known keys: {sorted(_MLP_CONFIG)}")
+        raise ConfigError(f"RunConfig.model_config: unknown mlp keys {unknown}; known keys: {sorted(_MLP_CONFIG)}")
     width, depth = int(values["width"]), int(values["depth"])
 
     def build(k):
@@ -112,7 +112,9 @@ def _corpus_tokens(corpus, tokenizer):
 
 def _check_seq_len(seq_len: int, max_len: int) -> None:
     if seq_len > max_len:
-        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_len {max_len}; lower --seq-len")
+        raise ConfigError(
+            f"DataConfig.seq_len {seq_len} exceeds the model's max_len {max_len}; lower DataConfig.seq_len"
+        )
 
 
 def decoder_model(c: RunConfig, *, rules, mesh):

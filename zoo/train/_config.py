@@ -228,7 +228,7 @@ class RunConfig(RunSettings):
         if done.quantize is not None and done.lora is None:
             raise ConfigError(
                 f"RunConfig.quantize {done.quantize!r} stores the frozen base of LoRA adapters, and this run trains "
-                "every weight: fine-tune with LoRA (zoo finetune, RunConfig.lora) or drop --quantize"
+                "every weight: fine-tune with LoRA (zoo finetune, RunConfig.lora) or drop RunConfig.quantize"
             )
         return dataclasses.replace(done, eval_every=done.eval_interval)
 

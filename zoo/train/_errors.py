@@ -6,7 +6,8 @@ from __future__ import annotations
 class ConfigError(ValueError):
     """A setting that cannot work (a negative step count, a non-finite learning rate, a
     batch the mesh cannot split): raised before anything is trained, naming the setting
-    and the fix. `zoo train` prints it as one line and exits 2."""
+    by its field (`RunConfig.rules`, `DataConfig.source`) and the fix. `zoo train` prints
+    it as one line, each field as its flag (`--rules`, `--data`), and exits 2."""
 
 
 class RunStopped(RuntimeError):

@@ -199,7 +199,7 @@ def first_evaluation(
     # Training itself starts from the new head: on a thousand texts a head fitted this
     # close to the training set leaves fine-tuning nothing to learn but overconfidence.
     if not isinstance(model.head, Linear) or model.head.bias is None:
-        raise ConfigError("--probe needs the head to stay a plain Linear; keep it out of the LoRA targets")
+        raise ConfigError("RunConfig.probe needs the head to stay a plain Linear; keep it out of the LoRA targets")
     test = evaluate(model, task.eval_data, features=True)
     train = evaluate(model, task.train_data, features=True)
     w0, b0 = np.asarray(model.head.weight), np.asarray(model.head.bias)

@@ -271,10 +271,12 @@ def run_lock(output: Path, checkpoints: Path, *, main: bool) -> Iterator[None]:
         yield
         return
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_flock(output / LOCK_NAME, "--output"))
+        stack.enter_context(_flock(output / LOCK_NAME, "RunConfig.output"))
         if not checkpoints.resolve().is_relative_to(output.resolve()):
             # Next to the folder, not in it: the checkpoint folder holds numbered steps only.
-            stack.enter_context(_flock(checkpoints.parent / f".{checkpoints.name}{LOCK_NAME}", "--checkpoint-dir"))
+            stack.enter_context(
+                _flock(checkpoints.parent / f".{checkpoints.name}{LOCK_NAME}", "RunConfig.checkpoint_dir")
+            )
         fresh = not previous_outputs(output) and not _has_entries(checkpoints)
         try:
             yield

@@ -58,7 +58,7 @@ def load_rewards(specs: Sequence[str]) -> dict[str, Callable]:
     does not exist or fails to import, no such name in it, or a name that is no function."""
     if not specs:
         raise ConfigError(
-            "--objective grpo needs at least one reward function: --reward FILE.py:NAME (a function "
+            "RunConfig.objective grpo needs at least one reward function: GRPOConfig.reward FILE.py:NAME (a function "
             "NAME(prompts, completions, **columns) -> one float per completion)"
         )
     functions = []
@@ -66,34 +66,35 @@ def load_rewards(specs: Sequence[str]) -> dict[str, Callable]:
         if spec in REWARD_FUNCTIONS:  # given as a function in this process
             functions.append((spec.rpartition(":")[2].split("#")[0].rpartition(".")[2], REWARD_FUNCTIONS[spec]))
             continue
+        given = f"GRPOConfig.reward {spec}"
         path_text, _, name = str(spec).rpartition(":")
         if path_text and not path_text.endswith(".py") and path_text.replace(".", "_").isidentifier():
             # MODULE:NAME: a function given in Python, found again in a later process
             functions.append((name.rpartition(".")[2], _imported(spec, path_text, name)))
             continue
         if not path_text or not name.isidentifier():
-            raise ConfigError(f"--reward {spec}: write it as FILE.py:NAME (the file, a colon, the function's name)")
+            raise ConfigError(f"{given}: write it as FILE.py:NAME (the file, a colon, the function's name)")
         path = Path(path_text).expanduser()
         if not path.is_file():
-            raise ConfigError(f"--reward {spec}: no such file {path}")
+            raise ConfigError(f"{given}: no such file {path}")
         module_name = "zoo_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
         module = sys.modules.get(module_name)
         if module is None:
             loader = importlib.util.spec_from_file_location(module_name, path)
             if loader is None or loader.loader is None:
-                raise ConfigError(f"--reward {spec}: {path} is not a Python file zoo can import (name it FILE.py)")
+                raise ConfigError(f"{given}: {path} is not a Python file zoo can import (name it FILE.py)")
             module = importlib.util.module_from_spec(loader)
             try:
                 loader.loader.exec_module(module)
             except Exception as e:  # the user's code: name it, keep its message
-                raise ConfigError(f"--reward {spec}: importing {path} raised {type(e).__name__}: {e}") from e
+                raise ConfigError(f"{given}: importing {path} raised {type(e).__name__}: {e}") from e
             sys.modules[module_name] = module
         function = getattr(module, name, None)
         if function is None:
             found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise ConfigError(f"--reward {spec}: {path} has no {name!r} (its functions: {found})")
+            raise ConfigError(f"{given}: {path} has no {name!r} (its functions: {found})")
         if not callable(function):
-            raise ConfigError(f"--reward {spec}: {name!r} in {path} is a {type(function).__name__}, not a function")
+            raise ConfigError(f"{given}: {name!r} in {path} is a {type(function).__name__}, not a function")
         functions.append((name, function))
     named: dict[str, Callable] = {}
     for name, function in functions:
@@ -109,8 +110,8 @@ def _imported(spec: str, module_name: str, qualname: str) -> Callable:
     earlier process: its config.json names it `MODULE:NAME`)."""
     if "#" in qualname or "<" in qualname:
         raise ConfigError(
-            f"--reward {spec}: a lambda or nested function given in another process cannot be found again; define "
-            "the reward at the top level of a module (or a FILE.py) and pass it again"
+            f"GRPOConfig.reward {spec}: a lambda or nested function given in another process cannot be found "
+            "again; define the reward at the top level of a module (or a FILE.py) and pass it again"
         )
     try:
         found: Any = importlib.import_module(module_name)
@@ -118,11 +119,13 @@ def _imported(spec: str, module_name: str, qualname: str) -> Callable:
             found = getattr(found, part)
     except (ImportError, AttributeError) as e:
         raise ConfigError(
-            f"--reward {spec}: cannot import {qualname} from module {module_name} ({e}); pass the function again, "
-            "or name it FILE.py:NAME"
+            f"GRPOConfig.reward {spec}: cannot import {qualname} from module {module_name} ({e}); pass the "
+            "function again, or name it FILE.py:NAME"
         ) from None
     if not callable(found):
-        raise ConfigError(f"--reward {spec}: {qualname} in {module_name} is a {type(found).__name__}, not a function")
+        raise ConfigError(
+            f"GRPOConfig.reward {spec}: {qualname} in {module_name} is a {type(found).__name__}, not a function"
+        )
     return found
 
 
@@ -178,8 +181,8 @@ def encode_prompts(
         else:
             if chat_template is None:
                 raise ConfigError(
-                    f"--data {where}: the prompt is a conversation but the tokenizer has no chat template; pass a "
-                    "model folder whose tokenizer has one, or --chat-template FILE"
+                    f"DataConfig.source {where}: the prompt is a conversation but the tokenizer has no chat template; pass a "
+                    "model folder whose tokenizer has one, or DataConfig.chat_template FILE"
                 )
             if system and prompt[0].get("role") != "system":
                 prompt = [{"role": "system", "content": system}, *prompt]
@@ -187,14 +190,14 @@ def encode_prompts(
                 with rendering(where):
                     text = chat_template.render(prompt, add_generation_prompt=True)
             except DataFormatError as e:
-                raise ConfigError(f"--data {e}") from None
+                raise ConfigError(f"DataConfig.source {e}") from None
             encoded = rust.encode(text, add_special_tokens=False).ids
         if not encoded:
-            raise ConfigError(f"--data {where}: the prompt holds no token; give it text or remove the line")
+            raise ConfigError(f"DataConfig.source {where}: the prompt holds no token; give it text or remove the line")
         if len(encoded) >= seq_len:
             raise ConfigError(
-                f"--data {where}: the prompt has {len(encoded)} tokens, leaving no room for a completion in "
-                f"--seq-len {seq_len}; raise --seq-len or shorten the prompt"
+                f"DataConfig.source {where}: the prompt has {len(encoded)} tokens, leaving no room for a completion in "
+                f"DataConfig.seq_len {seq_len}; raise DataConfig.seq_len or shorten the prompt"
             )
         ids.append(list(encoded))
         prompts.append(record["prompt"])
@@ -301,8 +304,8 @@ class Rollouts(Hook):
         n = len(self.prompts)
         if prompts > n:
             raise ConfigError(
-                f"--data has {n} training prompts, fewer than a step's {prompts} (--batch-size / --num-generations); "
-                "give it more prompts or lower --batch-size"
+                f"DataConfig.source has {n} training prompts, fewer than a step's {prompts} (RunConfig.batch_size / GRPOConfig.num_generations); "
+                "give it more prompts or lower RunConfig.batch_size"
             )
         epoch, index = divmod(step - 1, n // prompts)
         return np.random.default_rng([seed, epoch]).permutation(n)[index * prompts : (index + 1) * prompts]
@@ -322,7 +325,7 @@ class Rollouts(Hook):
         g = self.settings.num_generations
         if batch_size % g:
             raise ConfigError(
-                f"RunConfig.batch_size {batch_size} counts completions: make it a multiple of --num-generations {g}"
+                f"RunConfig.batch_size {batch_size} counts completions: make it a multiple of GRPOConfig.num_generations {g}"
             )
         rows = self.rows_at(block, batch_size // g, seed=seed)
         seeds = np.random.default_rng([seed, block, 1]).integers(2**62, size=batch_size)
@@ -434,7 +437,7 @@ class Rollouts(Hook):
         try:
             table = reward_table(self.rewards, repeat, texts, **columns)
         except ValueError as e:
-            raise ConfigError(f"--reward: {e}") from None
+            raise ConfigError(f"GRPOConfig.reward: {e}") from None
         self._warn_unscored(table)
         advantages, totals = group_advantages(table, g, weights=self.weights, scale_rewards=s.scale_rewards)
         batch = {"tokens": tokens, "completion": completion, "advantages": advantages}
@@ -521,7 +524,7 @@ def _engine(model: Any, device: Any, *, slots: int, max_len: int):
 
     layers, experts = modules(model, LoraLinear), modules(model, LoraExpertLinear)
     if not layers and not experts:
-        raise ConfigError("--objective grpo trains LoRA adapters (zoo finetune): the model has none")
+        raise ConfigError("RunConfig.objective grpo trains LoRA adapters (zoo finetune): the model has none")
     ranks = [int(jax.tree.leaves(_lora_a(model, path))[0].shape[-1]) for path, _ in (layers | experts).values()]
     return Engine(
         on_one_device(unload(model), device),
@@ -607,18 +610,18 @@ def grpo_task(c: Any, *, rules, mesh) -> Task:
 
     if c.lora is None:
         raise ConfigError(
-            "--objective grpo trains LoRA adapters, served to its rollouts beside the frozen base: run zoo finetune "
+            "RunConfig.objective grpo trains LoRA adapters, served to its rollouts beside the frozen base: run zoo finetune "
             "(RunConfig.lora)"
         )
     if jax.process_count() > 1:
         raise ConfigError(
-            f"--objective grpo samples its rollouts in one process; this run has {jax.process_count()}: run it in "
+            f"RunConfig.objective grpo samples its rollouts in one process; this run has {jax.process_count()}: run it in "
             "one process (its devices still split the training step)"
         )
     g = c.grpo.num_generations
     if c.batch_size % g:
         raise ConfigError(
-            f"RunConfig.batch_size {c.batch_size} counts completions: make it a multiple of --num-generations {g} "
+            f"RunConfig.batch_size {c.batch_size} counts completions: make it a multiple of GRPOConfig.num_generations {g} "
             f"(each step samples batch_size / {g} prompts, {g} times each)"
         )
     path, raw = check_prompts_file(c)
@@ -628,7 +631,7 @@ def grpo_task(c: Any, *, rules, mesh) -> Task:
     try:
         _, records, wheres = read_located(path, data=raw)
     except DataFormatError as e:
-        raise ConfigError(f"--data: {e}") from None
+        raise ConfigError(f"DataConfig.source: {e}") from None
     digest = hashlib.sha256(raw).hexdigest()
     prompts = encode_prompts(
         records,
@@ -689,8 +692,8 @@ def _split(path: Path, c: Any, n: int) -> tuple[list[int], list[int]]:
     per_step = c.batch_size // c.grpo.num_generations
     if len(train_rows) < per_step:
         raise ConfigError(
-            f"--data {path} has {len(train_rows)} training prompts (after holding out --validation {validation}), fewer "
-            f"than a step's {per_step} (RunConfig.batch_size / --num-generations); give it more prompts or lower "
+            f"DataConfig.source {path} has {len(train_rows)} training prompts (after holding out DataConfig.validation {validation}), fewer "
+            f"than a step's {per_step} (RunConfig.batch_size / GRPOConfig.num_generations); give it more prompts or lower "
             "RunConfig.batch_size"
         )
     return train_rows, (held_rows or train_rows)[: c.data.eval_size or EVAL_PROMPTS]

@@ -74,17 +74,17 @@ def plan_run(
     if config.probe and jax.process_count() > 1:  # the probe fits on one process's copy of the features
         raise ConfigError(
             f"RunConfig.probe runs in one process only, and this run has {jax.process_count()}: set "
-            "RunConfig.probe 0 (--probe 0), or run in one process"
+            "RunConfig.probe 0, or run in one process"
         )
     check_layout(config, mesh_shape, devices)
     check_data_file(config)  # the paths only: the build reads the file, once
     output = output_dir(config.output, config.model, command)
     checkpoints = checkpoint_dir(config, output)
-    for flag, folder in (("--output", output), ("--checkpoint-dir", checkpoints)):
+    for flag, folder in (("RunConfig.output", output), ("RunConfig.checkpoint_dir", checkpoints)):
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{flag} {folder} is a file, not a folder; choose a folder (it is created if missing)")
     if config.tensorboard:  # its writer would fail at the first step, as an unexpected OSError
-        check_folder(Path(config.tensorboard), "--tensorboard")
+        check_folder(Path(config.tensorboard), "RunConfig.tensorboard")
     title = title or default_title(config, command)
     return RunPlan(config, command, title, output, checkpoints)
 
@@ -106,7 +106,7 @@ def mesh_shape_of(mesh: dict[str, int] | None, devices: int) -> dict[str, int]:
     total = math.prod(mesh.values())
     if total > devices:
         raise ConfigError(
-            f"--mesh {mesh_text(mesh)} needs {total} devices but only {devices} were asked for; raise --devices"
+            f"RunConfig.mesh {mesh_text(mesh)} needs {total} devices but only {devices} were asked for; raise RunConfig.devices"
         )
     return dict(mesh)
 
@@ -115,8 +115,8 @@ def check_layout(config: RunConfig, mesh_shape: dict[str, int], devices: int) ->
     """Everything about the mesh and the batch that can fail, before anything is built."""
     if "data" not in mesh_shape:
         raise ConfigError(
-            f"--mesh {mesh_text(mesh_shape)} has no 'data' axis, which the batch is split over; "
-            f"add one, e.g. --mesh data={devices}"
+            f"RunConfig.mesh {mesh_text(mesh_shape)} has no 'data' axis, which the batch is split over; "
+            f"add one, e.g. RunConfig.mesh data={devices}"
         )
     check_rules_fit_mesh(config.rules, mesh_shape, devices)
     data, m, bsz = mesh_shape["data"], config.microbatches, config.batch_size
@@ -209,14 +209,16 @@ def check_checkpoints(config: RunConfig, output: Path) -> str | None:
         n = config.resume_step
         if n is not None:
             if n not in saved:
-                raise ConfigError(f"--resume-step {n}: no such checkpoint in {folder}; its steps are {saved}")
+                raise ConfigError(f"RunConfig.resume_step {n}: no such checkpoint in {folder}; its steps are {saved}")
             if n >= steps:
-                raise ConfigError(f"--resume-step {n} is not before --steps {steps}; raise --steps")
+                raise ConfigError(
+                    f"RunConfig.resume_step {n} is not before RunConfig.steps {steps}; raise RunConfig.steps"
+                )
             later = [k for k in saved if k > n]
             if later and not config.overwrite:
                 raise ConfigError(
-                    f"--resume-step {n}: {folder} also holds the later steps {later}, which this run would "
-                    "replace; pass --overwrite to delete them, or resume from the newest"
+                    f"RunConfig.resume_step {n}: {folder} also holds the later steps {later}, which this run would "
+                    "replace; pass RunConfig.overwrite to delete them, or resume from the newest"
                 )
             with Checkpointer(folder, keep=None, async_save=False) as ckpt:
                 for k in later:
@@ -226,8 +228,8 @@ def check_checkpoints(config: RunConfig, output: Path) -> str | None:
         elif saved[-1] > steps or (saved[-1] == steps and (output / "summary.json").exists()):
             # (at --steps without a summary: killed after its final checkpoint; the run finishes it)
             raise ConfigError(
-                f"--resume: the checkpoint in {folder} is at step {saved[-1]}, not before --steps {steps}; "
-                "raise --steps to train further"
+                f"RunConfig.resume: the checkpoint in {folder} is at step {saved[-1]}, not before RunConfig.steps {steps}; "
+                "raise RunConfig.steps to train further"
             )
     else:
         _check_new(output, folder, saved)
@@ -239,18 +241,18 @@ def _restart(config: RunConfig, output: Path, folder: Path) -> str:
     (its outputs removed); anything else is refused, naming why."""
     if not previous_outputs(output):
         raise ConfigError(
-            f"--resume: no checkpoint in {folder} and no earlier run in {output}; run without --resume, or point "
-            "--checkpoint-dir (or --output) at the earlier run's"
+            f"RunConfig.resume: no checkpoint in {folder} and no earlier run in {output}; run without RunConfig.resume, or point "
+            "RunConfig.checkpoint_dir (or RunConfig.output) at the earlier run's"
         )
     if config.resume_step is not None:
         raise ConfigError(
-            f"--resume-step {config.resume_step}: no checkpoint in {folder}; resume without --resume-step"
+            f"RunConfig.resume_step {config.resume_step}: no checkpoint in {folder}; resume without RunConfig.resume_step"
         )
     if (output / "summary.json").exists():  # finished: its outputs are all it has, never deleted here
         raise ConfigError(
-            f"--resume: the run in {output} finished without checkpoints (--checkpoint-every 0), so it cannot be "
-            f"continued; train further from its result in a new run (--init {output} --output NEW), or pass "
-            "--checkpoint-every N next time"
+            f"RunConfig.resume: the run in {output} finished without checkpoints (RunConfig.checkpoint_every 0), so it cannot be "
+            f"continued; train further from its result in a new run (RunConfig.init {output} RunConfig.output NEW), or pass "
+            "RunConfig.checkpoint_every N next time"
         )
     remove_run(output, folder)
     return (
@@ -271,8 +273,8 @@ def _check_new(output: Path, folder: Path, saved: list[int]) -> None:
         )
     if saved:
         raise ConfigError(
-            f"{folder} already holds checkpoints (steps {saved}); pass --resume to continue from them, "
-            "--overwrite to replace that run, or choose another --output or --checkpoint-dir"
+            f"{folder} already holds checkpoints (steps {saved}); pass RunConfig.resume to continue from them, "
+            "RunConfig.overwrite to replace that run, or choose another RunConfig.output or RunConfig.checkpoint_dir"
         )
     if previous_outputs(output):
         raise ConfigError(
@@ -316,7 +318,7 @@ def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) 
     """Fail fast (before building a model) on an unknown rules preset, or one that uses
     mesh axes the mesh lacks."""
     if preset not in RULE_PRESETS:
-        raise ConfigError(f"unknown --rules {preset!r}; choose one of {list(RULE_PRESETS)}")
+        raise ConfigError(f"unknown RunConfig.rules {preset!r}; choose one of {list(RULE_PRESETS)}")
     used: list[str] = []
     for target in preset_rules(preset).values():
         for ax in (target,) if isinstance(target, str) else (target or ()):
@@ -325,10 +327,10 @@ def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) 
     idle = [ax for ax, size in mesh_shape.items() if ax not in used and size > 1]
     if idle:
         raise ConfigError(
-            f"--mesh {mesh_text(mesh_shape)}: no rule of --rules {preset} uses mesh axes {idle}, so their devices "
-            f"would repeat the same work; drop them or give them size 1 (e.g. --mesh "
+            f"RunConfig.mesh {mesh_text(mesh_shape)}: no rule of RunConfig.rules {preset} uses mesh axes {idle}, so their devices "
+            f"would repeat the same work; drop them or give them size 1 (e.g. RunConfig.mesh "
             f"{mesh_text({k: v for k, v in mesh_shape.items() if k not in idle})}), or pick rules that use them "
-            f"(--rules {preset} splits over {used})"
+            f"(RunConfig.rules {preset} splits over {used})"
         )
     missing = [ax for ax in used if ax not in mesh_shape]
     if missing:
@@ -336,6 +338,6 @@ def check_rules_fit_mesh(preset: str, mesh_shape: dict[str, int], devices: int) 
         example = {"data": devices // model, "model": model}
         example_text = ",".join(f"{k}={v}" for k, v in example.items() if k in used)
         raise ConfigError(
-            f"--rules {preset} shards over mesh axes {used}, but the mesh {mesh_text(mesh_shape)} lacks "
-            f"{', '.join(map(repr, missing))}; pass a mesh with them, e.g. --mesh {example_text}"
+            f"RunConfig.rules {preset} shards over mesh axes {used}, but the mesh {mesh_text(mesh_shape)} lacks "
+            f"{', '.join(map(repr, missing))}; pass a mesh with them, e.g. RunConfig.mesh {example_text}"
         )

@@ -272,13 +272,13 @@ def check_init_family(spec: ModelSpec, folder: Path) -> None:
     from ..hf._files import read_config
 
     if spec.init_class is None:
-        raise ConfigError(f"--init: the {spec.name} has no pretrained weights; drop --init")
+        raise ConfigError(f"RunConfig.init: the {spec.name} has no pretrained weights; drop RunConfig.init")
     config = folder / "config.json"
     try:
         model_type = read_config(folder).get("model_type")
         family = hf.get_family(model_type, str(config))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"RunConfig.init {folder}: {str(e).splitlines()[0]}") from e
     if issubclass(family.model_class, spec.init_class):
         return
     others = [
@@ -287,7 +287,7 @@ def check_init_family(spec: ModelSpec, folder: Path) -> None:
         if s.init_class is not None and issubclass(family.model_class, s.init_class) and s.pretrained is None
     ]
     raise ConfigError(
-        f"--init {folder} holds a {model_type} checkpoint (a {family.model_class.__name__}); {spec.name} takes "
+        f"RunConfig.init {folder} holds a {model_type} checkpoint (a {family.model_class.__name__}); {spec.name} takes "
         f"{' / '.join(init_families(spec.init_class))} checkpoints"
         + (f", {' / '.join(others)} takes this one" if others else "")
     )

@@ -652,7 +652,7 @@ def merge_run(init: str | None) -> None:
     saved = load_run(run)
     if saved.kind != "lm":
         raise ConfigError(
-            f"--init {run}: a {saved.config.model} classifier run; export it first (zoo export {run} --merge "
+            f"RunConfig.init {run}: a {saved.config.model} classifier run; export it first (zoo export {run} --merge "
             "--output DIR), then pass DIR"
         )
     temporary = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")

@@ -291,13 +291,13 @@ class GRPOConfig:
             weights = []
         if not weights or not all(math.isfinite(w) for w in weights):
             raise ConfigError(
-                f"GRPOConfig.reward_weights must be numbers, comma-separated (one per --reward function), got "
+                f"GRPOConfig.reward_weights must be numbers, comma-separated (one per GRPOConfig.reward function), got "
                 f"{self.reward_weights!r}"
             )
         if self.reward is not None and len(weights) != len(self.rewards()):
             raise ConfigError(
                 f"GRPOConfig.reward_weights gives {len(weights)} weights for {len(self.rewards())} reward functions; "
-                "give one per --reward function"
+                "give one per GRPOConfig.reward function"
             )
         return weights
 

@@ -199,10 +199,10 @@ def load_pretrained(folder: Path, kind: type, overrides: dict[str, Any], *, rule
             fix += f", or a RunConfig.mesh whose axis that splits heads divides {e.size}"
         raise ConfigError(f"RunConfig.rules cannot place {folder} on this mesh: {problem}; {fix}") from e
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"RunConfig.init {folder}: {str(e).splitlines()[0]}") from e
     if not isinstance(model, kind):
         raise ConfigError(
-            f"--init {folder} holds a {type(model).__name__}, but this model needs a "
+            f"RunConfig.init {folder} holds a {type(model).__name__}, but this model needs a "
             f"{' / '.join(init_families(kind))} checkpoint"
         )
     return model
@@ -222,13 +222,13 @@ def load_cls_classifier(folder: Path, num_labels: int, overrides: dict[str, Any]
     except (ValueError, TypeError, FileNotFoundError) as e:
         if "no BERT pooler" in str(e):
             raise ConfigError(
-                f"--pooling cls: {folder} holds no BERT pooler (pooler.dense.*), which BertForSequenceClassification "
-                "classifies through (zoo's own BERT export has none); use --pooling mean"
+                f"RunConfig.pooling cls: {folder} holds no BERT pooler (pooler.dense.*), which BertForSequenceClassification "
+                "classifies through (zoo's own BERT export has none); use RunConfig.pooling mean"
             ) from e
-        raise ConfigError(f"--init {folder}: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"RunConfig.init {folder}: {str(e).splitlines()[0]}") from e
 
 
-def config_from(cls, values: dict[str, Any], flag: str = "--model-config"):
+def config_from(cls, values: dict[str, Any], flag: str = "RunConfig.model_config"):
     """`cls.from_dict(values)` (a zoo config class), its errors as a `ConfigError`."""
     try:
         return cls.from_dict(values)
@@ -284,7 +284,7 @@ def init_folder(c: RunConfig) -> Path | None:
     `pretrained` folder, else None."""
     spec = model_spec(c.model)
     if c.init:
-        folder = resolve_init(c.init)
+        folder = resolve_init(c.init, what="RunConfig.init")
         check_init_family(spec, folder)
         return folder
     if spec.pretrained is not None:
@@ -311,8 +311,8 @@ def check_pretrained_seq_len(c: RunConfig, folder: Path | None) -> None:
         return  # what this file cannot tell, the model's load reports in its own words
     if c.data.seq_len > max_len:
         raise ConfigError(
-            f"--seq-len {c.data.seq_len} exceeds the model's max_len {max_len} (the positions {folder} embeds); "
-            "lower --seq-len"
+            f"DataConfig.seq_len {c.data.seq_len} exceeds the model's max_len {max_len} (the positions {folder} embeds); "
+            "lower DataConfig.seq_len"
         )
 
 

@@ -94,7 +94,7 @@ def parse_lora(text: str, defaults: dict[str, Any]):
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
-            f"bad --lora {text!r}: {why}; write key=value pairs joined by commas, e.g. {LORA_EXAMPLE}; "
+            f"bad RunConfig.lora {text!r}: {why}; write key=value pairs joined by commas, e.g. {LORA_EXAMPLE}; "
             f"keys: {', '.join(LORA_KEYS)}"
         )
 
@@ -215,12 +215,14 @@ def adapter_files(source: str | None) -> dict[str, str] | None:
         name, eq, file = (s.strip() for s in part.partition("="))
         if not eq or not name or not file:
             raise ConfigError(
-                f"--data {source!r}: {part.strip()!r} is not NAME=FILE; one file per adapter is written "
-                "NAME=FILE pairs joined by commas, e.g. --data support=support.jsonl,billing=billing.jsonl"
+                f"DataConfig.source {source!r}: {part.strip()!r} is not NAME=FILE; one file per adapter is written "
+                "NAME=FILE pairs joined by commas, e.g. DataConfig.source support=support.jsonl,billing=billing.jsonl"
             )
         check_name(name, f"--data {source!r}")
         if name in files:
-            raise ConfigError(f"--data {source!r}: adapter {name!r} is named twice; give each adapter one file")
+            raise ConfigError(
+                f"DataConfig.source {source!r}: adapter {name!r} is named twice; give each adapter one file"
+            )
         files[name] = file
     return files
 

@@ -54,18 +54,18 @@ def check_data_file(c: RunConfig) -> None:
     data = c.data.source
     if c.objective == "grpo" and (data is None or data in spec.datasets):
         raise ConfigError(
-            '--objective grpo completes prompts: pass --data FILE.jsonl with a "prompt" on each line (docs/training.md, '
+            'RunConfig.objective grpo completes prompts: pass DataConfig.source FILE.jsonl with a "prompt" on each line (docs/training.md, '
             f"Online RL: GRPO); {data or 'the default data'} holds none"
         )
     if c.objective != "sft" and (data is None or data in spec.datasets):
         raise ConfigError(
-            f"--objective {c.objective} trains on preference pairs: pass --data FILE.jsonl with prompt, chosen and "
+            f"RunConfig.objective {c.objective} trains on preference pairs: pass DataConfig.source FILE.jsonl with prompt, chosen and "
             f"rejected on each line (docs/training.md, Preference tuning); {data or 'the default data'} holds none"
         )
     if c.objective != "sft" and spec.kind != "lm":
         raise ConfigError(
-            f"--objective {c.objective} tunes a decoder (a language model); {spec.name} is none: use "
-            "--objective sft, or a decoder such as transformer"
+            f"RunConfig.objective {c.objective} tunes a decoder (a language model); {spec.name} is none: use "
+            "RunConfig.objective sft, or a decoder such as transformer"
         )
     if data is None or data in spec.datasets:
         return
@@ -74,12 +74,12 @@ def check_data_file(c: RunConfig) -> None:
         _check_file(spec, file if name is None else f"{name}={file}", file)
     if files is not None and (c.lora is None or c.objective != "sft" or spec.kind != "lm"):
         raise ConfigError(
-            f"--data {data}: one file per adapter trains several LoRA adapters of a decoder on "
-            "next-token loss; run zoo finetune on a decoder (with --objective sft)"
+            f"DataConfig.source {data}: one file per adapter trains several LoRA adapters of a decoder on "
+            "next-token loss; run zoo finetune on a decoder (with RunConfig.objective sft)"
         )
     template = c.data.chat_template
     if template is not None and not Path(template).expanduser().is_file():
-        raise ConfigError(f"--chat-template {template}: no such file; pass a jinja2 chat template file")
+        raise ConfigError(f"DataConfig.chat_template {template}: no such file; pass a jinja2 chat template file")
 
 
 def _check_file(spec: ModelSpec, data: str, file: str) -> None:
@@ -88,12 +88,14 @@ def _check_file(spec: ModelSpec, data: str, file: str) -> None:
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise ConfigError(
-                f"--data {data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
+                f"DataConfig.source {data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
                 + (", or on your own .txt, .jsonl or .csv file (docs/data.md)" if spec.file_model else "")
             )
-        raise ConfigError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
+        raise ConfigError(
+            f"DataConfig.source {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}"
+        )
     if not path.is_file():
-        raise ConfigError(f"--data {data}: no such file; check the path")
+        raise ConfigError(f"DataConfig.source {data}: no such file; check the path")
     check_takes_files(spec, data)
 
 
@@ -101,7 +103,7 @@ def check_takes_files(spec: ModelSpec, data: Any) -> None:
     """Refuse a data file for a model whose spec has no `file_model`."""
     if spec.file_model is None:
         raise ConfigError(
-            f"--data {data}: the {spec.name} trains on its own data sets only "
+            f"DataConfig.source {data}: the {spec.name} trains on its own data sets only "
             f"({', '.join(spec.datasets)}); a data file trains {_file_models_text()}"
         )
 
@@ -112,14 +114,14 @@ def check_kind(spec: ModelSpec, kind: str, data: Any) -> None:
     if (kind in LM_KINDS or kind in ("preference", "prompt")) and spec.kind == "classification":
         decoder = (_file_models("lm") or ["transformer"])[0]
         raise ConfigError(
-            f"--data {data} holds {kind.replace('_', '/')} records (language modelling), but {spec.name} is a "
+            f"DataConfig.source {data} holds {kind.replace('_', '/')} records (language modelling), but {spec.name} is a "
             f"classifier; train a decoder on it: zoo finetune {decoder} --init HF_DIR --data FILE (or zoo train "
             f"{decoder} --data FILE)"
         )
     if kind == "classification" and spec.kind == "lm":
         classifiers = _file_models("classification") or ["minilm"]
         raise ConfigError(
-            f"--data {data} holds text/label records (classification), but {spec.name} is a language model; "
+            f"DataConfig.source {data} holds text/label records (classification), but {spec.name} is a language model; "
             f"train a classifier on it: zoo finetune {classifiers[-1]} --data FILE (or zoo train {classifiers[0]} "
             "--data FILE)"
         )
@@ -149,9 +151,9 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, str], source: st
         if key in saved and saved[key] != digest:
             what = source if key == "data_sha256" else "the --chat-template file"
             raise ConfigError(
-                f"--resume: {what} changed since checkpoint step {step} was saved (its sha256 differs), so the "
+                f"RunConfig.resume: {what} changed since checkpoint step {step} was saved (its sha256 differs), so the "
                 "resumed steps would train on other rows than the run's first ones; restore the file, or start "
-                "a new run on it (--overwrite)"
+                "a new run on it (RunConfig.overwrite)"
             )
 
 
@@ -192,10 +194,10 @@ def _chat_template(file: str | None, folder: Path | None) -> tuple[ChatTemplate 
         template = ChatTemplate.from_pretrained(folder, template=data.decode("utf-8-sig"), name=file)
     except UnicodeDecodeError as e:
         raise ConfigError(
-            f"--chat-template {file} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+            f"DataConfig.chat_template {file} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
         ) from None
     except DataFormatError as e:
-        raise ConfigError(f"--chat-template {e}") from None
+        raise ConfigError(f"DataConfig.chat_template {e}") from None
     return template, {"chat_template_sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -221,7 +223,7 @@ def chat_template_of(c: RunConfig, folder: Path | None) -> tuple[ChatTemplate | 
         try:
             template = ChatTemplate.from_pretrained(folder)
         except DataFormatError as e:
-            raise ConfigError(f"{e}; or pass --chat-template FILE") from None
+            raise ConfigError(f"{e}; or pass DataConfig.chat_template FILE") from None
     return template, digest
 
 
@@ -258,15 +260,17 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
             truncation=c.data.prompt_truncation,
         )
     except TemplateParseError as e:  # the model folder's template
-        raise ConfigError(f"{e}; or pass --chat-template FILE") from None
+        raise ConfigError(f"{e}; or pass DataConfig.chat_template FILE") from None
     except DataFormatError as e:
         # load names its argument (seq_len=N); the run's field is the CLI's flag.
         text = str(e).splitlines()[0].replace("seq_len=", "DataConfig.seq_len ")
-        raise ConfigError(f"--data: {text}") from None
+        raise ConfigError(f"DataConfig.source: {text}") from None
     except ValueError as e:  # a template that cannot find the assistant turns
-        raise ConfigError(f"--data {path}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"DataConfig.source {path}: {str(e).splitlines()[0]}") from None
     if len(train) == 0:
-        raise ConfigError(f"--data {path}: no training rows are left after holding out --validation {validation}")
+        raise ConfigError(
+            f"DataConfig.source {path}: no training rows are left after holding out DataConfig.validation {validation}"
+        )
     # A derived batch is fitted to the rows later (`_plan.fit_batch`): it needs a row per device and microbatch.
     m = 1 if "microbatches" in c.derived else c.microbatches
     unit = dict(c.mesh or {}).get("data", 1) * m if "batch_size" in c.derived else c.batch_size
@@ -284,7 +288,7 @@ def user_data_task(c: RunConfig, *, rules, mesh) -> Task:
     if train.kind == "classification":
         if train.num_labels < 2:
             raise ConfigError(
-                f"--data {c.data.source}: every example has the label {train.label_names[0]!r}; a classifier needs 2 or more"
+                f"DataConfig.source {c.data.source}: every example has the label {train.label_names[0]!r}; a classifier needs 2 or more"
             )
         model, config, folder = spec.file_model(c, train.num_labels, rules=rules, mesh=mesh)
         check_tokenizer(config, tokenizer, folder)
@@ -333,9 +337,11 @@ def read_kind(path: Path) -> tuple[bytes, str]:
     try:
         kind, _ = read_records(path, data=raw)
     except DataFormatError as e:
-        raise ConfigError(f"--data: {e}") from None
+        raise ConfigError(f"DataConfig.source: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"--data {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+        raise ConfigError(
+            f"DataConfig.source {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
     return raw, kind
 
 
@@ -347,11 +353,11 @@ def _read(path: Path, spec: ModelSpec, objective: str = "sft") -> bytes:
     if (kind == "prompt") != (objective == "grpo"):
         if kind == "prompt":
             raise ConfigError(
-                f"--data {path} holds prompts alone (no completion): train on them with --objective grpo and a "
-                '--reward, or give each line its answer ({"prompt", "completion"}) for --objective sft'
+                f"DataConfig.source {path} holds prompts alone (no completion): train on them with RunConfig.objective grpo and a "
+                'GRPOConfig.reward, or give each line its answer ({"prompt", "completion"}) for RunConfig.objective sft'
             )
         raise ConfigError(
-            f"--objective grpo completes prompts and rewards the completions, but --data {path} holds "
+            f"RunConfig.objective grpo completes prompts and rewards the completions, but DataConfig.source {path} holds "
             f'{kind.replace("_", "/")} records; give it a .jsonl of {{"prompt"}} lines (extra keys are passed to the '
             "reward functions)"
         )
@@ -360,12 +366,12 @@ def _read(path: Path, spec: ModelSpec, objective: str = "sft") -> bytes:
     if (kind == "preference") != (objective != "sft"):
         if kind == "preference":
             raise ConfigError(
-                f"--data {path} holds preference pairs (prompt, chosen, rejected): tune on them with "
-                "--objective dpo or --objective orpo"
+                f"DataConfig.source {path} holds preference pairs (prompt, chosen, rejected): tune on them with "
+                "RunConfig.objective dpo or RunConfig.objective orpo"
             )
         raise ConfigError(
-            f"--objective {objective} trains on preference pairs, but --data {path} holds {kind.replace('_', '/')} "
-            'records; give it a .jsonl of {"prompt", "chosen", "rejected"} lines (or use --objective sft)'
+            f"RunConfig.objective {objective} trains on preference pairs, but DataConfig.source {path} holds {kind.replace('_', '/')} "
+            'records; give it a .jsonl of {"prompt", "chosen", "rejected"} lines (or use RunConfig.objective sft)'
         )
     return raw
 
@@ -375,7 +381,7 @@ def check_tokenizer(config, tokenizer, folder: Path | None) -> None:
     check_vocab(config.vocab_size, tokenizer, f"--init {folder}")
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(
-            f"--init {folder}: its tokenizer has {tokenizer.vocab_size} ids but the model only "
+            f"RunConfig.init {folder}: its tokenizer has {tokenizer.vocab_size} ids but the model only "
             f"{config.vocab_size}; use the tokenizer the model was trained with"
         )
 
