@@ -299,6 +299,22 @@ def test_split_is_by_content_and_shuffle_by_seed(tmp_path, monkeypatch):
     assert a.sha256 == va.sha256 == hashlib.sha256((tmp_path / "a.jsonl").read_bytes()).hexdigest() != b.sha256
 
 
+def test_conversational_prompt_completion_weights_the_completion_as_trl(tmp_path):
+    # TRL's conversational prompt-completion: the loss on what prompt + completion renders
+    # past the prompt rendered with the generation prompt; not on the prompt's own
+    # assistant turn (a "messages" record would weight it). Refused as "not a string" before.
+    prompt = CHATS[0][:3]
+    record = {"prompt": prompt, "completion": CHATS[0][3:]}
+    path = write_jsonl(tmp_path / "pc.jsonl", [record])
+    train, _ = zoo.data.load(path, make_tokenizer(tmp_path / "model"), seq_len=32, packed=False)
+    assert train.kind == "prompt_completion"
+    words = " <|user|> hello what is a cat </s> <|assistant|> a small dog </s> <|user|> yes </s> <|assistant|>"
+    tokens, weights = ids(words + " no good </s>", special=False), [0] * len(ids(words, False)) + [1] * 3
+    n = len(tokens)
+    assert train.arrays["tokens"][0, :n].tolist() == tokens
+    assert train.arrays["weights"][0, :n].tolist() == weights and train.arrays["weights"][0, n:].sum() == 0
+
+
 def test_bad_files_get_one_line_errors(tmp_path):
     folder = make_tokenizer(tmp_path / "model", chat_template=None)
     cases = {
@@ -311,6 +327,14 @@ def test_bad_files_get_one_line_errors(tmp_path):
         ),
         "cols.csv": ("sentence,label\nx,1\n", "needs a header with 'text' and 'label'"),
         "chat.jsonl": ('{"messages": [{"role": "user", "content": "hi"}]}\n', "has no chat template"),
+        "convpc.jsonl": (
+            '{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": "b"}]}\n',
+            "has no chat template",
+        ),
+        "halfpc.jsonl": (
+            '{"prompt": [{"role": "user", "content": "a"}], "completion": "b"}\n',
+            "halfpc.jsonl line 1: field 'prompt' is list but 'completion' is str; write both as strings or both",
+        ),
         "bad.jsonl": ("{not json\n", "bad.jsonl line 1 is not valid JSON"),
         "labels.jsonl": (
             '{"text": "a", "label": -1}\n',

@@ -59,6 +59,15 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
     """Refuse a record whose fields are not what its format holds: texts, prompts and
     completions strings, chat messages objects with a string role and content, labels
     non-empty strings or integers >= 0 (zoo has no ignore label: a -1 would be a class)."""
+    if kind == "prompt_completion" and isinstance(record["prompt"], list) and isinstance(record["completion"], list):
+        _check_conversational_pair(record, where)  # TRL's conversational prompt-completion
+        return
+    if kind == "prompt_completion" and (isinstance(record["prompt"], list) or isinstance(record["completion"], list)):
+        raise DataFormatError(
+            f"{where}: field 'prompt' is {type(record['prompt']).__name__} but 'completion' is "
+            f"{type(record['completion']).__name__}; write both as strings or both as lists of "
+            '{"role": ..., "content": ...} messages'
+        )
     names = {"text": ("text",), "classification": ("text",), "prompt_completion": ("prompt", "completion")}
     for name in names.get(kind, ()):
         if not isinstance(record[name], str):
@@ -73,12 +82,7 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
                 f"{where} field 'messages' must be a non-empty list of "
                 '{"role": ..., "content": ...} objects, got ' + type(messages).__name__
             )
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
-                raise DataFormatError(
-                    f"{where} field 'messages' item {i} is {m!r}; each message must be an object with a string "
-                    '"role" and a string "content"'
-                )
+        _check_messages(messages, "messages", where)
     if kind == "preference":
         _check_preference(record, where)
     if kind == "prompt":
@@ -98,6 +102,24 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
                 f"{where} field 'label' is {type(label).__name__} {label!r}; a label is an integer >= 0 or a name "
                 "(a string)"
             )
+
+
+def _check_messages(messages: list[Any], name: str, where: str) -> None:
+    """Each item of a list of messages an object with a string role and content."""
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
+            raise DataFormatError(
+                f"{where} field {name!r} item {i} is {m!r}; each message must be an object with a string "
+                '"role" and a string "content"'
+            )
+
+
+def _check_conversational_pair(record: dict[str, Any], where: str) -> None:
+    """A conversational prompt / completion: two lists of messages, the completion not empty."""
+    for name in ("prompt", "completion"):
+        if not record[name]:
+            raise DataFormatError(f"{where} field {name!r} is an empty list; give it at least one message")
+        _check_messages(record[name], name, where)
 
 
 def _check_preference(record: dict[str, Any], where: str) -> None:
@@ -132,14 +154,7 @@ def _check_preference(record: dict[str, Any], where: str) -> None:
             )
     if forms["prompt"] == "messages":
         for k in PREFERENCE_FIELDS:
-            for i, m in enumerate(record[k]):
-                if not (
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
-                ):
-                    raise DataFormatError(
-                        f"{where} field {k!r} item {i} is {m!r}; each message must be an object with a string "
-                        '"role" and a string "content"'
-                    )
+            _check_messages(record[k], k, where)
 
 
 def _check_prompt(prompt: Any, where: str) -> None:
@@ -153,12 +168,7 @@ def _check_prompt(prompt: Any, where: str) -> None:
             f"{where} field 'prompt' is {type(prompt).__name__} {prompt!r}; a prompt is a string or a non-empty list "
             'of {"role": ..., "content": ...} messages'
         )
-    for i, m in enumerate(prompt):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
-            raise DataFormatError(
-                f"{where} field 'prompt' item {i} is {m!r}; each message must be an object with a string "
-                '"role" and a string "content"'
-            )
+    _check_messages(prompt, "prompt", where)
     if prompt[-1]["role"] == "assistant":
         raise DataFormatError(
             f"{where} field 'prompt' ends on an assistant turn; a prompt to complete ends on a user (or system) turn"
