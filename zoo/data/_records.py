@@ -24,6 +24,28 @@ class DataFormatError(ValueError):
     of the known keys, or lines of different formats in one file."""
 
 
+def extract_prompt(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """A preference pair without a `"prompt"` (TRL's implicit prompt) with its prompt: the
+    longest shared beginning of `chosen` and `rejected` (messages of a conversation, or
+    characters of a text, less the space before where they part, as TRL's
+    `extract_prompt`), cut from both."""
+    chosen, rejected = record["chosen"], record["rejected"]
+    if type(chosen) is not type(rejected) or not isinstance(chosen, str | list):
+        return record  # the field checks name what is wrong
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+        n -= 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        raise DataFormatError(
+            f"{where}: a preference pair without a 'prompt' has its prompt in chosen and rejected (TRL's implicit "
+            f"prompt), but they {'share no beginning' if n == 0 else 'differ in nothing past their shared one'}; "
+            'add a "prompt" field'
+        )
+    return {**record, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
 def _kind(record: Any, where: str) -> Kind:
     """The format of one `.jsonl` record."""
     if not isinstance(record, dict):
@@ -231,6 +253,8 @@ def read_located(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
             raise DataFormatError(
                 f"{where} is not valid JSON ({e.msg}); a .jsonl holds one JSON object per line"
             ) from None
+        if isinstance(record, dict) and "prompt" not in record and "chosen" in record and "rejected" in record:
+            record = extract_prompt(record, where)
         kind = _kind(record, where)
         kinds.setdefault(kind, number)
         _check_fields(kind, record, where)
