@@ -356,6 +356,8 @@ def test_bad_files_get_one_line_errors(tmp_path):
             "token 9); seq_len=10 or more fits it",
         ),
         "short.jsonl": ('{"text": ""}\n', "short.jsonl line 1: field 'text' holds fewer than 2 tokens"),
+        # GRPO's prompts file: an AttributeError before.
+        "prompts.jsonl": ('{"prompt": "a", "answer": 3}\n', "holds prompts alone"),
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_text(content)

@@ -234,6 +234,12 @@ def load(
     conversational = kind == "prompt_completion" and any(isinstance(r["prompt"], list) for r in records)
     if chat_template is None and folder is not None and (kind in ("chat", "preference") or conversational):
         chat_template = ChatTemplate.from_pretrained(folder)  # read only for data that renders conversations
+    if kind == "prompt":
+        raise DataFormatError(
+            f'{str(path)!r} holds prompts alone ({{"prompt"}} lines with no "completion"): nothing to train on by '
+            'next-token or preference loss; give each line its answer ({"prompt", "completion"}), or let GRPO '
+            "complete them: zoo finetune transformer --objective grpo --reward FILE.py:NAME --data FILE"
+        )
     if kind == "classification":
         return _classification(records, wheres, tokenizer, seq_len, validation, digest)
     rust = tokenizer.tokenizer
