@@ -569,6 +569,9 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
          "(classification), but transformer is a language model; train a classifier on it: zoo finetune minilm"),
         (["train", "encoder"], ("d.jsonl", '{"text": "a"}\n'),
          "(language modelling), but encoder is a classifier; train a decoder on it: zoo finetune transformer"),
+        # A .json array is read (refused before as "unknown extension '.json'"): here, as the wrong model's data.
+        (["train", "encoder"], ("d.json", '[{"text": "a"}]'),
+         "(language modelling), but encoder is a classifier; train a decoder on it: zoo finetune transformer"),
         (["train", "mlp"], ("d.txt", "abc"), "the mlp trains on its own data sets only (teacher)"),
         (["train", "encoder"], ("d.csv", "words,label\na,1\n"), "needs a header with 'text' and 'label'"),
         (["train", "transformer", "--validation", "1.5"], ("d.txt", "abc"), "--validation must be a fraction"),

@@ -315,6 +315,26 @@ def test_conversational_prompt_completion_weights_the_completion_as_trl(tmp_path
     assert train.arrays["weights"][0, :n].tolist() == weights and train.arrays["weights"][0, n:].sum() == 0
 
 
+def test_a_json_array_reads_as_the_same_records_in_json_lines(tmp_path):
+    # Hugging Face datasets' json loader (what a TRL script reads a file with) takes a .json
+    # array or JSON lines: so does zoo (refused as "unknown extension '.json'" before).
+    records = [{"prompt": "what is a cat", "completion": "a small dog"}, {"prompt": "hi", "completion": "hello"}]
+    folder = make_tokenizer(tmp_path / "model")
+    want = zoo.data.load(write_jsonl(tmp_path / "lines.jsonl", records), folder, seq_len=16)[0].arrays
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=2))
+    for path in (tmp_path / "array.json", write_jsonl(tmp_path / "lines.json", records)):
+        got = zoo.data.load(path, folder, seq_len=16)[0].arrays
+        assert all(np.array_equal(got[k], want[k]) for k in want), path
+    (tmp_path / "bad.json").write_text(json.dumps([records[0], {"text": "a cat"}]))
+    with pytest.raises(
+        zoo.data.DataFormatError, match="mixes formats: prompt_completion .first at item 1., text .first at item 2."
+    ):
+        zoo.data.load(tmp_path / "bad.json", folder, seq_len=16)
+    (tmp_path / "array.jsonl").write_text(json.dumps(records, indent=2))
+    with pytest.raises(zoo.data.DataFormatError, match=r"array.jsonl line 1 .* \(a JSON array\? name the file .json\)"):
+        zoo.data.load(tmp_path / "array.jsonl", folder, seq_len=16)
+
+
 def test_bad_files_get_one_line_errors(tmp_path):
     folder = make_tokenizer(tmp_path / "model", chat_template=None)
     cases = {

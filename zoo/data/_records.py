@@ -1,4 +1,4 @@
-"""Reading a user's data file (`.txt`, `.jsonl`, `.csv`) and telling which format it holds."""
+"""Reading a user's data file (`.txt`, `.jsonl`, `.json`, `.csv`) and telling which format it holds."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import csv
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 Kind = Literal["text", "prompt_completion", "chat", "classification", "preference", "prompt"]
 
 FORMATS = (
-    '.txt (plain text), or .jsonl lines holding {"text"}, {"prompt", "completion"}, {"messages"}, '
+    '.txt (plain text), or .jsonl lines (or a .json array) holding {"text"}, {"prompt", "completion"}, {"messages"}, '
     '{"text", "label"}, {"prompt", "chosen", "rejected"} (preference pairs) or {"prompt"} alone (prompts for GRPO), '
     'or .csv with "text" and "label" columns'
 )
@@ -200,7 +201,7 @@ def _check_prompt(prompt: Any, where: str) -> None:
 def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]]]:
     """The records of a data file and their format.
 
-    **Arguments:** `path`, a `.txt`, `.jsonl` or `.csv` file; `data`, its bytes when the
+    **Arguments:** `path`, a `.txt`, `.jsonl`, `.json` (an array of records) or `.csv` file; `data`, its bytes when the
     caller has read them already (the file is then not opened again).
 
     **Returns:** `(kind, records)`: `kind` is `"text"`, `"prompt_completion"`, `"chat"` or
@@ -213,11 +214,40 @@ def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
     return kind, records
 
 
+def _json_records(text: str, path: Path) -> Iterator[tuple[str, Any]]:
+    """`(where, record)` of a `.jsonl` (one JSON value per line) or a `.json`: one
+    JSON array of records (`"NAME item N"`, from 1), else JSON lines, as the `json` loader
+    of Hugging Face `datasets` reads both."""
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(
+                f"{path.name} line {e.lineno} is not valid JSON ({e.msg}); a .json holds one JSON array of objects "
+                "(or one object per line)"
+            ) from None
+        yield from ((f"{path.name} item {n}", item) for n, item in enumerate(items, start=1))
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            array = " (a JSON array? name the file .json)" if number == 1 and line.strip() == "[" else ""
+            raise DataFormatError(
+                f"{where} is not valid JSON ({e.msg}); a {path.suffix.lower()} holds one JSON object per line{array}"
+            ) from None
+        yield where, record
+
+
 def read_located(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]], list[str]]:
-    """`read_records` with where each record is: `"NAME line N"` (a `.txt`: `"NAME"`)."""
+    """`read_records` with where each record is: `"NAME line N"` (a `.json` array's:
+    `"NAME item N"`; a `.txt`: `"NAME"`)."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix not in (".txt", ".jsonl", ".csv"):
+    if suffix not in (".txt", ".jsonl", ".json", ".csv"):
         raise DataFormatError(f"{str(path)!r}: unknown extension {suffix or '(none)'!r}; zoo reads {FORMATS}")
     text = (path.read_bytes() if data is None else data).decode("utf-8-sig")  # a leading BOM is no text
     if not text.strip():
@@ -243,25 +273,16 @@ def read_located(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
             raise DataFormatError(f"{str(path)!r} has a header but no rows")
         return "classification", records, wheres
     records, kinds, wheres = [], {}, []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path.name} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataFormatError(
-                f"{where} is not valid JSON ({e.msg}); a .jsonl holds one JSON object per line"
-            ) from None
+    for where, record in _json_records(text, path):
         if isinstance(record, dict) and "prompt" not in record and "chosen" in record and "rejected" in record:
             record = extract_prompt(record, where)
         kind = _kind(record, where)
-        kinds.setdefault(kind, number)
+        kinds.setdefault(kind, where.removeprefix(f"{path.name} "))  # "line N" / "item N"
         _check_fields(kind, record, where)
         records.append(record)
         wheres.append(where)
     if len(kinds) > 1:
-        first = ", ".join(f"{k} (first at line {n})" for k, n in kinds.items())
+        first = ", ".join(f"{k} (first at {at})" for k, at in kinds.items())
         raise DataFormatError(f"{str(path)!r} mixes formats: {first}; put each format in its own file")
     (kind,) = kinds
     return kind, records, wheres

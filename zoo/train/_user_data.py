@@ -41,7 +41,7 @@ from ._task import (
 )
 from ._text import adapter_files
 
-SUFFIXES = (".txt", ".jsonl", ".csv")
+SUFFIXES = (".txt", ".jsonl", ".json", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
 
 
@@ -89,7 +89,7 @@ def _check_file(spec: ModelSpec, data: str, file: str) -> None:
         if not path.exists():
             raise ConfigError(
                 f"--data {data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
-                + (", or on your own .txt, .jsonl or .csv file (docs/data.md)" if spec.file_model else "")
+                + (", or on your own .txt, .jsonl, .json or .csv file (docs/data.md)" if spec.file_model else "")
             )
         raise ConfigError(f"--data {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}")
     if not path.is_file():
