@@ -384,6 +384,9 @@ def test_bad_files_get_one_line_errors(tmp_path):
         with pytest.raises(zoo.data.DataFormatError) as info:
             zoo.data.load(tmp_path / name, folder, seq_len=8)
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    (tmp_path / "shards").mkdir()  # a folder of files: IsADirectoryError before
+    with pytest.raises(zoo.data.DataFormatError, match="shards' is a folder; zoo reads one data file: join its files"):
+        zoo.data.load(tmp_path / "shards", folder, seq_len=8)
     # Without an end-of-sequence token an empty completion has no target; a chat without an
     # assistant turn never has one (a tokenizer object: no folder, so no eos_token).
     tokenizer = zoo.hf.Tokenizer.from_pretrained(make_tokenizer(tmp_path / "chat"))

@@ -23,7 +23,7 @@ from ..hf._tokenizer import Tokenizer
 from ._chat import ChatTemplate, rendering
 from ._packing import Document, pack
 from ._preference import preference_rows
-from ._records import DataFormatError, Kind, read_located
+from ._records import DataFormatError, Kind, folder_refused, read_located
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +227,8 @@ def load(
         eos_id = _special_id(tokenizer, folder, "eos_token")
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2 (a token and its successor), got {seq_len}")
+    if data is None and Path(path).is_dir():
+        raise folder_refused(path)
     if data is None:
         data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
     digest = hashlib.sha256(data).hexdigest()

@@ -25,6 +25,15 @@ class DataFormatError(ValueError):
     of the known keys, or lines of different formats in one file."""
 
 
+def folder_refused(path: str | os.PathLike) -> DataFormatError:
+    """The error for a folder given as a data file (Hugging Face `datasets` reads a folder of
+    files as one data set; zoo reads one file)."""
+    return DataFormatError(
+        f"{str(path)!r} is a folder; zoo reads one data file: join its files into one (e.g. cat {path}/*.jsonl > "
+        "all.jsonl) and pass that"
+    )
+
+
 def extract_prompt(record: dict[str, Any], where: str) -> dict[str, Any]:
     """A preference pair without a `"prompt"` (TRL's implicit prompt) with its prompt: the
     longest shared beginning of `chosen` and `rejected` (messages of a conversation, or

@@ -21,7 +21,7 @@ from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import describe as describe_data
 from ..data import load as load_data
 from ..data._chat import TemplateParseError
-from ..data._records import FORMATS
+from ..data._records import FORMATS, folder_refused
 from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
 from ._config import RunConfig
@@ -85,6 +85,8 @@ def check_data_file(c: RunConfig) -> None:
 def _check_file(spec: ModelSpec, data: str, file: str) -> None:
     """One data file's path (`data`: how `--data` names it)."""
     path = Path(file).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"--data {folder_refused(data)}")
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise ConfigError(
