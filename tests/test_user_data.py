@@ -341,6 +341,10 @@ def test_bad_files_get_one_line_errors(tmp_path):
         "data.parquet": ("x", "unknown extension '.parquet'"),
         "empty.jsonl": ("\n\n", "is empty"),
         "keys.jsonl": ('{"input": "x", "output": "y"}\n', "none of the known keys (found ['input', 'output'])"),
+        "sharegpt.jsonl": (
+            '{"conversations": [{"from": "human", "value": "x"}]}\n',
+            'ShareGPT\'s "conversations" of {"from", "value"} are "messages" of {"role", "content"} (human: "user"',
+        ),
         "mixed.jsonl": (
             '{"text": "a"}\n{"prompt": "a", "completion": "b"}\n',
             "mixes formats: text (first at line 1), prompt_completion (first at line 2)",

@@ -34,6 +34,16 @@ def folder_refused(path: str | os.PathLike) -> DataFormatError:
     )
 
 
+# Other tools' formats a line may be in, and how to write it in one zoo reads.
+_OTHER_FORMATS = {
+    "conversations": (
+        '; ShareGPT\'s "conversations" of {"from", "value"} are "messages" of {"role", "content"} '
+        '(human: "user", gpt: "assistant")'
+    ),
+    "instruction": '; Alpaca\'s "instruction" (+ "input") and "output" are a "prompt" and a "completion"',
+}
+
+
 def extract_prompt(record: dict[str, Any], where: str) -> dict[str, Any]:
     """A preference pair without a `"prompt"` (TRL's implicit prompt) with its prompt: the
     longest shared beginning of `chosen` and `rejected` (messages of a conversation, or
@@ -81,9 +91,11 @@ def _kind(record: Any, where: str) -> Kind:
         return "classification"
     if "text" in record:
         return "text"
+    hint = next((h for k, h in _OTHER_FORMATS.items() if k in record), "")
     raise DataFormatError(
         f"{where}: none of the known keys (found {sorted(record)}); each line needs "
-        '"text", "prompt"+"completion", "messages" or "text"+"label"'
+        '"text", "prompt"+"completion", "messages", "text"+"label", "prompt"+"chosen"+"rejected" or "prompt" alone'
+        + hint
     )
 
 
