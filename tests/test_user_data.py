@@ -335,6 +335,27 @@ def test_a_json_array_reads_as_the_same_records_in_json_lines(tmp_path):
         zoo.data.load(tmp_path / "array.jsonl", folder, seq_len=16)
 
 
+def test_a_tool_calling_turn_with_null_content_trains_as_transformers_renders_it(tmp_path):
+    # OpenAI's / transformers' tool calls: an assistant turn of "tool_calls" with
+    # "content": null (refused before as "each message must be ... a string content").
+    template = (
+        "{% for m in messages %}{{ ' <|' + m['role'] + '|> ' }}{% if m['content'] %}{{ m['content'] }}{% endif %}"
+        "{% for c in m.get('tool_calls', []) %}{{ c['function']['name'] }}{% endfor %}{{ ' ' + eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ ' <|assistant|>' }}{% endif %}"
+    )
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "cat"}}]}
+    messages = [{"role": "user", "content": "what is red"}, call, {"role": "tool", "content": "blue"}]
+    messages.append({"role": "assistant", "content": "no"})
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": messages}])
+    train, _ = zoo.data.load(path, make_tokenizer(tmp_path / "model", template), seq_len=32, packed=False)
+    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    weighted = train.arrays["tokens"][0][train.arrays["weights"][0] > 0]
+    assert weighted.tolist() == [vocab[w] for w in "cat </s> no </s>".split()]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [messages[0], {"role": "assistant", "content": None}]}])
+    with pytest.raises(zoo.data.DataFormatError, match=r"item 1 .* \(null only beside \"tool_calls\"\)"):
+        zoo.data.load(bad, make_tokenizer(tmp_path / "model", template), seq_len=32)
+
+
 def test_bad_files_get_one_line_errors(tmp_path):
     folder = make_tokenizer(tmp_path / "model", chat_template=None)
     cases = {

@@ -149,12 +149,18 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
 
 
 def _check_messages(messages: list[Any], name: str, where: str) -> None:
-    """Each item of a list of messages an object with a string role and content."""
+    """Each item of a list of messages an object with a string role and content (a turn
+    calling tools may have `"content": null`, as OpenAI's and transformers' tool calls do)."""
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
+        content = m.get("content", "") if isinstance(m, dict) else None
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and (isinstance(content, str) or content is None and "tool_calls" in m)
+        ):
             raise DataFormatError(
                 f"{where} field {name!r} item {i} is {m!r}; each message must be an object with a string "
-                '"role" and a string "content"'
+                '"role" and a string "content" (null only beside "tool_calls")'
             )
 
 
