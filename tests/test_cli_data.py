@@ -569,6 +569,11 @@ def test_train_encoder_on_a_csv_with_int_labels(tmp_path, data_files):
          "(classification), but transformer is a language model; train a classifier on it: zoo finetune minilm"),
         (["train", "encoder"], ("d.jsonl", '{"text": "a"}\n'),
          "(language modelling), but encoder is a classifier; train a decoder on it: zoo finetune transformer"),
+        # A .json array is read (refused before as "unknown extension '.json'"): here, as the wrong model's data.
+        (["train", "encoder"], ("d.json", '[{"text": "a"}]'),
+         "(language modelling), but encoder is a classifier; train a decoder on it: zoo finetune transformer"),
+        # A folder of files (datasets' data_dir): "unknown extension '(none)'" before.
+        (["train", "transformer"], ("shards", None), "is a folder; zoo reads one data file: join its files into one"),
         (["train", "mlp"], ("d.txt", "abc"), "the mlp trains on its own data sets only (teacher)"),
         (["train", "encoder"], ("d.csv", "words,label\na,1\n"), "needs a header with 'text' and 'label'"),
         (["train", "transformer", "--validation", "1.5"], ("d.txt", "abc"), "--validation must be a fraction"),
@@ -591,7 +596,7 @@ def test_bad_data_files_are_one_line(tmp_path, args, make, message):
     path = tmp_path / "missing.jsonl"
     if make is not None:
         path = tmp_path / make[0]
-        path.write_text(make[1])
+        path.mkdir() if make[1] is None else path.write_text(make[1])
     rc, _, err = zoo_main(*args, "--data", path, "--output", tmp_path / "out")
     one_line_error(rc, err, message)
 

@@ -181,6 +181,7 @@ def test_eval_names_grpo_prompts_and_preference_pairs_as_what_they_are(chat_run,
         (chat_run, prompts, "holds prompts alone, without completions (what --objective grpo completes) but"),
         (chat_run, pairs, "holds preference pairs (what --objective dpo / orpo train on) but"),
         (classifier_run, prompts, "holds prompts alone, without completions"),
+        (chat_run, tmp_path, "is a folder; zoo reads one data file: join its files into one"),  # "no such file" before
     ]:
         rc, _, err = zoo_main("eval", run, "--data", file)
         one_line_error(rc, err, what)

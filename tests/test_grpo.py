@@ -278,6 +278,13 @@ def test_reward_table_calls_each_function_as_trl_does():
     named = zoo.models.reward_table({"a": exact, "b": exact}, prompts, completions, answer=["4"] * 4)
     assert named.shape == (4, 2)
 
+    # Booleans count as 1 / 0, as TRL's torch.tensor(rewards, dtype=float32) reads them (refused before).
+    def matches(prompts, completions, answer):
+        return [c == a for c, a in zip(completions, answer)]
+
+    booleans = zoo.models.reward_table(matches, prompts, completions, answer=["4", "4", "2", "2"])
+    np.testing.assert_array_equal(booleans[:, 0], [1, 0, 1, 0])
+
 
 @pytest.mark.parametrize(
     ("function", "message"),

@@ -106,7 +106,9 @@ def target_words(prompts, completions, target, **columns):
     return [float(c.split().count(t)) for c, t in zip(completions, target)]
 
 
-def not_a_number(prompts, completions, **columns):
+def not_a_number(prompts, completions, completion_ids, **columns):
+    """NaN; asks for TRL's completion_ids (each completion's token ids) by name."""
+    assert all(0 < len(ids) <= 8 and all(isinstance(i, int) for i in ids) for ids in completion_ids), completion_ids
     return [float("nan")] * len(completions)
 
 

@@ -357,11 +357,29 @@ def test_conversation_pairs_go_through_the_chat_template(tmp_path):
     assert completion == "hello?\n"
 
 
+def test_an_implicit_prompt_is_the_shared_beginning_as_trls_extract_prompt(tmp_path):
+    # TRL's implicit prompt: no "prompt", chosen and rejected whole conversations (or texts)
+    # sharing it. Refused as "['prompt'] is missing" before.
+    template = zoo.data.ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    user, yes, no = ({"role": r, "content": c} for r, c in [("user", "hi"), ("assistant", "yes"), ("assistant", "no")])
+    implicit = _write(tmp_path / "i.jsonl", [{"chosen": [user, yes], "rejected": [user, no]}])
+    explicit = _write(tmp_path / "e.jsonl", [{"prompt": [user], "chosen": [yes], "rejected": [no]}])
+    got, want = (_load(p, seq_len=32, chat_template=template).arrays for p in (implicit, explicit))
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+    # Texts: the shared characters, less the space where they part (TRL's `extract_prompt`).
+    texts = _load(_write(tmp_path / "t.jsonl", [{"chosen": "Q1 yes", "rejected": "Q1 no!!"}])).arrays
+    completion = texts["chosen_tokens"][0][texts["chosen_completion"][0] == 1].astype(np.uint8)
+    assert bytes(texts["chosen_tokens"][0, :2].astype(np.uint8)) == b"Q1" and bytes(completion) == b" yes"
+
+
 @pytest.mark.parametrize(
     "record,message",
     [
         ({"prompt": "q", "chosen": "a"}, "['rejected'] is missing"),
-        ({"chosen": "a", "rejected": "b"}, "['prompt'] is missing"),
+        ({"chosen": "a", "rejected": "b"}, "without a 'prompt' has its prompt in chosen and rejected (TRL's implicit"),
+        ({"chosen": "q a", "rejected": "q a"}, 'differ in nothing past their shared one; add a "prompt" field'),
         ({"prompt": "q", "chosen": " ", "rejected": "b"}, "field 'chosen' is empty"),
         ({"prompt": "q", "chosen": "a", "rejected": []}, "mixes texts and message lists"),
         ({"prompt": "q", "chosen": "a", "rejected": 3}, "field 'rejected' is int 3"),

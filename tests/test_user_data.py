@@ -299,18 +299,87 @@ def test_split_is_by_content_and_shuffle_by_seed(tmp_path, monkeypatch):
     assert a.sha256 == va.sha256 == hashlib.sha256((tmp_path / "a.jsonl").read_bytes()).hexdigest() != b.sha256
 
 
+def test_conversational_prompt_completion_weights_the_completion_as_trl(tmp_path):
+    # TRL's conversational prompt-completion: the loss on what prompt + completion renders
+    # past the prompt rendered with the generation prompt; not on the prompt's own
+    # assistant turn (a "messages" record would weight it). Refused as "not a string" before.
+    prompt = CHATS[0][:3]
+    record = {"prompt": prompt, "completion": CHATS[0][3:]}
+    path = write_jsonl(tmp_path / "pc.jsonl", [record])
+    train, _ = zoo.data.load(path, make_tokenizer(tmp_path / "model"), seq_len=32, packed=False)
+    assert train.kind == "prompt_completion"
+    words = " <|user|> hello what is a cat </s> <|assistant|> a small dog </s> <|user|> yes </s> <|assistant|>"
+    tokens, weights = ids(words + " no good </s>", special=False), [0] * len(ids(words, False)) + [1] * 3
+    n = len(tokens)
+    assert train.arrays["tokens"][0, :n].tolist() == tokens
+    assert train.arrays["weights"][0, :n].tolist() == weights and train.arrays["weights"][0, n:].sum() == 0
+
+
+def test_a_json_array_reads_as_the_same_records_in_json_lines(tmp_path):
+    # Hugging Face datasets' json loader (what a TRL script reads a file with) takes a .json
+    # array or JSON lines: so does zoo (refused as "unknown extension '.json'" before).
+    records = [{"prompt": "what is a cat", "completion": "a small dog"}, {"prompt": "hi", "completion": "hello"}]
+    folder = make_tokenizer(tmp_path / "model")
+    want = zoo.data.load(write_jsonl(tmp_path / "lines.jsonl", records), folder, seq_len=16)[0].arrays
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=2))
+    for path in (tmp_path / "array.json", write_jsonl(tmp_path / "lines.json", records)):
+        got = zoo.data.load(path, folder, seq_len=16)[0].arrays
+        assert all(np.array_equal(got[k], want[k]) for k in want), path
+    (tmp_path / "bad.json").write_text(json.dumps([records[0], {"text": "a cat"}]))
+    with pytest.raises(
+        zoo.data.DataFormatError, match="mixes formats: prompt_completion .first at item 1., text .first at item 2."
+    ):
+        zoo.data.load(tmp_path / "bad.json", folder, seq_len=16)
+    (tmp_path / "array.jsonl").write_text(json.dumps(records, indent=2))
+    with pytest.raises(zoo.data.DataFormatError, match=r"array.jsonl line 1 .* \(a JSON array\? name the file .json\)"):
+        zoo.data.load(tmp_path / "array.jsonl", folder, seq_len=16)
+
+
+def test_a_tool_calling_turn_with_null_content_trains_as_transformers_renders_it(tmp_path):
+    # OpenAI's / transformers' tool calls: an assistant turn of "tool_calls" with
+    # "content": null (refused before as "each message must be ... a string content").
+    template = (
+        "{% for m in messages %}{{ ' <|' + m['role'] + '|> ' }}{% if m['content'] %}{{ m['content'] }}{% endif %}"
+        "{% for c in m.get('tool_calls', []) %}{{ c['function']['name'] }}{% endfor %}{{ ' ' + eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ ' <|assistant|>' }}{% endif %}"
+    )
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "cat"}}]}
+    messages = [{"role": "user", "content": "what is red"}, call, {"role": "tool", "content": "blue"}]
+    messages.append({"role": "assistant", "content": "no"})
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": messages}])
+    train, _ = zoo.data.load(path, make_tokenizer(tmp_path / "model", template), seq_len=32, packed=False)
+    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    weighted = train.arrays["tokens"][0][train.arrays["weights"][0] > 0]
+    assert weighted.tolist() == [vocab[w] for w in "cat </s> no </s>".split()]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [messages[0], {"role": "assistant", "content": None}]}])
+    with pytest.raises(zoo.data.DataFormatError, match=r"item 1 .* \(null only beside \"tool_calls\"\)"):
+        zoo.data.load(bad, make_tokenizer(tmp_path / "model", template), seq_len=32)
+
+
 def test_bad_files_get_one_line_errors(tmp_path):
     folder = make_tokenizer(tmp_path / "model", chat_template=None)
     cases = {
         "data.parquet": ("x", "unknown extension '.parquet'"),
         "empty.jsonl": ("\n\n", "is empty"),
         "keys.jsonl": ('{"input": "x", "output": "y"}\n', "none of the known keys (found ['input', 'output'])"),
+        "sharegpt.jsonl": (
+            '{"conversations": [{"from": "human", "value": "x"}]}\n',
+            'ShareGPT\'s "conversations" of {"from", "value"} are "messages" of {"role", "content"} (human: "user"',
+        ),
         "mixed.jsonl": (
             '{"text": "a"}\n{"prompt": "a", "completion": "b"}\n',
             "mixes formats: text (first at line 1), prompt_completion (first at line 2)",
         ),
         "cols.csv": ("sentence,label\nx,1\n", "needs a header with 'text' and 'label'"),
         "chat.jsonl": ('{"messages": [{"role": "user", "content": "hi"}]}\n', "has no chat template"),
+        "convpc.jsonl": (
+            '{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": "b"}]}\n',
+            "has no chat template",
+        ),
+        "halfpc.jsonl": (
+            '{"prompt": [{"role": "user", "content": "a"}], "completion": "b"}\n',
+            "halfpc.jsonl line 1: field 'prompt' is list but 'completion' is str; write both as strings or both",
+        ),
         "bad.jsonl": ("{not json\n", "bad.jsonl line 1 is not valid JSON"),
         "labels.jsonl": (
             '{"text": "a", "label": -1}\n',
@@ -332,12 +401,17 @@ def test_bad_files_get_one_line_errors(tmp_path):
             "token 9); seq_len=10 or more fits it",
         ),
         "short.jsonl": ('{"text": ""}\n', "short.jsonl line 1: field 'text' holds fewer than 2 tokens"),
+        # GRPO's prompts file: an AttributeError before.
+        "prompts.jsonl": ('{"prompt": "a", "answer": 3}\n', "holds prompts alone"),
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_text(content)
         with pytest.raises(zoo.data.DataFormatError) as info:
             zoo.data.load(tmp_path / name, folder, seq_len=8)
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    (tmp_path / "shards").mkdir()  # a folder of files: IsADirectoryError before
+    with pytest.raises(zoo.data.DataFormatError, match="shards' is a folder; zoo reads one data file: join its files"):
+        zoo.data.load(tmp_path / "shards", folder, seq_len=8)
     # Without an end-of-sequence token an empty completion has no target; a chat without an
     # assistant turn never has one (a tokenizer object: no folder, so no eos_token).
     tokenizer = zoo.hf.Tokenizer.from_pretrained(make_tokenizer(tmp_path / "chat"))

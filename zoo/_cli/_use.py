@@ -226,7 +226,7 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         epilog="Examples: zoo eval runs/cls --data test.csv; zoo eval runs/sft --data held_out.jsonl --json",
     )
     evaluate.add_argument("run", metavar="RUN", help=RUN_HELP)
-    evaluate.add_argument("--data", required=True, metavar="FILE", help="a .txt, .jsonl or .csv data file")
+    evaluate.add_argument("--data", required=True, metavar="FILE", help="a .txt, .jsonl, .json or .csv data file")
     evaluate.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     evaluate.set_defaults(func=cmd_eval)
 

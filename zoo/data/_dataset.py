@@ -23,7 +23,7 @@ from ..hf._tokenizer import Tokenizer
 from ._chat import ChatTemplate, rendering
 from ._packing import Document, pack
 from ._preference import preference_rows
-from ._records import DataFormatError, Kind, read_located
+from ._records import DataFormatError, Kind, folder_refused, read_located
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,12 +227,21 @@ def load(
         eos_id = _special_id(tokenizer, folder, "eos_token")
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2 (a token and its successor), got {seq_len}")
+    if data is None and Path(path).is_dir():
+        raise folder_refused(path)
     if data is None:
         data = Path(path).read_bytes()  # read once: the records and the digest are of these bytes
     digest = hashlib.sha256(data).hexdigest()
     kind, records, wheres = read_located(path, data=data) if located is None else located
-    if chat_template is None and folder is not None and kind in ("chat", "preference"):
+    conversational = kind == "prompt_completion" and any(isinstance(r["prompt"], list) for r in records)
+    if chat_template is None and folder is not None and (kind in ("chat", "preference") or conversational):
         chat_template = ChatTemplate.from_pretrained(folder)  # read only for data that renders conversations
+    if kind == "prompt":
+        raise DataFormatError(
+            f'{str(path)!r} holds prompts alone ({{"prompt"}} lines with no "completion"): nothing to train on by '
+            'next-token or preference loss; give each line its answer ({"prompt", "completion"}), or let GRPO '
+            "complete them: zoo finetune transformer --objective grpo --reward FILE.py:NAME --data FILE"
+        )
     if kind == "classification":
         return _classification(records, wheres, tokenizer, seq_len, validation, digest)
     rust = tokenizer.tokenizer
@@ -291,7 +300,9 @@ def _documents(
                 piece = ids[start : start + seq_len]
                 documents.append((piece, np.ones(len(piece), np.float32)))
                 keys.append(piece.tobytes())
-    if kind == "chat" and chat_template is None:
+    if chat_template is None and (
+        kind == "chat" or kind == "prompt_completion" and isinstance(records[0]["prompt"], list)
+    ):
         raise DataFormatError(
             f"{str(path)!r} holds chat messages but the tokenizer has no chat template; pass a model folder whose "
             "tokenizer_config.json has chat_template (or chat_template.jinja), or a jinja2 template file: "
@@ -307,7 +318,7 @@ def _documents(
                 "or remove the line"
             )
         with rendering(where):
-            ids, weights = _encoded(kind, r, rust, eos_id, chat_template)
+            ids, weights = _encoded(kind, r, rust, eos_id, chat_template, where)
         _check_targets(kind, weights, seq_len, where)
         if len(ids) > seq_len:
             truncated += 1
@@ -333,17 +344,34 @@ def _classification(
 
 
 def _encoded(
-    kind: str, record: dict[str, Any], rust: Any, eos_id: int | None, chat_template: ChatTemplate | None
+    kind: str,
+    record: dict[str, Any],
+    rust: Any,
+    eos_id: int | None,
+    chat_template: ChatTemplate | None,
+    where: str = "a record",
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(ids, weights)` of one `prompt_completion` or `chat` record: the loss weights 1 on
     the completion (and its eos) or on every token of an assistant turn, 0 elsewhere."""
-    if kind == "prompt_completion":
+    if kind == "prompt_completion" and isinstance(record["prompt"], list):
+        # TRL's conversational prompt-completion: the loss on what prompt + completion renders
+        # past the prompt rendered with the generation prompt (the template's EOS included).
+        head = chat_template.render(record["prompt"], add_generation_prompt=True)
+        text = chat_template.render([*record["prompt"], *record["completion"]])
+        if not text.startswith(head):
+            raise DataFormatError(
+                f"{where}: the chat template renders the prompt differently alone and followed by the completion, so the "
+                "completion cannot be cut from it; use a template that renders conversations by prefixes"
+            )
+        spans = [(len(head), len(text))]
+    elif kind == "prompt_completion":
         prompt = rust.encode(str(record["prompt"])).ids
         completion = rust.encode(str(record["completion"]), add_special_tokens=False).ids
         completion += [] if eos_id is None else [eos_id]
         ids = np.asarray(prompt + completion, np.int32)
         return ids, np.concatenate([np.zeros(len(prompt), np.float32), np.ones(len(completion), np.float32)])
-    text, spans = chat_template.assistant_spans(record["messages"])
+    else:
+        text, spans = chat_template.assistant_spans(record["messages"])
     encoding = rust.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, np.int32)
     weights = np.zeros(len(ids), np.float32)

@@ -1,4 +1,4 @@
-"""Reading a user's data file (`.txt`, `.jsonl`, `.csv`) and telling which format it holds."""
+"""Reading a user's data file (`.txt`, `.jsonl`, `.json`, `.csv`) and telling which format it holds."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import csv
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 Kind = Literal["text", "prompt_completion", "chat", "classification", "preference", "prompt"]
 
 FORMATS = (
-    '.txt (plain text), or .jsonl lines holding {"text"}, {"prompt", "completion"}, {"messages"}, '
+    '.txt (plain text), or .jsonl lines (or a .json array) holding {"text"}, {"prompt", "completion"}, {"messages"}, '
     '{"text", "label"}, {"prompt", "chosen", "rejected"} (preference pairs) or {"prompt"} alone (prompts for GRPO), '
     'or .csv with "text" and "label" columns'
 )
@@ -22,6 +23,47 @@ PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 class DataFormatError(ValueError):
     """A data file zoo cannot read: an unknown extension, an empty file, a line with none
     of the known keys, or lines of different formats in one file."""
+
+
+def folder_refused(path: str | os.PathLike) -> DataFormatError:
+    """The error for a folder given as a data file (Hugging Face `datasets` reads a folder of
+    files as one data set; zoo reads one file)."""
+    return DataFormatError(
+        f"{str(path)!r} is a folder; zoo reads one data file: join its files into one (e.g. cat {path}/*.jsonl > "
+        "all.jsonl) and pass that"
+    )
+
+
+# Other tools' formats a line may be in, and how to write it in one zoo reads.
+_OTHER_FORMATS = {
+    "conversations": (
+        '; ShareGPT\'s "conversations" of {"from", "value"} are "messages" of {"role", "content"} '
+        '(human: "user", gpt: "assistant")'
+    ),
+    "instruction": '; Alpaca\'s "instruction" (+ "input") and "output" are a "prompt" and a "completion"',
+}
+
+
+def extract_prompt(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """A preference pair without a `"prompt"` (TRL's implicit prompt) with its prompt: the
+    longest shared beginning of `chosen` and `rejected` (messages of a conversation, or
+    characters of a text, less the space before where they part, as TRL's
+    `extract_prompt`), cut from both."""
+    chosen, rejected = record["chosen"], record["rejected"]
+    if type(chosen) is not type(rejected) or not isinstance(chosen, str | list):
+        return record  # the field checks name what is wrong
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+        n -= 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        raise DataFormatError(
+            f"{where}: a preference pair without a 'prompt' has its prompt in chosen and rejected (TRL's implicit "
+            f"prompt), but they {'share no beginning' if n == 0 else 'differ in nothing past their shared one'}; "
+            'add a "prompt" field'
+        )
+    return {**record, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
 def _kind(record: Any, where: str) -> Kind:
@@ -49,9 +91,11 @@ def _kind(record: Any, where: str) -> Kind:
         return "classification"
     if "text" in record:
         return "text"
+    hint = next((h for k, h in _OTHER_FORMATS.items() if k in record), "")
     raise DataFormatError(
         f"{where}: none of the known keys (found {sorted(record)}); each line needs "
-        '"text", "prompt"+"completion", "messages" or "text"+"label"'
+        '"text", "prompt"+"completion", "messages", "text"+"label", "prompt"+"chosen"+"rejected" or "prompt" alone'
+        + hint
     )
 
 
@@ -59,6 +103,15 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
     """Refuse a record whose fields are not what its format holds: texts, prompts and
     completions strings, chat messages objects with a string role and content, labels
     non-empty strings or integers >= 0 (zoo has no ignore label: a -1 would be a class)."""
+    if kind == "prompt_completion" and isinstance(record["prompt"], list) and isinstance(record["completion"], list):
+        _check_conversational_pair(record, where)  # TRL's conversational prompt-completion
+        return
+    if kind == "prompt_completion" and (isinstance(record["prompt"], list) or isinstance(record["completion"], list)):
+        raise DataFormatError(
+            f"{where}: field 'prompt' is {type(record['prompt']).__name__} but 'completion' is "
+            f"{type(record['completion']).__name__}; write both as strings or both as lists of "
+            '{"role": ..., "content": ...} messages'
+        )
     names = {"text": ("text",), "classification": ("text",), "prompt_completion": ("prompt", "completion")}
     for name in names.get(kind, ()):
         if not isinstance(record[name], str):
@@ -73,12 +126,7 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
                 f"{where} field 'messages' must be a non-empty list of "
                 '{"role": ..., "content": ...} objects, got ' + type(messages).__name__
             )
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
-                raise DataFormatError(
-                    f"{where} field 'messages' item {i} is {m!r}; each message must be an object with a string "
-                    '"role" and a string "content"'
-                )
+        _check_messages(messages, "messages", where)
     if kind == "preference":
         _check_preference(record, where)
     if kind == "prompt":
@@ -98,6 +146,30 @@ def _check_fields(kind: Kind, record: dict[str, Any], where: str) -> None:
                 f"{where} field 'label' is {type(label).__name__} {label!r}; a label is an integer >= 0 or a name "
                 "(a string)"
             )
+
+
+def _check_messages(messages: list[Any], name: str, where: str) -> None:
+    """Each item of a list of messages an object with a string role and content (a turn
+    calling tools may have `"content": null`, as OpenAI's and transformers' tool calls do)."""
+    for i, m in enumerate(messages):
+        content = m.get("content", "") if isinstance(m, dict) else None
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and (isinstance(content, str) or content is None and "tool_calls" in m)
+        ):
+            raise DataFormatError(
+                f"{where} field {name!r} item {i} is {m!r}; each message must be an object with a string "
+                '"role" and a string "content" (null only beside "tool_calls")'
+            )
+
+
+def _check_conversational_pair(record: dict[str, Any], where: str) -> None:
+    """A conversational prompt / completion: two lists of messages, the completion not empty."""
+    for name in ("prompt", "completion"):
+        if not record[name]:
+            raise DataFormatError(f"{where} field {name!r} is an empty list; give it at least one message")
+        _check_messages(record[name], name, where)
 
 
 def _check_preference(record: dict[str, Any], where: str) -> None:
@@ -132,14 +204,7 @@ def _check_preference(record: dict[str, Any], where: str) -> None:
             )
     if forms["prompt"] == "messages":
         for k in PREFERENCE_FIELDS:
-            for i, m in enumerate(record[k]):
-                if not (
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
-                ):
-                    raise DataFormatError(
-                        f"{where} field {k!r} item {i} is {m!r}; each message must be an object with a string "
-                        '"role" and a string "content"'
-                    )
+            _check_messages(record[k], k, where)
 
 
 def _check_prompt(prompt: Any, where: str) -> None:
@@ -153,12 +218,7 @@ def _check_prompt(prompt: Any, where: str) -> None:
             f"{where} field 'prompt' is {type(prompt).__name__} {prompt!r}; a prompt is a string or a non-empty list "
             'of {"role": ..., "content": ...} messages'
         )
-    for i, m in enumerate(prompt):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)):
-            raise DataFormatError(
-                f"{where} field 'prompt' item {i} is {m!r}; each message must be an object with a string "
-                '"role" and a string "content"'
-            )
+    _check_messages(prompt, "prompt", where)
     if prompt[-1]["role"] == "assistant":
         raise DataFormatError(
             f"{where} field 'prompt' ends on an assistant turn; a prompt to complete ends on a user (or system) turn"
@@ -168,7 +228,7 @@ def _check_prompt(prompt: Any, where: str) -> None:
 def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]]]:
     """The records of a data file and their format.
 
-    **Arguments:** `path`, a `.txt`, `.jsonl` or `.csv` file; `data`, its bytes when the
+    **Arguments:** `path`, a `.txt`, `.jsonl`, `.json` (an array of records) or `.csv` file; `data`, its bytes when the
     caller has read them already (the file is then not opened again).
 
     **Returns:** `(kind, records)`: `kind` is `"text"`, `"prompt_completion"`, `"chat"` or
@@ -181,11 +241,40 @@ def read_records(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
     return kind, records
 
 
+def _json_records(text: str, path: Path) -> Iterator[tuple[str, Any]]:
+    """`(where, record)` of a `.jsonl` (one JSON value per line) or a `.json`: one
+    JSON array of records (`"NAME item N"`, from 1), else JSON lines, as the `json` loader
+    of Hugging Face `datasets` reads both."""
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(
+                f"{path.name} line {e.lineno} is not valid JSON ({e.msg}); a .json holds one JSON array of objects "
+                "(or one object per line)"
+            ) from None
+        yield from ((f"{path.name} item {n}", item) for n, item in enumerate(items, start=1))
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            array = " (a JSON array? name the file .json)" if number == 1 and line.strip() == "[" else ""
+            raise DataFormatError(
+                f"{where} is not valid JSON ({e.msg}); a {path.suffix.lower()} holds one JSON object per line{array}"
+            ) from None
+        yield where, record
+
+
 def read_located(path: str | os.PathLike, *, data: bytes | None = None) -> tuple[Kind, list[dict[str, Any]], list[str]]:
-    """`read_records` with where each record is: `"NAME line N"` (a `.txt`: `"NAME"`)."""
+    """`read_records` with where each record is: `"NAME line N"` (a `.json` array's:
+    `"NAME item N"`; a `.txt`: `"NAME"`)."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix not in (".txt", ".jsonl", ".csv"):
+    if suffix not in (".txt", ".jsonl", ".json", ".csv"):
         raise DataFormatError(f"{str(path)!r}: unknown extension {suffix or '(none)'!r}; zoo reads {FORMATS}")
     text = (path.read_bytes() if data is None else data).decode("utf-8-sig")  # a leading BOM is no text
     if not text.strip():
@@ -211,23 +300,16 @@ def read_located(path: str | os.PathLike, *, data: bytes | None = None) -> tuple
             raise DataFormatError(f"{str(path)!r} has a header but no rows")
         return "classification", records, wheres
     records, kinds, wheres = [], {}, []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path.name} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataFormatError(
-                f"{where} is not valid JSON ({e.msg}); a .jsonl holds one JSON object per line"
-            ) from None
+    for where, record in _json_records(text, path):
+        if isinstance(record, dict) and "prompt" not in record and "chosen" in record and "rejected" in record:
+            record = extract_prompt(record, where)
         kind = _kind(record, where)
-        kinds.setdefault(kind, number)
+        kinds.setdefault(kind, where.removeprefix(f"{path.name} "))  # "line N" / "item N"
         _check_fields(kind, record, where)
         records.append(record)
         wheres.append(where)
     if len(kinds) > 1:
-        first = ", ".join(f"{k} (first at line {n})" for k, n in kinds.items())
+        first = ", ".join(f"{k} (first at {at})" for k, at in kinds.items())
         raise DataFormatError(f"{str(path)!r} mixes formats: {first}; put each format in its own file")
     (kind,) = kinds
     return kind, records, wheres

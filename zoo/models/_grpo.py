@@ -212,8 +212,8 @@ class GRPOLoss:
 def reward_table(functions: Any, prompts: list, completions: list, **columns: Any) -> np.ndarray:
     """Each reward function's score of each completion, `[completions, functions]` float32,
     with TRL's calling convention: `function(prompts=..., completions=..., **columns)` →
-    one number (or `None`: the function does not apply to that completion, NaN here) per
-    completion.
+    one number (a bool counts as 1 / 0, as for TRL; or `None`: the function does not apply to
+    that completion, NaN here) per completion.
 
     **Arguments:**
 
@@ -244,7 +244,7 @@ def reward_table(functions: Any, prompts: list, completions: list, **columns: An
         for i, value in enumerate(got):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+            if not isinstance(value, int | float | np.number | np.bool_):  # a bool is 1 / 0, as for TRL
                 raise ValueError(
                     f"reward function {name!r} returned {value!r} for completion {i}; return a number, or None "
                     f"where the reward does not apply"
@@ -254,7 +254,7 @@ def reward_table(functions: Any, prompts: list, completions: list, **columns: An
                     f"reward function {name!r} returned {value} for completion {i}; return a finite number, or "
                     f"None where the reward does not apply"
                 )
-            out[i, j] = value
+            out[i, j] = float(value)
     return out
 
 

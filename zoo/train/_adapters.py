@@ -83,7 +83,7 @@ def read_adapter_records(source: str) -> AdapterRecords | None:
     pairs = adapter_files(source)
     if pairs is None:
         path = Path(source).expanduser()
-        if path.suffix.lower() != ".jsonl":
+        if path.suffix.lower() not in (".jsonl", ".json"):
             return None  # a .txt / .csv has no fields to name adapters by
         raw = path.read_bytes()
         if FIELD.encode() not in raw:

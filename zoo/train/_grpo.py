@@ -419,7 +419,7 @@ class Rollouts(Hook):
         rows = len(handles)
         tokens = np.full((rows, self.seq_len), self.pad_id, np.int32)
         completion = np.zeros((rows, self.seq_len), np.int32)
-        lengths, clipped, texts = np.zeros(rows, np.int64), np.zeros(rows, bool), []
+        lengths, clipped, texts, ids = np.zeros(rows, np.int64), np.zeros(rows, bool), [], []
         old = np.zeros((rows, self.seq_len - 1), np.float32)  # position t: token t + 1's
         for r, handle in enumerate(handles):
             prompt, out = prompts.ids[r // g], handle.ids
@@ -430,10 +430,12 @@ class Rollouts(Hook):
             lengths[r] = len(out)
             if not (clipped[r] and s.mask_truncated_completions):
                 completion[r, len(prompt) : len(prompt) + len(out)] = 1
+            ids.append([int(t) for t in out])
             text = self.decode([t for t in out if t not in self.eos_ids])
             texts.append([{"role": "assistant", "content": text}] if self.conversational else text)
         repeat = [p for p in prompts.prompts for _ in range(g)]
         columns = {k: [v for v in values for _ in range(g)] for k, values in prompts.columns.items()}
+        columns["completion_ids"] = ids  # as TRL passes them: each completion's token ids, its EOS included
         try:
             table = reward_table(self.rewards, repeat, texts, **columns)
         except ValueError as e:

@@ -33,6 +33,7 @@ from .._files import atomic_write
 from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import load as load_data
 from ..data._dataset import _labels as file_label_names
+from ..data._records import folder_refused
 from ..hf import save_bert_classifier, save_pretrained
 from ..lora import adapter as lora_adapter
 from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapter
@@ -389,6 +390,8 @@ _lm_metrics = eqx.filter_jit(lm_metrics)
 def _read(run: SavedRun, path: Path):
     """The file as the run read its data (its tokenizer, `seq_len`, packing and chat
     template), every row kept; a one-line `ConfigError` for a file it cannot read."""
+    if path.is_dir():
+        raise ConfigError(f"--data {folder_refused(path)}")
     if not path.is_file():
         raise ConfigError(f"--data {path}: no such file; check the path")
     raw, kind = read_kind(path)

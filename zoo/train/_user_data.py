@@ -21,7 +21,7 @@ from ..data import ChatTemplate, DataFormatError, read_records
 from ..data import describe as describe_data
 from ..data import load as load_data
 from ..data._chat import TemplateParseError
-from ..data._records import FORMATS
+from ..data._records import FORMATS, folder_refused
 from ..hf import Tokenizer
 from ..models import classification_loss, next_token_loss
 from ._config import RunConfig
@@ -41,7 +41,7 @@ from ._task import (
 )
 from ._text import adapter_files
 
-SUFFIXES = (".txt", ".jsonl", ".csv")
+SUFFIXES = (".txt", ".jsonl", ".json", ".csv")
 LM_KINDS = ("text", "prompt_completion", "chat")
 
 
@@ -85,11 +85,13 @@ def check_data_file(c: RunConfig) -> None:
 def _check_file(spec: ModelSpec, data: str, file: str) -> None:
     """One data file's path (`data`: how `--data` names it)."""
     path = Path(file).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"DataConfig.source {folder_refused(data)}")
     if path.suffix.lower() not in SUFFIXES:
         if not path.exists():
             raise ConfigError(
                 f"DataConfig.source {data!r}: {spec.name} trains on {' or '.join(spec.datasets)}"
-                + (", or on your own .txt, .jsonl or .csv file (docs/data.md)" if spec.file_model else "")
+                + (", or on your own .txt, .jsonl, .json or .csv file (docs/data.md)" if spec.file_model else "")
             )
         raise ConfigError(
             f"DataConfig.source {data}: unknown extension {path.suffix or '(none)'!r}; zoo reads {FORMATS}"
