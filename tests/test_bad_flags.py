@@ -146,10 +146,11 @@ BAD_LAYOUTS = [
     ),
     (["--mesh", "data=2,model=4"], "no rule of --rules dp uses mesh axes ['model']"),
     (["--mesh", "data=2,model=2,x=2", "--rules", "tp"], "no rule of --rules tp uses mesh axes ['x']"),
-    # The axes the rules do use are named: ep's experts lie on `model` (an `expert` axis is a guess).
+    # ep for a model without experts: that first, not the mesh (tests/test_moe.py: a mixture
+    # of experts hears which axes ep uses).
     (
         ["--mesh", "data=1,expert=2", "--rules", "ep"],
-        "or pick rules that use them (--rules ep splits over ['data', 'model'])",
+        "the mlp has no experts (num_experts): there are none to place; use dp, fsdp or tp (e.g. --rules fsdp)",
     ),
 ]
 

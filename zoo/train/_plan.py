@@ -76,6 +76,13 @@ def plan_run(
             f"RunConfig.probe runs in one process only, and this run has {jax.process_count()}: set "
             "RunConfig.probe 0 (--probe 0), or run in one process"
         )
+    if config.rules in RULE_PRESETS and preset_rules(config.rules).get("expert") and _dense(config, spec):
+        # Before check_layout: its mesh complaint would only lead to the real problem.
+        raise ConfigError(
+            f"--rules {config.rules} splits a mixture of experts' experts over {preset_rules(config.rules)['expert']!r}, "
+            f"but the {config.model} has no experts (num_experts): there are none to place; use dp, fsdp or tp "
+            f"(e.g. --rules fsdp)"
+        )
     check_layout(config, mesh_shape, devices)
     check_data_file(config)  # the paths only: the build reads the file, once
     output = output_dir(config.output, config.model, command)
@@ -87,6 +94,27 @@ def plan_run(
         check_folder(Path(config.tensorboard), "--tensorboard")
     title = title or default_title(config, command)
     return RunPlan(config, command, title, output, checkpoints)
+
+
+def _dense(config: RunConfig, spec) -> bool:
+    """Whether the model of the resolved `config` is known, before it is built, to have no
+    mixture of experts: a Hugging Face `init` folder whose config.json names no experts,
+    or a model built from scratch (`scratch_config` and `model_config`) without
+    `num_experts`. False when it cannot tell (a run folder, a pretrained default): the
+    build's check (`_build`) says it then."""
+    from ..hf._files import read_json
+
+    if config.init:
+        try:
+            values = read_json(Path(config.init).expanduser() / "config.json")
+        except (OSError, ValueError):  # unreadable: the init's own check says so
+            return False
+        if not isinstance(values, dict) or "model_type" not in values:  # no folder, or a zoo run's folder
+            return False
+        return all(values.get(k) is None for k in ("num_experts", "num_local_experts"))
+    if spec.pretrained is not None or spec.scratch_config is None:
+        return False
+    return {**spec.scratch_config, **(config.model_config or {})}.get("num_experts") is None
 
 
 def default_title(config: RunConfig, command: str) -> str:
