@@ -543,7 +543,10 @@ def shapes_folder(path: str, what: str = "--init") -> Path:
     for _ in range(16):  # a chain of runs, each started from the one before
         if not ((folder / "adapter").is_dir() and (folder / "config.json").is_file()):
             return resolve_init(str(folder), what=what)
-        init = json.loads((folder / "config.json").read_text(encoding="utf-8-sig")).get("init")
+        try:
+            init = json.loads((folder / "config.json").read_text(encoding="utf-8-sig")).get("init")
+        except (OSError, ValueError, AttributeError):  # unreadable: resolve_init's own words
+            break
         if not init:
             break
         folder = Path(init).expanduser()
