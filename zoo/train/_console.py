@@ -15,6 +15,7 @@ from ..data import Dataset
 from ..lora import LoraExpertLinear, LoraLinear
 from ..lora import modules as lora_modules
 from ._adapters import AdapterRows
+from ._plan import init_family
 from ._registry import model_spec
 from ._summary import RunRecord
 from ._text import mesh_text
@@ -149,8 +150,9 @@ def _print_header(
     where = "simulated CPU device" if backend == "cpu" else f"{backend.upper()} device"
     where += "" if devices == 1 else "s"
     say(f"zoo {title}")
+    family = init_family(c.init)  # a Hugging Face base's model_type ("llama", "qwen3"): what a user calls it
     say(
-        f"model: {c.model}, {base_params:,} parameters ({human_bytes(base_bytes)})"
+        f"model: {c.model}{f' ({family})' if family else ''}, {base_params:,} parameters ({human_bytes(base_bytes)})"
         + (f", from {task.init}" if task.init else ", initialised from scratch")
     )
     say(f"data: {task.data}")

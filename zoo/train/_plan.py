@@ -123,7 +123,31 @@ def default_title(config: RunConfig, command: str) -> str:
         base = "the pretrained all-MiniLM-L6-v2" if config.model == "minilm" else "a pretrained byte LM"
         return f"demo: LoRA fine-tuning of {base} on {config.data.source}"
     what = _WHAT.get(command, command)
-    return f"{command} {config.model} ({what} of {config.model} on {config.data.source})"
+    family = init_family(config.init)
+    return f"{command} {config.model} ({what} of {family or config.model} on {config.data.source})"
+
+
+def init_family(init: str | None) -> str | None:
+    """The `model_type` (`"llama"`, `"qwen3"`, `"gemma3_text"`) of the Hugging Face folder
+    a run's `init` starts from, read from config.json files alone: the folder, its
+    `model/`, or for a zoo run's folder the `init` it started from, followed. None when
+    no folder here names one (no init, a Hub id, the mlp)."""
+    from ..hf._files import read_json
+
+    for _ in range(16):  # a chain of runs, each from the one before (a loop ends here too)
+        if not init:
+            return None
+        folder = Path(init).expanduser()
+        try:
+            for candidate in (folder, folder / "model"):
+                values = read_json(candidate / "config.json") if candidate.is_dir() else None
+                if isinstance(values, dict) and "model_type" in values:
+                    return str(values["model_type"])
+            values = read_json(folder / "config.json") if folder.is_dir() else None
+        except (OSError, ValueError):  # unreadable: the init's own check says so, in its words
+            return None
+        init = values.get("init") if isinstance(values, dict) else None
+    return None
 
 
 def mesh_shape_of(mesh: dict[str, int] | None, devices: int) -> dict[str, int]:
