@@ -146,10 +146,11 @@ BAD_LAYOUTS = [
     ),
     (["--mesh", "data=2,model=4"], "no rule of --rules dp uses mesh axes ['model']"),
     (["--mesh", "data=2,model=2,x=2", "--rules", "tp"], "no rule of --rules tp uses mesh axes ['x']"),
-    # The axes the rules do use are named: ep's experts lie on `model` (an `expert` axis is a guess).
+    # ep for a model without experts: that first, not the mesh (tests/test_moe.py: a mixture
+    # of experts hears which axes ep uses).
     (
         ["--mesh", "data=1,expert=2", "--rules", "ep"],
-        "or pick rules that use them (--rules ep splits over ['data', 'model'])",
+        "the mlp has no experts (num_experts): there are none to place; use dp, fsdp or tp (e.g. --rules fsdp)",
     ),
 ]
 
@@ -239,6 +240,33 @@ def test_bad_config_files_are_one_line(tmp_path, name, text, message):
     path.write_text(text)
     rc, _, err = zoo_main("train", "--config", path, "--devices", "2")
     one_line_error(rc, err, message)
+
+
+def test_a_mesh_smaller_than_the_devices_is_named_in_the_header():
+    """`zoo train mlp --devices 4 --mesh data=2` trains on 2 of the 4 devices (allowed:
+    `mesh_shape_of`); the run's header says so in one line, with the flags that use them
+    all or ask for fewer (its lines made as a run makes them, without the run)."""
+    import dataclasses
+    import types
+
+    from zoo.train import RunConfig
+    from zoo.train._console import _print_header
+
+    def header(devices: int, mesh: dict[str, int]) -> list[str]:
+        c = dataclasses.replace(RunConfig(model="mlp").resolved("train"), devices=devices, mesh=mesh)
+        task = types.SimpleNamespace(init=None, data="teacher", label_names=None)
+        lines: list[str] = []
+        _print_header(lines.append, c, task, "train mlp", devices, mesh, None, None, 1, 4, 4, 0, 1.0, 0, 0)
+        return lines
+
+    note = (
+        "note: the mesh data=2 uses 2 of the 4 devices; to use all 4 pass --mesh data=4, or ask for 2 with --devices 2"
+    )
+    assert note in header(4, {"data": 2})
+    assert not any(line.startswith("note:") for line in header(2, {"data": 2}))
+    assert header(6, {"data": 2, "model": 2})[4].endswith(
+        "ask for 4 with --devices 4, or give --mesh axes whose sizes multiply to 6"
+    )
 
 
 # --- the rest of the sweep: folders, choices, resume inputs ----------------------------------

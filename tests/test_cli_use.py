@@ -399,3 +399,24 @@ def test_generate_says_when_the_model_ends_the_text_at_once(llama_dir, monkeypat
         assert rc == 0, err
         assert out.startswith("the cat")
         assert ("the model ended the text at once: its first new token was end-of-sequence" in err) is said, err
+
+
+def test_a_finetune_run_names_the_family_of_its_hugging_face_base(chat_run, llama_dir, tmp_path):
+    """A `zoo finetune` run on a Hugging Face folder names the family its config.json
+    names (`model_type`: here "llama"), not only zoo's "transformer": in its title (the
+    header's first line, summary.json) and in the header's model line, for a run chained
+    on another (its init a run) too, found through the runs' config.json files."""
+    import dataclasses
+    import types
+
+    from zoo.train import RunConfig
+    from zoo.train._console import _print_header
+
+    title = json.loads((chat_run / "summary.json").read_text())["title"]
+    assert title.startswith("finetune transformer (LoRA fine-tuning of llama on "), title
+    for init in (llama_dir, chat_run):
+        c = dataclasses.replace(RunConfig(model="transformer", init=str(init)).resolved("finetune"), devices=1)
+        task = types.SimpleNamespace(init=str(init), data="chat", label_names=None)
+        lines: list[str] = []
+        _print_header(lines.append, c, task, title, 1, {"data": 1}, None, None, 1, 4, 4, 0, 1.0, 0, 0)
+        assert lines[1].startswith("model: transformer (llama), 1 parameters"), lines

@@ -88,3 +88,25 @@ def test_inspect_builds_a_model_from_scratch_as_shapes_alone():
     budget, budget_sizes = ins.budget()
     assert budget_sizes["parameters"] > budget_sizes["gradients"] > 0
     assert budget.breaches(ins.collectives, budget_sizes) == [], zoo.report(ins.collectives)
+
+
+def test_info_and_inspect_of_a_finetune_run_need_no_merged_copy(chat_run, llama_dir, tmp_path, monkeypatch):
+    """`zoo info RUN` / `zoo inspect RUN` of a `zoo finetune` run, and of a run chained on
+    it (its init that run), read only shapes: the base's config.json, found through the
+    runs' config.json files. From an empty zoo cache they work and merge nothing (a merged
+    adapter changes no shape); they used to want the run merged into the cache first."""
+    import shutil
+
+    chained = tmp_path / "chained"  # a run whose init is chat_run (its files, its init changed)
+    shutil.copytree(chat_run, chained)
+    config = json.loads((chained / "config.json").read_text())
+    (chained / "config.json").write_text(json.dumps(config | {"init": str(chat_run)}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # zoo's cache, empty
+    base = json.loads(zoo_ok("info", llama_dir, "--devices", "2", "--json"))
+    for run in (chat_run, chained):
+        info = json.loads(zoo_ok("info", run, "--devices", "2", "--json"))
+        assert info["leaves"] == base["leaves"] and info["parameters"] == base["parameters"]
+    step = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "32", "--json"]
+    inspected = json.loads(zoo_ok("inspect", chained, *step))
+    assert inspected["param_bytes"] == base["totals"]["bytes"]
+    assert not (tmp_path / "cache" / "zoo" / "merged").exists()

@@ -479,3 +479,21 @@ def test_a_training_run_logs_the_router_loss_per_step(tmp_path):
     assert [r["step"] for r in train] == [1, 2]
     # top-2 of 4 experts: about 2 when the router spreads the tokens evenly
     assert all(1.0 < r["aux_loss"] < 4.0 for r in train), train
+
+
+def test_ep_for_a_dense_model_names_the_missing_experts_first(tmp_path, llama_dir):
+    """`--rules ep` with the default mesh (no `model` axis) on a dense model: the error is
+    that the model has no experts (what a mesh with a `model` axis would only lead to next),
+    for a model from scratch and a dense Hugging Face folder alike; a mixture of experts
+    still hears about the mesh."""
+    from helpers import zoo_main
+
+    for args in (["train", "transformer"], ["finetune", "transformer", "--init", llama_dir]):
+        rc, _, err = zoo_main(*args, "--rules", "ep", "--steps", "1", "--output", tmp_path / "run")
+        assert rc == 2 and "has no experts" in err and "use dp, fsdp or tp" in err and "lacks" not in err, err
+    moe = ["train", "transformer", "--model-config", "num_experts=4,activation=swiglu", "--rules", "ep"]
+    rc, _, err = zoo_main(*moe, "--steps", "1", "--output", tmp_path / "m")
+    assert rc == 2 and "lacks 'model'" in err, err
+    # The axes ep does use are named: its experts lie on `model` (an `expert` axis is a guess).
+    rc, _, err = zoo_main(*moe, "--devices", "2", "--mesh", "data=1,expert=2", "--output", tmp_path / "m")
+    assert rc == 2 and "or pick rules that use them (--rules ep splits over ['data', 'model'])" in err, err

@@ -15,6 +15,7 @@ from ..data import Dataset
 from ..lora import LoraExpertLinear, LoraLinear
 from ..lora import modules as lora_modules
 from ._adapters import AdapterRows
+from ._plan import init_family
 from ._registry import model_spec
 from ._summary import RunRecord
 from ._text import mesh_text
@@ -80,6 +81,19 @@ class Header(Hook):
         self.phases(f"training {steps}, {_cadence(c.eval_interval, r.start, c.steps)}...")
 
 
+def _idle_devices(mesh_shape: dict[str, int], devices: int) -> str:
+    """The header's line for a mesh smaller than `--devices` (allowed: `mesh_shape_of`):
+    how many devices it leaves idle and the flags that use them all."""
+    used = math.prod(mesh_shape.values())
+    text = f"note: the mesh {mesh_text(mesh_shape)} uses {used} of the {devices} devices; "
+    if devices % used == 0:
+        grown = dict(mesh_shape, data=mesh_shape["data"] * devices // used)
+        text += f"to use all {devices} pass --mesh {mesh_text(grown)}, or ask for {used} with --devices {used}"
+    else:
+        text += f"ask for {used} with --devices {used}, or give --mesh axes whose sizes multiply to {devices}"
+    return text
+
+
 def _cadence(every: int, start: int, steps: int) -> str:
     """When a run evaluates between steps `start` and `steps` (`Evaluate`: after each
     multiple of `every`, and after the last step), as the header says it: an interval
@@ -136,8 +150,9 @@ def _print_header(
     where = "simulated CPU device" if backend == "cpu" else f"{backend.upper()} device"
     where += "" if devices == 1 else "s"
     say(f"zoo {title}")
+    family = init_family(c.init)  # a Hugging Face base's model_type ("llama", "qwen3"): what a user calls it
     say(
-        f"model: {c.model}, {base_params:,} parameters ({human_bytes(base_bytes)})"
+        f"model: {c.model}{f' ({family})' if family else ''}, {base_params:,} parameters ({human_bytes(base_bytes)})"
         + (f", from {task.init}" if task.init else ", initialised from scratch")
     )
     say(f"data: {task.data}")
@@ -146,6 +161,8 @@ def _print_header(
     procs = jax.process_count()
     where += f" in {procs} processes" if procs > 1 else ""
     say(f"devices: {devices} {where}, mesh {mesh_text(mesh_shape)}, rules {c.rules}, mode {c.mode}")
+    if math.prod(mesh_shape.values()) < devices:
+        say(_idle_devices(mesh_shape, devices))
     say(
         f"steps: {c.steps} of global batch {c.batch_size}{chosen} in {counted(c.microbatches, 'microbatch', 'microbatches')}, {c.optimizer.name} "
         f"lr {c.optimizer.lr:g} ({c.optimizer.schedule}, warmup {warmup}), {c.dtype} compute"

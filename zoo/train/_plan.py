@@ -76,6 +76,13 @@ def plan_run(
             f"RunConfig.probe runs in one process only, and this run has {jax.process_count()}: set "
             "RunConfig.probe 0, or run in one process"
         )
+    if config.rules in RULE_PRESETS and preset_rules(config.rules).get("expert") and _dense(config, spec):
+        # Before check_layout: its mesh complaint would only lead to the real problem.
+        raise ConfigError(
+            f"--rules {config.rules} splits a mixture of experts' experts over {preset_rules(config.rules)['expert']!r}, "
+            f"but the {config.model} has no experts (num_experts): there are none to place; use dp, fsdp or tp "
+            f"(e.g. --rules fsdp)"
+        )
     check_layout(config, mesh_shape, devices)
     check_data_file(config)  # the paths only: the build reads the file, once
     output = output_dir(config.output, config.model, command)
@@ -89,13 +96,58 @@ def plan_run(
     return RunPlan(config, command, title, output, checkpoints)
 
 
+def _dense(config: RunConfig, spec) -> bool:
+    """Whether the model of the resolved `config` is known, before it is built, to have no
+    mixture of experts: a Hugging Face `init` folder whose config.json names no experts,
+    or a model built from scratch (`scratch_config` and `model_config`) without
+    `num_experts`. False when it cannot tell (a run folder, a pretrained default): the
+    build's check (`_build`) says it then."""
+    from ..hf._files import read_json
+
+    if config.init:
+        try:
+            values = read_json(Path(config.init).expanduser() / "config.json")
+        except (OSError, ValueError):  # unreadable: the init's own check says so
+            return False
+        if not isinstance(values, dict) or "model_type" not in values:  # no folder, or a zoo run's folder
+            return False
+        return all(values.get(k) is None for k in ("num_experts", "num_local_experts"))
+    if spec.pretrained is not None or spec.scratch_config is None:
+        return False
+    return {**spec.scratch_config, **(config.model_config or {})}.get("num_experts") is None
+
+
 def default_title(config: RunConfig, command: str) -> str:
     """How a run of the resolved `config` names itself in its outputs when not told."""
     if command == "demo":
         base = "the pretrained all-MiniLM-L6-v2" if config.model == "minilm" else "a pretrained byte LM"
         return f"demo: LoRA fine-tuning of {base} on {config.data.source}"
     what = _WHAT.get(command, command)
-    return f"{command} {config.model} ({what} of {config.model} on {config.data.source})"
+    family = init_family(config.init)
+    return f"{command} {config.model} ({what} of {family or config.model} on {config.data.source})"
+
+
+def init_family(init: str | None) -> str | None:
+    """The `model_type` (`"llama"`, `"qwen3"`, `"gemma3_text"`) of the Hugging Face folder
+    a run's `init` starts from, read from config.json files alone: the folder, its
+    `model/`, or for a zoo run's folder the `init` it started from, followed. None when
+    no folder here names one (no init, a Hub id, the mlp)."""
+    from ..hf._files import read_json
+
+    for _ in range(16):  # a chain of runs, each from the one before (a loop ends here too)
+        if not init:
+            return None
+        folder = Path(init).expanduser()
+        try:
+            for candidate in (folder, folder / "model"):
+                values = read_json(candidate / "config.json") if candidate.is_dir() else None
+                if isinstance(values, dict) and "model_type" in values:
+                    return str(values["model_type"])
+            values = read_json(folder / "config.json") if folder.is_dir() else None
+        except (OSError, ValueError):  # unreadable: the init's own check says so, in its words
+            return None
+        init = values.get("init") if isinstance(values, dict) else None
+    return None
 
 
 def mesh_shape_of(mesh: dict[str, int] | None, devices: int) -> dict[str, int]:

@@ -533,6 +533,26 @@ def merged_path(run: Path, what: str = "--init") -> Path:
     return merged_cache() / digest
 
 
+def shapes_folder(path: str, what: str = "--init") -> Path:
+    """The Hugging Face folder with the shapes of `--init PATH`'s model, for `zoo info` and
+    `zoo inspect`, which need no weight of their own: `resolve_init`'s folder, except that a
+    `zoo finetune` run (one whose init is another such run too) gives its base's, read from
+    the runs' config.json files. Merging an adapter changes no shape, so nothing is merged
+    and zoo's cache is not needed. A run with no init (a pretrained default): `resolve_init`."""
+    folder = Path(path).expanduser()
+    for _ in range(16):  # a chain of runs, each started from the one before
+        if not ((folder / "adapter").is_dir() and (folder / "config.json").is_file()):
+            return resolve_init(str(folder), what=what)
+        try:
+            init = json.loads((folder / "config.json").read_text(encoding="utf-8-sig")).get("init")
+        except (OSError, ValueError, AttributeError):  # unreadable: resolve_init's own words
+            break
+        if not init:
+            break
+        folder = Path(init).expanduser()
+    return resolve_init(path, what=what)
+
+
 def merged_folder(run: Path, what: str = "--init") -> Path:
     """`merged_path(run)` once written (by `zoo.train.run`, `_saved_run.merge_run`); a
     `ConfigError` saying how to get it otherwise."""

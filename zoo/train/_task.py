@@ -20,7 +20,7 @@ from ..data import BatchSource
 from ..models import cross_entropy
 from ..models._loss import token_loss
 from ._errors import ConfigError
-from ._registry import check_init_family, init_families, model_spec, resolve_init
+from ._registry import check_init_family, init_families, model_spec, resolve_init, shapes_folder
 
 if TYPE_CHECKING:  # _config imports _lora, which imports this module
     from ._config import RunConfig
@@ -281,10 +281,16 @@ def check_vocab(vocab: int, tokenizer, where: str) -> None:
 def init_folder(c: RunConfig) -> Path | None:
     """The checkpoint folder of `c.init` (checked against the spec's `init_class` by
     its `config.json` `model_type`, before any weight is read), else the spec's
-    `pretrained` folder, else None."""
+    `pretrained` folder, else None. Without data (`c.data.source` None: `zoo info`,
+    `zoo inspect`), a `zoo finetune` run's base, unmerged (`shapes_folder`)."""
     spec = model_spec(c.model)
     if c.init:
-        folder = resolve_init(c.init, what="RunConfig.init")
+        # No data (`zoo info` / `zoo inspect`): the shapes alone, a run's base unmerged.
+        folder = (
+            resolve_init(c.init, what="RunConfig.init")
+            if c.data.source is not None
+            else shapes_folder(c.init, what="RunConfig.init")
+        )
         check_init_family(spec, folder)
         return folder
     if spec.pretrained is not None:
