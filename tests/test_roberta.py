@@ -141,6 +141,47 @@ def test_roberta_sequence_classifier_reads_and_writes_transformers_logits(checkp
     )
 
 
+def _tokenizer(family):
+    """A tiny fast tokenizer as the family's: byte-pair (RoBERTa) or Unigram (XLM-RoBERTa),
+    `<s> … </s>` around each text, pad id 1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    if family == "roberta":
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special)
+    else:
+        tokenizer = Tokenizer(models.Unigram())
+        trainer = trainers.UnigramTrainer(vocab_size=VOCAB, special_tokens=special, unk_token="<unk>")
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(TEXTS * 20, trainer)
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    named = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, **named)
+
+
+TEXTS = ["the cat sat on the mat", "a dog", "the quick brown fox jumps over the lazy dog"]
+
+
+def test_roberta_tokenizer_pads_with_its_pad_id_and_gives_transformers_hidden_states(checkpoint, tmp_path):
+    family, hf, directory = checkpoint
+    tokenizer = _tokenizer(family)
+    tokenizer.save_pretrained(tmp_path)
+    ours = zoo.hf.Tokenizer.from_pretrained(tmp_path)
+    assert ours.pad_id == PAD
+    batch = ours(TEXTS, max_len=SEQ)
+    theirs = tokenizer(TEXTS, padding=True, truncation=True, max_length=SEQ, return_tensors="np")
+    np.testing.assert_array_equal(batch["tokens"], theirs["input_ids"])
+    np.testing.assert_array_equal(batch["mask"], theirs["attention_mask"].astype(bool))
+    assert (batch["tokens"][~batch["mask"]] == PAD).all() and not batch["mask"].all()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*tensors of a task head.*")
+        encoder = zoo.hf.from_pretrained(directory)
+    expected = torch_reference(lambda m: _hidden(m, batch["tokens"], batch["mask"]), hf)
+    hidden = np.asarray(forward(encoder, **batch))
+    assert_as_accurate(hidden[batch["mask"]], expected[batch["mask"]], what=f"{family} from text")
+
+
 def test_roberta_sequence_limit_and_family_choice():
     config = EncoderConfig(
         vocab_size=VOCAB, d_model=8, num_heads=2, num_layers=1, max_len=6, pad_token_id=PAD, positions_after_pad=True
