@@ -197,3 +197,18 @@ def test_roberta_sequence_limit_and_family_choice():
         EncoderConfig(
             vocab_size=9, d_model=8, num_heads=2, num_layers=1, max_len=2, pad_token_id=1, positions_after_pad=True
         )
+
+
+def test_a_seq_len_past_robertas_positions_is_refused_from_the_config(checkpoint):
+    """`--seq-len` is checked against the tokens RoBERTa's table holds (18 rows, pad id 1:
+    16), not the table's rows, from config.json alone (`zoo finetune FOLDER --seq-len 17`)."""
+    from zoo.train import ConfigError, DataConfig, RunConfig
+    from zoo.train._task import check_pretrained_seq_len
+
+    family, _, directory = checkpoint
+    if family != "roberta":  # once: the two families share the check
+        return
+    run = lambda n: RunConfig(model="encoder", data=DataConfig(seq_len=n))  # noqa: E731
+    check_pretrained_seq_len(run(SEQ), directory)
+    with pytest.raises(ConfigError, match=f"--seq-len {SEQ + 1} exceeds the model's max_len {SEQ} \\(the positions"):
+        check_pretrained_seq_len(run(SEQ + 1), directory)
