@@ -212,3 +212,29 @@ def test_a_seq_len_past_robertas_positions_is_refused_from_the_config(checkpoint
     check_pretrained_seq_len(run(SEQ), directory)
     with pytest.raises(ConfigError, match=f"--seq-len {SEQ + 1} exceeds the model's max_len {SEQ} \\(the positions"):
         check_pretrained_seq_len(run(SEQ + 1), directory)
+
+
+def test_roberta_encoder_adapters_open_in_peft_both_ways(checkpoint, tmp_path):
+    """The encoder's LoRA modules carry BERT's names (`encoder.layer.{i}.attention.self.query`,
+    …): zoo's adapter opens in peft on the (XLM-)RoBERTa model, peft's loads in zoo (its
+    `pooler.dense` branch skipped), with the same hidden states."""
+    import peft
+
+    family, _, directory = checkpoint
+    if family != "xlm-roberta":  # once: the two families share the names
+        return
+    tokens, mask = _batch()
+    config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    model = zoo.lora.add_lora(zoo.hf.from_pretrained(directory), config, key=jax.random.key(3))
+    zoo.lora.save_adapter(model, config, tmp_path / "zoo")
+    opened = peft.AutoPeftModelForFeatureExtraction.from_pretrained(tmp_path / "zoo").eval()
+    expected = torch_reference(lambda m: _hidden(m.base_model.model, tokens, mask), opened)
+    assert_as_accurate(np.asarray(forward(model, tokens, mask=mask))[mask], expected[mask], what="zoo -> peft")
+
+    hf = transformers.XLMRobertaModel.from_pretrained(directory)
+    theirs = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    theirs.save_pretrained(tmp_path / "peft")
+    expected = torch_reference(lambda m: _hidden(m.base_model.model, tokens, mask), theirs.eval())
+    with pytest.warns(UserWarning, match=r"skipping the adapter's tensors for \['pooler.dense'\]"):
+        loaded, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(directory), tmp_path / "peft")
+    assert_as_accurate(np.asarray(forward(loaded, tokens, mask=mask))[mask], expected[mask], what="peft -> zoo")

@@ -37,6 +37,12 @@ class Roberta(Bert):
     # `classifier` (dense and out_proj) as one module to save, which zoo's pooler + head do
     # not match; its adapters keep zoo's names (`zoo/hf/_peft.py`). The encoder's are BERT's.
     lora_task_modules = {}
+    lora_absent = {
+        "pooler.dense": (
+            "RobertaModel's pooler.dense only computes pooler_output (the tanh of the first token's state), "
+            "which zoo's Encoder does not compute; its hidden states (last_hidden_state) are unaffected"
+        )
+    }
     sequence_classifier = "RobertaForSequenceClassification"
     classifier_modules = {"pooler": ("classifier.dense",), "head": ("classifier.out_proj",)}
     new_pooler = True  # part of the task head: RobertaModel has none of it
