@@ -199,30 +199,28 @@ def test_roberta_sequence_limit_and_family_choice():
         )
 
 
+@pytest.mark.parametrize("checkpoint", ["roberta"], indirect=True)  # the families share it
 def test_a_seq_len_past_robertas_positions_is_refused_from_the_config(checkpoint):
     """`--seq-len` is checked against the tokens RoBERTa's table holds (18 rows, pad id 1:
     16), not the table's rows, from config.json alone (`zoo finetune FOLDER --seq-len 17`)."""
     from zoo.train import ConfigError, DataConfig, RunConfig
     from zoo.train._task import check_pretrained_seq_len
 
-    family, _, directory = checkpoint
-    if family != "roberta":  # once: the two families share the check
-        return
+    _, _, directory = checkpoint
     run = lambda n: RunConfig(model="encoder", data=DataConfig(seq_len=n))  # noqa: E731
     check_pretrained_seq_len(run(SEQ), directory)
     with pytest.raises(ConfigError, match=f"--seq-len {SEQ + 1} exceeds the model's max_len {SEQ} \\(the positions"):
         check_pretrained_seq_len(run(SEQ + 1), directory)
 
 
+@pytest.mark.parametrize("checkpoint", ["xlm-roberta"], indirect=True)  # the families share it
 def test_roberta_encoder_adapters_open_in_peft_both_ways(checkpoint, tmp_path):
     """The encoder's LoRA modules carry BERT's names (`encoder.layer.{i}.attention.self.query`,
     …): zoo's adapter opens in peft on the (XLM-)RoBERTa model, peft's loads in zoo (its
     `pooler.dense` branch skipped), with the same hidden states."""
     import peft
 
-    family, _, directory = checkpoint
-    if family != "xlm-roberta":  # once: the two families share the names
-        return
+    _, _, directory = checkpoint
     tokens, mask = _batch()
     config = zoo.lora.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
     model = zoo.lora.add_lora(zoo.hf.from_pretrained(directory), config, key=jax.random.key(3))
