@@ -1,6 +1,9 @@
-"""Hugging Face `BertForSequenceClassification` ↔ `zoo.models.EncoderClassifier` with
-BERT's own pooling (the `[CLS]` state through `bert.pooler.dense` and tanh): read
-(`load_bert_classifier`) and written (`save_bert_classifier`)."""
+"""Hugging Face `BertForSequenceClassification` (and RoBERTa's, XLM-RoBERTa's) ↔
+`zoo.models.EncoderClassifier` with the model's own pooling (the first token's state
+through a dense layer and tanh: BERT's `bert.pooler.dense`, RoBERTa's `classifier.dense`):
+read (`load_bert_classifier`) and written (`save_bert_classifier`). The tensor names are
+the family's (`sequence_classifier`, `classifier_modules`, `new_pooler` in
+`zoo/hf/_families/`)."""
 
 from __future__ import annotations
 
@@ -23,16 +26,24 @@ from .._presets import rules as preset_rules
 from .._rules import Rules, _concrete_mesh, partition_specs
 from ..models import EncoderClassifier
 from ._export import save_pretrained
-from ._files import CONFIG_NAME, WEIGHTS_NAME, Checkpoint
+from ._family import Family, families, family_of, get_family
+from ._files import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, read_config
 from ._hub import resolve_model_dir
 from ._load import load_family
 
-# classifier leaf → checkpoint tensor names (task-model file, bare BertModel file), transposed
-_POOLER = {
-    "weight": ("bert.pooler.dense.weight", "pooler.dense.weight"),
-    "bias": ("bert.pooler.dense.bias", "pooler.dense.bias"),
-}
-_HEAD = {"weight": "classifier.weight", "bias": "classifier.bias"}
+_PARAMS = ("weight", "bias")  # each classifier module's tensors, transposed weights (torch `[out, in]`)
+
+
+def _classifier_family(path: Path) -> Family:
+    """The family of an encoder folder that has a sequence classifier (BERT, RoBERTa, XLM-RoBERTa)."""
+    family = get_family(read_config(path).get("model_type", "bert"), str(path / CONFIG_NAME))
+    if getattr(family, "sequence_classifier", None) is None:
+        readable = sorted(n for n, f in families().items() if getattr(f, "sequence_classifier", None))
+        raise ValueError(
+            f"{str(path)!r} is a {family.name!r} model; load_bert_classifier reads the sequence classifiers of "
+            f"{readable}"
+        )
+    return family
 
 
 def load_bert_classifier(
@@ -48,37 +59,51 @@ def load_bert_classifier(
     """A `zoo.models.EncoderClassifier(pooling="cls")` holding a Hugging Face BERT
     classifier: the encoder (`bert.*`, as `from_pretrained`), the pooler
     (`bert.pooler.dense.*`) and the head (`classifier.*`, its rows the labels). Its logits
-    are `BertForSequenceClassification`'s (in eval mode).
+    are `BertForSequenceClassification`'s (in eval mode). A RoBERTa or XLM-RoBERTa folder
+    likewise: the encoder under `roberta.`, the pooler from `classifier.dense.*`, the head
+    from `classifier.out_proj.*` (`RobertaForSequenceClassification`'s logits).
 
     **Arguments:**
 
     - `path`: a `BertForSequenceClassification` folder; or a `BertModel` folder (its
       `pooler.dense.*`) with `num_labels`, for a new head (normal(0, `initializer_range`)
       weights, zero bias, from `key`, default `jax.random.key(0)`), as
-      `BertForSequenceClassification.from_pretrained` starts fine-tuning.
+      `BertForSequenceClassification.from_pretrained` starts fine-tuning (a
+      `RobertaModel` / `XLMRobertaModel` folder: a new pooler too, as RoBERTa's is the
+      task head's).
     - `num_labels`: the number of classes; checked against the file's head if it has one.
     - `rules`, `mesh`, `dtype`, `config_overrides`: as `zoo.hf.from_pretrained`; the pooler and
       head take the sharding their annotations give under the same rules (replicated
       without them).
 
-    Raises a `ValueError` when the file holds no pooler (zoo's own BERT export has none),
-    or no head and no `num_labels`.
+    Raises a `ValueError` when a BERT file holds no pooler (zoo's own BERT export has
+    none), when the file holds no head and no `num_labels`, or when its `model_type` is
+    none of these.
     """
     path = resolve_model_dir(path)
+    family = _classifier_family(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*tensors of a task head.*")
-        encoder = load_family("bert", path, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
+        encoder = load_family(family.name, path, rules=rules, mesh=mesh, dtype=dtype, config_overrides=config_overrides)
     d = encoder.config.d_model
     with Checkpoint(path) as checkpoint:
         keys = set(checkpoint.keys())
 
-        def read(*names: str) -> np.ndarray | None:
+        def read(module: str, param: str) -> np.ndarray | None:
+            names = [f"{m}.{param}" for m in family.classifier_modules[module]]
             name = next((n for n in names if n in keys), None)
             return None if name is None else checkpoint.read(name, ())
 
-        pooler = {param: read(*names) for param, names in _POOLER.items()}
-        head = {param: read(name) for param, name in _HEAD.items()}
-    if any(v is None for v in pooler.values()):
+        pooler = {param: read("pooler", param) for param in _PARAMS}
+        head = {param: read("head", param) for param in _PARAMS}
+    if any(v is None for v in pooler.values()) and family.new_pooler:
+        if any(v is not None for v in head.values()) or num_labels is None:
+            raise ValueError(
+                f"{str(path)!r} holds no {family.classifier_modules['pooler'][0]}.* for its classifier head"
+                + ("" if num_labels is not None else ": pass num_labels= for a new head (and pooler)")
+            )
+        pooler = None
+    elif any(v is None for v in pooler.values()):
         raise ValueError(
             f"{str(path)!r} holds no BERT pooler (bert.pooler.dense.* or pooler.dense.*), which "
             "BertForSequenceClassification classifies through; zoo's own BERT export has none. Use a "
@@ -95,10 +120,13 @@ def load_bert_classifier(
         if num_labels is not None and num_labels != found:
             raise ValueError(f"{str(path)!r} has a head for {found} labels, not num_labels={num_labels}")
         num_labels = found
-    if pooler["weight"].shape != (d, d) or (head is not None and head["weight"].shape[1] != d):
+    if (pooler is not None and pooler["weight"].shape != (d, d)) or (head is not None and head["weight"].shape[1] != d):
         raise ValueError(f"{str(path)!r}: the pooler / classifier weights do not fit hidden_size {d}")
     model = EncoderClassifier(encoder, num_labels, pooling="cls", key=jax.random.key(0) if key is None else key)
-    values = {("pooler", "weight"): pooler["weight"].T, ("pooler", "bias"): pooler["bias"]}
+    if pooler is not None:
+        values = {("pooler", "weight"): pooler["weight"].T, ("pooler", "bias"): pooler["bias"]}
+    else:  # RoBERTa's pooler is the task head's: new, as the head
+        values = {("pooler", p): np.asarray(getattr(model.pooler, p)) for p in _PARAMS}
     if head is not None:
         values |= {("head", "weight"): head["weight"].T, ("head", "bias"): head["bias"]}
     else:  # the new head, in the parameters' dtype and placed like the rest
@@ -122,40 +150,45 @@ def save_bert_classifier(
     model: EncoderClassifier, directory: str | os.PathLike, *, label_names: list[str] | None = None
 ) -> list[Path]:
     """Write a `pooling="cls"` `zoo.models.EncoderClassifier` (LoRA merged first) as a
-    Hugging Face `BertForSequenceClassification` folder: transformers'
+    Hugging Face `BertForSequenceClassification` folder (`RobertaForSequenceClassification`,
+    `XLMRobertaForSequenceClassification` for those encoders): transformers'
     `AutoModelForSequenceClassification.from_pretrained(directory)` computes its logits,
     and `load_bert_classifier(directory)` reads it back.
 
-    The encoder as `zoo.hf.save_pretrained` writes it (its tensors under `bert.`), the
-    pooler as `bert.pooler.dense.*` and the head as `classifier.*` (torch's `[out, in]`
-    layout); config.json's `architectures` is `["BertForSequenceClassification"]`,
+    The encoder as `zoo.hf.save_pretrained` writes it (its tensors under `bert.`; RoBERTa's
+    under `roberta.`), the pooler as `bert.pooler.dense.*` and the head as `classifier.*`
+    (RoBERTa's: `classifier.dense.*`, `classifier.out_proj.*`; torch's `[out, in]` layout);
+    config.json's `architectures` is `["BertForSequenceClassification"]` (or RoBERTa's),
     `id2label` / `label2id` name the classes (`label_names`, default `LABEL_i`).
 
     **Returns:** the paths written (none on processes other than 0). Raises `ValueError`
     for a mean-pooled classifier (no Hugging Face class computes its logits) and as
     `save_pretrained`.
     """
+    family = family_of(model.encoder)
+    architecture = getattr(family, "sequence_classifier", None)
+    if architecture is None:
+        raise ValueError(f"a {family.name!r} encoder has no Hugging Face sequence classifier zoo writes")
     if model.pooling != "cls":
         raise ValueError(
-            f"a {model.pooling}-pooled classifier is no BertForSequenceClassification (which reads the [CLS] state "
+            f"a {model.pooling}-pooled classifier is no {architecture} (which reads the first token's state "
             "through the pooler); write its encoder with zoo.hf.save_pretrained and its head apart"
         )
     names = list(label_names) if label_names is not None else [f"LABEL_{i}" for i in range(model.num_labels)]
     if len(names) != model.num_labels:
         raise ValueError(f"{len(names)} label names for a classifier of {model.num_labels} labels")
-    extra = {
-        "bert.pooler.dense.weight": to_host(model.pooler.weight).T,
-        "bert.pooler.dense.bias": to_host(model.pooler.bias),
-        "classifier.weight": to_host(model.head.weight).T,
-        "classifier.bias": to_host(model.head.bias),
-    }
+    extra = {}
+    for module in ("pooler", "head"):
+        leaf, name = getattr(model, module), family.classifier_modules[module][0]
+        extra |= {f"{name}.weight": to_host(leaf.weight).T, f"{name}.bias": to_host(leaf.bias)}
     written = save_pretrained(model.encoder, directory)
     if jax.process_index() != 0:
         return written
     directory = Path(directory)
     with Checkpoint(directory) as checkpoint:
         tensors = {
-            (k if k.startswith("bert.") else f"bert.{k}"): np.array(checkpoint.read(k, ())) for k in checkpoint.keys()
+            (k if k.startswith(family.prefix) else family.prefix + k): np.array(checkpoint.read(k, ()))
+            for k in checkpoint.keys()
         }
     tensors |= {k: np.ascontiguousarray(v) for k, v in extra.items()}
     atomic_write(
@@ -163,7 +196,7 @@ def save_bert_classifier(
     )
     config = json.loads((directory / CONFIG_NAME).read_text())
     config |= {
-        "architectures": ["BertForSequenceClassification"],
+        "architectures": [architecture],
         "id2label": {str(i): n for i, n in enumerate(names)},
         "label2id": {n: i for i, n in enumerate(names)},
     }

@@ -212,7 +212,7 @@ _COMMON_DOC = """
       weights.
 
     A `ValueError` lists every missing, unexpected and mis-shaped tensor, names the
-    unsupported config option, or names a weight holding NaN or inf. Files of task models (`bert.` / `transformer.` prefixes)
+    unsupported config option, or names a weight holding NaN or inf. Files of task models (`bert.` / `roberta.` / `transformer.` prefixes)
     load their base model; their head tensors are skipped with a warning.
 """
 

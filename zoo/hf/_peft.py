@@ -36,7 +36,8 @@ class _Wrapper:
     architecture: str
 
 
-# `EncoderClassifier` ↔ `BertForSequenceClassification`. Only a CLS-pooling classifier
+# `EncoderClassifier` ↔ `BertForSequenceClassification` (the family's `sequence_classifier`:
+# RoBERTa's). Only a CLS-pooling classifier
 # computes what BertForSequenceClassification computes: a mean-pooling one is its encoder's
 # model (`BertModel`, a FEATURE_EXTRACTION adapter) and a head apart (`adapter_names`).
 _WRAPPERS: dict[type, _Wrapper] = {
@@ -176,10 +177,12 @@ def adapter_names(model: Any) -> AdapterNames | None:
             apart=("head",),
             config=getattr(inner, "config", None),
         )
+    if not own:  # no peft names for this family's task model (RoBERTa's classifier head)
+        return None
     return AdapterNames(
         family=family,
         task_type=wrapper.task_type,
-        architecture=wrapper.architecture,
+        architecture=getattr(family, "sequence_classifier", None) or wrapper.architecture,
         inner=wrapper.inner,
         prefix=family.prefix,
         own=own,

@@ -348,8 +348,27 @@ class EncoderConfig(_Common):
     `num_hidden_layers`, `mlp_dim` = `intermediate_size`, `max_len` =
     `max_position_embeddings`, `type_vocab_size`, `norm_eps` = `layer_norm_eps`,
     `pad_token_id`. `remat` as `TransformerConfig`'s (default `"auto"`).
+    `positions_after_pad`: RoBERTa's position ids (transformers'
+    `create_position_ids_from_input_ids`): the real tokens numbered from `pad_token_id + 1`
+    (counting only tokens other than `pad_token_id`), pad tokens at `pad_token_id`; so
+    `max_len` (the table's rows, `max_position_embeddings`) holds sequences of at most
+    `max_len - pad_token_id - 1` tokens. Off (BERT): position `i` reads row `i`.
     """
 
     norm_eps: float = 1e-12
     type_vocab_size: int = 2
     pad_token_id: int = 0
+    positions_after_pad: bool = False
+
+    @property
+    def max_seq(self) -> int:
+        """The longest sequence the position table holds (`max_len`, less RoBERTa's offset)."""
+        return self.max_len - self.pad_token_id - 1 if self.positions_after_pad else self.max_len
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(
+            not self.positions_after_pad or self.max_seq >= 1,
+            f"EncoderConfig: with positions_after_pad, max_len ({self.max_len}) must exceed pad_token_id + 1 "
+            f"({self.pad_token_id + 1}): RoBERTa's positions start after the pad id",
+        )

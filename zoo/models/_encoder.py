@@ -21,16 +21,20 @@ _POOLER_STREAM = EMBEDDING_STREAM - 1
 
 
 class EncoderEmbeddings(eqx.Module):
-    """Word + position + token-type embeddings, then LayerNorm (BERT's `embeddings`)."""
+    """Word + position + token-type embeddings, then LayerNorm (BERT's `embeddings`;
+    RoBERTa's with `positions_after_pad`: position ids from the tokens, `roberta_positions`)."""
 
     word_embeddings: Embedding
     position_embeddings: Embedding
     token_type_embeddings: Embedding
     norm: LayerNorm
+    positions_after_pad: bool = eqx.field(static=True, default=False)
+    pad_token_id: int = eqx.field(static=True, default=0)
 
     def __init__(self, config: EncoderConfig, *, key: PRNGKeyArray):
         """**Arguments:** an `EncoderConfig` and a PRNG `key`."""
         kw, kp, kt = jr.split(key, 3)
+        self.positions_after_pad, self.pad_token_id = config.positions_after_pad, config.pad_token_id
         d, std = config.d_model, config.init_std
         self.word_embeddings = Embedding(config.padded_vocab, d, init_std=std, key=kw)
         self.position_embeddings = Embedding(config.max_len, d, init_std=std, row_axis=None, key=kp)
@@ -41,13 +45,23 @@ class EncoderEmbeddings(eqx.Module):
         self, tokens: Int[Array, "batch seq"], token_types: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq embed"]:
         """Sum the three embeddings of each position and normalise."""
-        seq = tokens.shape[1]
         # Summed in float32 (at least) so tables stored in bfloat16 (`zoo.lora.cast_frozen`)
         # are rounded once, not again in the sum and the norm's output.
         dtype = jnp.promote_types(self.word_embeddings.weight.dtype, jnp.float32)
         h = self.word_embeddings(tokens).astype(dtype) + self.token_type_embeddings(token_types).astype(dtype)
-        h = h + broadcast_like(self.position_embeddings.weight[:seq].astype(dtype), h)
+        if self.positions_after_pad:
+            h = h + self.position_embeddings(roberta_positions(tokens, self.pad_token_id)).astype(dtype)
+        else:
+            h = h + broadcast_like(self.position_embeddings.weight[: tokens.shape[1]].astype(dtype), h)
         return self.norm(h)
+
+
+def roberta_positions(tokens: Int[Array, "batch seq"], pad_token_id: int) -> Int[Array, "batch seq"]:
+    """RoBERTa's position ids (transformers' `create_position_ids_from_input_ids`): the
+    real tokens numbered `pad_token_id + 1, + 2, …` (pad tokens not counted), pad tokens
+    `pad_token_id`."""
+    real = (tokens != pad_token_id).astype(tokens.dtype)
+    return jnp.cumsum(real, axis=1) * real + pad_token_id
 
 
 class Encoder(eqx.Module):
@@ -98,8 +112,9 @@ class Encoder(eqx.Module):
         """
         check_array(tokens, where="Encoder", name="tokens", kind="int", ndim=2)
         seq = tokens.shape[1]
-        if seq > self.config.max_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_len}")
+        if seq > self.config.max_seq:
+            offset = " (max_len less RoBERTa's pad_token_id + 1)" if self.config.positions_after_pad else ""
+            raise ValueError(f"sequence length {seq} exceeds the model's max_len {self.config.max_seq}{offset}")
         if mask is None:
             mask = tokens != self.config.pad_token_id
         if token_types is None:

@@ -312,7 +312,8 @@ def check_pretrained_seq_len(c: RunConfig, folder: Path | None) -> None:
         values = read_config(folder)
         family = hf.get_family(values.get("model_type"), str(folder / "config.json"))
         overrides = {"family": family.name, "source_dir": str(folder.resolve())} | dict(c.model_config)
-        max_len = family.config_from_hf(values, **overrides).max_len
+        config = family.config_from_hf(values, **overrides)
+        max_len = getattr(config, "max_seq", config.max_len)  # RoBERTa's positions start after the pad id
     except (OSError, ValueError, TypeError, KeyError):
         return  # what this file cannot tell, the model's load reports in its own words
     if c.data.seq_len > max_len:

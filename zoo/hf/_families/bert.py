@@ -63,12 +63,14 @@ def _require(values: dict[str, Any], key: str, what: str) -> Any:
     return values[key]
 
 
-def encoder_config_from_hf(values: dict[str, Any], **overrides: Any) -> EncoderConfig:
+def encoder_config_from_hf(values: dict[str, Any], *, model_type: str = "bert", **overrides: Any) -> EncoderConfig:
     """An `EncoderConfig` from a Hugging Face `BertConfig` dict (`config.json`).
 
     **Arguments:**
 
-    - `values`: the dict; `model_type` must be `"bert"` when present.
+    - `values`: the dict; its `model_type` must be the `model_type` argument when present
+      (`"bert"`; `"roberta"` and `"xlm-roberta"`, whose positions start after the pad id,
+      are read by their family, `zoo/hf/_families/roberta.py`).
     - `overrides`: `EncoderConfig` fields to set on top (e.g. `dropout=0.0`,
       `remat="dots_saveable"`, `dtype="bfloat16"` for the compute dtype).
 
@@ -78,10 +80,11 @@ def encoder_config_from_hf(values: dict[str, Any], **overrides: Any) -> EncoderC
     other than `"absolute"`, a `hidden_act` outside gelu / gelu_new / relu, `is_decoder`,
     `add_cross_attention`.
     """
-    model_type = values.get("model_type", "bert")
-    if model_type != "bert":
+    found = values.get("model_type", model_type)
+    if found != model_type:
         raise ValueError(
-            f"encoder_config_from_hf reads BERT configs (model_type 'bert'), got model_type {model_type!r}"
+            f"encoder_config_from_hf reads {model_type!r} configs here (model_type {model_type!r}), "
+            f"got model_type {found!r}"
         )
     unsupported = []
     position = values.get("position_embedding_type", "absolute")
@@ -110,11 +113,14 @@ def encoder_config_from_hf(values: dict[str, Any], **overrides: Any) -> EncoderC
         init_std=values.get("initializer_range", 0.02),
         type_vocab_size=values.get("type_vocab_size", 2),
         pad_token_id=0 if pad is None else pad,
+        positions_after_pad=model_type != "bert",
     )
     return models.EncoderConfig(**(fields | overrides))
 
 
-def encoder_config_to_hf(config: EncoderConfig) -> dict[str, Any]:
+def encoder_config_to_hf(
+    config: EncoderConfig, *, model_type: str = "bert", architecture: str = "BertModel"
+) -> dict[str, Any]:
     """A Hugging Face `BertConfig` dict (for `config.json`) from an `EncoderConfig`.
 
     Raises a `ValueError` naming every field BERT cannot express: grouped-query attention,
@@ -132,11 +138,16 @@ def encoder_config_to_hf(config: EncoderConfig) -> dict[str, Any]:
         problems.append("use_bias=False (BERT's projections have biases)")
     if config.activation not in _ACT_TO_HF:
         problems.append(f"activation={config.activation!r} (BERT supports {sorted(_ACT_TO_HF)})")
+    if config.positions_after_pad != (model_type != "bert"):
+        problems.append(
+            f"positions_after_pad={config.positions_after_pad} ({model_type!r} numbers positions "
+            + ("after the pad id)" if model_type != "bert" else "from 0; RoBERTa's are written as 'roberta')")
+        )
     if problems:
-        raise ValueError("this EncoderConfig cannot be written as a BERT config: " + "; ".join(problems))
+        raise ValueError(f"this EncoderConfig cannot be written as a {model_type!r} config: " + "; ".join(problems))
     return {
-        "architectures": ["BertModel"],
-        "model_type": "bert",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "num_hidden_layers": config.num_layers,
@@ -185,18 +196,25 @@ class Bert(Family):
         )
     }
     lora_task_modules = {"pooler": "bert.pooler.dense", "head": "classifier"}
+    # The sequence classifier (`zoo.hf.load_bert_classifier` / `save_bert_classifier`): its
+    # class, and the module names of zoo's `EncoderClassifier(pooling="cls")` leaves there
+    # (the first written; the others read too: a bare `BertModel`'s pooler). A folder
+    # without the pooler is refused (BERT's is pretrained), unless `new_pooler`.
+    sequence_classifier = "BertForSequenceClassification"
+    classifier_modules = {"pooler": ("bert.pooler.dense", "pooler.dense"), "head": ("classifier",)}
+    new_pooler = False
 
     def config_from_hf(self, values, **overrides):
-        return encoder_config_from_hf(values, **overrides)
+        return encoder_config_from_hf(values, model_type=self.name, **overrides)
 
     def config_to_hf(self, config, base=None):
-        out = encoder_config_to_hf(config)
+        out = encoder_config_to_hf(config, model_type=self.name, architecture=self.architecture)
         if base and _ACT_FROM_HF.get(base.get("hidden_act")) == config.activation:
             out["hidden_act"] = base["hidden_act"]  # keep the file's spelling (gelu_pytorch_tanh)
         return out
 
     def claims(self, config):
-        return isinstance(config, self.config_class)
+        return isinstance(config, self.config_class) and not config.positions_after_pad
 
     def generation_config(self, values):
         return None  # an encoder generates nothing: transformers' BertModel folders hold no generation_config.json
