@@ -636,7 +636,7 @@ def test_a_name_neither_built_in_nor_a_file_is_one_line():
     one_line_error(
         rc,
         err,
-        "--data 'prose': encoder trains on docstrings or swapped-halves, or on your own .txt, .jsonl or .csv file",
+        "--data 'prose': encoder trains on docstrings or swapped-halves, or on your own .txt, .jsonl, .json or .csv file",
     )
 
 

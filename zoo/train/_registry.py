@@ -60,8 +60,8 @@ CLASSIFIER_SAVE = ("head",)
 DATA_FILE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"validation": 0.1, "packed": True})
 # What `--data`'s help says of a user's data file, after the registered data sets.
 DATA_FILE_HELP = (
-    "; or your own file: .txt or .jsonl with text, prompt+completion or messages (chat) for transformer, "
-    ".jsonl or .csv with text+label for encoder/minilm (docs/data.md); finetune: several LoRA adapters at once "
+    "; or your own file: .txt, .jsonl or .json with text, prompt+completion or messages (chat) for transformer, "
+    ".jsonl, .json or .csv with text+label for encoder/minilm (docs/data.md); finetune: several LoRA adapters at once "
     'from a .jsonl whose records name their adapter ("adapter": NAME) or from one file per adapter, '
     "NAME=FILE,NAME=FILE (docs/training.md)"
 )
