@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..data import Dataset
+from ..models._preference import METRICS, ORPO_METRICS
 from ._evaluate import Evaluator
 from ._task import Task
 
@@ -146,13 +147,8 @@ def evaluate_pairs(run: Any, pairs: Any, *, batch_size: int, initial_model: Call
     if c.objective == "dpo":
         start = f"the model the run started from ({c.init})" if c.init else "the run's initial model"
         reference = start if precomputed else "the run's model with its LoRA adapters disabled (its base)"
-    return {
-        "kind": "preference",
-        "objective": c.objective,
-        "reference": reference,
-        "pairs": scores.pop("examples"),
-        **scores,
-    }
+    head = {"kind": "preference", "objective": c.objective, "reference": reference, "pairs": scores["examples"]}
+    return head | {k: scores[k] for k in ("loss", "accuracy", *METRICS, *ORPO_METRICS) if k in scores}  # TRL's order
 
 
 def beta_warning(objective: str, beta: float | None) -> str | None:
