@@ -177,9 +177,13 @@ def test_eval_names_grpo_prompts_and_preference_pairs_as_what_they_are(chat_run,
     text/label records", and a classifier took a prompts file past the check."""
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "the cat", "answer": "4"}] * 2)
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2)
+    # An SFT run: its objective named, and what evaluates pairs (a dpo / orpo run: TRL's metrics).
+    sft_on_pairs = "(--objective sft); give it text, prompt/completion or chat records, or evaluate the pairs with "
+    sft_on_pairs += "a run of --objective dpo / orpo"
     for run, file, what in [
         (chat_run, prompts, "holds prompts alone, without completions (what --objective grpo completes) but"),
         (chat_run, pairs, "holds preference pairs (what --objective dpo / orpo train on) but"),
+        (chat_run, pairs, sft_on_pairs),
         (classifier_run, prompts, "holds prompts alone, without completions"),
         (chat_run, tmp_path, "is a folder; zoo reads one data file: join its files into one"),  # "no such file" before
     ]:

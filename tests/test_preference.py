@@ -444,15 +444,34 @@ def test_the_preference_defaults_are_trls():
     assert given.resolved("finetune").optimizer.lr == 5e-5
 
 
-def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
+def _held_pairs(run, path):
+    """A file of the pairs `run` held out (its validation split, by content hash); all of
+    them where it held out none (it evaluated its training pairs)."""
+    from zoo.data._dataset import _held_out
+
+    validation = json.loads((run / "config.json").read_text())["validation"]
+    held = _held_out([json.dumps(r, sort_keys=True).encode() for r in PAIRS_TEXT], validation) if validation else None
+    return _write(path, PAIRS_TEXT if held is None else [r for r, h in zip(PAIRS_TEXT, held) if h])
+
+
+@pytest.fixture(scope="module")
+def dpo_cli_run(sft_base):
+    """A finished 2-step `zoo finetune --objective dpo` LoRA run of sft_base (evaluated at
+    every step; a learning rate that moves it off its reference): its folder, stdout, stderr."""
     from helpers import zoo_main
 
     root, pairs = sft_base
     rc, out, err = zoo_main("finetune", "transformer", "--init", root / "sft", "--data", pairs, "--seq-len", 16,
                             "--steps", 2, "--batch-size", 8, "--microbatches", 2, "--devices", 2, "--objective", "dpo",
-                            "--beta", 0.5, "--eval-every", 1, "--output", root / "cli",
+                            "--beta", 0.5, "--lr", 1e-2, "--eval-every", 1, "--output", root / "cli",
                             "--tensorboard", root / "cli" / "tb")  # fmt: skip
     assert rc == 0, err
+    return root / "cli", out, err
+
+
+def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base, dpo_cli_run):
+    root, pairs = sft_base
+    _, out, err = dpo_cli_run
     assert "warning" not in err  # beta 0.5: in TRL's documented range
     assert "preference acc." in out and "reference: the base model (LoRA adapters disabled" in out
     assert "step 1: eval loss" in err and "rewards/margins" in err and "logps/chosen" in err  # the console: TRL's names
@@ -473,10 +492,33 @@ def test_cli_dpo_with_lora_logs_trls_metrics_and_is_the_python_config(sft_base):
     assert saved["objective"] == "dpo" and saved["beta"] == 0.5 and saved["loss_type"] == "sigmoid"
     python = zoo.train.RunConfig(model="transformer", init=str(root / "sft"), steps=2, batch_size=8, microbatches=2,
                                  devices=2, mesh={"data": 2}, objective="dpo", beta=0.5, eval_every=1,
+                                 optimizer=zoo.train.OptimizerConfig(lr=1e-2),
                                  tensorboard=str(root / "cli" / "tb"),
                                  output=str(root / "cli"),
                                  data=zoo.train.DataConfig(source=str(pairs), seq_len=16))  # fmt: skip
     assert zoo.train.RunConfig.from_dict(saved) == python.resolved("finetune")
+
+
+def test_eval_of_a_dpo_run_on_its_pairs_is_its_own_final_evaluation(sft_base, dpo_cli_run):
+    """`zoo eval RUN --data pairs.jsonl` of a DPO run (it refused: "holds preference pairs
+    but ... is a lm run") gives TRL's eval metrics as the run's own evaluation computes them:
+    on the pairs it held out (its validation split, by content hash), its final ones,
+    against its reference (the base: LoRA disabled)."""
+    from helpers import zoo_ok
+
+    root, _ = sft_base
+    run, _, _ = dpo_cli_run
+    pairs = _held_pairs(run, root / "held-pairs.jsonl")
+    scores = json.loads(zoo_ok("eval", run, "--data", pairs, "--json"))
+    after = json.loads((run / "summary.json").read_text())["eval_after"]
+    assert scores["kind"] == "preference" and scores["objective"] == "dpo" and scores["pairs"] == after["examples"]
+    assert "LoRA adapters disabled" in scores["reference"]
+    for name in ["loss", "accuracy", *zoo.models._preference.METRICS]:
+        assert scores[name] == pytest.approx(after[name], rel=1e-5, abs=1e-9), name
+    assert abs(after["rewards/margins"]) > 1e-6  # the trained model is not its reference
+    text = zoo_ok("eval", run, "--data", pairs)
+    assert f"preference accuracy {100 * after['accuracy']:.1f}%  ({after['examples']} pairs; dpo; reference:" in text
+    assert f"rewards/margins {after['rewards/margins']:.4f}" in text and "logps/rejected" in text
 
 
 def test_a_huge_beta_trains_with_one_warning_line_naming_the_usual_range(sft_base):
@@ -516,6 +558,17 @@ def test_full_weight_runs_dpo_against_precomputed_log_probs_and_orpo(sft_base, o
         assert "; reference:" not in out.split("data:")[1].splitlines()[0]
         assert "nll_loss" in result.summary["eval_after"]
     assert result.summary["eval_after"]["loss"] < result.summary["eval_before"]["loss"]
+    # Evaluated on the pairs it evaluated, the saved run gives its final evaluation (DPO:
+    # against the initial model's log-probabilities, computed again from its init).
+    run = zoo.train.load_run(root / f"full-{objective}")
+    scores = run.evaluate(_held_pairs(run.folder, root / f"held-{objective}.jsonl"))
+    after = result.summary["eval_after"]
+    names = ["loss", "accuracy", *zoo.models._preference.METRICS]
+    names += list(zoo.models._preference.ORPO_METRICS) if objective == "orpo" else []
+    for name in names:
+        assert scores[name] == pytest.approx(after[name], rel=1e-5, abs=1e-9), name
+    assert scores["pairs"] == after["examples"] and abs(after["rewards/margins"]) > 1e-6
+    assert ("the model the run started from" in scores["reference"]) if objective == "dpo" else not scores["reference"]
 
 
 @pytest.mark.parametrize(

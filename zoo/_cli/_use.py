@@ -133,6 +133,17 @@ def cmd_eval(args) -> int:
                 f"target tokens)"
             )
         return 0
+    if scores["kind"] == "preference":  # TRL's eval metrics, by their names
+        reference = f"; reference: {scores['reference']}" if scores["reference"] else ""
+        print(
+            f"loss {scores['loss']:.4f}  preference accuracy {100 * scores['accuracy']:.1f}%  "
+            f"({internal.counted(scores['pairs'], 'pair')}; {scores['objective']}{reference})"
+        )
+        names = [k for k in scores if "/" in k] + [
+            k for k in ("nll_loss", "log_odds_ratio", "log_odds_chosen") if k in scores
+        ]
+        print("  ".join(f"{name} {scores[name]:.4f}" for name in names))
+        return 0
     print(
         f"loss {scores['loss']:.4f}  accuracy {100 * scores['accuracy']:.1f}%  macro-F1 {scores['macro_f1']:.3f}  "
         f"({internal.counted(scores['examples'], 'example')})"
@@ -222,7 +233,8 @@ def add_parsers(sub) -> dict[str, argparse.ArgumentParser]:
         "train --data reads (read with the run's tokenizer, --seq-len, packing and chat template): a language "
         "model's loss, perplexity and next-token accuracy over the tokens its loss counts; a classifier's "
         "loss, accuracy, macro-F1 and per-class precision / recall / F1 / support, the file's labels matched "
-        "to the run's by name.",
+        "to the run's by name; a --objective dpo / orpo run's on preference pairs: TRL's eval metrics "
+        "(rewards/chosen, rewards/margins, logps/chosen, ...) as its own evaluation computes them.",
         epilog="Examples: zoo eval runs/cls --data test.csv; zoo eval runs/sft --data held_out.jsonl --json",
     )
     evaluate.add_argument("run", metavar="RUN", help=RUN_HELP)

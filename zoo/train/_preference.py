@@ -1,5 +1,7 @@
 """A preference-tuning task (`RunConfig.objective` dpo / orpo): a decoder on a file of
-preference pairs, its loss a `zoo.models.PreferenceLoss`, its held-out metrics TRL's.
+preference pairs, its loss a `zoo.models.PreferenceLoss`, its held-out metrics TRL's; and a
+finished preference run evaluated on a file of pairs (`zoo eval`, `evaluate_pairs`) by the
+same task's evaluation.
 
 The DPO reference: with LoRA, the same model with its adapters disabled, inside the step
 (`PreferenceLoss`); without LoRA (or with LoRA `modules_to_save`, trained in full), the
@@ -10,11 +12,14 @@ model's log-probabilities computed once before training and stored with the pair
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..data import Dataset
+from ..models._preference import METRICS, ORPO_METRICS
+from ._evaluate import Evaluator
 from ._task import Task
 
 # Past this β (DPO) or λ (ORPO) a run still trains, but not as the user likely meant: TRL
@@ -114,6 +119,36 @@ def preference_task(c, model, train: Dataset, val: Dataset, *, data: str, tokens
         unit="examples",
         tokens_per_example=2 * c.data.seq_len,
     )
+
+
+def evaluate_pairs(run: Any, pairs: Any, *, batch_size: int, initial_model: Callable[[], Any]) -> dict[str, Any]:
+    """`run`'s model (a `SavedRun` of a dpo / orpo run) on every pair of `pairs` (a
+    preference `zoo.data.Dataset`, read as the run read its data), `batch_size` pairs a
+    call; `initial_model()` builds the model the run started from (asked only where DPO's
+    reference is that model).
+
+    **Returns:** `{"kind": "preference", "objective", "reference" (DPO's, in words; None
+    for ORPO), "pairs", "loss", "accuracy" (= `rewards/accuracies`)}` and TRL's metrics,
+    means over the pairs: `rewards/chosen`, `rewards/rejected`, `rewards/accuracies`,
+    `rewards/margins`, `logps/chosen`, `logps/rejected` (ORPO also `nll_loss`,
+    `log_odds_ratio`, `log_odds_chosen`)."""
+    import jax
+    import numpy as np
+
+    c = run.config
+    c = dataclasses.replace(c, data=dataclasses.replace(c.data, eval_size=0))  # every pair of the file
+    precomputed = c.objective == "dpo" and (c.lora is None or bool(c.lora.modules_to_save))
+    empty = dataclasses.replace(pairs, arrays={k: v[:0] for k, v in pairs.arrays.items()})
+    model = initial_model() if precomputed else run.model  # what the task's reference log-probs are of
+    task = preference_task(c, model, pairs, empty, data=str(run.folder), tokens="")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    scores = Evaluator(task, mesh, batch_size)(run.model, task.eval_data)
+    reference = None
+    if c.objective == "dpo":
+        start = f"the model the run started from ({c.init})" if c.init else "the run's initial model"
+        reference = start if precomputed else "the run's model with its LoRA adapters disabled (its base)"
+    head = {"kind": "preference", "objective": c.objective, "reference": reference, "pairs": scores["examples"]}
+    return head | {k: scores[k] for k in ("loss", "accuracy", *METRICS, *ORPO_METRICS) if k in scores}  # TRL's order
 
 
 def beta_warning(objective: str, beta: float | None) -> str | None:

@@ -39,6 +39,7 @@ from ..lora import adapter as lora_adapter
 from ..lora import adapter_names, load_adapter, load_adapters, merge, set_adapter
 from ..lora._io import CONFIG_NAME
 from ..models import classification_loss, next_token_loss
+from ..models._preference import OBJECTIVES
 from ._adapters import add_lora, quantize_base, read_adapter_records, stacked
 from ._build import build_task, training_step
 from ._config import RunConfig, saved_config
@@ -46,6 +47,7 @@ from ._errors import ConfigError
 from ._export import TOKENIZER_FILES, export_dtype, merged_readme
 from ._head import HEAD_NAME, load_head, read_labels, save_head
 from ._plan import checkpoint_dir
+from ._preference import evaluate_pairs
 from ._registry import PRETRAINED_KEYS, ModelSpec, merged_path, model_spec
 from ._scores import classification_scores
 from ._task import lm_metrics, regression_loss, tokenizer_of
@@ -106,7 +108,10 @@ class SavedRun:
         nats), "perplexity", "accuracy"}`; a classifier's `{"kind": "classification",
         "examples", "loss", "accuracy", "macro_f1", "per_class"}`
         (`zoo.train.classification_scores`), the file's labels matched to the run's by
-        name. **Raises:** `ConfigError` for a file of the other kind, labels the run lacks,
+        name; a dpo / orpo run's on preference pairs: TRL's eval metrics as its own
+        evaluation computes them (`{"kind": "preference", "pairs", "loss", "accuracy",
+        "rewards/chosen", ..., "logps/rejected"}`, ORPO's three more; `evaluate_pairs`).
+        **Raises:** `ConfigError` for a file of the other kind, labels the run lacks,
         or a regressor (it trains on its own data only)."""
         return evaluate_file(self, path, batch_size=batch_size)
 
@@ -398,13 +403,18 @@ def _read(run: SavedRun, path: Path):
     wanted = "text, prompt/completion or chat records" if run.kind == "lm" else "text/label records"
     if (kind in LM_KINDS) if run.kind == "lm" else (kind == "classification"):
         return _rows(run, path, raw)
+    if kind == "preference" and run.config.objective in OBJECTIVES:  # TRL's eval metrics (`evaluate_pairs`)
+        return _rows(run, path, raw)
+    if kind == "preference" and run.kind == "lm":
+        wanted += ", or evaluate the pairs with a run of --objective dpo / orpo"
     # GRPO's prompts and DPO's pairs are neither a language model's records nor a classifier's.
     what = {
         "classification": "text/label records",
         "prompt": "prompts alone, without completions (what --objective grpo completes)",
         "preference": "preference pairs (what --objective dpo / orpo train on)",
     }.get(kind, f"{kind.replace('_', '/')} records (language modelling)")
-    raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run; give it {wanted}")
+    objective = f" (--objective {run.config.objective})" if run.kind == "lm" else ""
+    raise ConfigError(f"--data {path} holds {what} but {run.folder} is a {run.kind} run{objective}; give it {wanted}")
 
 
 def _rows(run: SavedRun, path: Path, raw: bytes, located=None):
@@ -413,7 +423,16 @@ def _rows(run: SavedRun, path: Path, raw: bytes, located=None):
     packed = run.config.data.packed is not False
     try:
         data, _ = load_data(
-            path, source, seq_len=run.seq_len, packed=packed, chat_template=run.chat_template, data=raw, located=located
+            path,
+            source,
+            seq_len=run.seq_len,
+            packed=packed,
+            chat_template=run.chat_template,
+            data=raw,
+            located=located,
+            system=run.config.data.system_prompt,
+            max_prompt_len=run.config.data.max_prompt_len,
+            truncation=run.config.data.prompt_truncation,
         )
     except DataFormatError as e:
         raise ConfigError(f"--data: {str(e).splitlines()[0]}".replace("seq_len=", "--seq-len of the run ")) from None
@@ -511,6 +530,8 @@ def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> d
     A run of several adapters reads a `.jsonl` whose records name their adapter
     (`"adapter": NAME`): each through its own, `"adapters": {NAME: scores}` beside the
     scores of all of them.
+    A dpo / orpo run on preference pairs: TRL's eval metrics, means over the pairs, as
+    the run's own evaluation computes them (`_preference.evaluate_pairs`).
     **Raises:** `ConfigError` (a file of the other kind, labels the run does not have, a
     regressor, which trains on its own data only).
     """
@@ -521,6 +542,13 @@ def evaluate_file(run: SavedRun, path: str | Path, *, batch_size: int = 64) -> d
         )
     path = Path(path).expanduser()
     data = _read(run, path)
+    if data.kind == "preference":  # a dpo / orpo run on pairs: the run's own evaluation of them
+        c = run.config
+
+        def initial():  # the model the run started from: DPO's reference where no adapters are to disable
+            return _base(c, model_spec(c.model), run.folder, None, [], what="the model it started from")[0]
+
+        return evaluate_pairs(run, data, batch_size=batch_size, initial_model=initial)
     if run.kind == "lm" and adapter_names(run.model):
         return _adapters(run, path, batch_size)
     if run.kind == "lm":
