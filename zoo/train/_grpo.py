@@ -445,11 +445,8 @@ class Rollouts(Hook):
         batch = {"tokens": tokens, "completion": completion, "advantages": advantages}
         if self.iterations > 1:  # the policy moves within the block: the ratio needs the sampler's
             batch["old_logps"] = old
-        return (
-            batch,
-            self._metrics(table, totals, lengths, clipped),
-            self._sample(repeat[0], texts[0], float(totals[0])),
-        )
+        sample = self._sample(repeat[0], texts[0], float(totals[0]))
+        return batch, self._metrics(table, totals, lengths, clipped), sample
 
     def _warn_unscored(self, table: np.ndarray) -> None:
         """Say once a run (on stderr, process 0) when every reward function returned None
