@@ -275,6 +275,8 @@ def test_a_revision_is_fetched_and_the_run_records_its_commit(hub, llama_files, 
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (adapter["base_model_name_or_path"], adapter["revision"]) == (REPO, SHA2)
     assert resolve_source(str(out), None)[0] == cache / SHA2  # the run's base: its commit
+    with pytest.raises(FileNotFoundError, match="nor a model in the local Hugging Face cache"):
+        zoo.hf.resolve_model_dir(REPO, download=False)  # main is not cached: v2's snapshot is not main's
     hub.requests.clear()
     zoo_ok("generate", REPO, "--revision", SHA, "--prompt", "the cat", "--max-new-tokens", "2", "--json")
     assert any(path == f"/{REPO}/resolve/{SHA}/model.safetensors" for _, path, _ in hub.requests), hub.requests

@@ -193,7 +193,7 @@ def _refusal(error: Exception, tried: str) -> str | None:
 def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True, revision: str | None = None) -> Path:
     """The model folder `path_or_id` names: a local folder, or a model id (`org/name`) in
     the local Hugging Face hub cache (`models--org--name/snapshots/<commit>/`: the commit
-    `refs/main` points at, else the only snapshot), fetched from the Hub first when it is
+    `refs/main` points at, else the only snapshot no other ref names), fetched from the Hub first when it is
     not there (`zoo.hf.download`: the config, safetensors and tokenizer files only; not
     with `download=False` or `HF_HUB_OFFLINE=1`).
 
@@ -227,8 +227,9 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True, r
         candidates = [snapshots / ref.read_text().strip()]
     elif revision and (snapshots / revision).is_dir():  # a commit
         candidates = [snapshots / revision]
-    elif not revision and snapshots.is_dir():
-        candidates = sorted(p for p in snapshots.iterdir() if p.is_dir())
+    elif not revision and snapshots.is_dir():  # no main: a snapshot no other branch or tag names
+        named = {f.read_text().strip() for f in (repo / "refs").rglob("*") if f.is_file()}
+        candidates = sorted(p for p in snapshots.iterdir() if p.is_dir() and p.name not in named)
     if len(candidates) == 1:
         return candidates[0]
     if len(candidates) > 1:
