@@ -292,6 +292,9 @@ def test_a_revision_is_fetched_and_the_run_records_its_commit(hub, llama_files, 
         rc, _, err = zoo_main(*args, "--revision", "nope")
         one_line_error(rc, err, f"{REPO!r}: the Hub ({hub.url}/api/models/{REPO}/revision/nope) has no revision 'nope'")
     local = cache / SHA2
-    for args in (["generate", local, "--prompt", "a"], ["finetune", "transformer", "--init", local, "--data", data]):
+    for args in (["generate", local, "--prompt", "a"], ["serve", local], ["inspect", "transformer", "--init", local],
+                 ["finetune", "transformer", "--init", local, "--data", data]):  # fmt: skip
         rc, _, err = zoo_main(*args, "--revision", "v2")
         one_line_error(rc, err, "is a local folder, which has no revisions")
+    rc, _, err = zoo_main("inspect", "mlp", "--revision", "v2")  # no Hub id to pin
+    one_line_error(rc, err, "--revision 'v2' pins the Hub model --init names, and this run has no --init")
