@@ -1,12 +1,14 @@
 """Models by Hub id: `zoo.hf.download` and every command's MODEL / SOURCE fetching a model
 id missing from the local cache through `huggingface_hub`, against a local HTTP server on
 127.0.0.1 that answers as the Hub's endpoints do (`/api/models/{id}/revision/{rev}`, and
-`HEAD`/`GET /{id}/resolve/{rev}/{file}` with `X-Repo-Commit`, `ETag`, `Content-Length`).
+`HEAD`/`GET /{id}/resolve/{rev}/{file}` with `X-Repo-Commit`, `ETag`, `Content-Length`;
+`main` at `SHA`, the branch `v2` at `SHA2`, any other revision not found).
 Nothing leaves the machine: `HF_ENDPOINT` points at the server, `HF_HOME` at a temporary
 folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import http.server
 import json
@@ -21,13 +23,15 @@ from helpers import one_line_error, save_word_tokenizer, tiny_decoder, zoo_main,
 
 REPO = "tiny-org/tiny-llama"
 SHA = "0123456789abcdef0123456789abcdef01234567"
+SHA2 = "fedcba9876543210fedcba9876543210fedcba98"
+COMMITS = {"main": SHA, SHA: SHA, "v2": SHA2, SHA2: SHA2}  # each repo's revisions (the same files at each)
 BAD_TOKEN = "hf_stale"
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "log"]
 
 
 class Hub(http.server.ThreadingHTTPServer):
-    """The Hub's model endpoints over `repos` (`{id: {file name: bytes}}`), each at commit
-    `SHA`; `requests` records `(method, path, Authorization header)`."""
+    """The Hub's model endpoints over `repos` (`{id: {file name: bytes}}`), each at the
+    revisions `COMMITS` names; `requests` records `(method, path, Authorization header)`."""
 
     def __init__(self, repos: dict[str, dict[str, bytes]]):
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -54,7 +58,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             repo = "/".join(parts[2:4])
             if repo not in self.server.repos:
                 return self._error(404, "RepoNotFound", f"Repository {repo} not found")
-            info = {"id": repo, "sha": SHA, "siblings": [{"rfilename": f} for f in sorted(self.server.repos[repo])]}
+            revision = parts[5] if len(parts) >= 6 else "main"
+            if revision not in COMMITS:
+                return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            info = {
+                "id": repo,
+                "sha": COMMITS[revision],
+                "siblings": [{"rfilename": f} for f in sorted(self.server.repos[repo])],
+            }
             return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
         if len(parts) >= 5 and parts[2] == "resolve":  # /org/name/resolve/rev/file
             repo, name = "/".join(parts[:2]), "/".join(parts[4:])
@@ -63,9 +74,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return self._error(404, "RepoNotFound", f"Repository {repo} not found")
             if name not in files:
                 return self._error(404, "EntryNotFound", f"{name} does not exist")
+            if parts[3] not in COMMITS:
+                return self._error(404, "RevisionNotFound", f"Invalid rev id: {parts[3]}")
             data = files[name]
             headers = {
-                "X-Repo-Commit": SHA,
+                "X-Repo-Commit": COMMITS[parts[3]],
                 "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                 "Content-Type": "application/octet-stream",
             }
@@ -192,7 +205,7 @@ def test_commands_take_a_hub_id_as_model(hub, tmp_path):
     tiny = ["--devices", "2", "--batch-size", "4", "--microbatches", "1", "--seq-len", "8", "--steps", "2", "--quiet"]
     zoo_ok("finetune", REPO, "--data", data, "--lora", "r=2,alpha=4", "--output", out, *tiny)
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["model"], saved["init"]) == ("transformer", REPO)
+    assert (saved["model"], saved["init"], saved["revision"]) == ("transformer", REPO, SHA)  # main's commit
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (adapter["base_model_name_or_path"], adapter["revision"]) == (REPO, SHA)  # the commit it trained on
     tokens = np.array([[1, 2, 3, 4, 5]], np.int32)
@@ -239,3 +252,49 @@ def test_a_mistyped_folder_path_is_said_to_be_one_offline_and_online(hub, tmp_pa
     with pytest.raises(FileNotFoundError) as e:  # an id whose org is no folder here: no note
         zoo.hf.resolve_model_dir("absent-org/typo")
     assert "is a folder here" not in str(e.value)
+
+
+def test_a_revision_is_fetched_and_the_run_records_its_commit(hub, llama_files, tmp_path):
+    """`--revision` (a branch, tag or commit, as transformers' `revision=`): `zoo finetune
+    ID --revision v2` fetches that branch and its config.json and adapter record its commit,
+    which `zoo generate RUN` reads the base at (not main); `zoo generate ID --revision SHA`
+    and `zoo.hf.from_pretrained(ID, revision=)` fetch that commit. A revision the Hub lacks,
+    and one given with a local folder, are refused in one line."""
+    import zoo
+    from zoo._cli._generate import resolve_source
+
+    cache = tmp_path / "hf_home" / "hub" / "models--tiny-org--tiny-llama" / "snapshots"
+    data = tmp_path / "notes.jsonl"
+    data.write_text("".join(json.dumps({"text": "the cat sat on the mat a dog ran"}) + "\n" for _ in range(16)))
+    out = tmp_path / "run"
+    tiny = ["--devices", "1", "--batch-size", "2", "--microbatches", "1", "--seq-len", "8", "--steps", "1", "--quiet"]
+    zoo_ok("finetune", REPO, "--revision", "v2", "--data", data, "--lora", "r=2,alpha=4", "--output", out, *tiny)
+    assert ("GET", f"/api/models/{REPO}/revision/v2", None) in hub.requests
+    assert any(path == f"/{REPO}/resolve/{SHA2}/model.safetensors" for _, path, _ in hub.requests), hub.requests
+    assert json.loads((out / "config.json").read_text())["revision"] == SHA2  # the commit, not the branch
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == (REPO, SHA2)
+    assert resolve_source(str(out), None)[0] == cache / SHA2  # the run's base: its commit
+    with pytest.raises(FileNotFoundError, match="nor a model in the local Hugging Face cache"):
+        zoo.hf.resolve_model_dir(REPO, download=False)  # main is not cached: v2's snapshot is not main's
+    hub.requests.clear()
+    zoo_ok("generate", REPO, "--revision", SHA, "--prompt", "the cat", "--max-new-tokens", "2", "--json")
+    assert any(path == f"/{REPO}/resolve/{SHA}/model.safetensors" for _, path, _ in hub.requests), hub.requests
+    resume = zoo.train.RunConfig(output=str(out), resume=True)
+    assert resume.resolved("finetune").revision == SHA2
+    assert dataclasses.replace(resume, revision="v2").resolved("finetune").revision == SHA2  # the same commit
+    with pytest.raises(zoo.train.ConfigError, match=rf"RunConfig.revision {SHA} \(was {SHA2}\) would change"):
+        dataclasses.replace(resume, revision=SHA).resolved("finetune")
+    info = json.loads(zoo_ok("info", REPO, "--revision", "v2", "--devices", "1", "--json"))
+    assert info["init"] == str(cache / SHA2)  # built from that commit
+    assert zoo.hf.from_pretrained(REPO, revision="v2").config.source_dir == str(cache / SHA2)
+    for args in (["finetune", REPO, "--data", data, *tiny], ["generate", REPO, "--prompt", "a"]):
+        rc, _, err = zoo_main(*args, "--revision", "nope")
+        one_line_error(rc, err, f"{REPO!r}: the Hub ({hub.url}/api/models/{REPO}/revision/nope) has no revision 'nope'")
+    local = cache / SHA2
+    for args in (["generate", local, "--prompt", "a"], ["serve", local], ["inspect", "transformer", "--init", local],
+                 ["finetune", "transformer", "--init", local, "--data", data]):  # fmt: skip
+        rc, _, err = zoo_main(*args, "--revision", "v2")
+        one_line_error(rc, err, "is a local folder, which has no revisions")
+    rc, _, err = zoo_main("inspect", "mlp", "--revision", "v2")  # no Hub id to pin
+    one_line_error(rc, err, "--revision 'v2' pins the Hub model --init names, and this run has no --init")

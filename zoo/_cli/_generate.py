@@ -126,9 +126,15 @@ def _hf_folder(folder: Path) -> bool:
     return bool(values and "model_type" in values and any(folder.glob("model*.safetensors*")))
 
 
-def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None, str]:
-    """`(Hugging Face folder, adapter folder or None, what it is in words)` of SOURCE."""
+def resolve_source(source: str, adapter: str | None, revision: str | None = None) -> tuple[Path, Path | None, str]:
+    """`(Hugging Face folder, adapter folder or None, what it is in words)` of SOURCE, a Hub
+    id at `revision` (--revision; a run's base at the commit its config.json records)."""
     folder = Path(source).expanduser()
+    if revision and folder.exists():
+        raise CLIError(
+            f"--revision {revision}: SOURCE {source} is a local folder, which has no revisions (a run pins its "
+            "base's commit in its config.json): drop --revision, or give the model's Hub id (org/name)"
+        )
     if not folder.exists() and source in model_names():
         raise CLIError(
             f"SOURCE {source}: a registered model's name, which holds no weights; give a Hugging Face folder, a "
@@ -138,7 +144,7 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
         import zoo
 
         try:  # a model id: in the local Hugging Face cache, else fetched from the Hub
-            folder = zoo.hf.resolve_model_dir(source)
+            folder = zoo.hf.resolve_model_dir(source, revision=revision)
         except FileNotFoundError as e:
             raise CLIError(f"SOURCE {source}: {e}") from None
     adapter_dir = Path(adapter).expanduser() if adapter else None
@@ -182,7 +188,7 @@ def resolve_source(source: str, adapter: str | None) -> tuple[Path, Path | None,
             import zoo
 
             zoo.train.merge_run(init)  # a `zoo finetune` run as its init: merged into zoo's cache if missing
-            base = resolve_init(init)
+            base = resolve_init(init, revision=run.get("revision"))
         except ConfigError as e:
             raise CLIError(f"SOURCE {source}: the base model of its adapter: {flag_names(str(e))}") from e
         return base, adapter_dir or folder / "adapter", f"the LoRA run {folder} on {base}"
@@ -303,13 +309,13 @@ def _run_config(folder: Path) -> dict[str, Any] | None:
     return values if values is not None and "model" in values and "model_type" not in values else None
 
 
-def chat_template(source: str, file: str | None):
+def chat_template(source: str, file: str | None, revision: str | None = None):
     """The `zoo.data.ChatTemplate` `--chat` renders prompts with: `--chat-template FILE`,
     else the one the run SOURCE trained with (its config.json's `chat_template`), else the
     tokenizer folder's own; the special tokens are the folder's."""
     import zoo
 
-    folder, _, _ = resolve_source(source, None)
+    folder, _, _ = resolve_source(source, None, revision)
     run = _run_config(Path(source).expanduser()) or {}
     given = file if file is not None else run.get("chat_template")
     if given is not None:
@@ -378,11 +384,13 @@ def cmd_generate(args) -> int:
     if any(not s for s in args.stop or ()):
         raise CLIError("--stop: a stop string is empty; give each --stop some text")
     chat = args.chat or args.chat_template is not None
-    template = chat_template(args.source, args.chat_template) if chat else None
+    template = chat_template(args.source, args.chat_template, args.revision) if chat else None
     prompts = list(args.prompt)
     if template is not None:
         prompts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    resolved = resolve_source(args.source, args.adapter)  # outside the mesh: a run's init may be merged first
+    resolved = resolve_source(
+        args.source, args.adapter, args.revision
+    )  # outside the mesh: a run's init may be merged first
     with jax.set_mesh(mesh):
         model, text, eos, where = load(
             args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh, quantize=args.quantize, resolved=resolved
@@ -466,6 +474,15 @@ def add_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
 
 
+def add_revision(p: argparse.ArgumentParser) -> None:
+    """--revision: a Hub id's branch, tag or commit (zoo generate, zoo serve, zoo info, zoo inspect)."""
+    p.add_argument(
+        "--revision",
+        metavar="REV",
+        help="the branch, tag or commit of a Hub model id (default main); a local folder or run has none",
+    )
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate",
@@ -480,6 +497,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--prompt 'The' --temperature 0.8 --top-p 0.9 --seed 1; zoo generate runs/tuned --max-new-tokens 32",
     )
     add_source(p)
+    add_revision(p)
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeat for a batch)")
     p.add_argument(
         "--max-new-tokens",

@@ -43,7 +43,7 @@ def resolve_model(args) -> tuple[Any, str | None, str]:
     `zoo.train.model_and_init`). `command` is `finetune` with `--lora` (when the model
     has finetune defaults), else `train`: its defaults (`seq_len`, `batch_size`,
     `microbatches`) fill the flags not given."""
-    name, init = model_and_init(args.model, args.init)
+    name, init = model_and_init(args.model, args.init, args.revision)
     spec = model_spec(name)
     command = "finetune" if args.lora is not None and "finetune" in spec.defaults else "train"
     return spec, init, command
@@ -212,7 +212,7 @@ def _collectives_of(path: str) -> list:
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """--init, --model-config, --dtype, --seq-len, --seed, --lora, --quantize: the flags of
+    """--init, --revision, --model-config, --dtype, --seq-len, --seed, --lora, --quantize: the flags of
     `zoo train` / `zoo finetune` that choose the model, with the same meaning and defaults."""
     lora = RunConfig.help_texts("finetune")  # `--lora`'s keys in words, as zoo finetune's help
     parser.add_argument(
@@ -220,6 +220,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="pretrained weights, as zoo train/finetune --init: a Hugging Face folder, a cached model id or a "
         "`zoo train` output folder (default: the model's own, e.g. built from scratch)",
+    )
+    parser.add_argument(
+        "--revision",
+        metavar="REV",
+        help="the branch, tag or commit of the Hub model id MODEL or --init names, as zoo train --revision "
+        "(default main)",
     )
     parser.add_argument(
         "--model-config",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import internal
 from ._common import CLIError, init_devices
-from ._generate import add_quantize, add_source, chat_template, load, resolve_source
+from ._generate import add_quantize, add_revision, add_source, chat_template, load, resolve_source
 
 
 def _model_name(source: str) -> str:
@@ -87,7 +87,7 @@ def cmd_serve(args) -> int:
         raise CLIError(str(e)) from None
     import zoo
 
-    resolved = resolve_source(args.source, None)
+    resolved = resolve_source(args.source, None, args.revision)
     folder, run_adapter, _ = resolved
     model, text, eos, where = load(
         args.source, None, rules=None, mesh=None, dtype=args.dtype, quantize=args.quantize, resolved=resolved
@@ -99,7 +99,7 @@ def cmd_serve(args) -> int:
     if not 1 < max_len <= model.config.max_len:
         raise CLIError(f"--max-len must be in [2, {model.config.max_len}] (the model's max_len), got {max_len}")
     try:
-        template = chat_template(args.source, args.chat_template)
+        template = chat_template(args.source, args.chat_template, args.revision)
     except CLIError:
         if args.chat_template is not None:
             raise
@@ -162,6 +162,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "prompt='Hello', max_tokens=16)",
     )
     add_source(p)
+    add_revision(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
     p.add_argument("--slots", type=int, default=8, metavar="N", help="requests decoded together (default 8)")

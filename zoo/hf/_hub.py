@@ -125,7 +125,10 @@ def _fetch(hub, errors, repo_id: str, revision: str | None, cache: Path) -> Path
             )
         ) from None
     except errors.RevisionNotFoundError:
-        raise FileNotFoundError(f"{repo_id!r}: the Hub ({tried}) has no revision {revision!r}") from None
+        raise FileNotFoundError(
+            f"{repo_id!r}: the Hub ({tried}) has no revision {revision!r}: pass a branch, tag or commit of the "
+            "model (the default is main)"
+        ) from None
     except Exception as e:  # the network's errors (httpx's, OSError), the Hub's (HfHubHTTPError)
         answer = _refusal(e, tried)
         if answer:
@@ -187,17 +190,27 @@ def _refusal(error: Exception, tried: str) -> str | None:
     return f"the Hub ({tried}) answered {status} ({said}): try again later, or pass a local folder"
 
 
-def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True) -> Path:
+def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True, revision: str | None = None) -> Path:
     """The model folder `path_or_id` names: a local folder, or a model id (`org/name`) in
-    the local Hugging Face hub cache (`models--org--name/snapshots/<rev>/`, the revision
-    `refs/main` points at, else the only snapshot), fetched from the Hub first when it is
+    the local Hugging Face hub cache (`models--org--name/snapshots/<commit>/`: the commit
+    `refs/main` points at, else the only snapshot no other ref names), fetched from the Hub first when it is
     not there (`zoo.hf.download`: the config, safetensors and tokenizer files only; not
     with `download=False` or `HF_HUB_OFFLINE=1`).
+
+    `revision`: a branch, tag or commit of the model id (default `main`): the cache's
+    snapshot of that commit, or the one `refs/REVISION` points at, else fetched. The
+    folder's name is the commit (`hub_id_of`). A local folder has no revisions: a
+    `revision` with one is refused (`ValueError`), where transformers would ignore it.
 
     **Returns:** the folder. Raises `FileNotFoundError` in one line saying what was tried.
     """
     path = Path(path_or_id).expanduser()
     if path.is_dir():
+        if revision:
+            raise ValueError(
+                f"revision {revision!r} names a commit of a Hub model, and {str(path_or_id)!r} is a local folder, "
+                "which has none: drop the revision, or pass the model's id (org/name)"
+            )
         return path
     text = str(path_or_id)
     if not looks_like_id(text):
@@ -208,26 +221,30 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, download: bool = True) -
     cache = hub_cache()
     repo = cache / ("models--" + text.replace("/", "--"))
     snapshots = repo / "snapshots"
-    ref = repo / "refs" / "main"
+    ref = repo / "refs" / (revision or "main")
     candidates = []
     if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
         candidates = [snapshots / ref.read_text().strip()]
-    elif snapshots.is_dir():
-        candidates = sorted(p for p in snapshots.iterdir() if p.is_dir())
+    elif revision and (snapshots / revision).is_dir():  # a commit
+        candidates = [snapshots / revision]
+    elif not revision and snapshots.is_dir():  # no main: a snapshot no other branch or tag names
+        named = {f.read_text().strip() for f in (repo / "refs").rglob("*") if f.is_file()}
+        candidates = sorted(p for p in snapshots.iterdir() if p.is_dir() and p.name not in named)
     if len(candidates) == 1:
         return candidates[0]
     if len(candidates) > 1:
         raise FileNotFoundError(
             f"{text!r} has {len(candidates)} snapshots in {snapshots} and no refs/main to choose one; "
-            f"pass the snapshot folder itself (one of {[p.name for p in candidates]})"
+            f"pass the snapshot folder itself (one of {[p.name for p in candidates]}), or a revision"
         )
     try:
         if download:
-            return download_model(text)
+            return download_model(text, revision=revision)
+        at = f" at revision {revision!r}" if revision else ""
         raise FileNotFoundError(
-            f"{text!r} is neither a local folder nor a model in the local Hugging Face cache ({repo} does not exist; "
-            "the cache is HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub): pass its folder, or its "
-            "id to fetch it from the Hub"
+            f"{text!r}{at} is neither a local folder nor a model in the local Hugging Face cache ({repo} does not "
+            "hold it; the cache is HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub): pass its "
+            "folder, or its id to fetch it from the Hub"
         )
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{e}{_mistyped_folder(text)}") from None

@@ -245,14 +245,19 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     config_overrides: Mapping[str, Any] | None = None,
     quantize: str | None = None,
+    revision: str | None = None,
 ) -> Encoder | Transformer:
     """A zoo model holding a Hugging Face checkpoint, its family chosen by `config.json`'s
     `model_type` from the registry (`zoo.hf.families()`: `"bert"` → `zoo.models.Encoder`,
     the decoders, `zoo.hf.families(zoo.models.Transformer)`, → `zoo.models.Transformer`). The
     model's config records the family and the folder (`config.family`, `config.source_dir`), which
     `save_pretrained` and `zoo.lora.save_adapter` use.
+
+    `revision`: for a Hub id, the branch, tag or commit to load (default `main`), as
+    transformers' `from_pretrained(id, revision=...)`; refused for a local folder
+    (`zoo.hf.resolve_model_dir`).
     """
-    path = resolve_model_dir(path)
+    path = resolve_model_dir(path, revision=revision)
     values = read_config(path)
     model_type = values.get("model_type")
     family = get_family(model_type, str(Path(path) / "config.json"))

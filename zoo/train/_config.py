@@ -20,9 +20,11 @@ from ._registry import (
     PREFERENCE_DEFAULTS,
     ModelSpec,
     check_pretrained_shape,
+    check_revision,
     model_and_init,
     model_names,
     model_spec,
+    pinned_revision,
 )
 from ._scores import WATCHED, watched_metric
 from ._settings import OBJECTIVE_DEFAULTS, DataConfig, GRPOConfig, RunSettings
@@ -55,7 +57,9 @@ class RunConfig(RunSettings):
     - `devices`: how many of jax's devices the mesh uses (None: all); `mesh`: its shape
       (`{"data": 4, "model": 2}`; None: every device on `data`); `rules`: a sharding rules
       preset (`zoo.RULE_PRESETS`); `mode`: `"explicit"` or `"shard_map"`.
-    - `init`: pretrained weights (a Hugging Face folder, or a run's output folder);
+    - `init`: pretrained weights (a Hugging Face folder, a run's output folder, or a Hub
+      id); `revision`: a Hub id's branch, tag or commit (None: main), which a run resolves
+      to the commit and records in config.json (`zoo.train.plan_run`);
       `model_config`: config fields to change (`{"d_model": 128}`).
     - `eval_every`: evaluate every N steps (None: the model's default, else a tenth of the
       run; 0: before and after only); `eval_before`: evaluate before the first step (the
@@ -127,10 +131,12 @@ class RunConfig(RunSettings):
         saved = saved_config(self.output) if self.resuming else None
         base = self if saved is None else self._inherit(saved)
         if base.model is not None and base.model not in model_names():  # a family or a checkpoint: its model
-            model, init = model_and_init(base.model, base.init)
+            model, init = model_and_init(base.model, base.init, base.revision)
             base = dataclasses.replace(base, model=model, init=init)
         done = base._with_defaults(command)
         if saved is not None:
+            if done.revision and done.revision != saved.get("revision"):  # a branch given again: its commit compares
+                done = dataclasses.replace(done, revision=pinned_revision(done.init, done.revision))
             check_unchanged(done.to_dict(), saved, _flags_by_key(), _normal)
         return done
 
@@ -225,6 +231,7 @@ class RunConfig(RunSettings):
             else OBJECTIVE_DEFAULTS[self.objective]["loss_type"],
             derived=tuple(sorted(derived)),
         )
+        check_revision(done.init, done.revision)
         if done.quantize is not None and done.lora is None:
             raise ConfigError(
                 f"RunConfig.quantize {done.quantize!r} stores the frozen base of LoRA adapters, and this run trains "
@@ -282,7 +289,7 @@ class RunConfig(RunSettings):
                 continue  # next-token training: no preference settings to replay
             elif f.name == "label_smoothing" and self.objective == "grpo":
                 continue
-            elif (f.name in ("tensorboard", "pooling", "keep_best", "quantize") and value is None) or (
+            elif (f.name in ("tensorboard", "pooling", "keep_best", "quantize", "revision") and value is None) or (
                 f.name == "early_stop" and not value
             ):
                 continue
@@ -335,7 +342,9 @@ class RunConfig(RunSettings):
         flags). An unknown key raises `ConfigError` naming it."""
         values = dict(flat)
         if values.get("model") is not None and values["model"] not in model_names():  # a family or a checkpoint
-            values["model"], values["init"] = model_and_init(values["model"], values.get("init"))
+            values["model"], values["init"] = model_and_init(
+                values["model"], values.get("init"), values.get("revision")
+            )
         data = {field: values.pop(key) for key, field in _DATA_KEYS.items() if key in values}
         opt = {field: values.pop(key) for key, field in _OPTIMIZER_KEYS.items() if key in values}
         grpo = {field: values.pop(key) for key, field in _GRPO_KEYS.items() if key in values}

@@ -17,7 +17,7 @@ from .._presets import rules as preset_rules
 from ._config import RunConfig, output_dir
 from ._errors import ConfigError
 from ._folder import check_folder, owned, previous_outputs, remove_run, strangers
-from ._registry import model_spec
+from ._registry import model_spec, pinned_revision
 from ._settings import MAX_COUNT
 from ._text import mesh_text, parse_mesh
 from ._user_data import check_data_file
@@ -65,6 +65,8 @@ def plan_run(
     # Every default applied here, once: config.json records the run as it trains.
     config = dataclasses.replace(config.resolved(command), devices=devices, mesh=mesh_shape)
     config = fit_batch(config, rows=None)  # a batch left unset: the most the mesh takes, up to the default
+    if weights:  # a Hub id's commit, recorded: resumed, generated from and exported at the same one
+        config = dataclasses.replace(config, revision=pinned_revision(config.init, config.revision))
     spec = model_spec(config.model)
     if weights and command != "train" and spec.finetune_needs_init and not config.init:
         raise ConfigError(

@@ -425,7 +425,7 @@ def check_model_name(model: str | None) -> None:
     )
 
 
-def model_and_init(model: str | None, init: str | None) -> tuple[str | None, str | None]:
+def model_and_init(model: str | None, init: str | None, revision: str | None = None) -> tuple[str | None, str | None]:
     """`(registered model, init)` of a run's `model` and `init`.
 
     - a registered name: as given;
@@ -433,7 +433,7 @@ def model_and_init(model: str | None, init: str | None) -> tuple[str | None, str
       (`transformer`, `encoder`), `init` required;
     - a checkpoint (`is_checkpoint_name`: a Hugging Face folder, a `zoo train` run, a Hub
       id): the model whose `init` takes it, with `init` the checkpoint (a Hub id not in the
-      cache is fetched now, `zoo.hf.download`); `init` must not be given too.
+      cache is fetched now, at `revision`, `zoo.hf.download`); `init` must not be given too.
 
     **Returns:** the pair; a `ConfigError` naming what was tried otherwise.
     """
@@ -461,19 +461,53 @@ def model_and_init(model: str | None, init: str | None) -> tuple[str | None, str
         name = json.loads((run / "config.json").read_text()).get("model")
         if name in model_names():
             return name, model
-    folder = resolve_init(model, what="RunConfig.model")
+    folder = resolve_init(model, what="RunConfig.model", revision=revision)
     return spec_for_init(folder).name, model
 
 
-def resolve_init(path: str, *, what: str = "--init") -> Path:
+def check_revision(init: str | None, revision: str | None) -> None:
+    """Refuse a `revision` without a Hub id to pin (no `init`, or a local folder or run
+    there: it has no revisions), in a `ConfigError` saying what to give. Reads no weight."""
+    if revision and not init:
+        raise ConfigError(
+            f"RunConfig.revision {revision!r} pins the Hub model RunConfig.init names, and this run has no "
+            "RunConfig.init: drop RunConfig.revision, or name the model's Hub id (org/name)"
+        )
+    if revision and init and Path(init).expanduser().exists():
+        resolve_init(init, what="RunConfig.init", revision=revision)  # its refusal
+
+
+def pinned_revision(init: str | None, revision: str | None) -> str | None:
+    """The commit a run of `init` at `revision` (a branch, tag or commit; None: `main`)
+    records, so that resuming it, generating from it or exporting it later reads the same
+    weights even after the branch moved: for a Hub id, the commit of the cache snapshot
+    `resolve_init` finds (fetched now if missing); None for anything else. A `ConfigError`
+    as `check_revision`'s, or naming a revision the Hub does not have."""
+    check_revision(init, revision)
+    if not init or Path(init).expanduser().exists():
+        return None
+    from ..hf._hub import hub_id_of
+
+    found = hub_id_of(resolve_init(init, what="RunConfig.init", revision=revision))
+    return found[1] if found else revision
+
+
+def resolve_init(path: str, *, what: str = "--init", revision: str | None = None) -> Path:
     """The Hugging Face model folder `--init PATH` names: PATH itself (`config.json` +
     `model.safetensors`), the `model/` folder of a `zoo train` output folder, a `zoo
     finetune` run's model, its adapter merged into its base (`merged_folder`:
     written once into zoo's cache by `zoo.train.run`), or a model
     id (`org/name`) in the local Hugging Face cache, fetched from the Hub when it is not
-    there (`zoo.hf.resolve_model_dir`); a `ConfigError` naming what was tried (`what`:
-    the setting that named it)."""
+    there, at `revision` (a branch, tag or commit; `zoo.hf.resolve_model_dir`); a
+    `ConfigError` naming what was tried (`what`: the setting that named it), or refusing a
+    `revision` for a local folder or run (it has none: its own config.json pins its base's)."""
     folder = Path(path).expanduser()
+    if revision and folder.exists():
+        raise ConfigError(
+            f"RunConfig.revision {revision!r} names a commit of a Hub model, and {what} {path} is a local folder, "
+            "which has no revisions (a run pins its base's commit in its config.json): drop RunConfig.revision, or "
+            "give the model's Hub id (org/name)"
+        )
     for candidate in (folder, folder / "model"):
         if (candidate / "config.json").is_file() and any(candidate.glob("model*.safetensors*")):
             if "model_type" in json.loads((candidate / "config.json").read_text(encoding="utf-8-sig")):
@@ -488,7 +522,7 @@ def resolve_init(path: str, *, what: str = "--init") -> Path:
                 "(org/name)"
             )
         try:  # a model id: in the local Hugging Face cache, else fetched from the Hub
-            return resolve_init(str(hf.resolve_model_dir(path)), what=what)
+            return resolve_init(str(hf.resolve_model_dir(path, revision=revision)), what=what)
         except FileNotFoundError as e:
             raise ConfigError(f"{what} {path}: {e}") from None
     if (folder / "adapter").is_dir() and (folder / "config.json").is_file():  # a `zoo finetune` run
@@ -533,18 +567,20 @@ def merged_path(run: Path, what: str = "--init") -> Path:
     return merged_cache() / digest
 
 
-def shapes_folder(path: str, what: str = "--init") -> Path:
+def shapes_folder(path: str, what: str = "--init", revision: str | None = None) -> Path:
     """The Hugging Face folder with the shapes of `--init PATH`'s model, for `zoo info` and
     `zoo inspect`, which need no weight of their own: `resolve_init`'s folder, except that a
     `zoo finetune` run (one whose init is another such run too) gives its base's, read from
     the runs' config.json files. Merging an adapter changes no shape, so nothing is merged
-    and zoo's cache is not needed. A run with no init (a pretrained default): `resolve_init`."""
+    and zoo's cache is not needed. A run with no init (a pretrained default): `resolve_init`.
+    `revision`: `path`'s (a Hub id's); each run's base at the revision its config.json pins."""
     folder = Path(path).expanduser()
     for _ in range(16):  # a chain of runs, each started from the one before
         if not ((folder / "adapter").is_dir() and (folder / "config.json").is_file()):
-            return resolve_init(str(folder), what=what)
+            return resolve_init(str(folder), what=what, revision=revision)
         try:
-            init = json.loads((folder / "config.json").read_text(encoding="utf-8-sig")).get("init")
+            saved = json.loads((folder / "config.json").read_text(encoding="utf-8-sig"))
+            init, revision = saved.get("init"), saved.get("revision")
         except (OSError, ValueError, AttributeError):  # unreadable: resolve_init's own words
             break
         if not init:

@@ -414,6 +414,13 @@ class RunSettings:
         "({init_families}; its tokenizer.json is used when present, else byte tokens) or a `zoo train` output "
         "folder; minilm's default is the packaged all-MiniLM-L6-v2",
     )
+    revision: str | None = flag(
+        None,
+        metavar="REV",
+        group="model and data",
+        help="the branch, tag or commit of the Hub model id the run starts from (default main); the run records "
+        "the commit it resolved in its config.json, which --resume, zoo generate RUN and zoo export read",
+    )
     model_config: dict[str, Any] = flag(
         factory=dict,
         metavar="KEY=VALUE,...",

@@ -287,9 +287,9 @@ def init_folder(c: RunConfig) -> Path | None:
     if c.init:
         # No data (`zoo info` / `zoo inspect`): the shapes alone, a run's base unmerged.
         folder = (
-            resolve_init(c.init, what="RunConfig.init")
+            resolve_init(c.init, what="RunConfig.init", revision=c.revision)
             if c.data.source is not None
-            else shapes_folder(c.init, what="RunConfig.init")
+            else shapes_folder(c.init, what="RunConfig.init", revision=c.revision)
         )
         check_init_family(spec, folder)
         return folder
