@@ -209,7 +209,9 @@ def test_a_seq_len_past_robertas_positions_is_refused_from_the_config(checkpoint
     _, _, directory = checkpoint
     run = lambda n: RunConfig(model="encoder", data=DataConfig(seq_len=n))  # noqa: E731
     check_pretrained_seq_len(run(SEQ), directory)
-    with pytest.raises(ConfigError, match=f"--seq-len {SEQ + 1} exceeds the model's max_len {SEQ} \\(the positions"):
+    with pytest.raises(
+        ConfigError, match=f"DataConfig.seq_len {SEQ + 1} exceeds the model's max_len {SEQ} \\(the positions"
+    ):
         check_pretrained_seq_len(run(SEQ + 1), directory)
 
 
