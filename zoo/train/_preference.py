@@ -133,7 +133,6 @@ def evaluate_pairs(run: Any, pairs: Any, *, batch_size: int, initial_model: Call
     `rewards/margins`, `logps/chosen`, `logps/rejected` (ORPO also `nll_loss`,
     `log_odds_ratio`, `log_odds_chosen`)."""
     import jax
-    import numpy as np
 
     c = run.config
     c = dataclasses.replace(c, data=dataclasses.replace(c.data, eval_size=0))  # every pair of the file
