@@ -309,13 +309,13 @@ def _run_config(folder: Path) -> dict[str, Any] | None:
     return values if values is not None and "model" in values and "model_type" not in values else None
 
 
-def chat_template(source: str, file: str | None, revision: str | None = None):
+def chat_template(source: str, file: str | None, folder: Path):
     """The `zoo.data.ChatTemplate` `--chat` renders prompts with: `--chat-template FILE`,
     else the one the run SOURCE trained with (its config.json's `chat_template`), else the
-    tokenizer folder's own; the special tokens are the folder's."""
+    tokenizer folder's own; the special tokens are those of `folder` (SOURCE's Hugging Face
+    folder, as `resolve_source` gave it)."""
     import zoo
 
-    folder, _, _ = resolve_source(source, None, revision)
     run = _run_config(Path(source).expanduser()) or {}
     given = file if file is not None else run.get("chat_template")
     if given is not None:
@@ -383,14 +383,13 @@ def cmd_generate(args) -> int:
         raise CLIError(f"{e} (--temperature, --top-k, --top-p, --repetition-penalty)") from e
     if any(not s for s in args.stop or ()):
         raise CLIError("--stop: a stop string is empty; give each --stop some text")
+    # Outside the mesh: a run's init may be merged first (`merge_run`). Resolved once, here.
+    resolved = resolve_source(args.source, args.adapter, args.revision)
     chat = args.chat or args.chat_template is not None
-    template = chat_template(args.source, args.chat_template, args.revision) if chat else None
+    template = chat_template(args.source, args.chat_template, resolved[0]) if chat else None
     prompts = list(args.prompt)
     if template is not None:
         prompts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    resolved = resolve_source(
-        args.source, args.adapter, args.revision
-    )  # outside the mesh: a run's init may be merged first
     with jax.set_mesh(mesh):
         model, text, eos, where = load(
             args.source, args.adapter, rules=zoo.rules(args.rules), mesh=mesh, quantize=args.quantize, resolved=resolved

@@ -99,7 +99,7 @@ def cmd_serve(args) -> int:
     if not 1 < max_len <= model.config.max_len:
         raise CLIError(f"--max-len must be in [2, {model.config.max_len}] (the model's max_len), got {max_len}")
     try:
-        template = chat_template(args.source, args.chat_template, args.revision)
+        template = chat_template(args.source, args.chat_template, folder)
     except CLIError:
         if args.chat_template is not None:
             raise
