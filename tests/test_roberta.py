@@ -238,3 +238,34 @@ def test_roberta_encoder_adapters_open_in_peft_both_ways(checkpoint, tmp_path):
     with pytest.warns(UserWarning, match=r"skipping the adapter's tensors for \['pooler.dense'\]"):
         loaded, _ = zoo.lora.load_adapter(zoo.hf.from_pretrained(directory), tmp_path / "peft")
     assert_as_accurate(np.asarray(forward(loaded, tokens, mask=mask))[mask], expected[mask], what="peft -> zoo")
+
+
+def test_a_roberta_classifier_finetunes_with_one_all_reduce_and_exports_for_transformers(tmp_path):
+    """`zoo finetune` of a RoBERTa classifier folder (`--pooling cls`, LoRA, 2 devices, 2
+    microbatches): the compiled step reduces its gradients once, outside every loop (RoBERTa's
+    positions, gathered from the tokens, add no collective), and `zoo export --merge` writes
+    a `RobertaForSequenceClassification` that transformers opens with `zoo predict`'s logits."""
+    from helpers import zoo_ok
+
+    folder = tmp_path / "base"
+    _tiny("roberta", folder)
+    _tokenizer("roberta").save_pretrained(folder)
+    data = tmp_path / "labels.csv"
+    data.write_text("text,label\n" + "".join(f"{t},{['a', 'b', 'c'][i % 3]}\n" for i, t in enumerate(TEXTS * 4)))
+    run = tmp_path / "run"
+    tiny = ["--devices", "2", "--batch-size", "4", "--microbatches", "2", "--seq-len", str(SEQ), "--steps", "1"]
+    zoo_ok("finetune", folder, "--data", data, "--pooling", "cls", "--output", run, "--quiet", *tiny)
+    collectives = json.loads((run / "summary.json").read_text())["collectives"]
+    assert collectives["gradient_reductions"] == 1
+    assert not [c for c in collectives["list"] if c["in_loop"]]
+    zoo_ok("export", run, "--merge", "--output", tmp_path / "merged")
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+    assert type(merged).__name__ == "RobertaForSequenceClassification"
+    out = zoo_ok("predict", run, "--text", "the cat sat on the mat", "--json")
+    predicted = [json.loads(line) for line in out.splitlines()]
+    encoded = _tokenizer("roberta")(["the cat sat on the mat"], return_tensors="pt")
+    with torch.no_grad():
+        theirs = merged(**encoded).logits.numpy()
+    np.testing.assert_allclose(
+        np.asarray([r["logits"] for r in predicted]), theirs, atol=1e-4
+    )  # test_cli_use's EXPORT_TOLERANCE
